@@ -1,0 +1,172 @@
+"""Attention for wushkv, plugged into transformers through ``AttentionInterface``.
+
+One registered function, ``"wushkv"``, does three jobs, decided by what it is handed:
+
+* a :class:`~wushkv.cache.KVView` from the wushkv cache as ``key``: attention over the quantized
+  cache (exact single-pass emulation of streaming decoding in prefill, [sink; dequantized middle;
+  recent] in decode);
+* plain tensors: full-precision attention, with the online key transform of the module (if one is
+  installed by :func:`wushkv.folding.apply_transforms`) applied to keys (``k' = T_K k``) and queries
+  (``q' = T_K^{-T} q``), which leaves ``qᵀk`` unchanged;
+* a ``wushkv_observer`` keyword (calibration, reconstruction): the observer sees the raw queries,
+  keys and values of every layer before attention runs.
+
+A boolean mask function is registered under the same name: transformers builds no mask at all for an
+unknown name, which would make attention silently non-causal.
+
+Shapes: queries ``(B, Hq, T, d)``, keys/values ``(B, Hkv, S, d)``, ``Hq = G·Hkv`` with query head
+``g`` reading KV head ``g // G`` (transformers' ``repeat_kv`` order).
+"""
+
+from __future__ import annotations
+
+import torch
+
+ATTN_IMPLEMENTATION = "wushkv"
+
+
+def grouped(q: torch.Tensor, num_kv_heads: int) -> torch.Tensor:
+    """(B, Hq, T, d) -> (B, Hkv, G, T, d)."""
+    B, Hq, T, d = q.shape
+    return q.view(B, num_kv_heads, Hq // num_kv_heads, T, d)
+
+
+def attention_probs(
+    q: torch.Tensor, k: torch.Tensor, allowed: torch.Tensor | None, scaling: float, softcap: float | None = None
+) -> torch.Tensor:
+    """Softmax probabilities ``(B, Hkv, G, T, S)`` of grouped queries ``(B, Hkv, G, T, d)`` over keys ``(B, Hkv, S, d)``.
+
+    ``allowed``: bool ``(B, 1, T, S)`` (True = attend) or None.
+    """
+    scores = torch.matmul(q, k.unsqueeze(2).transpose(-1, -2)) * scaling  # (B, Hkv, G, T, S)
+    return _softmax(scores, allowed, softcap)
+
+
+def _softmax(scores: torch.Tensor, allowed: torch.Tensor | None, softcap: float | None) -> torch.Tensor:
+    if softcap is not None:
+        scores = torch.tanh(scores / softcap) * softcap
+    if allowed is not None:
+        scores = scores.masked_fill(~allowed.unsqueeze(2), torch.finfo(scores.dtype).min)
+    return torch.softmax(scores.float(), dim=-1).to(scores.dtype)
+
+
+def reference_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    allowed: torch.Tensor | None,
+    scaling: float,
+    softcap: float | None = None,
+) -> torch.Tensor:
+    """Plain attention. q (B, Hq, T, d), k/v (B, Hkv, S, d) -> (B, T, Hq, d) (transformers' output layout)."""
+    B, Hq, T, d = q.shape
+    qg = grouped(q, k.shape[1])
+    p = attention_probs(qg, k, allowed, scaling, softcap)
+    out = torch.matmul(p, v.unsqueeze(2))  # (B, Hkv, G, T, d)
+    return out.reshape(B, Hq, T, -1).transpose(1, 2).contiguous()
+
+
+def selective_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    k_hat: torch.Tensor,
+    v_hat: torch.Tensor,
+    quantized: torch.Tensor,
+    allowed: torch.Tensor | None,
+    scaling: float,
+    softcap: float | None = None,
+) -> torch.Tensor:
+    """Attention where query ``i`` sees key/value ``t`` quantized (``k_hat``, ``v_hat``) iff ``quantized[i, t]``.
+
+    This is the exact single-pass emulation of METHOD §3.2: scores come from the right keys, and the
+    output is ``(P⊙Mask)·V̂ + (P⊙(1−Mask))·V``. ``quantized``: bool (T, S). Returns (B, T, Hq, d).
+    """
+    B, Hq, T, d = q.shape
+    qg = grouped(q, k.shape[1])
+    s_fp = torch.matmul(qg, k.unsqueeze(2).transpose(-1, -2))
+    s_q = torch.matmul(qg, k_hat.unsqueeze(2).transpose(-1, -2))
+    p = _softmax(torch.where(quantized, s_q, s_fp) * scaling, allowed, softcap)  # (B, Hkv, G, T, S)
+    pq = p * quantized
+    out = torch.matmul(pq, v_hat.unsqueeze(2)) + torch.matmul(p - pq, v.unsqueeze(2))
+    return out.reshape(B, Hq, T, -1).transpose(1, 2).contiguous()
+
+
+def _as_allowed(attention_mask: torch.Tensor | None, S: int) -> torch.Tensor | None:
+    """The mask transformers hands us as bool (B, 1, T, S), True = attend."""
+    if attention_mask is None:
+        return None
+    if attention_mask.dtype != torch.bool:
+        attention_mask = attention_mask == 0
+    if attention_mask.shape[-1] != S:
+        attention_mask = attention_mask[..., -S:]
+    # A query row with nothing to attend to (a left-padding position) would give NaN, and NaN values
+    # leak into real rows through 0·NaN in P·V: let such rows attend everywhere (their output is unused).
+    return attention_mask | ~attention_mask.any(-1, keepdim=True)
+
+
+def wushkv_attention(
+    module: torch.nn.Module,
+    query: torch.Tensor,
+    key,
+    value,
+    attention_mask: torch.Tensor | None,
+    dropout: float = 0.0,
+    scaling: float | None = None,
+    sliding_window: int | None = None,
+    softcap: float | None = None,
+    **kwargs,
+):
+    """The registered attention function (signature of transformers' ``AttentionInterface``)."""
+    from .cache import KVView
+
+    scaling = scaling if scaling is not None else query.shape[-1] ** -0.5
+    if softcap is None:
+        softcap = getattr(module, "attn_logit_softcapping", None)
+    if isinstance(key, KVView):
+        return key.attend(module, query, attention_mask, scaling, softcap), None
+    observer = kwargs.get("wushkv_observer")
+    if observer is not None:
+        observer.observe(module, query, key, value, _as_allowed(attention_mask, key.shape[-2]), scaling, softcap)
+    transform = getattr(module, "wushkv_key", None)
+    if transform is not None:
+        query, key = transform.queries(query), transform.keys(key)
+    allowed = _as_allowed(attention_mask, key.shape[-2])
+    if softcap is None and query.dtype != torch.float64:
+        # fast path: torch's fused SDPA with GQA expansion
+        out = torch.nn.functional.scaled_dot_product_attention(
+            query, key, value, attn_mask=allowed, scale=scaling, enable_gqa=query.shape[1] != key.shape[1]
+        )
+        return out.transpose(1, 2).contiguous(), None
+    return reference_attention(query, key, value, allowed, scaling, softcap), None
+
+
+def _bool_mask(*args, **kwargs):
+    from transformers.masking_utils import sdpa_mask
+
+    kwargs.pop("allow_is_causal_skip", None)
+    return sdpa_mask(*args, allow_is_causal_skip=False, **kwargs)
+
+
+def register() -> str:
+    """Register the ``"wushkv"`` attention and mask functions with transformers (idempotent)."""
+    from transformers import AttentionInterface
+    from transformers.masking_utils import AttentionMaskInterface
+
+    AttentionInterface.register(ATTN_IMPLEMENTATION, wushkv_attention)
+    AttentionMaskInterface.register(ATTN_IMPLEMENTATION, _bool_mask)
+    return ATTN_IMPLEMENTATION
+
+
+def use_wushkv_attention(model) -> str:
+    """Switch ``model`` to the wushkv attention; returns the previous implementation name."""
+    register()
+    previous = model.config._attn_implementation
+    if previous != ATTN_IMPLEMENTATION:
+        model.set_attn_implementation(ATTN_IMPLEMENTATION)
+    return previous
+
+
+def restore_attention(model, previous: str) -> None:
+    if previous and model.config._attn_implementation != previous:
+        model.set_attn_implementation(previous)

@@ -1,0 +1,149 @@
+"""Codecs: how one side (keys or values) of a KV head is stored in the quantized middle.
+
+A codec turns a block of tokens ``x`` (B, H, N, d) (transformed space) into a dict of tensors that
+all grow along dim 2 (tokens or token blocks), and back:
+
+* ``encode(x)`` → storage: packed ``uint8`` codes (B, H, N, ⌈d·b/8⌉) plus metadata;
+* ``decode(storage, N)`` → float32 (B, H, N, d);
+* ``fake(x)`` → ``decode(encode(x))`` bit for bit, without packing (used by the single-pass emulation).
+
+``block`` is the token alignment a codec needs (1 for per-token quantizers; the flush size for
+KIVI-style per-channel keys and KVarN tiles): the cache only ever encodes whole blocks that start on
+the flush grid, so the emulation sees exactly what streaming would store.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .config import QuantConfig
+from .quantizers import AffineQuantizer, QuestQuantizer, pack, packed_nbytes, unpack
+from .quantizers.base import QTensor, dequantize
+
+_DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16, "float32": torch.float32}
+
+
+class TokenCodec:
+    """Per-token groups along head_dim: QuEST (only the step Δ is stored) or affine (scale and offset)."""
+
+    block = 1
+
+    def __init__(self, quantizer, head_dim: int, metadata_dtype: torch.dtype):
+        self.quantizer = quantizer
+        self.bits = quantizer.bits
+        self.d = head_dim
+        self.meta_dtype = metadata_dtype
+        self.symmetric = isinstance(quantizer, QuestQuantizer)  # offset = (½ − 2^{b−1})·Δ
+        self._half = 0.5 - 2 ** (self.bits - 1)
+
+    def _quant(self, x):
+        q = self.quantizer.quantize(x.float())
+        scale = q.scale.to(self.meta_dtype)
+        offset = None if self.symmetric else q.offset.to(self.meta_dtype)
+        return q.codes, scale, offset, q.group_size
+
+    def _dequant(self, codes, scale, offset, group_size):
+        scale = scale.float()
+        offset = scale * self._half if offset is None else offset.float()
+        return dequantize(QTensor(codes, scale, offset, self.bits, group_size))
+
+    def encode(self, x: torch.Tensor) -> dict[str, torch.Tensor]:
+        codes, scale, offset, _ = self._quant(x)
+        out = {"codes": pack(codes, self.bits, check=False), "scale": scale}
+        if offset is not None:
+            out["offset"] = offset
+        return out
+
+    def decode(self, s: dict[str, torch.Tensor], n: int) -> torch.Tensor:
+        codes = unpack(s["codes"], self.bits, self.d)
+        return self._dequant(codes, s["scale"], s.get("offset"), self.d // s["scale"].shape[-1])
+
+    def fake(self, x: torch.Tensor) -> torch.Tensor:
+        return self._dequant(*self._quant(x))
+
+    def scale_offset(self, s: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+        """Per-group float32 (scale, offset) of stored tokens: x̂ = scale·code + offset."""
+        scale = s["scale"].float()
+        return scale, (scale * self._half if "offset" not in s else s["offset"].float())
+
+
+class ChannelCodec:
+    """KIVI-style keys: affine min–max per channel over blocks of ``block`` tokens."""
+
+    def __init__(self, bits: int, head_dim: int, block: int, metadata_dtype: torch.dtype, clip: float = 0.0):
+        self.quantizer = AffineQuantizer(bits, group_size=block, clip_ratio=clip, axis=-2)
+        self.bits, self.d, self.block, self.meta_dtype = bits, head_dim, block, metadata_dtype
+
+    def _quant(self, x):
+        q = self.quantizer.quantize(x.float())
+        return q.codes, q.scale.to(self.meta_dtype), q.offset.to(self.meta_dtype)
+
+    def _dequant(self, codes, scale, offset):
+        return dequantize(QTensor(codes, scale.float(), offset.float(), self.bits, self.block, axis=-2))
+
+    def encode(self, x):
+        codes, scale, offset = self._quant(x)
+        return {"codes": pack(codes, self.bits, check=False), "scale": scale, "offset": offset}
+
+    def decode(self, s, n):
+        return self._dequant(unpack(s["codes"], self.bits, self.d), s["scale"], s["offset"])
+
+    def fake(self, x):
+        return self._dequant(*self._quant(x))
+
+
+class KVarNCodec:
+    """KVarN tiles of ``block`` tokens (METHOD §7) on Hadamard-rotated keys or values."""
+
+    def __init__(self, bits: int, head_dim: int, block: int, kind: str):
+        self.bits, self.d, self.block, self.kind = bits, head_dim, block, kind
+
+    def _quant(self, x):
+        from .transforms.kvarn import kvarn_quantize
+
+        return kvarn_quantize(x.float(), self.bits, self.kind, tile=self.block)
+
+    def encode(self, x):
+        t = self._quant(x)
+        return {"codes": pack(t.codes, self.bits, check=False), "scale": t.scale, "zero": t.zero, "s_fold": t.s_fold}
+
+    def decode(self, s, n):
+        from .transforms.kvarn import KVarNTiles, kvarn_dequantize
+
+        codes = unpack(s["codes"], self.bits, self.d)
+        return kvarn_dequantize(KVarNTiles(codes, s["scale"], s["zero"], s["s_fold"], self.bits, self.kind, self.block))
+
+    def fake(self, x):
+        from .transforms.kvarn import kvarn_dequantize
+
+        return kvarn_dequantize(self._quant(x))
+
+
+def make_codec(cfg: QuantConfig, side: str, head_dim: int):
+    """The codec for ``side`` ("key" or "value") of a cache configured by ``cfg``; None = full precision."""
+    bits = cfg.k_bits if side == "key" else cfg.v_bits
+    if bits is None:
+        return None
+    meta = _DTYPES[cfg.metadata_dtype]
+    if cfg.quantizer == "quest":
+        return TokenCodec(QuestQuantizer(bits, cfg.group_size), head_dim, meta)
+    if cfg.quantizer == "affine":
+        clip = cfg.k_clip if side == "key" else cfg.v_clip
+        return TokenCodec(AffineQuantizer(bits, cfg.group_size, clip_ratio=clip), head_dim, meta)
+    if cfg.quantizer == "kivi":
+        if side == "key":
+            return ChannelCodec(bits, head_dim, cfg.windows.S_flush, meta)
+        return TokenCodec(AffineQuantizer(bits, cfg.group_size, clip_ratio=0.0), head_dim, meta)
+    if cfg.quantizer == "kvarn":
+        return KVarNCodec(bits, head_dim, cfg.windows.S_flush, side)
+    raise ValueError(f"unknown quantizer {cfg.quantizer!r}")
+
+
+def storage_nbytes(s: dict[str, torch.Tensor]) -> tuple[int, int]:
+    """(code bytes, metadata bytes) of a codec storage dict."""
+    codes = s["codes"].numel() * s["codes"].element_size()
+    meta = sum(t.numel() * t.element_size() for k, t in s.items() if k != "codes")
+    return codes, meta
+
+
+__all__ = ["TokenCodec", "ChannelCodec", "KVarNCodec", "make_codec", "storage_nbytes", "packed_nbytes"]

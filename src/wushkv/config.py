@@ -1,0 +1,98 @@
+"""One typed configuration of the quantized KV cache; the CLI is built from it.
+
+Each default lives here and only here.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field, replace
+
+CONFIG_VERSION = 1
+CACHE_BITS = (2, 3, 4, 8)
+QUANTIZER_NAMES = ("quest", "affine", "kivi", "kvarn")
+
+
+@dataclass(frozen=True)
+class WindowConfig:
+    """Full-precision windows (METHOD §3.2): S_sink first tokens, S_keep..S_keep+S_flush−1 recent ones.
+
+    Tokens leave the recent buffer in blocks of ``S_flush`` once it holds ``S_keep + S_flush``.
+    """
+
+    S_sink: int = 64
+    S_keep: int = 256
+    S_flush: int = 8
+
+    def __post_init__(self):
+        for name in ("S_sink", "S_keep"):
+            v = getattr(self, name)
+            if not isinstance(v, int) or v < 0:
+                raise ValueError(f"{name} must be an integer >= 0, got {v!r}")
+        if not isinstance(self.S_flush, int) or self.S_flush < 1:
+            raise ValueError(f"S_flush must be an integer >= 1, got {self.S_flush!r}")
+
+    def quantized_count(self, n: int) -> int:
+        """Qc(n): how many tokens sit in the quantized middle when the cache holds n tokens."""
+        m = n - self.S_sink
+        return self.S_flush * (max(0, m - self.S_keep) // self.S_flush)
+
+
+GENERATION_WINDOWS = WindowConfig(64, 256, 8)
+PERPLEXITY_WINDOWS = WindowConfig(16, 128, 16)
+NO_WINDOWS = WindowConfig(0, 0, 1)
+
+
+@dataclass(frozen=True)
+class QuantConfig:
+    """How the cache quantizes keys and values.
+
+    * ``k_bits``/``v_bits``: 2, 3, 4 or 8 (None: that side stays full precision).
+    * ``quantizer``: ``quest`` (RMS-scaled midrise INT, METHOD §4), ``affine`` (percentile-clipped
+      min–max, §5, clip ratios ``k_clip``/``v_clip``; ≤ 0 = plain min–max), ``kivi`` (affine min–max,
+      keys per channel over blocks of ``S_flush`` tokens, values per token), ``kvarn`` (KVarN tiles of
+      ``S_flush`` tokens, §7; use windows (tile, 0, tile)).
+    * ``group_size``: channels per quantization group for per-token quantizers (None: head_dim).
+    * ``metadata_dtype``: dtype of stored scales/offsets.
+    """
+
+    k_bits: int | None = 2
+    v_bits: int | None = 2
+    quantizer: str = "quest"
+    k_clip: float = 0.96
+    v_clip: float = 0.92
+    group_size: int | None = None
+    windows: WindowConfig = field(default_factory=WindowConfig)
+    metadata_dtype: str = "float16"
+    version: int = CONFIG_VERSION
+
+    def __post_init__(self):
+        for name in ("k_bits", "v_bits"):
+            b = getattr(self, name)
+            if b is not None and b not in CACHE_BITS:
+                raise ValueError(f"{name}={b!r} is not supported; the cache stores {list(CACHE_BITS)} bits (or None for full precision)")
+        if self.quantizer not in QUANTIZER_NAMES:
+            raise ValueError(f"unknown quantizer {self.quantizer!r}; known: {list(QUANTIZER_NAMES)}")
+        if self.metadata_dtype not in ("float16", "bfloat16", "float32"):
+            raise ValueError(f"metadata_dtype {self.metadata_dtype!r} is not one of float16, bfloat16, float32")
+        if self.quantizer == "kvarn" and self.windows.S_flush < 2:
+            raise ValueError("kvarn quantizes tiles of S_flush tokens; S_flush must be >= 2 (128 in KVarN)")
+
+    def with_windows(self, S_sink: int, S_keep: int, S_flush: int) -> QuantConfig:
+        return replace(self, windows=WindowConfig(S_sink, S_keep, S_flush))
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: dict) -> QuantConfig:
+        d = dict(d)
+        if d.get("version", CONFIG_VERSION) != CONFIG_VERSION:
+            raise ValueError(f"QuantConfig version {d.get('version')} is not supported (this wushkv reads {CONFIG_VERSION})")
+        w = d.pop("windows", {})
+        return cls(**d, windows=WindowConfig(**w))
+
+    def label(self) -> str:
+        k = "16" if self.k_bits is None else str(self.k_bits)
+        v = "16" if self.v_bits is None else str(self.v_bits)
+        w = self.windows
+        return f"K{k}V{v} {self.quantizer} {w.S_sink}/{w.S_keep}/{w.S_flush}"

@@ -1,0 +1,148 @@
+"""Evaluation and calibration text: WikiText-2 test, the C4 sample, or any UTF-8 file.
+
+Defaults point at ``../shared/data`` beside the repository root (override with ``WUSHKV_DATA``);
+where files are missing and the hub is reachable, WikiText-2 and C4 fall back to ``datasets``.
+"""
+
+from __future__ import annotations
+
+import gzip
+import json
+import os
+from pathlib import Path
+
+import torch
+
+WIKITEXT_REL = "wikitext-2-raw/wiki.test.raw"
+C4_REL = "c4/c4-validation-2k.jsonl.gz"
+
+
+class DataNotFoundError(FileNotFoundError):
+    """Evaluation or calibration text could not be found."""
+
+
+def data_dirs() -> list[Path]:
+    """Where data is looked for, in order: $WUSHKV_DATA, ../shared/data from the repo root and the cwd."""
+    dirs = []
+    if os.environ.get("WUSHKV_DATA"):
+        dirs.append(Path(os.environ["WUSHKV_DATA"]))
+    repo_root = Path(__file__).resolve().parents[2]
+    dirs += [repo_root.parent / "shared" / "data", Path.cwd().parent / "shared" / "data", Path.cwd() / "shared" / "data"]
+    seen, out = set(), []
+    for d in dirs:
+        if d not in seen:
+            seen.add(d)
+            out.append(d)
+    return out
+
+
+def _find(rel: str) -> Path | None:
+    for d in data_dirs():
+        if (d / rel).is_file():
+            return d / rel
+    return None
+
+
+def read_text_file(path: str | Path) -> str:
+    """A UTF-8 text file with CRLF turned into LF."""
+    p = Path(path)
+    if not p.is_file():
+        raise DataNotFoundError(f"text file {str(p)!r} does not exist")
+    try:
+        text = p.read_text(encoding="utf-8")
+    except UnicodeDecodeError as e:
+        raise ValueError(f"text file {str(p)!r} is not valid UTF-8: {e}") from e
+    return text.replace("\r\n", "\n")
+
+
+def _hub_fallback(what: str, loader):
+    try:
+        return loader()
+    except Exception as e:  # noqa: BLE001 - any hub failure means "not available"
+        looked = ", ".join(str(d) for d in data_dirs())
+        raise DataNotFoundError(
+            f"{what} not found: looked in {looked} and the hub was not reachable ({type(e).__name__}). "
+            f"Put the file under one of these folders, set WUSHKV_DATA to a folder holding it, or pass --text-file."
+        ) from None
+
+
+def wikitext2_test(path: str | Path | None = None) -> str:
+    """WikiText-2 raw test split as one string (CRLF → LF)."""
+    if path is not None:
+        return read_text_file(path)
+    p = _find(WIKITEXT_REL)
+    if p is not None:
+        return read_text_file(p)
+
+    def hub():
+        from datasets import load_dataset  # optional
+
+        ds = load_dataset("wikitext", "wikitext-2-raw-v1", split="test")
+        return "".join(ds["text"])
+
+    return _hub_fallback(f"WikiText-2 test ({WIKITEXT_REL})", hub)
+
+
+def c4_documents(path: str | Path | None = None, limit: int | None = None) -> list[str]:
+    """Texts of the C4 validation sample (JSON lines, optionally gzipped)."""
+    p = Path(path) if path is not None else _find(C4_REL)
+    if p is None:
+
+        def hub():
+            from datasets import load_dataset  # optional
+
+            ds = load_dataset("allenai/c4", data_files="en/c4-validation.00000-of-00008.json.gz", split="train")
+            return list(ds["text"][: limit or 2000])
+
+        return _hub_fallback(f"C4 calibration sample ({C4_REL})", hub)
+    if not p.is_file():
+        raise DataNotFoundError(f"calibration file {str(p)!r} does not exist")
+    opener = gzip.open if p.suffix == ".gz" else open
+    docs = []
+    with opener(p, "rt", encoding="utf-8") as f:
+        for i, line in enumerate(f):
+            if limit is not None and len(docs) >= limit:
+                break
+            line = line.strip()
+            if not line:
+                continue
+            try:
+                docs.append(json.loads(line)["text"])
+            except (json.JSONDecodeError, KeyError, TypeError) as e:
+                raise ValueError(f"{str(p)!r} line {i + 1} is not a JSON object with a 'text' field: {e}") from None
+    return docs
+
+
+def tokenize_chunks(tokenizer, text: str, seq_len: int, max_chunks: int | None = None) -> torch.Tensor:
+    """GPTQ-style: tokenize ``text`` once, cut non-overlapping ``seq_len`` chunks, drop the remainder.
+
+    Returns int64 ``[num_chunks, seq_len]``.
+    """
+    if seq_len < 2:
+        raise ValueError(f"seq_len must be at least 2, got {seq_len}")
+    ids = tokenizer(text, return_tensors="pt").input_ids[0]
+    n = ids.numel() // seq_len
+    if n == 0:
+        raise ValueError(f"the text has {ids.numel()} tokens, fewer than one chunk of seq_len={seq_len}")
+    if max_chunks is not None:
+        if max_chunks < 1:
+            raise ValueError(f"chunks must be at least 1, got {max_chunks}")
+        n = min(n, max_chunks)
+    return ids[: n * seq_len].view(n, seq_len)
+
+
+def calibration_text(path: str | Path | None = None, documents: int = 600) -> str:
+    """Calibration text: the first ``documents`` C4 documents joined with blank lines, or a UTF-8 file.
+
+    A ``.jsonl``/``.jsonl.gz`` path is read as C4-style JSON lines; any other path as plain text.
+    """
+    if path is not None and not (str(path).endswith(".jsonl") or str(path).endswith(".jsonl.gz")):
+        return read_text_file(path)
+    return "\n\n".join(c4_documents(path, limit=documents))
+
+
+def load_eval_text(text_file: str | Path | None = None) -> tuple[str, str]:
+    """(text, label) for evaluation: ``--text-file`` if given, else WikiText-2 test."""
+    if text_file is not None:
+        return read_text_file(text_file), str(text_file)
+    return wikitext2_test(), "wikitext2-test"

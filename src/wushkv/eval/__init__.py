@@ -1,0 +1,1 @@
+"""Evaluations: perplexity, layer reconstruction, generation agreement, long context."""

@@ -1,0 +1,122 @@
+"""Install per-(layer, KV head) transforms into a model (METHOD §3).
+
+* Values, folded offline (zero run-time cost): ``v_proj[h] ← T_V(h)·v_proj[h]`` (weight and bias) and
+  ``o_proj[:, g] ← o_proj[:, g]·T_V(h)⁻¹`` for every query head ``g`` of group ``h``.
+* Keys, online after RoPE: a :class:`KeyTransform` submodule named ``wushkv_key`` on each attention
+  module; the registered ``"wushkv"`` attention (or the wushkv cache) applies ``k' = T_K k`` and
+  ``q' = T_K^{-T} q``, so ``q'ᵀk' = qᵀk``.
+
+:func:`apply_transforms` returns a :class:`Installed` handle whose ``restore()`` puts back the original
+weights, removes the key transforms and the attention implementation; it is also a context manager.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+from torch import nn
+
+from .attention import restore_attention, use_wushkv_attention
+from .models import ArchSpec, attention_modules, describe, projections
+
+KEY_TRANSFORM_NAME = "wushkv_key"
+
+
+class KeyTransform(nn.Module):
+    """Online key transform of one attention layer: buffers ``T`` and ``T_inv`` (Hkv, d, d)."""
+
+    def __init__(self, T: torch.Tensor, T_inv: torch.Tensor):
+        super().__init__()
+        self.register_buffer("T", T.detach().clone(), persistent=False)
+        self.register_buffer("T_inv", T_inv.detach().clone(), persistent=False)
+
+    def keys(self, k: torch.Tensor) -> torch.Tensor:
+        """k (B, Hkv, S, d) -> T k per head (rows: k @ Tᵀ)."""
+        return torch.einsum("bhsd,hed->bhse", k, self.T.to(k.dtype))
+
+    def queries(self, q: torch.Tensor) -> torch.Tensor:
+        """q (B, Hq, T, d) -> T^{-T} q for every query head of the group (rows: q @ T⁻¹)."""
+        B, Hq, T, d = q.shape
+        H = self.T.shape[0]
+        qg = q.view(B, H, Hq // H, T, d)
+        return torch.matmul(qg, self.T_inv.to(q.dtype)[None, :, None]).view(B, Hq, T, d)
+
+    def extra_repr(self) -> str:
+        return f"heads={self.T.shape[0]}, head_dim={self.T.shape[-1]}"
+
+
+@dataclass
+class Installed:
+    """Handle to transforms installed in a model; ``restore()`` undoes everything."""
+
+    model: nn.Module
+    method: str
+    previous_attention: str
+    saved: list[dict[str, torch.Tensor]] = field(repr=False)
+    active: bool = True
+
+    def restore(self) -> None:
+        if not self.active:
+            return
+        spec = describe(self.model)
+        with torch.no_grad():
+            for attn, orig in zip(attention_modules(self.model, spec), self.saved):
+                _, _, v, o = projections(attn, spec)
+                v.weight.copy_(orig["v.weight"])
+                if v.bias is not None:
+                    v.bias.copy_(orig["v.bias"])
+                o.weight.copy_(orig["o.weight"])
+                if hasattr(attn, KEY_TRANSFORM_NAME):
+                    delattr(attn, KEY_TRANSFORM_NAME)
+        restore_attention(self.model, self.previous_attention)
+        self.active = False
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.restore()
+
+
+def _check(name: str, t: torch.Tensor, spec: ArchSpec, layer: int) -> None:
+    want = (spec.num_kv_heads, spec.head_dim, spec.head_dim)
+    if tuple(t.shape) != want:
+        raise ValueError(f"layer {layer} {name} has shape {tuple(t.shape)}, expected {want} (KV heads, head_dim, head_dim)")
+    if not torch.isfinite(t).all():
+        raise ValueError(f"layer {layer} {name} contains NaN or inf")
+
+
+@torch.no_grad()
+def apply_transforms(model: nn.Module, transforms: list[dict[str, torch.Tensor]], method: str = "custom") -> Installed:
+    """Fold ``T_V`` into the weights and install ``T_K`` online, for every layer.
+
+    ``transforms[l]`` holds ``T_K``, ``T_K_inv``, ``T_V``, ``T_V_inv`` (Hkv, d, d) for layer ``l``
+    (see :meth:`wushkv.calibration.Calibration.transforms`). Folding runs in float64.
+    """
+    spec = describe(model)
+    mods = attention_modules(model, spec)
+    if len(transforms) != len(mods):
+        raise ValueError(f"got transforms for {len(transforms)} layers, the model has {len(mods)}")
+    if any(hasattr(a, KEY_TRANSFORM_NAME) for a in mods):
+        raise RuntimeError("transforms are already installed in this model; call restore() on the previous handle first")
+    d, G = spec.head_dim, spec.group_size
+    saved = []
+    for i, (attn, tr) in enumerate(zip(mods, transforms)):
+        for name in ("T_K", "T_K_inv", "T_V", "T_V_inv"):
+            _check(name, tr[name], spec, i)
+        _, _, v, o = projections(attn, spec)
+        saved.append({"v.weight": v.weight.detach().clone(), "o.weight": o.weight.detach().clone()} | ({"v.bias": v.bias.detach().clone()} if v.bias is not None else {}))
+        T_V, T_V_inv = tr["T_V"].double(), tr["T_V_inv"].double()
+        Wv = v.weight.double().view(spec.num_kv_heads, d, -1)  # (Hkv, d, hidden)
+        v.weight.copy_(torch.matmul(T_V.to(Wv.device), Wv).view_as(v.weight))
+        if v.bias is not None:
+            bv = v.bias.double().view(spec.num_kv_heads, d, 1)
+            v.bias.copy_(torch.matmul(T_V.to(bv.device), bv).view_as(v.bias))
+        Wo = o.weight.double().view(-1, spec.num_kv_heads, G, d)  # (hidden, Hkv, G, d)
+        Wo = torch.einsum("ohgd,hde->ohge", Wo, T_V_inv.to(Wo.device))
+        o.weight.copy_(Wo.reshape_as(o.weight))
+        dev = v.weight.device
+        attn.add_module(KEY_TRANSFORM_NAME, KeyTransform(tr["T_K"].float().to(dev), tr["T_K_inv"].float().to(dev)))
+    previous = use_wushkv_attention(model)
+    return Installed(model, method, previous, saved)

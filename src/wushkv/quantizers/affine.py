@@ -1,0 +1,129 @@
+"""OSCAR-style percentile-clipped asymmetric (affine) quantizer (METHOD §5).
+
+Per row r ∈ R^D of the quantized axis (a token for axis=-1, a channel's tokens for axis=-2):
+
+1. τ = (ascending sort of |r|)[min(⌊κ·D⌋, D − 1)] over the whole row (not per group);
+   κ ≤ 0 disables clipping (plain min–max, the KIVI/HF baseline).
+2. r_c = clamp(r, −τ, τ).
+3. Per group: lo = min, hi = max, s = max(hi − lo, 1e-8)/(2^b − 1), z = −lo/s (float),
+   q = clamp(⌊r_c/s + z + ½⌋, 0, 2^b − 1); x̂ = (q − z)·s, stored as scale = s, offset = −z·s.
+
+Arithmetic is float32 (hot path); inputs must be finite (not checked: it would force a sync).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+from .base import QTensor, check_bits, check_group_size
+from .base import dequantize as _dequantize
+
+__all__ = ["AffineQuantizer", "percentile_clip"]
+
+_MIN_RANGE = 1e-8  # floor on hi − lo, so constant groups get a finite scale
+
+
+def percentile_clip(x: Tensor, clip_ratio: float) -> tuple[Tensor, Tensor]:
+    """Symmetric percentile clipping along the last dim (step 1–2 above).
+
+    Args:
+        x: [..., D] floating.
+        clip_ratio: κ; κ ≤ 0 returns x unchanged (τ = +inf).
+
+    Returns:
+        (x_c, tau): x_c float32 [..., D] = clamp(x, −τ, τ); tau float32 [..., 1], the
+        (min(⌊κ·D⌋, D − 1))-th smallest |x| of the row (0-based).
+    """
+    x = x.to(torch.float32)
+    D = x.shape[-1]
+    if clip_ratio <= 0:
+        tau = torch.full((*x.shape[:-1], 1), float("inf"), dtype=torch.float32, device=x.device)
+        return x, tau
+    k = min(math.floor(clip_ratio * D), D - 1)
+    tau = torch.kthvalue(x.abs(), k + 1, dim=-1, keepdim=True).values  # kthvalue is 1-based
+    return torch.maximum(torch.minimum(x, tau), -tau), tau
+
+
+def _quantize_last(x: Tensor, bits: int, group_size: int | None, clip_ratio: float) -> QTensor:
+    """Affine quantization with groups along the last dim. x [..., D] → codes [..., D]."""
+    D = x.shape[-1]
+    G = D if group_size is None else group_size
+    if D == 0 or D % G:
+        raise ValueError(f"group_size {group_size} must divide the quantized dim, got {D}")
+    x_c, _ = percentile_clip(x, clip_ratio)
+    xg = x_c.reshape(*x.shape[:-1], D // G, G)  # [..., g, G]
+    lo = xg.amin(-1)
+    hi = xg.amax(-1)
+    qmax = 2**bits - 1
+    s = (hi - lo).clamp_min(_MIN_RANGE) / qmax  # [..., g]
+    z = -lo / s
+    q = torch.floor(xg / s[..., None] + z[..., None] + 0.5).clamp_(0, qmax)
+    codes = q.to(torch.uint8).reshape(x.shape)
+    return QTensor(codes=codes, scale=s, offset=-z * s, bits=bits, group_size=G, axis=-1)
+
+
+@dataclass(frozen=True)
+class AffineQuantizer:
+    """Asymmetric min–max quantizer with optional symmetric percentile clipping.
+
+    Args:
+        bits: 1..8.
+        group_size: elements per group along the quantized axis; None = the whole axis
+            (axis=-1 only). For axis=-2 it is required and must divide T.
+        clip_ratio: κ (METHOD §5; WUSH-KV/OSCAR use 0.96 for keys, 0.92 for values); κ ≤ 0
+            disables clipping. Must be ≤ 1.
+        axis: -1 = per token (groups over channels, x [..., n]); -2 = per channel, KIVI-style:
+            x [..., T, d], groups of ``group_size`` tokens for each channel, scale/offset
+            [..., T/group_size, d]. Clipping runs along the quantized axis (over all T tokens of
+            a channel for axis=-2).
+    """
+
+    bits: int
+    group_size: int | None = None
+    clip_ratio: float = 0.0
+    axis: int = -1
+
+    def __post_init__(self) -> None:
+        check_bits(self.bits)
+        check_group_size(self.group_size)
+        if not (isinstance(self.clip_ratio, (int, float)) and self.clip_ratio <= 1.0):
+            raise ValueError(f"clip_ratio must be a float <= 1 (<= 0 disables clipping), got {self.clip_ratio!r}")
+        if self.axis not in (-1, -2):
+            raise ValueError(f"axis must be -1 (per token) or -2 (per channel), got {self.axis!r}")
+        if self.axis == -2 and self.group_size is None:
+            raise ValueError("axis=-2 (per-channel) needs group_size (tokens per group), got None")
+
+    def quantize(self, x: Tensor) -> QTensor:
+        """x [..., n] (axis=-1) or [..., T, d] (axis=-2), floating → QTensor (codes unpacked)."""
+        if not isinstance(x, Tensor) or not x.is_floating_point():
+            raise ValueError(f"x must be a floating torch.Tensor, got {type(x).__name__} {getattr(x, 'dtype', '')}")
+        if self.axis == -1:
+            if x.ndim < 1:
+                raise ValueError(f"x must have shape [..., n], got {tuple(x.shape)}")
+            return _quantize_last(x, self.bits, self.group_size, self.clip_ratio)
+        if x.ndim < 2:
+            raise ValueError(f"axis=-2 needs x of shape [..., T, d], got {tuple(x.shape)}")
+        T = x.shape[-2]
+        if T % self.group_size:
+            raise ValueError(f"group_size {self.group_size} must divide the token dim T={T} for axis=-2")
+        qt = _quantize_last(x.mT, self.bits, self.group_size, self.clip_ratio)  # on [..., d, T]
+        return QTensor(
+            codes=qt.codes.mT.contiguous(),  # [..., T, d]
+            scale=qt.scale.mT.contiguous(),  # [..., T/G, d]
+            offset=qt.offset.mT.contiguous(),
+            bits=self.bits,
+            group_size=self.group_size,
+            axis=-2,
+        )
+
+    def dequantize(self, q: QTensor) -> Tensor:
+        """x̂ = scale·code + offset per group (respects ``q.axis``). float32."""
+        return _dequantize(q)
+
+    def fake(self, x: Tensor) -> Tensor:
+        """Quantize-dequantize; equals ``dequantize(quantize(x))``. float32."""
+        return _dequantize(self.quantize(x))

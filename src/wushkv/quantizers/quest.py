@@ -1,0 +1,94 @@
+"""QuEST INT quantizer: symmetric, RMS-scaled, midrise (METHOD §4).
+
+Per group x ∈ R^G: r = ‖x‖₂/√G, Δ = max(2·α_b·r/(2^b − 1), tiny), q = clamp(⌊x/Δ⌋, −2^{b−1},
+2^{b−1} − 1), x̂ = (q + ½)·Δ. There is no zero level; the outermost levels are ±α_b·r, so larger
+|x| saturate. α_b is the MSE-optimal clip for a Gaussian, in RMS units.
+
+Stored in the unified affine form: code c = q + 2^{b−1} ∈ [0, 2^b − 1], scale = Δ,
+offset = (½ − 2^{b−1})·Δ, so x̂ = scale·c + offset.
+
+Arithmetic is float32 (this runs on the cache's hot path; codes have ≤ 8 bits, so float32 is
+exact enough). Inputs must be finite: NaN/inf are not checked here (it would force a device sync).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+from .base import QTensor, check_bits, check_group_size
+from .base import dequantize as _dequantize
+
+__all__ = ["QUEST_ALPHA", "QUEST_MSE", "QuestQuantizer"]
+
+# α_b: MSE-optimal Gaussian clipping level in RMS units, b = 1..8.
+QUEST_ALPHA: dict[int, float] = {
+    1: 0.7978845587,
+    2: 1.4935346200,
+    3: 2.0510683541,
+    4: 2.5139305786,
+    5: 2.9160938835,
+    6: 3.2765972826,
+    7: 3.6010497188,
+    8: 3.8849386788,
+}
+
+# Per-unit-variance MSE of a Gaussian at the optimum (METHOD §4), b = 1..4.
+QUEST_MSE: dict[int, float] = {1: 0.3634, 2: 0.1188, 3: 0.0374, 4: 0.0115}
+
+
+def _groups(x: Tensor, group_size: int | None) -> tuple[Tensor, int]:
+    """x [..., n] → float32 view [..., n/G, G] and G; ValueError if G does not divide n."""
+    if not isinstance(x, Tensor) or not x.is_floating_point() or x.ndim < 1:
+        raise ValueError(f"x must be a floating tensor [..., n], got {type(x).__name__} {getattr(x, 'shape', '')}")
+    n = x.shape[-1]
+    G = n if group_size is None else group_size
+    if n == 0 or n % G:
+        raise ValueError(f"group_size {group_size} must divide the last dim, got last dim {n}")
+    return x.to(torch.float32).reshape(*x.shape[:-1], n // G, G), G
+
+
+@dataclass(frozen=True)
+class QuestQuantizer:
+    """QuEST symmetric RMS-scaled INT quantizer.
+
+    Args:
+        bits: 1..8.
+        group_size: elements per group along the last dim; None = the whole last dim
+            (per token: G = head_dim).
+    """
+
+    bits: int
+    group_size: int | None = None
+
+    def __post_init__(self) -> None:
+        check_bits(self.bits)
+        check_group_size(self.group_size)
+
+    @property
+    def alpha(self) -> float:
+        return QUEST_ALPHA[self.bits]
+
+    def quantize(self, x: Tensor) -> QTensor:
+        """x [..., n] floating → QTensor with codes uint8 [..., n], scale/offset float32 [..., n/G]."""
+        xg, G = _groups(x, self.group_size)  # [..., g, G]
+        b = self.bits
+        half = 2 ** (b - 1)
+        r = torch.linalg.vector_norm(xg, dim=-1) / math.sqrt(G)  # [..., g] RMS
+        delta = (2.0 * self.alpha / (2**b - 1)) * r
+        delta = delta.clamp_min(torch.finfo(torch.float32).tiny)
+        q = torch.floor(xg / delta[..., None]).clamp_(-half, half - 1)
+        codes = (q + half).to(torch.uint8).reshape(x.shape)
+        offset = (0.5 - half) * delta
+        return QTensor(codes=codes, scale=delta, offset=offset, bits=b, group_size=G)
+
+    def dequantize(self, q: QTensor) -> Tensor:
+        """x̂ = scale·code + offset = (q + ½)·Δ. Returns float32 [..., n]."""
+        return _dequantize(q)
+
+    def fake(self, x: Tensor) -> Tensor:
+        """Quantize-dequantize; bit-identical to ``dequantize(quantize(x))``. float32 [..., n]."""
+        return _dequantize(self.quantize(x))

@@ -1,0 +1,254 @@
+"""KVarN: calibration-free tile quantization of the KV cache (METHOD §7).
+
+Per (layer, KV head) the cache is cut into tiles of G = ``tile`` consecutive tokens × d channels.
+Step 1 (the normalized Hadamard 𝓗 along channels) is the caller's key/value transform: every
+function here receives tiles that are *already rotated*.
+
+Per tile, with A the R×C tile matrix (keys: A = Xᵀ-tile [d × G], channels × tokens; values:
+A = [G × d], tokens × channels):
+
+2. ``balance``: dual-axis variance normalization in the log domain,
+   A = B ⊙ (exp ℓ_r · exp ℓ_cᵀ).
+3. Asymmetric round-to-nearest along the rows of B (keys: one scale/zero per channel over the
+   tile's tokens; values: one per token):  scale_r = max((hi_r − lo_r)/(2^b − 1), 1e-10),
+   q = clamp(round((B − lo_r)/scale_r), 0, 2^b − 1).
+4. Fold the normalization into fp16 metadata:
+   Â[r, c] = s_fold[c] · (scale'_r · q[r, c] + zp'_r),
+   scale'_r = exp(ℓ_r)·scale_r,  zp'_r = exp(ℓ_r)·lo_r,  s_fold[c] = exp(ℓ_c).
+   For keys (r = channel, c = token) this is K̂[c,t] = s_tok[t]·(scale'_c·q + zp'_c); for values
+   (r = token, c = channel) it is V̂[t,c] = s_chan[c]·(scale'_t·q + zp'_t).
+
+Dequantization is exactly that formula, in float32, from the stored float16 metadata.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+__all__ = [
+    "KVarNTiles",
+    "balance",
+    "imbalance",
+    "kvarn_dequantize",
+    "kvarn_fake",
+    "kvarn_nbytes",
+    "kvarn_quantize",
+]
+
+_KINDS = ("key", "value")
+# Constants of METHOD §7 step 2-3 (KVarN reference code).
+_STD_FLOOR = 1e-8  # denominator floor of the imbalance ratio
+_STD_CLAMP = (1e-3, 1e3)  # per-iteration std clamp
+_LOG_CLAMP = (-0.3, 10.0)  # log-scale clamp: scales live in [e^-0.3, e^10], inside fp16 range
+_SCALE_FLOOR = 1e-10  # quantizer step floor, keeps constant rows finite
+
+
+def _check_bits(bits: int) -> None:
+    if isinstance(bits, bool) or not isinstance(bits, int) or not 1 <= bits <= 8:
+        raise ValueError(f"KVarN `bits` must be an int in 1..8, got {bits!r}")
+
+
+def _check_kind(kind: str) -> None:
+    if kind not in _KINDS:
+        raise ValueError(f"KVarN `kind` must be one of {list(_KINDS)}, got {kind!r}")
+
+
+def _check_tile(tile: int) -> None:
+    if isinstance(tile, bool) or not isinstance(tile, int) or tile < 2:
+        raise ValueError(f"KVarN `tile` must be an int >= 2, got {tile!r}")
+
+
+def imbalance(B: Tensor) -> Tensor:
+    """Imbalance of tiles B [..., R, C] → [...] (float32).
+
+    max_col std / max(min_col std, 1e-8) + max_row std / max(min_row std, 1e-8), with the
+    unbiased (correction=1), mean-centred standard deviation. 0 for a constant tile.
+    """
+    B = B.float()
+    std_col = B.std(dim=-2, correction=1)  # (..., C)
+    std_row = B.std(dim=-1, correction=1)  # (..., R)
+    ratio_col = std_col.amax(-1) / std_col.amin(-1).clamp_min(_STD_FLOOR)
+    ratio_row = std_row.amax(-1) / std_row.amin(-1).clamp_min(_STD_FLOOR)
+    return ratio_col + ratio_row
+
+
+def _divide_out(A: Tensor, log_r: Tensor, log_c: Tensor) -> Tensor:
+    # B = A ⊘ (exp ℓ_r · exp ℓ_cᵀ), (..., R, C)
+    return A / (log_r.exp().unsqueeze(-1) * log_c.exp().unsqueeze(-2))
+
+
+def balance(A: Tensor, iters: int = 16) -> tuple[Tensor, Tensor, Tensor]:
+    """Dual-axis variance normalization in the log domain (METHOD §7 step 2), batched.
+
+    Args:
+        A: tiles [..., R, C], any float dtype; computed in float32. R, C >= 2.
+        iters: number of (column, row) update rounds.
+
+    Returns:
+        (B, log_r, log_c): B float32 [..., R, C], log_r float32 [..., R], log_c float32 [..., C],
+        with A == B * exp(log_r)[..., :, None] * exp(log_c)[..., None, :] up to float32 rounding.
+        Per batch element the scales are those of lowest ``imbalance`` among the start
+        (ℓ = 0, B = A) and the ``iters`` rounds; ties keep the earlier one. All ℓ lie in
+        [-0.3, 10].
+    """
+    if A.dim() < 2 or A.shape[-1] < 2 or A.shape[-2] < 2:
+        raise ValueError(
+            f"balance needs tiles [..., R, C] with R, C >= 2 (unbiased std), got shape "
+            f"{tuple(A.shape)}"
+        )
+    if isinstance(iters, bool) or not isinstance(iters, int) or iters < 0:
+        raise ValueError(f"balance `iters` must be an int >= 0, got {iters!r}")
+    A = A.float()
+    log_r = A.new_zeros(A.shape[:-1])  # (..., R)
+    log_c = A.new_zeros(A.shape[:-2] + A.shape[-1:])  # (..., C)
+    if A.numel() == 0:  # empty batch: nothing to balance (and std would warn)
+        return A, log_r, log_c
+    best_r, best_c = log_r, log_c
+    best_imb = imbalance(A)  # (...,) the starting point counts
+    B = A
+    lo_std, hi_std = _STD_CLAMP
+    lo_log, hi_log = _LOG_CLAMP
+    for _ in range(iters):
+        std_c = B.std(dim=-2, correction=1).clamp(lo_std, hi_std)  # (..., C)
+        log_c = (log_c + std_c.log()).clamp(lo_log, hi_log)
+        B = _divide_out(A, log_r, log_c)
+        std_r = B.std(dim=-1, correction=1).clamp(lo_std, hi_std)  # (..., R)
+        log_r = (log_r + std_r.log()).clamp(lo_log, hi_log)
+        B = _divide_out(A, log_r, log_c)
+        imb = imbalance(B)
+        # Strictly better only: a NaN imbalance never replaces the incumbent.
+        better = imb < best_imb  # (...,)
+        best_imb = torch.where(better, imb, best_imb)
+        best_r = torch.where(better.unsqueeze(-1), log_r, best_r)
+        best_c = torch.where(better.unsqueeze(-1), log_c, best_c)
+    return _divide_out(A, best_r, best_c), best_r, best_c
+
+
+@dataclass(frozen=True, eq=False)
+class KVarNTiles:
+    """KVarN-quantized keys or values of shape [..., T, d], n = T / tile tiles.
+
+    Dequantization, per tile, with A the tile matrix (keys: [d × G], values: [G × d]):
+        Â[r, c] = s_fold[c] · (scale[r] · q[r, c] + zero[r])      (float32 arithmetic)
+
+    Fields (``...`` are the caller's leading dims, e.g. batch and KV head):
+        codes:  uint8 [..., T, d], unpacked codes in 0..2^bits−1, token-major (original layout).
+        scale:  float16 scale'_r = exp(ℓ_r)·scale_r;  keys [..., n, d] (per channel),
+                values [..., n, tile] (per token).
+        zero:   float16 zp'_r = exp(ℓ_r)·lo_r; same shape as ``scale``.
+        s_fold: float16 exp(ℓ_c);  keys: s_tok [..., n, tile] (per token),
+                values: s_chan [..., n, d] (per channel).
+        bits:   1..8.  kind: "key" or "value".  tile: tokens per tile G.
+    """
+
+    codes: Tensor
+    scale: Tensor
+    zero: Tensor
+    s_fold: Tensor
+    bits: int
+    kind: str
+    tile: int
+
+    def __post_init__(self) -> None:
+        _check_bits(self.bits)
+        _check_kind(self.kind)
+        _check_tile(self.tile)
+        if self.codes.dtype != torch.uint8 or self.codes.dim() < 2:
+            raise ValueError(
+                f"codes must be uint8 [..., T, d], got {self.codes.dtype} {tuple(self.codes.shape)}"
+            )
+        *lead, T, d = self.codes.shape
+        if T % self.tile:
+            raise ValueError(f"codes have T={T} tokens, not a multiple of tile={self.tile}")
+        n = T // self.tile
+        row, col = (d, self.tile) if self.kind == "key" else (self.tile, d)
+        expect = {"scale": (*lead, n, row), "zero": (*lead, n, row), "s_fold": (*lead, n, col)}
+        for name, shape in expect.items():
+            t = getattr(self, name)
+            if t.dtype != torch.float16 or tuple(t.shape) != shape:
+                raise ValueError(
+                    f"{name} must be float16 {shape} for kind={self.kind!r}, got {t.dtype} "
+                    f"{tuple(t.shape)}"
+                )
+
+    @property
+    def shape(self) -> torch.Size:
+        """Shape [..., T, d] of the quantized tensor."""
+        return self.codes.shape
+
+
+def _to_tiles(x: Tensor, tile: int, kind: str) -> Tensor:
+    # (..., T, d) -> (..., n, G, d) -> tile matrices A: keys (..., n, d, G), values (..., n, G, d)
+    *lead, T, d = x.shape
+    tiles = x.reshape(*lead, T // tile, tile, d)
+    return tiles.transpose(-1, -2) if kind == "key" else tiles
+
+
+def _from_tiles(A: Tensor, kind: str) -> Tensor:
+    # inverse of _to_tiles: (..., n, R, C) -> (..., T, d)
+    tiles = A.transpose(-1, -2) if kind == "key" else A  # (..., n, G, d)
+    *lead, n, G, d = tiles.shape
+    return tiles.reshape(*lead, n * G, d)
+
+
+def kvarn_quantize(x: Tensor, bits: int, kind: str, tile: int = 128) -> KVarNTiles:
+    """Quantize already-rotated keys or values x [..., T, d] with KVarN (METHOD §7 steps 2-4).
+
+    T must be a multiple of ``tile`` (the cache keeps the remainder in its fp16 tail) and
+    d >= 2. Computation is float32 whatever x's dtype. Inputs are assumed finite and within the
+    float16 range (the folded zero points are stored in float16).
+    """
+    _check_bits(bits)
+    _check_kind(kind)
+    _check_tile(tile)
+    if x.dim() < 2:
+        raise ValueError(f"x must be [..., T, d], got shape {tuple(x.shape)}")
+    T, d = x.shape[-2], x.shape[-1]
+    if T % tile:
+        raise ValueError(f"T={T} tokens is not a multiple of tile={tile}")
+    if d < 2:
+        raise ValueError(f"head dim d={d} must be >= 2")
+
+    A = _to_tiles(x.float(), tile, kind)  # (..., n, R, C)
+    B, log_r, log_c = balance(A)
+    qmax = 2**bits - 1
+    lo = B.amin(-1)  # (..., n, R)
+    hi = B.amax(-1)
+    step = ((hi - lo) / qmax).clamp_min(_SCALE_FLOOR)  # (..., n, R)
+    q = torch.round((B - lo.unsqueeze(-1)) / step.unsqueeze(-1)).clamp_(0, qmax)  # (..., n, R, C)
+
+    row_exp = log_r.exp()  # (..., n, R)
+    return KVarNTiles(
+        codes=_from_tiles(q.to(torch.uint8), kind).contiguous(),  # (..., T, d)
+        scale=(row_exp * step).to(torch.float16),
+        zero=(row_exp * lo).to(torch.float16),
+        s_fold=log_c.exp().to(torch.float16),
+        bits=bits,
+        kind=kind,
+        tile=tile,
+    )
+
+
+def kvarn_dequantize(t: KVarNTiles) -> Tensor:
+    """float32 [..., T, d]: Â[r, c] = s_fold[c]·(scale[r]·q[r, c] + zero[r]) per tile."""
+    q = _to_tiles(t.codes, t.tile, t.kind).float()  # (..., n, R, C)
+    scale = t.scale.float().unsqueeze(-1)  # (..., n, R, 1)
+    zero = t.zero.float().unsqueeze(-1)  # (..., n, R, 1)
+    s_fold = t.s_fold.float().unsqueeze(-2)  # (..., n, 1, C)
+    return _from_tiles(s_fold * (scale * q + zero), t.kind).contiguous()
+
+
+def kvarn_fake(x: Tensor, bits: int, kind: str, tile: int = 128) -> Tensor:
+    """Fake-quantize: ``kvarn_dequantize(kvarn_quantize(x, bits, kind, tile))``, float32."""
+    return kvarn_dequantize(kvarn_quantize(x, bits, kind, tile))
+
+
+def kvarn_nbytes(t: KVarNTiles) -> int:
+    """Storage bytes: codes packed at ``t.bits`` per code plus float16 metadata."""
+    code_bytes = math.ceil(t.codes.numel() * t.bits / 8)
+    meta_bytes = sum(m.numel() * m.element_size() for m in (t.scale, t.zero, t.s_fold))
+    return code_bytes + meta_bytes

@@ -1,0 +1,137 @@
+"""Name → transform registry, used by calibration and the CLI.
+
+``build_transforms`` returns the four matrices a (layer) needs, float32 [num_kv_heads, d, d]:
+``T_K``/``T_K_inv`` for keys (applied online after RoPE) and ``T_V``/``T_V_inv`` for values
+(folded into v_proj/o_proj). Column convention: cached k' = T_K k.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+from torch import Tensor
+
+from .hadamard import _check_heads, hadamard_transform
+from .orthogonal import identity_transform, oscar_transform, random_orthogonal_transform
+from .wush import wush_transform
+
+__all__ = ["TransformSpec", "TRANSFORMS", "build_transforms", "get_transform_spec"]
+
+
+@dataclass(frozen=True)
+class TransformSpec:
+    """What a named transform is and which calibration statistics it reads.
+
+    Attributes:
+        name: registry key.
+        needs_calibration: True if ``build_transforms`` needs ``stats``.
+        description: one line for ``--help`` and reports.
+        stats_keys: the keys of ``stats`` it reads, each [num_kv_heads, d, d] (float64).
+    """
+
+    name: str
+    needs_calibration: bool
+    description: str
+    stats_keys: tuple[str, ...] = ()
+
+
+TRANSFORMS: dict[str, TransformSpec] = {
+    spec.name: spec
+    for spec in (
+        TransformSpec("identity", False, "no transform (T = I)"),
+        TransformSpec("hadamard", False, "normalized Hadamard rotation T = 𝓗, no random signs"),
+        TransformSpec(
+            "random", False, "seeded random orthogonal rotation per head (keys: seed, values: seed + 1)"
+        ),
+        TransformSpec(
+            "wush",
+            True,
+            "WUSH closed form T = c·𝓗·Λ^{-1/4}·Uᵀ·Lᵀ from M and the Hessian H",
+            ("M_K", "H_K", "M_V", "H_V"),
+        ),
+        TransformSpec(
+            "wush-a",
+            True,
+            "WUSH with attention-aware Hessians H^A (METHOD §3.1)",
+            ("M_K", "H_K_A", "M_V", "H_V_A"),
+        ),
+        TransformSpec(
+            "oscar",
+            True,
+            "OSCAR: eigenvectors of query / score-weighted value covariance times 𝓗, shared per layer",
+            ("C_Q", "Sigma_V"),
+        ),
+        TransformSpec(
+            "kvarn",
+            False,
+            "KVarN static part: Hadamard rotation (per-tile normalization lives in the quantizer)",
+        ),
+    )
+}
+
+
+def get_transform_spec(name: str) -> TransformSpec:
+    """The :class:`TransformSpec` of ``name``; ValueError listing known names if unknown."""
+    try:
+        return TRANSFORMS[name]
+    except (KeyError, TypeError):
+        raise ValueError(f"unknown transform {name!r}; known transforms: {sorted(TRANSFORMS)}") from None
+
+
+def _get_stat(stats: Mapping[str, Tensor] | None, key: str, name: str, num_kv_heads: int, d: int) -> Tensor:
+    if stats is None or key not in stats:
+        raise ValueError(f"transform {name!r} needs calibration statistic {key!r}, which is missing from stats")
+    A = stats[key]
+    if not isinstance(A, Tensor) or tuple(A.shape) != (num_kv_heads, d, d):
+        shape = tuple(A.shape) if isinstance(A, Tensor) else type(A).__name__
+        raise ValueError(
+            f"stats[{key!r}] for transform {name!r} must have shape {(num_kv_heads, d, d)}, got {shape}"
+        )
+    return A
+
+
+def build_transforms(
+    name: str,
+    num_kv_heads: int,
+    head_dim: int,
+    stats: Mapping[str, Tensor] | None = None,
+    *,
+    seed: int = 0,
+    damping: float = 0.01,
+    damping_M: float | None = None,
+) -> dict[str, Tensor]:
+    """Build the key and value transforms of one layer.
+
+    Args:
+        name: a key of :data:`TRANSFORMS`.
+        num_kv_heads, head_dim: Hkv and d.
+        stats: calibration statistics, [Hkv, d, d] each (see ``TransformSpec.stats_keys``).
+        seed: for "random" (keys use ``seed``, values ``seed + 1``).
+        damping, damping_M: WUSH damping (see :func:`wush_transform`).
+
+    Returns:
+        {"T_K", "T_K_inv", "T_V", "T_V_inv"}: float32 [num_kv_heads, head_dim, head_dim].
+    """
+    spec = get_transform_spec(name)
+    _check_heads(num_kv_heads, head_dim)
+    Hkv, d = num_kv_heads, head_dim
+    if spec.name == "identity":
+        T_K, T_K_inv = identity_transform(Hkv, d)
+        T_V, T_V_inv = identity_transform(Hkv, d)
+    elif spec.name in ("hadamard", "kvarn"):
+        T_K, T_K_inv = hadamard_transform(Hkv, d)
+        T_V, T_V_inv = hadamard_transform(Hkv, d)
+    elif spec.name == "random":
+        T_K, T_K_inv = random_orthogonal_transform(Hkv, d, seed=seed)
+        T_V, T_V_inv = random_orthogonal_transform(Hkv, d, seed=seed + 1)
+    elif spec.name in ("wush", "wush-a"):
+        kM, kH, vM, vH = (_get_stat(stats, k, spec.name, Hkv, d) for k in spec.stats_keys)
+        T_K, T_K_inv = wush_transform(kM, kH, damping, damping_M=damping_M)
+        T_V, T_V_inv = wush_transform(vM, vH, damping, damping_M=damping_M)
+    elif spec.name == "oscar":
+        C_Q, Sigma_V = (_get_stat(stats, k, spec.name, Hkv, d) for k in spec.stats_keys)
+        return oscar_transform(C_Q, Sigma_V, num_heads=Hkv)
+    else:  # pragma: no cover - every registry entry is handled above
+        raise AssertionError(spec.name)
+    return {"T_K": T_K, "T_K_inv": T_K_inv, "T_V": T_V, "T_V_inv": T_V_inv}

@@ -1,0 +1,86 @@
+"""Tiny random models built from configs in code (seconds on a CPU), shared by the tests."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+
+def tiny_config(family: str, **over):
+    """A tiny config of ``family`` with GQA (2 query heads per KV head) and head_dim 32."""
+    from transformers import Gemma3TextConfig, LlamaConfig, Qwen3Config
+
+    common = dict(
+        vocab_size=96,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=3,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=32,
+        max_position_embeddings=512,
+        tie_word_embeddings=False,
+        pad_token_id=0,
+        bos_token_id=1,
+        eos_token_id=2,
+    )
+    if family == "llama":
+        cfg = LlamaConfig(**(common | over))
+    elif family == "qwen3":
+        cfg = Qwen3Config(**(common | {"use_sliding_window": False} | over))
+    elif family == "gemma3":
+        cfg = Gemma3TextConfig(
+            **(common | {"sliding_window": 16, "layer_types": ["sliding_attention", "sliding_attention", "full_attention"], "query_pre_attn_scalar": 32} | over)
+        )
+    else:
+        raise ValueError(family)
+    return cfg
+
+
+def tiny_model(family: str, seed: int = 0, **over):
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(tiny_config(family, **over), dtype=torch.float32)
+    # Random init has tiny weights; scale the attention projections so attention is not uniform
+    # and keys carry some anisotropy (a harder, more realistic test of the transforms).
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if any(k in name for k in ("q_proj", "k_proj")) and p.dim() == 2:
+                p.mul_(8.0)
+                p[:, :3].mul_(4.0)  # outlier input channels
+            if "v_proj" in name and p.dim() == 2:
+                p.mul_(4.0)
+    model.eval()
+    model.config._name_or_path = f"tiny-{family}"
+    return model
+
+
+FAMILIES = ["llama", "qwen3", "gemma3"]
+
+
+@pytest.fixture(params=FAMILIES)
+def family(request):
+    return request.param
+
+
+class CharTokenizer:
+    """A byte-level stand-in for a HF tokenizer: ``tok(text, return_tensors="pt").input_ids``."""
+
+    def __init__(self, vocab_size: int = 96):
+        self.vocab_size = vocab_size
+
+    def __call__(self, text, return_tensors=None):
+        ids = [3 + (b % (self.vocab_size - 3)) for b in text.encode("utf-8")]
+
+        class Out:
+            pass
+
+        o = Out()
+        o.input_ids = torch.tensor([ids], dtype=torch.long)
+        return o
+
+
+@pytest.fixture
+def char_tokenizer():
+    return CharTokenizer()

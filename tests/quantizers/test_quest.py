@@ -1,0 +1,109 @@
+"""QuEST quantizer (METHOD §4): Gaussian MSE at the optimum, code range, saturation at ±α_b·RMS,
+the unified affine storage, grouping; plus the quantizer registry."""
+
+import pytest
+import torch
+
+from wushkv.quantizers import (
+    QUANTIZERS,
+    QUEST_ALPHA,
+    AffineQuantizer,
+    QTensor,
+    QuestQuantizer,
+    dequantize,
+    make_quantizer,
+)
+
+GAUSS_MSE = {1: 0.3634, 2: 0.1188, 3: 0.0374, 4: 0.0115}
+
+
+def _randn(*shape, seed=0):
+    return torch.randn(*shape, generator=torch.Generator().manual_seed(seed))
+
+
+@pytest.mark.parametrize("bits", [1, 2, 3, 4])
+def test_gaussian_mse_matches_theory(bits):
+    x = 3.0 * _randn(1024, 512, seed=bits)  # per-unit-variance: the MSE scales with σ²
+    mse = ((QuestQuantizer(bits).fake(x) - x) ** 2).mean().item() / 9.0
+    assert mse == pytest.approx(GAUSS_MSE[bits], rel=0.03)
+
+
+@pytest.mark.parametrize("bits", [1, 2, 3, 4, 5, 8])
+def test_codes_scale_offset_layout(bits):
+    x = _randn(3, 5, 64, seed=bits)
+    qz = QuestQuantizer(bits)
+    q = qz.quantize(x)
+    assert isinstance(q, QTensor) and q.bits == bits and q.group_size == 64 and q.axis == -1
+    assert q.codes.dtype == torch.uint8 and q.codes.shape == x.shape
+    assert int(q.codes.max()) <= 2**bits - 1
+    assert q.scale.shape == q.offset.shape == (3, 5, 1) and q.scale.dtype == torch.float32
+    half = 2 ** (bits - 1)
+    rms = x.pow(2).mean(-1, keepdim=True).sqrt()
+    torch.testing.assert_close(q.scale, 2 * QUEST_ALPHA[bits] * rms / (2**bits - 1))
+    torch.testing.assert_close(q.offset, (0.5 - half) * q.scale)
+    # Midrise reconstruction (q + ½)Δ with signed q = code − 2^{b−1} and q = floor(x/Δ).
+    signed = q.codes.float() - half
+    torch.testing.assert_close(dequantize(q), (signed + 0.5) * q.scale)
+    expect = torch.floor(x / q.scale).clamp(-half, half - 1)
+    assert torch.equal(signed, expect)
+    # fake is bit-identical to dequantize(quantize(x)), and the method matches the function.
+    assert torch.equal(qz.fake(x), dequantize(q))
+    assert torch.equal(qz.dequantize(q), dequantize(q))
+
+
+@pytest.mark.parametrize("bits", [1, 2, 3, 4])
+def test_error_bound_and_saturation(bits):
+    x = _randn(200, 64, seed=10 + bits)
+    x[:, 7] = 40.0  # outliers beyond the clip
+    x[:, 9] = -40.0
+    qz = QuestQuantizer(bits)
+    q = qz.quantize(x)
+    xh = qz.fake(x)
+    r = x.pow(2).mean(-1, keepdim=True).sqrt()
+    clip = QUEST_ALPHA[bits] * r
+    # Outermost levels are ±α_b·RMS: outliers saturate there, with extreme codes.
+    torch.testing.assert_close(xh[:, 7:8], clip)
+    torch.testing.assert_close(xh[:, 9:10], -clip)
+    assert bool((q.codes[:, 7] == 2**bits - 1).all() and (q.codes[:, 9] == 0).all())
+    assert xh.abs().max() <= clip.max() * (1 + 1e-6)
+    # Inside the clip the error is at most Δ/2.
+    inside = x.abs() < clip
+    err = (xh - x).abs()
+    assert bool((err[inside] <= (q.scale / 2 * (1 + 1e-5)).expand_as(x)[inside]).all())
+
+
+def test_groups_and_dtypes():
+    x = _randn(4, 128, seed=3)
+    qz = QuestQuantizer(3, group_size=32)
+    q = qz.quantize(x)
+    assert q.scale.shape == (4, 4) and q.group_size == 32
+    # Grouping is the same as quantizing the reshaped groups as whole rows.
+    ref = QuestQuantizer(3).fake(x.reshape(4, 4, 32)).reshape(4, 128)
+    assert torch.equal(qz.fake(x), ref)
+    xb = x.to(torch.bfloat16)
+    assert qz.fake(xb).dtype == torch.float32
+    # All-zero groups stay (essentially) zero and finite.
+    z = QuestQuantizer(2).fake(torch.zeros(2, 16))
+    assert bool(torch.isfinite(z).all()) and z.abs().max() < 1e-30
+
+
+def test_quest_errors():
+    for bad in (0, 9, 2.0, True):
+        with pytest.raises(ValueError, match="bits must be an integer in 1..8"):
+            QuestQuantizer(bad)
+    with pytest.raises(ValueError, match="group_size"):
+        QuestQuantizer(2, group_size=0)
+    with pytest.raises(ValueError, match="must divide the last dim, got last dim 100"):
+        QuestQuantizer(2, group_size=32).quantize(torch.zeros(2, 100))
+
+
+def test_quantizer_registry():
+    assert QUANTIZERS == {"quest": QuestQuantizer, "affine": AffineQuantizer}
+    q = make_quantizer("quest", 3, group_size=16)
+    assert q == QuestQuantizer(3, group_size=16) and q.bits == 3
+    a = make_quantizer("affine", 2, clip_ratio=0.96)
+    assert isinstance(a, AffineQuantizer) and a.clip_ratio == 0.96
+    with pytest.raises(ValueError, match="unknown quantizer 'int'.*'affine'.*'quest'"):
+        make_quantizer("int", 2)
+    with pytest.raises(ValueError, match="got 12"):
+        make_quantizer("affine", 12)

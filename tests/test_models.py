@@ -1,0 +1,76 @@
+import pytest
+import torch
+
+from wushkv.models import UnsupportedModelError, attention_modules, describe, fingerprint, load_config, projections
+
+from conftest import tiny_model
+
+
+def test_describe_tiny_families(family):
+    model = tiny_model(family)
+    spec = describe(model)
+    assert spec.num_layers == 3 and spec.num_heads == 4 and spec.num_kv_heads == 2 and spec.head_dim == 32
+    assert spec.group_size == 2
+    assert spec.gqa_map == (0, 0, 1, 1)
+    assert list(spec.query_heads_of(1)) == [2, 3]
+    assert spec.qk_norm == (family in ("qwen3", "gemma3"))
+    if family == "gemma3":
+        assert spec.sliding_layers == (0, 1) and spec.sliding_window == 16
+    else:
+        assert spec.sliding_layers == ()
+    mods = attention_modules(model, spec)
+    assert len(mods) == 3
+    q, k, v, o = projections(mods[0], spec)
+    assert q.out_features == 4 * 32 and k.out_features == 2 * 32 and v.out_features == 2 * 32 and o.in_features == 4 * 32
+    if spec.qk_norm:
+        assert hasattr(mods[0], "q_norm") and hasattr(mods[0], "k_norm")
+
+
+def test_gqa_map_matches_transformers_repeat_kv():
+    # transformers' repeat_kv expands KV head h to query heads h*G .. h*G+G-1
+    from transformers.models.llama.modeling_llama import repeat_kv
+
+    spec = describe(tiny_model("llama"))
+    kv = torch.arange(spec.num_kv_heads, dtype=torch.float32).view(1, -1, 1, 1)
+    rep = repeat_kv(kv, spec.group_size).view(-1)
+    assert tuple(int(x) for x in rep) == spec.gqa_map
+
+
+def test_unsupported_architecture_is_named():
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    model = GPT2LMHeadModel(GPT2Config(n_layer=1, n_embd=32, n_head=2, vocab_size=50))
+    with pytest.raises(UnsupportedModelError, match=r"'gpt2'.*llama"):
+        describe(model)
+
+
+def test_fingerprint_changes_with_weights():
+    a, b = tiny_model("llama", seed=0), tiny_model("llama", seed=1)
+    fa, fb = fingerprint(a), fingerprint(b)
+    assert fa["weights_sha256"] != fb["weights_sha256"]
+    assert fingerprint(a) == fa  # deterministic
+    assert fa["num_layers"] == 3
+
+
+def test_missing_model_is_clear(tmp_path):
+    from wushkv.models import load
+
+    with pytest.raises((FileNotFoundError, ValueError)):
+        load(str(tmp_path / "nope.txt"))
+    (tmp_path / "x.txt").write_text("hi")
+    with pytest.raises(ValueError, match="not a .gguf"):
+        load(str(tmp_path / "x.txt"))
+
+
+def test_bad_dtype():
+    from wushkv.models import parse_dtype
+
+    with pytest.raises(ValueError, match="int8.*bfloat16"):
+        parse_dtype("int8")
+
+
+@pytest.mark.slow
+def test_real_smollm2_config():
+    spec = describe(load_config("smollm2-135m"))
+    assert (spec.family, spec.num_layers, spec.num_heads, spec.num_kv_heads, spec.head_dim) == ("llama", 30, 9, 3, 64)
+    assert not spec.qk_norm and spec.sliding_layers == ()

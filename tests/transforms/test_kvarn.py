@@ -1,0 +1,352 @@
+"""Tests for KVarN (METHOD §7): balancing, quantize/dequantize algebra, error bound, edge cases."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from wushkv.transforms.kvarn import (
+    KVarNTiles,
+    balance,
+    imbalance,
+    kvarn_dequantize,
+    kvarn_fake,
+    kvarn_nbytes,
+    kvarn_quantize,
+)
+
+FP16_EPS = 2.0**-11  # unit roundoff of float16 (normal range)
+FP16_TINY = 2.0**-25  # half the smallest float16 subnormal: absolute rounding error below 2^-14
+
+
+def _heavy_tiles(seed: int, batch: tuple[int, ...], R: int, C: int, spread: float) -> torch.Tensor:
+    """Student-t (3 d.o.f.) tiles with log-normal row and column scales: [*batch, R, C]."""
+    g = torch.Generator().manual_seed(seed)
+    shape = (*batch, R, C)
+    chi2 = sum(torch.randn(shape, generator=g) ** 2 for _ in range(3))
+    t = torch.randn(shape, generator=g) / (chi2 / 3).sqrt()
+    row = torch.exp(spread * torch.randn((*batch, R, 1), generator=g))
+    col = torch.exp(spread * torch.randn((*batch, 1, C), generator=g))
+    return t * row * col
+
+
+# ---------------------------------------------------------------- slow references (from METHOD §7)
+
+
+def _ref_std(vals: list[float]) -> float:
+    n = len(vals)
+    m = sum(vals) / n
+    return math.sqrt(sum((v - m) ** 2 for v in vals) / (n - 1))
+
+
+def _ref_imbalance(B: list[list[float]]) -> float:
+    R, C = len(B), len(B[0])
+    col = [_ref_std([B[r][c] for r in range(R)]) for c in range(C)]
+    row = [_ref_std(B[r]) for r in range(R)]
+    return max(col) / max(min(col), 1e-8) + max(row) / max(min(row), 1e-8)
+
+
+def _ref_balance(A: torch.Tensor, iters: int = 16) -> tuple[list[float], list[float]]:
+    """Loop-by-loop transcription of METHOD §7 step 2 in float64 for one R×C tile."""
+    a = A.double().tolist()
+    R, C = len(a), len(a[0])
+    lr, lc = [0.0] * R, [0.0] * C
+
+    def divided() -> list[list[float]]:
+        return [[a[r][c] / (math.exp(lr[r]) * math.exp(lc[c])) for c in range(C)] for r in range(R)]
+
+    B = divided()
+    best = (_ref_imbalance(B), list(lr), list(lc))
+    for _ in range(iters):
+        for c in range(C):
+            s = min(max(_ref_std([B[r][c] for r in range(R)]), 1e-3), 1e3)
+            lc[c] = min(max(lc[c] + math.log(s), -0.3), 10.0)
+        B = divided()
+        for r in range(R):
+            s = min(max(_ref_std(B[r]), 1e-3), 1e3)
+            lr[r] = min(max(lr[r] + math.log(s), -0.3), 10.0)
+        B = divided()
+        imb = _ref_imbalance(B)
+        if imb < best[0]:
+            best = (imb, list(lr), list(lc))
+    return best[1], best[2]
+
+
+def _ref_quantize_tile(B: torch.Tensor, lr: torch.Tensor, lc: torch.Tensor, bits: int):
+    """METHOD §7 steps 3-4 element by element on a balanced R×C tile (float32 scalar arithmetic).
+
+    Returns codes [R, C] and float16 scale' [R], zp' [R], s_fold [C].
+    """
+    R, C = B.shape
+    f32 = torch.float32
+    qmax = 2**bits - 1
+    q = torch.zeros(R, C, dtype=torch.uint8)
+    scale_p = torch.zeros(R, dtype=torch.float16)
+    zp_p = torch.zeros(R, dtype=torch.float16)
+    for r in range(R):
+        lo = min(B[r, c] for c in range(C))
+        hi = max(B[r, c] for c in range(C))
+        step = torch.maximum(
+            (hi - lo) / torch.tensor(qmax, dtype=f32),
+            torch.tensor(1e-10, dtype=f32),
+        )
+        for c in range(C):
+            q[r, c] = int(torch.clamp(torch.round((B[r, c] - lo) / step), 0, qmax))
+        scale_p[r] = math.exp(float(lr[r])) * float(step)
+        zp_p[r] = math.exp(float(lr[r])) * float(lo)
+    s_fold = torch.tensor([math.exp(float(lc[c])) for c in range(C)], dtype=torch.float16)
+    return q, scale_p, zp_p, s_fold
+
+
+def _ref_dequant_tile(q, scale_p, zp_p, s_fold, kind: str) -> torch.Tensor:
+    """K̂[c,t] = s_tok[t]·(scale'_c·q + zp'_c) / V̂[t,c] = s_chan[c]·(scale'_t·q + zp'_t).
+
+    q is given token-major [G, d]; returns token-major [G, d] float32.
+    """
+    G, d = q.shape
+    out = torch.zeros(G, d)
+    for t in range(G):
+        for c in range(d):
+            qq = q[t, c].float()
+            if kind == "key":
+                out[t, c] = s_fold[t].float() * (scale_p[c].float() * qq + zp_p[c].float())
+            else:
+                out[t, c] = s_fold[c].float() * (scale_p[t].float() * qq + zp_p[t].float())
+    return out
+
+
+def _per_token_minmax(x: torch.Tensor, bits: int) -> torch.Tensor:
+    """Baseline: asymmetric RTN, one scale/zero per token over its d channels."""
+    qmax = 2**bits - 1
+    lo = x.amin(-1, keepdim=True)
+    hi = x.amax(-1, keepdim=True)
+    step = ((hi - lo) / qmax).clamp_min(1e-10)
+    return torch.round((x - lo) / step).clamp(0, qmax) * step + lo
+
+
+def _tile_view(x: torch.Tensor, tile: int, kind: str) -> torch.Tensor:
+    """[..., T, d] -> tile matrices: keys [..., n, d, G], values [..., n, G, d]."""
+    *lead, T, d = x.shape
+    tiles = x.reshape(*lead, T // tile, tile, d)
+    return tiles.transpose(-1, -2) if kind == "key" else tiles
+
+
+# ---------------------------------------------------------------- balance
+
+
+def test_imbalance_matches_reference():
+    A = _heavy_tiles(0, (3,), 6, 10, spread=1.0)
+    got = imbalance(A)
+    for i in range(3):
+        assert got[i].item() == pytest.approx(_ref_imbalance(A[i].double().tolist()), rel=1e-5)
+
+
+@settings(max_examples=25, deadline=None)
+@given(
+    seed=st.integers(0, 2**31 - 1),
+    R=st.integers(2, 24),
+    C=st.integers(2, 24),
+    spread=st.floats(0.0, 2.5),
+)
+def test_balance_never_worse_and_identity(seed, R, C, spread):
+    A = _heavy_tiles(seed, (2, 3), R, C, spread)
+    B, log_r, log_c = balance(A)
+    assert B.shape == A.shape and log_r.shape == (2, 3, R) and log_c.shape == (2, 3, C)
+    assert B.dtype == log_r.dtype == log_c.dtype == torch.float32
+    # best-so-far rule, per batch element (the start counts)
+    assert (imbalance(B) <= imbalance(A) * (1 + 1e-6)).all()
+    # A = B ⊙ (exp ℓ_r · exp ℓ_cᵀ)
+    rebuilt = B * log_r.exp()[..., :, None] * log_c.exp()[..., None, :]
+    torch.testing.assert_close(rebuilt, A, rtol=1e-5, atol=1e-6 * A.abs().max().item())
+    assert (log_r >= -0.3).all() and (log_r <= 10).all()
+    assert (log_c >= -0.3).all() and (log_c <= 10).all()
+
+
+def test_balance_strictly_improves_strong_imbalance():
+    A = _heavy_tiles(1, (4, 2), 64, 128, spread=2.0)
+    before, after = imbalance(A), imbalance(balance(A)[0])
+    assert (after < 0.2 * before).all(), (before, after)
+
+
+def test_balance_batched_equals_per_element():
+    # one element already balanced-ish, one strongly imbalanced: selection is per element
+    A = torch.stack([_heavy_tiles(2, (), 8, 12, 0.0), _heavy_tiles(3, (), 8, 12, 2.5)])
+    B, lr, lc = balance(A)
+    for i in range(2):
+        Bi, lri, lci = balance(A[i])
+        torch.testing.assert_close(B[i], Bi)
+        torch.testing.assert_close(lr[i], lri)
+        torch.testing.assert_close(lc[i], lci)
+
+
+def test_balance_matches_loop_reference():
+    for seed, spread in [(4, 0.5), (5, 1.5), (6, 2.5)]:
+        A = _heavy_tiles(seed, (), 6, 9, spread)
+        _, lr, lc = balance(A)
+        ref_r, ref_c = _ref_balance(A)
+        ref_r, ref_c = torch.tensor(ref_r), torch.tensor(ref_c)  # float32
+        torch.testing.assert_close(lr, ref_r, rtol=1e-4, atol=1e-4)
+        torch.testing.assert_close(lc, ref_c, rtol=1e-4, atol=1e-4)
+
+
+# ---------------------------------------------------------------- quantize / dequantize algebra
+
+
+@pytest.mark.parametrize("kind", ["key", "value"])
+@pytest.mark.parametrize("bits", [2, 4])
+def test_matches_loop_reference(kind, bits):
+    tile, d = 8, 6
+    x = _heavy_tiles(7, (), 2 * tile, d, spread=1.0)  # [T=16, d=6]: two tiles
+    t = kvarn_quantize(x, bits, kind, tile=tile)
+    out = kvarn_dequantize(t)
+    A = _tile_view(x, tile, kind)  # [n, R, C]
+    B, lr, lc = balance(A)
+    for i in range(2):
+        q, scale_p, zp_p, s_fold = _ref_quantize_tile(B[i], lr[i], lc[i], bits)
+        q_tok = q.T if kind == "key" else q  # token-major [G, d]
+        rows = slice(i * tile, (i + 1) * tile)
+        # identical float32 arithmetic → identical codes
+        assert torch.equal(t.codes[rows], q_tok)
+        # metadata agrees to float16 rounding (reference exp is float64)
+        torch.testing.assert_close(t.scale[i], scale_p, rtol=2 * FP16_EPS, atol=1e-7)
+        torch.testing.assert_close(t.zero[i], zp_p, rtol=2 * FP16_EPS, atol=1e-7)
+        torch.testing.assert_close(t.s_fold[i], s_fold, rtol=2 * FP16_EPS, atol=0)
+        # dequantization is exactly the step-4 formula on the stored fp16 metadata
+        own = _ref_dequant_tile(t.codes[rows], t.scale[i], t.zero[i], t.s_fold[i], kind)
+        torch.testing.assert_close(out[rows], own, rtol=1e-6, atol=0)
+        # and the full reference pipeline agrees up to fp16 metadata rounding
+        ref = _ref_dequant_tile(q_tok, scale_p, zp_p, s_fold, kind)
+        slack = 8 * FP16_EPS * (x[rows].abs() + own.abs() + 1e-6)
+        assert ((out[rows] - ref).abs() <= slack).all()
+
+
+@pytest.mark.parametrize("kind", ["key", "value"])
+@pytest.mark.parametrize("bits", [1, 2, 3, 4, 8])
+def test_error_bound(kind, bits):
+    """|x̂ − x| ≤ ½·s·σ + η·s·(qmax·σ + |z|) + float32 slack, per element.
+
+    With u = (B − lo)/step ∈ [0, qmax] and |q − u| ≤ ½:  x = s(σu + z), x̂ = s̃(σ̃q + z̃) where
+    s, σ = e^{ℓ_r}·step, z = e^{ℓ_r}·lo are float32 and s̃, σ̃, z̃ their float16 roundings.
+    x̂ − x = s̃σ̃(q − u) + (s̃σ̃ − sσ)u + (s̃z̃ − sz), and |s̃σ̃ − sσ| ≤ s̃σ̃·η with
+    η = (2ε + ε²)/(1 − ε)², ε = 2^-11 (plus 2^-25 absolute per value in the subnormal range).
+    """
+    tile = 16
+    x = _heavy_tiles(8, (2, 3), 4 * tile, 32, spread=1.5)  # [2, 3, T=64, d=32]
+    t = kvarn_quantize(x, bits, kind, tile=tile)
+    err = (kvarn_dequantize(t) - x).abs()
+
+    qmax = 2**bits - 1
+    eta = (2 * FP16_EPS + FP16_EPS**2) / (1 - FP16_EPS) ** 2
+    s, sig, z = t.s_fold.float(), t.scale.float(), t.zero.float()
+    # broadcast to tile matrices [..., n, R, C], then back to token-major [..., T, d]
+    s_, sig_, z_ = s.unsqueeze(-2), sig.unsqueeze(-1), z.unsqueeze(-1)
+    bound = 0.5 * s_ * sig_ + eta * s_ * (qmax * sig_ + z_.abs())
+    bound = bound + s_ * (qmax + 1) * FP16_TINY * 2 + 1e-6 * s_ * (qmax * sig_ + z_.abs())
+    bound = bound.transpose(-1, -2) if kind == "key" else bound
+    bound = bound.reshape(x.shape) + 1e-6 * x.abs()
+    assert (err <= bound).all(), (err - bound).max()
+    # the bound is not vacuous: at <= 4 bits it is the half-step term plus a few percent
+    if bits <= 4:
+        half = (0.5 * s_ * sig_).expand_as(bound.reshape(z_.shape[:-1] + s_.shape[-1:]))
+        half = half.transpose(-1, -2) if kind == "key" else half
+        ratio = bound / half.reshape(x.shape)
+        assert ratio.median() < 1.1, ratio.median()
+
+
+def test_more_bits_less_error():
+    x = _heavy_tiles(9, (), 256, 32, spread=1.0)
+    for kind in ("key", "value"):
+        mse = [((kvarn_fake(x, b, kind) - x) ** 2).mean().item() for b in (2, 3, 4, 8)]
+        assert mse == sorted(mse, reverse=True), (kind, mse)
+        assert mse[-1] < 1e-3 * mse[0]
+
+
+def test_beats_per_token_minmax_on_channel_outlier_keys():
+    g = torch.Generator().manual_seed(10)
+    T, d = 256, 64
+    chan = torch.ones(d)
+    chan[torch.randperm(d, generator=g)[:4]] = 30.0  # a few outlier channels
+    bias = 2.0 * torch.randn(d, generator=g)  # per-channel key offsets
+    x = (torch.randn(4, T, d, generator=g) * chan + bias * chan)  # [heads=4, T, d]
+    mse_kvarn = ((kvarn_fake(x, 4, "key") - x) ** 2).mean()
+    mse_token = ((_per_token_minmax(x, 4) - x) ** 2).mean()
+    assert mse_kvarn < 0.25 * mse_token, (mse_kvarn, mse_token)
+
+
+def test_layout_shapes_dtypes_and_nbytes():
+    x = torch.randn(2, 3, 256, 64, dtype=torch.float16)  # [B, H, T, d]
+    for kind, row, col in [("key", 64, 128), ("value", 128, 64)]:
+        t = kvarn_quantize(x, 4, kind)
+        assert isinstance(t, KVarNTiles) and t.kind == kind and t.bits == 4 and t.tile == 128
+        assert t.codes.dtype == torch.uint8 and t.codes.shape == (2, 3, 256, 64)
+        assert int(t.codes.max()) <= 15
+        assert t.scale.shape == t.zero.shape == (2, 3, 2, row)
+        assert t.s_fold.shape == (2, 3, 2, col)
+        assert t.scale.dtype == t.zero.dtype == t.s_fold.dtype == torch.float16
+        out = kvarn_dequantize(t)
+        assert out.dtype == torch.float32 and out.shape == x.shape
+        # fp16 bytes × (6 heads × 2 tiles) × per-tile metadata values
+        meta = 2 * (6 * 2) * (2 * row + col)
+        assert kvarn_nbytes(t) == 2 * 3 * 256 * 64 * 4 // 8 + meta
+    t3 = kvarn_quantize(torch.randn(1, 128, 3), 3, "value")  # 384 codes * 3 bits = 144 bytes
+    assert kvarn_nbytes(t3) == 144 + 2 * (128 + 128 + 3)
+    with pytest.raises(Exception):
+        t3.bits = 4  # frozen
+
+
+def test_tiles_are_independent():
+    x = _heavy_tiles(11, (2,), 256, 32, spread=1.0)
+    full = kvarn_fake(x, 2, "value")
+    second = kvarn_fake(x[:, 128:], 2, "value")
+    torch.testing.assert_close(full[:, 128:], second, rtol=0, atol=0)
+
+
+# ---------------------------------------------------------------- degenerate tiles
+
+
+@pytest.mark.parametrize("kind", ["key", "value"])
+@pytest.mark.parametrize("bits", [1, 2, 4])
+@pytest.mark.parametrize("const", [0.0, 3.3, -1e-3, 500.0])
+def test_constant_and_zero_tiles(kind, bits, const):
+    x = torch.full((2, 256, 16), const)
+    x[1, 128:] = 0.0  # one all-zero tile beside constant ones
+    t = kvarn_quantize(x, bits, kind)
+    for m in (t.scale, t.zero, t.s_fold):
+        assert torch.isfinite(m).all()
+    out = kvarn_dequantize(t)
+    assert torch.isfinite(out).all()
+    torch.testing.assert_close(out, x, rtol=2 * FP16_EPS, atol=1e-7)
+    assert (out[1, 128:] == 0).all()
+
+
+def test_constant_rows_or_columns_finite():
+    x = torch.randn(128, 8)
+    x[:, 3] = 2.0  # a constant channel
+    x[5, :] = -1.0  # a constant token
+    for kind in ("key", "value"):
+        out = kvarn_fake(x, 2, kind)
+        assert torch.isfinite(out).all()
+        assert (out[:, 3] - 2.0).abs().max() < 0.75 * (x.max() - x.min())
+
+
+# ---------------------------------------------------------------- validation
+
+
+def test_errors_name_the_value():
+    x = torch.randn(200, 8)
+    with pytest.raises(ValueError, match="T=200") as e:
+        kvarn_quantize(x, 4, "key")
+    assert "128" in str(e.value)
+    with pytest.raises(ValueError, match="'query'"):
+        kvarn_quantize(x[:128], 4, "query")
+    for bad in (0, 9):
+        with pytest.raises(ValueError, match=f"got {bad}"):
+            kvarn_quantize(x[:128], bad, "value")
+        with pytest.raises(ValueError, match=f"got {bad}"):
+            kvarn_fake(x[:128], bad, "key")
+    with pytest.raises(ValueError, match="shape"):
+        balance(torch.randn(1, 5))
