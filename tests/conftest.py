@@ -47,8 +47,8 @@ def tiny_model(family: str, seed: int = 0, **over):
     with torch.no_grad():
         for name, p in model.named_parameters():
             if any(k in name for k in ("q_proj", "k_proj")) and p.dim() == 2:
-                p.mul_(8.0)
-                p[:, :3].mul_(4.0)  # outlier input channels
+                p.mul_(4.0)
+                p[:, :3].mul_(3.0)  # outlier input channels
             if "v_proj" in name and p.dim() == 2:
                 p.mul_(4.0)
     model.eval()

@@ -86,9 +86,6 @@ class _Side:
     def append(self, x: torch.Tensor) -> None:
         self.store.append(self.codec.encode(x))
 
-    def decode(self, n: int) -> torch.Tensor:
-        return self.codec.decode(self.store.view(), n)
-
 
 @dataclass
 class KVView:
@@ -113,7 +110,9 @@ class KVView:
     win_k: torch.Tensor
     win_v: torch.Tensor
     w0: int
-    moved: int  # tokens of the window flushed into the middle by this update
+    moved: int = 0  # tokens of the window flushed into the middle by this update
+    mid: dict | None = None  # snapshot of the middle after this update's flush: {"k": storage, "v": storage}
+    mid_len: int = 0  # tokens in that snapshot
 
     # The modeling code only passes these objects on; give them the attributes it may touch.
     @property
@@ -146,12 +145,9 @@ class KVView:
         query = query.to(self.win_k.dtype)
         T = query.shape[2]
         dt = self.win_k.dtype
-        n_mid_total = layer._mid_len
-        # Middle tokens visible at this step: decode (full dequantization; the packed-code kernel reads codes directly).
+        # Middle: full dequantization here (the packed-code kernel of the performance path reads codes directly).
         if T == 1:
-            mid_len = n_mid_total
-            mid_k = layer.k_side.decode(mid_len).to(dt) if (layer.k_side and mid_len) else layer._mid_fp("k", mid_len)
-            mid_v = layer.v_side.decode(mid_len).to(dt) if (layer.v_side and mid_len) else layer._mid_fp("v", mid_len)
+            mid_k, mid_v = layer._decode_mid(self.mid, self.mid_len, dt)
             rk, rv = self.win_k[:, :, self.moved :], self.win_v[:, :, self.moved :]
             K = torch.cat([self.sink_k, mid_k, rk], dim=2)
             V = torch.cat([self.sink_v, mid_v, rv], dim=2)
@@ -161,12 +157,8 @@ class KVView:
             return reference_attention(query, K, V, allowed, scaling, softcap)
 
         mid_len = self.mid_len_before
-        if mid_len:
-            mk = layer.k_side.decode(mid_len) if layer.k_side else layer._mid_fp("k", mid_len)
-            mv = layer.v_side.decode(mid_len) if layer.v_side else layer._mid_fp("v", mid_len)
-            mk, mv = mk[:, :, :mid_len].to(dt), mv[:, :, :mid_len].to(dt)
-        else:
-            mk = mv = self.win_k[:, :, :0]
+        mk, mv = layer._decode_mid(self.mid, self.mid_len, dt)
+        mk, mv = mk[:, :, :mid_len], mv[:, :, :mid_len]
         kh = layer._fake("key", self.win_k)
         vh = layer._fake("value", self.win_v)
         K = torch.cat([self.sink_k, mk, self.win_k], dim=2)
@@ -240,8 +232,6 @@ class WushKVLayer(CacheLayerMixin):
             key_states = torch.einsum("bhtd,hed->bhte", key_states, self.T_K.to(key_states.dtype))
         n0, T = self.n, key_states.shape[2]
         n1 = n0 + T
-        if self.is_sliding:  # positions no query from now on can see (done here, not after: this step still reads them)
-            self._evict(n0 - self.sliding_window + 1)
         # 1. the first S_sink positions go to the full-precision sink
         take = min(T, max(0, w.S_sink - n0))
         if take:
@@ -257,8 +247,11 @@ class WushKVLayer(CacheLayerMixin):
             self._append_mid(win_k[:, :, :moved], win_v[:, :, :moved])
             self._q_count += moved
         view.moved = moved
+        view.mid, view.mid_len = self._snapshot_mid(), self._mid_len
         self.recent_k, self.recent_v = win_k[:, :, moved:], win_v[:, :, moved:]
         self.n = n1
+        if self.is_sliding:  # the view keeps what this step reads; the layer keeps what later steps can see
+            self._evict(n1 - self.sliding_window + 1)
         return view, view
 
     def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
@@ -330,8 +323,23 @@ class WushKVLayer(CacheLayerMixin):
                 self._mid_fp_store[name] = torch.cat([self._mid_fp_store[name], x], dim=2)
         self._mid_len += k.shape[2]
 
-    def _mid_fp(self, name: str, n: int) -> torch.Tensor:
-        return self._mid_fp_store[name][:, :, :n]
+    def _snapshot_mid(self) -> dict:
+        return {
+            name: (side.store.view() if side is not None else self._mid_fp_store[name])
+            for name, side in (("k", self.k_side), ("v", self.v_side))
+        }
+
+    def _decode_mid(self, snap: dict, n: int, dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """Dequantize a middle snapshot of ``n`` tokens: (B, Hkv, n, d) keys and values."""
+        out = []
+        for name, side in (("k", self.k_side), ("v", self.v_side)):
+            if n == 0:
+                out.append(self.sink_k[:, :, :0].to(dtype))
+            elif side is None:
+                out.append(snap[name].to(dtype))
+            else:
+                out.append(side.codec.decode(snap[name], n).to(dtype))
+        return out[0], out[1]
 
     def _fake(self, side: str, x: torch.Tensor) -> torch.Tensor:
         """Quantize-dequantize the whole blocks of a window that starts on the flush grid; the rest stays as is."""
@@ -408,3 +416,12 @@ class WushKVCache(Cache):
                 tot[k] += v
         tot["total"] = sum(tot.values())
         return tot
+
+    def full_precision_nbytes(self, torch_dtype_size: int = 2) -> int:
+        """Bytes a ``DynamicCache`` (sliding layers: ``DynamicSlidingWindowLayer``) would hold for the same tokens."""
+        total = 0
+        for layer in self.layers:
+            if layer.is_initialized:
+                B, H, _, d = layer.sink_k.shape
+                total += 2 * B * H * d * torch_dtype_size * (layer.n - layer._first_visible(layer.n))
+        return total

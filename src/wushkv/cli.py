@@ -53,15 +53,68 @@ def cmd_info(args) -> int:
     return 0
 
 
+def _bits(s: str) -> int | None:
+    if s.lower() in ("16", "fp", "none"):
+        return None
+    try:
+        return int(s)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"bits must be one of 2, 3, 4, 8 or 16 (full precision), got {s!r}") from None
+
+
+def _add_quant_args(p: argparse.ArgumentParser, windows) -> None:
+    from .config import QuantConfig
+
+    d = QuantConfig()
+    p.add_argument("--k-bits", type=_bits, default=d.k_bits, help="key bits: 2, 3, 4, 8 (16 = full precision) (default: %(default)s)")
+    p.add_argument("--v-bits", type=_bits, default=d.v_bits, help="value bits (default: %(default)s)")
+    p.add_argument("--quantizer", default=d.quantizer, help="quest | affine | kivi | kvarn (default: %(default)s)")
+    p.add_argument("--k-clip", type=float, default=d.k_clip, help="affine key clip ratio κ_K (default: %(default)s)")
+    p.add_argument("--v-clip", type=float, default=d.v_clip, help="affine value clip ratio κ_V (default: %(default)s)")
+    p.add_argument("--group-size", type=int, default=d.group_size, help="channels per quantization group (default: head_dim)")
+    p.add_argument("--sink", type=int, default=windows.S_sink, help="S_sink full-precision first tokens (default: %(default)s)")
+    p.add_argument("--keep", type=int, default=windows.S_keep, help="S_keep full-precision recent tokens (default: %(default)s)")
+    p.add_argument("--flush", type=int, default=windows.S_flush, help="S_flush tokens quantized per flush (default: %(default)s)")
+
+
+def _quant_config(args, k_bits=None, v_bits=None):
+    from .config import QuantConfig, WindowConfig
+
+    return QuantConfig(
+        k_bits=args.k_bits if k_bits is None else k_bits,
+        v_bits=args.v_bits if v_bits is None else v_bits,
+        quantizer=args.quantizer,
+        k_clip=args.k_clip,
+        v_clip=args.v_clip,
+        group_size=args.group_size,
+        windows=WindowConfig(args.sink, args.keep, args.flush),
+    )
+
+
+def _load_calibration(args, model):
+    from .calibration import Calibration
+
+    if not getattr(args, "calibration", None):
+        return None
+    return Calibration.load(args.calibration, model)
+
+
 def cmd_ppl(args) -> int:
     from .data import load_eval_text, tokenize_chunks
+    from .eval.compare import config_for, quantized_perplexity
     from .eval.perplexity import perplexity
     from .io import write_json
 
     text, label = load_eval_text(args.text_file)
+    cfg = _quant_config(args) if args.transform else None
     model, tok = _load(args)
     chunks = tokenize_chunks(tok, text, args.seq_len, args.chunks)
-    res = perplexity(model, chunks, desc=f"ppl {args.model}")
+    if cfg is None:
+        res = perplexity(model, chunks, desc=f"ppl {args.model}")
+    else:
+        cfg = config_for(args.transform, cfg)
+        cal = _load_calibration(args, model)
+        res = quantized_perplexity(model, chunks, cal, args.transform, cfg, desc=f"ppl {args.transform} {cfg.label()}")
     out = {
         "model": args.model,
         "text": label,
@@ -70,15 +123,175 @@ def cmd_ppl(args) -> int:
         "tokens": res["tokens"],
         "ppl": res["ppl"],
         "seconds": res["seconds"],
-        "quantization": None,
+        "transform": args.transform,
+        "calibration": args.calibration,
+        "quantization": cfg.to_dict() if cfg else None,
     }
-    print(f"{args.model}  {label}  {res['chunks']} x {args.seq_len} tokens  PPL {res['ppl']:.3f}  ({res['seconds']:.1f}s)")
+    what = "full precision" if cfg is None else f"{args.transform} {cfg.label()}"
+    print(f"{args.model}  {label}  {res['chunks']} x {args.seq_len} tokens  {what}  PPL {res['ppl']:.3f}  ({res['seconds']:.1f}s)")
     if args.json:
         write_json(args.json, out)
     return 0
 
 
+def cmd_calibrate(args) -> int:
+    from .calibration import calibrate
+
+    model, tok = _load(args)
+    cal = calibrate(model, tok, samples=args.samples, seq_len=args.seq_len, text_file=args.calib_text_file,
+                    damping=args.damping, wush_a=args.wush_a, skip_first=args.skip_first)
+    path = cal.save(args.out)
+    print(f"calibration of {args.model}: {cal.meta['samples']} x {cal.meta['seq_len']} tokens, transforms {sorted(cal.solved)}, "
+          f"{cal.meta['seconds']:.1f}s -> {path} (+ {path}.json)")
+    return 0
+
+
+def cmd_recon(args) -> int:
+    from .calibration import Calibration, calibration_sequences
+    from .config import QuantConfig
+    from .data import load_eval_text, tokenize_chunks
+    from .eval.reconstruction import layer_reconstruction
+    from .io import write_json
+    from .report import format_table, plot_lines
+
+    text, label = load_eval_text(args.text_file)
+    model, tok = _load(args)
+    cal = Calibration.load(args.calibration, model)
+    names = [t.strip() for t in args.transforms.split(",") if t.strip()]
+    transforms = {n: cal.transforms(n) for n in names}
+    seqs = tokenize_chunks(tok, text, args.seq_len, args.samples)
+    results = {}
+    for bits in args.bits:
+        cfg = QuantConfig(k_bits=bits, v_bits=bits, quantizer=args.quantizer)
+        res = layer_reconstruction(model, seqs, transforms, cfg)
+        results[bits] = res
+        rows = [[n, r["geomean"], r["geomean"] / res[names[0]]["geomean"]] for n, r in res.items()]
+        print(format_table(["transform", "geomean rel. error", f"/ {names[0]}"], rows,
+                           title=f"\n{args.model}: module-output error, K{bits}V{bits} {args.quantizer}, {seqs.shape[0]} x {seqs.shape[1]} tokens of {label}"))
+    first = args.bits[0]
+    out = {"model": args.model, "bits": first, "quantizer": args.quantizer, "text": label, "samples": int(seqs.shape[0]),
+           "seq_len": int(seqs.shape[1]), "calibration": args.calibration, "transforms": results[first],
+           "by_bits": {str(b): r for b, r in results.items()}}
+    if args.json:
+        write_json(args.json, out)
+    if args.plot:
+        layers = list(range(len(next(iter(results[first].values()))["per_layer"])))
+        plot_lines(layers, {n: r["per_layer"] for n, r in results[first].items()}, args.plot, "layer",
+                   "‖Ŷ−Y‖² / ‖Y‖²", f"{args.model}: K{first}V{first} {args.quantizer}, module-output error", logy=True)
+    return 0
+
+
+def _bits_list(s: str) -> list[int]:
+    try:
+        return [int(b) for b in s.split(",") if b.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated bit widths such as 2,3,4, got {s!r}") from None
+
+
+def _calibration_for(args, model, tok, transforms):
+    """The --calibration file, or a cached calibration when a calibrated transform is asked for."""
+    from .eval.compare import cached_calibration
+    from .transforms import TRANSFORMS
+
+    for t in transforms:
+        if t not in TRANSFORMS:
+            raise ValueError(f"unknown transform {t!r}; known: {sorted(TRANSFORMS)}")
+    if getattr(args, "calibration", None):
+        return _load_calibration(args, model)
+    if any(TRANSFORMS[t].needs_calibration for t in transforms):
+        return cached_calibration(model, tok, args.calib_samples, args.calib_seq_len, wush_a="wush-a" in transforms,
+                                  log=lambda m: print(m, file=sys.stderr))
+    return None
+
+
+def cmd_compare(args) -> int:
+    from dataclasses import replace
+
+    from .data import load_eval_text, tokenize_chunks
+    from .eval.compare import best_per_bits, compare_table, run_compare
+    from .io import write_json
+    from .report import format_table, markdown_table, plot_lines
+
+    transforms = [t.strip() for t in args.transforms.split(",") if t.strip()]
+    base = _quant_config(args, k_bits=2, v_bits=2)
+    for b in args.bits:
+        replace(base, k_bits=b, v_bits=b)  # validates the widths before anything long runs
+    text, label = load_eval_text(args.text_file)
+    model, tok = _load(args)
+    cal = _calibration_for(args, model, tok, transforms)
+    chunks = tokenize_chunks(tok, text, args.seq_len, args.chunks)
+    meta = {"model": args.model, "text": label, "transforms": transforms, "bits": args.bits,
+            "calibration": cal.meta if cal is not None else None}
+    out = run_compare(model, tok, chunks, cal, transforms, args.bits, base, json_path=args.json, meta=meta,
+                      log=lambda m: print(m, file=sys.stderr))
+    headers, rows = compare_table(out, transforms, args.bits)
+    w = base.windows
+    title = (f"\n{args.model} on {label}: {chunks.shape[0]} x {chunks.shape[1]} tokens, {args.quantizer}, K=V bits, "
+             f"windows {w.S_sink}/{w.S_keep}/{w.S_flush} (kvarn: its own tiles of 128)\nfull precision PPL {out['fp']['ppl']:.3f}")
+    print(format_table(headers, rows, title=title))
+    best = best_per_bits(out, transforms, args.bits)
+    print("lowest perplexity: " + ", ".join(f"{b}-bit {t}" for b, t in best.items()))
+    if args.markdown:
+        from .io import atomic_write
+
+        md = f"full precision PPL {out['fp']['ppl']:.3f}\n\n" + markdown_table(headers, rows) + "\n"
+        atomic_write(args.markdown, lambda tmp: open(tmp, "w").write(md))
+    if args.plot:
+        plot_lines(args.bits, {t: [out["results"][t][str(b)]["ppl"] for b in args.bits] for t in transforms}, args.plot,
+                   "bits (keys and values)", "perplexity", f"{args.model}: perplexity vs bits ({args.quantizer})", logy=True,
+                   hline=out["fp"]["ppl"], hlabel="full precision")
+    if args.json:
+        write_json(args.json, out)
+    return 0
+
+
+def cmd_demo(args) -> int:
+    """The main job on the default model: calibrate (cached) and compare every transform."""
+    argv = ["compare", "--model", args.model, "--bits", args.bits, "--transforms", args.transforms, "--chunks", str(args.chunks),
+            "--calib-samples", str(args.calib_samples), "--json", f"{args.out}/compare.json", "--plot", f"{args.out}/compare.png",
+            "--markdown", f"{args.out}/compare.md"]
+    print(f"wushkv demo: wushkv {' '.join(argv)}", file=sys.stderr)
+    return main(argv)
+
+
+def cmd_generate(args) -> int:
+    from transformers import TextStreamer
+
+    from .cache import WushKVCache
+    from .eval.compare import config_for
+    from .folding import apply_transforms
+
+    cfg = config_for(args.transform, _quant_config(args))
+    model, tok = _load(args)
+    cal = _calibration_for(args, model, tok, [args.transform])
+    if cal is not None:
+        trs = cal.transforms(args.transform)
+    else:
+        from .models import describe
+        from .transforms import build_transforms
+
+        spec = describe(model)
+        trs = [build_transforms(args.transform, spec.num_kv_heads, spec.head_dim) for _ in range(spec.num_layers)]
+    prompt = open(args.prompt_file, encoding="utf-8").read() if args.prompt_file else args.prompt
+    ids = tok(prompt, return_tensors="pt").input_ids.to(args.device)
+    with apply_transforms(model, trs, args.transform):
+        cache = WushKVCache(model, cfg)
+        streamer = TextStreamer(tok, skip_prompt=False)
+        out = model.generate(ids, past_key_values=cache, max_new_tokens=args.max_new_tokens, do_sample=False, streamer=streamer,
+                             pad_token_id=tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id)
+    nb = cache.nbytes()
+    fp = cache.full_precision_nbytes(torch_dtype_size=2)
+    print(f"\n[{args.transform} {cfg.label()}] {out.shape[1]} tokens in the cache: {nb['total'] / 2**20:.2f} MiB held "
+          f"(codes {nb['codes'] / 2**20:.2f}, metadata {nb['metadata'] / 2**20:.2f}, full-precision windows {nb['full_precision'] / 2**20:.2f}) "
+          f"vs {fp / 2**20:.2f} MiB for a bfloat16 DynamicCache ({fp / max(nb['total'], 1):.2f}x smaller)", file=sys.stderr)
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
+    from .config import GENERATION_WINDOWS, PERPLEXITY_WINDOWS
+    from .transforms import TRANSFORMS
+
+    transforms_help = ", ".join(TRANSFORMS)
     parser = argparse.ArgumentParser(prog="wushkv", description="WUSH-KV: low-bit KV caches with data-aware transforms.")
     parser.add_argument("--version", action="version", version=f"wushkv {__version__}")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -88,13 +301,77 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--json", action="store_true", help="print JSON")
     p.set_defaults(func=cmd_info)
 
-    p = sub.add_parser("ppl", help="perplexity over non-overlapping chunks")
+    p = sub.add_parser("ppl", help="perplexity over non-overlapping chunks (full precision, or through the quantized cache)")
     _add_model_args(p)
     p.add_argument("--seq-len", type=int, default=2048, help="tokens per chunk (default: %(default)s)")
     p.add_argument("--chunks", type=int, default=None, help="number of chunks (default: all)")
     p.add_argument("--text-file", default=None, help="UTF-8 text to evaluate instead of WikiText-2 test")
     p.add_argument("--json", default=None, help="write the result as JSON to this path")
+    p.add_argument("--transform", default=None, help=f"quantize the cache with this transform: {transforms_help}; omit for full precision")
+    p.add_argument("--calibration", default=None, help="calibration file (needed by calibrated transforms)")
+    _add_quant_args(p, PERPLEXITY_WINDOWS)
     p.set_defaults(func=cmd_ppl)
+
+    p = sub.add_parser("calibrate", help="collect statistics on calibration text and solve the transforms")
+    _add_model_args(p)
+    p.add_argument("--samples", type=int, default=32, help="calibration sequences (default: %(default)s)")
+    p.add_argument("--seq-len", type=int, default=2048, help="tokens per sequence (default: %(default)s)")
+    p.add_argument("--calib-text-file", default=None, help="calibration text: UTF-8 file or C4-style .jsonl[.gz] (default: the C4 sample)")
+    p.add_argument("--damping", type=float, default=0.01, help="γ: damping of H and M relative to their mean diagonal (default: %(default)s)")
+    p.add_argument("--wush-a", action="store_true", help="also collect attention-aware Hessians (WUSH-A; O(S²), use --seq-len <= 1024)")
+    p.add_argument("--skip-first", type=int, default=0, help="leave the first N positions of each sequence out of M_K/M_V (default: %(default)s)")
+    p.add_argument("--out", required=True, help="output .safetensors path (metadata also in PATH.json)")
+    p.set_defaults(func=cmd_calibrate)
+
+    p = sub.add_parser("recon", help="layer-wise module-output error per transform (the controlled experiment)")
+    _add_model_args(p)
+    p.add_argument("--calibration", required=True, help="calibration file from `wushkv calibrate`")
+    p.add_argument("--bits", type=_bits_list, default=[2], help="bit widths, comma-separated; K and V at the same width (default: 2)")
+    p.add_argument("--transforms", default="identity,hadamard,random,oscar,wush", help="comma-separated (default: %(default)s)")
+    p.add_argument("--quantizer", default="quest", help="quest | affine (default: %(default)s)")
+    p.add_argument("--samples", type=int, default=32, help="evaluation sequences (default: %(default)s)")
+    p.add_argument("--seq-len", type=int, default=1024, help="tokens per sequence (default: %(default)s)")
+    p.add_argument("--text-file", default=None, help="evaluation text (default: WikiText-2 test, disjoint from the C4 calibration)")
+    p.add_argument("--json", default=None, help="write results as JSON")
+    p.add_argument("--plot", default=None, help="write a PNG of error per layer")
+    p.set_defaults(func=cmd_recon)
+
+    p = sub.add_parser("compare", help="perplexity of every transform at every bit width, side by side (the paper's Table 1)")
+    _add_model_args(p)
+    p.add_argument("--bits", type=_bits_list, default=[2, 3, 4], help="bit widths, comma-separated (default: 2,3,4)")
+    p.add_argument("--transforms", default="identity,hadamard,random,oscar,kvarn,wush", help="comma-separated (default: %(default)s)")
+    p.add_argument("--chunks", type=int, default=16, help="evaluation chunks (default: %(default)s)")
+    p.add_argument("--seq-len", type=int, default=2048, help="tokens per chunk (default: %(default)s)")
+    p.add_argument("--text-file", default=None, help="UTF-8 text to evaluate instead of WikiText-2 test")
+    p.add_argument("--calibration", default=None, help="calibration file; default: calibrate once and cache by model fingerprint")
+    p.add_argument("--calib-samples", type=int, default=16, help="calibration sequences when calibrating (default: %(default)s)")
+    p.add_argument("--calib-seq-len", type=int, default=2048, help="calibration sequence length (default: %(default)s)")
+    p.add_argument("--json", default=None, help="write (and resume from) results JSON")
+    p.add_argument("--plot", default=None, help="write a PNG of perplexity vs bits")
+    p.add_argument("--markdown", default=None, help="write the table as Markdown")
+    _add_quant_args(p, PERPLEXITY_WINDOWS)
+    p.set_defaults(func=cmd_compare)
+
+    p = sub.add_parser("demo", help="the main job on the default model: calibrate and compare (about 10 minutes on 2 cores)")
+    p.add_argument("--model", default="smollm2-135m")
+    p.add_argument("--bits", default="2,3,4")
+    p.add_argument("--transforms", default="identity,hadamard,random,oscar,kvarn,wush")
+    p.add_argument("--chunks", type=int, default=2)
+    p.add_argument("--calib-samples", type=int, default=8)
+    p.add_argument("--out", default="out/demo")
+    p.set_defaults(func=cmd_demo)
+
+    p = sub.add_parser("generate", help="stream generated text through the quantized cache")
+    _add_model_args(p)
+    p.add_argument("--prompt", default="The history of the KV cache begins", help="prompt text")
+    p.add_argument("--prompt-file", default=None, help="read the prompt from a UTF-8 file")
+    p.add_argument("--max-new-tokens", type=int, default=128)
+    p.add_argument("--transform", default="wush", help="transform (default: %(default)s)")
+    p.add_argument("--calibration", default=None, help="calibration file; default: calibrate once and cache")
+    p.add_argument("--calib-samples", type=int, default=16)
+    p.add_argument("--calib-seq-len", type=int, default=2048)
+    _add_quant_args(p, GENERATION_WINDOWS)
+    p.set_defaults(func=cmd_generate)
     return parser
 
 

@@ -1,0 +1,329 @@
+"""Calibration: stream second-order statistics, solve for T_K and T_V, save/load (safetensors + JSON).
+
+Shaped like GPTQ: a :class:`StatsCollector` has ``observe`` (add a batch, called by the registered
+attention for every layer) and ``finalize`` (per-layer statistics); :func:`calibrate` runs the model
+over calibration text and solves every calibrated transform. Statistics per (layer, KV head), float64,
+METHOD §3 (keys/queries after q/k norm and RoPE, exactly what attention sees):
+
+* ``M_K = Σ k kᵀ``, ``H_K = 2 Σ_{g∈group} q_g q_gᵀ``, ``M_V = Σ v vᵀ`` (v_proj output incl. bias),
+  ``H_V = 2 Σ_g B_gᵀ B_g`` with ``B_g`` the o_proj columns of query head g (weights only);
+* OSCAR (METHOD §6): ``C_Q`` = mean of ``q qᵀ`` over the group's queries, ``Sigma_V`` = score-weighted
+  value covariance with weights ``w = kᵀ C_Q k`` normalized to mean 1. ``C_Q`` is not known before the
+  pass, so ``w`` uses the running estimate (all queries seen so far, including the current sequence);
+* WUSH-A (METHOD §3.1, optional): attention-aware Hessians ``H_K_A`` and ``H_V_A`` (Gauss–Newton
+  through the softmax), O(S²) per head.
+
+Activations are never stored beyond one layer of one batch.
+"""
+
+from __future__ import annotations
+
+import datetime as _dt
+import json
+import math
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+from safetensors.torch import save_file
+
+from . import __version__
+from .attention import attention_probs, grouped, restore_attention, use_wushkv_attention
+from .io import atomic_write, write_json
+from .models import ArchSpec, attention_modules, describe, fingerprint, model_name, projections
+from .progress import progress
+from .transforms import TRANSFORMS, build_transforms
+
+FORMAT = "wushkv-calibration"
+FORMAT_VERSION = 1
+CALIBRATED = tuple(n for n, s in TRANSFORMS.items() if s.needs_calibration)
+
+
+class CalibrationError(ValueError):
+    """A calibration file that cannot be used (wrong model, corrupted, incompatible version)."""
+
+
+class StatsCollector:
+    """Streaming float64 statistics per (layer, KV head). See the module docstring."""
+
+    def __init__(self, spec: ArchSpec, o_proj_weights: list[torch.Tensor], wush_a: bool = False, skip_first: int = 0):
+        self.spec = spec
+        self.wush_a = wush_a
+        self.skip_first = skip_first  # positions excluded from M_K/M_V (e.g. never-quantized sink tokens)
+        self.o_weights = o_proj_weights  # per layer, (hidden, Hq·d), original weights
+        self.layers: list[dict[str, torch.Tensor] | None] = [None] * spec.num_layers
+        self.tokens = 0
+
+    def _acc(self, layer: int, d: int, device) -> dict[str, torch.Tensor]:
+        if self.layers[layer] is None:
+            H = self.spec.num_kv_heads
+            z = lambda: torch.zeros(H, d, d, dtype=torch.float64, device=device)  # noqa: E731
+            self.layers[layer] = {
+                "M_K": z(), "QQ": z(), "M_V": z(), "SV": z(),
+                "SW": torch.zeros(H, dtype=torch.float64, device=device),
+                "n_k": torch.zeros((), dtype=torch.float64, device=device),
+                "n_q": torch.zeros((), dtype=torch.float64, device=device),
+            } | ({"H_K_A": z(), "H_V_A": z()} if self.wush_a else {})
+        return self.layers[layer]
+
+    @torch.no_grad()
+    def observe(self, module, q, k, v, allowed, scaling, softcap=None) -> None:
+        """q (B, Hq, T, d), k/v (B, Hkv, S, d): raw queries/keys after norm+RoPE and v_proj outputs."""
+        if not (torch.isfinite(q).all() and torch.isfinite(k).all() and torch.isfinite(v).all()):
+            raise CalibrationError(f"layer {module.layer_idx}: NaN or inf in queries/keys/values during calibration")
+        layer = module.layer_idx
+        B, Hq, T, d = q.shape
+        acc = self._acc(layer, d, q.device)
+        Hkv = k.shape[1]
+        qg = grouped(q.double(), Hkv)  # (B, Hkv, G, T, d)
+        k64, v64 = k.double(), v.double()
+        ks, vs = k64[:, :, self.skip_first :], v64[:, :, self.skip_first :]
+        gram = lambda x: (x.transpose(-1, -2) @ x).sum(0)  # (B, H, n, d) -> (H, d, d)  # noqa: E731
+        acc["M_K"] += gram(ks)
+        acc["M_V"] += gram(vs)
+        acc["QQ"] += gram(qg.reshape(B, Hkv, -1, d))
+        acc["n_q"] += B * qg.shape[2] * T
+        acc["n_k"] += B * ks.shape[2]
+        # OSCAR value weights w = kᵀ C_Q k with the running C_Q (mean q qᵀ of the group)
+        C_Q = acc["QQ"] / acc["n_q"]
+        w = ((k64 @ C_Q) * k64).sum(-1)  # (B, Hkv, S)
+        acc["SV"] += ((v64 * w[..., None]).transpose(-1, -2) @ v64).sum(0)
+        acc["SW"] += w.sum(dim=(0, 2))
+        if self.wush_a:
+            self._observe_attention_aware(acc, layer, qg, k, v, allowed, scaling, softcap)
+        if layer == 0:
+            self.tokens += B * T
+
+    def _observe_attention_aware(self, acc, layer, qg, k, v, allowed, scaling, softcap) -> None:
+        """WUSH-A Hessians (METHOD §3.1), summed over perturbed positions t, in float32 then float64.
+
+        Values: H_V^A = 2 Σ_{g,g'} (Σ_{i,t} p_{g,i,t} p_{g',i,t}) B_gᵀ B_{g'}.
+        Keys:   H_K^A = 2 Σ_i Σ_{g,g'} C_{gg'}(i) q_{g,i} q_{g',i}ᵀ with
+                C_{gg'}(i) = s² Σ_t p_{g,i,t} p_{g',i,t} (x_{g,t} − y_{g,i})ᵀ(x_{g',t} − y_{g',i}),
+                x_{g,t} = B_g v_t, y_{g,i} = B_g o_{g,i} (o = attention output of head g at i).
+        """
+        Hkv, G, d = qg.shape[1], qg.shape[2], qg.shape[-1]
+        qf = qg.float()
+        p = attention_probs(qf, k.float(), allowed, scaling, softcap)  # (B, Hkv, G, T, S)
+        o = torch.matmul(p, v.float().unsqueeze(2))  # (B, Hkv, G, T, d)
+        W = self.o_weights[layer].float().to(qf.device).view(-1, Hkv, G, d)  # (hidden, Hkv, G, d): B_g = W[:, h, g]
+        for h in range(Hkv):
+            Bh = W[:, h]  # (hidden, G, d)
+            O = torch.einsum("ngd,nhe->ghde", Bh, Bh)  # B_gᵀ B_g' (G, G, d, d)
+            ph = p[:, h]  # (B, G, T, S)
+            PP = torch.einsum("bgts,bhts->gh", ph, ph)  # Σ_{i,t} p_g p_g'
+            acc["H_V_A"][h] += 2 * torch.einsum("gh,ghde->de", PP, O).double()
+            x = torch.einsum("bsd,ngd->bgsn", v[:, h].float(), Bh)  # (B, G, S, hidden)
+            y = torch.einsum("bgtd,ngd->bgtn", o[:, h], Bh)  # (B, G, T, hidden)
+            # C_{gg'}(i) = s² Σ_t p p' [x_gᵀx_g'(t) − x_gᵀy_g'(t,i) − y_gᵀx_g'(i,t) + y_gᵀy_g'(i)]
+            xx = torch.einsum("bgsn,bhsn->bghs", x, x)  # (B, G, G, S)
+            yy = torch.einsum("bgtn,bhtn->bght", y, y)  # (B, G, G, T)
+            xy = torch.einsum("bgsn,bhtn->bghts", x, y)  # x_{g,t}ᵀ y_{g',i}: (B, G, G, T(i), S(t))
+            pp = ph.unsqueeze(2) * ph.unsqueeze(1)  # (B, G, G, T, S)
+            C = (pp * xx.unsqueeze(3)).sum(-1) + pp.sum(-1) * yy - (pp * xy).sum(-1) - (pp * xy.transpose(1, 2)).sum(-1)
+            C = C * scaling**2  # (B, G, G, T)
+            qh = qf[:, h]  # (B, G, T, d)
+            acc["H_K_A"][h] += 2 * torch.einsum("bght,bgtd,bhte->de", C, qh, qh).double()
+
+    def finalize(self) -> list[dict[str, torch.Tensor]]:
+        """Per-layer statistics (float64, CPU): M_K, H_K, M_V, H_V, C_Q, Sigma_V [, H_K_A, H_V_A]."""
+        spec, out = self.spec, []
+        for layer, acc in enumerate(self.layers):
+            if acc is None:
+                raise CalibrationError(f"layer {layer} saw no calibration tokens")
+            W = self.o_weights[layer].double().view(-1, spec.num_kv_heads, spec.group_size, spec.head_dim)
+            H_V = 2 * torch.einsum("nhgd,nhge->hde", W, W)
+            st = {
+                "M_K": acc["M_K"],
+                "H_K": 2 * acc["QQ"],
+                "M_V": acc["M_V"],
+                "H_V": H_V.to(acc["M_K"].device),
+                "C_Q": acc["QQ"] / acc["n_q"],
+                "Sigma_V": acc["SV"] / acc["SW"].clamp_min(1e-300)[:, None, None],
+            }
+            if self.wush_a:
+                st |= {"H_K_A": acc["H_K_A"], "H_V_A": acc["H_V_A"]}
+            for name, t in st.items():
+                if not torch.isfinite(t).all():
+                    raise CalibrationError(f"layer {layer} statistic {name} contains NaN or inf")
+            out.append({k: t.detach().cpu().contiguous() for k, t in st.items()})
+        return out
+
+
+@dataclass
+class Calibration:
+    """Statistics and solved transforms of one model. ``meta`` is the JSON metadata."""
+
+    meta: dict
+    stats: list[dict[str, torch.Tensor]]
+    solved: dict[str, list[dict[str, torch.Tensor]]] = field(default_factory=dict)
+
+    @property
+    def spec_dict(self) -> dict:
+        return self.meta["fingerprint"]
+
+    def solve(self, method: str, damping: float | None = None, damping_M: float | None = None) -> list[dict[str, torch.Tensor]]:
+        """Solve (or fetch) a calibrated transform for every layer."""
+        damping = self.meta["damping"] if damping is None else damping
+        fp = self.spec_dict
+        return [
+            build_transforms(method, fp["num_kv_heads"], fp["head_dim"], st, damping=damping, damping_M=damping_M)
+            for st in self.stats
+        ]
+
+    def transforms(self, method: str, seed: int = 0) -> list[dict[str, torch.Tensor]]:
+        """Per-layer {T_K, T_K_inv, T_V, T_V_inv} for any registered transform name."""
+        spec = TRANSFORMS.get(method)
+        if spec is None:
+            raise ValueError(f"unknown transform {method!r}; known: {sorted(TRANSFORMS)}")
+        fp = self.spec_dict
+        if not spec.needs_calibration:
+            return [build_transforms(method, fp["num_kv_heads"], fp["head_dim"], seed=seed) for _ in self.stats]
+        if method not in self.solved:
+            missing = [k for k in spec.stats_keys if k not in self.stats[0]]
+            if missing:
+                raise CalibrationError(f"transform {method!r} needs statistics {missing}, not in this calibration (recalibrate{' with --wush-a' if method == 'wush-a' else ''})")
+            self.solved[method] = self.solve(method)
+        return self.solved[method]
+
+    # -- files -------------------------------------------------------------------------------
+    def save(self, path: str | Path) -> Path:
+        """One safetensors file (statistics float64, transforms float32) with the JSON metadata in its
+        header, written atomically, plus a human-readable ``PATH.json`` copy of the metadata."""
+        tensors = {}
+        for l, st in enumerate(self.stats):
+            for k, t in st.items():
+                tensors[f"stats.{l}.{k}"] = t.contiguous()
+        for m, layers in self.solved.items():
+            for l, tr in enumerate(layers):
+                for k, t in tr.items():
+                    tensors[f"transforms.{m}.{l}.{k}"] = t.float().contiguous()
+        header = {"format": FORMAT, "format_version": str(FORMAT_VERSION), "meta": json.dumps(self.meta)}
+        path = Path(path)
+        atomic_write(path, lambda tmp: save_file(tensors, tmp, metadata=header))
+        write_json(str(path) + ".json", self.meta)
+        return path
+
+    @classmethod
+    def load(cls, path: str | Path, model=None) -> Calibration:
+        """Load and validate; with ``model``, check that the file was made for it."""
+        path = Path(path)
+        if not path.is_file():
+            raise FileNotFoundError(f"calibration file {str(path)!r} does not exist; create it with `wushkv calibrate --out {path}`")
+        try:
+            with safe_open(str(path), framework="pt") as f:
+                header = f.metadata() or {}
+                if header.get("format") != FORMAT:
+                    raise CalibrationError(f"{str(path)!r} is not a wushkv calibration file (format {header.get('format')!r})")
+                version = int(header.get("format_version", -1))
+                if version != FORMAT_VERSION:
+                    raise CalibrationError(f"{str(path)!r} has calibration format version {version}; this wushkv {__version__} reads version {FORMAT_VERSION}")
+                meta = json.loads(header["meta"])
+                tensors = {k: f.get_tensor(k) for k in f.keys()}
+        except CalibrationError:
+            raise
+        except Exception as e:  # noqa: BLE001 - safetensors raises several types on corrupted files
+            raise CalibrationError(f"{str(path)!r} is corrupted or not a safetensors file: {type(e).__name__}: {e}") from None
+        n = meta["fingerprint"]["num_layers"]
+        stats: list[dict] = [{} for _ in range(n)]
+        solved: dict[str, list[dict]] = {}
+        try:
+            for key, t in tensors.items():
+                parts = key.split(".")
+                if parts[0] == "stats":
+                    stats[int(parts[1])][parts[2]] = t
+                elif parts[0] == "transforms":
+                    solved.setdefault(parts[1], [{} for _ in range(n)])[int(parts[2])][parts[3]] = t
+        except (IndexError, ValueError) as e:
+            raise CalibrationError(f"{str(path)!r} has an unexpected tensor {key!r}: {e}") from None
+        for l, st in enumerate(stats):
+            for k in ("M_K", "H_K", "M_V", "H_V"):
+                if k not in st:
+                    raise CalibrationError(f"{str(path)!r} lacks statistic {k} of layer {l}")
+                if not torch.isfinite(st[k]).all():
+                    raise CalibrationError(f"{str(path)!r}: statistic {k} of layer {l} contains NaN or inf")
+        cal = cls(meta, stats, solved)
+        if model is not None:
+            cal.check_model(model)
+        return cal
+
+    def check_model(self, model) -> None:
+        """Raise :class:`CalibrationError` naming every field where ``model`` differs from the calibrated one."""
+        want = self.spec_dict
+        have = fingerprint(model)
+        diff = [f"{k}: file {want.get(k)!r} vs model {have.get(k)!r}" for k in have if want.get(k) != have.get(k)]
+        if diff:
+            raise CalibrationError(
+                f"calibration made for model {self.meta.get('model')!r} does not match {model_name(model)!r}: " + "; ".join(diff)
+            )
+
+
+def calibration_sequences(tokenizer, samples: int, seq_len: int, text_file: str | None = None, documents: int | None = None) -> torch.Tensor:
+    """The first ``samples`` non-overlapping ``seq_len``-token sequences of the calibration text (C4 by default)."""
+    from .data import calibration_text, tokenize_chunks
+
+    docs = documents or max(600, math.ceil(samples * seq_len / 400))  # C4 documents average ~500 tokens
+    seqs = tokenize_chunks(tokenizer, calibration_text(text_file, documents=docs), seq_len)
+    if seqs.shape[0] < samples:
+        raise ValueError(f"the calibration text gives {seqs.shape[0]} sequences of {seq_len} tokens, fewer than samples={samples}")
+    return seqs[:samples]
+
+
+@torch.no_grad()
+def collect_statistics(model, sequences: torch.Tensor, wush_a: bool = False, skip_first: int = 0, show_progress: bool = True) -> list[dict]:
+    """Run ``model`` over ``sequences`` (N, L) and return per-layer statistics (float64)."""
+    spec = describe(model)
+    mods = attention_modules(model, spec)
+    if any(hasattr(a, "wushkv_key") for a in mods):
+        raise RuntimeError("calibrate the original model: transforms are installed (call restore() first)")
+    o_weights = [projections(a, spec)[3].weight.detach() for a in mods]
+    collector = StatsCollector(spec, o_weights, wush_a=wush_a, skip_first=skip_first)
+    device = next(model.parameters()).device
+    previous = use_wushkv_attention(model)
+    try:
+        for i in progress(range(sequences.shape[0]), desc="calibrate", enabled=show_progress, unit="seq"):
+            model(sequences[i : i + 1].to(device), use_cache=False, wushkv_observer=collector)
+    finally:
+        restore_attention(model, previous)
+    return collector.finalize()
+
+
+def calibrate(
+    model,
+    tokenizer,
+    samples: int = 32,
+    seq_len: int = 2048,
+    text_file: str | None = None,
+    damping: float = 0.01,
+    wush_a: bool = False,
+    skip_first: int = 0,
+    methods: tuple[str, ...] | None = None,
+    show_progress: bool = True,
+) -> Calibration:
+    """Collect statistics on calibration text and solve every calibrated transform."""
+    import time
+
+    t0 = time.perf_counter()
+    seqs = calibration_sequences(tokenizer, samples, seq_len, text_file)
+    stats = collect_statistics(model, seqs, wush_a=wush_a, skip_first=skip_first, show_progress=show_progress)
+    meta = {
+        "model": model_name(model),
+        "fingerprint": fingerprint(model),
+        "calibration_source": text_file or "c4-validation-2k (first documents, joined with blank lines)",
+        "tokens": int(seqs.numel()),
+        "samples": int(seqs.shape[0]),
+        "seq_len": int(seqs.shape[1]),
+        "damping": damping,
+        "wush_a": wush_a,
+        "skip_first": skip_first,
+        "wushkv_version": __version__,
+        "format_version": FORMAT_VERSION,
+        "date": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
+    }
+    cal = Calibration(meta, stats)
+    for m in methods or CALIBRATED:
+        if all(k in stats[0] for k in TRANSFORMS[m].stats_keys):
+            cal.transforms(m)
+    cal.meta["seconds"] = round(time.perf_counter() - t0, 2)
+    return cal

@@ -1,0 +1,118 @@
+"""The paper's Table 1 on our models: perplexity of every (transform, bits) against full precision."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+from dataclasses import replace
+from pathlib import Path
+
+import torch
+
+from ..cache import WushKVCache
+from ..calibration import Calibration, calibrate
+from ..config import QuantConfig, WindowConfig
+from ..folding import apply_transforms
+from ..models import fingerprint
+from .perplexity import perplexity
+
+KVARN_TILE = 128
+
+
+def cache_dir() -> Path:
+    return Path(os.environ.get("WUSHKV_CACHE", Path.home() / ".cache" / "wushkv"))
+
+
+def cached_calibration(model, tokenizer, samples: int, seq_len: int, damping: float = 0.01, wush_a: bool = False,
+                       text_file: str | None = None, show_progress: bool = True, log=print) -> Calibration:
+    """Calibrate once per (model fingerprint, settings); later calls load the file."""
+    fp = fingerprint(model)
+    key = json.dumps([fp, samples, seq_len, damping, wush_a, text_file], sort_keys=True)
+    path = cache_dir() / "calibrations" / f"{fp['family']}-{hashlib.sha256(key.encode()).hexdigest()[:16]}.safetensors"
+    if path.is_file():
+        log(f"using cached calibration {path}")
+        return Calibration.load(path, model)
+    log(f"calibrating on {samples} x {seq_len} tokens (cached at {path})")
+    cal = calibrate(model, tokenizer, samples=samples, seq_len=seq_len, text_file=text_file, damping=damping, wush_a=wush_a, show_progress=show_progress)
+    cal.save(path)
+    return cal
+
+
+def config_for(transform: str, base: QuantConfig) -> QuantConfig:
+    """KVarN brings its own quantizer and tile windows (first tile full precision, tail until a tile fills)."""
+    if transform == "kvarn":
+        return replace(base, quantizer="kvarn", windows=WindowConfig(KVARN_TILE, 0, KVARN_TILE))
+    return base
+
+
+def quantized_perplexity(model, chunks: torch.Tensor, calibration: Calibration | None, transform: str, cfg: QuantConfig,
+                         show_progress: bool = True, desc: str = "ppl") -> dict:
+    """Install ``transform``, evaluate through a fresh quantized cache per chunk, restore the model."""
+    if calibration is None:
+        from ..transforms import TRANSFORMS, build_transforms
+        from ..models import describe
+
+        if TRANSFORMS[transform].needs_calibration:
+            raise ValueError(f"transform {transform!r} needs a calibration (--calibration PATH)")
+        spec = describe(model)
+        trs = [build_transforms(transform, spec.num_kv_heads, spec.head_dim) for _ in range(spec.num_layers)]
+    else:
+        trs = calibration.transforms(transform)
+    with apply_transforms(model, trs, transform):
+        return perplexity(model, chunks, cache_factory=lambda: WushKVCache(model, cfg), show_progress=show_progress, desc=desc)
+
+
+def run_compare(model, tokenizer, chunks: torch.Tensor, calibration: Calibration | None, transforms: list[str], bits: list[int],
+                base: QuantConfig, json_path=None, meta: dict | None = None, show_progress: bool = True, log=print) -> dict:
+    """Full precision once, then every (transform, bits); resumes from ``json_path`` if it holds the same settings."""
+    from ..io import write_json
+
+    settings = dict(meta or {}, chunks=int(chunks.shape[0]), seq_len=int(chunks.shape[1]), base=base.to_dict())
+    out = {"settings": settings, "fp": None, "results": {}}
+    if json_path and Path(json_path).is_file():
+        try:
+            prev = json.loads(Path(json_path).read_text())
+            if prev.get("settings") == settings:
+                out = prev
+                log(f"resuming from {json_path}")
+        except (json.JSONDecodeError, OSError):
+            pass
+    if out["fp"] is None:
+        fp = perplexity(model, chunks, show_progress=show_progress, desc="ppl full precision")
+        out["fp"] = {"ppl": fp["ppl"], "seconds": fp["seconds"]}
+        log(f"full precision: PPL {fp['ppl']:.3f}")
+        if json_path:
+            write_json(json_path, out)
+    for t in transforms:
+        for b in bits:
+            done = out["results"].get(t, {}).get(str(b))
+            if done is not None:
+                continue
+            cfg = config_for(t, replace(base, k_bits=b, v_bits=b))
+            r = quantized_perplexity(model, chunks, calibration, t, cfg, show_progress=show_progress, desc=f"{t} {cfg.label()}")
+            entry = {"ppl": r["ppl"], "delta_pct": 100 * (r["ppl"] / out["fp"]["ppl"] - 1), "seconds": r["seconds"], "config": cfg.to_dict()}
+            out["results"].setdefault(t, {})[str(b)] = entry
+            log(f"{t:>9} {cfg.label():<24} PPL {r['ppl']:9.3f}  ({entry['delta_pct']:+.2f}% over full precision, {r['seconds']:.0f}s)")
+            if json_path:
+                write_json(json_path, out)
+    return out
+
+
+def compare_table(out: dict, transforms: list[str], bits: list[int]) -> tuple[list[str], list[list]]:
+    headers = ["transform"] + [f"{b}-bit PPL" for b in bits] + [f"{b}-bit Δ%" for b in bits]
+    rows = []
+    for t in transforms:
+        r = out["results"].get(t, {})
+        rows.append([t] + [r.get(str(b), {}).get("ppl", float("nan")) for b in bits]
+                    + [round(r.get(str(b), {}).get("delta_pct", float("nan")), 2) for b in bits])
+    return headers, rows
+
+
+def best_per_bits(out: dict, transforms: list[str], bits: list[int]) -> dict[int, str]:
+    best = {}
+    for b in bits:
+        cands = [(out["results"][t][str(b)]["ppl"], t) for t in transforms if str(b) in out["results"].get(t, {})]
+        if cands:
+            best[b] = min(cands)[1]
+    return best

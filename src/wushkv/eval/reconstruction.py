@@ -1,0 +1,75 @@
+"""The controlled layer experiment (paper §4): module-output error when K and V are quantized.
+
+For every attention module and every transform: Y = o_proj(attention(q, k, v)) of the original model
+and Ŷ with keys ``T_K⁻¹ Q(T_K k)`` (scores through ``q' = T_K^{-T} q``) and values
+``T_V⁻¹ Q(T_V v)``; relative squared error ``‖Ŷ−Y‖²/‖Y‖²`` summed over the evaluation tokens, then the
+geometric mean over modules. Every token is quantized (no full-precision windows). The model itself
+runs unperturbed: each layer sees the original inputs.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from ..attention import reference_attention, restore_attention, use_wushkv_attention
+from ..codecs import make_codec
+from ..config import QuantConfig
+from ..models import attention_modules, describe
+from ..progress import progress
+
+
+class ReconObserver:
+    def __init__(self, transforms: dict[str, list[dict[str, torch.Tensor]]], cfg: QuantConfig, head_dim: int, num_layers: int):
+        self.transforms = transforms
+        self.k_codec = make_codec(cfg, "key", head_dim)
+        self.v_codec = make_codec(cfg, "value", head_dim)
+        self.num = {name: torch.zeros(num_layers, dtype=torch.float64) for name in transforms}
+        self.den = torch.zeros(num_layers, dtype=torch.float64)
+
+    @torch.no_grad()
+    def observe(self, module, q, k, v, allowed, scaling, softcap=None) -> None:
+        l = module.layer_idx
+        B, Hq, T, d = q.shape
+        Hkv = k.shape[1]
+        Y = module.o_proj(reference_attention(q, k, v, allowed, scaling, softcap).reshape(B, T, Hq * d))
+        self.den[l] += float(Y.double().pow(2).sum())
+        for name, layers in self.transforms.items():
+            tr = layers[l]
+            T_K, T_K_inv = tr["T_K"].to(q), tr["T_K_inv"].to(q)
+            T_V, T_V_inv = tr["T_V"].to(q), tr["T_V_inv"].to(q)
+            kt = torch.einsum("bhsd,hed->bhse", k, T_K)
+            vt = torch.einsum("bhsd,hed->bhse", v, T_V)
+            k_hat = self.k_codec.fake(kt).to(q.dtype) if self.k_codec else kt
+            v_hat = self.v_codec.fake(vt).to(q.dtype) if self.v_codec else vt
+            qt = torch.matmul(q.view(B, Hkv, Hq // Hkv, T, d), T_K_inv[None, :, None]).view(B, Hq, T, d)
+            out = reference_attention(qt, k_hat, v_hat, allowed, scaling, softcap)  # (B, T, Hq, d), T_V space
+            out = torch.matmul(out.view(B, T, Hkv, Hq // Hkv, d), T_V_inv.mT[None, None]).reshape(B, T, Hq * d)
+            Y_hat = module.o_proj(out)
+            self.num[name][l] += float((Y_hat - Y).double().pow(2).sum())
+
+    def results(self) -> dict:
+        out = {}
+        for name, num in self.num.items():
+            per_layer = (num / self.den).tolist()
+            geo = math.exp(sum(math.log(max(e, 1e-30)) for e in per_layer) / len(per_layer))
+            out[name] = {"geomean": geo, "per_layer": per_layer}
+        return out
+
+
+@torch.no_grad()
+def layer_reconstruction(model, sequences: torch.Tensor, transforms: dict[str, list[dict]], cfg: QuantConfig, show_progress: bool = True) -> dict:
+    """Run the experiment over ``sequences`` (N, L); returns {transform: {"geomean", "per_layer"}}."""
+    spec = describe(model)
+    if any(hasattr(a, "wushkv_key") for a in attention_modules(model, spec)):
+        raise RuntimeError("run the reconstruction experiment on the original model (transforms are installed)")
+    obs = ReconObserver(transforms, cfg, spec.head_dim, spec.num_layers)
+    device = next(model.parameters()).device
+    previous = use_wushkv_attention(model)
+    try:
+        for i in progress(range(sequences.shape[0]), desc="recon", enabled=show_progress, unit="seq"):
+            model(sequences[i : i + 1].to(device), use_cache=False, wushkv_observer=obs)
+    finally:
+        restore_attention(model, previous)
+    return obs.results()

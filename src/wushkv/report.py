@@ -1,0 +1,60 @@
+"""Tables for the terminal and PNG plots (matplotlib, Agg backend, written atomically)."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from pathlib import Path
+
+from .io import atomic_write
+
+
+def format_table(headers: Sequence[str], rows: Sequence[Sequence], title: str | None = None) -> str:
+    cells = [[str(h) for h in headers]] + [[_fmt(c) for c in r] for r in rows]
+    widths = [max(len(r[i]) for r in cells) for i in range(len(headers))]
+    line = lambda r: "  ".join(c.rjust(w) if i else c.ljust(w) for i, (c, w) in enumerate(zip(r, widths)))  # noqa: E731
+    out = [title] if title else []
+    out += [line(cells[0]), "  ".join("-" * w for w in widths)] + [line(r) for r in cells[1:]]
+    return "\n".join(out)
+
+
+def markdown_table(headers: Sequence[str], rows: Sequence[Sequence]) -> str:
+    out = ["| " + " | ".join(map(str, headers)) + " |", "|" + "---|" * len(headers)]
+    out += ["| " + " | ".join(_fmt(c) for c in r) + " |" for r in rows]
+    return "\n".join(out)
+
+
+def _fmt(c) -> str:
+    if isinstance(c, float):
+        if c != c:
+            return "nan"
+        return f"{c:.4g}" if abs(c) < 1000 else f"{c:.1f}"
+    return str(c)
+
+
+def _save(fig, path: str | Path) -> Path:
+    import matplotlib.pyplot as plt
+
+    p = atomic_write(path, lambda tmp: fig.savefig(tmp, format="png", dpi=120, bbox_inches="tight"))
+    plt.close(fig)
+    return p
+
+
+def plot_lines(x, series: dict[str, Sequence[float]], path, xlabel: str, ylabel: str, title: str, logy: bool = False, hline: float | None = None, hlabel: str = ""):
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7.5, 4.5))
+    for name, ys in series.items():
+        ax.plot(x, ys, marker="o", ms=3, label=name, lw=2.2 if name.startswith("wush") else 1.2)
+    if hline is not None:
+        ax.axhline(hline, color="k", ls="--", lw=1, label=hlabel)
+    if logy:
+        ax.set_yscale("log")
+    ax.set_xlabel(xlabel)
+    ax.set_ylabel(ylabel)
+    ax.set_title(title)
+    ax.grid(alpha=0.3, which="both")
+    ax.legend(fontsize=8)
+    return _save(fig, path)

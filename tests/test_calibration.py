@@ -1,0 +1,190 @@
+"""Calibration statistics, solving, files and their errors."""
+
+import json
+
+import pytest
+import torch
+
+from wushkv.calibration import Calibration, CalibrationError, calibrate, collect_statistics
+from wushkv.folding import apply_transforms
+from wushkv.models import describe
+
+from conftest import CharTokenizer, tiny_model
+
+TEXT = "The quick brown fox jumps over the lazy dog; pack my box with five dozen liquor jugs. " * 40
+
+
+@pytest.fixture
+def text_file(tmp_path):
+    p = tmp_path / "calib.txt"
+    p.write_text(TEXT)
+    return str(p)
+
+
+def capture_qkv(model, ids):
+    """Slow reference: capture post-RoPE q/k and v with a plain observer (no accumulation)."""
+    from wushkv.attention import restore_attention, use_wushkv_attention
+
+    seen = {}
+
+    class Obs:
+        def observe(self, module, q, k, v, allowed, scaling, softcap=None):
+            seen[module.layer_idx] = (q.double(), k.double(), v.double())
+
+    prev = use_wushkv_attention(model)
+    try:
+        with torch.no_grad():
+            model(ids, wushkv_observer=Obs())
+    finally:
+        restore_attention(model, prev)
+    return seen
+
+
+def test_statistics_match_slow_reference(family):
+    model = tiny_model(family)
+    spec = describe(model)
+    seqs = torch.randint(3, 96, (2, 24), generator=torch.Generator().manual_seed(0))
+    stats = collect_statistics(model, seqs, show_progress=False)
+    G, d = spec.group_size, spec.head_dim
+    ref = {l: {"M_K": 0, "H_K": 0, "M_V": 0} for l in range(spec.num_layers)}
+    for s in seqs:
+        for l, (q, k, v) in capture_qkv(model, s[None]).items():
+            for h in range(spec.num_kv_heads):
+                K, V = k[0, h], v[0, h]  # (S, d)
+                Qs = torch.cat([q[0, g] for g in spec.query_heads_of(h)])  # (G*T, d)
+                ref[l]["M_K"] = ref[l]["M_K"] + torch.zeros(spec.num_kv_heads, d, d, dtype=torch.float64).index_put_((torch.tensor(h),), K.T @ K)
+                ref[l]["H_K"] = ref[l]["H_K"] + torch.zeros(spec.num_kv_heads, d, d, dtype=torch.float64).index_put_((torch.tensor(h),), 2 * Qs.T @ Qs)
+                ref[l]["M_V"] = ref[l]["M_V"] + torch.zeros(spec.num_kv_heads, d, d, dtype=torch.float64).index_put_((torch.tensor(h),), V.T @ V)
+    for l in range(spec.num_layers):
+        for name in ("M_K", "H_K", "M_V"):
+            torch.testing.assert_close(stats[l][name], ref[l][name], rtol=1e-6, atol=1e-8)
+        # H_V from o_proj columns of the group's query heads
+        W = model.model.layers[l].self_attn.o_proj.weight.double()
+        for h in range(spec.num_kv_heads):
+            Hv = sum(2 * W[:, g * d : (g + 1) * d].T @ W[:, g * d : (g + 1) * d] for g in spec.query_heads_of(h))
+            torch.testing.assert_close(stats[l]["H_V"][h], Hv)
+        # OSCAR C_Q is the mean query outer product
+        torch.testing.assert_close(stats[l]["C_Q"], stats[l]["H_K"] / (2 * G * seqs.numel()))
+
+
+def test_calibrate_save_load_apply(tmp_path, text_file, family):
+    model = tiny_model(family)
+    cal = calibrate(model, CharTokenizer(), samples=3, seq_len=48, text_file=text_file, show_progress=False)
+    assert {"wush", "oscar"} <= set(cal.solved)
+    path = cal.save(tmp_path / "c.safetensors")
+    meta = json.loads((tmp_path / "c.safetensors.json").read_text())
+    for k in ("model", "fingerprint", "calibration_source", "tokens", "samples", "seq_len", "damping", "wushkv_version", "date"):
+        assert k in meta
+    assert meta["tokens"] == 3 * 48
+    loaded = Calibration.load(path, model)
+    for m in ("wush", "oscar"):
+        for a, b in zip(cal.transforms(m), loaded.transforms(m)):
+            for k in a:
+                assert torch.equal(a[k], b[k])
+    ids = torch.randint(3, 96, (1, 30))
+    with torch.no_grad():
+        ref = model(ids).logits
+        for m in ("wush", "oscar"):
+            with apply_transforms(model, loaded.transforms(m), m):
+                assert (model(ids).logits - ref).abs().max() < 1e-3
+
+
+def test_deterministic(text_file):
+    a = calibrate(tiny_model("llama"), CharTokenizer(), samples=2, seq_len=32, text_file=text_file, show_progress=False)
+    b = calibrate(tiny_model("llama"), CharTokenizer(), samples=2, seq_len=32, text_file=text_file, show_progress=False)
+    for x, y in zip(a.transforms("wush"), b.transforms("wush")):
+        assert torch.equal(x["T_K"], y["T_K"]) and torch.equal(x["T_V"], y["T_V"])
+
+
+def test_wrong_model_corrupted_and_missing(tmp_path, text_file):
+    model = tiny_model("llama", seed=0)
+    path = calibrate(model, CharTokenizer(), samples=2, seq_len=32, text_file=text_file, show_progress=False).save(tmp_path / "c.safetensors")
+    with pytest.raises(CalibrationError, match="weights_sha256"):
+        Calibration.load(path, tiny_model("llama", seed=1))
+    with pytest.raises(CalibrationError, match="family: file 'llama' vs model 'qwen3'"):
+        Calibration.load(path, tiny_model("qwen3"))
+    bad = tmp_path / "bad.safetensors"
+    data = path.read_bytes()
+    bad.write_bytes(data[: len(data) // 2])
+    with pytest.raises(CalibrationError, match="corrupted"):
+        Calibration.load(bad)
+    with pytest.raises(FileNotFoundError, match="wushkv calibrate"):
+        Calibration.load(tmp_path / "missing.safetensors")
+    other = tmp_path / "other.safetensors"
+    from safetensors.torch import save_file
+
+    save_file({"x": torch.zeros(1)}, str(other))
+    with pytest.raises(CalibrationError, match="not a wushkv calibration"):
+        Calibration.load(other)
+
+
+def test_version_mismatch(tmp_path, text_file):
+    from safetensors import safe_open
+    from safetensors.torch import save_file
+
+    model = tiny_model("llama")
+    path = calibrate(model, CharTokenizer(), samples=1, seq_len=32, text_file=text_file, show_progress=False).save(tmp_path / "c.safetensors")
+    with safe_open(str(path), framework="pt") as f:
+        header, tensors = f.metadata(), {k: f.get_tensor(k) for k in f.keys()}
+    header["format_version"] = "99"
+    save_file(tensors, str(path), metadata=header)
+    with pytest.raises(CalibrationError, match="version 99"):
+        Calibration.load(path)
+
+
+def test_no_partial_file_on_interrupt(tmp_path, monkeypatch, text_file):
+    import wushkv.calibration as C
+
+    cal = calibrate(tiny_model("llama"), CharTokenizer(), samples=1, seq_len=32, text_file=text_file, show_progress=False)
+
+    def boom(*a, **k):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(C, "save_file", boom)
+    with pytest.raises(KeyboardInterrupt):
+        cal.save(tmp_path / "c.safetensors")
+    assert list(tmp_path.iterdir()) == [tmp_path / "calib.txt"] or not any(p.name.startswith(("c.safetensors", ".c.safetensors")) for p in tmp_path.iterdir())
+
+
+def test_rank_deficient_statistics_still_invertible(text_file):
+    # fewer calibration tokens than head_dim: M is rank-deficient, damping keeps T invertible
+    model = tiny_model("llama")
+    cal = calibrate(model, CharTokenizer(), samples=1, seq_len=8, text_file=text_file, show_progress=False)
+    for tr in cal.transforms("wush"):
+        I = torch.eye(32).expand_as(tr["T_K"])
+        assert torch.isfinite(tr["T_K"]).all()
+        torch.testing.assert_close(tr["T_K"] @ tr["T_K_inv"], I, atol=1e-3, rtol=0)
+        torch.testing.assert_close(tr["T_V"] @ tr["T_V_inv"], I, atol=1e-3, rtol=0)
+
+
+def test_wush_a_matches_brute_force():
+    """H^A of METHOD §3.1 by explicit per-(i, t) Jacobian sums on one layer of a tiny model."""
+    from wushkv.calibration import StatsCollector
+
+    model = tiny_model("llama")
+    spec = describe(model)
+    ids = torch.randint(3, 96, (1, 10), generator=torch.Generator().manual_seed(3))
+    q, k, v = capture_qkv(model, ids)[1]
+    attn = model.model.layers[1].self_attn
+    W = attn.o_proj.weight.double()
+    d, G, s = spec.head_dim, spec.group_size, attn.scaling
+    T = ids.shape[1]
+    allowed = torch.ones(T, T, dtype=torch.bool).tril()[None, None]
+    coll = StatsCollector(spec, [None, attn.o_proj.weight.detach(), None], wush_a=True)
+    coll.observe(attn, q.float(), k.float(), v.float(), allowed, s)
+    got_K, got_V = coll.layers[1]["H_K_A"], coll.layers[1]["H_V_A"]
+    for h in range(spec.num_kv_heads):
+        gs = list(spec.query_heads_of(h))
+        Bg = {g: W[:, g * d : (g + 1) * d] for g in gs}  # (hidden, d)
+        P = {g: torch.softmax((q[0, g] @ k[0, h].T * s).masked_fill(~allowed[0, 0], float("-inf")), -1) for g in gs}
+        O = {g: P[g] @ v[0, h] for g in gs}
+        HV = torch.zeros(d, d, dtype=torch.float64)
+        HK = torch.zeros(d, d, dtype=torch.float64)
+        for t in range(T):
+            for i in range(T):
+                Bit = sum(P[g][i, t] * Bg[g].T for g in gs)  # (d, hidden)
+                HV += 2 * Bit @ Bit.T
+                J = sum(s * P[g][i, t] * torch.outer(Bg[g] @ (v[0, h, t] - O[g][i]), q[0, g, i]) for g in gs)  # (hidden, d)
+                HK += 2 * J.T @ J
+        torch.testing.assert_close(got_V[h], HV, rtol=1e-4, atol=1e-6)
+        torch.testing.assert_close(got_K[h], HK, rtol=1e-3, atol=1e-5)

@@ -1,0 +1,69 @@
+"""Folding T_V into the weights and the online key transform leave the model's function unchanged."""
+
+import pytest
+import torch
+
+from wushkv.folding import apply_transforms
+from wushkv.models import describe
+from wushkv.transforms import TRANSFORMS, build_transforms
+
+from conftest import tiny_model
+
+
+def random_invertible(H, d, gen):
+    A = torch.randn(H, d, d, generator=gen, dtype=torch.float64) / d**0.5 + torch.eye(d, dtype=torch.float64)
+    return A.float(), torch.linalg.inv(A).float()
+
+
+@torch.no_grad()
+def test_invariance_general_invertible(family):
+    model = tiny_model(family)
+    spec = describe(model)
+    ids = torch.randint(3, 96, (2, 40), generator=torch.Generator().manual_seed(1))
+    ref = model(ids).logits
+    gen = torch.Generator().manual_seed(0)
+    trs = []
+    for _ in range(spec.num_layers):
+        T_K, T_K_inv = random_invertible(spec.num_kv_heads, spec.head_dim, gen)
+        T_V, T_V_inv = random_invertible(spec.num_kv_heads, spec.head_dim, gen)
+        trs.append(dict(T_K=T_K, T_K_inv=T_K_inv, T_V=T_V, T_V_inv=T_V_inv))
+    with apply_transforms(model, trs) as h:
+        out = model(ids).logits
+        # something really changed: v_proj weights differ and each layer has a key transform
+        assert hasattr(model.model.layers[0].self_attn, "wushkv_key")
+    assert (out - ref).abs().max() < 1e-3
+    # restore brings the exact weights back
+    assert not hasattr(model.model.layers[0].self_attn, "wushkv_key")
+    assert torch.equal(model(ids).logits, ref)
+    assert model.config._attn_implementation != "wushkv"
+    assert not h.active
+
+
+@pytest.mark.parametrize("name", ["identity", "hadamard", "random", "kvarn"])
+@torch.no_grad()
+def test_invariance_registry_transforms(name):
+    model = tiny_model("qwen3")
+    spec = describe(model)
+    ids = torch.randint(3, 96, (1, 30))
+    ref = model(ids).logits
+    trs = [build_transforms(name, spec.num_kv_heads, spec.head_dim) for _ in range(spec.num_layers)]
+    with apply_transforms(model, trs, name):
+        assert (model(ids).logits - ref).abs().max() < 1e-3
+
+
+def test_bad_transforms_rejected():
+    model = tiny_model("llama")
+    spec = describe(model)
+    good = build_transforms("identity", spec.num_kv_heads, spec.head_dim)
+    with pytest.raises(ValueError, match="the model has 3"):
+        apply_transforms(model, [good])
+    bad = dict(good, T_K=torch.eye(16).expand(2, 16, 16))
+    with pytest.raises(ValueError, match=r"T_K has shape \(2, 16, 16\), expected \(2, 32, 32\)"):
+        apply_transforms(model, [bad] * 3)
+    nan = dict(good, T_V=torch.full_like(good["T_V"], float("nan")))
+    with pytest.raises(ValueError, match="NaN"):
+        apply_transforms(model, [nan] * 3)
+    h = apply_transforms(model, [good] * 3)
+    with pytest.raises(RuntimeError, match="already installed"):
+        apply_transforms(model, [good] * 3)
+    h.restore()
