@@ -184,3 +184,21 @@ def test_crop_only_full_precision_tail():
     assert cache.get_seq_length() == 18
     with pytest.raises(ValueError, match="only the"):
         cache.crop(-(recent + 5))
+
+
+@torch.no_grad()
+def test_left_padding_is_refused_clearly():
+    model = tiny_model("llama")
+    ids = torch.randint(3, 96, (2, 12))
+    mask = torch.ones(2, 12, dtype=torch.long)
+    mask[1, :3] = 0
+    with pytest.raises(NotImplementedError, match="left-padded"):
+        model(ids, attention_mask=mask, past_key_values=WushKVCache(model, QuantConfig(windows=WindowConfig(2, 4, 2))), use_cache=True)
+
+
+def test_sequences_shorter_than_windows_are_an_error():
+    from wushkv.eval.compare import quantized_perplexity
+
+    model = tiny_model("llama")
+    with pytest.raises(ValueError, match="too short for windows 16/128/16"):
+        quantized_perplexity(model, torch.randint(3, 96, (1, 100)), None, "hadamard", QuantConfig(windows=WindowConfig(16, 128, 16)), show_progress=False)

@@ -143,6 +143,14 @@ class KVView:
         if kt is not None:
             query = kt.queries(query)
         query = query.to(self.win_k.dtype)
+        if attention_mask is not None and query.shape[0] > 1 and self.kv_offset == 0 and self.n1 > 0:
+            m = attention_mask if attention_mask.dtype == torch.bool else attention_mask == 0
+            if not bool(m[:, :, -1, 0].all()):
+                raise NotImplementedError(
+                    "left-padded batches are not supported by WushKVCache yet: the windows are counted in absolute "
+                    "positions, so a padded row would lose sink tokens to padding; run such rows one at a time "
+                    "(batches of equal-length sequences work)"
+                )
         T = query.shape[2]
         dt = self.win_k.dtype
         # Middle: full dequantization here (the packed-code kernel of the performance path reads codes directly).

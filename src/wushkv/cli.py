@@ -160,11 +160,9 @@ def cmd_recon(args) -> int:
     names = [t.strip() for t in args.transforms.split(",") if t.strip()]
     transforms = {n: cal.transforms(n) for n in names}
     seqs = tokenize_chunks(tok, text, args.seq_len, args.samples)
-    results = {}
-    for bits in args.bits:
-        cfg = QuantConfig(k_bits=bits, v_bits=bits, quantizer=args.quantizer)
-        res = layer_reconstruction(model, seqs, transforms, cfg)
-        results[bits] = res
+    cfgs = [QuantConfig(k_bits=b, v_bits=b, quantizer=args.quantizer) for b in args.bits]
+    results = dict(zip(args.bits, layer_reconstruction(model, seqs, transforms, cfgs)))
+    for bits, res in results.items():
         rows = [[n, r["geomean"], r["geomean"] / res[names[0]]["geomean"]] for n, r in res.items()]
         print(format_table(["transform", "geomean rel. error", f"/ {names[0]}"], rows,
                            title=f"\n{args.model}: module-output error, K{bits}V{bits} {args.quantizer}, {seqs.shape[0]} x {seqs.shape[1]} tokens of {label}"))

@@ -49,6 +49,12 @@ def config_for(transform: str, base: QuantConfig) -> QuantConfig:
 def quantized_perplexity(model, chunks: torch.Tensor, calibration: Calibration | None, transform: str, cfg: QuantConfig,
                          show_progress: bool = True, desc: str = "ppl") -> dict:
     """Install ``transform``, evaluate through a fresh quantized cache per chunk, restore the model."""
+    w = cfg.windows
+    if chunks.shape[1] <= w.S_sink + w.S_keep + w.S_flush - 1:
+        raise ValueError(
+            f"sequences of {chunks.shape[1]} tokens are too short for windows {w.S_sink}/{w.S_keep}/{w.S_flush}: no token "
+            f"would ever be quantized; use --seq-len > {w.S_sink + w.S_keep + w.S_flush - 1} or smaller windows"
+        )
     if calibration is None:
         from ..transforms import TRANSFORMS, build_transforms
         from ..models import describe

@@ -21,11 +21,12 @@ from ..progress import progress
 
 
 class ReconObserver:
-    def __init__(self, transforms: dict[str, list[dict[str, torch.Tensor]]], cfg: QuantConfig, head_dim: int, num_layers: int):
+    """Accumulates ‖Ŷ−Y‖² per (config, transform, layer) and ‖Y‖² per layer, for several configs in one pass."""
+
+    def __init__(self, transforms: dict[str, list[dict[str, torch.Tensor]]], cfgs: list[QuantConfig], head_dim: int, num_layers: int):
         self.transforms = transforms
-        self.k_codec = make_codec(cfg, "key", head_dim)
-        self.v_codec = make_codec(cfg, "value", head_dim)
-        self.num = {name: torch.zeros(num_layers, dtype=torch.float64) for name in transforms}
+        self.codecs = [(make_codec(c, "key", head_dim), make_codec(c, "value", head_dim)) for c in cfgs]
+        self.num = [{name: torch.zeros(num_layers, dtype=torch.float64) for name in transforms} for _ in cfgs]
         self.den = torch.zeros(num_layers, dtype=torch.float64)
 
     @torch.no_grad()
@@ -41,30 +42,36 @@ class ReconObserver:
             T_V, T_V_inv = tr["T_V"].to(q), tr["T_V_inv"].to(q)
             kt = torch.einsum("bhsd,hed->bhse", k, T_K)
             vt = torch.einsum("bhsd,hed->bhse", v, T_V)
-            k_hat = self.k_codec.fake(kt).to(q.dtype) if self.k_codec else kt
-            v_hat = self.v_codec.fake(vt).to(q.dtype) if self.v_codec else vt
             qt = torch.matmul(q.view(B, Hkv, Hq // Hkv, T, d), T_K_inv[None, :, None]).view(B, Hq, T, d)
-            out = reference_attention(qt, k_hat, v_hat, allowed, scaling, softcap)  # (B, T, Hq, d), T_V space
-            out = torch.matmul(out.view(B, T, Hkv, Hq // Hkv, d), T_V_inv.mT[None, None]).reshape(B, T, Hq * d)
-            Y_hat = module.o_proj(out)
-            self.num[name][l] += float((Y_hat - Y).double().pow(2).sum())
+            for (k_codec, v_codec), num in zip(self.codecs, self.num):
+                k_hat = k_codec.fake(kt).to(q.dtype) if k_codec else kt
+                v_hat = v_codec.fake(vt).to(q.dtype) if v_codec else vt
+                out = reference_attention(qt, k_hat, v_hat, allowed, scaling, softcap)  # (B, T, Hq, d), T_V space
+                out = torch.matmul(out.view(B, T, Hkv, Hq // Hkv, d), T_V_inv.mT[None, None]).reshape(B, T, Hq * d)
+                num[name][l] += float((module.o_proj(out) - Y).double().pow(2).sum())
 
-    def results(self) -> dict:
-        out = {}
-        for name, num in self.num.items():
-            per_layer = (num / self.den).tolist()
-            geo = math.exp(sum(math.log(max(e, 1e-30)) for e in per_layer) / len(per_layer))
-            out[name] = {"geomean": geo, "per_layer": per_layer}
-        return out
+    def results(self) -> list[dict]:
+        res = []
+        for nums in self.num:
+            out = {}
+            for name, num in nums.items():
+                per_layer = (num / self.den).tolist()
+                geo = math.exp(sum(math.log(max(e, 1e-30)) for e in per_layer) / len(per_layer))
+                out[name] = {"geomean": geo, "per_layer": per_layer}
+            res.append(out)
+        return res
 
 
 @torch.no_grad()
-def layer_reconstruction(model, sequences: torch.Tensor, transforms: dict[str, list[dict]], cfg: QuantConfig, show_progress: bool = True) -> dict:
-    """Run the experiment over ``sequences`` (N, L); returns {transform: {"geomean", "per_layer"}}."""
+def layer_reconstruction(model, sequences: torch.Tensor, transforms: dict[str, list[dict]], cfg: QuantConfig | list[QuantConfig], show_progress: bool = True):
+    """Run the experiment over ``sequences`` (N, L); returns {transform: {"geomean", "per_layer"}}
+    (a list of those, one per config, when ``cfg`` is a list)."""
+    single = not isinstance(cfg, list)
+    cfgs = [cfg] if single else cfg
     spec = describe(model)
     if any(hasattr(a, "wushkv_key") for a in attention_modules(model, spec)):
         raise RuntimeError("run the reconstruction experiment on the original model (transforms are installed)")
-    obs = ReconObserver(transforms, cfg, spec.head_dim, spec.num_layers)
+    obs = ReconObserver(transforms, cfgs, spec.head_dim, spec.num_layers)
     device = next(model.parameters()).device
     previous = use_wushkv_attention(model)
     try:
@@ -72,4 +79,5 @@ def layer_reconstruction(model, sequences: torch.Tensor, transforms: dict[str, l
             model(sequences[i : i + 1].to(device), use_cache=False, wushkv_observer=obs)
     finally:
         restore_attention(model, previous)
-    return obs.results()
+    res = obs.results()
+    return res[0] if single else res

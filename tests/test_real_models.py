@@ -1,0 +1,46 @@
+"""Smoke tests on a small slice of the real SmolLM2-135M (slow: loading takes ~30 s on 2 cores)."""
+
+import pytest
+import torch
+
+pytestmark = pytest.mark.slow
+
+
+@pytest.fixture(scope="module")
+def smollm2():
+    from wushkv.models import load
+
+    try:
+        return load("smollm2-135m")
+    except FileNotFoundError as e:
+        pytest.skip(f"real model not installed: {e}")
+
+
+@torch.no_grad()
+def test_smollm2_wush_invariance_and_streaming(smollm2, tmp_path):
+    from wushkv.cache import WushKVCache
+    from wushkv.calibration import calibrate
+    from wushkv.config import QuantConfig, WindowConfig
+    from wushkv.data import wikitext2_test
+    from wushkv.folding import apply_transforms
+    from wushkv.models import describe
+
+    model, tok = smollm2
+    spec = describe(model)
+    assert (spec.num_layers, spec.num_heads, spec.num_kv_heads, spec.head_dim) == (30, 9, 3, 64)
+    cal = calibrate(model, tok, samples=1, seq_len=256, show_progress=False)
+    ids = tok(wikitext2_test()[:2000], return_tensors="pt").input_ids[:, :72]
+    ref = model(ids).logits
+    for method in ("wush", "oscar", "hadamard"):
+        with apply_transforms(model, cal.transforms(method), method):
+            assert (model(ids).logits - ref).abs().max() < 1e-3, method
+    # streaming decode through the real cache equals the single-pass emulation
+    cfg = QuantConfig(2, 2, "quest", windows=WindowConfig(4, 16, 4))
+    with apply_transforms(model, cal.transforms("wush"), "wush"):
+        single = model(ids, past_key_values=WushKVCache(model, cfg), use_cache=True).logits
+        cache = WushKVCache(model, cfg)
+        steps = [model(ids[:, :40], past_key_values=cache, use_cache=True).logits]
+        steps += [model(ids[:, t : t + 1], past_key_values=cache, use_cache=True).logits for t in range(40, 72)]
+    stream = torch.cat(steps, 1)
+    assert (single - stream).abs().max() < 1e-3
+    assert (single - ref).abs().max() > 0.1  # 2-bit quantization is really seen
