@@ -92,6 +92,41 @@ def selective_attention(
     return out.reshape(B, Hq, T, -1).transpose(1, 2).contiguous()
 
 
+def fused_selective_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    k_hat: torch.Tensor,
+    v_hat: torch.Tensor,
+    quantized: torch.Tensor,
+    allowed: torch.Tensor | None,
+    scaling: float,
+) -> torch.Tensor:
+    """:func:`selective_attention` as one fused SDPA call over the concatenation [K; K̂].
+
+    Every position appears once in the softmax, as its full-precision column when query ``i`` sees it
+    in full precision and as its quantized column otherwise, so the result is the same; the fused
+    kernel never materializes the (T, 2S) probabilities. Returns (B, T, Hq, d).
+    """
+    T, S = quantized.shape
+    base = allowed if allowed is not None else torch.ones(1, 1, T, S, dtype=torch.bool, device=q.device)
+    mask = torch.cat([base & ~quantized, base & quantized], dim=-1)  # (B, 1, T, 2S)
+    out = torch.nn.functional.scaled_dot_product_attention(
+        q, torch.cat([k, k_hat], dim=2), torch.cat([v, v_hat], dim=2), attn_mask=mask, scale=scaling,
+        enable_gqa=q.shape[1] != k.shape[1],
+    )
+    return out.transpose(1, 2).contiguous()
+
+
+def fast_attention(q, k, v, allowed, scaling, softcap=None) -> torch.Tensor:
+    """Fused SDPA where possible (no softcap; float64 keeps the explicit reference, so float64 runs are
+    computed the same way on every path), else :func:`reference_attention`. Returns (B, T, Hq, d)."""
+    if softcap is not None or q.dtype == torch.float64:
+        return reference_attention(q, k, v, allowed, scaling, softcap)
+    out = torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=allowed, scale=scaling, enable_gqa=q.shape[1] != k.shape[1])
+    return out.transpose(1, 2).contiguous()
+
+
 def _as_allowed(attention_mask: torch.Tensor | None, S: int) -> torch.Tensor | None:
     """The mask transformers hands us as bool (B, 1, T, S), True = attend."""
     if attention_mask is None:
@@ -131,14 +166,7 @@ def wushkv_attention(
     transform = getattr(module, "wushkv_key", None)
     if transform is not None:
         query, key = transform.queries(query), transform.keys(key)
-    allowed = _as_allowed(attention_mask, key.shape[-2])
-    if softcap is None and query.dtype != torch.float64:
-        # fast path: torch's fused SDPA with GQA expansion
-        out = torch.nn.functional.scaled_dot_product_attention(
-            query, key, value, attn_mask=allowed, scale=scaling, enable_gqa=query.shape[1] != key.shape[1]
-        )
-        return out.transpose(1, 2).contiguous(), None
-    return reference_attention(query, key, value, allowed, scaling, softcap), None
+    return fast_attention(query, key, value, _as_allowed(attention_mask, key.shape[-2]), scaling, softcap), None
 
 
 def _bool_mask(*args, **kwargs):

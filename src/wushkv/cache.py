@@ -25,7 +25,7 @@ from dataclasses import dataclass
 import torch
 from transformers.cache_utils import Cache, CacheLayerMixin
 
-from .attention import _as_allowed, reference_attention, selective_attention
+from .attention import _as_allowed, fast_attention, fused_selective_attention, selective_attention
 from .codecs import make_codec, storage_nbytes
 from .config import QuantConfig
 
@@ -162,7 +162,7 @@ class KVView:
             S = self.n1 - self.kv_offset
             K, V = K[:, :, -S:], V[:, :, -S:]
             allowed = _as_allowed(attention_mask, S)
-            return reference_attention(query, K, V, allowed, scaling, softcap)
+            return fast_attention(query, K, V, allowed, scaling, softcap)
 
         mid_len = self.mid_len_before
         mk, mv = layer._decode_mid(self.mid, self.mid_len, dt)
@@ -188,7 +188,10 @@ class KVView:
         sl = slice(K.shape[2] - S, None)
         quantized = quantized[:, sl].to(query.device)
         allowed = _as_allowed(attention_mask, S)
-        return selective_attention(query, K[:, :, sl], V[:, :, sl], K_hat[:, :, sl], V_hat[:, :, sl], quantized, allowed, scaling, softcap)
+        args = (query, K[:, :, sl], V[:, :, sl], K_hat[:, :, sl], V_hat[:, :, sl], quantized, allowed, scaling)
+        if softcap is not None or query.dtype == torch.float64:  # the explicit two-matmul reference
+            return selective_attention(*args, softcap)
+        return fused_selective_attention(*args)
 
 
 class WushKVLayer(CacheLayerMixin):

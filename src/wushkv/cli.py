@@ -28,10 +28,9 @@ def _load(args):
 
 
 def cmd_info(args) -> int:
-    from .models import describe, load
+    from .models import describe, load_config
 
-    model, _ = load(args.model, dtype="float32")
-    spec = describe(model)
+    spec = describe(load_config(args.model))  # reads the config only (GGUF metadata), no weights
     d = spec.to_dict()
     if args.json:
         print(json.dumps(d | {"gqa_map": list(spec.gqa_map)}, indent=2))
