@@ -106,6 +106,8 @@ def cmd_ppl(args) -> int:
 
     text, label = load_eval_text(args.text_file)
     cfg = _quant_config(args) if args.transform else None
+    if args.transform:
+        _check_transforms([args.transform])
     model, tok = _load(args)
     chunks = tokenize_chunks(tok, text, args.seq_len, args.chunks)
     if cfg is None:
@@ -153,13 +155,14 @@ def cmd_recon(args) -> int:
     from .io import write_json
     from .report import format_table, plot_lines
 
+    names = [t.strip() for t in args.transforms.split(",") if t.strip()]
+    _check_transforms(names)
+    cfgs = [QuantConfig(k_bits=b, v_bits=b, quantizer=args.quantizer) for b in args.bits]
     text, label = load_eval_text(args.text_file)
     model, tok = _load(args)
     cal = Calibration.load(args.calibration, model)
-    names = [t.strip() for t in args.transforms.split(",") if t.strip()]
     transforms = {n: cal.transforms(n) for n in names}
     seqs = tokenize_chunks(tok, text, args.seq_len, args.samples)
-    cfgs = [QuantConfig(k_bits=b, v_bits=b, quantizer=args.quantizer) for b in args.bits]
     results = dict(zip(args.bits, layer_reconstruction(model, seqs, transforms, cfgs)))
     for bits, res in results.items():
         rows = [[n, r["geomean"], r["geomean"] / res[names[0]]["geomean"]] for n, r in res.items()]
@@ -185,14 +188,20 @@ def _bits_list(s: str) -> list[int]:
         raise argparse.ArgumentTypeError(f"expected comma-separated bit widths such as 2,3,4, got {s!r}") from None
 
 
-def _calibration_for(args, model, tok, transforms):
-    """The --calibration file, or a cached calibration when a calibrated transform is asked for."""
-    from .eval.compare import cached_calibration
+def _check_transforms(transforms) -> None:
     from .transforms import TRANSFORMS
 
     for t in transforms:
         if t not in TRANSFORMS:
             raise ValueError(f"unknown transform {t!r}; known: {sorted(TRANSFORMS)}")
+
+
+def _calibration_for(args, model, tok, transforms):
+    """The --calibration file, or a cached calibration when a calibrated transform is asked for."""
+    from .eval.compare import cached_calibration
+    from .transforms import TRANSFORMS
+
+    _check_transforms(transforms)
     if getattr(args, "calibration", None):
         return _load_calibration(args, model)
     if any(TRANSFORMS[t].needs_calibration for t in transforms):
@@ -210,6 +219,7 @@ def cmd_compare(args) -> int:
     from .report import format_table, markdown_table, plot_lines
 
     transforms = [t.strip() for t in args.transforms.split(",") if t.strip()]
+    _check_transforms(transforms)
     base = _quant_config(args, k_bits=2, v_bits=2)
     for b in args.bits:
         replace(base, k_bits=b, v_bits=b)  # validates the widths before anything long runs
@@ -258,6 +268,7 @@ def cmd_generate(args) -> int:
     from .eval.compare import config_for
     from .folding import apply_transforms
 
+    _check_transforms([args.transform])
     cfg = config_for(args.transform, _quant_config(args))
     model, tok = _load(args)
     cal = _calibration_for(args, model, tok, [args.transform])
@@ -277,10 +288,13 @@ def cmd_generate(args) -> int:
         out = model.generate(ids, past_key_values=cache, max_new_tokens=args.max_new_tokens, do_sample=False, streamer=streamer,
                              pad_token_id=tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id)
     nb = cache.nbytes()
-    fp = cache.full_precision_nbytes(torch_dtype_size=2)
-    print(f"\n[{args.transform} {cfg.label()}] {out.shape[1]} tokens in the cache: {nb['total'] / 2**20:.2f} MiB held "
-          f"(codes {nb['codes'] / 2**20:.2f}, metadata {nb['metadata'] / 2**20:.2f}, full-precision windows {nb['full_precision'] / 2**20:.2f}) "
-          f"vs {fp / 2**20:.2f} MiB for a bfloat16 DynamicCache ({fp / max(nb['total'], 1):.2f}x smaller)", file=sys.stderr)
+    size = next(model.parameters()).element_size()
+    fp, bf16 = cache.full_precision_nbytes(size), cache.full_precision_nbytes(2)
+    mib = lambda b: f"{b / 2**20:.2f} MiB"  # noqa: E731
+    print(f"\n[{args.transform} {cfg.label()}] {out.shape[1] - 1} tokens cached: {mib(nb['total'])} held (codes {mib(nb['codes'])}, "
+          f"metadata {mib(nb['metadata'])}, full-precision windows {mib(nb['full_precision'])}); a DynamicCache would hold "
+          f"{mib(fp)} in {args.dtype} ({fp / max(nb['total'], 1):.2f}x) or {mib(bf16)} in bfloat16 ({bf16 / max(nb['total'], 1):.2f}x)",
+          file=sys.stderr)
     return 0
 
 

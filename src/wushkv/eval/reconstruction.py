@@ -13,7 +13,7 @@ import math
 
 import torch
 
-from ..attention import reference_attention, restore_attention, use_wushkv_attention
+from ..attention import fast_attention, restore_attention, use_wushkv_attention
 from ..codecs import make_codec
 from ..config import QuantConfig
 from ..models import attention_modules, describe
@@ -34,7 +34,7 @@ class ReconObserver:
         l = module.layer_idx
         B, Hq, T, d = q.shape
         Hkv = k.shape[1]
-        Y = module.o_proj(reference_attention(q, k, v, allowed, scaling, softcap).reshape(B, T, Hq * d))
+        Y = module.o_proj(fast_attention(q, k, v, allowed, scaling, softcap).reshape(B, T, Hq * d))
         self.den[l] += float(Y.double().pow(2).sum())
         for name, layers in self.transforms.items():
             tr = layers[l]
@@ -46,7 +46,7 @@ class ReconObserver:
             for (k_codec, v_codec), num in zip(self.codecs, self.num):
                 k_hat = k_codec.fake(kt).to(q.dtype) if k_codec else kt
                 v_hat = v_codec.fake(vt).to(q.dtype) if v_codec else vt
-                out = reference_attention(qt, k_hat, v_hat, allowed, scaling, softcap)  # (B, T, Hq, d), T_V space
+                out = fast_attention(qt, k_hat, v_hat, allowed, scaling, softcap)  # (B, T, Hq, d), T_V space
                 out = torch.matmul(out.view(B, T, Hkv, Hq // Hkv, d), T_V_inv.mT[None, None]).reshape(B, T, Hq * d)
                 num[name][l] += float((module.o_proj(out) - Y).double().pow(2).sum())
 
