@@ -164,9 +164,8 @@ class KVView:
             allowed = _as_allowed(attention_mask, S)
             return fast_attention(query, K, V, allowed, scaling, softcap)
 
-        mid_len = self.mid_len_before
-        mk, mv = layer._decode_mid(self.mid, self.mid_len, dt)
-        mk, mv = mk[:, :, :mid_len], mv[:, :, :mid_len]
+        mid_len = self.mid_len_before  # what this update flushed is still in the window, in full precision
+        mk, mv = layer._decode_mid(self.mid, self.mid_len, dt, first=mid_len)
         kh = layer._fake("key", self.win_k)
         vh = layer._fake("value", self.win_v)
         K = torch.cat([self.sink_k, mk, self.win_k], dim=2)
@@ -340,16 +339,19 @@ class WushKVLayer(CacheLayerMixin):
             for name, side in (("k", self.k_side), ("v", self.v_side))
         }
 
-    def _decode_mid(self, snap: dict, n: int, dtype) -> tuple[torch.Tensor, torch.Tensor]:
-        """Dequantize a middle snapshot of ``n`` tokens: (B, Hkv, n, d) keys and values."""
+    def _decode_mid(self, snap: dict, n: int, dtype, first: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """Dequantize the first ``first`` (default: all ``n``) tokens of a middle snapshot holding ``n``:
+        (B, Hkv, first, d) keys and values. ``first`` is a multiple of the codec block."""
+        m = n if first is None else first
         out = []
         for name, side in (("k", self.k_side), ("v", self.v_side)):
-            if n == 0:
+            if m == 0:
                 out.append(self.sink_k[:, :, :0].to(dtype))
             elif side is None:
-                out.append(snap[name].to(dtype))
+                out.append(snap[name][:, :, :m].to(dtype))
             else:
-                out.append(side.codec.decode(snap[name], n).to(dtype))
+                part = {key: t[:, :, : t.shape[2] * m // n] for key, t in snap[name].items()}
+                out.append(side.codec.decode(part, m).to(dtype))
         return out[0], out[1]
 
     def _fake(self, side: str, x: torch.Tensor) -> torch.Tensor:
