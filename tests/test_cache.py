@@ -27,7 +27,7 @@ def stream(model, ids, cfg, chunks=None):
     sizes = chunks or [1] * ids.shape[1]
     out, t = [], 0
     for n in sizes:
-        out.append(model(ids[:, t : t + n], past_key_values=cache, use_cache=True).logits)
+        out.append(model(ids[:, t : t + n], cache=cache, use_cache=True).logits)
         t += n
     assert t == ids.shape[1]
     return torch.cat(out, 1), cache
@@ -79,7 +79,7 @@ def test_streaming_equals_single_pass_float32(family):
 def test_8bit_identity_close_to_dynamic_cache(family):
     model = tiny_model(family)
     ids = torch.randint(3, 96, (1, 40), generator=torch.Generator().manual_seed(2))
-    ref = model(ids, past_key_values=DynamicCache(config=model.config), use_cache=True).logits
+    ref = model(ids, cache=DynamicCache(config=model.config), use_cache=True).logits
     # Min-max affine at 8 bits is within 1e-2. QuEST saturates at ±3.88 RMS by design (MSE-optimal
     # clipping for Gaussians), which outlier channels exceed even at 8 bits: a looser bound.
     for quantizer, transform, tol in (("affine", "identity", 1e-2), ("quest", "identity", 2e-2), ("quest", "hadamard", 2e-2)):
@@ -98,7 +98,7 @@ def test_windows_and_packed_storage():
     ids = torch.randint(3, 96, (1, 50))
     cache = WushKVCache(model, cfg)
     for t in range(50):
-        model(ids[:, t : t + 1], past_key_values=cache, use_cache=True)
+        model(ids[:, t : t + 1], cache=cache, use_cache=True)
         n = t + 1
         for layer in cache.layers:
             assert layer.sink_k.shape[2] == min(n, w.S_sink)
@@ -150,17 +150,17 @@ def test_generate_and_beam_search_run_through_cache():
     ids = torch.randint(3, 96, (1, 12))
     with install(model):
         cache = WushKVCache(model, cfg)
-        out = model.generate(ids, past_key_values=cache, max_new_tokens=10, do_sample=False, pad_token_id=0)
+        out = model.generate(ids, cache=cache, max_new_tokens=10, do_sample=False, pad_token_id=0)
         assert out.shape == (1, 22) and cache.get_seq_length() == 21
         # greedy generate equals a manual argmax loop through a fresh cache
         manual, c2 = ids, WushKVCache(model, cfg)
-        logits = model(ids, past_key_values=c2, use_cache=True).logits
+        logits = model(ids, cache=c2, use_cache=True).logits
         for _ in range(10):
             nxt = logits[:, -1].argmax(-1, keepdim=True)
             manual = torch.cat([manual, nxt], 1)
-            logits = model(nxt, past_key_values=c2, use_cache=True).logits
+            logits = model(nxt, cache=c2, use_cache=True).logits
         assert torch.equal(out, manual)
-        beams = model.generate(ids, past_key_values=WushKVCache(model, cfg), max_new_tokens=6, num_beams=3, do_sample=False, pad_token_id=0)
+        beams = model.generate(ids, cache=WushKVCache(model, cfg), max_new_tokens=6, num_beams=3, do_sample=False, pad_token_id=0)
         assert beams.shape == (1, 18)
 
 
@@ -199,7 +199,7 @@ def test_left_padding_is_refused_clearly():
     mask = torch.ones(2, 12, dtype=torch.long)
     mask[1, :3] = 0
     with pytest.raises(NotImplementedError, match="left-padded"):
-        model(ids, attention_mask=mask, past_key_values=WushKVCache(model, QuantConfig(windows=WindowConfig(2, 4, 2))), use_cache=True)
+        model(ids, attention_mask=mask, cache=WushKVCache(model, QuantConfig(windows=WindowConfig(2, 4, 2))), use_cache=True)
 
 
 def test_sequences_shorter_than_windows_are_an_error():

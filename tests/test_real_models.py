@@ -37,10 +37,10 @@ def test_smollm2_wush_invariance_and_streaming(smollm2, tmp_path):
     # streaming decode through the real cache equals the single-pass emulation
     cfg = QuantConfig(2, 2, "quest", windows=WindowConfig(4, 16, 4))
     with apply_transforms(model, cal.transforms("wush"), "wush"):
-        single = model(ids, past_key_values=WushKVCache(model, cfg), use_cache=True).logits
+        single = model(ids, cache=WushKVCache(model, cfg), use_cache=True).logits
         cache = WushKVCache(model, cfg)
-        steps = [model(ids[:, :40], past_key_values=cache, use_cache=True).logits]
-        steps += [model(ids[:, t : t + 1], past_key_values=cache, use_cache=True).logits for t in range(40, 72)]
+        steps = [model(ids[:, :40], cache=cache, use_cache=True).logits]
+        steps += [model(ids[:, t : t + 1], cache=cache, use_cache=True).logits for t in range(40, 72)]
     stream = torch.cat(steps, 1)
     assert (single - stream).abs().max() < 1e-3
     assert (single - ref).abs().max() > 0.1  # 2-bit quantization is really seen

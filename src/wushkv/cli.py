@@ -285,7 +285,7 @@ def cmd_generate(args) -> int:
     with apply_transforms(model, trs, args.transform):
         cache = WushKVCache(model, cfg)
         streamer = TextStreamer(tok, skip_prompt=False)
-        out = model.generate(ids, past_key_values=cache, max_new_tokens=args.max_new_tokens, do_sample=False, streamer=streamer,
+        out = model.generate(ids, cache=cache, max_new_tokens=args.max_new_tokens, do_sample=False, streamer=streamer,
                              pad_token_id=tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id)
     nb = cache.nbytes()
     size = next(model.parameters()).element_size()

@@ -24,7 +24,7 @@ def chunk_nll(model, input_ids: torch.Tensor, cache=None) -> tuple[float, int]:
     input_ids = input_ids.to(device)
     kwargs = {"use_cache": cache is not None}
     if cache is not None:
-        kwargs["past_key_values"] = cache
+        kwargs["cache"] = cache
     logits = model(input_ids, **kwargs).logits  # (B, L, V)
     nll = F.cross_entropy(
         logits[:, :-1].reshape(-1, logits.shape[-1]).float(), input_ids[:, 1:].reshape(-1), reduction="sum"
