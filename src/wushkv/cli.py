@@ -104,10 +104,10 @@ def cmd_ppl(args) -> int:
     from .eval.perplexity import perplexity
     from .io import write_json
 
-    text, label = load_eval_text(args.text_file)
     cfg = _quant_config(args) if args.transform else None
     if args.transform:
         _check_transforms([args.transform])
+    text, label = load_eval_text(args.text_file)
     model, tok = _load(args)
     chunks = tokenize_chunks(tok, text, args.seq_len, args.chunks)
     if cfg is None:
