@@ -198,3 +198,22 @@ def use_wushkv_attention(model) -> str:
 def restore_attention(model, previous: str) -> None:
     if previous and model.config._attn_implementation != previous:
         model.set_attn_implementation(previous)
+
+
+@torch.no_grad()
+def observe_sequences(model, sequences: torch.Tensor, observer, desc: str, show_progress: bool = True) -> None:
+    """Run ``model`` over ``sequences`` (N, L), one at a time, with ``observer.observe`` seeing every
+    layer's raw queries, keys and values. The model must carry no installed transforms; its attention
+    implementation is restored afterwards, also on error."""
+    from .models import attention_modules
+    from .progress import progress
+
+    if any(hasattr(a, "wushkv_key") for a in attention_modules(model)):
+        raise RuntimeError(f"{desc}: run on the original model (transforms are installed; call restore() first)")
+    device = next(model.parameters()).device
+    previous = use_wushkv_attention(model)
+    try:
+        for i in progress(range(sequences.shape[0]), desc=desc, enabled=show_progress, unit="seq"):
+            model(sequences[i : i + 1].to(device), use_cache=False, wushkv_observer=observer)
+    finally:
+        restore_attention(model, previous)

@@ -29,10 +29,9 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 from . import __version__
-from .attention import attention_probs, grouped, restore_attention, use_wushkv_attention
+from .attention import attention_probs, grouped, observe_sequences
 from .io import atomic_write, write_json
 from .models import ArchSpec, attention_modules, describe, fingerprint, model_name, projections
-from .progress import progress
 from .transforms import TRANSFORMS, build_transforms
 
 FORMAT = "wushkv-calibration"
@@ -274,18 +273,9 @@ def calibration_sequences(tokenizer, samples: int, seq_len: int, text_file: str 
 def collect_statistics(model, sequences: torch.Tensor, wush_a: bool = False, skip_first: int = 0, show_progress: bool = True) -> list[dict]:
     """Run ``model`` over ``sequences`` (N, L) and return per-layer statistics (float64)."""
     spec = describe(model)
-    mods = attention_modules(model, spec)
-    if any(hasattr(a, "wushkv_key") for a in mods):
-        raise RuntimeError("calibrate the original model: transforms are installed (call restore() first)")
-    o_weights = [projections(a, spec)[3].weight.detach() for a in mods]
+    o_weights = [projections(a, spec)[3].weight.detach() for a in attention_modules(model, spec)]
     collector = StatsCollector(spec, o_weights, wush_a=wush_a, skip_first=skip_first)
-    device = next(model.parameters()).device
-    previous = use_wushkv_attention(model)
-    try:
-        for i in progress(range(sequences.shape[0]), desc="calibrate", enabled=show_progress, unit="seq"):
-            model(sequences[i : i + 1].to(device), use_cache=False, wushkv_observer=collector)
-    finally:
-        restore_attention(model, previous)
+    observe_sequences(model, sequences, collector, "calibrate", show_progress)
     return collector.finalize()
 
 

@@ -13,11 +13,10 @@ import math
 
 import torch
 
-from ..attention import fast_attention, restore_attention, use_wushkv_attention
+from ..attention import fast_attention, observe_sequences
 from ..codecs import make_codec
 from ..config import QuantConfig
-from ..models import attention_modules, describe
-from ..progress import progress
+from ..models import describe
 
 
 class ReconObserver:
@@ -69,15 +68,7 @@ def layer_reconstruction(model, sequences: torch.Tensor, transforms: dict[str, l
     single = not isinstance(cfg, list)
     cfgs = [cfg] if single else cfg
     spec = describe(model)
-    if any(hasattr(a, "wushkv_key") for a in attention_modules(model, spec)):
-        raise RuntimeError("run the reconstruction experiment on the original model (transforms are installed)")
     obs = ReconObserver(transforms, cfgs, spec.head_dim, spec.num_layers)
-    device = next(model.parameters()).device
-    previous = use_wushkv_attention(model)
-    try:
-        for i in progress(range(sequences.shape[0]), desc="recon", enabled=show_progress, unit="seq"):
-            model(sequences[i : i + 1].to(device), use_cache=False, wushkv_observer=obs)
-    finally:
-        restore_attention(model, previous)
+    observe_sequences(model, sequences, obs, "recon", show_progress)
     res = obs.results()
     return res[0] if single else res
