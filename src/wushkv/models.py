@@ -25,7 +25,6 @@ FAMILIES: dict[str, dict] = {
     "qwen2": dict(_LLAMA_LAYOUT, qk_norm=False),
     "qwen3": dict(_LLAMA_LAYOUT, qk_norm=True),
     "gemma3_text": dict(_LLAMA_LAYOUT, qk_norm=True),
-    "gemma3": dict(_LLAMA_LAYOUT, layers="model.language_model.layers", qk_norm=True),
 }
 
 # Short names of the real models that install from the package registry.
