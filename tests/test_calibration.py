@@ -167,7 +167,7 @@ def test_wush_a_matches_brute_force():
     q, k, v = capture_qkv(model, ids)[1]
     attn = model.model.layers[1].self_attn
     W = attn.o_proj.weight.double()
-    d, G, s = spec.head_dim, spec.group_size, attn.scaling
+    d, s = spec.head_dim, attn.scaling
     T = ids.shape[1]
     allowed = torch.ones(T, T, dtype=torch.bool).tril()[None, None]
     coll = StatsCollector(spec, [None, attn.o_proj.weight.detach(), None], wush_a=True)

@@ -5,7 +5,7 @@ import torch
 
 from wushkv.folding import apply_transforms
 from wushkv.models import describe
-from wushkv.transforms import TRANSFORMS, build_transforms
+from wushkv.transforms import build_transforms
 
 from conftest import tiny_model
 

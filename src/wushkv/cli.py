@@ -148,7 +148,7 @@ def cmd_calibrate(args) -> int:
 
 
 def cmd_recon(args) -> int:
-    from .calibration import Calibration, calibration_sequences
+    from .calibration import Calibration
     from .config import QuantConfig
     from .data import load_eval_text, tokenize_chunks
     from .eval.reconstruction import layer_reconstruction

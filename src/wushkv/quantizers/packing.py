@@ -76,7 +76,6 @@ def _pack_bytewise(codes: Tensor, bits: int) -> Tensor:
 
 
 def _unpack_bytewise(packed: Tensor, bits: int, n: int) -> Tensor:
-    per = 8 // bits
     mask = (1 << bits) - 1
     shifts = torch.arange(0, 8, bits, dtype=torch.uint8, device=packed.device)  # [per]
     codes = (packed[..., :, None] >> shifts) & mask  # [..., bytes, per]
