@@ -135,7 +135,7 @@ class KVView:
         """Attention of ``query`` (B, Hq, T, d) over this layer; returns (B, T, Hq, d) in transformed V space."""
         layer = self.layer
         kt = getattr(module, "wushkv_key", None)
-        if (kt.T if kt is not None else None) is not layer.T_K:
+        if kt is not layer.key_transform:
             raise RuntimeError(
                 "the key transform of this attention module changed after the WushKVCache was created; "
                 "create the cache after apply_transforms()/restore()"
@@ -199,11 +199,11 @@ class WushKVLayer(CacheLayerMixin):
     is_compileable = False
     is_croppable = True
 
-    def __init__(self, cfg: QuantConfig, head_dim: int, T_K: torch.Tensor | None = None, sliding_window: int | None = None):
+    def __init__(self, cfg: QuantConfig, head_dim: int, key_transform=None, sliding_window: int | None = None):
         super().__init__()
         self.cfg = cfg
         self.head_dim = head_dim
-        self.T_K = T_K  # (Hkv, d, d) or None
+        self.key_transform = key_transform  # the attention module's KeyTransform (T_K online), or None
         self.sliding_window = sliding_window
         self.is_sliding = sliding_window is not None
         k_codec, v_codec = make_codec(cfg, "key", head_dim), make_codec(cfg, "value", head_dim)
@@ -230,16 +230,14 @@ class WushKVLayer(CacheLayerMixin):
         self._mid_len = 0  # tokens in the quantized middle (after eviction)
         self._q_count = 0  # tokens ever quantized = Qc(n)
         self._mid_fp_store = {"k": empty.clone(), "v": value_states[:, :, :0].clone()}  # middle of a full-precision side
-        if self.T_K is not None:
-            self.T_K = self.T_K.to(self.device)
         self.is_initialized = True
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
         if not self.is_initialized:
             self.lazy_initialization(key_states, value_states)
         w = self.cfg.windows
-        if self.T_K is not None:
-            key_states = torch.einsum("bhtd,hed->bhte", key_states, self.T_K.to(key_states.dtype))
+        if self.key_transform is not None:
+            key_states = self.key_transform.keys(key_states)
         n0, T = self.n, key_states.shape[2]
         n1 = n0 + T
         # 1. the first S_sink positions go to the full-precision sink
@@ -417,7 +415,7 @@ class WushKVCache(Cache):
         for i, attn in enumerate(attention_modules(model, spec)):
             kt = getattr(attn, "wushkv_key", None)
             sliding = spec.sliding_window if spec.layer_types[i] == "sliding_attention" else None
-            layers.append(WushKVLayer(configs[i], spec.head_dim, kt.T if kt is not None else None, sliding))
+            layers.append(WushKVLayer(configs[i], spec.head_dim, kt, sliding))
         super().__init__(layers=layers)
         self.configs = configs
 

@@ -16,6 +16,7 @@ import torch
 from ..attention import fast_attention, observe_sequences
 from ..codecs import make_codec
 from ..config import QuantConfig
+from ..folding import KeyTransform
 from ..models import describe
 
 
@@ -37,11 +38,10 @@ class ReconObserver:
         self.den[l] += float(Y.double().pow(2).sum())
         for name, layers in self.transforms.items():
             tr = layers[l]
-            T_K, T_K_inv = tr["T_K"].to(q), tr["T_K_inv"].to(q)
-            T_V, T_V_inv = tr["T_V"].to(q), tr["T_V_inv"].to(q)
-            kt = torch.einsum("bhsd,hed->bhse", k, T_K)
-            vt = torch.einsum("bhsd,hed->bhse", v, T_V)
-            qt = torch.matmul(q.view(B, Hkv, Hq // Hkv, T, d), T_K_inv[None, :, None]).view(B, Hq, T, d)
+            key_tr = KeyTransform(tr["T_K"].to(q), tr["T_K_inv"].to(q))
+            val_tr = KeyTransform(tr["T_V"].to(q), tr["T_V_inv"].to(q))  # same per-head map, applied to values
+            kt, vt, qt = key_tr.keys(k), val_tr.keys(v), key_tr.queries(q)
+            T_V_inv = val_tr.T_inv
             for (k_codec, v_codec), num in zip(self.codecs, self.num):
                 k_hat = k_codec.fake(kt).to(q.dtype) if k_codec else kt
                 v_hat = v_codec.fake(vt).to(q.dtype) if v_codec else vt
