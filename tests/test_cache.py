@@ -192,19 +192,73 @@ def test_crop_only_full_precision_tail():
         cache.crop(-(recent + 5))
 
 
-@torch.no_grad()
-def test_left_padding_is_refused_clearly():
-    model = tiny_model("llama")
-    ids = torch.randint(3, 96, (2, 12))
-    mask = torch.ones(2, 12, dtype=torch.long)
-    mask[1, :3] = 0
-    with pytest.raises(NotImplementedError, match="left-padded"):
-        model(ids, attention_mask=mask, cache=WushKVCache(model, QuantConfig(windows=WindowConfig(2, 4, 2))), use_cache=True)
-
-
 def test_sequences_shorter_than_windows_are_an_error():
     from wushkv.eval.compare import quantized_perplexity
 
     model = tiny_model("llama")
     with pytest.raises(ValueError, match="too short for windows 16/128/16"):
         quantized_perplexity(model, torch.randint(3, 96, (1, 100)), None, "hadamard", QuantConfig(windows=WindowConfig(16, 128, 16)), show_progress=False)
+
+
+@torch.no_grad()
+@pytest.mark.parametrize("family", ["llama", "gemma3"])
+@pytest.mark.parametrize("quantizer", ["quest", "affine"])
+def test_left_padded_batch_equals_rows_alone(family, quantizer):
+    """Each row of a left-padded batch gets, at its real tokens, the logits it gets alone (prefill, then decode)."""
+    model = tiny_model(family).double()
+    cfg = QuantConfig(2, 2, quantizer, windows=WindowConfig(3, 5, 2))
+    g = torch.Generator().manual_seed(3)
+    lengths, L = [30, 23, 27], 30
+    rows = [torch.randint(3, 96, (1, n), generator=g) for n in lengths]
+    ids = torch.zeros(3, L, dtype=torch.long)
+    mask = torch.zeros(3, L, dtype=torch.long)
+    for b, r in enumerate(rows):
+        ids[b, L - r.shape[1] :], mask[b, L - r.shape[1] :] = r[0], 1
+    steps = 6
+    nxt = torch.randint(3, 96, (3, steps), generator=g)
+    with install(model):
+        cache = WushKVCache(model, cfg, attention_mask=mask)
+        pos = (mask.cumsum(-1) - 1).clamp(min=0)
+        out = [model(ids, attention_mask=mask, position_ids=pos, cache=cache, use_cache=True).logits]
+        for t in range(steps):
+            mask = torch.cat([mask, torch.ones(3, 1, dtype=torch.long)], 1)
+            pos = pos[:, -1:] + 1
+            out.append(model(nxt[:, t : t + 1], attention_mask=mask, position_ids=pos, cache=cache, use_cache=True).logits)
+        batch = torch.cat(out, 1)
+        for b, r in enumerate(rows):
+            alone, _ = stream(model, torch.cat([r, nxt[b : b + 1]], 1), cfg, chunks=[r.shape[1]] + [1] * steps)
+            n = r.shape[1] + steps
+            assert (batch[b, -n:] - alone[0]).abs().max() < 1e-6, b
+        # the same prompt without declaring the padding is refused, not silently wrong
+        with pytest.raises(ValueError, match=r"left padding of \[0, 7, 3\].*attention_mask=attention_mask"):
+            model(ids, attention_mask=mask[:, :L], cache=WushKVCache(model, cfg), use_cache=True)
+
+
+@torch.no_grad()
+def test_left_padded_generate_equals_rows_alone():
+    model = tiny_model("qwen3")
+    cfg = QuantConfig(2, 2, "quest", windows=WindowConfig(2, 4, 2))
+    g = torch.Generator().manual_seed(4)
+    rows = [torch.randint(3, 96, (1, n), generator=g) for n in (14, 9)]
+    ids = torch.zeros(2, 14, dtype=torch.long)
+    mask = torch.zeros(2, 14, dtype=torch.long)
+    for b, r in enumerate(rows):
+        ids[b, 14 - r.shape[1] :], mask[b, 14 - r.shape[1] :] = r[0], 1
+    with install(model):
+        out = model.generate(ids, attention_mask=mask, cache=WushKVCache(model, cfg, attention_mask=mask), max_new_tokens=12, do_sample=False, pad_token_id=0)
+        for b, r in enumerate(rows):
+            alone = model.generate(r, cache=WushKVCache(model, cfg), max_new_tokens=12, do_sample=False, pad_token_id=0)
+            assert torch.equal(out[b, 14:], alone[0, r.shape[1] :])
+
+
+def test_padding_errors():
+    from wushkv.cache import left_padding
+
+    model = tiny_model("llama")
+    assert left_padding(torch.tensor([[0, 0, 1, 1], [1, 1, 1, 1]])).tolist() == [2, 0]
+    with pytest.raises(ValueError, match=r"rows \[0\].*not on the left"):
+        left_padding(torch.tensor([[1, 1, 0], [1, 1, 1]]))
+    with pytest.raises(ValueError, match="per-token quantizer"):
+        WushKVCache(model, QuantConfig(quantizer="kivi", windows=WindowConfig(2, 4, 2)), pad_lengths=[0, 3])
+    with pytest.raises(ValueError, match="pad lengths for 2 rows, but the batch has 3"):
+        model(torch.randint(3, 96, (3, 8)), cache=WushKVCache(model, QuantConfig(windows=WindowConfig(2, 4, 2)), pad_lengths=[0, 3]), use_cache=True)

@@ -80,10 +80,13 @@ def selective_attention(
     """Attention where query ``i`` sees key/value ``t`` quantized (``k_hat``, ``v_hat``) iff ``quantized[i, t]``.
 
     This is the exact single-pass emulation of METHOD §3.2: scores come from the right keys, and the
-    output is ``(P⊙Mask)·V̂ + (P⊙(1−Mask))·V``. ``quantized``: bool (T, S). Returns (B, T, Hq, d).
+    output is ``(P⊙Mask)·V̂ + (P⊙(1−Mask))·V``. ``quantized``: bool (T, S), or (B, 1, T, S) when rows
+    differ (left padding). Returns (B, T, Hq, d).
     """
     B, Hq, T, d = q.shape
     qg = grouped(q, k.shape[1])
+    if quantized.dim() == 4:
+        quantized = quantized.unsqueeze(2)  # (B, 1, 1, T, S) against (B, Hkv, G, T, S)
     s_fp = torch.matmul(qg, k.unsqueeze(2).transpose(-1, -2))
     s_q = torch.matmul(qg, k_hat.unsqueeze(2).transpose(-1, -2))
     p = _softmax(torch.where(quantized, s_q, s_fp) * scaling, allowed, softcap)  # (B, Hkv, G, T, S)
@@ -108,7 +111,7 @@ def fused_selective_attention(
     in full precision and as its quantized column otherwise, so the result is the same; the fused
     kernel never materializes the (T, 2S) probabilities. Returns (B, T, Hq, d).
     """
-    T, S = quantized.shape
+    T, S = quantized.shape[-2:]
     base = allowed if allowed is not None else torch.ones(1, 1, T, S, dtype=torch.bool, device=q.device)
     mask = torch.cat([base & ~quantized, base & quantized], dim=-1)  # (B, 1, T, 2S)
     out = torch.nn.functional.scaled_dot_product_attention(

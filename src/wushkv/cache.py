@@ -30,6 +30,19 @@ from .codecs import make_codec, storage_nbytes
 from .config import QuantConfig
 
 
+def left_padding(attention_mask: torch.Tensor) -> torch.Tensor:
+    """Pad tokens per row of a left-padded 2-D attention mask (1 = token, 0 = padding)."""
+    m = torch.as_tensor(attention_mask)
+    if m.dim() != 2:
+        raise ValueError(f"attention_mask must be 2-D (batch, length), got shape {tuple(m.shape)}")
+    m = m.cpu().bool()
+    lead = (m.int().cumsum(-1) == 0).sum(-1)
+    if not torch.equal(lead, (~m).sum(-1)):
+        bad = torch.nonzero(lead != (~m).sum(-1)).flatten().tolist()
+        raise ValueError(f"rows {bad} of attention_mask have padding that is not on the left; only left padding is supported")
+    return lead
+
+
 class _Growable:
     """A dict of tensors that grow along dim 2 with amortized doubling (no O(n²) concatenation)."""
 
@@ -143,14 +156,10 @@ class KVView:
         if kt is not None:
             query = kt.queries(query)
         query = query.to(self.win_k.dtype)
-        if attention_mask is not None and query.shape[0] > 1 and self.kv_offset == 0 and self.n1 > 0:
-            m = attention_mask if attention_mask.dtype == torch.bool else attention_mask == 0
-            if not bool(m[:, :, -1, 0].all()):
-                raise NotImplementedError(
-                    "left-padded batches are not supported by WushKVCache yet: the windows are counted in absolute "
-                    "positions, so a padded row would lose sink tokens to padding; run such rows one at a time "
-                    "(batches of equal-length sequences work)"
-                )
+        if attention_mask is not None and self.n0 == 0 and not layer.is_sliding:
+            layer._check_padding(attention_mask)
+        if layer.padded:
+            return self._attend_padded(query, attention_mask, scaling, softcap)
         T = query.shape[2]
         dt = self.win_k.dtype
         # Middle: full dequantization here (the packed-code kernel of the performance path reads codes directly).
@@ -192,6 +201,47 @@ class KVView:
             return selective_attention(*args, softcap)
         return fused_selective_attention(*args)
 
+    def _attend_padded(self, query, attention_mask, scaling: float, softcap: float | None) -> torch.Tensor:
+        """Left-padded batch: the same emulation, with each row's windows counted from its first real token.
+
+        Row ``b`` (``p_b`` pad tokens) sees column ``c`` quantized for query position ``i`` iff
+        ``p_b + S_sink <= c < p_b + S_sink + Qc(i + 1 - p_b)``. The layer keeps every column some row still
+        needs in full precision (sink ∪ recent) and codes for every column some row needs quantized, so
+        both versions exist wherever a row can read them. Also serves decode (T = 1).
+        """
+        layer, dt = self.layer, self.win_k.dtype
+        lo = self.kv_offset
+        S, T = self.n1 - lo, query.shape[2]
+        B, H, _, d = self.win_k.shape
+        K = self.win_k.new_zeros(B, H, S, d)
+        V = self.win_v.new_zeros(B, H, S, self.win_v.shape[-1])
+        mk, mv = layer._decode_mid(self.mid, self.mid_len, dt)
+
+        def put(dst, src, start):  # write columns [start, start + len) of src into dst (columns from lo)
+            a, b = max(start, lo), min(start + src.shape[2], self.n1)
+            if b > a:
+                dst[:, :, a - lo : b - lo] = src[:, :, a - start : b - start]
+
+        for dst, mid, sink, win in ((K, mk, self.sink_k, self.win_k), (V, mv, self.sink_v, self.win_v)):
+            put(dst, mid, self.mid_start)  # columns only the codes still hold: quantized for every row
+            put(dst, sink, self.sink_start)
+            put(dst, win, self.w0)
+        K_hat, V_hat = layer._fake("key", K), layer._fake("value", V)
+        put(K_hat, mk, self.mid_start)  # the stored codes, bit for bit
+        put(V_hat, mv, self.mid_start)
+        w = layer.cfg.windows
+        pads = layer.pads.view(B, 1, 1)
+        pos = torch.arange(lo, self.n1).view(1, 1, S)
+        real = torch.arange(self.n0 + 1, self.n1 + 1).view(1, T, 1) - pads  # real tokens seen by each query
+        qc = w.S_flush * ((real - w.S_sink - w.S_keep).clamp(min=0) // w.S_flush)
+        start = pads + w.S_sink
+        quantized = ((pos >= start) & (pos < start + qc)).unsqueeze(1).to(query.device)  # (B, 1, T, S)
+        allowed = _as_allowed(attention_mask, S)
+        args = (query, K, V, K_hat, V_hat, quantized, allowed, scaling)
+        if softcap is not None or query.dtype == torch.float64:
+            return selective_attention(*args, softcap)
+        return fused_selective_attention(*args)
+
 
 class WushKVLayer(CacheLayerMixin):
     """One layer of the quantized cache. See the module docstring for the layout."""
@@ -218,6 +268,53 @@ class WushKVLayer(CacheLayerMixin):
                 "use smaller windows for models with sliding-window layers"
             )
         self.n = 0
+        self.pads: torch.Tensor | None = None  # (B,) left-padding tokens per row, or None
+
+    @property
+    def padded(self) -> bool:
+        return self.pads is not None and bool((self.pads > 0).any())
+
+    def set_padding(self, pads: torch.Tensor | None) -> None:
+        """Declare ``pads[b]`` left-padding tokens in row ``b``: that row's windows start after them."""
+        if self.is_initialized and self.n > 0:
+            raise RuntimeError("set the padding before the first tokens enter the cache")
+        if pads is not None:
+            pads = torch.as_tensor(pads, dtype=torch.long).flatten().cpu()
+            if (pads < 0).any():
+                raise ValueError(f"pad lengths must be >= 0, got {pads.tolist()}")
+            if (pads > 0).any() and self.block > 1:
+                raise ValueError(
+                    f"left-padded batches need a per-token quantizer (quest, affine); {self.cfg.quantizer!r} "
+                    f"quantizes blocks of {self.block} tokens, which cannot start at a different position per row"
+                )
+        self.pads = pads
+
+    def _row_ends(self, n: int) -> list[int]:
+        """Per row: the column after its quantized middle when the cache holds ``n`` columns."""
+        w = self.cfg.windows
+        return [p + w.S_sink + w.quantized_count(max(n - p, 0)) for p in self._pad_list()]
+
+    def _pad_list(self) -> list[int]:
+        return self.pads.tolist() if self.pads is not None else [0]
+
+    def _code_end(self, n: int) -> int:
+        """Codes exist for columns [S_sink + min pad, this): every column some row reads quantized."""
+        w, pads = self.cfg.windows, self._pad_list()
+        ends = [e for e, p in zip(self._row_ends(n), pads) if e > p + w.S_sink]
+        return max(ends) if ends else w.S_sink + min(pads)
+
+    def _check_padding(self, attention_mask: torch.Tensor) -> None:
+        """At the first prefill, the padding the mask shows must be the padding the cache was told of."""
+        m = attention_mask if attention_mask.dtype == torch.bool else attention_mask == 0
+        last = m[:, 0, -1, : self.n]  # what the last prompt position may attend to
+        seen = (last.int().cumsum(-1) == 0).sum(-1).cpu()
+        declared = self.pads if self.pads is not None else torch.zeros_like(seen)
+        if declared.shape != seen.shape or not torch.equal(seen, declared):
+            raise ValueError(
+                f"the attention mask shows left padding of {seen.tolist()} tokens per row, but the cache was created "
+                f"with {declared.tolist()}; create it with WushKVCache(model, config, attention_mask=attention_mask) "
+                "so that each row's full-precision windows start at its first real token"
+            )
 
     # -- transformers' layer API -------------------------------------------------------------
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
@@ -226,9 +323,12 @@ class WushKVLayer(CacheLayerMixin):
         self.sink_k, self.sink_v = empty.clone(), value_states[:, :, :0].clone()
         self.recent_k, self.recent_v = empty.clone(), value_states[:, :, :0].clone()
         self.sink_start = 0
-        self.mid_start = self.cfg.windows.S_sink
+        pads = self._pad_list()
+        if self.pads is not None and self.pads.numel() != key_states.shape[0]:
+            raise ValueError(f"pad lengths for {self.pads.numel()} rows, but the batch has {key_states.shape[0]}")
+        self.sink_len = self.cfg.windows.S_sink + max(pads)  # columns kept in the full-precision sink
+        self.mid_start = self.cfg.windows.S_sink + min(pads)
         self._mid_len = 0  # tokens in the quantized middle (after eviction)
-        self._q_count = 0  # tokens ever quantized = Qc(n)
         self._mid_fp_store = {"k": empty.clone(), "v": value_states[:, :, :0].clone()}  # middle of a full-precision side
         self.is_initialized = True
 
@@ -240,8 +340,8 @@ class WushKVLayer(CacheLayerMixin):
             key_states = self.key_transform.keys(key_states)
         n0, T = self.n, key_states.shape[2]
         n1 = n0 + T
-        # 1. the first S_sink positions go to the full-precision sink
-        take = min(T, max(0, w.S_sink - n0))
+        # 1. the first S_sink positions (of the longest padding row) go to the full-precision sink
+        take = min(T, max(0, self.sink_len - n0))
         if take:
             self.sink_k = torch.cat([self.sink_k, key_states[:, :, :take]], dim=2)
             self.sink_v = torch.cat([self.sink_v, value_states[:, :, :take]], dim=2)
@@ -250,10 +350,12 @@ class WushKVLayer(CacheLayerMixin):
         w0 = n1 - win_k.shape[2]
         view = KVView(self, n0, n1, self.sink_k, self.sink_v, self.sink_start, self._mid_len, self.mid_start, win_k, win_v, w0, 0)
         # 2. flush whole blocks of S_flush into the quantized middle (appended, never re-quantized)
-        moved = w.quantized_count(n1) - self._q_count
-        if moved:
-            self._append_mid(win_k[:, :, :moved], win_v[:, :, :moved])
-            self._q_count += moved
+        c_old, c_new = self.mid_start + self._mid_len, self._code_end(n1)
+        if c_new > c_old:
+            k_new, v_new = self._columns(c_old, c_new, win_k, win_v, w0)
+            self._append_mid(k_new, v_new)
+        # 3. the recent buffer keeps what some row still reads in full precision
+        moved = max(0, min(max(self.sink_len, min(self._row_ends(n1))), n1) - w0)
         view.moved = moved
         view.mid, view.mid_len = self._snapshot_mid(), self._mid_len
         self.recent_k, self.recent_v = win_k[:, :, moved:], win_v[:, :, moved:]
@@ -286,15 +388,18 @@ class WushKVLayer(CacheLayerMixin):
         n = abs(tokens_to_remove)
         if n == 0 or not self.is_initialized:
             return
-        if n > self.recent_k.shape[2]:
+        croppable = max(0, self.n - max(self.mid_start + self._mid_len, self.n - self.recent_k.shape[2]))
+        if n > croppable:
             raise ValueError(
-                f"cannot crop {n} tokens: only the {self.recent_k.shape[2]} most recent tokens are in full precision "
-                "(quantized tokens are never re-quantized or un-appended)"
+                f"cannot crop {n} tokens: only the {croppable} most recent tokens are in full precision and not yet "
+                "coded (quantized tokens are never re-quantized or un-appended)"
             )
         self.recent_k, self.recent_v = self.recent_k[:, :, :-n], self.recent_v[:, :, :-n]
         self.n -= n
 
     def _apply_batch(self, fn) -> None:
+        if self.pads is not None:  # also before the first tokens: generate() expands rows for beams first
+            self.pads = fn(self.pads)
         if not self.is_initialized:
             return
         self.sink_k, self.sink_v = fn(self.sink_k), fn(self.sink_v)
@@ -311,7 +416,7 @@ class WushKVLayer(CacheLayerMixin):
         self._apply_batch(lambda x: x.repeat_interleave(repeats, dim=0))
 
     def batch_select_indices(self, indices: torch.Tensor) -> None:
-        self._apply_batch(lambda x: x[indices])
+        self._apply_batch(lambda x: x[indices.to(x.device)] if torch.is_tensor(indices) else x[indices])
 
     def offload(self):  # the packed store stays where it is
         pass
@@ -322,6 +427,22 @@ class WushKVLayer(CacheLayerMixin):
     # -- internals ---------------------------------------------------------------------------
     def _first_visible(self, n: int) -> int:
         return max(n - self.sliding_window + 1, 0) if self.is_sliding else 0
+
+    def _columns(self, a: int, b: int, win_k, win_v, w0: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Full-precision keys and values of columns [a, b), from the sink and the window starting at w0."""
+        end = self.sink_start + self.sink_k.shape[2]
+        ks, vs = [], []
+        if a < end:
+            i, j = a - self.sink_start, min(b, end) - self.sink_start
+            ks.append(self.sink_k[:, :, i:j])
+            vs.append(self.sink_v[:, :, i:j])
+        lo = max(a, end)
+        if b > lo:
+            if lo < w0:
+                raise RuntimeError(f"columns [{lo}, {w0}) are needed for the codes but no longer held")
+            ks.append(win_k[:, :, lo - w0 : b - w0])
+            vs.append(win_v[:, :, lo - w0 : b - w0])
+        return torch.cat(ks, dim=2), torch.cat(vs, dim=2)
 
     def _append_mid(self, k: torch.Tensor, v: torch.Tensor) -> None:
         for name, side, x in (("k", self.k_side, k), ("v", self.v_side, v)):
@@ -400,9 +521,20 @@ class WushKVCache(Cache):
     ``config``: one :class:`QuantConfig` for every layer, or a list with one per layer (bit allocation).
     Creating the cache switches the model to the ``"wushkv"`` attention, which is what reads it, and
     takes each layer's key transform from :func:`wushkv.folding.apply_transforms` (if installed).
+
+    Left-padded batches: pass the prompt's 2-D ``attention_mask`` (or ``pad_lengths``, one per row) so
+    that each row's sink and windows start at its first real token; every row then gets what it would
+    get alone. Only per-token quantizers (quest, affine) support padding.
     """
 
-    def __init__(self, model, config: QuantConfig | list[QuantConfig] | None = None):
+    def __init__(
+        self,
+        model,
+        config: QuantConfig | list[QuantConfig] | None = None,
+        *,
+        attention_mask: torch.Tensor | None = None,
+        pad_lengths=None,
+    ):
         from .attention import use_wushkv_attention
         from .models import attention_modules, describe
 
@@ -418,6 +550,13 @@ class WushKVCache(Cache):
             layers.append(WushKVLayer(configs[i], spec.head_dim, kt, sliding))
         super().__init__(layers=layers)
         self.configs = configs
+        if attention_mask is not None:
+            if pad_lengths is not None:
+                raise ValueError("give attention_mask or pad_lengths, not both")
+            pad_lengths = left_padding(attention_mask)
+        if pad_lengths is not None:
+            for layer in self.layers:
+                layer.set_padding(pad_lengths)
 
     def nbytes(self) -> dict[str, int]:
         """Bytes actually held: packed codes, metadata (scales/offsets), full-precision windows, total."""
