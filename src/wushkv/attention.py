@@ -47,7 +47,8 @@ def _softmax(scores: torch.Tensor, allowed: torch.Tensor | None, softcap: float 
         scores = torch.tanh(scores / softcap) * softcap
     if allowed is not None:
         scores = scores.masked_fill(~allowed.unsqueeze(2), torch.finfo(scores.dtype).min)
-    return torch.softmax(scores.float(), dim=-1).to(scores.dtype)
+    acc = torch.float32 if scores.dtype in (torch.float16, torch.bfloat16) else scores.dtype  # float64 stays float64
+    return torch.softmax(scores.to(acc), dim=-1).to(scores.dtype)
 
 
 def reference_attention(

@@ -25,8 +25,9 @@ from dataclasses import dataclass
 import torch
 from transformers.cache_utils import Cache, CacheLayerMixin
 
-from .attention import _as_allowed, fast_attention, fused_selective_attention, selective_attention
+from .attention import _as_allowed, fused_selective_attention, selective_attention
 from .codecs import make_codec, storage_nbytes
+from .decode import decode_attention
 from .config import QuantConfig
 
 
@@ -162,16 +163,14 @@ class KVView:
             return self._attend_padded(query, attention_mask, scaling, softcap)
         T = query.shape[2]
         dt = self.win_k.dtype
-        # Middle: full dequantization here (the packed-code kernel of the performance path reads codes directly).
-        if T == 1:
-            mid_k, mid_v = layer._decode_mid(self.mid, self.mid_len, dt)
-            rk, rv = self.win_k[:, :, self.moved :], self.win_v[:, :, self.moved :]
-            K = torch.cat([self.sink_k, mid_k, rk], dim=2)
-            V = torch.cat([self.sink_v, mid_v, rv], dim=2)
+        if T == 1:  # decode: read the packed codes directly, block by block (wushkv.decode)
             S = self.n1 - self.kv_offset
-            K, V = K[:, :, -S:], V[:, :, -S:]
             allowed = _as_allowed(attention_mask, S)
-            return fast_attention(query, K, V, allowed, scaling, softcap)
+            if allowed is None and S < self.n1 - self.sink_start:
+                allowed = torch.ones(query.shape[0], 1, 1, S, dtype=torch.bool, device=query.device)
+            mid_k, mid_v = layer._mid_parts(self.mid, self.mid_len)
+            rk, rv = self.win_k[:, :, self.moved :], self.win_v[:, :, self.moved :]
+            return decode_attention(query, [self.sink_k, mid_k, rk], [self.sink_v, mid_v, rv], allowed, scaling, softcap)
 
         mid_len = self.mid_len_before  # what this update flushed is still in the window, in full precision
         mk, mv = layer._decode_mid(self.mid, self.mid_len, dt, first=mid_len)
@@ -457,6 +456,13 @@ class WushKVLayer(CacheLayerMixin):
             name: (side.store.view() if side is not None else self._mid_fp_store[name])
             for name, side in (("k", self.k_side), ("v", self.v_side))
         }
+
+    def _mid_parts(self, snap: dict, n: int) -> tuple:
+        """The middle of a snapshot as :func:`wushkv.decode.decode_attention` parts (keys, values)."""
+        out = []
+        for name, side in (("k", self.k_side), ("v", self.v_side)):
+            out.append(snap[name][:, :, :n] if side is None else (side.codec, snap[name], n))
+        return out[0], out[1]
 
     def _decode_mid(self, snap: dict, n: int, dtype, first: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """Dequantize the first ``first`` (default: all ``n``) tokens of a middle snapshot holding ``n``:
