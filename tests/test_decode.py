@@ -3,6 +3,7 @@
 import pytest
 import torch
 
+from wushkv import decode
 from wushkv.codecs import make_codec
 from wushkv.config import QuantConfig, WindowConfig
 from wushkv.decode import codes_as_float, decode_attention, dequantize_then_attend
@@ -41,9 +42,22 @@ CASES = {
 }
 
 
+@pytest.fixture(params=["kernels", "pytorch"])
+def path(request, monkeypatch):
+    """Both implementations of the code-domain products: the fused CPU kernels and pure PyTorch."""
+    if request.param == "kernels":
+        from wushkv._ext import kernels
+
+        if kernels() is None:
+            pytest.skip("the fused CPU kernels could not be built here (no compiler or ninja)")
+    else:
+        monkeypatch.setattr(decode, "USE_KERNELS", False)
+    return request.param
+
+
 @pytest.mark.parametrize("name", list(CASES))
 @pytest.mark.parametrize("softcap", [None, 20.0])
-def test_packed_decode_equals_dequantize_then_sdpa(name, softcap):
+def test_packed_decode_equals_dequantize_then_sdpa(name, softcap, path):
     pk, pv = _parts(CASES[name])
     q = torch.randn(2, 4, 1, 32, generator=torch.Generator().manual_seed(1)) * 2  # float32: the code-domain path
     ref = dequantize_then_attend(q, pk, pv, None, 32**-0.5, softcap)
@@ -53,7 +67,28 @@ def test_packed_decode_equals_dequantize_then_sdpa(name, softcap):
         assert ((out - ref).norm() / ref.norm()) < 1e-5
 
 
-def test_mask_and_visible_columns():
+@pytest.mark.parametrize("bits", [1, 2, 4, 8])
+@pytest.mark.parametrize("d", [64, 40])
+def test_fused_kernels_equal_float_codes(bits, d):
+    """code_dot / code_weighted_sum on a strided view of a larger buffer (as the cache stores codes)."""
+    from wushkv._ext import kernels
+
+    ext = kernels()
+    if ext is None:
+        pytest.skip("the fused CPU kernels could not be built here (no compiler or ninja)")
+    g = torch.Generator().manual_seed(bits * d)
+    c = torch.randint(0, 2**bits, (2, 3, 1500, d), generator=g, dtype=torch.uint8)
+    packed = pack(c, bits)
+    big = torch.zeros(2, 3, 1600, packed.shape[-1], dtype=torch.uint8)
+    big[:, :, 30:1530] = packed
+    view = big[:, :, 30:1530]
+    q, w = torch.randn(2, 3, 4, d, generator=g), torch.randn(2, 3, 4, 1500, generator=g)
+    ref_q, ref_w = q.double() @ c.double().transpose(-1, -2), w.double() @ c.double()
+    assert ((ext.code_dot(view, q, bits).double() - ref_q).norm() / ref_q.norm()) < 1e-6
+    assert ((ext.code_weighted_sum(view, w, bits, d).double() - ref_w).norm() / ref_w.norm()) < 1e-6
+
+
+def test_mask_and_visible_columns(path):
     """``allowed`` covers the last S columns; earlier ones (outside a sliding window) are invisible."""
     pk, pv = _parts(CASES["quest-K2V2"])
     q = torch.randn(2, 4, 1, 32)

@@ -7,16 +7,21 @@ With per-token groups, a stored key is ``k̂_j = s_j·c_j + z_j`` per group (cod
     out      = Σ_j p_j v̂_j = Σ_g [ C_gᵀ (p ⊙ s_g) + (Σ_j p_j z_jg)·1 ]
 
 The quantized middle is read block by block (``block`` tokens at a time): each block's codes are
-expanded to floats through a byte lookup table (one ``embedding`` gather turns a packed byte into its
-``8/b`` codes), used, and dropped, so no step holds a full-precision copy of the cache; the peak is
+expanded to floats through a lookup table (one ``embedding`` gather turns a packed 16-bit word into
+its ``16/b`` codes), used, and dropped, so no step holds a full-precision copy of the cache; the peak is
 one block. Scores of the sink, every block and the recent buffer go through one softmax; the output
 sums their parts. Codecs without per-token groups (KIVI keys, KVarN tiles) are dequantized block by
 block instead — the same memory bound, a slower inner loop.
 
-Pure PyTorch: runs on any device; :func:`dequantize_then_attend` is the reference it is tested against.
+On CPU, the code-domain products ``C q`` and ``Cᵀ w`` run in fused C++ kernels (:mod:`wushkv._ext`,
+built on first use) that read each packed byte once through byte lookup tables and never expand the
+codes; elsewhere, or where they cannot be built, the pure-PyTorch path above runs (same results).
+:func:`dequantize_then_attend` is the reference both are tested against.
 """
 
 from __future__ import annotations
+
+import sys
 
 import torch
 
@@ -24,35 +29,37 @@ from .codecs import TokenCodec
 from .quantizers import unpack
 
 DEFAULT_BLOCK = 4096
+USE_KERNELS = True  # the fused CPU kernels of wushkv._ext where available (tests switch them off to compare)
 _TABLES: dict = {}
 
 
-def _byte_table(bits: int, dtype: torch.dtype, device) -> torch.Tensor:
-    """(256, 8/bits): the codes packed in each byte value (low bits first, as :func:`wushkv.quantizers.pack`)."""
-    key = (bits, dtype, str(device))
+def _code_table(bits: int, width: int, dtype: torch.dtype, device) -> torch.Tensor:
+    """(2^width, width/bits): the codes packed in each ``width``-bit word (low bits first, as
+    :func:`wushkv.quantizers.pack` lays them out; little-endian, so a 16-bit word is two bytes in order)."""
+    key = (bits, width, dtype, str(device))
     if key not in _TABLES:
-        per, mask = 8 // bits, (1 << bits) - 1
-        v = torch.arange(256).unsqueeze(1)
+        per, mask = width // bits, (1 << bits) - 1
+        v = torch.arange(2**width).unsqueeze(1)
         _TABLES[key] = ((v >> (bits * torch.arange(per))) & mask).to(dtype=dtype, device=device)
     return _TABLES[key]
 
 
 def codes_as_float(packed: torch.Tensor, bits: int, d: int, dtype: torch.dtype) -> torch.Tensor:
-    """Packed uint8 (..., ⌈d·b/8⌉) -> codes as ``dtype`` (..., d), via the byte table for 1/2/4 bits."""
+    """Packed uint8 (..., ⌈d·b/8⌉) -> codes as ``dtype`` (..., d).
+
+    For 1/2/4 bits one ``embedding`` gather of a word table expands every 16-bit word (or byte, for odd
+    row lengths) into its codes; 3 bits go through :func:`wushkv.quantizers.unpack`.
+    """
     if bits == 8:
         return packed.to(dtype)
     if 8 % bits:
         return unpack(packed, bits, d).to(dtype)
-    out = torch.nn.functional.embedding(packed.int(), _byte_table(bits, dtype, packed.device))
-    return out.flatten(-2)[..., :d]
-
-
-def _token_groups(codec: TokenCodec, part: dict, dtype):
-    """(codes (B,H,N,ng,gs), scale (B,H,N,ng), offset (B,H,N,ng)) of a block of a TokenCodec store."""
-    c = codes_as_float(part["codes"], codec.bits, codec.d, dtype)
-    scale, offset = codec.scale_offset(part)
-    ng = scale.shape[-1]
-    return c.unflatten(-1, (ng, codec.d // ng)), scale.to(dtype), offset.to(dtype)
+    even = packed.shape[-1] % 2 == 0 and packed.stride(-1) == 1 and packed.storage_offset() % 2 == 0
+    if even and all(st % 2 == 0 for st in packed.stride()[:-1]) and sys.byteorder == "little":
+        idx, table = packed.view(torch.int16).int() & 0xFFFF, _code_table(bits, 16, dtype, packed.device)
+    else:
+        idx, table = packed.int(), _code_table(bits, 8, dtype, packed.device)
+    return torch.nn.functional.embedding(idx, table).flatten(-2)[..., :d]
 
 
 def _slices(store: dict, n: int, a: int, b: int) -> dict:
@@ -66,32 +73,74 @@ def _fast(codec, dtype) -> bool:
     return isinstance(codec, TokenCodec) and dtype != torch.float64
 
 
-def _block_scores(qg, codec, part, n_tok, dtype):
-    """Scores (B, H, G, N) of grouped queries (B, H, G, d) against a block of a quantized store."""
-    if _fast(codec, dtype):
-        c, s, z = _token_groups(codec, part, dtype)  # c (B,H,N,ng,gs)
-        B, H, G, d = qg.shape
-        ng = s.shape[-1]
-        if ng == 1:
-            cq = torch.matmul(qg, c.squeeze(-2).transpose(-1, -2))  # (B,H,G,N)
-            return cq * s[..., 0].unsqueeze(2) + qg.sum(-1, keepdim=True) * z[..., 0].unsqueeze(2)
-        q5 = qg.unflatten(-1, (ng, d // ng))  # (B,H,G,ng,gs)
-        cq = torch.einsum("bhngk,bhqgk->bhqng", c, q5)
-        return (cq * s.unsqueeze(2)).sum(-1) + torch.einsum("bhqg,bhng->bhqn", q5.sum(-1), z)
-    k_hat = codec.decode(part, n_tok).to(dtype)
-    return torch.matmul(qg, k_hat.transpose(-1, -2))
+def _kernels(codec, store, ng: int):
+    """The fused CPU kernels where they apply (CPU, one group per token, 1/2/4/8 bits), else None."""
+    if not USE_KERNELS or ng != 1 or codec.bits not in (1, 2, 4, 8) or store["codes"].device.type != "cpu":
+        return None
+    if store["codes"].stride(-1) != 1:
+        return None
+    from ._ext import kernels
+
+    return kernels()
 
 
-def _block_output(p, codec, part, n_tok, dtype):
-    """Σ_j p_j v̂_j (B, H, G, d) over a block of a quantized store; p (B, H, G, N)."""
-    if _fast(codec, dtype):
-        c, s, z = _token_groups(codec, part, dtype)
-        ng = s.shape[-1]
+def _steps(n: int, codec, block: int):
+    step = max(codec.block, block // codec.block * codec.block)
+    return [(a, min(n, a + step)) for a in range(0, n, step)]
+
+
+def _run_scores(qg, codec, store, n, dtype, block):
+    """Scores (B, H, G, n) of grouped queries (B, H, G, d) against a quantized run of n tokens."""
+    if not _fast(codec, dtype):
+        return torch.cat([torch.matmul(qg, codec.decode(_slices(store, n, a, b), b - a).to(dtype).transpose(-1, -2))
+                          for a, b in _steps(n, codec, block)], dim=-1)
+    scale, offset = codec.scale_offset(store)  # (B, H, n, ng): 1/gs of the cache, read once
+    scale, offset = scale.to(dtype), offset.to(dtype)
+    B, H, G, d = qg.shape
+    ng = scale.shape[-1]
+    ext = _kernels(codec, store, ng)
+    if ext is not None:  # fused: reads the packed bytes once, no float codes at all
+        cq = ext.code_dot(store["codes"], qg.float(), codec.bits).to(dtype)
+        return cq * scale[..., 0].unsqueeze(2) + qg.sum(-1, keepdim=True) * offset[..., 0].unsqueeze(2)
+    parts = []
+    for a, b in _steps(n, codec, block):  # only one block of float codes exists at a time
+        c = codes_as_float(store["codes"][:, :, a:b], codec.bits, d, dtype)
         if ng == 1:
-            return torch.matmul(p * s[..., 0].unsqueeze(2), c.squeeze(-2)) + torch.matmul(p, z)
-        out = torch.einsum("bhqn,bhng,bhngk->bhqgk", p, s, c) + torch.einsum("bhqn,bhng->bhqg", p, z).unsqueeze(-1)
-        return out.flatten(-2)
-    return torch.matmul(p, codec.decode(part, n_tok).to(dtype))
+            parts.append(torch.matmul(qg, c.transpose(-1, -2)))  # (B, H, G, N)
+        else:
+            cq = torch.einsum("bhngk,bhqgk->bhqng", c.unflatten(-1, (ng, d // ng)), qg.unflatten(-1, (ng, d // ng)))
+            parts.append((cq * scale[:, :, None, a:b]).sum(-1))
+    cq = torch.cat(parts, dim=-1)
+    if ng == 1:
+        return cq * scale[..., 0].unsqueeze(2) + qg.sum(-1, keepdim=True) * offset[..., 0].unsqueeze(2)
+    return cq + torch.einsum("bhqg,bhng->bhqn", qg.unflatten(-1, (ng, d // ng)).sum(-1), offset)
+
+
+def _run_output(p, codec, store, n, dtype, block):
+    """Σ_j p_j v̂_j (B, H, G, d) over a quantized run of n tokens; p (B, H, G, n)."""
+    if not _fast(codec, dtype):
+        out = 0
+        for a, b in _steps(n, codec, block):
+            out = out + torch.matmul(p[..., a:b], codec.decode(_slices(store, n, a, b), b - a).to(dtype))
+        return out
+    scale, offset = codec.scale_offset(store)
+    scale, offset = scale.to(dtype), offset.to(dtype)
+    ng = scale.shape[-1]
+    d = codec.d
+    if ng == 1:
+        w = p * scale[..., 0].unsqueeze(2)  # (B, H, G, n)
+        out = torch.matmul(p, offset)  # (Σ_j p_j z_j)·1
+        ext = _kernels(codec, store, ng)
+        if ext is not None:
+            return out + ext.code_weighted_sum(store["codes"], w.float(), codec.bits, d).to(dtype)
+        for a, b in _steps(n, codec, block):
+            out = out + torch.matmul(w[..., a:b], codes_as_float(store["codes"][:, :, a:b], codec.bits, d, dtype))
+        return out
+    out = torch.einsum("bhqn,bhng->bhqg", p, offset).repeat_interleave(d // ng, dim=-1)
+    for a, b in _steps(n, codec, block):
+        c = codes_as_float(store["codes"][:, :, a:b], codec.bits, d, dtype).unflatten(-1, (ng, d // ng))
+        out = out + torch.einsum("bhqn,bhng,bhngk->bhqgk", p[..., a:b], scale[:, :, a:b], c).flatten(-2)
+    return out
 
 
 def decode_attention(
@@ -122,7 +171,6 @@ def decode_attention(
     acc_dtype = torch.float32 if dtype in (torch.float16, torch.bfloat16) else dtype
 
     # 1. scores of every part, in position order, block by block for quantized runs
-    pieces = []  # (kind, payload) for the output pass
     scores = []
     for pk in parts_k:
         if torch.is_tensor(pk):
@@ -130,10 +178,8 @@ def decode_attention(
                 scores.append(torch.matmul(qg, pk.transpose(-1, -2)).to(acc_dtype))
         else:
             codec, store, n = pk
-            step = max(codec.block, block // codec.block * codec.block)
-            for a in range(0, n, step):
-                b = min(n, a + step)
-                scores.append(_block_scores(qg, codec, _slices(store, n, a, b), b - a, dtype).to(acc_dtype))
+            if n:
+                scores.append(_run_scores(qg, codec, store, n, dtype, block).to(acc_dtype))
     s = torch.cat(scores, dim=-1) * scaling  # (B, Hkv, G, N_all)
     if softcap is not None:
         s = torch.tanh(s / softcap) * softcap
@@ -157,10 +203,8 @@ def decode_attention(
             col += n
         else:
             codec, store, n = pv
-            step = max(codec.block, block // codec.block * codec.block)
-            for a in range(0, n, step):
-                b = min(n, a + step)
-                o = _block_output(p[..., col + a : col + b], codec, _slices(store, n, a, b), b - a, dtype)
+            if n:
+                o = _run_output(p[..., col : col + n], codec, store, n, dtype, block)
                 out = o if out is None else out + o
             col += n
     if col != n_all:

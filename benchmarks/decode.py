@@ -1,0 +1,257 @@
+"""Decode speed and memory: wushkv's packed cache against DynamicCache and the stock QuantizedCache.
+
+    python benchmarks/decode.py --model smollm2-135m --contexts 1024,4096,8192 --batches 1,8 \
+        [--calibration out/smollm2-c32.safetensors] [--dtypes float32,bfloat16] [--json out/decode.json]
+
+For each model dtype, context length and batch size, every cache is filled with the same context and
+then decodes ``--steps`` real tokens through the real model; the table gives the median time per
+decode step, its ratio to ``DynamicCache`` of the same dtype measured in the same run, the transient
+memory of a decode step (peak resident memory during the steps minus the resident memory before
+them: a cache that dequantizes itself shows its full-precision copy here), and the bytes the cache
+holds per context token.
+
+How the caches are filled: one full-precision prefill of the longest context per transform (identity
+and WUSH, whose values come out of the folded ``v_proj``) yields every layer's keys (after RoPE) and
+values; each cache receives them through its own ``update`` (shorter contexts take prefixes, batch
+rows are copies). This is exactly the state a prefill through that cache would leave (wushkv
+transforms, flushes and packs them; the stock cache quantizes them), without running a long prefill
+once per cache. The stock ``QuantizedCache`` needs the optional extra ``pip install 'wushkv[stock]'``
+(optimum-quanto, hqq); missing backends are skipped with a note.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import statistics
+import sys
+import threading
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
+
+from wushkv.cache import WushKVCache  # noqa: E402
+from wushkv.config import QuantConfig, WindowConfig  # noqa: E402
+from wushkv.data import tokenize_chunks, wikitext2_test  # noqa: E402
+from wushkv.folding import apply_transforms  # noqa: E402
+from wushkv.io import write_json  # noqa: E402
+from wushkv.models import describe, load  # noqa: E402
+from wushkv.report import format_table  # noqa: E402
+
+PAGE = 4096
+
+
+def rss() -> int:
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * PAGE
+
+
+class PeakRSS:
+    """Resident-memory peak seen by a polling thread (torch ops release the GIL, so it keeps polling)."""
+
+    def __enter__(self):
+        self.peak, self.stop = rss(), False
+        self.t = threading.Thread(target=self._poll, daemon=True)
+        self.t.start()
+        return self
+
+    def _poll(self):
+        while not self.stop:
+            self.peak = max(self.peak, rss())
+            time.sleep(0.0005)
+
+    def __exit__(self, *exc):
+        self.stop = True
+        self.t.join()
+
+
+def tensor_bytes(obj, depth: int = 0, seen=None) -> int:
+    """Bytes of every tensor reachable from ``obj`` through attributes, lists and dicts (stock caches)."""
+    seen = seen if seen is not None else set()
+    if id(obj) in seen or depth > 4:
+        return 0
+    seen.add(id(obj))
+    if torch.is_tensor(obj):
+        inner = [getattr(obj, a) for a in ("_data", "_scale", "_shift") if torch.is_tensor(getattr(obj, a, None))]
+        if inner:  # quanto's QTensor subclasses: count their storage, not the wrapper
+            return sum(tensor_bytes(t, depth + 1, seen) for t in inner)
+        return obj.numel() * obj.element_size()
+    if isinstance(obj, dict):
+        return sum(tensor_bytes(v, depth + 1, seen) for v in obj.values())
+    if isinstance(obj, (list, tuple)):
+        return sum(tensor_bytes(v, depth + 1, seen) for v in obj)
+    if hasattr(obj, "__dict__") and not isinstance(obj, (torch.nn.Module, type)):
+        return sum(tensor_bytes(v, depth + 1, seen) for k, v in vars(obj).items() if k not in ("config",))
+    return 0
+
+
+@torch.no_grad()
+def prefill_kv(model, ids: torch.Tensor) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """Every layer's (keys after RoPE, values) of one full-precision prefill; sliding layers too (full length)."""
+    from transformers import DynamicCache
+
+    cache = DynamicCache()  # no config: every layer keeps all positions
+    model(ids, cache=cache, use_cache=True)
+    return [(layer.keys, layer.values) for layer in cache.layers]
+
+
+def fill(cache, kv, ctx: int, batch: int, dtype) -> None:
+    for i, (k, v) in enumerate(kv):
+        k = k[:, :, :ctx].to(dtype).repeat(batch, 1, 1, 1)
+        v = v[:, :, :ctx].to(dtype).repeat(batch, 1, 1, 1)
+        if isinstance(cache, WushKVCache):
+            cache.layers[i].update(k, v)
+        else:
+            cache.update(k, v, i)
+
+
+def make_cache(kind: str, model, windows: WindowConfig):
+    from transformers import DynamicCache, QuantizedCache
+
+    if kind == "dynamic":
+        return DynamicCache(config=model.config)
+    if kind.startswith(("quanto", "hqq")):
+        backend, bits = kind.split("-")
+        return QuantizedCache(backend=backend, config=model.config, nbits=int(bits))
+    # wushkv: "<transform>-K<k>V<v>"
+    _, kv = kind.split("-")
+    kb, vb = int(kv[1]), int(kv[3])
+    return WushKVCache(model, QuantConfig(kb, vb, "quest", windows=windows))
+
+
+def cache_bytes(cache, dtype_size: int) -> dict:
+    if isinstance(cache, WushKVCache):
+        nb = cache.nbytes()
+        return {"total": nb["total"], "windows": nb["full_precision"], "windows_elem": dtype_size}
+    if type(cache).__name__ == "DynamicCache":
+        return {"total": sum(l.keys.numel() * l.keys.element_size() * 2 for l in cache.layers if l.is_initialized), "windows": 0}
+    return {"total": tensor_bytes(cache.layers), "windows": None}
+
+
+@torch.no_grad()
+def time_decode(model, cache, next_ids: torch.Tensor, warmup: int, steps: int) -> dict:
+    for t in range(warmup):
+        model(next_ids[:, t : t + 1], cache=cache, use_cache=True)
+    gc.collect()
+    before = rss()
+    times = []
+    with PeakRSS() as peak:
+        for t in range(warmup, warmup + steps):
+            t0 = time.perf_counter()
+            model(next_ids[:, t : t + 1], cache=cache, use_cache=True)
+            times.append(time.perf_counter() - t0)
+    return {"ms": 1e3 * statistics.median(times), "ms_all": [1e3 * x for x in times], "transient_mb": (peak.peak - before) / 2**20}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", default="smollm2-135m")
+    ap.add_argument("--calibration", default=None, help="calibration file (WUSH rows); default: random orthogonal key/value transforms, whose run-time cost is the same")
+    ap.add_argument("--contexts", default="1024,4096,8192")
+    ap.add_argument("--batches", default="1,8")
+    ap.add_argument("--dtypes", default="float32,bfloat16")
+    ap.add_argument("--caches", default="dynamic,quanto-2,quanto-4,hqq-2,hqq-4,identity-K2V2,identity-K4V2,wush-K2V2,wush-K4V2")
+    ap.add_argument("--windows", default="64,256,8", help="S_sink,S_keep,S_flush of the wushkv caches")
+    ap.add_argument("--warmup", type=int, default=2)
+    ap.add_argument("--steps", type=int, default=8)
+    ap.add_argument("--threads", type=int, default=None)
+    ap.add_argument("--json", default=None)
+    args = ap.parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    contexts = [int(x) for x in args.contexts.split(",")]
+    batches = [int(x) for x in args.batches.split(",")]
+    kinds = args.caches.split(",")
+    windows = WindowConfig(*[int(x) for x in args.windows.split(",")])
+    model, tok = load(args.model)
+    spec = describe(model)
+    steps = args.warmup + args.steps
+    text = tokenize_chunks(tok, wikitext2_test(), max(contexts) + steps, 1)
+    ctx_ids = text[:, : max(contexts)]
+
+    transforms = {}
+    if any(k.startswith("wush") for k in kinds):
+        if args.calibration:
+            from wushkv.calibration import Calibration
+
+            transforms["wush"] = Calibration.load(args.calibration, model).transforms("wush")
+        else:
+            from wushkv.transforms import build_transforms
+
+            transforms["wush"] = [build_transforms("random", spec.num_kv_heads, spec.head_dim, seed=l) for l in range(spec.num_layers)]
+
+    rows, results = [], []
+    for dtype_name in args.dtypes.split(","):
+        dtype = getattr(torch, dtype_name)
+        model.to(dtype)
+        kv = {"identity": None}
+        for name in ["identity"] + list(transforms):
+            t0 = time.perf_counter()
+            if name == "identity":
+                kv[name] = prefill_kv(model, ctx_ids)
+            else:
+                with apply_transforms(model, transforms[name], name):
+                    kv[name] = prefill_kv(model, ctx_ids)
+            print(f"[{dtype_name}] prefill of {ctx_ids.shape[1]} tokens ({name}): {time.perf_counter() - t0:.1f} s", flush=True)
+        for ctx in contexts:
+            for B in batches:
+                next_ids = text[:, ctx : ctx + steps].repeat(B, 1)
+                base = None
+                for kind in kinds:
+                    tname = "wush" if kind.startswith("wush") else "identity"
+                    installed = apply_transforms(model, transforms["wush"], "wush") if tname == "wush" else None
+                    try:
+                        cache = make_cache(kind, model, windows)
+                        fill(cache, kv[tname], ctx, B, dtype)
+                        r = time_decode(model, cache, next_ids, args.warmup, args.steps)
+                    except (ImportError, ModuleNotFoundError) as e:
+                        print(f"skip {kind}: {e}", flush=True)
+                        continue
+                    finally:
+                        if installed is not None:
+                            installed.restore()
+                    nb = cache_bytes(cache, torch.tensor([], dtype=dtype).element_size())
+                    del cache
+                    gc.collect()
+                    if kind == "dynamic":
+                        base = r
+                    n_tok = B * (ctx + steps)
+                    res = {"dtype": dtype_name, "context": ctx, "batch": B, "cache": kind, **r,
+                           "ratio": r["ms"] / base["ms"] if base else None, "bytes": nb,
+                           "bytes_per_token": nb["total"] / n_tok}
+                    results.append(res)
+                    rows.append([dtype_name, ctx, B, kind, f"{r['ms']:.1f}", f"{res['ratio']:.2f}" if base else "-",
+                                 f"{r['transient_mb']:.0f}", f"{res['bytes_per_token']:.0f}"])
+                    print(" | ".join(map(str, rows[-1])), flush=True)
+    # bytes per token against a bfloat16 DynamicCache (windows counted at 2 bytes per element)
+    full_bf16 = 2 * 2 * spec.head_dim * spec.num_kv_heads * sum(
+        1 for t in spec.layer_types if t != "sliding_attention")  # full layers hold every token
+    print()
+    print(format_table(["dtype", "context", "batch", "cache", "ms/step", "x dynamic", "transient MB", "bytes/token"], rows))
+    summary = []
+    for r in results:
+        b = r["bytes"]
+        if r["cache"].startswith(("identity", "wush")) and r["dtype"] == "float32":
+            n_tok = r["batch"] * (r["context"] + steps)
+            win16 = b["windows"] // b["windows_elem"] * 2
+            q = b["total"] - b["windows"]
+            dyn16 = 2 * 2 * spec.head_dim * spec.num_kv_heads * spec.num_layers * n_tok if not spec.sliding_window else None
+            if dyn16:
+                summary.append({"context": r["context"], "batch": r["batch"], "cache": r["cache"],
+                                "vs_bf16_dynamic": (q + win16) / dyn16, "quantized_part": q / dyn16, "windows_part": win16 / dyn16})
+    if summary:
+        print("\nbytes against a bfloat16 DynamicCache (all layers full attention; windows at 2 bytes):")
+        for s in summary:
+            print(f"  ctx {s['context']:>6} B {s['batch']} {s['cache']:<14} {s['vs_bf16_dynamic']:.4f} "
+                  f"(quantized {s['quantized_part']:.4f} + windows {s['windows_part']:.4f})")
+    if args.json:
+        write_json(args.json, {"model": args.model, "threads": torch.get_num_threads(), "windows": args.windows,
+                               "steps": args.steps, "results": results, "bytes_vs_bf16": summary, "full_bf16_per_token_full_layers": full_bf16})
+
+
+if __name__ == "__main__":
+    main()
