@@ -67,10 +67,16 @@ def family(request):
 class CharTokenizer:
     """A byte-level stand-in for a HF tokenizer: ``tok(text, return_tensors="pt").input_ids``."""
 
+    bos_token_id = 1
+
     def __init__(self, vocab_size: int = 96):
         self.vocab_size = vocab_size
 
-    def __call__(self, text, return_tensors=None):
+    def decode(self, ids, skip_special_tokens=False) -> str:
+        """Inverse for printable ASCII (ids of bytes 32..95+3 map back); other ids become '?'."""
+        return "".join(chr(i - 3) if 35 <= i < self.vocab_size else "?" for i in torch.as_tensor(ids).flatten().tolist())
+
+    def __call__(self, text, return_tensors=None, add_special_tokens=True):
         ids = [3 + (b % (self.vocab_size - 3)) for b in text.encode("utf-8")]
 
         class Out:

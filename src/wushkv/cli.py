@@ -300,6 +300,91 @@ def cmd_generate(args) -> int:
     return 0
 
 
+def _methods(s: str) -> list[str]:
+    from .eval.methods import check_methods
+
+    names = [t.strip() for t in s.split(",") if t.strip()]
+    check_methods(names)
+    return names
+
+
+def _context_list(s: str) -> list[int]:
+    out = []
+    for x in s.split(","):
+        x = x.strip().lower()
+        try:
+            out.append(int(float(x[:-1]) * 1024) if x.endswith("k") else int(x))
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected contexts such as 1k,2k,4096, got {s!r}") from None
+    return out
+
+
+def cmd_agree(args) -> int:
+    from .data import load_eval_text, tokenize_chunks
+    from .eval.agreement import run_agreement
+    from .io import write_json
+    from .report import format_table, plot_lines
+    from .transforms import TRANSFORMS
+
+    methods = _methods(args.transforms)
+    cfg = _quant_config(args)
+    text, label = load_eval_text(args.text_file)
+    model, tok = _load(args)
+    cal = _calibration_for(args, model, tok, [m for m in methods if m in TRANSFORMS])
+    chunks = tokenize_chunks(tok, text, args.prompt_len, args.prompts * args.stride)[:: args.stride]
+    res = run_agreement(model, chunks, methods, cal, cfg, args.new_tokens, single_pass=args.single_pass,
+                        log=lambda m: print(m, file=sys.stderr))
+    rows = [[m, r["mean_kl"], 100 * r["top1"], r["median_first_divergence"], r["kl_first_quarter"], r["kl_last_quarter"], r["kl_growth"]]
+            for m, r in res.items()]
+    w = cfg.windows
+    print(format_table(["method", "mean KL", "top-1 %", "median 1st div.", "KL 1st quarter", "KL last quarter", "last/first"], rows,
+                       title=f"\n{args.model}: {chunks.shape[0]} prompts of {args.prompt_len} tokens from {label}, {args.new_tokens} "
+                             f"generated, {cfg.label()} {w.S_sink}/{w.S_keep}/{w.S_flush}"
+                             f"{' (single-pass emulation)' if args.single_pass else ' (streaming)'}"))
+    out = {"model": args.model, "text": label, "prompts": int(chunks.shape[0]), "prompt_len": args.prompt_len,
+           "new_tokens": args.new_tokens, "single_pass": args.single_pass, "quantization": cfg.to_dict(),
+           "calibration": cal.meta if cal is not None else None, "results": res}
+    if args.json:
+        write_json(args.json, out)
+    if args.plot:
+        n = args.new_tokens
+        width = max(1, n // 32)  # mean KL over bins of positions
+        xs = list(range(0, n, width))
+        series = {m: [sum(r["kl_by_position"][a : a + width]) / len(r["kl_by_position"][a : a + width]) for a in xs] for m, r in res.items()}
+        plot_lines([x + width / 2 for x in xs], series, args.plot, "generated position", "KL(P_fp ‖ P_q), nats (mean over prompts)",
+                   f"{args.model}: {cfg.label()}, teacher-forced", logy=True)
+    return 0
+
+
+def cmd_passkey(args) -> int:
+    from .eval.passkey import run_passkey
+    from .io import write_json
+    from .report import format_table, plot_heatmaps
+    from .transforms import TRANSFORMS
+
+    methods = _methods(args.transforms)
+    depths = [float(x) for x in args.depths.split(",")]
+    cfg = _quant_config(args)
+    model, tok = _load(args)
+    cal = _calibration_for(args, model, tok, [m for m in methods if m in TRANSFORMS])
+    res = run_passkey(model, tok, methods, cal, cfg, args.contexts, depths, args.trials, seed=args.seed,
+                      log=lambda m: print(m, file=sys.stderr))
+    headers = ["method"] + [f"{c}" for c in args.contexts] + ["mean"]
+    rows = [[m] + [100 * sum(r["accuracy"][f"{c}/{d}"] for d in depths) / len(depths) for c in args.contexts] + [100 * r["mean"]]
+            for m, r in res.items()]
+    print(format_table(headers, rows, title=f"\n{args.model}: passkey accuracy (%) by context, mean over depths {depths}, "
+                                             f"{args.trials} trials each, {cfg.label()}"))
+    out = {"model": args.model, "contexts": args.contexts, "depths": depths, "trials": args.trials, "seed": args.seed,
+           "quantization": cfg.to_dict(), "calibration": cal.meta if cal is not None else None, "results": res}
+    if args.json:
+        write_json(args.json, out)
+    if args.plot:
+        grids = {m: [[r["accuracy"][f"{c}/{d}"] for c in args.contexts] for d in depths] for m, r in res.items()}
+        plot_heatmaps(grids, depths, args.contexts, args.plot, "context (tokens)", "depth",
+                      f"{args.model}: passkey accuracy (%), {cfg.label()}")
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     from .config import GENERATION_WINDOWS, PERPLEXITY_WINDOWS
     from .transforms import TRANSFORMS
@@ -385,6 +470,39 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--calib-seq-len", type=int, default=2048)
     _add_quant_args(p, GENERATION_WINDOWS)
     p.set_defaults(func=cmd_generate)
+
+    p = sub.add_parser("agree", help="long-generation agreement with full precision: KL and top-1 per position, first divergence")
+    _add_model_args(p)
+    p.add_argument("--transforms", default="identity,hadamard,random,oscar,kvarn,wush",
+                   help="comma-separated transforms, and stock-<quanto|hqq>-<2|4> for the stock QuantizedCache (default: %(default)s)")
+    p.add_argument("--calibration", default=None, help="calibration file; default: calibrate once and cache")
+    p.add_argument("--calib-samples", type=int, default=16)
+    p.add_argument("--calib-seq-len", type=int, default=2048)
+    p.add_argument("--prompts", type=int, default=16, help="prompts from the evaluation text (default: %(default)s)")
+    p.add_argument("--prompt-len", type=int, default=512, help="tokens per prompt (default: %(default)s)")
+    p.add_argument("--stride", type=int, default=4, help="take every N-th chunk of the text as a prompt (default: %(default)s)")
+    p.add_argument("--new-tokens", type=int, default=1024, help="generated tokens per prompt (default: %(default)s)")
+    p.add_argument("--single-pass", action="store_true", help="teacher-force with the exact single-pass emulation instead of token-by-token streaming (same logits, much faster)")
+    p.add_argument("--text-file", default=None, help="UTF-8 text to take prompts from instead of WikiText-2 test")
+    p.add_argument("--json", default=None)
+    p.add_argument("--plot", default=None, help="PNG of KL against generated position")
+    _add_quant_args(p, GENERATION_WINDOWS)
+    p.set_defaults(func=cmd_agree, quantizer="affine")
+
+    p = sub.add_parser("passkey", help="passkey retrieval accuracy per context and depth (full precision is the ceiling)")
+    _add_model_args(p)
+    p.add_argument("--transforms", default="full-precision,hadamard,kvarn,wush", help="comma-separated methods, as for agree (default: %(default)s)")
+    p.add_argument("--calibration", default=None)
+    p.add_argument("--calib-samples", type=int, default=16)
+    p.add_argument("--calib-seq-len", type=int, default=2048)
+    p.add_argument("--contexts", type=_context_list, default=[1024, 2048, 4096, 8192], help="prompt lengths, e.g. 1k,2k,4k,8k")
+    p.add_argument("--depths", default="0.1,0.5,0.9", help="needle depths in [0, 1] (default: %(default)s)")
+    p.add_argument("--trials", type=int, default=10, help="prompts per (context, depth) (default: %(default)s)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--json", default=None)
+    p.add_argument("--plot", default=None, help="PNG heatmaps of accuracy")
+    _add_quant_args(p, GENERATION_WINDOWS)
+    p.set_defaults(func=cmd_passkey, quantizer="affine")
     return parser
 
 

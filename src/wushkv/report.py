@@ -58,3 +58,26 @@ def plot_lines(x, series: dict[str, Sequence[float]], path, xlabel: str, ylabel:
     ax.grid(alpha=0.3, which="both")
     ax.legend(fontsize=8)
     return _save(fig, path)
+
+
+def plot_heatmaps(grids: dict[str, Sequence[Sequence[float]]], rows: Sequence, cols: Sequence, path, xlabel: str, ylabel: str, title: str):
+    """One annotated heatmap (values in [0, 1]) per entry of ``grids``, side by side."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    n = len(grids)
+    fig, axes = plt.subplots(1, n, figsize=(2.4 * n + 1, 2.6), squeeze=False)
+    for ax, (name, g) in zip(axes[0], grids.items()):
+        ax.imshow(g, vmin=0, vmax=1, cmap="RdYlGn", aspect="auto")
+        for i, row in enumerate(g):
+            for j, v in enumerate(row):
+                ax.text(j, i, f"{100 * v:.0f}", ha="center", va="center", fontsize=8)
+        ax.set_xticks(range(len(cols)), [str(c) for c in cols], fontsize=7)
+        ax.set_yticks(range(len(rows)), [str(r) for r in rows], fontsize=7)
+        ax.set_title(name, fontsize=9)
+        ax.set_xlabel(xlabel, fontsize=8)
+    axes[0][0].set_ylabel(ylabel, fontsize=8)
+    fig.suptitle(title, fontsize=10)
+    return _save(fig, path)

@@ -1,0 +1,78 @@
+"""Which cache a method name stands for, installed on a model: one place for every evaluation.
+
+* a wushkv transform (``identity``, ``hadamard``, ``random``, ``oscar``, ``kvarn``, ``wush``, ``wush-a``):
+  the transform installed (values folded, keys online) and a :class:`~wushkv.cache.WushKVCache`;
+* ``stock-<backend>-<bits>`` (``stock-hqq-2``, ``stock-quanto-4``, ...): the stock ``transformers``
+  ``QuantizedCache`` on the unmodified model, the baseline users have today (backends: the optional
+  extra ``wushkv[stock]``);
+* ``full-precision``: ``DynamicCache``.
+"""
+
+from __future__ import annotations
+
+from contextlib import contextmanager
+
+from ..cache import WushKVCache
+from ..config import QuantConfig
+
+FULL_PRECISION = "full-precision"
+STOCK_BACKENDS = ("quanto", "hqq")
+
+
+def parse_stock(name: str) -> tuple[str, int] | None:
+    """("hqq", 2) for "stock-hqq-2"; None for other names; ValueError for a malformed stock name."""
+    if not name.startswith("stock-"):
+        return None
+    parts = name.split("-")
+    if len(parts) != 3 or parts[1] not in STOCK_BACKENDS or parts[2] not in ("2", "4"):
+        raise ValueError(f"stock cache {name!r}: expected stock-<backend>-<bits> with backend in {list(STOCK_BACKENDS)} and bits 2 or 4")
+    return parts[1], int(parts[2])
+
+
+def check_methods(names: list[str]) -> None:
+    from ..transforms import TRANSFORMS
+
+    for n in names:
+        if n == FULL_PRECISION or parse_stock(n) is not None:
+            continue
+        if n not in TRANSFORMS:
+            raise ValueError(f"unknown method {n!r}; known: {sorted(TRANSFORMS)}, stock-<quanto|hqq>-<2|4>, {FULL_PRECISION}")
+
+
+def transforms_for(model, calibration, transform: str):
+    """Per-layer transforms of ``transform``: from the calibration, or built (calibration-free ones)."""
+    from ..models import describe
+    from ..transforms import TRANSFORMS, build_transforms
+
+    if calibration is not None:
+        return calibration.transforms(transform)
+    if TRANSFORMS[transform].needs_calibration:
+        raise ValueError(f"transform {transform!r} needs a calibration (--calibration PATH)")
+    spec = describe(model)
+    return [build_transforms(transform, spec.num_kv_heads, spec.head_dim) for _ in range(spec.num_layers)]
+
+
+@contextmanager
+def method_cache(model, calibration, name: str, cfg: QuantConfig):
+    """Install method ``name`` on ``model`` for the duration; yields a factory of fresh caches."""
+    from transformers import DynamicCache
+
+    from ..folding import apply_transforms
+    from .compare import config_for
+
+    stock = parse_stock(name)
+    if name == FULL_PRECISION:
+        yield lambda: DynamicCache(config=model.config)
+    elif stock is not None:
+        from transformers import QuantizedCache
+
+        backend, bits = stock
+        try:
+            __import__("optimum.quanto" if backend == "quanto" else "hqq")
+        except ImportError as e:
+            raise ValueError(f"{name} needs the {backend} package: pip install 'wushkv[stock]' ({e})") from None
+        yield lambda: QuantizedCache(backend=backend, config=model.config, nbits=bits)
+    else:
+        c = config_for(name, cfg)
+        with apply_transforms(model, transforms_for(model, calibration, name), name):
+            yield lambda: WushKVCache(model, c)

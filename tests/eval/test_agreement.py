@@ -1,0 +1,69 @@
+"""Agreement metrics: KL/top-1 against hand computations, prefixes, teacher forcing, full precision as a fixed point."""
+
+import pytest
+import torch
+
+from wushkv.config import QuantConfig, WindowConfig
+from wushkv.eval.agreement import common_prefix, greedy, kl_and_top1, next_token_logits, run_agreement, summarize
+from wushkv.eval.methods import check_methods, method_cache, parse_stock
+
+from conftest import tiny_model
+
+
+def test_kl_and_top1_by_hand():
+    ref = torch.tensor([[2.0, 0.0, -1.0], [0.0, 0.0, 0.0]])
+    q = torch.tensor([[2.0, 0.0, -1.0], [1.0, 0.0, 0.0]])
+    kl, top1 = kl_and_top1(ref, q)
+    p = torch.softmax(ref[1].double(), -1)
+    r = torch.softmax(q[1].double(), -1)
+    assert kl[0] == 0 and abs(float(kl[1]) - float((p * (p / r).log()).sum())) < 1e-12
+    assert top1.tolist() == [True, True]  # argmax of a uniform row is index 0, as is q's
+    assert kl_and_top1(ref, -ref)[1].tolist() == [False, True]
+
+
+def test_common_prefix_and_summary():
+    a = torch.tensor([[1, 2, 3, 4]])
+    assert common_prefix(a, a) == 4
+    assert common_prefix(a, torch.tensor([[1, 2, 9, 4]])) == 2
+    assert common_prefix(a, torch.tensor([[7, 2, 3, 4]])) == 0
+    s = summarize([[0.1, 0.1, 0.3, 0.3], [0.1, 0.1, 0.1, 0.1]], [[True, True, False, True]] * 2, [4, 2])
+    assert s["mean_kl"] == pytest.approx(0.15) and s["top1"] == pytest.approx(0.75)
+    assert s["kl_growth"] == pytest.approx(2.0) and s["median_first_divergence"] == 3
+
+
+@torch.no_grad()
+def test_teacher_forcing_is_self_consistent():
+    """The greedy continuation is the argmax of the teacher-forced logits; streaming = single pass."""
+    from transformers import DynamicCache
+
+    model = tiny_model("llama").double()
+    p = torch.randint(3, 96, (1, 20), generator=torch.Generator().manual_seed(0))
+    y = greedy(model, p, 24, DynamicCache(config=model.config))
+    ref = next_token_logits(model, p, y)
+    assert torch.equal(ref.argmax(-1), y[0])
+    cfg = QuantConfig(2, 2, "affine", windows=WindowConfig(4, 8, 4))
+    with method_cache(model, None, "hadamard", cfg) as make:
+        one = next_token_logits(model, p, y, make(), single_pass=True)
+        steps = next_token_logits(model, p, y, make(), single_pass=False)
+    assert (one - steps).abs().max() < 1e-6 and (one - ref).abs().max() > 1e-3
+
+
+def test_full_precision_agrees_perfectly_and_bits_order():
+    model = tiny_model("qwen3")
+    prompts = torch.randint(3, 96, (2, 24), generator=torch.Generator().manual_seed(1))
+    cfg = QuantConfig(2, 2, "affine", windows=WindowConfig(2, 4, 2))
+    res = run_agreement(model, prompts, ["full-precision", "hadamard"], None, cfg, 20, show_progress=False, log=lambda m: None)
+    fp = res["full-precision"]
+    assert fp["mean_kl"] < 1e-6 and fp["top1"] == 1.0 and fp["first_divergence"] == [20, 20]
+    h2 = res["hadamard"]
+    h8 = run_agreement(model, prompts, ["hadamard"], None, QuantConfig(8, 8, "affine", windows=cfg.windows), 20,
+                       show_progress=False, log=lambda m: None)["hadamard"]
+    assert h8["mean_kl"] < h2["mean_kl"] and len(h2["kl_by_position"]) == 20
+
+
+def test_method_names():
+    assert parse_stock("stock-hqq-2") == ("hqq", 2) and parse_stock("wush") is None
+    with pytest.raises(ValueError, match="stock-<backend>-<bits>"):
+        parse_stock("stock-hqq-3")
+    with pytest.raises(ValueError, match="unknown method 'nope'"):
+        check_methods(["wush", "nope"])

@@ -1,0 +1,53 @@
+"""Passkey prompts: deterministic, exact length, needle at the asked depth; answers parsed; scoring."""
+
+import pytest
+import torch
+
+from wushkv.config import QuantConfig, WindowConfig
+from wushkv.eval.passkey import answer_key, passkey_prompt, run_passkey, trial_seed
+
+from conftest import CharTokenizer, tiny_model
+
+
+def test_prompt_is_deterministic_and_exact():
+    tok = CharTokenizer()
+    a, ka = passkey_prompt(tok, 600, 0.5, trial_seed(0, 600, 0.5, 0))
+    b, kb = passkey_prompt(tok, 600, 0.5, trial_seed(0, 600, 0.5, 0))
+    c, kc = passkey_prompt(tok, 600, 0.5, trial_seed(0, 600, 0.5, 1))
+    assert torch.equal(a, b) and ka == kb and a.shape == (1, 600)
+    assert not torch.equal(a, c) and 10000 <= kc <= 99999
+    assert a[0, 0] == tok.bos_token_id
+
+
+@pytest.mark.parametrize("depth", [0.0, 0.1, 0.5, 0.9, 1.0])
+def test_needle_at_depth(depth):
+    from wushkv.eval.passkey import INTRO, NEEDLE, QUESTION, _encode
+
+    tok = CharTokenizer()
+    ids, key = passkey_prompt(tok, 1000, depth, 7)
+    ids = ids[0].tolist()
+    needle = _encode(tok, NEEDLE.format(key=key))
+    starts = [i for i in range(len(ids) - len(needle) + 1) if ids[i : i + len(needle)] == needle]
+    assert len(starts) == 1
+    head = 1 + len(_encode(tok, INTRO))
+    n_fill = 1000 - head - len(needle) - len(_encode(tok, QUESTION))
+    assert (starts[0] - head) == round(depth * n_fill)
+    assert ids[-len(_encode(tok, QUESTION)) :] == _encode(tok, QUESTION)
+
+
+def test_answers_and_errors():
+    assert answer_key(" 71432. Remember") == 71432 and answer_key(" unknown") is None
+    with pytest.raises(ValueError, match="too short"):
+        passkey_prompt(CharTokenizer(), 100, 0.5, 0)
+    with pytest.raises(ValueError, match="depth must be in"):
+        passkey_prompt(CharTokenizer(), 600, 1.5, 0)
+
+
+def test_scoring_counts_every_case():
+    model = tiny_model("llama")
+    cfg = QuantConfig(2, 2, "affine", windows=WindowConfig(4, 16, 4))
+    res = run_passkey(model, CharTokenizer(), ["full-precision", "hadamard"], None, cfg, [300], [0.2, 0.8], 2,
+                      new_tokens=3, show_progress=False, log=lambda m: None)
+    for r in res.values():
+        assert set(r["accuracy"]) == {"300/0.2", "300/0.8"}
+        assert all(v in (0.0, 0.5, 1.0) for v in r["accuracy"].values())  # 2 trials per cell
