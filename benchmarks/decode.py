@@ -147,6 +147,34 @@ def time_decode(model, cache, next_ids: torch.Tensor, warmup: int, steps: int) -
     return {"ms": 1e3 * statistics.median(times), "ms_all": [1e3 * x for x in times], "transient_mb": (peak.peak - before) / 2**20}
 
 
+@torch.no_grad()
+def key_transform_share(model, transforms, spec, batches, results) -> dict:
+    from wushkv.folding import KeyTransform
+
+    model.to(torch.float32)
+    out = {}
+    kts = [KeyTransform(t["T_K"], t["T_K_inv"]) for t in transforms] if "T_K" in transforms[0] else None
+    if kts is None:
+        with apply_transforms(model, transforms, "wush"):
+            kts = [m.wushkv_key for m in model.modules() if hasattr(m, "wushkv_key")]
+    for B in batches:
+        k = torch.randn(B, spec.num_kv_heads, 1, spec.head_dim)
+        q = torch.randn(B, spec.num_heads, 1, spec.head_dim)
+        for kt in kts:
+            kt.keys(k), kt.queries(q)
+        reps = 50
+        t0 = time.perf_counter()
+        for _ in range(reps):
+            for kt in kts:
+                kt.keys(k), kt.queries(q)
+        ms = 1e3 * (time.perf_counter() - t0) / reps
+        steps = [r for r in results if r["cache"] == "wush-K2V2" and r["batch"] == B and r["dtype"] == "float32"]
+        if steps:
+            r = max(steps, key=lambda r: r["context"])
+            out[B] = {"ms": ms, "share": ms / r["ms"], "context": r["context"]}
+    return out
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default="smollm2-135m")
@@ -248,8 +276,16 @@ def main() -> None:
         for s in summary:
             print(f"  ctx {s['context']:>6} B {s['batch']} {s['cache']:<14} {s['vs_bf16_dynamic']:.4f} "
                   f"(quantized {s['quantized_part']:.4f} + windows {s['windows_part']:.4f})")
+    # the online key transform's share of a decode step: one batched (Hkv, d, d) product per layer for the
+    # new key and one for the query group, timed at decode shapes and set against the WUSH step time
+    share = {}
+    if "wush" in transforms:
+        share = key_transform_share(model, transforms["wush"], spec, batches, results)
+        for k, v in share.items():
+            print(f"key transform (keys + queries, {spec.num_layers} layers), batch {k}: {v['ms']:.2f} ms per step = "
+                  f"{100 * v['share']:.1f}% of the WUSH K2V2 step at context {v['context']}")
     if args.json:
-        write_json(args.json, {"model": args.model, "threads": torch.get_num_threads(), "windows": args.windows,
+        write_json(args.json, {"key_transform_share": share, "model": args.model, "threads": torch.get_num_threads(), "windows": args.windows,
                                "steps": args.steps, "results": results, "bytes_vs_bf16": summary, "full_bf16_per_token_full_layers": full_bf16})
 
 

@@ -30,17 +30,22 @@ class KeyTransform(nn.Module):
         super().__init__()
         self.register_buffer("T", T.detach().clone(), persistent=False)
         self.register_buffer("T_inv", T_inv.detach().clone(), persistent=False)
+        self.register_buffer("T_t", T.detach().transpose(-1, -2).contiguous(), persistent=False)  # rows: k @ Tᵀ
+
+    def _as(self, name: str, x: torch.Tensor) -> torch.Tensor:
+        t = getattr(self, name)
+        return t if t.dtype == x.dtype else t.to(x.dtype)
 
     def keys(self, k: torch.Tensor) -> torch.Tensor:
-        """k (B, Hkv, S, d) -> T k per head (rows: k @ Tᵀ)."""
-        return torch.einsum("bhsd,hed->bhse", k, self.T.to(k.dtype))
+        """k (B, Hkv, S, d) -> T k per head (rows: k @ Tᵀ): one batched matmul for the whole layer."""
+        return torch.matmul(k, self._as("T_t", k))
 
     def queries(self, q: torch.Tensor) -> torch.Tensor:
-        """q (B, Hq, T, d) -> T^{-T} q for every query head of the group (rows: q @ T⁻¹)."""
+        """q (B, Hq, T, d) -> T^{-T} q for every query head of the group (rows: q @ T⁻¹): one batched matmul."""
         B, Hq, T, d = q.shape
         H = self.T.shape[0]
-        qg = q.view(B, H, Hq // H, T, d)
-        return torch.matmul(qg, self.T_inv.to(q.dtype)[None, :, None]).view(B, Hq, T, d)
+        qg = q.reshape(B, H, (Hq // H) * T, d)
+        return torch.matmul(qg, self._as("T_inv", q)).view(B, Hq, T, d)
 
     def extra_repr(self) -> str:
         return f"heads={self.T.shape[0]}, head_dim={self.T.shape[-1]}"
