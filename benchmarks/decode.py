@@ -133,18 +133,27 @@ def cache_bytes(cache, dtype_size: int) -> dict:
 
 
 @torch.no_grad()
-def time_decode(model, cache, next_ids: torch.Tensor, warmup: int, steps: int) -> dict:
-    for t in range(warmup):
-        model(next_ids[:, t : t + 1], cache=cache, use_cache=True)
-    gc.collect()
-    before = rss()
-    times = []
-    with PeakRSS() as peak:
-        for t in range(warmup, warmup + steps):
-            t0 = time.perf_counter()
-            model(next_ids[:, t : t + 1], cache=cache, use_cache=True)
-            times.append(time.perf_counter() - t0)
-    return {"ms": 1e3 * statistics.median(times), "ms_all": [1e3 * x for x in times], "transient_mb": (peak.peak - before) / 2**20}
+def time_round_robin(models: dict, caches: dict, next_ids: torch.Tensor, warmup: int, steps: int) -> dict:
+    """Decode steps in rounds, one step of every cache per round, so that machine noise hits all alike.
+
+    Per cache: median step time, and the transient memory of a step (peak resident memory during the
+    step minus the resident memory just before it; the largest over the steps).
+    """
+    out = {k: {"ms_all": [], "transient_mb": 0.0} for k in caches}
+    for t in range(warmup + steps):
+        for kind, cache in caches.items():
+            gc.collect()
+            before = rss()
+            with PeakRSS() as peak:
+                t0 = time.perf_counter()
+                models[kind](next_ids[:, t : t + 1], cache=cache, use_cache=True)
+                dt = time.perf_counter() - t0
+            if t >= warmup:
+                out[kind]["ms_all"].append(1e3 * dt)
+                out[kind]["transient_mb"] = max(out[kind]["transient_mb"], (peak.peak - before) / 2**20)
+    for r in out.values():
+        r["ms"] = statistics.median(r["ms_all"])
+    return out
 
 
 @torch.no_grad()
@@ -212,41 +221,44 @@ def main() -> None:
 
             transforms["wush"] = [build_transforms("random", spec.num_kv_heads, spec.head_dim, seed=l) for l in range(spec.num_layers)]
 
+    # One model per role, so no step pays for installing transforms: the untouched model (sdpa) for
+    # DynamicCache and the stock cache, one switched to the wushkv attention, one with WUSH installed.
+    import copy
+
+    which = lambda kind: "wush" if kind.startswith("wush") else "identity"  # noqa: E731
+    m_id = copy.deepcopy(model)
+    m_wush = copy.deepcopy(model) if transforms else None
+    if m_wush is not None:
+        apply_transforms(m_wush, transforms["wush"], "wush")
+    models = {k: (m_wush if which(k) == "wush" else m_id if k.startswith("identity") else model) for k in kinds}
     rows, results = [], []
     for dtype_name in args.dtypes.split(","):
         dtype = getattr(torch, dtype_name)
-        model.to(dtype)
-        kv = {"identity": None}
-        for name in ["identity"] + list(transforms):
+        for m in {id(m): m for m in models.values()}.values():
+            m.to(dtype)
+        kv = {}
+        for name, m in (("identity", model), ("wush", m_wush)):
+            if m is None:
+                continue
             t0 = time.perf_counter()
-            if name == "identity":
-                kv[name] = prefill_kv(model, ctx_ids)
-            else:
-                with apply_transforms(model, transforms[name], name):
-                    kv[name] = prefill_kv(model, ctx_ids)
+            kv[name] = prefill_kv(m, ctx_ids)
             print(f"[{dtype_name}] prefill of {ctx_ids.shape[1]} tokens ({name}): {time.perf_counter() - t0:.1f} s", flush=True)
         for ctx in contexts:
             for B in batches:
                 next_ids = text[:, ctx : ctx + steps].repeat(B, 1)
-                base = None
+                caches = {}
                 for kind in kinds:
-                    tname = "wush" if kind.startswith("wush") else "identity"
-                    installed = apply_transforms(model, transforms["wush"], "wush") if tname == "wush" else None
                     try:
-                        cache = make_cache(kind, model, windows)
-                        fill(cache, kv[tname], ctx, B, dtype)
-                        r = time_decode(model, cache, next_ids, args.warmup, args.steps)
+                        cache = make_cache(kind, models[kind], windows)
+                        fill(cache, kv[which(kind)], ctx, B, dtype)
+                        caches[kind] = cache
                     except (ImportError, ModuleNotFoundError) as e:
                         print(f"skip {kind}: {e}", flush=True)
-                        continue
-                    finally:
-                        if installed is not None:
-                            installed.restore()
+                timed = time_round_robin(models, caches, next_ids, args.warmup, args.steps)
+                base = timed.get("dynamic")
+                for kind, cache in caches.items():
+                    r = timed[kind]
                     nb = cache_bytes(cache, torch.tensor([], dtype=dtype).element_size())
-                    del cache
-                    gc.collect()
-                    if kind == "dynamic":
-                        base = r
                     n_tok = B * (ctx + steps)
                     res = {"dtype": dtype_name, "context": ctx, "batch": B, "cache": kind, **r,
                            "ratio": r["ms"] / base["ms"] if base else None, "bytes": nb,
@@ -255,6 +267,8 @@ def main() -> None:
                     rows.append([dtype_name, ctx, B, kind, f"{r['ms']:.1f}", f"{res['ratio']:.2f}" if base else "-",
                                  f"{r['transient_mb']:.0f}", f"{res['bytes_per_token']:.0f}"])
                     print(" | ".join(map(str, rows[-1])), flush=True)
+                del caches
+                gc.collect()
     # bytes per token against a bfloat16 DynamicCache (windows counted at 2 bytes per element)
     full_bf16 = 2 * 2 * spec.head_dim * spec.num_kv_heads * sum(
         1 for t in spec.layer_types if t != "sliding_attention")  # full layers hold every token

@@ -29,6 +29,7 @@ from .codecs import TokenCodec
 from .quantizers import unpack
 
 DEFAULT_BLOCK = 4096
+_EXT = None  # the compiled kernels once looked up (False: unavailable)
 USE_KERNELS = True  # the fused CPU kernels of wushkv._ext where available (tests switch them off to compare)
 _TABLES: dict = {}
 
@@ -79,9 +80,12 @@ def _kernels(codec, store, ng: int):
         return None
     if store["codes"].stride(-1) != 1:
         return None
-    from ._ext import kernels
+    global _EXT
+    if _EXT is None:
+        from ._ext import kernels
 
-    return kernels()
+        _EXT = kernels() or False
+    return _EXT or None
 
 
 def _steps(n: int, codec, block: int):
@@ -186,9 +190,12 @@ def decode_attention(
     n_all = s.shape[-1]
     if allowed is not None:
         S = allowed.shape[-1]
-        keep = torch.zeros(B, 1, 1, n_all, dtype=torch.bool, device=s.device)
-        keep[..., n_all - S :] = allowed.reshape(B, 1, 1, S)
-        s = s.masked_fill(~keep, float("-inf"))
+        allowed = allowed.reshape(B, 1, 1, S)
+        if S < n_all:  # columns before the last S are not visible
+            keep = torch.zeros(B, 1, 1, n_all, dtype=torch.bool, device=s.device)
+            keep[..., n_all - S :] = allowed
+            allowed = keep
+        s = s.masked_fill(~allowed, float("-inf"))
     p = torch.softmax(s, dim=-1).to(dtype)
 
     # 2. output: the same parts, in the same order, weighted by their slice of p
