@@ -153,6 +153,17 @@ def time_round_robin(models: dict, caches: dict, next_ids: torch.Tensor, warmup:
                 out[kind]["transient_mb"] = max(out[kind]["transient_mb"], (peak.peak - before) / 2**20)
     for r in out.values():
         r["ms"] = statistics.median(r["ms_all"])
+    # The largest single allocation of one more step (torch profiler, CPU memory): a cache that
+    # dequantizes a layer before attending shows that layer's full-precision copy here, which resident
+    # memory hides (the allocator reuses the freed block layer after layer).
+    from torch.profiler import ProfilerActivity, profile
+
+    t = warmup + steps
+    for kind, cache in caches.items():
+        if t < next_ids.shape[1]:
+            with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+                models[kind](next_ids[:, t : t + 1], cache=cache, use_cache=True)
+            out[kind]["largest_alloc_mb"] = max((e.self_cpu_memory_usage for e in prof.events()), default=0) / 2**20
     return out
 
 
@@ -206,7 +217,7 @@ def main() -> None:
     windows = WindowConfig(*[int(x) for x in args.windows.split(",")])
     model, tok = load(args.model)
     spec = describe(model)
-    steps = args.warmup + args.steps
+    steps = args.warmup + args.steps + 1  # + 1: the profiled step
     text = tokenize_chunks(tok, wikitext2_test(), max(contexts) + steps, 1)
     ctx_ids = text[:, : max(contexts)]
 
@@ -265,7 +276,7 @@ def main() -> None:
                            "bytes_per_token": nb["total"] / n_tok}
                     results.append(res)
                     rows.append([dtype_name, ctx, B, kind, f"{r['ms']:.1f}", f"{res['ratio']:.2f}" if base else "-",
-                                 f"{r['transient_mb']:.0f}", f"{res['bytes_per_token']:.0f}"])
+                                 f"{r['transient_mb']:.0f}", f"{r.get('largest_alloc_mb', float('nan')):.2f}", f"{res['bytes_per_token']:.0f}"])
                     print(" | ".join(map(str, rows[-1])), flush=True)
                 del caches
                 gc.collect()
@@ -273,7 +284,7 @@ def main() -> None:
     full_bf16 = 2 * 2 * spec.head_dim * spec.num_kv_heads * sum(
         1 for t in spec.layer_types if t != "sliding_attention")  # full layers hold every token
     print()
-    print(format_table(["dtype", "context", "batch", "cache", "ms/step", "x dynamic", "transient MB", "bytes/token"], rows))
+    print(format_table(["dtype", "context", "batch", "cache", "ms/step", "x dynamic", "transient MB", "largest alloc MB", "bytes/token"], rows))
     summary = []
     for r in results:
         b = r["bytes"]
