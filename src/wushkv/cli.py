@@ -385,6 +385,18 @@ def cmd_passkey(args) -> int:
     return 0
 
 
+def cmd_export(args) -> int:
+    from .calibration import Calibration
+    from .export import export_transforms
+
+    _check_transforms([args.transform])
+    cal = Calibration.load(args.calibration)
+    meta = export_transforms(cal, args.transform, args.out, dtype=args.dtype, tolerance=args.tolerance)
+    print(f"{args.transform} transforms of {meta['model']} ({meta['num_layers']} layers) -> {args.out} in {args.dtype}, "
+          f"row-vector convention; max |T·T⁻¹ − I| after the cast {meta['max_inverse_error']:.2e}")
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     from .config import GENERATION_WINDOWS, PERPLEXITY_WINDOWS
     from .transforms import TRANSFORMS
@@ -470,6 +482,14 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--calib-seq-len", type=int, default=2048)
     _add_quant_args(p, GENERATION_WINDOWS)
     p.set_defaults(func=cmd_generate)
+
+    p = sub.add_parser("export", help="write solved transforms for a serving engine (row-vector convention, docs/FORMAT.md)")
+    p.add_argument("--calibration", required=True, help="calibration file from `wushkv calibrate`")
+    p.add_argument("--transform", default="wush", help="transform to export (default: %(default)s)")
+    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
+    p.add_argument("--tolerance", type=float, default=None, help="largest |T·T⁻¹ − I| accepted after the cast (default: by dtype)")
+    p.add_argument("--out", required=True, help="output .safetensors")
+    p.set_defaults(func=cmd_export)
 
     p = sub.add_parser("agree", help="long-generation agreement with full precision: KL and top-1 per position, first divergence")
     _add_model_args(p)

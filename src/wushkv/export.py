@@ -1,0 +1,82 @@
+"""Export solved transforms for serving engines, in the row-vector convention they use.
+
+Engines hold keys, queries and values as rows (``K`` is tokens × d), so the column-vector transforms
+of the method (``k' = T_K k``, ``q' = T_K^{-T} q``, ``v' = T_V v``, ``o = T_V^{-1} o'``) become right
+multiplications, per layer ``l`` and KV head ``h``::
+
+    K' = K · key        key    = T_Kᵀ      (after RoPE)
+    Q' = Q · query      query  = T_K⁻¹     (every query head of the group; Q'K'ᵀ = QKᵀ)
+    V' = V · value      value  = T_Vᵀ      (or fold it into v_proj)
+    O  = O' · output    output = T_V^{-T}  (per head, before o_proj; or fold it into o_proj)
+
+The file is safetensors with tensors ``layers.{l}.{key,query,value,output}`` of shape (Hkv, d, d) in
+the requested dtype, and JSON metadata in its header (format, version, model fingerprint, method,
+convention, dtype and the measured inverse error). After the cast, ``query·keyᵀ`` and ``value·output``
+are checked against the identity in float64; an export whose error exceeds ``tolerance`` is refused.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+from safetensors.torch import save_file
+
+from .io import atomic_write
+
+EXPORT_FORMAT = "wushkv-transforms"
+EXPORT_VERSION = 1
+CONVENTION = "row-vector: K'=K@key, Q'=Q@query, V'=V@value, O=O'@output; per layer (Hkv, d, d)"
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+DEFAULT_TOLERANCE = {"float32": 1e-4, "bfloat16": 5e-2, "float16": 1e-2}
+
+
+def row_vector_transforms(transforms: list[dict[str, torch.Tensor]]) -> list[dict[str, torch.Tensor]]:
+    """Per layer {key, query, value, output} (float64) from the method's {T_K, T_K_inv, T_V, T_V_inv}."""
+    out = []
+    for tr in transforms:
+        t = {k: v.double() for k, v in tr.items()}
+        out.append({
+            "key": t["T_K"].transpose(-1, -2),
+            "query": t["T_K_inv"],
+            "value": t["T_V"].transpose(-1, -2),
+            "output": t["T_V_inv"].transpose(-1, -2),
+        })
+    return out
+
+
+def inverse_error(layer: dict[str, torch.Tensor]) -> float:
+    """max |query·keyᵀ − I| and |value·output − I| over heads and entries, computed in float64."""
+    eye = torch.eye(layer["key"].shape[-1], dtype=torch.float64)
+    e1 = (layer["query"].double() @ layer["key"].double().transpose(-1, -2) - eye).abs().max()
+    e2 = (layer["value"].double() @ layer["output"].double() - eye).abs().max()
+    return float(max(e1, e2))
+
+
+def export_transforms(calibration, method: str, path, dtype: str = "float32", tolerance: float | None = None) -> dict:
+    """Write the row-vector transforms of ``method`` to ``path`` (atomically); returns the metadata."""
+    if dtype not in DTYPES:
+        raise ValueError(f"dtype {dtype!r} is not supported; choose one of {sorted(DTYPES)}")
+    tol = DEFAULT_TOLERANCE[dtype] if tolerance is None else tolerance
+    layers = row_vector_transforms(calibration.transforms(method))
+    tensors, errors = {}, []
+    for l, layer in enumerate(layers):
+        cast = {k: v.to(DTYPES[dtype]).contiguous() for k, v in layer.items()}
+        errors.append(inverse_error(cast))
+        for k, v in cast.items():
+            tensors[f"layers.{l}.{k}"] = v
+    worst = max(errors)
+    if not worst <= tol:
+        bad = max(range(len(errors)), key=errors.__getitem__)
+        raise ValueError(f"after the cast to {dtype}, layer {bad} gives |T·T⁻¹ − I| = {worst:.3g} > tolerance {tol:g}; "
+                         "export in a wider dtype or raise --tolerance")
+    meta = {
+        "format": EXPORT_FORMAT, "format_version": EXPORT_VERSION, "method": method, "dtype": dtype,
+        "convention": CONVENTION, "model": calibration.meta.get("model"), "fingerprint": calibration.meta.get("fingerprint"),
+        "calibration": {k: calibration.meta.get(k) for k in ("samples", "seq_len", "damping", "calibration_source", "date")},
+        "num_layers": len(layers), "max_inverse_error": worst, "inverse_error_per_layer": errors,
+    }
+    header = {"format": EXPORT_FORMAT, "format_version": str(EXPORT_VERSION), "meta": json.dumps(meta)}
+    atomic_write(Path(path), lambda tmp: save_file(tensors, tmp, metadata=header))
+    return meta
