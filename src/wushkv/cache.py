@@ -10,12 +10,14 @@ Per layer and KV head (METHOD §3.2)::
 Keys are stored in transformed space (``k' = T_K k`` after RoPE); values arrive transformed through
 the weights (``T_V`` folded into v_proj). ``update`` returns a :class:`KVView` (for both keys and
 values) that the registered ``"wushkv"`` attention reads: in decode, attention over
-[sink; dequantized middle; recent]; for a multi-token chunk (prefill, perplexity), the exact
+[sink; packed middle; recent] straight from the codes (:mod:`wushkv.decode`, no full-precision copy);
+for a multi-token chunk (prefill, perplexity), the exact
 single-pass emulation in which query ``i`` sees token ``t`` quantized iff
 ``S_sink <= t < S_sink + Qc(i+1)`` — what it would see if the chunk had been decoded token by token.
 
 Sliding-window layers keep only the last ``W-1`` positions (as ``DynamicSlidingWindowLayer``), and
-quantize them the same way.
+quantize them the same way. Left-padded batches (``attention_mask=`` at creation) count each row's
+windows from its first real token (see ``KVView._attend_padded``).
 """
 
 from __future__ import annotations
