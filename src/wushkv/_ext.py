@@ -49,6 +49,11 @@ def _build():
         # -march=native: build per CPU model (the name carries a hash of the CPU flags, so a cached build
         # is never loaded on a machine lacking its instructions)
         name = f"wushkv_codes_{_cpu_tag()}"
+        import sys
+
+        bindir = str(Path(sys.executable).parent)  # the environment's own ninja (the `ninja` package)
+        if bindir not in os.environ.get("PATH", "").split(os.pathsep):
+            os.environ["PATH"] = bindir + os.pathsep + os.environ.get("PATH", "")
         flags = ["-O3", "-fopenmp", "-march=native"]
         return load(name=name, sources=[str(src)], extra_cflags=flags, extra_ldflags=["-fopenmp"], verbose=False)
     except Exception as e:  # no compiler / ninja: the pure-PyTorch path is the reference anyway
