@@ -339,7 +339,7 @@ def cmd_agree(args) -> int:
     w = cfg.windows
     print(format_table(["method", "mean KL", "top-1 %", "median 1st div.", "KL 1st quarter", "KL last quarter", "last/first"], rows,
                        title=f"\n{args.model}: {chunks.shape[0]} prompts of {args.prompt_len} tokens from {label}, {args.new_tokens} "
-                             f"generated, {cfg.label()} {w.S_sink}/{w.S_keep}/{w.S_flush}"
+                             f"generated, {cfg.label()}"
                              f"{' (single-pass emulation)' if args.single_pass else ' (streaming)'}"))
     out = {"model": args.model, "text": label, "prompts": int(chunks.shape[0]), "prompt_len": args.prompt_len,
            "new_tokens": args.new_tokens, "single_pass": args.single_pass, "quantization": cfg.to_dict(),
