@@ -274,14 +274,9 @@ def cmd_generate(args) -> int:
     cfg = config_for(args.transform, _quant_config(args))
     model, tok = _load(args)
     cal = _calibration_for(args, model, tok, [args.transform])
-    if cal is not None:
-        trs = cal.transforms(args.transform)
-    else:
-        from .models import describe
-        from .transforms import build_transforms
+    from .eval.methods import transforms_for
 
-        spec = describe(model)
-        trs = [build_transforms(args.transform, spec.num_kv_heads, spec.head_dim) for _ in range(spec.num_layers)]
+    trs = transforms_for(model, cal, args.transform)
     prompt = open(args.prompt_file, encoding="utf-8").read() if args.prompt_file else args.prompt
     ids = tok(prompt, return_tensors="pt").input_ids.to(args.device)
     with apply_transforms(model, trs, args.transform):

@@ -55,16 +55,9 @@ def quantized_perplexity(model, chunks: torch.Tensor, calibration: Calibration |
             f"sequences of {chunks.shape[1]} tokens are too short for windows {w.S_sink}/{w.S_keep}/{w.S_flush}: no token "
             f"would ever be quantized; use --seq-len > {w.S_sink + w.S_keep + w.S_flush - 1} or smaller windows"
         )
-    if calibration is None:
-        from ..transforms import TRANSFORMS, build_transforms
-        from ..models import describe
+    from .methods import transforms_for
 
-        if TRANSFORMS[transform].needs_calibration:
-            raise ValueError(f"transform {transform!r} needs a calibration (--calibration PATH)")
-        spec = describe(model)
-        trs = [build_transforms(transform, spec.num_kv_heads, spec.head_dim) for _ in range(spec.num_layers)]
-    else:
-        trs = calibration.transforms(transform)
+    trs = transforms_for(model, calibration, transform)
     with apply_transforms(model, trs, transform):
         return perplexity(model, chunks, cache_factory=lambda: WushKVCache(model, cfg), show_progress=show_progress, desc=desc)
 
