@@ -79,5 +79,5 @@ def plot_heatmaps(grids: dict[str, Sequence[Sequence[float]]], rows: Sequence, c
         ax.set_title(name, fontsize=9)
         ax.set_xlabel(xlabel, fontsize=8)
     axes[0][0].set_ylabel(ylabel, fontsize=8)
-    fig.suptitle(title, fontsize=10)
+    fig.suptitle(title, fontsize=10, y=1.06)
     return _save(fig, path)
