@@ -173,10 +173,7 @@ def key_transform_share(model, transforms, spec, batches, results) -> dict:
 
     model.to(torch.float32)
     out = {}
-    kts = [KeyTransform(t["T_K"], t["T_K_inv"]) for t in transforms] if "T_K" in transforms[0] else None
-    if kts is None:
-        with apply_transforms(model, transforms, "wush"):
-            kts = [m.wushkv_key for m in model.modules() if hasattr(m, "wushkv_key")]
+    kts = [KeyTransform(t["T_K"], t["T_K_inv"]) for t in transforms]
     for B in batches:
         k = torch.randn(B, spec.num_kv_heads, 1, spec.head_dim)
         q = torch.randn(B, spec.num_heads, 1, spec.head_dim)
