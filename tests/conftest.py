@@ -90,3 +90,19 @@ class CharTokenizer:
 @pytest.fixture
 def char_tokenizer():
     return CharTokenizer()
+
+
+CHARS = [chr(c) for c in range(32, 127)] + ["\n"]
+
+
+def hf_char_tokenizer():
+    """A real ``PreTrainedTokenizerFast`` (saveable, loadable by AutoTokenizer): one token per printable
+    ASCII character or newline, ids 4..99; 0 pad, 1 bos, 2 eos, 3 unk. Use with ``vocab_size=128``."""
+    from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {"<pad>": 0, "<s>": 1, "</s>": 2, "<unk>": 3} | {c: 4 + i for i, c in enumerate(CHARS)}
+    tok = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.Split(Regex(r"[\s\S]"), behavior="isolated")
+    tok.decoder = decoders.Fuse()
+    return PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="<pad>", bos_token="<s>", eos_token="</s>", unk_token="<unk>")

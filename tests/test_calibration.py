@@ -188,3 +188,44 @@ def test_wush_a_matches_brute_force():
                 HK += 2 * J.T @ J
         torch.testing.assert_close(got_V[h], HV, rtol=1e-4, atol=1e-6)
         torch.testing.assert_close(got_K[h], HK, rtol=1e-3, atol=1e-5)
+
+
+# -- models split over devices (accelerate device_map) --------------------------------------------
+def test_device_map_paths(tmp_path):
+    """``--device-map``: the accelerate loading path, per-layer statistics and evaluation on a dispatched
+    model. On this CPU-only machine every "device" is the CPU: the numbers must equal a plain load's."""
+    from conftest import hf_char_tokenizer, tiny_model
+
+    from wushkv.calibration import collect_statistics
+    from wushkv.config import QuantConfig, WindowConfig
+    from wushkv.eval.compare import quantized_perplexity
+    from wushkv.models import load
+
+    model = tiny_model("llama", vocab_size=128)
+    model.save_pretrained(tmp_path / "m")
+    hf_char_tokenizer().save_pretrained(tmp_path / "m")
+    plain, _ = load(str(tmp_path / "m"))
+    names = ["model.embed_tokens", "model.layers.0", "model.layers.1", "model.layers.2", "model.norm", "model.rotary_emb", "lm_head"]
+    for device_map in ("auto", {n: "cpu" for n in names}):
+        split, _ = load(str(tmp_path / "m"), device_map=device_map)
+        seqs = torch.randint(4, 100, (2, 48), generator=torch.Generator().manual_seed(0))
+        a, b = collect_statistics(plain, seqs, show_progress=False), collect_statistics(split, seqs, show_progress=False)
+        for la, lb in zip(a, b):
+            for k in la:
+                assert torch.equal(la[k], lb[k]), k
+        cfg = QuantConfig(2, 2, "quest", windows=WindowConfig(4, 8, 4))
+        pa = quantized_perplexity(plain, seqs, None, "hadamard", cfg, show_progress=False)["ppl"]
+        pb = quantized_perplexity(split, seqs, None, "hadamard", cfg, show_progress=False)["ppl"]
+        assert pa == pb
+
+
+def test_offloaded_weights_are_refused():
+    from conftest import tiny_model
+
+    from wushkv.folding import apply_transforms
+    from wushkv.transforms import build_transforms
+
+    model = tiny_model("llama")
+    model.model.layers[1].self_attn.v_proj.weight = torch.nn.Parameter(torch.empty(64, 64, device="meta"))
+    with pytest.raises(ValueError, match=r"layer 1 attention weights \['v_proj.weight'\] are offloaded"):
+        apply_transforms(model, [build_transforms("hadamard", 2, 32) for _ in range(3)])

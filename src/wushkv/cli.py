@@ -16,13 +16,16 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default=DEFAULT_MODEL, help="smollm2-135m | gemma3-270m | a .gguf file, model folder or hub id (default: %(default)s)")
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"], help="weights dtype (default: %(default)s)")
     p.add_argument("--device", default="cpu", help="torch device (default: %(default)s)")
+    p.add_argument("--device-map", default=None,
+                   help="accelerate device map ('auto', 'balanced', ...): split a model too large for one device over several; "
+                        "every layer must stay resident (no cpu/disk offload)")
 
 
 def _load(args):
     from .models import load
 
     t0 = time.perf_counter()
-    model, tok = load(args.model, dtype=args.dtype, device=args.device)
+    model, tok = load(args.model, dtype=args.dtype, device=args.device, device_map=getattr(args, "device_map", None))
     print(f"loaded {args.model} in {time.perf_counter() - t0:.1f}s", file=sys.stderr)
     return model, tok
 
@@ -70,6 +73,8 @@ def _add_quant_args(p: argparse.ArgumentParser, windows) -> None:
     p.add_argument("--quantizer", default=d.quantizer, help="quest | affine | kivi | kvarn (default: %(default)s)")
     p.add_argument("--k-clip", type=float, default=d.k_clip, help="affine key clip ratio κ_K (default: %(default)s)")
     p.add_argument("--v-clip", type=float, default=d.v_clip, help="affine value clip ratio κ_V (default: %(default)s)")
+    p.add_argument("--k-alpha", type=float, default=d.k_alpha, help="QuEST key clip multiplier on α_b (default: %(default)s)")
+    p.add_argument("--v-alpha", type=float, default=d.v_alpha, help="QuEST value clip multiplier on α_b (default: %(default)s)")
     p.add_argument("--group-size", type=int, default=d.group_size, help="channels per quantization group (default: head_dim)")
     p.add_argument("--sink", type=int, default=windows.S_sink, help="S_sink full-precision first tokens (default: %(default)s)")
     p.add_argument("--keep", type=int, default=windows.S_keep, help="S_keep full-precision recent tokens (default: %(default)s)")
@@ -85,6 +90,8 @@ def _quant_config(args, k_bits=None, v_bits=None):
         quantizer=args.quantizer,
         k_clip=args.k_clip,
         v_clip=args.v_clip,
+        k_alpha=args.k_alpha,
+        v_alpha=args.v_alpha,
         group_size=args.group_size,
         windows=WindowConfig(args.sink, args.keep, args.flush),
     )
@@ -392,6 +399,45 @@ def cmd_export(args) -> int:
     return 0
 
 
+def cmd_sweep(args) -> int:
+    from .report import format_table
+    from .sweep import SweepConfig, run_sweep
+
+    cfg = SweepConfig.load(args.config)
+    out = run_sweep(cfg, ray_address=args.ray_address, max_jobs=args.max_jobs, log=lambda m: print(m, file=sys.stderr))
+    rows = [[r["model"].split("/")[-1], r["transform"], r["quantizer"], f"K{r['k_bits'] or 16}V{r['v_bits'] or 16}",
+             r["evaluation"], float("nan") if r["value"] is None else r["value"]] for r in out["results"]]
+    print(format_table(["model", "transform", "quantizer", "bits", "evaluation", "value"], rows,
+                       title=f"sweep: {out['finished']}/{out['total']} jobs finished ({len(out['ran'])} run now); {cfg.out}/results.{{json,md}}"))
+    return 0
+
+
+def cmd_lm_eval(args) -> int:
+    try:
+        import lm_eval
+        from lm_eval.tasks import TaskManager
+        from lm_eval.utils import make_table
+    except ImportError as e:
+        raise ValueError(f"`wushkv lm-eval` needs lm-evaluation-harness: pip install 'wushkv[lm-eval]' ({e})") from None
+    from .io import write_json
+    from .lm_eval import WushLM
+
+    method = args.transform or "full-precision"
+    cfg = _quant_config(args)
+    lm = WushLM(args.model, method=method, calibration=args.calibration, k_bits=cfg.k_bits or 16, v_bits=cfg.v_bits or 16,
+                quantizer=cfg.quantizer, k_clip=cfg.k_clip, v_clip=cfg.v_clip, k_alpha=cfg.k_alpha, v_alpha=cfg.v_alpha,
+                group_size=cfg.group_size, sink=cfg.windows.S_sink, keep=cfg.windows.S_keep, flush=cfg.windows.S_flush,
+                dtype=args.dtype, device=args.device, device_map=args.device_map, batch_size=args.batch_size)
+    tm = TaskManager(include_path=args.include_path) if args.include_path else None
+    res = lm_eval.simple_evaluate(model=lm, tasks=[t for t in args.tasks.split(",") if t], num_fewshot=args.num_fewshot,
+                                  limit=args.limit, task_manager=tm)
+    print(make_table(res))
+    if args.json:
+        write_json(args.json, {"method": method, "quantization": lm.quant_config.to_dict() if lm.quant_config else None,
+                               "results": res["results"], "config": {k: str(v) for k, v in res.get("config", {}).items()}})
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     from .config import GENERATION_WINDOWS, PERPLEXITY_WINDOWS
     from .transforms import TRANSFORMS
@@ -518,6 +564,25 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--plot", default=None, help="PNG heatmaps of accuracy")
     _add_quant_args(p, GENERATION_WINDOWS)
     p.set_defaults(func=cmd_passkey, quantizer="affine")
+
+    p = sub.add_parser("sweep", help="run a grid of (model, transform, bits, quantizer, evaluation) jobs, on Ray or in-process")
+    p.add_argument("--config", required=True, help="sweep TOML file (docs/SWEEPS.md)")
+    p.add_argument("--ray-address", default=None, help="'local' starts a local Ray instance, 'auto' joins a running cluster, or an address; omit to run in-process")
+    p.add_argument("--max-jobs", type=int, default=None, help="run at most N unfinished jobs, then collect")
+    p.set_defaults(func=cmd_sweep)
+
+    p = sub.add_parser("lm-eval", help="lm-evaluation-harness tasks through the quantized cache (extra: wushkv[lm-eval])")
+    _add_model_args(p)
+    p.add_argument("--tasks", required=True, help="comma-separated lm-eval task names")
+    p.add_argument("--include-path", default=None, help="folder of local task YAML files")
+    p.add_argument("--transform", default=None, help=f"{transforms_help}; omit for full precision")
+    p.add_argument("--calibration", default=None, help="calibration file (needed by calibrated transforms)")
+    p.add_argument("--num-fewshot", type=int, default=None)
+    p.add_argument("--limit", type=float, default=None, help="documents per task (or a fraction)")
+    p.add_argument("--batch-size", default="1")
+    p.add_argument("--json", default=None)
+    _add_quant_args(p, PERPLEXITY_WINDOWS)
+    p.set_defaults(func=cmd_lm_eval)
     return parser
 
 

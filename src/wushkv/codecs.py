@@ -126,7 +126,8 @@ def make_codec(cfg: QuantConfig, side: str, head_dim: int):
         return None
     meta = _DTYPES[cfg.metadata_dtype]
     if cfg.quantizer == "quest":
-        return TokenCodec(QuestQuantizer(bits, cfg.group_size), head_dim, meta)
+        alpha = cfg.k_alpha if side == "key" else cfg.v_alpha
+        return TokenCodec(QuestQuantizer(bits, cfg.group_size, alpha_scale=alpha), head_dim, meta)
     if cfg.quantizer == "affine":
         clip = cfg.k_clip if side == "key" else cfg.v_clip
         return TokenCodec(AffineQuantizer(bits, cfg.group_size, clip_ratio=clip), head_dim, meta)

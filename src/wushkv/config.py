@@ -51,6 +51,7 @@ class QuantConfig:
       min–max, §5, clip ratios ``k_clip``/``v_clip``; ≤ 0 = plain min–max), ``kivi`` (affine min–max,
       keys per channel over blocks of ``S_flush`` tokens, values per token), ``kvarn`` (KVarN tiles of
       ``S_flush`` tokens, §7; use windows (tile, 0, tile)).
+    * ``k_alpha``/``v_alpha``: QuEST clip multipliers on α_b (1.0 = the Gaussian optimum).
     * ``group_size``: channels per quantization group for per-token quantizers (None: head_dim).
     * ``metadata_dtype``: dtype of stored scales/offsets.
     """
@@ -60,6 +61,8 @@ class QuantConfig:
     quantizer: str = "quest"
     k_clip: float = 0.96
     v_clip: float = 0.92
+    k_alpha: float = 1.0
+    v_alpha: float = 1.0
     group_size: int | None = None
     windows: WindowConfig = field(default_factory=WindowConfig)
     metadata_dtype: str = "float16"
@@ -72,6 +75,10 @@ class QuantConfig:
                 raise ValueError(f"{name}={b!r} is not supported; the cache stores {list(CACHE_BITS)} bits (or None for full precision)")
         if self.quantizer not in QUANTIZER_NAMES:
             raise ValueError(f"unknown quantizer {self.quantizer!r}; known: {list(QUANTIZER_NAMES)}")
+        for name in ("k_alpha", "v_alpha"):
+            a = getattr(self, name)
+            if isinstance(a, bool) or not isinstance(a, (int, float)) or not (0.0 < a < float("inf")):
+                raise ValueError(f"{name}={a!r}: the QuEST clip multiplier must be a finite number > 0 (1.0 = α_b)")
         if self.metadata_dtype not in ("float16", "bfloat16", "float32"):
             raise ValueError(f"metadata_dtype {self.metadata_dtype!r} is not one of float16, bfloat16, float32")
         if self.quantizer == "kvarn" and self.windows.S_flush < 2:

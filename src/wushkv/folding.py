@@ -106,6 +106,14 @@ def apply_transforms(model: nn.Module, transforms: list[dict[str, torch.Tensor]]
     if any(hasattr(a, KEY_TRANSFORM_NAME) for a in mods):
         raise RuntimeError("transforms are already installed in this model; call restore() on the previous handle first")
     d, G = spec.head_dim, spec.group_size
+    for i, attn in enumerate(mods):
+        offloaded = [n for n, t in attn.named_parameters() if t.device.type == "meta"]
+        if offloaded:
+            raise ValueError(
+                f"layer {i} attention weights {offloaded} are offloaded (on the meta device): folding T_V needs every layer's "
+                "weights resident; use a device map that places each layer on one device (e.g. device_map='auto' with "
+                "enough accelerator memory, or max_memory), not cpu/disk offload"
+            )
     saved = []
     for i, (attn, tr) in enumerate(zip(mods, transforms)):
         for name in ("T_K", "T_K_inv", "T_V", "T_V_inv"):

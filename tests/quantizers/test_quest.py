@@ -107,3 +107,33 @@ def test_quantizer_registry():
         make_quantizer("int", 2)
     with pytest.raises(ValueError, match="got 12"):
         make_quantizer("affine", 12)
+
+
+@pytest.mark.parametrize("bits", [2, 3, 4])
+def test_alpha_scale_moves_the_clip_level(bits):
+    """alpha_scale multiplies α_b: the outermost level is ±(α_b·s)·RMS; the MSE of a Gaussian is lowest at s = 1."""
+    x = torch.randn(4096, 64, generator=torch.Generator().manual_seed(0))
+    r = x.pow(2).mean(-1, keepdim=True).sqrt()
+    mse = {}
+    for s in (0.8, 1.0, 1.25):
+        q = QuestQuantizer(bits, alpha_scale=s)
+        xh = q.fake(x)
+        top = QUEST_ALPHA[bits] * s * r  # outermost level (2^{b−1} − ½)·Δ = α·RMS
+        ratio = xh.abs().amax(-1, keepdim=True) / top
+        assert float(ratio.max()) == pytest.approx(1.0, rel=1e-5)  # reached by rows that saturate, never exceeded
+        mse[s] = float((xh - x).pow(2).mean())
+    assert mse[1.0] < mse[0.8] and mse[1.0] < mse[1.25]
+    for bad in (0, -1.0, float("nan"), float("inf"), True):
+        with pytest.raises(ValueError, match="alpha_scale"):
+            QuestQuantizer(bits, alpha_scale=bad)
+
+
+def test_quant_config_alpha():
+    from wushkv.codecs import make_codec
+    from wushkv.config import QuantConfig
+
+    c = make_codec(QuantConfig(2, 2, "quest", k_alpha=0.9, v_alpha=1.1), "key", 64)
+    assert c.quantizer.alpha == pytest.approx(QUEST_ALPHA[2] * 0.9)
+    assert make_codec(QuantConfig(2, 2, "quest", k_alpha=0.9, v_alpha=1.1), "value", 64).quantizer.alpha == pytest.approx(QUEST_ALPHA[2] * 1.1)
+    with pytest.raises(ValueError, match="k_alpha=0"):
+        QuantConfig(k_alpha=0)

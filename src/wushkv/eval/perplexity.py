@@ -27,7 +27,7 @@ def chunk_nll(model, input_ids: torch.Tensor, cache=None) -> tuple[float, int]:
         kwargs["cache"] = cache
     logits = model(input_ids, **kwargs).logits  # (B, L, V)
     nll = F.cross_entropy(
-        logits[:, :-1].reshape(-1, logits.shape[-1]).float(), input_ids[:, 1:].reshape(-1), reduction="sum"
+        logits[:, :-1].reshape(-1, logits.shape[-1]).float(), input_ids[:, 1:].reshape(-1).to(logits.device), reduction="sum"
     )
     return float(nll.double()), input_ids[:, 1:].numel()
 

@@ -59,18 +59,24 @@ class QuestQuantizer:
         bits: 1..8.
         group_size: elements per group along the last dim; None = the whole last dim
             (per token: G = head_dim).
+        alpha_scale: multiplier on α_b (1.0: the Gaussian MSE optimum; < 1 clips harder).
     """
 
     bits: int
     group_size: int | None = None
+    alpha_scale: float = 1.0
 
     def __post_init__(self) -> None:
         check_bits(self.bits)
         check_group_size(self.group_size)
+        a = self.alpha_scale
+        if isinstance(a, bool) or not isinstance(a, (int, float)) or not (0.0 < a < float("inf")):
+            raise ValueError(f"QuEST alpha_scale must be a finite float > 0 (1.0 = the Gaussian optimum α_b), got {a!r}")
 
     @property
     def alpha(self) -> float:
-        return QUEST_ALPHA[self.bits]
+        """Clip level in RMS units: α_b (MSE-optimal for a Gaussian) times ``alpha_scale``."""
+        return QUEST_ALPHA[self.bits] * self.alpha_scale
 
     def quantize(self, x: Tensor) -> QTensor:
         """x [..., n] floating → QTensor with codes uint8 [..., n], scale/offset float32 [..., n/G]."""

@@ -1,0 +1,199 @@
+"""Ablations of WUSH-KV (issue #9): what moves perplexity, measured side by side in one process.
+
+    python benchmarks/ablations.py --study damping --model smollm2-135m --calibration CAL \\
+        --chunks 4 --bits 2,3,4 --json out/abl_damping_smollm2.json
+
+Studies (each a list of variants; every variant is evaluated at every ``--bits``):
+
+* ``damping``: γ_H and γ_M of WUSH separately (1e-3 … 1), and both together; Hadamard alongside;
+* ``clip``: the QuEST clip multiplier on α_b for keys and for values, for WUSH and Hadamard;
+* ``calib``: calibration amount — statistics accumulated over the first 4, 8, 16, 32 (… ``--max-samples``)
+  calibration sequences of one pass, so smaller sets are prefixes of larger ones;
+* ``wush-a``: WUSH-A (attention-aware Hessians, from a calibration made with ``--wush-a``) end to end.
+
+Every variant also gets the layer-reconstruction geomean (paper §4; all tokens quantized, no
+windows) on ``--recon-seqs`` held-out calibration sequences (C4, never the evaluation text), so the
+table shows whether that cheap proxy predicts perplexity. Results resume from ``--json``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import sys
+import time
+from dataclasses import replace
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
+
+import torch  # noqa: E402
+
+from wushkv.cache import WushKVCache  # noqa: E402
+from wushkv.calibration import Calibration, calibration_sequences, collect_statistics  # noqa: E402
+from wushkv.config import PERPLEXITY_WINDOWS, QuantConfig  # noqa: E402
+from wushkv.data import load_eval_text, tokenize_chunks  # noqa: E402
+from wushkv.eval.perplexity import perplexity  # noqa: E402
+from wushkv.eval.reconstruction import layer_reconstruction  # noqa: E402
+from wushkv.folding import apply_transforms  # noqa: E402
+from wushkv.io import write_json  # noqa: E402
+from wushkv.models import describe, load  # noqa: E402
+from wushkv.transforms import build_transforms  # noqa: E402
+
+GRID = (1e-3, 1e-2, 1e-1, 1.0)
+
+
+def wush_layers(stats, spec, damping=0.01, damping_M=None, keys=("M_K", "H_K", "M_V", "H_V")):
+    name = "wush" if keys[1] == "H_K" else "wush-a"
+    return [build_transforms(name, spec.num_kv_heads, spec.head_dim, st, damping=damping, damping_M=damping_M) for st in stats]
+
+
+def plain_layers(name, spec):
+    return [build_transforms(name, spec.num_kv_heads, spec.head_dim) for _ in range(spec.num_layers)]
+
+
+def sum_stats(parts):
+    """Add per-layer additive statistics (M_K, H_K, M_V, H_A...) of several passes; H_V is weights-only."""
+    out = []
+    for layers in zip(*parts):
+        st = {k: sum(p[k] for p in layers) for k in ("M_K", "H_K", "M_V")}
+        st["H_V"] = layers[0]["H_V"]
+        out.append(st)
+    return out
+
+
+def variants(study, args, model, tok, spec, cal):
+    """[(name, per-layer transforms, cfg overrides)] for a study."""
+    if study == "damping":
+        v = [("hadamard", plain_layers("hadamard", spec), {})]
+        for g in GRID:
+            v.append((f"wush γH={g:g} γM={g:g}", wush_layers(cal.stats, spec, g, g), {}))
+        for g in GRID:
+            if g != 1e-2:
+                v.append((f"wush γH={g:g} γM=0.01", wush_layers(cal.stats, spec, g, 1e-2), {}))
+                v.append((f"wush γH=0.01 γM={g:g}", wush_layers(cal.stats, spec, 1e-2, g), {}))
+        return v
+    if study == "clip":
+        v = []
+        for name, trs in (("hadamard", plain_layers("hadamard", spec)), ("wush", cal.transforms("wush"))):
+            for a in (0.7, 0.8, 0.9, 1.0, 1.1, 1.25):
+                v.append((f"{name} αK×{a:g}", trs, {"k_alpha": a}))
+            for a in (0.7, 0.8, 0.9, 1.1, 1.25):
+                v.append((f"{name} αV×{a:g}", trs, {"v_alpha": a}))
+        return v
+    if study == "calib":
+        seqs = calibration_sequences(tok, args.max_samples, args.calib_seq_len)
+        v, parts, done = [("hadamard", plain_layers("hadamard", spec), {})], [], 0
+        n = 4
+        while n <= args.max_samples:
+            parts.append(collect_statistics(model, seqs[done:n], show_progress=True))
+            done = n
+            st = sum_stats(parts)
+            parts = [st]
+            v.append((f"wush {n}x{args.calib_seq_len}", wush_layers(st, spec), {}))
+            n *= 2
+        return v
+    if study == "wush-a":
+        if "H_K_A" not in cal.stats[0]:
+            raise SystemExit("--study wush-a needs a calibration made with `wushkv calibrate --wush-a`")
+        return [
+            ("hadamard", plain_layers("hadamard", spec), {}),
+            ("wush", cal.transforms("wush"), {}),
+            ("wush-a", cal.transforms("wush-a"), {}),
+        ]
+    raise SystemExit(f"unknown study {study!r}")
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--study", required=True, choices=["damping", "clip", "calib", "wush-a"])
+    ap.add_argument("--model", default="smollm2-135m")
+    ap.add_argument("--calibration", default=None, help="calibration file (statistics); not needed by --study calib")
+    ap.add_argument("--chunks", type=int, default=4)
+    ap.add_argument("--seq-len", type=int, default=2048)
+    ap.add_argument("--text-file", default=None, help="evaluate on this UTF-8 text instead of WikiText-2 test")
+    ap.add_argument("--bits", default="2,3,4")
+    ap.add_argument("--quantizer", default="quest")
+    ap.add_argument("--windows", default="16,128,16", help="S_sink,S_keep,S_flush")
+    ap.add_argument("--max-samples", type=int, default=32, help="--study calib: largest calibration set")
+    ap.add_argument("--calib-seq-len", type=int, default=2048)
+    ap.add_argument("--recon-seqs", type=int, default=1, help="held-out C4 sequences for the reconstruction proxy (0: skip)")
+    ap.add_argument("--only", default=None, help="comma-separated substrings: evaluate only variants whose name contains one")
+    ap.add_argument("--json", required=True)
+    args = ap.parse_args()
+
+    bits = [int(b) for b in args.bits.split(",")]
+    s, k, f = (int(x) for x in args.windows.split(","))
+    base = replace(QuantConfig(quantizer=args.quantizer), windows=replace(PERPLEXITY_WINDOWS, S_sink=s, S_keep=k, S_flush=f))
+
+    model, tok = load(args.model)
+    spec = describe(model)
+    cal = Calibration.load(args.calibration, model) if args.calibration else None
+    text, text_name = load_eval_text(args.text_file)
+    chunks = tokenize_chunks(tok, text, args.seq_len, args.chunks)
+    out = {"settings": {"study": args.study, "model": args.model, "text": text_name, "chunks": args.chunks, "seq_len": args.seq_len,
+                        "base": base.to_dict(), "calibration": cal.meta if cal else None}, "fp": None, "results": {}}
+    path = Path(args.json)
+    if path.is_file():
+        prev = json.loads(path.read_text())
+        if prev.get("settings") == out["settings"]:
+            out = prev
+            print(f"resuming from {path}")
+    if out["fp"] is None:
+        out["fp"] = perplexity(model, chunks, desc="ppl full precision")["ppl"]
+        write_json(path, out)
+    fp = out["fp"]
+    print(f"full precision PPL {fp:.3f}")
+
+    vs = variants(args.study, args, model, tok, spec, cal)
+    if args.only:
+        keep = args.only.split(",")
+        vs = [v for v in vs if any(s in v[0] for s in keep)]
+    if args.recon_seqs:
+        held = calibration_sequences(tok, 64 + args.recon_seqs, args.calib_seq_len)[64:]  # past every calibration set used here
+        for b in bits:
+            todo = [v for v in vs if "recon" not in out["results"].get(v[0], {}).get(str(b), {})]
+            if not todo:
+                continue
+            # one pass per distinct cfg override, every transform of that override together
+            groups: dict[str, list] = {}
+            for v in todo:
+                groups.setdefault(json.dumps(v[2], sort_keys=True), []).append(v)
+            for key, group in groups.items():
+                cfg = replace(base, k_bits=b, v_bits=b, **json.loads(key))
+                res = layer_reconstruction(model, held, {name: trs for name, trs, _ in group}, cfg, show_progress=False)
+                for name, _, _ in group:
+                    out["results"].setdefault(name, {}).setdefault(str(b), {})["recon"] = res[name]["geomean"]
+            write_json(path, out)
+    for b in bits:
+        for name, trs, over in vs:
+            entry = out["results"].setdefault(name, {}).setdefault(str(b), {})
+            if "ppl" in entry:
+                continue
+            cfg = replace(base, k_bits=b, v_bits=b, **over)
+            t0 = time.perf_counter()
+            with apply_transforms(model, trs, name):
+                r = perplexity(model, chunks, cache_factory=lambda: WushKVCache(model, cfg), desc=f"{name} {b}-bit")
+            entry.update(ppl=r["ppl"], delta_pct=100 * (r["ppl"] / fp - 1), seconds=time.perf_counter() - t0, overrides=over)
+            print(f"{name:<28} {b}-bit PPL {r['ppl']:8.3f} ({entry['delta_pct']:+.2f}%)  recon {entry.get('recon', math.nan):.4g}")
+            write_json(path, out)
+    print_table(out, [v[0] for v in vs], bits)
+
+
+def print_table(out, names, bits):
+    print(f"\nfull precision PPL {out['fp']:.3f}")
+    print("| variant | " + " | ".join(f"{b}-bit PPL (Δ%) | {b}-bit recon" for b in bits) + " |")
+    print("|---|" + "---|---|" * len(bits))
+    for n in names:
+        cells = []
+        for b in bits:
+            e = out["results"].get(n, {}).get(str(b), {})
+            cells.append(f"{e['ppl']:.3f} ({e['delta_pct']:+.2f})" if "ppl" in e else "–")
+            cells.append(f"{e['recon']:.4g}" if "recon" in e else "–")
+        print(f"| {n} | " + " | ".join(cells) + " |")
+    torch.set_printoptions()
+
+
+if __name__ == "__main__":
+    main()
