@@ -9,11 +9,19 @@ Studies (each a list of variants; every variant is evaluated at every ``--bits``
 * ``clip``: the QuEST clip multiplier on α_b for keys and for values, for WUSH and Hadamard;
 * ``calib``: calibration amount — statistics accumulated over the first 4, 8, 16, 32 (… ``--max-samples``)
   calibration sequences of one pass, so smaller sets are prefixes of larger ones;
-* ``wush-a``: WUSH-A (attention-aware Hessians, from a calibration made with ``--wush-a``) end to end.
+* ``wush-a``: WUSH-A (attention-aware Hessians, from a calibration made with ``--wush-a``) end to end;
+* ``sides``: keys only and values only quantized (the other side full precision), Hadamard vs WUSH:
+  where does each transform win or lose?
+* ``center``: keys centered before the transform (k' = T (k − μ_K), exact for attention): Hadamard and
+  WUSH each with and without, and KVarN alongside;
+* ``tiles``: the WUSH transform under KVarN's tile quantizer (its windows: first tile of 128 full
+  precision, tail until a tile fills) against KVarN itself (Hadamard + tiles).
 
-Every variant also gets the layer-reconstruction geomean (paper §4; all tokens quantized, no
-windows) on ``--recon-seqs`` held-out calibration sequences (C4, never the evaluation text), so the
-table shows whether that cheap proxy predicts perplexity. Results resume from ``--json``.
+Every variant also gets the layer-reconstruction geomean (paper §4; no windows) on ``--recon-seqs``
+held-out calibration sequences (C4, never the evaluation text), twice: every token quantized
+(``recon``, the paper's experiment) and with the first S_sink tokens full precision as in the cache
+(``recon_sink``), so the table shows whether that cheap proxy predicts perplexity. Results resume
+from ``--json``.
 """
 
 from __future__ import annotations
@@ -32,7 +40,7 @@ import torch  # noqa: E402
 
 from wushkv.cache import WushKVCache  # noqa: E402
 from wushkv.calibration import Calibration, calibration_sequences, collect_statistics  # noqa: E402
-from wushkv.config import PERPLEXITY_WINDOWS, QuantConfig  # noqa: E402
+from wushkv.config import PERPLEXITY_WINDOWS, QuantConfig, WindowConfig  # noqa: E402
 from wushkv.data import load_eval_text, tokenize_chunks  # noqa: E402
 from wushkv.eval.perplexity import perplexity  # noqa: E402
 from wushkv.eval.reconstruction import layer_reconstruction  # noqa: E402
@@ -42,6 +50,7 @@ from wushkv.models import describe, load  # noqa: E402
 from wushkv.transforms import build_transforms  # noqa: E402
 
 GRID = (1e-3, 1e-2, 1e-1, 1.0)
+CLIP_GRID = (0.85, 1.15)
 
 
 def wush_layers(stats, spec, damping=0.01, damping_M=None, keys=("M_K", "H_K", "M_V", "H_V")):
@@ -77,9 +86,8 @@ def variants(study, args, model, tok, spec, cal):
     if study == "clip":
         v = []
         for name, trs in (("hadamard", plain_layers("hadamard", spec)), ("wush", cal.transforms("wush"))):
-            for a in (0.7, 0.8, 0.9, 1.0, 1.1, 1.25):
+            for a in CLIP_GRID:
                 v.append((f"{name} αK×{a:g}", trs, {"k_alpha": a}))
-            for a in (0.7, 0.8, 0.9, 1.1, 1.25):
                 v.append((f"{name} αV×{a:g}", trs, {"v_alpha": a}))
         return v
     if study == "calib":
@@ -102,12 +110,37 @@ def variants(study, args, model, tok, spec, cal):
             ("wush", cal.transforms("wush"), {}),
             ("wush-a", cal.transforms("wush-a"), {}),
         ]
+    if study == "sides":
+        v = []
+        for name, trs in (("hadamard", plain_layers("hadamard", spec)), ("wush", cal.transforms("wush"))):
+            v.append((f"{name} keys only", trs, {"v_bits": None}))
+            v.append((f"{name} values only", trs, {"k_bits": None}))
+        return v
+    if study == "center":
+        tiles = {"quantizer": "kvarn", "windows": [128, 0, 128]}
+        return [
+            ("hadamard", plain_layers("hadamard", spec), {}),
+            ("hadamard-c", cal.transforms("hadamard-c"), {}),
+            ("wush", cal.transforms("wush"), {}),
+            ("wush-c", cal.transforms("wush-c"), {}),
+            ("kvarn", plain_layers("hadamard", spec), tiles),
+        ]
+    if study == "tiles":
+        tiles = {"quantizer": "kvarn", "windows": [128, 0, 128]}
+        return [("kvarn (hadamard + tiles)", plain_layers("hadamard", spec), tiles), ("wush + tiles", cal.transforms("wush"), tiles)]
     raise SystemExit(f"unknown study {study!r}")
+
+
+def make_cfg(base, b, over):
+    over = dict(over)
+    if "windows" in over:
+        over["windows"] = WindowConfig(*over["windows"])
+    return replace(base, **({"k_bits": b, "v_bits": b} | over))
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--study", required=True, choices=["damping", "clip", "calib", "wush-a"])
+    ap.add_argument("--study", required=True, choices=["damping", "clip", "calib", "wush-a", "sides", "tiles", "center"])
     ap.add_argument("--model", default="smollm2-135m")
     ap.add_argument("--calibration", default=None, help="calibration file (statistics); not needed by --study calib")
     ap.add_argument("--chunks", type=int, default=4)
@@ -153,44 +186,50 @@ def main() -> None:
     if args.recon_seqs:
         held = calibration_sequences(tok, 64 + args.recon_seqs, args.calib_seq_len)[64:]  # past every calibration set used here
         for b in bits:
-            todo = [v for v in vs if "recon" not in out["results"].get(v[0], {}).get(str(b), {})]
-            if not todo:
-                continue
-            # one pass per distinct cfg override, every transform of that override together
-            groups: dict[str, list] = {}
-            for v in todo:
-                groups.setdefault(json.dumps(v[2], sort_keys=True), []).append(v)
-            for key, group in groups.items():
-                cfg = replace(base, k_bits=b, v_bits=b, **json.loads(key))
-                res = layer_reconstruction(model, held, {name: trs for name, trs, _ in group}, cfg, show_progress=False)
-                for name, _, _ in group:
-                    out["results"].setdefault(name, {}).setdefault(str(b), {})["recon"] = res[name]["geomean"]
-            write_json(path, out)
+            for key, sink in (("recon", 0), ("recon_sink", base.windows.S_sink)):
+                todo = [v for v in vs if key not in out["results"].get(v[0], {}).get(str(b), {})]
+                # one pass per distinct cfg override, every transform of that override together
+                groups: dict[str, list] = {}
+                for v in todo:
+                    groups.setdefault(json.dumps(v[2], sort_keys=True), []).append(v)
+                for over, group in groups.items():
+                    cfg = make_cfg(base, b, json.loads(over))
+                    if cfg.quantizer == "kvarn":  # tiles need whole tiles: recon on the longest multiple of 128
+                        L = held.shape[1] // 128 * 128
+                        seqs, s_ = held[:, :L], max(sink, 128)
+                    else:
+                        seqs, s_ = held, sink
+                    res = layer_reconstruction(model, seqs, {name: trs for name, trs, _ in group}, cfg, show_progress=False, sink=s_)
+                    for name, _, _ in group:
+                        out["results"].setdefault(name, {}).setdefault(str(b), {})[key] = res[name]["geomean"]
+                write_json(path, out)
     for b in bits:
         for name, trs, over in vs:
             entry = out["results"].setdefault(name, {}).setdefault(str(b), {})
             if "ppl" in entry:
                 continue
-            cfg = replace(base, k_bits=b, v_bits=b, **over)
+            cfg = make_cfg(base, b, over)
             t0 = time.perf_counter()
             with apply_transforms(model, trs, name):
                 r = perplexity(model, chunks, cache_factory=lambda: WushKVCache(model, cfg), desc=f"{name} {b}-bit")
             entry.update(ppl=r["ppl"], delta_pct=100 * (r["ppl"] / fp - 1), seconds=time.perf_counter() - t0, overrides=over)
-            print(f"{name:<28} {b}-bit PPL {r['ppl']:8.3f} ({entry['delta_pct']:+.2f}%)  recon {entry.get('recon', math.nan):.4g}")
+            print(f"{name:<28} {b}-bit PPL {r['ppl']:8.3f} ({entry['delta_pct']:+.2f}%)  recon {entry.get('recon', math.nan):.4g}"
+                  f"  recon_sink {entry.get('recon_sink', math.nan):.4g}")
             write_json(path, out)
     print_table(out, [v[0] for v in vs], bits)
 
 
 def print_table(out, names, bits):
     print(f"\nfull precision PPL {out['fp']:.3f}")
-    print("| variant | " + " | ".join(f"{b}-bit PPL (Δ%) | {b}-bit recon" for b in bits) + " |")
-    print("|---|" + "---|---|" * len(bits))
+    print("| variant | " + " | ".join(f"{b}-bit PPL (Δ%) | {b}-bit recon | {b}-bit recon (sink FP)" for b in bits) + " |")
+    print("|---|" + "---|---|---|" * len(bits))
     for n in names:
         cells = []
         for b in bits:
             e = out["results"].get(n, {}).get(str(b), {})
             cells.append(f"{e['ppl']:.3f} ({e['delta_pct']:+.2f})" if "ppl" in e else "–")
             cells.append(f"{e['recon']:.4g}" if "recon" in e else "–")
+            cells.append(f"{e['recon_sink']:.4g}" if "recon_sink" in e else "–")
         print(f"| {n} | " + " | ".join(cells) + " |")
     torch.set_printoptions()
 

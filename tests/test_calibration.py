@@ -46,7 +46,7 @@ def test_statistics_match_slow_reference(family):
     seqs = torch.randint(3, 96, (2, 24), generator=torch.Generator().manual_seed(0))
     stats = collect_statistics(model, seqs, show_progress=False)
     G, d = spec.group_size, spec.head_dim
-    ref = {l: {"M_K": 0, "H_K": 0, "M_V": 0} for l in range(spec.num_layers)}
+    ref = {l: {"M_K": 0, "H_K": 0, "M_V": 0, "S_K": 0, "S_V": 0} for l in range(spec.num_layers)}
     for s in seqs:
         for l, (q, k, v) in capture_qkv(model, s[None]).items():
             for h in range(spec.num_kv_heads):
@@ -55,7 +55,13 @@ def test_statistics_match_slow_reference(family):
                 ref[l]["M_K"] = ref[l]["M_K"] + torch.zeros(spec.num_kv_heads, d, d, dtype=torch.float64).index_put_((torch.tensor(h),), K.T @ K)
                 ref[l]["H_K"] = ref[l]["H_K"] + torch.zeros(spec.num_kv_heads, d, d, dtype=torch.float64).index_put_((torch.tensor(h),), 2 * Qs.T @ Qs)
                 ref[l]["M_V"] = ref[l]["M_V"] + torch.zeros(spec.num_kv_heads, d, d, dtype=torch.float64).index_put_((torch.tensor(h),), V.T @ V)
+                ref[l]["S_K"] = ref[l]["S_K"] + torch.zeros(spec.num_kv_heads, d, dtype=torch.float64).index_put_((torch.tensor(h),), K.sum(0))
+                ref[l]["S_V"] = ref[l]["S_V"] + torch.zeros(spec.num_kv_heads, d, dtype=torch.float64).index_put_((torch.tensor(h),), V.sum(0))
+    n = seqs.numel()
     for l in range(spec.num_layers):
+        assert float(stats[l]["n_K"]) == n
+        torch.testing.assert_close(stats[l]["mu_K"], ref[l]["S_K"] / n, rtol=1e-6, atol=1e-8)
+        torch.testing.assert_close(stats[l]["mu_V"], ref[l]["S_V"] / n, rtol=1e-6, atol=1e-8)
         for name in ("M_K", "H_K", "M_V"):
             torch.testing.assert_close(stats[l][name], ref[l][name], rtol=1e-6, atol=1e-8)
         # H_V from o_proj columns of the group's query heads

@@ -51,3 +51,14 @@ def test_export_refuses_a_lossy_cast_and_bad_dtype(cal, tmp_path):
     assert not (tmp_path / "x.safetensors").exists()
     with pytest.raises(ValueError, match="dtype 'int8' is not supported"):
         export_transforms(cal, "wush", tmp_path / "y.safetensors", dtype="int8")
+
+
+def test_centered_export_shift(cal):
+    """wush-c: K·key − key_shift equals (T_K (k − μ))ᵀ, the keys the cache stores."""
+    tr = cal.transforms("wush-c")[0]
+    rv = row_vector_transforms([tr])[0]
+    H, d = tr["T_K"].shape[:2]
+    K = torch.randn(H, 5, d, dtype=torch.float64)
+    want = (tr["T_K"].double() @ (K - tr["mu_K"].double()[:, None]).transpose(-1, -2)).transpose(-1, -2)
+    assert rv["key_shift"].shape == (H, 1, d)
+    assert torch.allclose(K @ rv["key"] - rv["key_shift"], want, atol=1e-6)

@@ -67,3 +67,41 @@ def test_bad_transforms_rejected():
     with pytest.raises(RuntimeError, match="already installed"):
         apply_transforms(model, [good] * 3)
     h.restore()
+
+
+@torch.no_grad()
+def test_centered_keys_are_exact(family):
+    """k' = T (k − μ) for every key: scores of each query shift by one constant, the softmax is unchanged,
+    in a plain forward and through a full-precision WushKVCache (sink, recent window and decode steps)."""
+    from wushkv.cache import WushKVCache
+    from wushkv.config import QuantConfig, WindowConfig
+
+    model = tiny_model(family)
+    spec = describe(model)
+    ids = torch.randint(3, 96, (1, 40), generator=torch.Generator().manual_seed(2))
+    ref = model(ids).logits
+    gen = torch.Generator().manual_seed(3)
+    trs = []
+    for _ in range(spec.num_layers):
+        T_K, T_K_inv = random_invertible(spec.num_kv_heads, spec.head_dim, gen)
+        mu = 5.0 * torch.randn(spec.num_kv_heads, spec.head_dim, generator=gen)  # a large offset
+        trs.append(build_transforms("hadamard", spec.num_kv_heads, spec.head_dim) | dict(T_K=T_K, T_K_inv=T_K_inv, mu_K=mu))
+    with apply_transforms(model, trs):
+        assert (model(ids).logits - ref).abs().max() < 1e-3
+        cfg = QuantConfig(None, None, windows=WindowConfig(4, 8, 4))  # both sides full precision
+        cache = WushKVCache(model, cfg)
+        out = [model(ids[:, :20], cache=cache).logits]
+        for t in range(20, 40):
+            out.append(model(ids[:, t : t + 1], cache=cache).logits)
+        assert (torch.cat(out, 1) - ref).abs().max() < 1e-3
+
+
+def test_centered_keys_refused_under_softcap():
+    model = tiny_model("llama")
+    spec = describe(model)
+    for layer in model.model.layers:
+        layer.self_attn.attn_logit_softcapping = 50.0
+    tr = build_transforms("hadamard", spec.num_kv_heads, spec.head_dim)
+    tr["mu_K"] = torch.ones(spec.num_kv_heads, spec.head_dim)
+    with pytest.raises(ValueError, match="softcap"):
+        apply_transforms(model, [tr] * spec.num_layers)

@@ -60,6 +60,8 @@ class StatsCollector:
             z = lambda: torch.zeros(H, d, d, dtype=torch.float64, device=device)  # noqa: E731
             self.layers[layer] = {
                 "M_K": z(), "QQ": z(), "M_V": z(), "SV": z(),
+                "S_K": torch.zeros(H, d, dtype=torch.float64, device=device),
+                "S_V": torch.zeros(H, d, dtype=torch.float64, device=device),
                 "SW": torch.zeros(H, dtype=torch.float64, device=device),
                 "n_k": torch.zeros((), dtype=torch.float64, device=device),
                 "n_q": torch.zeros((), dtype=torch.float64, device=device),
@@ -84,6 +86,8 @@ class StatsCollector:
         acc["QQ"] += gram(qg.reshape(B, Hkv, -1, d))
         acc["n_q"] += B * qg.shape[2] * T
         acc["n_k"] += B * ks.shape[2]
+        acc["S_K"] += ks.sum(dim=(0, 2))
+        acc["S_V"] += vs.sum(dim=(0, 2))
         # OSCAR value weights w = kᵀ C_Q k with the running C_Q (mean q qᵀ of the group)
         C_Q = acc["QQ"] / acc["n_q"]
         w = ((k64 @ C_Q) * k64).sum(-1)  # (B, Hkv, S)
@@ -126,7 +130,7 @@ class StatsCollector:
             acc["H_K_A"][h] += 2 * torch.einsum("bght,bgtd,bhte->de", C, qh, qh).double()
 
     def finalize(self) -> list[dict[str, torch.Tensor]]:
-        """Per-layer statistics (float64, CPU): M_K, H_K, M_V, H_V, C_Q, Sigma_V [, H_K_A, H_V_A]."""
+        """Per-layer statistics (float64, CPU): M_K, H_K, M_V, H_V, C_Q, Sigma_V, mu_K, mu_V, n_K [, H_K_A, H_V_A]."""
         spec, out = self.spec, []
         for layer, acc in enumerate(self.layers):
             if acc is None:
@@ -140,6 +144,9 @@ class StatsCollector:
                 "H_V": H_V.to(acc["M_K"].device),
                 "C_Q": acc["QQ"] / acc["n_q"],
                 "Sigma_V": acc["SV"] / acc["SW"].clamp_min(1e-300)[:, None, None],
+                "mu_K": acc["S_K"] / acc["n_k"].clamp_min(1),
+                "mu_V": acc["S_V"] / acc["n_k"].clamp_min(1),
+                "n_K": acc["n_k"].reshape(1),
             }
             if self.wush_a:
                 st |= {"H_K_A": acc["H_K_A"], "H_V_A": acc["H_V_A"]}

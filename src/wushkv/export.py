@@ -9,6 +9,9 @@ multiplications, per layer ``l`` and KV head ``h``::
     V' = V · value      value  = T_Vᵀ      (or fold it into v_proj)
     O  = O' · output    output = T_V^{-T}  (per head, before o_proj; or fold it into o_proj)
 
+Centered transforms (``wush-c``, ``hadamard-c``) also carry ``layers.{l}.key_shift`` (Hkv, 1, d) = (T_K μ_K)ᵀ:
+``K' = K · key − key_shift`` for every cached key (a shift common to all keys leaves the softmax unchanged).
+
 The file is safetensors with tensors ``layers.{l}.{key,query,value,output}`` of shape (Hkv, d, d) in
 the requested dtype, and JSON metadata in its header (format, version, model fingerprint, method,
 convention, dtype and the measured inverse error). After the cast, ``query·keyᵀ`` and ``value·output``
@@ -27,7 +30,7 @@ from .io import atomic_write
 
 EXPORT_FORMAT = "wushkv-transforms"
 EXPORT_VERSION = 1
-CONVENTION = "row-vector: K'=K@key, Q'=Q@query, V'=V@value, O=O'@output; per layer (Hkv, d, d)"
+CONVENTION = "row-vector: K'=K@key[-key_shift], Q'=Q@query, V'=V@value, O=O'@output; per layer (Hkv, d, d)"
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 DEFAULT_TOLERANCE = {"float32": 1e-4, "bfloat16": 5e-2, "float16": 1e-2}
 
@@ -37,12 +40,15 @@ def row_vector_transforms(transforms: list[dict[str, torch.Tensor]]) -> list[dic
     out = []
     for tr in transforms:
         t = {k: v.double() for k, v in tr.items()}
-        out.append({
+        layer = {
             "key": t["T_K"].transpose(-1, -2),
             "query": t["T_K_inv"],
             "value": t["T_V"].transpose(-1, -2),
             "output": t["T_V_inv"].transpose(-1, -2),
-        })
+        }
+        if "mu_K" in t:
+            layer["key_shift"] = t["mu_K"].unsqueeze(1) @ layer["key"]  # (Hkv, 1, d): μᵀ T_Kᵀ
+        out.append(layer)
     return out
 
 

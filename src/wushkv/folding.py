@@ -24,13 +24,25 @@ KEY_TRANSFORM_NAME = "wushkv_key"
 
 
 class KeyTransform(nn.Module):
-    """Online key transform of one attention layer: buffers ``T`` and ``T_inv`` (Hkv, d, d)."""
+    """Online key transform of one attention layer: buffers ``T`` and ``T_inv`` (Hkv, d, d).
 
-    def __init__(self, T: torch.Tensor, T_inv: torch.Tensor):
+    With ``mu`` (Hkv, d), keys are centered first: k' = T (k − μ). Every key of the layer (sink,
+    middle, recent) is shifted by the same μ, so each query's scores all move by the same −qᵀμ and
+    the softmax is unchanged: exact, and free but for one subtraction (``shift`` = T μ is precomputed).
+    Invalid under a logit softcap (tanh is not shift-invariant); :func:`apply_transforms` refuses it.
+    """
+
+    def __init__(self, T: torch.Tensor, T_inv: torch.Tensor, mu: torch.Tensor | None = None):
         super().__init__()
         self.register_buffer("T", T.detach().clone(), persistent=False)
         self.register_buffer("T_inv", T_inv.detach().clone(), persistent=False)
         self.register_buffer("T_t", T.detach().transpose(-1, -2).contiguous(), persistent=False)  # rows: k @ Tᵀ
+        shift = None
+        if mu is not None:
+            if tuple(mu.shape) != (T.shape[0], T.shape[-1]):
+                raise ValueError(f"mu must have shape {(T.shape[0], T.shape[-1])} (KV heads, head_dim), got {tuple(mu.shape)}")
+            shift = torch.matmul(mu.detach().to(T.dtype).unsqueeze(1), self.T_t)  # (Hkv, 1, d): (T μ) as a row
+        self.register_buffer("shift", shift, persistent=False)
 
     def _as(self, name: str, x: torch.Tensor) -> torch.Tensor:
         t = getattr(self, name)
@@ -38,7 +50,8 @@ class KeyTransform(nn.Module):
 
     def keys(self, k: torch.Tensor) -> torch.Tensor:
         """k (B, Hkv, S, d) -> T k per head (rows: k @ Tᵀ): one batched matmul for the whole layer."""
-        return torch.matmul(k, self._as("T_t", k))
+        out = torch.matmul(k, self._as("T_t", k))
+        return out if self.shift is None else out - self._as("shift", k)
 
     def queries(self, q: torch.Tensor) -> torch.Tensor:
         """q (B, Hq, T, d) -> T^{-T} q for every query head of the group (rows: q @ T⁻¹): one batched matmul."""
@@ -48,7 +61,7 @@ class KeyTransform(nn.Module):
         return torch.matmul(qg, self._as("T_inv", q)).view(B, Hq, T, d)
 
     def extra_repr(self) -> str:
-        return f"heads={self.T.shape[0]}, head_dim={self.T.shape[-1]}"
+        return f"heads={self.T.shape[0]}, head_dim={self.T.shape[-1]}, centered={self.shift is not None}"
 
 
 @dataclass
@@ -118,6 +131,12 @@ def apply_transforms(model: nn.Module, transforms: list[dict[str, torch.Tensor]]
     for i, (attn, tr) in enumerate(zip(mods, transforms)):
         for name in ("T_K", "T_K_inv", "T_V", "T_V_inv"):
             _check(name, tr[name], spec, i)
+        if "mu_K" in tr:
+            cap = getattr(attn, "attn_logit_softcapping", None) or getattr(getattr(attn, "config", None), "attn_logit_softcapping", None)
+            if cap:
+                raise ValueError(f"layer {i}: centered keys (mu_K) change attention under a logit softcap ({cap}); use an uncentered transform")
+            if not torch.isfinite(tr["mu_K"]).all():
+                raise ValueError(f"layer {i} mu_K contains NaN or inf")
         _, _, v, o = projections(attn, spec)
         saved.append({"v.weight": v.weight.detach().clone(), "o.weight": o.weight.detach().clone()} | ({"v.bias": v.bias.detach().clone()} if v.bias is not None else {}))
         T_V, T_V_inv = tr["T_V"].double(), tr["T_V_inv"].double()
@@ -130,6 +149,7 @@ def apply_transforms(model: nn.Module, transforms: list[dict[str, torch.Tensor]]
         Wo = torch.einsum("ohgd,hde->ohge", Wo, T_V_inv.to(Wo.device))
         o.weight.copy_(Wo.reshape_as(o.weight))
         dev = v.weight.device
-        attn.add_module(KEY_TRANSFORM_NAME, KeyTransform(tr["T_K"].float().to(dev), tr["T_K_inv"].float().to(dev)))
+        mu = tr["mu_K"].float().to(dev) if "mu_K" in tr else None
+        attn.add_module(KEY_TRANSFORM_NAME, KeyTransform(tr["T_K"].float().to(dev), tr["T_K_inv"].float().to(dev), mu))
     previous = use_wushkv_attention(model)
     return Installed(model, method, previous, saved)

@@ -54,3 +54,17 @@ def test_reconstruction_matches_manual_layer():
     Y_hat = attn.o_proj(reference_attention(q, k_hat, v_hat, allowed, attn.scaling).reshape(1, 24, -1))
     want = float((Y_hat - Y).pow(2).sum() / Y.pow(2).sum())
     assert math.isclose(res["random"]["per_layer"][0], want, rel_tol=1e-3)
+
+
+def test_reconstruction_sink_stays_full_precision():
+    """``sink``: the first positions are not quantized; sink = L leaves nothing quantized (error 0 up to
+    the rounding of the transform round trip)."""
+    model = tiny_model("llama")
+    spec = describe(model)
+    seqs = torch.randint(3, 96, (1, 32), generator=torch.Generator().manual_seed(1))
+    trs = {"hadamard": [build_transforms("hadamard", spec.num_kv_heads, spec.head_dim) for _ in range(spec.num_layers)]}
+    cfg = QuantConfig(2, 2, "quest")
+    full = layer_reconstruction(model, seqs, trs, cfg, show_progress=False)["hadamard"]["geomean"]
+    some = layer_reconstruction(model, seqs, trs, cfg, show_progress=False, sink=8)["hadamard"]["geomean"]
+    none = layer_reconstruction(model, seqs, trs, cfg, show_progress=False, sink=32)["hadamard"]["geomean"]
+    assert none < 1e-10 < some < full

@@ -17,11 +17,13 @@ def _stats(seed=0):
         X = X * torch.exp(torch.randn(Hkv, d, 1, generator=gen, dtype=torch.float64))
         return X @ X.mT / n
 
-    return {k: gram() for k in ("M_K", "H_K", "M_V", "H_V", "H_K_A", "H_V_A", "C_Q", "Sigma_V")}
+    st = {k: gram() for k in ("M_K", "H_K", "M_V", "H_V", "H_K_A", "H_V_A", "C_Q", "Sigma_V")}
+    # M_K here is a mean (n = 1 "token"); a small mean key keeps M_K − μμᵀ positive definite
+    return st | {"mu_K": 0.01 * torch.randn(Hkv, d, generator=gen, dtype=torch.float64), "n_K": torch.ones(1, dtype=torch.float64)}
 
 
 def test_names_and_specs():
-    assert set(TRANSFORMS) == {"identity", "hadamard", "random", "wush", "wush-a", "oscar", "kvarn"}
+    assert set(TRANSFORMS) == {"identity", "hadamard", "hadamard-c", "random", "wush", "wush-c", "wush-a", "oscar", "kvarn"}
     for name, spec in TRANSFORMS.items():
         assert isinstance(spec, TransformSpec) and spec.name == name and spec.description
         assert spec.needs_calibration == bool(spec.stats_keys)
@@ -43,7 +45,7 @@ def test_unknown_name_lists_known():
 @pytest.mark.parametrize("name", sorted(TRANSFORMS))
 def test_every_transform_round_trips(name):
     out = build_transforms(name, Hkv, d, _stats(), seed=3)
-    assert set(out) == {"T_K", "T_K_inv", "T_V", "T_V_inv"}
+    assert set(out) == {"T_K", "T_K_inv", "T_V", "T_V_inv"} | ({"mu_K"} if name.endswith("-c") else set())
     x = torch.randn(Hkv, 50, d, generator=torch.Generator().manual_seed(1))
     for kind in "KV":
         T, T_inv = out[f"T_{kind}"], out[f"T_{kind}_inv"]
@@ -108,3 +110,30 @@ def test_kvarn_module_is_lazy():
         assert tr.kvarn.__name__ == "wushkv.transforms.kvarn"
     with pytest.raises(AttributeError, match="no_such_attr"):
         tr.no_such_attr  # noqa: B018
+
+
+def test_centered_transforms():
+    """wush-c: WUSH on the centered Gram Σ(k − μ)(k − μ)ᵀ = M_K − n μμᵀ, plus μ; hadamard-c: 𝓗 plus μ."""
+    import torch
+
+    from wushkv.transforms import build_transforms
+    from wushkv.transforms.wush import wush_transform
+
+    g = torch.Generator().manual_seed(0)
+    H, d, n = 2, 16, 500
+    K = torch.randn(H, n, d, generator=g, dtype=torch.float64) + 3.0  # keys with a large common offset
+    Q = torch.randn(H, n, d, generator=g, dtype=torch.float64)
+    V = torch.randn(H, n, d, generator=g, dtype=torch.float64)
+    stats = {"M_K": K.mT @ K, "H_K": 2 * Q.mT @ Q, "M_V": V.mT @ V, "H_V": torch.eye(d, dtype=torch.float64).expand(H, d, d).clone(),
+             "mu_K": K.mean(1), "n_K": torch.tensor([float(n)], dtype=torch.float64)}
+    tr = build_transforms("wush-c", H, d, stats)
+    Kc = K - K.mean(1, keepdim=True)
+    T, T_inv = wush_transform(Kc.mT @ Kc, stats["H_K"])
+    torch.testing.assert_close(tr["T_K"], T)
+    torch.testing.assert_close(tr["mu_K"], K.mean(1).float())
+    torch.testing.assert_close(tr["T_V"], wush_transform(stats["M_V"], stats["H_V"])[0])
+    had = build_transforms("hadamard-c", H, d, stats)
+    torch.testing.assert_close(had["T_K"], build_transforms("hadamard", H, d)["T_K"])
+    assert torch.equal(had["mu_K"], K.mean(1).float())
+    with pytest.raises(ValueError, match="mu_K"):
+        build_transforms("wush-c", H, d, {k: v for k, v in stats.items() if k != "mu_K"})

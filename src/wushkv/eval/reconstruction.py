@@ -3,8 +3,10 @@
 For every attention module and every transform: Y = o_proj(attention(q, k, v)) of the original model
 and Ŷ with keys ``T_K⁻¹ Q(T_K k)`` (scores through ``q' = T_K^{-T} q``) and values
 ``T_V⁻¹ Q(T_V v)``; relative squared error ``‖Ŷ−Y‖²/‖Y‖²`` summed over the evaluation tokens, then the
-geometric mean over modules. Every token is quantized (no full-precision windows). The model itself
-runs unperturbed: each layer sees the original inputs.
+geometric mean over modules. Every token is quantized (no full-precision windows), except the first
+``sink`` positions when asked (the cache keeps them in full precision, and they carry the attention
+sinks whose keys and values dwarf the rest). The model itself runs unperturbed: each layer sees the
+original inputs.
 """
 
 from __future__ import annotations
@@ -23,8 +25,10 @@ from ..models import describe
 class ReconObserver:
     """Accumulates ‖Ŷ−Y‖² per (config, transform, layer) and ‖Y‖² per layer, for several configs in one pass."""
 
-    def __init__(self, transforms: dict[str, list[dict[str, torch.Tensor]]], cfgs: list[QuantConfig], head_dim: int, num_layers: int):
+    def __init__(self, transforms: dict[str, list[dict[str, torch.Tensor]]], cfgs: list[QuantConfig], head_dim: int, num_layers: int,
+                 sink: int = 0):
         self.transforms = transforms
+        self.sink = sink
         self.codecs = [(make_codec(c, "key", head_dim), make_codec(c, "value", head_dim)) for c in cfgs]
         self.num = [{name: torch.zeros(num_layers, dtype=torch.float64) for name in transforms} for _ in cfgs]
         self.den = torch.zeros(num_layers, dtype=torch.float64)
@@ -38,13 +42,16 @@ class ReconObserver:
         self.den[l] += float(Y.double().pow(2).sum())
         for name, layers in self.transforms.items():
             tr = layers[l]
-            key_tr = KeyTransform(tr["T_K"].to(q), tr["T_K_inv"].to(q))
+            key_tr = KeyTransform(tr["T_K"].to(q), tr["T_K_inv"].to(q), tr["mu_K"].to(q) if "mu_K" in tr else None)
             val_tr = KeyTransform(tr["T_V"].to(q), tr["T_V_inv"].to(q))  # same per-head map, applied to values
             kt, vt, qt = key_tr.keys(k), val_tr.keys(v), key_tr.queries(q)
             T_V_inv = val_tr.T_inv
             for (k_codec, v_codec), num in zip(self.codecs, self.num):
                 k_hat = k_codec.fake(kt).to(q.dtype) if k_codec else kt
                 v_hat = v_codec.fake(vt).to(q.dtype) if v_codec else vt
+                if self.sink:
+                    k_hat = torch.cat([kt[:, :, : self.sink], k_hat[:, :, self.sink :]], 2)
+                    v_hat = torch.cat([vt[:, :, : self.sink], v_hat[:, :, self.sink :]], 2)
                 out = fast_attention(qt, k_hat, v_hat, allowed, scaling, softcap)  # (B, T, Hq, d), T_V space
                 out = torch.matmul(out.view(B, T, Hkv, Hq // Hkv, d), T_V_inv.mT[None, None]).reshape(B, T, Hq * d)
                 num[name][l] += float((module.o_proj(out) - Y).double().pow(2).sum())
@@ -62,13 +69,14 @@ class ReconObserver:
 
 
 @torch.no_grad()
-def layer_reconstruction(model, sequences: torch.Tensor, transforms: dict[str, list[dict]], cfg: QuantConfig | list[QuantConfig], show_progress: bool = True):
+def layer_reconstruction(model, sequences: torch.Tensor, transforms: dict[str, list[dict]], cfg: QuantConfig | list[QuantConfig],
+                         show_progress: bool = True, sink: int = 0):
     """Run the experiment over ``sequences`` (N, L); returns {transform: {"geomean", "per_layer"}}
-    (a list of those, one per config, when ``cfg`` is a list)."""
+    (a list of those, one per config, when ``cfg`` is a list). ``sink``: first positions kept in full precision."""
     single = not isinstance(cfg, list)
     cfgs = [cfg] if single else cfg
     spec = describe(model)
-    obs = ReconObserver(transforms, cfgs, spec.head_dim, spec.num_layers)
+    obs = ReconObserver(transforms, cfgs, spec.head_dim, spec.num_layers, sink=sink)
     observe_sequences(model, sequences, obs, "recon", show_progress)
     res = obs.results()
     return res[0] if single else res

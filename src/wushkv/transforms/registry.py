@@ -10,6 +10,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from dataclasses import dataclass
 
+import torch
 from torch import Tensor
 
 from .hadamard import _check_heads, hadamard_transform
@@ -49,6 +50,18 @@ TRANSFORMS: dict[str, TransformSpec] = {
             True,
             "WUSH closed form T = c·𝓗·Λ^{-1/4}·Uᵀ·Lᵀ from M and the Hessian H",
             ("M_K", "H_K", "M_V", "H_V"),
+        ),
+        TransformSpec(
+            "wush-c",
+            True,
+            "WUSH on centered keys: k' = T_K (k − μ_K), T_K from the centered M_K (softmax-invariant shift)",
+            ("M_K", "H_K", "M_V", "H_V", "mu_K", "n_K"),
+        ),
+        TransformSpec(
+            "hadamard-c",
+            True,
+            "Hadamard on centered keys: k' = 𝓗 (k − μ_K) (the centering alone, a calibrated baseline)",
+            ("mu_K",),
         ),
         TransformSpec(
             "wush-a",
@@ -91,6 +104,17 @@ def _get_stat(stats: Mapping[str, Tensor] | None, key: str, name: str, num_kv_he
     return A
 
 
+def _get_mean(stats: Mapping[str, Tensor] | None, name: str, num_kv_heads: int, d: int) -> Tensor:
+    if stats is None or "mu_K" not in stats:
+        raise ValueError(f"transform {name!r} needs calibration statistic 'mu_K' (mean key), which is missing from stats")
+    mu = stats["mu_K"]
+    if not isinstance(mu, Tensor) or tuple(mu.shape) != (num_kv_heads, d):
+        raise ValueError(f"stats['mu_K'] for transform {name!r} must have shape {(num_kv_heads, d)}, got {tuple(getattr(mu, 'shape', ()))}")
+    if not bool(torch.isfinite(mu).all()):
+        raise ValueError(f"stats['mu_K'] for transform {name!r} contains NaN or inf")
+    return mu
+
+
 def build_transforms(
     name: str,
     num_kv_heads: int,
@@ -111,7 +135,8 @@ def build_transforms(
         damping, damping_M: WUSH damping (see :func:`wush_transform`).
 
     Returns:
-        {"T_K", "T_K_inv", "T_V", "T_V_inv"}: float32 [num_kv_heads, head_dim, head_dim].
+        {"T_K", "T_K_inv", "T_V", "T_V_inv"}: float32 [num_kv_heads, head_dim, head_dim]; centered
+        transforms (``*-c``) add ``mu_K`` [num_kv_heads, head_dim], subtracted from keys before ``T_K``.
     """
     spec = get_transform_spec(name)
     _check_heads(num_kv_heads, head_dim)
@@ -125,6 +150,20 @@ def build_transforms(
     elif spec.name == "random":
         T_K, T_K_inv = random_orthogonal_transform(Hkv, d, seed=seed)
         T_V, T_V_inv = random_orthogonal_transform(Hkv, d, seed=seed + 1)
+    elif spec.name == "hadamard-c":
+        T_K, T_K_inv = hadamard_transform(Hkv, d)
+        T_V, T_V_inv = hadamard_transform(Hkv, d)
+        return {"T_K": T_K, "T_K_inv": T_K_inv, "T_V": T_V, "T_V_inv": T_V_inv, "mu_K": _get_mean(stats, spec.name, Hkv, d).float()}
+    elif spec.name == "wush-c":
+        kM, kH, vM, vH = (_get_stat(stats, k, spec.name, Hkv, d) for k in spec.stats_keys[:4])
+        mu = _get_mean(stats, spec.name, Hkv, d).double()
+        n = float(stats["n_K"].reshape(-1)[0]) if "n_K" in stats else None
+        if n is None or not n > 0:
+            raise ValueError(f"transform {spec.name!r} needs calibration statistic 'n_K' (> 0 keys counted)")
+        kM_c = kM.double() - n * mu[..., :, None] * mu[..., None, :]  # Σ (k − μ)(k − μ)ᵀ
+        T_K, T_K_inv = wush_transform(kM_c, kH, damping, damping_M=damping_M)
+        T_V, T_V_inv = wush_transform(vM, vH, damping, damping_M=damping_M)
+        return {"T_K": T_K, "T_K_inv": T_K_inv, "T_V": T_V, "T_V_inv": T_V_inv, "mu_K": mu.float()}
     elif spec.name in ("wush", "wush-a"):
         kM, kH, vM, vH = (_get_stat(stats, k, spec.name, Hkv, d) for k in spec.stats_keys)
         T_K, T_K_inv = wush_transform(kM, kH, damping, damping_M=damping_M)
