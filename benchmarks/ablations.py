@@ -12,8 +12,8 @@ Studies (each a list of variants; every variant is evaluated at every ``--bits``
 * ``wush-a``: WUSH-A (attention-aware Hessians, from a calibration made with ``--wush-a``) end to end;
 * ``sides``: keys only and values only quantized (the other side full precision), Hadamard vs WUSH:
   where does each transform win or lose?
-* ``center``: keys centered before the transform (k' = T (k − μ_K), exact for attention): Hadamard and
-  WUSH each with and without, and KVarN alongside;
+* ``center``: keys and values centered before the transform (k' = T (k − μ_K), v' = T_V (v − μ_V), both
+  exact for attention): Hadamard and WUSH each with and without, WUSH with keys only, KVarN alongside;
 * ``tiles``: the WUSH transform under KVarN's tile quantizer (its windows: first tile of 128 full
   precision, tail until a tile fills) against KVarN itself (Hadamard + tiles).
 
@@ -122,6 +122,7 @@ def variants(study, args, model, tok, spec, cal):
             ("hadamard", plain_layers("hadamard", spec), {}),
             ("hadamard-c", cal.transforms("hadamard-c"), {}),
             ("wush", cal.transforms("wush"), {}),
+            ("wush-c keys only", [{k: v for k, v in t.items() if k != "mu_V"} for t in cal.transforms("wush-c")], {}),
             ("wush-c", cal.transforms("wush-c"), {}),
             ("kvarn", plain_layers("hadamard", spec), tiles),
         ]

@@ -62,3 +62,7 @@ def test_centered_export_shift(cal):
     want = (tr["T_K"].double() @ (K - tr["mu_K"].double()[:, None]).transpose(-1, -2)).transpose(-1, -2)
     assert rv["key_shift"].shape == (H, 1, d)
     assert torch.allclose(K @ rv["key"] - rv["key_shift"], want, atol=1e-6)
+    V = torch.randn(H, 5, d, dtype=torch.float64)
+    Vt = V @ rv["value"] - rv["value_shift"]  # what the cache stores: (T_V (v − μ_V))ᵀ
+    assert torch.allclose(Vt, (tr["T_V"].double() @ (V - tr["mu_V"].double()[:, None]).mT).mT, atol=1e-6)
+    assert torch.allclose(Vt @ rv["output"] + rv["output_shift"], V, atol=1e-4)

@@ -71,8 +71,9 @@ def test_bad_transforms_rejected():
 
 @torch.no_grad()
 def test_centered_keys_are_exact(family):
-    """k' = T (k − μ) for every key: scores of each query shift by one constant, the softmax is unchanged,
-    in a plain forward and through a full-precision WushKVCache (sink, recent window and decode steps)."""
+    """k' = T (k − μ) for every key: scores of each query shift by one constant, the softmax is unchanged;
+    v' = T_V (v − μ_V): outputs shift by −μ_V, given back by the o_proj bias. Exact in a plain forward and
+    through a full-precision WushKVCache (sink, recent window and decode steps); restore removes the biases."""
     from wushkv.cache import WushKVCache
     from wushkv.config import QuantConfig, WindowConfig
 
@@ -84,8 +85,11 @@ def test_centered_keys_are_exact(family):
     trs = []
     for _ in range(spec.num_layers):
         T_K, T_K_inv = random_invertible(spec.num_kv_heads, spec.head_dim, gen)
+        T_V, T_V_inv = random_invertible(spec.num_kv_heads, spec.head_dim, gen)
         mu = 5.0 * torch.randn(spec.num_kv_heads, spec.head_dim, generator=gen)  # a large offset
-        trs.append(build_transforms("hadamard", spec.num_kv_heads, spec.head_dim) | dict(T_K=T_K, T_K_inv=T_K_inv, mu_K=mu))
+        mu_v = 3.0 * torch.randn(spec.num_kv_heads, spec.head_dim, generator=gen)
+        trs.append(dict(T_K=T_K, T_K_inv=T_K_inv, T_V=T_V, T_V_inv=T_V_inv, mu_K=mu, mu_V=mu_v))
+    before = {k: v.clone() for k, v in model.state_dict().items()}
     with apply_transforms(model, trs):
         assert (model(ids).logits - ref).abs().max() < 1e-3
         cfg = QuantConfig(None, None, windows=WindowConfig(4, 8, 4))  # both sides full precision
@@ -94,6 +98,8 @@ def test_centered_keys_are_exact(family):
         for t in range(20, 40):
             out.append(model(ids[:, t : t + 1], cache=cache).logits)
         assert (torch.cat(out, 1) - ref).abs().max() < 1e-3
+    after = model.state_dict()
+    assert set(after) == set(before) and all(torch.equal(before[k], after[k]) for k in before)
 
 
 def test_centered_keys_refused_under_softcap():

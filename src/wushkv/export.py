@@ -10,7 +10,9 @@ multiplications, per layer ``l`` and KV head ``h``::
     O  = O' · output    output = T_V^{-T}  (per head, before o_proj; or fold it into o_proj)
 
 Centered transforms (``wush-c``, ``hadamard-c``) also carry ``layers.{l}.key_shift`` (Hkv, 1, d) = (T_K μ_K)ᵀ:
-``K' = K · key − key_shift`` for every cached key (a shift common to all keys leaves the softmax unchanged).
+``K' = K · key − key_shift`` for every cached key (a shift common to all keys leaves the softmax unchanged),
+and ``layers.{l}.value_shift`` = (T_V μ_V)ᵀ, ``layers.{l}.output_shift`` = μ_Vᵀ: ``V' = V · value − value_shift``,
+``O = O' · output + output_shift`` (attention weights sum to 1, so outputs shift by exactly μ_V).
 
 The file is safetensors with tensors ``layers.{l}.{key,query,value,output}`` of shape (Hkv, d, d) in
 the requested dtype, and JSON metadata in its header (format, version, model fingerprint, method,
@@ -30,7 +32,8 @@ from .io import atomic_write
 
 EXPORT_FORMAT = "wushkv-transforms"
 EXPORT_VERSION = 1
-CONVENTION = "row-vector: K'=K@key[-key_shift], Q'=Q@query, V'=V@value, O=O'@output; per layer (Hkv, d, d)"
+CONVENTION = ("row-vector: K'=K@key[-key_shift], Q'=Q@query, V'=V@value[-value_shift], O=O'@output[+output_shift]; "
+              "per layer (Hkv, d, d), shifts (Hkv, 1, d)")
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 DEFAULT_TOLERANCE = {"float32": 1e-4, "bfloat16": 5e-2, "float16": 1e-2}
 
@@ -48,6 +51,9 @@ def row_vector_transforms(transforms: list[dict[str, torch.Tensor]]) -> list[dic
         }
         if "mu_K" in t:
             layer["key_shift"] = t["mu_K"].unsqueeze(1) @ layer["key"]  # (Hkv, 1, d): μᵀ T_Kᵀ
+        if "mu_V" in t:
+            layer["value_shift"] = t["mu_V"].unsqueeze(1) @ layer["value"]  # (Hkv, 1, d): μ_Vᵀ T_Vᵀ
+            layer["output_shift"] = t["mu_V"].unsqueeze(1)  # (Hkv, 1, d): added back after the output map
         out.append(layer)
     return out
 

@@ -82,9 +82,12 @@ class Installed:
             for attn, orig in zip(attention_modules(self.model, spec), self.saved):
                 _, _, v, o = projections(attn, spec)
                 v.weight.copy_(orig["v.weight"])
-                if v.bias is not None:
-                    v.bias.copy_(orig["v.bias"])
                 o.weight.copy_(orig["o.weight"])
+                for lin, key in ((v, "v.bias"), (o, "o.bias")):
+                    if key in orig:
+                        lin.bias.copy_(orig[key])
+                    elif lin.bias is not None:  # added by value centering
+                        lin.bias = None
                 if hasattr(attn, KEY_TRANSFORM_NAME):
                     delattr(attn, KEY_TRANSFORM_NAME)
         restore_attention(self.model, self.previous_attention)
@@ -137,9 +140,23 @@ def apply_transforms(model: nn.Module, transforms: list[dict[str, torch.Tensor]]
                 raise ValueError(f"layer {i}: centered keys (mu_K) change attention under a logit softcap ({cap}); use an uncentered transform")
             if not torch.isfinite(tr["mu_K"]).all():
                 raise ValueError(f"layer {i} mu_K contains NaN or inf")
+        if "mu_V" in tr and (tuple(tr["mu_V"].shape) != (spec.num_kv_heads, d) or not torch.isfinite(tr["mu_V"]).all()):
+            raise ValueError(f"layer {i} mu_V must be finite with shape {(spec.num_kv_heads, d)}, got {tuple(tr['mu_V'].shape)}")
         _, _, v, o = projections(attn, spec)
-        saved.append({"v.weight": v.weight.detach().clone(), "o.weight": o.weight.detach().clone()} | ({"v.bias": v.bias.detach().clone()} if v.bias is not None else {}))
+        saved.append({"v.weight": v.weight.detach().clone(), "o.weight": o.weight.detach().clone()}
+                     | ({"v.bias": v.bias.detach().clone()} if v.bias is not None else {})
+                     | ({"o.bias": o.bias.detach().clone()} if o.bias is not None else {}))
         T_V, T_V_inv = tr["T_V"].double(), tr["T_V_inv"].double()
+        if "mu_V" in tr:
+            # v' = T_V (v − μ_V): the softmax weights sum to 1, so attention outputs shift by exactly −μ_V,
+            # given back through the o_proj bias (W_o μ per query head). Biases are added where missing.
+            mu_V = tr["mu_V"].double().to(v.weight.device)  # (Hkv, d)
+            for lin, n in ((v, v.out_features), (o, o.out_features)):
+                if lin.bias is None:
+                    lin.bias = nn.Parameter(torch.zeros(n, dtype=lin.weight.dtype, device=lin.weight.device), requires_grad=False)
+            v.bias.sub_(mu_V.reshape(-1).to(v.bias.dtype))
+            mu_full = mu_V.repeat_interleave(G, dim=0).reshape(-1)  # per query head, in o_proj's input order
+            o.bias.add_((o.weight.double() @ mu_full.to(o.weight.device)).to(o.bias.dtype))
         Wv = v.weight.double().view(spec.num_kv_heads, d, -1)  # (Hkv, d, hidden)
         v.weight.copy_(torch.matmul(T_V.to(Wv.device), Wv).view_as(v.weight))
         if v.bias is not None:

@@ -19,7 +19,8 @@ def _stats(seed=0):
 
     st = {k: gram() for k in ("M_K", "H_K", "M_V", "H_V", "H_K_A", "H_V_A", "C_Q", "Sigma_V")}
     # M_K here is a mean (n = 1 "token"); a small mean key keeps M_K − μμᵀ positive definite
-    return st | {"mu_K": 0.01 * torch.randn(Hkv, d, generator=gen, dtype=torch.float64), "n_K": torch.ones(1, dtype=torch.float64)}
+    return st | {"mu_K": 0.01 * torch.randn(Hkv, d, generator=gen, dtype=torch.float64),
+                 "mu_V": 0.01 * torch.randn(Hkv, d, generator=gen, dtype=torch.float64), "n_K": torch.ones(1, dtype=torch.float64)}
 
 
 def test_names_and_specs():
@@ -45,7 +46,7 @@ def test_unknown_name_lists_known():
 @pytest.mark.parametrize("name", sorted(TRANSFORMS))
 def test_every_transform_round_trips(name):
     out = build_transforms(name, Hkv, d, _stats(), seed=3)
-    assert set(out) == {"T_K", "T_K_inv", "T_V", "T_V_inv"} | ({"mu_K"} if name.endswith("-c") else set())
+    assert set(out) == {"T_K", "T_K_inv", "T_V", "T_V_inv"} | ({"mu_K", "mu_V"} if name.endswith("-c") else set())
     x = torch.randn(Hkv, 50, d, generator=torch.Generator().manual_seed(1))
     for kind in "KV":
         T, T_inv = out[f"T_{kind}"], out[f"T_{kind}_inv"]
@@ -123,15 +124,17 @@ def test_centered_transforms():
     H, d, n = 2, 16, 500
     K = torch.randn(H, n, d, generator=g, dtype=torch.float64) + 3.0  # keys with a large common offset
     Q = torch.randn(H, n, d, generator=g, dtype=torch.float64)
-    V = torch.randn(H, n, d, generator=g, dtype=torch.float64)
+    V = torch.randn(H, n, d, generator=g, dtype=torch.float64) - 1.0
     stats = {"M_K": K.mT @ K, "H_K": 2 * Q.mT @ Q, "M_V": V.mT @ V, "H_V": torch.eye(d, dtype=torch.float64).expand(H, d, d).clone(),
-             "mu_K": K.mean(1), "n_K": torch.tensor([float(n)], dtype=torch.float64)}
+             "mu_K": K.mean(1), "mu_V": V.mean(1), "n_K": torch.tensor([float(n)], dtype=torch.float64)}
     tr = build_transforms("wush-c", H, d, stats)
     Kc = K - K.mean(1, keepdim=True)
     T, T_inv = wush_transform(Kc.mT @ Kc, stats["H_K"])
     torch.testing.assert_close(tr["T_K"], T)
     torch.testing.assert_close(tr["mu_K"], K.mean(1).float())
-    torch.testing.assert_close(tr["T_V"], wush_transform(stats["M_V"], stats["H_V"])[0])
+    Vc = V - V.mean(1, keepdim=True)
+    torch.testing.assert_close(tr["T_V"], wush_transform(Vc.mT @ Vc, stats["H_V"])[0])
+    torch.testing.assert_close(tr["mu_V"], V.mean(1).float())
     had = build_transforms("hadamard-c", H, d, stats)
     torch.testing.assert_close(had["T_K"], build_transforms("hadamard", H, d)["T_K"])
     assert torch.equal(had["mu_K"], K.mean(1).float())

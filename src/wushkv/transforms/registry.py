@@ -54,14 +54,14 @@ TRANSFORMS: dict[str, TransformSpec] = {
         TransformSpec(
             "wush-c",
             True,
-            "WUSH on centered keys: k' = T_K (k − μ_K), T_K from the centered M_K (softmax-invariant shift)",
-            ("M_K", "H_K", "M_V", "H_V", "mu_K", "n_K"),
+            "WUSH on centered keys and values: k' = T_K (k − μ_K), v' = T_V (v − μ_V), T from the centered Grams (exact shifts)",
+            ("M_K", "H_K", "M_V", "H_V", "mu_K", "mu_V", "n_K"),
         ),
         TransformSpec(
             "hadamard-c",
             True,
-            "Hadamard on centered keys: k' = 𝓗 (k − μ_K) (the centering alone, a calibrated baseline)",
-            ("mu_K",),
+            "Hadamard on centered keys and values: k' = 𝓗 (k − μ_K), v' = 𝓗 (v − μ_V) (the centering alone)",
+            ("mu_K", "mu_V"),
         ),
         TransformSpec(
             "wush-a",
@@ -104,14 +104,14 @@ def _get_stat(stats: Mapping[str, Tensor] | None, key: str, name: str, num_kv_he
     return A
 
 
-def _get_mean(stats: Mapping[str, Tensor] | None, name: str, num_kv_heads: int, d: int) -> Tensor:
-    if stats is None or "mu_K" not in stats:
-        raise ValueError(f"transform {name!r} needs calibration statistic 'mu_K' (mean key), which is missing from stats")
-    mu = stats["mu_K"]
+def _get_mean(stats: Mapping[str, Tensor] | None, name: str, num_kv_heads: int, d: int, key: str = "mu_K") -> Tensor:
+    if stats is None or key not in stats:
+        raise ValueError(f"transform {name!r} needs calibration statistic {key!r} (a mean), which is missing from stats")
+    mu = stats[key]
     if not isinstance(mu, Tensor) or tuple(mu.shape) != (num_kv_heads, d):
-        raise ValueError(f"stats['mu_K'] for transform {name!r} must have shape {(num_kv_heads, d)}, got {tuple(getattr(mu, 'shape', ()))}")
+        raise ValueError(f"stats[{key!r}] for transform {name!r} must have shape {(num_kv_heads, d)}, got {tuple(getattr(mu, 'shape', ()))}")
     if not bool(torch.isfinite(mu).all()):
-        raise ValueError(f"stats['mu_K'] for transform {name!r} contains NaN or inf")
+        raise ValueError(f"stats[{key!r}] for transform {name!r} contains NaN or inf")
     return mu
 
 
@@ -136,7 +136,8 @@ def build_transforms(
 
     Returns:
         {"T_K", "T_K_inv", "T_V", "T_V_inv"}: float32 [num_kv_heads, head_dim, head_dim]; centered
-        transforms (``*-c``) add ``mu_K`` [num_kv_heads, head_dim], subtracted from keys before ``T_K``.
+        transforms (``*-c``) add ``mu_K`` and ``mu_V`` [num_kv_heads, head_dim], subtracted from keys and
+        values before ``T_K`` and ``T_V``.
     """
     spec = get_transform_spec(name)
     _check_heads(num_kv_heads, head_dim)
@@ -153,17 +154,19 @@ def build_transforms(
     elif spec.name == "hadamard-c":
         T_K, T_K_inv = hadamard_transform(Hkv, d)
         T_V, T_V_inv = hadamard_transform(Hkv, d)
-        return {"T_K": T_K, "T_K_inv": T_K_inv, "T_V": T_V, "T_V_inv": T_V_inv, "mu_K": _get_mean(stats, spec.name, Hkv, d).float()}
+        return {"T_K": T_K, "T_K_inv": T_K_inv, "T_V": T_V, "T_V_inv": T_V_inv, "mu_K": _get_mean(stats, spec.name, Hkv, d).float(),
+                "mu_V": _get_mean(stats, spec.name, Hkv, d, "mu_V").float()}
     elif spec.name == "wush-c":
         kM, kH, vM, vH = (_get_stat(stats, k, spec.name, Hkv, d) for k in spec.stats_keys[:4])
         mu = _get_mean(stats, spec.name, Hkv, d).double()
+        mu_v = _get_mean(stats, spec.name, Hkv, d, "mu_V").double()
         n = float(stats["n_K"].reshape(-1)[0]) if "n_K" in stats else None
         if n is None or not n > 0:
             raise ValueError(f"transform {spec.name!r} needs calibration statistic 'n_K' (> 0 keys counted)")
-        kM_c = kM.double() - n * mu[..., :, None] * mu[..., None, :]  # Σ (k − μ)(k − μ)ᵀ
-        T_K, T_K_inv = wush_transform(kM_c, kH, damping, damping_M=damping_M)
-        T_V, T_V_inv = wush_transform(vM, vH, damping, damping_M=damping_M)
-        return {"T_K": T_K, "T_K_inv": T_K_inv, "T_V": T_V, "T_V_inv": T_V_inv, "mu_K": mu.float()}
+        outer = lambda m: n * m[..., :, None] * m[..., None, :]  # noqa: E731
+        T_K, T_K_inv = wush_transform(kM.double() - outer(mu), kH, damping, damping_M=damping_M)  # Σ (k − μ)(k − μ)ᵀ
+        T_V, T_V_inv = wush_transform(vM.double() - outer(mu_v), vH, damping, damping_M=damping_M)
+        return {"T_K": T_K, "T_K_inv": T_K_inv, "T_V": T_V, "T_V_inv": T_V_inv, "mu_K": mu.float(), "mu_V": mu_v.float()}
     elif spec.name in ("wush", "wush-a"):
         kM, kH, vM, vH = (_get_stat(stats, k, spec.name, Hkv, d) for k in spec.stats_keys)
         T_K, T_K_inv = wush_transform(kM, kH, damping, damping_M=damping_M)
