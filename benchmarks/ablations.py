@@ -118,12 +118,21 @@ def variants(study, args, model, tok, spec, cal):
         return v
     if study == "center":
         tiles = {"quantizer": "kvarn", "windows": [128, 0, 128]}
+        # solved here from the statistics (a calibration file may hold transforms solved by older code)
+        had_c = [build_transforms("hadamard-c", spec.num_kv_heads, spec.head_dim, st) for st in cal.stats]
+        wush = wush_layers(cal.stats, spec)
+        wush_c = [build_transforms("wush-c", spec.num_kv_heads, spec.head_dim, st) for st in cal.stats]
+        drop = lambda trs, key: [{k: v for k, v in t.items() if k != key} for t in trs]  # noqa: E731
+        values_only = [w | {"T_V": c["T_V"], "T_V_inv": c["T_V_inv"], "mu_V": c["mu_V"]} for w, c in zip(wush, wush_c)]
         return [
             ("hadamard", plain_layers("hadamard", spec), {}),
-            ("hadamard-c", cal.transforms("hadamard-c"), {}),
-            ("wush", cal.transforms("wush"), {}),
-            ("wush-c keys only", [{k: v for k, v in t.items() if k != "mu_V"} for t in cal.transforms("wush-c")], {}),
-            ("wush-c", cal.transforms("wush-c"), {}),
+            ("hadamard-c keys only", drop(had_c, "mu_V"), {}),
+            ("hadamard-c values only", drop(had_c, "mu_K"), {}),
+            ("hadamard-c", had_c, {}),
+            ("wush", wush, {}),
+            ("wush-c keys only", drop(wush_c, "mu_V"), {}),
+            ("wush-c values only", values_only, {}),
+            ("wush-c", wush_c, {}),
             ("kvarn", plain_layers("hadamard", spec), tiles),
         ]
     if study == "tiles":
@@ -153,7 +162,7 @@ def main() -> None:
     ap.add_argument("--max-samples", type=int, default=32, help="--study calib: largest calibration set")
     ap.add_argument("--calib-seq-len", type=int, default=2048)
     ap.add_argument("--recon-seqs", type=int, default=1, help="held-out C4 sequences for the reconstruction proxy (0: skip)")
-    ap.add_argument("--only", default=None, help="comma-separated substrings: evaluate only variants whose name contains one")
+    ap.add_argument("--only", default=None, help="comma-separated variant names: evaluate only these")
     ap.add_argument("--json", required=True)
     args = ap.parse_args()
 
@@ -183,7 +192,10 @@ def main() -> None:
     vs = variants(args.study, args, model, tok, spec, cal)
     if args.only:
         keep = args.only.split(",")
-        vs = [v for v in vs if any(s in v[0] for s in keep)]
+        unknown = set(keep) - {v[0] for v in vs}
+        if unknown:
+            raise SystemExit(f"--only: unknown variants {sorted(unknown)}; this study has {[v[0] for v in vs]}")
+        vs = [v for v in vs if v[0] in keep]
     if args.recon_seqs:
         held = calibration_sequences(tok, 64 + args.recon_seqs, args.calib_seq_len)[64:]  # past every calibration set used here
         for b in bits:

@@ -68,3 +68,16 @@ def test_reconstruction_sink_stays_full_precision():
     some = layer_reconstruction(model, seqs, trs, cfg, show_progress=False, sink=8)["hadamard"]["geomean"]
     none = layer_reconstruction(model, seqs, trs, cfg, show_progress=False, sink=32)["hadamard"]["geomean"]
     assert none < 1e-10 < some < full
+
+
+def test_reconstruction_centered_is_exact_without_quantization():
+    """Centering keys and values is exact: with nothing quantized (sink = L) the error is 0
+    even for large means, so any error measured with centering comes from the quantizer alone."""
+    model = tiny_model("llama")
+    spec = describe(model)
+    seqs = torch.randint(3, 96, (1, 32), generator=torch.Generator().manual_seed(1))
+    g = torch.Generator().manual_seed(0)
+    tr = build_transforms("hadamard", spec.num_kv_heads, spec.head_dim)
+    tr |= {"mu_K": 4 * torch.randn(spec.num_kv_heads, spec.head_dim, generator=g), "mu_V": 4 * torch.randn(spec.num_kv_heads, spec.head_dim, generator=g)}
+    res = layer_reconstruction(model, seqs, {"c": [tr] * spec.num_layers}, QuantConfig(2, 2, "quest"), show_progress=False, sink=32)
+    assert res["c"]["geomean"] < 1e-10

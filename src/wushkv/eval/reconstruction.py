@@ -43,7 +43,8 @@ class ReconObserver:
         for name, layers in self.transforms.items():
             tr = layers[l]
             key_tr = KeyTransform(tr["T_K"].to(q), tr["T_K_inv"].to(q), tr["mu_K"].to(q) if "mu_K" in tr else None)
-            val_tr = KeyTransform(tr["T_V"].to(q), tr["T_V_inv"].to(q))  # same per-head map, applied to values
+            mu_V = tr["mu_V"].to(q) if "mu_V" in tr else None
+            val_tr = KeyTransform(tr["T_V"].to(q), tr["T_V_inv"].to(q), mu_V)  # same per-head map (and centering), on values
             kt, vt, qt = key_tr.keys(k), val_tr.keys(v), key_tr.queries(q)
             T_V_inv = val_tr.T_inv
             for (k_codec, v_codec), num in zip(self.codecs, self.num):
@@ -53,7 +54,10 @@ class ReconObserver:
                     k_hat = torch.cat([kt[:, :, : self.sink], k_hat[:, :, self.sink :]], 2)
                     v_hat = torch.cat([vt[:, :, : self.sink], v_hat[:, :, self.sink :]], 2)
                 out = fast_attention(qt, k_hat, v_hat, allowed, scaling, softcap)  # (B, T, Hq, d), T_V space
-                out = torch.matmul(out.view(B, T, Hkv, Hq // Hkv, d), T_V_inv.mT[None, None]).reshape(B, T, Hq * d)
+                out = torch.matmul(out.view(B, T, Hkv, Hq // Hkv, d), T_V_inv.mT[None, None])
+                if mu_V is not None:  # attention weights sum to 1: the output shifted by exactly −μ_V
+                    out = out + mu_V[:, None, :]
+                out = out.reshape(B, T, Hq * d)
                 num[name][l] += float((module.o_proj(out) - Y).double().pow(2).sum())
 
     def results(self) -> list[dict]:
