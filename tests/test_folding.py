@@ -111,3 +111,15 @@ def test_centered_keys_refused_under_softcap():
     tr["mu_K"] = torch.ones(spec.num_kv_heads, spec.head_dim)
     with pytest.raises(ValueError, match="softcap"):
         apply_transforms(model, [tr] * spec.num_layers)
+
+
+def test_a_bad_layer_leaves_no_layer_folded():
+    model = tiny_model("llama")
+    spec = describe(model)
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    trs = [build_transforms("hadamard", spec.num_kv_heads, spec.head_dim) for _ in range(spec.num_layers)]
+    trs[-1] = trs[-1] | {"mu_V": torch.ones(spec.num_kv_heads + 1, spec.head_dim)}
+    with pytest.raises(ValueError, match=f"layer {spec.num_layers - 1} mu_V"):
+        apply_transforms(model, trs)
+    assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())
+    assert not any(hasattr(layer.self_attn, "wushkv_key") for layer in model.model.layers)

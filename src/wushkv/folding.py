@@ -130,7 +130,7 @@ def apply_transforms(model: nn.Module, transforms: list[dict[str, torch.Tensor]]
                 "weights resident; use a device map that places each layer on one device (e.g. device_map='auto' with "
                 "enough accelerator memory, or max_memory), not cpu/disk offload"
             )
-    saved = []
+    # validate every layer before touching any weight: a bad layer must not leave others folded
     for i, (attn, tr) in enumerate(zip(mods, transforms)):
         for name in ("T_K", "T_K_inv", "T_V", "T_V_inv"):
             _check(name, tr[name], spec, i)
@@ -142,6 +142,10 @@ def apply_transforms(model: nn.Module, transforms: list[dict[str, torch.Tensor]]
                 raise ValueError(f"layer {i} mu_K contains NaN or inf")
         if "mu_V" in tr and (tuple(tr["mu_V"].shape) != (spec.num_kv_heads, d) or not torch.isfinite(tr["mu_V"]).all()):
             raise ValueError(f"layer {i} mu_V must be finite with shape {(spec.num_kv_heads, d)}, got {tuple(tr['mu_V'].shape)}")
+        if "mu_K" in tr and tuple(tr["mu_K"].shape) != (spec.num_kv_heads, d):
+            raise ValueError(f"layer {i} mu_K must have shape {(spec.num_kv_heads, d)}, got {tuple(tr['mu_K'].shape)}")
+    saved = []
+    for attn, tr in zip(mods, transforms):
         _, _, v, o = projections(attn, spec)
         saved.append({"v.weight": v.weight.detach().clone(), "o.weight": o.weight.detach().clone()}
                      | ({"v.bias": v.bias.detach().clone()} if v.bias is not None else {})
