@@ -36,7 +36,6 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 
-import torch  # noqa: E402
 
 from wushkv.cache import WushKVCache  # noqa: E402
 from wushkv.calibration import Calibration, calibration_sequences, collect_statistics  # noqa: E402
@@ -244,7 +243,6 @@ def print_table(out, names, bits):
             cells.append(f"{e['recon']:.4g}" if "recon" in e else "–")
             cells.append(f"{e['recon_sink']:.4g}" if "recon_sink" in e else "–")
         print(f"| {n} | " + " | ".join(cells) + " |")
-    torch.set_printoptions()
 
 
 if __name__ == "__main__":

@@ -249,8 +249,9 @@ def _calibration_from_bytes(data: bytes, model):
         os.unlink(tmp)
 
 
-def execute(cfg: SweepConfig, job: Job, cal_bytes: bytes | None = None, model=None, tok=None) -> dict:
-    """Run one job; returns its result record (``value``: PPL for ppl, geomean error for recon)."""
+def execute(cfg: SweepConfig, job: Job, cal_bytes: bytes | None = None, model=None, tok=None, cal=None) -> dict:
+    """Run one job; returns its result record (``value``: PPL for ppl, geomean error for recon).
+    ``cal``: an already loaded calibration (in-process runs load it once per model), else ``cal_bytes``."""
     import torch
 
     from .calibration import calibration_sequences
@@ -267,7 +268,8 @@ def execute(cfg: SweepConfig, job: Job, cal_bytes: bytes | None = None, model=No
     torch.set_num_threads(int(cfg.resources["num_cpus"]))
     try:
         e = cfg.eval
-        cal = _calibration_from_bytes(cal_bytes, model) if cal_bytes is not None else None
+        if cal is None and cal_bytes is not None:
+            cal = _calibration_from_bytes(cal_bytes, model)
         if job.evaluation == "ppl":
             text, _ = load_eval_text(e["text_file"])
             chunks = tokenize_chunks(tok, text, e["seq_len"], e["chunks"])
@@ -327,9 +329,9 @@ def run_sweep(cfg: SweepConfig, ray_address: str | None = None, max_jobs: int | 
         if ray_address is None:
             for model_name in dict.fromkeys(j.model for j in todo):
                 model, tok = _load_model(cfg, model_name)
-                cal = calibration_bytes(cfg, model_name, model, tok) if model_name in needs_cal else None
+                cal = _calibration_from_bytes(calibration_bytes(cfg, model_name, model, tok), model) if model_name in needs_cal else None
                 for job in (j for j in todo if j.model == model_name):
-                    rec = execute(cfg, job, cal if _calibrated(job.transform) else None, model, tok)
+                    rec = execute(cfg, job, model=model, tok=tok, cal=cal if _calibrated(job.transform) else None)
                     _save_result(cfg, job, rec)
                     ran.append(job.label())
                     bar.update(1)
