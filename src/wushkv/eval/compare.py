@@ -62,6 +62,11 @@ def quantized_perplexity(model, chunks: torch.Tensor, calibration: Calibration |
         return perplexity(model, chunks, cache_factory=lambda: WushKVCache(model, cfg), show_progress=show_progress, desc=desc)
 
 
+def _resume_key(settings: dict) -> dict:
+    """What a stored result depends on: everything but which transforms and widths the run lists."""
+    return {k: v for k, v in settings.items() if k not in ("transforms", "bits")}
+
+
 def run_compare(model, tokenizer, chunks: torch.Tensor, calibration: Calibration | None, transforms: list[str], bits: list[int],
                 base: QuantConfig, json_path=None, meta: dict | None = None, show_progress: bool = True, log=print) -> dict:
     """Full precision once, then every (transform, bits); resumes from ``json_path`` if it holds the same settings."""
@@ -72,7 +77,8 @@ def run_compare(model, tokenizer, chunks: torch.Tensor, calibration: Calibration
     if json_path and Path(json_path).is_file():
         try:
             prev = json.loads(Path(json_path).read_text())
-            if prev.get("settings") == settings:
+            if _resume_key(prev.get("settings") or {}) == _resume_key(settings):
+                prev["settings"] = settings
                 out = prev
                 log(f"resuming from {json_path}")
         except (json.JSONDecodeError, OSError):
