@@ -163,7 +163,7 @@ def cmd_recon(args) -> int:
     from .report import format_table, plot_lines
 
     names = [t.strip() for t in args.transforms.split(",") if t.strip()]
-    _check_transforms(names)
+    _check_transforms(names, tiles=False)
     cfgs = [QuantConfig(k_bits=b, v_bits=b, quantizer=args.quantizer) for b in args.bits]
     text, label = load_eval_text(args.text_file)
     model, tok = _load(args)
@@ -195,23 +195,27 @@ def _bits_list(s: str) -> list[int]:
         raise argparse.ArgumentTypeError(f"expected comma-separated bit widths such as 2,3,4, got {s!r}") from None
 
 
-def _check_transforms(transforms) -> None:
+def _check_transforms(transforms, tiles: bool = True) -> None:
+    """Known transforms; with ``tiles``, also ``<transform>+tiles`` (the transform under KVarN's tile quantizer)."""
+    from .eval.methods import TILES_SUFFIX, method_transform
     from .transforms import TRANSFORMS
 
     for t in transforms:
-        if t not in TRANSFORMS:
-            raise ValueError(f"unknown transform {t!r}; known: {sorted(TRANSFORMS)}")
+        if (method_transform(t) if tiles else t) not in TRANSFORMS:
+            also = f", each optionally with the suffix {TILES_SUFFIX!r} (KVarN's tile quantizer)" if tiles else ""
+            raise ValueError(f"unknown transform {t!r}; known: {sorted(TRANSFORMS)}{also}")
 
 
 def _calibration_for(args, model, tok, transforms):
     """The --calibration file, or a cached calibration when a calibrated transform is asked for."""
     from .eval.compare import cached_calibration
+    from .eval.methods import method_transform
     from .transforms import TRANSFORMS
 
     _check_transforms(transforms)
     if getattr(args, "calibration", None):
         return _load_calibration(args, model)
-    if any(TRANSFORMS[t].needs_calibration for t in transforms):
+    if any(TRANSFORMS[method_transform(t)].needs_calibration for t in transforms):
         return cached_calibration(model, tok, args.calib_samples, args.calib_seq_len, wush_a="wush-a" in transforms,
                                   log=lambda m: print(m, file=sys.stderr))
     return None
@@ -326,13 +330,14 @@ def cmd_agree(args) -> int:
     from .eval.agreement import run_agreement
     from .io import write_json
     from .report import format_table, plot_lines
+    from .eval.methods import method_transform
     from .transforms import TRANSFORMS
 
     methods = _methods(args.transforms)
     cfg = _quant_config(args)
     text, label = load_eval_text(args.text_file)
     model, tok = _load(args)
-    cal = _calibration_for(args, model, tok, [m for m in methods if m in TRANSFORMS])
+    cal = _calibration_for(args, model, tok, [m for m in methods if method_transform(m) in TRANSFORMS])
     chunks = tokenize_chunks(tok, text, args.prompt_len, args.prompts * args.stride)[:: args.stride]
     res = run_agreement(model, chunks, methods, cal, cfg, args.new_tokens, single_pass=args.single_pass,
                         log=lambda m: print(m, file=sys.stderr))
@@ -362,13 +367,14 @@ def cmd_passkey(args) -> int:
     from .eval.passkey import run_passkey
     from .io import write_json
     from .report import format_table, plot_heatmaps
+    from .eval.methods import method_transform
     from .transforms import TRANSFORMS
 
     methods = _methods(args.transforms)
     depths = [float(x) for x in args.depths.split(",")]
     cfg = _quant_config(args)
     model, tok = _load(args)
-    cal = _calibration_for(args, model, tok, [m for m in methods if m in TRANSFORMS])
+    cal = _calibration_for(args, model, tok, [m for m in methods if method_transform(m) in TRANSFORMS])
     res = run_passkey(model, tok, methods, cal, cfg, args.contexts, depths, args.trials, seed=args.seed,
                       log=lambda m: print(m, file=sys.stderr))
     headers = ["method"] + [f"{c}" for c in args.contexts] + ["mean"]
@@ -391,7 +397,7 @@ def cmd_export(args) -> int:
     from .calibration import Calibration
     from .export import export_transforms
 
-    _check_transforms([args.transform])
+    _check_transforms([args.transform], tiles=False)
     cal = Calibration.load(args.calibration)
     meta = export_transforms(cal, args.transform, args.out, dtype=args.dtype, tolerance=args.tolerance)
     print(f"{args.transform} transforms of {meta['model']} ({meta['num_layers']} layers) -> {args.out} in {args.dtype}, "
@@ -442,7 +448,7 @@ def build_parser() -> argparse.ArgumentParser:
     from .config import GENERATION_WINDOWS, PERPLEXITY_WINDOWS
     from .transforms import TRANSFORMS
 
-    transforms_help = ", ".join(TRANSFORMS)
+    transforms_help = ", ".join(TRANSFORMS) + " (each optionally with +tiles: KVarN's tile quantizer)"
     parser = argparse.ArgumentParser(prog="wushkv", description="WUSH-KV: low-bit KV caches with data-aware transforms.")
     parser.add_argument("--version", action="version", version=f"wushkv {__version__}")
     sub = parser.add_subparsers(dest="command", required=True)

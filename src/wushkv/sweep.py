@@ -36,6 +36,7 @@ import tomllib
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
+from .eval.methods import TILES_SUFFIX, method_transform, uses_tiles
 from .io import atomic_write, write_json
 
 __all__ = ["Job", "SweepConfig", "run_sweep", "collect"]
@@ -140,12 +141,13 @@ class SweepConfig:
                 raise SweepError(f"[grid] needs a non-empty list `{k}`")
         transforms = list(grid["transforms"])
         for t in transforms:
-            if t not in TRANSFORMS:
-                raise SweepError(f"unknown transform {t!r} in grid.transforms; known: {sorted(TRANSFORMS)}")
+            if method_transform(t) not in TRANSFORMS:
+                raise SweepError(f"unknown transform {t!r} in grid.transforms; known: {sorted(TRANSFORMS)}, each optionally "
+                                 f"with the suffix {TILES_SUFFIX!r} (KVarN's tile quantizer)")
         quantizers = list(grid.get("quantizers", ["quest"]))
         for q in quantizers:
             if q not in ("quest", "affine", "kivi"):
-                raise SweepError(f"grid.quantizers entry {q!r}: use quest, affine or kivi (kvarn comes with the kvarn transform); "
+                raise SweepError(f"grid.quantizers entry {q!r}: use quest, affine or kivi (tiles come with the kvarn transform and with <transform>+tiles); "
                                  f"known quantizers: {list(QUANTIZER_NAMES)}")
         evaluations = list(grid.get("evaluations", ["ppl"]))
         for e in evaluations:
@@ -181,7 +183,7 @@ class SweepConfig:
                 if e == "ppl":
                     jobs.append(Job(m, FULL_PRECISION, None, None, "-", e))
                 for t in self.transforms:
-                    for q in (["kvarn"] if t == "kvarn" else self.quantizers):
+                    for q in (["kvarn"] if uses_tiles(t) else self.quantizers):
                         for k, v in self.bits:
                             jobs.append(Job(m, t, k, v, q, e))
         return list(dict.fromkeys(jobs))
@@ -346,6 +348,7 @@ def run_sweep(cfg: SweepConfig, ray_address: str | None = None, max_jobs: int | 
 def _calibrated(transform: str) -> bool:
     from .transforms import TRANSFORMS
 
+    transform = method_transform(transform)
     return transform in TRANSFORMS and TRANSFORMS[transform].needs_calibration
 
 
@@ -406,7 +409,7 @@ def collect(cfg: SweepConfig) -> dict:
                 md.append(f"full precision: {fp:.4g}\n")
             table, series = [], {}
             for t in cfg.transforms:
-                for q in (["kvarn"] if t == "kvarn" else cfg.quantizers):
+                for q in (["kvarn"] if uses_tiles(t) else cfg.quantizers):
                     vals = [next((r["value"] for r in rows if r["model"] == m and r["evaluation"] == e and r["transform"] == t
                                   and r["quantizer"] == q and (r["k_bits"], r["v_bits"]) == kv), None) for kv in cfg.bits]
                     table.append([t, q] + [float("nan") if v is None else v for v in vals])

@@ -40,8 +40,11 @@ def cached_calibration(model, tokenizer, samples: int, seq_len: int, damping: fl
 
 
 def config_for(transform: str, base: QuantConfig) -> QuantConfig:
-    """KVarN brings its own quantizer and tile windows (first tile full precision, tail until a tile fills)."""
-    if transform == "kvarn":
+    """KVarN (and any ``<transform>+tiles`` method) brings its own quantizer and tile windows: the first tile
+    stays in full precision, new tokens wait in a full-precision tail until a tile fills."""
+    from .methods import uses_tiles
+
+    if uses_tiles(transform):
         return replace(base, quantizer="kvarn", windows=WindowConfig(KVARN_TILE, 0, KVARN_TILE))
     return base
 

@@ -2,6 +2,8 @@
 
 * a wushkv transform (``identity``, ``hadamard``, ``random``, ``oscar``, ``kvarn``, ``wush``, ``wush-a``):
   the transform installed (values folded, keys online) and a :class:`~wushkv.cache.WushKVCache`;
+* ``<transform>+tiles`` (``wush+tiles``): that transform with KVarN's tile quantizer and tile windows
+  instead of the configured quantizer (``kvarn`` is ``hadamard+tiles``, the way KVarN ships);
 * ``stock-<backend>-<bits>`` (``stock-hqq-2``, ``stock-quanto-4``, ...): the stock ``transformers``
   ``QuantizedCache`` on the unmodified model, the baseline users have today (backends: the optional
   extra ``wushkv[stock]``);
@@ -17,6 +19,17 @@ from ..config import QuantConfig
 
 FULL_PRECISION = "full-precision"
 STOCK_BACKENDS = ("quanto", "hqq")
+TILES_SUFFIX = "+tiles"
+
+
+def method_transform(name: str) -> str:
+    """The transform a method installs: ``wush`` for ``wush+tiles``."""
+    return name[: -len(TILES_SUFFIX)] if name.endswith(TILES_SUFFIX) else name
+
+
+def uses_tiles(name: str) -> bool:
+    """Whether a method quantizes with KVarN's tiles (its own quantizer and windows)."""
+    return name == "kvarn" or name.endswith(TILES_SUFFIX)
 
 
 def parse_stock(name: str) -> tuple[str, int] | None:
@@ -35,15 +48,18 @@ def check_methods(names: list[str]) -> None:
     for n in names:
         if n == FULL_PRECISION or parse_stock(n) is not None:
             continue
-        if n not in TRANSFORMS:
-            raise ValueError(f"unknown method {n!r}; known: {sorted(TRANSFORMS)}, stock-<quanto|hqq>-<2|4>, {FULL_PRECISION}")
+        if method_transform(n) not in TRANSFORMS:
+            raise ValueError(f"unknown method {n!r}; known: {sorted(TRANSFORMS)}, each optionally with the suffix "
+                             f"{TILES_SUFFIX!r} (KVarN's tile quantizer), stock-<quanto|hqq>-<2|4>, {FULL_PRECISION}")
 
 
 def transforms_for(model, calibration, transform: str):
-    """Per-layer transforms of ``transform``: from the calibration, or built (calibration-free ones)."""
+    """Per-layer transforms of ``transform`` (or of the method ``transform+tiles``): from the calibration,
+    or built (calibration-free ones)."""
     from ..models import describe
     from ..transforms import TRANSFORMS, build_transforms
 
+    transform = method_transform(transform)
     if calibration is not None:
         return calibration.transforms(transform)
     if TRANSFORMS[transform].needs_calibration:

@@ -1,0 +1,66 @@
+"""Methods of the comparison table: ``<transform>+tiles``, resuming a run from its JSON."""
+
+import json
+from dataclasses import replace
+
+import pytest
+import torch
+
+from conftest import tiny_model
+from wushkv.config import QuantConfig, WindowConfig
+from wushkv.eval.compare import KVARN_TILE, config_for, quantized_perplexity, run_compare
+from wushkv.eval.methods import check_methods, method_transform, uses_tiles
+
+
+def test_tiles_suffix_names_a_transform_and_the_tile_quantizer():
+    base = QuantConfig(k_bits=3, v_bits=2, quantizer="quest", windows=WindowConfig(16, 128, 16))
+    assert method_transform("wush+tiles") == "wush" and method_transform("wush") == "wush"
+    assert uses_tiles("kvarn") and uses_tiles("identity+tiles") and not uses_tiles("wush")
+    for name in ("kvarn", "wush+tiles", "hadamard+tiles"):
+        c = config_for(name, base)
+        assert (c.quantizer, c.k_bits, c.v_bits) == ("kvarn", 3, 2)
+        assert (c.windows.S_sink, c.windows.S_keep, c.windows.S_flush) == (KVARN_TILE, 0, KVARN_TILE)
+    assert config_for("wush", base) == base
+    check_methods(["wush+tiles", "oscar+tiles", "full-precision"])
+    with pytest.raises(ValueError, match="unknown method 'bogus\\+tiles'.*'\\+tiles'"):
+        check_methods(["bogus+tiles"])
+
+
+@torch.no_grad()
+def test_hadamard_plus_tiles_is_kvarn_and_the_transform_matters():
+    """KVarN ships as Hadamard + tiles: the two names give the same perplexity; another transform
+    under the same tiles gives another (the transform is really installed)."""
+    model = tiny_model("llama")
+    chunks = torch.randint(3, 96, (2, 300), generator=torch.Generator().manual_seed(0))
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    ppl = {m: quantized_perplexity(model, chunks, None, m, config_for(m, QuantConfig(k_bits=2, v_bits=2)), show_progress=False)["ppl"]
+           for m in ("kvarn", "hadamard+tiles", "identity+tiles")}
+    assert ppl["hadamard+tiles"] == pytest.approx(ppl["kvarn"], rel=1e-6)
+    assert abs(ppl["identity+tiles"] / ppl["kvarn"] - 1) > 1e-4
+    after = {k: v.clone() for k, v in model.state_dict().items()}
+    assert all(torch.equal(after[k], v) for k, v in before.items())  # every method restored the weights
+
+
+@torch.no_grad()
+def test_compare_resumes_whatever_the_transform_list(tmp_path, monkeypatch):
+    """A finished (transform, bits) is reused by a later run that lists other transforms or widths;
+    a change of chunks or quantizer settings starts over."""
+    import wushkv.eval.compare as cmp
+
+    model = tiny_model("llama")
+    chunks = torch.randint(3, 96, (1, 200), generator=torch.Generator().manual_seed(1))
+    base = QuantConfig(windows=WindowConfig(4, 16, 4))
+    path = tmp_path / "c.json"
+    first = run_compare(model, None, chunks, None, ["hadamard"], [2], base, json_path=path, meta={"transforms": ["hadamard"], "bits": [2]},
+                        show_progress=False, log=lambda m: None)
+    calls = []
+    real = cmp.quantized_perplexity
+    monkeypatch.setattr(cmp, "quantized_perplexity", lambda *a, **k: calls.append(a[3]) or real(*a, **k))
+    second = run_compare(model, None, chunks, None, ["identity", "hadamard"], [2], base, json_path=path,
+                         meta={"transforms": ["identity", "hadamard"], "bits": [2]}, show_progress=False, log=lambda m: None)
+    assert calls == ["identity"]
+    assert second["results"]["hadamard"]["2"] == first["results"]["hadamard"]["2"]
+    assert json.loads(path.read_text())["settings"]["transforms"] == ["identity", "hadamard"]
+    calls.clear()
+    run_compare(model, None, chunks, None, ["hadamard"], [2], replace(base, k_alpha=1.1), json_path=path, show_progress=False, log=lambda m: None)
+    assert calls == ["hadamard"]
