@@ -175,9 +175,18 @@ class KVView:
             return decode_attention(query, [self.sink_k, mid_k, rk], [self.sink_v, mid_v, rv], allowed, scaling, softcap)
 
         mid_len = self.mid_len_before  # what this update flushed is still in the window, in full precision
-        mk, mv = layer._decode_mid(self.mid, self.mid_len, dt, first=mid_len)
-        kh = layer._fake("key", self.win_k)
-        vh = layer._fake("value", self.win_v)
+        flushed = self.mid_len - mid_len
+        if flushed and self.mid_start + mid_len == self.w0:
+            # This update's flush is the window's first `flushed` columns, just encoded into the middle:
+            # decode them (fake == decode(encode) bit for bit) instead of quantizing them a second time.
+            mk, mv = layer._decode_mid(self.mid, self.mid_len, dt)
+            kh = torch.cat([mk[:, :, mid_len:], layer._fake("key", self.win_k[:, :, flushed:])], dim=2)
+            vh = torch.cat([mv[:, :, mid_len:], layer._fake("value", self.win_v[:, :, flushed:])], dim=2)
+            mk, mv = mk[:, :, :mid_len], mv[:, :, :mid_len]
+        else:
+            mk, mv = layer._decode_mid(self.mid, self.mid_len, dt, first=mid_len)
+            kh = layer._fake("key", self.win_k)
+            vh = layer._fake("value", self.win_v)
         K = torch.cat([self.sink_k, mk, self.win_k], dim=2)
         V = torch.cat([self.sink_v, mv, self.win_v], dim=2)
         K_hat = torch.cat([self.sink_k, mk, kh], dim=2)
