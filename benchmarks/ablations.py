@@ -16,6 +16,15 @@ Studies (each a list of variants; every variant is evaluated at every ``--bits``
   exact for attention): Hadamard and WUSH each with and without, WUSH with keys only, KVarN alongside;
 * ``tiles``: the WUSH transform under KVarN's tile quantizer (its windows: first tile of 128 full
   precision, tail until a tile fills) against KVarN itself (Hadamard + tiles).
+* ``clip-layer``: the QuEST clip multiplier chosen per layer and side, for Hadamard and for WUSH, as
+  the one of ``LAYER_CLIP_GRID`` with the lowest module-output error (the reconstruction experiment,
+  that side alone quantized, first S_sink tokens in full precision) on ``--clip-seqs`` held-out C4
+  sequences, separately for each width; against the same transform with α × 1;
+* ``alloc``: bit allocation at a fixed mean width (``--budgets``, between ``--low`` and ``--high``
+  bits): per (layer, side) sensitivities measured on calibration text (:mod:`wushkv.allocation`,
+  ``--sens-seqs`` × ``--sens-seq-len`` C4 tokens, cached in ``--sensitivity``), the most sensitive
+  pairs upgraded, against a random allocation of the same budget and the uniform K↑V↓ / K↓V↑ splits;
+  run it with ``--bits`` = ``--low`` (the widths come from the variants).
 
 Every variant also gets the layer-reconstruction geomean (paper §4; no windows) on ``--recon-seqs``
 held-out calibration sequences (C4, never the evaluation text), twice: every token quantized
@@ -37,6 +46,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 
 
+from wushkv.allocation import allocate_bits, layer_sensitivity, mean_bits, random_allocation  # noqa: E402
 from wushkv.cache import WushKVCache  # noqa: E402
 from wushkv.calibration import Calibration, calibration_sequences, collect_statistics  # noqa: E402
 from wushkv.config import PERPLEXITY_WINDOWS, QuantConfig, WindowConfig  # noqa: E402
@@ -50,6 +60,7 @@ from wushkv.transforms import build_transforms  # noqa: E402
 
 GRID = (1e-3, 1e-2, 1e-1, 1.0)
 CLIP_GRID = (0.85, 1.15)
+LAYER_CLIP_GRID = (0.7, 0.8, 0.9, 1.0, 1.1, 1.25, 1.4)
 
 
 def wush_layers(stats, spec, damping=0.01, damping_M=None, keys=("M_K", "H_K", "M_V", "H_V")):
@@ -134,22 +145,89 @@ def variants(study, args, model, tok, spec, cal):
             ("wush-c", wush_c, {}),
             ("kvarn", plain_layers("hadamard", spec), tiles),
         ]
+    if study == "clip-layer":
+        return clip_layer_variants(args, model, tok, spec, cal)
+    if study == "alloc":
+        return alloc_variants(args, model, tok, spec, cal)
     if study == "tiles":
         tiles = {"quantizer": "kvarn", "windows": [128, 0, 128]}
         return [("kvarn (hadamard + tiles)", plain_layers("hadamard", spec), tiles), ("wush + tiles", cal.transforms("wush"), tiles)]
     raise SystemExit(f"unknown study {study!r}")
 
 
+def clip_layer_variants(args, model, tok, spec, cal):
+    """Per (layer, side) the clip multiplier of lowest module-output error on held-out C4, per width."""
+    trs = {"hadamard": plain_layers("hadamard", spec), "wush": cal.transforms("wush")}
+    held = calibration_sequences(tok, 64 + args.clip_seqs, args.calib_seq_len)[64:]  # past every calibration set used here
+    s, k, f = (int(x) for x in args.windows.split(","))
+    base = QuantConfig(quantizer="quest", windows=WindowConfig(s, k, f))
+    chosen = {name: {} for name in trs}
+    for b in (int(x) for x in args.bits.split(",")):
+        cfgs = [replace(base, k_bits=b, v_bits=None, k_alpha=a) for a in LAYER_CLIP_GRID]
+        cfgs += [replace(base, k_bits=None, v_bits=b, v_alpha=a) for a in LAYER_CLIP_GRID]
+        res = layer_reconstruction(model, held, trs, cfgs, sink=s)
+        n = len(LAYER_CLIP_GRID)
+        for name in trs:
+            err_k = [res[i][name]["per_layer"] for i in range(n)]
+            err_v = [res[n + i][name]["per_layer"] for i in range(n)]
+            pick = lambda errs, layer: LAYER_CLIP_GRID[min(range(n), key=lambda i: errs[i][layer])]  # noqa: E731
+            chosen[name][str(b)] = [[pick(err_k, layer), pick(err_v, layer)] for layer in range(spec.num_layers)]
+            print(f"{name} {b}-bit: chosen (αK, αV) per layer {chosen[name][str(b)]}")
+    v = []
+    for name, tr in trs.items():
+        v.append((name, tr, {}))
+        v.append((f"{name} per-layer α", tr, {"per_layer_alpha": chosen[name]}))
+    return v
+
+
+def alloc_variants(args, model, tok, spec, cal):
+    """Uniform splits, sensitivity-allocated and random allocations of the same mean widths, all WUSH."""
+    lo, hi = args.low, args.high
+    wush = cal.transforms("wush")
+    sens_path = Path(args.sensitivity or str(Path(args.json).with_suffix("")) + "_sensitivity.json")
+    key = {"model": args.model, "calibration": cal.meta, "seqs": args.sens_seqs, "seq_len": args.sens_seq_len, "low": lo, "high": hi,
+           "windows": args.windows, "quantizer": args.quantizer}
+    done = None
+    if sens_path.is_file():
+        prev = json.loads(sens_path.read_text())
+        if prev.get("settings") == key:
+            done = prev["sensitivity"]
+            print(f"resuming sensitivities from {sens_path}")
+    seqs = calibration_sequences(tok, args.sens_seqs, args.sens_seq_len)
+    s, k, f = (int(x) for x in args.windows.split(","))
+    base = QuantConfig(quantizer=args.quantizer, windows=WindowConfig(s, k, f))
+    with apply_transforms(model, wush, "wush"):
+        sens = layer_sensitivity(model, seqs, base, widths=(lo, hi), done=done,
+                                 on_result=lambda o: write_json(sens_path, {"settings": key, "sensitivity": o}))
+    write_json(sens_path, {"settings": key, "sensitivity": sens})
+    v = [
+        (f"wush K{lo}V{lo} ({lo:.2f})", wush, {"k_bits": lo, "v_bits": lo}),
+        (f"wush K{hi}V{lo} ({(lo + hi) / 2:.2f})", wush, {"k_bits": hi, "v_bits": lo}),
+        (f"wush K{lo}V{hi} ({(lo + hi) / 2:.2f})", wush, {"k_bits": lo, "v_bits": hi}),
+    ]
+    for budget in (float(x) for x in args.budgets.split(",")):
+        a = allocate_bits(sens, lo, hi, budget)
+        r = random_allocation(spec.num_layers, lo, hi, budget, seed=0)
+        v.append((f"wush allocated ({mean_bits(a):.2f})", wush, {"per_layer": a}))
+        v.append((f"wush random ({mean_bits(r):.2f})", wush, {"per_layer": r}))
+    v.append((f"wush K{hi}V{hi} ({hi:.2f})", wush, {"k_bits": hi, "v_bits": hi}))
+    return v
+
+
 def make_cfg(base, b, over):
     over = dict(over)
     if "windows" in over:
         over["windows"] = WindowConfig(*over["windows"])
+    if "per_layer" in over:  # one config per layer (bit allocation)
+        return [replace(base, k_bits=k, v_bits=v) for k, v in over.pop("per_layer")]
+    if "per_layer_alpha" in over:  # one config per layer (clip multipliers chosen for this width)
+        return [replace(base, k_bits=b, v_bits=b, k_alpha=ak, v_alpha=av) for ak, av in over.pop("per_layer_alpha")[str(b)]]
     return replace(base, **({"k_bits": b, "v_bits": b} | over))
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--study", required=True, choices=["damping", "clip", "calib", "wush-a", "sides", "tiles", "center"])
+    ap.add_argument("--study", required=True, choices=["damping", "clip", "clip-layer", "calib", "wush-a", "sides", "tiles", "center", "alloc"])
     ap.add_argument("--model", default="smollm2-135m")
     ap.add_argument("--calibration", default=None, help="calibration file (statistics); not needed by --study calib")
     ap.add_argument("--chunks", type=int, default=4)
@@ -161,6 +239,13 @@ def main() -> None:
     ap.add_argument("--max-samples", type=int, default=32, help="--study calib: largest calibration set")
     ap.add_argument("--calib-seq-len", type=int, default=2048)
     ap.add_argument("--recon-seqs", type=int, default=1, help="held-out C4 sequences for the reconstruction proxy (0: skip)")
+    ap.add_argument("--clip-seqs", type=int, default=2, help="--study clip-layer: held-out C4 sequences to choose the clips on")
+    ap.add_argument("--budgets", default="2.25,2.5", help="--study alloc: mean widths")
+    ap.add_argument("--low", type=int, default=2, help="--study alloc: the width every pair starts at")
+    ap.add_argument("--high", type=int, default=3, help="--study alloc: the width of an upgrade")
+    ap.add_argument("--sens-seqs", type=int, default=1, help="--study alloc: calibration sequences for the sensitivities")
+    ap.add_argument("--sens-seq-len", type=int, default=1024)
+    ap.add_argument("--sensitivity", default=None, help="--study alloc: sensitivity cache (default: next to --json)")
     ap.add_argument("--only", default=None, help="comma-separated variant names: evaluate only these")
     ap.add_argument("--json", required=True)
     args = ap.parse_args()
@@ -203,6 +288,8 @@ def main() -> None:
                 # one pass per distinct cfg override, every transform of that override together
                 groups: dict[str, list] = {}
                 for v in todo:
+                    if "per_layer" in v[2] or "per_layer_alpha" in v[2]:  # the reconstruction experiment takes one config for every layer
+                        continue
                     groups.setdefault(json.dumps(v[2], sort_keys=True), []).append(v)
                 for over, group in groups.items():
                     cfg = make_cfg(base, b, json.loads(over))

@@ -27,7 +27,7 @@ from dataclasses import dataclass
 import torch
 from transformers.cache_utils import Cache, CacheLayerMixin
 
-from .attention import _as_allowed, fused_selective_attention, selective_attention
+from .attention import _as_allowed, fast_attention, fused_selective_attention, selective_attention
 from .codecs import make_codec, storage_nbytes
 from .decode import decode_attention
 from .config import QuantConfig
@@ -176,6 +176,12 @@ class KVView:
 
         mid_len = self.mid_len_before  # what this update flushed is still in the window, in full precision
         flushed = self.mid_len - mid_len
+        if layer.k_side is None and layer.v_side is None:  # a full-precision layer (bit allocation): plain attention
+            mk, mv = layer._decode_mid(self.mid, self.mid_len, dt, first=mid_len)
+            S = self.n1 - self.kv_offset
+            K = torch.cat([self.sink_k, mk, self.win_k], dim=2)[:, :, -S:]
+            V = torch.cat([self.sink_v, mv, self.win_v], dim=2)[:, :, -S:]
+            return fast_attention(query, K, V, _as_allowed(attention_mask, S), scaling, softcap)
         if flushed and self.mid_start + mid_len == self.w0:
             # This update's flush is the window's first `flushed` columns, just encoded into the middle:
             # decode them (fake == decode(encode) bit for bit) instead of quantizing them a second time.
