@@ -311,7 +311,8 @@ def main() -> None:
             t0 = time.perf_counter()
             with apply_transforms(model, trs, name):
                 r = perplexity(model, chunks, cache_factory=lambda: WushKVCache(model, cfg), desc=f"{name} {b}-bit")
-            entry.update(ppl=r["ppl"], delta_pct=100 * (r["ppl"] / fp - 1), seconds=time.perf_counter() - t0, overrides=over)
+            entry.update(ppl=r["ppl"], delta_pct=100 * (r["ppl"] / fp - 1), seconds=time.perf_counter() - t0, overrides=over,
+                         chunk_nll=r["chunk_nll"])
             print(f"{name:<28} {b}-bit PPL {r['ppl']:8.3f} ({entry['delta_pct']:+.2f}%)  recon {entry.get('recon', math.nan):.4g}"
                   f"  recon_sink {entry.get('recon_sink', math.nan):.4g}")
             write_json(path, out)

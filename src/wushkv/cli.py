@@ -225,7 +225,7 @@ def cmd_compare(args) -> int:
     from dataclasses import replace
 
     from .data import load_eval_text, tokenize_chunks
-    from .eval.compare import best_per_bits, compare_table, run_compare
+    from .eval.compare import best_per_bits, compare_table, margins, run_compare
     from .io import write_json
     from .report import format_table, markdown_table, plot_lines
 
@@ -245,14 +245,20 @@ def cmd_compare(args) -> int:
     headers, rows = compare_table(out, transforms, args.bits)
     w = base.windows
     title = (f"\n{args.model} on {label}: {chunks.shape[0]} x {chunks.shape[1]} tokens, {args.quantizer}, K=V bits, "
-             f"windows {w.S_sink}/{w.S_keep}/{w.S_flush} (kvarn: its own tiles of 128)\nfull precision PPL {out['fp']['ppl']:.3f}")
+             f"windows {w.S_sink}/{w.S_keep}/{w.S_flush} (kvarn and +tiles: tiles of 128, windows 128/0/128)\nfull precision PPL {out['fp']['ppl']:.3f}")
     print(format_table(headers, rows, title=title))
     best = best_per_bits(out, transforms, args.bits)
     print("lowest perplexity: " + ", ".join(f"{b}-bit {t}" for b, t in best.items()))
+    margin_lines = []
+    for b, m in margins(out, transforms, args.bits).items():
+        ci = f" [95% paired bootstrap over chunks: {m['ci'][0]:+.2f}%, {m['ci'][1]:+.2f}%]" if m["ci"] else ""
+        margin_lines.append(f"{b}-bit: {m['best']} vs runner-up {m['second']}: {m['delta_pct']:+.2f}%{ci}")
+    print("\n".join("  " + x for x in margin_lines))
     if args.markdown:
         from .io import atomic_write
 
-        md = f"full precision PPL {out['fp']['ppl']:.3f}\n\n" + markdown_table(headers, rows) + "\n"
+        md = (f"full precision PPL {out['fp']['ppl']:.3f}\n\n" + markdown_table(headers, rows) + "\n\n"
+              + "".join(f"* {x}\n" for x in margin_lines))
         atomic_write(args.markdown, lambda tmp: open(tmp, "w").write(md))
     if args.plot:
         # % over full precision on a log scale: the transforms that matter differ by a few percent

@@ -1,6 +1,7 @@
 """Methods of the comparison table: ``<transform>+tiles``, resuming a run from its JSON."""
 
 import json
+import math
 from dataclasses import replace
 
 import pytest
@@ -64,3 +65,25 @@ def test_compare_resumes_whatever_the_transform_list(tmp_path, monkeypatch):
     calls.clear()
     run_compare(model, None, chunks, None, ["hadamard"], [2], replace(base, k_alpha=1.1), json_path=path, show_progress=False, log=lambda m: None)
     assert calls == ["hadamard"]
+
+
+def test_paired_difference_and_margins():
+    from wushkv.eval.compare import margins, paired_difference
+
+    b = [2.0, 2.5, 3.0, 2.2]
+    d, lo, hi = paired_difference([x + 0.01 for x in b], b)  # a constant shift: no spread at all
+    assert d == pytest.approx(100 * (math.exp(0.01) - 1)) and lo == pytest.approx(d) and hi == pytest.approx(d)
+    a = [x + s for x, s in zip(b, [0.02, -0.01, 0.03, 0.0])]
+    d, lo, hi = paired_difference(a, b)
+    assert lo < d < hi and lo > 100 * (math.exp(-0.01) - 1) - 1e-9 and hi < 100 * (math.exp(0.03) - 1) + 1e-9
+    d2, lo2, hi2 = paired_difference(b, a)
+    assert d2 == pytest.approx(100 * (math.exp(-math.log1p(d / 100)) - 1))
+    with pytest.raises(ValueError, match="paired chunks"):
+        paired_difference([1.0], [1.0, 2.0])
+    nll = lambda xs: {"ppl": math.exp(sum(xs) / len(xs)), "chunk_nll": xs}  # noqa: E731
+    out = {"results": {"x": {"2": nll(a)}, "y": {"2": nll(b)}, "z": {"2": {"ppl": 99.0}, "3": {"ppl": 5.0}}}}
+    m = margins(out, ["x", "y", "z"], [2, 3])
+    assert list(m) == [2] and m[2]["best"] == "y" and m[2]["second"] == "x"
+    assert m[2]["delta_pct"] == pytest.approx(d2) and m[2]["ci"][0] < m[2]["delta_pct"] < m[2]["ci"][1]
+    out["results"]["y"]["2"].pop("chunk_nll")  # results of older versions: no interval
+    assert margins(out, ["x", "y"], [2])[2]["ci"] is None

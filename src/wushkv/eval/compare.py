@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import math
 import os
 from dataclasses import replace
 from pathlib import Path
@@ -88,7 +89,7 @@ def run_compare(model, tokenizer, chunks: torch.Tensor, calibration: Calibration
             pass
     if out["fp"] is None:
         fp = perplexity(model, chunks, show_progress=show_progress, desc="ppl full precision")
-        out["fp"] = {"ppl": fp["ppl"], "seconds": fp["seconds"]}
+        out["fp"] = {"ppl": fp["ppl"], "seconds": fp["seconds"], "chunk_nll": fp["chunk_nll"]}
         log(f"full precision: PPL {fp['ppl']:.3f}")
         if json_path:
             write_json(json_path, out)
@@ -99,7 +100,8 @@ def run_compare(model, tokenizer, chunks: torch.Tensor, calibration: Calibration
                 continue
             cfg = config_for(t, replace(base, k_bits=b, v_bits=b))
             r = quantized_perplexity(model, chunks, calibration, t, cfg, show_progress=show_progress, desc=f"{t} {cfg.label()}")
-            entry = {"ppl": r["ppl"], "delta_pct": 100 * (r["ppl"] / out["fp"]["ppl"] - 1), "seconds": r["seconds"], "config": cfg.to_dict()}
+            entry = {"ppl": r["ppl"], "delta_pct": 100 * (r["ppl"] / out["fp"]["ppl"] - 1), "seconds": r["seconds"], "config": cfg.to_dict(),
+                     "chunk_nll": r["chunk_nll"]}
             out["results"].setdefault(t, {})[str(b)] = entry
             log(f"{t:>9} {cfg.label():<24} PPL {r['ppl']:9.3f}  ({entry['delta_pct']:+.2f}% over full precision, {r['seconds']:.0f}s)")
             if json_path:
@@ -124,3 +126,36 @@ def best_per_bits(out: dict, transforms: list[str], bits: list[int]) -> dict[int
         if cands:
             best[b] = min(cands)[1]
     return best
+
+
+def paired_difference(a: list[float], b: list[float], resamples: int = 10_000, seed: int = 0) -> tuple[float, float, float]:
+    """How much higher method a's perplexity is than method b's on the same chunks, in percent, with a
+    95% paired bootstrap interval over chunks: (Δ%, low, high). ``a``/``b``: per-chunk mean token NLLs
+    (every chunk has the same number of tokens, so the mean of the chunk means is the mean NLL).
+
+    The interval covers the choice of evaluation text only (which chunks), not calibration noise.
+    """
+    if len(a) != len(b) or not a:
+        raise ValueError(f"paired chunks needed: got {len(a)} and {len(b)}")
+    d = torch.tensor(a, dtype=torch.float64) - torch.tensor(b, dtype=torch.float64)
+    g = torch.Generator().manual_seed(seed)
+    idx = torch.randint(0, len(d), (resamples, len(d)), generator=g)
+    boot = d[idx].mean(1)
+    lo, hi = torch.quantile(boot, torch.tensor([0.025, 0.975], dtype=torch.float64)).tolist()
+    pct = lambda x: 100 * (math.exp(x) - 1)  # noqa: E731
+    return pct(float(d.mean())), pct(lo), pct(hi)
+
+
+def margins(out: dict, transforms: list[str], bits: list[int]) -> dict[int, dict]:
+    """Per width: the lowest-perplexity transform, the runner-up, and the best's margin with its paired
+    bootstrap interval (None where per-chunk NLLs were not recorded, e.g. results of older versions)."""
+    res = {}
+    for b in bits:
+        cands = sorted((out["results"][t][str(b)]["ppl"], t) for t in transforms if str(b) in out["results"].get(t, {}))
+        if len(cands) < 2:
+            continue
+        (_, best), (_, second) = cands[0], cands[1]
+        ea, eb = out["results"][best][str(b)], out["results"][second][str(b)]
+        ci = paired_difference(ea["chunk_nll"], eb["chunk_nll"]) if "chunk_nll" in ea and "chunk_nll" in eb else None
+        res[b] = {"best": best, "second": second, "delta_pct": 100 * (ea["ppl"] / eb["ppl"] - 1), "ci": ci and list(ci[1:])}
+    return res

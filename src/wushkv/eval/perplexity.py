@@ -42,14 +42,17 @@ def perplexity(
     """Perplexity of ``model`` over ``chunks`` [N, L] (int64 token ids).
 
     ``cache_factory`` returns a fresh cache per chunk (None: full precision, no cache).
-    Returns ``{"ppl", "nll", "tokens", "chunks", "seconds"}`` with ``nll`` the mean token NLL.
+    Returns ``{"ppl", "nll", "chunk_nll", "tokens", "chunks", "seconds"}`` with ``nll`` the mean token NLL
+    and ``chunk_nll`` the mean token NLL of each chunk (for paired comparisons over chunks).
     """
-    total, count = 0.0, 0
+    total, count, per_chunk = 0.0, 0, []
     t0 = time.perf_counter()
     for i in progress(range(chunks.shape[0]), desc=desc, enabled=show_progress, unit="chunk"):
         cache = cache_factory() if cache_factory is not None else None
         s, n = chunk_nll(model, chunks[i : i + 1], cache)
         total += s
         count += n
+        per_chunk.append(s / n)
     mean = total / count
-    return {"ppl": math.exp(mean), "nll": mean, "tokens": count, "chunks": int(chunks.shape[0]), "seconds": time.perf_counter() - t0}
+    return {"ppl": math.exp(mean), "nll": mean, "chunk_nll": per_chunk, "tokens": count, "chunks": int(chunks.shape[0]),
+            "seconds": time.perf_counter() - t0}
