@@ -87,3 +87,5 @@ def test_paired_difference_and_margins():
     assert m[2]["delta_pct"] == pytest.approx(d2) and m[2]["ci"][0] < m[2]["delta_pct"] < m[2]["ci"][1]
     out["results"]["y"]["2"].pop("chunk_nll")  # results of older versions: no interval
     assert margins(out, ["x", "y"], [2])[2]["ci"] is None
+    one = {"results": {"x": {"2": nll([2.1])}, "y": {"2": nll([2.0])}}}  # one chunk: no interval
+    assert margins(one, ["x", "y"], [2])[2]["ci"] is None

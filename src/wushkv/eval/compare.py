@@ -19,6 +19,7 @@ from ..models import fingerprint
 from .perplexity import perplexity
 
 KVARN_TILE = 128
+MIN_CHUNKS_FOR_INTERVAL = 4  # a bootstrap over fewer chunks says nothing
 
 
 def cache_dir() -> Path:
@@ -148,7 +149,8 @@ def paired_difference(a: list[float], b: list[float], resamples: int = 10_000, s
 
 def margins(out: dict, transforms: list[str], bits: list[int]) -> dict[int, dict]:
     """Per width: the lowest-perplexity transform, the runner-up, and the best's margin with its paired
-    bootstrap interval (None where per-chunk NLLs were not recorded, e.g. results of older versions)."""
+    bootstrap interval (None with fewer than ``MIN_CHUNKS_FOR_INTERVAL`` chunks, or where per-chunk NLLs
+    were not recorded, e.g. results of older versions)."""
     res = {}
     for b in bits:
         cands = sorted((out["results"][t][str(b)]["ppl"], t) for t in transforms if str(b) in out["results"].get(t, {}))
@@ -156,6 +158,7 @@ def margins(out: dict, transforms: list[str], bits: list[int]) -> dict[int, dict
             continue
         (_, best), (_, second) = cands[0], cands[1]
         ea, eb = out["results"][best][str(b)], out["results"][second][str(b)]
-        ci = paired_difference(ea["chunk_nll"], eb["chunk_nll"]) if "chunk_nll" in ea and "chunk_nll" in eb else None
+        paired = "chunk_nll" in ea and "chunk_nll" in eb and len(ea["chunk_nll"]) >= MIN_CHUNKS_FOR_INTERVAL
+        ci = paired_difference(ea["chunk_nll"], eb["chunk_nll"]) if paired else None
         res[b] = {"best": best, "second": second, "delta_pct": 100 * (ea["ppl"] / eb["ppl"] - 1), "ci": ci and list(ci[1:])}
     return res
