@@ -120,13 +120,13 @@ def compare_table(out: dict, transforms: list[str], bits: list[int]) -> tuple[li
     return headers, rows
 
 
+def _ranked(out: dict, transforms: list[str], b: int) -> list[str]:
+    """The transforms with a result at width ``b``, lowest perplexity first."""
+    return [t for _, t in sorted((out["results"][t][str(b)]["ppl"], t) for t in transforms if str(b) in out["results"].get(t, {}))]
+
+
 def best_per_bits(out: dict, transforms: list[str], bits: list[int]) -> dict[int, str]:
-    best = {}
-    for b in bits:
-        cands = [(out["results"][t][str(b)]["ppl"], t) for t in transforms if str(b) in out["results"].get(t, {})]
-        if cands:
-            best[b] = min(cands)[1]
-    return best
+    return {b: r[0] for b in bits if (r := _ranked(out, transforms, b))}
 
 
 def paired_difference(a: list[float], b: list[float], resamples: int = 10_000, seed: int = 0) -> tuple[float, float, float]:
@@ -153,10 +153,10 @@ def margins(out: dict, transforms: list[str], bits: list[int]) -> dict[int, dict
     were not recorded, e.g. results of older versions)."""
     res = {}
     for b in bits:
-        cands = sorted((out["results"][t][str(b)]["ppl"], t) for t in transforms if str(b) in out["results"].get(t, {}))
-        if len(cands) < 2:
+        ranked = _ranked(out, transforms, b)
+        if len(ranked) < 2:
             continue
-        (_, best), (_, second) = cands[0], cands[1]
+        best, second = ranked[:2]
         ea, eb = out["results"][best][str(b)], out["results"][second][str(b)]
         paired = "chunk_nll" in ea and "chunk_nll" in eb and len(ea["chunk_nll"]) >= MIN_CHUNKS_FOR_INTERVAL
         ci = paired_difference(ea["chunk_nll"], eb["chunk_nll"]) if paired else None
