@@ -48,3 +48,27 @@ def test_reference_matches_sdpa(softcap):
         torch.testing.assert_close(out, want, rtol=1e-4, atol=1e-5)
     else:
         assert torch.isfinite(out).all()
+
+
+@pytest.mark.parametrize("window", [None, 9])
+def test_blocked_emulation_equals_one_call(window):
+    """Query blocks that read only the columns they need give the one-call result: a causal prefill
+    with sink, quantized middle and recent window (the layout of METHOD §3.2), left padding in row 1,
+    and a sliding window."""
+    B, Hkv, G, T, d, sink, keep = 2, 2, 2, 40, 8, 3, 6
+    g = torch.Generator().manual_seed(3)
+    q = torch.randn(B, Hkv * G, T, d, generator=g)
+    k, v, kh, vh = (torch.randn(B, Hkv, T, d, generator=g) for _ in range(4))
+    i, t = torch.arange(T)[:, None], torch.arange(T)[None, :]
+    allowed = (t <= i).expand(B, 1, T, T).clone()
+    allowed[1, :, :, :5] = False  # five pad tokens in row 1
+    allowed[1, :, :5, 0] = True  # pad rows attend somewhere (their output is unused)
+    if window is not None:
+        allowed &= t > i - window
+    quantized = (t >= sink) & (t < (i + 1 - keep).clamp(min=sink))
+    one = fused_selective_attention(q, k, v, kh, vh, quantized, allowed, 0.3, block=None)
+    ref = selective_attention(q, k, v, kh, vh, quantized, allowed, 0.3)
+    for block in (1, 7, 16, T):
+        out = fused_selective_attention(q, k, v, kh, vh, quantized, allowed, 0.3, block=block)
+        torch.testing.assert_close(out, one, rtol=1e-5, atol=1e-6)
+        torch.testing.assert_close(out, ref, rtol=1e-4, atol=1e-5)

@@ -29,3 +29,38 @@ def test_bits_parsing_error(capsys):
     with pytest.raises(SystemExit):
         main(["compare", "--bits", "two"])
     assert "comma-separated bit widths" in capsys.readouterr().err
+
+
+def test_passkey_and_agree_resume_from_their_json(tmp_path, capsys):
+    """A second run with the same settings reads everything from the JSON (no prompt is run again);
+    the table and results are the same."""
+    import json
+
+    from conftest import hf_char_tokenizer, tiny_model
+
+    tiny_model("llama", vocab_size=128, max_position_embeddings=1024).save_pretrained(tmp_path / "m")
+    hf_char_tokenizer().save_pretrained(tmp_path / "m")
+    text = tmp_path / "t.txt"
+    text.write_text("the quick brown fox jumps over the lazy dog. " * 40)
+    win = ["--sink", "4", "--keep", "8", "--flush", "4"]
+    runs = {
+        "passkey": ["passkey", "--model", str(tmp_path / "m"), "--transforms", "full-precision,hadamard", "--contexts", "300",
+                    "--depths", "0.5", "--trials", "2", *win],
+        "agree": ["agree", "--model", str(tmp_path / "m"), "--transforms", "hadamard", "--prompts", "2", "--prompt-len", "40",
+                  "--new-tokens", "6", "--stride", "1", "--text-file", str(text), *win],
+    }
+    for name, argv in runs.items():
+        out = tmp_path / f"{name}.json"
+        assert main([*argv, "--json", str(out)]) == 0
+        first = json.loads(out.read_text())
+        capsys.readouterr()
+        assert main([*argv, "--json", str(out)]) == 0
+        assert "resuming from" in capsys.readouterr().err
+        again = json.loads(out.read_text())
+        assert again["state"] == first["state"]
+        for m in first["results"]:
+            assert {k: v for k, v in again["results"][m].items() if k != "seconds"} == {
+                k: v for k, v in first["results"][m].items() if k != "seconds"}
+        # other settings start afresh
+        assert main([*argv[:-6], "--sink", "2", "--keep", "8", "--flush", "4", "--json", str(out)]) == 0
+        assert "resuming from" not in capsys.readouterr().err

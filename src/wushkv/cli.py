@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+from pathlib import Path
 import sys
 import time
 
@@ -331,6 +332,25 @@ def _context_list(s: str) -> list[int]:
     return out
 
 
+def _resumable(path: str | None, settings: dict):
+    """(state, save) for a long run that resumes from its ``--json``: the saved state when ``path``
+    holds a run with the same settings (else an empty one), and a function writing it atomically."""
+    from .io import write_json
+
+    settings = json.loads(json.dumps(settings))  # as it reads back from JSON
+    state = {}
+    if path and Path(path).is_file():
+        try:
+            prev = json.loads(Path(path).read_text())
+        except (OSError, json.JSONDecodeError):
+            prev = {}
+        if prev.get("settings") == settings and isinstance(prev.get("state"), dict):
+            state = prev["state"]
+            print(f"resuming from {path}", file=sys.stderr)
+    save = (lambda st: write_json(path, {"settings": settings, "state": st})) if path else None
+    return state, save, settings
+
+
 def cmd_agree(args) -> int:
     from .data import load_eval_text, tokenize_chunks
     from .eval.agreement import run_agreement
@@ -345,8 +365,12 @@ def cmd_agree(args) -> int:
     model, tok = _load(args)
     cal = _calibration_for(args, model, tok, [m for m in methods if method_transform(m) in TRANSFORMS])
     chunks = tokenize_chunks(tok, text, args.prompt_len, args.prompts * args.stride)[:: args.stride]
+    state, save, settings = _resumable(args.json, {
+        "model": args.model, "text": label, "prompts": int(chunks.shape[0]), "prompt_len": args.prompt_len, "stride": args.stride,
+        "new_tokens": args.new_tokens, "single_pass": args.single_pass, "quantization": cfg.to_dict(),
+        "calibration": cal.meta if cal is not None else None})
     res = run_agreement(model, chunks, methods, cal, cfg, args.new_tokens, single_pass=args.single_pass,
-                        log=lambda m: print(m, file=sys.stderr))
+                        log=lambda m: print(m, file=sys.stderr), state=state, save=save)
     rows = [[m, r["mean_kl"], 100 * r["top1"], r["median_first_divergence"], r["kl_first_quarter"], r["kl_last_quarter"], r["kl_growth"]]
             for m, r in res.items()]
     w = cfg.windows
@@ -356,7 +380,7 @@ def cmd_agree(args) -> int:
                              f"{' (single-pass emulation)' if args.single_pass else ' (streaming)'}"))
     out = {"model": args.model, "text": label, "prompts": int(chunks.shape[0]), "prompt_len": args.prompt_len,
            "new_tokens": args.new_tokens, "single_pass": args.single_pass, "quantization": cfg.to_dict(),
-           "calibration": cal.meta if cal is not None else None, "results": res}
+           "calibration": cal.meta if cal is not None else None, "results": res, "settings": settings, "state": state}
     if args.json:
         write_json(args.json, out)
     if args.plot:
@@ -370,6 +394,8 @@ def cmd_agree(args) -> int:
 
 
 def cmd_passkey(args) -> int:
+    from math import nan
+
     from .eval.passkey import run_passkey
     from .io import write_json
     from .report import format_table, plot_heatmaps
@@ -381,19 +407,23 @@ def cmd_passkey(args) -> int:
     cfg = _quant_config(args)
     model, tok = _load(args)
     cal = _calibration_for(args, model, tok, [m for m in methods if method_transform(m) in TRANSFORMS])
+    state, save, settings = _resumable(args.json, {
+        "model": args.model, "trials": args.trials, "seed": args.seed, "quantization": cfg.to_dict(),
+        "calibration": cal.meta if cal is not None else None})
     res = run_passkey(model, tok, methods, cal, cfg, args.contexts, depths, args.trials, seed=args.seed,
-                      log=lambda m: print(m, file=sys.stderr))
+                      log=lambda m: print(m, file=sys.stderr), state=state, save=save)
     headers = ["method"] + [f"{c}" for c in args.contexts] + ["mean"]
-    rows = [[m] + [100 * sum(r["accuracy"][f"{c}/{d}"] for d in depths) / len(depths) for c in args.contexts] + [100 * r["mean"]]
+    rows = [[m] + [100 * sum(r["accuracy"].get(f"{c}/{d}", nan) for d in depths) / len(depths) for c in args.contexts] + [100 * r["mean"]]
             for m, r in res.items()]
     print(format_table(headers, rows, title=f"\n{args.model}: passkey accuracy (%) by context, mean over depths {depths}, "
                                              f"{args.trials} trials each, {cfg.label()}"))
     out = {"model": args.model, "contexts": args.contexts, "depths": depths, "trials": args.trials, "seed": args.seed,
-           "quantization": cfg.to_dict(), "calibration": cal.meta if cal is not None else None, "results": res}
+           "quantization": cfg.to_dict(), "calibration": cal.meta if cal is not None else None, "results": res,
+           "settings": settings, "state": state}
     if args.json:
         write_json(args.json, out)
     if args.plot:
-        grids = {m: [[r["accuracy"][f"{c}/{d}"] for c in args.contexts] for d in depths] for m, r in res.items()}
+        grids = {m: [[r["accuracy"].get(f"{c}/{d}", nan) for c in args.contexts] for d in depths] for m, r in res.items()}
         plot_heatmaps(grids, depths, args.contexts, args.plot, "context (tokens)", "depth",
                       f"{args.model}: passkey accuracy (%), {cfg.label()}")
     return 0

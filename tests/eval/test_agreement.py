@@ -67,3 +67,47 @@ def test_method_names():
         parse_stock("stock-hqq-3")
     with pytest.raises(ValueError, match="unknown method 'nope'"):
         check_methods(["wush", "nope"])
+
+
+@torch.no_grad()
+def test_free_running_stops_at_first_divergence():
+    """With a reference, greedy decoding stops at the first differing token, and the measured prefix
+    is the one the full free-running generation has."""
+    from transformers import DynamicCache
+
+    model = tiny_model("llama")
+    p = torch.randint(3, 96, (1, 16), generator=torch.Generator().manual_seed(4))
+    y = greedy(model, p, 20, DynamicCache(config=model.config))
+    assert torch.equal(greedy(model, p, 20, DynamicCache(config=model.config), reference=y), y)
+    other = y.clone()
+    other[0, 5] = (other[0, 5] + 1) % 96
+    short = greedy(model, p, 20, DynamicCache(config=model.config), reference=other)
+    assert short.shape == (1, 6) and torch.equal(short, y[:, :6])
+    assert common_prefix(short, other) == common_prefix(y, other) == 5
+
+
+class _Interrupt(Exception):
+    pass
+
+
+def test_interrupted_run_resumes_to_the_same_result():
+    model = tiny_model("qwen3")
+    prompts = torch.randint(3, 96, (3, 24), generator=torch.Generator().manual_seed(2))
+    cfg = QuantConfig(2, 2, "affine", windows=WindowConfig(2, 4, 2))
+    quiet = dict(show_progress=False, log=lambda m: None)
+    whole = run_agreement(model, prompts, ["hadamard", "identity"], None, cfg, 12, **quiet)
+    calls = []
+
+    def save(state):
+        calls.append(1)
+        if len(calls) == 5:  # 3 continuations, one hadamard prompt, then stop mid-method
+            raise _Interrupt
+
+    state = {}
+    with pytest.raises(_Interrupt):
+        run_agreement(model, prompts, ["hadamard", "identity"], None, cfg, 12, state=state, save=save, **quiet)
+    assert len(state["continuations"]) == 3 and len(state["rows"]["hadamard"]) == 2
+    resumed = run_agreement(model, prompts, ["hadamard", "identity"], None, cfg, 12, state=state, **quiet)
+    for m in whole:
+        for k in ("mean_kl", "top1", "first_divergence", "kl_by_position"):
+            assert resumed[m][k] == pytest.approx(whole[m][k], rel=1e-6, abs=1e-12)

@@ -51,3 +51,26 @@ def test_scoring_counts_every_case():
     for r in res.values():
         assert set(r["accuracy"]) == {"300/0.2", "300/0.8"}
         assert all(v in (0.0, 0.5, 1.0) for v in r["accuracy"].values())  # 2 trials per cell
+
+
+def test_interrupted_passkey_resumes_to_the_same_result():
+    model = tiny_model("llama")
+    cfg = QuantConfig(2, 2, "affine", windows=WindowConfig(4, 16, 4))
+    args = (model, CharTokenizer(), ["full-precision", "hadamard"], None, cfg, [340, 300], [0.2, 0.8], 2)
+    quiet = dict(new_tokens=3, show_progress=False, log=lambda m: None)
+    whole = run_passkey(*args, **quiet)
+    seen = []
+
+    def save(state):
+        seen.append(sum(len(v) for v in state.values()))
+        if len(seen) == 6:
+            raise KeyboardInterrupt
+
+    state = {}
+    with pytest.raises(KeyboardInterrupt):
+        run_passkey(*args, state=state, save=save, **quiet)
+    # shortest context first, every method at it before the next: 4 fp + 2 hadamard cases at 300
+    assert set(state["full-precision"]) == {f"300/{d:g}/{t}" for d in (0.2, 0.8) for t in (0, 1)}
+    assert len(state["hadamard"]) == 2
+    resumed = run_passkey(*args, state=state, **quiet)
+    assert {m: r["accuracy"] for m, r in resumed.items()} == {m: r["accuracy"] for m, r in whole.items()}

@@ -28,13 +28,20 @@ from ..progress import progress
 
 
 @torch.no_grad()
-def greedy(model, prompt: torch.Tensor, n: int, cache) -> torch.Tensor:
-    """``n`` greedy tokens after ``prompt`` (1, P) through ``cache`` (EOS ignored). Returns (1, n)."""
-    logits = model(prompt, cache=cache, use_cache=True).logits[:, -1]
+def greedy(model, prompt: torch.Tensor, n: int, cache, reference: torch.Tensor | None = None) -> torch.Tensor:
+    """``n`` greedy tokens after ``prompt`` (1, P) through ``cache`` (EOS ignored). Returns (1, ≤ n).
+
+    With ``reference`` (1, n), generation stops at the first token that differs from it (that token
+    is the last returned): all a first-divergence measurement needs, without decoding the rest. The
+    prompt's logits are computed for its last position only.
+    """
+    logits = model(prompt, cache=cache, use_cache=True, logits_to_keep=1).logits[:, -1]
     out = []
     for i in range(n):
         t = logits.argmax(-1, keepdim=True)
         out.append(t)
+        if reference is not None and int(t) != int(reference[0, i]):
+            break
         if i + 1 < n:
             logits = model(t, cache=cache, use_cache=True).logits[:, -1]
     return torch.cat(out, 1)
@@ -69,9 +76,11 @@ def kl_and_top1(ref_logits: torch.Tensor, logits: torch.Tensor) -> tuple[torch.T
 
 
 def common_prefix(a: torch.Tensor, b: torch.Tensor) -> int:
-    """Length of the common prefix of two (1, n) token rows (= position of the first difference)."""
-    diff = (a[0] != b[0]).nonzero()
-    return int(diff[0]) if diff.numel() else int(a.shape[1])
+    """Length of the common prefix of two (1, n) token rows (= position of the first difference);
+    rows of different lengths are compared over the shorter one."""
+    n = min(a.shape[1], b.shape[1])
+    diff = (a[0, :n] != b[0, :n]).nonzero()
+    return int(diff[0]) if diff.numel() else n
 
 
 def summarize(kl_rows: list[list[float]], top1_rows: list[list[bool]], prefixes: list[int]) -> dict:
@@ -94,35 +103,52 @@ def summarize(kl_rows: list[list[float]], top1_rows: list[list[bool]], prefixes:
 
 
 def run_agreement(model, prompts: torch.Tensor, methods: list[str], calibration, cfg, new_tokens: int,
-                  single_pass: bool = False, show_progress: bool = True, log=print) -> dict:
-    """Everything above for ``prompts`` (N, P) and every method name (see :mod:`wushkv.eval.methods`)."""
+                  single_pass: bool = False, show_progress: bool = True, log=print,
+                  state: dict | None = None, save=None) -> dict:
+    """Everything above for ``prompts`` (N, P) and every method name (see :mod:`wushkv.eval.methods`).
+
+    Long runs resume: ``state`` (a dict, filled in place) holds the full-precision continuations and
+    each method's per-prompt rows (``{"kl": [...], "top1": [...], "prefix": int}``); ``save(state)`` is
+    called after every prompt. Hand back a saved state for the same prompts and settings to skip
+    what it already holds.
+    """
+    from transformers import DynamicCache
+
     from .methods import method_cache
 
+    state = {} if state is None else state
+    conts, rows = state.setdefault("continuations", []), state.setdefault("rows", {})
     device = next(model.parameters()).device
     prompts = prompts.to(device)
     t0 = time.perf_counter()
-    refs = []  # (continuation, fp logits) per prompt
-    for i in progress(range(prompts.shape[0]), desc="full precision", enabled=show_progress, unit="prompt"):
-        from transformers import DynamicCache
-
-        p = prompts[i : i + 1]
-        y = greedy(model, p, new_tokens, DynamicCache(config=model.config))
-        refs.append((y, next_token_logits(model, p, y)))
+    for i in progress(range(len(conts), prompts.shape[0]), desc="full precision", enabled=show_progress, unit="prompt"):
+        conts.append(greedy(model, prompts[i : i + 1], new_tokens, DynamicCache(config=model.config))[0].tolist())
+        if save:
+            save(state)
     log(f"full-precision continuations: {prompts.shape[0]} x {new_tokens} tokens ({time.perf_counter() - t0:.0f}s)")
+    refs: dict[int, torch.Tensor] = {}  # fp logits per prompt, recomputed (one forward) rather than stored
+
+    def ref_logits(i):
+        if i not in refs:
+            refs[i] = next_token_logits(model, prompts[i : i + 1], torch.tensor([conts[i]], device=device))
+        return refs[i]
+
     results = {}
     for name in methods:
+        done = rows.setdefault(name, [])
         t0 = time.perf_counter()
-        kl_rows, top1_rows, prefixes = [], [], []
-        with method_cache(model, calibration, name, cfg) as make:
-            for i in progress(range(prompts.shape[0]), desc=name, enabled=show_progress, unit="prompt"):
-                p = prompts[i : i + 1]
-                y, ref = refs[i]
-                logits = next_token_logits(model, p, y, make(), single_pass=single_pass and not name.startswith("stock-"))
-                kl, top1 = kl_and_top1(ref, logits)
-                kl_rows.append(kl.tolist())
-                top1_rows.append(top1.tolist())
-                prefixes.append(common_prefix(greedy(model, p, new_tokens, make()), y))
-        results[name] = summarize(kl_rows, top1_rows, prefixes) | {"seconds": time.perf_counter() - t0}
+        if len(done) < prompts.shape[0]:
+            with method_cache(model, calibration, name, cfg) as make:
+                for i in progress(range(len(done), prompts.shape[0]), desc=name, enabled=show_progress, unit="prompt"):
+                    p, y = prompts[i : i + 1], torch.tensor([conts[i]], device=device)
+                    logits = next_token_logits(model, p, y, make(), single_pass=single_pass and not name.startswith("stock-"))
+                    kl, top1 = kl_and_top1(ref_logits(i), logits)
+                    prefix = common_prefix(greedy(model, p, new_tokens, make(), reference=y), y)
+                    done.append({"kl": kl.tolist(), "top1": top1.tolist(), "prefix": prefix})
+                    if save:
+                        save(state)
+        results[name] = summarize([r["kl"] for r in done], [r["top1"] for r in done], [r["prefix"] for r in done]) | {
+            "seconds": time.perf_counter() - t0}
         r = results[name]
         log(f"{name:>16}: mean KL {r['mean_kl']:.4f}  top-1 {100 * r['top1']:.1f}%  median first divergence "
             f"{r['median_first_divergence']}  KL last/first quarter {r['kl_growth']:.2f}  ({r['seconds']:.0f}s)")

@@ -62,26 +62,54 @@ def answer_key(text: str) -> int | None:
     return int(m.group()) if m else None
 
 
+def case_key(context: int, depth: float, trial: int) -> str:
+    return f"{context}/{depth:g}/{trial}"
+
+
 def run_passkey(model, tokenizer, methods: list[str], calibration, cfg, contexts: list[int], depths: list[float],
-                trials: int, seed: int = 0, new_tokens: int = 8, show_progress: bool = True, log=print) -> dict:
-    """Accuracy per (method, context, depth); ``full-precision`` is the ceiling. Prompts are built once."""
+                trials: int, seed: int = 0, new_tokens: int = 8, show_progress: bool = True, log=print,
+                state: dict | None = None, save=None) -> dict:
+    """Accuracy per (method, context, depth); ``full-precision`` is the ceiling.
+
+    Contexts run shortest first, every method at one context before the next, so a partial run
+    already holds whole columns of the table. Long runs resume: ``state`` (filled in place) maps
+    method -> case (``context/depth/trial``) -> hit, and ``save(state)`` is called after every prompt.
+    Returns, per method, the accuracy per ``context/depth`` cell over the cases done.
+    """
     from .agreement import greedy
     from .methods import method_cache
 
     device = next(model.parameters()).device
-    cases = [(c, d, t) for c in contexts for d in depths for t in range(trials)]
-    prompts = {k: passkey_prompt(tokenizer, k[0], k[1], trial_seed(seed, *k)) for k in cases}
+    state = {} if state is None else state
+    hits = {name: state.setdefault(name, {}) for name in methods}
+    seconds = dict.fromkeys(methods, 0.0)
+    for c in contexts:  # bad contexts or depths fail before any work
+        for d in depths:
+            passkey_prompt(tokenizer, c, d, 0)
+    for c in sorted(contexts):
+        cases = [(c, d, t) for d in depths for t in range(trials)]
+        for name in methods:
+            todo = [k for k in cases if case_key(*k) not in hits[name]]
+            if not todo:
+                continue
+            t0 = time.perf_counter()
+            with method_cache(model, calibration, name, cfg) as make:
+                for case in progress(todo, desc=f"{name} {c}", enabled=show_progress, unit="prompt"):
+                    ids, key = passkey_prompt(tokenizer, case[0], case[1], trial_seed(seed, *case))
+                    gen = greedy(model, ids.to(device), new_tokens, make())
+                    hits[name][case_key(*case)] = answer_key(tokenizer.decode(gen[0], skip_special_tokens=True)) == key
+                    if save:
+                        save(state)
+            seconds[name] += time.perf_counter() - t0
     out = {}
     for name in methods:
-        t0 = time.perf_counter()
-        hits = {}
-        with method_cache(model, calibration, name, cfg) as make:
-            for case in progress(cases, desc=name, enabled=show_progress, unit="prompt"):
-                ids, key = prompts[case]
-                gen = greedy(model, ids.to(device), new_tokens, make())
-                got = answer_key(tokenizer.decode(gen[0], skip_special_tokens=True))
-                hits.setdefault(f"{case[0]}/{case[1]}", []).append(got == key)
-        acc = {k: sum(v) / len(v) for k, v in hits.items()}
-        out[name] = {"accuracy": acc, "mean": sum(acc.values()) / len(acc), "seconds": time.perf_counter() - t0}
+        cells = {}
+        for c in contexts:
+            for d in depths:
+                got = [hits[name][k] for t in range(trials) if (k := case_key(c, d, t)) in hits[name]]
+                if got:
+                    cells[f"{c}/{d}"] = sum(got) / len(got)
+        out[name] = {"accuracy": cells, "mean": sum(cells.values()) / len(cells) if cells else float("nan"),
+                     "seconds": seconds[name]}
         log(f"{name:>16}: mean accuracy {100 * out[name]['mean']:.1f}% ({out[name]['seconds']:.0f}s)")
     return out
