@@ -367,9 +367,9 @@ def cmd_agree(args) -> int:
     chunks = tokenize_chunks(tok, text, args.prompt_len, args.prompts * args.stride)[:: args.stride]
     state, save, settings = _resumable(args.json, {
         "model": args.model, "text": label, "prompts": int(chunks.shape[0]), "prompt_len": args.prompt_len, "stride": args.stride,
-        "new_tokens": args.new_tokens, "single_pass": args.single_pass, "quantization": cfg.to_dict(),
+        "new_tokens": args.new_tokens, "batch": args.batch, "single_pass": args.single_pass, "quantization": cfg.to_dict(),
         "calibration": cal.meta if cal is not None else None})
-    res = run_agreement(model, chunks, methods, cal, cfg, args.new_tokens, single_pass=args.single_pass,
+    res = run_agreement(model, chunks, methods, cal, cfg, args.new_tokens, single_pass=args.single_pass, batch=args.batch,
                         log=lambda m: print(m, file=sys.stderr), state=state, save=save)
     rows = [[m, r["mean_kl"], 100 * r["top1"], r["median_first_divergence"], r["kl_first_quarter"], r["kl_last_quarter"], r["kl_growth"]]
             for m, r in res.items()]
@@ -585,6 +585,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--prompt-len", type=int, default=512, help="tokens per prompt (default: %(default)s)")
     p.add_argument("--stride", type=int, default=4, help="take every N-th chunk of the text as a prompt (default: %(default)s)")
     p.add_argument("--new-tokens", type=int, default=1024, help="generated tokens per prompt (default: %(default)s)")
+    p.add_argument("--batch", type=int, default=8,
+                   help="prompts decoded together: on a CPU decoding is bound by reading the weights, so a batch costs little more "
+                        "than one prompt; streamed logits take batch x new tokens x vocabulary floats (default: %(default)s)")
     p.add_argument("--single-pass", action="store_true", help="teacher-force with the exact single-pass emulation instead of token-by-token streaming (same logits, much faster)")
     p.add_argument("--text-file", default=None, help="UTF-8 text to take prompts from instead of WikiText-2 test")
     p.add_argument("--json", default=None)

@@ -100,14 +100,32 @@ def test_interrupted_run_resumes_to_the_same_result():
 
     def save(state):
         calls.append(1)
-        if len(calls) == 5:  # 3 continuations, one hadamard prompt, then stop mid-method
+        if len(calls) == 5:  # 3 continuations, then prompt 0 for both methods: stop there
             raise _Interrupt
 
     state = {}
     with pytest.raises(_Interrupt):
         run_agreement(model, prompts, ["hadamard", "identity"], None, cfg, 12, state=state, save=save, **quiet)
-    assert len(state["continuations"]) == 3 and len(state["rows"]["hadamard"]) == 2
+    assert len(state["continuations"]) == 3 and len(state["rows"]["hadamard"]) == len(state["rows"]["identity"]) == 1
     resumed = run_agreement(model, prompts, ["hadamard", "identity"], None, cfg, 12, state=state, **quiet)
     for m in whole:
         for k in ("mean_kl", "top1", "first_divergence", "kl_by_position"):
             assert resumed[m][k] == pytest.approx(whole[m][k], rel=1e-6, abs=1e-12)
+
+
+def test_batches_give_the_per_prompt_results():
+    """Decoding prompts together (continuations, streaming, free-running) changes nothing per prompt;
+    a method added to a finished run is the only work done on resume."""
+    model = tiny_model("llama").double()
+    prompts = torch.randint(3, 96, (3, 20), generator=torch.Generator().manual_seed(5))
+    cfg = QuantConfig(2, 2, "affine", windows=WindowConfig(2, 4, 2))
+    quiet = dict(show_progress=False, log=lambda m: None)
+    one = run_agreement(model, prompts, ["hadamard", "stock-quanto-2"], None, cfg, 10, **quiet)
+    state = {}
+    two = run_agreement(model, prompts, ["hadamard"], None, cfg, 10, batch=2, state=state, **quiet)
+    two |= run_agreement(model, prompts, ["hadamard", "stock-quanto-2"], None, cfg, 10, batch=2, state=state, **quiet)
+    for m in one:
+        assert two[m]["first_divergence"] == one[m]["first_divergence"]
+        assert two[m]["kl_by_position"] == pytest.approx(one[m]["kl_by_position"], rel=1e-6, abs=1e-12)
+    with pytest.raises(ValueError, match="batch must be at least 1"):
+        run_agreement(model, prompts, ["hadamard"], None, cfg, 10, batch=0, **quiet)

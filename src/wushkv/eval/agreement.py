@@ -29,21 +29,36 @@ from ..progress import progress
 
 @torch.no_grad()
 def greedy(model, prompt: torch.Tensor, n: int, cache, reference: torch.Tensor | None = None) -> torch.Tensor:
-    """``n`` greedy tokens after ``prompt`` (1, P) through ``cache`` (EOS ignored). Returns (1, ≤ n).
+    """``n`` greedy tokens after ``prompt`` (B, P) through ``cache`` (EOS ignored). Returns (B, ≤ n).
 
-    With ``reference`` (1, n), generation stops at the first token that differs from it (that token
-    is the last returned): all a first-divergence measurement needs, without decoding the rest. The
-    prompt's logits are computed for its last position only.
+    With ``reference`` (B, n), generation stops once every row has produced a token that differs
+    from its reference row: all a first-divergence measurement needs, without decoding the rest
+    (rows that diverged earlier go on with their own tokens, which nothing reads). The prompt's
+    logits are computed for its last position only. Rows of equal length need no padding; on a CPU,
+    where decoding is bound by reading the weights, a batch costs little more than one row.
     """
     logits = model(prompt, cache=cache, use_cache=True, logits_to_keep=1).logits[:, -1]
     out = []
+    alive = torch.ones(prompt.shape[0], dtype=torch.bool, device=prompt.device)
     for i in range(n):
         t = logits.argmax(-1, keepdim=True)
         out.append(t)
-        if reference is not None and int(t) != int(reference[0, i]):
-            break
+        if reference is not None:
+            alive &= t[:, 0] == reference[:, i]
+            if not alive.any():
+                break
         if i + 1 < n:
             logits = model(t, cache=cache, use_cache=True).logits[:, -1]
+    return torch.cat(out, 1)
+
+
+@torch.no_grad()
+def streamed_logits(model, prompts: torch.Tensor, conts: torch.Tensor, cache) -> torch.Tensor:
+    """Logits (B, n, V) predicting each token of ``conts`` (B, n) after ``prompts`` (B, P): the prompts
+    prefilled into ``cache``, then the continuations fed token by token (real streaming)."""
+    out = [model(prompts, cache=cache, use_cache=True, logits_to_keep=1).logits[:, -1:].float()]
+    for t in range(conts.shape[1] - 1):
+        out.append(model(conts[:, t : t + 1], cache=cache, use_cache=True).logits[:, -1:].float())
     return torch.cat(out, 1)
 
 
@@ -61,10 +76,7 @@ def next_token_logits(model, prompt: torch.Tensor, cont: torch.Tensor, cache=Non
         return model(ids).logits[0, P - 1 :].float()
     if single_pass:
         return model(ids, cache=cache, use_cache=True).logits[0, P - 1 :].float()
-    out = [model(prompt, cache=cache, use_cache=True).logits[0, -1:]]
-    for t in range(cont.shape[1] - 1):
-        out.append(model(cont[:, t : t + 1], cache=cache, use_cache=True).logits[0, -1:])
-    return torch.cat(out).float()
+    return streamed_logits(model, prompt, cont, cache)[0]
 
 
 def kl_and_top1(ref_logits: torch.Tensor, logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -75,12 +87,17 @@ def kl_and_top1(ref_logits: torch.Tensor, logits: torch.Tensor) -> tuple[torch.T
     return kl, ref_logits.argmax(-1) == logits.argmax(-1)
 
 
-def common_prefix(a: torch.Tensor, b: torch.Tensor) -> int:
-    """Length of the common prefix of two (1, n) token rows (= position of the first difference);
-    rows of different lengths are compared over the shorter one."""
+def common_prefixes(a: torch.Tensor, b: torch.Tensor) -> list[int]:
+    """Per row, the length of the common prefix of two (B, n) token batches (= position of the first
+    difference); batches of different lengths are compared over the shorter one."""
     n = min(a.shape[1], b.shape[1])
-    diff = (a[0, :n] != b[0, :n]).nonzero()
-    return int(diff[0]) if diff.numel() else n
+    same = (a[:, :n] == b[:, :n]).long()
+    return same.cumprod(1).sum(1).tolist()
+
+
+def common_prefix(a: torch.Tensor, b: torch.Tensor) -> int:
+    """:func:`common_prefixes` of two (1, n) rows."""
+    return common_prefixes(a, b)[0]
 
 
 def summarize(kl_rows: list[list[float]], top1_rows: list[list[bool]], prefixes: list[int]) -> dict:
@@ -103,52 +120,61 @@ def summarize(kl_rows: list[list[float]], top1_rows: list[list[bool]], prefixes:
 
 
 def run_agreement(model, prompts: torch.Tensor, methods: list[str], calibration, cfg, new_tokens: int,
-                  single_pass: bool = False, show_progress: bool = True, log=print,
+                  single_pass: bool = False, batch: int = 1, show_progress: bool = True, log=print,
                   state: dict | None = None, save=None) -> dict:
     """Everything above for ``prompts`` (N, P) and every method name (see :mod:`wushkv.eval.methods`).
 
-    Long runs resume: ``state`` (a dict, filled in place) holds the full-precision continuations and
-    each method's per-prompt rows (``{"kl": [...], "top1": [...], "prefix": int}``); ``save(state)`` is
-    called after every prompt. Hand back a saved state for the same prompts and settings to skip
-    what it already holds.
+    ``batch`` prompts are decoded together (full-precision continuations, streaming, free-running);
+    streamed logits take ``batch × new_tokens × vocabulary`` floats. Long runs resume: ``state`` (a
+    dict, filled in place) holds the full-precision continuations and each method's per-prompt rows
+    (``{"kl": [...], "top1": [...], "prefix": int}``); ``save(state)`` is called after every batch.
+    Hand back a saved state for the same prompts and settings to skip what it already holds.
     """
     from transformers import DynamicCache
 
     from .methods import method_cache
 
+    if batch < 1:
+        raise ValueError(f"batch must be at least 1, got {batch}")
     state = {} if state is None else state
     conts, rows = state.setdefault("continuations", []), state.setdefault("rows", {})
     device = next(model.parameters()).device
     prompts = prompts.to(device)
+    N = prompts.shape[0]
     t0 = time.perf_counter()
-    for i in progress(range(len(conts), prompts.shape[0]), desc="full precision", enabled=show_progress, unit="prompt"):
-        conts.append(greedy(model, prompts[i : i + 1], new_tokens, DynamicCache(config=model.config))[0].tolist())
+    for a in progress(range(len(conts), N, batch), desc=f"full precision (batches of {batch})", enabled=show_progress, unit="batch"):
+        conts.extend(greedy(model, prompts[a : a + batch], new_tokens, DynamicCache(config=model.config)).tolist())
         if save:
             save(state)
-    log(f"full-precision continuations: {prompts.shape[0]} x {new_tokens} tokens ({time.perf_counter() - t0:.0f}s)")
-    refs: dict[int, torch.Tensor] = {}  # fp logits per prompt, recomputed (one forward) rather than stored
+    log(f"full-precision continuations: {N} x {new_tokens} tokens ({time.perf_counter() - t0:.0f}s)")
 
-    def ref_logits(i):
-        if i not in refs:
-            refs[i] = next_token_logits(model, prompts[i : i + 1], torch.tensor([conts[i]], device=device))
-        return refs[i]
-
+    # Batches outermost: the reference logits of a batch (on the unmodified model) serve every method.
+    done = {name: rows.setdefault(name, []) for name in methods}
+    seconds = dict.fromkeys(methods, 0.0)
+    work = [(a, name) for a in range(0, N, batch) for name in methods if a >= len(done[name])]
+    refs, refs_at = None, None
+    for a, name in progress(work, desc="teacher-forced and free-running", enabled=show_progress, unit="batch"):
+        P, Y = prompts[a : a + batch], torch.tensor(conts[a : a + batch], device=device)
+        t0 = time.perf_counter()
+        if refs_at != a:
+            refs, refs_at = [next_token_logits(model, P[j : j + 1], Y[j : j + 1]) for j in range(P.shape[0])], a
+        one_pass = single_pass and not name.startswith("stock-")  # the stock cache's prefill does not see its quantization
+        with method_cache(model, calibration, name, cfg) as make:
+            streamed = None if one_pass else streamed_logits(model, P, Y, make())
+            prefixes = common_prefixes(greedy(model, P, new_tokens, make(), reference=Y), Y)
+            for j in range(P.shape[0]):
+                logits = next_token_logits(model, P[j : j + 1], Y[j : j + 1], make()) if one_pass else streamed[j]
+                kl, top1 = kl_and_top1(refs[j], logits)
+                done[name].append({"kl": kl.tolist(), "top1": top1.tolist(), "prefix": prefixes[j]})
+            del streamed
+        seconds[name] += time.perf_counter() - t0
+        if save:
+            save(state)
     results = {}
     for name in methods:
-        done = rows.setdefault(name, [])
-        t0 = time.perf_counter()
-        if len(done) < prompts.shape[0]:
-            with method_cache(model, calibration, name, cfg) as make:
-                for i in progress(range(len(done), prompts.shape[0]), desc=name, enabled=show_progress, unit="prompt"):
-                    p, y = prompts[i : i + 1], torch.tensor([conts[i]], device=device)
-                    logits = next_token_logits(model, p, y, make(), single_pass=single_pass and not name.startswith("stock-"))
-                    kl, top1 = kl_and_top1(ref_logits(i), logits)
-                    prefix = common_prefix(greedy(model, p, new_tokens, make(), reference=y), y)
-                    done.append({"kl": kl.tolist(), "top1": top1.tolist(), "prefix": prefix})
-                    if save:
-                        save(state)
-        results[name] = summarize([r["kl"] for r in done], [r["top1"] for r in done], [r["prefix"] for r in done]) | {
-            "seconds": time.perf_counter() - t0}
+        done_rows = done[name]
+        results[name] = summarize([r["kl"] for r in done_rows], [r["top1"] for r in done_rows], [r["prefix"] for r in done_rows]) | {
+            "seconds": seconds[name]}
         r = results[name]
         log(f"{name:>16}: mean KL {r['mean_kl']:.4f}  top-1 {100 * r['top1']:.1f}%  median first divergence "
             f"{r['median_first_divergence']}  KL last/first quarter {r['kl_growth']:.2f}  ({r['seconds']:.0f}s)")
