@@ -72,3 +72,22 @@ def test_blocked_emulation_equals_one_call(window):
         out = fused_selective_attention(q, k, v, kh, vh, quantized, allowed, 0.3, block=block)
         torch.testing.assert_close(out, one, rtol=1e-5, atol=1e-6)
         torch.testing.assert_close(out, ref, rtol=1e-4, atol=1e-5)
+
+
+def test_blocked_emulation_chunked_prefill_and_padded_masks():
+    """Queries that are the last T of S positions (a prefill after earlier tokens), a per-row
+    (B, 1, T, S) quantized mask (left padding), and no mask at all."""
+    B, Hkv, G, T, S, d = 2, 1, 4, 21, 50, 8
+    g = torch.Generator().manual_seed(4)
+    q = torch.randn(B, Hkv * G, T, d, generator=g)
+    k, v, kh, vh = (torch.randn(B, Hkv, S, d, generator=g) for _ in range(4))
+    i, t = torch.arange(S - T, S)[:, None], torch.arange(S)[None, :]
+    allowed = (t <= i).expand(B, 1, T, S).clone()
+    pads = torch.tensor([0, 3]).view(B, 1, 1, 1)
+    quantized = (t >= pads + 2) & (t < (i + 1 - 6).clamp(min=0) + pads)  # (B, 1, T, S)
+    for mask in (allowed, None):
+        one = fused_selective_attention(q, k, v, kh, vh, quantized, mask, 0.4, block=None)
+        torch.testing.assert_close(one, selective_attention(q, k, v, kh, vh, quantized, mask, 0.4), rtol=1e-4, atol=1e-5)
+        for block in (4, 8, 64):
+            torch.testing.assert_close(fused_selective_attention(q, k, v, kh, vh, quantized, mask, 0.4, block=block), one,
+                                       rtol=1e-5, atol=1e-6)

@@ -33,7 +33,7 @@ def test_bits_parsing_error(capsys):
 
 def test_passkey_and_agree_resume_from_their_json(tmp_path, capsys):
     """A second run with the same settings reads everything from the JSON (no prompt is run again);
-    the table and results are the same."""
+    the table and results are the same; other settings are refused, not overwritten."""
     import json
 
     from conftest import hf_char_tokenizer, tiny_model
@@ -59,8 +59,10 @@ def test_passkey_and_agree_resume_from_their_json(tmp_path, capsys):
         again = json.loads(out.read_text())
         assert again["state"] == first["state"]
         for m in first["results"]:
+            assert again["results"][m]["seconds"] == 0  # nothing ran again
             assert {k: v for k, v in again["results"][m].items() if k != "seconds"} == {
                 k: v for k, v in first["results"][m].items() if k != "seconds"}
-        # other settings start afresh
-        assert main([*argv[:-6], "--sink", "2", "--keep", "8", "--flush", "4", "--json", str(out)]) == 0
-        assert "resuming from" not in capsys.readouterr().err
+        # a run with other settings is refused, and the file is left as it was
+        assert main([*argv[:-6], "--sink", "2", "--keep", "8", "--flush", "4", "--json", str(out)]) == 2
+        assert "other settings (differing: quantization)" in capsys.readouterr().err
+        assert json.loads(out.read_text()) == again

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
 from pathlib import Path
 import sys
@@ -332,21 +333,42 @@ def _context_list(s: str) -> list[int]:
     return out
 
 
+def _calibration_recipe(cal) -> dict | None:
+    """What a calibration's results depend on (its metadata less the date, timing and version)."""
+    if cal is None:
+        return None
+    return {k: v for k, v in cal.meta.items() if k not in ("date", "seconds", "wushkv_version")}
+
+
 def _resumable(path: str | None, settings: dict):
-    """(state, save) for a long run that resumes from its ``--json``: the saved state when ``path``
-    holds a run with the same settings (else an empty one), and a function writing it atomically."""
+    """(state, save, settings) for a long run that resumes from its ``--json``.
+
+    A file holding a run with the same settings gives back its state; a missing file starts afresh.
+    A file from other settings is refused rather than overwritten. ``settings["calibration"]`` None
+    (no listed method is calibrated) is compatible with any calibration, and keeps the stored one.
+    """
     from .io import write_json
 
     settings = json.loads(json.dumps(settings))  # as it reads back from JSON
     state = {}
-    if path and Path(path).is_file():
+    if path and Path(path).exists():
         try:
             prev = json.loads(Path(path).read_text())
-        except (OSError, json.JSONDecodeError):
-            prev = {}
-        if prev.get("settings") == settings and isinstance(prev.get("state"), dict):
-            state = prev["state"]
-            print(f"resuming from {path}", file=sys.stderr)
+        except (OSError, json.JSONDecodeError) as e:
+            raise ValueError(f"--json {path}: cannot resume from it ({e}); give another path or delete it") from None
+        if not isinstance(prev, dict) or not isinstance(prev.get("settings"), dict) or not isinstance(prev.get("state"), dict):
+            raise ValueError(f"--json {path}: not a file this command wrote (no settings/state); give another path or delete it")
+        old = prev["settings"]
+        if settings.get("calibration") is None:
+            settings["calibration"] = old.get("calibration")
+        elif old.get("calibration") is None:
+            old = old | {"calibration": settings["calibration"]}
+        differ = sorted(k for k in set(old) | set(settings) if old.get(k) != settings.get(k))
+        if differ:
+            raise ValueError(f"--json {path} holds a run with other settings (differing: {', '.join(differ)}); "
+                             "give another path to start afresh, or delete it")
+        state = prev["state"]
+        print(f"resuming from {path}", file=sys.stderr)
     save = (lambda st: write_json(path, {"settings": settings, "state": st})) if path else None
     return state, save, settings
 
@@ -366,9 +388,9 @@ def cmd_agree(args) -> int:
     cal = _calibration_for(args, model, tok, [m for m in methods if method_transform(m) in TRANSFORMS])
     chunks = tokenize_chunks(tok, text, args.prompt_len, args.prompts * args.stride)[:: args.stride]
     state, save, settings = _resumable(args.json, {
-        "model": args.model, "text": label, "prompts": int(chunks.shape[0]), "prompt_len": args.prompt_len, "stride": args.stride,
-        "new_tokens": args.new_tokens, "batch": args.batch, "single_pass": args.single_pass, "quantization": cfg.to_dict(),
-        "calibration": cal.meta if cal is not None else None})
+        "model": args.model, "dtype": args.dtype, "text": label, "prompts": int(chunks.shape[0]), "prompt_len": args.prompt_len,
+        "stride": args.stride, "prompt_sha256": hashlib.sha256(chunks.numpy().tobytes()).hexdigest(), "new_tokens": args.new_tokens,
+        "single_pass": args.single_pass, "quantization": cfg.to_dict(), "calibration": _calibration_recipe(cal)})
     res = run_agreement(model, chunks, methods, cal, cfg, args.new_tokens, single_pass=args.single_pass, batch=args.batch,
                         log=lambda m: print(m, file=sys.stderr), state=state, save=save)
     rows = [[m, r["mean_kl"], 100 * r["top1"], r["median_first_divergence"], r["kl_first_quarter"], r["kl_last_quarter"], r["kl_growth"]]
@@ -379,7 +401,7 @@ def cmd_agree(args) -> int:
                              f"generated, {cfg.label()}"
                              f"{' (single-pass emulation)' if args.single_pass else ' (streaming)'}"))
     out = {"model": args.model, "text": label, "prompts": int(chunks.shape[0]), "prompt_len": args.prompt_len,
-           "new_tokens": args.new_tokens, "single_pass": args.single_pass, "quantization": cfg.to_dict(),
+           "new_tokens": args.new_tokens, "single_pass": args.single_pass, "batch": args.batch, "quantization": cfg.to_dict(),
            "calibration": cal.meta if cal is not None else None, "results": res, "settings": settings, "state": state}
     if args.json:
         write_json(args.json, out)
@@ -408,8 +430,8 @@ def cmd_passkey(args) -> int:
     model, tok = _load(args)
     cal = _calibration_for(args, model, tok, [m for m in methods if method_transform(m) in TRANSFORMS])
     state, save, settings = _resumable(args.json, {
-        "model": args.model, "trials": args.trials, "seed": args.seed, "quantization": cfg.to_dict(),
-        "calibration": cal.meta if cal is not None else None})
+        "model": args.model, "dtype": args.dtype, "trials": args.trials, "seed": args.seed, "quantization": cfg.to_dict(),
+        "calibration": _calibration_recipe(cal)})
     res = run_passkey(model, tok, methods, cal, cfg, args.contexts, depths, args.trials, seed=args.seed,
                       log=lambda m: print(m, file=sys.stderr), state=state, save=save)
     headers = ["method"] + [f"{c}" for c in args.contexts] + ["mean"]
@@ -587,7 +609,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--new-tokens", type=int, default=1024, help="generated tokens per prompt (default: %(default)s)")
     p.add_argument("--batch", type=int, default=8,
                    help="prompts decoded together: on a CPU decoding is bound by reading the weights, so a batch costs little more "
-                        "than one prompt; streamed logits take batch x new tokens x vocabulary floats (default: %(default)s)")
+                        "than one prompt; reference and streamed logits take 2 x batch x new tokens x vocabulary floats (default: %(default)s)")
     p.add_argument("--single-pass", action="store_true", help="teacher-force with the exact single-pass emulation instead of token-by-token streaming (same logits, much faster)")
     p.add_argument("--text-file", default=None, help="UTF-8 text to take prompts from instead of WikiText-2 test")
     p.add_argument("--json", default=None)

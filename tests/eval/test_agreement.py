@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from wushkv.config import QuantConfig, WindowConfig
-from wushkv.eval.agreement import common_prefix, greedy, kl_and_top1, next_token_logits, run_agreement, summarize
+from wushkv.eval.agreement import common_prefix, common_prefixes, greedy, kl_and_top1, next_token_logits, run_agreement, summarize
 from wushkv.eval.methods import check_methods, method_cache, parse_stock
 
 from conftest import tiny_model
@@ -115,17 +115,41 @@ def test_interrupted_run_resumes_to_the_same_result():
 
 def test_batches_give_the_per_prompt_results():
     """Decoding prompts together (continuations, streaming, free-running) changes nothing per prompt;
-    a method added to a finished run is the only work done on resume."""
+    on resume, with another batch size, only the missing work is done."""
     model = tiny_model("llama").double()
     prompts = torch.randint(3, 96, (3, 20), generator=torch.Generator().manual_seed(5))
     cfg = QuantConfig(2, 2, "affine", windows=WindowConfig(2, 4, 2))
     quiet = dict(show_progress=False, log=lambda m: None)
     one = run_agreement(model, prompts, ["hadamard", "stock-quanto-2"], None, cfg, 10, **quiet)
+    assert len(set(one["hadamard"]["first_divergence"])) > 1  # the prompts really differ in where they diverge
     state = {}
     two = run_agreement(model, prompts, ["hadamard"], None, cfg, 10, batch=2, state=state, **quiet)
-    two |= run_agreement(model, prompts, ["hadamard", "stock-quanto-2"], None, cfg, 10, batch=2, state=state, **quiet)
+    again = run_agreement(model, prompts, ["hadamard", "stock-quanto-2"], None, cfg, 10, batch=3, state=state, **quiet)
+    assert again["hadamard"]["seconds"] == 0 and again["stock-quanto-2"]["seconds"] > 0
     for m in one:
-        assert two[m]["first_divergence"] == one[m]["first_divergence"]
-        assert two[m]["kl_by_position"] == pytest.approx(one[m]["kl_by_position"], rel=1e-6, abs=1e-12)
+        got = (two | {"stock-quanto-2": again["stock-quanto-2"]})[m]
+        assert got["first_divergence"] == one[m]["first_divergence"]
+        assert got["kl_by_position"] == pytest.approx(one[m]["kl_by_position"], rel=1e-6, abs=1e-12)
+    # a state holding one prompt, resumed in batches of 2: prompts 1..2 are computed, nothing is lost
+    part = {"continuations": state["continuations"], "rows": {"hadamard": state["rows"]["hadamard"][:1]}}
+    res = run_agreement(model, prompts, ["hadamard"], None, cfg, 10, batch=2, state=part, **quiet)
+    assert res["hadamard"]["first_divergence"] == one["hadamard"]["first_divergence"]
     with pytest.raises(ValueError, match="batch must be at least 1"):
         run_agreement(model, prompts, ["hadamard"], None, cfg, 10, batch=0, **quiet)
+
+
+@torch.no_grad()
+def test_batched_free_running_stops_when_every_row_diverged():
+    from transformers import DynamicCache
+
+    model = tiny_model("llama")
+    p = torch.randint(3, 96, (2, 16), generator=torch.Generator().manual_seed(6))
+    y = greedy(model, p, 12, DynamicCache(config=model.config))
+    ref = y.clone()
+    ref[0, 2] = (ref[0, 2] + 1) % 96
+    ref[1, 7] = (ref[1, 7] + 1) % 96
+    got = greedy(model, p, 12, DynamicCache(config=model.config), reference=ref)
+    assert got.shape == (2, 8) and torch.equal(got, y[:, :8])
+    assert common_prefixes(got, ref) == [2, 7]
+    with pytest.raises(ValueError, match="at least 12 tokens"):
+        greedy(model, p, 12, DynamicCache(config=model.config), reference=ref[:, :5])

@@ -74,3 +74,4 @@ def test_interrupted_passkey_resumes_to_the_same_result():
     assert len(state["hadamard"]) == 2
     resumed = run_passkey(*args, state=state, **quiet)
     assert {m: r["accuracy"] for m, r in resumed.items()} == {m: r["accuracy"] for m, r in whole.items()}
+    assert all(r["seconds"] == 0 for r in run_passkey(*args, state=state, **quiet).values())  # nothing left to run

@@ -37,6 +37,8 @@ def greedy(model, prompt: torch.Tensor, n: int, cache, reference: torch.Tensor |
     logits are computed for its last position only. Rows of equal length need no padding; on a CPU,
     where decoding is bound by reading the weights, a batch costs little more than one row.
     """
+    if reference is not None and (reference.shape[0] != prompt.shape[0] or reference.shape[1] < n):
+        raise ValueError(f"reference {tuple(reference.shape)} must have {prompt.shape[0]} rows of at least {n} tokens")
     logits = model(prompt, cache=cache, use_cache=True, logits_to_keep=1).logits[:, -1]
     out = []
     alive = torch.ones(prompt.shape[0], dtype=torch.bool, device=prompt.device)
@@ -56,10 +58,12 @@ def greedy(model, prompt: torch.Tensor, n: int, cache, reference: torch.Tensor |
 def streamed_logits(model, prompts: torch.Tensor, conts: torch.Tensor, cache) -> torch.Tensor:
     """Logits (B, n, V) predicting each token of ``conts`` (B, n) after ``prompts`` (B, P): the prompts
     prefilled into ``cache``, then the continuations fed token by token (real streaming)."""
-    out = [model(prompts, cache=cache, use_cache=True, logits_to_keep=1).logits[:, -1:].float()]
+    first = model(prompts, cache=cache, use_cache=True, logits_to_keep=1).logits[:, -1].float()
+    out = first.new_empty(conts.shape[0], conts.shape[1], first.shape[-1])  # filled in place: no second copy
+    out[:, 0] = first
     for t in range(conts.shape[1] - 1):
-        out.append(model(conts[:, t : t + 1], cache=cache, use_cache=True).logits[:, -1:].float())
-    return torch.cat(out, 1)
+        out[:, t + 1] = model(conts[:, t : t + 1], cache=cache, use_cache=True).logits[:, -1].float()
+    return out
 
 
 @torch.no_grad()
@@ -125,10 +129,13 @@ def run_agreement(model, prompts: torch.Tensor, methods: list[str], calibration,
     """Everything above for ``prompts`` (N, P) and every method name (see :mod:`wushkv.eval.methods`).
 
     ``batch`` prompts are decoded together (full-precision continuations, streaming, free-running);
-    streamed logits take ``batch × new_tokens × vocabulary`` floats. Long runs resume: ``state`` (a
+    the reference and streamed logits of a batch take ``2 × batch × new_tokens × vocabulary`` floats.
+    Batched float kernels are not batch-invariant, so a near-tie can resolve differently with another
+    batch size: results agree across sizes to float precision, not bit for bit. Long runs resume: ``state`` (a
     dict, filled in place) holds the full-precision continuations and each method's per-prompt rows
     (``{"kl": [...], "top1": [...], "prefix": int}``); ``save(state)`` is called after every batch.
-    Hand back a saved state for the same prompts and settings to skip what it already holds.
+    Hand back a saved state for the same prompts and settings to skip what it already holds, with
+    any batch size and any added methods.
     """
     from transformers import DynamicCache
 
@@ -151,22 +158,29 @@ def run_agreement(model, prompts: torch.Tensor, methods: list[str], calibration,
     # Batches outermost: the reference logits of a batch (on the unmodified model) serve every method.
     done = {name: rows.setdefault(name, []) for name in methods}
     seconds = dict.fromkeys(methods, 0.0)
-    work = [(a, name) for a in range(0, N, batch) for name in methods if a >= len(done[name])]
+    work = [(a, name) for a in range(0, N, batch) for name in methods if len(done[name]) < min(a + batch, N)]
     refs, refs_at = None, None
     for a, name in progress(work, desc="teacher-forced and free-running", enabled=show_progress, unit="batch"):
-        P, Y = prompts[a : a + batch], torch.tensor(conts[a : a + batch], device=device)
-        t0 = time.perf_counter()
+        lo, hi = len(done[name]), min(a + batch, N)  # lo > a: a saved run stopped inside this batch, or used another size
+        if lo < a:
+            raise RuntimeError(f"{name}: rows for prompts {lo}..{a - 1} are missing")
         if refs_at != a:
-            refs, refs_at = [next_token_logits(model, P[j : j + 1], Y[j : j + 1]) for j in range(P.shape[0])], a
+            refs = None  # free the previous batch's before computing these
+            refs, refs_at = [next_token_logits(model, prompts[i : i + 1], torch.tensor([conts[i]], device=device)) for i in range(a, hi)], a
+        P, Y = prompts[lo:hi], torch.tensor(conts[lo:hi], device=device)
+        t0 = time.perf_counter()
         one_pass = single_pass and not name.startswith("stock-")  # the stock cache's prefill does not see its quantization
+        new = []
         with method_cache(model, calibration, name, cfg) as make:
             streamed = None if one_pass else streamed_logits(model, P, Y, make())
             prefixes = common_prefixes(greedy(model, P, new_tokens, make(), reference=Y), Y)
             for j in range(P.shape[0]):
                 logits = next_token_logits(model, P[j : j + 1], Y[j : j + 1], make()) if one_pass else streamed[j]
-                kl, top1 = kl_and_top1(refs[j], logits)
-                done[name].append({"kl": kl.tolist(), "top1": top1.tolist(), "prefix": prefixes[j]})
+                kl, top1 = kl_and_top1(refs[lo - a + j], logits)
+                new.append({"kl": kl.tolist(), "top1": top1.tolist(), "prefix": prefixes[j]})
+                del logits
             del streamed
+        done[name].extend(new)  # whole batches only: a saved state never holds part of one
         seconds[name] += time.perf_counter() - t0
         if save:
             save(state)
