@@ -91,3 +91,9 @@ def test_blocked_emulation_chunked_prefill_and_padded_masks():
         for block in (4, 8, 64):
             torch.testing.assert_close(fused_selective_attention(q, k, v, kh, vh, quantized, mask, 0.4, block=block), one,
                                        rtol=1e-5, atol=1e-6)
+
+
+def test_block_must_be_positive():
+    q, k, v, kh, vh, quantized, allowed = _inputs(3)
+    with pytest.raises(ValueError, match="block must be a positive number"):
+        fused_selective_attention(q, k, v, kh, vh, quantized, allowed, 0.3, block=0)

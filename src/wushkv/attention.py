@@ -96,7 +96,7 @@ def selective_attention(
     return out.reshape(B, Hq, T, -1).transpose(1, 2).contiguous()
 
 
-QUERY_BLOCK = 256  # query rows per SDPA call in the emulation (see fused_selective_attention)
+QUERY_BLOCK: int | None = 256  # query rows per SDPA call in the emulation (see fused_selective_attention)
 
 
 def fused_selective_attention(
@@ -108,7 +108,7 @@ def fused_selective_attention(
     quantized: torch.Tensor,
     allowed: torch.Tensor | None,
     scaling: float,
-    block: int | None = QUERY_BLOCK,
+    block: int | None | str = "default",
 ) -> torch.Tensor:
     """:func:`selective_attention` as fused SDPA calls over the concatenation [K; K̂].
 
@@ -116,12 +116,17 @@ def fused_selective_attention(
     in full precision and as its quantized column otherwise, so the result is the same; the fused
     kernel never materializes the (T, 2S) probabilities.
 
-    Queries go in blocks of ``block`` rows (None: one call), each against only the columns some row
+    Queries go in blocks of ``block`` rows (``"default"``: :data:`QUERY_BLOCK`, read at call time; None:
+    one call), each against only the columns some row
     of the block can read: in a causal prefill a block reads the sink and the recent tokens in full
     precision and the middle before it quantized, about as many columns as causal attention itself,
     instead of all 2S (4× the work of causal attention at long contexts; sliding windows shrink it
     further). Returns (B, T, Hq, d).
     """
+    if block == "default":
+        block = QUERY_BLOCK
+    if block is not None and (not isinstance(block, int) or block < 1):
+        raise ValueError(f"block must be a positive number of query rows or None, got {block!r}")
     T, S = quantized.shape[-2:]
     base = allowed if allowed is not None else torch.ones(1, 1, T, S, dtype=torch.bool, device=q.device)
     fp, qz = base & ~quantized, base & quantized  # (B | 1, 1, T, S): read in full precision / quantized
