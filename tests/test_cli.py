@@ -66,3 +66,26 @@ def test_passkey_and_agree_resume_from_their_json(tmp_path, capsys):
         assert main([*argv[:-6], "--sink", "2", "--keep", "8", "--flush", "4", "--json", str(out)]) == 2
         assert "other settings (differing: quantization)" in capsys.readouterr().err
         assert json.loads(out.read_text()) == again
+
+
+def test_agree_report_only_compares_over_common_prompts(tmp_path, capsys):
+    """--report-only runs nothing (no model is loaded: the model path does not exist) and reports a
+    partial run over the prompts every listed method has."""
+    import json
+
+    rows = {"hadamard": [{"kl": [0.1, 0.3], "top1": [True, False], "prefix": 1}, {"kl": [0.5, 0.5], "top1": [True, True], "prefix": 2}],
+            "wush": [{"kl": [0.2, 0.2], "top1": [True, True], "prefix": 0}]}
+    settings = {"model": "m", "prompt_len": 8, "text": "t", "new_tokens": 2, "single_pass": True,
+                "quantization": {"k_bits": 2, "v_bits": 2, "quantizer": "affine"}}
+    out = tmp_path / "agree.json"
+    out.write_text(json.dumps({"settings": settings, "state": {"continuations": [[1, 2], [3, 4]], "rows": rows}}))
+    base = ["agree", "--model", str(tmp_path / "missing"), "--report-only", "--json", str(out)]
+    assert main([*base, "--transforms", "hadamard,wush", "--plot", str(tmp_path / "a.png")]) == 0
+    table = capsys.readouterr().out
+    assert (tmp_path / "a.png").stat().st_size > 0
+    fields = lambda text: next(x for x in text.splitlines() if x.startswith("hadamard")).split()  # noqa: E731
+    assert fields(table)[:4] == ["hadamard", "1", "0.2", "50"]  # prompt 0 only: the one wush has
+    assert main([*base, "--transforms", "hadamard"]) == 0  # alone, over both of its prompts
+    assert fields(capsys.readouterr().out)[:4] == ["hadamard", "2", "0.35", "75"]
+    assert main([*base, "--transforms", "hadamard,oscar"]) == 2
+    assert "no results for ['oscar']" in capsys.readouterr().err

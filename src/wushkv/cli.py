@@ -373,15 +373,42 @@ def _resumable(path: str | None, settings: dict):
     return state, save, settings
 
 
+def _show_agreement(args, settings: dict, res: dict) -> None:
+    from .config import QuantConfig
+    from .report import format_table, plot_lines
+
+    cfg = QuantConfig.from_dict(settings["quantization"])
+    rows = [[m, r["prompts"], r["mean_kl"], 100 * r["top1"], r["median_first_divergence"], r["kl_first_quarter"], r["kl_last_quarter"],
+             r["kl_growth"]] for m, r in res.items()]
+    print(format_table(["method", "prompts", "mean KL", "top-1 %", "median 1st div.", "KL 1st quarter", "KL last quarter", "last/first"], rows,
+                       title=f"\n{settings['model']}: prompts of {settings['prompt_len']} tokens from {settings['text']}, "
+                             f"{settings['new_tokens']} generated, {cfg.label()}"
+                             f"{' (single-pass emulation)' if settings['single_pass'] else ' (streaming)'}"))
+    if args.plot:
+        n = settings["new_tokens"]
+        width = max(1, n // 32)  # mean KL over bins of positions
+        xs = list(range(0, n, width))
+        series = {m: [sum(r["kl_by_position"][a : a + width]) / len(r["kl_by_position"][a : a + width]) for a in xs] for m, r in res.items()}
+        plot_lines([x + width / 2 for x in xs], series, args.plot, "generated position", "KL(P_fp ‖ P_q), nats (mean over prompts)",
+                   f"{settings['model']}: {cfg.label()}, teacher-forced", logy=True)
+
+
 def cmd_agree(args) -> int:
     from .data import load_eval_text, tokenize_chunks
-    from .eval.agreement import run_agreement
+    from .eval.agreement import report, run_agreement
     from .io import write_json
-    from .report import format_table, plot_lines
     from .eval.methods import method_transform
     from .transforms import TRANSFORMS
 
     methods = _methods(args.transforms)
+    if args.report_only:
+        if not args.json or not Path(args.json).is_file():
+            raise ValueError(f"--report-only reads the results of an earlier run: --json {args.json!r} is not a file")
+        saved = json.loads(Path(args.json).read_text())
+        if not isinstance(saved, dict) or "state" not in saved or "settings" not in saved:
+            raise ValueError(f"--json {args.json}: not a file `wushkv agree` wrote")
+        _show_agreement(args, saved["settings"], report(saved["state"], methods))
+        return 0
     cfg = _quant_config(args)
     text, label = load_eval_text(args.text_file)
     model, tok = _load(args)
@@ -393,25 +420,12 @@ def cmd_agree(args) -> int:
         "single_pass": args.single_pass, "quantization": cfg.to_dict(), "calibration": _calibration_recipe(cal)})
     res = run_agreement(model, chunks, methods, cal, cfg, args.new_tokens, single_pass=args.single_pass, batch=args.batch,
                         log=lambda m: print(m, file=sys.stderr), state=state, save=save)
-    rows = [[m, r["mean_kl"], 100 * r["top1"], r["median_first_divergence"], r["kl_first_quarter"], r["kl_last_quarter"], r["kl_growth"]]
-            for m, r in res.items()]
-    w = cfg.windows
-    print(format_table(["method", "mean KL", "top-1 %", "median 1st div.", "KL 1st quarter", "KL last quarter", "last/first"], rows,
-                       title=f"\n{args.model}: {chunks.shape[0]} prompts of {args.prompt_len} tokens from {label}, {args.new_tokens} "
-                             f"generated, {cfg.label()}"
-                             f"{' (single-pass emulation)' if args.single_pass else ' (streaming)'}"))
+    _show_agreement(args, settings, res)
     out = {"model": args.model, "text": label, "prompts": int(chunks.shape[0]), "prompt_len": args.prompt_len,
            "new_tokens": args.new_tokens, "single_pass": args.single_pass, "batch": args.batch, "quantization": cfg.to_dict(),
            "calibration": cal.meta if cal is not None else None, "results": res, "settings": settings, "state": state}
     if args.json:
         write_json(args.json, out)
-    if args.plot:
-        n = args.new_tokens
-        width = max(1, n // 32)  # mean KL over bins of positions
-        xs = list(range(0, n, width))
-        series = {m: [sum(r["kl_by_position"][a : a + width]) / len(r["kl_by_position"][a : a + width]) for a in xs] for m, r in res.items()}
-        plot_lines([x + width / 2 for x in xs], series, args.plot, "generated position", "KL(P_fp ‖ P_q), nats (mean over prompts)",
-                   f"{args.model}: {cfg.label()}, teacher-forced", logy=True)
     return 0
 
 
@@ -607,6 +621,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--prompt-len", type=int, default=512, help="tokens per prompt (default: %(default)s)")
     p.add_argument("--stride", type=int, default=4, help="take every N-th chunk of the text as a prompt (default: %(default)s)")
     p.add_argument("--new-tokens", type=int, default=1024, help="generated tokens per prompt (default: %(default)s)")
+    p.add_argument("--report-only", action="store_true",
+                   help="print (and plot) what --json holds, running nothing: a partial run is reported over the prompts "
+                        "every listed method has")
     p.add_argument("--batch", type=int, default=8,
                    help="prompts decoded together: on a CPU decoding is bound by reading the weights, so a batch costs little more "
                         "than one prompt; reference and streamed logits take 2 x batch x new tokens x vocabulary floats (default: %(default)s)")

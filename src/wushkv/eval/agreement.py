@@ -123,6 +123,22 @@ def summarize(kl_rows: list[list[float]], top1_rows: list[list[bool]], prefixes:
     }
 
 
+def report(state: dict, methods: list[str], common: bool = True) -> dict:
+    """Summaries of the rows ``state`` holds for ``methods``. ``common``: over the prompts every listed
+    method has (a side-by-side comparison of a partial run); else each over all its own. Each summary
+    records how many prompts it covers."""
+    rows = state.get("rows", {})
+    missing = [m for m in methods if not rows.get(m)]
+    if missing:
+        raise ValueError(f"no results for {missing}; the run holds {sorted(m for m, r in rows.items() if r)}")
+    k = min(len(rows[m]) for m in methods) if common else None
+    out = {}
+    for m in methods:
+        done = rows[m][:k]
+        out[m] = summarize([r["kl"] for r in done], [r["top1"] for r in done], [r["prefix"] for r in done]) | {"prompts": len(done)}
+    return out
+
+
 def run_agreement(model, prompts: torch.Tensor, methods: list[str], calibration, cfg, new_tokens: int,
                   single_pass: bool = False, batch: int = 1, show_progress: bool = True, log=print,
                   state: dict | None = None, save=None) -> dict:
@@ -184,12 +200,10 @@ def run_agreement(model, prompts: torch.Tensor, methods: list[str], calibration,
         seconds[name] += time.perf_counter() - t0
         if save:
             save(state)
-    results = {}
+    results = report(state, methods)
     for name in methods:
-        done_rows = done[name]
-        results[name] = summarize([r["kl"] for r in done_rows], [r["top1"] for r in done_rows], [r["prefix"] for r in done_rows]) | {
-            "seconds": seconds[name]}
-        r = results[name]
+        r = results[name] | {"seconds": seconds[name]}
+        results[name] = r
         log(f"{name:>16}: mean KL {r['mean_kl']:.4f}  top-1 {100 * r['top1']:.1f}%  median first divergence "
             f"{r['median_first_divergence']}  KL last/first quarter {r['kl_growth']:.2f}  ({r['seconds']:.0f}s)")
     return results
