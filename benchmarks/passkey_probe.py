@@ -20,6 +20,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 
 from wushkv.calibration import Calibration  # noqa: E402
+from wushkv.cli import _context_list  # noqa: E402
 from wushkv.config import GENERATION_WINDOWS, QuantConfig  # noqa: E402
 from wushkv.eval.agreement import greedy  # noqa: E402
 from wushkv.eval.methods import method_cache  # noqa: E402
@@ -53,7 +54,7 @@ def main() -> None:
 
     model, tok = load(args.model)
     cal = Calibration.load(args.calibration) if args.calibration else None
-    contexts = [int(float(c[:-1]) * 1024) if c.endswith("k") else int(c) for c in args.contexts.split(",")]
+    contexts = _context_list(args.contexts)
     cases = [(c, float(d), t) for c in contexts for d in args.depths.split(",") for t in range(args.trials)]
     rows = []
     base = QuantConfig(2, 2, args.quantizer, windows=GENERATION_WINDOWS)

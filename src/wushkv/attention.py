@@ -133,13 +133,14 @@ def fused_selective_attention(
     gqa = q.shape[1] != k.shape[1]
 
     def sdpa(qb, f, z):
-        cf, cz = f.reshape(-1, S).any(0).nonzero().squeeze(1), z.reshape(-1, S).any(0).nonzero().squeeze(1)
-        if block is not None and cf.numel() + cz.numel() < 2 * S:  # read only the columns this block needs
-            keys = torch.cat([k.index_select(2, cf), k_hat.index_select(2, cz)], dim=2)
-            vals = torch.cat([v.index_select(2, cf), v_hat.index_select(2, cz)], dim=2)
-            mask = torch.cat([f.index_select(-1, cf), z.index_select(-1, cz)], dim=-1)
-        else:
-            keys, vals, mask = torch.cat([k, k_hat], dim=2), torch.cat([v, v_hat], dim=2), torch.cat([f, z], dim=-1)
+        if block is not None:  # read only the columns some row of this block needs
+            cf, cz = f.reshape(-1, S).any(0).nonzero().squeeze(1), z.reshape(-1, S).any(0).nonzero().squeeze(1)
+            if cf.numel() + cz.numel() < 2 * S:
+                keys = torch.cat([k.index_select(2, cf), k_hat.index_select(2, cz)], dim=2)
+                vals = torch.cat([v.index_select(2, cf), v_hat.index_select(2, cz)], dim=2)
+                mask = torch.cat([f.index_select(-1, cf), z.index_select(-1, cz)], dim=-1)
+                return torch.nn.functional.scaled_dot_product_attention(qb, keys, vals, attn_mask=mask, scale=scaling, enable_gqa=gqa)
+        keys, vals, mask = torch.cat([k, k_hat], dim=2), torch.cat([v, v_hat], dim=2), torch.cat([f, z], dim=-1)
         return torch.nn.functional.scaled_dot_product_attention(qb, keys, vals, attn_mask=mask, scale=scaling, enable_gqa=gqa)
 
     step = T if block is None else block
