@@ -107,3 +107,22 @@ def test_bfloat16_close_to_float32():
     cast = lambda ps: [p.bfloat16() if torch.is_tensor(p) else p for p in ps]
     out = decode_attention(q.bfloat16(), cast(pk), cast(pv), None, 0.2)
     assert out.dtype == torch.bfloat16 and ((out.float() - ref).norm() / ref.norm()) < 3e-2
+
+
+def test_clear_stale_lock_removes_only_old_locks(tmp_path):
+    """A build killed mid-compile leaves torch's baton file; a later run must not wait on it forever."""
+    import os
+    import time
+
+    from wushkv._ext import clear_stale_lock
+
+    assert clear_stale_lock(tmp_path) is False  # no lock at all
+    lock = tmp_path / "lock"
+    lock.touch()
+    assert clear_stale_lock(tmp_path, max_age=600) is False  # a live build's fresh lock is kept
+    assert lock.exists()
+    old = time.time() - 3600
+    os.utime(lock, (old, old))
+    with pytest.warns(UserWarning, match="stale build lock"):
+        assert clear_stale_lock(tmp_path, max_age=600) is True
+    assert not lock.exists()

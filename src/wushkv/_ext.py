@@ -39,16 +39,44 @@ def _cpu_tag() -> str:
     return f"{platform.machine()}_{hashlib.sha256(flags.encode()).hexdigest()[:10]}"
 
 
+STALE_LOCK_SECONDS = 600  # a build takes well under a minute; a lock this old was left by a killed build
+
+
+def clear_stale_lock(build_dir: str | Path, max_age: float = STALE_LOCK_SECONDS) -> bool:
+    """Remove the ``lock`` file a killed build left in ``build_dir`` (older than ``max_age`` seconds).
+
+    ``torch.utils.cpp_extension`` takes that file as a baton and waits, without end, for it to go;
+    a process killed while compiling (Ctrl-C, a stopped job) leaves it behind and every later run
+    hangs. Returns whether a lock was removed.
+    """
+    import time
+
+    lock = Path(build_dir) / "lock"
+    try:
+        age = time.time() - lock.stat().st_mtime
+    except OSError:
+        return False
+    if age < max_age:
+        return False
+    warnings.warn(f"wushkv: removing a stale build lock {lock} ({age:.0f}s old, left by an interrupted build)", stacklevel=2)
+    try:
+        lock.unlink()
+    except OSError:
+        return False
+    return True
+
+
 def _build():
     if os.environ.get("WUSHKV_NO_EXT", "") not in ("", "0"):
         return False
     try:
-        from torch.utils.cpp_extension import load
+        from torch.utils.cpp_extension import get_default_build_root, load
 
         src = Path(__file__).with_name("csrc") / "codes.cpp"
         # -march=native: build per CPU model (the name carries a hash of the CPU flags, so a cached build
         # is never loaded on a machine lacking its instructions)
         name = f"wushkv_codes_{_cpu_tag()}"
+        clear_stale_lock(Path(get_default_build_root()) / name)
         import sys
 
         bindir = str(Path(sys.executable).parent)  # the environment's own ninja (the `ninja` package)
