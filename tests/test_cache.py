@@ -262,3 +262,25 @@ def test_padding_errors():
         WushKVCache(model, QuantConfig(quantizer="kivi", windows=WindowConfig(2, 4, 2)), pad_lengths=[0, 3])
     with pytest.raises(ValueError, match="pad lengths for 2 rows, but the batch has 3"):
         model(torch.randint(3, 96, (3, 8)), cache=WushKVCache(model, QuantConfig(windows=WindowConfig(2, 4, 2)), pad_lengths=[0, 3]), use_cache=True)
+
+
+@pytest.mark.parametrize("name", ["affine-K4V2", "kvarn-K4V2"])
+def test_deepcopy_continues_independently(name):
+    """A copy taken mid-stream gives the same logits as the original on the same tokens, feeding it
+    other tokens leaves the original untouched, and the key transform is shared, not copied."""
+    import copy
+
+    model = tiny_model("llama")
+    install(model)
+    torch.manual_seed(0)
+    ids = torch.randint(0, model.config.vocab_size, (1, 40))
+    with torch.no_grad():
+        _, cache = stream(model, ids[:, :30], CONFIGS[name], chunks=[30])
+        twin = copy.deepcopy(cache)
+        assert all(a.key_transform is b.key_transform is not None for a, b in zip(cache.layers, twin.layers))
+        other = torch.randint(0, model.config.vocab_size, (1, 10))
+        for t in range(10):  # the copy takes other tokens (and flushes)
+            model(other[:, t : t + 1], cache=twin, use_cache=True)
+        a = torch.cat([model(ids[:, t : t + 1], cache=cache, use_cache=True).logits for t in range(30, 40)], 1)
+    ref, _ = stream(model, ids, CONFIGS[name], chunks=[30] + [1] * 10)
+    assert torch.equal(a, ref[:, 30:])

@@ -22,6 +22,7 @@ windows from its first real token (see ``KVView._attend_padded``).
 
 from __future__ import annotations
 
+import copy
 from dataclasses import dataclass
 
 import torch
@@ -285,6 +286,16 @@ class WushKVLayer(CacheLayerMixin):
             )
         self.n = 0
         self.pads: torch.Tensor | None = None  # (B,) left-padding tokens per row, or None
+
+    def __deepcopy__(self, memo):
+        """A copy that continues independently (e.g. scoring one answer while generating another) and
+        shares the key transform, which belongs to the model's attention module, not to the cache."""
+        memo.setdefault(id(self.key_transform), self.key_transform)
+        new = self.__class__.__new__(self.__class__)
+        memo[id(self)] = new
+        for name, value in self.__dict__.items():
+            setattr(new, name, copy.deepcopy(value, memo))
+        return new
 
     @property
     def padded(self) -> bool:

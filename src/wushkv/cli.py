@@ -340,6 +340,12 @@ def _calibration_recipe(cal) -> dict | None:
     return {k: v for k, v in cal.meta.items() if k not in ("date", "seconds", "wushkv_version")}
 
 
+def _sibling(path: str, tag: str) -> Path:
+    """``out/x.png`` -> ``out/x{tag}.png``: a second file beside one the user named."""
+    p = Path(path)
+    return p.with_name(p.stem + tag + p.suffix)
+
+
 def _resumable(path: str | None, settings: dict):
     """(state, save, settings) for a long run that resumes from its ``--json``.
 
@@ -430,7 +436,7 @@ def cmd_agree(args) -> int:
 
 
 def cmd_passkey(args) -> int:
-    from math import nan
+    from math import exp, nan
 
     from .eval.passkey import run_passkey
     from .io import write_json
@@ -453,6 +459,10 @@ def cmd_passkey(args) -> int:
             for m, r in res.items()]
     print(format_table(headers, rows, title=f"\n{args.model}: passkey accuracy (%) by context, mean over depths {depths}, "
                                              f"{args.trials} trials each, {cfg.label()}"))
+    rows = [[m] + [sum(r["logprob"].get(f"{c}/{d}", nan) for d in depths) / len(depths) for c in args.contexts] + [r["logprob_mean"]]
+            for m, r in res.items()]
+    print(format_table(headers, rows, title=f"\n{args.model}: mean log P(key) in nats (teacher-forced; 0 = certain), "
+                                             "the same cases"))
     out = {"model": args.model, "contexts": args.contexts, "depths": depths, "trials": args.trials, "seed": args.seed,
            "quantization": cfg.to_dict(), "calibration": cal.meta if cal is not None else None, "results": res,
            "settings": settings, "state": state}
@@ -462,6 +472,10 @@ def cmd_passkey(args) -> int:
         grids = {m: [[r["accuracy"].get(f"{c}/{d}", nan) for c in args.contexts] for d in depths] for m, r in res.items()}
         plot_heatmaps(grids, depths, args.contexts, args.plot, "context (tokens)", "depth",
                       f"{args.model}: passkey accuracy (%), {cfg.label()}")
+        # the same cells as probabilities: exp(mean log P(key)), the geometric mean of P(key) over trials
+        grids = {m: [[exp(r["logprob"].get(f"{c}/{d}", nan)) for c in args.contexts] for d in depths] for m, r in res.items()}
+        plot_heatmaps(grids, depths, args.contexts, _sibling(args.plot, "_pkey"), "context (tokens)", "depth",
+                      f"{args.model}: geometric-mean P(key) (%), {cfg.label()}")
     return 0
 
 
@@ -645,7 +659,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--trials", type=int, default=10, help="prompts per (context, depth) (default: %(default)s)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--json", default=None)
-    p.add_argument("--plot", default=None, help="PNG heatmaps of accuracy")
+    p.add_argument("--plot", default=None, help="PNG heatmaps of accuracy; beside it, NAME_pkey.png: the geometric-mean probability of the key")
     _add_quant_args(p, GENERATION_WINDOWS)
     p.set_defaults(func=cmd_passkey, quantizer="affine")
 

@@ -75,3 +75,51 @@ def test_interrupted_passkey_resumes_to_the_same_result():
     resumed = run_passkey(*args, state=state, **quiet)
     assert {m: r["accuracy"] for m, r in resumed.items()} == {m: r["accuracy"] for m, r in whole.items()}
     assert all(r["seconds"] == 0 for r in run_passkey(*args, state=state, **quiet).values())  # nothing left to run
+
+
+@pytest.mark.parametrize("method", ["full-precision", "hadamard"])
+def test_answer_logprob_is_teacher_forced_and_leaves_generation_alone(method):
+    """log P(answer) from the copied cache equals a plain teacher-forced pass over prompt + answer
+    (for the quantized cache: its exact single-pass emulation); the greedy answer is what
+    generation alone gives, so the copy did not disturb the cache."""
+    from transformers import DynamicCache
+
+    from wushkv.eval.agreement import greedy
+    from wushkv.eval.methods import method_cache
+    from wushkv.eval.passkey import answer_and_logprob, key_tokens
+
+    model, tok = tiny_model("llama"), CharTokenizer()
+    cfg = QuantConfig(2, 2, "affine", windows=WindowConfig(4, 16, 4))
+    ids, key = passkey_prompt(tok, 300, 0.5, trial_seed(0, 300, 0.5, 0))
+    answer = key_tokens(tok, key)
+    assert tok.decode(answer) == f" {key}"
+    with method_cache(model, None, method, cfg) as make, torch.no_grad():
+        gen, lp = answer_and_logprob(model, ids, answer, 5, make)
+        full = torch.cat([ids, torch.tensor([answer])], 1)
+        logits = model(full, cache=make(), use_cache=True).logits[0, ids.shape[1] - 1 : -1]
+        ref = torch.log_softmax(logits.double(), -1).gather(-1, torch.tensor(answer)[:, None]).sum().item()
+        assert lp == pytest.approx(ref, abs=1e-3)
+        assert lp < 0
+        assert torch.equal(gen, greedy(model, ids, 5, make()))
+
+        class Uncopyable(DynamicCache):
+            def __deepcopy__(self, memo):
+                raise TypeError("no copies")
+
+        if method == "full-precision":  # a cache that cannot be copied: the prompt is prefilled again
+            gen2, lp2 = answer_and_logprob(model, ids, answer, 5, lambda: Uncopyable(config=model.config))
+            assert torch.equal(gen2, gen) and lp2 == pytest.approx(lp, abs=1e-6)
+
+
+def test_cases_from_older_files_get_their_logprob():
+    """A state written before log-probabilities (bare hits) is completed, not trusted as done."""
+    model = tiny_model("llama")
+    cfg = QuantConfig(2, 2, "affine", windows=WindowConfig(4, 16, 4))
+    args = (model, CharTokenizer(), ["hadamard"], None, cfg, [300], [0.5], 2)
+    quiet = dict(new_tokens=3, show_progress=False, log=lambda m: None)
+    state = {}
+    fresh = run_passkey(*args, state=state, **quiet)
+    old = {"hadamard": {k: v["hit"] for k, v in state["hadamard"].items()}}
+    again = run_passkey(*args, state=old, **quiet)
+    assert old == state and again["hadamard"]["logprob"] == fresh["hadamard"]["logprob"]
+    assert set(fresh["hadamard"]["logprob"]) == {"300/0.5"} and fresh["hadamard"]["logprob_mean"] < 0

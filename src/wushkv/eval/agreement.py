@@ -40,8 +40,14 @@ def greedy(model, prompt: torch.Tensor, n: int, cache, reference: torch.Tensor |
     if reference is not None and (reference.shape[0] != prompt.shape[0] or reference.shape[1] < n):
         raise ValueError(f"reference {tuple(reference.shape)} must have {prompt.shape[0]} rows of at least {n} tokens")
     logits = model(prompt, cache=cache, use_cache=True, logits_to_keep=1).logits[:, -1]
+    return greedy_from(model, logits, n, cache, reference)
+
+
+@torch.no_grad()
+def greedy_from(model, logits: torch.Tensor, n: int, cache, reference: torch.Tensor | None = None) -> torch.Tensor:
+    """:func:`greedy` after the prompt is already in ``cache``; ``logits`` (B, V): its last position's."""
     out = []
-    alive = torch.ones(prompt.shape[0], dtype=torch.bool, device=prompt.device)
+    alive = torch.ones(logits.shape[0], dtype=torch.bool, device=logits.device)
     for i in range(n):
         t = logits.argmax(-1, keepdim=True)
         out.append(t)

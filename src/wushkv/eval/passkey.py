@@ -4,10 +4,17 @@ The standard test (Mohtashami & Jaggi, 2023, "Landmark Attention"), generated lo
 deterministically: the key and the prompt depend only on (seed, context, depth, trial). Prompts are
 assembled from token pieces (intro, filler, needle, filler, question) so that every prompt has
 exactly ``context`` tokens and the needle starts at ``depth`` of the filler.
+
+The filler is the same in every trial; trials differ only in the key, so the trials of one cell are
+far from independent: a method that tips the model from the key to prose at one needle position
+tends to do so for every key there. Each case therefore also records the teacher-forced
+log-probability of the right answer, a continuous score that shows how far a method moved the model
+where a hit only shows which side of the edge it landed on.
 """
 
 from __future__ import annotations
 
+import copy
 import hashlib
 import random
 import re
@@ -62,6 +69,50 @@ def answer_key(text: str) -> int | None:
     return int(m.group()) if m else None
 
 
+def key_tokens(tokenizer, key: int) -> list[int]:
+    """The tokens of the right answer, ``" {key}"``, as they follow the prompt (which ends in "is")."""
+    return _encode(tokenizer, f" {key}")
+
+
+@torch.no_grad()
+def answer_and_logprob(model, ids: torch.Tensor, answer: list[int], new_tokens: int, make_cache) -> tuple[torch.Tensor, float]:
+    """(greedy tokens (1, ≤ new_tokens), log P(answer | prompt) in nats), from one prefill of ``ids``.
+
+    The log-probability is teacher-forced: the answer's tokens are fed one by one (real streaming)
+    into a copy of the cache taken after the prompt, so it is what the cache gives the right answer
+    whatever the model generates. Unlike a hit, it moves smoothly: a small model often ranks the
+    key a few tenths of a nat above or below prose ("a key that is used to..."), and a hit flips on
+    that. A cache that cannot be copied is filled again from the prompt instead.
+    """
+    if not answer:
+        raise ValueError("the answer has no tokens")
+    cache = make_cache()
+    logits = model(ids, cache=cache, use_cache=True, logits_to_keep=1).logits[:, -1]
+    try:
+        fork, first = copy.deepcopy(cache), logits
+    except (TypeError, RuntimeError, NotImplementedError, copy.Error):  # state that cannot be copied: prefill again
+        fork = make_cache()
+        first = model(ids, cache=fork, use_cache=True, logits_to_keep=1).logits[:, -1]
+    lp, step = 0.0, first
+    for i, t in enumerate(answer):
+        lp += torch.log_softmax(step[0].double(), -1)[t].item()
+        if i + 1 < len(answer):
+            step = model(torch.tensor([[t]], device=ids.device), cache=fork, use_cache=True).logits[:, -1]
+    del fork
+    from .agreement import greedy_from
+
+    return greedy_from(model, logits, new_tokens, cache), lp
+
+
+def _mean(xs: list) -> float:
+    return sum(xs) / len(xs) if xs else float("nan")
+
+
+def _entry(v) -> dict:
+    """A case's stored result; files from before log-probabilities held a bare hit."""
+    return v if isinstance(v, dict) else {"hit": bool(v)}
+
+
 def case_key(context: int, depth: float, trial: int) -> str:
     return f"{context}/{depth:g}/{trial}"
 
@@ -76,7 +127,6 @@ def run_passkey(model, tokenizer, methods: list[str], calibration, cfg, contexts
     method -> case (``context/depth/trial``) -> hit, and ``save(state)`` is called after every prompt.
     Returns, per method, the accuracy per ``context/depth`` cell over the cases done.
     """
-    from .agreement import greedy
     from .methods import method_cache
 
     device = next(model.parameters()).device
@@ -89,27 +139,32 @@ def run_passkey(model, tokenizer, methods: list[str], calibration, cfg, contexts
     for c in sorted(contexts):
         cases = [(c, d, t) for d in depths for t in range(trials)]
         for name in methods:
-            todo = [k for k in cases if case_key(*k) not in hits[name]]
+            # a case stored without its log-probability (older files) runs again
+            todo = [k for k in cases if "logprob" not in _entry(hits[name].get(case_key(*k), {}))]
             if not todo:
                 continue
             t0 = time.perf_counter()
             with method_cache(model, calibration, name, cfg) as make:
                 for case in progress(todo, desc=f"{name} {c}", enabled=show_progress, unit="prompt"):
                     ids, key = passkey_prompt(tokenizer, case[0], case[1], trial_seed(seed, *case))
-                    gen = greedy(model, ids.to(device), new_tokens, make())
-                    hits[name][case_key(*case)] = answer_key(tokenizer.decode(gen[0], skip_special_tokens=True)) == key
+                    gen, lp = answer_and_logprob(model, ids.to(device), key_tokens(tokenizer, key), new_tokens, make)
+                    hit = answer_key(tokenizer.decode(gen[0], skip_special_tokens=True)) == key
+                    hits[name][case_key(*case)] = {"hit": hit, "logprob": lp}
                     if save:
                         save(state)
             seconds[name] += time.perf_counter() - t0
     out = {}
     for name in methods:
-        cells = {}
+        cells, lps = {}, {}
         for c in contexts:
             for d in depths:
-                got = [hits[name][k] for t in range(trials) if (k := case_key(c, d, t)) in hits[name]]
+                got = [_entry(hits[name][k]) for t in range(trials) if (k := case_key(c, d, t)) in hits[name]]
                 if got:
-                    cells[f"{c}/{d}"] = sum(got) / len(got)
-        out[name] = {"accuracy": cells, "mean": sum(cells.values()) / len(cells) if cells else float("nan"),
-                     "seconds": seconds[name]}
-        log(f"{name:>16}: mean accuracy {100 * out[name]['mean']:.1f}% ({out[name]['seconds']:.0f}s)")
+                    cells[f"{c}/{d}"] = _mean([g["hit"] for g in got])
+                    if all("logprob" in g for g in got):
+                        lps[f"{c}/{d}"] = _mean([g["logprob"] for g in got])
+        out[name] = {"accuracy": cells, "mean": _mean(list(cells.values())),
+                     "logprob": lps, "logprob_mean": _mean(list(lps.values())), "seconds": seconds[name]}
+        log(f"{name:>16}: mean accuracy {100 * out[name]['mean']:.1f}%, mean log P(key) {out[name]['logprob_mean']:.3f} "
+            f"({out[name]['seconds']:.0f}s)")
     return out
