@@ -265,6 +265,14 @@ class Calibration:
             )
 
 
+def calibration_recipe(meta: dict | None) -> dict | None:
+    """What results made with a calibration depend on: its metadata less the date, timing and version
+    (two calibrations with the same recipe give the same statistics)."""
+    if meta is None:
+        return None
+    return {k: v for k, v in meta.items() if k not in ("date", "seconds", "wushkv_version")}
+
+
 def calibration_sequences(tokenizer, samples: int, seq_len: int, text_file: str | None = None, documents: int | None = None) -> torch.Tensor:
     """The first ``samples`` non-overlapping ``seq_len``-token sequences of the calibration text (C4 by default)."""
     from .data import calibration_text, tokenize_chunks

@@ -335,9 +335,9 @@ def _context_list(s: str) -> list[int]:
 
 def _calibration_recipe(cal) -> dict | None:
     """What a calibration's results depend on (its metadata less the date, timing and version)."""
-    if cal is None:
-        return None
-    return {k: v for k, v in cal.meta.items() if k not in ("date", "seconds", "wushkv_version")}
+    from .calibration import calibration_recipe
+
+    return calibration_recipe(cal.meta if cal is not None else None)
 
 
 def _sibling(path: str, tag: str) -> Path:

@@ -45,7 +45,7 @@ def test_hadamard_plus_tiles_is_kvarn_and_the_transform_matters():
 @torch.no_grad()
 def test_compare_resumes_whatever_the_transform_list(tmp_path, monkeypatch):
     """A finished (transform, bits) is reused by a later run that lists other transforms or widths;
-    a change of chunks or quantizer settings starts over."""
+    a file from other chunks or quantizer settings is refused and left as it was."""
     import wushkv.eval.compare as cmp
 
     model = tiny_model("llama")
@@ -63,8 +63,24 @@ def test_compare_resumes_whatever_the_transform_list(tmp_path, monkeypatch):
     assert second["results"]["hadamard"]["2"] == first["results"]["hadamard"]["2"]
     assert json.loads(path.read_text())["settings"]["transforms"] == ["identity", "hadamard"]
     calls.clear()
-    run_compare(model, None, chunks, None, ["hadamard"], [2], replace(base, k_alpha=1.1), json_path=path, show_progress=False, log=lambda m: None)
-    assert calls == ["hadamard"]
+    kept = path.read_text()
+    with pytest.raises(ValueError, match=r"other settings \(differing: base\)"):
+        run_compare(model, None, chunks, None, ["hadamard"], [2], replace(base, k_alpha=1.1), json_path=path, show_progress=False,
+                    log=lambda m: None)
+    with pytest.raises(ValueError, match=r"differing: chunks"):
+        run_compare(model, None, torch.cat([chunks, chunks]), None, ["hadamard"], [2], base, json_path=path, show_progress=False,
+                    log=lambda m: None)
+    assert calls == [] and path.read_text() == kept  # refused before anything ran; the file is untouched
+    # the same calibration recipe made again (another date and timing) resumes; another recipe is refused
+    recipe = {"model": "m", "samples": 4, "damping": 0.01}
+    meta = {"transforms": ["hadamard"], "bits": [2], "calibration": recipe | {"date": "d1", "seconds": 1.0}}
+    run_compare(model, None, chunks, None, ["hadamard"], [2], base, json_path=path, meta=meta, show_progress=False, log=lambda m: None)
+    meta["calibration"] = recipe | {"date": "d2", "seconds": 2.0}
+    run_compare(model, None, chunks, None, ["hadamard"], [2], base, json_path=path, meta=meta, show_progress=False, log=lambda m: None)
+    assert calls == []
+    meta["calibration"] = recipe | {"damping": 0.1}
+    with pytest.raises(ValueError, match=r"differing: calibration"):
+        run_compare(model, None, chunks, None, ["hadamard"], [2], base, json_path=path, meta=meta, show_progress=False, log=lambda m: None)
 
 
 def test_paired_difference_and_margins():

@@ -68,26 +68,50 @@ def quantized_perplexity(model, chunks: torch.Tensor, calibration: Calibration |
 
 
 def _resume_key(settings: dict) -> dict:
-    """What a stored result depends on: everything but which transforms and widths the run lists."""
-    return {k: v for k, v in settings.items() if k not in ("transforms", "bits")}
+    """What a stored result depends on: everything but which transforms and widths the run lists, and
+    of the calibration only its recipe (None, a run of uncalibrated transforms, matches any)."""
+    from ..calibration import calibration_recipe
+
+    key = {k: v for k, v in settings.items() if k not in ("transforms", "bits")}
+    key["calibration"] = calibration_recipe(settings.get("calibration"))
+    return json.loads(json.dumps(key))  # as it reads back from JSON
+
+
+def _resume(json_path, settings: dict) -> dict | None:
+    """The stored run to continue, None if there is no file; a file from other settings is refused
+    (not overwritten: it may hold hours of results)."""
+    path = Path(json_path)
+    if not path.is_file():
+        return None
+    try:
+        prev = json.loads(path.read_text())
+    except (json.JSONDecodeError, OSError) as e:
+        raise ValueError(f"--json {path}: cannot resume from it ({e}); give another path or delete it") from None
+    if not isinstance(prev, dict) or not isinstance(prev.get("settings"), dict) or "results" not in prev:
+        raise ValueError(f"--json {path}: not a file compare wrote (no settings/results); give another path or delete it")
+    old, new = _resume_key(prev["settings"]), _resume_key(settings)
+    if old["calibration"] is None or new["calibration"] is None:
+        old["calibration"] = new["calibration"] = None
+        settings["calibration"] = settings.get("calibration") or prev["settings"].get("calibration")
+    differ = sorted(k for k in set(old) | set(new) if old.get(k) != new.get(k))
+    if differ:
+        raise ValueError(f"--json {path} holds a run with other settings (differing: {', '.join(differ)}); "
+                         "give another path to start afresh, or delete it")
+    prev["settings"] = settings
+    return prev
 
 
 def run_compare(model, tokenizer, chunks: torch.Tensor, calibration: Calibration | None, transforms: list[str], bits: list[int],
                 base: QuantConfig, json_path=None, meta: dict | None = None, show_progress: bool = True, log=print) -> dict:
-    """Full precision once, then every (transform, bits); resumes from ``json_path`` if it holds the same settings."""
+    """Full precision once, then every (transform, bits); resumes from ``json_path`` (a file from other settings is refused)."""
     from ..io import write_json
 
     settings = dict(meta or {}, chunks=int(chunks.shape[0]), seq_len=int(chunks.shape[1]), base=base.to_dict())
     out = {"settings": settings, "fp": None, "results": {}}
-    if json_path and Path(json_path).is_file():
-        try:
-            prev = json.loads(Path(json_path).read_text())
-            if _resume_key(prev.get("settings") or {}) == _resume_key(settings):
-                prev["settings"] = settings
-                out = prev
-                log(f"resuming from {json_path}")
-        except (json.JSONDecodeError, OSError):
-            pass
+    if json_path and (prev := _resume(json_path, settings)) is not None:
+        out = prev
+        write_json(json_path, out)  # the settings as they are now (e.g. the calibration a run without one kept)
+        log(f"resuming from {json_path}")
     if out["fp"] is None:
         fp = perplexity(model, chunks, show_progress=show_progress, desc="ppl full precision")
         out["fp"] = {"ppl": fp["ppl"], "seconds": fp["seconds"], "chunk_nll": fp["chunk_nll"]}
