@@ -1,5 +1,7 @@
 """Decode attention over packed codes equals dequantize-then-attend (METHOD §3.2 storage, issue: speed)."""
 
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -109,20 +111,42 @@ def test_bfloat16_close_to_float32():
     assert out.dtype == torch.bfloat16 and ((out.float() - ref).norm() / ref.norm()) < 3e-2
 
 
-def test_clear_stale_lock_removes_only_old_locks(tmp_path):
-    """A build killed mid-compile leaves torch's baton file; a later run must not wait on it forever."""
-    import os
-    import time
+def test_build_lock_clears_a_killed_builds_baton_and_excludes_other_builds(tmp_path):
+    """A build killed mid-compile leaves torch's baton file; the next build must not wait on it forever,
+    and while one process builds, no other wushkv process may (it waits on the OS lock)."""
+    import fcntl
 
-    from wushkv._ext import clear_stale_lock
+    from wushkv._ext import build_lock
 
-    assert clear_stale_lock(tmp_path) is False  # no lock at all
-    lock = tmp_path / "lock"
-    lock.touch()
-    assert clear_stale_lock(tmp_path, max_age=600) is False  # a live build's fresh lock is kept
-    assert lock.exists()
-    old = time.time() - 3600
-    os.utime(lock, (old, old))
+    (tmp_path / "lock").touch()  # what a SIGKILLed torch build leaves
+    with pytest.warns(UserWarning, match="stale build lock"), build_lock(tmp_path):
+        assert not (tmp_path / "lock").exists()
+        with open(tmp_path / "wushkv.flock", "a") as other:  # another process's attempt
+            with pytest.raises(BlockingIOError):
+                fcntl.flock(other, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    with open(tmp_path / "wushkv.flock", "a") as other:  # released on exit
+        fcntl.flock(other, fcntl.LOCK_EX | fcntl.LOCK_NB)
+
+
+def test_build_runs_under_the_lock_in_the_folder_torch_builds_in(tmp_path, monkeypatch):
+    """The folder whose baton is cleared is the one handed to torch's ``load``."""
+    import torch.utils.cpp_extension as cpp
+
+    import wushkv._ext as ext
+
+    monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path))
+    monkeypatch.delenv("WUSHKV_NO_EXT", raising=False)
+    seen = {}
+
+    def fake_load(**kw):
+        bd = Path(kw["build_directory"])
+        seen["dir"], seen["baton_left"] = bd, (bd / "lock").exists()
+        return "module"
+
+    monkeypatch.setattr(cpp, "load", fake_load)
+    bd = ext.build_directory(f"wushkv_codes_{ext._cpu_tag()}")
+    bd.mkdir(parents=True)
+    (bd / "lock").touch()
     with pytest.warns(UserWarning, match="stale build lock"):
-        assert clear_stale_lock(tmp_path, max_age=600) is True
-    assert not lock.exists()
+        assert ext._build() == "module"
+    assert seen == {"dir": bd, "baton_left": False} and bd.is_relative_to(tmp_path)

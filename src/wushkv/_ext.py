@@ -7,6 +7,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import threading
 import warnings
@@ -39,51 +40,65 @@ def _cpu_tag() -> str:
     return f"{platform.machine()}_{hashlib.sha256(flags.encode()).hexdigest()[:10]}"
 
 
-STALE_LOCK_SECONDS = 600  # a build takes well under a minute; a lock this old was left by a killed build
+@contextlib.contextmanager
+def build_lock(build_dir: str | Path):
+    """Hold wushkv's own lock on ``build_dir`` while torch builds or loads the extension there.
 
-
-def clear_stale_lock(build_dir: str | Path, max_age: float = STALE_LOCK_SECONDS) -> bool:
-    """Remove the ``lock`` file a killed build left in ``build_dir`` (older than ``max_age`` seconds).
-
-    ``torch.utils.cpp_extension`` takes that file as a baton and waits, without end, for it to go;
-    a process killed while compiling (Ctrl-C, a stopped job) leaves it behind and every later run
-    hangs. Returns whether a lock was removed.
+    ``torch.utils.cpp_extension`` guards a build with a ``lock`` file (a baton) and waits, without
+    end, for it to go. A build killed by a signal (SIGKILL, SIGTERM, out of memory) leaves that file
+    behind, and every later run hangs. Here every wushkv process first takes an OS lock (``flock``) on
+    ``wushkv.flock``; the OS drops it when its holder dies. Whoever holds it knows no live wushkv
+    build is running, so a baton it finds is stale and is removed, whatever its age. Processes that
+    start together wait for each other's build instead of both compiling. Without ``fcntl``
+    (Windows) this only creates the folder.
     """
-    import time
+    build_dir = Path(build_dir)
+    build_dir.mkdir(parents=True, exist_ok=True)
+    try:
+        import fcntl
+    except ImportError:  # pragma: no cover - not POSIX
+        yield
+        return
+    with open(build_dir / "wushkv.flock", "a") as fh:
+        fcntl.flock(fh, fcntl.LOCK_EX)  # released by close, or by the OS if this process dies
+        baton = build_dir / "lock"
+        if baton.exists():
+            warnings.warn(f"wushkv: removing a stale build lock {baton} (left by a build that was killed)", stacklevel=3)
+            baton.unlink(missing_ok=True)
+        try:
+            yield
+        finally:
+            fcntl.flock(fh, fcntl.LOCK_UN)
 
-    lock = Path(build_dir) / "lock"
-    try:
-        age = time.time() - lock.stat().st_mtime
-    except OSError:
-        return False
-    if age < max_age:
-        return False
-    warnings.warn(f"wushkv: removing a stale build lock {lock} ({age:.0f}s old, left by an interrupted build)", stacklevel=2)
-    try:
-        lock.unlink()
-    except OSError:
-        return False
-    return True
+
+def build_directory(name: str) -> Path:
+    """Where the extension ``name`` is built: a wushkv folder under torch's extension root."""
+    from torch.utils.cpp_extension import get_default_build_root
+
+    root = os.environ.get("TORCH_EXTENSIONS_DIR") or get_default_build_root()
+    return Path(root) / "wushkv" / name
 
 
 def _build():
     if os.environ.get("WUSHKV_NO_EXT", "") not in ("", "0"):
         return False
     try:
-        from torch.utils.cpp_extension import get_default_build_root, load
+        from torch.utils.cpp_extension import load
 
         src = Path(__file__).with_name("csrc") / "codes.cpp"
         # -march=native: build per CPU model (the name carries a hash of the CPU flags, so a cached build
         # is never loaded on a machine lacking its instructions)
         name = f"wushkv_codes_{_cpu_tag()}"
-        clear_stale_lock(Path(get_default_build_root()) / name)
+        build_dir = build_directory(name)
         import sys
 
         bindir = str(Path(sys.executable).parent)  # the environment's own ninja (the `ninja` package)
         if bindir not in os.environ.get("PATH", "").split(os.pathsep):
             os.environ["PATH"] = bindir + os.pathsep + os.environ.get("PATH", "")
         flags = ["-O3", "-fopenmp", "-march=native"]
-        return load(name=name, sources=[str(src)], extra_cflags=flags, extra_ldflags=["-fopenmp"], verbose=False)
+        with build_lock(build_dir):
+            return load(name=name, sources=[str(src)], extra_cflags=flags, extra_ldflags=["-fopenmp"], verbose=False,
+                        build_directory=str(build_dir))
     except Exception as e:  # no compiler / ninja: the pure-PyTorch path is the reference anyway
         warnings.warn(f"wushkv: fused CPU decode kernels unavailable ({type(e).__name__}: {str(e)[:200]}); using the PyTorch path", stacklevel=2)
         return False

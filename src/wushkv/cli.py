@@ -240,8 +240,7 @@ def cmd_compare(args) -> int:
     model, tok = _load(args)
     cal = _calibration_for(args, model, tok, transforms)
     chunks = tokenize_chunks(tok, text, args.seq_len, args.chunks)
-    meta = {"model": args.model, "text": label, "transforms": transforms, "bits": args.bits,
-            "calibration": cal.meta if cal is not None else None}
+    meta = {"model": args.model, "dtype": args.dtype, "text": label, "transforms": transforms, "bits": args.bits}
     out = run_compare(model, tok, chunks, cal, transforms, args.bits, base, json_path=args.json, meta=meta,
                       log=lambda m: print(m, file=sys.stderr))
     headers, rows = compare_table(out, transforms, args.bits)

@@ -72,15 +72,25 @@ def test_compare_resumes_whatever_the_transform_list(tmp_path, monkeypatch):
                     log=lambda m: None)
     assert calls == [] and path.read_text() == kept  # refused before anything ran; the file is untouched
     # the same calibration recipe made again (another date and timing) resumes; another recipe is refused
+    from types import SimpleNamespace
+
     recipe = {"model": "m", "samples": 4, "damping": 0.01}
-    meta = {"transforms": ["hadamard"], "bits": [2], "calibration": recipe | {"date": "d1", "seconds": 1.0}}
-    run_compare(model, None, chunks, None, ["hadamard"], [2], base, json_path=path, meta=meta, show_progress=False, log=lambda m: None)
-    meta["calibration"] = recipe | {"date": "d2", "seconds": 2.0}
-    run_compare(model, None, chunks, None, ["hadamard"], [2], base, json_path=path, meta=meta, show_progress=False, log=lambda m: None)
-    assert calls == []
-    meta["calibration"] = recipe | {"damping": 0.1}
+    quiet = dict(json_path=path, show_progress=False, log=lambda m: None)
+    run_compare(model, None, chunks, SimpleNamespace(meta=recipe | {"date": "d1", "seconds": 1.0}), ["hadamard"], [2], base, **quiet)
+    run_compare(model, None, chunks, SimpleNamespace(meta=recipe | {"date": "d2", "seconds": 2.0}), ["hadamard"], [2], base, **quiet)
+    assert calls == [] and json.loads(path.read_text())["settings"]["calibration"]["date"] == "d2"
     with pytest.raises(ValueError, match=r"differing: calibration"):
-        run_compare(model, None, chunks, None, ["hadamard"], [2], base, json_path=path, meta=meta, show_progress=False, log=lambda m: None)
+        run_compare(model, None, chunks, SimpleNamespace(meta=recipe | {"damping": 0.1}), ["hadamard"], [2], base, **quiet)
+    with pytest.raises(ValueError, match=r"differing: text_sha256"):  # other text of the same shape
+        run_compare(model, None, chunks.flip(1), None, ["hadamard"], [2], base, **quiet)
+    with pytest.raises(ValueError, match=r"differing: dtype"):
+        run_compare(model, None, chunks, None, ["hadamard"], [2], base, meta={"dtype": "bfloat16"}, **quiet)
+    # a file from before dtype and the text's hash were recorded resumes
+    stored = json.loads(path.read_text())
+    del stored["settings"]["text_sha256"]
+    path.write_text(json.dumps(stored))
+    run_compare(model, None, chunks, None, ["hadamard"], [2], base, meta={"dtype": "float32"}, **quiet)
+    assert calls == []
 
 
 def test_paired_difference_and_margins():

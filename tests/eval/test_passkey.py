@@ -111,15 +111,26 @@ def test_answer_logprob_is_teacher_forced_and_leaves_generation_alone(method):
             assert torch.equal(gen2, gen) and lp2 == pytest.approx(lp, abs=1e-6)
 
 
-def test_cases_from_older_files_get_their_logprob():
-    """A state written before log-probabilities (bare hits) is completed, not trusted as done."""
+def test_cases_from_older_files_stay_done():
+    """A state written before log-probabilities (bare hits) is not run again: its cells keep their
+    accuracy and report no log-probability; new cases get both."""
     model = tiny_model("llama")
     cfg = QuantConfig(2, 2, "affine", windows=WindowConfig(4, 16, 4))
     args = (model, CharTokenizer(), ["hadamard"], None, cfg, [300], [0.5], 2)
     quiet = dict(new_tokens=3, show_progress=False, log=lambda m: None)
     state = {}
     fresh = run_passkey(*args, state=state, **quiet)
+    assert set(fresh["hadamard"]["logprob"]) == {"300/0.5"} and fresh["hadamard"]["logprob_mean"] < 0
     old = {"hadamard": {k: v["hit"] for k, v in state["hadamard"].items()}}
     again = run_passkey(*args, state=old, **quiet)
-    assert old == state and again["hadamard"]["logprob"] == fresh["hadamard"]["logprob"]
-    assert set(fresh["hadamard"]["logprob"]) == {"300/0.5"} and fresh["hadamard"]["logprob_mean"] < 0
+    assert again["hadamard"]["seconds"] == 0 and again["hadamard"]["accuracy"] == fresh["hadamard"]["accuracy"]
+    assert again["hadamard"]["logprob"] == {}
+    more = run_passkey(model, CharTokenizer(), ["hadamard"], None, cfg, [300], [0.5, 0.9], 2, state=old, **quiet)
+    assert set(more["hadamard"]["logprob"]) == {"300/0.9"} and set(more["hadamard"]["accuracy"]) == {"300/0.5", "300/0.9"}
+
+
+def test_key_tokens_follow_the_question():
+    from wushkv.eval.passkey import QUESTION, _encode, key_tokens
+
+    tok = CharTokenizer()
+    assert _encode(tok, QUESTION) + key_tokens(tok, 12345) == _encode(tok, QUESTION + " 12345")

@@ -74,6 +74,12 @@ def _resume_key(settings: dict) -> dict:
 
     key = {k: v for k, v in settings.items() if k not in ("transforms", "bits")}
     key["calibration"] = calibration_recipe(settings.get("calibration"))
+    key.setdefault("dtype", "float32")  # files from before the dtype was recorded ran float32
+    if isinstance(key.get("base"), dict):  # as this version writes it (fields added since get their defaults)
+        try:
+            key["base"] = QuantConfig.from_dict(key["base"]).to_dict()
+        except (TypeError, ValueError):
+            pass
     return json.loads(json.dumps(key))  # as it reads back from JSON
 
 
@@ -87,12 +93,15 @@ def _resume(json_path, settings: dict) -> dict | None:
         prev = json.loads(path.read_text())
     except (json.JSONDecodeError, OSError) as e:
         raise ValueError(f"--json {path}: cannot resume from it ({e}); give another path or delete it") from None
-    if not isinstance(prev, dict) or not isinstance(prev.get("settings"), dict) or "results" not in prev:
+    if not isinstance(prev, dict) or not isinstance(prev.get("settings"), dict) or not isinstance(prev.get("results"), dict):
         raise ValueError(f"--json {path}: not a file compare wrote (no settings/results); give another path or delete it")
+    prev.setdefault("fp", None)
     old, new = _resume_key(prev["settings"]), _resume_key(settings)
-    if old["calibration"] is None or new["calibration"] is None:
+    if old["calibration"] is None or new["calibration"] is None:  # no calibrated transform on one side
         old["calibration"] = new["calibration"] = None
         settings["calibration"] = settings.get("calibration") or prev["settings"].get("calibration")
+    if "text_sha256" not in old:  # files from before the text's hash was recorded
+        old["text_sha256"] = new.get("text_sha256")
     differ = sorted(k for k in set(old) | set(new) if old.get(k) != new.get(k))
     if differ:
         raise ValueError(f"--json {path} holds a run with other settings (differing: {', '.join(differ)}); "
@@ -106,7 +115,9 @@ def run_compare(model, tokenizer, chunks: torch.Tensor, calibration: Calibration
     """Full precision once, then every (transform, bits); resumes from ``json_path`` (a file from other settings is refused)."""
     from ..io import write_json
 
-    settings = dict(meta or {}, chunks=int(chunks.shape[0]), seq_len=int(chunks.shape[1]), base=base.to_dict())
+    settings = dict(meta or {}, chunks=int(chunks.shape[0]), seq_len=int(chunks.shape[1]), base=base.to_dict(),
+                    text_sha256=hashlib.sha256(chunks.cpu().numpy().tobytes()).hexdigest())
+    settings["calibration"] = calibration.meta if calibration is not None else None  # what the results were made with
     out = {"settings": settings, "fp": None, "results": {}}
     if json_path and (prev := _resume(json_path, settings)) is not None:
         out = prev

@@ -70,8 +70,14 @@ def answer_key(text: str) -> int | None:
 
 
 def key_tokens(tokenizer, key: int) -> list[int]:
-    """The tokens of the right answer, ``" {key}"``, as they follow the prompt (which ends in "is")."""
-    return _encode(tokenizer, f" {key}")
+    """The tokens of the right answer, ``" {key}"``, as they follow the prompt's question: taken from the
+    encoding of question + answer (a tokenizer that marks word starts would encode ``" {key}"`` alone
+    with a spurious extra space)."""
+    q = _encode(tokenizer, QUESTION)
+    full = _encode(tokenizer, QUESTION + f" {key}")
+    if full[: len(q)] != q or len(full) == len(q):
+        raise ValueError(f"this tokenizer merges the question's last token with the answer {key}; cannot score the answer")
+    return full[len(q) :]
 
 
 @torch.no_grad()
@@ -82,7 +88,8 @@ def answer_and_logprob(model, ids: torch.Tensor, answer: list[int], new_tokens: 
     into a copy of the cache taken after the prompt, so it is what the cache gives the right answer
     whatever the model generates. Unlike a hit, it moves smoothly: a small model often ranks the
     key a few tenths of a nat above or below prose ("a key that is used to..."), and a hit flips on
-    that. A cache that cannot be copied is filled again from the prompt instead.
+    that. The copy doubles the cache's memory for a moment; a cache that cannot be copied is filled
+    again from the prompt instead (twice the prefill time).
     """
     if not answer:
         raise ValueError("the answer has no tokens")
@@ -90,6 +97,8 @@ def answer_and_logprob(model, ids: torch.Tensor, answer: list[int], new_tokens: 
     logits = model(ids, cache=cache, use_cache=True, logits_to_keep=1).logits[:, -1]
     try:
         fork, first = copy.deepcopy(cache), logits
+    except torch.OutOfMemoryError:
+        raise
     except (TypeError, RuntimeError, NotImplementedError, copy.Error):  # state that cannot be copied: prefill again
         fork = make_cache()
         first = model(ids, cache=fork, use_cache=True, logits_to_keep=1).logits[:, -1]
@@ -139,8 +148,8 @@ def run_passkey(model, tokenizer, methods: list[str], calibration, cfg, contexts
     for c in sorted(contexts):
         cases = [(c, d, t) for d in depths for t in range(trials)]
         for name in methods:
-            # a case stored without its log-probability (older files) runs again
-            todo = [k for k in cases if "logprob" not in _entry(hits[name].get(case_key(*k), {}))]
+            # cases stored by older versions (a bare hit) stay done: their cells get no log-probability
+            todo = [k for k in cases if case_key(*k) not in hits[name]]
             if not todo:
                 continue
             t0 = time.perf_counter()
