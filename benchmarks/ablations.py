@@ -12,6 +12,9 @@ Studies (each a list of variants; every variant is evaluated at every ``--bits``
 * ``wush-a``: WUSH-A (attention-aware Hessians, from a calibration made with ``--wush-a``) end to end;
 * ``sides``: keys only and values only quantized (the other side full precision), Hadamard vs WUSH:
   where does each transform win or lose?
+* ``mix``: each side from another transform (Hadamard keys + WUSH values, and the reverse; WUSH-A keys
+  when the calibration has WUSH-A statistics): which side of WUSH gains perplexity, and which costs
+  passkey retrieval (docs/GENERATION.md);
 * ``center``: keys and values centered before the transform (k' = T (k − μ_K), v' = T_V (v − μ_V), both
   exact for attention): Hadamard and WUSH each with and without, WUSH with keys only, KVarN alongside;
 * ``tiles``: the WUSH transform under KVarN's tile quantizer (its windows: first tile of 128 full
@@ -72,6 +75,11 @@ def plain_layers(name, spec):
     return [build_transforms(name, spec.num_kv_heads, spec.head_dim) for _ in range(spec.num_layers)]
 
 
+def mix_sides(keys, values):
+    """Per-layer transforms taking T_K from ``keys`` and T_V from ``values``."""
+    return [{"T_K": k["T_K"], "T_K_inv": k["T_K_inv"], "T_V": v["T_V"], "T_V_inv": v["T_V_inv"]} for k, v in zip(keys, values)]
+
+
 def sum_stats(parts):
     """Add per-layer additive statistics (M_K, H_K, M_V, H_A...) of several passes; H_V is weights-only."""
     out = []
@@ -125,6 +133,16 @@ def variants(study, args, model, tok, spec, cal):
         for name, trs in (("hadamard", plain_layers("hadamard", spec)), ("wush", cal.transforms("wush"))):
             v.append((f"{name} keys only", trs, {"v_bits": None}))
             v.append((f"{name} values only", trs, {"k_bits": None}))
+        return v
+    if study == "mix":
+        # each side from another transform: which side of WUSH helps perplexity, and which hurts retrieval
+        had, wush = plain_layers("hadamard", spec), cal.transforms("wush")
+        v = [("hadamard", had, {}), ("wush", wush, {}),
+             ("hadamard keys + wush values", mix_sides(had, wush), {}), ("wush keys + hadamard values", mix_sides(wush, had), {})]
+        if "H_K_A" in cal.stats[0]:
+            wa = cal.transforms("wush-a")
+            v += [("wush-a", wa, {}), ("wush-a keys + wush values", mix_sides(wa, wush), {}),
+                  ("wush-a keys + hadamard values", mix_sides(wa, had), {})]
         return v
     if study == "center":
         tiles = {"quantizer": "kvarn", "windows": [128, 0, 128]}
@@ -227,7 +245,7 @@ def make_cfg(base, b, over):
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--study", required=True, choices=["damping", "clip", "clip-layer", "calib", "wush-a", "sides", "tiles", "center", "alloc"])
+    ap.add_argument("--study", required=True, choices=["damping", "clip", "clip-layer", "calib", "wush-a", "sides", "mix", "tiles", "center", "alloc"])
     ap.add_argument("--model", default="smollm2-135m")
     ap.add_argument("--calibration", default=None, help="calibration file (statistics); not needed by --study calib")
     ap.add_argument("--chunks", type=int, default=4)
