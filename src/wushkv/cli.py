@@ -199,26 +199,27 @@ def _bits_list(s: str) -> list[int]:
 
 def _check_transforms(transforms, tiles: bool = True) -> None:
     """Known transforms; with ``tiles``, also ``<transform>+tiles`` (the transform under KVarN's tile quantizer)."""
-    from .eval.methods import TILES_SUFFIX, method_transform
+    from .eval.methods import SIDES_SEP, TILES_SUFFIX, is_transform_method
     from .transforms import TRANSFORMS
 
     for t in transforms:
-        if (method_transform(t) if tiles else t) not in TRANSFORMS:
-            also = f", each optionally with the suffix {TILES_SUFFIX!r} (KVarN's tile quantizer)" if tiles else ""
+        if not (is_transform_method(t) if tiles else t in TRANSFORMS):
+            also = (f", each optionally with the suffix {TILES_SUFFIX!r} (KVarN's tile quantizer), or KEYS{SIDES_SEP}VALUES "
+                    f"(e.g. wush{SIDES_SEP}hadamard: keys of one, values of the other)") if tiles else ""
             raise ValueError(f"unknown transform {t!r}; known: {sorted(TRANSFORMS)}{also}")
 
 
 def _calibration_for(args, model, tok, transforms):
     """The --calibration file, or a cached calibration when a calibrated transform is asked for."""
     from .eval.compare import cached_calibration
-    from .eval.methods import method_transform
-    from .transforms import TRANSFORMS
+    from .eval.methods import method_sides, needs_calibration
 
     _check_transforms(transforms)
     if getattr(args, "calibration", None):
         return _load_calibration(args, model)
-    if any(TRANSFORMS[method_transform(t)].needs_calibration for t in transforms):
-        return cached_calibration(model, tok, args.calib_samples, args.calib_seq_len, wush_a="wush-a" in transforms,
+    if any(needs_calibration(t) for t in transforms):
+        wush_a = any("wush-a" in method_sides(t) for t in transforms)
+        return cached_calibration(model, tok, args.calib_samples, args.calib_seq_len, wush_a=wush_a,
                                   log=lambda m: print(m, file=sys.stderr))
     return None
 
@@ -402,8 +403,7 @@ def cmd_agree(args) -> int:
     from .data import load_eval_text, tokenize_chunks
     from .eval.agreement import report, run_agreement
     from .io import write_json
-    from .eval.methods import method_transform
-    from .transforms import TRANSFORMS
+    from .eval.methods import is_transform_method
 
     methods = _methods(args.transforms)
     if args.report_only:
@@ -417,7 +417,7 @@ def cmd_agree(args) -> int:
     cfg = _quant_config(args)
     text, label = load_eval_text(args.text_file)
     model, tok = _load(args)
-    cal = _calibration_for(args, model, tok, [m for m in methods if method_transform(m) in TRANSFORMS])
+    cal = _calibration_for(args, model, tok, [m for m in methods if is_transform_method(m)])
     chunks = tokenize_chunks(tok, text, args.prompt_len, args.prompts * args.stride)[:: args.stride]
     state, save, settings = _resumable(args.json, {
         "model": args.model, "dtype": args.dtype, "text": label, "prompts": int(chunks.shape[0]), "prompt_len": args.prompt_len,
@@ -440,14 +440,13 @@ def cmd_passkey(args) -> int:
     from .eval.passkey import run_passkey
     from .io import write_json
     from .report import format_table, plot_heatmaps
-    from .eval.methods import method_transform
-    from .transforms import TRANSFORMS
+    from .eval.methods import is_transform_method
 
     methods = _methods(args.transforms)
     depths = [float(x) for x in args.depths.split(",")]
     cfg = _quant_config(args)
     model, tok = _load(args)
-    cal = _calibration_for(args, model, tok, [m for m in methods if method_transform(m) in TRANSFORMS])
+    cal = _calibration_for(args, model, tok, [m for m in methods if is_transform_method(m)])
     state, save, settings = _resumable(args.json, {
         "model": args.model, "dtype": args.dtype, "trials": args.trials, "seed": args.seed, "quantization": cfg.to_dict(),
         "calibration": _calibration_recipe(cal)})
@@ -533,7 +532,7 @@ def build_parser() -> argparse.ArgumentParser:
     from .config import GENERATION_WINDOWS, PERPLEXITY_WINDOWS
     from .transforms import TRANSFORMS
 
-    transforms_help = ", ".join(TRANSFORMS) + " (each optionally with +tiles: KVarN's tile quantizer)"
+    transforms_help = ", ".join(TRANSFORMS) + " (each optionally with +tiles: KVarN's tile quantizer; KEYS:VALUES mixes two: wush:hadamard)"
     parser = argparse.ArgumentParser(prog="wushkv", description="WUSH-KV: low-bit KV caches with data-aware transforms.")
     parser.add_argument("--version", action="version", version=f"wushkv {__version__}")
     sub = parser.add_subparsers(dest="command", required=True)

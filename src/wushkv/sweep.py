@@ -36,7 +36,7 @@ import tomllib
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-from .eval.methods import TILES_SUFFIX, method_transform, uses_tiles
+from .eval.methods import TILES_SUFFIX, is_transform_method, needs_calibration, uses_tiles
 from .io import atomic_write, write_json
 
 __all__ = ["Job", "SweepConfig", "run_sweep", "collect"]
@@ -141,9 +141,9 @@ class SweepConfig:
                 raise SweepError(f"[grid] needs a non-empty list `{k}`")
         transforms = list(grid["transforms"])
         for t in transforms:
-            if method_transform(t) not in TRANSFORMS:
+            if not is_transform_method(t):
                 raise SweepError(f"unknown transform {t!r} in grid.transforms; known: {sorted(TRANSFORMS)}, each optionally "
-                                 f"with the suffix {TILES_SUFFIX!r} (KVarN's tile quantizer)")
+                                 f"with the suffix {TILES_SUFFIX!r} (KVarN's tile quantizer), or KEYS:VALUES (e.g. wush:hadamard)")
         quantizers = list(grid.get("quantizers", ["quest"]))
         for q in quantizers:
             if q not in ("quest", "affine", "kivi"):
@@ -346,10 +346,7 @@ def run_sweep(cfg: SweepConfig, ray_address: str | None = None, max_jobs: int | 
 
 
 def _calibrated(transform: str) -> bool:
-    from .transforms import TRANSFORMS
-
-    transform = method_transform(transform)
-    return transform in TRANSFORMS and TRANSFORMS[transform].needs_calibration
+    return needs_calibration(transform)
 
 
 def _run_ray(cfg: SweepConfig, todo: list[Job], needs_cal: set[str], address: str, bar) -> list[str]:

@@ -4,6 +4,9 @@
   the transform installed (values folded, keys online) and a :class:`~wushkv.cache.WushKVCache`;
 * ``<transform>+tiles`` (``wush+tiles``): that transform with KVarN's tile quantizer and tile windows
   instead of the configured quantizer (``kvarn`` is ``hadamard+tiles``, the way KVarN ships);
+* ``<keys>:<values>`` (``wush:hadamard``): the key transform of one and the value transform of the
+  other (docs/ABLATIONS.md section 10: on SmolLM2 WUSH's keys carry its perplexity gain, while
+  Hadamard keys keep passkey retrieval); also with ``+tiles``;
 * ``stock-<backend>-<bits>`` (``stock-hqq-2``, ``stock-quanto-4``, ...): the stock ``transformers``
   ``QuantizedCache`` on the unmodified model, the baseline users have today (backends: the optional
   extra ``wushkv[stock]``);
@@ -27,6 +30,32 @@ def method_transform(name: str) -> str:
     return name[: -len(TILES_SUFFIX)] if name.endswith(TILES_SUFFIX) else name
 
 
+SIDES_SEP = ":"
+
+
+def method_sides(name: str) -> tuple[str, str]:
+    """(key transform, value transform) a method installs: ("wush", "hadamard") for "wush:hadamard",
+    ("wush", "wush") for "wush" or "wush+tiles"."""
+    t = method_transform(name)
+    if SIDES_SEP not in t:
+        return t, t
+    k, _, v = t.partition(SIDES_SEP)
+    return k, v
+
+
+def is_transform_method(name: str) -> bool:
+    """Whether ``name`` installs wushkv transforms (a transform, ``+tiles``, or ``keys:values``)."""
+    from ..transforms import TRANSFORMS
+
+    return all(side in TRANSFORMS for side in method_sides(name))
+
+
+def needs_calibration(name: str) -> bool:
+    from ..transforms import TRANSFORMS
+
+    return is_transform_method(name) and any(TRANSFORMS[side].needs_calibration for side in method_sides(name))
+
+
 def uses_tiles(name: str) -> bool:
     """Whether a method quantizes with KVarN's tiles (its own quantizer and windows)."""
     return name == "kvarn" or name.endswith(TILES_SUFFIX)
@@ -48,9 +77,10 @@ def check_methods(names: list[str]) -> None:
     for n in names:
         if n == FULL_PRECISION or parse_stock(n) is not None:
             continue
-        if method_transform(n) not in TRANSFORMS:
+        if not is_transform_method(n):
             raise ValueError(f"unknown method {n!r}; known: {sorted(TRANSFORMS)}, each optionally with the suffix "
-                             f"{TILES_SUFFIX!r} (KVarN's tile quantizer), stock-<quanto|hqq>-<2|4>, {FULL_PRECISION}")
+                             f"{TILES_SUFFIX!r} (KVarN's tile quantizer), KEYS{SIDES_SEP}VALUES (e.g. wush{SIDES_SEP}hadamard: "
+                             f"the key transform of one, the value transform of the other), stock-<quanto|hqq>-<2|4>, {FULL_PRECISION}")
 
 
 def transforms_for(model, calibration, transform: str):
@@ -60,6 +90,11 @@ def transforms_for(model, calibration, transform: str):
     from ..transforms import TRANSFORMS, build_transforms
 
     transform = method_transform(transform)
+    if SIDES_SEP in transform:
+        ks, vs = method_sides(transform)
+        K, V = transforms_for(model, calibration, ks), transforms_for(model, calibration, vs)
+        return [{"T_K": k["T_K"], "T_K_inv": k["T_K_inv"], "T_V": v["T_V"], "T_V_inv": v["T_V_inv"]}
+                | ({"mu_K": k["mu_K"]} if "mu_K" in k else {}) | ({"mu_V": v["mu_V"]} if "mu_V" in v else {}) for k, v in zip(K, V)]
     if calibration is not None:
         return calibration.transforms(transform)
     if TRANSFORMS[transform].needs_calibration:
