@@ -7,8 +7,9 @@ in `wushkv passkey`):
     python benchmarks/passkey_probe.py --calibration out/smollm2-c32.safetensors --contexts 1k \\
         --depths 0.1,0.5 --trials 5 --methods hadamard,wush,hadamard:wush,wush:hadamard --bits K2V2,K4V2,K2V4
 
-A method ``KEYS:VALUES`` takes the key transform from one method and the value transform from
-another (``hadamard:wush``: Hadamard keys, WUSH values), to tell which side loses the needle. Each
+Methods are those of `wushkv passkey`; ``KEYS:VALUES`` takes the key transform from one and the value
+transform from another (``hadamard:wush``: Hadamard keys, WUSH values), to tell which side loses
+the needle. Each
 line also gives the teacher-forced log-probability of the key; the summary, its mean.
 """
 
@@ -18,7 +19,6 @@ import argparse
 import json
 import re
 import sys
-from contextlib import contextmanager
 from dataclasses import replace
 from pathlib import Path
 
@@ -27,11 +27,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 from wushkv.calibration import Calibration  # noqa: E402
 from wushkv.cli import _context_list  # noqa: E402
 from wushkv.config import GENERATION_WINDOWS, QuantConfig  # noqa: E402
-from wushkv.cache import WushKVCache  # noqa: E402
-from wushkv.eval.compare import config_for  # noqa: E402
-from wushkv.eval.methods import method_cache, transforms_for  # noqa: E402
+from wushkv.eval.methods import method_cache  # noqa: E402
 from wushkv.eval.passkey import answer_and_logprob, answer_key, key_tokens, passkey_prompt, trial_seed  # noqa: E402
-from wushkv.folding import apply_transforms  # noqa: E402
 from wushkv.models import load  # noqa: E402
 
 
@@ -43,20 +40,6 @@ def parse_bits(s: str) -> list[tuple[int, int]]:
             raise SystemExit(f"--bits: expected pairs such as K2V2,K4V2, got {x!r}")
         out.append((int(m[1]), int(m[2])))
     return out
-
-
-@contextmanager
-def cache_of(model, cal, name: str, cfg: QuantConfig):
-    """A factory of fresh caches for ``name``: a method, or ``KEYS:VALUES`` mixing two methods' sides."""
-    if ":" not in name:
-        with method_cache(model, cal, name, cfg) as make:
-            yield make
-        return
-    ks, vs = name.split(":")
-    K, V = transforms_for(model, cal, ks), transforms_for(model, cal, vs)
-    mixed = [{"T_K": k["T_K"], "T_K_inv": k["T_K_inv"], "T_V": v["T_V"], "T_V_inv": v["T_V_inv"]} for k, v in zip(K, V)]
-    with apply_transforms(model, mixed, name):
-        yield lambda: WushKVCache(model, config_for(ks, cfg))
 
 
 def main() -> None:
@@ -81,7 +64,7 @@ def main() -> None:
     base = QuantConfig(2, 2, args.quantizer, windows=GENERATION_WINDOWS)
     for name in args.methods.split(","):
         for kb, vb in parse_bits(args.bits):
-            with cache_of(model, cal, name, replace(base, k_bits=kb, v_bits=vb)) as make:
+            with method_cache(model, cal, name, replace(base, k_bits=kb, v_bits=vb)) as make:
                 hits, lps = 0, []
                 for case in cases:
                     ids, key = passkey_prompt(tok, *case[:2], trial_seed(args.seed, *case))
