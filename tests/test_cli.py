@@ -16,7 +16,8 @@ from wushkv.cli import main
         (["compare", "--transforms", "identity,bogus"], "unknown transform 'bogus'"),
         (["compare", "--bits", "2,5"], "k_bits=5 is not supported"),
         (["recon", "--calibration", "x.safetensors", "--transforms", "nope"], "unknown transform 'nope'"),
-        (["recon", "--calibration", "x.safetensors", "--transforms", "wush+tiles"], "unknown transform 'wush+tiles'"),
+        (["recon", "--calibration", "x.safetensors", "--transforms", "wush+tiles"], "tile methods"),
+        (["recon", "--calibration", "x.safetensors", "--transforms", "kvarn:wush"], "kvarn cannot be one side"),
         (["compare", "--transforms", "wush+tile"], "optionally with the suffix '+tiles'"),
     ],
 )

@@ -60,7 +60,11 @@ def build_lock(build_dir: str | Path):
         yield
         return
     with open(build_dir / "wushkv.flock", "a") as fh:
-        fcntl.flock(fh, fcntl.LOCK_EX)  # released by close, or by the OS if this process dies
+        try:
+            fcntl.flock(fh, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            warnings.warn(f"wushkv: waiting for another process building the CPU kernels in {build_dir}", stacklevel=3)
+            fcntl.flock(fh, fcntl.LOCK_EX)  # released by close, or by the OS if its holder dies
         baton = build_dir / "lock"
         if baton.exists():
             warnings.warn(f"wushkv: removing a stale build lock {baton} (left by a build that was killed)", stacklevel=3)
@@ -75,8 +79,14 @@ def build_directory(name: str) -> Path:
     """Where the extension ``name`` is built: a wushkv folder under torch's extension root."""
     from torch.utils.cpp_extension import get_default_build_root
 
+    import sys
+
+    import torch
+
     root = os.environ.get("TORCH_EXTENSIONS_DIR") or get_default_build_root()
-    return Path(root) / "wushkv" / name
+    # one folder per Python and torch, as torch's own default does: environments do not rebuild each other's
+    env = f"py{sys.version_info.major}{sys.version_info.minor}_torch{torch.__version__.replace('+', '_')}"
+    return Path(root) / "wushkv" / env / name
 
 
 def _build():

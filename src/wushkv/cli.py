@@ -164,13 +164,18 @@ def cmd_recon(args) -> int:
     from .io import write_json
     from .report import format_table, plot_lines
 
+    from .eval.methods import TILES_SUFFIX, transforms_for
+
     names = [t.strip() for t in args.transforms.split(",") if t.strip()]
-    _check_transforms(names, tiles=False)
+    _check_transforms(names)
+    if any(n.endswith(TILES_SUFFIX) or n == "kvarn" for n in names):
+        raise ValueError(f"recon measures transforms under --quantizer; tile methods ({TILES_SUFFIX}, kvarn) bring their own quantizer: "
+                         f"drop them from --transforms (got {names})")
     cfgs = [QuantConfig(k_bits=b, v_bits=b, quantizer=args.quantizer) for b in args.bits]
     text, label = load_eval_text(args.text_file)
     model, tok = _load(args)
     cal = Calibration.load(args.calibration, model)
-    transforms = {n: cal.transforms(n) for n in names}
+    transforms = {n: transforms_for(model, cal, n) for n in names}
     seqs = tokenize_chunks(tok, text, args.seq_len, args.samples)
     results = dict(zip(args.bits, layer_reconstruction(model, seqs, transforms, cfgs)))
     for bits, res in results.items():

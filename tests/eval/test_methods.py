@@ -18,6 +18,8 @@ def test_sides_of_a_method_name():
     check_methods(["wush:hadamard", "hadamard:oscar+tiles", "full-precision"])
     with pytest.raises(ValueError, match="KEYS:VALUES"):
         check_methods(["wush:nope"])
+    with pytest.raises(ValueError, match="kvarn cannot be one side"):
+        check_methods(["kvarn:wush"])
 
 
 def test_keys_from_one_values_from_the_other():

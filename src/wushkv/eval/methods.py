@@ -40,6 +40,9 @@ def method_sides(name: str) -> tuple[str, str]:
     if SIDES_SEP not in t:
         return t, t
     k, _, v = t.partition(SIDES_SEP)
+    if "kvarn" in (k, v):  # KVarN is hadamard + its tiles: a side alone would silently drop the tiles
+        raise ValueError(f"method {name!r}: kvarn cannot be one side of KEYS{SIDES_SEP}VALUES (it is Hadamard with KVarN's tiles); "
+                         f"use hadamard on that side and the suffix {TILES_SUFFIX!r}, e.g. hadamard{SIDES_SEP}wush{TILES_SUFFIX}")
     return k, v
 
 
