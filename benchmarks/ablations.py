@@ -54,6 +54,7 @@ from wushkv.cache import WushKVCache  # noqa: E402
 from wushkv.calibration import Calibration, calibration_sequences, collect_statistics  # noqa: E402
 from wushkv.config import PERPLEXITY_WINDOWS, QuantConfig, WindowConfig  # noqa: E402
 from wushkv.data import load_eval_text, tokenize_chunks  # noqa: E402
+from wushkv.eval.methods import mix_sides  # noqa: E402
 from wushkv.eval.perplexity import perplexity  # noqa: E402
 from wushkv.eval.reconstruction import layer_reconstruction  # noqa: E402
 from wushkv.folding import apply_transforms  # noqa: E402
@@ -73,11 +74,6 @@ def wush_layers(stats, spec, damping=0.01, damping_M=None, keys=("M_K", "H_K", "
 
 def plain_layers(name, spec):
     return [build_transforms(name, spec.num_kv_heads, spec.head_dim) for _ in range(spec.num_layers)]
-
-
-def mix_sides(keys, values):
-    """Per-layer transforms taking T_K from ``keys`` and T_V from ``values``."""
-    return [{"T_K": k["T_K"], "T_K_inv": k["T_K_inv"], "T_V": v["T_V"], "T_V_inv": v["T_V_inv"]} for k, v in zip(keys, values)]
 
 
 def sum_stats(parts):

@@ -86,6 +86,15 @@ def check_methods(names: list[str]) -> None:
                              f"the key transform of one, the value transform of the other), stock-<quanto|hqq>-<2|4>, {FULL_PRECISION}")
 
 
+def mix_sides(keys: list[dict], values: list[dict]) -> list[dict]:
+    """Per-layer transforms with the key side (T_K, its inverse, μ_K) of ``keys`` and the value side
+    (T_V, its inverse, μ_V) of ``values``."""
+    def side(tr: dict, s: str) -> dict:
+        return {k: t for k, t in tr.items() if k in (f"T_{s}", f"T_{s}_inv", f"mu_{s}")}
+
+    return [side(k, "K") | side(v, "V") for k, v in zip(keys, values, strict=True)]
+
+
 def transforms_for(model, calibration, transform: str):
     """Per-layer transforms of ``transform`` (or of the method ``transform+tiles``): from the calibration,
     or built (calibration-free ones)."""
@@ -95,9 +104,7 @@ def transforms_for(model, calibration, transform: str):
     transform = method_transform(transform)
     if SIDES_SEP in transform:
         ks, vs = method_sides(transform)
-        K, V = transforms_for(model, calibration, ks), transforms_for(model, calibration, vs)
-        return [{"T_K": k["T_K"], "T_K_inv": k["T_K_inv"], "T_V": v["T_V"], "T_V_inv": v["T_V_inv"]}
-                | ({"mu_K": k["mu_K"]} if "mu_K" in k else {}) | ({"mu_V": v["mu_V"]} if "mu_V" in v else {}) for k, v in zip(K, V)]
+        return mix_sides(transforms_for(model, calibration, ks), transforms_for(model, calibration, vs))
     if calibration is not None:
         return calibration.transforms(transform)
     if TRANSFORMS[transform].needs_calibration:
