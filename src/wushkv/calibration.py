@@ -115,16 +115,25 @@ class StatsCollector:
             Bh = W[:, h]  # (hidden, G, d)
             O = torch.einsum("ngd,nhe->ghde", Bh, Bh)  # B_gᵀ B_g' (G, G, d, d)
             ph = p[:, h]  # (B, G, T, S)
-            PP = torch.einsum("bgts,bhts->gh", ph, ph)  # Σ_{i,t} p_g p_g'
+            vh, oh = v[:, h].float(), o[:, h]  # (B, S, d), (B, G, T, d)
+            pp = ph.unsqueeze(2) * ph.unsqueeze(1)  # p_{g,i,t} p_{g',i,t}: (B, G, G, T, S)
+            PP = pp.sum(dim=(0, 3, 4))  # Σ_{i,t} p_g p_g'
             acc["H_V_A"][h] += 2 * torch.einsum("gh,ghde->de", PP, O).double()
-            x = torch.einsum("bsd,ngd->bgsn", v[:, h].float(), Bh)  # (B, G, S, hidden)
-            y = torch.einsum("bgtd,ngd->bgtn", o[:, h], Bh)  # (B, G, T, hidden)
-            # C_{gg'}(i) = s² Σ_t p p' [x_gᵀx_g'(t) − x_gᵀy_g'(t,i) − y_gᵀx_g'(i,t) + y_gᵀy_g'(i)]
-            xx = torch.einsum("bgsn,bhsn->bghs", x, x)  # (B, G, G, S)
-            yy = torch.einsum("bgtn,bhtn->bght", y, y)  # (B, G, G, T)
-            xy = torch.einsum("bgsn,bhtn->bghts", x, y)  # x_{g,t}ᵀ y_{g',i}: (B, G, G, T(i), S(t))
-            pp = ph.unsqueeze(2) * ph.unsqueeze(1)  # (B, G, G, T, S)
-            C = (pp * xx.unsqueeze(3)).sum(-1) + pp.sum(-1) * yy - (pp * xy).sum(-1) - (pp * xy.transpose(1, 2)).sum(-1)
+            # C_{gg'}(i) = s² Σ_t p p' (x_{g,t} − y_{g,i})ᵀ(x_{g',t} − y_{g',i}) with x = B v, y = B o, every
+            # inner product through O_{gg'} = B_gᵀB_{g'} (d × d) instead of the hidden size:
+            #   Σ_t pp x_gᵀx_g'  = Σ_t pp · v_tᵀ O v_t
+            #   Σ_t pp y_gᵀy_g'  = (Σ_t pp) · o_gᵀ O o_g'
+            #   Σ_t pp x_gᵀy_g'  = u_{gg'}ᵀ O o_g',  Σ_t pp y_gᵀx_g' = o_gᵀ O u_{gg'},  u_{gg'}(i) = Σ_t pp v_t
+            vOv = torch.einsum("bsd,ghde,bse->bghs", vh, O, vh)  # (B, G, G, S)
+            u = torch.matmul(pp, vh[:, None, None])  # (B, G, G, T, d)
+            Oo = torch.einsum("ghde,bhte->bghtd", O, oh)  # O_{gg'} o_{g',i}: (B, G, G, T, d)
+            oO = torch.einsum("bgtd,ghde->bghte", oh, O)  # o_{g,i}ᵀ O_{gg'}: (B, G, G, T, d)
+            C = (
+                torch.matmul(pp, vOv.unsqueeze(-1)).squeeze(-1)
+                + pp.sum(-1) * (oh.unsqueeze(2) * Oo).sum(-1)
+                - (u * Oo).sum(-1)
+                - (oO * u).sum(-1)
+            )
             C = C * scaling**2  # (B, G, G, T)
             qh = qf[:, h]  # (B, G, T, d)
             acc["H_K_A"][h] += 2 * torch.einsum("bght,bgtd,bhte->de", C, qh, qh).double()
