@@ -15,6 +15,10 @@ Studies (each a list of variants; every variant is evaluated at every ``--bits``
 * ``mix``: each side from another transform (Hadamard keys + WUSH values, and the reverse; WUSH-A keys
   when the calibration has WUSH-A statistics): which side of WUSH gains perplexity, and which costs
   passkey retrieval (docs/GENERATION.md);
+* ``key-damping``: γ_H of the key side only (H_K + γ·(tr H_K/d)·I, γ in ``KEY_DAMPING_GRID``; values keep
+  the default WUSH): shrinking the query Hessian towards the identity moves the key transform from WUSH
+  towards a partial whitening of the keys alone (γ → ∞: T_K ∝ 𝓗·Λ_K^{-1/4}·Uᵀ from M_K); does that buy
+  back the passkey (``--passkey``) without losing perplexity?
 * ``center``: keys and values centered before the transform (k' = T (k − μ_K), v' = T_V (v − μ_V), both
   exact for attention): Hadamard and WUSH each with and without, WUSH with keys only, KVarN alongside;
 * ``tiles``: the WUSH transform under KVarN's tile quantizer (its windows: first tile of 128 full
@@ -28,6 +32,10 @@ Studies (each a list of variants; every variant is evaluated at every ``--bits``
   ``--sens-seqs`` × ``--sens-seq-len`` C4 tokens, cached in ``--sensitivity``), the most sensitive
   pairs upgraded, against a random allocation of the same budget and the uniform K↑V↓ / K↓V↑ splits;
   run it with ``--bits`` = ``--low`` (the widths come from the variants).
+
+``--passkey N`` also scores every variant on N deterministic passkey prompts per depth (1k tokens,
+depths 0.1 and 0.5, K2V2 affine, windows 64/256/8: the setting of docs/GENERATION.md), with hits and
+the mean teacher-forced log P(key).
 
 Every variant also gets the layer-reconstruction geomean (paper §4; no windows) on ``--recon-seqs``
 held-out calibration sequences (C4, never the evaluation text), twice: every token quantized
@@ -63,6 +71,7 @@ from wushkv.models import describe, load  # noqa: E402
 from wushkv.transforms import build_transforms  # noqa: E402
 
 GRID = (1e-3, 1e-2, 1e-1, 1.0)
+KEY_DAMPING_GRID = (1.0, 10.0, 100.0, 1000.0)
 CLIP_GRID = (0.85, 1.15)
 LAYER_CLIP_GRID = (0.7, 0.8, 0.9, 1.0, 1.1, 1.25, 1.4)
 
@@ -139,6 +148,12 @@ def variants(study, args, model, tok, spec, cal):
             wa = cal.transforms("wush-a")
             v += [("wush-a", wa, {}), ("wush-a keys + wush values", mix_sides(wa, wush), {}),
                   ("wush-a keys + hadamard values", mix_sides(wa, had), {})]
+        return v
+    if study == "key-damping":
+        wush = cal.transforms("wush")
+        v = [("hadamard", plain_layers("hadamard", spec), {}), ("wush", wush, {})]
+        for g in KEY_DAMPING_GRID:
+            v.append((f"wush γK={g:g}", mix_sides(wush_layers(cal.stats, spec, g, cal.meta["damping"]), wush), {}))
         return v
     if study == "center":
         tiles = {"quantizer": "kvarn", "windows": [128, 0, 128]}
@@ -241,7 +256,7 @@ def make_cfg(base, b, over):
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--study", required=True, choices=["damping", "clip", "clip-layer", "calib", "wush-a", "sides", "mix", "tiles", "center", "alloc"])
+    ap.add_argument("--study", required=True, choices=["damping", "key-damping", "clip", "clip-layer", "calib", "wush-a", "sides", "mix", "tiles", "center", "alloc"])
     ap.add_argument("--model", default="smollm2-135m")
     ap.add_argument("--calibration", default=None, help="calibration file (statistics); not needed by --study calib")
     ap.add_argument("--chunks", type=int, default=4)
@@ -260,6 +275,7 @@ def main() -> None:
     ap.add_argument("--sens-seqs", type=int, default=1, help="--study alloc: calibration sequences for the sensitivities")
     ap.add_argument("--sens-seq-len", type=int, default=1024)
     ap.add_argument("--sensitivity", default=None, help="--study alloc: sensitivity cache (default: next to --json)")
+    ap.add_argument("--passkey", type=int, default=0, help="passkey prompts per depth (1k tokens, depths 0.1 and 0.5, K2V2 affine 64/256/8); 0: skip")
     ap.add_argument("--only", default=None, help="comma-separated variant names: evaluate only these")
     ap.add_argument("--json", required=True)
     args = ap.parse_args()
@@ -330,7 +346,36 @@ def main() -> None:
             print(f"{name:<28} {b}-bit PPL {r['ppl']:8.3f} ({entry['delta_pct']:+.2f}%)  recon {entry.get('recon', math.nan):.4g}"
                   f"  recon_sink {entry.get('recon_sink', math.nan):.4g}")
             write_json(path, out)
+    if args.passkey:
+        for name, trs, over in vs:
+            entry = out["results"].setdefault(name, {})
+            if entry.get("passkey", {}).get("trials") == args.passkey:
+                continue
+            entry["passkey"] = passkey_probe(model, tok, trs, name, args.passkey)
+            print(f"{name:<28} passkey {entry['passkey']['hits']}/{entry['passkey']['prompts']}  mean log P(key) {entry['passkey']['logprob_mean']:.3f}")
+            write_json(path, out)
     print_table(out, [v[0] for v in vs], bits)
+
+
+PASSKEY_DEPTHS = (0.1, 0.5)
+
+
+def passkey_probe(model, tok, trs, name, trials, context=1024, seed=0):
+    """Hits and mean log P(key) on the deterministic prompts of `wushkv passkey` (K2V2 affine, 64/256/8)."""
+    from wushkv.config import GENERATION_WINDOWS
+    from wushkv.eval.passkey import answer_and_logprob, answer_key, key_tokens, passkey_prompt, trial_seed
+
+    cfg = QuantConfig(2, 2, "affine", windows=GENERATION_WINDOWS)
+    hits, lps = 0, []
+    with apply_transforms(model, trs, name):
+        for d in PASSKEY_DEPTHS:
+            for t in range(trials):
+                ids, key = passkey_prompt(tok, context, d, trial_seed(seed, context, d, t))
+                gen, lp = answer_and_logprob(model, ids, key_tokens(tok, key), 8, lambda: WushKVCache(model, cfg))
+                hits += answer_key(tok.decode(gen[0], skip_special_tokens=True)) == key
+                lps.append(lp)
+    return {"trials": trials, "prompts": len(lps), "hits": hits, "logprob_mean": sum(lps) / len(lps), "context": context,
+            "depths": list(PASSKEY_DEPTHS)}
 
 
 def print_table(out, names, bits):
@@ -344,7 +389,8 @@ def print_table(out, names, bits):
             cells.append(f"{e['ppl']:.3f} ({e['delta_pct']:+.2f})" if "ppl" in e else "–")
             cells.append(f"{e['recon']:.4g}" if "recon" in e else "–")
             cells.append(f"{e['recon_sink']:.4g}" if "recon_sink" in e else "–")
-        print(f"| {n} | " + " | ".join(cells) + " |")
+        pk = out["results"].get(n, {}).get("passkey")
+        print(f"| {n} | " + " | ".join(cells) + " |" + (f" passkey {pk['hits']}/{pk['prompts']}, log P {pk['logprob_mean']:.3f}" if pk else ""))
 
 
 if __name__ == "__main__":
