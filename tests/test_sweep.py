@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import json
 import shutil
 
@@ -132,3 +133,34 @@ def test_bad_configs(workdir):
         SweepConfig.load(workdir / "typo.toml")
     with pytest.raises(FileNotFoundError, match="does not exist"):
         SweepConfig.load(workdir / "missing.toml")
+
+
+def test_wush_a_in_a_sweep(workdir):
+    """A grid with wush-a (or a wush-a side) calibrates with the attention-aware statistics by itself;
+    sweeps without it keep their calibration and job keys."""
+    plain = write_config(workdir, "plain")
+    assert "wush_a" not in plain.calibration  # keys of older sweeps unchanged
+    cfg = write_config(workdir, "wa", transforms=["wush-a", "wush-a:hadamard"], bits=[2], evaluations=["ppl"])
+    assert cfg.calibration["wush_a"] is True
+    assert cfg.calibration_key("tiny-llama") != plain.calibration_key("tiny-llama")
+    out = run_sweep(cfg, show_progress=False, log=lambda m: None)
+    v = values(out)
+    fp = v[(FULL_PRECISION, None, None, "ppl")]
+    for t in ("wush-a", "wush-a:hadamard"):
+        assert math.isfinite(v[(t, 2, 2, "ppl")]) and v[(t, 2, 2, "ppl")] >= fp * 0.99
+    # the kept calibration really holds H_K_A
+    from safetensors import safe_open
+
+    [cal_file] = (cfg.out / "calibrations").glob("*.safetensors")
+    with safe_open(str(cal_file), framework="pt") as f:
+        assert any("H_K_A" in k for k in f.keys())
+
+
+def test_wush_a_config_errors(workdir):
+    base = '[grid]\nmodels=["a"]\ntransforms=["wush-a"]\nbits=[2]\n'
+    (workdir / "waoff.toml").write_text(base + "[calibration]\nwush_a = false\n")
+    with pytest.raises(SweepError, match="need the attention-aware statistics"):
+        SweepConfig.load(workdir / "waoff.toml")
+    (workdir / "skip.toml").write_text(base + "[calibration]\nskip_first = -1\n")
+    with pytest.raises(SweepError, match=r"skip_first = -1: expected an integer >= 0"):
+        SweepConfig.load(workdir / "skip.toml")

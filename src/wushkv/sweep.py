@@ -36,7 +36,7 @@ import tomllib
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-from .eval.methods import TILES_SUFFIX, is_transform_method, needs_calibration, uses_tiles
+from .eval.methods import TILES_SUFFIX, is_transform_method, method_sides, needs_calibration, uses_tiles
 from .io import atomic_write, write_json
 
 __all__ = ["Job", "SweepConfig", "run_sweep", "collect"]
@@ -46,7 +46,7 @@ FULL_PRECISION = "full-precision"
 _SECTIONS = {
     "grid": {"models", "transforms", "bits", "quantizers", "evaluations"},
     "eval": {"chunks", "seq_len", "text_file", "sink", "keep", "flush", "recon_seqs", "dtype", "device"},
-    "calibration": {"samples", "seq_len", "text_file", "damping"},
+    "calibration": {"samples", "seq_len", "text_file", "damping", "wush_a", "skip_first"},
     "resources": {"num_cpus", "num_gpus"},
 }
 
@@ -160,6 +160,16 @@ class SweepConfig:
                 d["text_file"] = str((base / d["text_file"]).resolve()) if not Path(d["text_file"]).is_absolute() else d["text_file"]
             return d
 
+        calibration = cls.CALIB_DEFAULTS | resolve(raw.get("calibration", {}))
+        # wush_a / skip_first enter the calibration (and job) keys only when used, so older sweeps keep their results
+        wants_a = [t for t in transforms if "wush-a" in method_sides(t)]
+        if wants_a:
+            if calibration.get("wush_a") is False:
+                raise SweepError(f"grid.transforms {wants_a} need the attention-aware statistics: remove `wush_a = false` from [calibration]")
+            calibration["wush_a"] = True
+        for k, ok in (("wush_a", lambda v: isinstance(v, bool)), ("skip_first", lambda v: isinstance(v, int) and not isinstance(v, bool) and v >= 0)):
+            if k in calibration and not ok(calibration[k]):
+                raise SweepError(f"[calibration] {k} = {calibration[k]!r}: expected {'true or false' if k == 'wush_a' else 'an integer >= 0'}")
         models = [str((base / m).resolve()) if (base / m).exists() and not Path(m).is_absolute() else m for m in grid["models"]]
         cfg = cls(
             out=(base / raw.get("out", "sweep-out")).resolve(),
@@ -169,7 +179,7 @@ class SweepConfig:
             quantizers=quantizers,
             evaluations=evaluations,
             eval=cls.EVAL_DEFAULTS | resolve(raw.get("eval", {})),
-            calibration=cls.CALIB_DEFAULTS | resolve(raw.get("calibration", {})),
+            calibration=calibration,
             resources=cls.RESOURCE_DEFAULTS | raw.get("resources", {}),
         )
         cfg.quant_config("hadamard", "quest", 2, 2)  # validates windows early
@@ -232,7 +242,7 @@ def calibration_bytes(cfg: SweepConfig, model_name: str, model=None, tok=None) -
         torch.set_num_threads(int(cfg.resources["num_cpus"]))
         try:
             cal = calibrate(model, tok, samples=c["samples"], seq_len=c["seq_len"], text_file=c["text_file"],
-                            damping=c["damping"], show_progress=False)
+                            damping=c["damping"], wush_a=c.get("wush_a", False), skip_first=c.get("skip_first", 0), show_progress=False)
         finally:
             torch.set_num_threads(prev)
         cal.save(path)
