@@ -163,8 +163,10 @@ def test_rank_deficient_statistics_still_invertible(text_file):
         torch.testing.assert_close(tr["T_V"] @ tr["T_V_inv"], I, atol=1e-3, rtol=0)
 
 
-def test_wush_a_matches_brute_force():
-    """H^A of METHOD §3.1 by explicit per-(i, t) Jacobian sums on one layer of a tiny model."""
+@pytest.mark.parametrize("block,window", [(256, None), (3, None), (4, 3)])
+def test_wush_a_matches_brute_force(block, window):
+    """H^A of METHOD §3.1 by explicit per-(i, t) Jacobian sums on one layer of a tiny model; query rows in
+    one block or several (each over only the key columns it reaches), causal or sliding-window masks."""
     from wushkv.calibration import StatsCollector
 
     model = tiny_model("llama")
@@ -175,8 +177,12 @@ def test_wush_a_matches_brute_force():
     W = attn.o_proj.weight.double()
     d, s = spec.head_dim, attn.scaling
     T = ids.shape[1]
-    allowed = torch.ones(T, T, dtype=torch.bool).tril()[None, None]
+    allowed = torch.ones(T, T, dtype=torch.bool).tril()
+    if window is not None:
+        allowed &= torch.ones(T, T, dtype=torch.bool).triu(-(window - 1))
+    allowed = allowed[None, None]
     coll = StatsCollector(spec, [None, attn.o_proj.weight.detach(), None], wush_a=True)
+    coll.block = block
     coll.observe(attn, q.float(), k.float(), v.float(), allowed, s)
     got_K, got_V = coll.layers[1]["H_K_A"], coll.layers[1]["H_V_A"]
     for h in range(spec.num_kv_heads):

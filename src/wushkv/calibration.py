@@ -46,6 +46,9 @@ class CalibrationError(ValueError):
 class StatsCollector:
     """Streaming float64 statistics per (layer, KV head). See the module docstring."""
 
+    #: query rows per block of the attention-aware statistics (memory O(G²·block·S), not O(G²·T·S))
+    block: int = 256
+
     def __init__(self, spec: ArchSpec, o_proj_weights: list[torch.Tensor], wush_a: bool = False, skip_first: int = 0):
         self.spec = spec
         self.wush_a = wush_a
@@ -115,28 +118,40 @@ class StatsCollector:
             Bh = W[:, h]  # (hidden, G, d)
             O = torch.einsum("ngd,nhe->ghde", Bh, Bh)  # B_gᵀ B_g' (G, G, d, d)
             ph = p[:, h]  # (B, G, T, S)
-            vh, oh = v[:, h].float(), o[:, h]  # (B, S, d), (B, G, T, d)
-            pp = ph.unsqueeze(2) * ph.unsqueeze(1)  # p_{g,i,t} p_{g',i,t}: (B, G, G, T, S)
-            PP = pp.sum(dim=(0, 3, 4))  # Σ_{i,t} p_g p_g'
-            acc["H_V_A"][h] += 2 * torch.einsum("gh,ghde->de", PP, O).double()
+            vh, oh, qh = v[:, h].float(), o[:, h], qf[:, h]  # (B, S, d), (B, G, T, d), (B, G, T, d)
+            vOv = torch.einsum("bsd,ghde,bse->bghs", vh, O, vh)  # v_tᵀ O_{gg'} v_t: (B, G, G, S)
+            PP = torch.zeros(G, G, dtype=torch.float64, device=qf.device)
+            HK = torch.zeros(d, d, dtype=torch.float64, device=qf.device)
             # C_{gg'}(i) = s² Σ_t p p' (x_{g,t} − y_{g,i})ᵀ(x_{g',t} − y_{g',i}) with x = B v, y = B o, every
             # inner product through O_{gg'} = B_gᵀB_{g'} (d × d) instead of the hidden size:
             #   Σ_t pp x_gᵀx_g'  = Σ_t pp · v_tᵀ O v_t
             #   Σ_t pp y_gᵀy_g'  = (Σ_t pp) · o_gᵀ O o_g'
             #   Σ_t pp x_gᵀy_g'  = u_{gg'}ᵀ O o_g',  Σ_t pp y_gᵀx_g' = o_gᵀ O u_{gg'},  u_{gg'}(i) = Σ_t pp v_t
-            vOv = torch.einsum("bsd,ghde,bse->bghs", vh, O, vh)  # (B, G, G, S)
-            u = torch.matmul(pp, vh[:, None, None])  # (B, G, G, T, d)
-            Oo = torch.einsum("ghde,bhte->bghtd", O, oh)  # O_{gg'} o_{g',i}: (B, G, G, T, d)
-            oO = torch.einsum("bgtd,ghde->bghte", oh, O)  # o_{g,i}ᵀ O_{gg'}: (B, G, G, T, d)
-            C = (
-                torch.matmul(pp, vOv.unsqueeze(-1)).squeeze(-1)
-                + pp.sum(-1) * (oh.unsqueeze(2) * Oo).sum(-1)
-                - (u * Oo).sum(-1)
-                - (oO * u).sum(-1)
-            )
-            C = C * scaling**2  # (B, G, G, T)
-            qh = qf[:, h]  # (B, G, T, d)
-            acc["H_K_A"][h] += 2 * torch.einsum("bght,bgtd,bhte->de", C, qh, qh).double()
+            # Query rows in blocks, each over only the key columns its probabilities reach (causal and
+            # sliding-window zeros skipped exactly: p is 0 there).
+            for i0 in range(0, ph.shape[2], self.block):
+                pb = ph[:, :, i0 : i0 + self.block]  # (B, G, tb, S)
+                cols = pb.ne(0).flatten(0, 2).any(0).nonzero()
+                if cols.numel() == 0:
+                    continue
+                lo, hi = int(cols[0]), int(cols[-1]) + 1
+                pb = pb[..., lo:hi]
+                pp = pb.unsqueeze(2) * pb.unsqueeze(1)  # p_{g,i,t} p_{g',i,t}: (B, G, G, tb, sb)
+                PP += pp.sum(dim=(0, 3, 4)).double()
+                u = torch.matmul(pp, vh[:, None, None, lo:hi])  # (B, G, G, tb, d)
+                ob = oh[:, :, i0 : i0 + self.block]
+                Oo = torch.einsum("ghde,bhte->bghtd", O, ob)  # O_{gg'} o_{g',i}: (B, G, G, tb, d)
+                oO = torch.einsum("bgtd,ghde->bghte", ob, O)  # o_{g,i}ᵀ O_{gg'}: (B, G, G, tb, d)
+                C = (
+                    torch.matmul(pp, vOv[..., lo:hi, None]).squeeze(-1)
+                    + pp.sum(-1) * (ob.unsqueeze(2) * Oo).sum(-1)
+                    - (u * Oo).sum(-1)
+                    - (oO * u).sum(-1)
+                )  # (B, G, G, tb)
+                qb = qh[:, :, i0 : i0 + self.block]
+                HK += torch.einsum("bght,bgtd,bhte->de", C * scaling**2, qb, qb).double()
+            acc["H_V_A"][h] += 2 * torch.einsum("gh,ghde->de", PP, O.double())
+            acc["H_K_A"][h] += 2 * HK
 
     def finalize(self) -> list[dict[str, torch.Tensor]]:
         """Per-layer statistics (float64, CPU): M_K, H_K, M_V, H_V, C_Q, Sigma_V, mu_K, mu_V, n_K [, H_K_A, H_V_A]."""
