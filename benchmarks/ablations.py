@@ -19,6 +19,10 @@ Studies (each a list of variants; every variant is evaluated at every ``--bits``
   the default WUSH): shrinking the query Hessian towards the identity moves the key transform from WUSH
   towards a partial whitening of the keys alone (γ → ∞: T_K ∝ 𝓗·Λ_K^{-1/4}·Uᵀ from M_K); does that buy
   back the passkey (``--passkey``) without losing perplexity?
+* ``rope-sym``: key statistics averaged over every rotary angle (each RoPE plane (j, j + d/2) of M_K and H_K
+  replaced by its mean diagonal, cross-plane terms dropped): a key transform that is the same at every
+  position (a per-plane scaling, then 𝓗), against WUSH, whose post-RoPE statistics only cover the
+  calibration's positions; values keep WUSH;
 * ``center``: keys and values centered before the transform (k' = T (k − μ_K), v' = T_V (v − μ_V), both
   exact for attention): Hadamard and WUSH each with and without, WUSH with keys only, KVarN alongside;
 * ``tiles``: the WUSH transform under KVarN's tile quantizer (its windows: first tile of 128 full
@@ -57,6 +61,8 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 
 
+import torch  # noqa: E402
+
 from wushkv.allocation import allocate_bits, layer_sensitivity, mean_bits, random_allocation  # noqa: E402
 from wushkv.cache import WushKVCache  # noqa: E402
 from wushkv.calibration import Calibration, calibration_sequences, collect_statistics  # noqa: E402
@@ -83,6 +89,15 @@ def wush_layers(stats, spec, damping=0.01, damping_M=None, keys=("M_K", "H_K", "
 
 def plain_layers(name, spec):
     return [build_transforms(name, spec.num_kv_heads, spec.head_dim) for _ in range(spec.num_layers)]
+
+
+def rope_symmetrized(A):
+    """A [..., d, d] averaged over every angle of each rotary plane (j, j + d/2) (the rotate-half
+    convention): per plane the mean of its two diagonal entries, zero elsewhere."""
+    h = A.shape[-1] // 2
+    dg = torch.diagonal(A, dim1=-2, dim2=-1)
+    a = 0.5 * (dg[..., :h] + dg[..., h:])
+    return torch.diag_embed(torch.cat([a, a], -1))
 
 
 def sum_stats(parts):
@@ -155,6 +170,13 @@ def variants(study, args, model, tok, spec, cal):
         for g in KEY_DAMPING_GRID:
             v.append((f"wush γK={g:g}", mix_sides(wush_layers(cal.stats, spec, g, cal.meta["damping"]), wush), {}))
         return v
+    if study == "rope-sym":
+        wush = cal.transforms("wush")
+        sym_keys = [build_transforms("wush", spec.num_kv_heads, spec.head_dim, st | {"M_K": rope_symmetrized(st["M_K"]), "H_K": rope_symmetrized(st["H_K"])})
+                    for st in cal.stats]
+        sym_m = [build_transforms("wush", spec.num_kv_heads, spec.head_dim, st | {"M_K": rope_symmetrized(st["M_K"])}) for st in cal.stats]
+        return [("hadamard", plain_layers("hadamard", spec), {}), ("wush", wush, {}),
+                ("wush, rope-symmetric M_K and H_K", mix_sides(sym_keys, wush), {}), ("wush, rope-symmetric M_K", mix_sides(sym_m, wush), {})]
     if study == "center":
         tiles = {"quantizer": "kvarn", "windows": [128, 0, 128]}
         # solved here from the statistics (a calibration file may hold transforms solved by older code)
@@ -256,7 +278,7 @@ def make_cfg(base, b, over):
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--study", required=True, choices=["damping", "key-damping", "clip", "clip-layer", "calib", "wush-a", "sides", "mix", "tiles", "center", "alloc"])
+    ap.add_argument("--study", required=True, choices=["damping", "key-damping", "rope-sym", "clip", "clip-layer", "calib", "wush-a", "sides", "mix", "tiles", "center", "alloc"])
     ap.add_argument("--model", default="smollm2-135m")
     ap.add_argument("--calibration", default=None, help="calibration file (statistics); not needed by --study calib")
     ap.add_argument("--chunks", type=int, default=4)
