@@ -176,7 +176,7 @@ def variants(study, args, model, tok, spec, cal):
                     for st in cal.stats]
         sym_m = [build_transforms("wush", spec.num_kv_heads, spec.head_dim, st | {"M_K": rope_symmetrized(st["M_K"])}) for st in cal.stats]
         return [("hadamard", plain_layers("hadamard", spec), {}), ("wush", wush, {}),
-                ("wush, rope-symmetric M_K and H_K", mix_sides(sym_keys, wush), {}), ("wush, rope-symmetric M_K", mix_sides(sym_m, wush), {})]
+                ("wush rope-sym M_K+H_K", mix_sides(sym_keys, wush), {}), ("wush rope-sym M_K", mix_sides(sym_m, wush), {})]
     if study == "center":
         tiles = {"quantizer": "kvarn", "windows": [128, 0, 128]}
         # solved here from the statistics (a calibration file may hold transforms solved by older code)
