@@ -126,7 +126,9 @@ class StatsCollector:
             # inner product through O_{gg'} = B_gᵀB_{g'} (d × d) instead of the hidden size:
             #   Σ_t pp x_gᵀx_g'  = Σ_t pp · v_tᵀ O v_t
             #   Σ_t pp y_gᵀy_g'  = (Σ_t pp) · o_gᵀ O o_g'
-            #   Σ_t pp x_gᵀy_g'  = u_{gg'}ᵀ O o_g',  Σ_t pp y_gᵀx_g' = o_gᵀ O u_{gg'},  u_{gg'}(i) = Σ_t pp v_t
+            #   Σ_t pp x_gᵀy_g'  = u_{gg'}ᵀ O o_g',  u_{gg'}(i) = Σ_t pp v_t
+            #   Σ_t pp y_gᵀx_g'  = o_gᵀ O_{gg'} u_{gg'} = the previous term with g and g' swapped (pp and u are
+            #                      symmetric in g, g' and O_{g'g} = O_{gg'}ᵀ)
             # Query rows in blocks, each over only the key columns its probabilities reach (causal and
             # sliding-window zeros skipped exactly: p is 0 there).
             for i0 in range(0, ph.shape[2], self.block):
@@ -137,16 +139,17 @@ class StatsCollector:
                 lo, hi = int(cols[0]), int(cols[-1]) + 1
                 pb = pb[..., lo:hi]
                 pp = pb.unsqueeze(2) * pb.unsqueeze(1)  # p_{g,i,t} p_{g',i,t}: (B, G, G, tb, sb)
-                PP += pp.sum(dim=(0, 3, 4)).double()
+                pp_sum = pp.sum(-1)  # (B, G, G, tb)
+                PP += pp_sum.sum(dim=(0, 3)).double()
                 u = torch.matmul(pp, vh[:, None, None, lo:hi])  # (B, G, G, tb, d)
                 ob = oh[:, :, i0 : i0 + self.block]
                 Oo = torch.einsum("ghde,bhte->bghtd", O, ob)  # O_{gg'} o_{g',i}: (B, G, G, tb, d)
-                oO = torch.einsum("bgtd,ghde->bghte", ob, O)  # o_{g,i}ᵀ O_{gg'}: (B, G, G, tb, d)
+                xy = (u * Oo).sum(-1)  # Σ_t pp x_gᵀy_g': (B, G, G, tb)
                 C = (
                     torch.matmul(pp, vOv[..., lo:hi, None]).squeeze(-1)
-                    + pp.sum(-1) * (ob.unsqueeze(2) * Oo).sum(-1)
-                    - (u * Oo).sum(-1)
-                    - (oO * u).sum(-1)
+                    + pp_sum * (ob.unsqueeze(2) * Oo).sum(-1)
+                    - xy
+                    - xy.transpose(1, 2)
                 )  # (B, G, G, tb)
                 qb = qh[:, :, i0 : i0 + self.block]
                 HK += torch.einsum("bght,bgtd,bhte->de", C * scaling**2, qb, qb).double()

@@ -217,13 +217,13 @@ def _check_transforms(transforms, tiles: bool = True) -> None:
 def _calibration_for(args, model, tok, transforms):
     """The --calibration file, or a cached calibration when a calibrated transform is asked for."""
     from .eval.compare import cached_calibration
-    from .eval.methods import method_sides, needs_calibration
+    from .eval.methods import needs_calibration, uses_wush_a
 
     _check_transforms(transforms)
     if getattr(args, "calibration", None):
         return _load_calibration(args, model)
     if any(needs_calibration(t) for t in transforms):
-        wush_a = any("wush-a" in method_sides(t) for t in transforms)
+        wush_a = any(uses_wush_a(t) for t in transforms)
         return cached_calibration(model, tok, args.calib_samples, args.calib_seq_len, wush_a=wush_a,
                                   log=lambda m: print(m, file=sys.stderr))
     return None

@@ -36,7 +36,7 @@ import tomllib
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-from .eval.methods import TILES_SUFFIX, is_transform_method, method_sides, needs_calibration, uses_tiles
+from .eval.methods import TILES_SUFFIX, is_transform_method, needs_calibration, uses_tiles, uses_wush_a
 from .io import atomic_write, write_json
 
 __all__ = ["Job", "SweepConfig", "run_sweep", "collect"]
@@ -162,7 +162,7 @@ class SweepConfig:
 
         calibration = cls.CALIB_DEFAULTS | resolve(raw.get("calibration", {}))
         # wush_a / skip_first enter the calibration (and job) keys only when used, so older sweeps keep their results
-        wants_a = [t for t in transforms if "wush-a" in method_sides(t)]
+        wants_a = [t for t in transforms if uses_wush_a(t)]
         if wants_a:
             if calibration.get("wush_a") is False:
                 raise SweepError(f"grid.transforms {wants_a} need the attention-aware statistics: remove `wush_a = false` from [calibration]")

@@ -53,6 +53,11 @@ def is_transform_method(name: str) -> bool:
     return all(side in TRANSFORMS for side in method_sides(name))
 
 
+def uses_wush_a(name: str) -> bool:
+    """Whether a method reads WUSH-A's attention-aware statistics (``wush-a`` as either side)."""
+    return "wush-a" in method_sides(name)
+
+
 def needs_calibration(name: str) -> bool:
     from ..transforms import TRANSFORMS
 
