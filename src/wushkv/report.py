@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -60,17 +61,26 @@ def plot_lines(x, series: dict[str, Sequence[float]], path, xlabel: str, ylabel:
     return _save(fig, path)
 
 
-def plot_heatmaps(grids: dict[str, Sequence[Sequence[float]]], rows: Sequence, cols: Sequence, path, xlabel: str, ylabel: str, title: str):
-    """One annotated heatmap (values in [0, 1]) per entry of ``grids``, side by side."""
+def color_max(grids: dict[str, Sequence[Sequence[float]]]) -> float:
+    """The largest finite value of all ``grids`` (NaN cells are runs not made), 1.0 if none is positive."""
+    finite = [v for g in grids.values() for row in g for v in row if math.isfinite(v)]
+    return max(finite, default=1.0) if max(finite, default=0.0) > 0 else 1.0
+
+
+def plot_heatmaps(grids: dict[str, Sequence[Sequence[float]]], rows: Sequence, cols: Sequence, path, xlabel: str, ylabel: str, title: str,
+                  vmax: float | None = 1.0):
+    """One annotated heatmap (values in [0, 1], printed as %) per entry of ``grids``, side by side, on one
+    colour scale from 0 to ``vmax`` (None: the largest finite value of all grids, for values far below 1)."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
+    vmax = color_max(grids) if vmax is None else vmax
     n = len(grids)
     fig, axes = plt.subplots(1, n, figsize=(2.4 * n + 1, 2.6), squeeze=False)
     for ax, (name, g) in zip(axes[0], grids.items()):
-        ax.imshow(g, vmin=0, vmax=1, cmap="RdYlGn", aspect="auto")
+        ax.imshow(g, vmin=0, vmax=vmax, cmap="RdYlGn", aspect="auto")
         for i, row in enumerate(g):
             for j, v in enumerate(row):
                 ax.text(j, i, f"{100 * v:.0f}", ha="center", va="center", fontsize=8)

@@ -1,0 +1,24 @@
+"""Tables and plots: the colour scale of the heatmaps and the files they write."""
+
+import math
+
+from wushkv.report import color_max, plot_heatmaps
+
+
+def test_color_max_ignores_runs_not_made_and_falls_back_to_one():
+    assert color_max({"a": [[0.1, math.nan], [0.3, 0.2]], "b": [[0.25, math.inf]]}) == 0.3
+    assert color_max({"a": [[math.nan]]}) == 1.0
+    assert color_max({"a": [[0.0, 0.0]]}) == 1.0
+
+
+def test_heatmap_uses_the_data_scale_when_asked(tmp_path, monkeypatch):
+    import matplotlib.axes
+
+    seen = []
+    real = matplotlib.axes.Axes.imshow
+    monkeypatch.setattr(matplotlib.axes.Axes, "imshow", lambda self, *a, **k: seen.append(k["vmax"]) or real(self, *a, **k))
+    grids = {"full precision": [[0.35, 0.2]], "wush": [[0.1, math.nan]]}
+    out = plot_heatmaps(grids, [0.5], [1024, 2048], tmp_path / "p.png", "context", "depth", "t", vmax=None)
+    plot_heatmaps(grids, [0.5], [1024, 2048], tmp_path / "q.png", "context", "depth", "t")
+    assert seen == [0.35, 0.35, 1.0, 1.0]
+    assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
