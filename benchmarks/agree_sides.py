@@ -36,6 +36,19 @@ from wushkv.progress import progress  # noqa: E402
 SIDES = ("keys", "values", "both")
 
 
+def load_agree_run(path: str):
+    """(saved run, model, tokenizer, prompts (N, P)) of a ``wushkv agree --json`` file, its prompts rebuilt
+    from its text and checked against the hash it recorded."""
+    saved = json.loads(Path(path).read_text())
+    st = saved["settings"]
+    model, tok = load(st["model"], dtype=st.get("dtype", "float32"))
+    text, _ = load_eval_text(None if st["text"] == "wikitext2-test" else st["text"])
+    prompts = tokenize_chunks(tok, text, st["prompt_len"], st["prompts"] * st["stride"])[:: st["stride"]]
+    if hashlib.sha256(prompts.numpy().tobytes()).hexdigest() != st["prompt_sha256"]:
+        raise SystemExit(f"{path}: its prompts cannot be rebuilt here (prompt hash differs)")
+    return saved, model, tok, prompts
+
+
 def side_config(cfg: QuantConfig, side: str) -> QuantConfig:
     """``cfg`` with only the keys, only the values, or both quantized (the other side full precision)."""
     if side not in SIDES:
@@ -69,14 +82,9 @@ def main() -> None:
     ap.add_argument("--json", default=None, help="results; resumes (one row per method and side)")
     args = ap.parse_args()
 
-    saved = json.loads(Path(args.agree).read_text())
+    saved, model, tok, prompts = load_agree_run(args.agree)
     st = saved["settings"]
     conts = saved["state"]["continuations"][: args.prompts]
-    model, tok = load(st["model"], dtype=st.get("dtype", "float32"))
-    text, _ = load_eval_text(None if st["text"] == "wikitext2-test" else st["text"])
-    prompts = tokenize_chunks(tok, text, st["prompt_len"], st["prompts"] * st["stride"])[:: st["stride"]]
-    if hashlib.sha256(prompts.numpy().tobytes()).hexdigest() != st["prompt_sha256"]:
-        raise SystemExit(f"{args.agree}: its prompts cannot be rebuilt here (prompt hash differs)")
     cal = Calibration.load(args.calibration, model)
     base = QuantConfig.from_dict(st["quantization"])
     out = json.loads(Path(args.json).read_text()) if args.json and Path(args.json).is_file() else {"agree": args.agree, "rows": {}}

@@ -18,8 +18,6 @@ the run's key quantizer, dequantized and transformed back. For each method it pr
 from __future__ import annotations
 
 import argparse
-import hashlib
-import json
 import random
 import sys
 from pathlib import Path
@@ -28,11 +26,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 
 import torch  # noqa: E402
 
+from agree_sides import load_agree_run  # noqa: E402  (beside this script)
 from wushkv.attention import grouped, observe_sequences  # noqa: E402
 from wushkv.calibration import Calibration  # noqa: E402
 from wushkv.config import QuantConfig  # noqa: E402
-from wushkv.data import load_eval_text, tokenize_chunks  # noqa: E402
-from wushkv.models import load  # noqa: E402
 from wushkv.quantizers.base import dequantize  # noqa: E402
 from wushkv.quantizers.registry import make_quantizer  # noqa: E402
 
@@ -65,13 +62,8 @@ def main() -> None:
     args = ap.parse_args()
     torch.set_grad_enabled(False)
 
-    saved = json.loads(Path(args.agree).read_text())
+    saved, model, _, prompts = load_agree_run(args.agree)
     st = saved["settings"]
-    model, tok = load(st["model"], dtype=st.get("dtype", "float32"))
-    text, _ = load_eval_text(None if st["text"] == "wikitext2-test" else st["text"])
-    prompts = tokenize_chunks(tok, text, st["prompt_len"], st["prompts"] * st["stride"])[:: st["stride"]]
-    if hashlib.sha256(prompts.numpy().tobytes()).hexdigest() != st["prompt_sha256"]:
-        raise SystemExit(f"{args.agree}: its prompts cannot be rebuilt here (prompt hash differs)")
     cfg = QuantConfig.from_dict(st["quantization"])
     quant = make_quantizer(cfg.quantizer, cfg.k_bits, **({"clip_ratio": cfg.k_clip} if cfg.quantizer == "affine" else {}))
     cal = Calibration.load(args.calibration, model)

@@ -63,8 +63,8 @@ def plot_lines(x, series: dict[str, Sequence[float]], path, xlabel: str, ylabel:
 
 def color_max(grids: dict[str, Sequence[Sequence[float]]]) -> float:
     """The largest finite value of all ``grids`` (NaN cells are runs not made), 1.0 if none is positive."""
-    finite = [v for g in grids.values() for row in g for v in row if math.isfinite(v)]
-    return max(finite, default=1.0) if max(finite, default=0.0) > 0 else 1.0
+    top = max((v for g in grids.values() for row in g for v in row if math.isfinite(v)), default=0.0)
+    return top if top > 0 else 1.0
 
 
 def plot_heatmaps(grids: dict[str, Sequence[Sequence[float]]], rows: Sequence, cols: Sequence, path, xlabel: str, ylabel: str, title: str,
