@@ -19,6 +19,10 @@ from wushkv.cli import main
         (["recon", "--calibration", "x.safetensors", "--transforms", "wush+tiles"], "tile methods"),
         (["recon", "--calibration", "x.safetensors", "--transforms", "kvarn:wush"], "kvarn cannot be one side"),
         (["compare", "--transforms", "wush+tile"], "optionally with the suffix '+tiles'"),
+        (["recon", "--calibration", "x.safetensors", "--transforms", "wush+ldlq"], "error-feedback methods"),
+        (["compare", "--transforms", "wush+ldlq+tiles"], "cannot be combined"),
+        (["ppl", "--transform", "hadamard+ldlq", "--quantizer", "kivi"], "per-token quantizer"),
+        (["compare", "--transforms", "wush,wush+ldlq", "--quantizer", "kivi"], "per-token quantizer"),
     ],
 )
 def test_bad_arguments(argv, message, capsys):

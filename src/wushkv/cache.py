@@ -273,7 +273,8 @@ class WushKVLayer(CacheLayerMixin):
         self.key_transform = key_transform  # the attention module's KeyTransform (T_K online), or None
         self.sliding_window = sliding_window
         self.is_sliding = sliding_window is not None
-        k_codec, v_codec = make_codec(cfg, "key", head_dim), make_codec(cfg, "value", head_dim)
+        fk, fv = (getattr(key_transform, f"feedback_{s}", None) for s in "KV")  # error feedback (+ldlq methods)
+        k_codec, v_codec = make_codec(cfg, "key", head_dim, fk), make_codec(cfg, "value", head_dim, fv)
         self.k_side = _Side(k_codec) if k_codec else None
         self.v_side = _Side(v_codec) if v_codec else None
         self.block = max([c.block for c in (k_codec, v_codec) if c is not None] or [1])

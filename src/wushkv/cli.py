@@ -116,13 +116,13 @@ def cmd_ppl(args) -> int:
     cfg = _quant_config(args) if args.transform else None
     if args.transform:
         _check_transforms([args.transform])
+        cfg = config_for(args.transform, cfg)
     text, label = load_eval_text(args.text_file)
     model, tok = _load(args)
     chunks = tokenize_chunks(tok, text, args.seq_len, args.chunks)
     if cfg is None:
         res = perplexity(model, chunks, desc=f"ppl {args.model}")
     else:
-        cfg = config_for(args.transform, cfg)
         cal = _load_calibration(args, model)
         res = quantized_perplexity(model, chunks, cal, args.transform, cfg, desc=f"ppl {args.transform} {cfg.label()}")
     out = {
@@ -164,13 +164,16 @@ def cmd_recon(args) -> int:
     from .io import write_json
     from .report import format_table, plot_lines
 
-    from .eval.methods import TILES_SUFFIX, transforms_for
+    from .eval.methods import LDLQ_SUFFIX, TILES_SUFFIX, transforms_for, uses_ldlq, uses_tiles
 
     names = [t.strip() for t in args.transforms.split(",") if t.strip()]
     _check_transforms(names)
-    if any(n.endswith(TILES_SUFFIX) or n == "kvarn" for n in names):
+    if any(uses_tiles(n) for n in names):
         raise ValueError(f"recon measures transforms under --quantizer; tile methods ({TILES_SUFFIX}, kvarn) bring their own quantizer: "
                          f"drop them from --transforms (got {names})")
+    if any(uses_ldlq(n) for n in names):
+        raise ValueError(f"recon rounds every token independently; error-feedback methods ({LDLQ_SUFFIX}) are measured by ppl, "
+                         f"compare, agree and passkey: drop them from --transforms (got {names})")
     cfgs = [QuantConfig(k_bits=b, v_bits=b, quantizer=args.quantizer) for b in args.bits]
     text, label = load_eval_text(args.text_file)
     model, tok = _load(args)
@@ -204,14 +207,17 @@ def _bits_list(s: str) -> list[int]:
 
 def _check_transforms(transforms, tiles: bool = True) -> None:
     """Known transforms; with ``tiles``, also ``<transform>+tiles`` (the transform under KVarN's tile quantizer)."""
-    from .eval.methods import SIDES_SEP, TILES_SUFFIX, is_transform_method
+    from .eval.methods import LDLQ_SUFFIX, SIDES_SEP, TILES_SUFFIX, check_methods, is_transform_method
     from .transforms import TRANSFORMS
 
     for t in transforms:
         if not (is_transform_method(t) if tiles else t in TRANSFORMS):
-            also = (f", each optionally with the suffix {TILES_SUFFIX!r} (KVarN's tile quantizer), or KEYS{SIDES_SEP}VALUES "
+            also = (f", each optionally with the suffix {TILES_SUFFIX!r} (KVarN's tile quantizer) or {LDLQ_SUFFIX!r} "
+                    f"(error-feedback rounding), or KEYS{SIDES_SEP}VALUES "
                     f"(e.g. wush{SIDES_SEP}hadamard: keys of one, values of the other)") if tiles else ""
             raise ValueError(f"unknown transform {t!r}; known: {sorted(TRANSFORMS)}{also}")
+        if tiles:
+            check_methods([t])
 
 
 def _calibration_for(args, model, tok, transforms):
@@ -240,8 +246,12 @@ def cmd_compare(args) -> int:
     transforms = [t.strip() for t in args.transforms.split(",") if t.strip()]
     _check_transforms(transforms)
     base = _quant_config(args, k_bits=2, v_bits=2)
+    from .eval.compare import config_for
+
     for b in args.bits:
         replace(base, k_bits=b, v_bits=b)  # validates the widths before anything long runs
+    for t in transforms:
+        config_for(t, base)  # and each method against the quantizer
     text, label = load_eval_text(args.text_file)
     model, tok = _load(args)
     cal = _calibration_for(args, model, tok, transforms)
@@ -537,7 +547,7 @@ def build_parser() -> argparse.ArgumentParser:
     from .config import GENERATION_WINDOWS, PERPLEXITY_WINDOWS
     from .transforms import TRANSFORMS
 
-    transforms_help = ", ".join(TRANSFORMS) + " (each optionally with +tiles: KVarN's tile quantizer; KEYS:VALUES mixes two: wush:hadamard)"
+    transforms_help = ", ".join(TRANSFORMS) + " (each optionally with +tiles: KVarN's tile quantizer, or +ldlq: error-feedback rounding from the calibration's Hessians; KEYS:VALUES mixes two: wush:hadamard)"
     parser = argparse.ArgumentParser(prog="wushkv", description="WUSH-KV: low-bit KV caches with data-aware transforms.")
     parser.add_argument("--version", action="version", version=f"wushkv {__version__}")
     sub = parser.add_subparsers(dest="command", required=True)

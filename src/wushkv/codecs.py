@@ -19,16 +19,24 @@ import torch
 from .config import QuantConfig
 from .quantizers import AffineQuantizer, QuestQuantizer, pack, packed_nbytes, unpack
 from .quantizers.base import QTensor, dequantize
+from .quantizers.feedback import feedback_round
 
 _DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16, "float32": torch.float32}
 
 
 class TokenCodec:
-    """Per-token groups along head_dim: QuEST (only the step Δ is stored) or affine (scale and offset)."""
+    """Per-token groups along head_dim: QuEST (only the step Δ is stored) or affine (scale and offset).
+
+    With ``feedback`` (heads, d, d), the codes are rounded with error feedback on the quantizer's own
+    grid (:mod:`wushkv.quantizers.feedback`): same storage, same decoder, a smaller weighted error.
+    """
 
     block = 1
 
-    def __init__(self, quantizer, head_dim: int, metadata_dtype: torch.dtype):
+    def __init__(self, quantizer, head_dim: int, metadata_dtype: torch.dtype, feedback: torch.Tensor | None = None):
+        if feedback is not None and tuple(feedback.shape[-2:]) != (head_dim, head_dim):
+            raise ValueError(f"feedback must be (heads, {head_dim}, {head_dim}), got {tuple(feedback.shape)}")
+        self.feedback = feedback
         self.quantizer = quantizer
         self.bits = quantizer.bits
         self.d = head_dim
@@ -40,7 +48,11 @@ class TokenCodec:
         q = self.quantizer.quantize(x.float())
         scale = q.scale.to(self.meta_dtype)
         offset = None if self.symmetric else q.offset.to(self.meta_dtype)
-        return q.codes, scale, offset, q.group_size
+        codes = q.codes
+        if self.feedback is not None:  # round on the grid as stored (metadata dtype), pushing errors forward
+            s, o = self.scale_offset({"scale": scale} | ({} if offset is None else {"offset": offset}))
+            codes = feedback_round(x, s, o, self.bits, q.group_size, self.feedback)
+        return codes, scale, offset, q.group_size
 
     def _dequant(self, codes, scale, offset, group_size):
         scale = scale.float()
@@ -119,18 +131,22 @@ class KVarNCodec:
         return kvarn_dequantize(self._quant(x))
 
 
-def make_codec(cfg: QuantConfig, side: str, head_dim: int):
-    """The codec for ``side`` ("key" or "value") of a cache configured by ``cfg``; None = full precision."""
+def make_codec(cfg: QuantConfig, side: str, head_dim: int, feedback: torch.Tensor | None = None):
+    """The codec for ``side`` ("key" or "value") of a cache configured by ``cfg``; None = full precision.
+
+    ``feedback`` (heads, d, d): round with error feedback (per-token quantizers only)."""
     bits = cfg.k_bits if side == "key" else cfg.v_bits
     if bits is None:
         return None
     meta = _DTYPES[cfg.metadata_dtype]
+    if feedback is not None and cfg.quantizer not in ("quest", "affine"):
+        raise ValueError(f"error-feedback rounding (+ldlq) needs a per-token quantizer (quest, affine), got {cfg.quantizer!r}")
     if cfg.quantizer == "quest":
         alpha = cfg.k_alpha if side == "key" else cfg.v_alpha
-        return TokenCodec(QuestQuantizer(bits, cfg.group_size, alpha_scale=alpha), head_dim, meta)
+        return TokenCodec(QuestQuantizer(bits, cfg.group_size, alpha_scale=alpha), head_dim, meta, feedback)
     if cfg.quantizer == "affine":
         clip = cfg.k_clip if side == "key" else cfg.v_clip
-        return TokenCodec(AffineQuantizer(bits, cfg.group_size, clip_ratio=clip), head_dim, meta)
+        return TokenCodec(AffineQuantizer(bits, cfg.group_size, clip_ratio=clip), head_dim, meta, feedback)
     if cfg.quantizer == "kivi":
         if side == "key":
             return ChannelCodec(bits, head_dim, cfg.windows.S_flush, meta)
@@ -147,4 +163,4 @@ def storage_nbytes(s: dict[str, torch.Tensor]) -> tuple[int, int]:
     return codes, meta
 
 
-__all__ = ["TokenCodec", "ChannelCodec", "KVarNCodec", "make_codec", "storage_nbytes", "packed_nbytes"]
+__all__ = ["ChannelCodec", "KVarNCodec", "TokenCodec", "make_codec", "packed_nbytes", "storage_nbytes"]

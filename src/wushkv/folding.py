@@ -30,10 +30,18 @@ class KeyTransform(nn.Module):
     middle, recent) is shifted by the same μ, so each query's scores all move by the same −qᵀμ and
     the softmax is unchanged: exact, and free but for one subtraction (``shift`` = T μ is precomputed).
     Invalid under a logit softcap (tanh is not shift-invariant); :func:`apply_transforms` refuses it.
+
+    ``feedback_K``/``feedback_V`` (Hkv, d, d), optional: the error-feedback matrices with which the cache
+    rounds this layer's transformed keys / values (methods ``<transform>+ldlq``; :mod:`wushkv.quantizers.feedback`).
     """
 
-    def __init__(self, T: torch.Tensor, T_inv: torch.Tensor, mu: torch.Tensor | None = None):
+    def __init__(self, T: torch.Tensor, T_inv: torch.Tensor, mu: torch.Tensor | None = None,
+                 feedback_K: torch.Tensor | None = None, feedback_V: torch.Tensor | None = None):
         super().__init__()
+        for name, F in (("feedback_K", feedback_K), ("feedback_V", feedback_V)):
+            if F is not None and tuple(F.shape) != tuple(T.shape):
+                raise ValueError(f"{name} must have shape {tuple(T.shape)} (KV heads, head_dim, head_dim), got {tuple(F.shape)}")
+            self.register_buffer(name, None if F is None else F.detach().to(T.dtype).clone(), persistent=False)
         self.register_buffer("T", T.detach().clone(), persistent=False)
         self.register_buffer("T_inv", T_inv.detach().clone(), persistent=False)
         self.register_buffer("T_t", T.detach().transpose(-1, -2).contiguous(), persistent=False)  # rows: k @ Tᵀ
@@ -61,7 +69,8 @@ class KeyTransform(nn.Module):
         return torch.matmul(qg, self._as("T_inv", q)).view(B, Hq, T, d)
 
     def extra_repr(self) -> str:
-        return f"heads={self.T.shape[0]}, head_dim={self.T.shape[-1]}, centered={self.shift is not None}"
+        fb = self.feedback_K is not None or self.feedback_V is not None
+        return f"heads={self.T.shape[0]}, head_dim={self.T.shape[-1]}, centered={self.shift is not None}, feedback={fb}"
 
 
 @dataclass
@@ -113,7 +122,8 @@ def apply_transforms(model: nn.Module, transforms: list[dict[str, torch.Tensor]]
     """Fold ``T_V`` into the weights and install ``T_K`` online, for every layer.
 
     ``transforms[l]`` holds ``T_K``, ``T_K_inv``, ``T_V``, ``T_V_inv`` (Hkv, d, d) for layer ``l``
-    (see :meth:`wushkv.calibration.Calibration.transforms`). Folding runs in float64.
+    (see :meth:`wushkv.calibration.Calibration.transforms`), optionally ``F_K``/``F_V`` (Hkv, d, d), the
+    error-feedback matrices the cache rounds with. Folding runs in float64.
     """
     spec = describe(model)
     mods = attention_modules(model, spec)
@@ -134,6 +144,9 @@ def apply_transforms(model: nn.Module, transforms: list[dict[str, torch.Tensor]]
     for i, (attn, tr) in enumerate(zip(mods, transforms)):
         for name in ("T_K", "T_K_inv", "T_V", "T_V_inv"):
             _check(name, tr[name], spec, i)
+        for name in ("F_K", "F_V"):
+            if name in tr:
+                _check(name, tr[name], spec, i)
         if "mu_K" in tr:
             cap = getattr(attn, "attn_logit_softcapping", None) or getattr(getattr(attn, "config", None), "attn_logit_softcapping", None)
             if cap:
@@ -171,6 +184,7 @@ def apply_transforms(model: nn.Module, transforms: list[dict[str, torch.Tensor]]
         o.weight.copy_(Wo.reshape_as(o.weight))
         dev = v.weight.device
         mu = tr["mu_K"].float().to(dev) if "mu_K" in tr else None
-        attn.add_module(KEY_TRANSFORM_NAME, KeyTransform(tr["T_K"].float().to(dev), tr["T_K_inv"].float().to(dev), mu))
+        fb = {f"feedback_{s}": tr[f"F_{s}"].float().to(dev) for s in "KV" if f"F_{s}" in tr}
+        attn.add_module(KEY_TRANSFORM_NAME, KeyTransform(tr["T_K"].float().to(dev), tr["T_K_inv"].float().to(dev), mu, **fb))
     previous = use_wushkv_attention(model)
     return Installed(model, method, previous, saved)

@@ -2,12 +2,17 @@
 
 import pytest
 import torch
+from conftest import tiny_model
 
 from wushkv.config import QuantConfig, WindowConfig
 from wushkv.eval.compare import quantized_perplexity
-from wushkv.eval.methods import check_methods, method_sides, needs_calibration, transforms_for, uses_tiles
-
-from conftest import tiny_model
+from wushkv.eval.methods import (
+    check_methods,
+    method_sides,
+    needs_calibration,
+    transforms_for,
+    uses_tiles,
+)
 
 
 def test_sides_of_a_method_name():
@@ -36,3 +41,74 @@ def test_keys_from_one_values_from_the_other():
     assert same == quantized_perplexity(model, chunks, None, "hadamard", cfg, show_progress=False)["ppl"]
     with pytest.raises(ValueError, match="needs a calibration"):
         transforms_for(model, None, "hadamard:wush")
+
+
+LDLQ_TEXT = "The quick brown fox jumps over the lazy dog; 0123456789 pack my box with five dozen liquor jugs. " * 20
+
+
+@pytest.fixture
+def tiny_cal(tmp_path):
+    from conftest import CharTokenizer
+
+    from wushkv.calibration import calibrate
+
+    def make(model):
+        p = tmp_path / "calib.txt"
+        p.write_text(LDLQ_TEXT)
+        return calibrate(model, CharTokenizer(), samples=3, seq_len=64, text_file=str(p), show_progress=False)
+
+    return make
+
+
+def test_ldlq_method_names_and_errors():
+    from wushkv.codecs import make_codec
+    from wushkv.eval.methods import ldlq_sides, method_suffixes, uses_ldlq
+
+    assert method_suffixes("wush+ldlq") == ("wush", ("+ldlq",)) and uses_ldlq("wush:hadamard+ldlq")
+    assert [ldlq_sides(n) for n in ("wush+ldlq", "wush+ldlq-k", "wush+ldlq-v", "wush")] == ["KV", "K", "V", ""]
+    with pytest.raises(ValueError, match="use one of"):
+        check_methods(["wush+ldlq-k+ldlq-v"])
+    assert method_sides("wush:hadamard+ldlq") == ("wush", "hadamard") and not uses_tiles("wush+ldlq")
+    assert needs_calibration("hadamard+ldlq") and not needs_calibration("hadamard")
+    check_methods(["wush+ldlq", "hadamard:wush+ldlq"])
+    for bad in ("wush+ldlq+tiles", "kvarn+ldlq"):
+        with pytest.raises(ValueError, match="cannot be combined"):
+            check_methods([bad])
+    with pytest.raises(ValueError, match="needs a calibration"):
+        transforms_for(tiny_model("llama"), None, "hadamard+ldlq")
+    with pytest.raises(ValueError, match="per-token quantizer"):
+        make_codec(QuantConfig(2, 2, "kivi", windows=WindowConfig(2, 4, 4)), "key", 32, torch.eye(32).expand(2, 32, 32))
+
+
+@pytest.mark.parametrize("family", ["llama", "gemma3"])
+def test_ldlq_streaming_equals_single_pass(family, tiny_cal):
+    """The cache rounds with feedback when it flushes; the single-pass emulation must see the same codes."""
+    from wushkv.cache import WushKVCache
+    from wushkv.folding import apply_transforms
+    from wushkv.quantizers.feedback import feedback_matrix
+
+    model = tiny_model(family).double()
+    cal = tiny_cal(model)
+    trs = transforms_for(model, cal, "wush+ldlq")
+    st, tr = cal.stats[0], trs[0]
+    Ti = tr["T_K_inv"].double()
+    torch.testing.assert_close(tr["F_K"], feedback_matrix(Ti.mT @ st["H_K"] @ Ti, cal.meta["damping"]))
+    cfg = QuantConfig(2, 2, "quest", windows=WindowConfig(4, 8, 4))
+    ids = torch.randint(3, 96, (1, 45), generator=torch.Generator().manual_seed(0))
+
+    def run(method, sizes):
+        with torch.no_grad(), apply_transforms(model, transforms_for(model, cal, method), method):
+            cache, out, t = WushKVCache(model, cfg), [], 0
+            for n in sizes:
+                out.append(model(ids[:, t : t + n], cache=cache, use_cache=True).logits)
+                t += n
+            return torch.cat(out, 1), cache.nbytes()
+
+    assert "F_V" in tr and "F_V" not in transforms_for(model, cal, "wush+ldlq-k")[0]
+    assert "F_K" not in transforms_for(model, cal, "wush+ldlq-v")[0]
+    single, nb = run("wush+ldlq", [45])
+    tokenwise, nb2 = run("wush+ldlq", [1] * 45)
+    plain, nb3 = run("wush", [45])
+    assert (single - tokenwise).abs().max() < 1e-5
+    assert (single - plain).abs().max() > 1e-4  # the feedback changes the codes
+    assert nb == nb2 == nb3  # same storage

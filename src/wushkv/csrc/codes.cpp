@@ -5,6 +5,9 @@
 //
 //   code_dot(codes (B,H,N,nb) uint8, q (B,H,G,d) f32, bits)           -> (B,H,G,N): Σ_i c_ji q_gi
 //   code_weighted_sum(codes (B,H,N,nb) uint8, w (B,H,G,N) f32, bits, d) -> (B,H,G,d): Σ_j w_gj c_j
+//   feedback_round(x (B,H,N,d) f32, scale/offset (B,H,N,g) f32, F (H,d,d) f32, bits) -> (B,H,N,d) uint8:
+//       codes on each group's grid, rounded coordinate by coordinate with error feedback
+//       (wushkv.quantizers.feedback; the PyTorch loop there is the reference)
 //
 // The codes tensor may be a strided view (the cache's growable buffer); the last dim must be dense.
 #include <torch/extension.h>
@@ -124,7 +127,42 @@ torch::Tensor code_weighted_sum(torch::Tensor codes, torch::Tensor w, int64_t bi
   return partial.sum(1).narrow(-1, 0, d).reshape({B, H, G, d});
 }
 
+torch::Tensor feedback_round(torch::Tensor x, torch::Tensor scale, torch::Tensor offset, torch::Tensor F, int64_t bits) {
+  TORCH_CHECK(x.dim() == 4 && x.scalar_type() == torch::kFloat32, "x must be (B,H,N,d) float32");
+  TORCH_CHECK(F.dim() == 3 && F.scalar_type() == torch::kFloat32, "F must be (H,d,d) float32");
+  x = x.contiguous(); scale = scale.contiguous(); offset = offset.contiguous(); F = F.contiguous();
+  const int64_t B = x.size(0), H = x.size(1), N = x.size(2), d = x.size(3), ng = scale.size(3);
+  TORCH_CHECK(F.size(0) == H && F.size(1) == d && F.size(2) == d && d % ng == 0, "shape mismatch");
+  const int64_t gs = d / ng;
+  const float qmax = float((1 << bits) - 1);
+  auto codes = torch::empty({B, H, N, d}, x.options().dtype(torch::kUInt8));
+  const float* xp = x.data_ptr<float>();
+  const float* sp = scale.data_ptr<float>();
+  const float* op = offset.data_ptr<float>();
+  const float* fp = F.data_ptr<float>();
+  uint8_t* cp = codes.data_ptr<uint8_t>();
+  at::parallel_for(0, B * H * N, 64, [&](int64_t r0, int64_t r1) {
+    std::vector<float> w(d);
+    for (int64_t r = r0; r < r1; ++r) {
+      const int64_t h = (r / N) % H;
+      const float* Fh = fp + h * d * d;
+      for (int64_t k = 0; k < d; ++k) w[k] = xp[r * d + k];
+      for (int64_t j = 0; j < d; ++j) {
+        const float s = sp[r * ng + j / gs], o = op[r * ng + j / gs];
+        float c = std::floor((w[j] - o) / s + 0.5f);
+        c = c < 0.f ? 0.f : (c > qmax ? qmax : c);
+        cp[r * d + j] = static_cast<uint8_t>(c);
+        const float e = w[j] - (c * s + o);
+        const float* row = Fh + j * d;
+        for (int64_t k = j + 1; k < d; ++k) w[k] -= e * row[k];
+      }
+    }
+  });
+  return codes;
+}
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("feedback_round", &feedback_round, "codes rounded with error feedback");
   m.def("code_dot", &code_dot, "Σ_i c_ji q_gi over packed codes");
   m.def("code_weighted_sum", &code_weighted_sum, "Σ_j w_gj c_j over packed codes");
 }

@@ -7,6 +7,11 @@
 * ``<keys>:<values>`` (``wush:hadamard``): the key transform of one and the value transform of the
   other (docs/ABLATIONS.md section 10: on SmolLM2 WUSH's keys carry its perplexity gain, while
   Hadamard keys keep passkey retrieval); also with ``+tiles``;
+* ``<method>+ldlq`` (``wush+ldlq``): the cache rounds keys and values with error feedback (LDLQ / GPTQ
+  on each cached vector, :mod:`wushkv.quantizers.feedback`) against the calibration's Hessians in the
+  transformed space: same codes format and bytes, a smaller expected weighted error; ``+ldlq-k`` /
+  ``+ldlq-v`` for the keys / the values only (docs/ABLATIONS.md section 15: on SmolLM2 the values gain at
+  2 bits and the keys lose); needs a calibration and a per-token quantizer (quest, affine);
 * ``stock-<backend>-<bits>`` (``stock-hqq-2``, ``stock-quanto-4``, ...): the stock ``transformers``
   ``QuantizedCache`` on the unmodified model, the baseline users have today (backends: the optional
   extra ``wushkv[stock]``);
@@ -23,11 +28,38 @@ from ..config import QuantConfig
 FULL_PRECISION = "full-precision"
 STOCK_BACKENDS = ("quanto", "hqq")
 TILES_SUFFIX = "+tiles"
+LDLQ_SUFFIX = "+ldlq"
+LDLQ_SIDES = {LDLQ_SUFFIX: "KV", "+ldlq-k": "K", "+ldlq-v": "V"}  # suffix -> sides rounded with feedback
+SUFFIXES = (TILES_SUFFIX, *LDLQ_SIDES)
+
+
+def method_suffixes(name: str) -> tuple[str, tuple[str, ...]]:
+    """(transform part, suffixes): ("wush", ("+ldlq",)) for "wush+ldlq"."""
+    found: list[str] = []
+    while True:
+        for suf in SUFFIXES:
+            if name.endswith(suf) and len(name) > len(suf):
+                name = name[: -len(suf)]
+                found.insert(0, suf)
+                break
+        else:
+            return name, tuple(found)
 
 
 def method_transform(name: str) -> str:
-    """The transform a method installs: ``wush`` for ``wush+tiles``."""
-    return name[: -len(TILES_SUFFIX)] if name.endswith(TILES_SUFFIX) else name
+    """The transform a method installs: ``wush`` for ``wush+tiles`` or ``wush+ldlq``."""
+    return method_suffixes(name)[0]
+
+
+def ldlq_sides(name: str) -> str:
+    """The sides ("K", "V", "KV") a method rounds with error feedback; "" for none."""
+    sides = "".join(LDLQ_SIDES[s] for s in method_suffixes(name)[1] if s in LDLQ_SIDES)
+    return "".join(c for c in "KV" if c in sides)
+
+
+def uses_ldlq(name: str) -> bool:
+    """Whether the cache of a method rounds with error feedback (``+ldlq``, ``+ldlq-k``, ``+ldlq-v``)."""
+    return bool(ldlq_sides(name))
 
 
 SIDES_SEP = ":"
@@ -61,12 +93,12 @@ def uses_wush_a(name: str) -> bool:
 def needs_calibration(name: str) -> bool:
     from ..transforms import TRANSFORMS
 
-    return is_transform_method(name) and any(TRANSFORMS[side].needs_calibration for side in method_sides(name))
+    return is_transform_method(name) and (uses_ldlq(name) or any(TRANSFORMS[side].needs_calibration for side in method_sides(name)))
 
 
 def uses_tiles(name: str) -> bool:
     """Whether a method quantizes with KVarN's tiles (its own quantizer and windows)."""
-    return name == "kvarn" or name.endswith(TILES_SUFFIX)
+    return method_transform(name) == "kvarn" or TILES_SUFFIX in method_suffixes(name)[1]
 
 
 def parse_stock(name: str) -> tuple[str, int] | None:
@@ -87,8 +119,14 @@ def check_methods(names: list[str]) -> None:
             continue
         if not is_transform_method(n):
             raise ValueError(f"unknown method {n!r}; known: {sorted(TRANSFORMS)}, each optionally with the suffix "
-                             f"{TILES_SUFFIX!r} (KVarN's tile quantizer), KEYS{SIDES_SEP}VALUES (e.g. wush{SIDES_SEP}hadamard: "
+                             f"{TILES_SUFFIX!r} (KVarN's tile quantizer) or {LDLQ_SUFFIX!r} (error-feedback rounding), "
+                             f"KEYS{SIDES_SEP}VALUES (e.g. wush{SIDES_SEP}hadamard: "
                              f"the key transform of one, the value transform of the other), stock-<quanto|hqq>-<2|4>, {FULL_PRECISION}")
+        if uses_ldlq(n) and uses_tiles(n):
+            raise ValueError(f"method {n!r}: {LDLQ_SUFFIX!r} (error-feedback rounding of per-token codes) cannot be combined with "
+                             f"KVarN's tiles ({TILES_SUFFIX!r}, kvarn)")
+        if sum(s in LDLQ_SIDES for s in method_suffixes(n)[1]) > 1:
+            raise ValueError(f"method {n!r}: use one of {list(LDLQ_SIDES)}")
 
 
 def mix_sides(keys: list[dict], values: list[dict]) -> list[dict]:
@@ -100,12 +138,48 @@ def mix_sides(keys: list[dict], values: list[dict]) -> list[dict]:
     return [side(k, "K") | side(v, "V") for k, v in zip(keys, values, strict=True)]
 
 
+def feedback_hessians(calibration, name: str) -> list[dict]:
+    """Per layer, the Hessians the cache's error feedback weighs keys and values by: the calibration's
+    H_K and H_V (WUSH-A's attention-aware ones for a ``wush-a`` side), [Hkv, d, d] float64."""
+    ks, vs = method_sides(name)
+    keys = ("H_K_A" if ks == "wush-a" else "H_K", "H_V_A" if vs == "wush-a" else "H_V")
+    out = []
+    for st in calibration.stats:
+        missing = [k for k in keys if k not in st]
+        if missing:
+            raise ValueError(f"method {name!r} needs calibration statistics {missing} for its error feedback; recalibrate")
+        out.append({"K": st[keys[0]], "V": st[keys[1]]})
+    return out
+
+
+def with_feedback(trs: list[dict], hessians: list[dict], damping: float = 0.01, sides: str = "KV") -> list[dict]:
+    """Add ``F_K``/``F_V`` (for ``sides``) to per-layer transforms: the feedback matrices of the Hessians seen
+    in the transformed space, T^{-T} H T⁻¹ (the cached vector is T x, its error e costs eᵀ T^{-T} H T⁻¹ e)."""
+    from ..quantizers.feedback import feedback_matrix
+
+    out = []
+    for tr, hs in zip(trs, hessians, strict=True):
+        f = {}
+        for s in sides:
+            Ti = tr[f"T_{s}_inv"].double()
+            Hs = Ti.mT @ hs[s].double().to(Ti.device) @ Ti
+            f[f"F_{s}"] = feedback_matrix(Hs, damping)
+        out.append(tr | f)
+    return out
+
+
 def transforms_for(model, calibration, transform: str):
-    """Per-layer transforms of ``transform`` (or of the method ``transform+tiles``): from the calibration,
-    or built (calibration-free ones)."""
+    """Per-layer transforms of ``transform`` (or of a method ``transform+tiles`` / ``transform+ldlq``): from the
+    calibration, or built (calibration-free ones); ``+ldlq`` adds the feedback matrices."""
     from ..models import describe
     from ..transforms import TRANSFORMS, build_transforms
 
+    if uses_ldlq(transform):
+        if calibration is None:
+            raise ValueError(f"method {transform!r} rounds with error feedback from calibration Hessians; it needs a calibration (--calibration PATH)")
+        trs = transforms_for(model, calibration, method_transform(transform))
+        return with_feedback(trs, feedback_hessians(calibration, method_transform(transform)), calibration.meta.get("damping", 0.01),
+                             ldlq_sides(transform))
     transform = method_transform(transform)
     if SIDES_SEP in transform:
         ks, vs = method_sides(transform)

@@ -1,0 +1,56 @@
+"""What error-feedback rounding (``+ldlq``) costs when the cache flushes: the fused CPU kernel against the
+PyTorch reference loop and against plain QuEST rounding of the same block, measured in the same run.
+
+    python benchmarks/feedback_speed.py [--threads 1] [--repeats 50]
+
+Shapes: one flush of 8 tokens (generation windows 64/256/8) for SmolLM2 (3 KV heads × 64) and Gemma-3
+(1 KV head × 256), and one 2048-token chunk of the single-pass emulation (perplexity).
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+
+import torch
+
+
+def median_ms(fn, repeats: int) -> float:
+    fn()
+    ts = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        fn()
+        ts.append(time.perf_counter() - t0)
+    return sorted(ts)[len(ts) // 2] * 1e3
+
+
+def main() -> None:
+    from wushkv._ext import kernels
+    from wushkv.quantizers import QuestQuantizer
+    from wushkv.quantizers.feedback import feedback_matrix, feedback_round
+
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--repeats", type=int, default=50)
+    args = ap.parse_args()
+    torch.set_num_threads(args.threads)
+    fused_ok = kernels() is not None
+    print(f"threads {args.threads}; fused kernel {'available' if fused_ok else 'UNAVAILABLE (loop only)'}")
+    print(f"{'shape (B, H, N, d)':22s} {'plain QuEST':>12s} {'loop':>10s} {'fused':>10s} {'fused/plain':>12s} {'loop/fused':>11s}")
+    g = torch.Generator().manual_seed(0)
+    for shape in ((1, 3, 8, 64), (1, 1, 8, 256), (1, 3, 2048, 64), (1, 1, 2048, 256)):
+        B, H, N, d = shape
+        x = torch.randn(*shape, generator=g)
+        A = torch.randn(H, d, d, generator=g, dtype=torch.float64)
+        F = feedback_matrix(A @ A.mT / d + torch.eye(d, dtype=torch.float64))
+        quant = QuestQuantizer(2)
+        q = quant.quantize(x)
+        plain = median_ms(lambda: quant.quantize(x), args.repeats)
+        loop = median_ms(lambda: feedback_round(x, q.scale, q.offset, 2, d, F, fused=False), max(3, args.repeats // 10))
+        fused = median_ms(lambda: (quant.quantize(x), feedback_round(x, q.scale, q.offset, 2, d, F)), args.repeats) if fused_ok else float("nan")
+        print(f"{str(shape):22s} {plain:10.3f}ms {loop:8.3f}ms {fused:8.3f}ms {fused / plain:11.1f}x {loop / fused:10.1f}x", flush=True)
+
+
+if __name__ == "__main__":
+    main()
