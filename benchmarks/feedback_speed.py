@@ -40,15 +40,25 @@ def main() -> None:
     print(f"{'shape (B, H, N, d)':22s} {'plain QuEST':>12s} {'loop':>10s} {'fused':>10s} {'fused/plain':>12s} {'loop/fused':>11s}")
     g = torch.Generator().manual_seed(0)
     for shape in ((1, 3, 8, 64), (1, 1, 8, 256), (1, 3, 2048, 64), (1, 1, 2048, 256)):
-        B, H, N, d = shape
+        _, H, _, d = shape
         x = torch.randn(*shape, generator=g)
         A = torch.randn(H, d, d, generator=g, dtype=torch.float64)
         F = feedback_matrix(A @ A.mT / d + torch.eye(d, dtype=torch.float64))
         quant = QuestQuantizer(2)
         q = quant.quantize(x)
-        plain = median_ms(lambda: quant.quantize(x), args.repeats)
-        loop = median_ms(lambda: feedback_round(x, q.scale, q.offset, 2, d, F, fused=False), max(3, args.repeats // 10))
-        fused = median_ms(lambda: (quant.quantize(x), feedback_round(x, q.scale, q.offset, 2, d, F)), args.repeats) if fused_ok else float("nan")
+        def run_plain(x=x, quant=quant):
+            quant.quantize(x)
+
+        def run_loop(x=x, q=q, d=d, F=F):
+            feedback_round(x, q.scale, q.offset, 2, d, F, fused=False)
+
+        def run_fused(x=x, q=q, d=d, F=F, quant=quant):  # what a flush does: the grid, then the codes
+            quant.quantize(x)
+            feedback_round(x, q.scale, q.offset, 2, d, F)
+
+        plain = median_ms(run_plain, args.repeats)
+        loop = median_ms(run_loop, max(3, args.repeats // 10))
+        fused = median_ms(run_fused, args.repeats) if fused_ok else float("nan")
         print(f"{str(shape):22s} {plain:10.3f}ms {loop:8.3f}ms {fused:8.3f}ms {fused / plain:11.1f}x {loop / fused:10.1f}x", flush=True)
 
 
