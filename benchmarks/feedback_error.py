@@ -26,7 +26,8 @@ import torch
 
 
 def capture(model, ids):
-    from wushkv.attention import restore_attention, use_wushkv_attention
+    """Every layer's raw queries, keys (after RoPE) and values of one sequence, float64."""
+    from wushkv.attention import observe_sequences
 
     seen = {}
 
@@ -34,12 +35,8 @@ def capture(model, ids):
         def observe(self, module, q, k, v, allowed, scaling, softcap=None):
             seen[module.layer_idx] = (q.double(), k.double(), v.double())
 
-    prev = use_wushkv_attention(model)
-    try:
-        with torch.no_grad():
-            model(ids, wushkv_observer=Obs())
-    finally:
-        restore_attention(model, prev)
+    with torch.no_grad():
+        observe_sequences(model, ids, Obs(), "capture", show_progress=False)
     return seen
 
 

@@ -45,14 +45,16 @@ class TokenCodec:
         self._half = 0.5 - 2 ** (self.bits - 1)
 
     def _quant(self, x):
+        if self.feedback is not None:  # the grid alone, then codes rounded on it as stored (metadata dtype)
+            scale, offset, G = self.quantizer.grid(x.float())
+            scale = scale.to(self.meta_dtype)
+            offset = None if self.symmetric else offset.to(self.meta_dtype)
+            s, o = self.scale_offset({"scale": scale} | ({} if offset is None else {"offset": offset}))
+            return feedback_round(x, s, o, self.bits, G, self.feedback), scale, offset, G
         q = self.quantizer.quantize(x.float())
         scale = q.scale.to(self.meta_dtype)
         offset = None if self.symmetric else q.offset.to(self.meta_dtype)
-        codes = q.codes
-        if self.feedback is not None:  # round on the grid as stored (metadata dtype), pushing errors forward
-            s, o = self.scale_offset({"scale": scale} | ({} if offset is None else {"offset": offset}))
-            codes = feedback_round(x, s, o, self.bits, q.group_size, self.feedback)
-        return codes, scale, offset, q.group_size
+        return q.codes, scale, offset, q.group_size
 
     def _dequant(self, codes, scale, offset, group_size):
         scale = scale.float()

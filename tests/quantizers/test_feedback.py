@@ -133,3 +133,12 @@ def test_fused_kernel_matches_the_reference_loop(group_size):
         fused = feedback_round(x, q.scale, q.offset, bits, q.group_size, F)
         ref = feedback_round(x, q.scale, q.offset, bits, q.group_size, F, fused=False)
         assert (fused == ref).float().mean().item() > 0.999  # equal but for last-ulp ties
+
+
+@pytest.mark.parametrize("quant", [QuestQuantizer(2), QuestQuantizer(3, 8), AffineQuantizer(2, clip_ratio=0.92), AffineQuantizer(4, 8)])
+def test_grid_is_the_grid_quantize_uses(quant):
+    """The feedback codec asks for the grid alone; it must be the one plain rounding uses."""
+    x = torch.randn(2, 3, 9, 16, generator=torch.Generator().manual_seed(9)) * 2
+    q = quant.quantize(x)
+    scale, offset, G = quant.grid(x)
+    assert G == q.group_size and torch.equal(scale, q.scale) and torch.equal(offset, q.offset)

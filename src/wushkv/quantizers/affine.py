@@ -48,8 +48,8 @@ def percentile_clip(x: Tensor, clip_ratio: float) -> tuple[Tensor, Tensor]:
     return torch.maximum(torch.minimum(x, tau), -tau), tau
 
 
-def _quantize_last(x: Tensor, bits: int, group_size: int | None, clip_ratio: float) -> QTensor:
-    """Affine quantization with groups along the last dim. x [..., D] → codes [..., D]."""
+def _grid_last(x: Tensor, bits: int, group_size: int | None, clip_ratio: float) -> tuple[Tensor, Tensor, Tensor, int]:
+    """Clipped groups along the last dim and their grid: (xg [..., g, G], s, z [..., g], G)."""
     D = x.shape[-1]
     G = D if group_size is None else group_size
     if D == 0 or D % G:
@@ -58,9 +58,14 @@ def _quantize_last(x: Tensor, bits: int, group_size: int | None, clip_ratio: flo
     xg = x_c.reshape(*x.shape[:-1], D // G, G)  # [..., g, G]
     lo = xg.amin(-1)
     hi = xg.amax(-1)
+    s = (hi - lo).clamp_min(_MIN_RANGE) / (2**bits - 1)  # [..., g]
+    return xg, s, -lo / s, G
+
+
+def _quantize_last(x: Tensor, bits: int, group_size: int | None, clip_ratio: float) -> QTensor:
+    """Affine quantization with groups along the last dim. x [..., D] → codes [..., D]."""
+    xg, s, z, G = _grid_last(x, bits, group_size, clip_ratio)
     qmax = 2**bits - 1
-    s = (hi - lo).clamp_min(_MIN_RANGE) / qmax  # [..., g]
-    z = -lo / s
     q = torch.floor(xg / s[..., None] + z[..., None] + 0.5).clamp_(0, qmax)
     codes = q.to(torch.uint8).reshape(x.shape)
     return QTensor(codes=codes, scale=s, offset=-z * s, bits=bits, group_size=G, axis=-1)
@@ -119,6 +124,14 @@ class AffineQuantizer:
             group_size=self.group_size,
             axis=-2,
         )
+
+    def grid(self, x: Tensor) -> tuple[Tensor, Tensor, int]:
+        """Per token (axis=-1) only: the per-group grid alone, levels scale·c + offset: (scale, offset)
+        float32 [..., n/G] and G, as :meth:`quantize` computes them."""
+        if self.axis != -1:
+            raise ValueError("grid() is per token (axis=-1); per-channel groups span tokens")
+        _, s, z, G = _grid_last(x, self.bits, self.group_size, self.clip_ratio)
+        return s, -z * s, G
 
     def dequantize(self, q: QTensor) -> Tensor:
         """x̂ = scale·code + offset per group (respects ``q.axis``). float32."""

@@ -42,8 +42,7 @@ def _upper_inverse_cholesky(H: Tensor, damping: float) -> Tensor:
     L, info = torch.linalg.cholesky_ex(Hd)
     if bool((info != 0).any()):
         raise ValueError(f"H + {damping}·(tr H/d)·I is not positive definite; use a larger damping (e.g. 0.01)")
-    Linv = torch.linalg.solve_triangular(L, torch.eye(d, dtype=H.dtype, device=H.device).expand_as(L), upper=False)
-    Hinv = Linv.mT @ Linv  # (H̃)⁻¹
+    Hinv = torch.cholesky_inverse(L)  # (H̃)⁻¹ from its Cholesky factor
     return torch.linalg.cholesky(0.5 * (Hinv + Hinv.mT), upper=True)  # H̃⁻¹ = UᵀU
 
 

@@ -78,14 +78,23 @@ class QuestQuantizer:
         """Clip level in RMS units: α_b (MSE-optimal for a Gaussian) times ``alpha_scale``."""
         return QUEST_ALPHA[self.bits] * self.alpha_scale
 
+    def _step(self, xg: Tensor, G: int) -> Tensor:
+        r = torch.linalg.vector_norm(xg, dim=-1) / math.sqrt(G)  # [..., g] RMS
+        delta = (2.0 * self.alpha / (2**self.bits - 1)) * r
+        return delta.clamp_min(torch.finfo(torch.float32).tiny)
+
+    def grid(self, x: Tensor) -> tuple[Tensor, Tensor, int]:
+        """The per-group grid alone, levels scale·c + offset: (scale, offset) float32 [..., n/G] and G."""
+        xg, G = _groups(x, self.group_size)
+        delta = self._step(xg, G)
+        return delta, (0.5 - 2 ** (self.bits - 1)) * delta, G
+
     def quantize(self, x: Tensor) -> QTensor:
         """x [..., n] floating → QTensor with codes uint8 [..., n], scale/offset float32 [..., n/G]."""
         xg, G = _groups(x, self.group_size)  # [..., g, G]
         b = self.bits
         half = 2 ** (b - 1)
-        r = torch.linalg.vector_norm(xg, dim=-1) / math.sqrt(G)  # [..., g] RMS
-        delta = (2.0 * self.alpha / (2**b - 1)) * r
-        delta = delta.clamp_min(torch.finfo(torch.float32).tiny)
+        delta = self._step(xg, G)
         q = torch.floor(xg / delta[..., None]).clamp_(-half, half - 1)
         codes = (q + half).to(torch.uint8).reshape(x.shape)
         offset = (0.5 - half) * delta
