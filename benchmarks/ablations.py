@@ -25,6 +25,13 @@ Studies (each a list of variants; every variant is evaluated at every ``--bits``
   calibration's positions; values keep WUSH;
 * ``center``: keys and values centered before the transform (k' = T (k − μ_K), v' = T_V (v − μ_V), both
   exact for attention): Hadamard and WUSH each with and without, WUSH with keys only, KVarN alongside;
+* ``signs``: the free sign of each eigenvector. ``eigh`` returns every eigenvector up to its sign, and
+  each choice D (a ±1 diagonal between Λ^{-1/4} and 𝓗) is an exact WUSH solution:
+  T_D = c·𝓗·D·Λ^{-1/4}·Uᵀ·Lᵀ = (𝓗 D 𝓗ᵀ)·T, with the same expected error. Variants: WUSH as the
+  calibration file stores it (the signs of the machine that made it), with the canonical signs wushkv
+  now fixes (:func:`wushkv.transforms.wush.canonical_signs`), and with ``--sign-seeds`` random sign
+  patterns per (layer, side, head). The spread over them is a noise floor that no choice of settings
+  can be read below;
 * ``tiles``: the WUSH transform under KVarN's tile quantizer (its windows: first tile of 128 full
   precision, tail until a tile fills) against KVarN itself (Hadamard + tiles).
 * ``clip-layer``: the QuEST clip multiplier chosen per layer and side, for Hadamard and for WUSH, as
@@ -74,7 +81,7 @@ from wushkv.eval.reconstruction import layer_reconstruction  # noqa: E402
 from wushkv.folding import apply_transforms  # noqa: E402
 from wushkv.io import write_json  # noqa: E402
 from wushkv.models import describe, load  # noqa: E402
-from wushkv.transforms import build_transforms  # noqa: E402
+from wushkv.transforms import build_transforms, hadamard_matrix  # noqa: E402
 
 GRID = (1e-3, 1e-2, 1e-1, 1.0)
 KEY_DAMPING_GRID = (1.0, 10.0, 100.0, 1000.0)
@@ -107,6 +114,24 @@ def sum_stats(parts):
         st = {k: sum(p[k] for p in layers) for k in ("M_K", "H_K", "M_V")}
         st["H_V"] = layers[0]["H_V"]
         out.append(st)
+    return out
+
+
+def resign(layers, seed):
+    """Every (layer, side, head) transform with a random sign pattern D on its eigenvectors:
+    T' = (𝓗 D 𝓗ᵀ) T and T'⁻¹ = T⁻¹ (𝓗 D 𝓗ᵀ)ᵀ, another exact WUSH solution (``--study signs``)."""
+    gen = torch.Generator().manual_seed(seed)
+    out = []
+    for tr in layers:
+        new = dict(tr)
+        for side in ("K", "V"):
+            T, Ti = tr[f"T_{side}"].double(), tr[f"T_{side}_inv"].double()
+            Hd = hadamard_matrix(T.shape[-1], dtype=torch.float64)
+            D = torch.randint(0, 2, T.shape[:-1], generator=gen).double() * 2 - 1  # (heads, d)
+            R = (Hd * D[..., None, :]) @ Hd.mT
+            new[f"T_{side}"] = (R @ T).to(tr[f"T_{side}"].dtype)
+            new[f"T_{side}_inv"] = (Ti @ R.mT).to(tr[f"T_{side}_inv"].dtype)
+        out.append(new)
     return out
 
 
@@ -170,6 +195,11 @@ def variants(study, args, model, tok, spec, cal):
         for g in KEY_DAMPING_GRID:
             v.append((f"wush γK={g:g}", mix_sides(wush_layers(cal.stats, spec, g, cal.meta["damping"]), wush), {}))
         return v
+    if study == "signs":
+        canonical = wush_layers(cal.stats, spec, cal.meta["damping"])
+        v = [("hadamard", plain_layers("hadamard", spec), {}), ("wush (file)", cal.transforms("wush"), {}),
+             ("wush canonical signs", canonical, {})]
+        return v + [(f"wush signs seed {k}", resign(canonical, k), {}) for k in range(1, args.sign_seeds + 1)]
     if study == "rope-sym":
         wush = cal.transforms("wush")
         sym_keys = [build_transforms("wush", spec.num_kv_heads, spec.head_dim, st | {"M_K": rope_symmetrized(st["M_K"]), "H_K": rope_symmetrized(st["H_K"])})
@@ -278,7 +308,7 @@ def make_cfg(base, b, over):
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--study", required=True, choices=["damping", "key-damping", "rope-sym", "clip", "clip-layer", "calib", "wush-a", "sides", "mix", "tiles", "center", "alloc"])
+    ap.add_argument("--study", required=True, choices=["damping", "key-damping", "rope-sym", "signs", "clip", "clip-layer", "calib", "wush-a", "sides", "mix", "tiles", "center", "alloc"])
     ap.add_argument("--model", default="smollm2-135m")
     ap.add_argument("--calibration", default=None, help="calibration file (statistics); not needed by --study calib")
     ap.add_argument("--chunks", type=int, default=4)
@@ -288,6 +318,7 @@ def main() -> None:
     ap.add_argument("--quantizer", default="quest")
     ap.add_argument("--windows", default="16,128,16", help="S_sink,S_keep,S_flush")
     ap.add_argument("--max-samples", type=int, default=32, help="--study calib: largest calibration set")
+    ap.add_argument("--sign-seeds", type=int, default=3, help="--study signs: random sign patterns")
     ap.add_argument("--calib-seq-len", type=int, default=2048)
     ap.add_argument("--recon-seqs", type=int, default=1, help="held-out C4 sequences for the reconstruction proxy (0: skip)")
     ap.add_argument("--clip-seqs", type=int, default=2, help="--study clip-layer: held-out C4 sequences to choose the clips on")

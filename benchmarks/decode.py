@@ -1,14 +1,16 @@
 """Decode speed and memory: wushkv's packed cache against DynamicCache and the stock QuantizedCache.
 
     python benchmarks/decode.py --model smollm2-135m --contexts 1024,4096,8192 --batches 1,8 \
-        [--calibration out/smollm2-c32.safetensors] [--dtypes float32,bfloat16] [--json out/decode.json]
+        [--calibration out/smollm2-c32.safetensors] [--dtypes float32,bfloat16] [--device cuda] [--json out/decode.json]
 
 For each model dtype, context length and batch size, every cache is filled with the same context and
 then decodes ``--steps`` real tokens through the real model; the table gives the median time per
 decode step, its ratio to ``DynamicCache`` of the same dtype measured in the same run, the transient
 memory of a decode step (peak resident memory during the steps minus the resident memory before
 them: a cache that dequantizes itself shows its full-precision copy here), and the bytes the cache
-holds per context token.
+holds per context token. With ``--device cuda`` every step is timed between two synchronizations and
+the transient memory is the allocator's peak during the step minus what it held before it
+(``torch.cuda.max_memory_allocated``).
 
 How the caches are filled: one full-precision prefill of the longest context per transform (identity
 and WUSH, whose values come out of the folded ``v_proj``) yields every layer's keys (after RoPE) and
@@ -132,6 +134,19 @@ def cache_bytes(cache, dtype_size: int) -> dict:
     return {"total": tensor_bytes(cache.layers), "windows": None}
 
 
+class PeakCUDA:
+    """Peak bytes the CUDA allocator held during the block (``peak`` is absolute, like PeakRSS's)."""
+
+    def __enter__(self):
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+        return self
+
+    def __exit__(self, *exc):
+        torch.cuda.synchronize()
+        self.peak = torch.cuda.max_memory_allocated()
+
+
 @torch.no_grad()
 def time_round_robin(models: dict, caches: dict, next_ids: torch.Tensor, warmup: int, steps: int) -> dict:
     """Decode steps in rounds, one step of every cache per round, so that machine noise hits all alike.
@@ -140,19 +155,26 @@ def time_round_robin(models: dict, caches: dict, next_ids: torch.Tensor, warmup:
     step minus the resident memory just before it; the largest over the steps).
     """
     out = {k: {"ms_all": [], "transient_mb": 0.0} for k in caches}
+    cuda = next_ids.device.type == "cuda"
     for t in range(warmup + steps):
         for kind, cache in caches.items():
             gc.collect()
-            before = rss()
-            with PeakRSS() as peak:
+            if cuda:
+                torch.cuda.synchronize()
+            before = torch.cuda.memory_allocated() if cuda else rss()
+            with PeakCUDA() if cuda else PeakRSS() as peak:
                 t0 = time.perf_counter()
                 models[kind](next_ids[:, t : t + 1], cache=cache, use_cache=True)
+                if cuda:  # the step ends when its kernels do, not when the host has queued them
+                    torch.cuda.synchronize()
                 dt = time.perf_counter() - t0
             if t >= warmup:
                 out[kind]["ms_all"].append(1e3 * dt)
                 out[kind]["transient_mb"] = max(out[kind]["transient_mb"], (peak.peak - before) / 2**20)
     for r in out.values():
         r["ms"] = statistics.median(r["ms_all"])
+    if cuda:  # the allocator's peak above already is the largest transient; the profiler below reads CPU memory
+        return out
     # The largest single allocation of one more step (torch profiler, CPU memory): a cache that
     # dequantizes a layer before attending shows that layer's full-precision copy here, which resident
     # memory hides (the allocator reuses the freed block layer after layer).
@@ -168,22 +190,25 @@ def time_round_robin(models: dict, caches: dict, next_ids: torch.Tensor, warmup:
 
 
 @torch.no_grad()
-def key_transform_share(model, transforms, spec, batches, results) -> dict:
+def key_transform_share(model, transforms, spec, batches, results, device="cpu") -> dict:
     from wushkv.folding import KeyTransform
 
     model.to(torch.float32)
     out = {}
-    kts = [KeyTransform(t["T_K"], t["T_K_inv"]) for t in transforms]
+    kts = [KeyTransform(t["T_K"], t["T_K_inv"]).to(device) for t in transforms]
+    sync = torch.cuda.synchronize if torch.device(device).type == "cuda" else (lambda: None)
     for B in batches:
-        k = torch.randn(B, spec.num_kv_heads, 1, spec.head_dim)
-        q = torch.randn(B, spec.num_heads, 1, spec.head_dim)
+        k = torch.randn(B, spec.num_kv_heads, 1, spec.head_dim, device=device)
+        q = torch.randn(B, spec.num_heads, 1, spec.head_dim, device=device)
         for kt in kts:
             kt.keys(k), kt.queries(q)
         reps = 50
+        sync()
         t0 = time.perf_counter()
         for _ in range(reps):
             for kt in kts:
                 kt.keys(k), kt.queries(q)
+        sync()
         ms = 1e3 * (time.perf_counter() - t0) / reps
         steps = [r for r in results if r["cache"] == "wush-K2V2" and r["batch"] == B and r["dtype"] == "float32"]
         if steps:
@@ -204,6 +229,7 @@ def main() -> None:
     ap.add_argument("--warmup", type=int, default=2)
     ap.add_argument("--steps", type=int, default=8)
     ap.add_argument("--threads", type=int, default=None)
+    ap.add_argument("--device", default="cpu", help="torch device: cpu or cuda (default: %(default)s)")
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
     if args.threads:
@@ -212,10 +238,11 @@ def main() -> None:
     batches = [int(x) for x in args.batches.split(",")]
     kinds = args.caches.split(",")
     windows = WindowConfig(*[int(x) for x in args.windows.split(",")])
-    model, tok = load(args.model)
+    model, tok = load(args.model, device=args.device)
     spec = describe(model)
     steps = args.warmup + args.steps + 1  # + 1: the profiled step
     text = tokenize_chunks(tok, wikitext2_test(), max(contexts) + steps, 1)
+    text = text.to(args.device)
     ctx_ids = text[:, : max(contexts)]
 
     transforms = {}
@@ -303,12 +330,14 @@ def main() -> None:
     # new key and one for the query group, timed at decode shapes and set against the WUSH step time
     share = {}
     if "wush" in transforms:
-        share = key_transform_share(model, transforms["wush"], spec, batches, results)
+        share = key_transform_share(model, transforms["wush"], spec, batches, results, args.device)
         for k, v in share.items():
             print(f"key transform (keys + queries, {spec.num_layers} layers), batch {k}: {v['ms']:.2f} ms per step = "
                   f"{100 * v['share']:.1f}% of the WUSH K2V2 step at context {v['context']}")
     if args.json:
-        write_json(args.json, {"key_transform_share": share, "model": args.model, "threads": torch.get_num_threads(), "windows": args.windows,
+        device = torch.cuda.get_device_name() if text.device.type == "cuda" else "cpu"
+        write_json(args.json, {"key_transform_share": share, "model": args.model, "device": device,
+                               "torch": torch.__version__, "threads": torch.get_num_threads(), "windows": args.windows,
                                "steps": args.steps, "results": results, "bytes_vs_bf16": summary, "full_bf16_per_token_full_layers": full_bf16})
 
 

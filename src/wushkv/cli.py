@@ -653,7 +653,7 @@ def build_parser() -> argparse.ArgumentParser:
                         "every listed method has")
     p.add_argument("--batch", type=int, default=8,
                    help="prompts decoded together: on a CPU decoding is bound by reading the weights, so a batch costs little more "
-                        "than one prompt; reference and streamed logits take 2 x batch x new tokens x vocabulary floats (default: %(default)s)")
+                        "than one prompt; reference and streamed logits take 2 x batch x new tokens x vocabulary floats (Gemma-3, 1024 new tokens: 1 GB each per prompt; use --batch 2 on 24 GB) (default: %(default)s)")
     p.add_argument("--single-pass", action="store_true", help="teacher-force with the exact single-pass emulation instead of token-by-token streaming (same logits, much faster)")
     p.add_argument("--text-file", default=None, help="UTF-8 text to take prompts from instead of WikiText-2 test")
     p.add_argument("--json", default=None)

@@ -21,6 +21,19 @@ def test_kl_and_top1_by_hand():
     assert kl_and_top1(ref, -ref)[1].tolist() == [False, True]
 
 
+def test_kl_and_top1_in_row_blocks_equals_all_at_once():
+    g = torch.Generator().manual_seed(0)
+    ref, q = torch.randn(37, 50, generator=g), torch.randn(37, 50, generator=g)
+    kl, top1 = kl_and_top1(ref, q, rows=37)
+    for rows in (1, 5, 36):
+        k, t = kl_and_top1(ref, q, rows=rows)
+        assert torch.equal(t, top1) and torch.allclose(k, kl, rtol=0, atol=1e-15)
+    k1, t1 = kl_and_top1(ref[3], q[3])  # one position
+    assert k1.shape == () and float(k1) == pytest.approx(float(kl[3]), abs=1e-15) and bool(t1) == bool(top1[3])
+    with pytest.raises(ValueError, match="do not match"):
+        kl_and_top1(ref, q[:5])
+
+
 def test_common_prefix_and_summary():
     a = torch.tensor([[1, 2, 3, 4]])
     assert common_prefix(a, a) == 4

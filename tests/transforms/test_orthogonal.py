@@ -72,6 +72,21 @@ def test_oscar_rotation_diagonalizes_descending():
     torch.testing.assert_close(ev, torch.linalg.eigvalsh(Sigma).flip(0))
 
 
+def test_oscar_rotation_independent_of_eigh_signs(monkeypatch):
+    gen = torch.Generator().manual_seed(1)
+    d = 16
+    Sigma = _spd(d, 200, gen, torch.logspace(-1, 1, d, dtype=torch.float64))
+    R0 = oscar_rotation(Sigma)
+    real = torch.linalg.eigh
+
+    def flipped(A, *a, **k):  # another BLAS or device may return any sign per eigenvector
+        lam, U = real(A, *a, **k)
+        return lam, U * torch.tensor([(-1.0) ** j for j in range(U.shape[-1])], dtype=U.dtype)
+
+    monkeypatch.setattr(torch.linalg, "eigh", flipped)
+    torch.testing.assert_close(oscar_rotation(Sigma), R0, atol=1e-12, rtol=0)
+
+
 def test_oscar_transform_shared_per_layer():
     gen = torch.Generator().manual_seed(1)
     Hkv, d = 3, 16

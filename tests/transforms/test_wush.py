@@ -176,3 +176,39 @@ def test_bad_damping(bad):
         wush_transform(torch.eye(4), torch.eye(4), damping=bad)
     with pytest.raises(ValueError, match="damping_M"):
         wush_transform(torch.eye(4), torch.eye(4), damping_M=bad)
+
+
+def _eigh_with_flipped_signs(monkeypatch, seed):
+    """Make torch.linalg.eigh return each eigenvector with a random sign, as another BLAS or device may."""
+    real = torch.linalg.eigh
+    gen = torch.Generator().manual_seed(seed)
+
+    def flipped(A, *a, **k):
+        lam, U = real(A, *a, **k)
+        s = torch.randint(0, 2, U.shape[:-2] + U.shape[-1:], generator=gen).to(U.dtype) * 2 - 1
+        return lam, U * s[..., None, :]
+
+    monkeypatch.setattr(torch.linalg, "eigh", flipped)
+
+
+def test_signs_of_eigh_do_not_change_the_transform(monkeypatch):
+    """eigh's sign of each eigenvector is arbitrary (it differed between CPU and GPU calibrations); WUSH
+    fixes it, so the same statistics solve to the same T everywhere."""
+    _, M, H = _stats(d=32, batch=(3,))
+    T0, Ti0 = wush_transform(M, H, dtype=f64)
+    for seed in range(3):
+        with monkeypatch.context() as m:
+            _eigh_with_flipped_signs(m, seed)
+            T, Ti = wush_transform(M, H, dtype=f64)
+        assert torch.allclose(T, T0, atol=1e-12) and torch.allclose(Ti, Ti0, atol=1e-12)
+
+
+def test_canonical_signs():
+    from wushkv.transforms.wush import canonical_signs
+
+    U = torch.linalg.qr(torch.randn(2, 8, 8, generator=torch.Generator().manual_seed(0), dtype=f64))[0]
+    C = canonical_signs(U)
+    big = torch.gather(C, -2, C.abs().argmax(-2, keepdim=True))
+    assert (big > 0).all()  # largest entry of every column positive
+    assert torch.equal(canonical_signs(-U), C) and torch.equal(canonical_signs(C), C)
+    assert torch.allclose(C.mT @ C, torch.eye(8, dtype=f64).expand(2, 8, 8), atol=1e-12)

@@ -89,12 +89,26 @@ def next_token_logits(model, prompt: torch.Tensor, cont: torch.Tensor, cache=Non
     return streamed_logits(model, prompt, cont, cache)[0]
 
 
-def kl_and_top1(ref_logits: torch.Tensor, logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Per position: KL(P_ref ‖ P) in nats (float64) and top-1 agreement (bool)."""
-    lp_ref = F.log_softmax(ref_logits.double(), -1)
-    lp = F.log_softmax(logits.double(), -1)
-    kl = (lp_ref.exp() * (lp_ref - lp)).sum(-1).clamp(min=0.0)
-    return kl, ref_logits.argmax(-1) == logits.argmax(-1)
+def kl_and_top1(ref_logits: torch.Tensor, logits: torch.Tensor, rows: int = 128) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per position: KL(P_ref ‖ P) in nats (float64) and top-1 agreement (bool).
+
+    Positions (the leading dim) go ``rows`` at a time, so the float64 log-probabilities never exceed
+    ``rows × vocabulary``. With Gemma-3's 262k vocabulary, 1024 positions at once took 2 GB per copy.
+    """
+    if ref_logits.shape != logits.shape:
+        raise ValueError(f"logits of shape {tuple(logits.shape)} do not match the reference's {tuple(ref_logits.shape)}")
+    if ref_logits.ndim < 2:
+        ref_logits, logits = ref_logits[None], logits[None]
+        kl, top1 = kl_and_top1(ref_logits, logits, rows)
+        return kl[0], top1[0]
+    kls, tops = [], []
+    for a in range(0, ref_logits.shape[0], rows):
+        r, q = ref_logits[a : a + rows], logits[a : a + rows]
+        lp_ref = F.log_softmax(r.double(), -1)
+        lp = F.log_softmax(q.double(), -1)
+        kls.append((lp_ref.exp() * (lp_ref - lp)).sum(-1).clamp(min=0.0))
+        tops.append(r.argmax(-1) == q.argmax(-1))
+    return torch.cat(kls), torch.cat(tops)
 
 
 def common_prefixes(a: torch.Tensor, b: torch.Tensor) -> list[int]:

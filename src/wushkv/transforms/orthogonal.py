@@ -10,6 +10,7 @@ import torch
 from torch import Tensor
 
 from .hadamard import _check_heads, hadamard_matrix
+from .wush import canonical_signs
 
 __all__ = [
     "identity_transform",
@@ -71,7 +72,7 @@ def oscar_rotation(Sigma: Tensor) -> Tensor:
     d = Sigma.shape[-1]
     Sigma = 0.5 * (Sigma + Sigma.mT)
     _, U = torch.linalg.eigh(Sigma)  # ascending eigenvalues
-    U = U.flip(-1)  # descending eigenvalue order
+    U = canonical_signs(U).flip(-1)  # descending eigenvalue order; signs fixed as in WUSH
     H = hadamard_matrix(d, dtype=torch.float64, device=Sigma.device)
     return U @ H
 

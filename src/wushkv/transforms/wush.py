@@ -21,7 +21,22 @@ from torch import Tensor
 
 from .hadamard import hadamard_matrix
 
-__all__ = ["wush_transform"]
+__all__ = ["canonical_signs", "wush_transform"]
+
+
+def canonical_signs(U: Tensor) -> Tensor:
+    """Eigenvectors (columns of U [..., d, d]) with a fixed sign: each column's largest-magnitude entry
+    is made positive (the first of equal magnitudes).
+
+    ``eigh`` returns each eigenvector up to its sign, and the sign depends on the LAPACK or cuSOLVER
+    build, the device and the thread count. Every sign gives an exact solution, but a sign between
+    Λ^{-1/4} and 𝓗 changes which values the per-token quantizer rounds. Fixing it makes a calibration
+    solve to the same transform on every machine. An eigenvalue repeated to rounding still leaves
+    its eigenvectors free to rotate.
+    """
+    idx = U.abs().argmax(dim=-2, keepdim=True)  # [..., 1, d]: row of each column's largest entry
+    s = torch.sign(torch.gather(U, -2, idx))
+    return U * torch.where(s == 0, torch.ones_like(s), s)
 
 
 def _check_damping(name: str, value: float) -> float:
@@ -103,6 +118,7 @@ def wush_transform(
     A = L.mT @ M_t @ L  # Lᵀ M̃ L
     A = 0.5 * (A + A.mT)
     Lam, U = torch.linalg.eigh(A)  # Λ ascending, U orthogonal
+    U = canonical_signs(U)  # the same T on every device and BLAS
     lam_max = Lam.amax(-1, keepdim=True)
     # Relative floor: below it Λ^{-1/4} amplifies rounding noise rather than signal.
     if not bool((Lam > lam_max * (d * torch.finfo(torch.float64).eps)).all()):
