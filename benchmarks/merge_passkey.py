@@ -5,7 +5,8 @@
 
 Every input must hold a run with the same settings (model, trials, seed, quantization, calibration
 recipe); a run of only uncalibrated methods (full precision) has none and fits any. Cases are keyed by
-method and ``context/depth/trial``; a case present in two files must hold the same result. The output
+method and ``context/depth/trial``; a case present in two files must hold the same result, bit for bit,
+so files of one case made on different devices or library versions are refused rather than mixed. The output
 is what ``wushkv passkey --json`` resumes from: running the command on it with the same methods runs
 no prompt again and prints the tables and plots of all of them.
 """

@@ -349,6 +349,9 @@ def calibrate(
         "damping": damping,
         "wush_a": wush_a,
         "skip_first": skip_first,
+        # eigh's free sign per eigenvector is fixed (transforms.wush.canonical_signs); files without this
+        # key solved their stored transforms with whatever sign the machine's LAPACK returned
+        "eigenvector_signs": "canonical",
         "wushkv_version": __version__,
         "format_version": FORMAT_VERSION,
         "date": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),

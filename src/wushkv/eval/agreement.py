@@ -92,8 +92,9 @@ def next_token_logits(model, prompt: torch.Tensor, cont: torch.Tensor, cache=Non
 def kl_and_top1(ref_logits: torch.Tensor, logits: torch.Tensor, rows: int = 128) -> tuple[torch.Tensor, torch.Tensor]:
     """Per position: KL(P_ref ‖ P) in nats (float64) and top-1 agreement (bool).
 
-    Positions (the leading dim) go ``rows`` at a time, so the float64 log-probabilities never exceed
-    ``rows × vocabulary``. With Gemma-3's 262k vocabulary, 1024 positions at once took 2 GB per copy.
+    Positions (the leading dim) go ``rows`` at a time, so each float64 temporary holds ``rows ×
+    vocabulary`` values (a few of them at once) instead of all positions': with Gemma-3's 262k
+    vocabulary, 1024 positions at once took 2 GB per temporary.
     """
     if ref_logits.shape != logits.shape:
         raise ValueError(f"logits of shape {tuple(logits.shape)} do not match the reference's {tuple(ref_logits.shape)}")
@@ -101,6 +102,8 @@ def kl_and_top1(ref_logits: torch.Tensor, logits: torch.Tensor, rows: int = 128)
         ref_logits, logits = ref_logits[None], logits[None]
         kl, top1 = kl_and_top1(ref_logits, logits, rows)
         return kl[0], top1[0]
+    if ref_logits.shape[0] == 0:
+        return ref_logits.new_zeros(ref_logits.shape[:-1], dtype=torch.float64), ref_logits.new_zeros(ref_logits.shape[:-1], dtype=torch.bool)
     kls, tops = [], []
     for a in range(0, ref_logits.shape[0], rows):
         r, q = ref_logits[a : a + rows], logits[a : a + rows]

@@ -28,11 +28,13 @@ def canonical_signs(U: Tensor) -> Tensor:
     """Eigenvectors (columns of U [..., d, d]) with a fixed sign: each column's largest-magnitude entry
     is made positive (the first of equal magnitudes).
 
-    ``eigh`` returns each eigenvector up to its sign, and the sign depends on the LAPACK or cuSOLVER
-    build, the device and the thread count. Every sign gives an exact solution, but a sign between
-    Λ^{-1/4} and 𝓗 changes which values the per-token quantizer rounds. Fixing it makes a calibration
-    solve to the same transform on every machine. An eigenvalue repeated to rounding still leaves
-    its eigenvectors free to rotate.
+    ``eigh`` returns each eigenvector up to its sign, and which sign can change with the last bits of
+    its input: statistics accumulated on another device or with another thread count (seen: a GPU and
+    a one-thread CPU calibration of the same data, one head of one layer). Every sign gives an exact
+    solution, but a sign between Λ^{-1/4} and 𝓗 changes which values the per-token quantizer rounds.
+    Fixing it makes statistics that agree to rounding solve to the same transform, except where two
+    entries of an eigenvector tie in magnitude to rounding, or an eigenvalue repeats (its eigenvectors
+    are then free to rotate).
     """
     idx = U.abs().argmax(dim=-2, keepdim=True)  # [..., 1, d]: row of each column's largest entry
     s = torch.sign(torch.gather(U, -2, idx))
