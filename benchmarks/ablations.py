@@ -75,13 +75,13 @@ from wushkv.cache import WushKVCache  # noqa: E402
 from wushkv.calibration import Calibration, calibration_sequences, collect_statistics  # noqa: E402
 from wushkv.config import PERPLEXITY_WINDOWS, QuantConfig, WindowConfig  # noqa: E402
 from wushkv.data import load_eval_text, tokenize_chunks  # noqa: E402
-from wushkv.eval.methods import mix_sides  # noqa: E402
+from wushkv.eval.methods import mix_sides, with_sign_pattern  # noqa: E402
 from wushkv.eval.perplexity import perplexity  # noqa: E402
 from wushkv.eval.reconstruction import layer_reconstruction  # noqa: E402
 from wushkv.folding import apply_transforms  # noqa: E402
 from wushkv.io import write_json  # noqa: E402
 from wushkv.models import describe, load  # noqa: E402
-from wushkv.transforms import build_transforms, hadamard_matrix  # noqa: E402
+from wushkv.transforms import build_transforms  # noqa: E402
 
 GRID = (1e-3, 1e-2, 1e-1, 1.0)
 KEY_DAMPING_GRID = (1.0, 10.0, 100.0, 1000.0)
@@ -114,24 +114,6 @@ def sum_stats(parts):
         st = {k: sum(p[k] for p in layers) for k in ("M_K", "H_K", "M_V")}
         st["H_V"] = layers[0]["H_V"]
         out.append(st)
-    return out
-
-
-def resign(layers, seed):
-    """Every (layer, side, head) transform with a random sign pattern D on its eigenvectors:
-    T' = (𝓗 D 𝓗ᵀ) T and T'⁻¹ = T⁻¹ (𝓗 D 𝓗ᵀ)ᵀ, another exact WUSH solution (``--study signs``)."""
-    gen = torch.Generator().manual_seed(seed)
-    out = []
-    for tr in layers:
-        new = dict(tr)
-        for side in ("K", "V"):
-            T, Ti = tr[f"T_{side}"].double(), tr[f"T_{side}_inv"].double()
-            Hd = hadamard_matrix(T.shape[-1], dtype=torch.float64)
-            D = torch.randint(0, 2, T.shape[:-1], generator=gen).double() * 2 - 1  # (heads, d)
-            R = (Hd * D[..., None, :]) @ Hd.mT
-            new[f"T_{side}"] = (R @ T).to(tr[f"T_{side}"].dtype)
-            new[f"T_{side}_inv"] = (Ti @ R.mT).to(tr[f"T_{side}_inv"].dtype)
-        out.append(new)
     return out
 
 
@@ -199,7 +181,8 @@ def variants(study, args, model, tok, spec, cal):
         canonical = wush_layers(cal.stats, spec, cal.meta["damping"])
         v = [("hadamard", plain_layers("hadamard", spec), {}), ("wush (file)", cal.transforms("wush"), {}),
              ("wush canonical signs", canonical, {})]
-        return v + [(f"wush signs seed {k}", resign(canonical, k), {}) for k in range(1, args.sign_seeds + 1)]
+        # the same patterns as the methods wush+signs1, +signs2, ... on a calibration with canonical signs
+        return v + [(f"wush signs seed {k}", with_sign_pattern(canonical, ("wush", "wush"), k), {}) for k in range(1, args.sign_seeds + 1)]
     if study == "rope-sym":
         wush = cal.transforms("wush")
         sym_keys = [build_transforms("wush", spec.num_kv_heads, spec.head_dim, st | {"M_K": rope_symmetrized(st["M_K"]), "H_K": rope_symmetrized(st["H_K"])})

@@ -212,8 +212,8 @@ def _check_transforms(transforms, tiles: bool = True) -> None:
 
     for t in transforms:
         if not (is_transform_method(t) if tiles else t in TRANSFORMS):
-            also = (f", each optionally with the suffix {TILES_SUFFIX!r} (KVarN's tile quantizer) or {LDLQ_SUFFIX!r} "
-                    f"(error-feedback rounding), or KEYS{SIDES_SEP}VALUES "
+            also = (f", each optionally with the suffix {TILES_SUFFIX!r} (KVarN's tile quantizer), {LDLQ_SUFFIX!r} "
+                    f"(error-feedback rounding) or +signsN (WUSH's N-th eigenvector sign pattern), or KEYS{SIDES_SEP}VALUES "
                     f"(e.g. wush{SIDES_SEP}hadamard: keys of one, values of the other)") if tiles else ""
             raise ValueError(f"unknown transform {t!r}; known: {sorted(TRANSFORMS)}{also}")
         if tiles:

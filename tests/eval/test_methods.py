@@ -112,3 +112,47 @@ def test_ldlq_streaming_equals_single_pass(family, tiny_cal):
     assert (single - tokenwise).abs().max() < 1e-5
     assert (single - plain).abs().max() > 1e-4  # the feedback changes the codes
     assert nb == nb2 == nb3  # same storage
+
+
+def test_sign_pattern_names_and_errors():
+    from wushkv.eval.methods import method_suffixes, sign_pattern
+
+    assert method_suffixes("wush+signs3") == ("wush", ("+signs3",)) and sign_pattern("wush+signs3") == 3
+    assert method_suffixes("wush:hadamard+signs12+ldlq-v") == ("wush:hadamard", ("+signs12", "+ldlq-v"))
+    assert uses_tiles("wush+signs2+tiles") and sign_pattern("wush+tiles+signs2") == 2 and sign_pattern("wush") is None
+    check_methods(["wush+signs1", "hadamard:wush+signs2", "wush-a+signs3+ldlq"])
+    for bad, match in (("hadamard+signs1", "has none"), ("kvarn+signs1", "has none"), ("wush+signs0", "numbered from 1"),
+                       ("wush+signs1+signs2", "at most")):
+        with pytest.raises(ValueError, match=match):
+            check_methods([bad])
+
+
+def test_sign_patterns_are_exact_wush_solutions(tiny_cal):
+    """+signsN: T' = (𝓗 D 𝓗ᵀ) T per WUSH side, still an exact inverse pair with the same constant diagonal
+    of T M Tᵀ; other sides untouched; patterns differ; +ldlq's feedback is that of the new transforms."""
+    from wushkv.quantizers.feedback import feedback_matrix
+    from wushkv.transforms import hadamard_matrix
+
+    model = tiny_model("llama").double()
+    cal = tiny_cal(model)
+    base, one, two = (transforms_for(model, cal, m) for m in ("wush", "wush+signs1", "wush+signs2"))
+    Hd = hadamard_matrix(base[0]["T_K"].shape[-1], dtype=torch.float64)
+    for b, s, t, st in zip(base, one, two, cal.stats):
+        for side in "KV":
+            T, Ti, T0 = s[f"T_{side}"].double(), s[f"T_{side}_inv"].double(), b[f"T_{side}"].double()
+            I = torch.eye(T.shape[-1], dtype=torch.float64)
+            torch.testing.assert_close(T @ Ti, I.expand_as(T), atol=1e-5, rtol=0)
+            D = Hd.mT @ (T @ torch.linalg.inv(T0)) @ Hd  # 𝓗ᵀ R 𝓗 = D, a ±1 diagonal
+            torch.testing.assert_close(D, torch.diag_embed(torch.diagonal(D, dim1=-2, dim2=-1).round()), atol=1e-4, rtol=0)
+            M = st[f"M_{side}"].double()
+            Md = M + cal.meta["damping"] * (torch.diagonal(M, dim1=-2, dim2=-1).mean(-1))[..., None, None] * I  # M̃
+            dg = lambda A, X: torch.diagonal(A @ X @ A.mT, dim1=-2, dim2=-1)  # noqa: E731
+            torch.testing.assert_close(dg(T, Md), dg(T0, Md), rtol=1e-4, atol=1e-6)  # the same constant diagonal of T M̃ Tᵀ
+            torch.testing.assert_close(dg(T, M).sum(-1), dg(T0, M).sum(-1), rtol=1e-6, atol=0)  # same trace: same expected error
+            assert not torch.allclose(T, T0) and not torch.allclose(T, t[f"T_{side}"].double())
+    mixed = transforms_for(model, cal, "hadamard:wush+signs1")
+    had = transforms_for(model, cal, "hadamard")
+    assert torch.equal(mixed[0]["T_K"], had[0]["T_K"]) and torch.equal(mixed[0]["T_V"], one[0]["T_V"])
+    fb = transforms_for(model, cal, "wush+signs1+ldlq")[0]
+    Ti = one[0]["T_K_inv"].double()
+    torch.testing.assert_close(fb["F_K"], feedback_matrix(Ti.mT @ cal.stats[0]["H_K"] @ Ti, cal.meta["damping"]))

@@ -12,6 +12,11 @@
   transformed space: same codes format and bytes, a smaller expected weighted error; ``+ldlq-k`` /
   ``+ldlq-v`` for the keys / the values only (docs/ABLATIONS.md section 15: on SmolLM2 the values gain at
   2 bits and the keys lose); needs a calibration and a per-token quantizer (quest, affine);
+* ``<method>+signs<N>`` (``wush+signs3``): the WUSH-family sides (``wush``, ``wush-a``, ``wush-c``) with the
+  N-th random sign pattern on their eigenvectors, another exact WUSH solution
+  (:func:`wushkv.transforms.wush.with_signs`); compare a few to see how much of a margin is WUSH's own
+  free choice (docs/ABLATIONS.md section 16). The patterns are drawn relative to the calibration's
+  stored transforms;
 * ``stock-<backend>-<bits>`` (``stock-hqq-2``, ``stock-quanto-4``, ...): the stock ``transformers``
   ``QuantizedCache`` on the unmodified model, the baseline users have today (backends: the optional
   extra ``wushkv[stock]``);
@@ -20,6 +25,7 @@
 
 from __future__ import annotations
 
+import re
 from contextlib import contextmanager
 
 from ..cache import WushKVCache
@@ -31,12 +37,21 @@ TILES_SUFFIX = "+tiles"
 LDLQ_SUFFIX = "+ldlq"
 LDLQ_SIDES = {LDLQ_SUFFIX: "KV", "+ldlq-k": "K", "+ldlq-v": "V"}  # suffix -> sides rounded with feedback
 SUFFIXES = (TILES_SUFFIX, *LDLQ_SIDES)
+SIGNS_SUFFIX = "+signs"  # + a pattern number: "+signs3"
+_SIGNS = re.compile(r"\+signs(\d+)$")
+SIGNED_TRANSFORMS = ("wush", "wush-a", "wush-c")  # T = c·𝓗·Λ^{-1/4}·Uᵀ·Lᵀ: each eigenvector's sign is free
 
 
 def method_suffixes(name: str) -> tuple[str, tuple[str, ...]]:
-    """(transform part, suffixes): ("wush", ("+ldlq",)) for "wush+ldlq"."""
+    """(transform part, suffixes): ("wush", ("+ldlq",)) for "wush+ldlq", ("wush", ("+signs2", "+tiles"))
+    for "wush+signs2+tiles"."""
     found: list[str] = []
     while True:
+        m = _SIGNS.search(name)
+        if m and m.start() > 0:
+            found.insert(0, m.group())
+            name = name[: m.start()]
+            continue
         for suf in SUFFIXES:
             if name.endswith(suf) and len(name) > len(suf):
                 name = name[: -len(suf)]
@@ -44,6 +59,14 @@ def method_suffixes(name: str) -> tuple[str, tuple[str, ...]]:
                 break
         else:
             return name, tuple(found)
+
+
+def sign_pattern(name: str) -> int | None:
+    """N of a ``+signsN`` suffix, or None."""
+    for s in method_suffixes(name)[1]:
+        if s.startswith(SIGNS_SUFFIX):
+            return int(s[len(SIGNS_SUFFIX):])
+    return None
 
 
 def method_transform(name: str) -> str:
@@ -119,7 +142,8 @@ def check_methods(names: list[str]) -> None:
             continue
         if not is_transform_method(n):
             raise ValueError(f"unknown method {n!r}; known: {sorted(TRANSFORMS)}, each optionally with the suffix "
-                             f"{TILES_SUFFIX!r} (KVarN's tile quantizer) or {LDLQ_SUFFIX!r} (error-feedback rounding), "
+                             f"{TILES_SUFFIX!r} (KVarN's tile quantizer), {LDLQ_SUFFIX!r} (error-feedback rounding) or "
+                             f"{SIGNS_SUFFIX}N (WUSH's N-th eigenvector sign pattern), "
                              f"KEYS{SIDES_SEP}VALUES (e.g. wush{SIDES_SEP}hadamard: "
                              f"the key transform of one, the value transform of the other), stock-<quanto|hqq>-<2|4>, {FULL_PRECISION}")
         if uses_ldlq(n) and uses_tiles(n):
@@ -127,6 +151,14 @@ def check_methods(names: list[str]) -> None:
                              f"KVarN's tiles ({TILES_SUFFIX!r}, kvarn)")
         if sum(s in LDLQ_SIDES for s in method_suffixes(n)[1]) > 1:
             raise ValueError(f"method {n!r}: use one of {list(LDLQ_SIDES)}")
+        signs = [s for s in method_suffixes(n)[1] if s.startswith(SIGNS_SUFFIX)]
+        if len(signs) > 1:
+            raise ValueError(f"method {n!r}: one {SIGNS_SUFFIX}N suffix at most")
+        if signs and int(signs[0][len(SIGNS_SUFFIX):]) < 1:
+            raise ValueError(f"method {n!r}: sign patterns are numbered from 1 ({SIGNS_SUFFIX}1, {SIGNS_SUFFIX}2, ...)")
+        if signs and not any(side in SIGNED_TRANSFORMS for side in method_sides(n)):
+            raise ValueError(f"method {n!r}: {SIGNS_SUFFIX}N draws eigenvector signs of {list(SIGNED_TRANSFORMS)}; "
+                             f"this method has none ({'/'.join(method_sides(n))})")
 
 
 def mix_sides(keys: list[dict], values: list[dict]) -> list[dict]:
@@ -168,28 +200,53 @@ def with_feedback(trs: list[dict], hessians: list[dict], damping: float = 0.01, 
     return out
 
 
+def with_sign_pattern(trs: list[dict], sides: tuple[str, str], pattern: int) -> list[dict]:
+    """Per-layer transforms with the ``pattern``-th random sign pattern on the eigenvectors of the sides
+    (keys, values) whose transform is in :data:`SIGNED_TRANSFORMS` (the others unchanged). The draws go
+    layer by layer, keys then values, from one generator seeded with ``pattern``, for every side alike,
+    so a pattern is the same whichever sides it applies to."""
+    import torch
+
+    from ..transforms.wush import with_signs
+
+    gen = torch.Generator().manual_seed(int(pattern))
+    out = []
+    for tr in trs:
+        new = dict(tr)
+        for s, t in zip("KV", sides):
+            D = torch.randint(0, 2, tr[f"T_{s}"].shape[:-1], generator=gen).double() * 2 - 1
+            if t in SIGNED_TRANSFORMS:
+                new[f"T_{s}"], new[f"T_{s}_inv"] = with_signs(tr[f"T_{s}"], tr[f"T_{s}_inv"], D.to(tr[f"T_{s}"].device))
+        out.append(new)
+    return out
+
+
 def transforms_for(model, calibration, transform: str):
-    """Per-layer transforms of ``transform`` (or of a method ``transform+tiles`` / ``transform+ldlq``): from the
-    calibration, or built (calibration-free ones); ``+ldlq`` adds the feedback matrices."""
+    """Per-layer transforms of ``transform`` (or of a method ``transform+tiles`` / ``+ldlq`` / ``+signsN``):
+    from the calibration, or built (calibration-free ones); ``+signsN`` redraws the eigenvector signs of
+    the WUSH sides, then ``+ldlq`` adds the feedback matrices of the transforms so obtained."""
     from ..models import describe
     from ..transforms import TRANSFORMS, build_transforms
 
     if uses_ldlq(transform):
         if calibration is None:
             raise ValueError(f"method {transform!r} rounds with error feedback from calibration Hessians; it needs a calibration (--calibration PATH)")
-        trs = transforms_for(model, calibration, method_transform(transform))
-        return with_feedback(trs, feedback_hessians(calibration, method_transform(transform)), calibration.meta.get("damping", 0.01),
-                             ldlq_sides(transform))
+        base, sufs = method_suffixes(transform)
+        trs = transforms_for(model, calibration, base + "".join(s for s in sufs if s not in LDLQ_SIDES))
+        return with_feedback(trs, feedback_hessians(calibration, base), calibration.meta.get("damping", 0.01), ldlq_sides(transform))
+    pattern = sign_pattern(transform)
     transform = method_transform(transform)
     if SIDES_SEP in transform:
         ks, vs = method_sides(transform)
-        return mix_sides(transforms_for(model, calibration, ks), transforms_for(model, calibration, vs))
-    if calibration is not None:
-        return calibration.transforms(transform)
-    if TRANSFORMS[transform].needs_calibration:
+        trs = mix_sides(transforms_for(model, calibration, ks), transforms_for(model, calibration, vs))
+    elif calibration is not None:
+        trs = calibration.transforms(transform)
+    elif TRANSFORMS[transform].needs_calibration:
         raise ValueError(f"transform {transform!r} needs a calibration (--calibration PATH)")
-    spec = describe(model)
-    return [build_transforms(transform, spec.num_kv_heads, spec.head_dim) for _ in range(spec.num_layers)]
+    else:
+        spec = describe(model)
+        trs = [build_transforms(transform, spec.num_kv_heads, spec.head_dim) for _ in range(spec.num_layers)]
+    return trs if pattern is None else with_sign_pattern(trs, method_sides(transform), pattern)
 
 
 @contextmanager

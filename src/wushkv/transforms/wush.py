@@ -21,7 +21,7 @@ from torch import Tensor
 
 from .hadamard import hadamard_matrix
 
-__all__ = ["canonical_signs", "wush_transform"]
+__all__ = ["canonical_signs", "with_signs", "wush_transform"]
 
 
 def canonical_signs(U: Tensor) -> Tensor:
@@ -39,6 +39,23 @@ def canonical_signs(U: Tensor) -> Tensor:
     idx = U.abs().argmax(dim=-2, keepdim=True)  # [..., 1, d]: row of each column's largest entry
     s = torch.sign(torch.gather(U, -2, idx))
     return U * torch.where(s == 0, torch.ones_like(s), s)
+
+
+def with_signs(T: Tensor, T_inv: Tensor, D: Tensor) -> tuple[Tensor, Tensor]:
+    """Another exact WUSH solution: the eigenvectors of T = c·𝓗·Λ^{-1/4}·Uᵀ·Lᵀ taken with signs D.
+
+    ``D`` [..., d] holds ±1 per eigenvector (in T's eigenvalue order). Since D commutes with Λ^{-1/4},
+    c·𝓗·D·Λ^{-1/4}·Uᵀ·Lᵀ = (𝓗 D 𝓗ᵀ)·T, and its inverse is T⁻¹·(𝓗 D 𝓗ᵀ)ᵀ. Same trace objective, same
+    constant diagonals; other values to round (docs/ABLATIONS.md section 16). Works for any transform
+    whose last factor is 𝓗 (WUSH, WUSH-A, centered WUSH). Computed in float64, returned in T's dtype.
+    """
+    if D.shape != T.shape[:-1] or T.shape[-1] != T.shape[-2] or T_inv.shape != T.shape:
+        raise ValueError(f"signs of shape {tuple(D.shape)} do not fit transforms of shape {tuple(T.shape)} (expected {tuple(T.shape[:-1])})")
+    if not bool((D.abs() == 1).all()):
+        raise ValueError("signs must be +1 or -1")
+    Hd = hadamard_matrix(T.shape[-1], dtype=torch.float64, device=T.device)
+    R = (Hd * D.to(torch.float64)[..., None, :]) @ Hd.mT
+    return (R @ T.double()).to(T.dtype), (T_inv.double() @ R.mT).to(T_inv.dtype)
 
 
 def _check_damping(name: str, value: float) -> float:
