@@ -20,6 +20,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 
+from wushkv.cli import reconcile_settings  # noqa: E402
 from wushkv.io import write_json  # noqa: E402
 
 
@@ -28,15 +29,10 @@ def merge(runs: list[tuple[str, dict]]) -> dict:
     for path, run in runs:
         if not isinstance(run.get("settings"), dict) or not isinstance(run.get("state"), dict):
             raise ValueError(f"{path}: not a file `wushkv passkey --json` wrote (no settings/state)")
-        s = dict(run["settings"])
         if settings is None:
-            settings = s
+            settings = dict(run["settings"])
         else:
-            if settings.get("calibration") is None:
-                settings["calibration"] = s.get("calibration")
-            elif s.get("calibration") is None:
-                s["calibration"] = settings["calibration"]
-            differ = sorted(k for k in set(settings) | set(s) if settings.get(k) != s.get(k))
+            settings, differ = reconcile_settings(settings, run["settings"])
             if differ:
                 raise ValueError(f"{path}: other settings than the files before it (differing: {', '.join(differ)})")
         for method, cases in run["state"].items():

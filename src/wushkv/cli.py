@@ -361,6 +361,17 @@ def _sibling(path: str, tag: str) -> Path:
     return p.with_name(p.stem + tag + p.suffix)
 
 
+def reconcile_settings(old: dict, new: dict) -> tuple[dict, list[str]]:
+    """(settings of both runs together, keys that differ). A ``calibration`` of None (no calibrated method
+    listed) is compatible with any calibration and takes the other run's."""
+    old, new = dict(old), dict(new)
+    if new.get("calibration") is None:
+        new["calibration"] = old.get("calibration")
+    elif old.get("calibration") is None:
+        old["calibration"] = new["calibration"]
+    return new, sorted(k for k in set(old) | set(new) if old.get(k) != new.get(k))
+
+
 def _resumable(path: str | None, settings: dict):
     """(state, save, settings) for a long run that resumes from its ``--json``.
 
@@ -379,12 +390,7 @@ def _resumable(path: str | None, settings: dict):
             raise ValueError(f"--json {path}: cannot resume from it ({e}); give another path or delete it") from None
         if not isinstance(prev, dict) or not isinstance(prev.get("settings"), dict) or not isinstance(prev.get("state"), dict):
             raise ValueError(f"--json {path}: not a file this command wrote (no settings/state); give another path or delete it")
-        old = prev["settings"]
-        if settings.get("calibration") is None:
-            settings["calibration"] = old.get("calibration")
-        elif old.get("calibration") is None:
-            old = old | {"calibration": settings["calibration"]}
-        differ = sorted(k for k in set(old) | set(settings) if old.get(k) != settings.get(k))
+        settings, differ = reconcile_settings(prev["settings"], settings)
         if differ:
             raise ValueError(f"--json {path} holds a run with other settings (differing: {', '.join(differ)}); "
                              "give another path to start afresh, or delete it")

@@ -98,20 +98,14 @@ def kl_and_top1(ref_logits: torch.Tensor, logits: torch.Tensor, rows: int = 128)
     """
     if ref_logits.shape != logits.shape:
         raise ValueError(f"logits of shape {tuple(logits.shape)} do not match the reference's {tuple(ref_logits.shape)}")
-    if ref_logits.ndim < 2:
-        ref_logits, logits = ref_logits[None], logits[None]
-        kl, top1 = kl_and_top1(ref_logits, logits, rows)
-        return kl[0], top1[0]
-    if ref_logits.shape[0] == 0:
-        return ref_logits.new_zeros(ref_logits.shape[:-1], dtype=torch.float64), ref_logits.new_zeros(ref_logits.shape[:-1], dtype=torch.bool)
-    kls, tops = [], []
-    for a in range(0, ref_logits.shape[0], rows):
-        r, q = ref_logits[a : a + rows], logits[a : a + rows]
-        lp_ref = F.log_softmax(r.double(), -1)
-        lp = F.log_softmax(q.double(), -1)
-        kls.append((lp_ref.exp() * (lp_ref - lp)).sum(-1).clamp(min=0.0))
-        tops.append(r.argmax(-1) == q.argmax(-1))
-    return torch.cat(kls), torch.cat(tops)
+    V = ref_logits.shape[-1]
+    ref2, q2 = ref_logits.reshape(-1, V), logits.reshape(-1, V)  # positions as rows, whatever the leading dims
+    kl = torch.zeros(ref2.shape[0], dtype=torch.float64, device=ref2.device)
+    for a in range(0, ref2.shape[0], rows):
+        lp_ref = F.log_softmax(ref2[a : a + rows].double(), -1)
+        lp = F.log_softmax(q2[a : a + rows].double(), -1)
+        kl[a : a + rows] = (lp_ref.exp() * (lp_ref - lp)).sum(-1).clamp(min=0.0)
+    return kl.view(ref_logits.shape[:-1]), ref_logits.argmax(-1) == logits.argmax(-1)
 
 
 def common_prefixes(a: torch.Tensor, b: torch.Tensor) -> list[int]:
