@@ -57,3 +57,17 @@ def test_tokenize_chunks_drops_remainder(char_tokenizer):
 def test_shared_wikitext_is_found():
     text = wikitext2_test()
     assert "\r\n" not in text and len(text) > 1_000_000
+
+
+def test_a_local_clone_finds_the_checkout_it_came_from(tmp_path):
+    from wushkv.data import origin_checkout
+
+    orig, clone = tmp_path / "work" / "main", tmp_path / "check"
+    orig.mkdir(parents=True)
+    for url, want in ((str(orig), orig), (f"file://{orig}", orig), ("https://github.com/x/y.git", None),
+                      ("git@github.com:x/y.git", None), (str(tmp_path / "gone"), None)):
+        (clone / ".git").mkdir(parents=True, exist_ok=True)
+        (clone / ".git" / "config").write_text(f'[core]\n\tbare = false\n[remote "origin"]\n\turl = {url}\n'
+                                               '\tfetch = +refs/heads/*:refs/remotes/origin/*\n')
+        assert origin_checkout(clone) == want, url
+    assert origin_checkout(tmp_path / "no-repo") is None

@@ -1,6 +1,7 @@
 """Evaluation and calibration text: WikiText-2 test, the C4 sample, or any UTF-8 file.
 
-Defaults point at ``../shared/data`` beside the repository root (override with ``WUSHKV_DATA``);
+Defaults point at ``../shared/data`` beside the repository root (override with ``WUSHKV_DATA``), or
+beside the checkout a local clone was made from (``git clone . /tmp/check`` finds the data of ``.``);
 where files are missing and the hub is reachable, WikiText-2 and C4 fall back to ``datasets``.
 """
 
@@ -21,13 +22,39 @@ class DataNotFoundError(FileNotFoundError):
     """Evaluation or calibration text could not be found."""
 
 
+def origin_checkout(repo_root: Path) -> Path | None:
+    """The local checkout ``repo_root`` was cloned from (git's ``remote.origin.url`` when it names a local
+    folder), or None: a clean clone made for a check finds the data beside the original."""
+    try:
+        lines = (repo_root / ".git" / "config").read_text().splitlines()
+    except OSError:  # not a git checkout (an installed wheel), or .git is a file (worktree)
+        return None
+    section = None
+    for line in lines:
+        s = line.strip()
+        if s.startswith("["):
+            section = s
+        elif section == '[remote "origin"]' and s.split("=", 1)[0].strip() == "url":
+            url = s.split("=", 1)[1].strip()
+            url = url[len("file://"):] if url.startswith("file://") else url
+            p = Path(url) if "://" not in url and not url.startswith("git@") else None
+            p = (repo_root / p).resolve() if p is not None and not p.is_absolute() else p
+            return p if p is not None and p.is_dir() else None
+    return None
+
+
 def data_dirs() -> list[Path]:
-    """Where data is looked for, in order: $WUSHKV_DATA, ../shared/data from the repo root and the cwd."""
+    """Where data is looked for, in order: $WUSHKV_DATA, ../shared/data from the repo root, from the
+    checkout it was cloned from (a local clone) and from the cwd."""
     dirs = []
     if os.environ.get("WUSHKV_DATA"):
         dirs.append(Path(os.environ["WUSHKV_DATA"]))
     repo_root = Path(__file__).resolve().parents[2]
-    dirs += [repo_root.parent / "shared" / "data", Path.cwd().parent / "shared" / "data", Path.cwd() / "shared" / "data"]
+    dirs.append(repo_root.parent / "shared" / "data")
+    origin = origin_checkout(repo_root)
+    if origin is not None:
+        dirs.append(origin.parent / "shared" / "data")
+    dirs += [Path.cwd().parent / "shared" / "data", Path.cwd() / "shared" / "data"]
     seen, out = set(), []
     for d in dirs:
         if d not in seen:
