@@ -32,6 +32,13 @@ Studies (each a list of variants; every variant is evaluated at every ``--bits``
   now fixes (:func:`wushkv.transforms.wush.canonical_signs`), and with ``--sign-seeds`` random sign
   patterns per (layer, side, head). The spread over them is a noise floor that no choice of settings
   can be read below;
+* ``rope-mean``: keys centered on their rotating mean. RoPE turns the keys' pre-RoPE mean μ (from
+  ``--mean-seqs`` calibration sequences) into a different vector R_t μ at each position, so no fixed
+  shift removes it; the cache quantizes T (k_t − R_t μ) and adds T R_t μ back on reading (exact), for
+  Hadamard and WUSH;
+* ``search``: a per-token clip search (``--clip-search``): each token's quantizer picks, among
+  ``--search`` + 1 clip levels, the one of least squared error (in the transformed space, which for
+  WUSH is its weighted objective), for Hadamard and WUSH, with the tiles alongside;
 * ``tiles``: the WUSH transform under KVarN's tile quantizer (its windows: first tile of 128 full
   precision, tail until a tile fills) against KVarN itself (Hadamard + tiles).
 * ``clip-layer``: the QuEST clip multiplier chosen per layer and side, for Hadamard and for WUSH, as
@@ -72,7 +79,7 @@ import torch  # noqa: E402
 
 from wushkv.allocation import allocate_bits, layer_sensitivity, mean_bits, random_allocation  # noqa: E402
 from wushkv.cache import WushKVCache  # noqa: E402
-from wushkv.calibration import Calibration, calibration_sequences, collect_statistics  # noqa: E402
+from wushkv.calibration import Calibration, calibration_sequences, collect_statistics, pre_rope_key_mean  # noqa: E402
 from wushkv.config import PERPLEXITY_WINDOWS, QuantConfig, WindowConfig  # noqa: E402
 from wushkv.data import load_eval_text, tokenize_chunks  # noqa: E402
 from wushkv.eval.methods import mix_sides, with_sign_pattern  # noqa: E402
@@ -213,6 +220,23 @@ def variants(study, args, model, tok, spec, cal):
         return clip_layer_variants(args, model, tok, spec, cal)
     if study == "alloc":
         return alloc_variants(args, model, tok, spec, cal)
+    if study == "rope-mean":
+        mus = pre_rope_key_mean(model, calibration_sequences(tok, args.mean_seqs, args.calib_seq_len))
+        rc = lambda trs: [t | {"mu_K_rope": mus[i].float()} for i, t in enumerate(trs)]  # noqa: E731
+        had, wush = plain_layers("hadamard", spec), cal.transforms("wush")
+        half = spec.num_layers // 2
+        part = lambda trs, ls: [t | {"mu_K_rope": mus[i].float()} if i in ls else t for i, t in enumerate(trs)]  # noqa: E731
+        return [("hadamard", had, {}), ("hadamard + rope-mean keys", rc(had), {}), ("wush", wush, {}), ("wush + rope-mean keys", rc(wush), {}),
+                # where the loss comes from: keys alone quantized, and the centering in one half of the layers
+                ("wush keys only", wush, {"v_bits": None}), ("wush + rope-mean keys (keys only)", rc(wush), {"v_bits": None}),
+                ("wush + rope-mean keys (first half of the layers)", part(wush, range(half)), {}),
+                ("wush + rope-mean keys (second half of the layers)", part(wush, range(half, spec.num_layers)), {})]
+    if study == "search":
+        tiles = {"quantizer": "kvarn", "clip_search": 0, "windows": [128, 0, 128]}
+        v = []
+        for name, trs in (("hadamard", plain_layers("hadamard", spec)), ("wush", cal.transforms("wush"))):
+            v += [(name, trs, {}), (f"{name} search{args.search}", trs, {"clip_search": args.search})]
+        return v + [("kvarn (hadamard + tiles)", plain_layers("hadamard", spec), tiles), ("wush + tiles", cal.transforms("wush"), tiles)]
     if study == "tiles":
         tiles = {"quantizer": "kvarn", "windows": [128, 0, 128]}
         return [("kvarn (hadamard + tiles)", plain_layers("hadamard", spec), tiles), ("wush + tiles", cal.transforms("wush"), tiles)]
@@ -291,7 +315,7 @@ def make_cfg(base, b, over):
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--study", required=True, choices=["damping", "key-damping", "rope-sym", "signs", "clip", "clip-layer", "calib", "wush-a", "sides", "mix", "tiles", "center", "alloc"])
+    ap.add_argument("--study", required=True, choices=["damping", "key-damping", "rope-sym", "rope-mean", "signs", "search", "clip", "clip-layer", "calib", "wush-a", "sides", "mix", "tiles", "center", "alloc"])
     ap.add_argument("--model", default="smollm2-135m")
     ap.add_argument("--calibration", default=None, help="calibration file (statistics); not needed by --study calib")
     ap.add_argument("--chunks", type=int, default=4)
@@ -302,6 +326,8 @@ def main() -> None:
     ap.add_argument("--windows", default="16,128,16", help="S_sink,S_keep,S_flush")
     ap.add_argument("--max-samples", type=int, default=32, help="--study calib: largest calibration set")
     ap.add_argument("--sign-seeds", type=int, default=3, help="--study signs: random sign patterns")
+    ap.add_argument("--mean-seqs", type=int, default=4, help="--study rope-mean: calibration sequences for the pre-RoPE key mean")
+    ap.add_argument("--search", type=int, default=16, help="--study search: candidate clips per token")
     ap.add_argument("--calib-seq-len", type=int, default=2048)
     ap.add_argument("--recon-seqs", type=int, default=1, help="held-out C4 sequences for the reconstruction proxy (0: skip)")
     ap.add_argument("--clip-seqs", type=int, default=2, help="--study clip-layer: held-out C4 sequences to choose the clips on")

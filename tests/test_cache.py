@@ -39,6 +39,8 @@ CONFIGS = {
     "kivi-3": QuantConfig(3, 3, "kivi", windows=WindowConfig(2, 6, 4)),
     "kvarn-K4V2": QuantConfig(4, 2, "kvarn", windows=WindowConfig(8, 0, 8)),
     "K2-only": QuantConfig(2, None, "quest", windows=WindowConfig(4, 8, 4)),
+    "quest-3-search": QuantConfig(3, 3, "quest", clip_search=8, windows=WindowConfig(4, 8, 4)),
+    "affine-2-search": QuantConfig(2, 2, "affine", clip_search=8, windows=WindowConfig(3, 5, 2)),
 }
 
 
@@ -285,3 +287,98 @@ def test_deepcopy_continues_independently(name):
         b = torch.cat([model(ids[:, t : t + 1], cache=same, use_cache=True).logits for t in range(30, 40)], 1)
     ref, _ = stream(model, ids, CONFIGS[name], chunks=[30] + [1] * 10)
     assert torch.equal(a, ref[:, 30:]) and torch.equal(b, a)
+
+
+def _rope_mean_transforms(model, mus, name="random"):
+    spec = describe(model)
+    return [build_transforms(name, spec.num_kv_heads, spec.head_dim, seed=l) | {"mu_K_rope": mus[l].float()} for l in range(spec.num_layers)]
+
+
+@torch.no_grad()
+def test_rope_mean_keys_stream_equals_single_pass(family):
+    """Keys centered on their rotating mean (mu_K_rope): every path that stores or reads the middle (flush,
+    single-pass emulation, token-by-token decode from codes, chunks; sliding layers) uses the same centers."""
+    from wushkv.calibration import pre_rope_key_mean
+
+    model = tiny_model(family).double()
+    ids = torch.randint(3, 96, (1, 45), generator=torch.Generator().manual_seed(0))
+    mus = pre_rope_key_mean(model, ids, show_progress=False)
+    cfg = QuantConfig(2, 2, "quest", windows=WindowConfig(4, 8, 4))
+    with apply_transforms(model, _rope_mean_transforms(model, mus), "random"):
+        single, _ = stream(model, ids, cfg, chunks=[45])
+        tokenwise, _ = stream(model, ids, cfg)
+        chunked, _ = stream(model, ids, cfg, chunks=[7, 1, 13, 2, 22])
+    with install(model):
+        plain, _ = stream(model, ids, cfg, chunks=[45])
+    assert (single - tokenwise).abs().max() < 1e-5
+    assert (single - chunked).abs().max() < 1e-5
+    assert (single - plain).abs().max() > 1e-3  # the centering changes what is quantized
+
+
+@torch.no_grad()
+@pytest.mark.parametrize("family", ["llama", "gemma3"])
+def test_rope_mean_keys_are_exact_when_keys_are_their_mean(family):
+    """With k_proj a bias alone, every pre-RoPE key is the same vector μ and the key at position t is exactly
+    R_t μ: centered keys leave nothing to quantize, so 2-bit keys read back exactly (to float rounding), as the
+    model's own RoPE computes them, at every position; uncentered 2-bit keys do not."""
+    from wushkv.calibration import pre_rope_key_mean
+
+    model = tiny_model(family, attention_bias=True).double()
+    for a in model.model.layers:
+        a.self_attn.k_proj.weight.zero_()
+        a.self_attn.k_proj.bias.normal_(0, 2.0)
+    ids = torch.randint(3, 96, (1, 40), generator=torch.Generator().manual_seed(1))
+    mus = pre_rope_key_mean(model, ids, show_progress=False)
+    ref = model(ids).logits
+    cfg = QuantConfig(2, None, "quest", windows=WindowConfig(2, 4, 2))  # keys only, 2 bits
+    with apply_transforms(model, _rope_mean_transforms(model, mus), "random"):
+        centered, _ = stream(model, ids, cfg, chunks=[40])
+        decoded, _ = stream(model, ids, cfg, chunks=[20] + [1] * 20)
+    with install(model):
+        plain, _ = stream(model, ids, cfg, chunks=[40])
+    assert (centered - ref).abs().max() < 1e-6
+    assert (decoded - ref).abs().max() < 1e-6
+    assert (plain - ref).abs().max() > 1e-3
+
+
+@torch.no_grad()
+def test_rope_mean_keys_left_padded_batch_equals_rows_alone():
+    """Centers follow each row's rotary positions (column minus its left padding), as transformers numbers them."""
+    from wushkv.calibration import pre_rope_key_mean
+
+    model = tiny_model("llama").double()
+    cfg = QuantConfig(2, 2, "quest", windows=WindowConfig(3, 5, 2))
+    g = torch.Generator().manual_seed(3)
+    lengths, L = [30, 23], 30
+    rows = [torch.randint(3, 96, (1, n), generator=g) for n in lengths]
+    ids = torch.zeros(2, L, dtype=torch.long)
+    mask = torch.zeros(2, L, dtype=torch.long)
+    for b, r in enumerate(rows):
+        ids[b, L - r.shape[1] :], mask[b, L - r.shape[1] :] = r[0], 1
+    mus = pre_rope_key_mean(model, rows[0], show_progress=False)
+    with apply_transforms(model, _rope_mean_transforms(model, mus), "random"):
+        cache = WushKVCache(model, cfg, attention_mask=mask)
+        pos = (mask.cumsum(-1) - 1).clamp(min=0)
+        out = [model(ids, attention_mask=mask, position_ids=pos, cache=cache, use_cache=True).logits]
+        nxt = torch.randint(3, 96, (2, 4), generator=g)
+        for t in range(4):
+            mask = torch.cat([mask, torch.ones(2, 1, dtype=torch.long)], 1)
+            pos = pos[:, -1:] + 1
+            out.append(model(nxt[:, t : t + 1], attention_mask=mask, position_ids=pos, cache=cache, use_cache=True).logits)
+        batch = torch.cat(out, 1)
+        for b, r in enumerate(rows):
+            alone, _ = stream(model, torch.cat([r, nxt[b : b + 1]], 1), cfg, chunks=[r.shape[1]] + [1] * 4)
+            n = r.shape[1] + 4
+            assert (batch[b, -n:] - alone[0]).abs().max() < 1e-6, b
+
+
+def test_rope_mean_bad_inputs():
+    from wushkv.folding import KeyTransform
+
+    T = torch.eye(8).repeat(2, 1, 1)
+    with pytest.raises(ValueError, match="mu_rope needs rope"):
+        KeyTransform(T, T, mu_rope=torch.zeros(2, 8))
+    with pytest.raises(ValueError, match=r"mu_rope must be \(KV heads, head_dim\) = \(2, 8\)"):
+        KeyTransform(T, T, mu_rope=torch.zeros(3, 8), rope=(torch.ones(4), 1.0))
+    with pytest.raises(ValueError, match="exclusive"):
+        KeyTransform(T, T, mu=torch.zeros(2, 8), mu_rope=torch.zeros(2, 8), rope=(torch.ones(4), 1.0))

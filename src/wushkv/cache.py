@@ -171,14 +171,14 @@ class KVView:
             allowed = _as_allowed(attention_mask, S)
             if allowed is None and S < self.n1 - self.sink_start:
                 allowed = torch.ones(query.shape[0], 1, 1, S, dtype=torch.bool, device=query.device)
-            mid_k, mid_v = layer._mid_parts(self.mid, self.mid_len)
+            mid_k, mid_v = layer._mid_parts(self.mid, self.mid_len, self.mid_start, dt)
             rk, rv = self.win_k[:, :, self.moved :], self.win_v[:, :, self.moved :]
             return decode_attention(query, [self.sink_k, mid_k, rk], [self.sink_v, mid_v, rv], allowed, scaling, softcap)
 
         mid_len = self.mid_len_before  # what this update flushed is still in the window, in full precision
         flushed = self.mid_len - mid_len
         if layer.k_side is None and layer.v_side is None:  # a full-precision layer (bit allocation): plain attention
-            mk, mv = layer._decode_mid(self.mid, self.mid_len, dt, first=mid_len)
+            mk, mv = layer._decode_mid(self.mid, self.mid_len, dt, first=mid_len, start=self.mid_start)
             S = self.n1 - self.kv_offset
             K = torch.cat([self.sink_k, mk, self.win_k], dim=2)[:, :, -S:]
             V = torch.cat([self.sink_v, mv, self.win_v], dim=2)[:, :, -S:]
@@ -186,13 +186,13 @@ class KVView:
         if flushed and self.mid_start + mid_len == self.w0:
             # This update's flush is the window's first `flushed` columns, just encoded into the middle:
             # decode them (fake == decode(encode) bit for bit) instead of quantizing them a second time.
-            mk, mv = layer._decode_mid(self.mid, self.mid_len, dt)
-            kh = torch.cat([mk[:, :, mid_len:], layer._fake("key", self.win_k[:, :, flushed:])], dim=2)
+            mk, mv = layer._decode_mid(self.mid, self.mid_len, dt, start=self.mid_start)
+            kh = torch.cat([mk[:, :, mid_len:], layer._fake("key", self.win_k[:, :, flushed:], self.w0 + flushed)], dim=2)
             vh = torch.cat([mv[:, :, mid_len:], layer._fake("value", self.win_v[:, :, flushed:])], dim=2)
             mk, mv = mk[:, :, :mid_len], mv[:, :, :mid_len]
         else:
-            mk, mv = layer._decode_mid(self.mid, self.mid_len, dt, first=mid_len)
-            kh = layer._fake("key", self.win_k)
+            mk, mv = layer._decode_mid(self.mid, self.mid_len, dt, first=mid_len, start=self.mid_start)
+            kh = layer._fake("key", self.win_k, self.w0)
             vh = layer._fake("value", self.win_v)
         K = torch.cat([self.sink_k, mk, self.win_k], dim=2)
         V = torch.cat([self.sink_v, mv, self.win_v], dim=2)
@@ -232,7 +232,7 @@ class KVView:
         B, H, _, d = self.win_k.shape
         K = self.win_k.new_zeros(B, H, S, d)
         V = self.win_v.new_zeros(B, H, S, self.win_v.shape[-1])
-        mk, mv = layer._decode_mid(self.mid, self.mid_len, dt)
+        mk, mv = layer._decode_mid(self.mid, self.mid_len, dt, start=self.mid_start)
 
         def put(dst, src, start):  # write columns [start, start + len) of src into dst (columns from lo)
             a, b = max(start, lo), min(start + src.shape[2], self.n1)
@@ -243,7 +243,7 @@ class KVView:
             put(dst, mid, self.mid_start)  # columns only the codes still hold: quantized for every row
             put(dst, sink, self.sink_start)
             put(dst, win, self.w0)
-        K_hat, V_hat = layer._fake("key", K), layer._fake("value", V)
+        K_hat, V_hat = layer._fake("key", K, lo), layer._fake("value", V)
         put(K_hat, mk, self.mid_start)  # the stored codes, bit for bit
         put(V_hat, mv, self.mid_start)
         w = layer.cfg.windows
@@ -381,7 +381,7 @@ class WushKVLayer(CacheLayerMixin):
         c_old, c_new = self.mid_start + self._mid_len, self._code_end(n1)
         if c_new > c_old:
             k_new, v_new = self._columns(c_old, c_new, win_k, win_v, w0)
-            self._append_mid(k_new, v_new)
+            self._append_mid(k_new, v_new, c_old)
         # 3. the recent buffer keeps what some row still reads in full precision
         moved = max(0, min(max(self.sink_len, min(self._row_ends(n1))), n1) - w0)
         view.moved = moved
@@ -472,7 +472,23 @@ class WushKVLayer(CacheLayerMixin):
             vs.append(win_v[:, :, lo - w0 : b - w0])
         return torch.cat(ks, dim=2), torch.cat(vs, dim=2)
 
-    def _append_mid(self, k: torch.Tensor, v: torch.Tensor) -> None:
+    def _key_center(self, start: int, n: int, dtype) -> torch.Tensor | None:
+        """T c_t for columns [start, start + n) (keys centered on their RoPE mean), or None.
+
+        A column's rotary position is its index minus its row's left padding, as transformers numbers
+        left-padded rows; the same columns always give the same centers, which is all exactness needs."""
+        kt = self.key_transform
+        if self.k_side is None or kt is None or not kt.centered_on_rope_mean or n == 0:
+            return None
+        pos = torch.arange(start, start + n).view(1, n)
+        if self.pads is not None:
+            pos = (pos - self.pads.view(-1, 1)).clamp_min(0)  # pad columns are never read
+        return kt.center(pos, dtype)
+
+    def _append_mid(self, k: torch.Tensor, v: torch.Tensor, start: int) -> None:
+        c = self._key_center(start, k.shape[2], torch.float32)
+        if c is not None:
+            k = k - c.to(k.dtype)
         for name, side, x in (("k", self.k_side, k), ("v", self.v_side, v)):
             if side is not None:
                 side.append(x)
@@ -486,16 +502,23 @@ class WushKVLayer(CacheLayerMixin):
             for name, side in (("k", self.k_side), ("v", self.v_side))
         }
 
-    def _mid_parts(self, snap: dict, n: int) -> tuple:
-        """The middle of a snapshot as :func:`wushkv.decode.decode_attention` parts (keys, values)."""
+    def _mid_parts(self, snap: dict, n: int, start: int, dtype) -> tuple:
+        """The middle of a snapshot as :func:`wushkv.decode.decode_attention` parts (keys, values).
+
+        Keys centered on their RoPE mean are decoded and given their centers back here (a dense part):
+        the code-domain kernels read the codes of plain keys only."""
         out = []
+        if self._key_center(start, n, dtype) is not None:
+            mk, _ = self._decode_mid(snap, n, dtype, start=start)
+            return mk, (snap["v"][:, :, :n] if self.v_side is None else (self.v_side.codec, snap["v"], n))
         for name, side in (("k", self.k_side), ("v", self.v_side)):
             out.append(snap[name][:, :, :n] if side is None else (side.codec, snap[name], n))
         return out[0], out[1]
 
-    def _decode_mid(self, snap: dict, n: int, dtype, first: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-        """Dequantize the first ``first`` (default: all ``n``) tokens of a middle snapshot holding ``n``:
-        (B, Hkv, first, d) keys and values. ``first`` is a multiple of the codec block."""
+    def _decode_mid(self, snap: dict, n: int, dtype, first: int | None = None, start: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+        """Dequantize the first ``first`` (default: all ``n``) tokens of a middle snapshot holding ``n``,
+        whose first column is ``start``: (B, Hkv, first, d) keys and values. ``first`` is a multiple of
+        the codec block."""
         m = n if first is None else first
         out = []
         for name, side in (("k", self.k_side), ("v", self.v_side)):
@@ -505,18 +528,23 @@ class WushKVLayer(CacheLayerMixin):
                 out.append(snap[name][:, :, :m].to(dtype))
             else:
                 part = {key: t[:, :, : t.shape[2] * m // n] for key, t in snap[name].items()}
-                out.append(side.codec.decode(part, m).to(dtype))
+                x = side.codec.decode(part, m)
+                c = self._key_center(start, m, torch.float32) if name == "k" else None
+                out.append((x if c is None else x + c).to(dtype))
         return out[0], out[1]
 
-    def _fake(self, side: str, x: torch.Tensor) -> torch.Tensor:
-        """Quantize-dequantize the whole blocks of a window that starts on the flush grid; the rest stays as is."""
+    def _fake(self, side: str, x: torch.Tensor, start: int = 0) -> torch.Tensor:
+        """Quantize-dequantize the whole blocks of a window that starts on the flush grid at column ``start``;
+        the rest stays as is."""
         s = self.k_side if side == "key" else self.v_side
         if s is None or x.shape[2] == 0:
             return x
         n = (x.shape[2] // self.block) * self.block
         if n == 0:
             return x
-        return torch.cat([s.codec.fake(x[:, :, :n]).to(x.dtype), x[:, :, n:]], dim=2)
+        c = self._key_center(start, n, torch.float32) if side == "key" else None  # as _append_mid/_decode_mid use it
+        xq = s.codec.fake(x[:, :, :n]) if c is None else s.codec.fake(x[:, :, :n] - c.to(x.dtype)) + c
+        return torch.cat([xq.to(x.dtype), x[:, :, n:]], dim=2)
 
     def _evict(self, first: int) -> None:
         """Drop positions < ``first`` (sliding-window layers)."""

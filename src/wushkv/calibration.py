@@ -31,6 +31,7 @@ from safetensors.torch import save_file
 from . import __version__
 from .attention import attention_probs, grouped, observe_sequences
 from .io import atomic_write, write_json
+from .progress import progress
 from .models import ArchSpec, attention_modules, describe, fingerprint, model_name, projections
 from .transforms import TRANSFORMS, build_transforms
 
@@ -319,6 +320,34 @@ def collect_statistics(model, sequences: torch.Tensor, wush_a: bool = False, ski
     collector = StatsCollector(spec, o_weights, wush_a=wush_a, skip_first=skip_first)
     observe_sequences(model, sequences, collector, "calibrate", show_progress)
     return collector.finalize()
+
+
+@torch.no_grad()
+def pre_rope_key_mean(model, sequences: torch.Tensor, show_progress: bool = True) -> list[torch.Tensor]:
+    """Per layer, the mean key *before* RoPE, (Hkv, d) float64: μ such that the keys' mean at position t
+    is R_t μ (the transform dict entry ``mu_K_rope``; keys centered on their rotating mean, an ablation)."""
+    from .models import pre_rope_keys
+
+    spec = describe(model)
+    H, d = spec.num_kv_heads, spec.head_dim
+    sums = [torch.zeros(H, d, dtype=torch.float64) for _ in range(spec.num_layers)]
+    count = [0]
+
+    def hook_for(i, attn):
+        def hook(module, args, out):
+            sums[i].add_(pre_rope_keys(attn, spec, out.detach()).double().reshape(-1, H, d).sum(0).cpu())
+        return hook
+
+    hooks = [projections(a, spec)[1].register_forward_hook(hook_for(i, a)) for i, a in enumerate(attention_modules(model, spec))]
+    try:
+        dev = next(model.parameters()).device
+        for row in progress(range(sequences.shape[0]), desc="pre-RoPE key mean", unit="seq", enabled=show_progress):
+            model(sequences[row : row + 1].to(dev))
+            count[0] += sequences.shape[1]
+    finally:
+        for h in hooks:
+            h.remove()
+    return [s_ / count[0] for s_ in sums]
 
 
 def calibrate(

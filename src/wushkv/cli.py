@@ -77,6 +77,9 @@ def _add_quant_args(p: argparse.ArgumentParser, windows) -> None:
     p.add_argument("--v-clip", type=float, default=d.v_clip, help="affine value clip ratio κ_V (default: %(default)s)")
     p.add_argument("--k-alpha", type=float, default=d.k_alpha, help="QuEST key clip multiplier on α_b (default: %(default)s)")
     p.add_argument("--v-alpha", type=float, default=d.v_alpha, help="QuEST value clip multiplier on α_b (default: %(default)s)")
+    p.add_argument("--clip-search", type=int, default=d.clip_search, metavar="N",
+                   help="quest/affine: each token picks the clip of least squared error among N+1 candidates "
+                        "(same bytes; 0 = the fixed clip) (default: %(default)s)")
     p.add_argument("--group-size", type=int, default=d.group_size, help="channels per quantization group (default: head_dim)")
     p.add_argument("--sink", type=int, default=windows.S_sink, help="S_sink full-precision first tokens (default: %(default)s)")
     p.add_argument("--keep", type=int, default=windows.S_keep, help="S_keep full-precision recent tokens (default: %(default)s)")
@@ -94,6 +97,7 @@ def _quant_config(args, k_bits=None, v_bits=None):
         v_clip=args.v_clip,
         k_alpha=args.k_alpha,
         v_alpha=args.v_alpha,
+        clip_search=args.clip_search,
         group_size=args.group_size,
         windows=WindowConfig(args.sink, args.keep, args.flush),
     )
@@ -537,7 +541,7 @@ def cmd_lm_eval(args) -> int:
     cfg = _quant_config(args)
     lm = WushLM(args.model, method=method, calibration=args.calibration, k_bits=cfg.k_bits or 16, v_bits=cfg.v_bits or 16,
                 quantizer=cfg.quantizer, k_clip=cfg.k_clip, v_clip=cfg.v_clip, k_alpha=cfg.k_alpha, v_alpha=cfg.v_alpha,
-                group_size=cfg.group_size, sink=cfg.windows.S_sink, keep=cfg.windows.S_keep, flush=cfg.windows.S_flush,
+                clip_search=cfg.clip_search, group_size=cfg.group_size, sink=cfg.windows.S_sink, keep=cfg.windows.S_keep, flush=cfg.windows.S_flush,
                 dtype=args.dtype, device=args.device, device_map=args.device_map, batch_size=args.batch_size)
     tm = TaskManager(include_path=args.include_path) if args.include_path else None
     res = lm_eval.simple_evaluate(model=lm, tasks=[t for t in args.tasks.split(",") if t], num_fewshot=args.num_fewshot,

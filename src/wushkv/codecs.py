@@ -145,10 +145,10 @@ def make_codec(cfg: QuantConfig, side: str, head_dim: int, feedback: torch.Tenso
         raise ValueError(f"error-feedback rounding (+ldlq) needs a per-token quantizer (quest, affine), got {cfg.quantizer!r}")
     if cfg.quantizer == "quest":
         alpha = cfg.k_alpha if side == "key" else cfg.v_alpha
-        return TokenCodec(QuestQuantizer(bits, cfg.group_size, alpha_scale=alpha), head_dim, meta, feedback)
+        return TokenCodec(QuestQuantizer(bits, cfg.group_size, alpha_scale=alpha, search=cfg.clip_search), head_dim, meta, feedback)
     if cfg.quantizer == "affine":
         clip = cfg.k_clip if side == "key" else cfg.v_clip
-        return TokenCodec(AffineQuantizer(bits, cfg.group_size, clip_ratio=clip), head_dim, meta, feedback)
+        return TokenCodec(AffineQuantizer(bits, cfg.group_size, clip_ratio=clip, search=cfg.clip_search), head_dim, meta, feedback)
     if cfg.quantizer == "kivi":
         if side == "key":
             return ChannelCodec(bits, head_dim, cfg.windows.S_flush, meta)

@@ -52,6 +52,9 @@ class QuantConfig:
       keys per channel over blocks of ``S_flush`` tokens, values per token), ``kvarn`` (KVarN tiles of
       ``S_flush`` tokens, §7; use windows (tile, 0, tile)).
     * ``k_alpha``/``v_alpha``: QuEST clip multipliers on α_b (1.0 = the Gaussian optimum).
+    * ``clip_search``: per-token quantizers (quest, affine) only: 0 = the fixed clip; n > 0 = every
+      token (group) picks the clip of least squared error among n + 1 candidates when it is quantized
+      (same bytes, same decoder; :func:`wushkv.quantizers.search_multipliers`).
     * ``group_size``: channels per quantization group for per-token quantizers (None: head_dim).
     * ``metadata_dtype``: dtype of stored scales/offsets.
     """
@@ -63,6 +66,7 @@ class QuantConfig:
     v_clip: float = 0.92
     k_alpha: float = 1.0
     v_alpha: float = 1.0
+    clip_search: int = 0
     group_size: int | None = None
     windows: WindowConfig = field(default_factory=WindowConfig)
     metadata_dtype: str = "float16"
@@ -79,6 +83,11 @@ class QuantConfig:
             a = getattr(self, name)
             if isinstance(a, bool) or not isinstance(a, (int, float)) or not (0.0 < a < float("inf")):
                 raise ValueError(f"{name}={a!r}: the QuEST clip multiplier must be a finite number > 0 (1.0 = α_b)")
+        c = self.clip_search
+        if isinstance(c, bool) or not isinstance(c, int) or not (0 <= c <= 256):
+            raise ValueError(f"clip_search={c!r}: must be an integer in 0..256 (candidate clips per token; 0 = off)")
+        if c and self.quantizer not in ("quest", "affine"):
+            raise ValueError(f"clip_search={c} needs a per-token quantizer (quest, affine), got {self.quantizer!r}")
         if self.metadata_dtype not in ("float16", "bfloat16", "float32"):
             raise ValueError(f"metadata_dtype {self.metadata_dtype!r} is not one of float16, bfloat16, float32")
         if self.quantizer == "kvarn" and self.windows.S_flush < 2:
@@ -102,4 +111,5 @@ class QuantConfig:
         k = "16" if self.k_bits is None else str(self.k_bits)
         v = "16" if self.v_bits is None else str(self.v_bits)
         w = self.windows
-        return f"K{k}V{v} {self.quantizer} {w.S_sink}/{w.S_keep}/{w.S_flush}"
+        q = self.quantizer + (f" search{self.clip_search}" if self.clip_search else "")
+        return f"K{k}V{v} {q} {w.S_sink}/{w.S_keep}/{w.S_flush}"

@@ -18,7 +18,7 @@ import torch
 from torch import nn
 
 from .attention import restore_attention, use_wushkv_attention
-from .models import ArchSpec, attention_modules, describe, projections
+from .models import ArchSpec, attention_modules, describe, projections, rope_parameters
 
 KEY_TRANSFORM_NAME = "wushkv_key"
 
@@ -31,13 +31,31 @@ class KeyTransform(nn.Module):
     the softmax is unchanged: exact, and free but for one subtraction (``shift`` = T μ is precomputed).
     Invalid under a logit softcap (tanh is not shift-invariant); :func:`apply_transforms` refuses it.
 
+    With ``mu_rope`` (Hkv, d) and ``rope`` = (inv_freq (d/2,), scaling): the keys' pre-RoPE mean, which
+    RoPE turns into a different vector c_t = R_t μ at every position t. The cache quantizes the middle's
+    keys as T (k_t − c_t) and adds T c_t back when it reads them (:meth:`center`): exact (the same c_t
+    both ways, a function of the position alone), and the quantizer no longer spends its range on the
+    mean, which holds most of a key's energy in the models we measured.
+
     ``feedback_K``/``feedback_V`` (Hkv, d, d), optional: the error-feedback matrices with which the cache
     rounds this layer's transformed keys / values (methods ``<transform>+ldlq``; :mod:`wushkv.quantizers.feedback`).
     """
 
     def __init__(self, T: torch.Tensor, T_inv: torch.Tensor, mu: torch.Tensor | None = None,
-                 feedback_K: torch.Tensor | None = None, feedback_V: torch.Tensor | None = None):
+                 feedback_K: torch.Tensor | None = None, feedback_V: torch.Tensor | None = None,
+                 mu_rope: torch.Tensor | None = None, rope: tuple[torch.Tensor, float] | None = None):
         super().__init__()
+        if mu_rope is not None:
+            if rope is None:
+                raise ValueError("mu_rope needs rope = (inv_freq, scaling), the rotary embedding of this layer")
+            if tuple(mu_rope.shape) != (T.shape[0], T.shape[-1]) or tuple(rope[0].shape) != (T.shape[-1] // 2,):
+                raise ValueError(f"mu_rope must be (KV heads, head_dim) = {(T.shape[0], T.shape[-1])} and inv_freq "
+                                 f"({T.shape[-1] // 2},), got {tuple(mu_rope.shape)} and {tuple(rope[0].shape)}")
+            if mu is not None:
+                raise ValueError("mu (a constant key shift) and mu_rope (the rotating mean) are exclusive")
+        self.register_buffer("mu_rope", None if mu_rope is None else mu_rope.detach().to(T.dtype).clone(), persistent=False)
+        self.register_buffer("inv_freq", None if mu_rope is None else rope[0].detach().float().to(T.device).clone(), persistent=False)
+        self.rope_scaling = None if mu_rope is None else float(rope[1])
         for name, F in (("feedback_K", feedback_K), ("feedback_V", feedback_V)):
             if F is not None and tuple(F.shape) != tuple(T.shape):
                 raise ValueError(f"{name} must have shape {tuple(T.shape)} (KV heads, head_dim, head_dim), got {tuple(F.shape)}")
@@ -61,6 +79,25 @@ class KeyTransform(nn.Module):
         out = torch.matmul(k, self._as("T_t", k))
         return out if self.shift is None else out - self._as("shift", k)
 
+    @property
+    def centered_on_rope_mean(self) -> bool:
+        return self.mu_rope is not None
+
+    def center(self, positions: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        """T c_t with c_t = R_t μ (RoPE of the pre-RoPE key mean at position t), in the transformed space.
+
+        positions: (B', N) integer (B' = 1 or the batch). Returns (B', Hkv, N, d) in ``dtype``. Angles are
+        computed in float32 as transformers computes them; what matters for exactness is only that the
+        cache calls this with the same positions when it stores and when it reads."""
+        ang = positions.to(self.inv_freq.device, torch.float32)[..., None] * self.inv_freq  # (B', N, d/2)
+        ang = torch.cat([ang, ang], dim=-1)[:, None]  # (B', 1, N, d)
+        cos, sin = ang.cos() * self.rope_scaling, ang.sin() * self.rope_scaling
+        mu = self.mu_rope.float()[None, :, None, :]  # (1, Hkv, 1, d)
+        h = mu.shape[-1] // 2
+        rot = torch.cat([-mu[..., h:], mu[..., :h]], dim=-1)
+        c = mu * cos + rot * sin  # (B', Hkv, N, d)
+        return torch.matmul(c, self.T_t.float()).to(dtype)
+
     def queries(self, q: torch.Tensor) -> torch.Tensor:
         """q (B, Hq, T, d) -> T^{-T} q for every query head of the group (rows: q @ T⁻¹): one batched matmul."""
         B, Hq, T, d = q.shape
@@ -70,7 +107,8 @@ class KeyTransform(nn.Module):
 
     def extra_repr(self) -> str:
         fb = self.feedback_K is not None or self.feedback_V is not None
-        return f"heads={self.T.shape[0]}, head_dim={self.T.shape[-1]}, centered={self.shift is not None}, feedback={fb}"
+        return (f"heads={self.T.shape[0]}, head_dim={self.T.shape[-1]}, centered={self.shift is not None}, "
+                f"rope_mean={self.mu_rope is not None}, feedback={fb}")
 
 
 @dataclass
@@ -153,12 +191,17 @@ def apply_transforms(model: nn.Module, transforms: list[dict[str, torch.Tensor]]
                 raise ValueError(f"layer {i}: centered keys (mu_K) change attention under a logit softcap ({cap}); use an uncentered transform")
             if not torch.isfinite(tr["mu_K"]).all():
                 raise ValueError(f"layer {i} mu_K contains NaN or inf")
+        if "mu_K_rope" in tr:
+            if tuple(tr["mu_K_rope"].shape) != (spec.num_kv_heads, d) or not torch.isfinite(tr["mu_K_rope"]).all():
+                raise ValueError(f"layer {i} mu_K_rope must be finite with shape {(spec.num_kv_heads, d)}, got {tuple(tr['mu_K_rope'].shape)}")
+            if "mu_K" in tr:
+                raise ValueError(f"layer {i}: mu_K (a constant key shift) and mu_K_rope (the rotating mean) are exclusive")
         if "mu_V" in tr and (tuple(tr["mu_V"].shape) != (spec.num_kv_heads, d) or not torch.isfinite(tr["mu_V"]).all()):
             raise ValueError(f"layer {i} mu_V must be finite with shape {(spec.num_kv_heads, d)}, got {tuple(tr['mu_V'].shape)}")
         if "mu_K" in tr and tuple(tr["mu_K"].shape) != (spec.num_kv_heads, d):
             raise ValueError(f"layer {i} mu_K must have shape {(spec.num_kv_heads, d)}, got {tuple(tr['mu_K'].shape)}")
     saved = []
-    for attn, tr in zip(mods, transforms):
+    for li, (attn, tr) in enumerate(zip(mods, transforms)):
         _, _, v, o = projections(attn, spec)
         saved.append({"v.weight": v.weight.detach().clone(), "o.weight": o.weight.detach().clone()}
                      | ({"v.bias": v.bias.detach().clone()} if v.bias is not None else {})
@@ -185,6 +228,9 @@ def apply_transforms(model: nn.Module, transforms: list[dict[str, torch.Tensor]]
         dev = v.weight.device
         mu = tr["mu_K"].float().to(dev) if "mu_K" in tr else None
         fb = {f"feedback_{s}": tr[f"F_{s}"].float().to(dev) for s in "KV" if f"F_{s}" in tr}
-        attn.add_module(KEY_TRANSFORM_NAME, KeyTransform(tr["T_K"].float().to(dev), tr["T_K_inv"].float().to(dev), mu, **fb))
+        rc = {}
+        if "mu_K_rope" in tr:
+            rc = {"mu_rope": tr["mu_K_rope"].float().to(dev), "rope": rope_parameters(model, li, spec)}
+        attn.add_module(KEY_TRANSFORM_NAME, KeyTransform(tr["T_K"].float().to(dev), tr["T_K_inv"].float().to(dev), mu, **fb, **rc))
     previous = use_wushkv_attention(model)
     return Installed(model, method, previous, saved)

@@ -55,7 +55,7 @@ class WushLM(HFLM):
             :func:`wushkv.models.load`), or an already loaded ``PreTrainedModel`` (then pass ``tokenizer``).
         method: a wushkv transform (``wush``, ``hadamard``, ...) or ``full-precision``.
         calibration: calibration file (needed by calibrated transforms).
-        k_bits, v_bits, quantizer, k_clip, v_clip, k_alpha, v_alpha, group_size: see
+        k_bits, v_bits, quantizer, k_clip, v_clip, k_alpha, v_alpha, clip_search, group_size: see
             :class:`~wushkv.config.QuantConfig`; ``16`` = that side stays full precision.
         sink, keep, flush: full-precision windows (default: the perplexity windows 16/128/16).
         dtype, device, device_map: for loading by name.
@@ -74,6 +74,7 @@ class WushLM(HFLM):
         v_clip: float = 0.92,
         k_alpha: float = 1.0,
         v_alpha: float = 1.0,
+        clip_search: int = 0,
         group_size: int | None = None,
         sink: int = PERPLEXITY_WINDOWS.S_sink,
         keep: int = PERPLEXITY_WINDOWS.S_keep,
@@ -112,7 +113,7 @@ class WushLM(HFLM):
             bits = [None if str(b).lower() in ("16", "fp", "none") else int(b) for b in (k_bits, v_bits)]
             base = QuantConfig(
                 k_bits=bits[0], v_bits=bits[1], quantizer=quantizer, k_clip=float(k_clip), v_clip=float(v_clip),
-                k_alpha=float(k_alpha), v_alpha=float(v_alpha), group_size=None if group_size in (None, "") else int(group_size),
+                k_alpha=float(k_alpha), v_alpha=float(v_alpha), clip_search=int(clip_search), group_size=None if group_size in (None, "") else int(group_size),
                 windows=WindowConfig(int(sink), int(keep), int(flush)),
             )
             self.quant_config = config_for(method, base)

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import hashlib
 import importlib.util
+import inspect
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -138,6 +139,44 @@ def attention_modules(model: nn.Module, spec: ArchSpec | None = None) -> list[nn
     spec = spec or describe(model)
     layers = model.get_submodule(spec.layers_path)
     return [layer.get_submodule(spec.attn_name) for layer in layers]
+
+
+def pre_rope_keys(attn: nn.Module, spec: ArchSpec, k_proj_out: torch.Tensor) -> torch.Tensor:
+    """Keys before RoPE from the output of ``k_proj`` (…, H·d): (…, H, d), through ``k_norm`` where the family
+    normalizes keys (applied here on the last dim, whatever layout the modeling code runs it in)."""
+    k = k_proj_out.reshape(*k_proj_out.shape[:-1], spec.num_kv_heads, spec.head_dim)
+    return attn.k_norm(k) if spec.qk_norm else k
+
+
+def rope_parameters(model: nn.Module, layer: int, spec: ArchSpec | None = None) -> tuple[torch.Tensor, float]:
+    """(inv_freq (head_dim/2,) float32, attention_scaling) of the rotary embedding ``layer`` uses.
+
+    Read through the rotary module's public forward (cos/sin of position 1: the angle is each pair's
+    frequency, the modulus the scaling), so per-layer-type RoPE (Gemma-3's local and global bases) and
+    scaled variants come out as the model applies them. Only position-independent frequencies are
+    supported: a RoPE whose frequencies depend on the sequence length (``dynamic``, ``longrope``) raises.
+    """
+    spec = spec or describe(model)
+    base = model.get_submodule(spec.layers_path.rsplit(".", 1)[0])
+    rot = getattr(base, "rotary_emb", None)
+    if rot is None:
+        raise UnsupportedModelError(f"{type(model).__name__} has no rotary_emb beside its layers; keys centered on their RoPE mean need it")
+    types = getattr(rot, "rope_type", None)
+    kind = types.get(spec.layer_types[layer]) if isinstance(types, dict) else types
+    if kind not in (None, "default", "linear", "llama3", "yarn"):
+        raise UnsupportedModelError(f"RoPE type {kind!r} has frequencies that depend on the sequence length; "
+                                    "supported: default, linear, llama3, yarn")
+    p = next(iter(model.parameters()))
+    x = torch.zeros(1, 1, spec.head_dim, dtype=torch.float32, device=p.device)
+    pos = torch.ones(1, 1, dtype=torch.long, device=p.device)
+    takes_type = "layer_type" in inspect.signature(rot.forward).parameters
+    cos, sin = rot(x, pos, spec.layer_types[layer]) if takes_type else rot(x, pos)
+    cos, sin = cos.reshape(-1).float().cpu(), sin.reshape(-1).float().cpu()
+    half = spec.head_dim // 2
+    if not torch.equal(cos[:half], cos[half:]):
+        raise UnsupportedModelError("the rotary embedding does not use the rotate-half layout cat(freqs, freqs)")
+    scale = float(torch.sqrt(cos[0] ** 2 + sin[0] ** 2))
+    return torch.atan2(sin[:half], cos[:half]), scale
 
 
 def projections(attn: nn.Module, spec: ArchSpec) -> tuple[nn.Linear, nn.Linear, nn.Linear, nn.Linear]:

@@ -111,3 +111,28 @@ def test_constant_rows_and_errors():
         AffineQuantizer(2, group_size=16, axis=-2).quantize(torch.zeros(30, 8))
     with pytest.raises(ValueError, match="must divide"):
         AffineQuantizer(2, group_size=5).quantize(torch.zeros(3, 8))
+
+
+@pytest.mark.parametrize("bits", [2, 3, 4])
+def test_clip_search_picks_the_least_error_range(bits):
+    """search=n: each token takes, of its κ-clipped range and n shrinks m·[min, max] of its unclipped range,
+    the one with the least squared error against the unclipped token (slow reference below)."""
+    from wushkv.quantizers import dequantize, search_multipliers
+
+    g = torch.Generator().manual_seed(bits)
+    x = torch.cat([torch.randn(200, 64, generator=g), torch.distributions.StudentT(3.0).sample((200, 64))])
+    q = AffineQuantizer(bits, clip_ratio=0.96, search=10)
+    got = q.fake(x)
+    cands = [AffineQuantizer(bits, clip_ratio=0.96).fake(x)]
+    lo, hi = x.amin(-1, keepdim=True), x.amax(-1, keepdim=True)
+    for m in search_multipliers(10, 0.3, 1.0)[1:]:
+        s = (m * (hi - lo)) / (2**bits - 1)
+        z = -m * lo / s
+        cands.append(((x / s + z + 0.5).floor().clamp(0, 2**bits - 1) - z) * s)
+    xh = torch.stack(cands)
+    err = (xh - x).pow(2).sum(-1)
+    torch.testing.assert_close(got, xh[err.argmin(0), torch.arange(len(x))], rtol=1e-5, atol=1e-5)
+    assert ((got - x).pow(2).sum(-1) <= err[0] * (1 + 1e-6)).all()
+    torch.testing.assert_close(dequantize(q.quantize(x)), got, rtol=0, atol=0)
+    with pytest.raises(ValueError, match="per token"):
+        AffineQuantizer(bits, group_size=8, axis=-2, search=4)

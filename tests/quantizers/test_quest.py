@@ -137,3 +137,51 @@ def test_quant_config_alpha():
     assert make_codec(QuantConfig(2, 2, "quest", k_alpha=0.9, v_alpha=1.1), "value", 64).quantizer.alpha == pytest.approx(QUEST_ALPHA[2] * 1.1)
     with pytest.raises(ValueError, match="k_alpha=0"):
         QuantConfig(k_alpha=0)
+
+
+def _row_errors(quantizer_for, x, multipliers):
+    """Slow reference: every candidate quantizer on every row; (x̂ per candidate, squared error per row)."""
+    xh = torch.stack([quantizer_for(m).fake(x) for m in multipliers])  # [C, rows, n]
+    return xh, (xh - x).pow(2).sum(-1)
+
+
+@pytest.mark.parametrize("bits", [2, 3, 4])
+def test_clip_search_picks_the_least_error_candidate(bits):
+    """search=n: each token gets the x̂ of the candidate clip with the least squared error (ties to the first,
+    m = 1), as a slow per-candidate reference computes it; never worse than the fixed clip; same layout."""
+    from wushkv.quantizers import search_multipliers
+
+    g = torch.Generator().manual_seed(bits)
+    x = torch.cat([torch.randn(300, 64, generator=g), torch.distributions.StudentT(3.0).sample((300, 64))])
+    ms = search_multipliers(12)
+    assert ms[0] == 1.0 and len(ms) == 13 and min(ms[1:]) == 0.5 and max(ms[1:]) == 1.5
+    xh, err = _row_errors(lambda m: QuestQuantizer(bits, alpha_scale=m), x, ms)
+    q = QuestQuantizer(bits, search=12)
+    got = q.fake(x)
+    best = err.argmin(0)  # argmin returns the first of equal minima
+    torch.testing.assert_close(got, xh[best, torch.arange(len(x))], rtol=1e-6, atol=1e-6)
+    e = (got - x).pow(2).sum(-1)
+    assert (e <= err[0] * (1 + 1e-6)).all() and float(e.mean()) < 0.99 * float(err[0].mean())
+    qt = q.quantize(x)
+    assert qt.scale.shape == (600, 1) and qt.codes.dtype == torch.uint8
+    torch.testing.assert_close(dequantize(qt), got, rtol=0, atol=0)
+    torch.testing.assert_close(qt.offset, (0.5 - 2 ** (bits - 1)) * qt.scale)  # still QuEST's symmetric grid: Δ alone is stored
+
+
+def test_clip_search_errors_and_config():
+    from wushkv.codecs import make_codec
+    from wushkv.config import QuantConfig
+    from wushkv.quantizers import search_multipliers
+
+    assert search_multipliers(0) == [1.0] and search_multipliers(1) == [1.0, 0.5]
+    for bad in (-1, 1.5, True):
+        with pytest.raises(ValueError, match="search must be an integer >= 0"):
+            QuestQuantizer(2, search=bad)
+    assert make_codec(QuantConfig(2, 2, "quest", clip_search=16), "key", 64).quantizer.search == 16
+    assert make_codec(QuantConfig(2, 2, "affine", clip_search=16), "value", 64).quantizer.search == 16
+    assert "search16" in QuantConfig(clip_search=16).label()
+    with pytest.raises(ValueError, match=r"clip_search=4 needs a per-token quantizer \(quest, affine\), got 'kvarn'"):
+        QuantConfig(quantizer="kvarn", clip_search=4)
+    with pytest.raises(ValueError, match="clip_search=-2: must be an integer in 0..256"):
+        QuantConfig(clip_search=-2)
+    assert QuantConfig.from_dict(QuantConfig(clip_search=8).to_dict()).clip_search == 8

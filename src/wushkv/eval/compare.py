@@ -43,14 +43,15 @@ def cached_calibration(model, tokenizer, samples: int, seq_len: int, damping: fl
 
 def config_for(transform: str, base: QuantConfig) -> QuantConfig:
     """KVarN (and any ``<transform>+tiles`` method) brings its own quantizer and tile windows: the first tile
-    stays in full precision, new tokens wait in a full-precision tail until a tile fills."""
+    stays in full precision, new tokens wait in a full-precision tail until a tile fills (a per-token clip
+    search does not apply to tiles and is dropped)."""
     from .methods import LDLQ_SUFFIX, uses_ldlq, uses_tiles
 
     if uses_ldlq(transform) and base.quantizer not in ("quest", "affine"):
         raise ValueError(f"method {transform!r}: error-feedback rounding ({LDLQ_SUFFIX}) needs a per-token quantizer (quest, affine), "
                          f"got --quantizer {base.quantizer!r}")
     if uses_tiles(transform):
-        return replace(base, quantizer="kvarn", windows=WindowConfig(KVARN_TILE, 0, KVARN_TILE))
+        return replace(base, quantizer="kvarn", clip_search=0, windows=WindowConfig(KVARN_TILE, 0, KVARN_TILE))
     return base
 
 

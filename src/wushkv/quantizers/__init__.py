@@ -7,7 +7,7 @@ offset) and dequantizes with the same rule x̂ = scale·code + offset.
 from .affine import AffineQuantizer, percentile_clip
 from .base import QTensor, dequantize
 from .packing import pack, packed_nbytes, unpack
-from .quest import QUEST_ALPHA, QuestQuantizer
+from .quest import QUEST_ALPHA, QuestQuantizer, search_multipliers
 from .registry import QUANTIZERS, make_quantizer
 
 __all__ = [
@@ -16,6 +16,7 @@ __all__ = [
     "QuestQuantizer",
     "AffineQuantizer",
     "QUEST_ALPHA",
+    "search_multipliers",
     "percentile_clip",
     "pack",
     "unpack",

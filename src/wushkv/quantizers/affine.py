@@ -8,6 +8,11 @@ Per row r ∈ R^D of the quantized axis (a token for axis=-1, a channel's tokens
 3. Per group: lo = min, hi = max, s = max(hi − lo, 1e-8)/(2^b − 1), z = −lo/s (float),
    q = clamp(⌊r_c/s + z + ½⌋, 0, 2^b − 1); x̂ = (q − z)·s, stored as scale = s, offset = −z·s.
 
+With ``search = n > 0`` (per token only), each group takes, of its κ-clipped range [lo, hi] and the
+shrinks [m·lo₀, m·hi₀] of its unclipped range for n multipliers m in [0.3, 1] (``search_multipliers``),
+the one with the smallest ‖r − x̂‖² against the unclipped group, ties to the κ range: the same storage
+and decoder, never a larger group error than the κ rule.
+
 Arithmetic is float32 (hot path); inputs must be finite (not checked: it would force a sync).
 """
 
@@ -21,6 +26,7 @@ from torch import Tensor
 
 from .base import QTensor, check_bits, check_group_size
 from .base import dequantize as _dequantize
+from .quest import search_multipliers
 
 __all__ = ["AffineQuantizer", "percentile_clip"]
 
@@ -48,7 +54,7 @@ def percentile_clip(x: Tensor, clip_ratio: float) -> tuple[Tensor, Tensor]:
     return torch.maximum(torch.minimum(x, tau), -tau), tau
 
 
-def _grid_last(x: Tensor, bits: int, group_size: int | None, clip_ratio: float) -> tuple[Tensor, Tensor, Tensor, int]:
+def _grid_last(x: Tensor, bits: int, group_size: int | None, clip_ratio: float, search: int = 0) -> tuple[Tensor, Tensor, Tensor, int]:
     """Clipped groups along the last dim and their grid: (xg [..., g, G], s, z [..., g], G)."""
     D = x.shape[-1]
     G = D if group_size is None else group_size
@@ -58,13 +64,32 @@ def _grid_last(x: Tensor, bits: int, group_size: int | None, clip_ratio: float) 
     xg = x_c.reshape(*x.shape[:-1], D // G, G)  # [..., g, G]
     lo = xg.amin(-1)
     hi = xg.amax(-1)
-    s = (hi - lo).clamp_min(_MIN_RANGE) / (2**bits - 1)  # [..., g]
-    return xg, s, -lo / s, G
+    qmax = 2**bits - 1
+    s = (hi - lo).clamp_min(_MIN_RANGE) / qmax  # [..., g]
+    if not search:
+        return xg, s, -lo / s, G
+    x0 = x.to(torch.float32).reshape(xg.shape)  # unclipped: the search sees the clipping error too
+    lo0, hi0 = x0.amin(-1), x0.amax(-1)
+    best_err = best_s = best_lo = None
+    for i, m in enumerate(search_multipliers(search, 0.3, 1.0)):
+        c_lo, c_hi = (lo, hi) if i == 0 else (m * lo0, m * hi0)  # first the κ-clipped range, then shrinks of the full one
+        s_m = (c_hi - c_lo).clamp_min(_MIN_RANGE) / qmax
+        z_m = -c_lo / s_m
+        q = torch.floor(x0 / s_m[..., None] + z_m[..., None] + 0.5).clamp_(0, qmax)
+        err = ((q - z_m[..., None]) * s_m[..., None] - x0).square_().sum(-1)
+        if best_err is None:
+            best_err, best_s, best_lo = err, s_m, c_lo
+        else:
+            better = err < best_err
+            best_err = torch.where(better, err, best_err)
+            best_s = torch.where(better, s_m, best_s)
+            best_lo = torch.where(better, c_lo, best_lo)
+    return x0, best_s, -best_lo / best_s, G  # codes from the unclipped group: clamping the codes clips it
 
 
-def _quantize_last(x: Tensor, bits: int, group_size: int | None, clip_ratio: float) -> QTensor:
+def _quantize_last(x: Tensor, bits: int, group_size: int | None, clip_ratio: float, search: int = 0) -> QTensor:
     """Affine quantization with groups along the last dim. x [..., D] → codes [..., D]."""
-    xg, s, z, G = _grid_last(x, bits, group_size, clip_ratio)
+    xg, s, z, G = _grid_last(x, bits, group_size, clip_ratio, search)
     qmax = 2**bits - 1
     q = torch.floor(xg / s[..., None] + z[..., None] + 0.5).clamp_(0, qmax)
     codes = q.to(torch.uint8).reshape(x.shape)
@@ -85,12 +110,15 @@ class AffineQuantizer:
             x [..., T, d], groups of ``group_size`` tokens for each channel, scale/offset
             [..., T/group_size, d]. Clipping runs along the quantized axis (over all T tokens of
             a channel for axis=-2).
+        search: 0 = off; n > 0 = each group picks the MSE-best of its κ range and n shrinks of its
+            unclipped range (axis=-1 only; same storage).
     """
 
     bits: int
     group_size: int | None = None
     clip_ratio: float = 0.0
     axis: int = -1
+    search: int = 0
 
     def __post_init__(self) -> None:
         check_bits(self.bits)
@@ -101,6 +129,9 @@ class AffineQuantizer:
             raise ValueError(f"axis must be -1 (per token) or -2 (per channel), got {self.axis!r}")
         if self.axis == -2 and self.group_size is None:
             raise ValueError("axis=-2 (per-channel) needs group_size (tokens per group), got None")
+        search_multipliers(self.search)
+        if self.search and self.axis != -1:
+            raise ValueError(f"search={self.search} is per token (axis=-1) only, got axis={self.axis}")
 
     def quantize(self, x: Tensor) -> QTensor:
         """x [..., n] (axis=-1) or [..., T, d] (axis=-2), floating → QTensor (codes unpacked)."""
@@ -109,7 +140,7 @@ class AffineQuantizer:
         if self.axis == -1:
             if x.ndim < 1:
                 raise ValueError(f"x must have shape [..., n], got {tuple(x.shape)}")
-            return _quantize_last(x, self.bits, self.group_size, self.clip_ratio)
+            return _quantize_last(x, self.bits, self.group_size, self.clip_ratio, self.search)
         if x.ndim < 2:
             raise ValueError(f"axis=-2 needs x of shape [..., T, d], got {tuple(x.shape)}")
         T = x.shape[-2]
@@ -130,7 +161,7 @@ class AffineQuantizer:
         float32 [..., n/G] and G, as :meth:`quantize` computes them."""
         if self.axis != -1:
             raise ValueError("grid() is per token (axis=-1); per-channel groups span tokens")
-        _, s, z, G = _grid_last(x, self.bits, self.group_size, self.clip_ratio)
+        _, s, z, G = _grid_last(x, self.bits, self.group_size, self.clip_ratio, self.search)
         return s, -z * s, G
 
     def dequantize(self, q: QTensor) -> Tensor:
