@@ -382,3 +382,30 @@ def test_rope_mean_bad_inputs():
         KeyTransform(T, T, mu_rope=torch.zeros(3, 8), rope=(torch.ones(4), 1.0))
     with pytest.raises(ValueError, match="exclusive"):
         KeyTransform(T, T, mu=torch.zeros(2, 8), mu_rope=torch.zeros(2, 8), rope=(torch.ones(4), 1.0))
+
+
+def test_rope_mean_center_is_the_same_in_any_block():
+    """A position's center does not depend on which other positions it is computed with (the stored codes and
+    the emulation compute them in different blocks)."""
+    from wushkv.folding import KeyTransform
+
+    g = torch.Generator().manual_seed(0)
+    T = torch.randn(2, 32, 32, generator=g, dtype=torch.float64)
+    kt = KeyTransform(T, torch.linalg.inv(T), mu_rope=torch.randn(2, 32, generator=g) * 5,
+                      rope=(10000.0 ** (-torch.arange(16) / 16.0), 1.0))
+    full = kt.center(torch.arange(0, 300)[None], torch.float32)
+    for a, b in ((0, 1), (3, 5), (17, 20), (100, 228), (299, 300)):
+        assert torch.equal(kt.center(torch.arange(a, b)[None], torch.float32), full[:, :, a:b])
+
+
+def test_unsupported_rope_leaves_no_layer_folded():
+    """RoPE whose frequencies depend on the sequence length is refused before any weight is folded."""
+    model = tiny_model("llama", rope_parameters={"rope_type": "dynamic", "factor": 2.0, "rope_theta": 10000.0})
+    before = [a.self_attn.v_proj.weight.clone() for a in model.model.layers]
+    spec = describe(model)
+    trs = [build_transforms("random", spec.num_kv_heads, spec.head_dim, seed=l) | {"mu_K_rope": torch.ones(spec.num_kv_heads, spec.head_dim)}
+           for l in range(spec.num_layers)]
+    with pytest.raises(ValueError, match="RoPE type 'dynamic'"):
+        apply_transforms(model, trs, "random")
+    assert all(torch.equal(a.self_attn.v_proj.weight, w) for a, w in zip(model.model.layers, before))
+    assert not any(hasattr(a.self_attn, "wushkv_key") for a in model.model.layers)

@@ -241,3 +241,17 @@ def test_offloaded_weights_are_refused():
     model.model.layers[1].self_attn.v_proj.weight = torch.nn.Parameter(torch.empty(64, 64, device="meta"))
     with pytest.raises(ValueError, match=r"layer 1 attention weights \['v_proj.weight'\] are offloaded"):
         apply_transforms(model, [build_transforms("hadamard", 2, 32) for _ in range(3)])
+
+
+def test_pre_rope_key_mean_matches_slow_reference(family):
+    """mu_K_pre (post-RoPE keys rotated back by their position, in the collector) equals the mean of the
+    keys before RoPE taken at k_proj (through k_norm where the family has one): Gemma-3's two RoPE bases too."""
+    from wushkv.calibration import pre_rope_key_mean
+
+    model = tiny_model(family).double()
+    seqs = torch.randint(3, 96, (2, 24), generator=torch.Generator().manual_seed(0))
+    stats = collect_statistics(model, seqs, show_progress=False)
+    ref = pre_rope_key_mean(model, seqs, show_progress=False)
+    for l, st in enumerate(stats):
+        torch.testing.assert_close(st["mu_K_pre"], ref[l], rtol=1e-5, atol=1e-6)
+        assert not torch.allclose(st["mu_K_pre"], st["mu_K"], atol=1e-3)  # not the post-RoPE mean

@@ -94,3 +94,14 @@ def test_agree_report_only_compares_over_common_prompts(tmp_path, capsys):
     assert fields(capsys.readouterr().out)[:4] == ["hadamard", "2", "0.35", "75"]
     assert main([*base, "--transforms", "hadamard,oscar"]) == 2
     assert "no results for ['oscar']" in capsys.readouterr().err
+
+
+def test_reconcile_settings_reads_older_quantization():
+    """A run saved before a QuantConfig field existed resumes: the missing field takes its default."""
+    from wushkv.cli import reconcile_settings
+    from wushkv.config import QuantConfig
+
+    new = {"model": "m", "quantization": QuantConfig().to_dict()}
+    old = {"model": "m", "quantization": {k: v for k, v in QuantConfig().to_dict().items() if k != "clip_search"}}
+    assert reconcile_settings(old, new)[1] == []
+    assert reconcile_settings(old, {"model": "m", "quantization": QuantConfig(clip_search=4).to_dict()})[1] == ["quantization"]

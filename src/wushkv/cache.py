@@ -487,8 +487,8 @@ class WushKVLayer(CacheLayerMixin):
 
     def _append_mid(self, k: torch.Tensor, v: torch.Tensor, start: int) -> None:
         c = self._key_center(start, k.shape[2], torch.float32)
-        if c is not None:
-            k = k - c.to(k.dtype)
+        if c is not None:  # in float32 at least (the codec quantizes float32), as _fake does
+            k = k.float() - c if k.dtype != torch.float64 else k - c.double()
         for name, side, x in (("k", self.k_side, k), ("v", self.v_side, v)):
             if side is not None:
                 side.append(x)
@@ -508,7 +508,8 @@ class WushKVLayer(CacheLayerMixin):
         Keys centered on their RoPE mean are decoded and given their centers back here (a dense part):
         the code-domain kernels read the codes of plain keys only."""
         out = []
-        if self._key_center(start, n, dtype) is not None:
+        kt = self.key_transform
+        if n and self.k_side is not None and kt is not None and kt.centered_on_rope_mean:
             mk, _ = self._decode_mid(snap, n, dtype, start=start)
             return mk, (snap["v"][:, :, :n] if self.v_side is None else (self.v_side.codec, snap["v"], n))
         for name, side in (("k", self.k_side), ("v", self.v_side)):
@@ -543,7 +544,11 @@ class WushKVLayer(CacheLayerMixin):
         if n == 0:
             return x
         c = self._key_center(start, n, torch.float32) if side == "key" else None  # as _append_mid/_decode_mid use it
-        xq = s.codec.fake(x[:, :, :n]) if c is None else s.codec.fake(x[:, :, :n] - c.to(x.dtype)) + c
+        if c is None:
+            xq = s.codec.fake(x[:, :, :n])
+        else:
+            xn = x[:, :, :n]
+            xq = s.codec.fake(xn.float() - c if xn.dtype != torch.float64 else xn - c.double()) + c
         return torch.cat([xq.to(x.dtype), x[:, :, n:]], dim=2)
 
     def _evict(self, first: int) -> None:

@@ -50,8 +50,10 @@ class StatsCollector:
     #: query rows per block of the attention-aware statistics (memory O(G²·block·S), not O(G²·T·S))
     block: int = 256
 
-    def __init__(self, spec: ArchSpec, o_proj_weights: list[torch.Tensor], wush_a: bool = False, skip_first: int = 0):
+    def __init__(self, spec: ArchSpec, o_proj_weights: list[torch.Tensor], wush_a: bool = False, skip_first: int = 0,
+                 rope: list[tuple[torch.Tensor, float]] | None = None):
         self.spec = spec
+        self.rope = rope  # per layer (inv_freq, scaling): keys are rotated back to their pre-RoPE mean μ (mu_K_pre)
         self.wush_a = wush_a
         self.skip_first = skip_first  # positions excluded from M_K/M_V (e.g. never-quantized sink tokens)
         self.o_weights = o_proj_weights  # per layer, (hidden, Hq·d), original weights
@@ -69,6 +71,7 @@ class StatsCollector:
                 "SW": torch.zeros(H, dtype=torch.float64, device=device),
                 "n_k": torch.zeros((), dtype=torch.float64, device=device),
                 "n_q": torch.zeros((), dtype=torch.float64, device=device),
+                "S_K_pre": torch.zeros(H, d, dtype=torch.float64, device=device),
             } | ({"H_K_A": z(), "H_V_A": z()} if self.wush_a else {})
         return self.layers[layer]
 
@@ -92,6 +95,12 @@ class StatsCollector:
         acc["n_k"] += B * ks.shape[2]
         acc["S_K"] += ks.sum(dim=(0, 2))
         acc["S_V"] += vs.sum(dim=(0, 2))
+        if self.rope is not None:  # unpadded sequences from position 0: column t is rotary position t
+            inv_freq, scale = self.rope[layer]
+            ang = torch.arange(self.skip_first, k64.shape[2], dtype=torch.float64, device=k64.device)[:, None] * inv_freq.to(k64.device, torch.float64)
+            ang = torch.cat([ang, ang], dim=-1)  # (n, d)
+            rot = torch.cat([-ks[..., d // 2 :], ks[..., : d // 2]], dim=-1)
+            acc["S_K_pre"] += ((ks * ang.cos() - rot * ang.sin()) / scale).sum(dim=(0, 2))  # R_t⁻¹ k_t
         # OSCAR value weights w = kᵀ C_Q k with the running C_Q (mean q qᵀ of the group)
         C_Q = acc["QQ"] / acc["n_q"]
         w = ((k64 @ C_Q) * k64).sum(-1)  # (B, Hkv, S)
@@ -158,7 +167,8 @@ class StatsCollector:
             acc["H_K_A"][h] += 2 * HK
 
     def finalize(self) -> list[dict[str, torch.Tensor]]:
-        """Per-layer statistics (float64, CPU): M_K, H_K, M_V, H_V, C_Q, Sigma_V, mu_K, mu_V, n_K [, H_K_A, H_V_A]."""
+        """Per-layer statistics (float64, CPU): M_K, H_K, M_V, H_V, C_Q, Sigma_V, mu_K, mu_V, n_K [, mu_K_pre]
+        [, H_K_A, H_V_A]. ``mu_K_pre`` (Hkv, d): the keys' mean before RoPE (keys rotated back by their position)."""
         spec, out = self.spec, []
         for layer, acc in enumerate(self.layers):
             if acc is None:
@@ -176,6 +186,8 @@ class StatsCollector:
                 "mu_V": acc["S_V"] / acc["n_k"].clamp_min(1),
                 "n_K": acc["n_k"].reshape(1),
             }
+            if self.rope is not None:
+                st["mu_K_pre"] = acc["S_K_pre"] / acc["n_k"].clamp_min(1)
             if self.wush_a:
                 st |= {"H_K_A": acc["H_K_A"], "H_V_A": acc["H_V_A"]}
             for name, t in st.items():
@@ -317,7 +329,13 @@ def collect_statistics(model, sequences: torch.Tensor, wush_a: bool = False, ski
     """Run ``model`` over ``sequences`` (N, L) and return per-layer statistics (float64)."""
     spec = describe(model)
     o_weights = [projections(a, spec)[3].weight.detach() for a in attention_modules(model, spec)]
-    collector = StatsCollector(spec, o_weights, wush_a=wush_a, skip_first=skip_first)
+    try:
+        from .models import UnsupportedModelError, rope_parameters
+
+        rope = [rope_parameters(model, l, spec) for l in range(spec.num_layers)]
+    except UnsupportedModelError:  # no rotary module we can read: no pre-RoPE mean (the +rmean methods need it)
+        rope = None
+    collector = StatsCollector(spec, o_weights, wush_a=wush_a, skip_first=skip_first, rope=rope)
     observe_sequences(model, sequences, collector, "calibrate", show_progress)
     return collector.finalize()
 

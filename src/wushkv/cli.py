@@ -368,7 +368,15 @@ def _sibling(path: str, tag: str) -> Path:
 def reconcile_settings(old: dict, new: dict) -> tuple[dict, list[str]]:
     """(settings of both runs together, keys that differ). A ``calibration`` of None (no calibrated method
     listed) is compatible with any calibration and takes the other run's."""
+    from .config import QuantConfig
+
     old, new = dict(old), dict(new)
+    for d in (old, new):  # a quantization written by an older version: fields added since take their defaults
+        if isinstance(d.get("quantization"), dict):
+            try:
+                d["quantization"] = json.loads(json.dumps(QuantConfig.from_dict(d["quantization"]).to_dict()))
+            except (TypeError, ValueError):
+                pass
     if new.get("calibration") is None:
         new["calibration"] = old.get("calibration")
     elif old.get("calibration") is None:

@@ -86,17 +86,20 @@ class KeyTransform(nn.Module):
     def center(self, positions: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
         """T c_t with c_t = R_t μ (RoPE of the pre-RoPE key mean at position t), in the transformed space.
 
-        positions: (B', N) integer (B' = 1 or the batch). Returns (B', Hkv, N, d) in ``dtype``. Angles are
-        computed in float32 as transformers computes them; what matters for exactness is only that the
-        cache calls this with the same positions when it stores and when it reads."""
-        ang = positions.to(self.inv_freq.device, torch.float32)[..., None] * self.inv_freq  # (B', N, d/2)
+        positions: (B', N) integer (B' = 1 or the batch). Returns (B', Hkv, N, d) in ``dtype``.
+
+        Exactness needs the same value for a position whichever block of positions it is computed in:
+        float64 throughout, then rounded to float32, so the last bits a matmul's blocking may change are
+        rounded away (a float64 difference of 1e-16 crosses a float32 rounding boundary only by chance
+        of order 1e-9 per value)."""
+        ang = positions.to(self.inv_freq.device, torch.float64)[..., None] * self.inv_freq.double()  # (B', N, d/2)
         ang = torch.cat([ang, ang], dim=-1)[:, None]  # (B', 1, N, d)
         cos, sin = ang.cos() * self.rope_scaling, ang.sin() * self.rope_scaling
-        mu = self.mu_rope.float()[None, :, None, :]  # (1, Hkv, 1, d)
+        mu = self.mu_rope.double()[None, :, None, :]  # (1, Hkv, 1, d)
         h = mu.shape[-1] // 2
         rot = torch.cat([-mu[..., h:], mu[..., :h]], dim=-1)
         c = mu * cos + rot * sin  # (B', Hkv, N, d)
-        return torch.matmul(c, self.T_t.float()).to(dtype)
+        return torch.matmul(c, self.T_t.double()).float().to(dtype)
 
     def queries(self, q: torch.Tensor) -> torch.Tensor:
         """q (B, Hq, T, d) -> T^{-T} q for every query head of the group (rows: q @ T⁻¹): one batched matmul."""
@@ -179,6 +182,7 @@ def apply_transforms(model: nn.Module, transforms: list[dict[str, torch.Tensor]]
                 "enough accelerator memory, or max_memory), not cpu/disk offload"
             )
     # validate every layer before touching any weight: a bad layer must not leave others folded
+    ropes = {}
     for i, (attn, tr) in enumerate(zip(mods, transforms)):
         for name in ("T_K", "T_K_inv", "T_V", "T_V_inv"):
             _check(name, tr[name], spec, i)
@@ -196,6 +200,7 @@ def apply_transforms(model: nn.Module, transforms: list[dict[str, torch.Tensor]]
                 raise ValueError(f"layer {i} mu_K_rope must be finite with shape {(spec.num_kv_heads, d)}, got {tuple(tr['mu_K_rope'].shape)}")
             if "mu_K" in tr:
                 raise ValueError(f"layer {i}: mu_K (a constant key shift) and mu_K_rope (the rotating mean) are exclusive")
+            ropes[i] = rope_parameters(model, i, spec)  # raises for an unsupported RoPE, before any folding
         if "mu_V" in tr and (tuple(tr["mu_V"].shape) != (spec.num_kv_heads, d) or not torch.isfinite(tr["mu_V"]).all()):
             raise ValueError(f"layer {i} mu_V must be finite with shape {(spec.num_kv_heads, d)}, got {tuple(tr['mu_V'].shape)}")
         if "mu_K" in tr and tuple(tr["mu_K"].shape) != (spec.num_kv_heads, d):
@@ -230,7 +235,7 @@ def apply_transforms(model: nn.Module, transforms: list[dict[str, torch.Tensor]]
         fb = {f"feedback_{s}": tr[f"F_{s}"].float().to(dev) for s in "KV" if f"F_{s}" in tr}
         rc = {}
         if "mu_K_rope" in tr:
-            rc = {"mu_rope": tr["mu_K_rope"].float().to(dev), "rope": rope_parameters(model, li, spec)}
+            rc = {"mu_rope": tr["mu_K_rope"].float().to(dev), "rope": ropes[li]}
         attn.add_module(KEY_TRANSFORM_NAME, KeyTransform(tr["T_K"].float().to(dev), tr["T_K_inv"].float().to(dev), mu, **fb, **rc))
     previous = use_wushkv_attention(model)
     return Installed(model, method, previous, saved)

@@ -156,3 +156,25 @@ def test_sign_patterns_are_exact_wush_solutions(tiny_cal):
     fb = transforms_for(model, cal, "wush+signs1+ldlq")[0]
     Ti = one[0]["T_K_inv"].double()
     torch.testing.assert_close(fb["F_K"], feedback_matrix(Ti.mT @ cal.stats[0]["H_K"] @ Ti, cal.meta["damping"]))
+
+
+def test_rmean_methods(tiny_cal):
+    """``+rmean`` adds the calibration's pre-RoPE key mean to every layer's transforms; clear errors without it."""
+    from wushkv.eval.methods import method_suffixes, uses_rmean
+
+    model = tiny_model("llama")
+    cal = tiny_cal(model)
+    assert method_suffixes("wush+rmean+ldlq") == ("wush", ("+rmean", "+ldlq")) and uses_rmean("hadamard:wush+rmean")
+    assert needs_calibration("hadamard+rmean") and not uses_tiles("wush+rmean")
+    check_methods(["wush+rmean", "wush+rmean+tiles", "wush+rmean+ldlq"])
+    trs = transforms_for(model, cal, "wush+rmean")
+    plain = transforms_for(model, cal, "wush")
+    for t, p, st in zip(trs, plain, cal.stats):
+        torch.testing.assert_close(t["mu_K_rope"], st["mu_K_pre"].float())
+        torch.testing.assert_close(t["T_K"], p["T_K"])
+    with pytest.raises(ValueError, match="needs a calibration"):
+        transforms_for(model, None, "hadamard+rmean")
+    for st in cal.stats:
+        st.pop("mu_K_pre")
+    with pytest.raises(ValueError, match="predates.*wushkv calibrate"):
+        transforms_for(model, cal, "wush+rmean")

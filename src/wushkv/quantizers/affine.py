@@ -9,7 +9,7 @@ Per row r ∈ R^D of the quantized axis (a token for axis=-1, a channel's tokens
    q = clamp(⌊r_c/s + z + ½⌋, 0, 2^b − 1); x̂ = (q − z)·s, stored as scale = s, offset = −z·s.
 
 With ``search = n > 0`` (per token only), each group takes, of its κ-clipped range [lo, hi] and the
-shrinks [m·lo₀, m·hi₀] of its unclipped range for n multipliers m in [0.3, 1] (``search_multipliers``),
+shrinks [m·lo₀, m·hi₀] of its unclipped range for n multipliers m evenly spaced in [0.3, 1] (1: plain min–max),
 the one with the smallest ‖r − x̂‖² against the unclipped group, ties to the κ range: the same storage
 and decoder, never a larger group error than the κ rule.
 

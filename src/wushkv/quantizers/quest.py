@@ -48,13 +48,13 @@ QUEST_MSE: dict[int, float] = {1: 0.3634, 2: 0.1188, 3: 0.0374, 4: 0.0115}
 
 def search_multipliers(n: int, lo: float = 0.5, hi: float = 1.5) -> list[float]:
     """Candidate clip multipliers of a per-group search: 1.0 first (ties keep the plain rule), then n
-    evenly spaced values in [lo, hi] (1.0 itself not repeated)."""
+    evenly spaced values in [lo, hi]: n + 1 candidates (a repeat of 1.0 is harmless, ties go to the first)."""
     if isinstance(n, bool) or not isinstance(n, int) or n < 0:
         raise ValueError(f"search must be an integer >= 0 (candidate clips per group; 0 = off), got {n!r}")
     if n == 0:
         return [1.0]
     grid = [lo + (hi - lo) * i / (n - 1) for i in range(n)] if n > 1 else [lo]
-    return [1.0] + [m for m in grid if abs(m - 1.0) > 1e-9]
+    return [1.0] + grid
 
 
 def _groups(x: Tensor, group_size: int | None) -> tuple[Tensor, int]:
