@@ -221,7 +221,8 @@ def variants(study, args, model, tok, spec, cal):
     if study == "alloc":
         return alloc_variants(args, model, tok, spec, cal)
     if study == "rope-mean":
-        mus = pre_rope_key_mean(model, calibration_sequences(tok, args.mean_seqs, args.calib_seq_len))
+        # the mean from calibration text (C4), or, as a diagnostic only, from --mean-text-file
+        mus = pre_rope_key_mean(model, calibration_sequences(tok, args.mean_seqs, args.calib_seq_len, text_file=args.mean_text_file))
         rc = lambda trs: [t | {"mu_K_rope": mus[i].float()} for i, t in enumerate(trs)]  # noqa: E731
         had, wush = plain_layers("hadamard", spec), cal.transforms("wush")
         half = spec.num_layers // 2
@@ -230,7 +231,9 @@ def variants(study, args, model, tok, spec, cal):
                 # where the loss comes from: keys alone quantized, and the centering in one half of the layers
                 ("wush keys only", wush, {"v_bits": None}), ("wush + rope-mean keys (keys only)", rc(wush), {"v_bits": None}),
                 ("wush + rope-mean keys (first half of the layers)", part(wush, range(half)), {}),
-                ("wush + rope-mean keys (second half of the layers)", part(wush, range(half, spec.num_layers)), {})]
+                ("wush + rope-mean keys (second half of the layers)", part(wush, range(half, spec.num_layers)), {}),
+                ] + ([("wush refit on centered keys + rope-mean keys", rc(refit_centered(args, model, tok, spec, cal, mus)), {})]
+                     if args.refit_seqs else [])
     if study == "search":
         tiles = {"quantizer": "kvarn", "clip_search": 0, "windows": [128, 0, 128]}
         v = []
@@ -241,6 +244,17 @@ def variants(study, args, model, tok, spec, cal):
         tiles = {"quantizer": "kvarn", "windows": [128, 0, 128]}
         return [("kvarn (hadamard + tiles)", plain_layers("hadamard", spec), tiles), ("wush + tiles", cal.transforms("wush"), tiles)]
     raise SystemExit(f"unknown study {study!r}")
+
+
+def refit_centered(args, model, tok, spec, cal, mus):
+    """WUSH whose key transform is solved from the second moment of the keys minus their rotating mean
+    (M_K_res over ``--refit-seqs`` calibration sequences, scaled to the file's token count), the rest as the file."""
+    st_res = collect_statistics(model, calibration_sequences(tok, args.refit_seqs, args.calib_seq_len), key_means=mus)
+    out = []
+    for st, r in zip(cal.stats, st_res):
+        M = r["M_K_res"] * (float(st["n_K"][0]) / float(r["n_K"][0]))
+        out.append(build_transforms("wush", spec.num_kv_heads, spec.head_dim, dict(st) | {"M_K": M}, damping=cal.meta["damping"]))
+    return out
 
 
 def clip_layer_variants(args, model, tok, spec, cal):
@@ -327,6 +341,11 @@ def main() -> None:
     ap.add_argument("--max-samples", type=int, default=32, help="--study calib: largest calibration set")
     ap.add_argument("--sign-seeds", type=int, default=3, help="--study signs: random sign patterns")
     ap.add_argument("--mean-seqs", type=int, default=4, help="--study rope-mean: calibration sequences for the pre-RoPE key mean")
+    ap.add_argument("--mean-text-file", default=None,
+                    help="--study rope-mean: take the mean from this text instead of the C4 calibration text (a diagnostic "
+                         "of domain shift; the evaluation text itself is an oracle, never a setting)")
+    ap.add_argument("--refit-seqs", type=int, default=0, help="--study rope-mean: also WUSH re-solved on the centered keys' "
+                    "second moment from this many calibration sequences (0: skip)")
     ap.add_argument("--search", type=int, default=16, help="--study search: candidate clips per token")
     ap.add_argument("--calib-seq-len", type=int, default=2048)
     ap.add_argument("--recon-seqs", type=int, default=1, help="held-out C4 sequences for the reconstruction proxy (0: skip)")
@@ -353,6 +372,8 @@ def main() -> None:
     chunks = tokenize_chunks(tok, text, args.seq_len, args.chunks)
     out = {"settings": {"study": args.study, "model": args.model, "text": text_name, "chunks": args.chunks, "seq_len": args.seq_len,
                         "base": base.to_dict(), "calibration": cal.meta if cal else None}, "fp": None, "results": {}}
+    if args.mean_text_file:  # only when set, so that earlier files still resume
+        out["settings"]["mean_text"] = args.mean_text_file
     path = Path(args.json)
     if path.is_file():
         prev = json.loads(path.read_text())

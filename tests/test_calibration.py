@@ -255,3 +255,27 @@ def test_pre_rope_key_mean_matches_slow_reference(family):
     for l, st in enumerate(stats):
         torch.testing.assert_close(st["mu_K_pre"], ref[l], rtol=1e-5, atol=1e-6)
         assert not torch.allclose(st["mu_K_pre"], st["mu_K"], atol=1e-3)  # not the post-RoPE mean
+
+
+def test_centered_key_second_moment_matches_slow_reference():
+    """With key means μ, the collector's M_K_res is Σ (k_t − R_t μ)(k_t − R_t μ)ᵀ over the post-RoPE keys; μ = 0 gives M_K."""
+    from wushkv.folding import KeyTransform
+    from wushkv.models import rope_parameters
+
+    model = tiny_model("gemma3").double()
+    spec = describe(model)
+    seqs = torch.randint(3, 96, (2, 24), generator=torch.Generator().manual_seed(0))
+    H, d = spec.num_kv_heads, spec.head_dim
+    mus = [torch.randn(H, d, generator=torch.Generator().manual_seed(l), dtype=torch.float64) for l in range(spec.num_layers)]
+    stats = collect_statistics(model, seqs, show_progress=False, key_means=mus)
+    zero = collect_statistics(model, seqs, show_progress=False, key_means=[torch.zeros(H, d, dtype=torch.float64)] * spec.num_layers)
+    ref = [0] * spec.num_layers
+    for s in seqs:
+        for l, (q, k, v) in capture_qkv(model, s[None]).items():
+            kt = KeyTransform(torch.eye(d, dtype=torch.float64).repeat(H, 1, 1), torch.eye(d, dtype=torch.float64).repeat(H, 1, 1),
+                              mu_rope=mus[l], rope=rope_parameters(model, l, spec))
+            r = k[0].double() - kt.center(torch.arange(k.shape[2])[None], torch.float64)[0]  # (H, S, d)
+            ref[l] = ref[l] + r.transpose(1, 2) @ r
+    for l in range(spec.num_layers):
+        torch.testing.assert_close(zero[l]["M_K_res"], zero[l]["M_K"])
+        torch.testing.assert_close(stats[l]["M_K_res"], ref[l], rtol=1e-5, atol=1e-5)

@@ -51,8 +51,11 @@ class StatsCollector:
     block: int = 256
 
     def __init__(self, spec: ArchSpec, o_proj_weights: list[torch.Tensor], wush_a: bool = False, skip_first: int = 0,
-                 rope: list[tuple[torch.Tensor, float]] | None = None):
+                 rope: list[tuple[torch.Tensor, float]] | None = None, key_means: list[torch.Tensor] | None = None):
         self.spec = spec
+        # with key_means (a pre-RoPE mean μ per layer, needs rope): also M_K_res = Σ (k_t − R_t μ)(k_t − R_t μ)ᵀ,
+        # the second moment of the keys a +rmean cache quantizes
+        self.key_means = key_means
         self.rope = rope  # per layer (inv_freq, scaling): keys are rotated back to their pre-RoPE mean μ (mu_K_pre)
         self.wush_a = wush_a
         self.skip_first = skip_first  # positions excluded from M_K/M_V (e.g. never-quantized sink tokens)
@@ -101,6 +104,11 @@ class StatsCollector:
             ang = torch.cat([ang, ang], dim=-1)  # (n, d)
             rot = torch.cat([-ks[..., d // 2 :], ks[..., : d // 2]], dim=-1)
             acc["S_K_pre"] += ((ks * ang.cos() - rot * ang.sin()) / scale).sum(dim=(0, 2))  # R_t⁻¹ k_t
+            if self.key_means is not None:
+                mu = self.key_means[layer].to(k64.device, torch.float64)[None, :, None, :]  # (1, H, 1, d)
+                mrot = torch.cat([-mu[..., d // 2 :], mu[..., : d // 2]], dim=-1)
+                res = ks - (mu * ang.cos() + mrot * ang.sin()) * scale  # k_t − R_t μ
+                acc["M_K_res"] = acc.get("M_K_res", 0) + gram(res)
         # OSCAR value weights w = kᵀ C_Q k with the running C_Q (mean q qᵀ of the group)
         C_Q = acc["QQ"] / acc["n_q"]
         w = ((k64 @ C_Q) * k64).sum(-1)  # (B, Hkv, S)
@@ -188,6 +196,8 @@ class StatsCollector:
             }
             if self.rope is not None:
                 st["mu_K_pre"] = acc["S_K_pre"] / acc["n_k"].clamp_min(1)
+            if "M_K_res" in acc:
+                st["M_K_res"] = acc["M_K_res"]
             if self.wush_a:
                 st |= {"H_K_A": acc["H_K_A"], "H_V_A": acc["H_V_A"]}
             for name, t in st.items():
@@ -325,8 +335,10 @@ def calibration_sequences(tokenizer, samples: int, seq_len: int, text_file: str 
 
 
 @torch.no_grad()
-def collect_statistics(model, sequences: torch.Tensor, wush_a: bool = False, skip_first: int = 0, show_progress: bool = True) -> list[dict]:
-    """Run ``model`` over ``sequences`` (N, L) and return per-layer statistics (float64)."""
+def collect_statistics(model, sequences: torch.Tensor, wush_a: bool = False, skip_first: int = 0, show_progress: bool = True,
+                       key_means: list[torch.Tensor] | None = None) -> list[dict]:
+    """Run ``model`` over ``sequences`` (N, L) and return per-layer statistics (float64). With ``key_means``
+    (pre-RoPE key means per layer), also ``M_K_res``, the second moment of the keys minus their rotating mean."""
     spec = describe(model)
     o_weights = [projections(a, spec)[3].weight.detach() for a in attention_modules(model, spec)]
     try:
@@ -335,7 +347,9 @@ def collect_statistics(model, sequences: torch.Tensor, wush_a: bool = False, ski
         rope = [rope_parameters(model, l, spec) for l in range(spec.num_layers)]
     except UnsupportedModelError:  # no rotary module we can read: no pre-RoPE mean (the +rmean methods need it)
         rope = None
-    collector = StatsCollector(spec, o_weights, wush_a=wush_a, skip_first=skip_first, rope=rope)
+    if key_means is not None and rope is None:
+        raise ValueError("key_means needs a rotary embedding wushkv can read (models.rope_parameters)")
+    collector = StatsCollector(spec, o_weights, wush_a=wush_a, skip_first=skip_first, rope=rope, key_means=key_means)
     observe_sequences(model, sequences, collector, "calibrate", show_progress)
     return collector.finalize()
 
