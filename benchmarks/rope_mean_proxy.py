@@ -14,7 +14,6 @@ weights. The transforms are ``hadamard`` and the calibration's ``wush``.
 from __future__ import annotations
 
 import argparse
-import json
 import math
 import sys
 from pathlib import Path
