@@ -26,7 +26,7 @@ from wushkv.calibration import Calibration, calibration_sequences, pre_rope_key_
 from wushkv.data import load_eval_text, tokenize_chunks  # noqa: E402
 from wushkv.folding import KeyTransform  # noqa: E402
 from wushkv.io import write_json  # noqa: E402
-from wushkv.models import attention_modules, describe, load, projections, rope_parameters  # noqa: E402
+from wushkv.models import attention_modules, describe, load, projections, rope_parameters, rope_rotate  # noqa: E402
 from wushkv.progress import progress  # noqa: E402
 from wushkv.quantizers import QuestQuantizer  # noqa: E402
 from wushkv.transforms import build_transforms  # noqa: E402
@@ -57,11 +57,8 @@ def post_rope(model, ids):
             q = a.q_norm(q)
         k = got[("k", i)].reshape(T, H, d)
         inv_freq, scale = rope_parameters(model, i, spec)
-        ang = torch.arange(T, dtype=torch.float32)[:, None] * inv_freq
-        ang = torch.cat([ang, ang], -1)[:, None]  # (T, 1, d)
-        cos, sin = ang.cos() * scale, ang.sin() * scale
-        rot = lambda x: torch.cat([-x[..., d // 2 :], x[..., : d // 2]], -1)  # noqa: E731
-        out.append(((q * cos + rot(q) * sin).transpose(0, 1).float(), (k * cos + rot(k) * sin).transpose(0, 1).float()))
+        pos = torch.arange(T)[:, None]  # (T, 1): every head of a position
+        out.append((rope_rotate(q, pos, inv_freq, scale).transpose(0, 1).float(), rope_rotate(k, pos, inv_freq, scale).transpose(0, 1).float()))
     return out
 
 

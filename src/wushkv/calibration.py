@@ -32,7 +32,7 @@ from . import __version__
 from .attention import attention_probs, grouped, observe_sequences
 from .io import atomic_write, write_json
 from .progress import progress
-from .models import ArchSpec, attention_modules, describe, fingerprint, model_name, projections
+from .models import ArchSpec, attention_modules, describe, fingerprint, model_name, projections, rope_rotate
 from .transforms import TRANSFORMS, build_transforms
 
 FORMAT = "wushkv-calibration"
@@ -100,14 +100,11 @@ class StatsCollector:
         acc["S_V"] += vs.sum(dim=(0, 2))
         if self.rope is not None:  # unpadded sequences from position 0: column t is rotary position t
             inv_freq, scale = self.rope[layer]
-            ang = torch.arange(self.skip_first, k64.shape[2], dtype=torch.float64, device=k64.device)[:, None] * inv_freq.to(k64.device, torch.float64)
-            ang = torch.cat([ang, ang], dim=-1)  # (n, d)
-            rot = torch.cat([-ks[..., d // 2 :], ks[..., : d // 2]], dim=-1)
-            acc["S_K_pre"] += ((ks * ang.cos() - rot * ang.sin()) / scale).sum(dim=(0, 2))  # R_t⁻¹ k_t
+            pos = torch.arange(self.skip_first, k64.shape[2])
+            acc["S_K_pre"] += rope_rotate(ks, pos, inv_freq, scale, inverse=True).sum(dim=(0, 2))  # R_t⁻¹ k_t
             if self.key_means is not None:
                 mu = self.key_means[layer].to(k64.device, torch.float64)[None, :, None, :]  # (1, H, 1, d)
-                mrot = torch.cat([-mu[..., d // 2 :], mu[..., : d // 2]], dim=-1)
-                res = ks - (mu * ang.cos() + mrot * ang.sin()) * scale  # k_t − R_t μ
+                res = ks - rope_rotate(mu, pos, inv_freq, scale)  # k_t − R_t μ
                 acc["M_K_res"] = acc.get("M_K_res", 0) + gram(res)
         # OSCAR value weights w = kᵀ C_Q k with the running C_Q (mean q qᵀ of the group)
         C_Q = acc["QQ"] / acc["n_q"]

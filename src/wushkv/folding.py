@@ -18,7 +18,7 @@ import torch
 from torch import nn
 
 from .attention import restore_attention, use_wushkv_attention
-from .models import ArchSpec, attention_modules, describe, projections, rope_parameters
+from .models import ArchSpec, attention_modules, describe, projections, rope_parameters, rope_rotate
 
 KEY_TRANSFORM_NAME = "wushkv_key"
 
@@ -92,13 +92,8 @@ class KeyTransform(nn.Module):
         float64 throughout, then rounded to float32, so the last bits a matmul's blocking may change are
         rounded away (a float64 difference of 1e-16 crosses a float32 rounding boundary only by chance
         of order 1e-9 per value)."""
-        ang = positions.to(self.inv_freq.device, torch.float64)[..., None] * self.inv_freq.double()  # (B', N, d/2)
-        ang = torch.cat([ang, ang], dim=-1)[:, None]  # (B', 1, N, d)
-        cos, sin = ang.cos() * self.rope_scaling, ang.sin() * self.rope_scaling
-        mu = self.mu_rope.double()[None, :, None, :]  # (1, Hkv, 1, d)
-        h = mu.shape[-1] // 2
-        rot = torch.cat([-mu[..., h:], mu[..., :h]], dim=-1)
-        c = mu * cos + rot * sin  # (B', Hkv, N, d)
+        pos = positions.to(self.inv_freq.device)[:, None, :]  # (B', 1, N)
+        c = rope_rotate(self.mu_rope.double()[None, :, None, :], pos, self.inv_freq, self.rope_scaling)  # (B', Hkv, N, d)
         return torch.matmul(c, self.T_t.double()).float().to(dtype)
 
     def queries(self, q: torch.Tensor) -> torch.Tensor:
