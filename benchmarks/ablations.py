@@ -136,11 +136,17 @@ def variants(study, args, model, tok, spec, cal):
                 v.append((f"wush γH=0.01 γM={g:g}", wush_layers(cal.stats, spec, 1e-2, g), {}))
         return v
     if study == "clip":
+        # global QuEST clip multipliers on α_b, keys and values separately (--sides), over --clip-grid; with a
+        # calibration that holds the pre-RoPE key mean, also WUSH with keys centered on it (wush+rmean)
+        grid = [float(a) for a in args.clip_grid.split(",")] if args.clip_grid else list(CLIP_GRID)
+        methods = [("hadamard", plain_layers("hadamard", spec)), ("wush", cal.transforms("wush"))]
+        if all("mu_K_pre" in st for st in cal.stats):
+            methods.append(("wush+rmean", [t | {"mu_K_rope": st["mu_K_pre"].float()} for t, st in zip(cal.transforms("wush"), cal.stats)]))
         v = []
-        for name, trs in (("hadamard", plain_layers("hadamard", spec)), ("wush", cal.transforms("wush"))):
-            for a in CLIP_GRID:
-                v.append((f"{name} αK×{a:g}", trs, {"k_alpha": a}))
-                v.append((f"{name} αV×{a:g}", trs, {"v_alpha": a}))
+        for name, trs in methods:
+            for a in grid:
+                for side in args.sides.split(","):
+                    v.append((f"{name} α{side[0].upper()}×{a:g}", trs, {f"{side[0]}_alpha": a}))
         return v
     if study == "calib":
         seqs = calibration_sequences(tok, args.max_samples, args.calib_seq_len)
@@ -234,6 +240,25 @@ def variants(study, args, model, tok, spec, cal):
                 ("wush + rope-mean keys (second half of the layers)", part(wush, range(half, spec.num_layers)), {}),
                 ] + ([("wush refit on centered keys + rope-mean keys", rc(refit_centered(args, model, tok, spec, cal, mus)), {})]
                      if args.refit_seqs else [])
+    if study == "calib-files":
+        # WUSH solved (canonical signs) from each of several calibration files, e.g. the same token count in
+        # sequences of 512, 1024, 2048 and 4096 tokens, or another calibration text
+        v = [("hadamard", plain_layers("hadamard", spec), {})]
+        for path in args.calibrations.split(","):
+            c = Calibration.load(path, model)
+            src = Path(c.meta["calibration_source"]).name if c.meta.get("calibration_source", "").startswith("/") else "C4"
+            v.append((f"wush {c.meta['samples']} x {c.meta['seq_len']} {src}", wush_layers(c.stats, spec, c.meta["damping"]), {}))
+        return v
+    if study == "query-skip":
+        # every variant solved from one fresh pass over the same --stats-seqs calibration sequences: only which
+        # positions enter H_K (queries) and M (keys, values) differs; (first queries skipped, first keys skipped)
+        v = [("hadamard", plain_layers("hadamard", spec), {})]
+        for q_skip, kv_skip in ((0, 0), (16, 0), (144, 0), (144, 16)):
+            st = collect_statistics(model, calibration_sequences(tok, args.stats_seqs, args.calib_seq_len), skip_first=kv_skip,
+                                    skip_first_queries=q_skip)
+            name = "wush" + (f" H_K without the first {q_skip} queries" if q_skip else "") + (f" M without the first {kv_skip} keys" if kv_skip else "")
+            v.append((name, wush_layers(st, spec), {}))
+        return v
     if study == "search":
         tiles = {"quantizer": "kvarn", "clip_search": 0, "windows": [128, 0, 128]}
         v = []
@@ -329,7 +354,7 @@ def make_cfg(base, b, over):
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--study", required=True, choices=["damping", "key-damping", "rope-sym", "rope-mean", "signs", "search", "clip", "clip-layer", "calib", "wush-a", "sides", "mix", "tiles", "center", "alloc"])
+    ap.add_argument("--study", required=True, choices=["damping", "key-damping", "rope-sym", "rope-mean", "signs", "search", "clip", "clip-layer", "calib", "wush-a", "sides", "mix", "tiles", "center", "alloc", "query-skip", "calib-files"])
     ap.add_argument("--model", default="smollm2-135m")
     ap.add_argument("--calibration", default=None, help="calibration file (statistics); not needed by --study calib")
     ap.add_argument("--chunks", type=int, default=4)
@@ -346,6 +371,10 @@ def main() -> None:
                          "of domain shift; the evaluation text itself is an oracle, never a setting)")
     ap.add_argument("--refit-seqs", type=int, default=0, help="--study rope-mean: also WUSH re-solved on the centered keys' "
                     "second moment from this many calibration sequences (0: skip)")
+    ap.add_argument("--calibrations", default=None, help="--study calib-files: comma-separated calibration files")
+    ap.add_argument("--clip-grid", default=None, help="--study clip: comma-separated multipliers on α_b (default 0.85,1.15)")
+    ap.add_argument("--sides", default="keys,values", help="--study clip: which clips to vary (keys, values or both)")
+    ap.add_argument("--stats-seqs", type=int, default=16, help="--study query-skip: calibration sequences of each fresh pass")
     ap.add_argument("--search", type=int, default=16, help="--study search: candidate clips per token")
     ap.add_argument("--calib-seq-len", type=int, default=2048)
     ap.add_argument("--recon-seqs", type=int, default=1, help="held-out C4 sequences for the reconstruction proxy (0: skip)")

@@ -163,10 +163,11 @@ def test_rank_deficient_statistics_still_invertible(text_file):
         torch.testing.assert_close(tr["T_V"] @ tr["T_V_inv"], I, atol=1e-3, rtol=0)
 
 
-@pytest.mark.parametrize("block,window", [(256, None), (3, None), (4, 3)])
-def test_wush_a_matches_brute_force(block, window):
+@pytest.mark.parametrize("block,window,skip", [(256, None, 0), (3, None, 0), (4, 3, 0), (3, None, 4)])
+def test_wush_a_matches_brute_force(block, window, skip):
     """H^A of METHOD §3.1 by explicit per-(i, t) Jacobian sums on one layer of a tiny model; query rows in
-    one block or several (each over only the key columns it reaches), causal or sliding-window masks."""
+    one block or several (each over only the key columns it reaches), causal or sliding-window masks, and
+    the first ``skip`` query rows left out of the key Hessian (one block cut in two)."""
     from wushkv.calibration import StatsCollector
 
     model = tiny_model("llama")
@@ -181,7 +182,7 @@ def test_wush_a_matches_brute_force(block, window):
     if window is not None:
         allowed &= torch.ones(T, T, dtype=torch.bool).triu(-(window - 1))
     allowed = allowed[None, None]
-    coll = StatsCollector(spec, [None, attn.o_proj.weight.detach(), None], wush_a=True)
+    coll = StatsCollector(spec, [None, attn.o_proj.weight.detach(), None], wush_a=True, skip_first_queries=skip)
     coll.block = block
     coll.observe(attn, q.float(), k.float(), v.float(), allowed, s)
     got_K, got_V = coll.layers[1]["H_K_A"], coll.layers[1]["H_V_A"]
@@ -197,9 +198,33 @@ def test_wush_a_matches_brute_force(block, window):
                 Bit = sum(P[g][i, t] * Bg[g].T for g in gs)  # (d, hidden)
                 HV += 2 * Bit @ Bit.T
                 J = sum(s * P[g][i, t] * torch.outer(Bg[g] @ (v[0, h, t] - O[g][i]), q[0, g, i]) for g in gs)  # (hidden, d)
-                HK += 2 * J.T @ J
+                HK += 2 * J.T @ J * (i >= skip)
         torch.testing.assert_close(got_V[h], HV, rtol=1e-4, atol=1e-6)
         torch.testing.assert_close(got_K[h], HK, rtol=1e-3, atol=1e-5)
+
+
+def test_skip_first_queries_leaves_early_queries_out_of_the_key_hessian():
+    """H_K and C_Q from the queries at positions >= n only; M_K, M_V (and their means) from every position."""
+    model = tiny_model("llama")
+    spec = describe(model)
+    seqs = torch.randint(3, 96, (2, 24), generator=torch.Generator().manual_seed(0))
+    full = collect_statistics(model, seqs, show_progress=False)
+    n = 7
+    cut = collect_statistics(model, seqs, show_progress=False, skip_first_queries=n)
+    ref = [torch.zeros(spec.num_kv_heads, spec.head_dim, spec.head_dim, dtype=torch.float64) for _ in range(spec.num_layers)]
+    for s in seqs:
+        for l, (q, k, v) in capture_qkv(model, s[None]).items():
+            for h in range(spec.num_kv_heads):
+                Qs = torch.cat([q[0, g, n:] for g in spec.query_heads_of(h)])
+                ref[l][h] += 2 * Qs.T @ Qs
+    for l in range(spec.num_layers):
+        torch.testing.assert_close(cut[l]["H_K"], ref[l], rtol=1e-6, atol=1e-8)
+        torch.testing.assert_close(cut[l]["C_Q"], ref[l] / (2 * spec.group_size * seqs.shape[0] * (seqs.shape[1] - n)))
+        for name in ("M_K", "M_V", "mu_K", "H_V"):
+            torch.testing.assert_close(cut[l][name], full[l][name])
+        assert not torch.allclose(cut[l]["H_K"], full[l]["H_K"])
+    with pytest.raises(ValueError, match=r"skip_first_queries = 24: expected an integer in \[0, 23\]"):
+        collect_statistics(model, seqs, show_progress=False, skip_first_queries=24)
 
 
 # -- models split over devices (accelerate device_map) --------------------------------------------

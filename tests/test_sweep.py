@@ -164,3 +164,6 @@ def test_wush_a_config_errors(workdir):
     (workdir / "skip.toml").write_text(base + "[calibration]\nskip_first = -1\n")
     with pytest.raises(SweepError, match=r"skip_first = -1: expected an integer >= 0"):
         SweepConfig.load(workdir / "skip.toml")
+    (workdir / "skipq.toml").write_text(base + "[calibration]\nskip_first_queries = true\n")
+    with pytest.raises(SweepError, match=r"skip_first_queries = True: expected an integer >= 0"):
+        SweepConfig.load(workdir / "skipq.toml")

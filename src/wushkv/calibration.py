@@ -51,7 +51,8 @@ class StatsCollector:
     block: int = 256
 
     def __init__(self, spec: ArchSpec, o_proj_weights: list[torch.Tensor], wush_a: bool = False, skip_first: int = 0,
-                 rope: list[tuple[torch.Tensor, float]] | None = None, key_means: list[torch.Tensor] | None = None):
+                 rope: list[tuple[torch.Tensor, float]] | None = None, key_means: list[torch.Tensor] | None = None,
+                 skip_first_queries: int = 0):
         self.spec = spec
         # with key_means (a pre-RoPE mean μ per layer, needs rope): also M_K_res = Σ (k_t − R_t μ)(k_t − R_t μ)ᵀ,
         # the second moment of the keys a +rmean cache quantizes
@@ -59,6 +60,9 @@ class StatsCollector:
         self.rope = rope  # per layer (inv_freq, scaling): keys are rotated back to their pre-RoPE mean μ (mu_K_pre)
         self.wush_a = wush_a
         self.skip_first = skip_first  # positions excluded from M_K/M_V (e.g. never-quantized sink tokens)
+        # query positions excluded from the key Hessians H_K, H_K^A and C_Q: a query at t < S_sink + S_keep
+        # reads no quantized key in the cache, so its products never see the key transform's error
+        self.skip_first_queries = skip_first_queries
         self.o_weights = o_proj_weights  # per layer, (hidden, Hq·d), original weights
         self.layers: list[dict[str, torch.Tensor] | None] = [None] * spec.num_layers
         self.tokens = 0
@@ -93,8 +97,9 @@ class StatsCollector:
         gram = lambda x: (x.transpose(-1, -2) @ x).sum(0)  # (B, H, n, d) -> (H, d, d)  # noqa: E731
         acc["M_K"] += gram(ks)
         acc["M_V"] += gram(vs)
-        acc["QQ"] += gram(qg.reshape(B, Hkv, -1, d))
-        acc["n_q"] += B * qg.shape[2] * T
+        qk = qg[..., self.skip_first_queries :, :]  # queries that enter H_K
+        acc["QQ"] += gram(qk.reshape(B, Hkv, -1, d))
+        acc["n_q"] += B * qk.shape[2] * qk.shape[3]
         acc["n_k"] += B * ks.shape[2]
         acc["S_K"] += ks.sum(dim=(0, 2))
         acc["S_V"] += vs.sum(dim=(0, 2))
@@ -167,6 +172,8 @@ class StatsCollector:
                     - xy.transpose(1, 2)
                 )  # (B, G, G, tb)
                 qb = qh[:, :, i0 : i0 + self.block]
+                if i0 < self.skip_first_queries:  # query rows left out of the key Hessian
+                    C = C * (torch.arange(i0, i0 + C.shape[-1], device=C.device) >= self.skip_first_queries)
                 HK += torch.einsum("bght,bgtd,bhte->de", C * scaling**2, qb, qb).double()
             acc["H_V_A"][h] += 2 * torch.einsum("gh,ghde->de", PP, O.double())
             acc["H_K_A"][h] += 2 * HK
@@ -333,9 +340,13 @@ def calibration_sequences(tokenizer, samples: int, seq_len: int, text_file: str 
 
 @torch.no_grad()
 def collect_statistics(model, sequences: torch.Tensor, wush_a: bool = False, skip_first: int = 0, show_progress: bool = True,
-                       key_means: list[torch.Tensor] | None = None) -> list[dict]:
+                       key_means: list[torch.Tensor] | None = None, skip_first_queries: int = 0) -> list[dict]:
     """Run ``model`` over ``sequences`` (N, L) and return per-layer statistics (float64). With ``key_means``
-    (pre-RoPE key means per layer), also ``M_K_res``, the second moment of the keys minus their rotating mean."""
+    (pre-RoPE key means per layer), also ``M_K_res``, the second moment of the keys minus their rotating mean.
+    ``skip_first`` positions are left out of M_K/M_V, ``skip_first_queries`` out of H_K (and H_K^A, C_Q)."""
+    for name, n in (("skip_first", skip_first), ("skip_first_queries", skip_first_queries)):
+        if not 0 <= n < sequences.shape[1]:
+            raise ValueError(f"{name} = {n}: expected an integer in [0, {sequences.shape[1] - 1}] (the sequences have {sequences.shape[1]} tokens)")
     spec = describe(model)
     o_weights = [projections(a, spec)[3].weight.detach() for a in attention_modules(model, spec)]
     try:
@@ -346,7 +357,8 @@ def collect_statistics(model, sequences: torch.Tensor, wush_a: bool = False, ski
         rope = None
     if key_means is not None and rope is None:
         raise ValueError("key_means needs a rotary embedding wushkv can read (models.rope_parameters)")
-    collector = StatsCollector(spec, o_weights, wush_a=wush_a, skip_first=skip_first, rope=rope, key_means=key_means)
+    collector = StatsCollector(spec, o_weights, wush_a=wush_a, skip_first=skip_first, rope=rope, key_means=key_means,
+                               skip_first_queries=skip_first_queries)
     observe_sequences(model, sequences, collector, "calibrate", show_progress)
     return collector.finalize()
 
@@ -390,13 +402,15 @@ def calibrate(
     skip_first: int = 0,
     methods: tuple[str, ...] | None = None,
     show_progress: bool = True,
+    skip_first_queries: int = 0,
 ) -> Calibration:
     """Collect statistics on calibration text and solve every calibrated transform."""
     import time
 
     t0 = time.perf_counter()
     seqs = calibration_sequences(tokenizer, samples, seq_len, text_file)
-    stats = collect_statistics(model, seqs, wush_a=wush_a, skip_first=skip_first, show_progress=show_progress)
+    stats = collect_statistics(model, seqs, wush_a=wush_a, skip_first=skip_first, show_progress=show_progress,
+                               skip_first_queries=skip_first_queries)
     meta = {
         "model": model_name(model),
         "fingerprint": fingerprint(model),
@@ -414,6 +428,8 @@ def calibrate(
         "format_version": FORMAT_VERSION,
         "date": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
     }
+    if skip_first_queries:  # only when used: a default calibration keeps the recipe earlier versions wrote
+        meta["skip_first_queries"] = skip_first_queries
     cal = Calibration(meta, stats)
     for m in methods or CALIBRATED:
         if all(k in stats[0] for k in TRANSFORMS[m].stats_keys):

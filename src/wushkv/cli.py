@@ -153,7 +153,8 @@ def cmd_calibrate(args) -> int:
 
     model, tok = _load(args)
     cal = calibrate(model, tok, samples=args.samples, seq_len=args.seq_len, text_file=args.calib_text_file,
-                    damping=args.damping, wush_a=args.wush_a, skip_first=args.skip_first)
+                    damping=args.damping, wush_a=args.wush_a, skip_first=args.skip_first,
+                    skip_first_queries=args.skip_first_queries)
     path = cal.save(args.out)
     print(f"calibration of {args.model}: {cal.meta['samples']} x {cal.meta['seq_len']} tokens, transforms {sorted(cal.solved)}, "
           f"{cal.meta['seconds']:.1f}s -> {path} (+ {path}.json)")
@@ -594,6 +595,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--damping", type=float, default=0.01, help="γ: damping of H and M relative to their mean diagonal (default: %(default)s)")
     p.add_argument("--wush-a", action="store_true", help="also collect attention-aware Hessians (WUSH-A; cost grows as seq-len²: about 2.6× a plain calibration at 1024 tokens, 3.7× at 2048)")
     p.add_argument("--skip-first", type=int, default=0, help="leave the first N positions of each sequence out of M_K/M_V (default: %(default)s)")
+    p.add_argument("--skip-first-queries", type=int, default=0,
+                   help="leave the queries at the first N positions out of the key Hessian H_K (queries before S_sink + S_keep "
+                        "read no quantized key; default: %(default)s)")
     p.add_argument("--out", required=True, help="output .safetensors path (metadata also in PATH.json)")
     p.set_defaults(func=cmd_calibrate)
 

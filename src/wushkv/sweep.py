@@ -46,7 +46,7 @@ FULL_PRECISION = "full-precision"
 _SECTIONS = {
     "grid": {"models", "transforms", "bits", "quantizers", "evaluations"},
     "eval": {"chunks", "seq_len", "text_file", "sink", "keep", "flush", "recon_seqs", "dtype", "device"},
-    "calibration": {"samples", "seq_len", "text_file", "damping", "wush_a", "skip_first"},
+    "calibration": {"samples", "seq_len", "text_file", "damping", "wush_a", "skip_first", "skip_first_queries"},
     "resources": {"num_cpus", "num_gpus"},
 }
 
@@ -161,13 +161,14 @@ class SweepConfig:
             return d
 
         calibration = cls.CALIB_DEFAULTS | resolve(raw.get("calibration", {}))
-        # wush_a / skip_first enter the calibration (and job) keys only when used, so older sweeps keep their results
+        # wush_a / skip_first / skip_first_queries enter the calibration (and job) keys only when used, so older sweeps keep their results
         wants_a = [t for t in transforms if uses_wush_a(t)]
         if wants_a:
             if calibration.get("wush_a") is False:
                 raise SweepError(f"grid.transforms {wants_a} need the attention-aware statistics: remove `wush_a = false` from [calibration]")
             calibration["wush_a"] = True
-        for k, ok in (("wush_a", lambda v: isinstance(v, bool)), ("skip_first", lambda v: isinstance(v, int) and not isinstance(v, bool) and v >= 0)):
+        nonneg = lambda v: isinstance(v, int) and not isinstance(v, bool) and v >= 0  # noqa: E731
+        for k, ok in (("wush_a", lambda v: isinstance(v, bool)), ("skip_first", nonneg), ("skip_first_queries", nonneg)):
             if k in calibration and not ok(calibration[k]):
                 raise SweepError(f"[calibration] {k} = {calibration[k]!r}: expected {'true or false' if k == 'wush_a' else 'an integer >= 0'}")
         models = [str((base / m).resolve()) if (base / m).exists() and not Path(m).is_absolute() else m for m in grid["models"]]
@@ -242,7 +243,8 @@ def calibration_bytes(cfg: SweepConfig, model_name: str, model=None, tok=None) -
         torch.set_num_threads(int(cfg.resources["num_cpus"]))
         try:
             cal = calibrate(model, tok, samples=c["samples"], seq_len=c["seq_len"], text_file=c["text_file"],
-                            damping=c["damping"], wush_a=c.get("wush_a", False), skip_first=c.get("skip_first", 0), show_progress=False)
+                            damping=c["damping"], wush_a=c.get("wush_a", False), skip_first=c.get("skip_first", 0), show_progress=False,
+                            skip_first_queries=c.get("skip_first_queries", 0))
         finally:
             torch.set_num_threads(prev)
         cal.save(path)

@@ -245,7 +245,8 @@ def transforms_for(model, calibration, transform: str):
             raise ValueError(f"method {transform!r} centers keys on the calibration's pre-RoPE key mean; it needs a calibration (--calibration PATH)")
         if any("mu_K_pre" not in st for st in calibration.stats):
             raise ValueError(f"method {transform!r} needs the pre-RoPE key mean (mu_K_pre), which this calibration file predates; "
-                             "make a new one with `wushkv calibrate`")
+                             "make a new one with `wushkv calibrate`, or add the mean to this file's statistics (same transforms) "
+                             "with `python benchmarks/add_rope_mean.py --calibration FILE --out NEW` in a source checkout")
         trs = transforms_for(model, calibration, base + "".join(s for s in sufs if s != RMEAN_SUFFIX))
         return [t | {"mu_K_rope": st["mu_K_pre"].float()} for t, st in zip(trs, calibration.stats)]
     if uses_ldlq(transform):
