@@ -485,10 +485,15 @@ class WushKVLayer(CacheLayerMixin):
             pos = (pos - self.pads.view(-1, 1)).clamp_min(0)  # pad columns are never read
         return kt.center(pos, dtype)
 
+    @staticmethod
+    def _minus_center(x: torch.Tensor, c: torch.Tensor) -> torch.Tensor:
+        """x − c in float32 at least (the codec quantizes float32): the one subtraction every path shares."""
+        return x.float() - c if x.dtype != torch.float64 else x - c.double()
+
     def _append_mid(self, k: torch.Tensor, v: torch.Tensor, start: int) -> None:
         c = self._key_center(start, k.shape[2], torch.float32)
-        if c is not None:  # in float32 at least (the codec quantizes float32), as _fake does
-            k = k.float() - c if k.dtype != torch.float64 else k - c.double()
+        if c is not None:
+            k = self._minus_center(k, c)
         for name, side, x in (("k", self.k_side, k), ("v", self.v_side, v)):
             if side is not None:
                 side.append(x)
@@ -547,8 +552,7 @@ class WushKVLayer(CacheLayerMixin):
         if c is None:
             xq = s.codec.fake(x[:, :, :n])
         else:
-            xn = x[:, :, :n]
-            xq = s.codec.fake(xn.float() - c if xn.dtype != torch.float64 else xn - c.double()) + c
+            xq = s.codec.fake(self._minus_center(x[:, :, :n], c)) + c
         return torch.cat([xq.to(x.dtype), x[:, :, n:]], dim=2)
 
     def _evict(self, first: int) -> None:
