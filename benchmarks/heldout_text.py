@@ -26,19 +26,12 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 
-from wushkv.data import c4_documents  # noqa: E402
+from wushkv.data import HELDOUT_C4_DOCUMENTS, HELDOUT_C4_FIRST, heldout_c4_text  # noqa: E402
 from wushkv.io import atomic_write  # noqa: E402
 
 # Pure-Python standard-library modules, in this order; long enough for 16 chunks of 2048 SmolLM2 tokens.
 PYTHON_MODULES = ("argparse", "dataclasses", "fractions", "heapq", "textwrap", "difflib", "calendar",
                   "statistics", "shlex", "configparser", "ipaddress", "pprint")
-
-
-def c4_text(first: int, documents: int) -> tuple[str, str]:
-    docs = c4_documents(limit=first + documents)[first:]
-    if len(docs) < documents:
-        raise SystemExit(f"the C4 sample has {first + len(docs)} documents; asked for {first}..{first + documents - 1}")
-    return "\n\n".join(docs), f"{len(docs)} C4 documents ({first}..{first + len(docs) - 1})"
 
 
 def python_text(modules: tuple[str, ...] = PYTHON_MODULES) -> tuple[str, str]:
@@ -54,10 +47,10 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--out", required=True)
     ap.add_argument("--source", choices=("c4", "python"), default="c4", help="which text (default: %(default)s)")
-    ap.add_argument("--first", type=int, default=1200, help="c4: first document (default: %(default)s)")
-    ap.add_argument("--documents", type=int, default=800, help="c4: how many documents (default: %(default)s)")
+    ap.add_argument("--first", type=int, default=HELDOUT_C4_FIRST, help="c4: first document (default: %(default)s)")
+    ap.add_argument("--documents", type=int, default=HELDOUT_C4_DOCUMENTS, help="c4: how many documents (default: %(default)s)")
     args = ap.parse_args()
-    text, what = c4_text(args.first, args.documents) if args.source == "c4" else python_text()
+    text, what = heldout_c4_text(args.first, args.documents) if args.source == "c4" else python_text()
     atomic_write(args.out, lambda tmp: Path(tmp).write_text(text, encoding="utf-8"))
     print(f"{what}, {len(text)} characters -> {args.out}")
 

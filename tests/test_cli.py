@@ -23,6 +23,15 @@ from wushkv.cli import main
         (["compare", "--transforms", "wush+ldlq+tiles"], "cannot be combined"),
         (["ppl", "--transform", "hadamard+ldlq", "--quantizer", "kivi"], "per-token quantizer"),
         (["compare", "--transforms", "wush,wush+ldlq", "--quantizer", "kivi"], "per-token quantizer"),
+        (["tune-clip", "--out", "c.json", "--quantizer", "affine"], "clip multipliers are QuEST's"),
+        (["tune-clip", "--out", "c.json", "--transforms", "wush,kvarn"], "'kvarn' quantizes with KVarN's tiles"),
+        (["tune-clip", "--out", "c.json", "--k-alpha", "1.2"], "starts from α_b"),
+        (["tune-clip", "--out", "c.json", "--grid", "0.9,1.1"], "including 1"),
+        (["tune-clip", "--out", "c.json", "--grid", "1,x"], "comma-separated multipliers"),
+        (["compare", "--clips", "c.json", "--quantizer", "affine"], "QuEST clip multipliers; got --quantizer 'affine'"),
+        (["compare", "--clips", "c.json", "--k-alpha", "1.3"], "either --clips or --k-alpha"),
+        (["compare", "--clips", "/nonexistent/c.json"], "does not exist"),
+        (["ppl", "--clips", "c.json"], "needs a quantized run"),
     ],
 )
 def test_bad_arguments(argv, message, capsys):
@@ -105,3 +114,30 @@ def test_reconcile_settings_reads_older_quantization():
     old = {"model": "m", "quantization": {k: v for k, v in QuantConfig().to_dict().items() if k != "clip_search"}}
     assert reconcile_settings(old, new)[1] == []
     assert reconcile_settings(old, {"model": "m", "quantization": QuantConfig(clip_search=4).to_dict()})[1] == ["quantization"]
+
+
+def test_tune_clip_then_compare_with_the_table(tmp_path, capsys):
+    """tune-clip writes a table that compare --clips applies: each method's result runs at its table clips."""
+    import json
+
+    from conftest import hf_char_tokenizer, tiny_model
+
+    tiny_model("llama", vocab_size=128).save_pretrained(tmp_path / "m")
+    hf_char_tokenizer().save_pretrained(tmp_path / "m")
+    text = tmp_path / "t.txt"
+    text.write_text("the quick brown fox jumps over the lazy dog. " * 20)
+    common = ["--model", str(tmp_path / "m"), "--transforms", "identity,hadamard", "--bits", "2", "--text-file", str(text),
+              "--seq-len", "120", "--chunks", "2", "--sink", "4", "--keep", "16", "--flush", "4"]
+    table = tmp_path / "clips.json"
+    assert main(["tune-clip", *common, "--grid", "0.85,1,1.15", "--out", str(table), "--plot", str(tmp_path / "k.png")]) == 0
+    assert (tmp_path / "k.png").stat().st_size > 1000
+    assert "QuEST clip multipliers on α_b chosen on" in capsys.readouterr().out
+    clips = json.loads(table.read_text())["clips"]
+    out = tmp_path / "cmp.json"
+    assert main(["compare", *common, "--clips", str(table), "--json", str(out)]) == 0
+    assert "chosen on this very text" in capsys.readouterr().err  # the honest-use guard speaks
+    res = json.loads(out.read_text())["results"]
+    for t in ("identity", "hadamard"):
+        cfg = res[t]["2"]["config"]
+        assert (cfg["k_alpha"], cfg["v_alpha"]) == (clips[t]["2"]["k_alpha"], clips[t]["2"]["v_alpha"])
+        assert res[t]["2"]["ppl"] == clips[t]["2"]["ppl"]  # the same text and clips: the same perplexity

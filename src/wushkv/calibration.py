@@ -327,11 +327,27 @@ def calibration_recipe(meta: dict | None) -> dict | None:
     return {k: v for k, v in meta.items() if k not in ("date", "seconds", "wushkv_version")}
 
 
+def c4_documents_read(samples: int, seq_len: int) -> int:
+    """How many C4 documents :func:`calibration_sequences` reads for ``samples`` x ``seq_len`` tokens."""
+    return max(600, math.ceil(samples * seq_len / 400))  # C4 documents average ~500 tokens
+
+
+def calibration_documents(meta: dict) -> int | None:
+    """The C4 documents a calibration read (0..n−1), None if it read another text."""
+    if not str(meta.get("calibration_source", "")).startswith("c4-validation"):
+        return None
+    n = c4_documents_read(int(meta["samples"]), int(meta["seq_len"]))
+    extra = meta.get("mu_K_pre")  # the pre-RoPE mean added later by benchmarks/add_rope_mean.py
+    if isinstance(extra, dict) and extra.get("text_file") is None and "sequences" in extra:
+        n = max(n, c4_documents_read(int(extra["sequences"]), int(extra["seq_len"])))
+    return n
+
+
 def calibration_sequences(tokenizer, samples: int, seq_len: int, text_file: str | None = None, documents: int | None = None) -> torch.Tensor:
     """The first ``samples`` non-overlapping ``seq_len``-token sequences of the calibration text (C4 by default)."""
     from .data import calibration_text, tokenize_chunks
 
-    docs = documents or max(600, math.ceil(samples * seq_len / 400))  # C4 documents average ~500 tokens
+    docs = documents or c4_documents_read(samples, seq_len)
     seqs = tokenize_chunks(tokenizer, calibration_text(text_file, documents=docs), seq_len)
     if seqs.shape[0] < samples:
         raise ValueError(f"the calibration text gives {seqs.shape[0]} sequences of {seq_len} tokens, fewer than samples={samples}")

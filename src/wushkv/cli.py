@@ -111,6 +111,28 @@ def _load_calibration(args, model):
     return Calibration.load(args.calibration, model)
 
 
+def _check_clips_args(args, cfg) -> bool | None:
+    """Fail fast on ``--clips`` with settings it cannot apply to; True if a table is to be loaded."""
+    path = getattr(args, "clips", None)
+    if not path:
+        return None
+    if cfg is None:
+        raise ValueError("--clips needs a quantized run (--transform)")
+    if cfg.quantizer != "quest":
+        raise ValueError(f"--clips holds QuEST clip multipliers; got --quantizer {cfg.quantizer!r}")
+    if (args.k_alpha, args.v_alpha) != (1.0, 1.0):
+        raise ValueError("give either --clips or --k-alpha/--v-alpha, not both")
+    if not Path(path).is_file():
+        raise FileNotFoundError(f"--clips {path} does not exist (make one with `wushkv tune-clip --out {path}`)")
+    return True
+
+
+def _load_clips(args, model):
+    from .eval.clips import ClipTable
+
+    return ClipTable.load(args.clips, model)
+
+
 def cmd_ppl(args) -> int:
     from .data import load_eval_text, tokenize_chunks
     from .eval.compare import config_for, quantized_perplexity
@@ -121,6 +143,7 @@ def cmd_ppl(args) -> int:
     if args.transform:
         _check_transforms([args.transform])
         cfg = config_for(args.transform, cfg)
+    clips = _check_clips_args(args, cfg)
     text, label = load_eval_text(args.text_file)
     model, tok = _load(args)
     chunks = tokenize_chunks(tok, text, args.seq_len, args.chunks)
@@ -128,6 +151,9 @@ def cmd_ppl(args) -> int:
         res = perplexity(model, chunks, desc=f"ppl {args.model}")
     else:
         cal = _load_calibration(args, model)
+        if clips is not None:
+            clips = _load_clips(args, model)
+            cfg = clips.apply(args.transform, cfg)
         res = quantized_perplexity(model, chunks, cal, args.transform, cfg, desc=f"ppl {args.transform} {cfg.label()}")
     out = {
         "model": args.model,
@@ -140,6 +166,7 @@ def cmd_ppl(args) -> int:
         "transform": args.transform,
         "calibration": args.calibration,
         "quantization": cfg.to_dict() if cfg else None,
+        "clips": clips.describe() if clips is not None else None,
     }
     what = "full precision" if cfg is None else f"{args.transform} {cfg.label()}"
     print(f"{args.model}  {label}  {res['chunks']} x {args.seq_len} tokens  {what}  PPL {res['ppl']:.3f}  ({res['seconds']:.1f}s)")
@@ -257,16 +284,19 @@ def cmd_compare(args) -> int:
         replace(base, k_bits=b, v_bits=b)  # validates the widths before anything long runs
     for t in transforms:
         config_for(t, base)  # and each method against the quantizer
+    clips = _check_clips_args(args, base)
     text, label = load_eval_text(args.text_file)
     model, tok = _load(args)
+    clips = _load_clips(args, model) if clips else None
     cal = _calibration_for(args, model, tok, transforms)
     chunks = tokenize_chunks(tok, text, args.seq_len, args.chunks)
     meta = {"model": args.model, "dtype": args.dtype, "text": label, "transforms": transforms, "bits": args.bits}
     out = run_compare(model, tok, chunks, cal, transforms, args.bits, base, json_path=args.json, meta=meta,
-                      log=lambda m: print(m, file=sys.stderr))
+                      log=lambda m: print(m, file=sys.stderr), clips=clips)
     headers, rows = compare_table(out, transforms, args.bits)
     w = base.windows
-    title = (f"\n{args.model} on {label}: {chunks.shape[0]} x {chunks.shape[1]} tokens, {args.quantizer}, K=V bits, "
+    clip_note = f", clips per method from {args.clips}" if clips is not None else ""
+    title = (f"\n{args.model} on {label}: {chunks.shape[0]} x {chunks.shape[1]} tokens, {args.quantizer}{clip_note}, K=V bits, "
              f"windows {w.S_sink}/{w.S_keep}/{w.S_flush} (kvarn and +tiles: tiles of 128, windows 128/0/128)\nfull precision PPL {out['fp']['ppl']:.3f}")
     print(format_table(headers, rows, title=title))
     best = best_per_bits(out, transforms, args.bits)
@@ -290,6 +320,54 @@ def cmd_compare(args) -> int:
                    f"{args.model}: {args.quantizer}, full precision PPL {out['fp']['ppl']:.2f}", logy=True)
     if args.json:
         write_json(args.json, out)
+    return 0
+
+
+def cmd_tune_clip(args) -> int:
+    from .data import HELDOUT_C4_FIRST, heldout_c4_text, read_text_file, tokenize_chunks
+    from .eval.clips import check_tunable, clip_table_rows, tune_clips
+    from .report import format_table
+
+    transforms = [t.strip() for t in args.transforms.split(",") if t.strip()]
+    _check_transforms(transforms)
+    base = _quant_config(args, k_bits=2, v_bits=2)
+    check_tunable(transforms, base)
+    try:
+        grid = [float(x) for x in args.grid.split(",") if x.strip()]
+    except ValueError:
+        raise ValueError(f"--grid {args.grid!r}: comma-separated multipliers on α_b, e.g. 0.85,1,1.15,1.3") from None
+    if not grid or any(not (0 < a < float("inf")) for a in grid) or 1.0 not in grid:
+        raise ValueError(f"--grid {args.grid!r}: positive multipliers including 1 (α_b itself)")
+    sides = [x.strip() for x in args.sides.split(",") if x.strip()]
+    if args.text_file:
+        text, label = read_text_file(args.text_file), str(args.text_file)
+    else:
+        text, label = heldout_c4_text()
+    model, tok = _load(args)
+    cal = _calibration_for(args, model, tok, transforms)
+    if not args.text_file and cal is not None:
+        from .calibration import calibration_documents
+
+        used = calibration_documents(cal.meta)
+        if used is not None and used > HELDOUT_C4_FIRST:
+            raise ValueError(f"the calibration read C4 documents 0..{used - 1}, past {HELDOUT_C4_FIRST} where the held-out C4 text "
+                             "starts: pass a held-out --text-file")
+    chunks = tokenize_chunks(tok, text, args.seq_len, args.chunks)
+    table = tune_clips(model, chunks, cal, transforms, args.bits, base, grid, sides, path=args.out, text_label=label,
+                       log=lambda m: print(m, file=sys.stderr))
+    headers, rows = clip_table_rows(table, transforms, args.bits)
+    w = base.windows
+    print(format_table(headers, rows, title=f"\n{args.model}: QuEST clip multipliers on α_b chosen on {label} "
+                       f"({chunks.shape[0]} x {chunks.shape[1]} tokens, windows {w.S_sink}/{w.S_keep}/{w.S_flush}); "
+                       f"full precision PPL {table.data['fp']['ppl']:.3f}\nwritten to {args.out}"))
+    if args.plot:
+        from .eval.clips import key_curves
+        from .report import plot_lines
+
+        grid, series = key_curves(table, transforms, args.bits)
+        plot_lines(grid, series, args.plot, "QuEST key clip multiplier on α_b (values at α_b)", "held-out perplexity increase (%)",
+                   f"{args.model}: key clip on {label}",
+                   logy=all(v > 0 for ys in series.values() for v in ys if v == v))  # NaN: not evaluated
     return 0
 
 
@@ -563,7 +641,7 @@ def cmd_lm_eval(args) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from .config import GENERATION_WINDOWS, PERPLEXITY_WINDOWS
+    from .config import CLIP_GRID, GENERATION_WINDOWS, PERPLEXITY_WINDOWS
     from .transforms import TRANSFORMS
 
     transforms_help = ", ".join(TRANSFORMS) + " (each optionally with +tiles: KVarN's tile quantizer, or +ldlq: error-feedback rounding from the calibration's Hessians; KEYS:VALUES mixes two: wush:hadamard)"
@@ -584,6 +662,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--json", default=None, help="write the result as JSON to this path")
     p.add_argument("--transform", default=None, help=f"quantize the cache with this transform: {transforms_help}; omit for full precision")
     p.add_argument("--calibration", default=None, help="calibration file (needed by calibrated transforms)")
+    p.add_argument("--clips", default=None, metavar="TABLE", help="QuEST clip multipliers for --transform from `wushkv tune-clip`")
     _add_quant_args(p, PERPLEXITY_WINDOWS)
     p.set_defaults(func=cmd_ppl)
 
@@ -627,8 +706,30 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--json", default=None, help="write (and resume from) results JSON")
     p.add_argument("--plot", default=None, help="write a PNG of perplexity vs bits")
     p.add_argument("--markdown", default=None, help="write the table as Markdown")
+    p.add_argument("--clips", default=None, metavar="TABLE",
+                   help="QuEST clip multipliers per method and width from `wushkv tune-clip` (chosen on held-out text)")
     _add_quant_args(p, PERPLEXITY_WINDOWS)
     p.set_defaults(func=cmd_compare)
+
+    p = sub.add_parser("tune-clip", help="choose QuEST clip multipliers per method and width on held-out calibration-domain text")
+    _add_model_args(p)
+    p.add_argument("--transforms", default="identity,hadamard,random,oscar,wush", help="comma-separated (default: %(default)s)")
+    p.add_argument("--bits", type=_bits_list, default=[2, 3, 4], help="bit widths, comma-separated (default: 2,3,4)")
+    p.add_argument("--grid", default=",".join(f"{a:g}" for a in CLIP_GRID),
+                   help="multipliers on α_b, walked downhill from 1 (default: %(default)s)")
+    p.add_argument("--sides", default="keys,values", help="which clips to choose: keys, values or both (default: %(default)s)")
+    p.add_argument("--chunks", type=int, default=4, help="held-out chunks to choose on (default: %(default)s)")
+    p.add_argument("--seq-len", type=int, default=2048, help="tokens per chunk (default: %(default)s)")
+    p.add_argument("--text-file", default=None,
+                   help="held-out UTF-8 text to choose on (default: C4 documents 1200..1999, which no calibration here reads; "
+                        "never the evaluation text)")
+    p.add_argument("--calibration", default=None, help="calibration file; default: calibrate once and cache")
+    p.add_argument("--calib-samples", type=int, default=16)
+    p.add_argument("--calib-seq-len", type=int, default=2048)
+    p.add_argument("--out", required=True, help="the clip table (JSON; rewritten after every evaluation and resumed from)")
+    p.add_argument("--plot", default=None, help="PNG of held-out perplexity against the key multiplier per method and width")
+    _add_quant_args(p, PERPLEXITY_WINDOWS)
+    p.set_defaults(func=cmd_tune_clip)
 
     p = sub.add_parser("demo", help="the main job on the default model, sized for ~10 minutes on 2 cores: calibrate and compare")
     p.add_argument("--model", default="smollm2-135m")

@@ -168,6 +168,21 @@ def calibration_text(path: str | Path | None = None, documents: int = 600) -> st
     return "\n\n".join(c4_documents(path, limit=documents))
 
 
+HELDOUT_C4_FIRST = 1200  # past the documents any calibration here reads (600 for up to ~120 x 2048 tokens)
+HELDOUT_C4_DOCUMENTS = 800
+
+
+def heldout_c4_text(first: int = HELDOUT_C4_FIRST, documents: int = HELDOUT_C4_DOCUMENTS) -> tuple[str, str]:
+    """(text, label): C4 validation documents ``first``..``first + documents − 1`` joined with blank lines.
+
+    Text of the calibration's domain that no calibration reads: settings are chosen on it, never on the
+    evaluation text (``benchmarks/heldout_text.py`` writes it to a file)."""
+    docs = c4_documents(limit=first + documents)[first:]
+    if len(docs) < documents:
+        raise ValueError(f"the C4 sample has {first + len(docs)} documents; asked for {first}..{first + documents - 1}")
+    return "\n\n".join(docs), f"{len(docs)} C4 documents ({first}..{first + len(docs) - 1})"
+
+
 def load_eval_text(text_file: str | Path | None = None) -> tuple[str, str]:
     """(text, label) for evaluation: ``--text-file`` if given, else WikiText-2 test."""
     if text_file is not None:

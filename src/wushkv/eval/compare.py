@@ -115,12 +115,29 @@ def _resume(json_path, settings: dict) -> dict | None:
 
 
 def run_compare(model, tokenizer, chunks: torch.Tensor, calibration: Calibration | None, transforms: list[str], bits: list[int],
-                base: QuantConfig, json_path=None, meta: dict | None = None, show_progress: bool = True, log=print) -> dict:
-    """Full precision once, then every (transform, bits); resumes from ``json_path`` (a file from other settings is refused)."""
+                base: QuantConfig, json_path=None, meta: dict | None = None, show_progress: bool = True, log=print,
+                clips=None) -> dict:
+    """Full precision once, then every (transform, bits); resumes from ``json_path`` (a file from other settings is refused).
+
+    ``clips`` (:class:`~wushkv.eval.clips.ClipTable`): each method quantizes with QuEST at its own chosen clip
+    multipliers where the table has them (α from ``base`` elsewhere); each result records the config it ran."""
     from ..io import write_json
 
     settings = dict(meta or {}, chunks=int(chunks.shape[0]), seq_len=int(chunks.shape[1]), base=base.to_dict(),
                     text_sha256=hashlib.sha256(chunks.cpu().numpy().tobytes()).hexdigest())
+    if clips is not None:
+        from ..calibration import calibration_recipe
+
+        settings["clips"] = clips.describe()
+        tuned = clips.data.get("settings", {})
+        if tuned.get("text_sha256") == settings["text_sha256"]:
+            log("warning: the clip table was chosen on this very text; its numbers are not a held-out result")
+        if calibration is not None and "calibration" in tuned and tuned["calibration"] != json.loads(json.dumps(calibration_recipe(calibration.meta))):
+            log("note: the clip table was chosen with a calibration of another recipe than this run's")
+        for t in transforms:
+            missing = [b for b in bits if config_for(t, replace(base, k_bits=b, v_bits=b)).quantizer == "quest" and not clips.covers(t, b)]
+            if missing:
+                log(f"clip table has no entry for {t} at {', '.join(map(str, missing))} bits: those run at the base clip")
     settings["calibration"] = calibration.meta if calibration is not None else None  # what the results were made with
     out = {"settings": settings, "fp": None, "results": {}}
     if json_path and (prev := _resume(json_path, settings)) is not None:
@@ -139,6 +156,8 @@ def run_compare(model, tokenizer, chunks: torch.Tensor, calibration: Calibration
             if done is not None:
                 continue
             cfg = config_for(t, replace(base, k_bits=b, v_bits=b))
+            if clips is not None:
+                cfg = clips.apply(t, cfg)
             r = quantized_perplexity(model, chunks, calibration, t, cfg, show_progress=show_progress, desc=f"{t} {cfg.label()}")
             entry = {"ppl": r["ppl"], "delta_pct": 100 * (r["ppl"] / out["fp"]["ppl"] - 1), "seconds": r["seconds"], "config": cfg.to_dict(),
                      "chunk_nll": r["chunk_nll"]}
