@@ -135,7 +135,9 @@ def test_tune_clip_then_compare_with_the_table(tmp_path, capsys):
     clips = json.loads(table.read_text())["clips"]
     out = tmp_path / "cmp.json"
     assert main(["compare", *common, "--clips", str(table), "--json", str(out)]) == 0
-    assert "chosen on this very text" in capsys.readouterr().err  # the honest-use guard speaks
+    cap = capsys.readouterr()
+    assert "chosen on this very text" in cap.err  # the honest-use guard speaks
+    assert f"hadamard 2-bit αK×{clips['hadamard']['2']['k_alpha']:g}" in cap.out
     res = json.loads(out.read_text())["results"]
     for t in ("identity", "hadamard"):
         cfg = res[t]["2"]["config"]

@@ -299,6 +299,10 @@ def cmd_compare(args) -> int:
     title = (f"\n{args.model} on {label}: {chunks.shape[0]} x {chunks.shape[1]} tokens, {args.quantizer}{clip_note}, K=V bits, "
              f"windows {w.S_sink}/{w.S_keep}/{w.S_flush} (kvarn and +tiles: tiles of 128, windows 128/0/128)\nfull precision PPL {out['fp']['ppl']:.3f}")
     print(format_table(headers, rows, title=title))
+    if clips is not None:
+        used = [f"{t} {b}-bit αK×{c['k_alpha']:g} αV×{c['v_alpha']:g}" for t in transforms for b in args.bits
+                if (c := out["results"].get(t, {}).get(str(b), {}).get("config")) and c.get("quantizer") == "quest"]
+        print("clips: " + ", ".join(used))
     best = best_per_bits(out, transforms, args.bits)
     print("lowest perplexity: " + ", ".join(f"{b}-bit {t}" for b, t in best.items()))
     margin_lines = []
