@@ -358,7 +358,7 @@ def cmd_tune_clip(args) -> int:
                              "starts: pass a held-out --text-file")
     chunks = tokenize_chunks(tok, text, args.seq_len, args.chunks)
     table = tune_clips(model, chunks, cal, transforms, args.bits, base, grid, sides, path=args.out, text_label=label,
-                       log=lambda m: print(m, file=sys.stderr))
+                       log=lambda m: print(m, file=sys.stderr), rule=args.rule)
     headers, rows = clip_table_rows(table, transforms, args.bits)
     w = base.windows
     print(format_table(headers, rows, title=f"\n{args.model}: QuEST clip multipliers on α_b chosen on {label} "
@@ -722,6 +722,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--grid", default=",".join(f"{a:g}" for a in CLIP_GRID),
                    help="multipliers on α_b, walked downhill from 1 (default: %(default)s)")
     p.add_argument("--sides", default="keys,values", help="which clips to choose: keys, values or both (default: %(default)s)")
+    p.add_argument("--rule", choices=["lower", "paired"], default="lower",
+                   help="when to step to a neighbouring clip: lower = on any held-out gain; paired = only on a gain whose paired "
+                        "95%% bootstrap interval over the held-out chunks lies below 0 (default: %(default)s)")
     p.add_argument("--chunks", type=int, default=4, help="held-out chunks to choose on (default: %(default)s)")
     p.add_argument("--seq-len", type=int, default=2048, help="tokens per chunk (default: %(default)s)")
     p.add_argument("--text-file", default=None,

@@ -103,8 +103,9 @@ def test_table_file_is_validated(tmp_path):
     chunks = torch.randint(3, 96, (1, 60), generator=torch.Generator().manual_seed(0))
     path = tmp_path / "clips.json"
     tune_clips(model, chunks, None, ["hadamard"], [2], _base(), grid=(1.0, 1.15), sides=("keys",), path=path,
-               show_progress=False, log=lambda m: None, evaluate=lambda m, c: {"ppl": 5 - c.k_alpha})
+               show_progress=False, log=lambda m: None, evaluate=lambda m, c: {"ppl": 5 - c.k_alpha, "chunk_nll": [1.0, c.k_alpha]})
     assert ClipTable.load(path).alphas("hadamard", 2) == (1.15, 1.0)  # values left at α_b: sides=keys
+    assert [t["chunk_nll"] for t in json.loads(path.read_text())["trials"]["hadamard"]["2"]] == [[1.0, 1.0], [1.0, 1.15]]
     with pytest.raises(FileNotFoundError, match="does not exist.*tune-clip"):
         ClipTable.load(tmp_path / "none.json")
     other = tiny_model("llama", seed=1)
@@ -151,3 +152,28 @@ def test_compare_runs_each_method_at_its_own_clips(tmp_path):
     assert (r["config"]["k_alpha"], r["config"]["v_alpha"]) == (1.45, 0.7)
     assert out["results"]["identity"]["2"]["config"]["k_alpha"] == 1.0  # not in the table: α_b
     assert out["settings"]["clips"]["clips_sha256"] == table.sha256()
+
+
+def test_paired_rule_moves_only_on_a_gain_every_chunk_agrees_on():
+    """Two clips that differ in mean NLL but not consistently over chunks: ``lower`` moves, ``paired`` stays
+    at α_b; a gain on every chunk moves both."""
+    model = tiny_model("llama")
+    chunks = torch.randint(3, 96, (1, 60), generator=torch.Generator().manual_seed(0))
+
+    def make(per_chunk):
+        def evaluate(method, cfg):
+            nll = per_chunk(cfg.k_alpha)
+            return {"ppl": math.exp(sum(nll) / len(nll)), "chunk_nll": nll}
+        return evaluate
+
+    noisy = make(lambda a: [2.0, 2.0, 2.0, 2.0] if a == 1.0 else [1.5, 2.4, 1.6, 2.3] if a == 1.15 else [3.0] * 4)
+    steady = make(lambda a: [2.0, 2.1, 2.2, 2.3] if a == 1.0 else [1.9, 2.0, 2.1, 2.2] if a == 1.15 else [3.0] * 4)
+    kw = dict(grid=(0.85, 1.0, 1.15, 1.3), sides=("keys",), show_progress=False, log=lambda m: None)
+    assert tune_clips(model, chunks, None, ["hadamard"], [2], _base(), evaluate=noisy, **kw).alphas("hadamard", 2) == (1.15, 1.0)
+    t = tune_clips(model, chunks, None, ["hadamard"], [2], _base(), evaluate=noisy, rule="paired", **kw)
+    assert t.alphas("hadamard", 2) == (1.0, 1.0) and t.describe()["rule"] == "paired"
+    assert tune_clips(model, chunks, None, ["hadamard"], [2], _base(), evaluate=steady, rule="paired", **kw).alphas("hadamard", 2) == (1.15, 1.0)
+    with pytest.raises(ValueError, match="rule 'bogus'"):
+        tune_clips(model, chunks, None, ["hadamard"], [2], _base(), evaluate=steady, rule="bogus", **kw)
+    with pytest.raises(ValueError, match="per-chunk NLLs"):
+        tune_clips(model, chunks, None, ["hadamard"], [2], _base(), evaluate=lambda m, c: {"ppl": 2.0}, rule="paired", **kw)

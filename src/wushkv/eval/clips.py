@@ -32,12 +32,15 @@ FORMAT_VERSION = 1
 SIDES = ("keys", "values")
 
 
-def line_search(f: Callable[[float], float], grid: Sequence[float], start: float = 1.0) -> float:
-    """The grid point of lowest ``f`` reached by walking downhill from ``start``.
+def line_search(f: Callable[[float], object], grid: Sequence[float], start: float = 1.0,
+                better: Callable[[object, object], bool] | None = None) -> float:
+    """The grid point reached by walking downhill from ``start``.
 
-    ``f`` is evaluated at ``start`` and its upper neighbour; the walk continues up while ``f`` falls,
-    otherwise it goes down from ``start`` while ``f`` falls. For a unimodal ``f`` that is the grid's
-    minimum. Callers memoize ``f`` (each point costs a perplexity run)."""
+    ``f`` is evaluated at ``start`` and its upper neighbour; the walk continues up while each step is
+    ``better`` than the point it leaves (default: a lower value), otherwise it goes down from ``start``
+    the same way. For a unimodal ``f`` and the default that is the grid's minimum. Callers memoize ``f``
+    (each point costs a perplexity run)."""
+    better = better or (lambda new, old: new < old)
     g = sorted(float(x) for x in grid)
     if len(set(g)) != len(g):
         raise ValueError(f"clip grid {list(grid)} has repeated values")
@@ -50,13 +53,26 @@ def line_search(f: Callable[[float], float], grid: Sequence[float], start: float
         moved = False
         while 0 <= j < len(g):
             fj = f(g[j])
-            if not fj < fb:
+            if not better(fj, fb):
                 break
             best, fb, moved = j, fj, True
             j += step
         if moved:
             break
     return g[best]
+
+
+RULES = ("lower", "paired")
+
+
+def paired_better(new: dict, old: dict) -> bool:
+    """``new`` is better than ``old`` when the 95% paired bootstrap interval over the held-out chunks of its
+    perplexity change lies below 0 (with 4 chunks: lower on about every chunk)."""
+    from .compare import paired_difference
+
+    if "chunk_nll" not in new or "chunk_nll" not in old:
+        raise ValueError("the paired rule compares per-chunk NLLs; this evaluation did not record them")
+    return paired_difference(new["chunk_nll"], old["chunk_nll"])[2] < 0
 
 
 def _check_alpha(name: str, a) -> float:
@@ -99,7 +115,7 @@ class ClipTable:
     def describe(self) -> dict:
         """What a result made with this table records about it."""
         s = self.data["settings"]
-        return {"clips_sha256": self.sha256(), "text": s["text"], "chunks": s["chunks"], "grid": s["grid"]}
+        return {"clips_sha256": self.sha256(), "text": s["text"], "chunks": s["chunks"], "grid": s["grid"], "rule": s.get("rule", "lower")}
 
     @classmethod
     def load(cls, path: str | Path, model=None) -> ClipTable:
@@ -150,16 +166,22 @@ class _Memo:
 
     def __init__(self, evaluate, cfg: QuantConfig, trials: list, fp_ppl: float, save, log, label: str):
         self.evaluate, self.cfg, self.trials, self.fp_ppl, self.save, self.log, self.label = evaluate, cfg, trials, fp_ppl, save, log, label
-        self.memo = {(t["k_alpha"], t["v_alpha"]): t["ppl"] for t in trials}
+        self.memo = {(t["k_alpha"], t["v_alpha"]): t for t in trials}
 
     def __call__(self, ka: float, va: float) -> float:
+        return self.trial(ka, va)["ppl"]
+
+    def trial(self, ka: float, va: float) -> dict:
         if (ka, va) not in self.memo:
             r = self.evaluate(replace(self.cfg, k_alpha=ka, v_alpha=va))
             if not math.isfinite(r["ppl"]):
                 raise ValueError(f"{self.label.strip()} at αK×{ka:g}, αV×{va:g}: perplexity is {r['ppl']} (NaN or inf)")
-            self.memo[ka, va] = r["ppl"]
             delta = 100 * (r["ppl"] / self.fp_ppl - 1)
-            self.trials.append({"k_alpha": ka, "v_alpha": va, "ppl": r["ppl"], "delta_pct": delta})
+            trial = {"k_alpha": ka, "v_alpha": va, "ppl": r["ppl"], "delta_pct": delta}
+            if "chunk_nll" in r:  # per held-out chunk, for paired comparisons of two clips
+                trial["chunk_nll"] = list(r["chunk_nll"])
+            self.trials.append(trial)
+            self.memo[ka, va] = trial
             self.save()
             self.log(f"{self.label} αK×{ka:<5g} αV×{va:<5g} PPL {r['ppl']:.3f} ({delta:+.2f}%)")
         return self.memo[ka, va]
@@ -181,11 +203,13 @@ def check_tunable(methods: Sequence[str], base: QuantConfig) -> None:
 
 def tune_clips(model, chunks: torch.Tensor, calibration, methods: Sequence[str], bits: Sequence[int], base: QuantConfig,
                grid: Sequence[float] = CLIP_GRID, sides: Sequence[str] = SIDES, path: str | Path | None = None,
-               text_label: str = "", show_progress: bool = True, log=print, evaluate=None) -> ClipTable:
+               text_label: str = "", show_progress: bool = True, log=print, evaluate=None, rule: str = "lower") -> ClipTable:
     """Choose (k_alpha, v_alpha) per (method, width) by held-out perplexity on ``chunks`` (see the module doc).
 
     ``path``: the table is written there after every evaluation and resumed from it (a file from other
-    settings is refused). ``evaluate(method, cfg) -> {"ppl", "chunk_nll"}`` replaces the perplexity run
+    settings is refused). ``rule``: ``lower`` moves to a neighbouring clip on any held-out gain; ``paired``
+    only on a gain whose paired 95% bootstrap interval over the held-out chunks lies below 0
+    (:func:`paired_better`; at 4 bits on SmolLM2 the ``lower`` rule followed noise, docs/ABLATIONS.md section 21). ``evaluate(method, cfg) -> {"ppl", "chunk_nll"}`` replaces the perplexity run
     (tests)."""
     from ..io import write_json
     from .compare import config_for, quantized_perplexity
@@ -202,7 +226,11 @@ def tune_clips(model, chunks: torch.Tensor, calibration, methods: Sequence[str],
             return quantized_perplexity(model, chunks, calibration, method, cfg, show_progress=show_progress,
                                         desc=f"{method} {cfg.label()} αK×{cfg.k_alpha:g} αV×{cfg.v_alpha:g}")
 
+    if rule not in RULES:
+        raise ValueError(f"rule {rule!r}: choose from {list(RULES)} (lower: move on any gain; paired: only on a gain the held-out chunks agree on)")
     settings = _settings(model, chunks, calibration, base, grid, sides, text_label)
+    if rule != "lower":  # tables from before the rule existed moved on any gain
+        settings["rule"] = rule
     data = {"format": FORMAT, "version": FORMAT_VERSION, "settings": settings, "fp": None, "clips": {}, "trials": {}}
     if path is not None and Path(path).is_file():
         prev = json.loads(Path(path).read_text(encoding="utf-8"))
@@ -224,8 +252,12 @@ def tune_clips(model, chunks: torch.Tensor, calibration, methods: Sequence[str],
             trials = data["trials"].setdefault(m, {}).setdefault(str(b), [])
             cfg_b = config_for(m, replace(base, k_bits=b, v_bits=b))
             ppl = _Memo(lambda cfg, m=m: evaluate(m, cfg), cfg_b, trials, fp_ppl, save, log, f"{m:>9} {b}-bit")
-            ka = line_search(lambda a: ppl(a, 1.0), grid) if "keys" in sides else 1.0
-            va = line_search(lambda a: ppl(ka, a), grid) if "values" in sides else 1.0  # noqa: B023 (called here)
+            if rule == "paired":
+                ka = line_search(lambda a: ppl.trial(a, 1.0), grid, better=paired_better) if "keys" in sides else 1.0
+                va = line_search(lambda a: ppl.trial(ka, a), grid, better=paired_better) if "values" in sides else 1.0  # noqa: B023
+            else:
+                ka = line_search(lambda a: ppl(a, 1.0), grid) if "keys" in sides else 1.0
+                va = line_search(lambda a: ppl(ka, a), grid) if "values" in sides else 1.0  # noqa: B023 (called here)
             best = ppl(ka, va)
             data["clips"].setdefault(m, {})[str(b)] = {
                 "k_alpha": ka, "v_alpha": va, "ppl": best, "delta_pct": 100 * (best / fp_ppl - 1),
