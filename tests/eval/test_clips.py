@@ -114,6 +114,7 @@ def test_table_file_is_validated(tmp_path):
     data = json.loads(path.read_text())
     for mutate, message in [(lambda d: d.update(format="x"), "not a wushkv clip table"),
                             (lambda d: d.update(version=9), "version 9"),
+                            (lambda d: d.pop("settings"), "no 'clips' and 'settings' mappings"),
                             (lambda d: d["clips"]["hadamard"]["2"].update(k_alpha=float("nan")), "finite number > 0"),
                             (lambda d: d["clips"]["hadamard"].update({"5": {"k_alpha": 1, "v_alpha": 1}}), "widths are 2, 3, 4, 8")]:
         d = json.loads(json.dumps(data))

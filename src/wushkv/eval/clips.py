@@ -134,8 +134,8 @@ class ClipTable:
         if data.get("version") != FORMAT_VERSION:
             raise ValueError(f"clip table {p} has version {data.get('version')!r}; this wushkv reads {FORMAT_VERSION}")
         clips = data.get("clips")
-        if not isinstance(clips, dict):
-            raise ValueError(f"clip table {p} has no 'clips' mapping")
+        if not isinstance(clips, dict) or not isinstance(data.get("settings"), dict):
+            raise ValueError(f"clip table {p} has no 'clips' and 'settings' mappings")
         for m, by_bits in clips.items():
             for b, e in by_bits.items():
                 if b not in ("2", "3", "4", "8"):
