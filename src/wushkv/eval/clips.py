@@ -234,9 +234,10 @@ def tune_clips(model, chunks: torch.Tensor, calibration, methods: Sequence[str],
     data = {"format": FORMAT, "version": FORMAT_VERSION, "settings": settings, "fp": None, "clips": {}, "trials": {}}
     if path is not None and Path(path).is_file():
         prev = json.loads(Path(path).read_text(encoding="utf-8"))
-        if prev.get("format") != FORMAT or prev.get("settings") != json.loads(json.dumps(settings)):
+        want = json.loads(json.dumps(settings))  # as it reads back from JSON
+        if prev.get("format") != FORMAT or prev.get("settings") != want:
             old = prev.get("settings") or {}
-            differ = sorted(k for k in set(old) | set(settings) if old.get(k) != json.loads(json.dumps(settings)).get(k))
+            differ = sorted(k for k in set(old) | set(want) if old.get(k) != want.get(k))
             raise ValueError(f"{path} holds a clip search with other settings (differing: {', '.join(differ) or 'format'}); "
                              "give another --out or delete it")
         data = prev
