@@ -163,6 +163,57 @@ def test_rank_deficient_statistics_still_invertible(text_file):
         torch.testing.assert_close(tr["T_V"] @ tr["T_V_inv"], I, atol=1e-3, rtol=0)
 
 
+@pytest.mark.parametrize("block,window", [(256, None), (3, None), (4, 5)])
+def test_attention_weighted_grams_match_brute_force(block, window):
+    """WUSH-W's M_K_W and M_V_W: every key and value weighted by Σ_{g,i} p_{g,i,t}² over the queries that read it
+    quantized (t >= S_sink, i - t >= S_keep), by explicit loops on one layer of a tiny model; query rows in one
+    block or several, causal or sliding-window masks."""
+    from wushkv.calibration import StatsCollector
+
+    model = tiny_model("llama")
+    spec = describe(model)
+    ids = torch.randint(3, 96, (1, 12), generator=torch.Generator().manual_seed(4))
+    q, k, v = capture_qkv(model, ids)[1]
+    attn = model.model.layers[1].self_attn
+    s, T, sink, keep = attn.scaling, ids.shape[1], 2, 3
+    allowed = torch.ones(T, T, dtype=torch.bool).tril()
+    if window is not None:
+        allowed &= torch.ones(T, T, dtype=torch.bool).triu(-(window - 1))
+    allowed = allowed[None, None]
+    coll = StatsCollector(spec, [None, attn.o_proj.weight.detach(), None], attention_weights=(sink, keep))
+    coll.block = block
+    coll.observe(attn, q.float(), k.float(), v.float(), allowed, s)
+    for h in range(spec.num_kv_heads):
+        P = {g: torch.softmax((q[0, g] @ k[0, h].T * s).masked_fill(~allowed[0, 0], float("-inf")), -1) for g in spec.query_heads_of(h)}
+        MK = torch.zeros(spec.head_dim, spec.head_dim, dtype=torch.float64)
+        MV = torch.zeros_like(MK)
+        for t in range(sink, T):
+            w = sum(float(P[g][i, t]) ** 2 for g in P for i in range(t + keep, T))
+            MK += w * torch.outer(k[0, h, t], k[0, h, t])
+            MV += w * torch.outer(v[0, h, t], v[0, h, t])
+        torch.testing.assert_close(coll.layers[1]["M_K_W"][h], MK, rtol=1e-4, atol=1e-8)
+        torch.testing.assert_close(coll.layers[1]["M_V_W"][h], MV, rtol=1e-4, atol=1e-8)
+
+
+def test_wush_w_calibration_and_errors(text_file):
+    """`calibrate(attention_weights=...)` records the windows and solves wush-w (invertible, the plain H's);
+    a calibration without the weighted Grams names the flag that makes them; windows the sequences never reach
+    are refused before any forward pass."""
+    model = tiny_model("llama")
+    cal = calibrate(model, CharTokenizer(), samples=2, seq_len=32, text_file=text_file, show_progress=False, attention_weights=(4, 8))
+    assert cal.meta["attention_weights"] == [4, 8] and "wush-w" in cal.solved
+    for tr, plain in zip(cal.transforms("wush-w"), cal.transforms("wush")):
+        I = torch.eye(32).expand_as(tr["T_K"])
+        torch.testing.assert_close(tr["T_K"] @ tr["T_K_inv"], I, atol=1e-3, rtol=0)
+        assert not torch.allclose(tr["T_K"], plain["T_K"], atol=1e-3)
+    plain = calibrate(model, CharTokenizer(), samples=1, seq_len=32, text_file=text_file, show_progress=False)
+    assert "attention_weights" not in plain.meta  # a default calibration keeps the recipe earlier versions wrote
+    with pytest.raises(CalibrationError, match="--attention-weights"):
+        plain.transforms("wush-w")
+    with pytest.raises(ValueError, match="longer than S_sink \\+ S_keep = 40"):
+        calibrate(model, CharTokenizer(), samples=1, seq_len=32, text_file=text_file, show_progress=False, attention_weights=(8, 32))
+
+
 @pytest.mark.parametrize("block,window,skip", [(256, None, 0), (3, None, 0), (4, 3, 0), (3, None, 4)])
 def test_wush_a_matches_brute_force(block, window, skip):
     """H^A of METHOD §3.1 by explicit per-(i, t) Jacobian sums on one layer of a tiny model; query rows in

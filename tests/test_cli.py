@@ -143,3 +143,28 @@ def test_tune_clip_then_compare_with_the_table(tmp_path, capsys):
         cfg = res[t]["2"]["config"]
         assert (cfg["k_alpha"], cfg["v_alpha"]) == (clips[t]["2"]["k_alpha"], clips[t]["2"]["v_alpha"])
         assert res[t]["2"]["ppl"] == clips[t]["2"]["ppl"]  # the same text and clips: the same perplexity
+
+
+def test_generate_auto_picks_centered_wush_keys(tmp_path, capsys):
+    """`generate` defaults to --transform auto: wush+rmean under its default affine quantizer with a calibration
+    holding the pre-RoPE key mean, plain wush with QuEST; it streams text and reports the cache's bytes."""
+    from conftest import CharTokenizer, hf_char_tokenizer, tiny_model
+
+    from wushkv.calibration import calibrate
+
+    model = tiny_model("llama", vocab_size=128, max_position_embeddings=1024)
+    model.save_pretrained(tmp_path / "m")
+    hf_char_tokenizer().save_pretrained(tmp_path / "m")
+    text = tmp_path / "t.txt"
+    text.write_text("the quick brown fox jumps over the lazy dog. " * 40)
+    cal = calibrate(model, CharTokenizer(), samples=2, seq_len=64, text_file=str(text), show_progress=False)
+    assert all("mu_K_pre" in st for st in cal.stats)
+    path = cal.save(tmp_path / "c.safetensors")
+    argv = ["generate", "--model", str(tmp_path / "m"), "--calibration", str(path), "--prompt", "the quick brown fox " * 3,
+            "--max-new-tokens", "20", "--sink", "4", "--keep", "8", "--flush", "4"]
+    assert main(argv) == 0
+    err = capsys.readouterr().err
+    assert "--transform auto: wush+rmean" in err and "[wush+rmean K2V2 affine" in err and "tokens cached" in err
+    assert main([*argv, "--quantizer", "quest"]) == 0
+    err = capsys.readouterr().err
+    assert "--transform auto: wush (" in err and "[wush K2V2 quest" in err

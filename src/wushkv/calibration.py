@@ -11,7 +11,14 @@ METHOD §3 (keys/queries after q/k norm and RoPE, exactly what attention sees):
   value covariance with weights ``w = kᵀ C_Q k`` normalized to mean 1. ``C_Q`` is not known before the
   pass, so ``w`` uses the running estimate (all queries seen so far, including the current sequence);
 * WUSH-A (METHOD §3.1, optional): attention-aware Hessians ``H_K_A`` and ``H_V_A`` (Gauss–Newton
-  through the softmax), O(S²) per head.
+  through the softmax), O(S²) per head;
+* WUSH-W (optional, ``attention_weights=(S_sink, S_keep)``): ``M_K_W = Σ_t w_t k_t k_tᵀ`` and
+  ``M_V_W = Σ_t w_t v_t v_tᵀ``, each token weighted by the squared attention it receives while the cache
+  holds it quantized, ``w_t = Σ_{g, i: t quantized at i} p_{g,i,t}²`` (t ≥ S_sink, i − t ≥ S_keep). A
+  per-token quantizer's error grows with the transformed token's norm; the plain Grams weigh every token
+  alike, so WUSH spends its precision on the average token, while the softmax's Gauss–Newton weight of a
+  key or value error is p² (docs/GENERATION.md: under plain WUSH the keys that get the attention carry
+  errors as large as a random rotation's). O(S²) per head, like the attention itself.
 
 Activations are never stored beyond one layer of one batch.
 """
@@ -52,8 +59,10 @@ class StatsCollector:
 
     def __init__(self, spec: ArchSpec, o_proj_weights: list[torch.Tensor], wush_a: bool = False, skip_first: int = 0,
                  rope: list[tuple[torch.Tensor, float]] | None = None, key_means: list[torch.Tensor] | None = None,
-                 skip_first_queries: int = 0):
+                 skip_first_queries: int = 0, attention_weights: tuple[int, int] | None = None):
         self.spec = spec
+        # (S_sink, S_keep) of the cache whose quantized tokens M_K_W / M_V_W weigh by their attention, or None
+        self.attention_weights = attention_weights
         # with key_means (a pre-RoPE mean μ per layer, needs rope): also M_K_res = Σ (k_t − R_t μ)(k_t − R_t μ)ᵀ,
         # the second moment of the keys a +rmean cache quantizes
         self.key_means = key_means
@@ -79,7 +88,8 @@ class StatsCollector:
                 "n_k": torch.zeros((), dtype=torch.float64, device=device),
                 "n_q": torch.zeros((), dtype=torch.float64, device=device),
                 "S_K_pre": torch.zeros(H, d, dtype=torch.float64, device=device),
-            } | ({"H_K_A": z(), "H_V_A": z()} if self.wush_a else {})
+            } | ({"H_K_A": z(), "H_V_A": z()} if self.wush_a else {}) | (
+                {"M_K_W": z(), "M_V_W": z()} if self.attention_weights is not None else {})
         return self.layers[layer]
 
     @torch.no_grad()
@@ -118,6 +128,8 @@ class StatsCollector:
         acc["SW"] += w.sum(dim=(0, 2))
         if self.wush_a:
             self._observe_attention_aware(acc, layer, qg, k, v, allowed, scaling, softcap)
+        if self.attention_weights is not None:
+            self._observe_attention_weights(acc, qg, k64, v64, allowed, scaling, softcap)
         if layer == 0:
             self.tokens += B * T
 
@@ -178,6 +190,23 @@ class StatsCollector:
             acc["H_V_A"][h] += 2 * torch.einsum("gh,ghde->de", PP, O.double())
             acc["H_K_A"][h] += 2 * HK
 
+    def _observe_attention_weights(self, acc, qg, k, v, allowed, scaling, softcap) -> None:
+        """M_K_W += Σ_t w_t k_t k_tᵀ and M_V_W += Σ_t w_t v_t v_tᵀ, w_t = Σ_{g,i} p_{g,i,t}² over the queries i
+        that read token t quantized (t ≥ S_sink and i − t ≥ S_keep), query rows in blocks."""
+        sink, keep = self.attention_weights
+        T, S = qg.shape[3], k.shape[2]
+        w = torch.zeros(k.shape[:3], dtype=torch.float64, device=k.device)  # (B, Hkv, S)
+        cols = torch.arange(S, device=k.device)[None, :]
+        for i0 in range(0, T, self.block):
+            qb = qg[:, :, :, i0 : i0 + self.block].float()
+            rows = torch.arange(i0, i0 + qb.shape[3], device=k.device)[:, None] + (S - T)  # the queries' positions
+            p = attention_probs(qb, k.float(), None if allowed is None else allowed[:, :, i0 : i0 + self.block], scaling, softcap)
+            quantized = (cols >= sink) & (rows - cols >= keep)  # (tb, S)
+            w += (p.square() * quantized).sum(dim=(2, 3)).double()
+        weighted_gram = lambda x: ((x * w[..., None]).transpose(-1, -2) @ x).sum(0)  # noqa: E731
+        acc["M_K_W"] += weighted_gram(k)
+        acc["M_V_W"] += weighted_gram(v)
+
     def finalize(self) -> list[dict[str, torch.Tensor]]:
         """Per-layer statistics (float64, CPU): M_K, H_K, M_V, H_V, C_Q, Sigma_V, mu_K, mu_V, n_K [, mu_K_pre]
         [, H_K_A, H_V_A]. ``mu_K_pre`` (Hkv, d): the keys' mean before RoPE (keys rotated back by their position)."""
@@ -204,6 +233,11 @@ class StatsCollector:
                 st["M_K_res"] = acc["M_K_res"]
             if self.wush_a:
                 st |= {"H_K_A": acc["H_K_A"], "H_V_A": acc["H_V_A"]}
+            if self.attention_weights is not None:
+                if not (acc["M_K_W"].diagonal(dim1=-2, dim2=-1).sum(-1) > 0).all():
+                    raise CalibrationError(f"layer {layer}: no calibration token was read quantized under the windows "
+                                           f"{self.attention_weights} (S_sink, S_keep); use sequences longer than S_sink + S_keep")
+                st |= {"M_K_W": acc["M_K_W"], "M_V_W": acc["M_V_W"]}
             for name, t in st.items():
                 if not torch.isfinite(t).all():
                     raise CalibrationError(f"layer {layer} statistic {name} contains NaN or inf")
@@ -243,7 +277,8 @@ class Calibration:
         if method not in self.solved:
             missing = [k for k in spec.stats_keys if k not in self.stats[0]]
             if missing:
-                raise CalibrationError(f"transform {method!r} needs statistics {missing}, not in this calibration (recalibrate{' with --wush-a' if method == 'wush-a' else ''})")
+                how = {"wush-a": " with --wush-a", "wush-w": " with --attention-weights SINK,KEEP"}.get(method, "")
+                raise CalibrationError(f"transform {method!r} needs statistics {missing}, not in this calibration (recalibrate{how})")
             self.solved[method] = self.solve(method)
         return self.solved[method]
 
@@ -356,10 +391,19 @@ def calibration_sequences(tokenizer, samples: int, seq_len: int, text_file: str 
 
 @torch.no_grad()
 def collect_statistics(model, sequences: torch.Tensor, wush_a: bool = False, skip_first: int = 0, show_progress: bool = True,
-                       key_means: list[torch.Tensor] | None = None, skip_first_queries: int = 0) -> list[dict]:
+                       key_means: list[torch.Tensor] | None = None, skip_first_queries: int = 0,
+                       attention_weights: tuple[int, int] | None = None) -> list[dict]:
     """Run ``model`` over ``sequences`` (N, L) and return per-layer statistics (float64). With ``key_means``
     (pre-RoPE key means per layer), also ``M_K_res``, the second moment of the keys minus their rotating mean.
-    ``skip_first`` positions are left out of M_K/M_V, ``skip_first_queries`` out of H_K (and H_K^A, C_Q)."""
+    ``skip_first`` positions are left out of M_K/M_V, ``skip_first_queries`` out of H_K (and H_K^A, C_Q).
+    ``attention_weights`` (S_sink, S_keep): also WUSH-W's attention-weighted Grams M_K_W, M_V_W."""
+    if attention_weights is not None:
+        sink, keep = attention_weights
+        if not (isinstance(sink, int) and isinstance(keep, int) and sink >= 0 and keep >= 1):
+            raise ValueError(f"attention_weights = {attention_weights!r}: expected (S_sink, S_keep) with S_sink >= 0 and S_keep >= 1")
+        if sink + keep >= sequences.shape[1]:
+            raise ValueError(f"attention_weights = {attention_weights!r}: sequences of {sequences.shape[1]} tokens never read a token "
+                             f"quantized under these windows; use sequences longer than S_sink + S_keep = {sink + keep}")
     for name, n in (("skip_first", skip_first), ("skip_first_queries", skip_first_queries)):
         if not 0 <= n < sequences.shape[1]:
             raise ValueError(f"{name} = {n}: expected an integer in [0, {sequences.shape[1] - 1}] (the sequences have {sequences.shape[1]} tokens)")
@@ -374,7 +418,7 @@ def collect_statistics(model, sequences: torch.Tensor, wush_a: bool = False, ski
     if key_means is not None and rope is None:
         raise ValueError("key_means needs a rotary embedding wushkv can read (models.rope_parameters)")
     collector = StatsCollector(spec, o_weights, wush_a=wush_a, skip_first=skip_first, rope=rope, key_means=key_means,
-                               skip_first_queries=skip_first_queries)
+                               skip_first_queries=skip_first_queries, attention_weights=attention_weights)
     observe_sequences(model, sequences, collector, "calibrate", show_progress)
     return collector.finalize()
 
@@ -419,6 +463,7 @@ def calibrate(
     methods: tuple[str, ...] | None = None,
     show_progress: bool = True,
     skip_first_queries: int = 0,
+    attention_weights: tuple[int, int] | None = None,
 ) -> Calibration:
     """Collect statistics on calibration text and solve every calibrated transform."""
     import time
@@ -426,7 +471,7 @@ def calibrate(
     t0 = time.perf_counter()
     seqs = calibration_sequences(tokenizer, samples, seq_len, text_file)
     stats = collect_statistics(model, seqs, wush_a=wush_a, skip_first=skip_first, show_progress=show_progress,
-                               skip_first_queries=skip_first_queries)
+                               skip_first_queries=skip_first_queries, attention_weights=attention_weights)
     meta = {
         "model": model_name(model),
         "fingerprint": fingerprint(model),
@@ -446,6 +491,8 @@ def calibrate(
     }
     if skip_first_queries:  # only when used: a default calibration keeps the recipe earlier versions wrote
         meta["skip_first_queries"] = skip_first_queries
+    if attention_weights is not None:
+        meta["attention_weights"] = list(attention_weights)
     cal = Calibration(meta, stats)
     for m in methods or CALIBRATED:
         if all(k in stats[0] for k in TRANSFORMS[m].stats_keys):

@@ -181,7 +181,7 @@ def cmd_calibrate(args) -> int:
     model, tok = _load(args)
     cal = calibrate(model, tok, samples=args.samples, seq_len=args.seq_len, text_file=args.calib_text_file,
                     damping=args.damping, wush_a=args.wush_a, skip_first=args.skip_first,
-                    skip_first_queries=args.skip_first_queries)
+                    skip_first_queries=args.skip_first_queries, attention_weights=args.attention_weights)
     path = cal.save(args.out)
     print(f"calibration of {args.model}: {cal.meta['samples']} x {cal.meta['seq_len']} tokens, transforms {sorted(cal.solved)}, "
           f"{cal.meta['seconds']:.1f}s -> {path} (+ {path}.json)")
@@ -389,18 +389,24 @@ def cmd_generate(args) -> int:
 
     from .cache import WushKVCache
     from .eval.compare import config_for
+    from .eval.methods import AUTO, generation_method, transforms_for
     from .folding import apply_transforms
 
-    _check_transforms([args.transform])
-    cfg = config_for(args.transform, _quant_config(args))
+    auto = args.transform == AUTO
+    method = "wush" if auto else args.transform
+    _check_transforms([method])
+    cfg = config_for(method, _quant_config(args))
     model, tok = _load(args)
-    cal = _calibration_for(args, model, tok, [args.transform])
-    from .eval.methods import transforms_for
-
-    trs = transforms_for(model, cal, args.transform)
+    cal = _calibration_for(args, model, tok, [method])
+    if auto:
+        method = generation_method(cal, cfg)
+        cfg = config_for(method, cfg)
+        print(f"--transform auto: {method}" + ("" if method != "wush" else
+              " (wush+rmean needs the affine quantizer and a calibration holding the pre-RoPE key mean)"), file=sys.stderr)
+    trs = transforms_for(model, cal, method)
     prompt = open(args.prompt_file, encoding="utf-8").read() if args.prompt_file else args.prompt
     ids = tok(prompt, return_tensors="pt").input_ids.to(args.device)
-    with apply_transforms(model, trs, args.transform):
+    with apply_transforms(model, trs, method):
         cache = WushKVCache(model, cfg)
         streamer = TextStreamer(tok, skip_prompt=False)
         out = model.generate(ids, cache=cache, max_new_tokens=args.max_new_tokens, do_sample=False, streamer=streamer,
@@ -409,7 +415,7 @@ def cmd_generate(args) -> int:
     size = next(model.parameters()).element_size()
     fp, bf16 = cache.full_precision_nbytes(size), cache.full_precision_nbytes(2)
     mib = lambda b: f"{b / 2**20:.2f} MiB"  # noqa: E731
-    print(f"\n[{args.transform} {cfg.label()}] {out.shape[1] - 1} tokens cached: {mib(nb['total'])} held (codes {mib(nb['codes'])}, "
+    print(f"\n[{method} {cfg.label()}] {out.shape[1] - 1} tokens cached: {mib(nb['total'])} held (codes {mib(nb['codes'])}, "
           f"metadata {mib(nb['metadata'])}, full-precision windows {mib(nb['full_precision'])}); a DynamicCache would hold "
           f"{mib(fp)} in {args.dtype} ({fp / max(nb['total'], 1):.2f}x) or {mib(bf16)} in bfloat16 ({bf16 / max(nb['total'], 1):.2f}x)",
           file=sys.stderr)
@@ -422,6 +428,16 @@ def _methods(s: str) -> list[str]:
     names = [t.strip() for t in s.split(",") if t.strip()]
     check_methods(names)
     return names
+
+
+def _windows_pair(s: str) -> tuple[int, int]:
+    try:
+        sink, keep = (int(x) for x in s.split(","))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected SINK,KEEP such as 16,128, got {s!r}") from None
+    if sink < 0 or keep < 1:
+        raise argparse.ArgumentTypeError(f"expected SINK >= 0 and KEEP >= 1, got {s!r}")
+    return sink, keep
 
 
 def _context_list(s: str) -> list[int]:
@@ -677,6 +693,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--calib-text-file", default=None, help="calibration text: UTF-8 file or C4-style .jsonl[.gz] (default: the C4 sample)")
     p.add_argument("--damping", type=float, default=0.01, help="γ: damping of H and M relative to their mean diagonal (default: %(default)s)")
     p.add_argument("--wush-a", action="store_true", help="also collect attention-aware Hessians (WUSH-A; cost grows as seq-len²: about 2.6× a plain calibration at 1024 tokens, 3.7× at 2048)")
+    p.add_argument("--attention-weights", type=_windows_pair, default=None, metavar="SINK,KEEP",
+                   help="also collect WUSH-W's Grams (transform wush-w): each key and value weighted by the squared attention it "
+                        "receives while a cache with these windows holds it quantized, e.g. 16,128 (costs about one more "
+                        "attention pass per layer)")
     p.add_argument("--skip-first", type=int, default=0, help="leave the first N positions of each sequence out of M_K/M_V (default: %(default)s)")
     p.add_argument("--skip-first-queries", type=int, default=0,
                    help="leave the queries at the first N positions out of the key Hessian H_K (queries before S_sink + S_keep "
@@ -752,12 +772,14 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--prompt", default="The history of the KV cache begins", help="prompt text")
     p.add_argument("--prompt-file", default=None, help="read the prompt from a UTF-8 file")
     p.add_argument("--max-new-tokens", type=int, default=128)
-    p.add_argument("--transform", default="wush", help="transform (default: %(default)s)")
+    p.add_argument("--transform", default="auto",
+                   help="method, as for agree; 'auto': wush+rmean (keys centered on their rotating mean) with the affine "
+                        "quantizer when the calibration holds the pre-RoPE key mean, else wush (docs/GENERATION.md) (default: %(default)s)")
     p.add_argument("--calibration", default=None, help="calibration file; default: calibrate once and cache")
     p.add_argument("--calib-samples", type=int, default=16)
     p.add_argument("--calib-seq-len", type=int, default=2048)
     _add_quant_args(p, GENERATION_WINDOWS)
-    p.set_defaults(func=cmd_generate)
+    p.set_defaults(func=cmd_generate, quantizer="affine")
 
     p = sub.add_parser("export", help="write solved transforms for a serving engine (row-vector convention, docs/FORMAT.md)")
     p.add_argument("--calibration", required=True, help="calibration file from `wushkv calibrate`")
@@ -769,8 +791,9 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("agree", help="long-generation agreement with full precision: KL and top-1 per position, first divergence")
     _add_model_args(p)
-    p.add_argument("--transforms", default="identity,hadamard,random,oscar,kvarn,wush",
-                   help="comma-separated transforms, and stock-<quanto|hqq>-<2|4> for the stock QuantizedCache (default: %(default)s)")
+    p.add_argument("--transforms", default="identity,hadamard,random,oscar,kvarn,wush,wush+rmean",
+                   help="comma-separated transforms, and stock-<quanto|hqq>-<2|4> for the stock QuantizedCache; wush+rmean is "
+                        "what `generate` runs by default (default: %(default)s)")
     p.add_argument("--calibration", default=None, help="calibration file; default: calibrate once and cache")
     p.add_argument("--calib-samples", type=int, default=16)
     p.add_argument("--calib-seq-len", type=int, default=2048)
@@ -793,7 +816,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("passkey", help="passkey retrieval accuracy per context and depth (full precision is the ceiling)")
     _add_model_args(p)
-    p.add_argument("--transforms", default="full-precision,hadamard,kvarn,wush", help="comma-separated methods, as for agree (default: %(default)s)")
+    p.add_argument("--transforms", default="full-precision,hadamard,kvarn,wush,wush+rmean", help="comma-separated methods, as for agree (default: %(default)s)")
     p.add_argument("--calibration", default=None)
     p.add_argument("--calib-samples", type=int, default=16)
     p.add_argument("--calib-seq-len", type=int, default=2048)

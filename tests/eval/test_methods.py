@@ -178,3 +178,18 @@ def test_rmean_methods(tiny_cal):
         st.pop("mu_K_pre")
     with pytest.raises(ValueError, match="predates.*wushkv calibrate"):
         transforms_for(model, cal, "wush+rmean")
+
+
+def test_generation_method(tiny_cal):
+    """``generate --transform auto``: centered WUSH keys with the affine quantizer when the calibration holds the
+    pre-RoPE key mean; plain WUSH with another quantizer, without a calibration, or with a file that predates the mean."""
+    from wushkv.eval.methods import generation_method
+
+    model = tiny_model("llama")
+    cal = tiny_cal(model)
+    affine, quest = QuantConfig(quantizer="affine"), QuantConfig(quantizer="quest")
+    assert generation_method(cal, affine) == "wush+rmean"
+    assert generation_method(cal, quest) == "wush"
+    assert generation_method(None, affine) == "wush"
+    cal.stats[-1].pop("mu_K_pre")  # one layer without the mean: the centered method could not run
+    assert generation_method(cal, affine) == "wush"

@@ -17,14 +17,14 @@ def _stats(seed=0):
         X = X * torch.exp(torch.randn(Hkv, d, 1, generator=gen, dtype=torch.float64))
         return X @ X.mT / n
 
-    st = {k: gram() for k in ("M_K", "H_K", "M_V", "H_V", "H_K_A", "H_V_A", "C_Q", "Sigma_V")}
+    st = {k: gram() for k in ("M_K", "H_K", "M_V", "H_V", "H_K_A", "H_V_A", "C_Q", "Sigma_V", "M_K_W", "M_V_W")}
     # M_K here is a mean (n = 1 "token"); a small mean key keeps M_K − μμᵀ positive definite
     return st | {"mu_K": 0.01 * torch.randn(Hkv, d, generator=gen, dtype=torch.float64),
                  "mu_V": 0.01 * torch.randn(Hkv, d, generator=gen, dtype=torch.float64), "n_K": torch.ones(1, dtype=torch.float64)}
 
 
 def test_names_and_specs():
-    assert set(TRANSFORMS) == {"identity", "hadamard", "hadamard-c", "random", "wush", "wush-c", "wush-a", "oscar", "kvarn"}
+    assert set(TRANSFORMS) == {"identity", "hadamard", "hadamard-c", "random", "wush", "wush-c", "wush-a", "wush-w", "oscar", "kvarn"}
     for name, spec in TRANSFORMS.items():
         assert isinstance(spec, TransformSpec) and spec.name == name and spec.description
         assert spec.needs_calibration == bool(spec.stats_keys)
@@ -70,11 +70,14 @@ def test_specific_contents():
     wa = build_transforms("wush-a", Hkv, d, s)
     torch.testing.assert_close(wa["T_K"], tr.wush_transform(s["M_K"], s["H_K_A"])[0])
     torch.testing.assert_close(wa["T_V"], tr.wush_transform(s["M_V"], s["H_V_A"])[0])
+    ww = build_transforms("wush-w", Hkv, d, s)
+    torch.testing.assert_close(ww["T_K"], tr.wush_transform(s["M_K_W"], s["H_K"])[0])
+    torch.testing.assert_close(ww["T_V"], tr.wush_transform(s["M_V_W"], s["H_V"])[0])
     o = build_transforms("oscar", Hkv, d, s)
     torch.testing.assert_close(o["T_K"], tr.oscar_transform(s["C_Q"], s["Sigma_V"])["T_K"])
 
 
-@pytest.mark.parametrize("name", ["wush", "wush-a", "oscar"])
+@pytest.mark.parametrize("name", ["wush", "wush-a", "wush-w", "oscar"])
 def test_missing_stats(name):
     s = _stats()
     key = TRANSFORMS[name].stats_keys[-1]

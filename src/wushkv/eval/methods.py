@@ -44,7 +44,7 @@ RMEAN_SUFFIX = "+rmean"
 SUFFIXES = (TILES_SUFFIX, RMEAN_SUFFIX, *LDLQ_SIDES)
 SIGNS_SUFFIX = "+signs"  # + a pattern number: "+signs3"
 _SIGNS = re.compile(r"\+signs(\d+)$")
-SIGNED_TRANSFORMS = ("wush", "wush-a", "wush-c")  # T = c·𝓗·Λ^{-1/4}·Uᵀ·Lᵀ: each eigenvector's sign is free
+SIGNED_TRANSFORMS = ("wush", "wush-a", "wush-c", "wush-w")  # T = c·𝓗·Λ^{-1/4}·Uᵀ·Lᵀ: each eigenvector's sign is free
 
 
 def method_suffixes(name: str) -> tuple[str, tuple[str, ...]]:
@@ -127,6 +127,24 @@ def needs_calibration(name: str) -> bool:
 def uses_rmean(name: str) -> bool:
     """Whether a method centers its keys on their rotating pre-RoPE mean (``+rmean``)."""
     return RMEAN_SUFFIX in method_suffixes(name)[1]
+
+
+AUTO = "auto"  # `wushkv generate --transform auto`: :func:`generation_method` picks
+
+
+def generation_method(calibration, cfg: QuantConfig) -> str:
+    """The method ``wushkv generate --transform auto`` (its default) runs: WUSH with its keys centered on
+    their rotating pre-RoPE mean (``wush+rmean``) under the affine quantizer when the calibration holds
+    that mean, plain ``wush`` otherwise.
+
+    Chosen on held-out C4 (the calibration's domain; documents no calibration reads, never the evaluation
+    text) in the generation setting, K2V2 affine 64/256/8: centering lowers 2-bit perplexity there on both
+    models (SmolLM2 +2.91% -> +1.26%, Gemma-3 +1.83% -> +1.68%), and it is what keeps SmolLM2's passkey
+    to 8k (docs/GENERATION.md). With QuEST it loses on SmolLM2's held-out C4, so other quantizers get
+    plain WUSH. A calibration made before the mean was stored gets plain WUSH too.
+    """
+    has_mean = calibration is not None and bool(calibration.stats) and all("mu_K_pre" in st for st in calibration.stats)
+    return "wush" + RMEAN_SUFFIX if cfg.quantizer == "affine" and has_mean else "wush"
 
 
 def uses_tiles(name: str) -> bool:

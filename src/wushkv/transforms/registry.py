@@ -70,6 +70,12 @@ TRANSFORMS: dict[str, TransformSpec] = {
             ("M_K", "H_K_A", "M_V", "H_V_A"),
         ),
         TransformSpec(
+            "wush-w",
+            True,
+            "WUSH with key and value Grams weighted by the squared attention each token receives while quantized",
+            ("M_K_W", "H_K", "M_V_W", "H_V"),
+        ),
+        TransformSpec(
             "oscar",
             True,
             "OSCAR: eigenvectors of query / score-weighted value covariance times 𝓗, shared per layer",
@@ -167,7 +173,7 @@ def build_transforms(
         T_K, T_K_inv = wush_transform(kM.double() - outer(mu), kH, damping, damping_M=damping_M)  # Σ (k − μ)(k − μ)ᵀ
         T_V, T_V_inv = wush_transform(vM.double() - outer(mu_v), vH, damping, damping_M=damping_M)
         return {"T_K": T_K, "T_K_inv": T_K_inv, "T_V": T_V, "T_V_inv": T_V_inv, "mu_K": mu.float(), "mu_V": mu_v.float()}
-    elif spec.name in ("wush", "wush-a"):
+    elif spec.name in ("wush", "wush-a", "wush-w"):
         kM, kH, vM, vH = (_get_stat(stats, k, spec.name, Hkv, d) for k in spec.stats_keys)
         T_K, T_K_inv = wush_transform(kM, kH, damping, damping_M=damping_M)
         T_V, T_V_inv = wush_transform(vM, vH, damping, damping_M=damping_M)
