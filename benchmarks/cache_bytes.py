@@ -1,0 +1,70 @@
+"""Bytes a cache really holds after one prefill, per quantizer layout: to compare methods at equal bytes.
+
+Perplexity tables compare methods at the same nominal width, but the layouts do not spend the same
+bytes: QuEST stores one fp16 step per token and head (per group with ``group_size``), KVarN's tiles
+add per-channel scales per tile and keep their first tile and a tail of up to 127 tokens in full
+precision. This prefills one sequence of ``--tokens`` tokens of the evaluation text through a
+``WushKVCache`` for each layout and prints ``cache.nbytes()`` (codes, metadata, full-precision windows),
+summed over layers, per token, and against the QuEST layout of the same width.
+
+    python benchmarks/cache_bytes.py --model smollm2-135m --tokens 2048 --bits 2,3,4 \\
+        --layouts "quest g64 16/128/16,quest g32 16/128/16,kvarn tiles"
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
+
+import torch  # noqa: E402
+
+from wushkv.cache import WushKVCache  # noqa: E402
+from wushkv.config import QuantConfig, WindowConfig  # noqa: E402
+from wushkv.data import load_eval_text, tokenize_chunks  # noqa: E402
+from wushkv.models import load  # noqa: E402
+from wushkv.report import format_table  # noqa: E402
+
+
+def layout_config(name: str, bits: int) -> QuantConfig:
+    """``quest gG S/K/F`` (QuEST, group G, windows S/K/F), ``affine gG S/K/F`` or ``kvarn tiles``."""
+    parts = name.split()
+    if parts == ["kvarn", "tiles"]:
+        return QuantConfig(bits, bits, quantizer="kvarn", windows=WindowConfig(128, 0, 128))
+    if len(parts) != 3 or parts[0] not in ("quest", "affine") or not parts[1].startswith("g"):
+        raise ValueError(f"layout {name!r}: expected 'quest g64 16/128/16', 'affine g64 64/256/8' or 'kvarn tiles'")
+    s, k, f = (int(x) for x in parts[2].split("/"))
+    return QuantConfig(bits, bits, quantizer=parts[0], group_size=int(parts[1][1:]), windows=WindowConfig(s, k, f))
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", default="smollm2-135m")
+    ap.add_argument("--tokens", type=int, default=2048)
+    ap.add_argument("--bits", default="2,3,4")
+    ap.add_argument("--layouts", default="quest g64 16/128/16,quest g32 16/128/16,kvarn tiles")
+    args = ap.parse_args()
+    torch.set_grad_enabled(False)
+    model, tok = load(args.model)
+    text, _ = load_eval_text(None)
+    ids = tokenize_chunks(tok, text, args.tokens, 1)
+    elem = next(model.parameters()).element_size()
+    rows = []
+    for b in (int(x) for x in args.bits.split(",")):
+        ref = None
+        for name in args.layouts.split(","):
+            cache = WushKVCache(model, layout_config(name, b))
+            model(ids, cache=cache, use_cache=True)
+            n = cache.nbytes()
+            n["full_precision"] = n["full_precision"] * 2 // elem  # counted as bf16, as deployed (this run is float32)
+            total = n["codes"] + n["metadata"] + n["full_precision"]
+            ref = ref or total
+            rows.append([b, name, n["codes"], n["metadata"], n["full_precision"], total, round(total / args.tokens, 1), round(total / ref, 3)])
+    print(f"{args.model}, one prefill of {args.tokens} tokens, bytes summed over layers and KV heads (identity transform)")
+    print(format_table(["bits", "layout", "codes", "metadata", "full precision (bf16)", "total", "bytes/token", "× first layout"], rows))
+
+
+if __name__ == "__main__":
+    main()
