@@ -21,7 +21,7 @@ per method and clip, averaged over layers and heads:
   a factor on the stored scale), to see whether undoing the shrink undoes the shift.
 
     python benchmarks/logit_bias.py --calibration out/s15/smollm2-c32.safetensors --text-file out/c4_heldout.txt \\
-        --methods wush,hadamard --bits 2 --alphas 1,1.15 --gains 1,1.07,1.135 --seqs 2
+        --methods wush,hadamard --bits 2 --alphas 1,1.15 --gains 1,1.07 --lognormal 0,0.5,1 --seqs 1
 """
 
 from __future__ import annotations
