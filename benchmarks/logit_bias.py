@@ -35,21 +35,15 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 
 import torch  # noqa: E402
 
+from key_errors import _Keys  # noqa: E402  (beside this script: records every layer's queries and keys)
+from lognormal_ppl import gaussian_mse  # noqa: E402
 from wushkv.attention import grouped, observe_sequences  # noqa: E402
 from wushkv.calibration import Calibration  # noqa: E402
 from wushkv.config import WindowConfig  # noqa: E402
 from wushkv.data import load_eval_text, tokenize_chunks  # noqa: E402
 from wushkv.models import load  # noqa: E402
 from wushkv.quantizers.affine import AffineQuantizer  # noqa: E402
-from wushkv.quantizers.quest import QUEST_MSE, QuestQuantizer  # noqa: E402
-
-
-class _QK:
-    def __init__(self):
-        self.k, self.q, self.scaling = {}, {}, None
-
-    def observe(self, module, q, k, v, allowed, scaling, softcap=None):
-        self.k[module.layer_idx], self.q[module.layer_idx], self.scaling = k[0].double(), q[0].double(), scaling
+from wushkv.quantizers.quest import QuestQuantizer  # noqa: E402
 
 
 def middle_mask(L: int, windows: WindowConfig) -> torch.Tensor:
@@ -87,6 +81,7 @@ def main() -> None:
     methods = args.methods.split(",")
     alphas = [float(a) for a in args.alphas.split(",")]
     gains = [float(g) for g in args.gains.split(",")]
+    mses = {a: gaussian_mse(args.bits, a) for a in alphas}  # per-unit error of the QuEST grid at each clip
     lams = [float(x) for x in args.lognormal.split(",")]
     trs = {m: cal.transforms(m) for m in methods}
     L = seqs.shape[1]
@@ -95,7 +90,7 @@ def main() -> None:
     causal = (torch.arange(L)[None, :] <= torch.arange(lo, L)[:, None])
     stats: dict = {}
     for s in range(seqs.shape[0]):
-        obs = _QK()
+        obs = _Keys()
         observe_sequences(model, seqs[s : s + 1], obs, f"{label} seq {s}", show_progress=False)
         for layer in sorted(obs.k):
             k, q = obs.k[layer], obs.q[layer]
@@ -110,7 +105,7 @@ def main() -> None:
                         xhat = qz.fake((k[h] @ T.T).float()).double()
                         xt = (k[h] @ T.T).float().double()
                         r2 = xt.pow(2).mean(-1)  # per-token mean square in the transformed space (= (Δ·(2^b−1)/(2α))², known to the decoder)
-                        mse = QUEST_MSE.get(args.bits, 0.0) if a is not None else 0.0
+                        mse = mses[a] if a is not None else 0.0  # the grid's error at this clip
                         qn2 = (qg[h] @ T_inv).pow(2).sum(-1)  # ‖q'‖² = ‖T^{-T} q‖², (G, Qn)
                         variants = [(g, lam, "model") for g in gains for lam in lams]
                         if args.oracle:
@@ -132,13 +127,12 @@ def main() -> None:
                             dlm = float((mass_q.log() - mass_t.log()).mean())
                             kl = float(torch.where(causal, p_true * (p_true.clamp_min(1e-30).log() - p_q.clamp_min(1e-30).log()), 0.0).sum(-1).mean())
                             key = f"{m} a{a if a is not None else 'affine'} g{g}" + (f" ln{lam:g}{'*' if src == 'oracle' else ''}" if lam else "")
-                            acc = stats.setdefault(key, {"slope": 0.0, "shift": 0.0, "dlogmass": 0.0, "kl": 0.0, "n": 0, "by_layer_kl": {}})
+                            acc = stats.setdefault(key, {"slope": 0.0, "shift": 0.0, "dlogmass": 0.0, "kl": 0.0, "n": 0})
                             acc["slope"] += slope
                             acc["shift"] += shift
                             acc["dlogmass"] += dlm
                             acc["kl"] += kl
                             acc["n"] += 1
-                            acc["by_layer_kl"][layer] = acc["by_layer_kl"].get(layer, 0.0) + kl
         print(f"sequence {s + 1}/{seqs.shape[0]} done", file=sys.stderr, flush=True)
     print(f"\n{args.model}, {label}, {args.seqs} × {L} tokens, last {args.queries} queries, windows {sink}/{keep}/{flush}, "
           f"{args.quantizer} {args.bits}-bit keys (values full precision); means over layers × KV heads × sequences")
