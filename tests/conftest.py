@@ -106,3 +106,19 @@ def hf_char_tokenizer():
     tok.pre_tokenizer = pre_tokenizers.Split(Regex(r"[\s\S]"), behavior="isolated")
     tok.decoder = decoders.Fuse()
     return PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="<pad>", bos_token="<s>", eos_token="</s>", unk_token="<unk>")
+
+
+TINY_CALIBRATION_TEXT = "The quick brown fox jumps over the lazy dog; 0123456789 pack my box with five dozen liquor jugs. " * 20
+
+
+@pytest.fixture
+def tiny_cal(tmp_path):
+    """A factory of small real calibrations (3 × 64 characters) of a tiny model."""
+    from wushkv.calibration import calibrate
+
+    def make(model):
+        p = tmp_path / "calib.txt"
+        p.write_text(TINY_CALIBRATION_TEXT)
+        return calibrate(model, CharTokenizer(), samples=3, seq_len=64, text_file=str(p), show_progress=False)
+
+    return make

@@ -38,6 +38,7 @@ CONFIGS = {
     "affine-K4V2": QuantConfig(4, 2, "affine", windows=WindowConfig(3, 5, 2)),
     "kivi-3": QuantConfig(3, 3, "kivi", windows=WindowConfig(2, 6, 4)),
     "kvarn-K4V2": QuantConfig(4, 2, "kvarn", windows=WindowConfig(8, 0, 8)),
+    "kvarn-2-clipped": QuantConfig(2, 2, "kvarn", tile_clip=1.3, windows=WindowConfig(8, 0, 8)),
     "K2-only": QuantConfig(2, None, "quest", windows=WindowConfig(4, 8, 4)),
     "quest-3-search": QuantConfig(3, 3, "quest", clip_search=8, windows=WindowConfig(4, 8, 4)),
     "affine-2-search": QuantConfig(2, 2, "affine", clip_search=8, windows=WindowConfig(3, 5, 2)),

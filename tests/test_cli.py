@@ -32,6 +32,9 @@ from wushkv.cli import main
         (["compare", "--clips", "c.json", "--k-alpha", "1.3"], "either --clips or --k-alpha"),
         (["compare", "--clips", "/nonexistent/c.json"], "does not exist"),
         (["ppl", "--clips", "c.json"], "needs a quantized run"),
+        (["compare", "--tile-clip", "-1"], "tile_clip=-1.0"),
+        (["tune-clip", "--out", "c.json", "--transforms", "auto"], "resolved per model and width by `compare` and `generate` only"),
+        (["agree", "--transforms", "wush,auto"], "resolved per model and width"),
     ],
 )
 def test_bad_arguments(argv, message, capsys):
@@ -143,6 +146,32 @@ def test_tune_clip_then_compare_with_the_table(tmp_path, capsys):
         cfg = res[t]["2"]["config"]
         assert (cfg["k_alpha"], cfg["v_alpha"]) == (clips[t]["2"]["k_alpha"], clips[t]["2"]["v_alpha"])
         assert res[t]["2"]["ppl"] == clips[t]["2"]["ppl"]  # the same text and clips: the same perplexity
+
+
+def test_compare_runs_auto_and_says_what_it_ran(tmp_path, capsys, monkeypatch):
+    """compare --transforms auto,...: auto resolves per width (here a recipe registered for the test under the
+    --model string, with its clip multipliers), the table row and JSON record it, the perplexity is that method's."""
+    import json
+
+    import wushkv.eval.methods as methods
+    from conftest import CharTokenizer, hf_char_tokenizer, tiny_model
+    from wushkv.calibration import calibrate
+
+    model = tiny_model("llama", vocab_size=128)
+    model.save_pretrained(tmp_path / "m")
+    hf_char_tokenizer().save_pretrained(tmp_path / "m")
+    text = tmp_path / "t.txt"
+    text.write_text("the quick brown fox jumps over the lazy dog. " * 20)
+    path = calibrate(model, CharTokenizer(), samples=2, seq_len=64, text_file=str(text), show_progress=False).save(tmp_path / "c.safetensors")
+    monkeypatch.setitem(methods.AUTO_RECIPES, str(tmp_path / "m"), {2: methods.Recipe("wush+ldlq-v", k_alpha=1.2)})
+    out = tmp_path / "r.json"
+    argv = ["compare", "--model", str(tmp_path / "m"), "--calibration", str(path), "--transforms", "auto,wush+ldlq-v", "--bits", "2,3",
+            "--text-file", str(text), "--seq-len", "120", "--chunks", "2", "--sink", "4", "--keep", "16", "--flush", "4", "--json", str(out)]
+    assert main(argv) == 0
+    assert "auto: 2-bit wush+ldlq-v (αK×1.2 αV×1), 3-bit wush (chosen on held-out C4" in capsys.readouterr().out
+    res = json.loads(out.read_text())["results"]
+    assert res["auto"]["2"]["method"] == "wush+ldlq-v" and res["auto"]["2"]["config"]["k_alpha"] == 1.2
+    assert res["auto"]["3"]["method"] == "wush" and res["auto"]["2"]["ppl"] != res["wush+ldlq-v"]["2"]["ppl"]  # its own clip
 
 
 def test_generate_auto_picks_centered_wush_keys(tmp_path, capsys):

@@ -80,6 +80,9 @@ def _add_quant_args(p: argparse.ArgumentParser, windows) -> None:
     p.add_argument("--clip-search", type=int, default=d.clip_search, metavar="N",
                    help="quest/affine: each token picks the clip of least squared error among N+1 candidates "
                         "(same bytes; 0 = the fixed clip) (default: %(default)s)")
+    p.add_argument("--tile-clip", type=float, default=d.tile_clip, metavar="M",
+                   help="kvarn and +tiles: quantize each tile row over its mean ± M·α_b·σ instead of its min-max (same bytes; "
+                        "0 = KVarN as published) (default: %(default)s)")
     p.add_argument("--group-size", type=int, default=d.group_size, help="channels per quantization group (default: head_dim)")
     p.add_argument("--sink", type=int, default=windows.S_sink, help="S_sink full-precision first tokens (default: %(default)s)")
     p.add_argument("--keep", type=int, default=windows.S_keep, help="S_keep full-precision recent tokens (default: %(default)s)")
@@ -98,6 +101,7 @@ def _quant_config(args, k_bits=None, v_bits=None):
         k_alpha=args.k_alpha,
         v_alpha=args.v_alpha,
         clip_search=args.clip_search,
+        tile_clip=args.tile_clip,
         group_size=args.group_size,
         windows=WindowConfig(args.sink, args.keep, args.flush),
     )
@@ -237,16 +241,22 @@ def _bits_list(s: str) -> list[int]:
         raise argparse.ArgumentTypeError(f"expected comma-separated bit widths such as 2,3,4, got {s!r}") from None
 
 
-def _check_transforms(transforms, tiles: bool = True) -> None:
-    """Known transforms; with ``tiles``, also ``<transform>+tiles`` (the transform under KVarN's tile quantizer)."""
-    from .eval.methods import LDLQ_SUFFIX, SIDES_SEP, TILES_SUFFIX, check_methods, is_transform_method
+def _check_transforms(transforms, tiles: bool = True, auto: bool = False) -> None:
+    """Known transforms; with ``tiles``, also ``<transform>+tiles`` (the transform under KVarN's tile quantizer);
+    with ``auto``, also ``auto`` (compare resolves it per width)."""
+    from .eval.methods import AUTO, LDLQ_SUFFIX, SIDES_SEP, TILES_SUFFIX, check_methods, is_transform_method
     from .transforms import TRANSFORMS
 
     for t in transforms:
+        if t == AUTO and auto:
+            continue
+        if t == AUTO:
+            check_methods([t])  # the error saying where auto is understood
         if not (is_transform_method(t) if tiles else t in TRANSFORMS):
             also = (f", each optionally with the suffix {TILES_SUFFIX!r} (KVarN's tile quantizer), {LDLQ_SUFFIX!r} "
                     f"(error-feedback rounding) or +signsN (WUSH's N-th eigenvector sign pattern), or KEYS{SIDES_SEP}VALUES "
-                    f"(e.g. wush{SIDES_SEP}hadamard: keys of one, values of the other)") if tiles else ""
+                    f"(e.g. wush{SIDES_SEP}hadamard: keys of one, values of the other)"
+                    + (f", or {AUTO!r} (the WUSH variant chosen on held-out C4 for the model and width)" if auto else "")) if tiles else ""
             raise ValueError(f"unknown transform {t!r}; known: {sorted(TRANSFORMS)}{also}")
         if tiles:
             check_methods([t])
@@ -255,9 +265,9 @@ def _check_transforms(transforms, tiles: bool = True) -> None:
 def _calibration_for(args, model, tok, transforms):
     """The --calibration file, or a cached calibration when a calibrated transform is asked for."""
     from .eval.compare import cached_calibration
-    from .eval.methods import needs_calibration, uses_wush_a
+    from .eval.methods import AUTO, needs_calibration, uses_wush_a
 
-    _check_transforms(transforms)
+    _check_transforms([t for t in transforms if t != AUTO])  # a command that takes auto has resolved or refused it
     if getattr(args, "calibration", None):
         return _load_calibration(args, model)
     if any(needs_calibration(t) for t in transforms):
@@ -272,11 +282,12 @@ def cmd_compare(args) -> int:
 
     from .data import load_eval_text, tokenize_chunks
     from .eval.compare import best_per_bits, compare_table, margins, run_compare
+    from .eval.methods import AUTO, auto_calibration_note
     from .io import write_json
     from .report import format_table, markdown_table, plot_lines
 
     transforms = [t.strip() for t in args.transforms.split(",") if t.strip()]
-    _check_transforms(transforms)
+    _check_transforms(transforms, auto=True)
     base = _quant_config(args, k_bits=2, v_bits=2)
     from .eval.compare import config_for
 
@@ -290,6 +301,8 @@ def cmd_compare(args) -> int:
     clips = _load_clips(args, model) if clips else None
     cal = _calibration_for(args, model, tok, transforms)
     chunks = tokenize_chunks(tok, text, args.seq_len, args.chunks)
+    if AUTO in transforms and (note := auto_calibration_note(args.model, cal)):
+        print(note, file=sys.stderr)
     meta = {"model": args.model, "dtype": args.dtype, "text": label, "transforms": transforms, "bits": args.bits}
     out = run_compare(model, tok, chunks, cal, transforms, args.bits, base, json_path=args.json, meta=meta,
                       log=lambda m: print(m, file=sys.stderr), clips=clips)
@@ -303,6 +316,17 @@ def cmd_compare(args) -> int:
         used = [f"{t} {b}-bit αK×{c['k_alpha']:g} αV×{c['v_alpha']:g}" for t in transforms for b in args.bits
                 if (c := out["results"].get(t, {}).get(str(b), {}).get("config")) and c.get("quantizer") == "quest"]
         print("clips: " + ", ".join(used))
+    if AUTO in transforms:
+        def _resolved(r: dict) -> str:
+            c, extra = r.get("config", {}), []
+            if c.get("quantizer") == "quest" and (c.get("k_alpha", 1.0), c.get("v_alpha", 1.0)) != (1.0, 1.0):
+                extra.append(f"αK×{c['k_alpha']:g} αV×{c['v_alpha']:g}")
+            if c.get("quantizer") == "kvarn" and c.get("tile_clip"):
+                extra.append(f"tile clip {c['tile_clip']:g}")
+            return r.get("method", "?") + (f" ({', '.join(extra)})" if extra else "")
+
+        print("auto: " + ", ".join(f"{b}-bit {_resolved(out['results'][AUTO][str(b)])}" for b in args.bits)
+              + " (chosen on held-out C4; docs/RESULTS.md)")
     best = best_per_bits(out, transforms, args.bits)
     print("lowest perplexity: " + ", ".join(f"{b}-bit {t}" for b, t in best.items()))
     margin_lines = []
@@ -389,7 +413,7 @@ def cmd_generate(args) -> int:
 
     from .cache import WushKVCache
     from .eval.compare import config_for
-    from .eval.methods import AUTO, generation_method, transforms_for
+    from .eval.methods import AUTO, auto_method, transforms_for
     from .folding import apply_transforms
 
     auto = args.transform == AUTO
@@ -399,10 +423,11 @@ def cmd_generate(args) -> int:
     model, tok = _load(args)
     cal = _calibration_for(args, model, tok, [method])
     if auto:
-        method = generation_method(cal, cfg)
+        method, cfg = auto_method(args.model, cal, cfg)
         cfg = config_for(method, cfg)
         print(f"--transform auto: {method}" + ("" if method != "wush" else
-              " (wush+rmean needs the affine quantizer and a calibration holding the pre-RoPE key mean)"), file=sys.stderr)
+              " (wush+rmean needs the affine quantizer and a calibration holding the pre-RoPE key mean; QuEST variants are "
+              "chosen per model at K = V bits)"), file=sys.stderr)
     trs = transforms_for(model, cal, method)
     prompt = open(args.prompt_file, encoding="utf-8").read() if args.prompt_file else args.prompt
     ids = tok(prompt, return_tensors="pt").input_ids.to(args.device)
@@ -720,7 +745,9 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("compare", help="perplexity of every transform at every bit width, side by side (the paper's Table 1)")
     _add_model_args(p)
     p.add_argument("--bits", type=_bits_list, default=[2, 3, 4], help="bit widths, comma-separated (default: 2,3,4)")
-    p.add_argument("--transforms", default="identity,hadamard,random,oscar,kvarn,wush", help="comma-separated (default: %(default)s)")
+    p.add_argument("--transforms", default="identity,hadamard,random,oscar,kvarn,wush,auto",
+                   help="comma-separated; 'auto' is the WUSH variant chosen on held-out C4 for the model and width "
+                        "(wushkv.eval.methods.AUTO_RECIPES) (default: %(default)s)")
     p.add_argument("--chunks", type=int, default=16, help="evaluation chunks (default: %(default)s)")
     p.add_argument("--seq-len", type=int, default=2048, help="tokens per chunk (default: %(default)s)")
     p.add_argument("--text-file", default=None, help="UTF-8 text to evaluate instead of WikiText-2 test")
@@ -761,7 +788,8 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("demo", help="the main job on the default model, sized for ~10 minutes on 2 cores: calibrate and compare")
     p.add_argument("--model", default="smollm2-135m")
     p.add_argument("--bits", default="2,3,4")
-    p.add_argument("--transforms", default="identity,hadamard,oscar,kvarn,wush")
+    p.add_argument("--transforms", default="identity,hadamard,oscar,kvarn,wush,auto",
+                   help="comma-separated; auto: the WUSH variant chosen on held-out C4 for the model and width (default: %(default)s)")
     p.add_argument("--chunks", type=int, default=1, help="2048-token chunks (default: %(default)s; the full protocol is compare --chunks 16)")
     p.add_argument("--calib-samples", type=int, default=8)
     p.add_argument("--out", default="out/demo")
@@ -774,7 +802,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-new-tokens", type=int, default=128)
     p.add_argument("--transform", default="auto",
                    help="method, as for agree; 'auto': wush+rmean (keys centered on their rotating mean) with the affine "
-                        "quantizer when the calibration holds the pre-RoPE key mean, else wush (docs/GENERATION.md) (default: %(default)s)")
+                        "quantizer when the calibration holds the pre-RoPE key mean (docs/GENERATION.md); with QuEST at K = V bits, "
+                        "the WUSH variant chosen on held-out C4 for the model and width (docs/RESULTS.md); else wush (default: %(default)s)")
     p.add_argument("--calibration", default=None, help="calibration file; default: calibrate once and cache")
     p.add_argument("--calib-samples", type=int, default=16)
     p.add_argument("--calib-seq-len", type=int, default=2048)

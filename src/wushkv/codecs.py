@@ -109,13 +109,13 @@ class ChannelCodec:
 class KVarNCodec:
     """KVarN tiles of ``block`` tokens (METHOD §7) on Hadamard-rotated keys or values."""
 
-    def __init__(self, bits: int, head_dim: int, block: int, kind: str):
-        self.bits, self.d, self.block, self.kind = bits, head_dim, block, kind
+    def __init__(self, bits: int, head_dim: int, block: int, kind: str, clip: float = 0.0):
+        self.bits, self.d, self.block, self.kind, self.clip = bits, head_dim, block, kind, clip
 
     def _quant(self, x):
         from .transforms.kvarn import kvarn_quantize
 
-        return kvarn_quantize(x.float(), self.bits, self.kind, tile=self.block)
+        return kvarn_quantize(x.float(), self.bits, self.kind, tile=self.block, clip=self.clip)
 
     def encode(self, x):
         t = self._quant(x)
@@ -154,7 +154,7 @@ def make_codec(cfg: QuantConfig, side: str, head_dim: int, feedback: torch.Tenso
             return ChannelCodec(bits, head_dim, cfg.windows.S_flush, meta)
         return TokenCodec(AffineQuantizer(bits, cfg.group_size, clip_ratio=0.0), head_dim, meta)
     if cfg.quantizer == "kvarn":
-        return KVarNCodec(bits, head_dim, cfg.windows.S_flush, side)
+        return KVarNCodec(bits, head_dim, cfg.windows.S_flush, side, clip=cfg.tile_clip)
     raise ValueError(f"unknown quantizer {cfg.quantizer!r}")
 
 

@@ -53,6 +53,9 @@ class QuantConfig:
       keys per channel over blocks of ``S_flush`` tokens, values per token), ``kvarn`` (KVarN tiles of
       ``S_flush`` tokens, §7; use windows (tile, 0, tile)).
     * ``k_alpha``/``v_alpha``: QuEST clip multipliers on α_b (1.0 = the Gaussian optimum).
+    * ``tile_clip``: ``kvarn`` only: each balanced row is quantized over its mean ± tile_clip·α_b·σ
+      (within its min-max) instead of its min-max; 0 = KVarN as published
+      (:func:`wushkv.transforms.kvarn.kvarn_quantize`). Same bytes.
     * ``clip_search``: per-token quantizers (quest, affine) only: 0 = the fixed clip; n > 0 = every
       token (group) picks the clip of least squared error among n + 1 candidates when it is quantized
       (same bytes, same decoder; :func:`wushkv.quantizers.search_multipliers`).
@@ -68,6 +71,7 @@ class QuantConfig:
     k_alpha: float = 1.0
     v_alpha: float = 1.0
     clip_search: int = 0
+    tile_clip: float = 0.0
     group_size: int | None = None
     windows: WindowConfig = field(default_factory=WindowConfig)
     metadata_dtype: str = "float16"
@@ -84,6 +88,9 @@ class QuantConfig:
             a = getattr(self, name)
             if isinstance(a, bool) or not isinstance(a, (int, float)) or not (0.0 < a < float("inf")):
                 raise ValueError(f"{name}={a!r}: the QuEST clip multiplier must be a finite number > 0 (1.0 = α_b)")
+        t = self.tile_clip
+        if isinstance(t, bool) or not isinstance(t, (int, float)) or not (0.0 <= t < float("inf")):
+            raise ValueError(f"tile_clip={t!r}: must be a finite number >= 0 (multiplier on α_b·σ per tile row; 0 = KVarN's min-max)")
         c = self.clip_search
         if isinstance(c, bool) or not isinstance(c, int) or not (0 <= c <= 256):
             raise ValueError(f"clip_search={c!r}: must be an integer in 0..256 (candidate clips per token; 0 = off)")
@@ -113,4 +120,5 @@ class QuantConfig:
         v = "16" if self.v_bits is None else str(self.v_bits)
         w = self.windows
         q = self.quantizer + (f" search{self.clip_search}" if self.clip_search else "")
+        q += f" clip{self.tile_clip:g}" if self.quantizer == "kvarn" and self.tile_clip else ""
         return f"K{k}V{v} {q} {w.S_sink}/{w.S_keep}/{w.S_flush}"

@@ -115,3 +115,47 @@ def test_paired_difference_and_margins():
     assert margins(out, ["x", "y"], [2])[2]["ci"] is None
     one = {"results": {"x": {"2": nll([2.1])}, "y": {"2": nll([2.0])}}}  # one chunk: no interval
     assert margins(one, ["x", "y"], [2])[2]["ci"] is None
+
+
+@torch.no_grad()
+def test_compare_auto_runs_the_models_recipe_at_each_width(tiny_cal, monkeypatch):
+    """``auto`` in compare runs the recipe of the run's model at each width: the same perplexity as naming that
+    method, and the entry records which method it was."""
+    import wushkv.eval.methods as methods
+    from wushkv.eval.methods import Recipe
+
+    model = tiny_model("llama")
+    cal = tiny_cal(model)
+    monkeypatch.setitem(methods.AUTO_RECIPES, "tiny", {2: Recipe("wush+ldlq-v"), 3: Recipe("wush", k_alpha=1.2)})
+    chunks = torch.randint(3, 96, (1, 160), generator=torch.Generator().manual_seed(2))
+    base = QuantConfig(windows=WindowConfig(4, 16, 4))
+    quiet = {"show_progress": False, "log": lambda m: None}
+    out = run_compare(model, None, chunks, cal, ["auto", "wush+ldlq-v"], [2, 3], base, meta={"model": "tiny"}, **quiet)
+    auto, named = out["results"]["auto"], out["results"]["wush+ldlq-v"]
+    assert auto["2"]["method"] == "wush+ldlq-v" and auto["2"]["ppl"] == pytest.approx(named["2"]["ppl"], rel=1e-9)
+    assert auto["3"]["method"] == "wush" and auto["3"]["config"]["k_alpha"] == pytest.approx(1.2)
+    direct = quantized_perplexity(model, chunks, cal, "wush", replace(base, k_bits=3, v_bits=3, k_alpha=1.2), show_progress=False)
+    assert auto["3"]["ppl"] == pytest.approx(direct["ppl"], rel=1e-9)
+
+
+@torch.no_grad()
+def test_tile_clip_reaches_the_cache_and_keeps_the_bytes():
+    """``tile_clip`` changes what the tiles store (another perplexity), not how much (same bytes)."""
+    from wushkv.cache import WushKVCache
+    from wushkv.folding import apply_transforms
+    from wushkv.eval.methods import transforms_for
+
+    model = tiny_model("llama")
+    chunks = torch.randint(3, 96, (1, 300), generator=torch.Generator().manual_seed(3))
+    base = config_for("kvarn", QuantConfig(k_bits=2, v_bits=2))
+    clipped = replace(base, tile_clip=1.3)
+    assert clipped.quantizer == "kvarn" and config_for("wush+tiles", replace(QuantConfig(), tile_clip=1.3)).tile_clip == 1.3
+    ppl = [quantized_perplexity(model, chunks, None, "kvarn", c, show_progress=False)["ppl"] for c in (base, clipped)]
+    assert abs(ppl[1] / ppl[0] - 1) > 1e-4
+    sizes = []
+    for c in (base, clipped):
+        with apply_transforms(model, transforms_for(model, None, "kvarn"), "kvarn"):
+            cache = WushKVCache(model, c)
+            model(chunks, cache=cache, use_cache=True)
+            sizes.append(cache.nbytes())
+    assert sizes[0] == sizes[1] and sizes[0]["codes"] > 0

@@ -43,23 +43,6 @@ def test_keys_from_one_values_from_the_other():
         transforms_for(model, None, "hadamard:wush")
 
 
-LDLQ_TEXT = "The quick brown fox jumps over the lazy dog; 0123456789 pack my box with five dozen liquor jugs. " * 20
-
-
-@pytest.fixture
-def tiny_cal(tmp_path):
-    from conftest import CharTokenizer
-
-    from wushkv.calibration import calibrate
-
-    def make(model):
-        p = tmp_path / "calib.txt"
-        p.write_text(LDLQ_TEXT)
-        return calibrate(model, CharTokenizer(), samples=3, seq_len=64, text_file=str(p), show_progress=False)
-
-    return make
-
-
 def test_ldlq_method_names_and_errors():
     from wushkv.codecs import make_codec
     from wushkv.eval.methods import ldlq_sides, method_suffixes, uses_ldlq
@@ -193,3 +176,44 @@ def test_generation_method(tiny_cal):
     assert generation_method(None, affine) == "wush"
     cal.stats[-1].pop("mu_K_pre")  # one layer without the mean: the centered method could not run
     assert generation_method(cal, affine) == "wush"
+
+
+def test_auto_method_resolves_per_model_width_and_quantizer(tiny_cal):
+    """``auto``: each model's C4-chosen QuEST variant at K = V bits (its clip multipliers on top of the configured
+    ones), the generation choice with the affine quantizer, the paper recipe elsewhere."""
+    from dataclasses import replace
+
+    from wushkv.eval.methods import AUTO, AUTO_CALIBRATION, AUTO_RECIPES, auto_method, is_transform_method
+
+    model = tiny_model("llama")
+    cal = tiny_cal(model)
+    for key, table in AUTO_RECIPES.items():
+        assert key in AUTO_CALIBRATION and set(table) == {2, 3, 4}
+        for b, r in table.items():
+            check_methods([r.method])
+            assert is_transform_method(r.method) and method_sides(r.method)[0].startswith("wush")
+            m, c = auto_method(key, cal, QuantConfig(b, b, quantizer="quest", k_alpha=1.1))
+            assert m == r.method and c.k_alpha == pytest.approx(1.1 * r.k_alpha) and c.v_alpha == pytest.approx(r.v_alpha)
+            assert (c.k_bits, c.v_bits, c.quantizer, c.windows) == (b, b, "quest", QuantConfig().windows)
+    assert auto_method("smollm2-135m", cal, QuantConfig(2, 2, quantizer="quest"))[0] == "wush+ldlq-v"
+    quest = QuantConfig(3, 2, quantizer="quest")
+    assert auto_method("smollm2-135m", cal, quest) == ("wush", quest)  # K ≠ V: no recipe
+    assert auto_method("my-model", cal, replace(quest, v_bits=3))[0] == "wush"  # a model without recipes
+    assert auto_method("smollm2-135m", cal, QuantConfig(8, 8, quantizer="quest"))[0] == "wush"  # a width without one
+    assert auto_method("smollm2-135m", cal, QuantConfig(2, 2, quantizer="affine"))[0] == "wush+rmean"
+    assert auto_method("smollm2-135m", cal, QuantConfig(2, 2, quantizer="kivi"))[0] == "wush"
+    with pytest.raises(ValueError, match="`compare` and `generate` only"):
+        check_methods([AUTO])  # agree, passkey, ppl: name the method
+    assert needs_calibration(AUTO)
+
+
+def test_auto_calibration_note(tiny_cal):
+    from types import SimpleNamespace
+
+    from wushkv.eval.methods import auto_calibration_note
+
+    same = SimpleNamespace(meta={"samples": 32, "seq_len": 2048})
+    assert auto_calibration_note("smollm2-135m", same) is None
+    assert auto_calibration_note("my-model", same) is None and auto_calibration_note("smollm2-135m", None) is None
+    note = auto_calibration_note("gemma3-270m", same)
+    assert "16 x 2048" in note and "32 x 2048" in note and "--samples 16" in note

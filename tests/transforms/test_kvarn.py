@@ -350,3 +350,50 @@ def test_errors_name_the_value():
             kvarn_fake(x[:128], bad, "key")
     with pytest.raises(ValueError, match="shape"):
         balance(torch.randn(1, 5))
+
+
+def _ref_clipped_row(b: torch.Tensor, bits: int, clip: float) -> torch.Tensor:
+    """One balanced row quantized over mean ± clip·α_b·σ within its min-max (the docstring's formula, in float64)."""
+    from wushkv.quantizers.quest import QUEST_ALPHA
+
+    b = b.double()
+    mu, sd = b.mean(), b.std(correction=0)
+    lo, hi = max(b.min(), mu - clip * QUEST_ALPHA[bits] * sd), min(b.max(), mu + clip * QUEST_ALPHA[bits] * sd)
+    step = (hi - lo) / (2**bits - 1)
+    return lo + step * torch.round((b - lo) / step).clamp(0, 2**bits - 1)
+
+
+def test_clip_zero_or_huge_is_kvarn_and_a_clip_matches_its_reference():
+    x = torch.randn(2, 256, 16, generator=torch.Generator().manual_seed(12))
+    for kind in ("key", "value"):
+        published = kvarn_quantize(x, 2, kind)
+        for same in (kvarn_quantize(x, 2, kind, clip=0.0), kvarn_quantize(x, 2, kind, clip=1e6)):
+            assert torch.equal(same.codes, published.codes) and torch.equal(same.scale, published.scale)
+    # A clip against the slow reference: balanced rows of one tile, quantized one by one.
+    tile = torch.randn(1, 128, 8, generator=torch.Generator().manual_seed(13)) * torch.linspace(0.5, 2, 8)
+    B, log_r, log_c = balance(tile.transpose(-1, -2))  # keys: rows are channels
+    fast = kvarn_fake(tile, 2, "key", clip=1.15)
+    ref = torch.stack([_ref_clipped_row(B[0, r], 2, 1.15) * log_r[0, r].exp() for r in range(8)])  # (R, C)
+    ref = (ref * log_c[0].exp()).T  # (T, d)
+    assert torch.allclose(fast[0].double(), ref, rtol=2e-3, atol=2e-3)  # float16 metadata
+
+
+def test_clip_cuts_the_gaussian_error_at_two_bits_with_the_same_bytes():
+    x = torch.randn(4, 512, 64, generator=torch.Generator().manual_seed(14))
+    for kind in ("key", "value"):
+        a, c = kvarn_quantize(x, 2, kind), kvarn_quantize(x, 2, kind, clip=1.0)
+        assert kvarn_nbytes(a) == kvarn_nbytes(c) and int(c.codes.max()) <= 3
+        mse_a = ((kvarn_dequantize(a) - x) ** 2).mean().item()
+        mse_c = ((kvarn_dequantize(c) - x) ** 2).mean().item()
+        assert mse_c < 0.6 * mse_a, (kind, mse_a, mse_c)  # min-max over 128 samples is ~1.7x too coarse at 2 bits
+        assert mse_c < 1.1 * 0.1188  # near the Gaussian optimum of a 4-level grid (QUEST_MSE[2])
+
+
+@pytest.mark.parametrize("bad", [-0.5, float("nan"), float("inf"), True])
+def test_bad_clip_is_refused(bad):
+    from wushkv.config import QuantConfig, WindowConfig
+
+    with pytest.raises(ValueError, match="clip"):
+        kvarn_quantize(torch.randn(128, 4), 2, "key", clip=bad)
+    with pytest.raises(ValueError, match="tile_clip"):
+        QuantConfig(quantizer="kvarn", tile_clip=bad, windows=WindowConfig(128, 0, 128))

@@ -122,6 +122,7 @@ def run_compare(model, tokenizer, chunks: torch.Tensor, calibration: Calibration
     ``clips`` (:class:`~wushkv.eval.clips.ClipTable`): each method quantizes with QuEST at its own chosen clip
     multipliers where the table has them (α from ``base`` elsewhere); each result records the config it ran."""
     from ..io import write_json
+    from .methods import AUTO, auto_method
 
     settings = dict(meta or {}, chunks=int(chunks.shape[0]), seq_len=int(chunks.shape[1]), base=base.to_dict(),
                     text_sha256=hashlib.sha256(chunks.cpu().numpy().tobytes()).hexdigest())
@@ -155,14 +156,18 @@ def run_compare(model, tokenizer, chunks: torch.Tensor, calibration: Calibration
             done = out["results"].get(t, {}).get(str(b))
             if done is not None:
                 continue
-            cfg = config_for(t, replace(base, k_bits=b, v_bits=b))
+            name, cfg = t, config_for(t, replace(base, k_bits=b, v_bits=b))
+            if t == AUTO:  # the model's C4-chosen WUSH variant at this width
+                name, cfg = auto_method(settings.get("model"), calibration, cfg)
+                cfg = config_for(name, cfg)
             if clips is not None:
-                cfg = clips.apply(t, cfg)
-            r = quantized_perplexity(model, chunks, calibration, t, cfg, show_progress=show_progress, desc=f"{t} {cfg.label()}")
+                cfg = clips.apply(name, cfg)
+            label = t if name == t else f"{t} ({name})"
+            r = quantized_perplexity(model, chunks, calibration, name, cfg, show_progress=show_progress, desc=f"{label} {cfg.label()}")
             entry = {"ppl": r["ppl"], "delta_pct": 100 * (r["ppl"] / out["fp"]["ppl"] - 1), "seconds": r["seconds"], "config": cfg.to_dict(),
-                     "chunk_nll": r["chunk_nll"]}
+                     "method": name, "chunk_nll": r["chunk_nll"]}
             out["results"].setdefault(t, {})[str(b)] = entry
-            log(f"{t:>9} {cfg.label():<24} PPL {r['ppl']:9.3f}  ({entry['delta_pct']:+.2f}% over full precision, {r['seconds']:.0f}s)")
+            log(f"{label:>9} {cfg.label():<24} PPL {r['ppl']:9.3f}  ({entry['delta_pct']:+.2f}% over full precision, {r['seconds']:.0f}s)")
             if json_path:
                 write_json(json_path, out)
     return out

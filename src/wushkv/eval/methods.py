@@ -24,13 +24,16 @@
 * ``stock-<backend>-<bits>`` (``stock-hqq-2``, ``stock-quanto-4``, ...): the stock ``transformers``
   ``QuantizedCache`` on the unmodified model, the baseline users have today (backends: the optional
   extra ``wushkv[stock]``);
-* ``full-precision``: ``DynamicCache``.
+* ``full-precision``: ``DynamicCache``;
+* ``auto`` (``compare``, ``generate``): per model and width, the WUSH variant chosen on held-out C4
+  (:data:`AUTO_RECIPES`, :func:`auto_method`); resolved to one of the names above before anything runs.
 """
 
 from __future__ import annotations
 
 import re
 from contextlib import contextmanager
+from dataclasses import dataclass
 
 from ..cache import WushKVCache
 from ..config import QuantConfig
@@ -121,6 +124,8 @@ def uses_wush_a(name: str) -> bool:
 def needs_calibration(name: str) -> bool:
     from ..transforms import TRANSFORMS
 
+    if name == AUTO:
+        return True
     return is_transform_method(name) and (uses_ldlq(name) or uses_rmean(name) or any(TRANSFORMS[side].needs_calibration for side in method_sides(name)))
 
 
@@ -147,6 +152,61 @@ def generation_method(calibration, cfg: QuantConfig) -> str:
     return "wush" + RMEAN_SUFFIX if cfg.quantizer == "affine" and has_mean else "wush"
 
 
+@dataclass(frozen=True)
+class Recipe:
+    """One cell of :data:`AUTO_RECIPES`: a WUSH method, the QuEST clip multipliers it runs at (on α_b) and, for
+    a ``+tiles`` method, its tile clip (:attr:`~wushkv.config.QuantConfig.tile_clip`)."""
+
+    method: str
+    k_alpha: float = 1.0
+    v_alpha: float = 1.0
+    tile_clip: float = 0.0
+
+
+# What ``auto`` runs with the QuEST quantizer at K = V bits: per model (the names ``wushkv.models.load`` takes)
+# and width, the WUSH variant that held-out C4 picked (documents no calibration reads, never the evaluation
+# text; windows 16/128/16), from the calibration recipe of AUTO_CALIBRATION (wushkv calibrate is deterministic,
+# so that recipe gives every user the same file). Evidence: docs/ABLATIONS.md sections 24, 25, 27 and 28.
+AUTO_RECIPES: dict[str, dict[int, Recipe]] = {
+    "smollm2-135m": {2: Recipe("wush+ldlq-v"), 3: Recipe("wush+ldlq-k"), 4: Recipe("wush+ldlq")},
+    "gemma3-270m": {2: Recipe("wush+ldlq", k_alpha=1.15, v_alpha=1.45), 3: Recipe("wush+ldlq"), 4: Recipe("wush+ldlq")},
+}
+AUTO_CALIBRATION: dict[str, tuple[int, int]] = {"smollm2-135m": (32, 2048), "gemma3-270m": (16, 2048)}  # samples, tokens
+
+
+def auto_method(model_key: str | None, calibration, cfg: QuantConfig) -> tuple[str, QuantConfig]:
+    """The method (and its quantizer settings) that ``auto`` stands for, in ``compare`` and ``generate``:
+
+    * QuEST at K = V bits on a model of :data:`AUTO_RECIPES`: that model's recipe at that width (its clip
+      multipliers multiply the configured ones; a ``+tiles`` recipe sets its tile clip, and ``config_for``
+      then gives it the tiles' quantizer and windows);
+    * the affine quantizer: :func:`generation_method` (``wush+rmean`` when the calibration holds the
+      pre-RoPE key mean);
+    * anything else: the paper recipe, ``wush``.
+    """
+    from dataclasses import replace
+
+    if cfg.quantizer == "affine":
+        return generation_method(calibration, cfg), cfg
+    recipe = AUTO_RECIPES.get(model_key or "", {}).get(cfg.k_bits) if cfg.quantizer == "quest" and cfg.k_bits == cfg.v_bits else None
+    if recipe is None:
+        return "wush", cfg
+    cfg = replace(cfg, k_alpha=cfg.k_alpha * recipe.k_alpha, v_alpha=cfg.v_alpha * recipe.v_alpha)
+    return recipe.method, (replace(cfg, tile_clip=recipe.tile_clip) if recipe.tile_clip else cfg)
+
+
+def auto_calibration_note(model_key: str | None, calibration) -> str | None:
+    """A line to print when ``auto``'s choices were made with another calibration recipe than ``calibration``'s."""
+    want = AUTO_CALIBRATION.get(model_key or "")
+    if want is None or calibration is None:
+        return None
+    have = (calibration.meta.get("samples"), calibration.meta.get("seq_len"))
+    if have == want:
+        return None
+    return (f"note: auto's choices for {model_key} were made on held-out C4 with a {want[0]} x {want[1]} calibration; this one is "
+            f"{have[0]} x {have[1]} (wushkv calibrate --samples {want[0]} --seq-len {want[1]} makes that file)")
+
+
 def uses_tiles(name: str) -> bool:
     """Whether a method quantizes with KVarN's tiles (its own quantizer and windows)."""
     return method_transform(name) == "kvarn" or TILES_SUFFIX in method_suffixes(name)[1]
@@ -166,6 +226,9 @@ def check_methods(names: list[str]) -> None:
     from ..transforms import TRANSFORMS
 
     for n in names:
+        if n == AUTO:
+            raise ValueError(f"{AUTO!r} is resolved per model and width by `compare` and `generate` only; here name a method, "
+                             "e.g. the one `compare` printed for it")
         if n == FULL_PRECISION or parse_stock(n) is not None:
             continue
         if not is_transform_method(n):
