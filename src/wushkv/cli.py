@@ -248,10 +248,10 @@ def _check_transforms(transforms, tiles: bool = True, auto: bool = False) -> Non
     from .transforms import TRANSFORMS
 
     for t in transforms:
-        if t == AUTO and auto:
-            continue
         if t == AUTO:
-            check_methods([t])  # the error saying where auto is understood
+            if not auto:
+                check_methods([t])  # raises, saying which commands resolve auto
+            continue
         if not (is_transform_method(t) if tiles else t in TRANSFORMS):
             also = (f", each optionally with the suffix {TILES_SUFFIX!r} (KVarN's tile quantizer), {LDLQ_SUFFIX!r} "
                     f"(error-feedback rounding) or +signsN (WUSH's N-th eigenvector sign pattern), or KEYS{SIDES_SEP}VALUES "
