@@ -8,7 +8,7 @@ precision. This prefills one sequence of ``--tokens`` tokens of the evaluation t
 summed over layers, per token, and against the QuEST layout of the same width.
 
     python benchmarks/cache_bytes.py --model smollm2-135m --tokens 2048 --bits 2,3,4 \\
-        --layouts "quest g64 16/128/16,quest g32 16/128/16,kvarn tiles"
+        --layouts "quest g64 16/128/16,quest g32 16/128/16,kvarn tiles,ktiles 16/128/16"
 """
 
 from __future__ import annotations
@@ -29,12 +29,18 @@ from wushkv.report import format_table  # noqa: E402
 
 
 def layout_config(name: str, bits: int) -> QuantConfig:
-    """``quest gG S/K/F`` (QuEST, group G, windows S/K/F), ``affine gG S/K/F`` or ``kvarn tiles``."""
+    """``quest gG S/K/F`` (QuEST, group G, windows S/K/F), ``affine gG S/K/F``, ``kvarn tiles`` or ``ktiles S/K/F`` (keys in
+    KVarN's tiles, QuEST values, under the ``+ktiles`` windows derived from S/K/F)."""
     parts = name.split()
     if parts == ["kvarn", "tiles"]:
         return QuantConfig(bits, bits, quantizer="kvarn", windows=WindowConfig(128, 0, 128))
+    if len(parts) == 2 and parts[0] == "ktiles":
+        from wushkv.eval.compare import config_for
+
+        s, k, f = (int(x) for x in parts[1].split("/"))
+        return config_for("wush+ktiles", QuantConfig(bits, bits, quantizer="quest", windows=WindowConfig(s, k, f)))
     if len(parts) != 3 or parts[0] not in ("quest", "affine") or not parts[1].startswith("g"):
-        raise ValueError(f"layout {name!r}: expected 'quest g64 16/128/16', 'affine g64 64/256/8' or 'kvarn tiles'")
+        raise ValueError(f"layout {name!r}: expected 'quest g64 16/128/16', 'affine g64 64/256/8', 'kvarn tiles' or 'ktiles 16/128/16'")
     s, k, f = (int(x) for x in parts[2].split("/"))
     return QuantConfig(bits, bits, quantizer=parts[0], group_size=int(parts[1][1:]), windows=WindowConfig(s, k, f))
 

@@ -40,6 +40,8 @@ CONFIGS = {
     "kvarn-K4V2": QuantConfig(4, 2, "kvarn", windows=WindowConfig(8, 0, 8)),
     "kvarn-2-clipped": QuantConfig(2, 2, "kvarn", tile_clip=1.3, windows=WindowConfig(8, 0, 8)),
     "K2-only": QuantConfig(2, None, "quest", windows=WindowConfig(4, 8, 4)),
+    "kvarn-keys-quest-values": QuantConfig(2, 3, "quest", key_quantizer="kvarn", tile_clip=1.3, windows=WindowConfig(4, 5, 8)),
+    "kvarn-keys-affine-values": QuantConfig(3, 2, "affine", key_quantizer="kvarn", windows=WindowConfig(3, 2, 8)),
     "quest-3-search": QuantConfig(3, 3, "quest", clip_search=8, windows=WindowConfig(4, 8, 4)),
     "affine-2-search": QuantConfig(2, 2, "affine", clip_search=8, windows=WindowConfig(3, 5, 2)),
 }
@@ -51,7 +53,7 @@ def test_streaming_equals_single_pass(family, name):
     cfg = CONFIGS[name]
     model = tiny_model(family).double()
     ids = torch.randint(3, 96, (1, 45), generator=torch.Generator().manual_seed(0))
-    with install(model, "kvarn" if cfg.quantizer == "kvarn" else "random"):
+    with install(model, "kvarn" if "kvarn" in (cfg.quantizer, cfg.key_quantizer) else "random"):
         single, c1 = stream(model, ids, cfg, chunks=[45])
         tokenwise, c2 = stream(model, ids, cfg)
         chunked, c3 = stream(model, ids, cfg, chunks=[7, 1, 13, 2, 22])
@@ -261,8 +263,10 @@ def test_padding_errors():
     assert left_padding(torch.tensor([[0, 0, 1, 1], [1, 1, 1, 1]])).tolist() == [2, 0]
     with pytest.raises(ValueError, match=r"rows \[0\].*not on the left"):
         left_padding(torch.tensor([[1, 1, 0], [1, 1, 1]]))
-    with pytest.raises(ValueError, match="per-token quantizer"):
+    with pytest.raises(ValueError, match="per-token quantizers"):
         WushKVCache(model, QuantConfig(quantizer="kivi", windows=WindowConfig(2, 4, 2)), pad_lengths=[0, 3])
+    with pytest.raises(ValueError, match="per-token quantizers.*kvarn/quest quantizes blocks of 4"):  # keys in tiles
+        WushKVCache(model, QuantConfig(key_quantizer="kvarn", windows=WindowConfig(2, 4, 4)), pad_lengths=[0, 3])
     with pytest.raises(ValueError, match="pad lengths for 2 rows, but the batch has 3"):
         model(torch.randint(3, 96, (3, 8)), cache=WushKVCache(model, QuantConfig(windows=WindowConfig(2, 4, 2)), pad_lengths=[0, 3]), use_cache=True)
 

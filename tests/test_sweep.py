@@ -167,3 +167,12 @@ def test_wush_a_config_errors(workdir):
     (workdir / "skipq.toml").write_text(base + "[calibration]\nskip_first_queries = true\n")
     with pytest.raises(SweepError, match=r"skip_first_queries = True: expected an integer >= 0"):
         SweepConfig.load(workdir / "skipq.toml")
+
+
+def test_quantizers_of_each_method_kind():
+    from wushkv.sweep import quantizers_of
+
+    qs = ["quest", "affine", "kivi"]
+    assert quantizers_of("wush+tiles", qs) == ["kvarn"] and quantizers_of("kvarn", qs) == ["kvarn"]
+    assert quantizers_of("wush+ktiles", qs) == ["quest", "affine"]  # values per token: no kivi/kvarn values
+    assert quantizers_of("wush", qs) == qs

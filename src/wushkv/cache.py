@@ -279,7 +279,8 @@ class WushKVLayer(CacheLayerMixin):
         self.v_side = _Side(v_codec) if v_codec else None
         self.block = max([c.block for c in (k_codec, v_codec) if c is not None] or [1])
         if self.block > 1 and self.block != cfg.windows.S_flush:
-            raise ValueError(f"quantizer {cfg.quantizer!r} needs blocks of S_flush tokens; got block {self.block} != S_flush {cfg.windows.S_flush}")
+            raise ValueError(f"quantizer {cfg.side_quantizer('key')}/{cfg.quantizer} needs blocks of S_flush tokens; got block {self.block} "
+                             f"!= S_flush {cfg.windows.S_flush}")
         if self.is_sliding and cfg.windows.S_keep + cfg.windows.S_flush > sliding_window:
             raise ValueError(
                 f"S_keep + S_flush = {cfg.windows.S_keep + cfg.windows.S_flush} exceeds the sliding window {sliding_window}; "
@@ -312,8 +313,9 @@ class WushKVLayer(CacheLayerMixin):
                 raise ValueError(f"pad lengths must be >= 0, got {pads.tolist()}")
             if (pads > 0).any() and self.block > 1:
                 raise ValueError(
-                    f"left-padded batches need a per-token quantizer (quest, affine); {self.cfg.quantizer!r} "
-                    f"quantizes blocks of {self.block} tokens, which cannot start at a different position per row"
+                    f"left-padded batches need per-token quantizers (quest, affine) on both sides; "
+                    f"{'/'.join(sorted({self.cfg.side_quantizer(s) for s in ('key', 'value')}))} quantizes blocks of {self.block} "
+                    f"tokens, which cannot start at a different position per row"
                 )
         self.pads = pads
 

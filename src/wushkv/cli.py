@@ -73,6 +73,9 @@ def _add_quant_args(p: argparse.ArgumentParser, windows) -> None:
     p.add_argument("--k-bits", type=_bits, default=d.k_bits, help="key bits: 2, 3, 4, 8 (16 = full precision) (default: %(default)s)")
     p.add_argument("--v-bits", type=_bits, default=d.v_bits, help="value bits (default: %(default)s)")
     p.add_argument("--quantizer", default=d.quantizer, help="quest | affine | kivi | kvarn (default: %(default)s)")
+    p.add_argument("--key-quantizer", default=d.key_quantizer, metavar="Q",
+                   help="the keys' quantizer when it is not --quantizer, e.g. kvarn: keys per channel in KVarN's tiles of --flush "
+                        "tokens, values per token (the +ktiles methods set this and their windows themselves)")
     p.add_argument("--k-clip", type=float, default=d.k_clip, help="affine key clip ratio κ_K (default: %(default)s)")
     p.add_argument("--v-clip", type=float, default=d.v_clip, help="affine value clip ratio κ_V (default: %(default)s)")
     p.add_argument("--k-alpha", type=float, default=d.k_alpha, help="QuEST key clip multiplier on α_b (default: %(default)s)")
@@ -81,7 +84,7 @@ def _add_quant_args(p: argparse.ArgumentParser, windows) -> None:
                    help="quest/affine: each token picks the clip of least squared error among N+1 candidates "
                         "(same bytes; 0 = the fixed clip) (default: %(default)s)")
     p.add_argument("--tile-clip", type=float, default=d.tile_clip, metavar="M",
-                   help="kvarn and +tiles: quantize each tile row over its mean ± M·α_b·σ instead of its min-max (same bytes; "
+                   help="kvarn, +tiles and +ktiles: quantize each tile row over its mean ± M·α_b·σ instead of its min-max (same bytes; "
                         "0 = KVarN as published) (default: %(default)s)")
     p.add_argument("--group-size", type=int, default=d.group_size, help="channels per quantization group (default: head_dim)")
     p.add_argument("--sink", type=int, default=windows.S_sink, help="S_sink full-precision first tokens (default: %(default)s)")
@@ -96,6 +99,7 @@ def _quant_config(args, k_bits=None, v_bits=None):
         k_bits=args.k_bits if k_bits is None else k_bits,
         v_bits=args.v_bits if v_bits is None else v_bits,
         quantizer=args.quantizer,
+        key_quantizer=args.key_quantizer,
         k_clip=args.k_clip,
         v_clip=args.v_clip,
         k_alpha=args.k_alpha,
@@ -200,12 +204,12 @@ def cmd_recon(args) -> int:
     from .io import write_json
     from .report import format_table, plot_lines
 
-    from .eval.methods import LDLQ_SUFFIX, TILES_SUFFIX, transforms_for, uses_ldlq, uses_tiles
+    from .eval.methods import KTILES_SUFFIX, LDLQ_SUFFIX, TILES_SUFFIX, transforms_for, uses_key_tiles, uses_ldlq, uses_tiles
 
     names = [t.strip() for t in args.transforms.split(",") if t.strip()]
     _check_transforms(names)
-    if any(uses_tiles(n) for n in names):
-        raise ValueError(f"recon measures transforms under --quantizer; tile methods ({TILES_SUFFIX}, kvarn) bring their own quantizer: "
+    if any(uses_tiles(n) or uses_key_tiles(n) for n in names):
+        raise ValueError(f"recon measures transforms under --quantizer; tile methods ({TILES_SUFFIX}, {KTILES_SUFFIX}, kvarn) bring their own quantizer: "
                          f"drop them from --transforms (got {names})")
     if any(uses_ldlq(n) for n in names):
         raise ValueError(f"recon rounds every token independently; error-feedback methods ({LDLQ_SUFFIX}) are measured by ppl, "
@@ -281,8 +285,8 @@ def cmd_compare(args) -> int:
     from dataclasses import replace
 
     from .data import load_eval_text, tokenize_chunks
-    from .eval.compare import best_per_bits, compare_table, margins, run_compare
-    from .eval.methods import AUTO, auto_calibration_note
+    from .eval.compare import best_per_bits, compare_table, key_tile_windows, margins, run_compare
+    from .eval.methods import AUTO, auto_calibration_note, uses_key_tiles
     from .io import write_json
     from .report import format_table, markdown_table, plot_lines
 
@@ -309,8 +313,11 @@ def cmd_compare(args) -> int:
     headers, rows = compare_table(out, transforms, args.bits)
     w = base.windows
     clip_note = f", clips per method from {args.clips}" if clips is not None else ""
+    kw = key_tile_windows(w)
+    ktiles_note = f"; +ktiles: key tiles of 128, windows {kw.S_sink}/{kw.S_keep}/{kw.S_flush}" if any(map(uses_key_tiles, transforms)) else ""
     title = (f"\n{args.model} on {label}: {chunks.shape[0]} x {chunks.shape[1]} tokens, {args.quantizer}{clip_note}, K=V bits, "
-             f"windows {w.S_sink}/{w.S_keep}/{w.S_flush} (kvarn and +tiles: tiles of 128, windows 128/0/128)\nfull precision PPL {out['fp']['ppl']:.3f}")
+             f"windows {w.S_sink}/{w.S_keep}/{w.S_flush} (kvarn and +tiles: tiles of 128, windows 128/0/128{ktiles_note})\n"
+             f"full precision PPL {out['fp']['ppl']:.3f}")
     print(format_table(headers, rows, title=title))
     if clips is not None:
         used = [f"{t} {b}-bit αK×{c['k_alpha']:g} αV×{c['v_alpha']:g}" for t in transforms for b in args.bits
@@ -321,7 +328,7 @@ def cmd_compare(args) -> int:
             c, extra = r.get("config", {}), []
             if c.get("quantizer") == "quest" and (c.get("k_alpha", 1.0), c.get("v_alpha", 1.0)) != (1.0, 1.0):
                 extra.append(f"αK×{c['k_alpha']:g} αV×{c['v_alpha']:g}")
-            if c.get("quantizer") == "kvarn" and c.get("tile_clip"):
+            if "kvarn" in (c.get("quantizer"), c.get("key_quantizer")) and c.get("tile_clip"):
                 extra.append(f"tile clip {c['tile_clip']:g}")
             return r.get("method", "?") + (f" ({', '.join(extra)})" if extra else "")
 

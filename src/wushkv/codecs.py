@@ -141,21 +141,22 @@ def make_codec(cfg: QuantConfig, side: str, head_dim: int, feedback: torch.Tenso
     if bits is None:
         return None
     meta = _DTYPES[cfg.metadata_dtype]
-    if feedback is not None and cfg.quantizer not in ("quest", "affine"):
-        raise ValueError(f"error-feedback rounding (+ldlq) needs a per-token quantizer (quest, affine), got {cfg.quantizer!r}")
-    if cfg.quantizer == "quest":
+    quantizer = cfg.side_quantizer(side)
+    if feedback is not None and quantizer not in ("quest", "affine"):
+        raise ValueError(f"error-feedback rounding (+ldlq) needs a per-token quantizer (quest, affine), got {quantizer!r} for the {side}s")
+    if quantizer == "quest":
         alpha = cfg.k_alpha if side == "key" else cfg.v_alpha
         return TokenCodec(QuestQuantizer(bits, cfg.group_size, alpha_scale=alpha, search=cfg.clip_search), head_dim, meta, feedback)
-    if cfg.quantizer == "affine":
+    if quantizer == "affine":
         clip = cfg.k_clip if side == "key" else cfg.v_clip
         return TokenCodec(AffineQuantizer(bits, cfg.group_size, clip_ratio=clip, search=cfg.clip_search), head_dim, meta, feedback)
-    if cfg.quantizer == "kivi":
+    if quantizer == "kivi":
         if side == "key":
             return ChannelCodec(bits, head_dim, cfg.windows.S_flush, meta)
         return TokenCodec(AffineQuantizer(bits, cfg.group_size, clip_ratio=0.0), head_dim, meta)
-    if cfg.quantizer == "kvarn":
+    if quantizer == "kvarn":
         return KVarNCodec(bits, head_dim, cfg.windows.S_flush, side, clip=cfg.tile_clip)
-    raise ValueError(f"unknown quantizer {cfg.quantizer!r}")
+    raise ValueError(f"unknown quantizer {quantizer!r}")
 
 
 def storage_nbytes(s: dict[str, torch.Tensor]) -> tuple[int, int]:

@@ -52,8 +52,11 @@ class QuantConfig:
       min–max, §5, clip ratios ``k_clip``/``v_clip``; ≤ 0 = plain min–max), ``kivi`` (affine min–max,
       keys per channel over blocks of ``S_flush`` tokens, values per token), ``kvarn`` (KVarN tiles of
       ``S_flush`` tokens, §7; use windows (tile, 0, tile)).
+    * ``key_quantizer``: the keys' quantizer when it is not ``quantizer`` (None: the same). ``kvarn`` with a
+      per-token ``quantizer`` quantizes keys per channel in KVarN's tiles and values per token (the
+      ``+ktiles`` methods, :func:`wushkv.eval.compare.config_for`); a tile side needs ``S_flush`` = its tile.
     * ``k_alpha``/``v_alpha``: QuEST clip multipliers on α_b (1.0 = the Gaussian optimum).
-    * ``tile_clip``: ``kvarn`` only: each balanced row is quantized over its mean ± tile_clip·α_b·σ
+    * ``tile_clip``: ``kvarn`` sides only: each balanced row is quantized over its mean ± tile_clip·α_b·σ
       (within its min-max) instead of its min-max; 0 = KVarN as published
       (:func:`wushkv.transforms.kvarn.kvarn_quantize`). Same bytes.
     * ``clip_search``: per-token quantizers (quest, affine) only: 0 = the fixed clip; n > 0 = every
@@ -66,6 +69,7 @@ class QuantConfig:
     k_bits: int | None = 2
     v_bits: int | None = 2
     quantizer: str = "quest"
+    key_quantizer: str | None = None
     k_clip: float = 0.96
     v_clip: float = 0.92
     k_alpha: float = 1.0
@@ -84,6 +88,8 @@ class QuantConfig:
                 raise ValueError(f"{name}={b!r} is not supported; the cache stores {list(CACHE_BITS)} bits (or None for full precision)")
         if self.quantizer not in QUANTIZER_NAMES:
             raise ValueError(f"unknown quantizer {self.quantizer!r}; known: {list(QUANTIZER_NAMES)}")
+        if self.key_quantizer is not None and self.key_quantizer not in QUANTIZER_NAMES:
+            raise ValueError(f"unknown key quantizer {self.key_quantizer!r}; known: {list(QUANTIZER_NAMES)} (or None: the same as quantizer)")
         for name in ("k_alpha", "v_alpha"):
             a = getattr(self, name)
             if isinstance(a, bool) or not isinstance(a, (int, float)) or not (0.0 < a < float("inf")):
@@ -98,8 +104,12 @@ class QuantConfig:
             raise ValueError(f"clip_search={c} needs a per-token quantizer (quest, affine), got {self.quantizer!r}")
         if self.metadata_dtype not in ("float16", "bfloat16", "float32"):
             raise ValueError(f"metadata_dtype {self.metadata_dtype!r} is not one of float16, bfloat16, float32")
-        if self.quantizer == "kvarn" and self.windows.S_flush < 2:
+        if "kvarn" in (self.quantizer, self.key_quantizer) and self.windows.S_flush < 2:
             raise ValueError("kvarn quantizes tiles of S_flush tokens; S_flush must be >= 2 (128 in KVarN)")
+
+    def side_quantizer(self, side: str) -> str:
+        """The quantizer of ``side`` ("key" or "value")."""
+        return self.key_quantizer or self.quantizer if side == "key" else self.quantizer
 
     def with_windows(self, S_sink: int, S_keep: int, S_flush: int) -> QuantConfig:
         return replace(self, windows=WindowConfig(S_sink, S_keep, S_flush))
@@ -119,6 +129,7 @@ class QuantConfig:
         k = "16" if self.k_bits is None else str(self.k_bits)
         v = "16" if self.v_bits is None else str(self.v_bits)
         w = self.windows
-        q = self.quantizer + (f" search{self.clip_search}" if self.clip_search else "")
-        q += f" clip{self.tile_clip:g}" if self.quantizer == "kvarn" and self.tile_clip else ""
+        q = self.quantizer if self.key_quantizer in (None, self.quantizer) else f"K{self.key_quantizer}/V{self.quantizer}"
+        q += f" search{self.clip_search}" if self.clip_search else ""
+        q += f" clip{self.tile_clip:g}" if "kvarn" in (self.quantizer, self.key_quantizer) and self.tile_clip else ""
         return f"K{k}V{v} {q} {w.S_sink}/{w.S_keep}/{w.S_flush}"

@@ -36,7 +36,7 @@ import tomllib
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-from .eval.methods import TILES_SUFFIX, is_transform_method, needs_calibration, uses_tiles, uses_wush_a
+from .eval.methods import TILES_SUFFIX, is_transform_method, needs_calibration, uses_key_tiles, uses_tiles, uses_wush_a
 from .io import atomic_write, write_json
 
 __all__ = ["Job", "SweepConfig", "run_sweep", "collect"]
@@ -53,6 +53,14 @@ _SECTIONS = {
 
 class SweepError(ValueError):
     """A sweep file that cannot be run (unknown key, bad value)."""
+
+
+def quantizers_of(transform: str, quantizers) -> list[str]:
+    """The quantizers a sweep runs ``transform`` with: KVarN's for tile methods, the per-token ones for ``+ktiles``
+    (keys in tiles, values per token), all of ``quantizers`` otherwise."""
+    if uses_tiles(transform):
+        return ["kvarn"]
+    return [q for q in quantizers if q in ("quest", "affine")] if uses_key_tiles(transform) else list(quantizers)
 
 
 @dataclass(frozen=True)
@@ -194,7 +202,7 @@ class SweepConfig:
                 if e == "ppl":
                     jobs.append(Job(m, FULL_PRECISION, None, None, "-", e))
                 for t in self.transforms:
-                    for q in (["kvarn"] if uses_tiles(t) else self.quantizers):
+                    for q in quantizers_of(t, self.quantizers):
                         for k, v in self.bits:
                             jobs.append(Job(m, t, k, v, q, e))
         return list(dict.fromkeys(jobs))
@@ -418,7 +426,7 @@ def collect(cfg: SweepConfig) -> dict:
                 md.append(f"full precision: {fp:.4g}\n")
             table, series = [], {}
             for t in cfg.transforms:
-                for q in (["kvarn"] if uses_tiles(t) else cfg.quantizers):
+                for q in quantizers_of(t, cfg.quantizers):
                     vals = [next((r["value"] for r in rows if r["model"] == m and r["evaluation"] == e and r["transform"] == t
                                   and r["quantizer"] == q and (r["k_bits"], r["v_bits"]) == kv), None) for kv in cfg.bits]
                     table.append([t, q] + [float("nan") if v is None else v for v in vals])

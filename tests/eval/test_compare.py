@@ -159,3 +159,58 @@ def test_tile_clip_reaches_the_cache_and_keeps_the_bytes():
             model(chunks, cache=cache, use_cache=True)
             sizes.append(cache.nbytes())
     assert sizes[0] == sizes[1] and sizes[0]["codes"] > 0
+
+
+def test_key_tiles_put_the_keys_in_tiles_at_the_same_average_full_precision_tokens():
+    """``+ktiles``: keys in KVarN's tiles, values with the configured per-token quantizer, under windows that hold
+    as many full-precision tokens on average (over a period of both flush grids) as the configured ones."""
+    from wushkv.eval.compare import key_tile_windows
+    from wushkv.eval.methods import uses_key_tiles
+
+    for w, want in ((WindowConfig(16, 128, 16), (16, 72, 128)), (WindowConfig(64, 256, 8), (64, 196, 128))):
+        kw = key_tile_windows(w)
+        assert (kw.S_sink, kw.S_keep, kw.S_flush) == want
+        fp = [sum(n - x.quantized_count(n) for n in range(4096, 4096 + 2 * KVARN_TILE)) for x in (w, kw)]
+        assert fp[0] == fp[1]
+        assert key_tile_windows(kw) == kw
+    assert key_tile_windows(WindowConfig(0, 8, 4)).S_keep == 0  # never negative
+    base = QuantConfig(k_bits=2, v_bits=3, quantizer="quest", tile_clip=1.3, windows=WindowConfig(16, 128, 16))
+    c = config_for("wush+ktiles+ldlq-v", base)
+    assert uses_key_tiles("wush+ktiles+ldlq-v") and not uses_key_tiles("wush+tiles") and not uses_tiles("wush+ktiles")
+    assert (c.side_quantizer("key"), c.side_quantizer("value"), c.tile_clip) == ("kvarn", "quest", 1.3)
+    assert (c.windows.S_sink, c.windows.S_keep, c.windows.S_flush) == (16, 72, 128)
+    assert "Kkvarn/Vquest clip1.3" in c.label()
+    check_methods(["wush+ktiles", "wush+ktiles+ldlq-v", "hadamard+ktiles"])
+    for bad in ("wush+ktiles+ldlq", "wush+ktiles+ldlq-k", "wush+tiles+ktiles"):
+        with pytest.raises(ValueError, match="keys in KVarN's tiles"):
+            check_methods([bad])
+    with pytest.raises(ValueError, match="per token.*quest or affine, got 'kivi'"):
+        config_for("wush+ktiles", replace(base, quantizer="kivi"))
+    with pytest.raises(ValueError, match="unknown key quantizer 'bogus'"):
+        replace(base, key_quantizer="bogus")
+
+
+@torch.no_grad()
+def test_key_tiles_store_tiles_for_keys_and_tokens_for_values():
+    """A ``+ktiles`` cache holds KVarN tiles for the keys (one scale/zero per channel and tile, one fold scale per
+    token) and QuEST codes for the values (one step per token), and its perplexity differs from both parents'."""
+    from wushkv.cache import WushKVCache
+    from wushkv.folding import apply_transforms
+    from wushkv.eval.methods import transforms_for
+
+    model = tiny_model("llama")
+    chunks = torch.randint(3, 96, (1, 300), generator=torch.Generator().manual_seed(4))
+    base = QuantConfig(k_bits=2, v_bits=2, windows=WindowConfig(4, 16, 4))
+    cfg = config_for("hadamard+ktiles", base)
+    with apply_transforms(model, transforms_for(model, None, "hadamard"), "hadamard"):
+        cache = WushKVCache(model, cfg)
+        model(chunks, cache=cache, use_cache=True)
+    layer = cache.layers[0]
+    keys, values = layer.k_side.store.view(), layer.v_side.store.view()
+    assert set(keys) == {"codes", "scale", "zero", "s_fold"} and set(values) == {"codes", "scale"}
+    n = keys["codes"].shape[2]
+    assert n > 0 and n % KVARN_TILE == 0 and values["codes"].shape[2] == n
+    assert keys["scale"].shape[2] == n // KVARN_TILE and values["scale"].shape[2] == n
+    ppl = {m: quantized_perplexity(model, chunks, None, m, config_for(m, base), show_progress=False)["ppl"]
+           for m in ("hadamard", "hadamard+ktiles", "kvarn")}
+    assert len({round(p, 6) for p in ppl.values()}) == 3

@@ -5,7 +5,7 @@ import torch
 from conftest import tiny_model
 
 from wushkv.config import QuantConfig, WindowConfig
-from wushkv.eval.compare import quantized_perplexity
+from wushkv.eval.compare import config_for, quantized_perplexity
 from wushkv.eval.methods import (
     check_methods,
     method_sides,
@@ -194,8 +194,11 @@ def test_auto_method_resolves_per_model_width_and_quantizer(tiny_cal):
             assert is_transform_method(r.method) and method_sides(r.method)[0].startswith("wush")
             m, c = auto_method(key, cal, QuantConfig(b, b, quantizer="quest", k_alpha=1.1))
             assert m == r.method and c.k_alpha == pytest.approx(1.1 * r.k_alpha) and c.v_alpha == pytest.approx(r.v_alpha)
-            assert (c.k_bits, c.v_bits, c.quantizer, c.windows) == (b, b, "quest", QuantConfig().windows)
-    assert auto_method("smollm2-135m", cal, QuantConfig(2, 2, quantizer="quest"))[0] == "wush+ldlq-v"
+            assert (c.k_bits, c.v_bits, c.quantizer, c.windows, c.tile_clip) == (b, b, "quest", QuantConfig().windows, r.tile_clip)
+    m, c = auto_method("smollm2-135m", cal, QuantConfig(2, 2, quantizer="quest", windows=WindowConfig(16, 128, 16)))
+    c = config_for(m, c)  # what compare and generate then run: keys in clipped tiles, QuEST values under the +ktiles windows
+    assert m == "wush+ktiles+ldlq-v" and (c.side_quantizer("key"), c.side_quantizer("value"), c.tile_clip) == ("kvarn", "quest", 1.5)
+    assert (c.windows.S_sink, c.windows.S_keep, c.windows.S_flush) == (16, 72, 128)
     quest = QuantConfig(3, 2, quantizer="quest")
     assert auto_method("smollm2-135m", cal, quest) == ("wush", quest)  # K ≠ V: no recipe
     assert auto_method("my-model", cal, replace(quest, v_bits=3))[0] == "wush"  # a model without recipes

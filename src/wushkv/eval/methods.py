@@ -4,6 +4,10 @@
   the transform installed (values folded, keys online) and a :class:`~wushkv.cache.WushKVCache`;
 * ``<transform>+tiles`` (``wush+tiles``): that transform with KVarN's tile quantizer and tile windows
   instead of the configured quantizer (``kvarn`` is ``hadamard+tiles``, the way KVarN ships);
+* ``<transform>+ktiles`` (``wush+ktiles``): keys in KVarN's tiles (per channel over 128-token tiles, with the
+  run's ``--tile-clip``), values with the configured per-token quantizer, under windows whose average number of
+  full-precision tokens equals the configured ones' (:func:`~wushkv.eval.compare.key_tile_windows`);
+  docs/ABLATIONS.md section 29: the tiles' gain on SmolLM2 is in the keys, and their published windows cost it;
 * ``<keys>:<values>`` (``wush:hadamard``): the key transform of one and the value transform of the
   other (docs/ABLATIONS.md section 10: on SmolLM2 WUSH's keys carry its perplexity gain, while
   Hadamard keys keep passkey retrieval); also with ``+tiles``;
@@ -41,10 +45,11 @@ from ..config import QuantConfig
 FULL_PRECISION = "full-precision"
 STOCK_BACKENDS = ("quanto", "hqq")
 TILES_SUFFIX = "+tiles"
+KTILES_SUFFIX = "+ktiles"
 LDLQ_SUFFIX = "+ldlq"
 LDLQ_SIDES = {LDLQ_SUFFIX: "KV", "+ldlq-k": "K", "+ldlq-v": "V"}  # suffix -> sides rounded with feedback
 RMEAN_SUFFIX = "+rmean"
-SUFFIXES = (TILES_SUFFIX, RMEAN_SUFFIX, *LDLQ_SIDES)
+SUFFIXES = (TILES_SUFFIX, KTILES_SUFFIX, RMEAN_SUFFIX, *LDLQ_SIDES)
 SIGNS_SUFFIX = "+signs"  # + a pattern number: "+signs3"
 _SIGNS = re.compile(r"\+signs(\d+)$")
 SIGNED_TRANSFORMS = ("wush", "wush-a", "wush-c", "wush-w")  # T = c·𝓗·Λ^{-1/4}·Uᵀ·Lᵀ: each eigenvector's sign is free
@@ -155,7 +160,7 @@ def generation_method(calibration, cfg: QuantConfig) -> str:
 @dataclass(frozen=True)
 class Recipe:
     """One cell of :data:`AUTO_RECIPES`: a WUSH method, the QuEST clip multipliers it runs at (on α_b) and, for
-    a ``+tiles`` method, its tile clip (:attr:`~wushkv.config.QuantConfig.tile_clip`)."""
+    a ``+tiles`` or ``+ktiles`` method, its tile clip (:attr:`~wushkv.config.QuantConfig.tile_clip`)."""
 
     method: str
     k_alpha: float = 1.0
@@ -166,9 +171,9 @@ class Recipe:
 # What ``auto`` runs with the QuEST quantizer at K = V bits: per model (the names ``wushkv.models.load`` takes)
 # and width, the WUSH variant that held-out C4 picked (documents no calibration reads, never the evaluation
 # text; windows 16/128/16), from the calibration recipe of AUTO_CALIBRATION (wushkv calibrate is deterministic,
-# so that recipe gives every user the same file). Evidence: docs/ABLATIONS.md sections 24, 25, 27 and 28.
+# so that recipe gives every user the same file). Evidence: docs/ABLATIONS.md sections 24, 25, 27, 28 and 29.
 AUTO_RECIPES: dict[str, dict[int, Recipe]] = {
-    "smollm2-135m": {2: Recipe("wush+ldlq-v"), 3: Recipe("wush+ldlq-k"), 4: Recipe("wush+ldlq")},
+    "smollm2-135m": {2: Recipe("wush+ktiles+ldlq-v", tile_clip=1.5), 3: Recipe("wush+ktiles", tile_clip=1.3), 4: Recipe("wush+ldlq")},
     "gemma3-270m": {2: Recipe("wush+ldlq", k_alpha=1.15, v_alpha=1.45), 3: Recipe("wush+ldlq"), 4: Recipe("wush+ldlq")},
 }
 AUTO_CALIBRATION: dict[str, tuple[int, int]] = {"smollm2-135m": (32, 2048), "gemma3-270m": (16, 2048)}  # samples, tokens
@@ -178,8 +183,8 @@ def auto_method(model_key: str | None, calibration, cfg: QuantConfig) -> tuple[s
     """The method (and its quantizer settings) that ``auto`` stands for, in ``compare`` and ``generate``:
 
     * QuEST at K = V bits on a model of :data:`AUTO_RECIPES`: that model's recipe at that width (its clip
-      multipliers multiply the configured ones; a ``+tiles`` recipe sets its tile clip, and ``config_for``
-      then gives it the tiles' quantizer and windows);
+      multipliers multiply the configured ones; a ``+tiles`` / ``+ktiles`` recipe sets its tile clip, and
+      ``config_for`` then gives it the tiles' quantizer and windows);
     * the affine quantizer: :func:`generation_method` (``wush+rmean`` when the calibration holds the
       pre-RoPE key mean);
     * anything else: the paper recipe, ``wush``.
@@ -212,6 +217,11 @@ def uses_tiles(name: str) -> bool:
     return method_transform(name) == "kvarn" or TILES_SUFFIX in method_suffixes(name)[1]
 
 
+def uses_key_tiles(name: str) -> bool:
+    """Whether a method quantizes its keys in KVarN's tiles and its values per token (``+ktiles``)."""
+    return KTILES_SUFFIX in method_suffixes(name)[1]
+
+
 def parse_stock(name: str) -> tuple[str, int] | None:
     """("hqq", 2) for "stock-hqq-2"; None for other names; ValueError for a malformed stock name."""
     if not name.startswith("stock-"):
@@ -233,7 +243,8 @@ def check_methods(names: list[str]) -> None:
             continue
         if not is_transform_method(n):
             raise ValueError(f"unknown method {n!r}; known: {sorted(TRANSFORMS)}, each optionally with the suffix "
-                             f"{TILES_SUFFIX!r} (KVarN's tile quantizer), {LDLQ_SUFFIX!r} (error-feedback rounding), "
+                             f"{TILES_SUFFIX!r} (KVarN's tile quantizer), {KTILES_SUFFIX!r} (keys in KVarN's tiles), "
+                             f"{LDLQ_SUFFIX!r} (error-feedback rounding), "
                              f"{RMEAN_SUFFIX!r} (keys centered on their rotating pre-RoPE mean) or "
                              f"{SIGNS_SUFFIX}N (WUSH's N-th eigenvector sign pattern), "
                              f"KEYS{SIDES_SEP}VALUES (e.g. wush{SIDES_SEP}hadamard: "
@@ -241,6 +252,10 @@ def check_methods(names: list[str]) -> None:
         if uses_ldlq(n) and uses_tiles(n):
             raise ValueError(f"method {n!r}: {LDLQ_SUFFIX!r} (error-feedback rounding of per-token codes) cannot be combined with "
                              f"KVarN's tiles ({TILES_SUFFIX!r}, kvarn)")
+        if uses_key_tiles(n) and (uses_tiles(n) or "K" in ldlq_sides(n)):
+            raise ValueError(f"method {n!r}: {KTILES_SUFFIX!r} puts the keys in KVarN's tiles; it cannot be combined with "
+                             f"{TILES_SUFFIX!r}/kvarn (both sides in tiles) or with error feedback on the keys ({LDLQ_SUFFIX!r}, "
+                             f"'+ldlq-k'); '+ldlq-v' rounds its per-token values with feedback")
         if sum(s in LDLQ_SIDES for s in method_suffixes(n)[1]) > 1:
             raise ValueError(f"method {n!r}: use one of {list(LDLQ_SIDES)}")
         signs = [s for s in method_suffixes(n)[1] if s.startswith(SIGNS_SUFFIX)]
