@@ -314,7 +314,8 @@ def cmd_compare(args) -> int:
     w = base.windows
     clip_note = f", clips per method from {args.clips}" if clips is not None else ""
     kw = key_tile_windows(w)
-    ktiles_note = f"; +ktiles: key tiles of 128, windows {kw.S_sink}/{kw.S_keep}/{kw.S_flush}" if any(map(uses_key_tiles, transforms)) else ""
+    ran = [r.get("method", t) for t in transforms for r in out["results"].get(t, {}).values()]  # what auto resolved to, too
+    ktiles_note = f"; +ktiles: key tiles of 128, windows {kw.S_sink}/{kw.S_keep}/{kw.S_flush}" if any(map(uses_key_tiles, ran)) else ""
     title = (f"\n{args.model} on {label}: {chunks.shape[0]} x {chunks.shape[1]} tokens, {args.quantizer}{clip_note}, K=V bits, "
              f"windows {w.S_sink}/{w.S_keep}/{w.S_flush} (kvarn and +tiles: tiles of 128, windows 128/0/128{ktiles_note})\n"
              f"full precision PPL {out['fp']['ppl']:.3f}")
