@@ -178,3 +178,14 @@ def test_paired_rule_moves_only_on_a_gain_every_chunk_agrees_on():
         tune_clips(model, chunks, None, ["hadamard"], [2], _base(), evaluate=steady, rule="bogus", **kw)
     with pytest.raises(ValueError, match="per-chunk NLLs"):
         tune_clips(model, chunks, None, ["hadamard"], [2], _base(), evaluate=lambda m, c: {"ppl": 2.0}, rule="paired", **kw)
+
+
+def test_key_tile_methods_tune_their_values_only():
+    """A ``+ktiles`` method's keys sit in KVarN's tiles (no α_K): the search refuses to walk them and tunes α_V."""
+    model = tiny_model("llama")
+    chunks = torch.randint(3, 96, (1, 60), generator=torch.Generator().manual_seed(0))
+    quiet = dict(show_progress=False, log=lambda m: None, evaluate=lambda m, c: {"ppl": 5 - c.v_alpha})
+    with pytest.raises(ValueError, match=r"\['hadamard\+ktiles'\] keep their keys in KVarN's tiles.*--sides values"):
+        tune_clips(model, chunks, None, ["hadamard", "hadamard+ktiles"], [2], _base(), grid=(1.0, 1.15), **quiet)
+    table = tune_clips(model, chunks, None, ["hadamard+ktiles"], [2], _base(), grid=(1.0, 1.15), sides=("values",), **quiet)
+    assert table.alphas("hadamard+ktiles", 2) == (1.0, 1.15)

@@ -219,6 +219,10 @@ def tune_clips(model, chunks: torch.Tensor, calibration, methods: Sequence[str],
     bad = [s for s in sides if s not in SIDES]
     if bad or not sides:
         raise ValueError(f"sides {list(sides)}: choose from {list(SIDES)}")
+    tile_keys = [m for m in methods if config_for(m, base).side_quantizer("key") != "quest"]
+    if tile_keys and "keys" in sides:
+        raise ValueError(f"methods {tile_keys} keep their keys in KVarN's tiles (their clip is --tile-clip): tune their values "
+                         "only (--sides values), or leave them out")
     for b in bits:
         replace(base, k_bits=b, v_bits=b)  # validates the widths
     if evaluate is None:
