@@ -29,7 +29,7 @@ import torch  # noqa: E402
 import wushkv.cache as cache_mod  # noqa: E402
 from wushkv.calibration import Calibration  # noqa: E402
 from wushkv.codecs import make_codec  # noqa: E402
-from wushkv.config import QuantConfig, WindowConfig  # noqa: E402
+from wushkv.config import PER_TOKEN_QUANTIZERS, QuantConfig, WindowConfig  # noqa: E402
 from wushkv.data import load_eval_text, tokenize_chunks  # noqa: E402
 from wushkv.eval.compare import paired_difference, quantized_perplexity  # noqa: E402
 from wushkv.eval.perplexity import perplexity  # noqa: E402
@@ -48,7 +48,7 @@ class SideCodecs:
         c = self.k if side == "key" else self.v
         if c is None:
             return make_codec(cfg, side, head_dim, feedback)
-        return make_codec(c, side, head_dim, feedback if c.quantizer in ("quest", "affine") else None)
+        return make_codec(c, side, head_dim, feedback if c.quantizer in PER_TOKEN_QUANTIZERS else None)
 
 
 def main() -> None:

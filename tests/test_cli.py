@@ -33,6 +33,7 @@ from wushkv.cli import main
         (["compare", "--clips", "/nonexistent/c.json"], "does not exist"),
         (["ppl", "--clips", "c.json"], "needs a quantized run"),
         (["compare", "--tile-clip", "-1"], "tile_clip=-1.0"),
+        (["tune-clip", "--out", "c.json", "--transforms", "wush+ktiles"], "keep their keys in KVarN's tiles"),
         (["ppl", "--transform", "hadamard", "--key-quantizer", "nf4"], "unknown key quantizer 'nf4'"),
         (["recon", "--calibration", "x.safetensors", "--transforms", "wush+ktiles"], "tile methods"),
         (["compare", "--transforms", "wush+ktiles+ldlq"], "puts the keys in KVarN's tiles"),

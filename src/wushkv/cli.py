@@ -367,14 +367,14 @@ def cmd_tune_clip(args) -> int:
     transforms = [t.strip() for t in args.transforms.split(",") if t.strip()]
     _check_transforms(transforms)
     base = _quant_config(args, k_bits=2, v_bits=2)
-    check_tunable(transforms, base)
+    sides = [x.strip() for x in args.sides.split(",") if x.strip()]
+    check_tunable(transforms, base, sides)
     try:
         grid = [float(x) for x in args.grid.split(",") if x.strip()]
     except ValueError:
         raise ValueError(f"--grid {args.grid!r}: comma-separated multipliers on α_b, e.g. 0.85,1,1.15,1.3") from None
     if not grid or any(not (0 < a < float("inf")) for a in grid) or 1.0 not in grid:
         raise ValueError(f"--grid {args.grid!r}: positive multipliers including 1 (α_b itself)")
-    sides = [x.strip() for x in args.sides.split(",") if x.strip()]
     if args.text_file:
         text, label = read_text_file(args.text_file), str(args.text_file)
     else:

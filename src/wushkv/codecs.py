@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import torch
 
-from .config import QuantConfig
+from .config import PER_TOKEN_QUANTIZERS, QuantConfig
 from .quantizers import AffineQuantizer, QuestQuantizer, pack, packed_nbytes, unpack
 from .quantizers.base import QTensor, dequantize
 from .quantizers.feedback import feedback_round
@@ -142,7 +142,7 @@ def make_codec(cfg: QuantConfig, side: str, head_dim: int, feedback: torch.Tenso
         return None
     meta = _DTYPES[cfg.metadata_dtype]
     quantizer = cfg.side_quantizer(side)
-    if feedback is not None and quantizer not in ("quest", "affine"):
+    if feedback is not None and quantizer not in PER_TOKEN_QUANTIZERS:
         raise ValueError(f"error-feedback rounding (+ldlq) needs a per-token quantizer (quest, affine), got {quantizer!r} for the {side}s")
     if quantizer == "quest":
         alpha = cfg.k_alpha if side == "key" else cfg.v_alpha

@@ -10,6 +10,7 @@ from dataclasses import asdict, dataclass, field, replace
 CONFIG_VERSION = 1
 CACHE_BITS = (2, 3, 4, 8)
 QUANTIZER_NAMES = ("quest", "affine", "kivi", "kvarn")
+PER_TOKEN_QUANTIZERS = ("quest", "affine")  # one grid per token (group): padding, error feedback, clip search
 CLIP_GRID = (0.7, 0.85, 1.0, 1.15, 1.3, 1.45, 1.6)  # QuEST clip multipliers on α_b that `wushkv tune-clip` walks
 
 
@@ -100,7 +101,7 @@ class QuantConfig:
         c = self.clip_search
         if isinstance(c, bool) or not isinstance(c, int) or not (0 <= c <= 256):
             raise ValueError(f"clip_search={c!r}: must be an integer in 0..256 (candidate clips per token; 0 = off)")
-        if c and self.quantizer not in ("quest", "affine"):
+        if c and self.quantizer not in PER_TOKEN_QUANTIZERS:
             raise ValueError(f"clip_search={c} needs a per-token quantizer (quest, affine), got {self.quantizer!r}")
         if self.metadata_dtype not in ("float16", "bfloat16", "float32"):
             raise ValueError(f"metadata_dtype {self.metadata_dtype!r} is not one of float16, bfloat16, float32")

@@ -36,6 +36,7 @@ import tomllib
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
+from .config import PER_TOKEN_QUANTIZERS
 from .eval.methods import TILES_SUFFIX, is_transform_method, needs_calibration, uses_key_tiles, uses_tiles, uses_wush_a
 from .io import atomic_write, write_json
 
@@ -60,7 +61,7 @@ def quantizers_of(transform: str, quantizers) -> list[str]:
     (keys in tiles, values per token), all of ``quantizers`` otherwise."""
     if uses_tiles(transform):
         return ["kvarn"]
-    return [q for q in quantizers if q in ("quest", "affine")] if uses_key_tiles(transform) else list(quantizers)
+    return [q for q in quantizers if q in PER_TOKEN_QUANTIZERS] if uses_key_tiles(transform) else list(quantizers)
 
 
 @dataclass(frozen=True)

@@ -187,7 +187,7 @@ class _Memo:
         return self.memo[ka, va]
 
 
-def check_tunable(methods: Sequence[str], base: QuantConfig) -> None:
+def check_tunable(methods: Sequence[str], base: QuantConfig, sides: Sequence[str] = SIDES) -> None:
     """Refuse, before anything runs, what a clip search cannot tune."""
     from .compare import config_for
 
@@ -199,6 +199,13 @@ def check_tunable(methods: Sequence[str], base: QuantConfig) -> None:
     for m in methods:
         if config_for(m, base).quantizer != "quest":
             raise ValueError(f"method {m!r} quantizes with KVarN's tiles, not QuEST: it has no clip to tune; leave it out")
+    bad = [s for s in sides if s not in SIDES]
+    if bad or not sides:
+        raise ValueError(f"sides {list(sides)}: choose from {list(SIDES)}")
+    tile_keys = [m for m in methods if config_for(m, base).side_quantizer("key") != "quest"]
+    if tile_keys and "keys" in sides:
+        raise ValueError(f"methods {tile_keys} keep their keys in KVarN's tiles (their clip is --tile-clip): tune their values "
+                         "only (--sides values), or leave them out")
 
 
 def tune_clips(model, chunks: torch.Tensor, calibration, methods: Sequence[str], bits: Sequence[int], base: QuantConfig,
@@ -215,14 +222,7 @@ def tune_clips(model, chunks: torch.Tensor, calibration, methods: Sequence[str],
     from .compare import config_for, quantized_perplexity
     from .perplexity import perplexity
 
-    check_tunable(methods, base)
-    bad = [s for s in sides if s not in SIDES]
-    if bad or not sides:
-        raise ValueError(f"sides {list(sides)}: choose from {list(SIDES)}")
-    tile_keys = [m for m in methods if config_for(m, base).side_quantizer("key") != "quest"]
-    if tile_keys and "keys" in sides:
-        raise ValueError(f"methods {tile_keys} keep their keys in KVarN's tiles (their clip is --tile-clip): tune their values "
-                         "only (--sides values), or leave them out")
+    check_tunable(methods, base, sides)
     for b in bits:
         replace(base, k_bits=b, v_bits=b)  # validates the widths
     if evaluate is None:

@@ -13,7 +13,7 @@ import torch
 
 from ..cache import WushKVCache
 from ..calibration import Calibration, calibrate
-from ..config import QuantConfig, WindowConfig
+from ..config import PER_TOKEN_QUANTIZERS, QuantConfig, WindowConfig
 from ..folding import apply_transforms
 from ..models import fingerprint
 from .perplexity import perplexity
@@ -56,13 +56,13 @@ def config_for(transform: str, base: QuantConfig) -> QuantConfig:
     quantizer for its values, puts its keys in tiles, and runs under :func:`key_tile_windows`."""
     from .methods import KTILES_SUFFIX, LDLQ_SUFFIX, uses_key_tiles, uses_ldlq, uses_tiles
 
-    if uses_ldlq(transform) and base.quantizer not in ("quest", "affine"):
+    if uses_ldlq(transform) and base.quantizer not in PER_TOKEN_QUANTIZERS:
         raise ValueError(f"method {transform!r}: error-feedback rounding ({LDLQ_SUFFIX}) needs a per-token quantizer (quest, affine), "
                          f"got --quantizer {base.quantizer!r}")
     if uses_tiles(transform):
         return replace(base, quantizer="kvarn", key_quantizer=None, clip_search=0, windows=WindowConfig(KVARN_TILE, 0, KVARN_TILE))
     if uses_key_tiles(transform):
-        if base.quantizer not in ("quest", "affine"):
+        if base.quantizer not in PER_TOKEN_QUANTIZERS:
             raise ValueError(f"method {transform!r}: {KTILES_SUFFIX} quantizes the values per token; it needs --quantizer quest or "
                              f"affine, got {base.quantizer!r}")
         return replace(base, key_quantizer="kvarn", windows=key_tile_windows(base.windows))
