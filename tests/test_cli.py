@@ -36,7 +36,7 @@ from wushkv.cli import main
         (["tune-clip", "--out", "c.json", "--transforms", "wush+ktiles"], "keep their keys in KVarN's tiles"),
         (["ppl", "--transform", "hadamard", "--key-quantizer", "nf4"], "unknown key quantizer 'nf4'"),
         (["recon", "--calibration", "x.safetensors", "--transforms", "wush+ktiles"], "tile methods"),
-        (["compare", "--transforms", "wush+ktiles+ldlq"], "puts the keys in KVarN's tiles"),
+        (["compare", "--transforms", "wush+tiles+ktiles"], "puts the keys in KVarN's tiles"),
         (["compare", "--transforms", "wush+ktiles", "--quantizer", "kivi"], "needs --quantizer quest or affine, got 'kivi'"),
         (["tune-clip", "--out", "c.json", "--transforms", "auto"], "resolved per model and width by `compare` and `generate` only"),
         (["agree", "--transforms", "wush,auto"], "resolved per model and width"),

@@ -147,6 +147,17 @@ def test_close_restores_the_model(model_and_tok):
     assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())
 
 
+def test_tile_settings_reach_the_cache(model_and_tok):
+    """``tile_clip`` and the key-tile windows reach the cache's config (they used to be dropped: tile clip 0)."""
+    model, tok = model_and_tok
+    lm = WushLM(model, method="hadamard+ktiles", tokenizer=tok, tile_clip=1.5, **WINDOWS)
+    try:
+        c = lm.quant_config
+        assert (c.side_quantizer("key"), c.side_quantizer("value"), c.tile_clip, c.windows.S_flush) == ("kvarn", "quest", 1.5, 128)
+    finally:
+        lm.close()
+
+
 def test_bad_inputs(model_and_tok):
     model, tok = model_and_tok
     with pytest.raises(ValueError, match="unknown method"):

@@ -681,7 +681,7 @@ def cmd_lm_eval(args) -> int:
     cfg = _quant_config(args)
     lm = WushLM(args.model, method=method, calibration=args.calibration, k_bits=cfg.k_bits or 16, v_bits=cfg.v_bits or 16,
                 quantizer=cfg.quantizer, k_clip=cfg.k_clip, v_clip=cfg.v_clip, k_alpha=cfg.k_alpha, v_alpha=cfg.v_alpha,
-                clip_search=cfg.clip_search, group_size=cfg.group_size, sink=cfg.windows.S_sink, keep=cfg.windows.S_keep, flush=cfg.windows.S_flush,
+                clip_search=cfg.clip_search, group_size=cfg.group_size, tile_clip=cfg.tile_clip, key_quantizer=cfg.key_quantizer, sink=cfg.windows.S_sink, keep=cfg.windows.S_keep, flush=cfg.windows.S_flush,
                 dtype=args.dtype, device=args.device, device_map=args.device_map, batch_size=args.batch_size)
     tm = TaskManager(include_path=args.include_path) if args.include_path else None
     res = lm_eval.simple_evaluate(model=lm, tasks=[t for t in args.tasks.split(",") if t], num_fewshot=args.num_fewshot,
@@ -697,7 +697,7 @@ def build_parser() -> argparse.ArgumentParser:
     from .config import CLIP_GRID, GENERATION_WINDOWS, PERPLEXITY_WINDOWS
     from .transforms import TRANSFORMS
 
-    transforms_help = ", ".join(TRANSFORMS) + " (each optionally with +tiles: KVarN's tile quantizer, or +ldlq: error-feedback rounding from the calibration's Hessians; KEYS:VALUES mixes two: wush:hadamard)"
+    transforms_help = ", ".join(TRANSFORMS) + " (each optionally with +tiles: KVarN's tile quantizer, +ktiles: keys in KVarN's tiles and values per token, and/or +ldlq: error-feedback rounding from the calibration's Hessians; KEYS:VALUES mixes two: wush:hadamard)"
     parser = argparse.ArgumentParser(prog="wushkv", description="WUSH-KV: low-bit KV caches with data-aware transforms.")
     parser.add_argument("--version", action="version", version=f"wushkv {__version__}")
     sub = parser.add_subparsers(dest="command", required=True)

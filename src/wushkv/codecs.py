@@ -107,15 +107,22 @@ class ChannelCodec:
 
 
 class KVarNCodec:
-    """KVarN tiles of ``block`` tokens (METHOD §7) on Hadamard-rotated keys or values."""
+    """KVarN tiles of ``block`` tokens (METHOD §7) on Hadamard-rotated keys or values.
 
-    def __init__(self, bits: int, head_dim: int, block: int, kind: str, clip: float = 0.0):
+    With ``feedback`` (heads, d, d), keys only: each tile's channel rows are rounded one after another
+    with error feedback (:func:`wushkv.transforms.kvarn.kvarn_quantize`); same storage and decoder."""
+
+    def __init__(self, bits: int, head_dim: int, block: int, kind: str, clip: float = 0.0, feedback: torch.Tensor | None = None):
+        if feedback is not None and (kind != "key" or tuple(feedback.shape[-2:]) != (head_dim, head_dim)):
+            raise ValueError(f"tile feedback is for keys, (heads, {head_dim}, {head_dim}); got kind {kind!r}, "
+                             f"{tuple(feedback.shape)}")
         self.bits, self.d, self.block, self.kind, self.clip = bits, head_dim, block, kind, clip
+        self.feedback = feedback
 
     def _quant(self, x):
         from .transforms.kvarn import kvarn_quantize
 
-        return kvarn_quantize(x.float(), self.bits, self.kind, tile=self.block, clip=self.clip)
+        return kvarn_quantize(x.float(), self.bits, self.kind, tile=self.block, clip=self.clip, feedback=self.feedback)
 
     def encode(self, x):
         t = self._quant(x)
@@ -136,14 +143,16 @@ class KVarNCodec:
 def make_codec(cfg: QuantConfig, side: str, head_dim: int, feedback: torch.Tensor | None = None):
     """The codec for ``side`` ("key" or "value") of a cache configured by ``cfg``; None = full precision.
 
-    ``feedback`` (heads, d, d): round with error feedback (per-token quantizers only)."""
+    ``feedback`` (heads, d, d): round with error feedback (per-token quantizers, and KVarN's key tiles
+    along their channels)."""
     bits = cfg.k_bits if side == "key" else cfg.v_bits
     if bits is None:
         return None
     meta = _DTYPES[cfg.metadata_dtype]
     quantizer = cfg.side_quantizer(side)
-    if feedback is not None and quantizer not in PER_TOKEN_QUANTIZERS:
-        raise ValueError(f"error-feedback rounding (+ldlq) needs a per-token quantizer (quest, affine), got {quantizer!r} for the {side}s")
+    if feedback is not None and quantizer not in PER_TOKEN_QUANTIZERS and not (quantizer == "kvarn" and side == "key"):
+        raise ValueError(f"error-feedback rounding (+ldlq) needs a per-token quantizer (quest, affine) or KVarN's key tiles, "
+                         f"got {quantizer!r} for the {side}s")
     if quantizer == "quest":
         alpha = cfg.k_alpha if side == "key" else cfg.v_alpha
         return TokenCodec(QuestQuantizer(bits, cfg.group_size, alpha_scale=alpha, search=cfg.clip_search), head_dim, meta, feedback)
@@ -155,7 +164,7 @@ def make_codec(cfg: QuantConfig, side: str, head_dim: int, feedback: torch.Tenso
             return ChannelCodec(bits, head_dim, cfg.windows.S_flush, meta)
         return TokenCodec(AffineQuantizer(bits, cfg.group_size, clip_ratio=0.0), head_dim, meta)
     if quantizer == "kvarn":
-        return KVarNCodec(bits, head_dim, cfg.windows.S_flush, side, clip=cfg.tile_clip)
+        return KVarNCodec(bits, head_dim, cfg.windows.S_flush, side, clip=cfg.tile_clip, feedback=feedback)
     raise ValueError(f"unknown quantizer {quantizer!r}")
 
 

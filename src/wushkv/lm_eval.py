@@ -55,7 +55,7 @@ class WushLM(HFLM):
             :func:`wushkv.models.load`), or an already loaded ``PreTrainedModel`` (then pass ``tokenizer``).
         method: a wushkv transform (``wush``, ``hadamard``, ...) or ``full-precision``.
         calibration: calibration file (needed by calibrated transforms).
-        k_bits, v_bits, quantizer, k_clip, v_clip, k_alpha, v_alpha, clip_search, group_size: see
+        k_bits, v_bits, quantizer, key_quantizer, k_clip, v_clip, k_alpha, v_alpha, clip_search, tile_clip, group_size: see
             :class:`~wushkv.config.QuantConfig`; ``16`` = that side stays full precision.
         sink, keep, flush: full-precision windows (default: the perplexity windows 16/128/16).
         dtype, device, device_map: for loading by name.
@@ -76,6 +76,8 @@ class WushLM(HFLM):
         v_alpha: float = 1.0,
         clip_search: int = 0,
         group_size: int | None = None,
+        tile_clip: float = 0.0,
+        key_quantizer: str | None = None,
         sink: int = PERPLEXITY_WINDOWS.S_sink,
         keep: int = PERPLEXITY_WINDOWS.S_keep,
         flush: int = PERPLEXITY_WINDOWS.S_flush,
@@ -114,6 +116,7 @@ class WushLM(HFLM):
             base = QuantConfig(
                 k_bits=bits[0], v_bits=bits[1], quantizer=quantizer, k_clip=float(k_clip), v_clip=float(v_clip),
                 k_alpha=float(k_alpha), v_alpha=float(v_alpha), clip_search=int(clip_search), group_size=None if group_size in (None, "") else int(group_size),
+                tile_clip=float(tile_clip), key_quantizer=key_quantizer or None,
                 windows=WindowConfig(int(sink), int(keep), int(flush)),
             )
             self.quant_config = config_for(method, base)

@@ -97,6 +97,37 @@ def test_ldlq_streaming_equals_single_pass(family, tiny_cal):
     assert nb == nb2 == nb3  # same storage
 
 
+def test_key_tile_feedback_streaming_equals_single_pass(tiny_cal):
+    """``+ktiles+ldlq``: the key tiles are rounded with feedback along their channels when a tile flushes; the
+    single-pass emulation sees the same codes, the storage is that of plain ``+ktiles``, the values keep theirs."""
+    from wushkv.cache import WushKVCache
+    from wushkv.eval.compare import config_for
+    from wushkv.folding import apply_transforms
+
+    model = tiny_model("llama").double()
+    cal = tiny_cal(model)
+    base = QuantConfig(2, 2, "quest", windows=WindowConfig(4, 16, 4))
+    ids = torch.randint(3, 96, (1, 300), generator=torch.Generator().manual_seed(1))
+
+    def run(method, sizes):
+        cfg = config_for(method, base)
+        with torch.no_grad(), apply_transforms(model, transforms_for(model, cal, method), method):
+            cache, out, t = WushKVCache(model, cfg), [], 0
+            for n in sizes:
+                out.append(model(ids[:, t : t + n], cache=cache, use_cache=True).logits)
+                t += n
+            keys = cache.layers[0].k_side.store.view()
+            return torch.cat(out, 1), cache.nbytes(), keys
+
+    single, nb, keys = run("wush+ktiles+ldlq", [300])
+    streamed, nb2, keys2 = run("wush+ktiles+ldlq", [130] + [1] * 170)
+    plain, nb3, keys3 = run("wush+ktiles", [300])
+    assert keys["codes"].shape[2] == 256 and set(keys) == {"codes", "scale", "zero", "s_fold"}
+    assert (single - streamed).abs().max() < 1e-5 and torch.equal(keys["codes"], keys2["codes"])
+    assert not torch.equal(keys["codes"], keys3["codes"])  # the feedback changes the key codes
+    assert nb == nb2 == nb3
+
+
 def test_sign_pattern_names_and_errors():
     from wushkv.eval.methods import method_suffixes, sign_pattern
 
@@ -197,7 +228,7 @@ def test_auto_method_resolves_per_model_width_and_quantizer(tiny_cal):
             assert (c.k_bits, c.v_bits, c.quantizer, c.windows, c.tile_clip) == (b, b, "quest", QuantConfig().windows, r.tile_clip)
     m, c = auto_method("smollm2-135m", cal, QuantConfig(2, 2, quantizer="quest", windows=WindowConfig(16, 128, 16)))
     c = config_for(m, c)  # what compare and generate then run: keys in clipped tiles, QuEST values under the +ktiles windows
-    assert m == "wush+ktiles+ldlq-v" and (c.side_quantizer("key"), c.side_quantizer("value"), c.tile_clip) == ("kvarn", "quest", 1.5)
+    assert m == "wush+ktiles+ldlq" and (c.side_quantizer("key"), c.side_quantizer("value"), c.tile_clip) == ("kvarn", "quest", 3.0)
     assert (c.windows.S_sink, c.windows.S_keep, c.windows.S_flush) == (16, 72, 128)
     quest = QuantConfig(3, 2, quantizer="quest")
     assert auto_method("smollm2-135m", cal, quest) == ("wush", quest)  # K ≠ V: no recipe

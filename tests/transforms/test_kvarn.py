@@ -397,3 +397,71 @@ def test_bad_clip_is_refused(bad):
         kvarn_quantize(torch.randn(128, 4), 2, "key", clip=bad)
     with pytest.raises(ValueError, match="tile_clip"):
         QuantConfig(quantizer="kvarn", tile_clip=bad, windows=WindowConfig(128, 0, 128))
+
+
+def _slow_feedback_keys(x: torch.Tensor, bits: int, clip: float, F: torch.Tensor) -> torch.Tensor:
+    """Reference for key tiles with error feedback: one tile [T=G, d], rows (channels) one at a time, float64,
+    each row's grid from the row as updated; metadata rounded to float16 as stored."""
+    A = x.double().T.clone()  # (d, G)
+    _, log_r, log_c = balance(A.float())
+    er, fold = log_r.double().exp(), log_c.double().exp()
+    fold16 = fold.half().double()
+    out = torch.empty_like(A)
+    for r in range(A.shape[0]):
+        b = A[r] / (er[r] * fold)
+        lo, hi = b.min(), b.max()
+        if clip > 0:
+            from wushkv.quantizers.quest import QUEST_ALPHA
+
+            mu, half = b.mean(), clip * QUEST_ALPHA[bits] * b.std(correction=0)
+            lo, hi = max(lo, mu - half), min(hi, mu + half)
+        step = max((hi - lo) / (2**bits - 1), 1e-10)
+        q = torch.round((b - lo) / step).clamp(0, 2**bits - 1)
+        s16, z16 = (er[r] * step).half().double(), (er[r] * lo).half().double()
+        out[r] = fold16 * (s16 * q + z16)
+        A[r + 1 :] -= F[r, r + 1 :, None].double() * (A[r] - out[r])[None]
+    return out.T
+
+
+@pytest.mark.parametrize("clip", [0.0, 1.5])
+def test_key_feedback_matches_its_reference_and_identity_is_plain(clip):
+    from wushkv.quantizers.feedback import feedback_matrix
+
+    g = torch.Generator().manual_seed(21)
+    d = 8
+    x = torch.randn(2, 3, 256, d, generator=g) @ torch.randn(d, d, generator=g) + torch.randn(d, generator=g)
+    plain = kvarn_quantize(x, 2, "key", clip=clip)
+    same = kvarn_quantize(x, 2, "key", clip=clip, feedback=torch.eye(d).expand(3, d, d))
+    for f in ("codes", "scale", "zero", "s_fold"):
+        assert torch.equal(getattr(plain, f), getattr(same, f)), f
+    Q = torch.randn(3, d, d, generator=g)
+    F = feedback_matrix(Q @ Q.mT + 0.1 * torch.eye(d))
+    fast = kvarn_dequantize(kvarn_quantize(x, 2, "key", clip=clip, feedback=F))
+    for b, h, t0 in ((0, 0, 0), (1, 2, 128)):
+        ref = _slow_feedback_keys(x[b, h, t0 : t0 + 128], 2, clip, F[h])
+        assert torch.allclose(fast[b, h, t0 : t0 + 128].double(), ref, rtol=1e-4, atol=1e-4)
+
+
+def test_key_feedback_cuts_the_weighted_error_at_the_same_bytes():
+    """LDLQ along the channels of key tiles: the error weighted by the Hessian H falls (by Hadamard's inequality in
+    expectation); the unweighted error may rise; storage is unchanged."""
+    from wushkv.quantizers.feedback import feedback_matrix
+
+    g = torch.Generator().manual_seed(22)
+    d = 16
+    x = torch.randn(2, 3, 512, d, generator=g) @ (0.5 * torch.randn(d, d, generator=g)) + torch.randn(d, generator=g)
+    Q = torch.randn(3, d, d, generator=g)
+    H = Q @ Q.mT + 0.1 * torch.eye(d)
+    for clip in (0.0, 1.5):
+        a = kvarn_quantize(x, 2, "key", clip=clip)
+        c = kvarn_quantize(x, 2, "key", clip=clip, feedback=feedback_matrix(H))
+        assert kvarn_nbytes(a) == kvarn_nbytes(c) and int(c.codes.max()) <= 3
+        w = [torch.einsum("bhtd,hde,bhte->", e, H, e).item() for e in (kvarn_dequantize(t) - x for t in (a, c))]
+        assert w[1] < 0.85 * w[0], (clip, w)
+
+
+def test_feedback_is_for_keys_only():
+    with pytest.raises(ValueError, match="channels of key tiles"):
+        kvarn_quantize(torch.randn(128, 4), 2, "value", feedback=torch.eye(4))
+    with pytest.raises(ValueError, match=r"feedback must be a tensor \[..., 4, 4\]"):
+        kvarn_quantize(torch.randn(128, 4), 2, "key", feedback=torch.eye(3))

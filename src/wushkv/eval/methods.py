@@ -15,7 +15,9 @@
   on each cached vector, :mod:`wushkv.quantizers.feedback`) against the calibration's Hessians in the
   transformed space: same codes format and bytes, a smaller expected weighted error; ``+ldlq-k`` /
   ``+ldlq-v`` for the keys / the values only (docs/ABLATIONS.md section 15: on SmolLM2 the values gain at
-  2 bits and the keys lose); needs a calibration and a per-token quantizer (quest, affine);
+  2 bits and the keys lose); needs a calibration and a per-token quantizer (quest, affine). With ``+ktiles``
+  the keys' feedback runs along the channel rows of each tile, every row's grid taken after the earlier rows'
+  errors were pushed onto it (docs/ABLATIONS.md section 30: there the keys gain);
 * ``<method>+signs<N>`` (``wush+signs3``): the WUSH-family sides (``wush``, ``wush-a``, ``wush-c``) with the
   N-th random sign pattern on their eigenvectors, another exact WUSH solution
   (:func:`wushkv.transforms.wush.with_signs`); compare a few to see how much of a margin is WUSH's own
@@ -171,10 +173,11 @@ class Recipe:
 # What ``auto`` runs with the QuEST quantizer at K = V bits: per model (the names ``wushkv.models.load`` takes)
 # and width, the WUSH variant that held-out C4 picked (documents no calibration reads, never the evaluation
 # text; windows 16/128/16), from the calibration recipe of AUTO_CALIBRATION (wushkv calibrate is deterministic,
-# so that recipe gives every user the same file). Evidence: docs/ABLATIONS.md sections 24, 25, 27, 28 and 29.
+# so that recipe gives every user the same file). Evidence: docs/ABLATIONS.md sections 24, 25, 27, 28, 29 and 30.
 AUTO_RECIPES: dict[str, dict[int, Recipe]] = {
-    "smollm2-135m": {2: Recipe("wush+ktiles+ldlq-v", tile_clip=1.5), 3: Recipe("wush+ktiles", tile_clip=1.3), 4: Recipe("wush+ldlq")},
-    "gemma3-270m": {2: Recipe("wush+ldlq", k_alpha=1.15, v_alpha=1.45), 3: Recipe("wush+ldlq"), 4: Recipe("wush+ldlq")},
+    "smollm2-135m": {2: Recipe("wush+ktiles+ldlq", tile_clip=3.0), 3: Recipe("wush+ktiles+ldlq", tile_clip=1.7), 4: Recipe("wush+ktiles+ldlq")},
+    "gemma3-270m": {2: Recipe("wush+ldlq", k_alpha=1.15, v_alpha=1.45), 3: Recipe("wush+ktiles+ldlq", tile_clip=1.7),
+                    4: Recipe("wush+ktiles+ldlq", tile_clip=1.7)},
 }
 AUTO_CALIBRATION: dict[str, tuple[int, int]] = {"smollm2-135m": (32, 2048), "gemma3-270m": (16, 2048)}  # samples, tokens
 
@@ -252,10 +255,9 @@ def check_methods(names: list[str]) -> None:
         if uses_ldlq(n) and uses_tiles(n):
             raise ValueError(f"method {n!r}: {LDLQ_SUFFIX!r} (error-feedback rounding of per-token codes) cannot be combined with "
                              f"KVarN's tiles ({TILES_SUFFIX!r}, kvarn)")
-        if uses_key_tiles(n) and (uses_tiles(n) or "K" in ldlq_sides(n)):
+        if uses_key_tiles(n) and uses_tiles(n):
             raise ValueError(f"method {n!r}: {KTILES_SUFFIX!r} puts the keys in KVarN's tiles; it cannot be combined with "
-                             f"{TILES_SUFFIX!r}/kvarn (both sides in tiles) or with error feedback on the keys ({LDLQ_SUFFIX!r}, "
-                             f"'+ldlq-k'); '+ldlq-v' rounds its per-token values with feedback")
+                             f"{TILES_SUFFIX!r}/kvarn (both sides in tiles)")
         if sum(s in LDLQ_SIDES for s in method_suffixes(n)[1]) > 1:
             raise ValueError(f"method {n!r}: use one of {list(LDLQ_SIDES)}")
         signs = [s for s in method_suffixes(n)[1] if s.startswith(SIGNS_SUFFIX)]

@@ -200,7 +200,7 @@ def _check_clip(clip: float) -> None:
         raise ValueError(f"KVarN `clip` must be a finite number >= 0 (0 = each row's min-max, as KVarN ships), got {clip!r}")
 
 
-def kvarn_quantize(x: Tensor, bits: int, kind: str, tile: int = 128, clip: float = 0.0) -> KVarNTiles:
+def kvarn_quantize(x: Tensor, bits: int, kind: str, tile: int = 128, clip: float = 0.0, feedback: Tensor | None = None) -> KVarNTiles:
     """Quantize already-rotated keys or values x [..., T, d] with KVarN (METHOD §7 steps 2-4).
 
     T must be a multiple of ``tile`` (the cache keeps the remainder in its fp16 tail) and
@@ -213,6 +213,15 @@ def kvarn_quantize(x: Tensor, bits: int, kind: str, tile: int = 128, clip: float
     values outside clamp to the end levels. Same codes, metadata and bytes. The min-max range of a
     Gaussian row of 128 samples is about ±2.6σ while the 4-level grid of least squared error spans
     ±1.49σ, so at 2 bits the published grid is ~1.7× too coarse (docs/ABLATIONS.md section 27).
+
+    ``feedback`` (keys only; wushkv's addition): F [..., d, d], unit upper triangular
+    (:func:`wushkv.quantizers.feedback.feedback_matrix` of the query Hessian in this key space),
+    broadcastable to x's leading dims (e.g. [heads, d, d] for x [batch, heads, T, d]). The channel
+    rows of each tile are then quantized one after another, GPTQ-style with one group per row: row r's
+    grid (min-max or clip) is taken from the row as updated by the earlier rows' errors, and its error
+    over the tile's tokens, e_r = A_r − Â_r (Â from the float16 metadata as stored), is pushed onto the
+    rows not yet quantized, A_{r'} −= F[r, r']·e_r. The balance scales come from the original tile.
+    Same codes format, metadata and bytes; F = I gives the plain codes exactly.
     """
     _check_bits(bits)
     _check_kind(kind)
@@ -229,14 +238,9 @@ def kvarn_quantize(x: Tensor, bits: int, kind: str, tile: int = 128, clip: float
     A = _to_tiles(x.float(), tile, kind)  # (..., n, R, C)
     B, log_r, log_c = balance(A)
     qmax = 2**bits - 1
-    lo = B.amin(-1)  # (..., n, R)
-    hi = B.amax(-1)
-    if clip > 0:
-        from ..quantizers.quest import QUEST_ALPHA
-
-        mu, half = B.mean(-1), clip * QUEST_ALPHA[bits] * B.std(-1, correction=0)
-        lo, hi = torch.maximum(lo, mu - half), torch.minimum(hi, mu + half)
-    step = ((hi - lo) / qmax).clamp_min(_SCALE_FLOOR)  # (..., n, R)
+    if feedback is not None:
+        return _quantize_feedback(A, log_r, log_c, bits, kind, tile, clip, feedback)
+    lo, step = _row_grid(B, bits, clip)  # (..., n, R)
     q = torch.round((B - lo.unsqueeze(-1)) / step.unsqueeze(-1)).clamp_(0, qmax)  # (..., n, R, C)
 
     row_exp = log_r.exp()  # (..., n, R)
@@ -245,6 +249,55 @@ def kvarn_quantize(x: Tensor, bits: int, kind: str, tile: int = 128, clip: float
         scale=(row_exp * step).to(torch.float16),
         zero=(row_exp * lo).to(torch.float16),
         s_fold=log_c.exp().to(torch.float16),
+        bits=bits,
+        kind=kind,
+        tile=tile,
+    )
+
+
+def _row_grid(b: Tensor, bits: int, clip: float) -> tuple[Tensor, Tensor]:
+    # (lo, step) of balanced rows b (..., C): min-max, or clipped to mean ± clip·α_b·σ
+    lo, hi = b.amin(-1), b.amax(-1)
+    if clip > 0:
+        from ..quantizers.quest import QUEST_ALPHA
+
+        mu, half = b.mean(-1), clip * QUEST_ALPHA[bits] * b.std(-1, correction=0)
+        lo, hi = torch.maximum(lo, mu - half), torch.minimum(hi, mu + half)
+    return lo, ((hi - lo) / (2**bits - 1)).clamp_min(_SCALE_FLOOR)
+
+
+def _quantize_feedback(A: Tensor, log_r: Tensor, log_c: Tensor, bits: int, kind: str, tile: int, clip: float,
+                       feedback: Tensor) -> KVarNTiles:
+    # Channel rows of key tiles A (..., n, d, G) in order, each row's error pushed onto the later rows.
+    if kind != "key":
+        raise ValueError(f"KVarN error feedback runs along the channels of key tiles; got kind={kind!r}")
+    d = A.shape[-2]
+    if not isinstance(feedback, Tensor) or feedback.shape[-2:] != (d, d):
+        raise ValueError(f"KVarN feedback must be a tensor [..., {d}, {d}], got {tuple(getattr(feedback, 'shape', ()))}")
+    F = feedback.to(device=A.device, dtype=torch.float32).unsqueeze(-3)  # (..., 1, d, d): broadcasts over tiles
+    qmax = 2**bits - 1
+    W = A.clone()
+    row_exp, fold = log_r.exp(), log_c.exp()  # (..., n, d), (..., n, G)
+    fold16 = fold.to(torch.float16).float()
+    q = torch.empty_like(W)
+    scale = torch.empty_like(log_r)
+    zero = torch.empty_like(log_r)
+    for r in range(d):
+        b = W[..., r, :] / (row_exp[..., r, None] * fold)  # the balanced row as updated so far
+        lo, step = _row_grid(b, bits, clip)
+        q[..., r, :] = qr = torch.round((b - lo.unsqueeze(-1)) / step.unsqueeze(-1)).clamp_(0, qmax)
+        scale[..., r] = row_exp[..., r] * step
+        zero[..., r] = row_exp[..., r] * lo
+        if r + 1 < d:
+            s16 = scale[..., r].to(torch.float16).float().unsqueeze(-1)
+            z16 = zero[..., r].to(torch.float16).float().unsqueeze(-1)
+            e = W[..., r, :] - fold16 * (s16 * qr + z16)  # (..., n, G), as the decoder will read it
+            W[..., r + 1 :, :] -= F[..., r, r + 1 :].unsqueeze(-1) * e.unsqueeze(-2)
+    return KVarNTiles(
+        codes=_from_tiles(q.to(torch.uint8), kind).contiguous(),
+        scale=scale.to(torch.float16),
+        zero=zero.to(torch.float16),
+        s_fold=fold.to(torch.float16),
         bits=bits,
         kind=kind,
         tile=tile,
