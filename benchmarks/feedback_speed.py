@@ -1,10 +1,12 @@
 """What error-feedback rounding (``+ldlq``) costs when the cache flushes: the fused CPU kernel against the
-PyTorch reference loop and against plain QuEST rounding of the same block, measured in the same run.
+PyTorch reference loop and against plain QuEST rounding of the same block, measured in the same run; and for
+key tiles (``+ktiles+ldlq``), KVarN's key-tile quantizer with feedback along the channels against without.
 
     python benchmarks/feedback_speed.py [--threads 1] [--repeats 50]
 
 Shapes: one flush of 8 tokens (generation windows 64/256/8) for SmolLM2 (3 KV heads × 64) and Gemma-3
-(1 KV head × 256), and one 2048-token chunk of the single-pass emulation (perplexity).
+(1 KV head × 256), and one 2048-token chunk of the single-pass emulation (perplexity). Key tiles: one flush of a
+128-token tile per layer, and a 2048-token chunk.
 """
 
 from __future__ import annotations
@@ -60,6 +62,18 @@ def main() -> None:
         loop = median_ms(run_loop, max(3, args.repeats // 10))
         fused = median_ms(run_fused, args.repeats) if fused_ok else float("nan")
         print(f"{str(shape):22s} {plain:10.3f}ms {loop:8.3f}ms {fused:8.3f}ms {fused / plain:11.1f}x {loop / fused:10.1f}x", flush=True)
+
+    from wushkv.transforms.kvarn import kvarn_quantize
+
+    print(f"\nkey tiles (KVarN, 2 bits, tile clip 1.7)\n{'shape (B, H, N, d)':22s} {'plain tiles':>12s} {'feedback':>10s} {'feedback/plain':>15s}")
+    for shape in ((1, 3, 128, 64), (1, 1, 128, 256), (1, 3, 2048, 64), (1, 1, 2048, 256)):
+        _, H, _, d = shape
+        x = torch.randn(*shape, generator=g)
+        A = torch.randn(H, d, d, generator=g, dtype=torch.float64)
+        F = feedback_matrix(A @ A.mT / d + torch.eye(d, dtype=torch.float64))
+        plain = median_ms(lambda x=x: kvarn_quantize(x, 2, "key", clip=1.7), args.repeats)
+        fb = median_ms(lambda x=x, F=F: kvarn_quantize(x, 2, "key", clip=1.7, feedback=F), max(3, args.repeats // 5))
+        print(f"{str(shape):22s} {plain:10.3f}ms {fb:8.3f}ms {fb / plain:14.1f}x", flush=True)
 
 
 if __name__ == "__main__":
