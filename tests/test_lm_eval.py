@@ -156,6 +156,11 @@ def test_tile_settings_reach_the_cache(model_and_tok):
         assert (c.side_quantizer("key"), c.side_quantizer("value"), c.tile_clip, c.windows.S_flush) == ("kvarn", "quest", 1.5, 128)
     finally:
         lm.close()
+    lm = WushLM(model, method="hadamard", tokenizer=tok, key_quantizer="kvarn", **WINDOWS)  # by hand: keys in tiles of --flush
+    try:
+        assert (lm.quant_config.side_quantizer("key"), lm.quant_config.side_quantizer("value")) == ("kvarn", "quest")
+    finally:
+        lm.close()
 
 
 def test_bad_inputs(model_and_tok):

@@ -248,7 +248,7 @@ def _bits_list(s: str) -> list[int]:
 def _check_transforms(transforms, tiles: bool = True, auto: bool = False) -> None:
     """Known transforms; with ``tiles``, also ``<transform>+tiles`` (the transform under KVarN's tile quantizer);
     with ``auto``, also ``auto`` (compare resolves it per width)."""
-    from .eval.methods import AUTO, LDLQ_SUFFIX, SIDES_SEP, TILES_SUFFIX, check_methods, is_transform_method
+    from .eval.methods import AUTO, KTILES_SUFFIX, LDLQ_SUFFIX, SIDES_SEP, TILES_SUFFIX, check_methods, is_transform_method
     from .transforms import TRANSFORMS
 
     for t in transforms:
@@ -257,7 +257,8 @@ def _check_transforms(transforms, tiles: bool = True, auto: bool = False) -> Non
                 check_methods([t])  # raises, saying which commands resolve auto
             continue
         if not (is_transform_method(t) if tiles else t in TRANSFORMS):
-            also = (f", each optionally with the suffix {TILES_SUFFIX!r} (KVarN's tile quantizer), {LDLQ_SUFFIX!r} "
+            also = (f", each optionally with the suffix {TILES_SUFFIX!r} (KVarN's tile quantizer), {KTILES_SUFFIX!r} (keys in "
+                    f"KVarN's tiles), {LDLQ_SUFFIX!r} "
                     f"(error-feedback rounding) or +signsN (WUSH's N-th eigenvector sign pattern), or KEYS{SIDES_SEP}VALUES "
                     f"(e.g. wush{SIDES_SEP}hadamard: keys of one, values of the other)"
                     + (f", or {AUTO!r} (the WUSH variant chosen on held-out C4 for the model and width)" if auto else "")) if tiles else ""

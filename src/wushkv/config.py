@@ -10,7 +10,7 @@ from dataclasses import asdict, dataclass, field, replace
 CONFIG_VERSION = 1
 CACHE_BITS = (2, 3, 4, 8)
 QUANTIZER_NAMES = ("quest", "affine", "kivi", "kvarn")
-PER_TOKEN_QUANTIZERS = ("quest", "affine")  # one grid per token (group): padding, error feedback, clip search
+PER_TOKEN_QUANTIZERS = ("quest", "affine")  # one grid per token (group): padding, error feedback (also KVarN key tiles), clip search
 CLIP_GRID = (0.7, 0.85, 1.0, 1.15, 1.3, 1.45, 1.6)  # QuEST clip multipliers on α_b that `wushkv tune-clip` walks
 
 

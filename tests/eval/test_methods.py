@@ -61,6 +61,12 @@ def test_ldlq_method_names_and_errors():
         transforms_for(tiny_model("llama"), None, "hadamard+ldlq")
     with pytest.raises(ValueError, match="per-token quantizer"):
         make_codec(QuantConfig(2, 2, "kivi", windows=WindowConfig(2, 4, 4)), "key", 32, torch.eye(32).expand(2, 32, 32))
+    tiles = QuantConfig(2, 2, "kvarn", windows=WindowConfig(8, 0, 8))
+    assert make_codec(tiles, "key", 32, torch.eye(32).expand(2, 32, 32)).feedback is not None  # key tiles take feedback
+    with pytest.raises(ValueError, match="KVarN's key tiles, got 'kvarn' for the values"):
+        make_codec(tiles, "value", 32, torch.eye(32).expand(2, 32, 32))
+    with pytest.raises(ValueError, match="e.g. wush\\+ktiles\\+ldlq"):
+        check_methods(["wush+tiles+ldlq"])
 
 
 @pytest.mark.parametrize("family", ["llama", "gemma3"])
@@ -98,8 +104,9 @@ def test_ldlq_streaming_equals_single_pass(family, tiny_cal):
 
 
 def test_key_tile_feedback_streaming_equals_single_pass(tiny_cal):
-    """``+ktiles+ldlq``: the key tiles are rounded with feedback along their channels when a tile flushes; the
-    single-pass emulation sees the same codes, the storage is that of plain ``+ktiles``, the values keep theirs."""
+    """``+ktiles+ldlq``: the key tiles are rounded with feedback along their channels when a tile flushes; a prefill
+    (the single-pass emulation for its logits) and token-by-token decoding give the same logits and key codes, and
+    the storage is that of plain ``+ktiles``."""
     from wushkv.cache import WushKVCache
     from wushkv.eval.compare import config_for
     from wushkv.folding import apply_transforms

@@ -465,3 +465,5 @@ def test_feedback_is_for_keys_only():
         kvarn_quantize(torch.randn(128, 4), 2, "value", feedback=torch.eye(4))
     with pytest.raises(ValueError, match=r"feedback must be a tensor \[..., 4, 4\]"):
         kvarn_quantize(torch.randn(128, 4), 2, "key", feedback=torch.eye(3))
+    with pytest.raises(ValueError, match="does not broadcast"):
+        kvarn_quantize(torch.randn(1, 3, 128, 4), 2, "key", feedback=torch.eye(4).expand(2, 4, 4))

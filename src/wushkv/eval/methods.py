@@ -253,8 +253,9 @@ def check_methods(names: list[str]) -> None:
                              f"KEYS{SIDES_SEP}VALUES (e.g. wush{SIDES_SEP}hadamard: "
                              f"the key transform of one, the value transform of the other), stock-<quanto|hqq>-<2|4>, {FULL_PRECISION}")
         if uses_ldlq(n) and uses_tiles(n):
-            raise ValueError(f"method {n!r}: {LDLQ_SUFFIX!r} (error-feedback rounding of per-token codes) cannot be combined with "
-                             f"KVarN's tiles ({TILES_SUFFIX!r}, kvarn)")
+            raise ValueError(f"method {n!r}: {LDLQ_SUFFIX!r} (error-feedback rounding) cannot be combined with KVarN's tiles on "
+                             f"both sides ({TILES_SUFFIX!r}, kvarn): tile values have no feedback; for keys in tiles with feedback "
+                             f"use {KTILES_SUFFIX!r} (e.g. wush{KTILES_SUFFIX}{LDLQ_SUFFIX})")
         if uses_key_tiles(n) and uses_tiles(n):
             raise ValueError(f"method {n!r}: {KTILES_SUFFIX!r} puts the keys in KVarN's tiles; it cannot be combined with "
                              f"{TILES_SUFFIX!r}/kvarn (both sides in tiles)")

@@ -274,6 +274,11 @@ def _quantize_feedback(A: Tensor, log_r: Tensor, log_c: Tensor, bits: int, kind:
     d = A.shape[-2]
     if not isinstance(feedback, Tensor) or feedback.shape[-2:] != (d, d):
         raise ValueError(f"KVarN feedback must be a tensor [..., {d}, {d}], got {tuple(getattr(feedback, 'shape', ()))}")
+    try:
+        torch.broadcast_shapes(feedback.shape[:-2], A.shape[:-3])
+    except RuntimeError:
+        raise ValueError(f"KVarN feedback {tuple(feedback.shape)} does not broadcast over the leading dims {tuple(A.shape[:-3])} of x "
+                         "(e.g. [heads, d, d] for x [batch, heads, T, d])") from None
     F = feedback.to(device=A.device, dtype=torch.float32).unsqueeze(-3)  # (..., 1, d, d): broadcasts over tiles
     qmax = 2**bits - 1
     W = A.clone()
@@ -313,9 +318,9 @@ def kvarn_dequantize(t: KVarNTiles) -> Tensor:
     return _from_tiles(s_fold * (scale * q + zero), t.kind).contiguous()
 
 
-def kvarn_fake(x: Tensor, bits: int, kind: str, tile: int = 128, clip: float = 0.0) -> Tensor:
-    """Fake-quantize: ``kvarn_dequantize(kvarn_quantize(x, bits, kind, tile, clip))``, float32."""
-    return kvarn_dequantize(kvarn_quantize(x, bits, kind, tile, clip))
+def kvarn_fake(x: Tensor, bits: int, kind: str, tile: int = 128, clip: float = 0.0, feedback: Tensor | None = None) -> Tensor:
+    """Fake-quantize: ``kvarn_dequantize(kvarn_quantize(x, bits, kind, tile, clip, feedback))``, float32."""
+    return kvarn_dequantize(kvarn_quantize(x, bits, kind, tile, clip, feedback))
 
 
 def kvarn_nbytes(t: KVarNTiles) -> int:
