@@ -67,6 +67,9 @@ def test_ldlq_method_names_and_errors():
         make_codec(tiles, "value", 32, torch.eye(32).expand(2, 32, 32))
     with pytest.raises(ValueError, match="e.g. wush\\+ktiles\\+ldlq"):
         check_methods(["wush+tiles+ldlq"])
+    check_methods(["wush+tiles+ldlq-k", "kvarn+ldlq-k"])  # both sides in tiles, feedback on the key tiles only
+    c = config_for("wush+tiles+ldlq-k", QuantConfig(2, 2, "quest", windows=WindowConfig(16, 128, 16)))
+    assert (c.side_quantizer("key"), c.side_quantizer("value")) == ("kvarn", "kvarn")
 
 
 @pytest.mark.parametrize("family", ["llama", "gemma3"])

@@ -17,7 +17,8 @@
   ``+ldlq-v`` for the keys / the values only (docs/ABLATIONS.md section 15: on SmolLM2 the values gain at
   2 bits and the keys lose); needs a calibration and a per-token quantizer (quest, affine). With ``+ktiles``
   the keys' feedback runs along the channel rows of each tile, every row's grid taken after the earlier rows'
-  errors were pushed onto it (docs/ABLATIONS.md section 30: there the keys gain);
+  errors were pushed onto it (docs/ABLATIONS.md section 30: there the keys gain); ``+tiles+ldlq-k`` does the same
+  with both sides in tiles (tile values have no feedback);
 * ``<method>+signs<N>`` (``wush+signs3``): the WUSH-family sides (``wush``, ``wush-a``, ``wush-c``) with the
   N-th random sign pattern on their eigenvectors, another exact WUSH solution
   (:func:`wushkv.transforms.wush.with_signs`); compare a few to see how much of a margin is WUSH's own
@@ -252,10 +253,10 @@ def check_methods(names: list[str]) -> None:
                              f"{SIGNS_SUFFIX}N (WUSH's N-th eigenvector sign pattern), "
                              f"KEYS{SIDES_SEP}VALUES (e.g. wush{SIDES_SEP}hadamard: "
                              f"the key transform of one, the value transform of the other), stock-<quanto|hqq>-<2|4>, {FULL_PRECISION}")
-        if uses_ldlq(n) and uses_tiles(n):
+        if "V" in ldlq_sides(n) and uses_tiles(n):
             raise ValueError(f"method {n!r}: {LDLQ_SUFFIX!r} (error-feedback rounding) cannot be combined with KVarN's tiles on "
-                             f"both sides ({TILES_SUFFIX!r}, kvarn): tile values have no feedback; for keys in tiles with feedback "
-                             f"use {KTILES_SUFFIX!r} (e.g. wush{KTILES_SUFFIX}{LDLQ_SUFFIX})")
+                             f"both sides ({TILES_SUFFIX!r}, kvarn): tile values have no feedback; use '+ldlq-k' (keys only), "
+                             f"or {KTILES_SUFFIX!r} for per-token values (e.g. wush{KTILES_SUFFIX}{LDLQ_SUFFIX})")
         if uses_key_tiles(n) and uses_tiles(n):
             raise ValueError(f"method {n!r}: {KTILES_SUFFIX!r} puts the keys in KVarN's tiles; it cannot be combined with "
                              f"{TILES_SUFFIX!r}/kvarn (both sides in tiles)")
