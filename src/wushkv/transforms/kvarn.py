@@ -235,13 +235,16 @@ def kvarn_quantize(x: Tensor, bits: int, kind: str, tile: int = 128, clip: float
     if d < 2:
         raise ValueError(f"head dim d={d} must be >= 2")
 
+    if feedback is not None:
+        _check_feedback(feedback, x, kind)
+
     A = _to_tiles(x.float(), tile, kind)  # (..., n, R, C)
     B, log_r, log_c = balance(A)
-    qmax = 2**bits - 1
-    if feedback is not None:
-        return _quantize_feedback(A, log_r, log_c, bits, kind, tile, clip, feedback)
-    lo, step = _row_grid(B, bits, clip)  # (..., n, R)
-    q = torch.round((B - lo.unsqueeze(-1)) / step.unsqueeze(-1)).clamp_(0, qmax)  # (..., n, R, C)
+    if feedback is None:
+        lo, step = _row_grid(B, bits, clip)  # (..., n, R)
+        q = torch.round((B - lo.unsqueeze(-1)) / step.unsqueeze(-1)).clamp_(0, 2**bits - 1)  # (..., n, R, C)
+    else:
+        q, lo, step = _feedback_rows(A, log_r, log_c, bits, clip, feedback)
 
     row_exp = log_r.exp()  # (..., n, R)
     return KVarNTiles(
@@ -266,47 +269,37 @@ def _row_grid(b: Tensor, bits: int, clip: float) -> tuple[Tensor, Tensor]:
     return lo, ((hi - lo) / (2**bits - 1)).clamp_min(_SCALE_FLOOR)
 
 
-def _quantize_feedback(A: Tensor, log_r: Tensor, log_c: Tensor, bits: int, kind: str, tile: int, clip: float,
-                       feedback: Tensor) -> KVarNTiles:
-    # Channel rows of key tiles A (..., n, d, G) in order, each row's error pushed onto the later rows.
+def _check_feedback(feedback: Tensor, x: Tensor, kind: str) -> None:
+    d = x.shape[-1]
     if kind != "key":
         raise ValueError(f"KVarN error feedback runs along the channels of key tiles; got kind={kind!r}")
-    d = A.shape[-2]
     if not isinstance(feedback, Tensor) or feedback.shape[-2:] != (d, d):
         raise ValueError(f"KVarN feedback must be a tensor [..., {d}, {d}], got {tuple(getattr(feedback, 'shape', ()))}")
     try:
-        torch.broadcast_shapes(feedback.shape[:-2], A.shape[:-3])
+        torch.broadcast_shapes(feedback.shape[:-2], x.shape[:-2])
     except RuntimeError:
-        raise ValueError(f"KVarN feedback {tuple(feedback.shape)} does not broadcast over the leading dims {tuple(A.shape[:-3])} of x "
+        raise ValueError(f"KVarN feedback {tuple(feedback.shape)} does not broadcast over the leading dims {tuple(x.shape[:-2])} of x "
                          "(e.g. [heads, d, d] for x [batch, heads, T, d])") from None
+
+
+def _feedback_rows(A: Tensor, log_r: Tensor, log_c: Tensor, bits: int, clip: float, feedback: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+    # (codes, lo, step) of key tiles A (..., n, d, G), channel rows in order, each row's error pushed onto the later rows.
+    d = A.shape[-2]
     F = feedback.to(device=A.device, dtype=torch.float32).unsqueeze(-3)  # (..., 1, d, d): broadcasts over tiles
-    qmax = 2**bits - 1
     W = A.clone()
     row_exp, fold = log_r.exp(), log_c.exp()  # (..., n, d), (..., n, G)
     fold16 = fold.to(torch.float16).float()
-    q = torch.empty_like(W)
-    scale = torch.empty_like(log_r)
-    zero = torch.empty_like(log_r)
+    q, lo, step = torch.empty_like(W), torch.empty_like(log_r), torch.empty_like(log_r)
     for r in range(d):
         b = W[..., r, :] / (row_exp[..., r, None] * fold)  # the balanced row as updated so far
-        lo, step = _row_grid(b, bits, clip)
-        q[..., r, :] = qr = torch.round((b - lo.unsqueeze(-1)) / step.unsqueeze(-1)).clamp_(0, qmax)
-        scale[..., r] = row_exp[..., r] * step
-        zero[..., r] = row_exp[..., r] * lo
-        if r + 1 < d:
-            s16 = scale[..., r].to(torch.float16).float().unsqueeze(-1)
-            z16 = zero[..., r].to(torch.float16).float().unsqueeze(-1)
-            e = W[..., r, :] - fold16 * (s16 * qr + z16)  # (..., n, G), as the decoder will read it
+        lo[..., r], step[..., r] = lo_r, step_r = _row_grid(b, bits, clip)
+        q[..., r, :] = q_r = torch.round((b - lo_r.unsqueeze(-1)) / step_r.unsqueeze(-1)).clamp_(0, 2**bits - 1)
+        if r + 1 < d:  # the error as the decoder will read it (float16 metadata)
+            s16 = (row_exp[..., r] * step_r).to(torch.float16).float().unsqueeze(-1)
+            z16 = (row_exp[..., r] * lo_r).to(torch.float16).float().unsqueeze(-1)
+            e = W[..., r, :] - fold16 * (s16 * q_r + z16)  # (..., n, G)
             W[..., r + 1 :, :] -= F[..., r, r + 1 :].unsqueeze(-1) * e.unsqueeze(-2)
-    return KVarNTiles(
-        codes=_from_tiles(q.to(torch.uint8), kind).contiguous(),
-        scale=scale.to(torch.float16),
-        zero=zero.to(torch.float16),
-        s_fold=fold.to(torch.float16),
-        bits=bits,
-        kind=kind,
-        tile=tile,
-    )
+    return q, lo, step
 
 
 def kvarn_dequantize(t: KVarNTiles) -> Tensor:
