@@ -29,18 +29,20 @@ from wushkv.report import format_table  # noqa: E402
 
 
 def layout_config(name: str, bits: int) -> QuantConfig:
-    """``quest gG S/K/F`` (QuEST, group G, windows S/K/F), ``affine gG S/K/F``, ``kvarn tiles`` or ``ktiles S/K/F`` (keys in
-    KVarN's tiles, QuEST values, under the ``+ktiles`` windows derived from S/K/F)."""
+    """``quest gG S/K/F`` (QuEST, group G, windows S/K/F), ``affine gG S/K/F``, ``kvarn tiles`` or ``ktiles [affine] S/K/F``
+    (keys in KVarN's tiles, QuEST values or affine ones, under the ``+ktiles`` windows derived from S/K/F)."""
     parts = name.split()
     if parts == ["kvarn", "tiles"]:
         return QuantConfig(bits, bits, quantizer="kvarn", windows=WindowConfig(128, 0, 128))
-    if len(parts) == 2 and parts[0] == "ktiles":
+    if parts and parts[0] == "ktiles" and len(parts) in (2, 3) and parts[1:-1] in ([], ["quest"], ["affine"]):
         from wushkv.eval.compare import config_for
 
-        s, k, f = (int(x) for x in parts[1].split("/"))
-        return config_for("wush+ktiles", QuantConfig(bits, bits, quantizer="quest", windows=WindowConfig(s, k, f)))
+        s, k, f = (int(x) for x in parts[-1].split("/"))
+        q = parts[1] if len(parts) == 3 else "quest"
+        return config_for("wush+ktiles", QuantConfig(bits, bits, quantizer=q, windows=WindowConfig(s, k, f)))
     if len(parts) != 3 or parts[0] not in ("quest", "affine") or not parts[1].startswith("g"):
-        raise ValueError(f"layout {name!r}: expected 'quest g64 16/128/16', 'affine g64 64/256/8', 'kvarn tiles' or 'ktiles 16/128/16'")
+        raise ValueError(f"layout {name!r}: expected 'quest g64 16/128/16', 'affine g64 64/256/8', 'kvarn tiles', 'ktiles 16/128/16' "
+                         "or 'ktiles affine 64/256/8'")
     s, k, f = (int(x) for x in parts[2].split("/"))
     return QuantConfig(bits, bits, quantizer=parts[0], group_size=int(parts[1][1:]), windows=WindowConfig(s, k, f))
 

@@ -38,8 +38,9 @@ from wushkv.cli import main
         (["recon", "--calibration", "x.safetensors", "--transforms", "wush+ktiles"], "tile methods"),
         (["compare", "--transforms", "wush+tiles+ktiles"], "puts the keys in KVarN's tiles"),
         (["compare", "--transforms", "wush+ktiles", "--quantizer", "kivi"], "needs --quantizer quest or affine, got 'kivi'"),
-        (["tune-clip", "--out", "c.json", "--transforms", "auto"], "resolved per model and width by `compare` and `generate` only"),
-        (["agree", "--transforms", "wush,auto"], "resolved per model and width"),
+        (["tune-clip", "--out", "c.json", "--transforms", "auto"], "resolved per model and width by `compare`, `generate`, `agree` and `passkey` only"),
+        (["ppl", "--transform", "auto"], "resolved per model and width"),
+        (["agree", "--transforms", "wush,auto", "--growth-reference", "random"], "--growth-reference 'random' is not among"),
     ],
 )
 def test_bad_arguments(argv, message, capsys):
@@ -111,6 +112,11 @@ def test_agree_report_only_compares_over_common_prompts(tmp_path, capsys):
     assert fields(capsys.readouterr().out)[:4] == ["hadamard", "2", "0.35", "75"]
     assert main([*base, "--transforms", "hadamard,oscar"]) == 2
     assert "no results for ['oscar']" in capsys.readouterr().err
+    assert main([*base, "--transforms", "hadamard,wush", "--growth-reference", "hadamard"]) == 0
+    growth = capsys.readouterr().out
+    assert "against hadamard's" in growth and "vs hadamard: x1.00 [1.00, 1.00]" in growth
+    assert main([*base, "--transforms", "hadamard,wush", "--growth-reference", "oscar"]) == 2
+    assert "--growth-reference 'oscar' is not among" in capsys.readouterr().err
 
 
 def test_reconcile_settings_reads_older_quantization():
@@ -122,6 +128,22 @@ def test_reconcile_settings_reads_older_quantization():
     old = {"model": "m", "quantization": {k: v for k, v in QuantConfig().to_dict().items() if k != "clip_search"}}
     assert reconcile_settings(old, new)[1] == []
     assert reconcile_settings(old, {"model": "m", "quantization": QuantConfig(clip_search=4).to_dict()})[1] == ["quantization"]
+
+
+def test_auto_resolution_in_resumed_settings():
+    """agree/passkey record what ``auto`` resolved to: a run without ``auto`` is compatible with any resolution (and
+    keeps it), two different resolutions are not; the tables label the row with the method."""
+    from wushkv.cli import _method_label, reconcile_settings
+
+    base = {"model": "m", "quantization": {"k_bits": 2}}
+    a = base | {"auto": {"method": "wush+ktiles+ldlq", "quantization": {"tile_clip": 1.7}}}
+    b = base | {"auto": {"method": "wush+rmean", "quantization": {"tile_clip": 0.0}}}
+    for old, new in ((a, base), (base, a)):
+        merged, differ = reconcile_settings(old, new)
+        assert differ == [] and merged["auto"] == a["auto"]
+    assert reconcile_settings(a, b)[1] == ["auto"]
+    assert _method_label("auto", a) == "auto (wush+ktiles+ldlq)" and _method_label("auto", base) == "auto"
+    assert _method_label("wush", a) == "wush"
 
 
 def test_tune_clip_then_compare_with_the_table(tmp_path, capsys):
@@ -202,3 +224,33 @@ def test_generate_auto_picks_centered_wush_keys(tmp_path, capsys):
     assert main([*argv, "--quantizer", "quest"]) == 0
     err = capsys.readouterr().err
     assert "--transform auto: wush (" in err and "[wush K2V2 quest" in err
+
+
+def test_agree_and_passkey_take_auto(tmp_path, capsys):
+    """agree and passkey resolve ``auto`` for the model and width (a model without recipes: centered WUSH keys under
+    the affine quantizer), keep its rows under ``auto``, record the resolution and label the tables with it."""
+    import json
+
+    from conftest import CharTokenizer, hf_char_tokenizer, tiny_model
+
+    from wushkv.calibration import calibrate
+
+    model = tiny_model("llama", vocab_size=128, max_position_embeddings=1024)
+    model.save_pretrained(tmp_path / "m")
+    hf_char_tokenizer().save_pretrained(tmp_path / "m")
+    text = tmp_path / "t.txt"
+    text.write_text("the quick brown fox jumps over the lazy dog. " * 40)
+    path = calibrate(model, CharTokenizer(), samples=2, seq_len=64, text_file=str(text), show_progress=False).save(tmp_path / "c.safetensors")
+    common = ["--model", str(tmp_path / "m"), "--calibration", str(path), "--transforms", "wush+rmean,auto", "--sink", "4", "--keep", "8", "--flush", "4"]
+    runs = {"agree": ["agree", *common, "--prompts", "2", "--prompt-len", "40", "--new-tokens", "6", "--stride", "1", "--text-file", str(text)],
+            "passkey": ["passkey", *common, "--contexts", "300", "--depths", "0.5", "--trials", "2"]}
+    for name, argv in runs.items():
+        out = tmp_path / f"{name}.json"
+        assert main([*argv, "--json", str(out)]) == 0
+        cap = capsys.readouterr()
+        assert "auto: wush+rmean (chosen on held-out C4" in cap.err and "auto (wush+rmean)" in cap.out
+        saved = json.loads(out.read_text())
+        assert saved["settings"]["auto"]["method"] == "wush+rmean" and saved["results"]["auto"]["method"] == "wush+rmean"
+        a, b = saved["results"]["auto"], saved["results"]["wush+rmean"]
+        key = "kl_by_position" if name == "agree" else "logprob"
+        assert a[key] == b[key]  # the same method at the same settings

@@ -326,13 +326,11 @@ def cmd_compare(args) -> int:
                 if (c := out["results"].get(t, {}).get(str(b), {}).get("config")) and c.get("quantizer") == "quest"]
         print("clips: " + ", ".join(used))
     if AUTO in transforms:
+        from .config import QuantConfig
+        from .eval.methods import describe_resolved
+
         def _resolved(r: dict) -> str:
-            c, extra = r.get("config", {}), []
-            if c.get("quantizer") == "quest" and (c.get("k_alpha", 1.0), c.get("v_alpha", 1.0)) != (1.0, 1.0):
-                extra.append(f"αK×{c['k_alpha']:g} αV×{c['v_alpha']:g}")
-            if "kvarn" in (c.get("quantizer"), c.get("key_quantizer")) and c.get("tile_clip"):
-                extra.append(f"tile clip {c['tile_clip']:g}")
-            return r.get("method", "?") + (f" ({', '.join(extra)})" if extra else "")
+            return describe_resolved(r["method"], QuantConfig.from_dict(r["config"])) if "config" in r else r.get("method", "?")
 
         print("auto: " + ", ".join(f"{b}-bit {_resolved(out['results'][AUTO][str(b)])}" for b in args.bits)
               + " (chosen on held-out C4; docs/RESULTS.md)")
@@ -422,7 +420,7 @@ def cmd_generate(args) -> int:
 
     from .cache import WushKVCache
     from .eval.compare import config_for
-    from .eval.methods import AUTO, auto_method, transforms_for
+    from .eval.methods import AUTO, auto_method, describe_resolved, transforms_for
     from .folding import apply_transforms
 
     auto = args.transform == AUTO
@@ -434,9 +432,9 @@ def cmd_generate(args) -> int:
     if auto:
         method, cfg = auto_method(args.model, cal, cfg)
         cfg = config_for(method, cfg)
-        print(f"--transform auto: {method}" + ("" if method != "wush" else
-              " (wush+rmean needs the affine quantizer and a calibration holding the pre-RoPE key mean; QuEST variants are "
-              "chosen per model at K = V bits)"), file=sys.stderr)
+        print(f"--transform auto: {describe_resolved(method, cfg)}" + ("" if method != "wush" else
+              " (wush+rmean needs the affine quantizer and a calibration holding the pre-RoPE key mean; the other variants are "
+              "chosen per model and quantizer at K = V bits)"), file=sys.stderr)
     trs = transforms_for(model, cal, method)
     prompt = open(args.prompt_file, encoding="utf-8").read() if args.prompt_file else args.prompt
     ids = tok(prompt, return_tensors="pt").input_ids.to(args.device)
@@ -456,12 +454,38 @@ def cmd_generate(args) -> int:
     return 0
 
 
-def _methods(s: str) -> list[str]:
-    from .eval.methods import check_methods
+def _methods(s: str, auto: bool = False) -> list[str]:
+    """The comma-separated method names, checked; with ``auto``, ``auto`` too (resolved by :func:`_resolve_auto`)."""
+    from .eval.methods import AUTO, check_methods
 
     names = [t.strip() for t in s.split(",") if t.strip()]
-    check_methods(names)
+    check_methods([n for n in names if not (auto and n == AUTO)])
     return names
+
+
+def _resolve_auto(args, methods: list[str], cal, cfg) -> tuple[dict, dict]:
+    """For ``agree`` and ``passkey``: ``({"auto": (method, its cfg)}, {"auto": what it resolved to})`` when ``auto``
+    is listed (the second goes into the run's settings, so a resumed run refuses rows of another resolution),
+    else two empty dicts."""
+    from .eval.compare import config_for
+    from .eval.methods import AUTO, auto_calibration_note, auto_method, describe_resolved
+
+    if AUTO not in methods:
+        return {}, {}
+    method, c = auto_method(args.model, cal, cfg)
+    config_for(method, c)  # checks the method against the quantizer before anything long runs
+    print(f"auto: {describe_resolved(method, c)} (chosen on held-out C4 for {args.model}, {cfg.label()})", file=sys.stderr)
+    if note := auto_calibration_note(args.model, cal):
+        print(note, file=sys.stderr)
+    return {AUTO: (method, c)}, {"auto": {"method": method, "quantization": json.loads(json.dumps(c.to_dict()))}}
+
+
+def _method_label(name: str, settings: dict) -> str:
+    """``auto (wush+ktiles+ldlq)`` for ``auto`` in a run whose settings record its resolution; else ``name``."""
+    from .eval.methods import AUTO
+
+    got = settings.get("auto") if name == AUTO else None
+    return f"{name} ({got['method']})" if isinstance(got, dict) and "method" in got else name
 
 
 def _windows_pair(s: str) -> tuple[int, int]:
@@ -500,7 +524,8 @@ def _sibling(path: str, tag: str) -> Path:
 
 def reconcile_settings(old: dict, new: dict) -> tuple[dict, list[str]]:
     """(settings of both runs together, keys that differ). A ``calibration`` of None (no calibrated method
-    listed) is compatible with any calibration and takes the other run's."""
+    listed) is compatible with any calibration and takes the other run's; so is a missing ``auto`` (``auto``
+    not listed) with any resolution of it."""
     from .config import QuantConfig
 
     old, new = dict(old), dict(new)
@@ -514,6 +539,9 @@ def reconcile_settings(old: dict, new: dict) -> tuple[dict, list[str]]:
         new["calibration"] = old.get("calibration")
     elif old.get("calibration") is None:
         old["calibration"] = new["calibration"]
+    for a, b in ((old, new), (new, old)):  # a run that did not list auto is compatible with any resolution of it
+        if "auto" in a and "auto" not in b:
+            b["auto"] = a["auto"]
     return new, sorted(k for k in set(old) | set(new) if old.get(k) != new.get(k))
 
 
@@ -545,14 +573,37 @@ def _resumable(path: str | None, settings: dict):
     return state, save, settings
 
 
+def _late_growth(args, settings: dict, state: dict, res: dict) -> dict:
+    """With ``--growth-reference M``: per method, its KL's 4th / 2nd-quarter ratio and that ratio against M's, with 95%
+    bootstrap intervals over the prompts both have (printed, and returned for the JSON); else {}."""
+    from .eval.agreement import late_growth
+
+    ref = args.growth_reference
+    if not ref:
+        return {}
+    if ref not in res:
+        raise ValueError(f"--growth-reference {ref!r} is not among the methods reported: {list(res)}")
+    rows = state["rows"]
+    out = {}
+    for m, r in res.items():
+        k = min(r["prompts"], res[ref]["prompts"])
+        out[m] = late_growth([x["kl"] for x in rows[m][:k]], [x["kl"] for x in rows[ref][:k]])
+    print(f"KL from the 2nd to the 4th quarter, and against {_method_label(ref, settings)}'s (95% bootstrap over prompts):")
+    for m, g in out.items():
+        print(f"  {_method_label(m, settings):>24}: x{g['ratio']:.2f} [{g['ci'][0]:.2f}, {g['ci'][1]:.2f}]  "
+              f"vs {ref}: x{g['vs_reference']:.2f} [{g['vs_reference_ci'][0]:.2f}, {g['vs_reference_ci'][1]:.2f}]")
+    return out
+
+
 def _show_agreement(args, settings: dict, res: dict) -> None:
     from .config import QuantConfig
     from .report import format_table, plot_lines
 
     cfg = QuantConfig.from_dict(settings["quantization"])
-    rows = [[m, r["prompts"], r["mean_kl"], 100 * r["top1"], r["median_first_divergence"], r["kl_first_quarter"], r["kl_last_quarter"],
-             r["kl_growth"]] for m, r in res.items()]
-    print(format_table(["method", "prompts", "mean KL", "top-1 %", "median 1st div.", "KL 1st quarter", "KL last quarter", "last/first"], rows,
+    rows = [[_method_label(m, settings), r["prompts"], r["mean_kl"], 100 * r["top1"], r["median_first_divergence"], r["kl_first_quarter"], r["kl_last_quarter"],
+             r["kl_growth"], r["kl_late_growth"]] for m, r in res.items()]
+    print(format_table(["method", "prompts", "mean KL", "top-1 %", "median 1st div.", "KL 1st quarter", "KL last quarter", "last/first",
+                        "4th/2nd"], rows,
                        title=f"\n{settings['model']}: prompts of {settings['prompt_len']} tokens from {settings['text']}, "
                              f"{settings['new_tokens']} generated, {cfg.label()}"
                              f"{' (single-pass emulation)' if settings['single_pass'] else ' (streaming)'}"))
@@ -560,7 +611,7 @@ def _show_agreement(args, settings: dict, res: dict) -> None:
         n = settings["new_tokens"]
         width = max(1, n // 32)  # mean KL over bins of positions
         xs = list(range(0, n, width))
-        series = {m: [sum(r["kl_by_position"][a : a + width]) / len(r["kl_by_position"][a : a + width]) for a in xs] for m, r in res.items()}
+        series = {_method_label(m, settings): [sum(r["kl_by_position"][a : a + width]) / len(r["kl_by_position"][a : a + width]) for a in xs] for m, r in res.items()}
         plot_lines([x + width / 2 for x in xs], series, args.plot, "generated position", "KL(P_fp ‖ P_q), nats (mean over prompts)",
                    f"{settings['model']}: {cfg.label()}, teacher-forced", logy=True)
 
@@ -569,32 +620,40 @@ def cmd_agree(args) -> int:
     from .data import load_eval_text, tokenize_chunks
     from .eval.agreement import report, run_agreement
     from .io import write_json
-    from .eval.methods import is_transform_method
+    from .eval.methods import AUTO, is_transform_method
 
-    methods = _methods(args.transforms)
+    methods = _methods(args.transforms, auto=True)
+    if args.growth_reference and args.growth_reference not in methods:
+        raise ValueError(f"--growth-reference {args.growth_reference!r} is not among the methods reported: {methods}")
     if args.report_only:
         if not args.json or not Path(args.json).is_file():
             raise ValueError(f"--report-only reads the results of an earlier run: --json {args.json!r} is not a file")
         saved = json.loads(Path(args.json).read_text())
         if not isinstance(saved, dict) or "state" not in saved or "settings" not in saved:
             raise ValueError(f"--json {args.json}: not a file `wushkv agree` wrote")
-        _show_agreement(args, saved["settings"], report(saved["state"], methods))
+        res = report(saved["state"], methods)
+        _show_agreement(args, saved["settings"], res)
+        _late_growth(args, saved["settings"], saved["state"], res)
         return 0
     cfg = _quant_config(args)
     text, label = load_eval_text(args.text_file)
     model, tok = _load(args)
-    cal = _calibration_for(args, model, tok, [m for m in methods if is_transform_method(m)])
+    cal = _calibration_for(args, model, tok, [m for m in methods if is_transform_method(m) or m == AUTO])
+    resolved, auto_settings = _resolve_auto(args, methods, cal, cfg)
     chunks = tokenize_chunks(tok, text, args.prompt_len, args.prompts * args.stride)[:: args.stride]
     state, save, settings = _resumable(args.json, {
         "model": args.model, "dtype": args.dtype, "text": label, "prompts": int(chunks.shape[0]), "prompt_len": args.prompt_len,
         "stride": args.stride, "prompt_sha256": hashlib.sha256(chunks.numpy().tobytes()).hexdigest(), "new_tokens": args.new_tokens,
-        "single_pass": args.single_pass, "quantization": cfg.to_dict(), "calibration": _calibration_recipe(cal)})
+        "single_pass": args.single_pass, "quantization": cfg.to_dict(), "calibration": _calibration_recipe(cal)} | auto_settings)
     res = run_agreement(model, chunks, methods, cal, cfg, args.new_tokens, single_pass=args.single_pass, batch=args.batch,
-                        log=lambda m: print(m, file=sys.stderr), state=state, save=save)
+                        log=lambda m: print(m, file=sys.stderr), state=state, save=save, resolved=resolved)
     _show_agreement(args, settings, res)
+    growth = _late_growth(args, settings, state, res)
     out = {"model": args.model, "text": label, "prompts": int(chunks.shape[0]), "prompt_len": args.prompt_len,
            "new_tokens": args.new_tokens, "single_pass": args.single_pass, "batch": args.batch, "quantization": cfg.to_dict(),
            "calibration": cal.meta if cal is not None else None, "results": res, "settings": settings, "state": state}
+    if growth:
+        out["late_growth"] = {"reference": args.growth_reference, "methods": growth}
     if args.json:
         write_json(args.json, out)
     return 0
@@ -606,24 +665,26 @@ def cmd_passkey(args) -> int:
     from .eval.passkey import run_passkey
     from .io import write_json
     from .report import format_table, plot_heatmaps
-    from .eval.methods import is_transform_method
+    from .eval.methods import AUTO, is_transform_method
 
-    methods = _methods(args.transforms)
+    methods = _methods(args.transforms, auto=True)
     depths = [float(x) for x in args.depths.split(",")]
     cfg = _quant_config(args)
     model, tok = _load(args)
-    cal = _calibration_for(args, model, tok, [m for m in methods if is_transform_method(m)])
+    cal = _calibration_for(args, model, tok, [m for m in methods if is_transform_method(m) or m == AUTO])
+    resolved, auto_settings = _resolve_auto(args, methods, cal, cfg)
     state, save, settings = _resumable(args.json, {
         "model": args.model, "dtype": args.dtype, "trials": args.trials, "seed": args.seed, "quantization": cfg.to_dict(),
-        "calibration": _calibration_recipe(cal)})
+        "calibration": _calibration_recipe(cal)} | auto_settings)
     res = run_passkey(model, tok, methods, cal, cfg, args.contexts, depths, args.trials, seed=args.seed,
-                      log=lambda m: print(m, file=sys.stderr), state=state, save=save)
+                      log=lambda m: print(m, file=sys.stderr), state=state, save=save, resolved=resolved)
+    label = lambda m: _method_label(m, settings)  # noqa: E731
     headers = ["method"] + [f"{c}" for c in args.contexts] + ["mean"]
-    rows = [[m] + [100 * sum(r["accuracy"].get(f"{c}/{d}", nan) for d in depths) / len(depths) for c in args.contexts] + [100 * r["mean"]]
+    rows = [[label(m)] + [100 * sum(r["accuracy"].get(f"{c}/{d}", nan) for d in depths) / len(depths) for c in args.contexts] + [100 * r["mean"]]
             for m, r in res.items()]
     print(format_table(headers, rows, title=f"\n{args.model}: passkey accuracy (%) by context, mean over depths {depths}, "
                                              f"{args.trials} trials each, {cfg.label()}"))
-    rows = [[m] + [sum(r["logprob"].get(f"{c}/{d}", nan) for d in depths) / len(depths) for c in args.contexts] + [r["logprob_mean"]]
+    rows = [[label(m)] + [sum(r["logprob"].get(f"{c}/{d}", nan) for d in depths) / len(depths) for c in args.contexts] + [r["logprob_mean"]]
             for m, r in res.items()]
     print(format_table(headers, rows, title=f"\n{args.model}: mean log P(key) in nats (teacher-forced; 0 = certain), "
                                              "the same cases"))
@@ -633,11 +694,11 @@ def cmd_passkey(args) -> int:
     if args.json:
         write_json(args.json, out)
     if args.plot:
-        grids = {m: [[r["accuracy"].get(f"{c}/{d}", nan) for c in args.contexts] for d in depths] for m, r in res.items()}
+        grids = {label(m): [[r["accuracy"].get(f"{c}/{d}", nan) for c in args.contexts] for d in depths] for m, r in res.items()}
         plot_heatmaps(grids, depths, args.contexts, args.plot, "context (tokens)", "depth",
                       f"{args.model}: passkey accuracy (%), {cfg.label()}")
         # the same cells as probabilities: exp(mean log P(key)), the geometric mean of P(key) over trials
-        grids = {m: [[exp(r["logprob"].get(f"{c}/{d}", nan)) for c in args.contexts] for d in depths] for m, r in res.items()}
+        grids = {label(m): [[exp(r["logprob"].get(f"{c}/{d}", nan)) for c in args.contexts] for d in depths] for m, r in res.items()}
         plot_heatmaps(grids, depths, args.contexts, _sibling(args.plot, "_pkey"), "context (tokens)", "depth",
                       f"{args.model}: geometric-mean P(key) (%), {cfg.label()}", vmax=None)  # far below 1 even in full precision
     return 0
@@ -810,9 +871,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--prompt-file", default=None, help="read the prompt from a UTF-8 file")
     p.add_argument("--max-new-tokens", type=int, default=128)
     p.add_argument("--transform", default="auto",
-                   help="method, as for agree; 'auto': wush+rmean (keys centered on their rotating mean) with the affine "
-                        "quantizer when the calibration holds the pre-RoPE key mean (docs/GENERATION.md); with QuEST at K = V bits, "
-                        "the WUSH variant chosen on held-out C4 for the model and width (docs/RESULTS.md); else wush (default: %(default)s)")
+                   help="method, as for agree; 'auto': the WUSH variant chosen on held-out C4 for the model, quantizer and width "
+                        "at K = V bits (affine, the default here: docs/GENERATION.md; QuEST: docs/RESULTS.md); elsewhere wush+rmean "
+                        "(keys centered on their rotating mean) with the affine quantizer when the calibration holds the pre-RoPE key "
+                        "mean, else wush (default: %(default)s)")
     p.add_argument("--calibration", default=None, help="calibration file; default: calibrate once and cache")
     p.add_argument("--calib-samples", type=int, default=16)
     p.add_argument("--calib-seq-len", type=int, default=2048)
@@ -829,9 +891,10 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("agree", help="long-generation agreement with full precision: KL and top-1 per position, first divergence")
     _add_model_args(p)
-    p.add_argument("--transforms", default="identity,hadamard,random,oscar,kvarn,wush,wush+rmean",
-                   help="comma-separated transforms, and stock-<quanto|hqq>-<2|4> for the stock QuantizedCache; wush+rmean is "
-                        "what `generate` runs by default (default: %(default)s)")
+    p.add_argument("--transforms", default="identity,hadamard,random,oscar,kvarn,wush,auto",
+                   help="comma-separated transforms, stock-<quanto|hqq>-<2|4> for the stock QuantizedCache, and 'auto': what "
+                        "`generate` runs by default, the WUSH variant chosen on held-out C4 for the model and width, at its own "
+                        "settings (e.g. its tile clip) (default: %(default)s)")
     p.add_argument("--calibration", default=None, help="calibration file; default: calibrate once and cache")
     p.add_argument("--calib-samples", type=int, default=16)
     p.add_argument("--calib-seq-len", type=int, default=2048)
@@ -849,12 +912,15 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--text-file", default=None, help="UTF-8 text to take prompts from instead of WikiText-2 test")
     p.add_argument("--json", default=None)
     p.add_argument("--plot", default=None, help="PNG of KL against generated position")
+    p.add_argument("--growth-reference", default=None, metavar="METHOD",
+                   help="also print each method's KL growth from the 2nd to the 4th quarter against METHOD's (e.g. the best "
+                        "baseline), with 95%% bootstrap intervals over the prompts")
     _add_quant_args(p, GENERATION_WINDOWS)
     p.set_defaults(func=cmd_agree, quantizer="affine")
 
     p = sub.add_parser("passkey", help="passkey retrieval accuracy per context and depth (full precision is the ceiling)")
     _add_model_args(p)
-    p.add_argument("--transforms", default="full-precision,hadamard,kvarn,wush,wush+rmean", help="comma-separated methods, as for agree (default: %(default)s)")
+    p.add_argument("--transforms", default="full-precision,hadamard,kvarn,wush,auto", help="comma-separated methods, as for agree (default: %(default)s)")
     p.add_argument("--calibration", default=None)
     p.add_argument("--calib-samples", type=int, default=16)
     p.add_argument("--calib-seq-len", type=int, default=2048)

@@ -42,6 +42,28 @@ def test_common_prefix_and_summary():
     s = summarize([[0.1, 0.1, 0.3, 0.3], [0.1, 0.1, 0.1, 0.1]], [[True, True, False, True]] * 2, [4, 2])
     assert s["mean_kl"] == pytest.approx(0.15) and s["top1"] == pytest.approx(0.75)
     assert s["kl_growth"] == pytest.approx(2.0) and s["median_first_divergence"] == 3
+    assert s["kl_late_growth"] == pytest.approx(0.2 / 0.1)  # 4th quarter (0.3, 0.1) over the 2nd (0.1, 0.1)
+
+
+def test_late_growth_by_hand_and_against_a_reference():
+    """The 4th / 2nd-quarter ratio of prompt-mean KLs; against a reference, paired over prompts: a method equal to
+    the reference up to a constant factor grows exactly alike (interval [1, 1]); one whose late KL doubles, twice."""
+    from wushkv.eval.agreement import late_growth
+
+    g = torch.Generator().manual_seed(0)
+    ref = (torch.rand(6, 16, generator=g) + 0.1).tolist()
+    q2 = sum(sum(r[4:8]) / 4 for r in ref) / 6
+    q4 = sum(sum(r[12:16]) / 4 for r in ref) / 6
+    out = late_growth(ref, ref)
+    assert out["ratio"] == pytest.approx(q4 / q2) and out["ci"][0] <= out["ratio"] <= out["ci"][1]
+    assert out["vs_reference"] == pytest.approx(1.0) and out["vs_reference_ci"] == pytest.approx([1.0, 1.0])
+    scaled = late_growth([[3 * x for x in r] for r in ref], ref)
+    assert scaled["vs_reference"] == pytest.approx(1.0) and scaled["vs_reference_ci"] == pytest.approx([1.0, 1.0])
+    doubled = late_growth([r[:12] + [2 * x for x in r[12:]] for r in ref], ref)
+    assert doubled["vs_reference"] == pytest.approx(2.0) and doubled["vs_reference_ci"] == pytest.approx([2.0, 2.0])
+    assert "vs_reference" not in late_growth(ref)
+    with pytest.raises(ValueError, match="same prompts"):
+        late_growth(ref, ref[:5])
 
 
 @torch.no_grad()
@@ -166,3 +188,19 @@ def test_batched_free_running_stops_when_every_row_diverged():
     assert common_prefixes(got, ref) == [2, 7]
     with pytest.raises(ValueError, match="at least 12 tokens"):
         greedy(model, p, 12, DynamicCache(config=model.config), reference=ref[:, :5])
+
+
+def test_a_resolved_name_runs_its_method_at_its_own_settings():
+    """``auto`` in agree: the listed name runs the method it stands for at that method's settings (here Hadamard
+    at 8 bits in a 2-bit run): its rows equal that method's own run at those settings, not the run's."""
+    model = tiny_model("llama")
+    prompts = torch.randint(3, 96, (2, 20), generator=torch.Generator().manual_seed(2))
+    w = WindowConfig(2, 4, 2)
+    c2, c8 = QuantConfig(2, 2, "affine", windows=w), QuantConfig(8, 8, "affine", windows=w)
+    quiet = dict(show_progress=False, log=lambda m: None, single_pass=True)
+    state = {}
+    res = run_agreement(model, prompts, ["hadamard", "auto"], None, c2, 12, state=state, resolved={"auto": ("hadamard", c8)}, **quiet)
+    alone = run_agreement(model, prompts, ["hadamard"], None, c8, 12, **quiet)["hadamard"]
+    assert res["auto"]["method"] == "hadamard" and "method" not in res["hadamard"]
+    assert res["auto"]["kl_by_position"] == alone["kl_by_position"] and res["auto"]["mean_kl"] < res["hadamard"]["mean_kl"]
+    assert set(state["rows"]) == {"hadamard", "auto"}  # rows kept under the listed name

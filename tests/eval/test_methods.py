@@ -244,11 +244,37 @@ def test_auto_method_resolves_per_model_width_and_quantizer(tiny_cal):
     assert auto_method("smollm2-135m", cal, quest) == ("wush", quest)  # K ≠ V: no recipe
     assert auto_method("my-model", cal, replace(quest, v_bits=3))[0] == "wush"  # a model without recipes
     assert auto_method("smollm2-135m", cal, QuantConfig(8, 8, quantizer="quest"))[0] == "wush"  # a width without one
-    assert auto_method("smollm2-135m", cal, QuantConfig(2, 2, quantizer="affine"))[0] == "wush+rmean"
+    assert auto_method("gemma3-270m", cal, QuantConfig(2, 2, quantizer="affine"))[0] == "wush+rmean"  # no affine recipe
+    assert auto_method("smollm2-135m", cal, QuantConfig(3, 3, quantizer="affine"))[0] == "wush+rmean"  # nor at 3 bits
     assert auto_method("smollm2-135m", cal, QuantConfig(2, 2, quantizer="kivi"))[0] == "wush"
-    with pytest.raises(ValueError, match="`compare` and `generate` only"):
-        check_methods([AUTO])  # agree, passkey, ppl: name the method
+    with pytest.raises(ValueError, match="`compare`, `generate`, `agree` and `passkey` only"):
+        check_methods([AUTO])  # ppl, sweep, tune-clip: name the method
     assert needs_calibration(AUTO)
+
+
+def test_auto_method_in_the_generation_setting(tiny_cal):
+    """With the affine quantizer (generate, agree, passkey) ``auto`` takes the model's affine recipe at K = V bits: on
+    SmolLM2 at 2 bits centered keys in clipped tiles with error feedback, affine values, under the +ktiles windows of
+    64/256/8."""
+    from wushkv.eval.methods import AUTO_AFFINE_RECIPES, auto_method, describe_resolved
+
+    model = tiny_model("llama")
+    cal = tiny_cal(model)
+    for table in AUTO_AFFINE_RECIPES.values():
+        for b, r in table.items():
+            check_methods([r.method])
+            assert method_sides(r.method)[0].startswith("wush") and 2 <= b <= 8
+    affine = QuantConfig(2, 2, quantizer="affine", windows=WindowConfig(64, 256, 8))
+    m, c = auto_method("smollm2-135m", cal, affine)
+    assert m == "wush+rmean+ktiles+ldlq" and c.tile_clip == 1.7 and (c.k_clip, c.v_clip) == (affine.k_clip, affine.v_clip)
+    assert describe_resolved(m, c) == "wush+rmean+ktiles+ldlq (tile clip 1.7)"
+    transforms_for(model, cal, m)  # the tiny calibration holds what it needs: the pre-RoPE mean and the Hessians
+    c = config_for(m, c)
+    assert (c.side_quantizer("key"), c.side_quantizer("value")) == ("kvarn", "affine")
+    assert (c.windows.S_sink, c.windows.S_keep, c.windows.S_flush) == (64, 196, 128)
+    assert auto_method("smollm2-135m", cal, QuantConfig(2, 4, quantizer="affine"))[0] == "wush+rmean"  # K ≠ V
+    assert describe_resolved("wush+ldlq", QuantConfig(2, 2, quantizer="quest", k_alpha=1.15, v_alpha=1.45)) == "wush+ldlq (αK×1.15 αV×1.45)"
+    assert describe_resolved("wush", affine) == "wush"
 
 
 def test_auto_calibration_note(tiny_cal):

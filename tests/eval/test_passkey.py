@@ -53,6 +53,18 @@ def test_scoring_counts_every_case():
         assert all(v in (0.0, 0.5, 1.0) for v in r["accuracy"].values())  # 2 trials per cell
 
 
+def test_a_resolved_name_runs_its_method_at_its_own_settings():
+    """``auto`` in passkey: the listed name runs the method it stands for at that method's settings."""
+    model = tiny_model("llama")
+    w = WindowConfig(4, 16, 4)
+    c2, c8 = QuantConfig(2, 2, "affine", windows=w), QuantConfig(8, 8, "affine", windows=w)
+    quiet = dict(new_tokens=3, show_progress=False, log=lambda m: None)
+    res = run_passkey(model, CharTokenizer(), ["hadamard", "auto"], None, c2, [300], [0.5], 2, resolved={"auto": ("hadamard", c8)}, **quiet)
+    alone = run_passkey(model, CharTokenizer(), ["hadamard"], None, c8, [300], [0.5], 2, **quiet)["hadamard"]
+    assert res["auto"]["method"] == "hadamard" and res["auto"]["logprob"] == alone["logprob"]
+    assert res["auto"]["logprob"] != res["hadamard"]["logprob"]
+
+
 def test_interrupted_passkey_resumes_to_the_same_result():
     model = tiny_model("llama")
     cfg = QuantConfig(2, 2, "affine", windows=WindowConfig(4, 16, 4))

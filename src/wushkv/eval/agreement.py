@@ -121,12 +121,52 @@ def common_prefix(a: torch.Tensor, b: torch.Tensor) -> int:
     return common_prefixes(a, b)[0]
 
 
+def _quarter_means(kl: torch.Tensor) -> torch.Tensor:
+    """(prompts, 2): each prompt's mean KL over the 2nd and the 4th quarter of its generated positions."""
+    q = max(1, kl.shape[1] // 4)
+    return torch.stack([kl[:, q : 2 * q].mean(1), kl[:, -q:].mean(1)], 1)
+
+
+def late_growth(kl_rows: list[list[float]], reference_rows: list[list[float]] | None = None, boots: int = 5000,
+                seed: int = 0) -> dict:
+    """How a method's KL moves from the 2nd to the 4th quarter of a generation, with 95% bootstrap intervals over
+    prompts (every method's KL falls in the 1st quarter, as a small model's continuations turn repetitive, so the
+    1st → 4th ratio flatters them all alike):
+
+    * ``ratio``: mean 4th-quarter KL / mean 2nd-quarter KL over the prompts, and ``ci``;
+    * with ``reference_rows`` (another method on the same prompts, same order): ``vs_reference``, this ratio over
+      the reference's, and ``vs_reference_ci``, resampling the same prompts for both (paired). An interval that
+      holds 1 says the two grow alike within what these prompts can tell.
+    """
+    a = _quarter_means(torch.tensor(kl_rows, dtype=torch.float64))
+    n = a.shape[0]
+    idx = torch.randint(0, n, (boots, n), generator=torch.Generator().manual_seed(seed))
+
+    def ratio(m: torch.Tensor, i: torch.Tensor) -> torch.Tensor:  # (boots,) from (prompts, 2) resampled by i
+        q = m[i].mean(-2)
+        return q[..., 1] / q[..., 0]
+
+    def ci(x: torch.Tensor) -> list[float]:
+        return [float(torch.quantile(x, 0.025)), float(torch.quantile(x, 0.975))]
+
+    r = ratio(a, idx)
+    out = {"ratio": float(ratio(a, torch.arange(n))), "ci": ci(r)}
+    if reference_rows is not None:
+        b = _quarter_means(torch.tensor(reference_rows, dtype=torch.float64))
+        if b.shape[0] != n:
+            raise ValueError(f"the reference has {b.shape[0]} prompts, this method {n}: compare over the same prompts")
+        out["vs_reference"] = out["ratio"] / float(ratio(b, torch.arange(n)))
+        out["vs_reference_ci"] = ci(r / ratio(b, idx))
+    return out
+
+
 def summarize(kl_rows: list[list[float]], top1_rows: list[list[bool]], prefixes: list[int]) -> dict:
     kl = torch.tensor(kl_rows, dtype=torch.float64)  # (prompts, n)
     top1 = torch.tensor(top1_rows, dtype=torch.float64)
     n = kl.shape[1]
     q = max(1, n // 4)
     first, last = float(kl[:, :q].mean()), float(kl[:, -q:].mean())
+    second = float(kl[:, q : 2 * q].mean())
     return {
         "mean_kl": float(kl.mean()),
         "top1": float(top1.mean()),
@@ -135,6 +175,7 @@ def summarize(kl_rows: list[list[float]], top1_rows: list[list[bool]], prefixes:
         "kl_first_quarter": first,
         "kl_last_quarter": last,
         "kl_growth": last / first if first > 0 else math.inf,  # > 1: error grows with position
+        "kl_late_growth": last / second if second > 0 else math.inf,  # 4th / 2nd quarter: past the 1st quarter's fall
         "kl_by_position": kl.mean(0).tolist(),
         "first_divergence": prefixes,
     }
@@ -158,8 +199,12 @@ def report(state: dict, methods: list[str], common: bool = True) -> dict:
 
 def run_agreement(model, prompts: torch.Tensor, methods: list[str], calibration, cfg, new_tokens: int,
                   single_pass: bool = False, batch: int = 1, show_progress: bool = True, log=print,
-                  state: dict | None = None, save=None) -> dict:
+                  state: dict | None = None, save=None, resolved: dict | None = None) -> dict:
     """Everything above for ``prompts`` (N, P) and every method name (see :mod:`wushkv.eval.methods`).
+
+    ``resolved`` maps a listed name that stands for another method (``auto``) to ``(method, cfg)``: the method
+    installed under that name and its own quantizer settings (the others run at ``cfg``); its results keep
+    the listed name and record the method (``"method"``).
 
     ``batch`` prompts are decoded together (full-precision continuations, streaming, free-running);
     the reference and streamed logits of a batch take ``2 × batch × new_tokens × vocabulary`` floats.
@@ -202,9 +247,10 @@ def run_agreement(model, prompts: torch.Tensor, methods: list[str], calibration,
             refs, refs_at = [next_token_logits(model, prompts[i : i + 1], torch.tensor([conts[i]], device=device)) for i in range(a, hi)], a
         P, Y = prompts[lo:hi], torch.tensor(conts[lo:hi], device=device)
         t0 = time.perf_counter()
-        one_pass = single_pass and not name.startswith("stock-")  # the stock cache's prefill does not see its quantization
+        method, method_cfg = (resolved or {}).get(name, (name, cfg))
+        one_pass = single_pass and not method.startswith("stock-")  # the stock cache's prefill does not see its quantization
         new = []
-        with method_cache(model, calibration, name, cfg) as make:
+        with method_cache(model, calibration, method, method_cfg) as make:
             streamed = None if one_pass else streamed_logits(model, P, Y, make())
             prefixes = common_prefixes(greedy(model, P, new_tokens, make(), reference=Y), Y)
             for j in range(P.shape[0]):
@@ -219,7 +265,7 @@ def run_agreement(model, prompts: torch.Tensor, methods: list[str], calibration,
             save(state)
     results = report(state, methods)
     for name in methods:
-        r = results[name] | {"seconds": seconds[name]}
+        r = results[name] | {"seconds": seconds[name]} | ({"method": resolved[name][0]} if name in (resolved or {}) else {})
         results[name] = r
         log(f"{name:>16}: mean KL {r['mean_kl']:.4f}  top-1 {100 * r['top1']:.1f}%  median first divergence "
             f"{r['median_first_divergence']}  KL last/first quarter {r['kl_growth']:.2f}  ({r['seconds']:.0f}s)")

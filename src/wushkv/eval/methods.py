@@ -32,8 +32,9 @@
   ``QuantizedCache`` on the unmodified model, the baseline users have today (backends: the optional
   extra ``wushkv[stock]``);
 * ``full-precision``: ``DynamicCache``;
-* ``auto`` (``compare``, ``generate``): per model and width, the WUSH variant chosen on held-out C4
-  (:data:`AUTO_RECIPES`, :func:`auto_method`); resolved to one of the names above before anything runs.
+* ``auto`` (``compare``, ``generate``, ``agree``, ``passkey``): per model, quantizer and width, the WUSH variant
+  chosen on held-out C4 (:data:`AUTO_RECIPES`, :data:`AUTO_AFFINE_RECIPES`, :func:`auto_method`); resolved to one
+  of the names above, with its own quantizer settings, before anything runs.
 """
 
 from __future__ import annotations
@@ -142,13 +143,13 @@ def uses_rmean(name: str) -> bool:
     return RMEAN_SUFFIX in method_suffixes(name)[1]
 
 
-AUTO = "auto"  # `wushkv generate --transform auto`: :func:`generation_method` picks
+AUTO = "auto"  # per model, quantizer and width, the WUSH variant chosen on held-out C4: :func:`auto_method`
 
 
 def generation_method(calibration, cfg: QuantConfig) -> str:
-    """The method ``wushkv generate --transform auto`` (its default) runs: WUSH with its keys centered on
-    their rotating pre-RoPE mean (``wush+rmean``) under the affine quantizer when the calibration holds
-    that mean, plain ``wush`` otherwise.
+    """What ``auto`` runs where no recipe of :data:`AUTO_AFFINE_RECIPES` or :data:`AUTO_RECIPES` applies: WUSH
+    with its keys centered on their rotating pre-RoPE mean (``wush+rmean``) under the affine quantizer when
+    the calibration holds that mean, plain ``wush`` otherwise.
 
     Chosen on held-out C4 (the calibration's domain; documents no calibration reads, never the evaluation
     text) in the generation setting, K2V2 affine 64/256/8: centering lowers 2-bit perplexity there on both
@@ -180,28 +181,47 @@ AUTO_RECIPES: dict[str, dict[int, Recipe]] = {
     "gemma3-270m": {2: Recipe("wush+ldlq", k_alpha=1.15, v_alpha=1.45), 3: Recipe("wush+ktiles+ldlq", tile_clip=1.7),
                     4: Recipe("wush+ktiles+ldlq", tile_clip=1.7)},
 }
+# What ``auto`` runs with the affine quantizer (the generation setting of `generate`, `agree` and `passkey`: κ_K 0.96,
+# κ_V 0.92, windows 64/256/8) at K = V bits, per model and width (docs/GENERATION.md "Keys in tiles with error
+# feedback"): on SmolLM2 at K2V2 centered keys in tiles with error feedback. Held-out C4 (K2V2, 4 × 2048) ranks
+# ``wush+ktiles+ldlq`` first, but it loses SmolLM2's 1k passkey; the centered variant keeps it, ties ``wush+rmean`` on
+# held-out C4 and has 0.68× its long-generation KL. Models and widths not listed get :func:`generation_method`.
+AUTO_AFFINE_RECIPES: dict[str, dict[int, Recipe]] = {
+    "smollm2-135m": {2: Recipe("wush+rmean+ktiles+ldlq", tile_clip=1.7)},
+}
 AUTO_CALIBRATION: dict[str, tuple[int, int]] = {"smollm2-135m": (32, 2048), "gemma3-270m": (16, 2048)}  # samples, tokens
 
 
 def auto_method(model_key: str | None, calibration, cfg: QuantConfig) -> tuple[str, QuantConfig]:
-    """The method (and its quantizer settings) that ``auto`` stands for, in ``compare`` and ``generate``:
+    """The method (and its quantizer settings) that ``auto`` stands for, in ``compare``, ``generate``, ``agree``
+    and ``passkey``:
 
     * QuEST at K = V bits on a model of :data:`AUTO_RECIPES`: that model's recipe at that width (its clip
       multipliers multiply the configured ones; a ``+tiles`` / ``+ktiles`` recipe sets its tile clip, and
       ``config_for`` then gives it the tiles' quantizer and windows);
-    * the affine quantizer: :func:`generation_method` (``wush+rmean`` when the calibration holds the
+    * the affine quantizer at K = V bits on a model and width of :data:`AUTO_AFFINE_RECIPES`: that recipe;
+      at other models and widths :func:`generation_method` (``wush+rmean`` when the calibration holds the
       pre-RoPE key mean);
     * anything else: the paper recipe, ``wush``.
     """
     from dataclasses import replace
 
-    if cfg.quantizer == "affine":
-        return generation_method(calibration, cfg), cfg
-    recipe = AUTO_RECIPES.get(model_key or "", {}).get(cfg.k_bits) if cfg.quantizer == "quest" and cfg.k_bits == cfg.v_bits else None
+    table = {"quest": AUTO_RECIPES, "affine": AUTO_AFFINE_RECIPES}.get(cfg.quantizer, {})
+    recipe = table.get(model_key or "", {}).get(cfg.k_bits) if cfg.k_bits == cfg.v_bits else None
     if recipe is None:
-        return "wush", cfg
+        return (generation_method(calibration, cfg) if cfg.quantizer == "affine" else "wush"), cfg
     cfg = replace(cfg, k_alpha=cfg.k_alpha * recipe.k_alpha, v_alpha=cfg.v_alpha * recipe.v_alpha)
     return recipe.method, (replace(cfg, tile_clip=recipe.tile_clip) if recipe.tile_clip else cfg)
+
+
+def describe_resolved(method: str, cfg: QuantConfig) -> str:
+    """``wush+ktiles+ldlq (tile clip 1.7)``: what ``auto`` resolved to, with the settings its recipe changed."""
+    extra = []
+    if cfg.quantizer == "quest" and (cfg.k_alpha, cfg.v_alpha) != (1.0, 1.0):
+        extra.append(f"αK×{cfg.k_alpha:g} αV×{cfg.v_alpha:g}")
+    if (uses_tiles(method) or uses_key_tiles(method)) and cfg.tile_clip:
+        extra.append(f"tile clip {cfg.tile_clip:g}")
+    return method + (f" ({', '.join(extra)})" if extra else "")
 
 
 def auto_calibration_note(model_key: str | None, calibration) -> str | None:
@@ -241,8 +261,8 @@ def check_methods(names: list[str]) -> None:
 
     for n in names:
         if n == AUTO:
-            raise ValueError(f"{AUTO!r} is resolved per model and width by `compare` and `generate` only; here name a method, "
-                             "e.g. the one `compare` printed for it")
+            raise ValueError(f"{AUTO!r} is resolved per model and width by `compare`, `generate`, `agree` and `passkey` only; "
+                             "here name a method, e.g. the one `compare` printed for it")
         if n == FULL_PRECISION or parse_stock(n) is not None:
             continue
         if not is_transform_method(n):

@@ -128,8 +128,12 @@ def case_key(context: int, depth: float, trial: int) -> str:
 
 def run_passkey(model, tokenizer, methods: list[str], calibration, cfg, contexts: list[int], depths: list[float],
                 trials: int, seed: int = 0, new_tokens: int = 8, show_progress: bool = True, log=print,
-                state: dict | None = None, save=None) -> dict:
+                state: dict | None = None, save=None, resolved: dict | None = None) -> dict:
     """Accuracy per (method, context, depth); ``full-precision`` is the ceiling.
+
+    ``resolved`` maps a listed name that stands for another method (``auto``) to ``(method, cfg)``: the method
+    installed under that name and its own quantizer settings (the others run at ``cfg``); its results keep
+    the listed name and record the method (``"method"``).
 
     Contexts run shortest first, every method at one context before the next, so a partial run
     already holds whole columns of the table. Long runs resume: ``state`` (filled in place) maps
@@ -153,7 +157,8 @@ def run_passkey(model, tokenizer, methods: list[str], calibration, cfg, contexts
             if not todo:
                 continue
             t0 = time.perf_counter()
-            with method_cache(model, calibration, name, cfg) as make:
+            method, method_cfg = (resolved or {}).get(name, (name, cfg))
+            with method_cache(model, calibration, method, method_cfg) as make:
                 for case in progress(todo, desc=f"{name} {c}", enabled=show_progress, unit="prompt"):
                     ids, key = passkey_prompt(tokenizer, case[0], case[1], trial_seed(seed, *case))
                     gen, lp = answer_and_logprob(model, ids.to(device), key_tokens(tokenizer, key), new_tokens, make)
@@ -174,6 +179,8 @@ def run_passkey(model, tokenizer, methods: list[str], calibration, cfg, contexts
                         lps[f"{c}/{d}"] = _mean([g["logprob"] for g in got])
         out[name] = {"accuracy": cells, "mean": _mean(list(cells.values())),
                      "logprob": lps, "logprob_mean": _mean(list(lps.values())), "seconds": seconds[name]}
+        if name in (resolved or {}):
+            out[name]["method"] = resolved[name][0]
         log(f"{name:>16}: mean accuracy {100 * out[name]['mean']:.1f}%, mean log P(key) {out[name]['logprob_mean']:.3f} "
             f"({out[name]['seconds']:.0f}s)")
     return out
