@@ -29,7 +29,7 @@ from wushkv.report import format_table  # noqa: E402
 
 
 def layout_config(name: str, bits: int) -> QuantConfig:
-    """``quest gG S/K/F`` (QuEST, group G, windows S/K/F), ``affine gG S/K/F``, ``kvarn tiles`` or ``ktiles [affine] S/K/F``
+    """``quest gG S/K/F`` (QuEST, group G, windows S/K/F), ``affine gG S/K/F``, ``kvarn tiles`` or ``ktiles [quest|affine] S/K/F``
     (keys in KVarN's tiles, QuEST values or affine ones, under the ``+ktiles`` windows derived from S/K/F)."""
     parts = name.split()
     if parts == ["kvarn", "tiles"]:

@@ -41,6 +41,7 @@ from wushkv.cli import main
         (["tune-clip", "--out", "c.json", "--transforms", "auto"], "resolved per model and width by `compare`, `generate`, `agree` and `passkey` only"),
         (["ppl", "--transform", "auto"], "resolved per model and width"),
         (["agree", "--transforms", "wush,auto", "--growth-reference", "random"], "--growth-reference 'random' is not among"),
+        (["agree", "--transforms", "wush,random", "--growth-reference", "random", "--new-tokens", "4"], "needs --new-tokens >= 8"),
     ],
 )
 def test_bad_arguments(argv, message, capsys):
@@ -112,11 +113,27 @@ def test_agree_report_only_compares_over_common_prompts(tmp_path, capsys):
     assert fields(capsys.readouterr().out)[:4] == ["hadamard", "2", "0.35", "75"]
     assert main([*base, "--transforms", "hadamard,oscar"]) == 2
     assert "no results for ['oscar']" in capsys.readouterr().err
-    assert main([*base, "--transforms", "hadamard,wush", "--growth-reference", "hadamard"]) == 0
-    growth = capsys.readouterr().out
-    assert "against hadamard's" in growth and "vs hadamard: x1.00 [1.00, 1.00]" in growth
+    assert main([*base, "--transforms", "hadamard,wush", "--growth-reference", "hadamard"]) == 2
+    assert "at least 8 generated positions" in capsys.readouterr().err  # 2 positions: no quarters to compare
     assert main([*base, "--transforms", "hadamard,wush", "--growth-reference", "oscar"]) == 2
     assert "--growth-reference 'oscar' is not among" in capsys.readouterr().err
+
+
+def test_agree_report_only_growth_against_a_reference(tmp_path, capsys):
+    """--growth-reference: each method's 4th / 2nd-quarter KL ratio and against the reference's; without --transforms,
+    --report-only reports every method the file holds."""
+    import json
+
+    rows = {"hadamard": [{"kl": [0.4, 0.4, 0.1, 0.1, 0.2, 0.2, 0.2, 0.2], "top1": [True] * 8, "prefix": 8}] * 2,
+            "wush": [{"kl": [0.4, 0.4, 0.1, 0.1, 0.2, 0.2, 0.3, 0.3], "top1": [True] * 8, "prefix": 8}] * 2}
+    settings = {"model": "m", "prompt_len": 8, "text": "t", "new_tokens": 8, "single_pass": True,
+                "quantization": {"k_bits": 2, "v_bits": 2, "quantizer": "affine"}}
+    out = tmp_path / "agree.json"
+    out.write_text(json.dumps({"settings": settings, "state": {"continuations": [[1] * 8] * 2, "rows": rows}}))
+    assert main(["agree", "--model", str(tmp_path / "missing"), "--report-only", "--json", str(out), "--growth-reference", "hadamard"]) == 0
+    text = capsys.readouterr().out
+    assert "hadamard: x2.00 [2.00, 2.00]  vs hadamard: x1.00 [1.00, 1.00]" in text
+    assert "wush: x3.00 [3.00, 3.00]  vs hadamard: x1.50 [1.50, 1.50]" in text
 
 
 def test_reconcile_settings_reads_older_quantization():
@@ -140,7 +157,7 @@ def test_auto_resolution_in_resumed_settings():
     b = base | {"auto": {"method": "wush+rmean", "quantization": {"tile_clip": 0.0}}}
     for old, new in ((a, base), (base, a)):
         merged, differ = reconcile_settings(old, new)
-        assert differ == [] and merged["auto"] == a["auto"]
+        assert differ == [] and merged["auto"]["method"] == "wush+ktiles+ldlq" and merged["auto"]["quantization"]["tile_clip"] == 1.7
     assert reconcile_settings(a, b)[1] == ["auto"]
     assert _method_label("auto", a) == "auto (wush+ktiles+ldlq)" and _method_label("auto", base) == "auto"
     assert _method_label("wush", a) == "wush"
@@ -199,6 +216,13 @@ def test_compare_runs_auto_and_says_what_it_ran(tmp_path, capsys, monkeypatch):
     res = json.loads(out.read_text())["results"]
     assert res["auto"]["2"]["method"] == "wush+ldlq-v" and res["auto"]["2"]["config"]["k_alpha"] == 1.2
     assert res["auto"]["3"]["method"] == "wush" and res["auto"]["2"]["ppl"] != res["wush+ldlq-v"]["2"]["ppl"]  # its own clip
+    # the recipes change (a new version): resuming the file runs auto again where it now stands for another method
+    monkeypatch.setitem(methods.AUTO_RECIPES, str(tmp_path / "m"), {2: methods.Recipe("wush+ldlq-v", k_alpha=1.2),
+                                                                     3: methods.Recipe("wush+ldlq-v")})
+    assert main(argv) == 0
+    assert "auto at 3 bits now stands for wush+ldlq-v" in capsys.readouterr().err
+    again = json.loads(out.read_text())["results"]
+    assert again["auto"]["2"] == res["auto"]["2"] and again["auto"]["3"]["method"] == "wush+ldlq-v"
 
 
 def test_generate_auto_picks_centered_wush_keys(tmp_path, capsys):
@@ -226,7 +250,7 @@ def test_generate_auto_picks_centered_wush_keys(tmp_path, capsys):
     assert "--transform auto: wush (" in err and "[wush K2V2 quest" in err
 
 
-def test_agree_and_passkey_take_auto(tmp_path, capsys):
+def test_agree_and_passkey_take_auto(tmp_path, capsys, monkeypatch):
     """agree and passkey resolve ``auto`` for the model and width (a model without recipes: centered WUSH keys under
     the affine quantizer), keep its rows under ``auto``, record the resolution and label the tables with it."""
     import json
@@ -254,3 +278,10 @@ def test_agree_and_passkey_take_auto(tmp_path, capsys):
         a, b = saved["results"]["auto"], saved["results"]["wush+rmean"]
         key = "kl_by_position" if name == "agree" else "logprob"
         assert a[key] == b[key]  # the same method at the same settings
+    # a version whose recipes make auto another method here: resuming refuses the old auto rows, and says why
+    import wushkv.eval.methods as methods
+
+    monkeypatch.setitem(methods.AUTO_AFFINE_RECIPES, str(tmp_path / "m"), {2: methods.Recipe("wush")})
+    for name, argv in runs.items():
+        assert main([*argv, "--json", str(tmp_path / f"{name}.json")]) == 2
+        assert "holds `auto` rows run as wush+rmean" in capsys.readouterr().err

@@ -247,7 +247,7 @@ def _bits_list(s: str) -> list[int]:
 
 def _check_transforms(transforms, tiles: bool = True, auto: bool = False) -> None:
     """Known transforms; with ``tiles``, also ``<transform>+tiles`` (the transform under KVarN's tile quantizer);
-    with ``auto``, also ``auto`` (compare resolves it per width)."""
+    with ``auto``, also ``auto`` (the calling command resolves it per model, quantizer and width)."""
     from .eval.methods import AUTO, KTILES_SUFFIX, LDLQ_SUFFIX, SIDES_SEP, TILES_SUFFIX, check_methods, is_transform_method
     from .transforms import TRANSFORMS
 
@@ -261,7 +261,7 @@ def _check_transforms(transforms, tiles: bool = True, auto: bool = False) -> Non
                     f"KVarN's tiles), {LDLQ_SUFFIX!r} "
                     f"(error-feedback rounding) or +signsN (WUSH's N-th eigenvector sign pattern), or KEYS{SIDES_SEP}VALUES "
                     f"(e.g. wush{SIDES_SEP}hadamard: keys of one, values of the other)"
-                    + (f", or {AUTO!r} (the WUSH variant chosen on held-out C4 for the model and width)" if auto else "")) if tiles else ""
+                    + (f", or {AUTO!r} (the WUSH variant chosen on held-out C4 for the model, quantizer and width)" if auto else "")) if tiles else ""
             raise ValueError(f"unknown transform {t!r}; known: {sorted(TRANSFORMS)}{also}")
         if tiles:
             check_methods([t])
@@ -463,17 +463,18 @@ def _methods(s: str, auto: bool = False) -> list[str]:
     return names
 
 
-def _resolve_auto(args, methods: list[str], cal, cfg) -> tuple[dict, dict]:
+def _resolve_auto(args, methods: list[str], model, cal, cfg) -> tuple[dict, dict]:
     """For ``agree`` and ``passkey``: ``({"auto": (method, its cfg)}, {"auto": what it resolved to})`` when ``auto``
     is listed (the second goes into the run's settings, so a resumed run refuses rows of another resolution),
     else two empty dicts."""
     from .eval.compare import config_for
-    from .eval.methods import AUTO, auto_calibration_note, auto_method, describe_resolved
+    from .eval.methods import AUTO, auto_calibration_note, auto_method, describe_resolved, transforms_for
 
     if AUTO not in methods:
         return {}, {}
     method, c = auto_method(args.model, cal, cfg)
-    config_for(method, c)  # checks the method against the quantizer before anything long runs
+    config_for(method, c)  # checks the method against the quantizer,
+    transforms_for(model, cal, method)  # and against what the calibration holds, before anything long runs
     print(f"auto: {describe_resolved(method, c)} (chosen on held-out C4 for {args.model}, {cfg.label()})", file=sys.stderr)
     if note := auto_calibration_note(args.model, cal):
         print(note, file=sys.stderr)
@@ -528,13 +529,18 @@ def reconcile_settings(old: dict, new: dict) -> tuple[dict, list[str]]:
     not listed) with any resolution of it."""
     from .config import QuantConfig
 
+    def current(q):  # a quantization written by an older version: fields added since take their defaults
+        try:
+            return json.loads(json.dumps(QuantConfig.from_dict(q).to_dict()))
+        except (TypeError, ValueError, AttributeError):
+            return q
+
     old, new = dict(old), dict(new)
-    for d in (old, new):  # a quantization written by an older version: fields added since take their defaults
+    for d in (old, new):
         if isinstance(d.get("quantization"), dict):
-            try:
-                d["quantization"] = json.loads(json.dumps(QuantConfig.from_dict(d["quantization"]).to_dict()))
-            except (TypeError, ValueError):
-                pass
+            d["quantization"] = current(d["quantization"])
+        if isinstance(d.get("auto"), dict) and isinstance(d["auto"].get("quantization"), dict):
+            d["auto"] = d["auto"] | {"quantization": current(d["auto"]["quantization"])}
     if new.get("calibration") is None:
         new["calibration"] = old.get("calibration")
     elif old.get("calibration") is None:
@@ -549,7 +555,8 @@ def _resumable(path: str | None, settings: dict):
     """(state, save, settings) for a long run that resumes from its ``--json``.
 
     A file holding a run with the same settings gives back its state; a missing file starts afresh.
-    A file from other settings is refused rather than overwritten. ``settings["calibration"]`` None
+    A file from other settings is refused rather than overwritten (so is one whose ``auto`` rows were run as
+    another method than ``auto`` stands for now). ``settings["calibration"]`` None
     (no listed method is calibrated) is compatible with any calibration, and keeps the stored one.
     """
     from .io import write_json
@@ -563,14 +570,23 @@ def _resumable(path: str | None, settings: dict):
             raise ValueError(f"--json {path}: cannot resume from it ({e}); give another path or delete it") from None
         if not isinstance(prev, dict) or not isinstance(prev.get("settings"), dict) or not isinstance(prev.get("state"), dict):
             raise ValueError(f"--json {path}: not a file this command wrote (no settings/state); give another path or delete it")
-        settings, differ = reconcile_settings(prev["settings"], settings)
+        merged, differ = reconcile_settings(prev["settings"], settings)
+        if differ == ["auto"]:
+            was, now = prev["settings"]["auto"].get("method"), settings["auto"].get("method")
+            raise ValueError(f"--json {path} holds `auto` rows run as {was} at other settings than `auto` stands for now ({now}; "
+                             "the calibration or this version's recipes differ): list the method by name, drop auto from "
+                             "--transforms, or give another path")
         if differ:
             raise ValueError(f"--json {path} holds a run with other settings (differing: {', '.join(differ)}); "
                              "give another path to start afresh, or delete it")
+        settings = merged
         state = prev["state"]
         print(f"resuming from {path}", file=sys.stderr)
     save = (lambda st: write_json(path, {"settings": settings, "state": st})) if path else None
     return state, save, settings
+
+
+AGREE_METHODS = "identity,hadamard,random,oscar,kvarn,wush,auto"  # `agree`'s default --transforms
 
 
 def _late_growth(args, settings: dict, state: dict, res: dict) -> dict:
@@ -595,6 +611,20 @@ def _late_growth(args, settings: dict, state: dict, res: dict) -> dict:
     return out
 
 
+def _auto_note(settings: dict, res) -> str:
+    """``; auto: wush+rmean+ktiles+ldlq (tile clip 1.7), K2V2 Kkvarn/Vaffine clip1.7 64/196/128`` when ``auto`` is
+    reported and its settings are recorded: what it ran at, which the run's own label does not say."""
+    from .config import QuantConfig
+    from .eval.compare import config_for
+    from .eval.methods import AUTO, describe_resolved
+
+    got = settings.get("auto")
+    if AUTO not in res or not isinstance(got, dict) or "method" not in got or "quantization" not in got:
+        return ""
+    c = QuantConfig.from_dict(got["quantization"])
+    return f"; auto: {describe_resolved(got['method'], c)}, {config_for(got['method'], c).label()}"
+
+
 def _show_agreement(args, settings: dict, res: dict) -> None:
     from .config import QuantConfig
     from .report import format_table, plot_lines
@@ -606,7 +636,7 @@ def _show_agreement(args, settings: dict, res: dict) -> None:
                         "4th/2nd"], rows,
                        title=f"\n{settings['model']}: prompts of {settings['prompt_len']} tokens from {settings['text']}, "
                              f"{settings['new_tokens']} generated, {cfg.label()}"
-                             f"{' (single-pass emulation)' if settings['single_pass'] else ' (streaming)'}"))
+                             f"{' (single-pass emulation)' if settings['single_pass'] else ' (streaming)'}{_auto_note(settings, res)}"))
     if args.plot:
         n = settings["new_tokens"]
         width = max(1, n // 32)  # mean KL over bins of positions
@@ -622,15 +652,22 @@ def cmd_agree(args) -> int:
     from .io import write_json
     from .eval.methods import AUTO, is_transform_method
 
+    from .eval.agreement import MIN_GROWTH_TOKENS
+
     methods = _methods(args.transforms, auto=True)
     if args.growth_reference and args.growth_reference not in methods:
         raise ValueError(f"--growth-reference {args.growth_reference!r} is not among the methods reported: {methods}")
+    if args.growth_reference and not args.report_only and args.new_tokens < MIN_GROWTH_TOKENS:
+        raise ValueError(f"--growth-reference compares quarters of the generation: needs --new-tokens >= {MIN_GROWTH_TOKENS}, "
+                         f"got {args.new_tokens}")
     if args.report_only:
         if not args.json or not Path(args.json).is_file():
             raise ValueError(f"--report-only reads the results of an earlier run: --json {args.json!r} is not a file")
         saved = json.loads(Path(args.json).read_text())
         if not isinstance(saved, dict) or "state" not in saved or "settings" not in saved:
             raise ValueError(f"--json {args.json}: not a file `wushkv agree` wrote")
+        if args.transforms == AGREE_METHODS:  # --transforms not given: every method the file holds
+            methods = [m for m, r in saved["state"].get("rows", {}).items() if r] or methods
         res = report(saved["state"], methods)
         _show_agreement(args, saved["settings"], res)
         _late_growth(args, saved["settings"], saved["state"], res)
@@ -639,7 +676,7 @@ def cmd_agree(args) -> int:
     text, label = load_eval_text(args.text_file)
     model, tok = _load(args)
     cal = _calibration_for(args, model, tok, [m for m in methods if is_transform_method(m) or m == AUTO])
-    resolved, auto_settings = _resolve_auto(args, methods, cal, cfg)
+    resolved, auto_settings = _resolve_auto(args, methods, model, cal, cfg)
     chunks = tokenize_chunks(tok, text, args.prompt_len, args.prompts * args.stride)[:: args.stride]
     state, save, settings = _resumable(args.json, {
         "model": args.model, "dtype": args.dtype, "text": label, "prompts": int(chunks.shape[0]), "prompt_len": args.prompt_len,
@@ -672,7 +709,7 @@ def cmd_passkey(args) -> int:
     cfg = _quant_config(args)
     model, tok = _load(args)
     cal = _calibration_for(args, model, tok, [m for m in methods if is_transform_method(m) or m == AUTO])
-    resolved, auto_settings = _resolve_auto(args, methods, cal, cfg)
+    resolved, auto_settings = _resolve_auto(args, methods, model, cal, cfg)
     state, save, settings = _resumable(args.json, {
         "model": args.model, "dtype": args.dtype, "trials": args.trials, "seed": args.seed, "quantization": cfg.to_dict(),
         "calibration": _calibration_recipe(cal)} | auto_settings)
@@ -816,7 +853,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_model_args(p)
     p.add_argument("--bits", type=_bits_list, default=[2, 3, 4], help="bit widths, comma-separated (default: 2,3,4)")
     p.add_argument("--transforms", default="identity,hadamard,random,oscar,kvarn,wush,auto",
-                   help="comma-separated; 'auto' is the WUSH variant chosen on held-out C4 for the model and width "
+                   help="comma-separated; 'auto' is the WUSH variant chosen on held-out C4 for the model, quantizer and width "
                         "(wushkv.eval.methods.AUTO_RECIPES) (default: %(default)s)")
     p.add_argument("--chunks", type=int, default=16, help="evaluation chunks (default: %(default)s)")
     p.add_argument("--seq-len", type=int, default=2048, help="tokens per chunk (default: %(default)s)")
@@ -859,7 +896,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--model", default="smollm2-135m")
     p.add_argument("--bits", default="2,3,4")
     p.add_argument("--transforms", default="identity,hadamard,oscar,kvarn,wush,auto",
-                   help="comma-separated; auto: the WUSH variant chosen on held-out C4 for the model and width (default: %(default)s)")
+                   help="comma-separated; auto: the WUSH variant chosen on held-out C4 for the model, quantizer and width (default: %(default)s)")
     p.add_argument("--chunks", type=int, default=1, help="2048-token chunks (default: %(default)s; the full protocol is compare --chunks 16)")
     p.add_argument("--calib-samples", type=int, default=8)
     p.add_argument("--out", default="out/demo")
@@ -891,10 +928,11 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("agree", help="long-generation agreement with full precision: KL and top-1 per position, first divergence")
     _add_model_args(p)
-    p.add_argument("--transforms", default="identity,hadamard,random,oscar,kvarn,wush,auto",
+    p.add_argument("--transforms", default=AGREE_METHODS,
                    help="comma-separated transforms, stock-<quanto|hqq>-<2|4> for the stock QuantizedCache, and 'auto': what "
-                        "`generate` runs by default, the WUSH variant chosen on held-out C4 for the model and width, at its own "
-                        "settings (e.g. its tile clip) (default: %(default)s)")
+                        "`generate` runs by default, the WUSH variant chosen for the model, quantizer and width, at its own "
+                        "settings (e.g. its tile clip); with --report-only and no --transforms, every method the file holds "
+                        "(default: %(default)s)")
     p.add_argument("--calibration", default=None, help="calibration file; default: calibrate once and cache")
     p.add_argument("--calib-samples", type=int, default=16)
     p.add_argument("--calib-seq-len", type=int, default=2048)

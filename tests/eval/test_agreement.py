@@ -1,5 +1,7 @@
 """Agreement metrics: KL/top-1 against hand computations, prefixes, teacher forcing, full precision as a fixed point."""
 
+import math
+
 import pytest
 import torch
 
@@ -42,7 +44,10 @@ def test_common_prefix_and_summary():
     s = summarize([[0.1, 0.1, 0.3, 0.3], [0.1, 0.1, 0.1, 0.1]], [[True, True, False, True]] * 2, [4, 2])
     assert s["mean_kl"] == pytest.approx(0.15) and s["top1"] == pytest.approx(0.75)
     assert s["kl_growth"] == pytest.approx(2.0) and s["median_first_divergence"] == 3
-    assert s["kl_late_growth"] == pytest.approx(0.2 / 0.1)  # 4th quarter (0.3, 0.1) over the 2nd (0.1, 0.1)
+    assert math.isnan(s["kl_late_growth"])  # 4 positions: quarters of one position say nothing
+    s = summarize([[0.1, 0.1, 0.1, 0.1, 0.2, 0.2, 0.3, 0.3]], [[True] * 8], [8])
+    assert s["kl_late_growth"] == pytest.approx(0.3 / 0.1)  # 4th quarter (0.3, 0.3) over the 2nd (0.1, 0.1)
+    assert math.isnan(summarize([[0.0] * 8], [[True] * 8], [8])["kl_late_growth"])  # no error at all
 
 
 def test_late_growth_by_hand_and_against_a_reference():
@@ -64,6 +69,10 @@ def test_late_growth_by_hand_and_against_a_reference():
     assert "vs_reference" not in late_growth(ref)
     with pytest.raises(ValueError, match="same prompts"):
         late_growth(ref, ref[:5])
+    with pytest.raises(ValueError, match="at least 8 generated positions"):
+        late_growth([r[:6] for r in ref])
+    with pytest.raises(ValueError, match="reference's KL is zero"):
+        late_growth(ref, [[0.0] * 16 for _ in ref])
 
 
 @torch.no_grad()

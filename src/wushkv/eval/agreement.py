@@ -121,6 +121,9 @@ def common_prefix(a: torch.Tensor, b: torch.Tensor) -> int:
     return common_prefixes(a, b)[0]
 
 
+MIN_GROWTH_TOKENS = 8  # late growth compares the 2nd and 4th quarters of the generated positions: 2+ positions each
+
+
 def _quarter_means(kl: torch.Tensor) -> torch.Tensor:
     """(prompts, 2): each prompt's mean KL over the 2nd and the 4th quarter of its generated positions."""
     q = max(1, kl.shape[1] // 4)
@@ -138,7 +141,10 @@ def late_growth(kl_rows: list[list[float]], reference_rows: list[list[float]] | 
       the reference's, and ``vs_reference_ci``, resampling the same prompts for both (paired). An interval that
       holds 1 says the two grow alike within what these prompts can tell.
     """
-    a = _quarter_means(torch.tensor(kl_rows, dtype=torch.float64))
+    kl = torch.tensor(kl_rows, dtype=torch.float64)
+    if kl.shape[1] < MIN_GROWTH_TOKENS:
+        raise ValueError(f"late growth needs at least {MIN_GROWTH_TOKENS} generated positions (quarters of 2+), got {kl.shape[1]}")
+    a = _quarter_means(kl)
     n = a.shape[0]
     idx = torch.randint(0, n, (boots, n), generator=torch.Generator().manual_seed(seed))
 
@@ -155,6 +161,9 @@ def late_growth(kl_rows: list[list[float]], reference_rows: list[list[float]] | 
         b = _quarter_means(torch.tensor(reference_rows, dtype=torch.float64))
         if b.shape[0] != n:
             raise ValueError(f"the reference has {b.shape[0]} prompts, this method {n}: compare over the same prompts")
+        if not bool((b.mean(0) > 0).all()):
+            raise ValueError("the reference's KL is zero in the 2nd or the 4th quarter (full precision, or lossless): "
+                             "nothing to grow against; take a quantized method")
         out["vs_reference"] = out["ratio"] / float(ratio(b, torch.arange(n)))
         out["vs_reference_ci"] = ci(r / ratio(b, idx))
     return out
@@ -167,6 +176,10 @@ def summarize(kl_rows: list[list[float]], top1_rows: list[list[bool]], prefixes:
     q = max(1, n // 4)
     first, last = float(kl[:, :q].mean()), float(kl[:, -q:].mean())
     second = float(kl[:, q : 2 * q].mean())
+    if n < MIN_GROWTH_TOKENS or (second == 0 and last == 0):
+        late = math.nan  # too few positions for quarters, or no error at all
+    else:
+        late = last / second if second > 0 else math.inf
     return {
         "mean_kl": float(kl.mean()),
         "top1": float(top1.mean()),
@@ -175,7 +188,7 @@ def summarize(kl_rows: list[list[float]], top1_rows: list[list[bool]], prefixes:
         "kl_first_quarter": first,
         "kl_last_quarter": last,
         "kl_growth": last / first if first > 0 else math.inf,  # > 1: error grows with position
-        "kl_late_growth": last / second if second > 0 else math.inf,  # 4th / 2nd quarter: past the 1st quarter's fall
+        "kl_late_growth": late,  # 4th / 2nd quarter, past the 1st quarter's fall
         "kl_by_position": kl.mean(0).tolist(),
         "first_divergence": prefixes,
     }

@@ -168,14 +168,17 @@ def run_compare(model, tokenizer, chunks: torch.Tensor, calibration: Calibration
     for t in transforms:
         for b in bits:
             done = out["results"].get(t, {}).get(str(b))
-            if done is not None:
-                continue
             name, cfg = t, config_for(t, replace(base, k_bits=b, v_bits=b))
             if t == AUTO:  # the model's C4-chosen WUSH variant at this width
                 name, cfg = auto_method(settings.get("model"), calibration, cfg)
                 cfg = config_for(name, cfg)
             if clips is not None:
                 cfg = clips.apply(name, cfg)
+            if done is not None and t == AUTO and (done.get("method"), _config_json(done.get("config"))) != (name, _config_json(cfg.to_dict())):
+                log(f"auto at {b} bits now stands for {name} ({cfg.label()}), not the saved {done.get('method')}: running it again")
+                done = None
+            if done is not None:
+                continue
             label = t if name == t else f"{t} ({name})"
             r = quantized_perplexity(model, chunks, calibration, name, cfg, show_progress=show_progress, desc=f"{label} {cfg.label()}")
             entry = {"ppl": r["ppl"], "delta_pct": 100 * (r["ppl"] / out["fp"]["ppl"] - 1), "seconds": r["seconds"], "config": cfg.to_dict(),
@@ -185,6 +188,14 @@ def run_compare(model, tokenizer, chunks: torch.Tensor, calibration: Calibration
             if json_path:
                 write_json(json_path, out)
     return out
+
+
+def _config_json(d) -> dict | None:
+    """A saved quantization as this version writes it (fields added since take their defaults), for comparison."""
+    try:
+        return json.loads(json.dumps(QuantConfig.from_dict(d).to_dict()))
+    except (TypeError, ValueError, AttributeError):
+        return None
 
 
 def compare_table(out: dict, transforms: list[str], bits: list[int]) -> tuple[list[str], list[list]]:

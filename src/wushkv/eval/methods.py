@@ -157,8 +157,12 @@ def generation_method(calibration, cfg: QuantConfig) -> str:
     to 8k (docs/GENERATION.md). With QuEST it loses on SmolLM2's held-out C4, so other quantizers get
     plain WUSH. A calibration made before the mean was stored gets plain WUSH too.
     """
-    has_mean = calibration is not None and bool(calibration.stats) and all("mu_K_pre" in st for st in calibration.stats)
-    return "wush" + RMEAN_SUFFIX if cfg.quantizer == "affine" and has_mean else "wush"
+    return "wush" + RMEAN_SUFFIX if cfg.quantizer == "affine" and _has_rope_mean(calibration) else "wush"
+
+
+def _has_rope_mean(calibration) -> bool:
+    """Whether every layer of the calibration holds the pre-RoPE key mean ``+rmean`` centers on."""
+    return calibration is not None and bool(calibration.stats) and all("mu_K_pre" in st for st in calibration.stats)
 
 
 @dataclass(frozen=True)
@@ -200,14 +204,16 @@ def auto_method(model_key: str | None, calibration, cfg: QuantConfig) -> tuple[s
       multipliers multiply the configured ones; a ``+tiles`` / ``+ktiles`` recipe sets its tile clip, and
       ``config_for`` then gives it the tiles' quantizer and windows);
     * the affine quantizer at K = V bits on a model and width of :data:`AUTO_AFFINE_RECIPES`: that recipe;
-      at other models and widths :func:`generation_method` (``wush+rmean`` when the calibration holds the
-      pre-RoPE key mean);
+      at other models and widths, or when the recipe centers keys and the calibration predates the pre-RoPE
+      mean, :func:`generation_method` (``wush+rmean`` when the calibration holds that mean, else ``wush``);
     * anything else: the paper recipe, ``wush``.
     """
     from dataclasses import replace
 
     table = {"quest": AUTO_RECIPES, "affine": AUTO_AFFINE_RECIPES}.get(cfg.quantizer, {})
     recipe = table.get(model_key or "", {}).get(cfg.k_bits) if cfg.k_bits == cfg.v_bits else None
+    if recipe is not None and uses_rmean(recipe.method) and not _has_rope_mean(calibration):
+        recipe = None  # a calibration made before the pre-RoPE mean was stored: what it can run
     if recipe is None:
         return (generation_method(calibration, cfg) if cfg.quantizer == "affine" else "wush"), cfg
     cfg = replace(cfg, k_alpha=cfg.k_alpha * recipe.k_alpha, v_alpha=cfg.v_alpha * recipe.v_alpha)
