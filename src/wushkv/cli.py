@@ -529,18 +529,12 @@ def reconcile_settings(old: dict, new: dict) -> tuple[dict, list[str]]:
     not listed) with any resolution of it."""
     from .config import QuantConfig
 
-    def current(q):  # a quantization written by an older version: fields added since take their defaults
-        try:
-            return json.loads(json.dumps(QuantConfig.from_dict(q).to_dict()))
-        except (TypeError, ValueError, AttributeError):
-            return q
-
     old, new = dict(old), dict(new)
-    for d in (old, new):
+    for d in (old, new):  # quantizations written by an older version: fields added since take their defaults
         if isinstance(d.get("quantization"), dict):
-            d["quantization"] = current(d["quantization"])
+            d["quantization"] = QuantConfig.current_dict(d["quantization"])
         if isinstance(d.get("auto"), dict) and isinstance(d["auto"].get("quantization"), dict):
-            d["auto"] = d["auto"] | {"quantization": current(d["auto"]["quantization"])}
+            d["auto"] = d["auto"] | {"quantization": QuantConfig.current_dict(d["auto"]["quantization"])}
     if new.get("calibration") is None:
         new["calibration"] = old.get("calibration")
     elif old.get("calibration") is None:

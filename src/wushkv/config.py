@@ -126,6 +126,17 @@ class QuantConfig:
         w = d.pop("windows", {})
         return cls(**d, windows=WindowConfig(**w))
 
+    @classmethod
+    def current_dict(cls, d):
+        """A quantization dict as this version writes it (fields added since take their defaults), JSON-shaped, for
+        comparing a saved run's settings with a new one's; what cannot be read as a QuantConfig is returned as is."""
+        import json
+
+        try:
+            return json.loads(json.dumps(cls.from_dict(d).to_dict()))
+        except (TypeError, ValueError, AttributeError):
+            return d
+
     def label(self) -> str:
         k = "16" if self.k_bits is None else str(self.k_bits)
         v = "16" if self.v_bits is None else str(self.v_bits)

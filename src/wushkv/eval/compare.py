@@ -174,7 +174,8 @@ def run_compare(model, tokenizer, chunks: torch.Tensor, calibration: Calibration
                 cfg = config_for(name, cfg)
             if clips is not None:
                 cfg = clips.apply(name, cfg)
-            if done is not None and t == AUTO and (done.get("method"), _config_json(done.get("config"))) != (name, _config_json(cfg.to_dict())):
+            if done is not None and t == AUTO and (done.get("method"), QuantConfig.current_dict(done.get("config"))) != (
+                    name, QuantConfig.current_dict(cfg.to_dict())):
                 log(f"auto at {b} bits now stands for {name} ({cfg.label()}), not the saved {done.get('method')}: running it again")
                 done = None
             if done is not None:
@@ -188,14 +189,6 @@ def run_compare(model, tokenizer, chunks: torch.Tensor, calibration: Calibration
             if json_path:
                 write_json(json_path, out)
     return out
-
-
-def _config_json(d) -> dict | None:
-    """A saved quantization as this version writes it (fields added since take their defaults), for comparison."""
-    try:
-        return json.loads(json.dumps(QuantConfig.from_dict(d).to_dict()))
-    except (TypeError, ValueError, AttributeError):
-        return None
 
 
 def compare_table(out: dict, transforms: list[str], bits: list[int]) -> tuple[list[str], list[list]]:
