@@ -11,7 +11,6 @@ what matters (absolute times drift on shared machines); the seconds per sequence
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 import time
 from pathlib import Path

@@ -205,13 +205,23 @@ def test_sequences_shorter_than_windows_are_an_error():
         quantized_perplexity(model, torch.randint(3, 96, (1, 100)), None, "hadamard", QuantConfig(windows=WindowConfig(16, 128, 16)), show_progress=False)
 
 
+PADDED = {  # per-token quantizers share one store; block quantizers (tiles, KIVI) keep a layer per row
+    "quest": QuantConfig(2, 2, "quest", windows=WindowConfig(3, 5, 2)),
+    "affine": QuantConfig(2, 2, "affine", windows=WindowConfig(3, 5, 2)),
+    "kvarn": QuantConfig(2, 2, "kvarn", windows=WindowConfig(4, 0, 4)),
+    "ktiles-ldlq": QuantConfig(2, 2, "quest", key_quantizer="kvarn", tile_clip=1.7, windows=WindowConfig(3, 2, 4)),
+    "kivi": QuantConfig(3, 2, "kivi", windows=WindowConfig(2, 3, 4)),
+}
+
+
 @torch.no_grad()
 @pytest.mark.parametrize("family", ["llama", "gemma3"])
-@pytest.mark.parametrize("quantizer", ["quest", "affine"])
-def test_left_padded_batch_equals_rows_alone(family, quantizer):
-    """Each row of a left-padded batch gets, at its real tokens, the logits it gets alone (prefill, then decode)."""
+@pytest.mark.parametrize("name", list(PADDED))
+def test_left_padded_batch_equals_rows_alone(family, name):
+    """Each row of a left-padded batch gets, at its real tokens, the logits it gets alone (prefill, then decode);
+    the tiles of a padded row start at its first real token, as they do alone."""
     model = tiny_model(family).double()
-    cfg = QuantConfig(2, 2, quantizer, windows=WindowConfig(3, 5, 2))
+    cfg = PADDED[name]
     g = torch.Generator().manual_seed(3)
     lengths, L = [30, 23, 27], 30
     rows = [torch.randint(3, 96, (1, n), generator=g) for n in lengths]
@@ -219,9 +229,18 @@ def test_left_padded_batch_equals_rows_alone(family, quantizer):
     mask = torch.zeros(3, L, dtype=torch.long)
     for b, r in enumerate(rows):
         ids[b, L - r.shape[1] :], mask[b, L - r.shape[1] :] = r[0], 1
-    steps = 6
+    steps = 9  # decode across a tile boundary of every row
     nxt = torch.randint(3, 96, (3, steps), generator=g)
-    with install(model):
+    transforms = [build_transforms("kvarn" if name == "kvarn" else "random", describe(model).num_kv_heads, describe(model).head_dim, seed=l)
+                  for l in range(describe(model).num_layers)]
+    if name == "ktiles-ldlq":  # error feedback inside the key tiles (auto's SmolLM2 cells)
+        from wushkv.quantizers.feedback import feedback_matrix
+
+        spec = describe(model)
+        for l, t in enumerate(transforms):
+            a = torch.randn(spec.num_kv_heads, spec.head_dim, spec.head_dim, generator=torch.Generator().manual_seed(l), dtype=torch.float64)
+            t["F_K"] = feedback_matrix(a @ a.transpose(-1, -2), dtype=torch.float64)
+    with apply_transforms(model, transforms, "kvarn" if name == "kvarn" else "random"):
         cache = WushKVCache(model, cfg, attention_mask=mask)
         pos = (mask.cumsum(-1) - 1).clamp(min=0)
         out = [model(ids, attention_mask=mask, position_ids=pos, cache=cache, use_cache=True).logits]
@@ -230,30 +249,66 @@ def test_left_padded_batch_equals_rows_alone(family, quantizer):
             pos = pos[:, -1:] + 1
             out.append(model(nxt[:, t : t + 1], attention_mask=mask, position_ids=pos, cache=cache, use_cache=True).logits)
         batch = torch.cat(out, 1)
+        total = {"codes": 0, "metadata": 0, "full_precision": 0}
         for b, r in enumerate(rows):
-            alone, _ = stream(model, torch.cat([r, nxt[b : b + 1]], 1), cfg, chunks=[r.shape[1]] + [1] * steps)
+            alone, c = stream(model, torch.cat([r, nxt[b : b + 1]], 1), cfg, chunks=[r.shape[1]] + [1] * steps)
             n = r.shape[1] + steps
             assert (batch[b, -n:] - alone[0]).abs().max() < 1e-6, b
+            total = {k: total[k] + c.nbytes()[k] for k in total}
+        ref = model(torch.cat([rows[0], nxt[:1]], 1)).logits
+        assert (batch[0] - ref[0]).abs().max() > 1e-3  # quantization is really seen
+        if cfg.quantizer in ("kvarn", "kivi") or cfg.key_quantizer:  # a layer per row: it holds what the rows hold alone
+            assert {k: cache.nbytes()[k] for k in total} == total
         # the same prompt without declaring the padding is refused, not silently wrong
         with pytest.raises(ValueError, match=r"left padding of \[0, 7, 3\].*attention_mask=attention_mask"):
             model(ids, attention_mask=mask[:, :L], cache=WushKVCache(model, cfg), use_cache=True)
 
 
 @torch.no_grad()
-def test_left_padded_generate_equals_rows_alone():
+@pytest.mark.parametrize("name,beams", [("quest", 1), ("kvarn", 1), ("ktiles", 2)])
+def test_left_padded_generate_equals_rows_alone(name, beams):
+    """generate() on a padded batch (greedy, and beam search, which reorders and repeats rows) gives each row
+    what it gets alone."""
     model = tiny_model("qwen3")
-    cfg = QuantConfig(2, 2, "quest", windows=WindowConfig(2, 4, 2))
+    cfg = {"quest": QuantConfig(2, 2, "quest", windows=WindowConfig(2, 4, 2)),
+           "kvarn": QuantConfig(2, 2, "kvarn", windows=WindowConfig(4, 0, 4)),
+           "ktiles": QuantConfig(2, 2, "quest", key_quantizer="kvarn", windows=WindowConfig(2, 2, 4))}[name]
     g = torch.Generator().manual_seed(4)
     rows = [torch.randint(3, 96, (1, n), generator=g) for n in (14, 9)]
     ids = torch.zeros(2, 14, dtype=torch.long)
     mask = torch.zeros(2, 14, dtype=torch.long)
     for b, r in enumerate(rows):
         ids[b, 14 - r.shape[1] :], mask[b, 14 - r.shape[1] :] = r[0], 1
-    with install(model):
-        out = model.generate(ids, attention_mask=mask, cache=WushKVCache(model, cfg, attention_mask=mask), max_new_tokens=12, do_sample=False, pad_token_id=0)
+    kw = dict(max_new_tokens=12, do_sample=False, pad_token_id=0, num_beams=beams)
+    with install(model, "kvarn" if name == "kvarn" else "random"):
+        out = model.generate(ids, attention_mask=mask, cache=WushKVCache(model, cfg, attention_mask=mask), **kw)
         for b, r in enumerate(rows):
-            alone = model.generate(r, cache=WushKVCache(model, cfg), max_new_tokens=12, do_sample=False, pad_token_id=0)
+            alone = model.generate(r, cache=WushKVCache(model, cfg), **kw)
             assert torch.equal(out[b, 14:], alone[0, r.shape[1] :])
+
+
+@torch.no_grad()
+def test_left_padded_tiles_crop_and_reorder():
+    """Row mode (a layer per row): crop removes each row's last real tokens or refuses before changing any row;
+    a beam reorder that takes a row twice gives two copies that continue independently."""
+    model = tiny_model("llama").double()
+    cfg = QuantConfig(2, 2, "kvarn", windows=WindowConfig(4, 0, 4))
+    ids = torch.randint(3, 96, (2, 14), generator=torch.Generator().manual_seed(5))
+    mask = torch.ones(2, 14, dtype=torch.long)
+    mask[1, :5] = 0
+    with install(model, "kvarn"):
+        cache = WushKVCache(model, cfg, attention_mask=mask)
+        model(ids, attention_mask=mask, position_ids=(mask.cumsum(-1) - 1).clamp(min=0), cache=cache, use_cache=True)
+        layer = cache.layers[0]
+        assert [r.n for r in layer.rows] == [14, 9] and [r._croppable() for r in layer.rows] == [2, 1]  # tails 14-12, 9-8
+        with pytest.raises(ValueError, match="cannot crop 2 tokens: only the 1 most recent"):
+            cache.crop(-2)
+        assert [r.n for r in layer.rows] == [14, 9] and cache.get_seq_length() == 14  # nothing half-cropped
+        cache.crop(-1)
+        assert [r.n for r in layer.rows] == [13, 8] and cache.get_seq_length() == 13
+        cache.reorder_cache(torch.tensor([1, 1]))
+        a, b = cache.layers[0].rows
+        assert a is not b and torch.equal(a.recent_k, b.recent_k) and cache.layers[0].pads.tolist() == [5, 5]
 
 
 def test_padding_errors():
@@ -263,10 +318,8 @@ def test_padding_errors():
     assert left_padding(torch.tensor([[0, 0, 1, 1], [1, 1, 1, 1]])).tolist() == [2, 0]
     with pytest.raises(ValueError, match=r"rows \[0\].*not on the left"):
         left_padding(torch.tensor([[1, 1, 0], [1, 1, 1]]))
-    with pytest.raises(ValueError, match="per-token quantizers"):
-        WushKVCache(model, QuantConfig(quantizer="kivi", windows=WindowConfig(2, 4, 2)), pad_lengths=[0, 3])
-    with pytest.raises(ValueError, match="per-token quantizers.*kvarn/quest quantizes blocks of 4"):  # keys in tiles
-        WushKVCache(model, QuantConfig(key_quantizer="kvarn", windows=WindowConfig(2, 4, 4)), pad_lengths=[0, 3])
+    with pytest.raises(ValueError, match=r"pad lengths must be >= 0, got \[0, -1\]"):
+        WushKVCache(model, QuantConfig(key_quantizer="kvarn", windows=WindowConfig(2, 4, 4)), pad_lengths=[0, -1])
     with pytest.raises(ValueError, match="pad lengths for 2 rows, but the batch has 3"):
         model(torch.randint(3, 96, (3, 8)), cache=WushKVCache(model, QuantConfig(windows=WindowConfig(2, 4, 2)), pad_lengths=[0, 3]), use_cache=True)
 

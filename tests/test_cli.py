@@ -5,6 +5,22 @@ import pytest
 from wushkv.cli import main
 
 
+def _tiny_model_dir(tmp_path, repeats: int = 40, max_position_embeddings: int | None = 1024):
+    """A tiny llama with a character tokenizer saved under tmp_path/m, a text file, and a calibration from it:
+    (model dir, text path, calibration)."""
+    from conftest import CharTokenizer, hf_char_tokenizer, tiny_model
+
+    from wushkv.calibration import calibrate
+
+    kw = {} if max_position_embeddings is None else {"max_position_embeddings": max_position_embeddings}
+    model = tiny_model("llama", vocab_size=128, **kw)
+    model.save_pretrained(tmp_path / "m")
+    hf_char_tokenizer().save_pretrained(tmp_path / "m")
+    text = tmp_path / "t.txt"
+    text.write_text("the quick brown fox jumps over the lazy dog. " * repeats)
+    return tmp_path / "m", text, calibrate(model, CharTokenizer(), samples=2, seq_len=64, text_file=str(text), show_progress=False)
+
+
 @pytest.mark.parametrize(
     "argv, message",
     [
@@ -198,15 +214,9 @@ def test_compare_runs_auto_and_says_what_it_ran(tmp_path, capsys, monkeypatch):
     import json
 
     import wushkv.eval.methods as methods
-    from conftest import CharTokenizer, hf_char_tokenizer, tiny_model
-    from wushkv.calibration import calibrate
 
-    model = tiny_model("llama", vocab_size=128)
-    model.save_pretrained(tmp_path / "m")
-    hf_char_tokenizer().save_pretrained(tmp_path / "m")
-    text = tmp_path / "t.txt"
-    text.write_text("the quick brown fox jumps over the lazy dog. " * 20)
-    path = calibrate(model, CharTokenizer(), samples=2, seq_len=64, text_file=str(text), show_progress=False).save(tmp_path / "c.safetensors")
+    _, text, cal = _tiny_model_dir(tmp_path, repeats=20, max_position_embeddings=None)
+    path = cal.save(tmp_path / "c.safetensors")
     monkeypatch.setitem(methods.AUTO_RECIPES, str(tmp_path / "m"), {2: methods.Recipe("wush+ldlq-v", k_alpha=1.2)})
     out = tmp_path / "r.json"
     argv = ["compare", "--model", str(tmp_path / "m"), "--calibration", str(path), "--transforms", "auto,wush+ldlq-v", "--bits", "2,3",
@@ -228,16 +238,7 @@ def test_compare_runs_auto_and_says_what_it_ran(tmp_path, capsys, monkeypatch):
 def test_generate_auto_picks_centered_wush_keys(tmp_path, capsys):
     """`generate` defaults to --transform auto: wush+rmean under its default affine quantizer with a calibration
     holding the pre-RoPE key mean, plain wush with QuEST; it streams text and reports the cache's bytes."""
-    from conftest import CharTokenizer, hf_char_tokenizer, tiny_model
-
-    from wushkv.calibration import calibrate
-
-    model = tiny_model("llama", vocab_size=128, max_position_embeddings=1024)
-    model.save_pretrained(tmp_path / "m")
-    hf_char_tokenizer().save_pretrained(tmp_path / "m")
-    text = tmp_path / "t.txt"
-    text.write_text("the quick brown fox jumps over the lazy dog. " * 40)
-    cal = calibrate(model, CharTokenizer(), samples=2, seq_len=64, text_file=str(text), show_progress=False)
+    _, _, cal = _tiny_model_dir(tmp_path)
     assert all("mu_K_pre" in st for st in cal.stats)
     path = cal.save(tmp_path / "c.safetensors")
     argv = ["generate", "--model", str(tmp_path / "m"), "--calibration", str(path), "--prompt", "the quick brown fox " * 3,
@@ -250,21 +251,31 @@ def test_generate_auto_picks_centered_wush_keys(tmp_path, capsys):
     assert "--transform auto: wush (" in err and "[wush K2V2 quest" in err
 
 
+def test_generate_batch_of_prompts_equals_each_alone(tmp_path, capsys):
+    """Repeated --prompt runs one left-padded batch; with key tiles (blocks per row) each completion equals the
+    prompt's completion alone."""
+    _, _, cal = _tiny_model_dir(tmp_path)
+    path = cal.save(tmp_path / "c.safetensors")
+    base = ["generate", "--model", str(tmp_path / "m"), "--calibration", str(path), "--transform", "wush+ktiles+ldlq",
+            "--quantizer", "quest", "--max-new-tokens", "24", "--sink", "4", "--keep", "4", "--flush", "8"]
+    prompts = ["the quick brown fox jumps over ", "a lazy dog "]
+    assert main([*base, "--prompt", prompts[0], "--prompt", prompts[1]]) == 0
+    out, err = capsys.readouterr()
+    rows = [line.split("] ", 1)[1] for line in out.splitlines() if line.startswith("--- [")]
+    assert len(rows) == 2 and "2 rows x" in err
+    for p, row in zip(prompts, rows):
+        assert main([*base, "--prompt", p]) == 0
+        alone = capsys.readouterr().out.strip("\n")
+        assert row == alone and len(alone) > len(p)
+
+
 def test_agree_and_passkey_take_auto(tmp_path, capsys, monkeypatch):
     """agree and passkey resolve ``auto`` for the model and width (a model without recipes: centered WUSH keys under
     the affine quantizer), keep its rows under ``auto``, record the resolution and label the tables with it."""
     import json
 
-    from conftest import CharTokenizer, hf_char_tokenizer, tiny_model
-
-    from wushkv.calibration import calibrate
-
-    model = tiny_model("llama", vocab_size=128, max_position_embeddings=1024)
-    model.save_pretrained(tmp_path / "m")
-    hf_char_tokenizer().save_pretrained(tmp_path / "m")
-    text = tmp_path / "t.txt"
-    text.write_text("the quick brown fox jumps over the lazy dog. " * 40)
-    path = calibrate(model, CharTokenizer(), samples=2, seq_len=64, text_file=str(text), show_progress=False).save(tmp_path / "c.safetensors")
+    _, text, cal = _tiny_model_dir(tmp_path)
+    path = cal.save(tmp_path / "c.safetensors")
     common = ["--model", str(tmp_path / "m"), "--calibration", str(path), "--transforms", "wush+rmean,auto", "--sink", "4", "--keep", "8", "--flush", "4"]
     runs = {"agree": ["agree", *common, "--prompts", "2", "--prompt-len", "40", "--new-tokens", "6", "--stride", "1", "--text-file", str(text)],
             "passkey": ["passkey", *common, "--contexts", "300", "--depths", "0.5", "--trials", "2"]}

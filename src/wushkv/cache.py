@@ -17,7 +17,9 @@ single-pass emulation in which query ``i`` sees token ``t`` quantized iff
 
 Sliding-window layers keep only the last ``W-1`` positions (as ``DynamicSlidingWindowLayer``), and
 quantize them the same way. Left-padded batches (``attention_mask=`` at creation) count each row's
-windows from its first real token (see ``KVView._attend_padded``).
+windows from its first real token: with per-token quantizers in one shared store (see
+``KVView._attend_padded``); with quantizers of token blocks (KVarN's tiles, KIVI), whose blocks start at a
+different column in each row, each row keeps its own unpadded layer (:class:`RowsView`).
 """
 
 from __future__ import annotations
@@ -260,6 +262,62 @@ class KVView:
         return fused_selective_attention(*args)
 
 
+@dataclass
+class RowsView:
+    """What ``update`` hands to attention for a left-padded batch whose quantizers code blocks of tokens.
+
+    Each row keeps its own unpadded :class:`WushKVLayer` (its blocks start at its first real token, as
+    they would for the row alone); ``rows[b]`` is that layer's :class:`KVView` for this update, or None
+    while row ``b`` has seen only padding. Attention runs row by row over the real columns, so every
+    row gets exactly what it gets alone; outputs at padding positions are zero (never read).
+    """
+
+    layer: WushKVLayer
+    n0: int
+    n1: int
+    rows: list
+    proto: torch.Tensor  # (B, Hkv, 0, d): shape, device and dtype of the batch
+
+    @property
+    def shape(self):
+        return (*self.proto.shape[:2], self.n1 - self.kv_offset, self.proto.shape[-1])
+
+    @property
+    def device(self):
+        return self.proto.device
+
+    @property
+    def dtype(self):
+        return self.proto.dtype
+
+    @property
+    def kv_offset(self) -> int:
+        return self.layer._first_visible(self.n0)
+
+    def attend(self, module, query, attention_mask, scaling: float, softcap: float | None) -> torch.Tensor:
+        layer = self.layer
+        if attention_mask is not None and self.n0 == 0 and not layer.is_sliding:
+            layer._check_padding(attention_mask)
+        B, Hq, T, _ = query.shape
+        lo = self.kv_offset
+        if attention_mask is not None:
+            attention_mask = attention_mask[..., -(self.n1 - lo) :]
+        out = None
+        for b, (view, p) in enumerate(zip(self.rows, layer._pad_list())):
+            if view is None:
+                continue
+            tq = self.n1 - max(self.n0, p)  # the row's real queries: the last tq of this update
+            mask = None
+            if attention_mask is not None:  # the row's real columns start at max(lo, p)
+                m = attention_mask[b : b + 1] if attention_mask.shape[0] > 1 else attention_mask
+                mask = m[:, :, T - tq :, max(lo, p) - lo :]
+            o = view.attend(module, query[b : b + 1, :, T - tq :], mask, scaling, softcap)
+            if out is None:
+                out = o.new_zeros(B, T, *o.shape[2:])
+            out[b, T - tq :] = o[0]
+        return out if out is not None else query.new_zeros(B, T, Hq, self.proto.shape[-1])
+
+
 class WushKVLayer(CacheLayerMixin):
     """One layer of the quantized cache. See the module docstring for the layout."""
 
@@ -288,6 +346,8 @@ class WushKVLayer(CacheLayerMixin):
             )
         self.n = 0
         self.pads: torch.Tensor | None = None  # (B,) left-padding tokens per row, or None
+        self.row_mode = False  # a padded batch under block quantizers: one unpadded layer per row
+        self.rows: list[WushKVLayer] | None = None
 
     def __deepcopy__(self, memo):
         """A copy that continues independently (e.g. scoring one answer while generating another) and
@@ -311,12 +371,8 @@ class WushKVLayer(CacheLayerMixin):
             pads = torch.as_tensor(pads, dtype=torch.long).flatten().cpu()
             if (pads < 0).any():
                 raise ValueError(f"pad lengths must be >= 0, got {pads.tolist()}")
-            if (pads > 0).any() and self.block > 1:
-                raise ValueError(
-                    f"left-padded batches need per-token quantizers (quest, affine) on both sides; "
-                    f"{'/'.join(sorted({self.cfg.side_quantizer(s) for s in ('key', 'value')}))} quantizes blocks of {self.block} "
-                    f"tokens, which cannot start at a different position per row"
-                )
+        # Blocks of tokens (tiles) start at a different column in each row: give each row its own layer.
+        self.row_mode = pads is not None and bool((pads > 0).any()) and self.block > 1
         self.pads = pads
 
     def _row_ends(self, n: int) -> list[int]:
@@ -353,19 +409,27 @@ class WushKVLayer(CacheLayerMixin):
         self.sink_k, self.sink_v = empty.clone(), value_states[:, :, :0].clone()
         self.recent_k, self.recent_v = empty.clone(), value_states[:, :, :0].clone()
         self.sink_start = 0
+        B = key_states.shape[0]
+        if self.pads is not None and self.pads.numel() != B:
+            if B % self.pads.numel():
+                raise ValueError(f"pad lengths for {self.pads.numel()} rows, but the batch has {B}")
+            # generate(num_beams=k) repeats each prompt row k times (repeat_interleave) after the cache was
+            # made; the attention mask of the prefill is checked against this (_check_padding).
+            self.pads = self.pads.repeat_interleave(B // self.pads.numel())
         pads = self._pad_list()
-        if self.pads is not None and self.pads.numel() != key_states.shape[0]:
-            raise ValueError(f"pad lengths for {self.pads.numel()} rows, but the batch has {key_states.shape[0]}")
         self.sink_len = self.cfg.windows.S_sink + max(pads)  # columns kept in the full-precision sink
         self.mid_start = self.cfg.windows.S_sink + min(pads)
         self._mid_len = 0  # tokens in the quantized middle (after eviction)
         self._mid_fp_store = {"k": empty.clone(), "v": value_states[:, :, :0].clone()}  # middle of a full-precision side
+        if self.row_mode:
+            self.rows = [WushKVLayer(self.cfg, self.head_dim, self.key_transform, self.sliding_window) for _ in pads]
         self.is_initialized = True
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
         if not self.is_initialized:
             self.lazy_initialization(key_states, value_states)
-        w = self.cfg.windows
+        if self.rows is not None:
+            return self._update_rows(key_states, value_states)
         if self.key_transform is not None:
             key_states = self.key_transform.keys(key_states)
         n0, T = self.n, key_states.shape[2]
@@ -394,6 +458,17 @@ class WushKVLayer(CacheLayerMixin):
             self._evict(n1 - self.sliding_window + 1)
         return view, view
 
+    def _update_rows(self, key_states: torch.Tensor, value_states: torch.Tensor):
+        """Row mode: each row's real tokens of this update go to its own layer (padding never enters)."""
+        n0, T = self.n, key_states.shape[2]
+        views = []
+        for b, (row, p) in enumerate(zip(self.rows, self._pad_list())):
+            skip = min(T, max(0, p - n0))  # padding columns of this update in row b
+            views.append(row.update(key_states[b : b + 1, :, skip:], value_states[b : b + 1, :, skip:])[0] if skip < T else None)
+        self.n = n0 + T
+        view = RowsView(self, n0, self.n, views, key_states[:, :, :0])
+        return view, view
+
     def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
         kv_offset = self._first_visible(self.n)
         return self.n + query_length - kv_offset, kv_offset
@@ -407,6 +482,7 @@ class WushKVLayer(CacheLayerMixin):
     def reset(self) -> None:
         self.is_initialized = False
         self.n = 0
+        self.rows = None
         for side in (self.k_side, self.v_side):
             if side is not None:
                 side.store = type(side.store)()
@@ -418,20 +494,36 @@ class WushKVLayer(CacheLayerMixin):
         n = abs(tokens_to_remove)
         if n == 0 or not self.is_initialized:
             return
-        croppable = max(0, self.n - max(self.mid_start + self._mid_len, self.n - self.recent_k.shape[2]))
-        if n > croppable:
-            raise ValueError(
-                f"cannot crop {n} tokens: only the {croppable} most recent tokens are in full precision and not yet "
-                "coded (quantized tokens are never re-quantized or un-appended)"
-            )
-        self.recent_k, self.recent_v = self.recent_k[:, :, :-n], self.recent_v[:, :, :-n]
-        self.n -= n
+        layers = self.rows if self.rows is not None else [self]
+        counts = [min(n, layer.n) for layer in layers]  # a row's real tokens among the last n
+        for layer, k in zip(layers, counts):
+            if k > layer._croppable():
+                raise ValueError(
+                    f"cannot crop {n} tokens: only the {layer._croppable()} most recent tokens are in full precision and "
+                    "not yet coded (quantized tokens are never re-quantized or un-appended)"
+                )
+        for layer, k in zip(layers, counts):
+            if k:
+                layer.recent_k, layer.recent_v = layer.recent_k[:, :, :-k], layer.recent_v[:, :, :-k]
+                layer.n -= k
+        if self.rows is not None:
+            self.n -= n
+
+    def _croppable(self) -> int:
+        return max(0, self.n - max(self.mid_start + self._mid_len, self.n - self.recent_k.shape[2])) if self.is_initialized else 0
 
     def _apply_batch(self, fn) -> None:
         if self.pads is not None:  # also before the first tokens: generate() expands rows for beams first
             self.pads = fn(self.pads)
         if not self.is_initialized:
             return
+        if self.rows is not None:  # a row taken twice (beams) continues as two independent copies
+            taken: set[int] = set()
+            rows = []
+            for i in fn(torch.arange(len(self.rows))).tolist():
+                rows.append(copy.deepcopy(self.rows[i]) if i in taken else self.rows[i])
+                taken.add(i)
+            self.rows = rows
         self.sink_k, self.sink_v = fn(self.sink_k), fn(self.sink_v)
         self.recent_k, self.recent_v = fn(self.recent_k), fn(self.recent_v)
         self._mid_fp_store = {k: fn(v) for k, v in self._mid_fp_store.items()}
@@ -580,6 +672,9 @@ class WushKVLayer(CacheLayerMixin):
     def nbytes(self) -> dict[str, int]:
         if not self.is_initialized:
             return {"codes": 0, "metadata": 0, "full_precision": 0}
+        if self.rows is not None:
+            parts = [row.nbytes() for row in self.rows]
+            return {k: sum(p[k] for p in parts) for k in ("codes", "metadata", "full_precision")}
         codes = meta = 0
         for side in (self.k_side, self.v_side):
             if side is not None:
@@ -598,7 +693,8 @@ class WushKVCache(Cache):
 
     Left-padded batches: pass the prompt's 2-D ``attention_mask`` (or ``pad_lengths``, one per row) so
     that each row's sink and windows start at its first real token; every row then gets what it would
-    get alone. Only per-token quantizers (quest, affine) support padding.
+    get alone. Per-token quantizers (quest, affine) share one store across rows; quantizers of token
+    blocks (KVarN's tiles, ``+ktiles``, KIVI) keep one unpadded layer per row, attended row by row.
     """
 
     def __init__(

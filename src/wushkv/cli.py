@@ -415,6 +415,9 @@ def cmd_demo(args) -> int:
     return main(argv)
 
 
+GENERATE_PROMPT = "The history of the KV cache begins"
+
+
 def cmd_generate(args) -> int:
     from transformers import TextStreamer
 
@@ -436,18 +439,33 @@ def cmd_generate(args) -> int:
               " (wush+rmean needs the affine quantizer and a calibration holding the pre-RoPE key mean; the other variants are "
               "chosen per model and quantizer at K = V bits)"), file=sys.stderr)
     trs = transforms_for(model, cal, method)
-    prompt = open(args.prompt_file, encoding="utf-8").read() if args.prompt_file else args.prompt
-    ids = tok(prompt, return_tensors="pt").input_ids.to(args.device)
+    prompts = [open(f, encoding="utf-8").read() for f in args.prompt_file or []] + list(args.prompt or [])
+    if not prompts:
+        prompts = [GENERATE_PROMPT]
+    pad_id = tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id
+    if len(prompts) == 1:
+        enc = {"input_ids": tok(prompts[0], return_tensors="pt").input_ids.to(args.device)}
+    else:  # one left-padded batch: the cache counts each row's windows from its first real token
+        side, pad = tok.padding_side, tok.pad_token
+        tok.padding_side, tok.pad_token = "left", tok.pad_token if tok.pad_token is not None else tok.eos_token
+        try:
+            enc = {k: v.to(args.device) for k, v in tok(prompts, return_tensors="pt", padding=True).items() if k in ("input_ids", "attention_mask")}
+        finally:
+            tok.padding_side, tok.pad_token = side, pad
     with apply_transforms(model, trs, method):
-        cache = WushKVCache(model, cfg)
-        streamer = TextStreamer(tok, skip_prompt=False)
-        out = model.generate(ids, cache=cache, max_new_tokens=args.max_new_tokens, do_sample=False, streamer=streamer,
-                             pad_token_id=tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id)
+        cache = WushKVCache(model, cfg, attention_mask=enc.get("attention_mask"))
+        streamer = TextStreamer(tok, skip_prompt=False) if len(prompts) == 1 else None
+        out = model.generate(**enc, cache=cache, max_new_tokens=args.max_new_tokens, do_sample=False, streamer=streamer, pad_token_id=pad_id)
+    if len(prompts) > 1:
+        L = enc["input_ids"].shape[1]
+        for i, (p, row) in enumerate(zip(prompts, out)):
+            print(f"--- [{i}] {p}{tok.decode(row[L:], skip_special_tokens=True)}")
     nb = cache.nbytes()
     size = next(model.parameters()).element_size()
     fp, bf16 = cache.full_precision_nbytes(size), cache.full_precision_nbytes(2)
     mib = lambda b: f"{b / 2**20:.2f} MiB"  # noqa: E731
-    print(f"\n[{method} {cfg.label()}] {out.shape[1] - 1} tokens cached: {mib(nb['total'])} held (codes {mib(nb['codes'])}, "
+    cached = f"{out.shape[1] - 1} tokens" if len(prompts) == 1 else f"{len(prompts)} rows x {out.shape[1] - 1} columns"
+    print(f"\n[{method} {cfg.label()}] {cached} cached: {mib(nb['total'])} held (codes {mib(nb['codes'])}, "
           f"metadata {mib(nb['metadata'])}, full-precision windows {mib(nb['full_precision'])}); a DynamicCache would hold "
           f"{mib(fp)} in {args.dtype} ({fp / max(nb['total'], 1):.2f}x) or {mib(bf16)} in bfloat16 ({bf16 / max(nb['total'], 1):.2f}x)",
           file=sys.stderr)
@@ -898,8 +916,9 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("generate", help="stream generated text through the quantized cache")
     _add_model_args(p)
-    p.add_argument("--prompt", default="The history of the KV cache begins", help="prompt text")
-    p.add_argument("--prompt-file", default=None, help="read the prompt from a UTF-8 file")
+    p.add_argument("--prompt", action="append", default=None,
+                   help=f"prompt text; repeat for a batch, generated together in one left-padded batch (default: {GENERATE_PROMPT!r})")
+    p.add_argument("--prompt-file", action="append", default=None, help="read a prompt from a UTF-8 file (repeatable; before --prompt's)")
     p.add_argument("--max-new-tokens", type=int, default=128)
     p.add_argument("--transform", default="auto",
                    help="method, as for agree; 'auto': the WUSH variant chosen on held-out C4 for the model, quantizer and width "
