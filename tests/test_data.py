@@ -52,6 +52,10 @@ def test_tokenize_chunks_drops_remainder(char_tokenizer):
     assert tokenize_chunks(char_tokenizer, text, 30, max_chunks=2).shape == (2, 30)
     with pytest.raises(ValueError, match="fewer than one chunk"):
         tokenize_chunks(char_tokenizer, "ab", 30)
+    later = tokenize_chunks(char_tokenizer, text, 30, max_chunks=5, first=1)  # the chunks after the first, never overlapping
+    assert later.shape == (2, 30) and torch.equal(later, chunks[1:])
+    with pytest.raises(ValueError, match="first chunk 3 is past the text's 3 chunks"):
+        tokenize_chunks(char_tokenizer, text, 30, first=3)
 
 
 def test_shared_wikitext_is_found():

@@ -154,7 +154,7 @@ def cmd_ppl(args) -> int:
     clips = _check_clips_args(args, cfg)
     text, label = load_eval_text(args.text_file)
     model, tok = _load(args)
-    chunks = tokenize_chunks(tok, text, args.seq_len, args.chunks)
+    chunks = tokenize_chunks(tok, text, args.seq_len, args.chunks, first=args.first_chunk)
     if cfg is None:
         res = perplexity(model, chunks, desc=f"ppl {args.model}")
     else:
@@ -167,6 +167,7 @@ def cmd_ppl(args) -> int:
         "model": args.model,
         "text": label,
         "seq_len": args.seq_len,
+        "first_chunk": args.first_chunk,
         "chunks": res["chunks"],
         "tokens": res["tokens"],
         "ppl": res["ppl"],
@@ -305,10 +306,13 @@ def cmd_compare(args) -> int:
     model, tok = _load(args)
     clips = _load_clips(args, model) if clips else None
     cal = _calibration_for(args, model, tok, transforms)
-    chunks = tokenize_chunks(tok, text, args.seq_len, args.chunks)
+    chunks = tokenize_chunks(tok, text, args.seq_len, args.chunks, first=args.first_chunk)
     if AUTO in transforms and (note := auto_calibration_note(args.model, cal)):
         print(note, file=sys.stderr)
     meta = {"model": args.model, "dtype": args.dtype, "text": label, "transforms": transforms, "bits": args.bits}
+    if args.first_chunk:
+        meta["first_chunk"] = args.first_chunk
+        label = f"{label}, chunks from {args.first_chunk}"
     out = run_compare(model, tok, chunks, cal, transforms, args.bits, base, json_path=args.json, meta=meta,
                       log=lambda m: print(m, file=sys.stderr), clips=clips)
     headers, rows = compare_table(out, transforms, args.bits)
@@ -822,6 +826,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_model_args(p)
     p.add_argument("--seq-len", type=int, default=2048, help="tokens per chunk (default: %(default)s)")
     p.add_argument("--chunks", type=int, default=None, help="number of chunks (default: all)")
+    p.add_argument("--first-chunk", type=int, default=0, help="skip this many chunks of the text first (default: %(default)s)")
     p.add_argument("--text-file", default=None, help="UTF-8 text to evaluate instead of WikiText-2 test")
     p.add_argument("--json", default=None, help="write the result as JSON to this path")
     p.add_argument("--transform", default=None, help=f"quantize the cache with this transform: {transforms_help}; omit for full precision")
@@ -868,6 +873,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="comma-separated; 'auto' is the WUSH variant chosen on held-out C4 for the model, quantizer and width "
                         "(wushkv.eval.methods.AUTO_RECIPES) (default: %(default)s)")
     p.add_argument("--chunks", type=int, default=16, help="evaluation chunks (default: %(default)s)")
+    p.add_argument("--first-chunk", type=int, default=0,
+                   help="skip this many chunks first: more text beyond the protocol's first 16, to narrow a tie's interval "
+                        "(default: %(default)s)")
     p.add_argument("--seq-len", type=int, default=2048, help="tokens per chunk (default: %(default)s)")
     p.add_argument("--text-file", default=None, help="UTF-8 text to evaluate instead of WikiText-2 test")
     p.add_argument("--calibration", default=None, help="calibration file; default: calibrate once and cache by model fingerprint")

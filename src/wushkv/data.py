@@ -140,22 +140,28 @@ def c4_documents(path: str | Path | None = None, limit: int | None = None) -> li
     return docs
 
 
-def tokenize_chunks(tokenizer, text: str, seq_len: int, max_chunks: int | None = None) -> torch.Tensor:
+def tokenize_chunks(tokenizer, text: str, seq_len: int, max_chunks: int | None = None, first: int = 0) -> torch.Tensor:
     """GPTQ-style: tokenize ``text`` once, cut non-overlapping ``seq_len`` chunks, drop the remainder.
 
-    Returns int64 ``[num_chunks, seq_len]``.
+    ``first`` skips that many chunks (more evaluation text beyond a fixed protocol's chunks, never the same
+    tokens twice). Returns int64 ``[num_chunks, seq_len]``.
     """
     if seq_len < 2:
         raise ValueError(f"seq_len must be at least 2, got {seq_len}")
+    if first < 0:
+        raise ValueError(f"first chunk must be >= 0, got {first}")
     ids = tokenizer(text, return_tensors="pt").input_ids[0]
     n = ids.numel() // seq_len
     if n == 0:
         raise ValueError(f"the text has {ids.numel()} tokens, fewer than one chunk of seq_len={seq_len}")
+    if first >= n:
+        raise ValueError(f"first chunk {first} is past the text's {n} chunks of seq_len={seq_len}")
+    n -= first
     if max_chunks is not None:
         if max_chunks < 1:
             raise ValueError(f"chunks must be at least 1, got {max_chunks}")
         n = min(n, max_chunks)
-    return ids[: n * seq_len].view(n, seq_len)
+    return ids[first * seq_len : (first + n) * seq_len].view(n, seq_len)
 
 
 def calibration_text(path: str | Path | None = None, documents: int = 600) -> str:
