@@ -183,12 +183,12 @@ def wushkv_attention(
     **kwargs,
 ):
     """The registered attention function (signature of transformers' ``AttentionInterface``)."""
-    from .cache import KVView, RowsView
+    from .cache import _LayerView
 
     scaling = scaling if scaling is not None else query.shape[-1] ** -0.5
     if softcap is None:
         softcap = getattr(module, "attn_logit_softcapping", None)
-    if isinstance(key, (KVView, RowsView)):
+    if isinstance(key, _LayerView):
         return key.attend(module, query, attention_mask, scaling, softcap), None
     observer = kwargs.get("wushkv_observer")
     if observer is not None:

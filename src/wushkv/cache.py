@@ -106,8 +106,29 @@ class _Side:
         self.store.append(self.codec.encode(x))
 
 
+class _LayerView:
+    """What the modeling code may touch on the object ``update`` returns (it only passes it on to attention):
+    shape, device, dtype and kv_offset, from ``layer``, ``n0``/``n1`` and a (B, Hkv, *, d) tensor ``_like``."""
+
+    @property
+    def shape(self):
+        return (*self._like.shape[:2], self.n1 - self.kv_offset, self._like.shape[-1])
+
+    @property
+    def device(self):
+        return self._like.device
+
+    @property
+    def dtype(self):
+        return self._like.dtype
+
+    @property
+    def kv_offset(self) -> int:
+        return self.layer._first_visible(self.n0)
+
+
 @dataclass
-class KVView:
+class KVView(_LayerView):
     """What one ``update`` hands to attention: the layer state at this step (transformed space).
 
     Attributes (B, Hkv, *, d; positions absolute):
@@ -133,22 +154,9 @@ class KVView:
     mid: dict | None = None  # snapshot of the middle after this update's flush: {"k": storage, "v": storage}
     mid_len: int = 0  # tokens in that snapshot
 
-    # The modeling code only passes these objects on; give them the attributes it may touch.
     @property
-    def shape(self):
-        return (*self.win_k.shape[:2], self.n1 - self.kv_offset, self.win_k.shape[-1])
-
-    @property
-    def device(self):
-        return self.win_k.device
-
-    @property
-    def dtype(self):
-        return self.win_k.dtype
-
-    @property
-    def kv_offset(self) -> int:
-        return self.layer._first_visible(self.n0)
+    def _like(self) -> torch.Tensor:
+        return self.win_k
 
     def attend(self, module, query, attention_mask, scaling: float, softcap: float | None) -> torch.Tensor:
         """Attention of ``query`` (B, Hq, T, d) over this layer; returns (B, T, Hq, d) in transformed V space."""
@@ -263,7 +271,7 @@ class KVView:
 
 
 @dataclass
-class RowsView:
+class RowsView(_LayerView):
     """What ``update`` hands to attention for a left-padded batch whose quantizers code blocks of tokens.
 
     Each row keeps its own unpadded :class:`WushKVLayer` (its blocks start at its first real token, as
@@ -276,23 +284,7 @@ class RowsView:
     n0: int
     n1: int
     rows: list
-    proto: torch.Tensor  # (B, Hkv, 0, d): shape, device and dtype of the batch
-
-    @property
-    def shape(self):
-        return (*self.proto.shape[:2], self.n1 - self.kv_offset, self.proto.shape[-1])
-
-    @property
-    def device(self):
-        return self.proto.device
-
-    @property
-    def dtype(self):
-        return self.proto.dtype
-
-    @property
-    def kv_offset(self) -> int:
-        return self.layer._first_visible(self.n0)
+    _like: torch.Tensor  # (B, Hkv, 0, d): shape, device and dtype of the batch
 
     def attend(self, module, query, attention_mask, scaling: float, softcap: float | None) -> torch.Tensor:
         layer = self.layer
@@ -315,7 +307,7 @@ class RowsView:
             if out is None:
                 out = o.new_zeros(B, T, *o.shape[2:])
             out[b, T - tq :] = o[0]
-        return out if out is not None else query.new_zeros(B, T, Hq, self.proto.shape[-1])
+        return out if out is not None else query.new_zeros(B, T, Hq, self._like.shape[-1])
 
 
 class WushKVLayer(CacheLayerMixin):
