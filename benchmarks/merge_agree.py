@@ -21,7 +21,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 
-from wushkv.cli import reconcile_settings  # noqa: E402
+from wushkv.runs import reconcile_settings  # noqa: E402
 from wushkv.io import write_json  # noqa: E402
 
 

@@ -154,7 +154,7 @@ def test_agree_report_only_growth_against_a_reference(tmp_path, capsys):
 
 def test_reconcile_settings_reads_older_quantization():
     """A run saved before a QuantConfig field existed resumes: the missing field takes its default."""
-    from wushkv.cli import reconcile_settings
+    from wushkv.runs import reconcile_settings
     from wushkv.config import QuantConfig
 
     new = {"model": "m", "quantization": QuantConfig().to_dict()}
@@ -166,7 +166,8 @@ def test_reconcile_settings_reads_older_quantization():
 def test_auto_resolution_in_resumed_settings():
     """agree/passkey record what ``auto`` resolved to: a run without ``auto`` is compatible with any resolution (and
     keeps it), two different resolutions are not; the tables label the row with the method."""
-    from wushkv.cli import _method_label, reconcile_settings
+    from wushkv.cli import _method_label
+    from wushkv.runs import reconcile_settings
 
     base = {"model": "m", "quantization": {"k_bits": 2}}
     a = base | {"auto": {"method": "wush+ktiles+ldlq", "quantization": {"tile_clip": 1.7}}}

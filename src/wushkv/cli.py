@@ -10,6 +10,7 @@ import sys
 import time
 
 from . import __version__
+from .runs import resumable
 
 
 def _add_model_args(p: argparse.ArgumentParser) -> None:
@@ -545,63 +546,6 @@ def _sibling(path: str, tag: str) -> Path:
     return p.with_name(p.stem + tag + p.suffix)
 
 
-def reconcile_settings(old: dict, new: dict) -> tuple[dict, list[str]]:
-    """(settings of both runs together, keys that differ). A ``calibration`` of None (no calibrated method
-    listed) is compatible with any calibration and takes the other run's; so is a missing ``auto`` (``auto``
-    not listed) with any resolution of it."""
-    from .config import QuantConfig
-
-    old, new = dict(old), dict(new)
-    for d in (old, new):  # quantizations written by an older version: fields added since take their defaults
-        if isinstance(d.get("quantization"), dict):
-            d["quantization"] = QuantConfig.current_dict(d["quantization"])
-        if isinstance(d.get("auto"), dict) and isinstance(d["auto"].get("quantization"), dict):
-            d["auto"] = d["auto"] | {"quantization": QuantConfig.current_dict(d["auto"]["quantization"])}
-    if new.get("calibration") is None:
-        new["calibration"] = old.get("calibration")
-    elif old.get("calibration") is None:
-        old["calibration"] = new["calibration"]
-    for a, b in ((old, new), (new, old)):  # a run that did not list auto is compatible with any resolution of it
-        if "auto" in a and "auto" not in b:
-            b["auto"] = a["auto"]
-    return new, sorted(k for k in set(old) | set(new) if old.get(k) != new.get(k))
-
-
-def _resumable(path: str | None, settings: dict):
-    """(state, save, settings) for a long run that resumes from its ``--json``.
-
-    A file holding a run with the same settings gives back its state; a missing file starts afresh.
-    A file from other settings is refused rather than overwritten (so is one whose ``auto`` rows were run as
-    another method than ``auto`` stands for now). ``settings["calibration"]`` None
-    (no listed method is calibrated) is compatible with any calibration, and keeps the stored one.
-    """
-    from .io import write_json
-
-    settings = json.loads(json.dumps(settings))  # as it reads back from JSON
-    state = {}
-    if path and Path(path).exists():
-        try:
-            prev = json.loads(Path(path).read_text())
-        except (OSError, json.JSONDecodeError) as e:
-            raise ValueError(f"--json {path}: cannot resume from it ({e}); give another path or delete it") from None
-        if not isinstance(prev, dict) or not isinstance(prev.get("settings"), dict) or not isinstance(prev.get("state"), dict):
-            raise ValueError(f"--json {path}: not a file this command wrote (no settings/state); give another path or delete it")
-        merged, differ = reconcile_settings(prev["settings"], settings)
-        if differ == ["auto"]:
-            was, now = prev["settings"]["auto"].get("method"), settings["auto"].get("method")
-            raise ValueError(f"--json {path} holds `auto` rows run as {was} at other settings than `auto` stands for now ({now}; "
-                             "the calibration or this version's recipes differ): list the method by name, drop auto from "
-                             "--transforms, or give another path")
-        if differ:
-            raise ValueError(f"--json {path} holds a run with other settings (differing: {', '.join(differ)}); "
-                             "give another path to start afresh, or delete it")
-        settings = merged
-        state = prev["state"]
-        print(f"resuming from {path}", file=sys.stderr)
-    save = (lambda st: write_json(path, {"settings": settings, "state": st})) if path else None
-    return state, save, settings
-
-
 AGREE_METHODS = "identity,hadamard,random,oscar,kvarn,wush,auto"  # `agree`'s default --transforms
 
 
@@ -694,7 +638,7 @@ def cmd_agree(args) -> int:
     cal = _calibration_for(args, model, tok, [m for m in methods if is_transform_method(m) or m == AUTO])
     resolved, auto_settings = _resolve_auto(args, methods, model, cal, cfg)
     chunks = tokenize_chunks(tok, text, args.prompt_len, args.prompts * args.stride)[:: args.stride]
-    state, save, settings = _resumable(args.json, {
+    state, save, settings = resumable(args.json, {
         "model": args.model, "dtype": args.dtype, "text": label, "prompts": int(chunks.shape[0]), "prompt_len": args.prompt_len,
         "stride": args.stride, "prompt_sha256": hashlib.sha256(chunks.numpy().tobytes()).hexdigest(), "new_tokens": args.new_tokens,
         "single_pass": args.single_pass, "quantization": cfg.to_dict(), "calibration": _calibration_recipe(cal)} | auto_settings)
@@ -726,7 +670,7 @@ def cmd_passkey(args) -> int:
     model, tok = _load(args)
     cal = _calibration_for(args, model, tok, [m for m in methods if is_transform_method(m) or m == AUTO])
     resolved, auto_settings = _resolve_auto(args, methods, model, cal, cfg)
-    state, save, settings = _resumable(args.json, {
+    state, save, settings = resumable(args.json, {
         "model": args.model, "dtype": args.dtype, "trials": args.trials, "seed": args.seed, "quantization": cfg.to_dict(),
         "calibration": _calibration_recipe(cal)} | auto_settings)
     res = run_passkey(model, tok, methods, cal, cfg, args.contexts, depths, args.trials, seed=args.seed,
