@@ -5,21 +5,27 @@ import torch
 from conftest import tiny_model
 
 from wushkv.config import QuantConfig, WindowConfig
-from wushkv.eval.compare import config_for, quantized_perplexity
-from wushkv.eval.methods import (
-    check_methods,
-    method_sides,
-    needs_calibration,
-    transforms_for,
-    uses_tiles,
-)
+from wushkv.eval.compare import quantized_perplexity
+from wushkv.methods import AUTO, MethodSpec, parse, spec_of
+from wushkv.methods.install import transforms_for
+
+
+def check_methods(names):
+    """What every command does with a --transforms list: parse each name, refuse an unresolved auto."""
+    for n in names:
+        if parse(n) is AUTO:
+            spec_of(n)
+
+
+def config_for(name, base):
+    return parse(name).quant_config(base)
 
 
 def test_sides_of_a_method_name():
-    assert method_sides("wush") == ("wush", "wush")
-    assert method_sides("wush:hadamard") == ("wush", "hadamard")
-    assert method_sides("wush:hadamard+tiles") == ("wush", "hadamard") and uses_tiles("wush:hadamard+tiles")
-    assert needs_calibration("hadamard:wush") and not needs_calibration("hadamard:random")
+    assert parse("wush").sides == ("wush", "wush")
+    assert parse("wush:hadamard").sides == ("wush", "hadamard")
+    assert parse("wush:hadamard+tiles").sides == ("wush", "hadamard") and parse("wush:hadamard+tiles").tiles
+    assert parse("hadamard:wush").needs_calibration and not parse("hadamard:random").needs_calibration
     check_methods(["wush:hadamard", "hadamard:oscar+tiles", "full-precision"])
     with pytest.raises(ValueError, match="KEYS:VALUES"):
         check_methods(["wush:nope"])
@@ -45,14 +51,12 @@ def test_keys_from_one_values_from_the_other():
 
 def test_ldlq_method_names_and_errors():
     from wushkv.codecs import make_codec
-    from wushkv.eval.methods import ldlq_sides, method_suffixes, uses_ldlq
-
-    assert method_suffixes("wush+ldlq") == ("wush", ("+ldlq",)) and uses_ldlq("wush:hadamard+ldlq")
-    assert [ldlq_sides(n) for n in ("wush+ldlq", "wush+ldlq-k", "wush+ldlq-v", "wush")] == ["KV", "K", "V", ""]
+    assert parse("wush+ldlq") == MethodSpec("wush", feedback="KV") and parse("wush:hadamard+ldlq").feedback == "KV"
+    assert [parse(n).feedback for n in ("wush+ldlq", "wush+ldlq-k", "wush+ldlq-v", "wush")] == ["KV", "K", "V", ""]
     with pytest.raises(ValueError, match="use one of"):
         check_methods(["wush+ldlq-k+ldlq-v"])
-    assert method_sides("wush:hadamard+ldlq") == ("wush", "hadamard") and not uses_tiles("wush+ldlq")
-    assert needs_calibration("hadamard+ldlq") and not needs_calibration("hadamard")
+    assert parse("wush:hadamard+ldlq").sides == ("wush", "hadamard") and not parse("wush+ldlq").tiles
+    assert parse("hadamard+ldlq").needs_calibration and not parse("hadamard").needs_calibration
     check_methods(["wush+ldlq", "hadamard:wush+ldlq"])
     for bad in ("wush+ldlq+tiles", "kvarn+ldlq"):
         with pytest.raises(ValueError, match="cannot be combined"):
@@ -111,7 +115,6 @@ def test_key_tile_feedback_streaming_equals_single_pass(tiny_cal):
     (the single-pass emulation for its logits) and token-by-token decoding give the same logits and key codes, and
     the storage is that of plain ``+ktiles``."""
     from wushkv.cache import WushKVCache
-    from wushkv.eval.compare import config_for
     from wushkv.folding import apply_transforms
 
     model = tiny_model("llama").double()
@@ -139,14 +142,12 @@ def test_key_tile_feedback_streaming_equals_single_pass(tiny_cal):
 
 
 def test_sign_pattern_names_and_errors():
-    from wushkv.eval.methods import method_suffixes, sign_pattern
-
-    assert method_suffixes("wush+signs3") == ("wush", ("+signs3",)) and sign_pattern("wush+signs3") == 3
-    assert method_suffixes("wush:hadamard+signs12+ldlq-v") == ("wush:hadamard", ("+signs12", "+ldlq-v"))
-    assert uses_tiles("wush+signs2+tiles") and sign_pattern("wush+tiles+signs2") == 2 and sign_pattern("wush") is None
+    assert parse("wush+signs3") == MethodSpec("wush", signs=3)
+    assert parse("wush:hadamard+signs12+ldlq-v") == MethodSpec("wush", "hadamard", feedback="V", signs=12)
+    assert parse("wush+signs2+tiles").tiles and parse("wush+tiles+signs2").signs == 2 and parse("wush").signs is None
     check_methods(["wush+signs1", "hadamard:wush+signs2", "wush-a+signs3+ldlq"])
     for bad, match in (("hadamard+signs1", "has none"), ("kvarn+signs1", "has none"), ("wush+signs0", "numbered from 1"),
-                       ("wush+signs1+signs2", "at most")):
+                       ("wush+signs1+signs2", "given twice")):
         with pytest.raises(ValueError, match=match):
             check_methods([bad])
 
@@ -184,12 +185,11 @@ def test_sign_patterns_are_exact_wush_solutions(tiny_cal):
 
 def test_rmean_methods(tiny_cal):
     """``+rmean`` adds the calibration's pre-RoPE key mean to every layer's transforms; clear errors without it."""
-    from wushkv.eval.methods import method_suffixes, uses_rmean
-
     model = tiny_model("llama")
     cal = tiny_cal(model)
-    assert method_suffixes("wush+rmean+ldlq") == ("wush", ("+rmean", "+ldlq")) and uses_rmean("hadamard:wush+rmean")
-    assert needs_calibration("hadamard+rmean") and not uses_tiles("wush+rmean")
+    assert parse("wush+rmean+ldlq") == MethodSpec("wush", feedback="KV", key_centering="rope-mean")
+    assert parse("hadamard:wush+rmean").rope_mean
+    assert parse("hadamard+rmean").needs_calibration and not parse("wush+rmean").tiles
     check_methods(["wush+rmean", "wush+rmean+tiles", "wush+rmean+ldlq"])
     trs = transforms_for(model, cal, "wush+rmean")
     plain = transforms_for(model, cal, "wush")
@@ -200,82 +200,86 @@ def test_rmean_methods(tiny_cal):
         transforms_for(model, None, "hadamard+rmean")
     for st in cal.stats:
         st.pop("mu_K_pre")
-    with pytest.raises(ValueError, match="predates.*wushkv calibrate"):
+    with pytest.raises(ValueError, match="predates.*wushkv calibrate.*wushkv calibration upgrade"):
         transforms_for(model, cal, "wush+rmean")
 
 
 def test_generation_method(tiny_cal):
     """``generate --transform auto``: centered WUSH keys with the affine quantizer when the calibration holds the
     pre-RoPE key mean; plain WUSH with another quantizer, without a calibration, or with a file that predates the mean."""
-    from wushkv.eval.methods import generation_method
+    from wushkv.methods.auto import generation_method
 
     model = tiny_model("llama")
     cal = tiny_cal(model)
     affine, quest = QuantConfig(quantizer="affine"), QuantConfig(quantizer="quest")
-    assert generation_method(cal, affine) == "wush+rmean"
-    assert generation_method(cal, quest) == "wush"
-    assert generation_method(None, affine) == "wush"
+    assert generation_method(cal, affine).name == "wush+rmean"
+    assert generation_method(cal, quest).name == "wush"
+    assert generation_method(None, affine).name == "wush"
     cal.stats[-1].pop("mu_K_pre")  # one layer without the mean: the centered method could not run
-    assert generation_method(cal, affine) == "wush"
+    assert generation_method(cal, affine).name == "wush"
 
 
 def test_auto_method_resolves_per_model_width_and_quantizer(tiny_cal):
     """``auto``: each model's C4-chosen QuEST variant at K = V bits (its clip multipliers on top of the configured
-    ones), the generation choice with the affine quantizer, the paper recipe elsewhere."""
+    ones), the generation choice with the affine quantizer, the paper recipe elsewhere; the resolved settings are the
+    method's own quantizer settings of the recipe-adjusted configuration."""
     from dataclasses import replace
 
-    from wushkv.eval.methods import AUTO, AUTO_CALIBRATION, AUTO_RECIPES, auto_method, is_transform_method
+    from wushkv.methods.auto import AUTO_CALIBRATION, AUTO_RECIPES, resolve_auto
 
     model = tiny_model("llama")
     cal = tiny_cal(model)
     for key, table in AUTO_RECIPES.items():
         assert key in AUTO_CALIBRATION and set(table) == {2, 3, 4}
         for b, r in table.items():
-            check_methods([r.method])
-            assert is_transform_method(r.method) and method_sides(r.method)[0].startswith("wush")
-            m, c = auto_method(key, cal, QuantConfig(b, b, quantizer="quest", k_alpha=1.1))
-            assert m == r.method and c.k_alpha == pytest.approx(1.1 * r.k_alpha) and c.v_alpha == pytest.approx(r.v_alpha)
-            assert (c.k_bits, c.v_bits, c.quantizer, c.windows, c.tile_clip) == (b, b, "quest", QuantConfig().windows, r.tile_clip)
-    m, c = auto_method("smollm2-135m", cal, QuantConfig(2, 2, quantizer="quest", windows=WindowConfig(16, 128, 16)))
-    c = config_for(m, c)  # what compare and generate then run: keys in clipped tiles, QuEST values under the +ktiles windows
-    assert m == "wush+ktiles+ldlq" and (c.side_quantizer("key"), c.side_quantizer("value"), c.tile_clip) == ("kvarn", "quest", 3.0)
+            assert isinstance(r.method, MethodSpec) and r.method.key_transform.startswith("wush")
+            base = QuantConfig(b, b, quantizer="quest", k_alpha=1.1)
+            got = resolve_auto(key, cal, base)
+            c = got.config
+            assert got.method == r.method and c.k_alpha == pytest.approx(1.1 * r.k_alpha) and c.v_alpha == pytest.approx(r.v_alpha)
+            assert (c.k_bits, c.v_bits, c.quantizer, c.tile_clip) == (b, b, "quest", r.tile_clip)
+            assert c == r.method.quant_config(replace(base, k_alpha=1.1 * r.k_alpha, v_alpha=r.v_alpha, tile_clip=r.tile_clip))
+    got = resolve_auto("smollm2-135m", cal, QuantConfig(2, 2, quantizer="quest", windows=WindowConfig(16, 128, 16)))
+    c = got.config  # what compare and generate run: keys in clipped tiles, QuEST values under the +ktiles windows
+    assert got.method.name == "wush+ktiles+ldlq" and (c.side_quantizer("key"), c.side_quantizer("value"), c.tile_clip) == ("kvarn", "quest", 3.0)
     assert (c.windows.S_sink, c.windows.S_keep, c.windows.S_flush) == (16, 72, 128)
     quest = QuantConfig(3, 2, quantizer="quest")
-    assert auto_method("smollm2-135m", cal, quest) == ("wush", quest)  # K ≠ V: no recipe
-    assert auto_method("my-model", cal, replace(quest, v_bits=3))[0] == "wush"  # a model without recipes
-    assert auto_method("smollm2-135m", cal, QuantConfig(8, 8, quantizer="quest"))[0] == "wush"  # a width without one
-    assert auto_method("gemma3-270m", cal, QuantConfig(2, 2, quantizer="affine"))[0] == "wush+rmean"  # no affine recipe
-    assert auto_method("smollm2-135m", cal, QuantConfig(3, 3, quantizer="affine"))[0] == "wush+rmean"  # nor at 3 bits
-    assert auto_method("smollm2-135m", cal, QuantConfig(2, 2, quantizer="kivi"))[0] == "wush"
+    assert (resolve_auto("smollm2-135m", cal, quest).method.name, resolve_auto("smollm2-135m", cal, quest).config) == ("wush", quest)  # K ≠ V
+    name = lambda key, cfg: resolve_auto(key, cal, cfg).method.name  # noqa: E731
+    assert name("my-model", replace(quest, v_bits=3)) == "wush"  # a model without recipes
+    assert name("smollm2-135m", QuantConfig(8, 8, quantizer="quest")) == "wush"  # a width without one
+    assert name("gemma3-270m", QuantConfig(2, 2, quantizer="affine")) == "wush+rmean"  # no affine recipe
+    assert name("smollm2-135m", QuantConfig(3, 3, quantizer="affine")) == "wush+rmean"  # nor at 3 bits
+    assert name("smollm2-135m", QuantConfig(2, 2, quantizer="kivi")) == "wush"
     with pytest.raises(ValueError, match="`compare`, `generate`, `agree` and `passkey` only"):
-        check_methods([AUTO])  # ppl, sweep, tune-clip: name the method
-    assert needs_calibration(AUTO)
+        check_methods(["auto"])  # ppl, sweep, tune-clip: name the method
+    assert parse("auto") is AUTO and AUTO.needs_calibration
 
 
 def test_auto_method_in_the_generation_setting(tiny_cal):
     """With the affine quantizer (generate, agree, passkey) ``auto`` takes the model's affine recipe at K = V bits: on
     SmolLM2 at 2 bits centered keys in clipped tiles with error feedback, affine values, under the +ktiles windows of
     64/256/8."""
-    from wushkv.eval.methods import AUTO_AFFINE_RECIPES, auto_method, describe_resolved
+    from wushkv.methods.auto import AUTO_AFFINE_RECIPES, describe_resolved, resolve_auto
 
     model = tiny_model("llama")
     cal = tiny_cal(model)
     for table in AUTO_AFFINE_RECIPES.values():
         for b, r in table.items():
-            check_methods([r.method])
-            assert method_sides(r.method)[0].startswith("wush") and 2 <= b <= 8
+            assert r.method.key_transform.startswith("wush") and 2 <= b <= 8
     affine = QuantConfig(2, 2, quantizer="affine", windows=WindowConfig(64, 256, 8))
-    m, c = auto_method("smollm2-135m", cal, affine)
-    assert m == "wush+rmean+ktiles+ldlq" and c.tile_clip == 1.7 and (c.k_clip, c.v_clip) == (affine.k_clip, affine.v_clip)
-    assert describe_resolved(m, c) == "wush+rmean+ktiles+ldlq (tile clip 1.7)"
+    got = resolve_auto("smollm2-135m", cal, affine)
+    m, c = got.method, got.config
+    assert m.name == "wush+rmean+ktiles+ldlq" and c.tile_clip == 1.7 and (c.k_clip, c.v_clip) == (affine.k_clip, affine.v_clip)
+    assert describe_resolved(m, c) == got.describe() == "wush+rmean+ktiles+ldlq (tile clip 1.7)"
     transforms_for(model, cal, m)  # the tiny calibration holds what it needs: the pre-RoPE mean and the Hessians
-    c = config_for(m, c)
     assert (c.side_quantizer("key"), c.side_quantizer("value")) == ("kvarn", "affine")
     assert (c.windows.S_sink, c.windows.S_keep, c.windows.S_flush) == (64, 196, 128)
-    assert auto_method("smollm2-135m", cal, QuantConfig(2, 4, quantizer="affine"))[0] == "wush+rmean"  # K ≠ V
+    assert resolve_auto("smollm2-135m", cal, QuantConfig(2, 4, quantizer="affine")).method.name == "wush+rmean"  # K ≠ V
     for st in cal.stats:  # a calibration made before the pre-RoPE mean was stored: the centered recipe cannot run
         st.pop("mu_K_pre")
-    assert auto_method("smollm2-135m", cal, affine) == ("wush", affine)
+    got = resolve_auto("smollm2-135m", cal, affine)
+    assert (got.method.name, got.config) == ("wush", affine)
     assert describe_resolved("wush+ldlq", QuantConfig(2, 2, quantizer="quest", k_alpha=1.15, v_alpha=1.45)) == "wush+ldlq (αK×1.15 αV×1.45)"
     assert describe_resolved("wush", affine) == "wush"
 
@@ -283,7 +287,7 @@ def test_auto_method_in_the_generation_setting(tiny_cal):
 def test_auto_calibration_note(tiny_cal):
     from types import SimpleNamespace
 
-    from wushkv.eval.methods import auto_calibration_note
+    from wushkv.methods.auto import auto_calibration_note
 
     same = SimpleNamespace(meta={"samples": 32, "seq_len": 2048})
     assert auto_calibration_note("smollm2-135m", same) is None

@@ -13,12 +13,12 @@ import torch
 
 from ..cache import WushKVCache
 from ..calibration import Calibration, calibrate
-from ..config import PER_TOKEN_QUANTIZERS, QuantConfig, WindowConfig
+from ..config import QuantConfig
 from ..folding import apply_transforms
+from ..methods.spec import KVARN_TILE, MethodSpec, key_tile_windows, parse  # noqa: F401  (KVARN_TILE, key_tile_windows: transitional)
 from ..models import fingerprint
 from .perplexity import perplexity
 
-KVARN_TILE = 128
 MIN_CHUNKS_FOR_INTERVAL = 4  # a bootstrap over fewer chunks says nothing
 
 
@@ -41,32 +41,10 @@ def cached_calibration(model, tokenizer, samples: int, seq_len: int, damping: fl
     return cal
 
 
-def key_tile_windows(w: WindowConfig, tile: int = KVARN_TILE) -> WindowConfig:
-    """The windows of a ``+ktiles`` method: flushes of one ``tile``, the same sink, and a recent window shortened
-    so that the average number of full-precision tokens equals ``w``'s: S_sink + S_keep + (S_flush − 1)/2 there,
-    S_sink + S_keep' + (tile − 1)/2 here, so S_keep' = S_keep + (S_flush − tile)/2 (at least 0). 16/128/16
-    becomes 16/72/128 and 64/256/8 becomes 64/196/128."""
-    return WindowConfig(w.S_sink, max(0, w.S_keep + (w.S_flush - tile) // 2), tile)
-
-
-def config_for(transform: str, base: QuantConfig) -> QuantConfig:
-    """KVarN (and any ``<transform>+tiles`` method) brings its own quantizer and tile windows: the first tile
-    stays in full precision, new tokens wait in a full-precision tail until a tile fills (a per-token clip
-    search does not apply to tiles and is dropped). A ``+ktiles`` method keeps the configured per-token
-    quantizer for its values, puts its keys in tiles, and runs under :func:`key_tile_windows`."""
-    from .methods import KTILES_SUFFIX, LDLQ_SUFFIX, uses_key_tiles, uses_ldlq, uses_tiles
-
-    if uses_ldlq(transform) and base.quantizer not in PER_TOKEN_QUANTIZERS:
-        raise ValueError(f"method {transform!r}: error-feedback rounding ({LDLQ_SUFFIX}) needs a per-token quantizer (quest, affine), "
-                         f"got --quantizer {base.quantizer!r}")
-    if uses_tiles(transform):
-        return replace(base, quantizer="kvarn", key_quantizer=None, clip_search=0, windows=WindowConfig(KVARN_TILE, 0, KVARN_TILE))
-    if uses_key_tiles(transform):
-        if base.quantizer not in PER_TOKEN_QUANTIZERS:
-            raise ValueError(f"method {transform!r}: {KTILES_SUFFIX} quantizes the values per token; it needs --quantizer quest or "
-                             f"affine, got {base.quantizer!r}")
-        return replace(base, key_quantizer="kvarn", windows=key_tile_windows(base.windows))
-    return base
+def config_for(transform, base: QuantConfig) -> QuantConfig:
+    """Transitional: the quantizer settings of a method (:meth:`wushkv.methods.MethodSpec.quant_config`); other methods run at ``base``."""
+    m = parse(transform)
+    return m.quant_config(base) if isinstance(m, MethodSpec) else base
 
 
 def quantized_perplexity(model, chunks: torch.Tensor, calibration: Calibration | None, transform: str, cfg: QuantConfig,
