@@ -34,7 +34,7 @@ def main(argv: list[str] | None = None) -> int:
     path = Path(args[0])
     new = render(path.read_text())
     if new != path.read_text():
-        atomic_write(path, new)
+        atomic_write(path, lambda tmp: Path(tmp).write_text(new, encoding="utf-8"))
         print(f"updated {path}")
     return 0
 

@@ -329,7 +329,7 @@ def grammar_markdown() -> str:
     for s, h in SUFFIX_HELP.items():
         lines.append(f"| `{s}` | {h} |")
     lines += [f"| `{FULL_PRECISION_NAME}` | transformers' `DynamicCache` (the ceiling) |",
-              f"| `stock-<{'|'.join(STOCK_BACKENDS)}>-<2\\|4>` | the stock transformers `QuantizedCache` on the unmodified model |",
+              "| `stock-<" + "\\|".join(STOCK_BACKENDS) + ">-<2\\|4>` | the stock transformers `QuantizedCache` on the unmodified model |",
               f"| `{AUTO_NAME}` | per model, quantizer and width, the WUSH variant chosen on held-out C4 (`wushkv.methods.auto`) |"]
     return ("Suffixes may come in any order; results are keyed by the canonical name, which writes them in the order "
             + ", ".join(f"`{s}`" for s in SUFFIX_ORDER) + ".\n\n" + "\n".join(lines) + "\n")
