@@ -46,7 +46,7 @@ Studies (each a list of variants; every variant is evaluated at every ``--bits``
   that side alone quantized, first S_sink tokens in full precision) on ``--clip-seqs`` held-out C4
   sequences, separately for each width; against the same transform with α × 1;
 * ``alloc``: bit allocation at a fixed mean width (``--budgets``, between ``--low`` and ``--high``
-  bits): per (layer, side) sensitivities measured on calibration text (:mod:`wushkv.allocation`,
+  bits): per (layer, side) sensitivities measured on calibration text (:mod:`wushkv.eval.allocation`,
   ``--sens-seqs`` × ``--sens-seq-len`` C4 tokens, cached in ``--sensitivity``), the most sensitive
   pairs upgraded, against a random allocation of the same budget and the uniform K↑V↓ / K↓V↑ splits;
   run it with ``--bits`` = ``--low`` (the widths come from the variants).
@@ -77,7 +77,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 
 import torch  # noqa: E402
 
-from wushkv.allocation import allocate_bits, layer_sensitivity, mean_bits, random_allocation  # noqa: E402
+from wushkv.eval.allocation import allocate_bits, layer_sensitivity, mean_bits, random_allocation  # noqa: E402
 from wushkv.cache import WushKVCache  # noqa: E402
 from wushkv.calibration import Calibration, calibration_sequences, collect_statistics, pre_rope_key_mean  # noqa: E402
 from wushkv.config import PERPLEXITY_WINDOWS, QuantConfig, WindowConfig  # noqa: E402

@@ -63,7 +63,7 @@ def main() -> None:
         fused = median_ms(run_fused, args.repeats) if fused_ok else float("nan")
         print(f"{str(shape):22s} {plain:10.3f}ms {loop:8.3f}ms {fused:8.3f}ms {fused / plain:11.1f}x {loop / fused:10.1f}x", flush=True)
 
-    from wushkv.transforms.kvarn import kvarn_quantize
+    from wushkv.quantizers.kvarn import kvarn_quantize
 
     print(f"\nkey tiles (KVarN, 2 bits, tile clip 1.7)\n{'shape (B, H, N, d)':22s} {'plain tiles':>12s} {'feedback':>10s} {'feedback/plain':>15s}")
     for shape in ((1, 3, 128, 64), (1, 1, 128, 256), (1, 3, 2048, 64), (1, 1, 2048, 256)):

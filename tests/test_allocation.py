@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from conftest import tiny_model
-from wushkv.allocation import SIDES, allocate_bits, allocation_configs, layer_sensitivity, mean_bits, random_allocation
+from wushkv.eval.allocation import SIDES, allocate_bits, allocation_configs, layer_sensitivity, mean_bits, random_allocation
 from wushkv.cache import WushKVCache
 from wushkv.config import QuantConfig, WindowConfig
 from wushkv.eval.perplexity import perplexity

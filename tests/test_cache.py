@@ -312,7 +312,7 @@ def test_left_padded_tiles_crop_and_reorder():
 
 
 def test_padding_errors():
-    from wushkv.cache import left_padding
+    from wushkv.layer import left_padding
 
     model = tiny_model("llama")
     assert left_padding(torch.tensor([[0, 0, 1, 1], [1, 1, 1, 1]])).tolist() == [2, 0]

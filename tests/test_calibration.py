@@ -23,7 +23,7 @@ def text_file(tmp_path):
 
 def capture_qkv(model, ids):
     """Slow reference: capture post-RoPE q/k and v with a plain observer (no accumulation)."""
-    from wushkv.attention import restore_attention, use_wushkv_attention
+    from wushkv.hf import restore_attention, use_wushkv_attention
 
     seen = {}
 
@@ -139,16 +139,17 @@ def test_version_mismatch(tmp_path, text_file):
 
 
 def test_no_partial_file_on_interrupt(tmp_path, monkeypatch, text_file):
-    import wushkv.calibration as C
+    import os
 
     cal = calibrate(tiny_model("llama"), CharTokenizer(), samples=1, seq_len=32, text_file=text_file, show_progress=False)
 
     def boom(*a, **k):
         raise KeyboardInterrupt
 
-    monkeypatch.setattr(C, "save_file", boom)
-    with pytest.raises(KeyboardInterrupt):
-        cal.save(tmp_path / "c.safetensors")
+    with monkeypatch.context() as m:  # interrupted after the temporary file is written, before it takes the name
+        m.setattr(os, "replace", boom)
+        with pytest.raises(KeyboardInterrupt):
+            cal.save(tmp_path / "c.safetensors")
     assert sorted(p.name for p in tmp_path.iterdir()) == ["calib.txt"]  # no partial or temporary file
 
 

@@ -45,16 +45,17 @@ CASES = {
 
 
 @pytest.fixture(params=["kernels", "pytorch"])
-def path(request, monkeypatch):
+def path(request):
     """Both implementations of the code-domain products: the fused CPU kernels and pure PyTorch."""
     if request.param == "kernels":
         from wushkv._ext import kernels
 
         if kernels() is None:
             pytest.skip("the fused CPU kernels could not be built here (no compiler or ninja)")
+        yield request.param
     else:
-        monkeypatch.setattr(decode, "USE_KERNELS", False)
-    return request.param
+        with decode.kernels_enabled(False):
+            yield request.param
 
 
 @pytest.mark.parametrize("name", list(CASES))

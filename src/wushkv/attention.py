@@ -1,18 +1,7 @@
-"""Attention for wushkv, plugged into transformers through ``AttentionInterface``.
+"""Attention math: plain, and the exact single-pass emulation of streaming a quantized cache.
 
-One registered function, ``"wushkv"``, does three jobs, decided by what it is handed:
-
-* a :class:`~wushkv.cache.KVView` from the wushkv cache as ``key``: attention over the quantized
-  cache (exact single-pass emulation of streaming decoding in prefill, [sink; dequantized middle;
-  recent] in decode);
-* plain tensors: full-precision attention, with the online key transform of the module (if one is
-  installed by :func:`wushkv.folding.apply_transforms`) applied to keys (``k' = T_K k``) and queries
-  (``q' = T_K^{-T} q``), which leaves ``qᵀk`` unchanged;
-* a ``wushkv_observer`` keyword (calibration, reconstruction): the observer sees the raw queries,
-  keys and values of every layer before attention runs.
-
-A boolean mask function is registered under the same name: transformers builds no mask at all for an
-unknown name, which would make attention silently non-causal.
+Nothing here knows of the cache or of transformers: the cache's views (:mod:`wushkv.layer`) and the
+registered attention function (:mod:`wushkv.hf`) call these functions.
 
 Shapes: queries ``(B, Hq, T, d)``, keys/values ``(B, Hkv, S, d)``, ``Hq = G·Hkv`` with query head
 ``g`` reading KV head ``g // G`` (transformers' ``repeat_kv`` order).
@@ -20,9 +9,9 @@ Shapes: queries ``(B, Hq, T, d)``, keys/values ``(B, Hkv, S, d)``, ``Hq = G·Hkv
 
 from __future__ import annotations
 
-import torch
+import contextlib
 
-ATTN_IMPLEMENTATION = "wushkv"
+import torch
 
 
 def grouped(q: torch.Tensor, num_kv_heads: int) -> torch.Tensor:
@@ -99,6 +88,21 @@ def selective_attention(
 QUERY_BLOCK: int | None = 256  # query rows per SDPA call in the emulation (see fused_selective_attention)
 
 
+@contextlib.contextmanager
+def query_block(block: int | None):
+    """Within the block, :func:`fused_selective_attention` called with its default ``block`` takes
+    ``block`` query rows per SDPA call (None: one call over every column), e.g. to time the
+    unblocked emulation; the previous value comes back afterwards, also on error."""
+    global QUERY_BLOCK
+    if block is not None and (not isinstance(block, int) or block < 1):
+        raise ValueError(f"block must be a positive number of query rows or None, got {block!r}")
+    previous, QUERY_BLOCK = QUERY_BLOCK, block
+    try:
+        yield
+    finally:
+        QUERY_BLOCK = previous
+
+
 def fused_selective_attention(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -157,7 +161,7 @@ def fast_attention(q, k, v, allowed, scaling, softcap=None) -> torch.Tensor:
     return out.transpose(1, 2).contiguous()
 
 
-def _as_allowed(attention_mask: torch.Tensor | None, S: int) -> torch.Tensor | None:
+def as_allowed(attention_mask: torch.Tensor | None, S: int) -> torch.Tensor | None:
     """The mask transformers hands us as bool (B, 1, T, S), True = attend."""
     if attention_mask is None:
         return None
@@ -169,81 +173,3 @@ def _as_allowed(attention_mask: torch.Tensor | None, S: int) -> torch.Tensor | N
     # leak into real rows through 0·NaN in P·V: let such rows attend everywhere (their output is unused).
     return attention_mask | ~attention_mask.any(-1, keepdim=True)
 
-
-def wushkv_attention(
-    module: torch.nn.Module,
-    query: torch.Tensor,
-    key,
-    value,
-    attention_mask: torch.Tensor | None,
-    dropout: float = 0.0,
-    scaling: float | None = None,
-    sliding_window: int | None = None,
-    softcap: float | None = None,
-    **kwargs,
-):
-    """The registered attention function (signature of transformers' ``AttentionInterface``)."""
-    from .cache import _LayerView
-
-    scaling = scaling if scaling is not None else query.shape[-1] ** -0.5
-    if softcap is None:
-        softcap = getattr(module, "attn_logit_softcapping", None)
-    if isinstance(key, _LayerView):
-        return key.attend(module, query, attention_mask, scaling, softcap), None
-    observer = kwargs.get("wushkv_observer")
-    if observer is not None:
-        observer.observe(module, query, key, value, _as_allowed(attention_mask, key.shape[-2]), scaling, softcap)
-    transform = getattr(module, "wushkv_key", None)
-    if transform is not None:
-        query, key = transform.queries(query), transform.keys(key)
-    return fast_attention(query, key, value, _as_allowed(attention_mask, key.shape[-2]), scaling, softcap), None
-
-
-def _bool_mask(*args, **kwargs):
-    from transformers.masking_utils import sdpa_mask
-
-    kwargs.pop("allow_is_causal_skip", None)
-    return sdpa_mask(*args, allow_is_causal_skip=False, **kwargs)
-
-
-def register() -> str:
-    """Register the ``"wushkv"`` attention and mask functions with transformers (idempotent)."""
-    from transformers import AttentionInterface
-    from transformers.masking_utils import AttentionMaskInterface
-
-    AttentionInterface.register(ATTN_IMPLEMENTATION, wushkv_attention)
-    AttentionMaskInterface.register(ATTN_IMPLEMENTATION, _bool_mask)
-    return ATTN_IMPLEMENTATION
-
-
-def use_wushkv_attention(model) -> str:
-    """Switch ``model`` to the wushkv attention; returns the previous implementation name."""
-    register()
-    previous = model.config._attn_implementation
-    if previous != ATTN_IMPLEMENTATION:
-        model.set_attn_implementation(ATTN_IMPLEMENTATION)
-    return previous
-
-
-def restore_attention(model, previous: str) -> None:
-    if previous and model.config._attn_implementation != previous:
-        model.set_attn_implementation(previous)
-
-
-@torch.no_grad()
-def observe_sequences(model, sequences: torch.Tensor, observer, desc: str, show_progress: bool = True) -> None:
-    """Run ``model`` over ``sequences`` (N, L), one at a time, with ``observer.observe`` seeing every
-    layer's raw queries, keys and values. The model must carry no installed transforms; its attention
-    implementation is restored afterwards, also on error."""
-    from .models import attention_modules
-    from .progress import progress
-
-    if any(hasattr(a, "wushkv_key") for a in attention_modules(model)):
-        raise RuntimeError(f"{desc}: run on the original model (transforms are installed; call restore() first)")
-    device = next(model.parameters()).device
-    previous = use_wushkv_attention(model)
-    try:
-        for i in progress(range(sequences.shape[0]), desc=desc, enabled=show_progress, unit="seq"):
-            model(sequences[i : i + 1].to(device), use_cache=False, wushkv_observer=observer)
-    finally:
-        restore_attention(model, previous)

@@ -36,7 +36,8 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 from . import __version__
-from .attention import attention_probs, grouped, observe_sequences
+from .attention import attention_probs, grouped
+from .hf import observe_sequences
 from .io import atomic_write, write_json
 from .progress import progress
 from .models import ArchSpec, attention_modules, describe, fingerprint, model_name, projections, rope_rotate

@@ -20,6 +20,7 @@ from .config import PER_TOKEN_QUANTIZERS, QuantConfig
 from .quantizers import AffineQuantizer, QuestQuantizer, pack, packed_nbytes, unpack
 from .quantizers.base import QTensor, dequantize
 from .quantizers.feedback import feedback_round
+from .quantizers.kvarn import KVarNTiles, kvarn_dequantize, kvarn_quantize
 
 _DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16, "float32": torch.float32}
 
@@ -110,7 +111,7 @@ class KVarNCodec:
     """KVarN tiles of ``block`` tokens (METHOD §7) on Hadamard-rotated keys or values.
 
     With ``feedback`` (heads, d, d), keys only: each tile's channel rows are rounded one after another
-    with error feedback (:func:`wushkv.transforms.kvarn.kvarn_quantize`); same storage and decoder."""
+    with error feedback (:func:`wushkv.quantizers.kvarn.kvarn_quantize`); same storage and decoder."""
 
     def __init__(self, bits: int, head_dim: int, block: int, kind: str, clip: float = 0.0, feedback: torch.Tensor | None = None):
         if feedback is not None and (kind != "key" or tuple(feedback.shape[-2:]) != (head_dim, head_dim)):
@@ -120,8 +121,6 @@ class KVarNCodec:
         self.feedback = feedback
 
     def _quant(self, x):
-        from .transforms.kvarn import kvarn_quantize
-
         return kvarn_quantize(x.float(), self.bits, self.kind, tile=self.block, clip=self.clip, feedback=self.feedback)
 
     def encode(self, x):
@@ -129,14 +128,10 @@ class KVarNCodec:
         return {"codes": pack(t.codes, self.bits, check=False), "scale": t.scale, "zero": t.zero, "s_fold": t.s_fold}
 
     def decode(self, s, n):
-        from .transforms.kvarn import KVarNTiles, kvarn_dequantize
-
         codes = unpack(s["codes"], self.bits, self.d)
         return kvarn_dequantize(KVarNTiles(codes, s["scale"], s["zero"], s["s_fold"], self.bits, self.kind, self.block))
 
     def fake(self, x):
-        from .transforms.kvarn import kvarn_dequantize
-
         return kvarn_dequantize(self._quant(x))
 
 

@@ -59,7 +59,7 @@ class QuantConfig:
     * ``k_alpha``/``v_alpha``: QuEST clip multipliers on α_b (1.0 = the Gaussian optimum).
     * ``tile_clip``: ``kvarn`` sides only: each balanced row is quantized over its mean ± tile_clip·α_b·σ
       (within its min-max) instead of its min-max; 0 = KVarN as published
-      (:func:`wushkv.transforms.kvarn.kvarn_quantize`). Same bytes.
+      (:func:`wushkv.quantizers.kvarn.kvarn_quantize`). Same bytes.
     * ``clip_search``: per-token quantizers (quest, affine) only: 0 = the fixed clip; n > 0 = every
       token (group) picks the clip of least squared error among n + 1 candidates when it is quantized
       (same bytes, same decoder; :func:`wushkv.quantizers.search_multipliers`).

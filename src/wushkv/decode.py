@@ -21,17 +21,31 @@ codes; elsewhere, or where they cannot be built, the pure-PyTorch path above run
 
 from __future__ import annotations
 
+import contextlib
 import sys
 
 import torch
 
+from .attention import reference_attention
 from .codecs import TokenCodec
 from .quantizers import unpack
 
 DEFAULT_BLOCK = 4096
 _EXT = None  # the compiled kernels once looked up (False: unavailable)
-USE_KERNELS = True  # the fused CPU kernels of wushkv._ext where available (tests switch them off to compare)
+USE_KERNELS = True  # the fused CPU kernels of wushkv._ext where available (kernels_enabled(False) switches them off)
 _TABLES: dict = {}
+
+
+@contextlib.contextmanager
+def kernels_enabled(enabled: bool):
+    """Within the block, use (True) or bypass (False) the fused CPU kernels, e.g. to compare both paths
+    on the same inputs; the previous choice comes back afterwards, also on error."""
+    global USE_KERNELS
+    previous, USE_KERNELS = USE_KERNELS, bool(enabled)
+    try:
+        yield
+    finally:
+        USE_KERNELS = previous
 
 
 def _code_table(bits: int, width: int, dtype: torch.dtype, device) -> torch.Tensor:
@@ -221,8 +235,6 @@ def decode_attention(
 
 def dequantize_then_attend(query, parts_k, parts_v, allowed, scaling, softcap=None) -> torch.Tensor:
     """Reference: dequantize every part, concatenate, plain attention. Returns (B, 1, Hq, d)."""
-    from .attention import reference_attention
-
     def full(parts):
         xs = [p if torch.is_tensor(p) else p[0].decode(p[1], p[2]).to(query.dtype) for p in parts if torch.is_tensor(p) or p[2]]
         return torch.cat(xs, dim=2)
@@ -234,4 +246,4 @@ def dequantize_then_attend(query, parts_k, parts_v, allowed, scaling, softcap=No
     return reference_attention(query, K, V, allowed, scaling, softcap)
 
 
-__all__ = ["decode_attention", "dequantize_then_attend", "codes_as_float", "DEFAULT_BLOCK"]
+__all__ = ["decode_attention", "dequantize_then_attend", "codes_as_float", "kernels_enabled", "DEFAULT_BLOCK"]

@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
-from .attention import restore_attention, use_wushkv_attention
+from .hf import restore_attention, use_wushkv_attention
 from .models import ArchSpec, attention_modules, describe, projections, rope_parameters, rope_rotate
 
 KEY_TRANSFORM_NAME = "wushkv_key"

@@ -15,10 +15,11 @@ import math
 
 import torch
 
-from ..attention import fast_attention, observe_sequences
+from ..attention import fast_attention
 from ..codecs import make_codec
 from ..config import QuantConfig
 from ..folding import KeyTransform
+from ..hf import observe_sequences
 from ..models import describe
 
 

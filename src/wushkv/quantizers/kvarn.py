@@ -1,4 +1,4 @@
-"""KVarN: calibration-free tile quantization of the KV cache (METHOD §7).
+"""KVarN: calibration-free tile quantization of the KV cache (METHOD §7), a quantizer of token tiles.
 
 Per (layer, KV head) the cache is cut into tiles of G = ``tile`` consecutive tokens × d channels.
 Step 1 (the normalized Hadamard 𝓗 along channels) is the caller's key/value transform: every
@@ -28,6 +28,8 @@ from dataclasses import dataclass
 
 import torch
 from torch import Tensor
+
+from .quest import QUEST_ALPHA
 
 __all__ = [
     "KVarNTiles",
@@ -262,8 +264,6 @@ def _row_grid(b: Tensor, bits: int, clip: float) -> tuple[Tensor, Tensor]:
     # (lo, step) of balanced rows b (..., C): min-max, or clipped to mean ± clip·α_b·σ
     lo, hi = b.amin(-1), b.amax(-1)
     if clip > 0:
-        from ..quantizers.quest import QUEST_ALPHA
-
         mu, half = b.mean(-1), clip * QUEST_ALPHA[bits] * b.std(-1, correction=0)
         lo, hi = torch.maximum(lo, mu - half), torch.minimum(hi, mu + half)
     return lo, ((hi - lo) / (2**bits - 1)).clamp_min(_SCALE_FLOOR)

@@ -19,7 +19,11 @@ from dataclasses import replace
 
 import torch
 
-from .config import CACHE_BITS, QuantConfig
+from ..cache import WushKVCache
+from ..config import CACHE_BITS, QuantConfig
+from ..models import describe
+from ..progress import progress
+from .perplexity import perplexity
 
 SIDES = ("key", "value")
 
@@ -84,11 +88,6 @@ def layer_sensitivity(model, chunks: torch.Tensor, base: QuantConfig, widths=(2,
     earlier, interrupted call (same layout), which are kept; ``on_result(partial)`` is called after each
     measurement (for resumable runs).
     """
-    from .cache import WushKVCache
-    from .eval.perplexity import perplexity
-    from .models import describe
-    from .progress import progress
-
     L = describe(model).num_layers
     out = {"fp_nll": None, "key": {}, "value": {}} if done is None else dict(done)
     for side in SIDES:  # JSON round trips turn the widths into strings

@@ -9,7 +9,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from wushkv.transforms.kvarn import (
+from wushkv.quantizers.kvarn import (
     KVarNTiles,
     balance,
     imbalance,

@@ -1,0 +1,105 @@
+"""The transformers integration: wushkv attention plugged in through ``AttentionInterface``.
+
+One registered function, ``"wushkv"``, does three jobs, decided by what it is handed:
+
+* a :class:`~wushkv.layer.LayerView` from the wushkv cache as ``key``: attention over the quantized
+  cache (exact single-pass emulation of streaming decoding in prefill, [sink; dequantized middle;
+  recent] in decode);
+* plain tensors: full-precision attention, with the online key transform of the module (if one is
+  installed by :func:`wushkv.folding.apply_transforms`) applied to keys (``k' = T_K k``) and queries
+  (``q' = T_K^{-T} q``), which leaves ``qᵀk`` unchanged;
+* a ``wushkv_observer`` keyword (calibration, reconstruction): the observer sees the raw queries,
+  keys and values of every layer before attention runs.
+
+A boolean mask function is registered under the same name: transformers builds no mask at all for an
+unknown name, which would make attention silently non-causal.
+
+The math is :mod:`wushkv.attention`'s. Shapes: queries ``(B, Hq, T, d)``, keys/values
+``(B, Hkv, S, d)``, ``Hq = G·Hkv`` with query head ``g`` reading KV head ``g // G`` (transformers'
+``repeat_kv`` order).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .attention import as_allowed, fast_attention
+from .layer import LayerView
+from .models import attention_modules
+from .progress import progress
+
+ATTN_IMPLEMENTATION = "wushkv"
+
+
+def wushkv_attention(
+    module: torch.nn.Module,
+    query: torch.Tensor,
+    key,
+    value,
+    attention_mask: torch.Tensor | None,
+    dropout: float = 0.0,
+    scaling: float | None = None,
+    sliding_window: int | None = None,
+    softcap: float | None = None,
+    **kwargs,
+):
+    """The registered attention function (signature of transformers' ``AttentionInterface``)."""
+    scaling = scaling if scaling is not None else query.shape[-1] ** -0.5
+    if softcap is None:
+        softcap = getattr(module, "attn_logit_softcapping", None)
+    if isinstance(key, LayerView):
+        return key.attend(module, query, attention_mask, scaling, softcap), None
+    observer = kwargs.get("wushkv_observer")
+    if observer is not None:
+        observer.observe(module, query, key, value, as_allowed(attention_mask, key.shape[-2]), scaling, softcap)
+    transform = getattr(module, "wushkv_key", None)
+    if transform is not None:
+        query, key = transform.queries(query), transform.keys(key)
+    return fast_attention(query, key, value, as_allowed(attention_mask, key.shape[-2]), scaling, softcap), None
+
+
+def _bool_mask(*args, **kwargs):
+    from transformers.masking_utils import sdpa_mask
+
+    kwargs.pop("allow_is_causal_skip", None)
+    return sdpa_mask(*args, allow_is_causal_skip=False, **kwargs)
+
+
+def register() -> str:
+    """Register the ``"wushkv"`` attention and mask functions with transformers (idempotent)."""
+    from transformers import AttentionInterface
+    from transformers.masking_utils import AttentionMaskInterface
+
+    AttentionInterface.register(ATTN_IMPLEMENTATION, wushkv_attention)
+    AttentionMaskInterface.register(ATTN_IMPLEMENTATION, _bool_mask)
+    return ATTN_IMPLEMENTATION
+
+
+def use_wushkv_attention(model) -> str:
+    """Switch ``model`` to the wushkv attention; returns the previous implementation name."""
+    register()
+    previous = model.config._attn_implementation
+    if previous != ATTN_IMPLEMENTATION:
+        model.set_attn_implementation(ATTN_IMPLEMENTATION)
+    return previous
+
+
+def restore_attention(model, previous: str) -> None:
+    if previous and model.config._attn_implementation != previous:
+        model.set_attn_implementation(previous)
+
+
+@torch.no_grad()
+def observe_sequences(model, sequences: torch.Tensor, observer, desc: str, show_progress: bool = True) -> None:
+    """Run ``model`` over ``sequences`` (N, L), one at a time, with ``observer.observe`` seeing every
+    layer's raw queries, keys and values. The model must carry no installed transforms; its attention
+    implementation is restored afterwards, also on error."""
+    if any(hasattr(a, "wushkv_key") for a in attention_modules(model)):
+        raise RuntimeError(f"{desc}: run on the original model (transforms are installed; call restore() first)")
+    device = next(model.parameters()).device
+    previous = use_wushkv_attention(model)
+    try:
+        for i in progress(range(sequences.shape[0]), desc=desc, enabled=show_progress, unit="seq"):
+            model(sequences[i : i + 1].to(device), use_cache=False, wushkv_observer=observer)
+    finally:
+        restore_attention(model, previous)
