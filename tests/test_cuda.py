@@ -13,7 +13,7 @@ import torch
 
 from wushkv.calibration import calibrate
 from wushkv.config import QuantConfig, WindowConfig
-from wushkv.eval.methods import method_cache
+from wushkv.methods.install import method_cache
 from wushkv.eval.passkey import answer_and_logprob
 from wushkv.eval.perplexity import perplexity
 

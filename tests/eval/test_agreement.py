@@ -7,7 +7,8 @@ import torch
 
 from wushkv.config import QuantConfig, WindowConfig
 from wushkv.eval.agreement import common_prefix, common_prefixes, greedy, kl_and_top1, next_token_logits, run_agreement, summarize
-from wushkv.eval.methods import check_methods, method_cache, parse_stock
+from wushkv.methods import MethodSpec, StockCache, parse
+from wushkv.methods.install import method_cache
 
 from conftest import tiny_model
 
@@ -106,11 +107,11 @@ def test_full_precision_agrees_perfectly_and_bits_order():
 
 
 def test_method_names():
-    assert parse_stock("stock-hqq-2") == ("hqq", 2) and parse_stock("wush") is None
+    assert parse("stock-hqq-2") == StockCache("hqq", 2) and isinstance(parse("wush"), MethodSpec)
     with pytest.raises(ValueError, match="stock-<backend>-<bits>"):
-        parse_stock("stock-hqq-3")
+        parse("stock-hqq-3")
     with pytest.raises(ValueError, match="unknown method 'nope'"):
-        check_methods(["wush", "nope"])
+        parse("nope")
 
 
 @torch.no_grad()

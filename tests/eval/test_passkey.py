@@ -97,7 +97,7 @@ def test_answer_logprob_is_teacher_forced_and_leaves_generation_alone(method):
     from transformers import DynamicCache
 
     from wushkv.eval.agreement import greedy
-    from wushkv.eval.methods import method_cache
+    from wushkv.methods.install import method_cache
     from wushkv.eval.passkey import answer_and_logprob, key_tokens
 
     model, tok = tiny_model("llama"), CharTokenizer()

@@ -230,7 +230,7 @@ def run_agreement(model, prompts: torch.Tensor, methods: list[str], calibration,
     """
     from transformers import DynamicCache
 
-    from .methods import method_cache
+    from ..methods.install import method_cache
 
     if batch < 1:
         raise ValueError(f"batch must be at least 1, got {batch}")

@@ -140,7 +140,7 @@ def run_passkey(model, tokenizer, methods: list[str], calibration, cfg, contexts
     method -> case (``context/depth/trial``) -> hit, and ``save(state)`` is called after every prompt.
     Returns, per method, the accuracy per ``context/depth`` cell over the cases done.
     """
-    from .methods import method_cache
+    from ..methods.install import method_cache
 
     device = next(model.parameters()).device
     state = {} if state is None else state
