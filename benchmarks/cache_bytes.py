@@ -14,18 +14,14 @@ summed over layers, per token, and against the QuEST layout of the same width.
 from __future__ import annotations
 
 import argparse
-import sys
-from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
+import torch
 
-import torch  # noqa: E402
-
-from wushkv.cache import WushKVCache  # noqa: E402
-from wushkv.config import QuantConfig, WindowConfig  # noqa: E402
-from wushkv.data import load_eval_text, tokenize_chunks  # noqa: E402
-from wushkv.models import load  # noqa: E402
-from wushkv.report import format_table  # noqa: E402
+from wushkv.cache import WushKVCache
+from wushkv.config import QuantConfig, WindowConfig
+from wushkv.data import load_eval_text, tokenize_chunks
+from wushkv.models import load
+from wushkv.report import format_table
 
 
 def layout_config(name: str, bits: int) -> QuantConfig:
@@ -47,31 +43,47 @@ def layout_config(name: str, bits: int) -> QuantConfig:
     return QuantConfig(bits, bits, quantizer=parts[0], group_size=int(parts[1][1:]), windows=WindowConfig(s, k, f))
 
 
-def main() -> None:
+HEADERS = ["bits", "layout", "codes", "metadata", "full precision (bf16)", "total", "bytes/token", "× first layout"]
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default="smollm2-135m")
     ap.add_argument("--tokens", type=int, default=2048)
     ap.add_argument("--bits", default="2,3,4")
     ap.add_argument("--layouts", default="quest g64 16/128/16,quest g32 16/128/16,kvarn tiles")
-    args = ap.parse_args()
-    torch.set_grad_enabled(False)
-    model, tok = load(args.model)
-    text, _ = load_eval_text(None)
-    ids = tokenize_chunks(tok, text, args.tokens, 1)
+    return ap.parse_args(argv)
+
+
+@torch.no_grad()
+def measure(model, ids: torch.Tensor, bits: list[int], layouts: list[str]) -> list[list]:
+    """One row (:data:`HEADERS`) per width and layout: ``cache.nbytes()`` after a prefill of ``ids`` (1, tokens)
+    through a fresh ``WushKVCache``, its full-precision part counted at 2 bytes per element (bf16, as deployed;
+    the run itself is in the model's dtype), per token, and against the first layout of the same width."""
     elem = next(model.parameters()).element_size()
     rows = []
-    for b in (int(x) for x in args.bits.split(",")):
+    for b in bits:
         ref = None
-        for name in args.layouts.split(","):
+        for name in layouts:
             cache = WushKVCache(model, layout_config(name, b))
             model(ids, cache=cache, use_cache=True)
             n = cache.nbytes()
             n["full_precision"] = n["full_precision"] * 2 // elem  # counted as bf16, as deployed (this run is float32)
             total = n["codes"] + n["metadata"] + n["full_precision"]
             ref = ref or total
-            rows.append([b, name, n["codes"], n["metadata"], n["full_precision"], total, round(total / args.tokens, 1), round(total / ref, 3)])
+            rows.append([b, name, n["codes"], n["metadata"], n["full_precision"], total, round(total / ids.shape[1], 1), round(total / ref, 3)])
+    return rows
+
+
+def main(argv: list[str] | None = None) -> list[list]:
+    args = parse_args(argv)
+    model, tok = load(args.model)
+    text, _ = load_eval_text(None)
+    ids = tokenize_chunks(tok, text, args.tokens, 1)
+    rows = measure(model, ids, [int(x) for x in args.bits.split(",")], args.layouts.split(","))
     print(f"{args.model}, one prefill of {args.tokens} tokens, bytes summed over layers and KV heads (identity transform)")
-    print(format_table(["bits", "layout", "codes", "metadata", "full precision (bf16)", "total", "bytes/token", "× first layout"], rows))
+    print(format_table(HEADERS, rows))
+    return rows
 
 
 if __name__ == "__main__":

@@ -4,42 +4,40 @@
 
 Measures, on the same calibration sequences: (1) the plain forward passes (sdpa attention, no cache),
 (2) wushkv's statistics collection (same forwards + streaming float64 statistics). Prints wall time
-and peak RSS growth of each, and their ratios.
+and peak RSS growth of each, and their ratios. (``wush_a_cost.py`` sets WUSH-A's statistics against plain ones.)
 """
 
 from __future__ import annotations
 
 import argparse
 import gc
-import json
 import resource
-import sys
 import time
-from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
-
-from wushkv.calibration import calibration_sequences, collect_statistics  # noqa: E402
-from wushkv.models import load  # noqa: E402
+from wushkv.calibration import calibration_sequences, collect_statistics
+from wushkv.io import write_json
+from wushkv.models import load
 
 
 def peak_rss_mib() -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
 
 
-def main() -> None:
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default="smollm2-135m")
     ap.add_argument("--samples", type=int, default=4)
     ap.add_argument("--seq-len", type=int, default=2048)
     ap.add_argument("--wush-a", action="store_true")
     ap.add_argument("--json", default=None)
-    args = ap.parse_args()
+    return ap.parse_args(argv)
 
-    model, tok = load(args.model)
-    seqs = calibration_sequences(tok, args.samples, args.seq_len)
+
+def run(args, model, seqs: torch.Tensor) -> dict:
+    """Time the plain forwards and the statistics collection over ``seqs`` (N, seq_len) token ids; prints the lines
+    and returns what ``--json`` holds (``time_ratio``: calibration over forward; ``memory_ratio``: peak growth)."""
     with torch.no_grad():
         model(seqs[:1, :64])  # warm-up
     gc.collect()
@@ -70,8 +68,16 @@ def main() -> None:
     print(f"  plain forward   {t_fwd:8.1f} s   peak RSS {peak_fwd:8.0f} MiB")
     print(f"  calibration     {t_cal:8.1f} s   peak RSS {peak_cal:8.0f} MiB")
     print(f"  ratio           {t_cal / t_fwd:8.2f} x time, peak RSS grew {peak_cal - peak_fwd:+.0f} MiB over the forward's peak")
+    return res
+
+
+def main(argv: list[str] | None = None) -> dict:
+    args = parse_args(argv)
+    model, tok = load(args.model)
+    res = run(args, model, calibration_sequences(tok, args.samples, args.seq_len))
     if args.json:
-        Path(args.json).write_text(json.dumps(res, indent=2) + "\n")
+        write_json(args.json, res)
+    return res
 
 
 if __name__ == "__main__":

@@ -26,22 +26,18 @@ from __future__ import annotations
 import argparse
 import gc
 import statistics
-import sys
 import threading
 import time
-from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
-
-from wushkv.cache import WushKVCache  # noqa: E402
-from wushkv.config import QuantConfig, WindowConfig  # noqa: E402
-from wushkv.data import tokenize_chunks, wikitext2_test  # noqa: E402
-from wushkv.folding import apply_transforms  # noqa: E402
-from wushkv.io import write_json  # noqa: E402
-from wushkv.models import describe, load  # noqa: E402
-from wushkv.report import format_table  # noqa: E402
+from wushkv.cache import WushKVCache
+from wushkv.config import QuantConfig, WindowConfig
+from wushkv.data import tokenize_chunks, wikitext2_test
+from wushkv.folding import apply_transforms
+from wushkv.io import write_json
+from wushkv.models import describe, load
+from wushkv.report import format_table
 
 PAGE = 4096
 
@@ -214,7 +210,7 @@ def key_transform_share(model, transforms, spec, batches, results, device="cpu")
     return out
 
 
-def main() -> None:
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default="smollm2-135m")
     ap.add_argument("--calibration", default=None, help="calibration file (WUSH rows); default: random orthogonal key/value transforms, whose run-time cost is the same")
@@ -228,18 +224,25 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=None)
     ap.add_argument("--device", default="cpu", help="torch device: cpu or cuda (default: %(default)s)")
     ap.add_argument("--json", default=None)
-    args = ap.parse_args()
-    if args.threads:
-        torch.set_num_threads(args.threads)
+    return ap.parse_args(argv)
+
+
+def text_tokens(args) -> int:
+    """Tokens of text a run reads: the longest context, then every timed, warm-up and profiled step."""
+    return max(int(x) for x in args.contexts.split(",")) + args.warmup + args.steps + 1  # + 1: the profiled step
+
+
+def run(args, model, text: torch.Tensor) -> dict:
+    """Fill, time and measure every cache of ``args`` on ``model`` (any causal LM :func:`wushkv.models.describe`
+    knows); ``text`` (1, >= :func:`text_tokens`) token ids on the model's device. Prints the rows as they come and
+    the table; returns what ``--json`` holds (``results``: one dict per dtype, context, batch and cache, with
+    ``ms``, ``ratio`` to ``dynamic`` of the same run, ``bytes`` and ``bytes_per_token``)."""
     contexts = [int(x) for x in args.contexts.split(",")]
     batches = [int(x) for x in args.batches.split(",")]
     kinds = args.caches.split(",")
     windows = WindowConfig(*[int(x) for x in args.windows.split(",")])
-    model, tok = load(args.model, device=args.device)
     spec = describe(model)
     steps = args.warmup + args.steps + 1  # + 1: the profiled step
-    text = tokenize_chunks(tok, wikitext2_test(), max(contexts) + steps, 1)
-    text = text.to(args.device)
     ctx_ids = text[:, : max(contexts)]
 
     transforms = {}
@@ -331,11 +334,22 @@ def main() -> None:
         for k, v in share.items():
             print(f"key transform (keys + queries, {spec.num_layers} layers), batch {k}: {v['ms']:.2f} ms per step = "
                   f"{100 * v['share']:.1f}% of the WUSH K2V2 step at context {v['context']}")
+    device = torch.cuda.get_device_name() if text.device.type == "cuda" else "cpu"
+    return {"key_transform_share": share, "model": args.model, "device": device,
+            "torch": torch.__version__, "threads": torch.get_num_threads(), "windows": args.windows,
+            "steps": args.steps, "results": results, "bytes_vs_bf16": summary, "full_bf16_per_token_full_layers": full_bf16}
+
+
+def main(argv: list[str] | None = None) -> dict:
+    args = parse_args(argv)
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    model, tok = load(args.model, device=args.device)
+    text = tokenize_chunks(tok, wikitext2_test(), text_tokens(args), 1).to(args.device)
+    res = run(args, model, text)
     if args.json:
-        device = torch.cuda.get_device_name() if text.device.type == "cuda" else "cpu"
-        write_json(args.json, {"key_transform_share": share, "model": args.model, "device": device,
-                               "torch": torch.__version__, "threads": torch.get_num_threads(), "windows": args.windows,
-                               "steps": args.steps, "results": results, "bytes_vs_bf16": summary, "full_bf16_per_token_full_layers": full_bf16})
+        write_json(args.json, res)
+    return res
 
 
 if __name__ == "__main__":

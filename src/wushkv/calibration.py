@@ -373,7 +373,7 @@ def calibration_documents(meta: dict) -> int | None:
     if not str(meta.get("calibration_source", "")).startswith("c4-validation"):
         return None
     n = c4_documents_read(int(meta["samples"]), int(meta["seq_len"]))
-    extra = meta.get("mu_K_pre")  # the pre-RoPE mean added later by benchmarks/add_rope_mean.py
+    extra = meta.get("mu_K_pre")  # the pre-RoPE mean added later by `wushkv calibration upgrade`
     if isinstance(extra, dict) and extra.get("text_file") is None and "sequences" in extra:
         n = max(n, c4_documents_read(int(extra["sequences"]), int(extra["seq_len"])))
     return n

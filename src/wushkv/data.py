@@ -182,7 +182,7 @@ def heldout_c4_text(first: int = HELDOUT_C4_FIRST, documents: int = HELDOUT_C4_D
     """(text, label): C4 validation documents ``first``..``first + documents − 1`` joined with blank lines.
 
     Text of the calibration's domain that no calibration reads: settings are chosen on it, never on the
-    evaluation text (``benchmarks/heldout_text.py`` writes it to a file)."""
+    evaluation text (``wushkv data heldout`` writes it to a file)."""
     docs = c4_documents(limit=first + documents)[first:]
     if len(docs) < documents:
         raise ValueError(f"the C4 sample has {first + len(docs)} documents; asked for {first}..{first + documents - 1}")

@@ -1,4 +1,4 @@
-"""Simulated key-quantization loss of each transform on synthetic anisotropic keys (METHOD §2).
+"""Simulated key-quantization loss of each transform on synthetic anisotropic keys.
 
 Keys X [d, n] (column convention) have log-normal channel scales, per-channel means, a few
 outlier channels of large magnitude and low-rank channel correlation. A GQA group of query heads
@@ -16,7 +16,7 @@ to the identity transform. OSCAR here uses a simple stand-in for its statistics:
 (mean query outer product of the group) and Sigma_V = M/n (unweighted); only its key rotation
 is exercised.
 
-    python benchmarks/transform_sim.py [--seed 0] [--json out.json]
+    python experiments/transform_sim.py [--seed 0] [--json out.json]
 """
 
 from __future__ import annotations

@@ -1,0 +1,144 @@
+"""Argument parsing of the tool subcommands: ``wushkv calibration upgrade``, ``wushkv data heldout`` and
+``wushkv merge compare|agree|passkey``.
+
+:func:`register` adds them to the CLI's subparsers; each leaf sets ``func(args) -> int`` (the exit code). Refusals
+raise :class:`ValueError` (or :class:`FileNotFoundError`), which the CLI's ``main`` prints as an error.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from ..data import HELDOUT_C4_DOCUMENTS, HELDOUT_C4_FIRST
+
+
+def cmd_calibration_upgrade(args) -> int:
+    from .upgrade import upgrade_file
+
+    print(f"wrote {upgrade_file(args.calibration, args.out, seqs=args.seqs, text_file=args.text_file)}")
+    return 0
+
+
+def cmd_data_heldout(args) -> int:
+    from .heldout import write_heldout
+
+    text, what = write_heldout(args.out, args.source, args.first, args.documents)
+    print(f"{what}, {len(text)} characters -> {args.out}")
+    return 0
+
+
+def cmd_merge_compare(args) -> int:
+    from .merge import compare_report, merge_compare, read_runs
+
+    first, rows = merge_compare(read_runs(args.files))
+    print(compare_report(first, rows, versus=args.versus, plot=args.plot))
+    return 0
+
+
+def cmd_merge_agree(args) -> int:
+    from ..io import write_json
+    from .merge import merge_agree, read_runs
+
+    out = merge_agree(read_runs(args.files))
+    write_json(args.out, out)
+    for method, done in out["state"]["rows"].items():
+        print(f"{method:>16}: {len(done)} prompts")
+    return 0
+
+
+def cmd_merge_passkey(args) -> int:
+    from ..io import write_json
+    from .merge import merge_passkey, read_runs
+
+    out = merge_passkey(read_runs(args.files))
+    write_json(args.out, out)
+    for method, cases in out["state"].items():
+        print(f"{method:>16}: {len(cases)} cases")
+    return 0
+
+
+def _leaves(parser: argparse.ArgumentParser, dest: str):
+    """Nested subcommands of ``parser``; ``wushkv calibration`` alone prints its help and exits 2."""
+    sub = parser.add_subparsers(dest=dest, metavar="SUBCOMMAND")
+
+    def usage(args) -> int:
+        parser.print_help(sys.stderr)
+        return 2
+
+    parser.set_defaults(func=usage)
+    return sub
+
+
+def register(subparsers) -> None:
+    """Add ``calibration``, ``data`` and ``merge`` (with their nested subcommands) to ``subparsers``."""
+    raw = argparse.RawDescriptionHelpFormatter
+
+    p = subparsers.add_parser("calibration", help="operations on calibration files (upgrade)",
+                              description="Operations on calibration files.")
+    sub = _leaves(p, "calibration_command")
+    q = sub.add_parser("upgrade", help="add the pre-RoPE key mean (+rmean methods) to a calibration made before it was collected",
+                       formatter_class=raw, description=(
+                           "Add the pre-RoPE key mean (mu_K_pre, needed by the +rmean methods) to a calibration file made\n"
+                           "before it was collected, keeping its statistics and solved transforms (WUSH stays the same\n"
+                           "solution, signs included); write it to a new file atomically. The mean comes from the first\n"
+                           "--seqs calibration sequences (C4 by default, or --text-file) of the file's own sequence length.\n\n"
+                           "  wushkv calibration upgrade --calibration out/smollm2-c32.safetensors --out out/smollm2-c32-rmean.safetensors"))
+    q.add_argument("--calibration", required=True, help="the calibration file to upgrade (kept as it is)")
+    q.add_argument("--out", required=True, help="where to write the upgraded file (must differ from --calibration)")
+    q.add_argument("--seqs", type=int, default=4, help="calibration sequences to average over (default 4)")
+    q.add_argument("--text-file", default=None, help="UTF-8 text instead of C4")
+    q.set_defaults(func=cmd_calibration_upgrade)
+
+    p = subparsers.add_parser("data", help="write evaluation texts (heldout)", description="Write evaluation texts.")
+    sub = _leaves(p, "data_command")
+    q = sub.add_parser("heldout", help="write a held-out text that no setting was chosen on (C4 past calibration, or Python source)",
+                       formatter_class=raw, description=(
+                           "Write a held-out evaluation text that no setting was chosen on: C4 validation documents\n"
+                           "that no calibration reads (--source c4), or the source of a fixed list of pure-Python\n"
+                           "standard-library modules of the running interpreter (--source python; quote its version).\n\n"
+                           f"  wushkv data heldout --out out/c4_heldout.txt          # C4 documents {HELDOUT_C4_FIRST}..{HELDOUT_C4_FIRST + HELDOUT_C4_DOCUMENTS - 1}\n"
+                           "  wushkv data heldout --source python --out out/python_src.txt\n"
+                           "  wushkv compare --text-file out/c4_heldout.txt --chunks 4 ..."))
+    q.add_argument("--out", required=True)
+    q.add_argument("--source", choices=("c4", "python"), default="c4", help="which text (default: %(default)s)")
+    q.add_argument("--first", type=int, default=HELDOUT_C4_FIRST, help="c4: first document (default: %(default)s)")
+    q.add_argument("--documents", type=int, default=HELDOUT_C4_DOCUMENTS, help="c4: how many documents (default: %(default)s)")
+    q.set_defaults(func=cmd_data_heldout)
+
+    p = subparsers.add_parser("merge", help="put together runs made in parallel (compare, agree, passkey)",
+                              description="Put together runs made in parallel; files of other settings are refused, never mixed.")
+    sub = _leaves(p, "merge_command")
+    q = sub.add_parser("compare", help="merge `wushkv compare --json` files of the same text into one table and plot",
+                       formatter_class=raw, description=(
+                           "Merge several `wushkv compare --json` files run on the same text into one table and plot.\n"
+                           "Files must share the text (hash), the model and the full-precision perplexity; a transform\n"
+                           "that appears in two files is taken from the first.\n\n"
+                           "  wushkv merge compare out/compare_c16.json out/compare_c16_oscar.json --plot docs/img/compare.png"))
+    q.add_argument("files", nargs="+", metavar="JSON")
+    q.add_argument("--plot", default=None)
+    q.add_argument("--versus", default=None, help="also print every row's paired difference from this transform (95%% bootstrap "
+                                                  "interval over chunks), at each width")
+    q.set_defaults(func=cmd_merge_compare)
+    q = sub.add_parser("agree", help="merge `wushkv agree --json` runs made in parallel into one resumable file",
+                       formatter_class=raw, description=(
+                           "Put together `wushkv agree` runs made in parallel (one process per method) into one resumable\n"
+                           "file. Every input must hold the same settings and the same full-precision continuations; a\n"
+                           "method in two files must hold the same per-prompt results over the prompts both have (the\n"
+                           "longer is kept). Anything else is refused rather than mixed.\n\n"
+                           "  wushkv merge agree a2.json a4.json --out agree_all.json\n"
+                           "  wushkv agree --report-only --json agree_all.json --transforms ..."))
+    q.add_argument("files", nargs="+", metavar="JSON")
+    q.add_argument("--out", required=True)
+    q.set_defaults(func=cmd_merge_agree)
+    q = sub.add_parser("passkey", help="merge `wushkv passkey --json` runs made in parallel into one resumable file",
+                       formatter_class=raw, description=(
+                           "Put together `wushkv passkey` runs made in parallel (one process per method) into one\n"
+                           "resumable file. Every input must hold the same settings (a run of only uncalibrated methods\n"
+                           "fits any); a case (method, context/depth/trial) in two files must hold the same result, bit\n"
+                           "for bit. Anything else is refused rather than mixed.\n\n"
+                           "  wushkv merge passkey out/pk_*.json --out out/passkey_all.json\n"
+                           "  wushkv passkey --json out/passkey_all.json --transforms ... --plot p.png"))
+    q.add_argument("files", nargs="+", metavar="JSON")
+    q.add_argument("--out", required=True)
+    q.set_defaults(func=cmd_merge_passkey)

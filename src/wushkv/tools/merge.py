@@ -1,0 +1,142 @@
+"""``wushkv merge compare|agree|passkey``: put together runs made in parallel (one process per method or per
+calibration) into one table or one resumable file.
+
+Every merge refuses rather than mixes: files of another text, model or settings, or holding another result for the
+same case, raise :class:`ValueError` naming the file and what differs.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from ..runs import reconcile_settings
+
+
+def read_runs(paths: list[str]) -> list[tuple[str, dict]]:
+    """[(path, parsed JSON)] in the order given."""
+    return [(str(p), json.loads(Path(p).read_text())) for p in paths]
+
+
+# -- compare --------------------------------------------------------------------------------------------------------
+def merge_compare(runs: list[tuple[str, dict]]) -> tuple[dict, dict]:
+    """(first file's run, {transform: {bits: result}}) of several ``wushkv compare --json`` files of the same text.
+
+    Files must share the model, text hash, chunks, sequence length and the full-precision perplexity (to 1e-9
+    relative); a transform that appears in two files is taken from the first."""
+    first, rows = None, {}
+    for p, d in runs:
+        s = d["settings"]
+        if first is None:
+            first = d
+        else:
+            f = first["settings"]
+            for key in ("model", "text_sha256", "chunks", "seq_len"):
+                if key == "text_sha256" and None in (s.get(key), f.get(key)):
+                    continue  # files written before the text hash was recorded: the full-precision check below still holds
+                if s.get(key) != f.get(key):
+                    raise ValueError(f"{p}: {key} {s.get(key)!r} differs from {runs[0][0]}'s {f.get(key)!r}")
+            if abs(d["fp"]["ppl"] - first["fp"]["ppl"]) > 1e-9 * first["fp"]["ppl"]:
+                raise ValueError(f"{p}: full-precision PPL {d['fp']['ppl']} differs from {runs[0][0]}'s {first['fp']['ppl']}")
+        for t, by_bits in d["results"].items():
+            for b, r in by_bits.items():
+                rows.setdefault(t, {}).setdefault(b, r)
+    return first, rows
+
+
+def compare_report(first: dict, rows: dict, versus: str | None = None, plot: str | None = None) -> str:
+    """The merged table (perplexity and Δ% per width), with ``versus`` every row's paired difference from that
+    transform (95% bootstrap interval over chunks), and with ``plot`` a plot of Δ% against bits written there."""
+    from ..report import format_table
+
+    bits = sorted({int(b) for r in rows.values() for b in r})
+    cell = lambda t, b, k: rows[t].get(str(b), {}).get(k, float("nan"))  # noqa: E731
+    headers = ["transform"] + [f"{b}-bit PPL" for b in bits] + [f"{b}-bit Δ%" for b in bits]
+    table = [[t] + [cell(t, b, "ppl") for b in bits] + [cell(t, b, "delta_pct") for b in bits] for t in rows]
+    s = first["settings"]
+    out = [format_table(headers, table, title=f"{s['model']}: {s['chunks']} x {s['seq_len']} tokens, full precision PPL {first['fp']['ppl']:.3f}")]
+    if versus:
+        from ..eval.compare import paired_difference
+
+        if versus not in rows:
+            raise ValueError(f"--versus {versus!r} is not a row; rows: {sorted(rows)}")
+        out.append(f"\npaired difference from {versus} (Δ% of perplexity, 95% interval over chunks):")
+        for t in rows:
+            if t == versus:
+                continue
+            parts = []
+            for b in bits:
+                a, r = rows[t].get(str(b)), rows[versus].get(str(b))
+                if a and r and a.get("chunk_nll") and r.get("chunk_nll"):
+                    d, lo, hi = paired_difference(a["chunk_nll"], r["chunk_nll"])
+                    parts.append(f"{b}-bit {d:+.2f}% ({lo:+.2f} … {hi:+.2f})")
+            out.append(f"  {t:14s} " + "   ".join(parts))
+    if plot:
+        from ..report import plot_lines
+
+        series = {t: [max(cell(t, b, "delta_pct"), 1e-2) for b in bits] for t in rows}
+        plot_lines(bits, series, plot, "bits (keys and values)", "perplexity increase over full precision (%)",
+                   f"{s['model']}: {s['chunks']} x {s['seq_len']} tokens, full precision PPL {first['fp']['ppl']:.2f}", logy=True)
+        out.append(f"-> {plot}")
+    return "\n".join(out)
+
+
+# -- agree ----------------------------------------------------------------------------------------------------------
+def merge_agree(runs: list[tuple[str, dict]]) -> dict:
+    """One ``wushkv agree --json`` file of several made in parallel (one process per method).
+
+    Every input must hold a run with the same settings (model, prompts, tokens, quantization, calibration recipe;
+    :func:`wushkv.runs.reconcile_settings`) and the same full-precision continuations, token for token. A method
+    present in two files must hold the same per-prompt results over the prompts both have, bit for bit; the longer
+    of the two is kept. The output is what ``wushkv agree --json`` resumes from."""
+    settings, conts, rows = None, None, {}
+    for path, run in runs:
+        state = run.get("state")
+        if not isinstance(run.get("settings"), dict) or not isinstance(state, dict) or "continuations" not in state:
+            raise ValueError(f"{path}: not a file `wushkv agree --json` wrote (no settings/state)")
+        if settings is None:
+            settings, conts = dict(run["settings"]), state["continuations"]
+        else:
+            settings, differ = reconcile_settings(settings, run["settings"])
+            if differ:
+                raise ValueError(f"{path}: other settings than the files before it (differing: {', '.join(differ)})")
+            n = min(len(conts), len(state["continuations"]))
+            if conts[:n] != state["continuations"][:n]:
+                raise ValueError(f"{path}: its full-precision continuations differ from the files before it")
+            if len(state["continuations"]) > len(conts):
+                conts = state["continuations"]
+        for method, done in state.get("rows", {}).items():
+            have = rows.get(method, [])
+            n = min(len(have), len(done))
+            if have[:n] != done[:n]:
+                raise ValueError(f"{path}: {method}'s results differ from an earlier file's over their common prompts")
+            rows[method] = done if len(done) > len(have) else have
+    return {"settings": settings, "state": {"continuations": conts, "rows": rows}}
+
+
+# -- passkey --------------------------------------------------------------------------------------------------------
+def merge_passkey(runs: list[tuple[str, dict]]) -> dict:
+    """One ``wushkv passkey --json`` file of several made in parallel (one process per method).
+
+    Every input must hold a run with the same settings (model, trials, seed, quantization, calibration recipe); a
+    run of only uncalibrated methods (full precision) has none and fits any. Cases are keyed by method and
+    ``context/depth/trial``; a case present in two files must hold the same result, bit for bit, so files of one
+    case made on different devices or library versions are refused rather than mixed. The output is what
+    ``wushkv passkey --json`` resumes from."""
+    settings, state = None, {}
+    for path, run in runs:
+        if not isinstance(run.get("settings"), dict) or not isinstance(run.get("state"), dict):
+            raise ValueError(f"{path}: not a file `wushkv passkey --json` wrote (no settings/state)")
+        if settings is None:
+            settings = dict(run["settings"])
+        else:
+            settings, differ = reconcile_settings(settings, run["settings"])
+            if differ:
+                raise ValueError(f"{path}: other settings than the files before it (differing: {', '.join(differ)})")
+        for method, cases in run["state"].items():
+            into = state.setdefault(method, {})
+            for key, result in cases.items():
+                if key in into and into[key] != result:
+                    raise ValueError(f"{path}: {method} case {key} differs from an earlier file ({result} vs {into[key]})")
+                into[key] = result
+    return {"settings": settings, "state": state}

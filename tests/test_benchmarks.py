@@ -1,0 +1,162 @@
+"""Smoke tests of the performance benchmarks in ``benchmarks/`` on tiny random models: each runs with tiny sizes in
+a few seconds, and its output must hold what the benchmark claims (ratios to the baseline of the same run finite and
+positive, byte counts equal to what the cache reports)."""
+
+from __future__ import annotations
+
+import importlib.util
+import math
+from pathlib import Path
+
+import pytest
+import torch
+
+from wushkv.cache import WushKVCache
+
+from conftest import TINY_CALIBRATION_TEXT, CharTokenizer, tiny_model
+
+BENCHMARKS = Path(__file__).resolve().parents[1] / "benchmarks"
+
+
+def load_benchmark(name: str):
+    """Import ``benchmarks/NAME.py`` by path (the scripts are not a package)."""
+    spec = importlib.util.spec_from_file_location(f"benchmark_{name}", BENCHMARKS / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def positive(x) -> bool:
+    return isinstance(x, float) and math.isfinite(x) and x > 0
+
+
+def test_decode(capsys):
+    decode = load_benchmark("decode")
+    args = decode.parse_args(["--model", "tiny", "--contexts", "40", "--batches", "1,2", "--dtypes", "float32",
+                              "--caches", "dynamic,identity-K2V2,wush-K2V2,wush-K4V2", "--windows", "4,16,4",
+                              "--warmup", "0", "--steps", "1"])
+    model = tiny_model("llama")
+    text = torch.randint(3, 96, (1, decode.text_tokens(args)))
+    assert text.shape[1] == 40 + 0 + 1 + 1  # the longest context, the timed step, the profiled step
+    res = decode.run(args, model, text)
+    rows = {(r["context"], r["batch"], r["cache"]): r for r in res["results"]}
+    assert set(rows) == {(c, b, k) for c in (40,) for b in (1, 2) for k in ("dynamic", "identity-K2V2", "wush-K2V2", "wush-K4V2")}
+    spec_kv = 2 * 2 * 32 * 4  # keys and values, 2 KV heads x 32, float32, per layer and token
+    for (ctx, B, kind), r in rows.items():
+        assert len(r["ms_all"]) == 1 and positive(r["ms"]) and positive(r["ratio"])
+        assert positive(r["bytes_per_token"])
+        if kind == "dynamic":
+            assert r["ratio"] == 1.0
+            assert r["bytes"]["total"] == 3 * spec_kv * B * (ctx + 2)  # every layer keeps every token (context + 2 steps)
+        else:  # packed: far below the float32 cache; K4 above K2; the transform does not change the bytes
+            assert r["bytes"]["total"] < rows[(ctx, B, "dynamic")]["bytes"]["total"]
+            assert r["bytes"]["windows_elem"] == 4
+    for ctx in (40,):
+        for B in (1, 2):
+            assert rows[(ctx, B, "wush-K2V2")]["bytes"] == rows[(ctx, B, "identity-K2V2")]["bytes"]
+            assert rows[(ctx, B, "wush-K4V2")]["bytes"]["total"] > rows[(ctx, B, "wush-K2V2")]["bytes"]["total"]
+    assert set(res["key_transform_share"]) == {1, 2}
+    assert all(positive(v["share"]) and v["context"] == 40 for v in res["key_transform_share"].values())
+    assert "x dynamic" in capsys.readouterr().out
+
+
+def test_decode_bytes_match_the_cache(tmp_path):
+    """The byte count of a wushkv cache is its ``nbytes()`` after the same fill, and that fill is the state a
+    prefill through the cache leaves (same codes and windows, so the same bytes)."""
+    from wushkv.config import QuantConfig, WindowConfig
+
+    decode = load_benchmark("decode")
+    model = tiny_model("llama")
+    ids = torch.randint(3, 96, (1, 50))
+    kv = decode.prefill_kv(model, ids)
+    assert len(kv) == 3 and kv[0][0].shape == (1, 2, 50, 32)
+    windows = WindowConfig(4, 16, 4)
+    filled = decode.make_cache("identity-K2V2", model, windows)
+    decode.fill(filled, kv, 50, 1, torch.float32)
+    nb = decode.cache_bytes(filled, 4)
+    prefilled = WushKVCache(model, QuantConfig(2, 2, "quest", windows=windows))
+    with torch.no_grad():
+        model(ids, cache=prefilled, use_cache=True)
+    assert nb == {"total": filled.nbytes()["total"], "windows": filled.nbytes()["full_precision"], "windows_elem": 4}
+    assert filled.nbytes() == prefilled.nbytes()
+
+
+def test_eval_cost(capsys):
+    from wushkv.config import WindowConfig
+
+    eval_cost = load_benchmark("eval_cost")
+    args = eval_cost.parse_args(["--model", "tiny", "--chunks", "2", "--seq-len", "48"])
+    assert (args.transform, args.bits) == ("hadamard", 2)
+    res = eval_cost.run(args, tiny_model("llama"), torch.randint(3, 96, (2, 48)), windows=WindowConfig(4, 8, 4))
+    assert positive(res["ratio"]) and all(positive(t) for t in res["fp_seconds"]) and positive(res["emulation_seconds"])
+    assert res["ratio"] == res["emulation_seconds"] / min(res["fp_seconds"])
+    assert positive(res["fp_ppl"]) and positive(res["quantized_ppl"]) and res["quantized_ppl"] != res["fp_ppl"]
+    assert "query blocks" in capsys.readouterr().out
+
+
+def test_calibration_cost():
+    calibration_cost = load_benchmark("calibration_cost")
+    args = calibration_cost.parse_args(["--model", "tiny", "--samples", "2", "--seq-len", "64"])
+    res = calibration_cost.run(args, tiny_model("llama"), torch.randint(3, 96, (2, 64)))
+    assert positive(res["forward_seconds"]) and positive(res["calibration_seconds"])
+    assert res["time_ratio"] == res["calibration_seconds"] / res["forward_seconds"]
+    assert positive(float(res["memory_ratio"]))
+    assert res["peak_rss_mib_after_calibration"] >= res["peak_rss_mib_after_forward"] > 0  # a peak only grows
+
+
+def test_wush_a_cost():
+    wush_a_cost = load_benchmark("wush_a_cost")
+    args = wush_a_cost.parse_args(["--model", "tiny", "--samples", "2", "--seq-len", "32,64"])
+    asked = []
+
+    def sequences(n, L):
+        asked.append((n, L))
+        return torch.randint(3, 96, (n, L))
+
+    res = wush_a_cost.run(args, tiny_model("llama"), sequences)
+    assert asked == [(2, 32), (2, 64)]
+    assert [r["seq_len"] for r in res["rows"]] == [32, 64]
+    for r in res["rows"]:
+        assert positive(r["plain_s_per_seq"]) and positive(r["wush_a_s_per_seq"])
+        assert r["ratio"] == r["wush_a_s_per_seq"] / r["plain_s_per_seq"]
+
+
+def test_cache_bytes(capsys):
+    cache_bytes = load_benchmark("cache_bytes")
+    model = tiny_model("llama")
+    ids = torch.randint(3, 96, (1, 160))
+    layouts = ["quest g32 4/16/4", "quest g16 4/16/4", "kvarn tiles", "ktiles 4/16/4"]
+    rows = cache_bytes.measure(model, ids, [2, 4], layouts)
+    assert [(r[0], r[1]) for r in rows] == [(b, name) for b in (2, 4) for name in layouts]
+    by = {(r[0], r[1]): dict(zip(cache_bytes.HEADERS, r)) for r in rows}
+    for (b, name), r in by.items():
+        # the row is the cache's own count after the same prefill (full precision at 2 bytes, not float32's 4)
+        cache = WushKVCache(model, cache_bytes.layout_config(name, b))
+        with torch.no_grad():
+            model(ids, cache=cache, use_cache=True)
+        n = cache.nbytes()
+        assert (r["codes"], r["metadata"], r["full precision (bf16)"]) == (n["codes"], n["metadata"], n["full_precision"] // 2)
+        assert r["total"] == r["codes"] + r["metadata"] + r["full precision (bf16)"] > 0
+        assert r["bytes/token"] == round(r["total"] / 160, 1)
+        assert r["× first layout"] == round(r["total"] / by[(b, layouts[0])]["total"], 3)
+    for b in (2, 4):
+        assert by[(b, layouts[0])]["× first layout"] == 1.0
+        assert by[(b, "quest g16 4/16/4")]["metadata"] == 2 * by[(b, "quest g32 4/16/4")]["metadata"]  # a step per group
+    assert by[(4, "quest g32 4/16/4")]["codes"] == 2 * by[(2, "quest g32 4/16/4")]["codes"]
+    with pytest.raises(ValueError, match="layout 'quest 4/16/4'"):
+        cache_bytes.layout_config("quest 4/16/4", 2)
+
+
+def test_feedback_speed(capsys):
+    from wushkv._ext import kernels
+
+    feedback_speed = load_benchmark("feedback_speed")
+    assert feedback_speed.parse_args([]).threads == 1
+    res = feedback_speed.run(3, flush_shapes=((1, 2, 8, 32),), tile_shapes=((1, 2, 128, 32),))
+    assert res["fused_kernel"] == (kernels() is not None)
+    (flush,), (tiles,) = res["flush"], res["tiles"]
+    assert positive(flush["plain_ms"]) and positive(flush["loop_ms"])
+    if res["fused_kernel"]:
+        assert positive(flush["fused_over_plain"]) and positive(flush["loop_over_fused"])
+    assert positive(tiles["feedback_over_plain"]) and tiles["shape"] == (1, 2, 128, 32)
+    assert "key tiles" in capsys.readouterr().out
