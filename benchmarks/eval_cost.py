@@ -5,7 +5,7 @@
 Both run over the same chunks in the same process; the ratio is what matters (absolute times drift). The
 full-precision forward runs before and after the emulation (a drift check) and the ratio is taken to the faster.
 The emulation runs with its query blocks (the default, each block reading only the columns it needs). The
-comparison with one SDPA call over all 2S columns (docs/PERFORMANCE.md) needed the query block set from outside
+comparison with one SDPA call over all 2S columns (docs/reference/performance.md) needed the query block set from outside
 the library; it was measured at commit 2c3e71d (``git show 2c3e71d:benchmarks/eval_cost.py``).
 """
 

@@ -98,7 +98,7 @@ def run(seed: int, dims: tuple[int, ...], bit_widths: tuple[int, ...], n_cal: in
             "M_K": M[None], "H_K": H[None], "M_V": M[None], "H_V": H[None],
             "C_Q": (H / 2)[None], "Sigma_V": (M / n_cal)[None],
         }
-        # Theory (METHOD §2): WUSH / any rotation ≈ (Σ λᵢ^{1/2})² / (tr M · tr H), λ = eig(Lᵀ M L).
+        # Theory (docs/reference/math.md#2-the-wush-transform-closed-form): WUSH / any rotation ≈ (Σ λᵢ^{1/2})² / (tr M · tr H), λ = eig(Lᵀ M L).
         L = torch.linalg.cholesky(H)
         lam = torch.linalg.eigvalsh(L.mT @ M @ L).clamp_min(0)
         results.setdefault("bound_ratio", {})[f"d{d}"] = float(lam.sqrt().sum() ** 2 / (M.trace() * H.trace()))

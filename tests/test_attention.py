@@ -53,7 +53,7 @@ def test_reference_matches_sdpa(softcap):
 @pytest.mark.parametrize("window", [None, 9])
 def test_blocked_emulation_equals_one_call(window):
     """Query blocks that read only the columns they need give the one-call result: a causal prefill
-    with sink, quantized middle and recent window (the layout of METHOD §3.2), left padding in row 1,
+    with sink, quantized middle and recent window (the layout of docs/reference/math.md#32-full-precision-windows-and-the-batched-flush), left padding in row 1,
     and a sliding window."""
     B, Hkv, G, T, d, sink, keep = 2, 2, 2, 40, 8, 3, 6
     g = torch.Generator().manual_seed(3)

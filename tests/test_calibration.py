@@ -217,7 +217,7 @@ def test_wush_w_calibration_and_errors(text_file):
 
 @pytest.mark.parametrize("block,window,skip", [(256, None, 0), (3, None, 0), (4, 3, 0), (3, None, 4)])
 def test_wush_a_matches_brute_force(block, window, skip):
-    """H^A of METHOD §3.1 by explicit per-(i, t) Jacobian sums on one layer of a tiny model; query rows in
+    """H^A of docs/reference/math.md#31-wush-a-the-attention-aware-hessian by explicit per-(i, t) Jacobian sums on one layer of a tiny model; query rows in
     one block or several (each over only the key columns it reaches), causal or sliding-window masks, and
     the first ``skip`` query rows left out of the key Hessian (one block cut in two)."""
     from wushkv.calibration import StatsCollector

@@ -1,4 +1,4 @@
-"""Decode attention over packed codes equals dequantize-then-attend (METHOD §3.2 storage, issue: speed)."""
+"""Decode attention over packed codes equals dequantize-then-attend (docs/reference/math.md#32-full-precision-windows-and-the-batched-flush storage, issue: speed)."""
 
 from pathlib import Path
 

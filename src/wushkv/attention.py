@@ -69,7 +69,7 @@ def selective_attention(
 ) -> torch.Tensor:
     """Attention where query ``i`` sees key/value ``t`` quantized (``k_hat``, ``v_hat``) iff ``quantized[i, t]``.
 
-    This is the exact single-pass emulation of METHOD §3.2: scores come from the right keys, and the
+    This is the exact single-pass emulation of docs/reference/math.md#32-full-precision-windows-and-the-batched-flush: scores come from the right keys, and the
     output is ``(P⊙Mask)·V̂ + (P⊙(1−Mask))·V``. ``quantized``: bool (T, S), or (B, 1, T, S) when rows
     differ (left padding). Returns (B, T, Hq, d).
     """

@@ -3,21 +3,21 @@
 Shaped like GPTQ: a :class:`StatsCollector` has ``observe`` (add a batch, called by the registered
 attention for every layer) and ``finalize`` (per-layer statistics); :func:`calibrate` runs the model
 over calibration text and solves every calibrated transform. Statistics per (layer, KV head), float64,
-METHOD §3 (keys/queries after q/k norm and RoPE, exactly what attention sees):
+docs/reference/math.md#3-wush-kv-statistics-placement-folding (keys/queries after q/k norm and RoPE, exactly what attention sees):
 
 * ``M_K = Σ k kᵀ``, ``H_K = 2 Σ_{g∈group} q_g q_gᵀ``, ``M_V = Σ v vᵀ`` (v_proj output incl. bias),
   ``H_V = 2 Σ_g B_gᵀ B_g`` with ``B_g`` the o_proj columns of query head g (weights only);
-* OSCAR (METHOD §6): ``C_Q`` = mean of ``q qᵀ`` over the group's queries, ``Sigma_V`` = score-weighted
+* OSCAR (docs/reference/math.md#6-the-oscar-transform): ``C_Q`` = mean of ``q qᵀ`` over the group's queries, ``Sigma_V`` = score-weighted
   value covariance with weights ``w = kᵀ C_Q k`` normalized to mean 1. ``C_Q`` is not known before the
   pass, so ``w`` uses the running estimate (all queries seen so far, including the current sequence);
-* WUSH-A (METHOD §3.1, optional): attention-aware Hessians ``H_K_A`` and ``H_V_A`` (Gauss–Newton
+* WUSH-A (docs/reference/math.md#31-wush-a-the-attention-aware-hessian, optional): attention-aware Hessians ``H_K_A`` and ``H_V_A`` (Gauss–Newton
   through the softmax), O(S²) per head;
 * WUSH-W (optional, ``attention_weights=(S_sink, S_keep)``): ``M_K_W = Σ_t w_t k_t k_tᵀ`` and
   ``M_V_W = Σ_t w_t v_t v_tᵀ``, each token weighted by the squared attention it receives while the cache
   holds it quantized, ``w_t = Σ_{g, i: t quantized at i} p_{g,i,t}²`` (t ≥ S_sink, i − t ≥ S_keep). A
   per-token quantizer's error grows with the transformed token's norm; the plain Grams weigh every token
   alike, so WUSH spends its precision on the average token, while the softmax's Gauss–Newton weight of a
-  key or value error is p² (docs/GENERATION.md: under plain WUSH the keys that get the attention carry
+  key or value error is p² (docs/lab/kl-rises-late.md: under plain WUSH the keys that get the attention carry
   errors as large as a random rotation's). O(S²) per head, like the attention itself.
 
 Activations are never stored beyond one layer of one batch.
@@ -135,7 +135,7 @@ class StatsCollector:
             self.tokens += B * T
 
     def _observe_attention_aware(self, acc, layer, qg, k, v, allowed, scaling, softcap) -> None:
-        """WUSH-A Hessians (METHOD §3.1), summed over perturbed positions t, in float32 then float64.
+        """WUSH-A Hessians (docs/reference/math.md#31-wush-a-the-attention-aware-hessian), summed over perturbed positions t, in float32 then float64.
 
         Values: H_V^A = 2 Σ_{g,g'} (Σ_{i,t} p_{g,i,t} p_{g',i,t}) B_gᵀ B_{g'}.
         Keys:   H_K^A = 2 Σ_i Σ_{g,g'} C_{gg'}(i) q_{g,i} q_{g',i}ᵀ with

@@ -108,7 +108,7 @@ class ChannelCodec:
 
 
 class KVarNCodec:
-    """KVarN tiles of ``block`` tokens (METHOD §7) on Hadamard-rotated keys or values.
+    """KVarN tiles of ``block`` tokens (docs/reference/math.md#7-kvarn-tiles) on Hadamard-rotated keys or values.
 
     With ``feedback`` (heads, d, d), keys only: each tile's channel rows are rounded one after another
     with error feedback (:func:`wushkv.quantizers.kvarn.kvarn_quantize`); same storage and decoder."""

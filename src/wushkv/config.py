@@ -16,7 +16,7 @@ CLIP_GRID = (0.7, 0.85, 1.0, 1.15, 1.3, 1.45, 1.6)  # QuEST clip multipliers on 
 
 @dataclass(frozen=True)
 class WindowConfig:
-    """Full-precision windows (METHOD §3.2): S_sink first tokens, S_keep..S_keep+S_flush−1 recent ones.
+    """Full-precision windows (docs/reference/math.md#32-full-precision-windows-and-the-batched-flush): S_sink first tokens, S_keep..S_keep+S_flush−1 recent ones.
 
     Tokens leave the recent buffer in blocks of ``S_flush`` once it holds ``S_keep + S_flush``.
     """
@@ -49,10 +49,10 @@ class QuantConfig:
     """How the cache quantizes keys and values.
 
     * ``k_bits``/``v_bits``: 2, 3, 4 or 8 (None: that side stays full precision).
-    * ``quantizer``: ``quest`` (RMS-scaled midrise INT, METHOD §4), ``affine`` (percentile-clipped
-      min–max, §5, clip ratios ``k_clip``/``v_clip``; ≤ 0 = plain min–max), ``kivi`` (affine min–max,
+    * ``quantizer``: ``quest`` (RMS-scaled midrise INT, docs/reference/math.md#4-the-quest-int-quantizer), ``affine`` (percentile-clipped
+      min–max, docs/reference/math.md#5-the-percentile-clipped-affine-quantizer, clip ratios ``k_clip``/``v_clip``; ≤ 0 = plain min–max), ``kivi`` (affine min–max,
       keys per channel over blocks of ``S_flush`` tokens, values per token), ``kvarn`` (KVarN tiles of
-      ``S_flush`` tokens, §7; use windows (tile, 0, tile)).
+      ``S_flush`` tokens, docs/reference/math.md#7-kvarn-tiles; use windows (tile, 0, tile)).
     * ``key_quantizer``: the keys' quantizer when it is not ``quantizer`` (None: the same). ``kvarn`` with a
       per-token ``quantizer`` quantizes keys per channel in KVarN's tiles and values per token (the
       ``+ktiles`` methods, :func:`wushkv.eval.compare.config_for`); a tile side needs ``S_flush`` = its tile.

@@ -1,4 +1,4 @@
-"""Install per-(layer, KV head) transforms into a model (METHOD §3).
+"""Install per-(layer, KV head) transforms into a model (docs/reference/math.md#3-wush-kv-statistics-placement-folding).
 
 * Values, folded offline (zero run-time cost): ``v_proj[h] ← T_V(h)·v_proj[h]`` (weight and bias) and
   ``o_proj[:, g] ← o_proj[:, g]·T_V(h)⁻¹`` for every query head ``g`` of group ``h``.

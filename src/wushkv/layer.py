@@ -1,6 +1,6 @@
 """One layer of the wushkv quantized KV cache (a transformers ``CacheLayerMixin``) and its views.
 
-Per layer and KV head (METHOD §3.2)::
+Per layer and KV head (docs/reference/math.md#32-full-precision-windows-and-the-batched-flush)::
 
     positions  [0, S_sink)          full-precision sink, kept forever
                [S_sink, S_sink+Qc)  quantized middle: packed uint8 codes + fp16 metadata, appended

@@ -1,4 +1,4 @@
-"""Percentile-clipped affine quantizer (METHOD §5): error ≤ s/2, exact clip counts, per-channel
+"""Percentile-clipped affine quantizer (docs/reference/math.md#5-the-percentile-clipped-affine-quantizer): error ≤ s/2, exact clip counts, per-channel
 (KIVI) orientation."""
 
 import math

@@ -1,4 +1,4 @@
-"""Tests for KVarN (METHOD §7): balancing, quantize/dequantize algebra, error bound, edge cases."""
+"""Tests for KVarN (docs/reference/math.md#7-kvarn-tiles): balancing, quantize/dequantize algebra, error bound, edge cases."""
 
 from __future__ import annotations
 
@@ -34,7 +34,7 @@ def _heavy_tiles(seed: int, batch: tuple[int, ...], R: int, C: int, spread: floa
     return t * row * col
 
 
-# ---------------------------------------------------------------- slow references (from METHOD §7)
+# ---------------------------------------------------------------- slow references (from docs/reference/math.md#7-kvarn-tiles)
 
 
 def _ref_std(vals: list[float]) -> float:
@@ -51,7 +51,7 @@ def _ref_imbalance(B: list[list[float]]) -> float:
 
 
 def _ref_balance(A: torch.Tensor, iters: int = 16) -> tuple[list[float], list[float]]:
-    """Loop-by-loop transcription of METHOD §7 step 2 in float64 for one R×C tile."""
+    """Loop-by-loop transcription of docs/reference/math.md#7-kvarn-tiles step 2 in float64 for one R×C tile."""
     a = A.double().tolist()
     R, C = len(a), len(a[0])
     lr, lc = [0.0] * R, [0.0] * C
@@ -77,7 +77,7 @@ def _ref_balance(A: torch.Tensor, iters: int = 16) -> tuple[list[float], list[fl
 
 
 def _ref_quantize_tile(B: torch.Tensor, lr: torch.Tensor, lc: torch.Tensor, bits: int):
-    """METHOD §7 steps 3-4 element by element on a balanced R×C tile (float32 scalar arithmetic).
+    """docs/reference/math.md#7-kvarn-tiles steps 3-4 element by element on a balanced R×C tile (float32 scalar arithmetic).
 
     Returns codes [R, C] and float16 scale' [R], zp' [R], s_fold [C].
     """

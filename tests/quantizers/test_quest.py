@@ -1,4 +1,4 @@
-"""QuEST quantizer (METHOD §4): Gaussian MSE at the optimum, code range, saturation at ±α_b·RMS,
+"""QuEST quantizer (docs/reference/math.md#4-the-quest-int-quantizer): Gaussian MSE at the optimum, code range, saturation at ±α_b·RMS,
 the unified affine storage, grouping; plus the quantizer registry."""
 
 import pytest

@@ -1,4 +1,4 @@
-"""WUSH closed form (METHOD §2): inverse, constant-diagonal invariants, geometric mean, the
+"""WUSH closed form (docs/reference/math.md#2-the-wush-transform-closed-form): inverse, constant-diagonal invariants, geometric mean, the
 trace bound it attains, damping, errors, batching and the ‖TX‖_F normalization."""
 
 import pytest

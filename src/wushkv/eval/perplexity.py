@@ -1,7 +1,7 @@
 """GPTQ-style perplexity: non-overlapping chunks, PPL = exp(mean token NLL).
 
 With a quantized-cache factory, every chunk runs through a fresh wushkv cache whose prefill attention
-is the exact single-pass emulation of streaming decoding (METHOD §3.2), so the score truly sees the
+is the exact single-pass emulation of streaming decoding (docs/reference/math.md#32-full-precision-windows-and-the-batched-flush), so the score truly sees the
 quantized keys and values.
 """
 

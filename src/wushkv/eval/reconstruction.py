@@ -1,4 +1,4 @@
-"""The controlled layer experiment (paper §4): module-output error when K and V are quantized.
+"""The controlled layer experiment (the paper's layer test, docs/reference/math.md#9-reference-numbers): module-output error when K and V are quantized.
 
 For every attention module and every transform: Y = o_proj(attention(q, k, v)) of the original model
 and Ŷ with keys ``T_K⁻¹ Q(T_K k)`` (scores through ``q' = T_K^{-T} q``) and values

@@ -1,4 +1,4 @@
-"""OSCAR-style percentile-clipped asymmetric (affine) quantizer (METHOD §5).
+"""OSCAR-style percentile-clipped asymmetric (affine) quantizer (docs/reference/math.md#5-the-percentile-clipped-affine-quantizer).
 
 Per row r ∈ R^D of the quantized axis (a token for axis=-1, a channel's tokens for axis=-2):
 
@@ -104,7 +104,7 @@ class AffineQuantizer:
         bits: 1..8.
         group_size: elements per group along the quantized axis; None = the whole axis
             (axis=-1 only). For axis=-2 it is required and must divide T.
-        clip_ratio: κ (METHOD §5; WUSH-KV/OSCAR use 0.96 for keys, 0.92 for values); κ ≤ 0
+        clip_ratio: κ (docs/reference/math.md#5-the-percentile-clipped-affine-quantizer; WUSH-KV/OSCAR use 0.96 for keys, 0.92 for values); κ ≤ 0
             disables clipping. Must be ≤ 1.
         axis: -1 = per token (groups over channels, x [..., n]); -2 = per channel, KIVI-style:
             x [..., T, d], groups of ``group_size`` tokens for each channel, scale/offset

@@ -2,7 +2,7 @@
 
 A per-token quantizer rounds every coordinate of x ∈ R^d to the nearest level of its group's grid,
 independently. When the error e = x̂ − x costs ℓ = eᵀ H e with a non-diagonal H (the query Hessian in
-the transformed key space: T^{-T} H_K T⁻¹ = c⁻²·𝓗Λ^{1/2}𝓗ᵀ for WUSH, METHOD §2), independent errors
+the transformed key space: T^{-T} H_K T⁻¹ = c⁻²·𝓗Λ^{1/2}𝓗ᵀ for WUSH, docs/reference/math.md#2-the-wush-transform-closed-form), independent errors
 cost E[ℓ] = σ²·tr H. Rounding the coordinates one after another and pushing each one's error onto the
 coordinates not yet rounded (GPTQ's update, QuIP's LDLQ) costs σ²·Σ_j 1/U_jj² instead, where
 H⁻¹ = UᵀU (upper Cholesky); by Hadamard's inequality Σ 1/U_jj² ≤ tr H, with equality iff H is diagonal.

@@ -1,4 +1,4 @@
-"""KVarN: calibration-free tile quantization of the KV cache (METHOD §7), a quantizer of token tiles.
+"""KVarN: calibration-free tile quantization of the KV cache (docs/reference/math.md#7-kvarn-tiles), a quantizer of token tiles.
 
 Per (layer, KV head) the cache is cut into tiles of G = ``tile`` consecutive tokens × d channels.
 Step 1 (the normalized Hadamard 𝓗 along channels) is the caller's key/value transform: every
@@ -42,7 +42,7 @@ __all__ = [
 ]
 
 _KINDS = ("key", "value")
-# Constants of METHOD §7 step 2-3 (KVarN reference code).
+# Constants of docs/reference/math.md#7-kvarn-tiles step 2-3 (KVarN reference code).
 _STD_FLOOR = 1e-8  # denominator floor of the imbalance ratio
 _STD_CLAMP = (1e-3, 1e3)  # per-iteration std clamp
 _LOG_CLAMP = (-0.3, 10.0)  # log-scale clamp: scales live in [e^-0.3, e^10], inside fp16 range
@@ -84,7 +84,7 @@ def _divide_out(A: Tensor, log_r: Tensor, log_c: Tensor) -> Tensor:
 
 
 def balance(A: Tensor, iters: int = 16) -> tuple[Tensor, Tensor, Tensor]:
-    """Dual-axis variance normalization in the log domain (METHOD §7 step 2), batched.
+    """Dual-axis variance normalization in the log domain (docs/reference/math.md#7-kvarn-tiles step 2), batched.
 
     Args:
         A: tiles [..., R, C], any float dtype; computed in float32. R, C >= 2.
@@ -203,7 +203,7 @@ def _check_clip(clip: float) -> None:
 
 
 def kvarn_quantize(x: Tensor, bits: int, kind: str, tile: int = 128, clip: float = 0.0, feedback: Tensor | None = None) -> KVarNTiles:
-    """Quantize already-rotated keys or values x [..., T, d] with KVarN (METHOD §7 steps 2-4).
+    """Quantize already-rotated keys or values x [..., T, d] with KVarN (docs/reference/math.md#7-kvarn-tiles steps 2-4).
 
     T must be a multiple of ``tile`` (the cache keeps the remainder in its fp16 tail) and
     d >= 2. Computation is float32 whatever x's dtype. Inputs are assumed finite and within the
@@ -214,7 +214,7 @@ def kvarn_quantize(x: Tensor, bits: int, kind: str, tile: int = 128, clip: float
     standard deviation, α_b QuEST's Gaussian-optimal clip level) instead of its full [lo_r, hi_r];
     values outside clamp to the end levels. Same codes, metadata and bytes. The min-max range of a
     Gaussian row of 128 samples is about ±2.6σ while the 4-level grid of least squared error spans
-    ±1.49σ, so at 2 bits the published grid is ~1.7× too coarse (docs/ABLATIONS.md section 27).
+    ±1.49σ, so at 2 bits the published grid is ~1.7× too coarse (docs/lab/tile-clip.md).
 
     ``feedback`` (keys only; wushkv's addition): F [..., d, d], unit upper triangular
     (:func:`wushkv.quantizers.feedback.feedback_matrix` of the query Hessian in this key space),

@@ -1,4 +1,4 @@
-"""QuEST INT quantizer: symmetric, RMS-scaled, midrise (METHOD §4).
+"""QuEST INT quantizer: symmetric, RMS-scaled, midrise (docs/reference/math.md#4-the-quest-int-quantizer).
 
 Per group x ∈ R^G: r = ‖x‖₂/√G, Δ = max(2·α_b·r/(2^b − 1), tiny), q = clamp(⌊x/Δ⌋, −2^{b−1},
 2^{b−1} − 1), x̂ = (q + ½)·Δ. There is no zero level; the outermost levels are ±α_b·r, so larger
@@ -42,7 +42,7 @@ QUEST_ALPHA: dict[int, float] = {
     8: 3.8849386788,
 }
 
-# Per-unit-variance MSE of a Gaussian at the optimum (METHOD §4), b = 1..4.
+# Per-unit-variance MSE of a Gaussian at the optimum (docs/reference/math.md#4-the-quest-int-quantizer), b = 1..4.
 QUEST_MSE: dict[int, float] = {1: 0.3634, 2: 0.1188, 3: 0.0374, 4: 0.0115}
 
 

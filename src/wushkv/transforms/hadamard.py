@@ -1,4 +1,4 @@
-"""Normalized Hadamard matrices and the Hadamard transform (METHOD §1, §8).
+"""Normalized Hadamard matrices and the Hadamard transform (docs/reference/math.md#1-conventions, docs/reference/math.md#8-other-baselines).
 
 𝓗 has entries ±1/√d and is orthogonal: 𝓗 𝓗ᵀ = I. Construction, by order d:
 
@@ -126,7 +126,7 @@ def hadamard_matrix(d: int, dtype: torch.dtype = torch.float64, device: torch.de
 
 
 def hadamard_transform(num_heads: int, d: int) -> tuple[Tensor, Tensor]:
-    """The Hadamard transform T = 𝓗 for every KV head (METHOD §8; no random signs).
+    """The Hadamard transform T = 𝓗 for every KV head (docs/reference/math.md#8-other-baselines; no random signs).
 
     Returns:
         (T, T_inv), float32 [num_heads, d, d], T_inv = 𝓗ᵀ. Column convention x' = T x.

@@ -1,4 +1,4 @@
-"""Orthogonal transforms: identity, seeded random rotation, OSCAR (METHOD §6, §8).
+"""Orthogonal transforms: identity, seeded random rotation, OSCAR (docs/reference/math.md#6-the-oscar-transform, docs/reference/math.md#8-other-baselines).
 
 All builders return (T, T_inv) float32 [num_heads, d, d] in the column convention: the cache
 stores T x (rows: ``x @ T.mT``) and T_inv undoes it. For an orthogonal T, T_inv = Tᵀ.
@@ -28,7 +28,7 @@ def identity_transform(num_heads: int, d: int) -> tuple[Tensor, Tensor]:
 
 
 def random_orthogonal_transform(num_heads: int, d: int, seed: int = 0) -> tuple[Tensor, Tensor]:
-    """Seeded random rotations, one per head (METHOD §8).
+    """Seeded random rotations, one per head (docs/reference/math.md#8-other-baselines).
 
     Q R = G for a float64 standard Gaussian G [num_heads, d, d] drawn from a
     ``torch.Generator`` seeded with ``seed``; Q's columns are multiplied by sign(diag R) so the
@@ -59,7 +59,7 @@ def _check_square_stats(name: str, A: Tensor) -> Tensor:
 
 
 def oscar_rotation(Sigma: Tensor) -> Tensor:
-    """OSCAR rotation R = U·𝓗 (METHOD §6).
+    """OSCAR rotation R = U·𝓗 (docs/reference/math.md#6-the-oscar-transform).
 
     Args:
         Sigma: [..., d, d] symmetric PSD (cast to float64; symmetrized).
@@ -78,7 +78,7 @@ def oscar_rotation(Sigma: Tensor) -> Tensor:
 
 
 def oscar_transform(C_Q: Tensor, Sigma_V: Tensor, num_heads: int | None = None) -> dict[str, Tensor]:
-    """OSCAR key/value transforms, one rotation per layer shared by its KV heads (METHOD §6).
+    """OSCAR key/value transforms, one rotation per layer shared by its KV heads (docs/reference/math.md#6-the-oscar-transform).
 
     Args:
         C_Q: [Hkv, d, d] mean query outer product per KV head (or [d, d], already shared).

@@ -66,7 +66,7 @@ TRANSFORMS: dict[str, TransformSpec] = {
         TransformSpec(
             "wush-a",
             True,
-            "WUSH with attention-aware Hessians H^A (METHOD §3.1)",
+            "WUSH with attention-aware Hessians H^A (docs/reference/math.md#31-wush-a-the-attention-aware-hessian)",
             ("M_K", "H_K_A", "M_V", "H_V_A"),
         ),
         TransformSpec(

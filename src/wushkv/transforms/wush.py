@@ -1,4 +1,4 @@
-"""WUSH transform in closed form (METHOD §2).
+"""WUSH transform in closed form (docs/reference/math.md#2-the-wush-transform-closed-form).
 
 Given M = X Xᵀ (Gram of the quantized factor) and the Hessian H (Gram of its partner):
 
@@ -46,7 +46,7 @@ def with_signs(T: Tensor, T_inv: Tensor, D: Tensor) -> tuple[Tensor, Tensor]:
 
     ``D`` [..., d] holds ±1 per eigenvector (in T's eigenvalue order). Since D commutes with Λ^{-1/4},
     c·𝓗·D·Λ^{-1/4}·Uᵀ·Lᵀ = (𝓗 D 𝓗ᵀ)·T, and its inverse is T⁻¹·(𝓗 D 𝓗ᵀ)ᵀ. Same trace objective, same
-    constant diagonals; other values to round (docs/ABLATIONS.md section 16). Works for any transform
+    constant diagonals; other values to round (docs/lab/eigenvector-sign-noise.md). Works for any transform
     whose last factor is 𝓗 (WUSH, WUSH-A, centered WUSH). Computed in float64, returned in T's dtype.
     """
     if D.shape != T.shape[:-1] or T.shape[-1] != T.shape[-2] or T_inv.shape != T.shape:
