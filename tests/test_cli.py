@@ -166,7 +166,7 @@ def test_reconcile_settings_reads_older_quantization():
 def test_auto_resolution_in_resumed_settings():
     """agree/passkey record what ``auto`` resolved to: a run without ``auto`` is compatible with any resolution (and
     keeps it), two different resolutions are not; the tables label the row with the method."""
-    from wushkv.cli import _method_label
+    from wushkv.eval.report import method_label as _method_label
     from wushkv.runs import reconcile_settings
 
     base = {"model": "m", "quantization": {"k_bits": 2}}
@@ -297,3 +297,59 @@ def test_agree_and_passkey_take_auto(tmp_path, capsys, monkeypatch):
     for name, argv in runs.items():
         assert main([*argv, "--json", str(tmp_path / f"{name}.json")]) == 2
         assert "holds `auto` rows run as wush+rmean" in capsys.readouterr().err
+
+
+def test_every_quant_field_has_a_flag():
+    """Each QuantConfig field is a quantizer flag of every command that quantizes (or is listed as flagless, with why), and
+    the flags give back the dataclass's defaults: adding a field without a flag fails here."""
+    import dataclasses
+
+    from wushkv.cli import build_parser
+    from wushkv.cli.common import NO_FLAG, QUANT_HELP, WINDOW_HELP, quant_config
+    from wushkv.config import GENERATION_WINDOWS, PERPLEXITY_WINDOWS, QuantConfig, WindowConfig
+
+    fields = {f.name for f in dataclasses.fields(QuantConfig)}
+    assert fields == set(QUANT_HELP) | set(NO_FLAG), "give the new QuantConfig field a row in wushkv.cli.common.QUANT_HELP"
+    assert {f.name for f in dataclasses.fields(WindowConfig)} == set(WINDOW_HELP)
+    sub = next(a for a in build_parser()._actions if a.dest == "command")
+    for cmd, windows, quantizer in [("ppl", PERPLEXITY_WINDOWS, "quest"), ("compare", PERPLEXITY_WINDOWS, "quest"),
+                                    ("tune-clip", PERPLEXITY_WINDOWS, "quest"), ("lm-eval", PERPLEXITY_WINDOWS, "quest"),
+                                    ("generate", GENERATION_WINDOWS, "affine"), ("agree", GENERATION_WINDOWS, "affine"),
+                                    ("passkey", GENERATION_WINDOWS, "affine")]:
+        p = sub.choices[cmd]
+        flags = {s for a in p._actions for s in a.option_strings}
+        assert {f"--{n.replace('_', '-')}" for n in QUANT_HELP} <= flags and {"--sink", "--keep", "--flush"} <= flags, cmd
+        required = ["--out", "x"] if cmd == "tune-clip" else ["--tasks", "t"] if cmd == "lm-eval" else []
+        assert quant_config(p.parse_args(required)) == QuantConfig(quantizer=quantizer, windows=windows), cmd
+    args = sub.choices["ppl"].parse_args(["--k-bits", "16", "--v-bits", "3", "--key-quantizer", "kvarn", "--tile-clip", "1.5",
+                                          "--clip-search", "4", "--group-size", "16", "--sink", "2", "--keep", "8", "--flush", "4"])
+    assert quant_config(args) == QuantConfig(k_bits=None, v_bits=3, key_quantizer="kvarn", tile_clip=1.5, clip_search=4,
+                                             group_size=16, windows=WindowConfig(2, 8, 4))
+    assert quant_config(args, k_bits=2).k_bits == 2
+
+
+def test_help_of_every_command(capsys):
+    """``wushkv --help`` lists every command, in the documented order, and each command's --help runs."""
+    from wushkv.cli import HELP_ORDER, build_parser
+
+    with pytest.raises(SystemExit) as e:
+        main(["--help"])
+    assert e.value.code == 0
+    usage = capsys.readouterr().out
+    assert "{" + ",".join(HELP_ORDER) + "}" in usage
+    sub = next(a for a in build_parser()._actions if a.dest == "command")
+    assert list(sub.choices) == list(HELP_ORDER)
+    for cmd in HELP_ORDER:
+        with pytest.raises(SystemExit) as e:
+            main([cmd, "--help"])
+        assert e.value.code == 0 and f"usage: wushkv {cmd}" in capsys.readouterr().out
+
+
+def test_context_list():
+    import argparse
+
+    from wushkv.cli import context_list
+
+    assert context_list("1k, 2k,4096,1.5k") == [1024, 2048, 4096, 1536]
+    with pytest.raises(argparse.ArgumentTypeError, match="contexts such as"):
+        context_list("1k,x")

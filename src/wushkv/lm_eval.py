@@ -45,6 +45,8 @@ from .eval.methods import FULL_PRECISION, check_methods, parse_stock, transforms
 
 __all__ = ["WushLM"]
 
+_DEFAULT = QuantConfig()  # the quantizer defaults live in QuantConfig only
+
 
 @register_model("wushkv")
 class WushLM(HFLM):
@@ -56,7 +58,7 @@ class WushLM(HFLM):
         method: a wushkv transform (``wush``, ``hadamard``, ...) or ``full-precision``.
         calibration: calibration file (needed by calibrated transforms).
         k_bits, v_bits, quantizer, key_quantizer, k_clip, v_clip, k_alpha, v_alpha, clip_search, tile_clip, group_size: see
-            :class:`~wushkv.config.QuantConfig`; ``16`` = that side stays full precision.
+            :class:`~wushkv.config.QuantConfig` (its defaults); ``16`` = that side stays full precision.
         sink, keep, flush: full-precision windows (default: the perplexity windows 16/128/16).
         dtype, device, device_map: for loading by name.
         **kwargs: passed to ``HFLM`` (``batch_size``, ``max_length``, ...).
@@ -67,17 +69,17 @@ class WushLM(HFLM):
         pretrained="smollm2-135m",
         method: str = "wush",
         calibration: str | None = None,
-        k_bits: int | str = 2,
-        v_bits: int | str = 2,
-        quantizer: str = "quest",
-        k_clip: float = 0.96,
-        v_clip: float = 0.92,
-        k_alpha: float = 1.0,
-        v_alpha: float = 1.0,
-        clip_search: int = 0,
-        group_size: int | None = None,
-        tile_clip: float = 0.0,
-        key_quantizer: str | None = None,
+        k_bits: int | str = _DEFAULT.k_bits,
+        v_bits: int | str = _DEFAULT.v_bits,
+        quantizer: str = _DEFAULT.quantizer,
+        k_clip: float = _DEFAULT.k_clip,
+        v_clip: float = _DEFAULT.v_clip,
+        k_alpha: float = _DEFAULT.k_alpha,
+        v_alpha: float = _DEFAULT.v_alpha,
+        clip_search: int = _DEFAULT.clip_search,
+        group_size: int | None = _DEFAULT.group_size,
+        tile_clip: float = _DEFAULT.tile_clip,
+        key_quantizer: str | None = _DEFAULT.key_quantizer,
         sink: int = PERPLEXITY_WINDOWS.S_sink,
         keep: int = PERPLEXITY_WINDOWS.S_keep,
         flush: int = PERPLEXITY_WINDOWS.S_flush,

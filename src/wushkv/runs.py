@@ -1,21 +1,58 @@
-"""Resumable long runs: one JSON file holds a run's settings and its state, and a run with the same settings
-continues from it (``agree``, ``passkey`` and the ``merge`` tools share this; a file from other settings is refused,
-never overwritten: it may hold hours of results)."""
+"""Resumable long runs: one JSON file holds a run's settings and its results, and a run with the same settings
+continues from it; a file from other settings is refused, never overwritten (it may hold hours of results).
+
+``agree``, ``passkey`` and the ``merge`` tools keep ``{"settings", "state"}`` (:func:`resumable`); ``compare`` keeps
+``{"settings", "fp", "results"}`` and ``tune-clip`` its clip table, both through :func:`read_run` and
+:func:`resume_settings` with their own settings key. (``sweep`` needs none of this: each job's file is named by a
+hash of every setting it depends on, so other settings make another file.)
+"""
 
 from __future__ import annotations
 
 import json
 import sys
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
 from .config import QuantConfig
 from .io import write_json
 
 
-def reconcile_settings(old: dict, new: dict) -> tuple[dict, list[str]]:
+def as_json(obj):
+    """``obj`` as it reads back from JSON (tuples become lists, keys strings): what a resumed run compares."""
+    return json.loads(json.dumps(obj))
+
+
+def differing(old: dict, new: dict) -> list[str]:
+    """The keys whose values differ between two settings (a key missing on one side differs), sorted."""
+    return sorted(k for k in set(old) | set(new) if old.get(k) != new.get(k))
+
+
+def read_run(path: str | Path | None, parts: Sequence[str] = ("settings", "state"), writer: str = "this command",
+             flag: str = "--json") -> dict | None:
+    """The JSON object a run saved at ``path``; None if there is no file (or no path). A file that cannot be read,
+    or is not an object holding each of ``parts`` as an object, is refused (``writer``: who writes such files, for
+    the message; ``flag``: the option that named the path)."""
+    if not path or not Path(path).exists():
+        return None
+    try:
+        prev = json.loads(Path(path).read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise ValueError(f"{flag} {path}: cannot resume from it ({e}); give another path or delete it") from None
+    if not isinstance(prev, dict) or not all(isinstance(prev.get(p), dict) for p in parts):
+        raise ValueError(f"{flag} {path}: not a file {writer} wrote (no {'/'.join(parts)}); give another path or delete it")
+    return prev
+
+
+def reconcile_settings(old: dict, new: dict, key: Callable[[dict], dict] | None = None,
+                       since: Sequence[str] = ()) -> tuple[dict, list[str]]:
     """(settings of both runs together, keys that differ). A ``calibration`` of None (no calibrated method
     listed) is compatible with any calibration and takes the other run's; so is a missing ``auto`` (``auto``
-    not listed) with any resolution of it."""
+    not listed) with any resolution of it. Quantizations written by an older version read with the fields
+    added since at their defaults.
+
+    ``key``: what stored results depend on, from settings (default: the settings themselves), compared after the
+    rules above; ``since``: settings keys a later version added: an ``old`` run without one matches any value."""
     old, new = dict(old), dict(new)
     for d in (old, new):  # quantizations written by an older version: fields added since take their defaults
         if isinstance(d.get("quantization"), dict):
@@ -29,7 +66,26 @@ def reconcile_settings(old: dict, new: dict) -> tuple[dict, list[str]]:
     for a, b in ((old, new), (new, old)):  # a run that did not list auto is compatible with any resolution of it
         if "auto" in a and "auto" not in b:
             b["auto"] = a["auto"]
-    return new, sorted(k for k in set(old) | set(new) if old.get(k) != new.get(k))
+    ko, kn = (key(old), key(new)) if key is not None else (old, new)
+    for k in since:
+        if k not in ko:  # a file from before the key was recorded
+            ko[k] = kn.get(k)
+    return new, differing(ko, kn)
+
+
+def resume_settings(path, old: dict, new: dict, key: Callable[[dict], dict] | None = None, since: Sequence[str] = ()) -> dict:
+    """The settings a resumed run continues under (:func:`reconcile_settings`); a stored run of other settings is
+    refused, saying which differ (and, where only ``auto`` does, what it ran as)."""
+    merged, differ = reconcile_settings(old, new, key=key, since=since)
+    if differ == ["auto"]:
+        was, now = old["auto"].get("method"), new["auto"].get("method")
+        raise ValueError(f"--json {path} holds `auto` rows run as {was} at other settings than `auto` stands for now ({now}; "
+                         "the calibration or this version's recipes differ): list the method by name, drop auto from "
+                         "--transforms, or give another path")
+    if differ:
+        raise ValueError(f"--json {path} holds a run with other settings (differing: {', '.join(differ)}); "
+                         "give another path to start afresh, or delete it")
+    return merged
 
 
 def resumable(path: str | None, settings: dict):
@@ -40,25 +96,10 @@ def resumable(path: str | None, settings: dict):
     another method than ``auto`` stands for now). ``settings["calibration"]`` None
     (no listed method is calibrated) is compatible with any calibration, and keeps the stored one.
     """
-    settings = json.loads(json.dumps(settings))  # as it reads back from JSON
+    settings = as_json(settings)
     state = {}
-    if path and Path(path).exists():
-        try:
-            prev = json.loads(Path(path).read_text())
-        except (OSError, json.JSONDecodeError) as e:
-            raise ValueError(f"--json {path}: cannot resume from it ({e}); give another path or delete it") from None
-        if not isinstance(prev, dict) or not isinstance(prev.get("settings"), dict) or not isinstance(prev.get("state"), dict):
-            raise ValueError(f"--json {path}: not a file this command wrote (no settings/state); give another path or delete it")
-        merged, differ = reconcile_settings(prev["settings"], settings)
-        if differ == ["auto"]:
-            was, now = prev["settings"]["auto"].get("method"), settings["auto"].get("method")
-            raise ValueError(f"--json {path} holds `auto` rows run as {was} at other settings than `auto` stands for now ({now}; "
-                             "the calibration or this version's recipes differ): list the method by name, drop auto from "
-                             "--transforms, or give another path")
-        if differ:
-            raise ValueError(f"--json {path} holds a run with other settings (differing: {', '.join(differ)}); "
-                             "give another path to start afresh, or delete it")
-        settings = merged
+    if (prev := read_run(path)) is not None:
+        settings = resume_settings(path, prev["settings"], settings)
         state = prev["state"]
         print(f"resuming from {path}", file=sys.stderr)
     save = (lambda st: write_json(path, {"settings": settings, "state": st})) if path else None

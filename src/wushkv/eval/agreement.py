@@ -169,6 +169,19 @@ def late_growth(kl_rows: list[list[float]], reference_rows: list[list[float]] | 
     return out
 
 
+def late_growth_by_method(state: dict, res: dict, reference: str) -> dict[str, dict]:
+    """Per reported method (``res``: :func:`report`'s result on ``state``): :func:`late_growth` of its KL against
+    ``reference``'s, over the first prompts both have."""
+    if reference not in res:
+        raise ValueError(f"--growth-reference {reference!r} is not among the methods reported: {list(res)}")
+    rows = state["rows"]
+    out = {}
+    for m, r in res.items():
+        k = min(r["prompts"], res[reference]["prompts"])
+        out[m] = late_growth([x["kl"] for x in rows[m][:k]], [x["kl"] for x in rows[reference][:k]])
+    return out
+
+
 def summarize(kl_rows: list[list[float]], top1_rows: list[list[bool]], prefixes: list[int]) -> dict:
     kl = torch.tensor(kl_rows, dtype=torch.float64)  # (prompts, n)
     top1 = torch.tensor(top1_rows, dtype=torch.float64)

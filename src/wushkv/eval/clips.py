@@ -219,6 +219,7 @@ def tune_clips(model, chunks: torch.Tensor, calibration, methods: Sequence[str],
     (:func:`paired_better`; at 4 bits on SmolLM2 the ``lower`` rule followed noise, docs/ABLATIONS.md section 21). ``evaluate(method, cfg) -> {"ppl", "chunk_nll"}`` replaces the perplexity run
     (tests)."""
     from ..io import write_json
+    from ..runs import as_json, differing, read_run
     from .compare import config_for, quantized_perplexity
     from .perplexity import perplexity
 
@@ -236,12 +237,10 @@ def tune_clips(model, chunks: torch.Tensor, calibration, methods: Sequence[str],
     if rule != "lower":  # tables from before the rule existed moved on any gain
         settings["rule"] = rule
     data = {"format": FORMAT, "version": FORMAT_VERSION, "settings": settings, "fp": None, "clips": {}, "trials": {}}
-    if path is not None and Path(path).is_file():
-        prev = json.loads(Path(path).read_text(encoding="utf-8"))
-        want = json.loads(json.dumps(settings))  # as it reads back from JSON
-        if prev.get("format") != FORMAT or prev.get("settings") != want:
-            old = prev.get("settings") or {}
-            differ = sorted(k for k in set(old) | set(want) if old.get(k) != want.get(k))
+    if path is not None and (prev := read_run(path, ("settings",), "`wushkv tune-clip`", flag="--out")) is not None:
+        want = as_json(settings)
+        if prev.get("format") != FORMAT or prev["settings"] != want:  # a clip search resumes only at exactly its settings
+            differ = differing(prev["settings"], want)
             raise ValueError(f"{path} holds a clip search with other settings (differing: {', '.join(differ) or 'format'}); "
                              "give another --out or delete it")
         data = prev

@@ -80,29 +80,17 @@ def _resume_key(settings: dict) -> dict:
 
 
 def _resume(json_path, settings: dict) -> dict | None:
-    """The stored run to continue, None if there is no file; a file from other settings is refused
-    (not overwritten: it may hold hours of results)."""
+    """The stored run to continue (its settings: this run's, with a calibration it lacks taken from the file), None
+    if there is no file; a file from other settings is refused (not overwritten: it may hold hours of results).
+    Files from before the text's hash was recorded match any text (:func:`wushkv.runs.reconcile_settings`)."""
+    from ..runs import read_run, resume_settings
+
     path = Path(json_path)
-    if not path.is_file():
+    prev = read_run(path, ("settings", "results"), "compare")
+    if prev is None:
         return None
-    try:
-        prev = json.loads(path.read_text())
-    except (json.JSONDecodeError, OSError) as e:
-        raise ValueError(f"--json {path}: cannot resume from it ({e}); give another path or delete it") from None
-    if not isinstance(prev, dict) or not isinstance(prev.get("settings"), dict) or not isinstance(prev.get("results"), dict):
-        raise ValueError(f"--json {path}: not a file compare wrote (no settings/results); give another path or delete it")
     prev.setdefault("fp", None)
-    old, new = _resume_key(prev["settings"]), _resume_key(settings)
-    if old["calibration"] is None or new["calibration"] is None:  # no calibrated transform on one side
-        old["calibration"] = new["calibration"] = None
-        settings["calibration"] = settings.get("calibration") or prev["settings"].get("calibration")
-    if "text_sha256" not in old:  # files from before the text's hash was recorded
-        old["text_sha256"] = new.get("text_sha256")
-    differ = sorted(k for k in set(old) | set(new) if old.get(k) != new.get(k))
-    if differ:
-        raise ValueError(f"--json {path} holds a run with other settings (differing: {', '.join(differ)}); "
-                         "give another path to start afresh, or delete it")
-    prev["settings"] = settings
+    prev["settings"] = resume_settings(path, prev["settings"], settings, key=_resume_key, since=("text_sha256",))
     return prev
 
 
@@ -134,7 +122,7 @@ def run_compare(model, tokenizer, chunks: torch.Tensor, calibration: Calibration
     settings["calibration"] = calibration.meta if calibration is not None else None  # what the results were made with
     out = {"settings": settings, "fp": None, "results": {}}
     if json_path and (prev := _resume(json_path, settings)) is not None:
-        out = prev
+        out, settings = prev, prev["settings"]
         write_json(json_path, out)  # the settings as they are now (e.g. the calibration a run without one kept)
         log(f"resuming from {json_path}")
     if out["fp"] is None:

@@ -1,0 +1,52 @@
+"""The ``wushkv`` command line: one entry point, one subcommand per job.
+
+Each module of ``COMMAND_MODULES`` exposes ``register(subparsers)``, which adds its subcommands with
+``set_defaults(func=...)``; a command parses its arguments, calls the library and prints. The order of the
+modules (and of the commands within each) is the order of ``wushkv --help``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+
+from .. import __version__
+from .common import context_list
+
+COMMAND_MODULES = ("misc", "evaluate", "generation")  # wushkv.cli.<name>, each with register(subparsers)
+# the order of `wushkv --help`'s command list; a command not listed follows these, in the order it was registered
+HELP_ORDER = ("info", "ppl", "calibrate", "recon", "compare", "tune-clip", "demo", "generate", "export", "agree", "passkey",
+              "sweep", "lm-eval")
+
+__all__ = ["COMMAND_MODULES", "build_parser", "context_list", "main"]
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="wushkv", description="WUSH-KV: low-bit KV caches with data-aware transforms.")
+    parser.add_argument("--version", action="version", version=f"wushkv {__version__}")
+    sub = parser.add_subparsers(dest="command", required=True)
+    for name in COMMAND_MODULES:
+        importlib.import_module(f"{__name__}.{name}").register(sub)
+    _order(sub, HELP_ORDER)
+    return parser
+
+
+def _order(sub, order) -> None:
+    """List the subcommands of ``sub`` in ``order`` (the modules register them grouped by topic)."""
+    rank = {n: i for i, n in enumerate(order)}
+    key = lambda n: rank.get(n, len(rank))  # noqa: E731  (sorted is stable: unlisted ones keep their order)
+    parsers = dict(sub.choices)
+    sub.choices.clear()
+    sub.choices.update((n, parsers[n]) for n in sorted(parsers, key=key))
+    sub._choices_actions.sort(key=lambda a: key(a.dest))  # the help lines (argparse keeps no public handle on them)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    try:
+        return args.func(args)
+    except (ValueError, FileNotFoundError) as e:
+        print(f"wushkv {args.command}: error: {e}", file=sys.stderr)
+        return 2

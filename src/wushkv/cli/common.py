@@ -1,0 +1,168 @@
+"""What the commands share: argument types, the model arguments, and the quantizer arguments generated from
+:class:`~wushkv.config.QuantConfig`'s fields (:func:`add_quant_args` and :func:`quant_config` are the two ends:
+a new field needs one row in ``QUANT_HELP``)."""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import sys
+import time
+import typing
+
+from ..config import QuantConfig, WindowConfig
+
+
+def err(message: str) -> None:
+    """A progress or diagnostic line, on stderr (stdout carries the results)."""
+    print(message, file=sys.stderr)
+
+
+# -- argument types ---------------------------------------------------------------------------------
+def bits(s: str) -> int | None:
+    """One bit width; 16 (or fp, none) = full precision (None)."""
+    if s.lower() in ("16", "fp", "none"):
+        return None
+    try:
+        return int(s)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"bits must be one of 2, 3, 4, 8 or 16 (full precision), got {s!r}") from None
+
+
+def bits_list(s: str) -> list[int]:
+    """Comma-separated bit widths, e.g. ``2,3,4``."""
+    try:
+        return [int(b) for b in s.split(",") if b.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated bit widths such as 2,3,4, got {s!r}") from None
+
+
+def windows_pair(s: str) -> tuple[int, int]:
+    """``SINK,KEEP``, e.g. ``16,128``."""
+    try:
+        sink, keep = (int(x) for x in s.split(","))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected SINK,KEEP such as 16,128, got {s!r}") from None
+    if sink < 0 or keep < 1:
+        raise argparse.ArgumentTypeError(f"expected SINK >= 0 and KEEP >= 1, got {s!r}")
+    return sink, keep
+
+
+def context_list(s: str) -> list[int]:
+    """Comma-separated context lengths in tokens, ``k`` = 1024: ``1k,2k,4096`` -> [1024, 2048, 4096]."""
+    out = []
+    for x in s.split(","):
+        x = x.strip().lower()
+        try:
+            out.append(int(float(x[:-1]) * 1024) if x.endswith("k") else int(x))
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected contexts such as 1k,2k,4096, got {s!r}") from None
+    return out
+
+
+def names(s: str) -> list[str]:
+    """The non-empty comma-separated names of ``s``."""
+    return [t.strip() for t in s.split(",") if t.strip()]
+
+
+# -- the model -------------------------------------------------------------------------------------
+def add_model_args(p: argparse.ArgumentParser) -> None:
+    from ..models import DEFAULT_MODEL
+
+    p.add_argument("--model", default=DEFAULT_MODEL, help="smollm2-135m | gemma3-270m | a .gguf file, model folder or hub id (default: %(default)s)")
+    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"], help="weights dtype (default: %(default)s)")
+    p.add_argument("--device", default="cpu", help="torch device (default: %(default)s)")
+    p.add_argument("--device-map", default=None,
+                   help="accelerate device map ('auto', 'balanced', ...): split a model too large for one device over several; "
+                        "every layer must stay resident (no cpu/disk offload)")
+
+
+def load_model(args):
+    """(model, tokenizer) of ``--model``, saying how long loading took."""
+    from ..models import load
+
+    t0 = time.perf_counter()
+    model, tok = load(args.model, dtype=args.dtype, device=args.device, device_map=getattr(args, "device_map", None))
+    err(f"loaded {args.model} in {time.perf_counter() - t0:.1f}s")
+    return model, tok
+
+
+def add_calibration_args(p: argparse.ArgumentParser, help: str | None = "calibration file; default: calibrate once and cache") -> None:
+    """``--calibration`` and, for a calibration made on the fly, ``--calib-samples``/``--calib-seq-len``."""
+    p.add_argument("--calibration", default=None, help=help)
+    p.add_argument("--calib-samples", type=int, default=16)
+    p.add_argument("--calib-seq-len", type=int, default=2048)
+
+
+def calibration(args, model, tok, transforms):
+    """The ``--calibration`` file, or a cached calibration when a calibrated transform is asked for."""
+    from ..eval.prepare import calibration_for
+
+    return calibration_for(model, tok, transforms, path=args.calibration, samples=args.calib_samples,
+                           seq_len=args.calib_seq_len, log=err)
+
+
+# -- the quantizer, from QuantConfig's fields ------------------------------------------------------------
+# field -> (flag name or None for --field-name, argparse keywords besides type/default). A QuantConfig field that
+# is neither here nor in NO_FLAG fails tests/test_cli.py::test_every_quant_field_has_a_flag.
+QUANT_HELP: dict[str, tuple[str | None, dict]] = {
+    "k_bits": (None, {"type": bits, "help": "key bits: 2, 3, 4, 8 (16 = full precision) (default: %(default)s)"}),
+    "v_bits": (None, {"type": bits, "help": "value bits (default: %(default)s)"}),
+    "quantizer": (None, {"help": "quest | affine | kivi | kvarn (default: %(default)s)"}),
+    "key_quantizer": (None, {"metavar": "Q", "help": "the keys' quantizer when it is not --quantizer, e.g. kvarn: keys per channel in "
+                             "KVarN's tiles of --flush tokens, values per token (the +ktiles methods set this and their windows themselves)"}),
+    "k_clip": (None, {"help": "affine key clip ratio κ_K (default: %(default)s)"}),
+    "v_clip": (None, {"help": "affine value clip ratio κ_V (default: %(default)s)"}),
+    "k_alpha": (None, {"help": "QuEST key clip multiplier on α_b (default: %(default)s)"}),
+    "v_alpha": (None, {"help": "QuEST value clip multiplier on α_b (default: %(default)s)"}),
+    "clip_search": (None, {"metavar": "N", "help": "quest/affine: each token picks the clip of least squared error among N+1 candidates "
+                           "(same bytes; 0 = the fixed clip) (default: %(default)s)"}),
+    "tile_clip": (None, {"metavar": "M", "help": "kvarn, +tiles and +ktiles: quantize each tile row over its mean ± M·α_b·σ instead of its "
+                         "min-max (same bytes; 0 = KVarN as published) (default: %(default)s)"}),
+    "group_size": (None, {"help": "channels per quantization group (default: head_dim)"}),
+}
+# WindowConfig's fields: their flags and help (the defaults are each command's windows)
+WINDOW_HELP: dict[str, tuple[str, str]] = {
+    "S_sink": ("--sink", "S_sink full-precision first tokens (default: %(default)s)"),
+    "S_keep": ("--keep", "S_keep full-precision recent tokens (default: %(default)s)"),
+    "S_flush": ("--flush", "S_flush tokens quantized per flush (default: %(default)s)"),
+}
+NO_FLAG = {"windows": "one flag per WindowConfig field (WINDOW_HELP)", "metadata_dtype": "stored scales stay float16 from the CLI",
+           "version": "the file format's, not a setting"}
+
+
+def _flag_type(field: dataclasses.Field, hints: dict):
+    """The argparse type of a field: its annotation less ``None`` (``int | None`` -> int)."""
+    t = hints[field.name]
+    args = [a for a in typing.get_args(t) if a is not type(None)]
+    return args[0] if args else t
+
+
+def quant_fields() -> list[dataclasses.Field]:
+    """QuantConfig's fields that have a flag, in the dataclass's order (the order of the flags in --help)."""
+    return [f for f in dataclasses.fields(QuantConfig) if f.name in QUANT_HELP]
+
+
+def _dest(field: str, flag: str | None) -> str:
+    return (flag or "--" + field.replace("_", "-")).lstrip("-").replace("-", "_")
+
+
+def add_quant_args(p: argparse.ArgumentParser, windows: WindowConfig) -> None:
+    """One flag per quantizer field of QuantConfig (default: the dataclass's) and per window (default: ``windows``)."""
+    defaults, hints = QuantConfig(), typing.get_type_hints(QuantConfig)
+    for f in quant_fields():
+        flag, kw = QUANT_HELP[f.name]
+        kw = {"type": _flag_type(f, hints)} | kw
+        if kw["type"] is str:
+            del kw["type"]  # argparse's own
+        p.add_argument(flag or "--" + f.name.replace("_", "-"), default=getattr(defaults, f.name), **kw)
+    for f in dataclasses.fields(WindowConfig):
+        flag, help = WINDOW_HELP[f.name]
+        p.add_argument(flag, type=int, default=getattr(windows, f.name), help=help)
+
+
+def quant_config(args, **override) -> QuantConfig:
+    """The QuantConfig of the parsed quantizer arguments; ``override``: fields set by the command (e.g. the widths)."""
+    fields = {f.name: getattr(args, _dest(f.name, QUANT_HELP[f.name][0])) for f in quant_fields()}
+    windows = WindowConfig(*(getattr(args, _dest(f.name, WINDOW_HELP[f.name][0])) for f in dataclasses.fields(WindowConfig)))
+    return QuantConfig(**(fields | override), windows=windows)
