@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from wushkv.calibration import Calibration, calibration_documents, calibration_sequences, pre_rope_key_mean
-from wushkv.tools.commands import register
+from wushkv.cli.tools import register
 
 from conftest import TINY_CALIBRATION_TEXT, CharTokenizer, tiny_model
 

@@ -6,7 +6,7 @@ transformed online) and then changes exactly two calls:
 
 * ``_model_call`` (loglikelihood, loglikelihood_rolling, multiple choice): the forward pass gets a
   fresh :class:`~wushkv.cache.WushKVCache`, whose prefill attention is the exact single-pass
-  emulation of streaming decoding (METHOD §3.2): every scored token sees the keys and values
+  emulation of streaming decoding (docs/reference/math.md#32-full-precision-windows-and-the-batched-flush): every scored token sees the keys and values
   quantized exactly as a decode through the cache would have them, never full-precision K/V;
 * ``_model_generate`` (generate_until): ``generate`` decodes through a real packed cache, with
   the batch's left padding declared to it (each row's sink and windows count from its first real

@@ -152,7 +152,7 @@ def register(sub) -> None:
     p.add_argument("--max-new-tokens", type=int, default=128)
     p.add_argument("--transform", default="auto",
                    help="method, as for agree; 'auto': the WUSH variant chosen on held-out C4 for the model, quantizer and width "
-                        "at K = V bits (affine, the default here: docs/GENERATION.md; QuEST: docs/RESULTS.md); elsewhere wush+rmean "
+                        "at K = V bits (affine, the default here: docs/results.md#generation-agree-and-passkey; QuEST: docs/results.md); elsewhere wush+rmean "
                         "(keys centered on their rotating mean) with the affine quantizer when the calibration holds the pre-RoPE key "
                         "mean, else wush (default: %(default)s)")
     add_calibration_args(p)

@@ -129,7 +129,7 @@ def register(sub) -> None:
     p.add_argument("--out", required=True, help="output .safetensors path (metadata also in PATH.json)")
     p.set_defaults(func=cmd_calibrate)
 
-    p = sub.add_parser("export", help="write solved transforms for a serving engine (row-vector convention, docs/FORMAT.md)")
+    p = sub.add_parser("export", help="write solved transforms for a serving engine (row-vector convention, docs/reference/formats.md)")
     p.add_argument("--calibration", required=True, help="calibration file from `wushkv calibrate`")
     p.add_argument("--transform", default="wush", help="transform to export (default: %(default)s)")
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])

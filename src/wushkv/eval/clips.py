@@ -1,10 +1,10 @@
 """QuEST clip multipliers chosen per method and bit width on held-out calibration-domain text.
 
 QuEST clips each token at α_b·RMS, α_b the clip of least squared error for Gaussian coordinates
-(METHOD §4). A transform changes how Gaussian the coordinates are and which of them carry the
+(docs/reference/math.md#4-the-quest-int-quantizer). A transform changes how Gaussian the coordinates are and which of them carry the
 attention scores, so one α_b for every transform leaves perplexity on the table: on held-out C4, WUSH
 keys want a wider clip at 2 bits (× 1.15 on SmolLM2-135M, × 1.3 on Gemma-3-270M) while Hadamard's want
-α_b (docs/ABLATIONS.md section 20). A *clip table* holds, per (method, width), the multipliers on α_b
+α_b (docs/lab/quest-key-clip-2bit.md). A *clip table* holds, per (method, width), the multipliers on α_b
 for keys and values chosen by :func:`tune_clips` on text that is never the evaluation text
 (``wushkv tune-clip``); ``wushkv compare --clips TABLE`` quantizes each method at its own clips.
 
@@ -216,7 +216,7 @@ def tune_clips(model, chunks: torch.Tensor, calibration, methods: Sequence[str],
     ``path``: the table is written there after every evaluation and resumed from it (a file from other
     settings is refused). ``rule``: ``lower`` moves to a neighbouring clip on any held-out gain; ``paired``
     only on a gain whose paired 95% bootstrap interval over the held-out chunks lies below 0
-    (:func:`paired_better`; at 4 bits on SmolLM2 the ``lower`` rule followed noise, docs/ABLATIONS.md section 21). ``evaluate(method, cfg) -> {"ppl", "chunk_nll"}`` replaces the perplexity run
+    (:func:`paired_better`; at 4 bits on SmolLM2 the ``lower`` rule followed noise, docs/lab/tune-clip-per-method.md). ``evaluate(method, cfg) -> {"ppl", "chunk_nll"}`` replaces the perplexity run
     (tests)."""
     from ..io import write_json
     from ..runs import as_json, differing, read_run

@@ -101,7 +101,7 @@ def compare_report(out: dict, transforms: Sequence[str], bits: Sequence[int], mo
             return describe_resolved(r["method"], QuantConfig.from_dict(r["config"])) if "config" in r else r.get("method", "?")
 
         lines.append("auto: " + ", ".join(f"{b}-bit {resolved(out['results'][AUTO][str(b)])}" for b in bits)
-                     + " (chosen on held-out C4; docs/RESULTS.md)")
+                     + " (chosen on held-out C4; docs/results.md)")
     best = best_per_bits(out, transforms, bits)
     lines.append("lowest perplexity: " + ", ".join(f"{b}-bit {t}" for b, t in best.items()))
     lines.append("\n".join("  " + x for x in margin_lines(out, transforms, bits)))

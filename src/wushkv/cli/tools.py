@@ -14,14 +14,14 @@ from ..data import HELDOUT_C4_DOCUMENTS, HELDOUT_C4_FIRST
 
 
 def cmd_calibration_upgrade(args) -> int:
-    from .upgrade import upgrade_file
+    from ..tools.upgrade import upgrade_file
 
     print(f"wrote {upgrade_file(args.calibration, args.out, seqs=args.seqs, text_file=args.text_file)}")
     return 0
 
 
 def cmd_data_heldout(args) -> int:
-    from .heldout import write_heldout
+    from ..tools.heldout import write_heldout
 
     text, what = write_heldout(args.out, args.source, args.first, args.documents)
     print(f"{what}, {len(text)} characters -> {args.out}")
@@ -29,7 +29,7 @@ def cmd_data_heldout(args) -> int:
 
 
 def cmd_merge_compare(args) -> int:
-    from .merge import compare_report, merge_compare, read_runs
+    from ..tools.merge import compare_report, merge_compare, read_runs
 
     first, rows = merge_compare(read_runs(args.files))
     print(compare_report(first, rows, versus=args.versus, plot=args.plot))
@@ -38,7 +38,7 @@ def cmd_merge_compare(args) -> int:
 
 def cmd_merge_agree(args) -> int:
     from ..io import write_json
-    from .merge import merge_agree, read_runs
+    from ..tools.merge import merge_agree, read_runs
 
     out = merge_agree(read_runs(args.files))
     write_json(args.out, out)
@@ -49,7 +49,7 @@ def cmd_merge_agree(args) -> int:
 
 def cmd_merge_passkey(args) -> int:
     from ..io import write_json
-    from .merge import merge_passkey, read_runs
+    from ..tools.merge import merge_passkey, read_runs
 
     out = merge_passkey(read_runs(args.files))
     write_json(args.out, out)
