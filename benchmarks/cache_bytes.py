@@ -31,11 +31,11 @@ def layout_config(name: str, bits: int) -> QuantConfig:
     if parts == ["kvarn", "tiles"]:
         return QuantConfig(bits, bits, quantizer="kvarn", windows=WindowConfig(128, 0, 128))
     if parts and parts[0] == "ktiles" and len(parts) in (2, 3) and parts[1:-1] in ([], ["quest"], ["affine"]):
-        from wushkv.eval.compare import config_for
+        from wushkv.methods import parse
 
         s, k, f = (int(x) for x in parts[-1].split("/"))
         q = parts[1] if len(parts) == 3 else "quest"
-        return config_for("wush+ktiles", QuantConfig(bits, bits, quantizer=q, windows=WindowConfig(s, k, f)))
+        return parse("wush+ktiles").quant_config(QuantConfig(bits, bits, quantizer=q, windows=WindowConfig(s, k, f)))
     if len(parts) != 3 or parts[0] not in ("quest", "affine") or not parts[1].startswith("g"):
         raise ValueError(f"layout {name!r}: expected 'quest g64 16/128/16', 'affine g64 64/256/8', 'kvarn tiles', 'ktiles 16/128/16' "
                          "or 'ktiles affine 64/256/8'")

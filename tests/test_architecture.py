@@ -31,26 +31,13 @@ SRC = ROOT / "src"
 # -------------------------------------------------------------------------------------------------
 # Known offenders that other changes of issue #31 remove. Each entry is expected to fail (xfail, not
 # strict): when it is fixed, delete it here.
-_BENCHMARKS = "benchmarks/ moves to tools and experiments without sys.path edits or monkeypatching (issue #31)"
-PENDING_SYS_PATH = {
-    f"benchmarks/{name}.py": _BENCHMARKS
-    for name in (
-        "ablations add_rope_mean agree_sides cache_bytes calib_cost calibration_cost decode eval_cost fp_outliers "
-        "heldout_text key_errors logit_bias lognormal_ppl mean_energy merge_agree merge_compare merge_passkey "
-        "passkey_probe rope_mean_proxy side_quantizers"
-    ).split()
-}
+PENDING_SYS_PATH: dict[str, str] = {}
 PENDING_MONKEYPATCH = {
-    "benchmarks/eval_cost.py": _BENCHMARKS,  # attention.QUERY_BLOCK = ... (use wushkv.attention.query_block)
-    "benchmarks/fp_outliers.py": _BENCHMARKS,  # WushKVLayer._fake = ...
-    "benchmarks/lognormal_ppl.py": _BENCHMARKS,
-    "benchmarks/side_quantizers.py": _BENCHMARKS,
-    "tests/eval/test_compare.py": "patches wushkv.eval.compare.quantized_perplexity; eval/compare.py is being rewritten (issue #31)",
     "tests/test_data.py": "patches wushkv.data.data_dirs: needs a way to name the data folders (issue #31)",
     "tests/transforms/test_wush.py": "patches wushkv.transforms.wush.canonical_signs: needs a signs argument (issue #31)",
 }
 # Import cycles that the rewrite of eval/methods.py and eval/compare.py removes (issue #31).
-PENDING_CYCLES = {frozenset({"wushkv.eval.compare", "wushkv.eval.methods"})}
+PENDING_CYCLES: set[frozenset] = set()
 
 
 # ------------------------------------------------------------------------------------- contracts

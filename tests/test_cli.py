@@ -214,11 +214,11 @@ def test_compare_runs_auto_and_says_what_it_ran(tmp_path, capsys, monkeypatch):
     --model string, with its clip multipliers), the table row and JSON record it, the perplexity is that method's."""
     import json
 
-    import wushkv.eval.methods as methods
+    import wushkv.methods.auto as methods
 
     _, text, cal = _tiny_model_dir(tmp_path, repeats=20, max_position_embeddings=None)
     path = cal.save(tmp_path / "c.safetensors")
-    monkeypatch.setitem(methods.AUTO_RECIPES, str(tmp_path / "m"), {2: methods.Recipe("wush+ldlq-v", k_alpha=1.2)})
+    monkeypatch.setitem(methods.AUTO_RECIPES, str(tmp_path / "m"), {2: methods.Recipe(methods.parse("wush+ldlq-v"), k_alpha=1.2)})
     out = tmp_path / "r.json"
     argv = ["compare", "--model", str(tmp_path / "m"), "--calibration", str(path), "--transforms", "auto,wush+ldlq-v", "--bits", "2,3",
             "--text-file", str(text), "--seq-len", "120", "--chunks", "2", "--sink", "4", "--keep", "16", "--flush", "4", "--json", str(out)]
@@ -228,8 +228,8 @@ def test_compare_runs_auto_and_says_what_it_ran(tmp_path, capsys, monkeypatch):
     assert res["auto"]["2"]["method"] == "wush+ldlq-v" and res["auto"]["2"]["config"]["k_alpha"] == 1.2
     assert res["auto"]["3"]["method"] == "wush" and res["auto"]["2"]["ppl"] != res["wush+ldlq-v"]["2"]["ppl"]  # its own clip
     # the recipes change (a new version): resuming the file runs auto again where it now stands for another method
-    monkeypatch.setitem(methods.AUTO_RECIPES, str(tmp_path / "m"), {2: methods.Recipe("wush+ldlq-v", k_alpha=1.2),
-                                                                     3: methods.Recipe("wush+ldlq-v")})
+    monkeypatch.setitem(methods.AUTO_RECIPES, str(tmp_path / "m"), {2: methods.Recipe(methods.parse("wush+ldlq-v"), k_alpha=1.2),
+                                                                     3: methods.Recipe(methods.parse("wush+ldlq-v"))})
     assert main(argv) == 0
     assert "auto at 3 bits now stands for wush+ldlq-v" in capsys.readouterr().err
     again = json.loads(out.read_text())["results"]
@@ -291,9 +291,9 @@ def test_agree_and_passkey_take_auto(tmp_path, capsys, monkeypatch):
         key = "kl_by_position" if name == "agree" else "logprob"
         assert a[key] == b[key]  # the same method at the same settings
     # a version whose recipes make auto another method here: resuming refuses the old auto rows, and says why
-    import wushkv.eval.methods as methods
+    import wushkv.methods.auto as methods
 
-    monkeypatch.setitem(methods.AUTO_AFFINE_RECIPES, str(tmp_path / "m"), {2: methods.Recipe("wush")})
+    monkeypatch.setitem(methods.AUTO_AFFINE_RECIPES, str(tmp_path / "m"), {2: methods.Recipe(methods.parse("wush"))})
     for name, argv in runs.items():
         assert main([*argv, "--json", str(tmp_path / f"{name}.json")]) == 2
         assert "holds `auto` rows run as wush+rmean" in capsys.readouterr().err

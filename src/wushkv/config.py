@@ -55,7 +55,7 @@ class QuantConfig:
       ``S_flush`` tokens, docs/reference/math.md#7-kvarn-tiles; use windows (tile, 0, tile)).
     * ``key_quantizer``: the keys' quantizer when it is not ``quantizer`` (None: the same). ``kvarn`` with a
       per-token ``quantizer`` quantizes keys per channel in KVarN's tiles and values per token (the
-      ``+ktiles`` methods, :func:`wushkv.eval.compare.config_for`); a tile side needs ``S_flush`` = its tile.
+      ``+ktiles`` methods, :meth:`wushkv.methods.MethodSpec.quant_config`); a tile side needs ``S_flush`` = its tile.
     * ``k_alpha``/``v_alpha``: QuEST clip multipliers on α_b (1.0 = the Gaussian optimum).
     * ``tile_clip``: ``kvarn`` sides only: each balanced row is quantized over its mean ± tile_clip·α_b·σ
       (within its min-max) instead of its min-max; 0 = KVarN as published

@@ -41,7 +41,8 @@ except ImportError as e:  # pragma: no cover - exercised only without the extra
 
 from .cache import WushKVCache
 from .config import PERPLEXITY_WINDOWS, QuantConfig, WindowConfig
-from .eval.methods import FULL_PRECISION, check_methods, parse_stock, transforms_for
+from .methods.install import transforms_for
+from .methods.spec import FULL_PRECISION, MethodSpec, StockCache, parse, spec_of
 
 __all__ = ["WushLM"]
 
@@ -90,12 +91,13 @@ class WushLM(HFLM):
         **kwargs,
     ) -> None:
         from .calibration import Calibration
-        from .eval.compare import config_for
         from .folding import apply_transforms
         from .models import load
 
-        check_methods([method])
-        if parse_stock(method) is not None:
+        m = parse(method)
+        if not isinstance(m, MethodSpec) and m is not FULL_PRECISION:
+            spec_of(m)  # auto: says which commands resolve it
+        if isinstance(m, StockCache):
             raise ValueError(
                 f"method {method!r}: the stock QuantizedCache attends to full-precision keys and values in prefill, so "
                 "loglikelihood tasks would not see its quantization; WushLM accepts wushkv transforms and 'full-precision'"
@@ -113,7 +115,7 @@ class WushLM(HFLM):
         self.method = method
         self.quant_config = None
         self._stack = ExitStack()
-        if method != FULL_PRECISION:
+        if m is not FULL_PRECISION:
             bits = [None if str(b).lower() in ("16", "fp", "none") else int(b) for b in (k_bits, v_bits)]
             base = QuantConfig(
                 k_bits=bits[0], v_bits=bits[1], quantizer=quantizer, k_clip=float(k_clip), v_clip=float(v_clip),
@@ -121,9 +123,9 @@ class WushLM(HFLM):
                 tile_clip=float(tile_clip), key_quantizer=key_quantizer or None,
                 windows=WindowConfig(int(sink), int(keep), int(flush)),
             )
-            self.quant_config = config_for(method, base)
+            self.quant_config = m.quant_config(base)
             cal = Calibration.load(calibration, self.model) if calibration else None
-            self._stack.enter_context(apply_transforms(self.model, transforms_for(self.model, cal, method), method))
+            self._stack.enter_context(apply_transforms(self.model, transforms_for(self.model, cal, m), m.name))
 
     def close(self) -> None:
         """Restore the model's original weights (undo the folding)."""

@@ -37,7 +37,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from .config import PER_TOKEN_QUANTIZERS
-from .eval.methods import TILES_SUFFIX, is_transform_method, needs_calibration, uses_key_tiles, uses_tiles, uses_wush_a
+from .methods.spec import MethodSpec, canonical_name, grammar_help, method_config, parse
 from .io import atomic_write, write_json
 
 __all__ = ["Job", "SweepConfig", "run_sweep", "collect"]
@@ -59,9 +59,10 @@ class SweepError(ValueError):
 def quantizers_of(transform: str, quantizers) -> list[str]:
     """The quantizers a sweep runs ``transform`` with: KVarN's for tile methods, the per-token ones for ``+ktiles``
     (keys in tiles, values per token), all of ``quantizers`` otherwise."""
-    if uses_tiles(transform):
+    m = parse(transform)
+    if isinstance(m, MethodSpec) and m.tiles:
         return ["kvarn"]
-    return [q for q in quantizers if q in PER_TOKEN_QUANTIZERS] if uses_key_tiles(transform) else list(quantizers)
+    return [q for q in quantizers if q in PER_TOKEN_QUANTIZERS] if isinstance(m, MethodSpec) and m.key_tiles else list(quantizers)
 
 
 @dataclass(frozen=True)
@@ -135,7 +136,6 @@ class SweepConfig:
     @classmethod
     def from_dict(cls, raw: dict, base: Path = Path(".")) -> SweepConfig:
         from .config import QUANTIZER_NAMES
-        from .transforms import TRANSFORMS
 
         unknown = set(raw) - set(_SECTIONS) - {"out"}
         if unknown:
@@ -148,11 +148,15 @@ class SweepConfig:
         for k in ("models", "transforms", "bits"):
             if not grid.get(k):
                 raise SweepError(f"[grid] needs a non-empty list `{k}`")
-        transforms = list(grid["transforms"])
-        for t in transforms:
-            if not is_transform_method(t):
-                raise SweepError(f"unknown transform {t!r} in grid.transforms; known: {sorted(TRANSFORMS)}, each optionally "
-                                 f"with the suffix {TILES_SUFFIX!r} (KVarN's tile quantizer), or KEYS:VALUES (e.g. wush:hadamard)")
+        transforms = []
+        for t in grid["transforms"]:
+            try:
+                m = parse(t)
+            except (ValueError, TypeError) as e:
+                raise SweepError(f"grid.transforms entry {t!r}: {e}") from None
+            if not isinstance(m, MethodSpec):
+                raise SweepError(f"grid.transforms entry {t!r}: a sweep runs wushkv methods; {grammar_help()}")
+            transforms.append(canonical_name(m))  # results are keyed by the canonical name
         quantizers = list(grid.get("quantizers", ["quest"]))
         for q in quantizers:
             if q not in ("quest", "affine", "kivi"):
@@ -171,7 +175,7 @@ class SweepConfig:
 
         calibration = cls.CALIB_DEFAULTS | resolve(raw.get("calibration", {}))
         # wush_a / skip_first / skip_first_queries enter the calibration (and job) keys only when used, so older sweeps keep their results
-        wants_a = [t for t in transforms if uses_wush_a(t)]
+        wants_a = [t for t in transforms if parse(t).uses_wush_a]
         if wants_a:
             if calibration.get("wush_a") is False:
                 raise SweepError(f"grid.transforms {wants_a} need the attention-aware statistics: remove `wush_a = false` from [calibration]")
@@ -210,12 +214,11 @@ class SweepConfig:
 
     def quant_config(self, transform: str, quantizer: str, k_bits, v_bits):
         from .config import QuantConfig, WindowConfig
-        from .eval.compare import config_for
 
         e = self.eval
         base = QuantConfig(k_bits=k_bits, v_bits=v_bits, quantizer="quest" if quantizer == "kvarn" else quantizer,
                            windows=WindowConfig(e["sink"], e["keep"], e["flush"]))
-        return config_for(transform, base)
+        return method_config(transform, base)
 
     def job_id(self, job: Job) -> str:
         key = {"job": asdict(job), "eval": self.eval, "resources": self.resources,
@@ -280,7 +283,7 @@ def execute(cfg: SweepConfig, job: Job, cal_bytes: bytes | None = None, model=No
     from .calibration import calibration_sequences
     from .data import load_eval_text, tokenize_chunks
     from .eval.compare import quantized_perplexity
-    from .eval.methods import transforms_for
+    from .methods.install import transforms_for
     from .eval.perplexity import perplexity
     from .eval.reconstruction import layer_reconstruction
 
@@ -367,7 +370,7 @@ def run_sweep(cfg: SweepConfig, ray_address: str | None = None, max_jobs: int | 
 
 
 def _calibrated(transform: str) -> bool:
-    return needs_calibration(transform)
+    return parse(transform).needs_calibration
 
 
 def _run_ray(cfg: SweepConfig, todo: list[Job], needs_cal: set[str], address: str, bar) -> list[str]:

@@ -9,8 +9,29 @@ import torch
 
 from conftest import tiny_model
 from wushkv.config import QuantConfig, WindowConfig
-from wushkv.eval.compare import KVARN_TILE, config_for, quantized_perplexity, run_compare
-from wushkv.eval.methods import check_methods, method_transform, uses_tiles
+from wushkv.eval.compare import quantized_perplexity, run_compare
+from wushkv.methods import AUTO, parse, spec_of
+from wushkv.methods.install import transforms_for
+from wushkv.methods.spec import KVARN_TILE, key_tile_windows
+from wushkv.methods.spec import method_config as config_for
+
+
+def check_methods(names):
+    for n in names:
+        if parse(n) is AUTO:
+            spec_of(n)
+
+
+def method_transform(name):
+    return parse(name).key_transform
+
+
+def uses_tiles(name):
+    return parse(name).tiles
+
+
+def uses_key_tiles(name):
+    return parse(name).key_tiles
 
 
 def test_tiles_suffix_names_a_transform_and_the_tile_quantizer():
@@ -43,10 +64,9 @@ def test_hadamard_plus_tiles_is_kvarn_and_the_transform_matters():
 
 
 @torch.no_grad()
-def test_compare_resumes_whatever_the_transform_list(tmp_path, monkeypatch):
+def test_compare_resumes_whatever_the_transform_list(tmp_path):
     """A finished (transform, bits) is reused by a later run that lists other transforms or widths;
     a file from other chunks or quantizer settings is refused and left as it was."""
-    import wushkv.eval.compare as cmp
 
     model = tiny_model("llama")
     chunks = torch.randint(3, 96, (1, 200), generator=torch.Generator().manual_seed(1))
@@ -54,31 +74,30 @@ def test_compare_resumes_whatever_the_transform_list(tmp_path, monkeypatch):
     path = tmp_path / "c.json"
     first = run_compare(model, None, chunks, None, ["hadamard"], [2], base, json_path=path, meta={"transforms": ["hadamard"], "bits": [2]},
                         show_progress=False, log=lambda m: None)
-    calls = []
-    real = cmp.quantized_perplexity
-    monkeypatch.setattr(cmp, "quantized_perplexity", lambda *a, **k: calls.append(a[3]) or real(*a, **k))
+    logged = []
     second = run_compare(model, None, chunks, None, ["identity", "hadamard"], [2], base, json_path=path,
-                         meta={"transforms": ["identity", "hadamard"], "bits": [2]}, show_progress=False, log=lambda m: None)
-    assert calls == ["identity"]
+                         meta={"transforms": ["identity", "hadamard"], "bits": [2]}, show_progress=False, log=logged.append)
+    assert [m.split()[0] for m in logged if " PPL " in m and "over full precision" in m] == ["identity"]  # only the new method ran
+    calls = []
     assert second["results"]["hadamard"]["2"] == first["results"]["hadamard"]["2"]
     assert json.loads(path.read_text())["settings"]["transforms"] == ["identity", "hadamard"]
     calls.clear()
     kept = path.read_text()
     with pytest.raises(ValueError, match=r"other settings \(differing: base\)"):
         run_compare(model, None, chunks, None, ["hadamard"], [2], replace(base, k_alpha=1.1), json_path=path, show_progress=False,
-                    log=lambda m: None)
+                    log=calls.append)
     with pytest.raises(ValueError, match=r"differing: chunks"):
         run_compare(model, None, torch.cat([chunks, chunks]), None, ["hadamard"], [2], base, json_path=path, show_progress=False,
-                    log=lambda m: None)
-    assert calls == [] and path.read_text() == kept  # refused before anything ran; the file is untouched
+                    log=calls.append)
+    assert not [m for m in calls if " PPL " in m] and path.read_text() == kept  # refused before anything ran; the file is untouched
     # the same calibration recipe made again (another date and timing) resumes; another recipe is refused
     from types import SimpleNamespace
 
     recipe = {"model": "m", "samples": 4, "damping": 0.01}
-    quiet = dict(json_path=path, show_progress=False, log=lambda m: None)
+    quiet = dict(json_path=path, show_progress=False, log=calls.append)
     run_compare(model, None, chunks, SimpleNamespace(meta=recipe | {"date": "d1", "seconds": 1.0}), ["hadamard"], [2], base, **quiet)
     run_compare(model, None, chunks, SimpleNamespace(meta=recipe | {"date": "d2", "seconds": 2.0}), ["hadamard"], [2], base, **quiet)
-    assert calls == [] and json.loads(path.read_text())["settings"]["calibration"]["date"] == "d2"
+    assert not [m for m in calls if " PPL " in m] and json.loads(path.read_text())["settings"]["calibration"]["date"] == "d2"
     with pytest.raises(ValueError, match=r"differing: calibration"):
         run_compare(model, None, chunks, SimpleNamespace(meta=recipe | {"damping": 0.1}), ["hadamard"], [2], base, **quiet)
     with pytest.raises(ValueError, match=r"differing: text_sha256"):  # other text of the same shape
@@ -90,7 +109,7 @@ def test_compare_resumes_whatever_the_transform_list(tmp_path, monkeypatch):
     del stored["settings"]["text_sha256"]
     path.write_text(json.dumps(stored))
     run_compare(model, None, chunks, None, ["hadamard"], [2], base, meta={"dtype": "float32"}, **quiet)
-    assert calls == []
+    assert not [m for m in calls if " PPL " in m]
 
 
 def test_paired_difference_and_margins():
@@ -121,12 +140,12 @@ def test_paired_difference_and_margins():
 def test_compare_auto_runs_the_models_recipe_at_each_width(tiny_cal, monkeypatch):
     """``auto`` in compare runs the recipe of the run's model at each width: the same perplexity as naming that
     method, and the entry records which method it was."""
-    import wushkv.eval.methods as methods
-    from wushkv.eval.methods import Recipe
+    import wushkv.methods.auto as methods
+    from wushkv.methods.auto import Recipe
 
     model = tiny_model("llama")
     cal = tiny_cal(model)
-    monkeypatch.setitem(methods.AUTO_RECIPES, "tiny", {2: Recipe("wush+ldlq-v"), 3: Recipe("wush", k_alpha=1.2)})
+    monkeypatch.setitem(methods.AUTO_RECIPES, "tiny", {2: Recipe(parse("wush+ldlq-v")), 3: Recipe(parse("wush"), k_alpha=1.2)})
     chunks = torch.randint(3, 96, (1, 160), generator=torch.Generator().manual_seed(2))
     base = QuantConfig(windows=WindowConfig(4, 16, 4))
     quiet = {"show_progress": False, "log": lambda m: None}
@@ -143,7 +162,6 @@ def test_tile_clip_reaches_the_cache_and_keeps_the_bytes():
     """``tile_clip`` changes what the tiles store (another perplexity), not how much (same bytes)."""
     from wushkv.cache import WushKVCache
     from wushkv.folding import apply_transforms
-    from wushkv.eval.methods import transforms_for
 
     model = tiny_model("llama")
     chunks = torch.randint(3, 96, (1, 300), generator=torch.Generator().manual_seed(3))
@@ -164,8 +182,6 @@ def test_tile_clip_reaches_the_cache_and_keeps_the_bytes():
 def test_key_tiles_put_the_keys_in_tiles_at_the_same_average_full_precision_tokens():
     """``+ktiles``: keys in KVarN's tiles, values with the configured per-token quantizer, under windows that hold
     as many full-precision tokens on average (over a period of both flush grids) as the configured ones."""
-    from wushkv.eval.compare import key_tile_windows
-    from wushkv.eval.methods import uses_key_tiles
 
     for w, want in ((WindowConfig(16, 128, 16), (16, 72, 128)), (WindowConfig(64, 256, 8), (64, 196, 128))):
         kw = key_tile_windows(w)
@@ -195,7 +211,6 @@ def test_key_tiles_store_tiles_for_keys_and_tokens_for_values():
     token) and QuEST codes for the values (one step per token), and its perplexity differs from both parents'."""
     from wushkv.cache import WushKVCache
     from wushkv.folding import apply_transforms
-    from wushkv.eval.methods import transforms_for
 
     model = tiny_model("llama")
     chunks = torch.randint(3, 96, (1, 300), generator=torch.Generator().manual_seed(4))

@@ -12,15 +12,16 @@ from .common import (add_calibration_args, add_model_args, add_quant_args, bits_
 def cmd_ppl(args) -> int:
     from ..data import load_eval_text, tokenize_chunks
     from ..eval.clips import ClipTable
-    from ..eval.compare import config_for, quantized_perplexity
+    from ..eval.compare import quantized_perplexity
     from ..eval.perplexity import perplexity
     from ..eval.prepare import check_clips, check_transforms, load_calibration
     from ..io import write_json
+    from ..methods.spec import method_config
 
     cfg = quant_config(args) if args.transform else None
     if args.transform:
         check_transforms([args.transform])
-        cfg = config_for(args.transform, cfg)
+        cfg = method_config(args.transform, cfg)
     clips = check_clips(args.clips, cfg)
     text, label = load_eval_text(args.text_file)
     model, tok = load_model(args)
@@ -47,8 +48,8 @@ def cmd_ppl(args) -> int:
 def cmd_recon(args) -> int:
     from ..config import QuantConfig
     from ..data import load_eval_text, tokenize_chunks
-    from ..eval.methods import transforms_for
-    from ..eval.prepare import check_recon_transforms, load_calibration
+    from ..eval.prepare import check_recon_transforms
+    from ..methods.install import transforms_for, load_calibration
     from ..eval.reconstruction import layer_reconstruction
     from ..eval.report import plot_recon, recon_tables
     from ..io import write_json
@@ -76,19 +77,22 @@ def cmd_recon(args) -> int:
 def cmd_compare(args) -> int:
     from ..data import load_eval_text, tokenize_chunks
     from ..eval.clips import ClipTable
-    from ..eval.compare import config_for, run_compare
-    from ..eval.methods import AUTO, auto_calibration_note
+    from ..eval.compare import run_compare
     from ..eval.prepare import check_clips, check_transforms
     from ..eval.report import compare_markdown, compare_report, plot_compare
     from ..io import atomic_write, write_json
+    from ..methods.auto import auto_calibration_note
+    from ..methods.spec import AUTO_NAME as AUTO
+    from ..methods.spec import canonical_name, method_config
 
     transforms = names(args.transforms)
     check_transforms(transforms, auto=True)
+    transforms = [canonical_name(t) for t in transforms]  # results are keyed by the canonical name
     base = quant_config(args, k_bits=2, v_bits=2)
     for b in args.bits:
         replace(base, k_bits=b, v_bits=b)  # validates the widths before anything long runs
     for t in transforms:
-        config_for(t, base)  # and each method against the quantizer
+        method_config(t, base)  # and each method against the quantizer
     clips = check_clips(args.clips, base)
     text, label = load_eval_text(args.text_file)
     model, tok = load_model(args)
@@ -195,7 +199,7 @@ def register(sub) -> None:
     p.add_argument("--bits", type=bits_list, default=[2, 3, 4], help="bit widths, comma-separated (default: 2,3,4)")
     p.add_argument("--transforms", default="identity,hadamard,random,oscar,kvarn,wush,auto",
                    help="comma-separated; 'auto' is the WUSH variant chosen on held-out C4 for the model, quantizer and width "
-                        "(wushkv.eval.methods.AUTO_RECIPES) (default: %(default)s)")
+                        "(wushkv.methods.auto.AUTO_RECIPES) (default: %(default)s)")
     p.add_argument("--chunks", type=int, default=16, help="evaluation chunks (default: %(default)s)")
     p.add_argument("--first-chunk", type=int, default=0,
                    help="skip this many chunks first: more text beyond the protocol's first 16, to narrow a tie's interval "

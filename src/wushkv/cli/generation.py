@@ -16,21 +16,22 @@ AGREE_METHODS = "identity,hadamard,random,oscar,kvarn,wush,auto"  # `agree`'s de
 
 
 def cmd_generate(args) -> int:
-    from ..eval.compare import config_for
     from ..eval.generation import cache_summary, generate
-    from ..eval.methods import AUTO, auto_method, describe_resolved
     from ..eval.prepare import check_transforms
+    from ..methods.auto import resolve_auto
+    from ..methods.spec import AUTO_NAME, canonical_name, method_config
 
-    auto = args.transform == AUTO
+    auto = args.transform == AUTO_NAME
     method = "wush" if auto else args.transform
     check_transforms([method])
-    cfg = config_for(method, quant_config(args))
+    method = canonical_name(method)
+    cfg = method_config(method, quant_config(args))
     model, tok = load_model(args)
     cal = calibration(args, model, tok, [method])
     if auto:
-        method, cfg = auto_method(args.model, cal, cfg)
-        cfg = config_for(method, cfg)
-        err(f"--transform auto: {describe_resolved(method, cfg)}" + ("" if method != "wush" else
+        r = resolve_auto(args.model, cal, cfg)
+        method, cfg = r.method.name, r.config
+        err(f"--transform auto: {r.describe()}" + ("" if method != "wush" else
             " (wush+rmean needs the affine quantizer and a calibration holding the pre-RoPE key mean; the other variants are "
             "chosen per model and quantizer at K = V bits)"))
     prompts = [open(f, encoding="utf-8").read() for f in args.prompt_file or []] + list(args.prompt or [])
@@ -73,7 +74,6 @@ def _print_agreement(args, settings: dict, state: dict, res: dict) -> dict:
 def cmd_agree(args) -> int:
     from ..data import load_eval_text, tokenize_chunks
     from ..eval.agreement import MIN_GROWTH_TOKENS, report, run_agreement
-    from ..eval.methods import AUTO, is_transform_method
     from ..eval.prepare import calibration_recipe_of, check_methods_list, resolve_auto
     from ..io import write_json
     from ..runs import resumable
@@ -93,7 +93,7 @@ def cmd_agree(args) -> int:
     cfg = quant_config(args)
     text, label = load_eval_text(args.text_file)
     model, tok = load_model(args)
-    cal = calibration(args, model, tok, [m for m in methods if is_transform_method(m) or m == AUTO])
+    cal = calibration(args, model, tok, methods)
     resolved, auto_settings = resolve_auto(args.model, methods, model, cal, cfg, log=err)
     chunks = tokenize_chunks(tok, text, args.prompt_len, args.prompts * args.stride)[:: args.stride]
     state, save, settings = resumable(args.json, {
@@ -114,7 +114,6 @@ def cmd_agree(args) -> int:
 
 
 def cmd_passkey(args) -> int:
-    from ..eval.methods import AUTO, is_transform_method
     from ..eval.passkey import run_passkey
     from ..eval.prepare import calibration_recipe_of, check_methods_list, resolve_auto
     from ..eval.report import passkey_tables, plot_passkey
@@ -125,7 +124,7 @@ def cmd_passkey(args) -> int:
     depths = [float(x) for x in args.depths.split(",")]
     cfg = quant_config(args)
     model, tok = load_model(args)
-    cal = calibration(args, model, tok, [m for m in methods if is_transform_method(m) or m == AUTO])
+    cal = calibration(args, model, tok, methods)
     resolved, auto_settings = resolve_auto(args.model, methods, model, cal, cfg, log=err)
     state, save, settings = resumable(args.json, {
         "model": args.model, "dtype": args.dtype, "trials": args.trials, "seed": args.seed, "quantization": cfg.to_dict(),

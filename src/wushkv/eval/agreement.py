@@ -226,7 +226,7 @@ def report(state: dict, methods: list[str], common: bool = True) -> dict:
 def run_agreement(model, prompts: torch.Tensor, methods: list[str], calibration, cfg, new_tokens: int,
                   single_pass: bool = False, batch: int = 1, show_progress: bool = True, log=print,
                   state: dict | None = None, save=None, resolved: dict | None = None) -> dict:
-    """Everything above for ``prompts`` (N, P) and every method name (see :mod:`wushkv.eval.methods`).
+    """Everything above for ``prompts`` (N, P) and every method name (see :mod:`wushkv.methods.spec`).
 
     ``resolved`` maps a listed name that stands for another method (``auto``) to ``(method, cfg)``: the method
     installed under that name and its own quantizer settings (the others run at ``cfg``); its results keep

@@ -189,7 +189,7 @@ class _Memo:
 
 def check_tunable(methods: Sequence[str], base: QuantConfig, sides: Sequence[str] = SIDES) -> None:
     """Refuse, before anything runs, what a clip search cannot tune."""
-    from .compare import config_for
+    from ..methods.spec import method_config
 
     if base.quantizer != "quest":
         raise ValueError(f"clip multipliers are QuEST's (α_b); got --quantizer {base.quantizer!r} (the affine quantizer's clips are "
@@ -197,12 +197,12 @@ def check_tunable(methods: Sequence[str], base: QuantConfig, sides: Sequence[str
     if (base.k_alpha, base.v_alpha) != (1.0, 1.0):
         raise ValueError(f"the search starts from α_b: leave --k-alpha/--v-alpha at 1 (got {base.k_alpha}, {base.v_alpha})")
     for m in methods:
-        if config_for(m, base).quantizer != "quest":
+        if method_config(m, base).quantizer != "quest":
             raise ValueError(f"method {m!r} quantizes with KVarN's tiles, not QuEST: it has no clip to tune; leave it out")
     bad = [s for s in sides if s not in SIDES]
     if bad or not sides:
         raise ValueError(f"sides {list(sides)}: choose from {list(SIDES)}")
-    tile_keys = [m for m in methods if config_for(m, base).side_quantizer("key") != "quest"]
+    tile_keys = [m for m in methods if method_config(m, base).side_quantizer("key") != "quest"]
     if tile_keys and "keys" in sides:
         raise ValueError(f"methods {tile_keys} keep their keys in KVarN's tiles (their clip is --tile-clip): tune their values "
                          "only (--sides values), or leave them out")
@@ -220,7 +220,8 @@ def tune_clips(model, chunks: torch.Tensor, calibration, methods: Sequence[str],
     (tests)."""
     from ..io import write_json
     from ..runs import as_json, differing, read_run
-    from .compare import config_for, quantized_perplexity
+    from ..methods.spec import method_config
+    from .compare import quantized_perplexity
     from .perplexity import perplexity
 
     check_tunable(methods, base, sides)
@@ -254,7 +255,7 @@ def tune_clips(model, chunks: torch.Tensor, calibration, methods: Sequence[str],
     for m in methods:
         for b in bits:
             trials = data["trials"].setdefault(m, {}).setdefault(str(b), [])
-            cfg_b = config_for(m, replace(base, k_bits=b, v_bits=b))
+            cfg_b = method_config(m, replace(base, k_bits=b, v_bits=b))
             ppl = _Memo(lambda cfg, m=m: evaluate(m, cfg), cfg_b, trials, fp_ppl, save, log, f"{m:>9} {b}-bit")
             if rule == "paired":
                 ka = line_search(lambda a: ppl.trial(a, 1.0), grid, better=paired_better) if "keys" in sides else 1.0

@@ -15,7 +15,9 @@ from ..cache import WushKVCache
 from ..calibration import Calibration, calibrate
 from ..config import QuantConfig
 from ..folding import apply_transforms
-from ..methods.spec import KVARN_TILE, MethodSpec, key_tile_windows, parse  # noqa: F401  (KVARN_TILE, key_tile_windows: transitional)
+from ..methods.auto import resolve_auto
+from ..methods.install import transforms_for
+from ..methods.spec import AUTO_NAME, MethodSpec, canonical_name, method_config, spec_of
 from ..models import fingerprint
 from .perplexity import perplexity
 
@@ -41,25 +43,20 @@ def cached_calibration(model, tokenizer, samples: int, seq_len: int, damping: fl
     return cal
 
 
-def config_for(transform, base: QuantConfig) -> QuantConfig:
-    """Transitional: the quantizer settings of a method (:meth:`wushkv.methods.MethodSpec.quant_config`); other methods run at ``base``."""
-    m = parse(transform)
-    return m.quant_config(base) if isinstance(m, MethodSpec) else base
-
-
-def quantized_perplexity(model, chunks: torch.Tensor, calibration: Calibration | None, transform: str, cfg: QuantConfig,
-                         show_progress: bool = True, desc: str = "ppl") -> dict:
-    """Install ``transform``, evaluate through a fresh quantized cache per chunk, restore the model."""
+def quantized_perplexity(model, chunks: torch.Tensor, calibration: Calibration | None, transform: str | MethodSpec,
+                         cfg: QuantConfig, show_progress: bool = True, desc: str = "ppl") -> dict:
+    """Install the method ``transform`` (a name or a :class:`~wushkv.methods.MethodSpec`), evaluate ``chunks`` (N, L)
+    through a fresh quantized cache per chunk at ``cfg`` (the method's own settings,
+    :meth:`~wushkv.methods.MethodSpec.quant_config`), restore the model."""
     w = cfg.windows
     if chunks.shape[1] <= w.S_sink + w.S_keep + w.S_flush - 1:
         raise ValueError(
             f"sequences of {chunks.shape[1]} tokens are too short for windows {w.S_sink}/{w.S_keep}/{w.S_flush}: no token "
             f"would ever be quantized; use --seq-len > {w.S_sink + w.S_keep + w.S_flush - 1} or smaller windows"
         )
-    from .methods import transforms_for
-
-    trs = transforms_for(model, calibration, transform)
-    with apply_transforms(model, trs, transform):
+    m = spec_of(transform, "quantized_perplexity")
+    trs = transforms_for(model, calibration, m)
+    with apply_transforms(model, trs, m.name):
         return perplexity(model, chunks, cache_factory=lambda: WushKVCache(model, cfg), show_progress=show_progress, desc=desc)
 
 
@@ -102,8 +99,8 @@ def run_compare(model, tokenizer, chunks: torch.Tensor, calibration: Calibration
     ``clips`` (:class:`~wushkv.eval.clips.ClipTable`): each method quantizes with QuEST at its own chosen clip
     multipliers where the table has them (α from ``base`` elsewhere); each result records the config it ran."""
     from ..io import write_json
-    from .methods import AUTO, auto_method
 
+    transforms = [canonical_name(t) for t in transforms]  # results are keyed by the canonical name
     settings = dict(meta or {}, chunks=int(chunks.shape[0]), seq_len=int(chunks.shape[1]), base=base.to_dict(),
                     text_sha256=hashlib.sha256(chunks.cpu().numpy().tobytes()).hexdigest())
     if clips is not None:
@@ -116,7 +113,7 @@ def run_compare(model, tokenizer, chunks: torch.Tensor, calibration: Calibration
         if calibration is not None and "calibration" in tuned and tuned["calibration"] != json.loads(json.dumps(calibration_recipe(calibration.meta))):
             log("note: the clip table was chosen with a calibration of another recipe than this run's")
         for t in transforms:
-            missing = [b for b in bits if config_for(t, replace(base, k_bits=b, v_bits=b)).quantizer == "quest" and not clips.covers(t, b)]
+            missing = [b for b in bits if method_config(t, replace(base, k_bits=b, v_bits=b)).quantizer == "quest" and not clips.covers(t, b)]
             if missing:
                 log(f"clip table has no entry for {t} at {', '.join(map(str, missing))} bits: those run at the base clip")
     settings["calibration"] = calibration.meta if calibration is not None else None  # what the results were made with
@@ -134,13 +131,13 @@ def run_compare(model, tokenizer, chunks: torch.Tensor, calibration: Calibration
     for t in transforms:
         for b in bits:
             done = out["results"].get(t, {}).get(str(b))
-            name, cfg = t, config_for(t, replace(base, k_bits=b, v_bits=b))
-            if t == AUTO:  # the model's C4-chosen WUSH variant at this width
-                name, cfg = auto_method(settings.get("model"), calibration, cfg)
-                cfg = config_for(name, cfg)
+            name, cfg = t, method_config(t, replace(base, k_bits=b, v_bits=b))
+            if t == AUTO_NAME:  # the model's C4-chosen WUSH variant at this width
+                r = resolve_auto(settings.get("model"), calibration, cfg)
+                name, cfg = r.method.name, r.config
             if clips is not None:
                 cfg = clips.apply(name, cfg)
-            if done is not None and t == AUTO and (done.get("method"), QuantConfig.current_dict(done.get("config"))) != (
+            if done is not None and t == AUTO_NAME and (done.get("method"), QuantConfig.current_dict(done.get("config"))) != (
                     name, QuantConfig.current_dict(cfg.to_dict())):
                 log(f"auto at {b} bits now stands for {name} ({cfg.label()}), not the saved {done.get('method')}: running it again")
                 done = None

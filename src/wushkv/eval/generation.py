@@ -33,7 +33,7 @@ def generate(model, tokenizer, prompts: Sequence[str], method: str, cfg: QuantCo
 
     from ..cache import WushKVCache
     from ..folding import apply_transforms
-    from .methods import transforms_for
+    from ..methods.install import transforms_for
 
     trs = transforms_for(model, calibration, method)
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id

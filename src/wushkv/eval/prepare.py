@@ -14,45 +14,46 @@ def check_transforms(transforms: Sequence[str], tiles: bool = True, auto: bool =
     """Known transforms; with ``tiles``, also ``<transform>+tiles`` (the transform under KVarN's tile quantizer)
     and the other method suffixes; with ``auto``, also ``auto`` (the calling command resolves it per model,
     quantizer and width)."""
+    from ..methods.spec import AUTO, grammar_help, parse, spec_of
     from ..transforms import TRANSFORMS
-    from .methods import AUTO, KTILES_SUFFIX, LDLQ_SUFFIX, SIDES_SEP, TILES_SUFFIX, check_methods, is_transform_method
 
     for t in transforms:
-        if t == AUTO:
-            if not auto:
-                check_methods([t])  # raises, saying which commands resolve auto
+        if not tiles:
+            if t not in TRANSFORMS:
+                raise ValueError(f"unknown transform {t!r}; known: {sorted(TRANSFORMS)}")
             continue
-        if not (is_transform_method(t) if tiles else t in TRANSFORMS):
-            also = (f", each optionally with the suffix {TILES_SUFFIX!r} (KVarN's tile quantizer), {KTILES_SUFFIX!r} (keys in "
-                    f"KVarN's tiles), {LDLQ_SUFFIX!r} "
-                    f"(error-feedback rounding) or +signsN (WUSH's N-th eigenvector sign pattern), or KEYS{SIDES_SEP}VALUES "
-                    f"(e.g. wush{SIDES_SEP}hadamard: keys of one, values of the other)"
-                    + (f", or {AUTO!r} (the WUSH variant chosen on held-out C4 for the model, quantizer and width)" if auto else "")) if tiles else ""
-            raise ValueError(f"unknown transform {t!r}; known: {sorted(TRANSFORMS)}{also}")
-        if tiles:
-            check_methods([t])
+        if parse(t) is AUTO and auto:
+            continue  # the calling command resolves it per model, quantizer and width
+        try:
+            spec_of(t)  # a wushkv method (auto refused, saying which commands resolve it)
+        except ValueError as e:
+            raise ValueError(f"transform {t!r}: {e}" if "unknown method" not in str(e) else
+                             f"unknown transform {t!r}; {grammar_help()}") from None
 
 
 def check_methods_list(s: str, auto: bool = False) -> list[str]:
-    """The comma-separated method names of ``s``, checked; with ``auto``, ``auto`` too (see :func:`resolve_auto`)."""
-    from .methods import AUTO, check_methods
+    """The comma-separated method names of ``s``, checked and canonical (results are keyed by the canonical name);
+    with ``auto``, ``auto`` too (see :func:`resolve_auto`)."""
+    from ..methods.spec import AUTO, canonical_name, parse, spec_of
 
-    names = [t.strip() for t in s.split(",") if t.strip()]
-    check_methods([n for n in names if not (auto and n == AUTO)])
+    names = [canonical_name(t.strip()) for t in s.split(",") if t.strip()]
+    for n in names:
+        if parse(n) is AUTO and not auto:
+            spec_of(n)  # raises, saying which commands resolve auto
     return names
 
 
 def check_recon_transforms(names: Sequence[str]) -> None:
     """``recon`` measures transforms under one per-token quantizer, each token rounded alone: no tile or
     error-feedback methods."""
-    from .methods import KTILES_SUFFIX, LDLQ_SUFFIX, TILES_SUFFIX, uses_key_tiles, uses_ldlq, uses_tiles
+    from ..methods.spec import spec_of
 
     check_transforms(names)
-    if any(uses_tiles(n) or uses_key_tiles(n) for n in names):
-        raise ValueError(f"recon measures transforms under --quantizer; tile methods ({TILES_SUFFIX}, {KTILES_SUFFIX}, kvarn) bring their own quantizer: "
+    if any(spec_of(n).key_layout == "tiles" for n in names):
+        raise ValueError(f"recon measures transforms under --quantizer; tile methods (+tiles, +ktiles, kvarn) bring their own quantizer: "
                          f"drop them from --transforms (got {list(names)})")
-    if any(uses_ldlq(n) for n in names):
-        raise ValueError(f"recon rounds every token independently; error-feedback methods ({LDLQ_SUFFIX}) are measured by ppl, "
+    if any(spec_of(n).feedback for n in names):
+        raise ValueError(f"recon rounds every token independently; error-feedback methods (+ldlq) are measured by ppl, "
                          f"compare, agree and passkey: drop them from --transforms (got {list(names)})")
 
 
@@ -67,14 +68,15 @@ def calibration_for(model, tokenizer, transforms: Sequence[str], path: str | Non
                     seq_len: int = 2048, log=print):
     """The calibration file at ``path``, or else a cached calibration of ``samples`` x ``seq_len`` tokens when a
     calibrated transform is asked for (attention-aware statistics when one needs them); None otherwise."""
+    from ..methods.spec import MethodSpec, parse
     from .compare import cached_calibration
-    from .methods import AUTO, needs_calibration, uses_wush_a
 
-    check_transforms([t for t in transforms if t != AUTO])  # a command that takes auto has resolved or refused it
+    methods = [parse(t) for t in transforms]  # full precision and stock caches need none; auto needs one
+    check_transforms([t for t, m in zip(transforms, methods) if isinstance(m, MethodSpec)])
     if path:
         return load_calibration(path, model)
-    if any(needs_calibration(t) for t in transforms):
-        wush_a = any(uses_wush_a(t) for t in transforms)
+    if any(m.needs_calibration for m in methods):
+        wush_a = any(isinstance(m, MethodSpec) and m.uses_wush_a for m in methods)
         return cached_calibration(model, tokenizer, samples, seq_len, wush_a=wush_a, log=log)
     return None
 
@@ -112,19 +114,22 @@ def resolve_auto(model_name: str, methods: Sequence[str], model, cal, cfg: Quant
     """For ``agree`` and ``passkey``: ``({"auto": (method, its cfg)}, {"auto": what it resolved to})`` when ``auto``
     is listed (the second goes into the run's settings, so a resumed run refuses rows of another resolution),
     else two empty dicts. Says what it resolved to through ``log``."""
+    from ..methods.auto import auto_calibration_note
     from ..runs import as_json
-    from .compare import config_for
-    from .methods import AUTO, auto_calibration_note, auto_method, describe_resolved, transforms_for
+    from ..methods.auto import resolve_auto as resolve
+    from ..methods.install import transforms_for
+    from ..methods.spec import AUTO_NAME
 
-    if AUTO not in methods:
+    if AUTO_NAME not in methods:
         return {}, {}
-    method, c = auto_method(model_name, cal, cfg)
-    config_for(method, c)  # checks the method against the quantizer,
-    transforms_for(model, cal, method)  # and against what the calibration holds, before anything long runs
-    log(f"auto: {describe_resolved(method, c)} (chosen on held-out C4 for {model_name}, {cfg.label()})")
+    r = resolve(model_name, cal, cfg)
+    r.config  # checks the method against the quantizer,
+    transforms_for(model, cal, r.method)  # and against what the calibration holds, before anything long runs
+    log(f"auto: {r.describe()} (chosen on held-out C4 for {model_name}, {cfg.label()})")
     if note := auto_calibration_note(model_name, cal):
         log(note)
-    return {AUTO: (method, c)}, {"auto": {"method": method, "quantization": as_json(c.to_dict())}}
+    # the configured quantization with the recipe's settings; the method's own layout is applied where it runs
+    return {AUTO_NAME: (r.method.name, r.base)}, {"auto": {"method": r.method.name, "quantization": as_json(r.base.to_dict())}}
 
 
 def calibration_recipe_of(cal) -> dict | None:

@@ -17,23 +17,23 @@ from ..report import format_table, markdown_table, plot_heatmaps, plot_lines
 # -- labels ---------------------------------------------------------------------------------------
 def method_label(name: str, settings: dict) -> str:
     """``auto (wush+ktiles+ldlq)`` for ``auto`` in a run whose settings record its resolution; else ``name``."""
-    from .methods import AUTO
+    from ..methods.spec import AUTO_NAME
 
-    got = settings.get("auto") if name == AUTO else None
+    got = settings.get("auto") if name == AUTO_NAME else None
     return f"{name} ({got['method']})" if isinstance(got, dict) and "method" in got else name
 
 
 def auto_note(settings: dict, res) -> str:
     """``; auto: wush+rmean+ktiles+ldlq (tile clip 1.7), K2V2 Kkvarn/Vaffine clip1.7 64/196/128`` when ``auto`` is
     reported and its settings are recorded: what it ran at, which the run's own label does not say."""
-    from .compare import config_for
-    from .methods import AUTO, describe_resolved
+    from ..methods.auto import describe_resolved
+    from ..methods.spec import AUTO_NAME, method_config
 
     got = settings.get("auto")
-    if AUTO not in res or not isinstance(got, dict) or "method" not in got or "quantization" not in got:
+    if AUTO_NAME not in res or not isinstance(got, dict) or "method" not in got or "quantization" not in got:
         return ""
     c = QuantConfig.from_dict(got["quantization"])
-    return f"; auto: {describe_resolved(got['method'], c)}, {config_for(got['method'], c).label()}"
+    return f"; auto: {describe_resolved(got['method'], c)}, {method_config(got['method'], c).label()}"
 
 
 def sibling(path: str | Path, tag: str) -> Path:
@@ -78,15 +78,17 @@ def compare_report(out: dict, transforms: Sequence[str], bits: Sequence[int], mo
     """The comparison table (:func:`~wushkv.eval.compare.run_compare`'s ``out``) with its title, the clips each
     method ran at (``clips``: the table's path, if one was used), what ``auto`` stood for, the best per width and
     its margins."""
-    from .compare import KVARN_TILE, best_per_bits, compare_table, key_tile_windows
-    from .methods import AUTO, describe_resolved, uses_key_tiles
+    from ..methods.auto import describe_resolved
+    from ..methods.spec import AUTO_NAME as AUTO
+    from ..methods.spec import KVARN_TILE, key_tile_windows, parse
+    from .compare import best_per_bits, compare_table
 
     headers, rows = compare_table(out, transforms, bits)
     w = windows
     clip_note = f", clips per method from {clips}" if clips is not None else ""
     kw = key_tile_windows(w)
     ran = [r.get("method", t) for t in transforms for r in out["results"].get(t, {}).values()]  # what auto resolved to, too
-    ktiles_note = f"; +ktiles: key tiles of {KVARN_TILE}, windows {kw.S_sink}/{kw.S_keep}/{kw.S_flush}" if any(map(uses_key_tiles, ran)) else ""
+    ktiles_note = f"; +ktiles: key tiles of {KVARN_TILE}, windows {kw.S_sink}/{kw.S_keep}/{kw.S_flush}" if any(getattr(parse(m), "key_tiles", False) for m in ran) else ""
     chunks, seq_len = out["settings"]["chunks"], out["settings"]["seq_len"]
     title = (f"\n{model} on {text}: {chunks} x {seq_len} tokens, {quantizer}{clip_note}, K=V bits, "
              f"windows {w.S_sink}/{w.S_keep}/{w.S_flush} (kvarn and +tiles: tiles of {KVARN_TILE}, windows {KVARN_TILE}/0/{KVARN_TILE}{ktiles_note})\n"

@@ -17,6 +17,7 @@ from .spec import (
     canonical_name,
     grammar_help,
     key_tile_windows,
+    method_config,
     parse,
     spec_of,
 )
@@ -24,5 +25,5 @@ from .spec import (
 __all__ = [
     "AUTO", "AUTO_AFFINE_RECIPES", "AUTO_CALIBRATION", "AUTO_RECIPES", "FULL_PRECISION", "Auto", "FullPrecision", "Method",
     "MethodSpec", "Recipe", "Resolved", "StockCache", "canonical_name", "describe_resolved", "grammar_help",
-    "key_tile_windows", "parse", "resolve_auto", "spec_of",
+    "key_tile_windows", "method_config", "parse", "resolve_auto", "spec_of",
 ]

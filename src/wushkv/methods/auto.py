@@ -51,11 +51,15 @@ WUSH_RMEAN = parse("wush+rmean")
 
 @dataclass(frozen=True)
 class Resolved:
-    """What ``auto`` stands for at one setting: the method and the quantizer settings it runs at (already
-    :meth:`MethodSpec.quant_config` of the recipe-adjusted configuration)."""
+    """What ``auto`` stands for at one setting: the method, ``base`` the configured quantization with the recipe's
+    settings (clip multipliers, tile clip), and ``config`` what it runs at, ``method.quant_config(base)``."""
 
     method: MethodSpec
-    config: QuantConfig
+    base: QuantConfig
+
+    @property
+    def config(self) -> QuantConfig:
+        return self.method.quant_config(self.base)
 
     def describe(self) -> str:
         return describe_resolved(self.method, self.config)
@@ -93,11 +97,11 @@ def resolve_auto(model_key: str | None, calibration, cfg: QuantConfig) -> Resolv
         recipe = None  # a calibration made before the pre-RoPE mean was stored: what it can run
     if recipe is None:
         method = generation_method(calibration, cfg) if cfg.quantizer == "affine" else WUSH
-        return Resolved(method, method.quant_config(cfg))
+        return Resolved(method, cfg)
     cfg = replace(cfg, k_alpha=cfg.k_alpha * recipe.k_alpha, v_alpha=cfg.v_alpha * recipe.v_alpha)
     if recipe.tile_clip:
         cfg = replace(cfg, tile_clip=recipe.tile_clip)
-    return Resolved(recipe.method, recipe.method.quant_config(cfg))
+    return Resolved(recipe.method, cfg)
 
 
 def describe_resolved(method, cfg: QuantConfig) -> str:

@@ -299,6 +299,13 @@ def canonical_name(method: str | Method) -> str:
     return out
 
 
+def method_config(method: str | Method, base: QuantConfig) -> QuantConfig:
+    """The quantizer settings ``method`` runs at: a wushkv method's :meth:`MethodSpec.quant_config`, ``base`` for
+    any other (full precision, stock caches and an unresolved ``auto`` quantize nothing of ours)."""
+    m = parse(method)
+    return m.quant_config(base) if isinstance(m, MethodSpec) else base
+
+
 def spec_of(method: str | Method, what: str = "this command") -> MethodSpec:
     """``method`` as a :class:`MethodSpec`; a clear error for full precision, stock caches and an unresolved ``auto``."""
     m = parse(method)
