@@ -110,3 +110,23 @@ def test_quant_config_of_a_method():
         parse("wush+ldlq").quant_config(replace(base, quantizer="kivi", clip_search=0))
     with pytest.raises(ValueError, match="needs --quantizer quest or affine"):
         parse("wush+ktiles").quant_config(replace(base, quantizer="kivi", clip_search=0))
+
+
+def test_spellings_of_one_method_run_identically(tiny_cal):
+    """Every spelling of a method (suffixes in any order, or the MethodSpec itself) gives the same perplexity bit for
+    bit on a tiny model: the run depends on the spec alone."""
+    import torch
+    from conftest import tiny_model
+
+    from wushkv.eval.compare import quantized_perplexity
+
+    model = tiny_model("llama").double()
+    cal = tiny_cal(model)
+    chunks = torch.randint(3, 96, (1, 160), generator=torch.Generator().manual_seed(0))
+    base = QuantConfig(2, 2, "quest", windows=WindowConfig(4, 16, 4))
+    spec = MethodSpec("wush", key_layout="tiles", feedback="KV", key_centering="rope-mean")
+    ppl = {str(n): quantized_perplexity(model, chunks, cal, n, parse(n).quant_config(base), show_progress=False)["ppl"]
+           for n in ("wush+rmean+ktiles+ldlq", "wush+ldlq+ktiles+rmean", spec)}
+    assert len(set(ppl.values())) == 1, ppl
+    plain = quantized_perplexity(model, chunks, cal, "wush", base, show_progress=False)["ppl"]
+    assert plain != next(iter(ppl.values()))  # the suffixes do change the run

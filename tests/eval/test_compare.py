@@ -44,7 +44,7 @@ def test_tiles_suffix_names_a_transform_and_the_tile_quantizer():
         assert (c.windows.S_sink, c.windows.S_keep, c.windows.S_flush) == (KVARN_TILE, 0, KVARN_TILE)
     assert config_for("wush", base) == base
     check_methods(["wush+tiles", "oscar+tiles", "full-precision"])
-    with pytest.raises(ValueError, match="unknown method 'bogus\\+tiles'.*'\\+tiles'"):
+    with pytest.raises(ValueError, match="unknown method 'bogus\\+tiles'.*\\+tiles"):
         check_methods(["bogus+tiles"])
 
 
