@@ -1,6 +1,6 @@
 """Sweeps: every (model, transform, bits, quantizer, evaluation) job of a grid, on Ray or in-process.
 
-A sweep is described by a TOML file (see ``docs/SWEEPS.md``)::
+A sweep is described by a TOML file (see ``docs/reference/integrations.md``)::
 
     out = "out/sweep"                  # results directory (resumable)
     [grid]

@@ -138,7 +138,7 @@ def register(sub) -> None:
     p.set_defaults(func=cmd_export)
 
     p = sub.add_parser("sweep", help="run a grid of (model, transform, bits, quantizer, evaluation) jobs, on Ray or in-process")
-    p.add_argument("--config", required=True, help="sweep TOML file (docs/SWEEPS.md)")
+    p.add_argument("--config", required=True, help="sweep TOML file (docs/reference/integrations.md)")
     p.add_argument("--ray-address", default=None, help="'local' starts a local Ray instance, 'auto' joins a running cluster, or an address; omit to run in-process")
     p.add_argument("--max-jobs", type=int, default=None, help="run at most N unfinished jobs, then collect")
     p.set_defaults(func=cmd_sweep)
