@@ -153,7 +153,8 @@ class SweepConfig:
             try:
                 m = parse(t)
             except (ValueError, TypeError) as e:
-                raise SweepError(f"grid.transforms entry {t!r}: {e}") from None
+                raise SweepError(f"unknown transform {t!r} in grid.transforms; {grammar_help()}" if "unknown method" in str(e)
+                                 else f"grid.transforms entry {t!r}: {e}") from None
             if not isinstance(m, MethodSpec):
                 raise SweepError(f"grid.transforms entry {t!r}: a sweep runs wushkv methods; {grammar_help()}")
             transforms.append(canonical_name(m))  # results are keyed by the canonical name
