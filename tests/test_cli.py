@@ -34,7 +34,7 @@ def _tiny_model_dir(tmp_path, repeats: int = 40, max_position_embeddings: int | 
         (["recon", "--calibration", "x.safetensors", "--transforms", "nope"], "unknown transform 'nope'"),
         (["recon", "--calibration", "x.safetensors", "--transforms", "wush+tiles"], "tile methods"),
         (["recon", "--calibration", "x.safetensors", "--transforms", "kvarn:wush"], "kvarn cannot be one side"),
-        (["compare", "--transforms", "wush+tile"], "optionally with the suffix '+tiles'"),
+        (["compare", "--transforms", "wush+tile"], "+tiles (both sides in KVarN's tiles"),
         (["recon", "--calibration", "x.safetensors", "--transforms", "wush+ldlq"], "error-feedback methods"),
         (["compare", "--transforms", "wush+ldlq+tiles"], "cannot be combined"),
         (["ppl", "--transform", "hadamard+ldlq", "--quantizer", "kivi"], "per-token quantizer"),

@@ -95,7 +95,7 @@ class WushLM(HFLM):
         from .models import load
 
         m = parse(method)
-        if not isinstance(m, MethodSpec) and m is not FULL_PRECISION:
+        if not isinstance(m, (MethodSpec, StockCache)) and m is not FULL_PRECISION:
             spec_of(m)  # auto: says which commands resolve it
         if isinstance(m, StockCache):
             raise ValueError(

@@ -48,8 +48,8 @@ def cmd_ppl(args) -> int:
 def cmd_recon(args) -> int:
     from ..config import QuantConfig
     from ..data import load_eval_text, tokenize_chunks
-    from ..eval.prepare import check_recon_transforms
-    from ..methods.install import transforms_for, load_calibration
+    from ..eval.prepare import check_recon_transforms, load_calibration
+    from ..methods.install import transforms_for
     from ..eval.reconstruction import layer_reconstruction
     from ..eval.report import plot_recon, recon_tables
     from ..io import write_json

@@ -22,9 +22,9 @@ def check_transforms(transforms: Sequence[str], tiles: bool = True, auto: bool =
             if t not in TRANSFORMS:
                 raise ValueError(f"unknown transform {t!r}; known: {sorted(TRANSFORMS)}")
             continue
-        if parse(t) is AUTO and auto:
-            continue  # the calling command resolves it per model, quantizer and width
         try:
+            if parse(t) is AUTO and auto:
+                continue  # the calling command resolves it per model, quantizer and width
             spec_of(t)  # a wushkv method (auto refused, saying which commands resolve it)
         except ValueError as e:
             raise ValueError(f"transform {t!r}: {e}" if "unknown method" not in str(e) else
