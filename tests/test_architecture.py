@@ -32,10 +32,7 @@ SRC = ROOT / "src"
 # Known offenders that other changes of issue #31 remove. Each entry is expected to fail (xfail, not
 # strict): when it is fixed, delete it here.
 PENDING_SYS_PATH: dict[str, str] = {}
-PENDING_MONKEYPATCH = {
-    "tests/test_data.py": "patches wushkv.data.data_dirs: needs a way to name the data folders (issue #31)",
-    "tests/transforms/test_wush.py": "patches wushkv.transforms.wush.canonical_signs: needs a signs argument (issue #31)",
-}
+PENDING_MONKEYPATCH: dict[str, str] = {}
 # Import cycles that the rewrite of eval/methods.py and eval/compare.py removes (issue #31).
 PENDING_CYCLES: set[frozenset] = set()
 

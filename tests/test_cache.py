@@ -21,9 +21,10 @@ def install(model, name="random"):
 
 
 @torch.no_grad()
-def stream(model, ids, cfg, chunks=None):
-    """Feed ``ids`` through a fresh cache in pieces (default: one token at a time); concatenated logits."""
-    cache = WushKVCache(model, cfg)
+def stream(model, ids, cfg, chunks=None, inputs=None):
+    """Feed ``ids`` through a fresh cache in pieces (default: one token at a time); concatenated logits.
+    ``inputs``: the installed method's cache inputs (``Installed.cache_inputs``), if any."""
+    cache = WushKVCache(model, cfg, inputs=inputs)
     sizes = chunks or [1] * ids.shape[1]
     out, t = [], 0
     for n in sizes:
@@ -362,15 +363,17 @@ def test_rope_mean_keys_stream_equals_single_pass(family):
     ids = torch.randint(3, 96, (1, 45), generator=torch.Generator().manual_seed(0))
     mus = pre_rope_key_mean(model, ids, show_progress=False)
     cfg = QuantConfig(2, 2, "quest", windows=WindowConfig(4, 8, 4))
-    with apply_transforms(model, _rope_mean_transforms(model, mus), "random"):
-        single, _ = stream(model, ids, cfg, chunks=[45])
-        tokenwise, _ = stream(model, ids, cfg)
-        chunked, _ = stream(model, ids, cfg, chunks=[7, 1, 13, 2, 22])
+    with apply_transforms(model, _rope_mean_transforms(model, mus), "random") as inst:
+        single, _ = stream(model, ids, cfg, chunks=[45], inputs=inst.cache_inputs)
+        tokenwise, _ = stream(model, ids, cfg, inputs=inst.cache_inputs)
+        chunked, _ = stream(model, ids, cfg, chunks=[7, 1, 13, 2, 22], inputs=inst.cache_inputs)
+        uncentered, _ = stream(model, ids, cfg, chunks=[45])  # the same transforms without the inputs: no centering
     with install(model):
         plain, _ = stream(model, ids, cfg, chunks=[45])
     assert (single - tokenwise).abs().max() < 1e-5
     assert (single - chunked).abs().max() < 1e-5
     assert (single - plain).abs().max() > 1e-3  # the centering changes what is quantized
+    assert torch.equal(uncentered, plain)  # centering reaches the cache only through its explicit inputs
 
 
 @torch.no_grad()
@@ -389,9 +392,9 @@ def test_rope_mean_keys_are_exact_when_keys_are_their_mean(family):
     mus = pre_rope_key_mean(model, ids, show_progress=False)
     ref = model(ids).logits
     cfg = QuantConfig(2, None, "quest", windows=WindowConfig(2, 4, 2))  # keys only, 2 bits
-    with apply_transforms(model, _rope_mean_transforms(model, mus), "random"):
-        centered, _ = stream(model, ids, cfg, chunks=[40])
-        decoded, _ = stream(model, ids, cfg, chunks=[20] + [1] * 20)
+    with apply_transforms(model, _rope_mean_transforms(model, mus), "random") as inst:
+        centered, _ = stream(model, ids, cfg, chunks=[40], inputs=inst.cache_inputs)
+        decoded, _ = stream(model, ids, cfg, chunks=[20] + [1] * 20, inputs=inst.cache_inputs)
     with install(model):
         plain, _ = stream(model, ids, cfg, chunks=[40])
     assert (centered - ref).abs().max() < 1e-6
@@ -414,8 +417,8 @@ def test_rope_mean_keys_left_padded_batch_equals_rows_alone():
     for b, r in enumerate(rows):
         ids[b, L - r.shape[1] :], mask[b, L - r.shape[1] :] = r[0], 1
     mus = pre_rope_key_mean(model, rows[0], show_progress=False)
-    with apply_transforms(model, _rope_mean_transforms(model, mus), "random"):
-        cache = WushKVCache(model, cfg, attention_mask=mask)
+    with apply_transforms(model, _rope_mean_transforms(model, mus), "random") as inst:
+        cache = inst.cache(cfg, attention_mask=mask)
         pos = (mask.cumsum(-1) - 1).clamp(min=0)
         out = [model(ids, attention_mask=mask, position_ids=pos, cache=cache, use_cache=True).logits]
         nxt = torch.randint(3, 96, (2, 4), generator=g)
@@ -425,32 +428,31 @@ def test_rope_mean_keys_left_padded_batch_equals_rows_alone():
             out.append(model(nxt[:, t : t + 1], attention_mask=mask, position_ids=pos, cache=cache, use_cache=True).logits)
         batch = torch.cat(out, 1)
         for b, r in enumerate(rows):
-            alone, _ = stream(model, torch.cat([r, nxt[b : b + 1]], 1), cfg, chunks=[r.shape[1]] + [1] * 4)
+            alone, _ = stream(model, torch.cat([r, nxt[b : b + 1]], 1), cfg, chunks=[r.shape[1]] + [1] * 4, inputs=inst.cache_inputs)
             n = r.shape[1] + 4
             assert (batch[b, -n:] - alone[0]).abs().max() < 1e-6, b
 
 
 def test_rope_mean_bad_inputs():
-    from wushkv.folding import KeyTransform
+    from wushkv.layer import RotatingKeyMean
 
     T = torch.eye(8).repeat(2, 1, 1)
-    with pytest.raises(ValueError, match="mu_rope needs rope"):
-        KeyTransform(T, T, mu_rope=torch.zeros(2, 8))
-    with pytest.raises(ValueError, match=r"mu_rope must be \(KV heads, head_dim\) = \(2, 8\)"):
-        KeyTransform(T, T, mu_rope=torch.zeros(3, 8), rope=(torch.ones(4), 1.0))
-    with pytest.raises(ValueError, match="exclusive"):
-        KeyTransform(T, T, mu=torch.zeros(2, 8), mu_rope=torch.zeros(2, 8), rope=(torch.ones(4), 1.0))
+    with pytest.raises(ValueError, match=r"must be \(KV heads, head_dim\) = \(2, 8\)"):
+        RotatingKeyMean(torch.zeros(3, 8), T, (torch.ones(4), 1.0))
+    with pytest.raises(ValueError, match=r"inv_freq \(4,\)"):
+        RotatingKeyMean(torch.zeros(2, 8), T, (torch.ones(3), 1.0))
+    with pytest.raises(ValueError, match="NaN or inf"):
+        RotatingKeyMean(torch.full((2, 8), float("nan")), T, (torch.ones(4), 1.0))
 
 
 def test_rope_mean_center_is_the_same_in_any_block():
     """A position's center does not depend on which other positions it is computed with (the stored codes and
     the emulation compute them in different blocks)."""
-    from wushkv.folding import KeyTransform
+    from wushkv.layer import RotatingKeyMean
 
     g = torch.Generator().manual_seed(0)
     T = torch.randn(2, 32, 32, generator=g, dtype=torch.float64)
-    kt = KeyTransform(T, torch.linalg.inv(T), mu_rope=torch.randn(2, 32, generator=g) * 5,
-                      rope=(10000.0 ** (-torch.arange(16) / 16.0), 1.0))
+    kt = RotatingKeyMean(torch.randn(2, 32, generator=g) * 5, T, (10000.0 ** (-torch.arange(16) / 16.0), 1.0))
     full = kt.center(torch.arange(0, 300)[None], torch.float32)
     for a, b in ((0, 1), (3, 5), (17, 20), (100, 228), (299, 300)):
         assert torch.equal(kt.center(torch.arange(a, b)[None], torch.float32), full[:, :, a:b])

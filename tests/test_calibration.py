@@ -336,7 +336,7 @@ def test_pre_rope_key_mean_matches_slow_reference(family):
 
 def test_centered_key_second_moment_matches_slow_reference():
     """With key means μ, the collector's M_K_res is Σ (k_t − R_t μ)(k_t − R_t μ)ᵀ over the post-RoPE keys; μ = 0 gives M_K."""
-    from wushkv.folding import KeyTransform
+    from wushkv.layer import RotatingKeyMean
     from wushkv.models import rope_parameters
 
     model = tiny_model("gemma3").double()
@@ -349,8 +349,7 @@ def test_centered_key_second_moment_matches_slow_reference():
     ref = [0] * spec.num_layers
     for s in seqs:
         for l, (q, k, v) in capture_qkv(model, s[None]).items():
-            kt = KeyTransform(torch.eye(d, dtype=torch.float64).repeat(H, 1, 1), torch.eye(d, dtype=torch.float64).repeat(H, 1, 1),
-                              mu_rope=mus[l], rope=rope_parameters(model, l, spec))
+            kt = RotatingKeyMean(mus[l], torch.eye(d, dtype=torch.float64).repeat(H, 1, 1), rope_parameters(model, l, spec))
             r = k[0].double() - kt.center(torch.arange(k.shape[2])[None], torch.float64)[0]  # (H, S, d)
             ref[l] = ref[l] + r.transpose(1, 2) @ r
     for l in range(spec.num_layers):

@@ -22,12 +22,9 @@ def test_missing_and_bad_files(tmp_path):
         read_text_file(bad)
 
 
-def test_missing_wikitext_names_places(tmp_path, monkeypatch):
-    import wushkv.data as data
-
-    monkeypatch.setattr(data, "data_dirs", lambda: [tmp_path])
+def test_missing_wikitext_names_places(tmp_path):
     with pytest.raises(DataNotFoundError, match=str(tmp_path)):
-        wikitext2_test()
+        wikitext2_test(search=[tmp_path])
 
 
 def test_c4_jsonl(tmp_path):

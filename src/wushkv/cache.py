@@ -12,7 +12,7 @@ from transformers.cache_utils import Cache
 
 from .config import QuantConfig
 from .hf import use_wushkv_attention
-from .layer import WushKVLayer, left_padding
+from .layer import NO_INPUTS, CacheInputs, WushKVLayer, left_padding
 from .models import attention_modules, describe
 
 __all__ = ["WushKVCache"]
@@ -24,6 +24,9 @@ class WushKVCache(Cache):
     ``config``: one :class:`QuantConfig` for every layer, or a list with one per layer (bit allocation).
     Creating the cache switches the model to the ``"wushkv"`` attention, which is what reads it, and
     takes each layer's key transform from :func:`wushkv.folding.apply_transforms` (if installed).
+    ``inputs``: per layer, what the cache needs of the installed method besides ``config``
+    (:class:`~wushkv.layer.CacheInputs`: error-feedback matrices, the rotating key mean), explicitly;
+    :meth:`wushkv.folding.Installed.cache` passes the installed method's. None: plain rounding.
 
     Left-padded batches: pass the prompt's 2-D ``attention_mask`` (or ``pad_lengths``, one per row) so
     that each row's sink and windows start at its first real token; every row then gets what it would
@@ -38,17 +41,21 @@ class WushKVCache(Cache):
         *,
         attention_mask: torch.Tensor | None = None,
         pad_lengths=None,
+        inputs: list[CacheInputs] | None = None,
     ):
         spec = describe(model)
         configs = config if isinstance(config, list) else [config or QuantConfig()] * spec.num_layers
         if len(configs) != spec.num_layers:
             raise ValueError(f"got {len(configs)} per-layer configs for a model with {spec.num_layers} layers")
+        inputs = [NO_INPUTS] * spec.num_layers if inputs is None else list(inputs)
+        if len(inputs) != spec.num_layers:
+            raise ValueError(f"got cache inputs for {len(inputs)} layers, the model has {spec.num_layers}")
         use_wushkv_attention(model)
         layers = []
         for i, attn in enumerate(attention_modules(model, spec)):
             kt = getattr(attn, "wushkv_key", None)
             sliding = spec.sliding_window if spec.layer_types[i] == "sliding_attention" else None
-            layers.append(WushKVLayer(configs[i], spec.head_dim, kt, sliding))
+            layers.append(WushKVLayer(configs[i], spec.head_dim, kt, sliding, inputs[i]))
         super().__init__(layers=layers)
         self.configs = configs
         if attention_mask is not None:

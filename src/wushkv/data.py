@@ -63,8 +63,8 @@ def data_dirs() -> list[Path]:
     return out
 
 
-def _find(rel: str) -> Path | None:
-    for d in data_dirs():
+def _find(rel: str, dirs: list[Path] | None = None) -> Path | None:
+    for d in data_dirs() if dirs is None else dirs:
         if (d / rel).is_file():
             return d / rel
     return None
@@ -82,22 +82,23 @@ def read_text_file(path: str | Path) -> str:
     return text.replace("\r\n", "\n")
 
 
-def _hub_fallback(what: str, loader):
+def _hub_fallback(what: str, loader, dirs: list[Path] | None = None):
     try:
         return loader()
     except Exception as e:  # noqa: BLE001 - any hub failure means "not available"
-        looked = ", ".join(str(d) for d in data_dirs())
+        looked = ", ".join(str(d) for d in (data_dirs() if dirs is None else dirs))
         raise DataNotFoundError(
             f"{what} not found: looked in {looked} and the hub was not reachable ({type(e).__name__}). "
             f"Put the file under one of these folders, set WUSHKV_DATA to a folder holding it, or pass --text-file."
         ) from None
 
 
-def wikitext2_test(path: str | Path | None = None) -> str:
-    """WikiText-2 raw test split as one string (CRLF → LF)."""
+def wikitext2_test(path: str | Path | None = None, search: list[Path] | None = None) -> str:
+    """WikiText-2 raw test split as one string (CRLF → LF): ``path``, else the first of the folders ``search``
+    (default :func:`data_dirs`) holding it, else the hub."""
     if path is not None:
         return read_text_file(path)
-    p = _find(WIKITEXT_REL)
+    p = _find(WIKITEXT_REL, search)
     if p is not None:
         return read_text_file(p)
 
@@ -107,7 +108,7 @@ def wikitext2_test(path: str | Path | None = None) -> str:
         ds = load_dataset("wikitext", "wikitext-2-raw-v1", split="test")
         return "".join(ds["text"])
 
-    return _hub_fallback(f"WikiText-2 test ({WIKITEXT_REL})", hub)
+    return _hub_fallback(f"WikiText-2 test ({WIKITEXT_REL})", hub, search)
 
 
 def c4_documents(path: str | Path | None = None, limit: int | None = None) -> list[str]:

@@ -18,7 +18,10 @@ import torch
 from torch import nn
 
 from .hf import restore_attention, use_wushkv_attention
-from .models import ArchSpec, attention_modules, describe, projections, rope_parameters, rope_rotate
+from .cache import WushKVCache
+from .config import QuantConfig
+from .layer import CacheInputs, RotatingKeyMean
+from .models import ArchSpec, attention_modules, describe, projections, rope_parameters
 
 KEY_TRANSFORM_NAME = "wushkv_key"
 
@@ -31,35 +34,12 @@ class KeyTransform(nn.Module):
     the softmax is unchanged: exact, and free but for one subtraction (``shift`` = T μ is precomputed).
     Invalid under a logit softcap (tanh is not shift-invariant); :func:`apply_transforms` refuses it.
 
-    With ``mu_rope`` (Hkv, d) and ``rope`` = (inv_freq (d/2,), scaling): the keys' pre-RoPE mean, which
-    RoPE turns into a different vector c_t = R_t μ at every position t. The cache quantizes the middle's
-    keys as T (k_t − c_t) and adds T c_t back when it reads them (:meth:`center`): exact (the same c_t
-    both ways, a function of the position alone), and the quantizer no longer spends its range on the
-    mean, which holds most of a key's energy in the models we measured.
-
-    ``feedback_K``/``feedback_V`` (Hkv, d, d), optional: the error-feedback matrices with which the cache
-    rounds this layer's transformed keys / values (methods ``<transform>+ldlq``; :mod:`wushkv.quantizers.feedback`).
+    What the cache does besides (error feedback, keys centered on their rotating mean) is not here: it reaches
+    the cache explicitly, as :class:`wushkv.layer.CacheInputs` (:attr:`Installed.cache_inputs`).
     """
 
-    def __init__(self, T: torch.Tensor, T_inv: torch.Tensor, mu: torch.Tensor | None = None,
-                 feedback_K: torch.Tensor | None = None, feedback_V: torch.Tensor | None = None,
-                 mu_rope: torch.Tensor | None = None, rope: tuple[torch.Tensor, float] | None = None):
+    def __init__(self, T: torch.Tensor, T_inv: torch.Tensor, mu: torch.Tensor | None = None):
         super().__init__()
-        if mu_rope is not None:
-            if rope is None:
-                raise ValueError("mu_rope needs rope = (inv_freq, scaling), the rotary embedding of this layer")
-            if tuple(mu_rope.shape) != (T.shape[0], T.shape[-1]) or tuple(rope[0].shape) != (T.shape[-1] // 2,):
-                raise ValueError(f"mu_rope must be (KV heads, head_dim) = {(T.shape[0], T.shape[-1])} and inv_freq "
-                                 f"({T.shape[-1] // 2},), got {tuple(mu_rope.shape)} and {tuple(rope[0].shape)}")
-            if mu is not None:
-                raise ValueError("mu (a constant key shift) and mu_rope (the rotating mean) are exclusive")
-        self.register_buffer("mu_rope", None if mu_rope is None else mu_rope.detach().to(T.dtype).clone(), persistent=False)
-        self.register_buffer("inv_freq", None if mu_rope is None else rope[0].detach().float().to(T.device).clone(), persistent=False)
-        self.rope_scaling = None if mu_rope is None else float(rope[1])
-        for name, F in (("feedback_K", feedback_K), ("feedback_V", feedback_V)):
-            if F is not None and tuple(F.shape) != tuple(T.shape):
-                raise ValueError(f"{name} must have shape {tuple(T.shape)} (KV heads, head_dim, head_dim), got {tuple(F.shape)}")
-            self.register_buffer(name, None if F is None else F.detach().to(T.dtype).clone(), persistent=False)
         self.register_buffer("T", T.detach().clone(), persistent=False)
         self.register_buffer("T_inv", T_inv.detach().clone(), persistent=False)
         self.register_buffer("T_t", T.detach().transpose(-1, -2).contiguous(), persistent=False)  # rows: k @ Tᵀ
@@ -79,23 +59,6 @@ class KeyTransform(nn.Module):
         out = torch.matmul(k, self._as("T_t", k))
         return out if self.shift is None else out - self._as("shift", k)
 
-    @property
-    def centered_on_rope_mean(self) -> bool:
-        return self.mu_rope is not None
-
-    def center(self, positions: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-        """T c_t with c_t = R_t μ (RoPE of the pre-RoPE key mean at position t), in the transformed space.
-
-        positions: (B', N) integer (B' = 1 or the batch). Returns (B', Hkv, N, d) in ``dtype``.
-
-        Exactness needs the same value for a position whichever block of positions it is computed in:
-        float64 throughout, then rounded to float32, so the last bits a matmul's blocking may change are
-        rounded away (a float64 difference of 1e-16 crosses a float32 rounding boundary only by chance
-        of order 1e-9 per value)."""
-        pos = positions.to(self.inv_freq.device)[:, None, :]  # (B', 1, N)
-        c = rope_rotate(self.mu_rope.double()[None, :, None, :], pos, self.inv_freq, self.rope_scaling)  # (B', Hkv, N, d)
-        return torch.matmul(c, self.T_t.double()).float().to(dtype)
-
     def queries(self, q: torch.Tensor) -> torch.Tensor:
         """q (B, Hq, T, d) -> T^{-T} q for every query head of the group (rows: q @ T⁻¹): one batched matmul."""
         B, Hq, T, d = q.shape
@@ -104,20 +67,28 @@ class KeyTransform(nn.Module):
         return torch.matmul(qg, self._as("T_inv", q)).view(B, Hq, T, d)
 
     def extra_repr(self) -> str:
-        fb = self.feedback_K is not None or self.feedback_V is not None
-        return (f"heads={self.T.shape[0]}, head_dim={self.T.shape[-1]}, centered={self.shift is not None}, "
-                f"rope_mean={self.mu_rope is not None}, feedback={fb}")
+        return f"heads={self.T.shape[0]}, head_dim={self.T.shape[-1]}, centered={self.shift is not None}"
 
 
 @dataclass
 class Installed:
-    """Handle to transforms installed in a model; ``restore()`` undoes everything."""
+    """Handle to transforms installed in a model; ``restore()`` undoes everything.
+
+    ``cache_inputs``: per layer, what the cache needs of the method besides its quantizer settings (error-feedback
+    matrices, the rotating key mean); :meth:`cache` builds a :class:`~wushkv.cache.WushKVCache` with them."""
 
     model: nn.Module
     method: str
     previous_attention: str
     saved: list[dict[str, torch.Tensor]] = field(repr=False)
+    cache_inputs: list[CacheInputs] = field(repr=False, default_factory=list)
     active: bool = True
+
+    def cache(self, config: QuantConfig | list[QuantConfig] | None = None, **kwargs) -> WushKVCache:
+        """A fresh quantized cache for the installed method (``kwargs``: ``attention_mask``, ``pad_lengths``)."""
+        if not self.active:
+            raise RuntimeError(f"the transforms of {self.method!r} were restored; install them again for a cache")
+        return WushKVCache(self.model, config, inputs=self.cache_inputs, **kwargs)
 
     def restore(self) -> None:
         if not self.active:
@@ -200,7 +171,7 @@ def apply_transforms(model: nn.Module, transforms: list[dict[str, torch.Tensor]]
             raise ValueError(f"layer {i} mu_V must be finite with shape {(spec.num_kv_heads, d)}, got {tuple(tr['mu_V'].shape)}")
         if "mu_K" in tr and tuple(tr["mu_K"].shape) != (spec.num_kv_heads, d):
             raise ValueError(f"layer {i} mu_K must have shape {(spec.num_kv_heads, d)}, got {tuple(tr['mu_K'].shape)}")
-    saved = []
+    saved, inputs = [], []
     for li, (attn, tr) in enumerate(zip(mods, transforms)):
         _, _, v, o = projections(attn, spec)
         saved.append({"v.weight": v.weight.detach().clone(), "o.weight": o.weight.detach().clone()}
@@ -227,10 +198,9 @@ def apply_transforms(model: nn.Module, transforms: list[dict[str, torch.Tensor]]
         o.weight.copy_(Wo.reshape_as(o.weight))
         dev = v.weight.device
         mu = tr["mu_K"].float().to(dev) if "mu_K" in tr else None
-        fb = {f"feedback_{s}": tr[f"F_{s}"].float().to(dev) for s in "KV" if f"F_{s}" in tr}
-        rc = {}
-        if "mu_K_rope" in tr:
-            rc = {"mu_rope": tr["mu_K_rope"].float().to(dev), "rope": ropes[li]}
-        attn.add_module(KEY_TRANSFORM_NAME, KeyTransform(tr["T_K"].float().to(dev), tr["T_K_inv"].float().to(dev), mu, **fb, **rc))
+        T_K = tr["T_K"].float().to(dev)
+        attn.add_module(KEY_TRANSFORM_NAME, KeyTransform(T_K, tr["T_K_inv"].float().to(dev), mu))
+        key_mean = RotatingKeyMean(tr["mu_K_rope"].float().to(dev), T_K, ropes[li]).to(dev) if "mu_K_rope" in tr else None
+        inputs.append(CacheInputs(*(tr[f"F_{s}"].float().to(dev) if f"F_{s}" in tr else None for s in "KV"), key_mean))
     previous = use_wushkv_attention(model)
-    return Installed(model, method, previous, saved)
+    return Installed(model, method, previous, saved, inputs)

@@ -2,7 +2,7 @@
 
 One registered function, ``"wushkv"``, does three jobs, decided by what it is handed:
 
-* a :class:`~wushkv.layer.LayerView` from the wushkv cache as ``key``: attention over the quantized
+* a :class:`~wushkv.views.LayerView` from the wushkv cache as ``key``: attention over the quantized
   cache (exact single-pass emulation of streaming decoding in prefill, [sink; dequantized middle;
   recent] in decode);
 * plain tensors: full-precision attention, with the online key transform of the module (if one is
@@ -24,7 +24,7 @@ from __future__ import annotations
 import torch
 
 from .attention import as_allowed, fast_attention
-from .layer import LayerView
+from .views import LayerView
 from .models import attention_modules
 from .progress import progress
 

@@ -18,7 +18,7 @@ single-pass emulation in which query ``i`` sees token ``t`` quantized iff
 Sliding-window layers keep only the last ``W-1`` positions (as ``DynamicSlidingWindowLayer``), and
 quantize them the same way. Left-padded batches (``attention_mask=`` at creation) count each row's
 windows from its first real token: with per-token quantizers in one shared store (see
-``KVView._attend_padded``); with quantizers of token blocks (KVarN's tiles, KIVI), whose blocks start at a
+:mod:`wushkv.views`); with quantizers of token blocks (KVarN's tiles, KIVI), whose blocks start at a
 different column in each row, each row keeps its own unpadded layer (:class:`RowsView`).
 """
 
@@ -30,10 +30,10 @@ from dataclasses import dataclass
 import torch
 from transformers.cache_utils import CacheLayerMixin
 
-from .attention import as_allowed, fast_attention, fused_selective_attention, selective_attention
 from .codecs import make_codec, storage_nbytes
 from .config import QuantConfig
-from .decode import decode_attention
+from .models import rope_rotate
+from .views import KVView, RowsView
 
 
 def left_padding(attention_mask: torch.Tensor) -> torch.Tensor:
@@ -106,211 +106,57 @@ class _Side:
         self.store.append(self.codec.encode(x))
 
 
-class LayerView:
-    """What the modeling code may touch on the object ``update`` returns (it only passes it on to attention):
-    shape, device, dtype and kv_offset, from ``layer``, ``n0``/``n1`` and a (B, Hkv, *, d) tensor ``_like``.
+class RotatingKeyMean:
+    """Keys centered on their rotating mean (methods ``+rmean``): the keys' pre-RoPE mean μ (Hkv, d), which RoPE
+    turns into a different vector c_t = R_t μ at every position t. The cache quantizes the middle's keys as
+    T (k_t − c_t) and adds T c_t back when it reads them: exact (the same c_t both ways, a function of the
+    position alone), and the quantizer no longer spends its range on the mean.
 
-    The registered attention (:func:`wushkv.hf.wushkv_attention`) hands every ``LayerView`` it is given
-    as ``key`` to the view's ``attend(module, query, attention_mask, scaling, softcap)``."""
-
-    @property
-    def shape(self):
-        return (*self._like.shape[:2], self.n1 - self.kv_offset, self._like.shape[-1])
-
-    @property
-    def device(self):
-        return self._like.device
-
-    @property
-    def dtype(self):
-        return self._like.dtype
-
-    @property
-    def kv_offset(self) -> int:
-        return self.layer._first_visible(self.n0)
-
-
-@dataclass
-class KVView(LayerView):
-    """What one ``update`` hands to attention: the layer state at this step (transformed space).
-
-    Attributes (B, Hkv, *, d; positions absolute):
-        sink_k/sink_v: full-precision sink, positions ``[sink_start, sink_start + len)``.
-        mid_k/mid_v: dequantized middle stored *before* this update, ``[mid_start, mid_start + mid_len)``
-            (None when empty), decoded lazily.
-        win_k/win_v: full precision of every later position ``[w0, n1)`` (old recent buffer + new tokens).
-        n0/n1: tokens in the cache before/after this update.
+    ``mu`` (Hkv, d); ``T`` (Hkv, d, d) the layer's key transform; ``rope`` = (inv_freq (d/2,), scaling) of the layer.
     """
 
-    layer: WushKVLayer
-    n0: int
-    n1: int
-    sink_k: torch.Tensor
-    sink_v: torch.Tensor
-    sink_start: int
-    mid_len_before: int
-    mid_start: int
-    win_k: torch.Tensor
-    win_v: torch.Tensor
-    w0: int
-    moved: int = 0  # tokens of the window flushed into the middle by this update
-    mid: dict | None = None  # snapshot of the middle after this update's flush: {"k": storage, "v": storage}
-    mid_len: int = 0  # tokens in that snapshot
+    def __init__(self, mu: torch.Tensor, T: torch.Tensor, rope: tuple[torch.Tensor, float]):
+        H, d = T.shape[0], T.shape[-1]
+        if tuple(mu.shape) != (H, d) or tuple(rope[0].shape) != (d // 2,):
+            raise ValueError(f"the rotating key mean must be (KV heads, head_dim) = {(H, d)} with inv_freq ({d // 2},), "
+                             f"got {tuple(mu.shape)} and {tuple(rope[0].shape)}")
+        if not torch.isfinite(mu).all():
+            raise ValueError("the rotating key mean contains NaN or inf")
+        self.mu = mu.detach().double().clone()
+        self.T_t = T.detach().double().transpose(-1, -2).contiguous()  # rows: c @ Tᵀ
+        self.inv_freq = rope[0].detach().float().clone()
+        self.scaling = float(rope[1])
 
-    @property
-    def _like(self) -> torch.Tensor:
-        return self.win_k
+    def center(self, positions: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        """T c_t with c_t = R_t μ, in the transformed space. positions: (B', N) integer (B' = 1 or the batch).
+        Returns (B', Hkv, N, d) in ``dtype``.
 
-    def attend(self, module, query, attention_mask, scaling: float, softcap: float | None) -> torch.Tensor:
-        """Attention of ``query`` (B, Hq, T, d) over this layer; returns (B, T, Hq, d) in transformed V space."""
-        layer = self.layer
-        kt = getattr(module, "wushkv_key", None)
-        if kt is not layer.key_transform:
-            raise RuntimeError(
-                "the key transform of this attention module changed after the WushKVCache was created; "
-                "create the cache after apply_transforms()/restore()"
-            )
-        if kt is not None:
-            query = kt.queries(query)
-        query = query.to(self.win_k.dtype)
-        if attention_mask is not None and self.n0 == 0 and not layer.is_sliding:
-            layer._check_padding(attention_mask)
-        if layer.padded:
-            return self._attend_padded(query, attention_mask, scaling, softcap)
-        T = query.shape[2]
-        dt = self.win_k.dtype
-        if T == 1:  # decode: read the packed codes directly, block by block (wushkv.decode)
-            S = self.n1 - self.kv_offset
-            allowed = as_allowed(attention_mask, S)
-            if allowed is None and S < self.n1 - self.sink_start:
-                allowed = torch.ones(query.shape[0], 1, 1, S, dtype=torch.bool, device=query.device)
-            mid_k, mid_v = layer._mid_parts(self.mid, self.mid_len, self.mid_start, dt)
-            rk, rv = self.win_k[:, :, self.moved :], self.win_v[:, :, self.moved :]
-            return decode_attention(query, [self.sink_k, mid_k, rk], [self.sink_v, mid_v, rv], allowed, scaling, softcap)
+        Exactness needs the same value for a position whichever block of positions it is computed in: float64
+        throughout, then rounded to float32, so the last bits a matmul's blocking may change are rounded away."""
+        dev = self.T_t.device
+        pos = positions.to(dev)[:, None, :]  # (B', 1, N)
+        c = rope_rotate(self.mu.to(dev)[None, :, None, :], pos, self.inv_freq.to(dev), self.scaling)  # (B', Hkv, N, d)
+        return torch.matmul(c, self.T_t).float().to(dtype)
 
-        mid_len = self.mid_len_before  # what this update flushed is still in the window, in full precision
-        flushed = self.mid_len - mid_len
-        if layer.k_side is None and layer.v_side is None:  # a full-precision layer (bit allocation): plain attention
-            mk, mv = layer._decode_mid(self.mid, self.mid_len, dt, first=mid_len, start=self.mid_start)
-            S = self.n1 - self.kv_offset
-            K = torch.cat([self.sink_k, mk, self.win_k], dim=2)[:, :, -S:]
-            V = torch.cat([self.sink_v, mv, self.win_v], dim=2)[:, :, -S:]
-            return fast_attention(query, K, V, as_allowed(attention_mask, S), scaling, softcap)
-        if flushed and self.mid_start + mid_len == self.w0:
-            # This update's flush is the window's first `flushed` columns, just encoded into the middle:
-            # decode them (fake == decode(encode) bit for bit) instead of quantizing them a second time.
-            mk, mv = layer._decode_mid(self.mid, self.mid_len, dt, start=self.mid_start)
-            kh = torch.cat([mk[:, :, mid_len:], layer._fake("key", self.win_k[:, :, flushed:], self.w0 + flushed)], dim=2)
-            vh = torch.cat([mv[:, :, mid_len:], layer._fake("value", self.win_v[:, :, flushed:])], dim=2)
-            mk, mv = mk[:, :, :mid_len], mv[:, :, :mid_len]
-        else:
-            mk, mv = layer._decode_mid(self.mid, self.mid_len, dt, first=mid_len, start=self.mid_start)
-            kh = layer._fake("key", self.win_k, self.w0)
-            vh = layer._fake("value", self.win_v)
-        K = torch.cat([self.sink_k, mk, self.win_k], dim=2)
-        V = torch.cat([self.sink_v, mv, self.win_v], dim=2)
-        K_hat = torch.cat([self.sink_k, mk, kh], dim=2)
-        V_hat = torch.cat([self.sink_v, mv, vh], dim=2)
-        # Absolute position of every column, and which (query, column) pairs see the quantized version.
-        pos = torch.cat(
-            [
-                torch.arange(self.sink_start, self.sink_start + self.sink_k.shape[2]),
-                torch.arange(self.mid_start, self.mid_start + mid_len),
-                torch.arange(self.w0, self.n1),
-            ]
-        )
-        w = layer.cfg.windows
-        qc = torch.tensor([w.quantized_count(self.n0 + i + 1) for i in range(T)])  # (T,)
-        quantized = (pos[None, :] >= w.S_sink) & (pos[None, :] < w.S_sink + qc[:, None])
-        S = self.n1 - self.kv_offset
-        sl = slice(K.shape[2] - S, None)
-        quantized = quantized[:, sl].to(query.device)
-        allowed = as_allowed(attention_mask, S)
-        args = (query, K[:, :, sl], V[:, :, sl], K_hat[:, :, sl], V_hat[:, :, sl], quantized, allowed, scaling)
-        if softcap is not None or query.dtype == torch.float64:  # the explicit two-matmul reference
-            return selective_attention(*args, softcap)
-        return fused_selective_attention(*args)
-
-    def _attend_padded(self, query, attention_mask, scaling: float, softcap: float | None) -> torch.Tensor:
-        """Left-padded batch: the same emulation, with each row's windows counted from its first real token.
-
-        Row ``b`` (``p_b`` pad tokens) sees column ``c`` quantized for query position ``i`` iff
-        ``p_b + S_sink <= c < p_b + S_sink + Qc(i + 1 - p_b)``. The layer keeps every column some row still
-        needs in full precision (sink ∪ recent) and codes for every column some row needs quantized, so
-        both versions exist wherever a row can read them. Also serves decode (T = 1).
-        """
-        layer, dt = self.layer, self.win_k.dtype
-        lo = self.kv_offset
-        S, T = self.n1 - lo, query.shape[2]
-        B, H, _, d = self.win_k.shape
-        K = self.win_k.new_zeros(B, H, S, d)
-        V = self.win_v.new_zeros(B, H, S, self.win_v.shape[-1])
-        mk, mv = layer._decode_mid(self.mid, self.mid_len, dt, start=self.mid_start)
-
-        def put(dst, src, start):  # write columns [start, start + len) of src into dst (columns from lo)
-            a, b = max(start, lo), min(start + src.shape[2], self.n1)
-            if b > a:
-                dst[:, :, a - lo : b - lo] = src[:, :, a - start : b - start]
-
-        for dst, mid, sink, win in ((K, mk, self.sink_k, self.win_k), (V, mv, self.sink_v, self.win_v)):
-            put(dst, mid, self.mid_start)  # columns only the codes still hold: quantized for every row
-            put(dst, sink, self.sink_start)
-            put(dst, win, self.w0)
-        K_hat, V_hat = layer._fake("key", K, lo), layer._fake("value", V)
-        put(K_hat, mk, self.mid_start)  # the stored codes, bit for bit
-        put(V_hat, mv, self.mid_start)
-        w = layer.cfg.windows
-        pads = layer.pads.view(B, 1, 1)
-        pos = torch.arange(lo, self.n1).view(1, 1, S)
-        real = torch.arange(self.n0 + 1, self.n1 + 1).view(1, T, 1) - pads  # real tokens seen by each query
-        qc = w.S_flush * ((real - w.S_sink - w.S_keep).clamp(min=0) // w.S_flush)
-        start = pads + w.S_sink
-        quantized = ((pos >= start) & (pos < start + qc)).unsqueeze(1).to(query.device)  # (B, 1, T, S)
-        allowed = as_allowed(attention_mask, S)
-        args = (query, K, V, K_hat, V_hat, quantized, allowed, scaling)
-        if softcap is not None or query.dtype == torch.float64:
-            return selective_attention(*args, softcap)
-        return fused_selective_attention(*args)
+    def to(self, device) -> RotatingKeyMean:
+        out = copy.copy(self)
+        out.mu, out.T_t, out.inv_freq = self.mu.to(device), self.T_t.to(device), self.inv_freq.to(device)
+        return out
 
 
-@dataclass
-class RowsView(LayerView):
-    """What ``update`` hands to attention for a left-padded batch whose quantizers code blocks of tokens.
+@dataclass(frozen=True)
+class CacheInputs:
+    """What a layer of the cache needs of a method besides its quantizer settings, given explicitly (never read off
+    the model): ``feedback_K`` / ``feedback_V`` (Hkv, d, d), the error-feedback matrices the codecs round the
+    transformed keys / values with (``+ldlq``; :mod:`wushkv.quantizers.feedback`), and ``key_mean``, the
+    :class:`RotatingKeyMean` the middle's keys are centered on (``+rmean``). All None: plain rounding."""
 
-    Each row keeps its own unpadded :class:`WushKVLayer` (its blocks start at its first real token, as
-    they would for the row alone); ``rows[b]`` is that layer's :class:`KVView` for this update, or None
-    while row ``b`` has seen only padding. Attention runs row by row over the real columns, so every
-    row gets exactly what it gets alone; outputs at padding positions are zero (never read).
-    """
+    feedback_K: torch.Tensor | None = None
+    feedback_V: torch.Tensor | None = None
+    key_mean: RotatingKeyMean | None = None
 
-    layer: WushKVLayer
-    n0: int
-    n1: int
-    rows: list
-    _like: torch.Tensor  # (B, Hkv, 0, d): shape, device and dtype of the batch
 
-    def attend(self, module, query, attention_mask, scaling: float, softcap: float | None) -> torch.Tensor:
-        layer = self.layer
-        if attention_mask is not None and self.n0 == 0 and not layer.is_sliding:
-            layer._check_padding(attention_mask)
-        B, Hq, T, _ = query.shape
-        lo = self.kv_offset
-        if attention_mask is not None:
-            attention_mask = attention_mask[..., -(self.n1 - lo) :]
-        out = None
-        for b, (view, p) in enumerate(zip(self.rows, layer._pad_list())):
-            if view is None:
-                continue
-            tq = self.n1 - max(self.n0, p)  # the row's real queries: the last tq of this update
-            mask = None
-            if attention_mask is not None:  # the row's real columns start at max(lo, p)
-                m = attention_mask[b : b + 1] if attention_mask.shape[0] > 1 else attention_mask
-                mask = m[:, :, T - tq :, max(lo, p) - lo :]
-            o = view.attend(module, query[b : b + 1, :, T - tq :], mask, scaling, softcap)
-            if out is None:
-                out = o.new_zeros(B, T, *o.shape[2:])
-            out[b, T - tq :] = o[0]
-        return out if out is not None else query.new_zeros(B, T, Hq, self._like.shape[-1])
+NO_INPUTS = CacheInputs()
 
 
 class WushKVLayer(CacheLayerMixin):
@@ -319,15 +165,16 @@ class WushKVLayer(CacheLayerMixin):
     is_compileable = False
     is_croppable = True
 
-    def __init__(self, cfg: QuantConfig, head_dim: int, key_transform=None, sliding_window: int | None = None):
+    def __init__(self, cfg: QuantConfig, head_dim: int, key_transform=None, sliding_window: int | None = None,
+                 inputs: CacheInputs = NO_INPUTS):
         super().__init__()
         self.cfg = cfg
         self.head_dim = head_dim
         self.key_transform = key_transform  # the attention module's KeyTransform (T_K online), or None
+        self.inputs = inputs
         self.sliding_window = sliding_window
         self.is_sliding = sliding_window is not None
-        fk, fv = (getattr(key_transform, f"feedback_{s}", None) for s in "KV")  # error feedback (+ldlq methods)
-        k_codec, v_codec = make_codec(cfg, "key", head_dim, fk), make_codec(cfg, "value", head_dim, fv)
+        k_codec, v_codec = make_codec(cfg, "key", head_dim, inputs.feedback_K), make_codec(cfg, "value", head_dim, inputs.feedback_V)
         self.k_side = _Side(k_codec) if k_codec else None
         self.v_side = _Side(v_codec) if v_codec else None
         self.block = max([c.block for c in (k_codec, v_codec) if c is not None] or [1])
@@ -348,6 +195,7 @@ class WushKVLayer(CacheLayerMixin):
         """A copy that continues independently (e.g. scoring one answer while generating another) and
         shares the key transform, which belongs to the model's attention module, not to the cache."""
         memo.setdefault(id(self.key_transform), self.key_transform)
+        memo.setdefault(id(self.inputs), self.inputs)  # read-only: shared like the transform
         new = self.__class__.__new__(self.__class__)
         memo[id(self)] = new
         for name, value in self.__dict__.items():
@@ -417,7 +265,7 @@ class WushKVLayer(CacheLayerMixin):
         self._mid_len = 0  # tokens in the quantized middle (after eviction)
         self._mid_fp_store = {"k": empty.clone(), "v": value_states[:, :, :0].clone()}  # middle of a full-precision side
         if self.row_mode:
-            self.rows = [WushKVLayer(self.cfg, self.head_dim, self.key_transform, self.sliding_window) for _ in pads]
+            self.rows = [WushKVLayer(self.cfg, self.head_dim, self.key_transform, self.sliding_window, self.inputs) for _ in pads]
         self.is_initialized = True
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
@@ -566,13 +414,13 @@ class WushKVLayer(CacheLayerMixin):
 
         A column's rotary position is its index minus its row's left padding, as transformers numbers
         left-padded rows; the same columns always give the same centers, which is all exactness needs."""
-        kt = self.key_transform
-        if self.k_side is None or kt is None or not kt.centered_on_rope_mean or n == 0:
+        km = self.inputs.key_mean
+        if self.k_side is None or km is None or n == 0:
             return None
         pos = torch.arange(start, start + n).view(1, n)
         if self.pads is not None:
             pos = (pos - self.pads.view(-1, 1)).clamp_min(0)  # pad columns are never read
-        return kt.center(pos, dtype)
+        return km.center(pos, dtype)
 
     @staticmethod
     def _minus_center(x: torch.Tensor, c: torch.Tensor) -> torch.Tensor:
@@ -602,8 +450,7 @@ class WushKVLayer(CacheLayerMixin):
         Keys centered on their RoPE mean are decoded and given their centers back here (a dense part):
         the code-domain kernels read the codes of plain keys only."""
         out = []
-        kt = self.key_transform
-        if n and self.k_side is not None and kt is not None and kt.centered_on_rope_mean:
+        if n and self.k_side is not None and self.inputs.key_mean is not None:
             mk, _ = self._decode_mid(snap, n, dtype, start=start)
             return mk, (snap["v"][:, :, :n] if self.v_side is None else (self.v_side.codec, snap["v"], n))
         for name, side in (("k", self.k_side), ("v", self.v_side)):

@@ -39,7 +39,6 @@ try:
 except ImportError as e:  # pragma: no cover - exercised only without the extra
     raise ImportError(f"wushkv.lm_eval needs lm-evaluation-harness: pip install 'wushkv[lm-eval]' ({e})") from None
 
-from .cache import WushKVCache
 from .config import PERPLEXITY_WINDOWS, QuantConfig, WindowConfig
 from .methods.install import transforms_for
 from .methods.spec import FULL_PRECISION, MethodSpec, StockCache, parse, spec_of
@@ -125,7 +124,7 @@ class WushLM(HFLM):
             )
             self.quant_config = m.quant_config(base)
             cal = Calibration.load(calibration, self.model) if calibration else None
-            self._stack.enter_context(apply_transforms(self.model, transforms_for(self.model, cal, m), m.name))
+            self._installed = self._stack.enter_context(apply_transforms(self.model, transforms_for(self.model, cal, m), m.name))
 
     def close(self) -> None:
         """Restore the model's original weights (undo the folding)."""
@@ -136,8 +135,8 @@ class WushLM(HFLM):
         if self.quant_config is None:
             return None
         if attention_mask is not None and bool((attention_mask == 0).any()):
-            return WushKVCache(self.model, self.quant_config, attention_mask=attention_mask)
-        return WushKVCache(self.model, self.quant_config)
+            return self._installed.cache(self.quant_config, attention_mask=attention_mask)
+        return self._installed.cache(self.quant_config)
 
     def _model_call(self, inps: torch.Tensor, attn_mask=None, labels=None) -> torch.Tensor:
         cache = self.new_cache()

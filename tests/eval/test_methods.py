@@ -79,7 +79,6 @@ def test_ldlq_method_names_and_errors():
 @pytest.mark.parametrize("family", ["llama", "gemma3"])
 def test_ldlq_streaming_equals_single_pass(family, tiny_cal):
     """The cache rounds with feedback when it flushes; the single-pass emulation must see the same codes."""
-    from wushkv.cache import WushKVCache
     from wushkv.folding import apply_transforms
     from wushkv.quantizers.feedback import feedback_matrix
 
@@ -93,8 +92,8 @@ def test_ldlq_streaming_equals_single_pass(family, tiny_cal):
     ids = torch.randint(3, 96, (1, 45), generator=torch.Generator().manual_seed(0))
 
     def run(method, sizes):
-        with torch.no_grad(), apply_transforms(model, transforms_for(model, cal, method), method):
-            cache, out, t = WushKVCache(model, cfg), [], 0
+        with torch.no_grad(), apply_transforms(model, transforms_for(model, cal, method), method) as installed:
+            cache, out, t = installed.cache(cfg), [], 0
             for n in sizes:
                 out.append(model(ids[:, t : t + n], cache=cache, use_cache=True).logits)
                 t += n
@@ -114,7 +113,6 @@ def test_key_tile_feedback_streaming_equals_single_pass(tiny_cal):
     """``+ktiles+ldlq``: the key tiles are rounded with feedback along their channels when a tile flushes; a prefill
     (the single-pass emulation for its logits) and token-by-token decoding give the same logits and key codes, and
     the storage is that of plain ``+ktiles``."""
-    from wushkv.cache import WushKVCache
     from wushkv.folding import apply_transforms
 
     model = tiny_model("llama").double()
@@ -124,8 +122,8 @@ def test_key_tile_feedback_streaming_equals_single_pass(tiny_cal):
 
     def run(method, sizes):
         cfg = config_for(method, base)
-        with torch.no_grad(), apply_transforms(model, transforms_for(model, cal, method), method):
-            cache, out, t = WushKVCache(model, cfg), [], 0
+        with torch.no_grad(), apply_transforms(model, transforms_for(model, cal, method), method) as installed:
+            cache, out, t = installed.cache(cfg), [], 0
             for n in sizes:
                 out.append(model(ids[:, t : t + n], cache=cache, use_cache=True).logits)
                 t += n

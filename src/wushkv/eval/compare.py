@@ -11,7 +11,6 @@ from pathlib import Path
 
 import torch
 
-from ..cache import WushKVCache
 from ..calibration import Calibration, calibrate
 from ..config import QuantConfig
 from ..folding import apply_transforms
@@ -56,8 +55,8 @@ def quantized_perplexity(model, chunks: torch.Tensor, calibration: Calibration |
         )
     m = spec_of(transform, "quantized_perplexity")
     trs = transforms_for(model, calibration, m)
-    with apply_transforms(model, trs, m.name):
-        return perplexity(model, chunks, cache_factory=lambda: WushKVCache(model, cfg), show_progress=show_progress, desc=desc)
+    with apply_transforms(model, trs, m.name) as installed:
+        return perplexity(model, chunks, cache_factory=lambda: installed.cache(cfg), show_progress=show_progress, desc=desc)
 
 
 def _resume_key(settings: dict) -> dict:

@@ -31,15 +31,14 @@ def generate(model, tokenizer, prompts: Sequence[str], method: str, cfg: QuantCo
     is streamed to stdout as it decodes. Returns (token ids (prompts, n + new), the cache, the encoded prompts)."""
     from transformers import TextStreamer
 
-    from ..cache import WushKVCache
     from ..folding import apply_transforms
     from ..methods.install import transforms_for
 
     trs = transforms_for(model, calibration, method)
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
     enc = encode_prompts(tokenizer, prompts, device)
-    with apply_transforms(model, trs, method):
-        cache = WushKVCache(model, cfg, attention_mask=enc.get("attention_mask"))
+    with apply_transforms(model, trs, method) as installed:
+        cache = installed.cache(cfg, attention_mask=enc.get("attention_mask"))
         streamer = TextStreamer(tokenizer, skip_prompt=False) if len(prompts) == 1 else None
         out = model.generate(**enc, cache=cache, max_new_tokens=max_new_tokens, do_sample=False, streamer=streamer, pad_token_id=pad_id)
     return out, cache, enc

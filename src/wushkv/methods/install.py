@@ -12,7 +12,6 @@ from dataclasses import replace
 
 import torch
 
-from ..cache import WushKVCache
 from ..config import QuantConfig
 from ..folding import apply_transforms
 from ..models import describe
@@ -132,5 +131,5 @@ def method_cache(model, calibration, method: str | Method, cfg: QuantConfig):
     else:
         m = spec_of(m, "method_cache")
         c = m.quant_config(cfg)
-        with apply_transforms(model, transforms_for(model, calibration, m), m.name):
-            yield lambda: WushKVCache(model, c)
+        with apply_transforms(model, transforms_for(model, calibration, m), m.name) as installed:
+            yield lambda: installed.cache(c)

@@ -97,6 +97,7 @@ def wush_transform(
     *,
     damping_M: float | None = None,
     dtype: torch.dtype = torch.float32,
+    signs: Tensor | None = None,
 ) -> tuple[Tensor, Tensor]:
     """Closed-form WUSH transform, batched over leading dims (e.g. KV heads).
 
@@ -106,6 +107,8 @@ def wush_transform(
         damping: γ_H >= 0, relative to the mean diagonal of H (0 = undamped; needs H SPD).
         damping_M: γ_M >= 0 for M; defaults to ``damping``.
         dtype: output dtype (default float32; the math always runs in float64).
+        signs: [..., d] of ±1, optional: each eigenvector's sign after the canonical choice (another exact WUSH
+            solution; :func:`with_signs` applies the same to a solved T).
 
     Returns:
         (T, T_inv), each [..., d, d] in ``dtype``: cache x' = T x (rows ``x @ T.mT``), and
@@ -138,6 +141,8 @@ def wush_transform(
     A = 0.5 * (A + A.mT)
     Lam, U = torch.linalg.eigh(A)  # Λ ascending, U orthogonal
     U = canonical_signs(U)  # the same T on every device and BLAS
+    if signs is not None:
+        U = U * signs.to(U)[..., None, :]
     lam_max = Lam.amax(-1, keepdim=True)
     # Relative floor: below it Λ^{-1/4} amplifies rounding noise rather than signal.
     if not bool((Lam > lam_max * (d * torch.finfo(torch.float64).eps)).all()):

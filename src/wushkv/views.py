@@ -1,0 +1,226 @@
+"""The views a :class:`~wushkv.layer.WushKVLayer` hands to attention: what the registered ``"wushkv"`` attention
+(:mod:`wushkv.hf`) reads instead of key and value tensors.
+
+* :class:`KVView`: one layer's snapshot (sink, packed middle, recent buffer) for a batch; in decode it attends
+  straight from the codes (:mod:`wushkv.decode`), for a multi-token chunk it runs the exact single-pass emulation
+  (query ``i`` sees token ``t`` quantized iff ``S_sink <= t < S_sink + Qc(i+1)``); left-padded rows are masked.
+* :class:`RowsView`: a padded batch under quantizers of token blocks, one unpadded layer per row, attended row by row.
+
+The layer's storage and its quantization live in :mod:`wushkv.layer`; this module only reads them.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from .attention import as_allowed, fast_attention, fused_selective_attention, selective_attention
+from .decode import decode_attention
+
+
+class LayerView:
+    """What the modeling code may touch on the object ``update`` returns (it only passes it on to attention):
+    shape, device, dtype and kv_offset, from ``layer``, ``n0``/``n1`` and a (B, Hkv, *, d) tensor ``_like``.
+
+    The registered attention (:func:`wushkv.hf.wushkv_attention`) hands every ``LayerView`` it is given
+    as ``key`` to the view's ``attend(module, query, attention_mask, scaling, softcap)``."""
+
+    @property
+    def shape(self):
+        return (*self._like.shape[:2], self.n1 - self.kv_offset, self._like.shape[-1])
+
+    @property
+    def device(self):
+        return self._like.device
+
+    @property
+    def dtype(self):
+        return self._like.dtype
+
+    @property
+    def kv_offset(self) -> int:
+        return self.layer._first_visible(self.n0)
+
+
+@dataclass
+class KVView(LayerView):
+    """What one ``update`` hands to attention: the layer state at this step (transformed space).
+
+    Attributes (B, Hkv, *, d; positions absolute):
+        sink_k/sink_v: full-precision sink, positions ``[sink_start, sink_start + len)``.
+        mid_k/mid_v: dequantized middle stored *before* this update, ``[mid_start, mid_start + mid_len)``
+            (None when empty), decoded lazily.
+        win_k/win_v: full precision of every later position ``[w0, n1)`` (old recent buffer + new tokens).
+        n0/n1: tokens in the cache before/after this update.
+    """
+
+    layer: WushKVLayer
+    n0: int
+    n1: int
+    sink_k: torch.Tensor
+    sink_v: torch.Tensor
+    sink_start: int
+    mid_len_before: int
+    mid_start: int
+    win_k: torch.Tensor
+    win_v: torch.Tensor
+    w0: int
+    moved: int = 0  # tokens of the window flushed into the middle by this update
+    mid: dict | None = None  # snapshot of the middle after this update's flush: {"k": storage, "v": storage}
+    mid_len: int = 0  # tokens in that snapshot
+
+    @property
+    def _like(self) -> torch.Tensor:
+        return self.win_k
+
+    def attend(self, module, query, attention_mask, scaling: float, softcap: float | None) -> torch.Tensor:
+        """Attention of ``query`` (B, Hq, T, d) over this layer; returns (B, T, Hq, d) in transformed V space."""
+        layer = self.layer
+        kt = getattr(module, "wushkv_key", None)
+        if kt is not layer.key_transform:
+            raise RuntimeError(
+                "the key transform of this attention module changed after the WushKVCache was created; "
+                "create the cache after apply_transforms()/restore()"
+            )
+        if kt is not None:
+            query = kt.queries(query)
+        query = query.to(self.win_k.dtype)
+        if attention_mask is not None and self.n0 == 0 and not layer.is_sliding:
+            layer._check_padding(attention_mask)
+        if layer.padded:
+            return self._attend_padded(query, attention_mask, scaling, softcap)
+        T = query.shape[2]
+        dt = self.win_k.dtype
+        if T == 1:  # decode: read the packed codes directly, block by block (wushkv.decode)
+            S = self.n1 - self.kv_offset
+            allowed = as_allowed(attention_mask, S)
+            if allowed is None and S < self.n1 - self.sink_start:
+                allowed = torch.ones(query.shape[0], 1, 1, S, dtype=torch.bool, device=query.device)
+            mid_k, mid_v = layer._mid_parts(self.mid, self.mid_len, self.mid_start, dt)
+            rk, rv = self.win_k[:, :, self.moved :], self.win_v[:, :, self.moved :]
+            return decode_attention(query, [self.sink_k, mid_k, rk], [self.sink_v, mid_v, rv], allowed, scaling, softcap)
+
+        mid_len = self.mid_len_before  # what this update flushed is still in the window, in full precision
+        flushed = self.mid_len - mid_len
+        if layer.k_side is None and layer.v_side is None:  # a full-precision layer (bit allocation): plain attention
+            mk, mv = layer._decode_mid(self.mid, self.mid_len, dt, first=mid_len, start=self.mid_start)
+            S = self.n1 - self.kv_offset
+            K = torch.cat([self.sink_k, mk, self.win_k], dim=2)[:, :, -S:]
+            V = torch.cat([self.sink_v, mv, self.win_v], dim=2)[:, :, -S:]
+            return fast_attention(query, K, V, as_allowed(attention_mask, S), scaling, softcap)
+        if flushed and self.mid_start + mid_len == self.w0:
+            # This update's flush is the window's first `flushed` columns, just encoded into the middle:
+            # decode them (fake == decode(encode) bit for bit) instead of quantizing them a second time.
+            mk, mv = layer._decode_mid(self.mid, self.mid_len, dt, start=self.mid_start)
+            kh = torch.cat([mk[:, :, mid_len:], layer._fake("key", self.win_k[:, :, flushed:], self.w0 + flushed)], dim=2)
+            vh = torch.cat([mv[:, :, mid_len:], layer._fake("value", self.win_v[:, :, flushed:])], dim=2)
+            mk, mv = mk[:, :, :mid_len], mv[:, :, :mid_len]
+        else:
+            mk, mv = layer._decode_mid(self.mid, self.mid_len, dt, first=mid_len, start=self.mid_start)
+            kh = layer._fake("key", self.win_k, self.w0)
+            vh = layer._fake("value", self.win_v)
+        K = torch.cat([self.sink_k, mk, self.win_k], dim=2)
+        V = torch.cat([self.sink_v, mv, self.win_v], dim=2)
+        K_hat = torch.cat([self.sink_k, mk, kh], dim=2)
+        V_hat = torch.cat([self.sink_v, mv, vh], dim=2)
+        # Absolute position of every column, and which (query, column) pairs see the quantized version.
+        pos = torch.cat(
+            [
+                torch.arange(self.sink_start, self.sink_start + self.sink_k.shape[2]),
+                torch.arange(self.mid_start, self.mid_start + mid_len),
+                torch.arange(self.w0, self.n1),
+            ]
+        )
+        w = layer.cfg.windows
+        qc = torch.tensor([w.quantized_count(self.n0 + i + 1) for i in range(T)])  # (T,)
+        quantized = (pos[None, :] >= w.S_sink) & (pos[None, :] < w.S_sink + qc[:, None])
+        S = self.n1 - self.kv_offset
+        sl = slice(K.shape[2] - S, None)
+        quantized = quantized[:, sl].to(query.device)
+        allowed = as_allowed(attention_mask, S)
+        args = (query, K[:, :, sl], V[:, :, sl], K_hat[:, :, sl], V_hat[:, :, sl], quantized, allowed, scaling)
+        if softcap is not None or query.dtype == torch.float64:  # the explicit two-matmul reference
+            return selective_attention(*args, softcap)
+        return fused_selective_attention(*args)
+
+    def _attend_padded(self, query, attention_mask, scaling: float, softcap: float | None) -> torch.Tensor:
+        """Left-padded batch: the same emulation, with each row's windows counted from its first real token.
+
+        Row ``b`` (``p_b`` pad tokens) sees column ``c`` quantized for query position ``i`` iff
+        ``p_b + S_sink <= c < p_b + S_sink + Qc(i + 1 - p_b)``. The layer keeps every column some row still
+        needs in full precision (sink ∪ recent) and codes for every column some row needs quantized, so
+        both versions exist wherever a row can read them. Also serves decode (T = 1).
+        """
+        layer, dt = self.layer, self.win_k.dtype
+        lo = self.kv_offset
+        S, T = self.n1 - lo, query.shape[2]
+        B, H, _, d = self.win_k.shape
+        K = self.win_k.new_zeros(B, H, S, d)
+        V = self.win_v.new_zeros(B, H, S, self.win_v.shape[-1])
+        mk, mv = layer._decode_mid(self.mid, self.mid_len, dt, start=self.mid_start)
+
+        def put(dst, src, start):  # write columns [start, start + len) of src into dst (columns from lo)
+            a, b = max(start, lo), min(start + src.shape[2], self.n1)
+            if b > a:
+                dst[:, :, a - lo : b - lo] = src[:, :, a - start : b - start]
+
+        for dst, mid, sink, win in ((K, mk, self.sink_k, self.win_k), (V, mv, self.sink_v, self.win_v)):
+            put(dst, mid, self.mid_start)  # columns only the codes still hold: quantized for every row
+            put(dst, sink, self.sink_start)
+            put(dst, win, self.w0)
+        K_hat, V_hat = layer._fake("key", K, lo), layer._fake("value", V)
+        put(K_hat, mk, self.mid_start)  # the stored codes, bit for bit
+        put(V_hat, mv, self.mid_start)
+        w = layer.cfg.windows
+        pads = layer.pads.view(B, 1, 1)
+        pos = torch.arange(lo, self.n1).view(1, 1, S)
+        real = torch.arange(self.n0 + 1, self.n1 + 1).view(1, T, 1) - pads  # real tokens seen by each query
+        qc = w.S_flush * ((real - w.S_sink - w.S_keep).clamp(min=0) // w.S_flush)
+        start = pads + w.S_sink
+        quantized = ((pos >= start) & (pos < start + qc)).unsqueeze(1).to(query.device)  # (B, 1, T, S)
+        allowed = as_allowed(attention_mask, S)
+        args = (query, K, V, K_hat, V_hat, quantized, allowed, scaling)
+        if softcap is not None or query.dtype == torch.float64:
+            return selective_attention(*args, softcap)
+        return fused_selective_attention(*args)
+
+
+@dataclass
+class RowsView(LayerView):
+    """What ``update`` hands to attention for a left-padded batch whose quantizers code blocks of tokens.
+
+    Each row keeps its own unpadded :class:`WushKVLayer` (its blocks start at its first real token, as
+    they would for the row alone); ``rows[b]`` is that layer's :class:`KVView` for this update, or None
+    while row ``b`` has seen only padding. Attention runs row by row over the real columns, so every
+    row gets exactly what it gets alone; outputs at padding positions are zero (never read).
+    """
+
+    layer: WushKVLayer
+    n0: int
+    n1: int
+    rows: list
+    _like: torch.Tensor  # (B, Hkv, 0, d): shape, device and dtype of the batch
+
+    def attend(self, module, query, attention_mask, scaling: float, softcap: float | None) -> torch.Tensor:
+        layer = self.layer
+        if attention_mask is not None and self.n0 == 0 and not layer.is_sliding:
+            layer._check_padding(attention_mask)
+        B, Hq, T, _ = query.shape
+        lo = self.kv_offset
+        if attention_mask is not None:
+            attention_mask = attention_mask[..., -(self.n1 - lo) :]
+        out = None
+        for b, (view, p) in enumerate(zip(self.rows, layer._pad_list())):
+            if view is None:
+                continue
+            tq = self.n1 - max(self.n0, p)  # the row's real queries: the last tq of this update
+            mask = None
+            if attention_mask is not None:  # the row's real columns start at max(lo, p)
+                m = attention_mask[b : b + 1] if attention_mask.shape[0] > 1 else attention_mask
+                mask = m[:, :, T - tq :, max(lo, p) - lo :]
+            o = view.attend(module, query[b : b + 1, :, T - tq :], mask, scaling, softcap)
+            if out is None:
+                out = o.new_zeros(B, T, *o.shape[2:])
+            out[b, T - tq :] = o[0]
+        return out if out is not None else query.new_zeros(B, T, Hq, self._like.shape[-1])
