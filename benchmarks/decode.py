@@ -188,7 +188,7 @@ def key_transform_share(model, transforms, spec, batches, results, device="cpu")
 
     model.to(torch.float32)
     out = {}
-    kts = [KeyTransform(t["T_K"], t["T_K_inv"]).to(device) for t in transforms]
+    kts = [KeyTransform(t.T_K, t.T_K_inv).to(device) for t in transforms]
     sync = torch.cuda.synchronize if torch.device(device).type == "cuda" else (lambda: None)
     for B in batches:
         k = torch.randn(B, spec.num_kv_heads, 1, spec.head_dim, device=device)

@@ -4,9 +4,8 @@
 
 Both run over the same chunks in the same process; the ratio is what matters (absolute times drift). The
 full-precision forward runs before and after the emulation (a drift check) and the ratio is taken to the faster.
-The emulation runs with its query blocks (the default, each block reading only the columns it needs). The
-comparison with one SDPA call over all 2S columns (docs/reference/performance.md) needed the query block set from outside
-the library; it was measured at commit 2c3e71d (``git show 2c3e71d:benchmarks/eval_cost.py``).
+The emulation runs with its query blocks (the default, each block reading only the columns it needs) and, for
+comparison, as one SDPA call over all 2S columns (``wushkv.attention.query_block(None)``; docs/reference/performance.md).
 """
 
 from __future__ import annotations
@@ -15,6 +14,7 @@ import argparse
 
 import torch
 
+from wushkv.attention import query_block
 from wushkv.config import PERPLEXITY_WINDOWS, QuantConfig
 from wushkv.data import tokenize_chunks, wikitext2_test
 from wushkv.eval.compare import quantized_perplexity
@@ -41,14 +41,18 @@ def run(args, model, chunks: torch.Tensor, windows=PERPLEXITY_WINDOWS) -> dict:
     fp = perplexity(model, chunks, show_progress=False)
     cfg = QuantConfig(args.bits, args.bits, "quest", windows=windows)
     q = quantized_perplexity(model, chunks, None, args.transform, cfg, show_progress=False)
+    with query_block(None):  # the same emulation as one SDPA call over all 2S columns
+        q1 = quantized_perplexity(model, chunks, None, args.transform, cfg, show_progress=False)
     fp2 = perplexity(model, chunks, show_progress=False)  # again: drift check
     t_fp = min(fp["seconds"], fp2["seconds"])
     res = {"model": args.model, "chunks": args.chunks, "seq_len": args.seq_len, "transform": args.transform, "bits": args.bits,
            "fp_seconds": [fp["seconds"], fp2["seconds"]], "emulation_seconds": q["seconds"], "ratio": q["seconds"] / t_fp,
-           "fp_ppl": fp["ppl"], "quantized_ppl": q["ppl"]}
+           "one_call_seconds": q1["seconds"], "one_call_ratio": q1["seconds"] / t_fp,
+           "fp_ppl": fp["ppl"], "quantized_ppl": q["ppl"], "one_call_ppl": q1["ppl"]}
     print(f"{args.model}: {args.chunks} x {args.seq_len} tokens")
     print(f"  full-precision forward          {fp['seconds']:7.1f} s / {fp2['seconds']:7.1f} s (before / after)  PPL {fp['ppl']:.3f}")
     print(f"  emulation K{args.bits}V{args.bits}, query blocks     {q['seconds']:7.1f} s  {res['ratio']:5.2f} x         PPL {q['ppl']:.4f} ({args.transform})")
+    print(f"  emulation K{args.bits}V{args.bits}, one SDPA call    {q1['seconds']:7.1f} s  {res['one_call_ratio']:5.2f} x         PPL {q1['ppl']:.4f}")
     return res
 
 

@@ -105,7 +105,7 @@ def run(seed: int, dims: tuple[int, ...], bit_widths: tuple[int, ...], n_cal: in
         for name in TRANSFORM_NAMES:
             tf = build_transforms(name, 1, d, stats, seed=seed)
             for b in bit_widths:
-                loss = key_loss(X_test, H_test, tf["T_K"][0], tf["T_K_inv"][0], QuestQuantizer(b))
+                loss = key_loss(X_test, H_test, tf.T_K[0], tf.T_K_inv[0], QuestQuantizer(b))
                 results["rows"].setdefault(name, {})[f"d{d}_b{b}"] = loss
     for name, row in results["rows"].items():
         results.setdefault("relative", {})[name] = {

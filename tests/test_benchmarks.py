@@ -91,7 +91,9 @@ def test_eval_cost(capsys):
     assert positive(res["ratio"]) and all(positive(t) for t in res["fp_seconds"]) and positive(res["emulation_seconds"])
     assert res["ratio"] == res["emulation_seconds"] / min(res["fp_seconds"])
     assert positive(res["fp_ppl"]) and positive(res["quantized_ppl"]) and res["quantized_ppl"] != res["fp_ppl"]
-    assert "query blocks" in capsys.readouterr().out
+    assert positive(res["one_call_seconds"]) and abs(res["one_call_ppl"] - res["quantized_ppl"]) <= 1e-4 * res["quantized_ppl"]  # same math
+    out = capsys.readouterr().out
+    assert "query blocks" in out and "one SDPA call" in out
 
 
 def test_calibration_cost():

@@ -240,9 +240,9 @@ def test_left_padded_batch_equals_rows_alone(family, name):
         spec = describe(model)
         for l, t in enumerate(transforms):
             a = torch.randn(spec.num_kv_heads, spec.head_dim, spec.head_dim, generator=torch.Generator().manual_seed(l), dtype=torch.float64)
-            t["F_K"] = feedback_matrix(a @ a.transpose(-1, -2), dtype=torch.float64)
-    with apply_transforms(model, transforms, "kvarn" if name == "kvarn" else "random"):
-        cache = WushKVCache(model, cfg, attention_mask=mask)
+            transforms[l] = t.replace(F_K=feedback_matrix(a @ a.transpose(-1, -2), dtype=torch.float64))
+    with apply_transforms(model, transforms, "kvarn" if name == "kvarn" else "random") as inst:
+        cache = inst.cache(cfg, attention_mask=mask)
         pos = (mask.cumsum(-1) - 1).clamp(min=0)
         out = [model(ids, attention_mask=mask, position_ids=pos, cache=cache, use_cache=True).logits]
         for t in range(steps):
@@ -252,7 +252,7 @@ def test_left_padded_batch_equals_rows_alone(family, name):
         batch = torch.cat(out, 1)
         total = {"codes": 0, "metadata": 0, "full_precision": 0}
         for b, r in enumerate(rows):
-            alone, c = stream(model, torch.cat([r, nxt[b : b + 1]], 1), cfg, chunks=[r.shape[1]] + [1] * steps)
+            alone, c = stream(model, torch.cat([r, nxt[b : b + 1]], 1), cfg, chunks=[r.shape[1]] + [1] * steps, inputs=inst.cache_inputs)
             n = r.shape[1] + steps
             assert (batch[b, -n:] - alone[0]).abs().max() < 1e-6, b
             total = {k: total[k] + c.nbytes()[k] for k in total}
@@ -350,7 +350,7 @@ def test_deepcopy_continues_independently(name):
 
 def _rope_mean_transforms(model, mus, name="random"):
     spec = describe(model)
-    return [build_transforms(name, spec.num_kv_heads, spec.head_dim, seed=l) | {"mu_K_rope": mus[l].float()} for l in range(spec.num_layers)]
+    return [build_transforms(name, spec.num_kv_heads, spec.head_dim, seed=l).replace(mu_K_rope=mus[l].float()) for l in range(spec.num_layers)]
 
 
 @torch.no_grad()
@@ -463,7 +463,7 @@ def test_unsupported_rope_leaves_no_layer_folded():
     model = tiny_model("llama", rope_parameters={"rope_type": "dynamic", "factor": 2.0, "rope_theta": 10000.0})
     before = [a.self_attn.v_proj.weight.clone() for a in model.model.layers]
     spec = describe(model)
-    trs = [build_transforms("random", spec.num_kv_heads, spec.head_dim, seed=l) | {"mu_K_rope": torch.ones(spec.num_kv_heads, spec.head_dim)}
+    trs = [build_transforms("random", spec.num_kv_heads, spec.head_dim, seed=l).replace(mu_K_rope=torch.ones(spec.num_kv_heads, spec.head_dim))
            for l in range(spec.num_layers)]
     with pytest.raises(ValueError, match="RoPE type 'dynamic'"):
         apply_transforms(model, trs, "random")

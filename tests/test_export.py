@@ -22,10 +22,10 @@ def cal(tmp_path_factory):
 def test_row_vector_convention_matches_the_method(cal):
     tr = cal.transforms("wush")[1]
     rv = row_vector_transforms([tr])[0]
-    H, d = tr["T_K"].shape[:2]
+    H, d = tr.T_K.shape[:2]
     K, Q, V = (torch.randn(H, 5, d, dtype=torch.float64) for _ in range(3))
     # K' = K·key equals (T_K kᵀ)ᵀ per head; Q'K'ᵀ = QKᵀ; V' = V·value; O'·output recovers O
-    assert torch.allclose(K @ rv["key"], (tr["T_K"].double() @ K.transpose(-1, -2)).transpose(-1, -2))
+    assert torch.allclose(K @ rv["key"], (tr.T_K.double() @ K.transpose(-1, -2)).transpose(-1, -2))
     assert torch.allclose((Q @ rv["query"]) @ (K @ rv["key"]).transpose(-1, -2), Q @ K.transpose(-1, -2), atol=1e-4)  # float32-solved transforms
     assert torch.allclose(((V @ rv["value"]) @ rv["output"]), V, atol=1e-4)
     assert inverse_error(rv) < 1e-5
@@ -57,12 +57,12 @@ def test_centered_export_shift(cal):
     """wush-c: K·key − key_shift equals (T_K (k − μ))ᵀ, the keys the cache stores."""
     tr = cal.transforms("wush-c")[0]
     rv = row_vector_transforms([tr])[0]
-    H, d = tr["T_K"].shape[:2]
+    H, d = tr.T_K.shape[:2]
     K = torch.randn(H, 5, d, dtype=torch.float64)
-    want = (tr["T_K"].double() @ (K - tr["mu_K"].double()[:, None]).transpose(-1, -2)).transpose(-1, -2)
+    want = (tr.T_K.double() @ (K - tr.mu_K.double()[:, None]).transpose(-1, -2)).transpose(-1, -2)
     assert rv["key_shift"].shape == (H, 1, d)
     assert torch.allclose(K @ rv["key"] - rv["key_shift"], want, atol=1e-6)
     V = torch.randn(H, 5, d, dtype=torch.float64)
     Vt = V @ rv["value"] - rv["value_shift"]  # what the cache stores: (T_V (v − μ_V))ᵀ
-    assert torch.allclose(Vt, (tr["T_V"].double() @ (V - tr["mu_V"].double()[:, None]).mT).mT, atol=1e-6)
+    assert torch.allclose(Vt, (tr.T_V.double() @ (V - tr.mu_V.double()[:, None]).mT).mT, atol=1e-6)
     assert torch.allclose(Vt @ rv["output"] + rv["output_shift"], V, atol=1e-4)

@@ -5,7 +5,7 @@ import torch
 
 from wushkv.folding import apply_transforms
 from wushkv.models import describe
-from wushkv.transforms import build_transforms
+from wushkv.transforms import LayerTransforms, build_transforms
 
 from conftest import tiny_model
 
@@ -26,7 +26,7 @@ def test_invariance_general_invertible(family):
     for _ in range(spec.num_layers):
         T_K, T_K_inv = random_invertible(spec.num_kv_heads, spec.head_dim, gen)
         T_V, T_V_inv = random_invertible(spec.num_kv_heads, spec.head_dim, gen)
-        trs.append(dict(T_K=T_K, T_K_inv=T_K_inv, T_V=T_V, T_V_inv=T_V_inv))
+        trs.append(LayerTransforms(T_K, T_K_inv, T_V, T_V_inv))
     with apply_transforms(model, trs) as h:
         out = model(ids).logits
         # something really changed: v_proj weights differ and each layer has a key transform
@@ -57,10 +57,10 @@ def test_bad_transforms_rejected():
     good = build_transforms("identity", spec.num_kv_heads, spec.head_dim)
     with pytest.raises(ValueError, match="the model has 3"):
         apply_transforms(model, [good])
-    bad = dict(good, T_K=torch.eye(16).expand(2, 16, 16))
+    bad = good.replace(T_K=torch.eye(16).expand(2, 16, 16))
     with pytest.raises(ValueError, match=r"T_K has shape \(2, 16, 16\), expected \(2, 32, 32\)"):
         apply_transforms(model, [bad] * 3)
-    nan = dict(good, T_V=torch.full_like(good["T_V"], float("nan")))
+    nan = good.replace(T_V=torch.full_like(good.T_V, float("nan")))
     with pytest.raises(ValueError, match="NaN"):
         apply_transforms(model, [nan] * 3)
     h = apply_transforms(model, [good] * 3)
@@ -88,7 +88,7 @@ def test_centered_keys_are_exact(family):
         T_V, T_V_inv = random_invertible(spec.num_kv_heads, spec.head_dim, gen)
         mu = 5.0 * torch.randn(spec.num_kv_heads, spec.head_dim, generator=gen)  # a large offset
         mu_v = 3.0 * torch.randn(spec.num_kv_heads, spec.head_dim, generator=gen)
-        trs.append(dict(T_K=T_K, T_K_inv=T_K_inv, T_V=T_V, T_V_inv=T_V_inv, mu_K=mu, mu_V=mu_v))
+        trs.append(LayerTransforms(T_K, T_K_inv, T_V, T_V_inv, mu_K=mu, mu_V=mu_v))
     before = {k: v.clone() for k, v in model.state_dict().items()}
     with apply_transforms(model, trs):
         assert (model(ids).logits - ref).abs().max() < 1e-3
@@ -108,7 +108,7 @@ def test_centered_keys_refused_under_softcap():
     for layer in model.model.layers:
         layer.self_attn.attn_logit_softcapping = 50.0
     tr = build_transforms("hadamard", spec.num_kv_heads, spec.head_dim)
-    tr["mu_K"] = torch.ones(spec.num_kv_heads, spec.head_dim)
+    tr = tr.replace(mu_K=torch.ones(spec.num_kv_heads, spec.head_dim))
     with pytest.raises(ValueError, match="softcap"):
         apply_transforms(model, [tr] * spec.num_layers)
 
@@ -118,7 +118,7 @@ def test_a_bad_layer_leaves_no_layer_folded():
     spec = describe(model)
     before = {k: v.clone() for k, v in model.state_dict().items()}
     trs = [build_transforms("hadamard", spec.num_kv_heads, spec.head_dim) for _ in range(spec.num_layers)]
-    trs[-1] = trs[-1] | {"mu_V": torch.ones(spec.num_kv_heads + 1, spec.head_dim)}
+    trs[-1] = trs[-1].replace(mu_V=torch.ones(spec.num_kv_heads + 1, spec.head_dim))
     with pytest.raises(ValueError, match=f"layer {spec.num_layers - 1} mu_V"):
         apply_transforms(model, trs)
     assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())

@@ -51,7 +51,8 @@ def test_upgrade_adds_rope_mean_and_keeps_transforms(tmp_path):
             assert torch.equal(a[k], b[k]), k
     assert set(after.solved) == set(before.solved) and after.solved
     for m in before.solved:
-        for ta, tb in zip(before.solved[m], after.solved[m]):
+        for a, b in zip(before.solved[m], after.solved[m]):
+            ta, tb = a.tensors(), b.tensors()
             assert ta.keys() == tb.keys() and all(torch.equal(ta[k], tb[k]) for k in ta)
     seqs = calibration_sequences(CharTokenizer(), 2, int(before.meta["seq_len"]), text_file=str(text))
     with torch.no_grad():

@@ -41,7 +41,7 @@ from .hf import observe_sequences
 from .io import atomic_write, write_json
 from .progress import progress
 from .models import ArchSpec, attention_modules, describe, fingerprint, model_name, projections, rope_rotate
-from .transforms import TRANSFORMS, build_transforms
+from .transforms import TRANSFORMS, LayerTransforms, build_transforms
 
 FORMAT = "wushkv-calibration"
 FORMAT_VERSION = 1
@@ -252,13 +252,13 @@ class Calibration:
 
     meta: dict
     stats: list[dict[str, torch.Tensor]]
-    solved: dict[str, list[dict[str, torch.Tensor]]] = field(default_factory=dict)
+    solved: dict[str, list[LayerTransforms]] = field(default_factory=dict)
 
     @property
     def spec_dict(self) -> dict:
         return self.meta["fingerprint"]
 
-    def solve(self, method: str, damping: float | None = None, damping_M: float | None = None) -> list[dict[str, torch.Tensor]]:
+    def solve(self, method: str, damping: float | None = None, damping_M: float | None = None) -> list[LayerTransforms]:
         """Solve (or fetch) a calibrated transform for every layer."""
         damping = self.meta["damping"] if damping is None else damping
         fp = self.spec_dict
@@ -267,8 +267,8 @@ class Calibration:
             for st in self.stats
         ]
 
-    def transforms(self, method: str, seed: int = 0) -> list[dict[str, torch.Tensor]]:
-        """Per-layer {T_K, T_K_inv, T_V, T_V_inv} for any registered transform name."""
+    def transforms(self, method: str, seed: int = 0) -> list[LayerTransforms]:
+        """Per-layer transforms of any registered transform name."""
         spec = TRANSFORMS.get(method)
         if spec is None:
             raise ValueError(f"unknown transform {method!r}; known: {sorted(TRANSFORMS)}")
@@ -293,7 +293,7 @@ class Calibration:
                 tensors[f"stats.{l}.{k}"] = t.contiguous()
         for m, layers in self.solved.items():
             for l, tr in enumerate(layers):
-                for k, t in tr.items():
+                for k, t in tr.tensors().items():
                     tensors[f"transforms.{m}.{l}.{k}"] = t.float().contiguous()
         header = {"format": FORMAT, "format_version": str(FORMAT_VERSION), "meta": json.dumps(self.meta)}
         path = Path(path)
@@ -323,7 +323,7 @@ class Calibration:
             raise CalibrationError(f"{str(path)!r} is corrupted or not a safetensors file: {type(e).__name__}: {e}") from None
         n = meta["fingerprint"]["num_layers"]
         stats: list[dict] = [{} for _ in range(n)]
-        solved: dict[str, list[dict]] = {}
+        solved: dict[str, list] = {}
         try:
             for key, t in tensors.items():
                 parts = key.split(".")
@@ -333,6 +333,10 @@ class Calibration:
                     solved.setdefault(parts[1], [{} for _ in range(n)])[int(parts[2])][parts[3]] = t
         except (IndexError, ValueError) as e:
             raise CalibrationError(f"{str(path)!r} has an unexpected tensor {key!r}: {e}") from None
+        try:
+            solved = {m: [LayerTransforms.from_tensors(tr) for tr in layers] for m, layers in solved.items()}
+        except (TypeError, ValueError) as e:
+            raise CalibrationError(f"{str(path)!r} holds incomplete stored transforms: {e}") from None
         for l, st in enumerate(stats):
             for k in ("M_K", "H_K", "M_V", "H_V"):
                 if k not in st:

@@ -29,6 +29,7 @@ import torch
 from safetensors.torch import save_file
 
 from .io import atomic_write
+from .transforms import LayerTransforms
 
 EXPORT_FORMAT = "wushkv-transforms"
 EXPORT_VERSION = 1
@@ -38,11 +39,11 @@ DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch
 DEFAULT_TOLERANCE = {"float32": 1e-4, "bfloat16": 5e-2, "float16": 1e-2}
 
 
-def row_vector_transforms(transforms: list[dict[str, torch.Tensor]]) -> list[dict[str, torch.Tensor]]:
-    """Per layer {key, query, value, output} (float64) from the method's {T_K, T_K_inv, T_V, T_V_inv}."""
+def row_vector_transforms(transforms: list[LayerTransforms]) -> list[dict[str, torch.Tensor]]:
+    """Per layer {key, query, value, output} (float64) from the method's :class:`~wushkv.transforms.LayerTransforms`."""
     out = []
     for tr in transforms:
-        t = {k: v.double() for k, v in tr.items()}
+        t = {k: v.double() for k, v in tr.tensors().items()}
         layer = {
             "key": t["T_K"].transpose(-1, -2),
             "query": t["T_K_inv"],

@@ -22,6 +22,7 @@ from .cache import WushKVCache
 from .config import QuantConfig
 from .layer import CacheInputs, RotatingKeyMean
 from .models import ArchSpec, attention_modules, describe, projections, rope_parameters
+from .transforms import LayerTransforms
 
 KEY_TRANSFORM_NAME = "wushkv_key"
 
@@ -125,13 +126,18 @@ def _check(name: str, t: torch.Tensor, spec: ArchSpec, layer: int) -> None:
 
 
 @torch.no_grad()
-def apply_transforms(model: nn.Module, transforms: list[dict[str, torch.Tensor]], method: str = "custom") -> Installed:
+def apply_transforms(model: nn.Module, transforms: list[LayerTransforms], method: str = "custom") -> Installed:
     """Fold ``T_V`` into the weights and install ``T_K`` online, for every layer.
 
-    ``transforms[l]`` holds ``T_K``, ``T_K_inv``, ``T_V``, ``T_V_inv`` (Hkv, d, d) for layer ``l``
-    (see :meth:`wushkv.calibration.Calibration.transforms`), optionally ``F_K``/``F_V`` (Hkv, d, d), the
-    error-feedback matrices the cache rounds with. Folding runs in float64.
+    ``transforms[l]``: layer ``l``'s :class:`~wushkv.transforms.LayerTransforms` (see
+    :func:`wushkv.methods.install.transforms_for`). Its error-feedback matrices and rotating key mean are not
+    installed in the model: they become the handle's :attr:`Installed.cache_inputs`. Folding runs in float64.
     """
+    bad = next((i for i, tr in enumerate(transforms) if not isinstance(tr, LayerTransforms)), None)
+    if bad is not None:
+        raise TypeError(f"transforms[{bad}] is a {type(transforms[bad]).__name__}; apply_transforms takes LayerTransforms "
+                        "(LayerTransforms.from_tensors builds one from tensors named T_K, T_K_inv, T_V, T_V_inv, ...)")
+    transforms = [tr.tensors() for tr in transforms]  # by field name: the checks below name what is wrong
     spec = describe(model)
     mods = attention_modules(model, spec)
     if len(transforms) != len(mods):

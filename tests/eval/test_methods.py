@@ -38,9 +38,9 @@ def test_keys_from_one_values_from_the_other():
     had, rnd = transforms_for(model, None, "hadamard"), transforms_for(model, None, "random")
     mixed = transforms_for(model, None, "hadamard:random")
     for h, r, m in zip(had, rnd, mixed):
-        assert torch.equal(m["T_K"], h["T_K"]) and torch.equal(m["T_K_inv"], h["T_K_inv"])
-        assert torch.equal(m["T_V"], r["T_V"]) and torch.equal(m["T_V_inv"], r["T_V_inv"])
-        assert not torch.equal(m["T_V"], h["T_V"])
+        assert torch.equal(m.T_K, h.T_K) and torch.equal(m.T_K_inv, h.T_K_inv)
+        assert torch.equal(m.T_V, r.T_V) and torch.equal(m.T_V_inv, r.T_V_inv)
+        assert not torch.equal(m.T_V, h.T_V)
     chunks = torch.randint(3, 96, (1, 120), generator=torch.Generator().manual_seed(0))
     cfg = QuantConfig(2, 2, windows=WindowConfig(4, 16, 4))
     same = quantized_perplexity(model, chunks, None, "hadamard:hadamard", cfg, show_progress=False)["ppl"]
@@ -86,8 +86,8 @@ def test_ldlq_streaming_equals_single_pass(family, tiny_cal):
     cal = tiny_cal(model)
     trs = transforms_for(model, cal, "wush+ldlq")
     st, tr = cal.stats[0], trs[0]
-    Ti = tr["T_K_inv"].double()
-    torch.testing.assert_close(tr["F_K"], feedback_matrix(Ti.mT @ st["H_K"] @ Ti, cal.meta["damping"]))
+    Ti = tr.T_K_inv.double()
+    torch.testing.assert_close(tr.F_K, feedback_matrix(Ti.mT @ st["H_K"] @ Ti, cal.meta["damping"]))
     cfg = QuantConfig(2, 2, "quest", windows=WindowConfig(4, 8, 4))
     ids = torch.randint(3, 96, (1, 45), generator=torch.Generator().manual_seed(0))
 
@@ -99,8 +99,8 @@ def test_ldlq_streaming_equals_single_pass(family, tiny_cal):
                 t += n
             return torch.cat(out, 1), cache.nbytes()
 
-    assert "F_V" in tr and "F_V" not in transforms_for(model, cal, "wush+ldlq-k")[0]
-    assert "F_K" not in transforms_for(model, cal, "wush+ldlq-v")[0]
+    assert tr.F_V is not None and transforms_for(model, cal, "wush+ldlq-k")[0].F_V is None
+    assert transforms_for(model, cal, "wush+ldlq-v")[0].F_K is None
     single, nb = run("wush+ldlq", [45])
     tokenwise, nb2 = run("wush+ldlq", [1] * 45)
     plain, nb3 = run("wush", [45])
@@ -159,10 +159,10 @@ def test_sign_patterns_are_exact_wush_solutions(tiny_cal):
     model = tiny_model("llama").double()
     cal = tiny_cal(model)
     base, one, two = (transforms_for(model, cal, m) for m in ("wush", "wush+signs1", "wush+signs2"))
-    Hd = hadamard_matrix(base[0]["T_K"].shape[-1], dtype=torch.float64)
+    Hd = hadamard_matrix(base[0].T_K.shape[-1], dtype=torch.float64)
     for b, s, t, st in zip(base, one, two, cal.stats):
         for side in "KV":
-            T, Ti, T0 = s[f"T_{side}"].double(), s[f"T_{side}_inv"].double(), b[f"T_{side}"].double()
+            T, Ti, T0 = getattr(s, f"T_{side}").double(), getattr(s, f"T_{side}_inv").double(), getattr(b, f"T_{side}").double()
             I = torch.eye(T.shape[-1], dtype=torch.float64)
             torch.testing.assert_close(T @ Ti, I.expand_as(T), atol=1e-5, rtol=0)
             D = Hd.mT @ (T @ torch.linalg.inv(T0)) @ Hd  # 𝓗ᵀ R 𝓗 = D, a ±1 diagonal
@@ -172,13 +172,13 @@ def test_sign_patterns_are_exact_wush_solutions(tiny_cal):
             dg = lambda A, X: torch.diagonal(A @ X @ A.mT, dim1=-2, dim2=-1)  # noqa: E731
             torch.testing.assert_close(dg(T, Md), dg(T0, Md), rtol=1e-4, atol=1e-6)  # the same constant diagonal of T M̃ Tᵀ
             torch.testing.assert_close(dg(T, M).sum(-1), dg(T0, M).sum(-1), rtol=1e-6, atol=0)  # same trace: same expected error
-            assert not torch.allclose(T, T0) and not torch.allclose(T, t[f"T_{side}"].double())
+            assert not torch.allclose(T, T0) and not torch.allclose(T, getattr(t, f"T_{side}").double())
     mixed = transforms_for(model, cal, "hadamard:wush+signs1")
     had = transforms_for(model, cal, "hadamard")
-    assert torch.equal(mixed[0]["T_K"], had[0]["T_K"]) and torch.equal(mixed[0]["T_V"], one[0]["T_V"])
+    assert torch.equal(mixed[0].T_K, had[0].T_K) and torch.equal(mixed[0].T_V, one[0].T_V)
     fb = transforms_for(model, cal, "wush+signs1+ldlq")[0]
-    Ti = one[0]["T_K_inv"].double()
-    torch.testing.assert_close(fb["F_K"], feedback_matrix(Ti.mT @ cal.stats[0]["H_K"] @ Ti, cal.meta["damping"]))
+    Ti = one[0].T_K_inv.double()
+    torch.testing.assert_close(fb.F_K, feedback_matrix(Ti.mT @ cal.stats[0]["H_K"] @ Ti, cal.meta["damping"]))
 
 
 def test_rmean_methods(tiny_cal):
@@ -192,8 +192,8 @@ def test_rmean_methods(tiny_cal):
     trs = transforms_for(model, cal, "wush+rmean")
     plain = transforms_for(model, cal, "wush")
     for t, p, st in zip(trs, plain, cal.stats):
-        torch.testing.assert_close(t["mu_K_rope"], st["mu_K_pre"].float())
-        torch.testing.assert_close(t["T_K"], p["T_K"])
+        torch.testing.assert_close(t.mu_K_rope, st["mu_K_pre"].float())
+        torch.testing.assert_close(t.T_K, p.T_K)
     with pytest.raises(ValueError, match="needs a calibration"):
         transforms_for(model, None, "hadamard+rmean")
     for st in cal.stats:

@@ -49,8 +49,8 @@ def test_reconstruction_matches_manual_layer():
     tr = trs["random"][0]
     kc, vc = make_codec(cfg, "key", spec.head_dim), make_codec(cfg, "value", spec.head_dim)
     # dequantized keys/values mapped back to the original space: T⁻¹ Q(T x)
-    k_hat = torch.einsum("bhsd,hed->bhse", kc.fake(torch.einsum("bhsd,hed->bhse", k, tr["T_K"])), tr["T_K_inv"])
-    v_hat = torch.einsum("bhsd,hed->bhse", vc.fake(torch.einsum("bhsd,hed->bhse", v, tr["T_V"])), tr["T_V_inv"])
+    k_hat = torch.einsum("bhsd,hed->bhse", kc.fake(torch.einsum("bhsd,hed->bhse", k, tr.T_K)), tr.T_K_inv)
+    v_hat = torch.einsum("bhsd,hed->bhse", vc.fake(torch.einsum("bhsd,hed->bhse", v, tr.T_V)), tr.T_V_inv)
     Y_hat = attn.o_proj(reference_attention(q, k_hat, v_hat, allowed, attn.scaling).reshape(1, 24, -1))
     want = float(((Y_hat - Y).pow(2).sum() / Y.pow(2).sum()).detach())
     assert math.isclose(res["random"]["per_layer"][0], want, rel_tol=1e-3)
@@ -78,6 +78,6 @@ def test_reconstruction_centered_is_exact_without_quantization():
     seqs = torch.randint(3, 96, (1, 32), generator=torch.Generator().manual_seed(1))
     g = torch.Generator().manual_seed(0)
     tr = build_transforms("hadamard", spec.num_kv_heads, spec.head_dim)
-    tr |= {"mu_K": 4 * torch.randn(spec.num_kv_heads, spec.head_dim, generator=g), "mu_V": 4 * torch.randn(spec.num_kv_heads, spec.head_dim, generator=g)}
+    tr = tr.replace(mu_K=4 * torch.randn(spec.num_kv_heads, spec.head_dim, generator=g), mu_V=4 * torch.randn(spec.num_kv_heads, spec.head_dim, generator=g))
     res = layer_reconstruction(model, seqs, {"c": [tr] * spec.num_layers}, QuantConfig(2, 2, "quest"), show_progress=False, sink=32)
     assert res["c"]["geomean"] < 1e-10

@@ -93,19 +93,19 @@ def test_oscar_transform_shared_per_layer():
     C_Q = torch.stack([_spd(d, 100, gen) for _ in range(Hkv)])
     S_V = torch.stack([_spd(d, 100, gen) for _ in range(Hkv)])
     out = oscar_transform(C_Q, S_V)
-    assert set(out) == {"T_K", "T_K_inv", "T_V", "T_V_inv"}
-    for v in out.values():
+    assert set(out.tensors()) == {"T_K", "T_K_inv", "T_V", "T_V_inv"}
+    for v in out.tensors().values():
         assert v.shape == (Hkv, d, d) and v.dtype == torch.float32
     R_K = oscar_rotation(C_Q.mean(0)).float()
     R_V = oscar_rotation(S_V.mean(0)).float()
     for h in range(Hkv):  # one rotation broadcast to every head
-        torch.testing.assert_close(out["T_K"][h], R_K.mT)
-        torch.testing.assert_close(out["T_K_inv"][h], R_K)
-        torch.testing.assert_close(out["T_V"][h], R_V.mT)
-        torch.testing.assert_close(out["T_V_inv"][h], R_V)
-    _round_trip(out["T_K"], out["T_K_inv"], Hkv, d)
-    _round_trip(out["T_V"], out["T_V_inv"], Hkv, d)
-    assert oscar_transform(C_Q, S_V, num_heads=5)["T_K"].shape == (5, d, d)
+        torch.testing.assert_close(out.T_K[h], R_K.mT)
+        torch.testing.assert_close(out.T_K_inv[h], R_K)
+        torch.testing.assert_close(out.T_V[h], R_V.mT)
+        torch.testing.assert_close(out.T_V_inv[h], R_V)
+    _round_trip(out.T_K, out.T_K_inv, Hkv, d)
+    _round_trip(out.T_V, out.T_V_inv, Hkv, d)
+    assert oscar_transform(C_Q, S_V, num_heads=5).T_K.shape == (5, d, d)
 
 
 def test_oscar_errors():

@@ -46,10 +46,10 @@ def test_unknown_name_lists_known():
 @pytest.mark.parametrize("name", sorted(TRANSFORMS))
 def test_every_transform_round_trips(name):
     out = build_transforms(name, Hkv, d, _stats(), seed=3)
-    assert set(out) == {"T_K", "T_K_inv", "T_V", "T_V_inv"} | ({"mu_K", "mu_V"} if name.endswith("-c") else set())
+    assert set(out.tensors()) == {"T_K", "T_K_inv", "T_V", "T_V_inv"} | ({"mu_K", "mu_V"} if name.endswith("-c") else set())
     x = torch.randn(Hkv, 50, d, generator=torch.Generator().manual_seed(1))
     for kind in "KV":
-        T, T_inv = out[f"T_{kind}"], out[f"T_{kind}_inv"]
+        T, T_inv = getattr(out, f"T_{kind}"), getattr(out, f"T_{kind}_inv")
         assert T.shape == T_inv.shape == (Hkv, d, d) and T.dtype == T_inv.dtype == torch.float32
         y = x @ T.mT @ T_inv.mT
         assert (y - x).norm() / x.norm() < 1e-5, (name, kind)
@@ -60,21 +60,21 @@ def test_specific_contents():
     H = hadamard_matrix(d, dtype=torch.float32)
     for name in ("hadamard", "kvarn"):
         out = build_transforms(name, Hkv, d)
-        assert torch.equal(out["T_K"][0], H) and torch.equal(out["T_V"][1], H)
+        assert torch.equal(out.T_K[0], H) and torch.equal(out.T_V[1], H)
     r = build_transforms("random", Hkv, d, seed=5)
-    assert not torch.allclose(r["T_K"], r["T_V"])  # keys seed, values seed + 1
-    torch.testing.assert_close(r["T_V"], tr.random_orthogonal_transform(Hkv, d, seed=6)[0])
+    assert not torch.allclose(r.T_K, r.T_V)  # keys seed, values seed + 1
+    torch.testing.assert_close(r.T_V, tr.random_orthogonal_transform(Hkv, d, seed=6)[0])
     w = build_transforms("wush", Hkv, d, s, damping=0.05)
-    torch.testing.assert_close(w["T_K"], tr.wush_transform(s["M_K"], s["H_K"], 0.05)[0])
-    torch.testing.assert_close(w["T_V_inv"], tr.wush_transform(s["M_V"], s["H_V"], 0.05)[1])
+    torch.testing.assert_close(w.T_K, tr.wush_transform(s["M_K"], s["H_K"], 0.05)[0])
+    torch.testing.assert_close(w.T_V_inv, tr.wush_transform(s["M_V"], s["H_V"], 0.05)[1])
     wa = build_transforms("wush-a", Hkv, d, s)
-    torch.testing.assert_close(wa["T_K"], tr.wush_transform(s["M_K"], s["H_K_A"])[0])
-    torch.testing.assert_close(wa["T_V"], tr.wush_transform(s["M_V"], s["H_V_A"])[0])
+    torch.testing.assert_close(wa.T_K, tr.wush_transform(s["M_K"], s["H_K_A"])[0])
+    torch.testing.assert_close(wa.T_V, tr.wush_transform(s["M_V"], s["H_V_A"])[0])
     ww = build_transforms("wush-w", Hkv, d, s)
-    torch.testing.assert_close(ww["T_K"], tr.wush_transform(s["M_K_W"], s["H_K"])[0])
-    torch.testing.assert_close(ww["T_V"], tr.wush_transform(s["M_V_W"], s["H_V"])[0])
+    torch.testing.assert_close(ww.T_K, tr.wush_transform(s["M_K_W"], s["H_K"])[0])
+    torch.testing.assert_close(ww.T_V, tr.wush_transform(s["M_V_W"], s["H_V"])[0])
     o = build_transforms("oscar", Hkv, d, s)
-    torch.testing.assert_close(o["T_K"], tr.oscar_transform(s["C_Q"], s["Sigma_V"])["T_K"])
+    torch.testing.assert_close(o.T_K, tr.oscar_transform(s["C_Q"], s["Sigma_V"]).T_K)
 
 
 @pytest.mark.parametrize("name", ["wush", "wush-a", "wush-w", "oscar"])
@@ -133,13 +133,13 @@ def test_centered_transforms():
     tr = build_transforms("wush-c", H, d, stats)
     Kc = K - K.mean(1, keepdim=True)
     T, T_inv = wush_transform(Kc.mT @ Kc, stats["H_K"])
-    torch.testing.assert_close(tr["T_K"], T)
-    torch.testing.assert_close(tr["mu_K"], K.mean(1).float())
+    torch.testing.assert_close(tr.T_K, T)
+    torch.testing.assert_close(tr.mu_K, K.mean(1).float())
     Vc = V - V.mean(1, keepdim=True)
-    torch.testing.assert_close(tr["T_V"], wush_transform(Vc.mT @ Vc, stats["H_V"])[0])
-    torch.testing.assert_close(tr["mu_V"], V.mean(1).float())
+    torch.testing.assert_close(tr.T_V, wush_transform(Vc.mT @ Vc, stats["H_V"])[0])
+    torch.testing.assert_close(tr.mu_V, V.mean(1).float())
     had = build_transforms("hadamard-c", H, d, stats)
-    torch.testing.assert_close(had["T_K"], build_transforms("hadamard", H, d)["T_K"])
-    assert torch.equal(had["mu_K"], K.mean(1).float())
+    torch.testing.assert_close(had.T_K, build_transforms("hadamard", H, d).T_K)
+    assert torch.equal(had.mu_K, K.mean(1).float())
     with pytest.raises(ValueError, match="mu_K"):
         build_transforms("wush-c", H, d, {k: v for k, v in stats.items() if k != "mu_K"})

@@ -21,12 +21,13 @@ from ..config import QuantConfig
 from ..folding import KeyTransform
 from ..hf import observe_sequences
 from ..models import describe
+from ..transforms import LayerTransforms
 
 
 class ReconObserver:
     """Accumulates ‖Ŷ−Y‖² per (config, transform, layer) and ‖Y‖² per layer, for several configs in one pass."""
 
-    def __init__(self, transforms: dict[str, list[dict[str, torch.Tensor]]], cfgs: list[QuantConfig], head_dim: int, num_layers: int,
+    def __init__(self, transforms: dict[str, list[LayerTransforms]], cfgs: list[QuantConfig], head_dim: int, num_layers: int,
                  sink: int = 0):
         self.transforms = transforms
         self.sink = sink
@@ -43,9 +44,9 @@ class ReconObserver:
         self.den[l] += float(Y.double().pow(2).sum())
         for name, layers in self.transforms.items():
             tr = layers[l]
-            key_tr = KeyTransform(tr["T_K"].to(q), tr["T_K_inv"].to(q), tr["mu_K"].to(q) if "mu_K" in tr else None)
-            mu_V = tr["mu_V"].to(q) if "mu_V" in tr else None
-            val_tr = KeyTransform(tr["T_V"].to(q), tr["T_V_inv"].to(q), mu_V)  # same per-head map (and centering), on values
+            key_tr = KeyTransform(tr.T_K.to(q), tr.T_K_inv.to(q), tr.mu_K.to(q) if tr.mu_K is not None else None)
+            mu_V = tr.mu_V.to(q) if tr.mu_V is not None else None
+            val_tr = KeyTransform(tr.T_V.to(q), tr.T_V_inv.to(q), mu_V)  # same per-head map (and centering), on values
             kt, vt, qt = key_tr.keys(k), val_tr.keys(v), key_tr.queries(q)
             T_V_inv = val_tr.T_inv
             for (k_codec, v_codec), num in zip(self.codecs, self.num):
@@ -74,7 +75,7 @@ class ReconObserver:
 
 
 @torch.no_grad()
-def layer_reconstruction(model, sequences: torch.Tensor, transforms: dict[str, list[dict]], cfg: QuantConfig | list[QuantConfig],
+def layer_reconstruction(model, sequences: torch.Tensor, transforms: dict[str, list[LayerTransforms]], cfg: QuantConfig | list[QuantConfig],
                          show_progress: bool = True, sink: int = 0):
     """Run the experiment over ``sequences`` (N, L); returns {transform: {"geomean", "per_layer"}}
     (a list of those, one per config, when ``cfg`` is a list). ``sink``: first positions kept in full precision."""

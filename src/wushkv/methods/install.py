@@ -16,18 +16,15 @@ from ..config import QuantConfig
 from ..folding import apply_transforms
 from ..models import describe
 from ..quantizers.feedback import feedback_matrix
-from ..transforms import TRANSFORMS, build_transforms
+from ..transforms import TRANSFORMS, LayerTransforms, build_transforms
 from ..transforms.wush import with_signs
 from .spec import FULL_PRECISION, SIGNED_TRANSFORMS, Method, MethodSpec, StockCache, parse, spec_of
 
 
-def mix_sides(keys: list[dict], values: list[dict]) -> list[dict]:
+def mix_sides(keys: list[LayerTransforms], values: list[LayerTransforms]) -> list[LayerTransforms]:
     """Per-layer transforms with the key side (T_K, its inverse, μ_K) of ``keys`` and the value side
     (T_V, its inverse, μ_V) of ``values``."""
-    def side(tr: dict, s: str) -> dict:
-        return {k: t for k, t in tr.items() if k in (f"T_{s}", f"T_{s}_inv", f"mu_{s}")}
-
-    return [side(k, "K") | side(v, "V") for k, v in zip(keys, values, strict=True)]
+    return [LayerTransforms(**k.side("K"), **v.side("V")) for k, v in zip(keys, values, strict=True)]
 
 
 def feedback_hessians(calibration, method: MethodSpec) -> list[dict]:
@@ -44,21 +41,21 @@ def feedback_hessians(calibration, method: MethodSpec) -> list[dict]:
     return out
 
 
-def with_feedback(trs: list[dict], hessians: list[dict], damping: float = 0.01, sides: str = "KV") -> list[dict]:
+def with_feedback(trs: list[LayerTransforms], hessians: list[dict], damping: float = 0.01, sides: str = "KV") -> list[LayerTransforms]:
     """Add ``F_K``/``F_V`` (for ``sides``) to per-layer transforms: the feedback matrices of the Hessians seen
     in the transformed space, T^{-T} H T⁻¹ (the cached vector is T x, its error e costs eᵀ T^{-T} H T⁻¹ e)."""
     out = []
     for tr, hs in zip(trs, hessians, strict=True):
         f = {}
         for s in sides:
-            Ti = tr[f"T_{s}_inv"].double()
+            Ti = getattr(tr, f"T_{s}_inv").double()
             Hs = Ti.mT @ hs[s].double().to(Ti.device) @ Ti
             f[f"F_{s}"] = feedback_matrix(Hs, damping)
-        out.append(tr | f)
+        out.append(tr.replace(**f))
     return out
 
 
-def with_sign_pattern(trs: list[dict], sides: tuple[str, str], pattern: int) -> list[dict]:
+def with_sign_pattern(trs: list[LayerTransforms], sides: tuple[str, str], pattern: int) -> list[LayerTransforms]:
     """Per-layer transforms with the ``pattern``-th random sign pattern on the eigenvectors of the sides
     (keys, values) whose transform is in :data:`SIGNED_TRANSFORMS` (the others unchanged). The draws go
     layer by layer, keys then values, from one generator seeded with ``pattern``, for every side alike,
@@ -66,16 +63,17 @@ def with_sign_pattern(trs: list[dict], sides: tuple[str, str], pattern: int) -> 
     gen = torch.Generator().manual_seed(int(pattern))
     out = []
     for tr in trs:
-        new = dict(tr)
+        new = {}
         for s, t in zip("KV", sides):
-            D = torch.randint(0, 2, tr[f"T_{s}"].shape[:-1], generator=gen).double() * 2 - 1
+            T, T_inv = getattr(tr, f"T_{s}"), getattr(tr, f"T_{s}_inv")
+            D = torch.randint(0, 2, T.shape[:-1], generator=gen).double() * 2 - 1
             if t in SIGNED_TRANSFORMS:
-                new[f"T_{s}"], new[f"T_{s}_inv"] = with_signs(tr[f"T_{s}"], tr[f"T_{s}_inv"], D.to(tr[f"T_{s}"].device))
-        out.append(new)
+                new[f"T_{s}"], new[f"T_{s}_inv"] = with_signs(T, T_inv, D.to(T.device))
+        out.append(tr.replace(**new))
     return out
 
 
-def _plain(model, calibration, transform: str) -> list[dict]:
+def _plain(model, calibration, transform: str) -> list[LayerTransforms]:
     """One registered transform on both sides, per layer: the calibration's, or built when it needs none."""
     if calibration is not None:
         return calibration.transforms(transform)
@@ -85,9 +83,9 @@ def _plain(model, calibration, transform: str) -> list[dict]:
     return [build_transforms(transform, spec.num_kv_heads, spec.head_dim) for _ in range(spec.num_layers)]
 
 
-def transforms_for(model, calibration, method: str | Method) -> list[dict]:
-    """Per-layer transforms of a method (``T_K``, ``T_K_inv``, ``T_V``, ``T_V_inv`` [Hkv, d, d], and as the method
-    needs: ``F_K``/``F_V`` feedback matrices, ``mu_K_rope`` the pre-RoPE key mean [Hkv, d]).
+def transforms_for(model, calibration, method: str | Method) -> list[LayerTransforms]:
+    """Per-layer transforms of a method (:class:`~wushkv.transforms.LayerTransforms`: the four matrices and, as the
+    method needs, ``F_K``/``F_V`` feedback matrices, ``mu_K_rope`` the pre-RoPE key mean [Hkv, d]).
 
     Built in this order: each side's transform (the calibration's, or built for calibration-free ones), the sign
     pattern redrawn on the WUSH sides, the feedback matrices of the transforms so obtained, the rotating mean."""
@@ -100,7 +98,7 @@ def transforms_for(model, calibration, method: str | Method) -> list[dict]:
                              "make a new one with `wushkv calibrate`, or add the mean to this file's statistics (same transforms) "
                              "with `wushkv calibration upgrade --calibration FILE --out NEW`")
         trs = transforms_for(model, calibration, replace(m, key_centering="none"))
-        return [t | {"mu_K_rope": st["mu_K_pre"].float()} for t, st in zip(trs, calibration.stats)]
+        return [t.replace(mu_K_rope=st["mu_K_pre"].float()) for t, st in zip(trs, calibration.stats)]
     if m.feedback:
         if calibration is None:
             raise ValueError(f"method {m.name!r} rounds with error feedback from calibration Hessians; it needs a calibration (--calibration PATH)")

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from .hadamard import hadamard_matrix, hadamard_transform, is_full_hadamard
 from .orthogonal import identity_transform, oscar_rotation, oscar_transform, random_orthogonal_transform
+from .per_layer import LayerTransforms
 from .registry import TRANSFORMS, TransformSpec, build_transforms, get_transform_spec
 from .wush import wush_transform
 
@@ -27,5 +28,6 @@ __all__ = [
     "TRANSFORMS",
     "build_transforms",
     "get_transform_spec",
+    "LayerTransforms",
 ]
 

@@ -10,6 +10,7 @@ import torch
 from torch import Tensor
 
 from .hadamard import _check_heads, hadamard_matrix
+from .per_layer import LayerTransforms
 from .wush import canonical_signs
 
 __all__ = [
@@ -77,7 +78,7 @@ def oscar_rotation(Sigma: Tensor) -> Tensor:
     return U @ H
 
 
-def oscar_transform(C_Q: Tensor, Sigma_V: Tensor, num_heads: int | None = None) -> dict[str, Tensor]:
+def oscar_transform(C_Q: Tensor, Sigma_V: Tensor, num_heads: int | None = None) -> LayerTransforms:
     """OSCAR key/value transforms, one rotation per layer shared by its KV heads (docs/reference/math.md#6-the-oscar-transform).
 
     Args:
@@ -87,7 +88,7 @@ def oscar_transform(C_Q: Tensor, Sigma_V: Tensor, num_heads: int | None = None) 
         num_heads: number of KV heads to broadcast to; default C_Q.shape[0] (1 for [d, d] input).
 
     Returns:
-        {"T_K", "T_K_inv", "T_V", "T_V_inv"}, float32 [num_heads, d, d] with T = Rᵀ, T_inv = R,
+        LayerTransforms (T_K, T_K_inv, T_V, T_V_inv), float32 [num_heads, d, d] with T = Rᵀ, T_inv = R,
         R_K = oscar_rotation(mean_h C_Q(h)), R_V = oscar_rotation(mean_h Sigma_V(h)).
     """
     C_Q = _check_square_stats("C_Q", C_Q)
@@ -111,4 +112,4 @@ def oscar_transform(C_Q: Tensor, Sigma_V: Tensor, num_heads: int | None = None) 
     def heads(A: Tensor) -> Tensor:
         return A.to(torch.float32).expand(num_heads, d, d).contiguous()
 
-    return {"T_K": heads(R_K.mT), "T_K_inv": heads(R_K), "T_V": heads(R_V.mT), "T_V_inv": heads(R_V)}
+    return LayerTransforms(heads(R_K.mT), heads(R_K), heads(R_V.mT), heads(R_V))

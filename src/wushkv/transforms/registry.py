@@ -15,6 +15,7 @@ from torch import Tensor
 
 from .hadamard import _check_heads, hadamard_transform
 from .orthogonal import identity_transform, oscar_transform, random_orthogonal_transform
+from .per_layer import LayerTransforms
 from .wush import wush_transform
 
 __all__ = ["TransformSpec", "TRANSFORMS", "build_transforms", "get_transform_spec"]
@@ -130,7 +131,7 @@ def build_transforms(
     seed: int = 0,
     damping: float = 0.01,
     damping_M: float | None = None,
-) -> dict[str, Tensor]:
+) -> LayerTransforms:
     """Build the key and value transforms of one layer.
 
     Args:
@@ -141,8 +142,8 @@ def build_transforms(
         damping, damping_M: WUSH damping (see :func:`wush_transform`).
 
     Returns:
-        {"T_K", "T_K_inv", "T_V", "T_V_inv"}: float32 [num_kv_heads, head_dim, head_dim]; centered
-        transforms (``*-c``) add ``mu_K`` and ``mu_V`` [num_kv_heads, head_dim], subtracted from keys and
+        :class:`LayerTransforms` with ``T_K``, ``T_K_inv``, ``T_V``, ``T_V_inv`` float32 [num_kv_heads, head_dim, head_dim];
+        centered transforms (``*-c``) add ``mu_K`` and ``mu_V`` [num_kv_heads, head_dim], subtracted from keys and
         values before ``T_K`` and ``T_V``.
     """
     spec = get_transform_spec(name)
@@ -160,8 +161,8 @@ def build_transforms(
     elif spec.name == "hadamard-c":
         T_K, T_K_inv = hadamard_transform(Hkv, d)
         T_V, T_V_inv = hadamard_transform(Hkv, d)
-        return {"T_K": T_K, "T_K_inv": T_K_inv, "T_V": T_V, "T_V_inv": T_V_inv, "mu_K": _get_mean(stats, spec.name, Hkv, d).float(),
-                "mu_V": _get_mean(stats, spec.name, Hkv, d, "mu_V").float()}
+        return LayerTransforms(T_K, T_K_inv, T_V, T_V_inv, mu_K=_get_mean(stats, spec.name, Hkv, d).float(),
+                               mu_V=_get_mean(stats, spec.name, Hkv, d, "mu_V").float())
     elif spec.name == "wush-c":
         kM, kH, vM, vH = (_get_stat(stats, k, spec.name, Hkv, d) for k in spec.stats_keys[:4])
         mu = _get_mean(stats, spec.name, Hkv, d).double()
@@ -172,7 +173,7 @@ def build_transforms(
         outer = lambda m: n * m[..., :, None] * m[..., None, :]  # noqa: E731
         T_K, T_K_inv = wush_transform(kM.double() - outer(mu), kH, damping, damping_M=damping_M)  # Σ (k − μ)(k − μ)ᵀ
         T_V, T_V_inv = wush_transform(vM.double() - outer(mu_v), vH, damping, damping_M=damping_M)
-        return {"T_K": T_K, "T_K_inv": T_K_inv, "T_V": T_V, "T_V_inv": T_V_inv, "mu_K": mu.float(), "mu_V": mu_v.float()}
+        return LayerTransforms(T_K, T_K_inv, T_V, T_V_inv, mu_K=mu.float(), mu_V=mu_v.float())
     elif spec.name in ("wush", "wush-a", "wush-w"):
         kM, kH, vM, vH = (_get_stat(stats, k, spec.name, Hkv, d) for k in spec.stats_keys)
         T_K, T_K_inv = wush_transform(kM, kH, damping, damping_M=damping_M)
@@ -182,4 +183,4 @@ def build_transforms(
         return oscar_transform(C_Q, Sigma_V, num_heads=Hkv)
     else:  # pragma: no cover - every registry entry is handled above
         raise AssertionError(spec.name)
-    return {"T_K": T_K, "T_K_inv": T_K_inv, "T_V": T_V, "T_V_inv": T_V_inv}
+    return LayerTransforms(T_K, T_K_inv, T_V, T_V_inv)
