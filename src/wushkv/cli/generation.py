@@ -161,7 +161,7 @@ def register(sub) -> None:
     p = sub.add_parser("agree", help="long-generation agreement with full precision: KL and top-1 per position, first divergence")
     add_model_args(p)
     p.add_argument("--transforms", default=AGREE_METHODS,
-                   help="comma-separated transforms, stock-<quanto|hqq>-<2|4> for the stock QuantizedCache, and 'auto': what "
+                   help="comma-separated methods (docs/reference/methods.md), stock-<quanto|hqq>-<2|4> for the stock QuantizedCache, and 'auto': what "
                         "`generate` runs by default, the WUSH variant chosen for the model, quantizer and width, at its own "
                         "settings (e.g. its tile clip); with --report-only and no --transforms, every method the file holds "
                         "(default: %(default)s)")

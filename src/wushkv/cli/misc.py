@@ -97,12 +97,11 @@ def cmd_lm_eval(args) -> int:
 
 
 def transforms_help() -> str:
-    """The method grammar in one line, for the ``--transform`` of ``ppl`` and ``lm-eval``."""
-    from ..transforms import TRANSFORMS
+    """The method grammar in one line, for the ``--transform`` of ``ppl`` and ``lm-eval``: generated where the grammar is
+    defined (:func:`wushkv.methods.spec.grammar_help`), so it cannot drift."""
+    from ..methods.spec import grammar_help
 
-    return ", ".join(TRANSFORMS) + (" (each optionally with +tiles: KVarN's tile quantizer, +ktiles: keys in KVarN's tiles and values "
-                                    "per token, and/or +ldlq: error-feedback rounding from the calibration's Hessians; KEYS:VALUES "
-                                    "mixes two: wush:hadamard)")
+    return grammar_help()
 
 
 def register(sub) -> None:
