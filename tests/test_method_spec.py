@@ -130,3 +130,19 @@ def test_spellings_of_one_method_run_identically(tiny_cal):
     assert len(set(ppl.values())) == 1, ppl
     plain = quantized_perplexity(model, chunks, cal, "wush", base, show_progress=False)["ppl"]
     assert plain != next(iter(ppl.values()))  # the suffixes do change the run
+
+
+def test_names_in_the_docs():
+    """docs/reference/methods.md's hand-written table: every name the docs use keeps the spec it is documented as, and
+    is canonical (so results filed under it are found again)."""
+    import re
+    from pathlib import Path
+
+    text = (Path(__file__).resolve().parents[1] / "docs" / "reference" / "methods.md").read_text(encoding="utf-8")
+    table = text[text.index("## Names in the docs"):]
+    rows = re.findall(r"^\| `([^`]+)` \| (\S+) \| (\S+) \| (\S+) \| (\S+) \| (\S+) \| (\S+) \| (\S+) \|$", table, flags=re.M)
+    assert len(rows) >= 30
+    for name, k, v, kl, vl, fb, cen, signs in rows:
+        want = MethodSpec(k, v, key_layout=kl, value_layout=vl, feedback="" if fb == "-" else fb, key_centering=cen,
+                          signs=None if signs == "-" else int(signs))
+        assert parse(name) == want and canonical_name(want) == name, name
