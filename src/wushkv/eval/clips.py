@@ -271,31 +271,4 @@ def tune_clips(model, chunks: torch.Tensor, calibration, methods: Sequence[str],
     return ClipTable(data)
 
 
-def clip_table_rows(table: ClipTable, methods: Sequence[str], bits: Sequence[int]) -> tuple[list[str], list[list]]:
-    """Per (method, width): the chosen multipliers and the held-out perplexity at α_b and at the choice."""
-    headers = ["method", "bits", "α_K ×", "α_V ×", "PPL at α_b", "Δ% at α_b", "PPL chosen", "Δ% chosen", "evaluations"]
-    rows = []
-    for m in methods:
-        for b in bits:
-            e = table.clips.get(m, {}).get(str(b))
-            if e is None:
-                continue
-            n = len(table.data["trials"].get(m, {}).get(str(b), []))
-            rows.append([m, b, e["k_alpha"], e["v_alpha"], round(e["ppl_alpha_b"], 3), round(e["delta_pct_alpha_b"], 2),
-                         round(e["ppl"], 3), round(e["delta_pct"], 2), n])
-    return headers, rows
-
-
-def key_curves(table: ClipTable, methods: Sequence[str], bits: Sequence[int]) -> tuple[list[float], dict[str, list[float]]]:
-    """(grid, {"method b-bit": Δ% per key multiplier, values at α_b}) for a plot; NaN where not evaluated."""
-    grid = table.data["settings"]["grid"]
-    series = {}
-    for b in bits:
-        for m in methods:
-            trials = {t["k_alpha"]: t["delta_pct"] for t in table.data["trials"].get(m, {}).get(str(b), []) if t["v_alpha"] == 1.0}
-            if trials:
-                series[f"{m} {b}-bit"] = [trials.get(a, float("nan")) for a in grid]
-    return grid, series
-
-
-__all__ = ["CLIP_GRID", "ClipTable", "check_tunable", "clip_table_rows", "key_curves", "line_search", "tune_clips"]
+__all__ = ["CLIP_GRID", "ClipTable", "check_tunable", "line_search", "tune_clips"]

@@ -153,16 +153,6 @@ def run_compare(model, tokenizer, chunks: torch.Tensor, calibration: Calibration
     return out
 
 
-def compare_table(out: dict, transforms: list[str], bits: list[int]) -> tuple[list[str], list[list]]:
-    headers = ["transform"] + [f"{b}-bit PPL" for b in bits] + [f"{b}-bit Δ%" for b in bits]
-    rows = []
-    for t in transforms:
-        r = out["results"].get(t, {})
-        rows.append([t] + [r.get(str(b), {}).get("ppl", float("nan")) for b in bits]
-                    + [round(r.get(str(b), {}).get("delta_pct", float("nan")), 2) for b in bits])
-    return headers, rows
-
-
 def _ranked(out: dict, transforms: list[str], b: int) -> list[str]:
     """The transforms with a result at width ``b``, lowest perplexity first."""
     return [t for _, t in sorted((out["results"][t][str(b)]["ppl"], t) for t in transforms if str(b) in out["results"].get(t, {}))]

@@ -12,6 +12,46 @@ from pathlib import Path
 
 from ..config import QuantConfig, WindowConfig
 from ..report import format_table, markdown_table, plot_heatmaps, plot_lines
+from .clips import ClipTable
+
+
+# -- tables: (headers, rows) of each evaluation's result ------------------------------------------------------
+def compare_table(out: dict, transforms: Sequence[str], bits: Sequence[int]) -> tuple[list[str], list[list]]:
+    """(headers, rows) of the comparison: per transform, perplexity and % over full precision at each width."""
+    headers = ["transform"] + [f"{b}-bit PPL" for b in bits] + [f"{b}-bit Δ%" for b in bits]
+    rows = []
+    for t in transforms:
+        r = out["results"].get(t, {})
+        rows.append([t] + [r.get(str(b), {}).get("ppl", float("nan")) for b in bits]
+                    + [round(r.get(str(b), {}).get("delta_pct", float("nan")), 2) for b in bits])
+    return headers, rows
+
+
+def clip_table_rows(table: ClipTable, methods: Sequence[str], bits: Sequence[int]) -> tuple[list[str], list[list]]:
+    """Per (method, width): the chosen multipliers and the held-out perplexity at α_b and at the choice."""
+    headers = ["method", "bits", "α_K ×", "α_V ×", "PPL at α_b", "Δ% at α_b", "PPL chosen", "Δ% chosen", "evaluations"]
+    rows = []
+    for m in methods:
+        for b in bits:
+            e = table.clips.get(m, {}).get(str(b))
+            if e is None:
+                continue
+            n = len(table.data["trials"].get(m, {}).get(str(b), []))
+            rows.append([m, b, e["k_alpha"], e["v_alpha"], round(e["ppl_alpha_b"], 3), round(e["delta_pct_alpha_b"], 2),
+                         round(e["ppl"], 3), round(e["delta_pct"], 2), n])
+    return headers, rows
+
+
+def key_curves(table: ClipTable, methods: Sequence[str], bits: Sequence[int]) -> tuple[list[float], dict[str, list[float]]]:
+    """(grid, {"method b-bit": Δ% per key multiplier, values at α_b}) for a plot; NaN where not evaluated."""
+    grid = table.data["settings"]["grid"]
+    series = {}
+    for b in bits:
+        for m in methods:
+            trials = {t["k_alpha"]: t["delta_pct"] for t in table.data["trials"].get(m, {}).get(str(b), []) if t["v_alpha"] == 1.0}
+            if trials:
+                series[f"{m} {b}-bit"] = [trials.get(a, float("nan")) for a in grid]
+    return grid, series
 
 
 # -- labels ---------------------------------------------------------------------------------------
@@ -81,7 +121,7 @@ def compare_report(out: dict, transforms: Sequence[str], bits: Sequence[int], mo
     from ..methods.auto import describe_resolved
     from ..methods.spec import AUTO_NAME as AUTO
     from ..methods.spec import KVARN_TILE, key_tile_windows, parse
-    from .compare import best_per_bits, compare_table
+    from .compare import best_per_bits
 
     headers, rows = compare_table(out, transforms, bits)
     w = windows
@@ -112,8 +152,6 @@ def compare_report(out: dict, transforms: Sequence[str], bits: Sequence[int], mo
 
 def compare_markdown(out: dict, transforms: Sequence[str], bits: Sequence[int]) -> str:
     """The comparison table and its margins as Markdown."""
-    from .compare import compare_table
-
     headers, rows = compare_table(out, transforms, bits)
     return (f"full precision PPL {out['fp']['ppl']:.3f}\n\n" + markdown_table(headers, rows) + "\n\n"
             + "".join(f"* {x}\n" for x in margin_lines(out, transforms, bits)))
@@ -130,8 +168,6 @@ def plot_compare(out: dict, transforms: Sequence[str], bits: Sequence[int], path
 # -- tune-clip ------------------------------------------------------------------------------------
 def clip_report(table, transforms: Sequence[str], bits: Sequence[int], model: str, text: str, path) -> str:
     """The chosen clips (:class:`~wushkv.eval.clips.ClipTable`) with what they were chosen on, and where they went."""
-    from .clips import clip_table_rows
-
     headers, rows = clip_table_rows(table, transforms, bits)
     s = table.data["settings"]
     w = QuantConfig.from_dict(s["base"]).windows
@@ -141,7 +177,6 @@ def clip_report(table, transforms: Sequence[str], bits: Sequence[int], model: st
 
 
 def plot_clip_curves(table, transforms: Sequence[str], bits: Sequence[int], path, model: str, text: str):
-    from .clips import key_curves
 
     grid, series = key_curves(table, transforms, bits)
     return plot_lines(grid, series, path, "QuEST key clip multiplier on α_b (values at α_b)", "held-out perplexity increase (%)",
