@@ -43,3 +43,17 @@ def test_resumable_round_trip(tmp_path, capsys):
     assert state == {"rows": [1]} and "resuming from" in capsys.readouterr().err
     with pytest.raises(ValueError, match=r"other settings \(differing: model\)"):
         resumable(str(path), {"model": "n", "window": (1, 2)})
+
+
+def test_settings_key_is_order_free_and_stable():
+    """The file names of sweep jobs and cached calibrations: key order does not matter, any change of a value does,
+    and the formula is the one earlier versions named their files with (so old results are found again)."""
+    import hashlib
+    import json
+
+    from wushkv.runs import settings_key
+
+    a, b = {"job": {"bits": 2, "model": "m"}, "eval": [1, 2]}, {"eval": [1, 2], "job": {"model": "m", "bits": 2}}
+    assert settings_key(a) == settings_key(b) and len(settings_key(a)) == 16
+    assert settings_key(a) != settings_key({**a, "eval": [1, 3]})
+    assert settings_key(a) == hashlib.sha256(json.dumps(a, sort_keys=True).encode()).hexdigest()[:16]

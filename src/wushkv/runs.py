@@ -9,6 +9,7 @@ hash of every setting it depends on, so other settings make another file.)
 
 from __future__ import annotations
 
+import hashlib
 import json
 import sys
 from collections.abc import Callable, Sequence
@@ -21,6 +22,13 @@ from .io import write_json
 def as_json(obj):
     """``obj`` as it reads back from JSON (tuples become lists, keys strings): what a resumed run compares."""
     return json.loads(json.dumps(obj))
+
+
+def settings_key(settings) -> str:
+    """A short stable name for JSON-shaped settings (16 hex digits of the SHA-256 of their sorted JSON): the file
+    name of a result that depends on exactly these settings (a sweep's jobs, cached calibrations), so results of other
+    settings never collide and need no reconciling."""
+    return hashlib.sha256(json.dumps(settings, sort_keys=True).encode()).hexdigest()[:16]
 
 
 def differing(old: dict, new: dict) -> list[str]:

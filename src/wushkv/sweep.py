@@ -27,7 +27,6 @@ A sweep is described by a TOML file (see ``docs/reference/integrations.md``)::
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 import tempfile
@@ -39,6 +38,7 @@ from pathlib import Path
 from .config import PER_TOKEN_QUANTIZERS
 from .methods.spec import MethodSpec, canonical_name, grammar_help, method_config, parse
 from .io import atomic_write, write_json
+from .runs import settings_key
 
 __all__ = ["Job", "SweepConfig", "run_sweep", "collect"]
 
@@ -224,11 +224,10 @@ class SweepConfig:
     def job_id(self, job: Job) -> str:
         key = {"job": asdict(job), "eval": self.eval, "resources": self.resources,
                "calibration": self.calibration if job.transform != FULL_PRECISION else None}
-        return hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:16]
+        return settings_key(key)
 
     def calibration_key(self, model: str) -> str:
-        key = {"model": model, "calibration": self.calibration, "dtype": self.eval["dtype"]}
-        return hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:16]
+        return settings_key({"model": model, "calibration": self.calibration, "dtype": self.eval["dtype"]})
 
     def settings(self) -> dict:
         return {"eval": self.eval, "calibration": self.calibration, "resources": self.resources}

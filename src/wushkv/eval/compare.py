@@ -18,6 +18,7 @@ from ..methods.auto import resolve_auto
 from ..methods.install import transforms_for
 from ..methods.spec import AUTO_NAME, MethodSpec, canonical_name, method_config, spec_of
 from ..models import fingerprint
+from ..runs import settings_key
 from .perplexity import perplexity
 
 MIN_CHUNKS_FOR_INTERVAL = 4  # a bootstrap over fewer chunks says nothing
@@ -31,8 +32,8 @@ def cached_calibration(model, tokenizer, samples: int, seq_len: int, damping: fl
                        text_file: str | None = None, show_progress: bool = True, log=print) -> Calibration:
     """Calibrate once per (model fingerprint, settings); later calls load the file."""
     fp = fingerprint(model)
-    key = json.dumps([fp, samples, seq_len, damping, wush_a, text_file], sort_keys=True)
-    path = cache_dir() / "calibrations" / f"{fp['family']}-{hashlib.sha256(key.encode()).hexdigest()[:16]}.safetensors"
+    key = settings_key([fp, samples, seq_len, damping, wush_a, text_file])
+    path = cache_dir() / "calibrations" / f"{fp['family']}-{key}.safetensors"
     if path.is_file():
         log(f"using cached calibration {path}")
         return Calibration.load(path, model)
