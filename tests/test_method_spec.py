@@ -73,7 +73,8 @@ def test_canonical_order_and_known_names():
     ("wush:", "unknown method"), ("+ldlq", "unknown method"), ("kvarn:wush", "cannot be one side"),
     ("wush+ldlq-k+ldlq-v", "use one of"), ("wush+tiles+ktiles", "cannot be combined"), ("kvarn+ktiles", "cannot be combined"),
     ("wush+tiles+ldlq", "tile values have no feedback"), ("hadamard+signs1", "has none"), ("wush+signs0", "numbered from 1"),
-    ("wush+rmean+rmean", "given twice"), ("stock-hqq-3", "stock-<backend>-<bits>"), ("stock-foo-2", "stock-<backend>-<bits>"),
+    ("wush+rmean+rmean", "given twice"), ("wush+", "unknown method"), ("wush-c+rmean", "exclusive"),
+    ("hadamard-c:wush+rmean", "exclusive"), ("stock-hqq-3", "stock-<backend>-<bits>"), ("stock-foo-2", "stock-<backend>-<bits>"),
 ])
 def test_refused_names_say_why(bad, match):
     with pytest.raises(ValueError, match=match):

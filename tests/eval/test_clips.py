@@ -136,6 +136,14 @@ def test_apply_takes_each_sides_width_and_leaves_other_quantizers():
     assert t.apply("wush", aff) == aff
 
 
+def test_a_table_entry_is_found_under_any_spelling_of_its_method():
+    """compare looks methods up by their canonical name; a table written before names were canonical holds them as
+    typed: the entry is found under either spelling, and not under another method's."""
+    t = ClipTable({"clips": {"wush+ldlq+rmean": {"2": {"k_alpha": 1.3, "v_alpha": 1.15}}, "bogus+name": {"2": {}}}})
+    assert t.alphas("wush+rmean+ldlq", 2) == t.alphas("wush+ldlq+rmean", 2) == (1.3, 1.15)
+    assert t.covers("wush+rmean+ldlq", 2) and not t.covers("wush+ldlq", 2) and not t.covers("wush+rmean+ldlq", 3)
+
+
 @torch.no_grad()
 def test_compare_runs_each_method_at_its_own_clips(tmp_path):
     """run_compare with a table gives each method exactly the perplexity of a run at its table clips."""

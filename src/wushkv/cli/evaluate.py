@@ -135,8 +135,11 @@ def cmd_tune_clip(args) -> int:
     from ..eval.prepare import check_heldout_calibration, check_transforms
     from ..eval.report import clip_report, plot_clip_curves
 
+    from ..methods.spec import canonical_name
+
     transforms = names(args.transforms)
     check_transforms(transforms)
+    transforms = [canonical_name(t) for t in transforms]  # the table is keyed by the canonical name, as compare looks it up
     base = quant_config(args, k_bits=2, v_bits=2)
     sides = names(args.sides)
     check_tunable(transforms, base, sides)

@@ -81,12 +81,13 @@ def allocation_configs(base: QuantConfig, alloc: list[tuple[int, int]]) -> list[
 
 @torch.no_grad()
 def layer_sensitivity(model, chunks: torch.Tensor, base: QuantConfig, widths=(2, 3), show_progress: bool = True,
-                      done: dict | None = None, on_result=None) -> dict:
+                      done: dict | None = None, on_result=None, inputs=None) -> dict:
     """``{"fp_nll", "key": {b: [ΔNLL per layer]}, "value": {...}}`` on ``chunks`` (calibration text).
 
-    Install the transform first (:func:`wushkv.folding.apply_transforms`). ``done`` holds results of an
-    earlier, interrupted call (same layout), which are kept; ``on_result(partial)`` is called after each
-    measurement (for resumable runs).
+    Install the transform first (:func:`wushkv.folding.apply_transforms`) and pass its handle's ``cache_inputs`` as
+    ``inputs`` when the method rounds with error feedback or centers keys on their rotating mean. ``done`` holds
+    results of an earlier, interrupted call (same layout), which are kept; ``on_result(partial)`` is called after
+    each measurement (for resumable runs).
     """
     L = describe(model).num_layers
     out = {"fp_nll": None, "key": {}, "value": {}} if done is None else dict(done)
@@ -94,13 +95,13 @@ def layer_sensitivity(model, chunks: torch.Tensor, base: QuantConfig, widths=(2,
         out[side] = {int(b): list(v) for b, v in out.get(side, {}).items()}
     fp_cfg = replace(base, k_bits=None, v_bits=None)
     if out["fp_nll"] is None:
-        out["fp_nll"] = perplexity(model, chunks, cache_factory=lambda: WushKVCache(model, [fp_cfg] * L), show_progress=False)["nll"]
+        out["fp_nll"] = perplexity(model, chunks, cache_factory=lambda: WushKVCache(model, [fp_cfg] * L, inputs=inputs), show_progress=False)["nll"]
     todo = [(side, b, layer) for side in SIDES for b in widths for layer in range(L)
             if len(out[side].get(b, [])) <= layer]
     for side, b, layer in progress(todo, desc="sensitivity", enabled=show_progress, unit="eval"):
         cfgs = [fp_cfg] * L
         cfgs[layer] = replace(base, k_bits=b if side == "key" else None, v_bits=b if side == "value" else None)
-        nll = perplexity(model, chunks, cache_factory=lambda: WushKVCache(model, cfgs), show_progress=False)["nll"]
+        nll = perplexity(model, chunks, cache_factory=lambda: WushKVCache(model, cfgs, inputs=inputs), show_progress=False)["nll"]
         out[side].setdefault(b, []).append(nll - out["fp_nll"])
         if on_result is not None:
             on_result(out)

@@ -26,6 +26,7 @@ from pathlib import Path
 import torch
 
 from ..config import CLIP_GRID, QuantConfig
+from ..methods.spec import canonical_name
 
 FORMAT = "wushkv-clips"
 FORMAT_VERSION = 1
@@ -91,9 +92,21 @@ class ClipTable:
     def clips(self) -> dict[str, dict[str, dict]]:
         return self.data["clips"]
 
+    def entries(self, method: str) -> dict[str, dict]:
+        """The table's entries for ``method`` under any spelling of it (tables written before names were canonical
+        hold the name as it was typed)."""
+        want = canonical_name(method)
+        for name, by_bits in self.clips.items():
+            try:
+                if canonical_name(name) == want:
+                    return by_bits
+            except ValueError:  # a name this version does not know: it cannot be the method asked for
+                continue
+        return {}
+
     def alphas(self, method: str, bits: int) -> tuple[float, float] | None:
         """(k_alpha, v_alpha) chosen for ``method`` at ``bits`` (K = V = bits), None if the table has none."""
-        e = self.clips.get(method, {}).get(str(bits))
+        e = self.entries(method).get(str(bits))
         return None if e is None else (e["k_alpha"], e["v_alpha"])
 
     def apply(self, method: str, cfg: QuantConfig) -> QuantConfig:

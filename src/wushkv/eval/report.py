@@ -33,7 +33,7 @@ def clip_table_rows(table: ClipTable, methods: Sequence[str], bits: Sequence[int
     rows = []
     for m in methods:
         for b in bits:
-            e = table.clips.get(m, {}).get(str(b))
+            e = table.entries(m).get(str(b))
             if e is None:
                 continue
             n = len(table.data["trials"].get(m, {}).get(str(b), []))

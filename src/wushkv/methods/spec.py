@@ -40,6 +40,7 @@ SIDES_SEP = ":"
 KVARN = "kvarn"  # the transform KVarN ships with its tiles: never one side of KEYS:VALUES, always with tiles
 KVARN_TILE = 128  # tokens per KVarN tile
 SIGNED_TRANSFORMS = ("wush", "wush-a", "wush-c", "wush-w")  # T = c·𝓗·Λ^{-1/4}·Uᵀ·Lᵀ: each eigenvector's sign is free
+CENTERED_TRANSFORMS = ("wush-c", "hadamard-c")  # keys shifted by a constant mean μ_K before the transform
 LAYOUTS = ("token", "tiles")  # how one side is quantized: per token (the configured quantizer) or in KVarN's tiles
 CENTERINGS = ("none", "rope-mean")
 FEEDBACK_SIDES = ("", "K", "V", "KV")
@@ -72,7 +73,8 @@ class MethodSpec:
     * ``key_centering``: ``"none"`` or ``"rope-mean"`` (the cache quantizes T (k_t − R_t μ) and adds T R_t μ back);
     * ``signs``: N of the WUSH sign pattern drawn on the WUSH-family sides, or None.
 
-    Frozen and hashable; two specs are equal exactly when they run the same method.
+    Frozen and hashable; two specs are equal exactly when they describe the same method (``kvarn`` and
+    ``hadamard+tiles`` build the same matrices but stay two methods, as KVarN ships and as our Hadamard under its tiles).
     """
 
     key_transform: str
@@ -100,6 +102,9 @@ class MethodSpec:
             if (self.key_layout, self.value_layout) != ("tiles", "tiles"):
                 raise ValueError(f"{KVARN} quantizes both sides in its tiles; it has no per-token layout "
                                  f"(got keys {self.key_layout!r}, values {self.value_layout!r})")
+        if self.key_centering == "rope-mean" and self.key_transform in CENTERED_TRANSFORMS:
+            raise ValueError(f"+rmean centers keys on their rotating mean; {self.key_transform} already centers them on a "
+                             "constant mean (mu_K), and the two are exclusive")
         if self.value_layout == "tiles" and self.key_layout != "tiles":
             raise ValueError("values in KVarN's tiles need keys in tiles too ('+tiles'); '+ktiles' puts the keys alone in tiles")
         if "V" in self.feedback and self.value_layout == "tiles":
@@ -241,8 +246,8 @@ def parse(name: str | Method) -> Method:
         if len(parts) != 3 or parts[1] not in STOCK_BACKENDS or parts[2] not in ("2", "4"):
             raise ValueError(f"stock cache {name!r}: expected stock-<backend>-<bits> with backend in {list(STOCK_BACKENDS)} and bits 2 or 4")
         return StockCache(parts[1], int(parts[2]))
-    base, _, rest = name.partition("+")
-    rest = "+" + rest if rest else ""
+    base, plus, rest = name.partition("+")
+    rest = plus + rest  # "" without suffixes; "+" alone (a dangling "wush+") matches no suffix below
     tokens = _TOKEN.findall(rest)
     if "".join("+" + t for t in tokens) != rest:
         raise _unknown(name)
