@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
 
@@ -122,3 +124,16 @@ def tiny_cal(tmp_path):
         return calibrate(model, CharTokenizer(), samples=3, seq_len=64, text_file=str(p), show_progress=False)
 
     return make
+
+
+def require_kernels():
+    """The fused CPU kernels, for a test of them: a skip only on a machine that cannot build them (no compiler or
+    ninja, or WUSHKV_NO_EXT set); where a toolchain is present a failed build fails the test, with the build's error."""
+    from wushkv import _ext
+
+    ext = _ext.kernels()
+    if ext is not None:
+        return ext
+    if _ext.can_build():
+        pytest.fail(f"the fused CPU kernels failed to build although a toolchain is present {_ext.toolchain()}: {_ext.BUILD_ERROR}")
+    pytest.skip(f"the fused CPU kernels cannot be built here (toolchain {_ext.toolchain()}, WUSHKV_NO_EXT={os.environ.get('WUSHKV_NO_EXT')!r})")

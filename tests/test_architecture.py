@@ -330,3 +330,15 @@ def test_no_monkeypatching_of_wushkv(path):
     assert not found, (f"{path} assigns to attributes of wushkv modules or classes from outside them: "
                        + "; ".join(f"line {n}: {what}" for n, what in found)
                        + " (give the module a proper extension point or argument instead)")
+
+
+def test_deprecations_raised_from_wushkv_fail_the_suite():
+    """pyproject's filterwarnings turns a DeprecationWarning / FutureWarning attributed to a wushkv module into an
+    error (a keyword a host library is retiring shows up as a failing test, not a line in the log); others stay warnings."""
+    import warnings
+
+    for category in (DeprecationWarning, FutureWarning):
+        with pytest.raises(category):
+            warnings.warn_explicit("a retiring keyword", category, "cache.py", 1, module="wushkv.cache")
+    with pytest.warns(DeprecationWarning):
+        warnings.warn_explicit("not ours", DeprecationWarning, "x.py", 1, module="somebody_else")

@@ -124,6 +124,36 @@ def test_wrong_model_corrupted_and_missing(tmp_path, text_file):
         Calibration.load(other)
 
 
+@pytest.mark.parametrize("name, value, match", [
+    ("stats.1.H_V", float("nan"), r"statistic H_V of layer 1 contains NaN or inf"),
+    ("stats.0.M_K", float("inf"), r"statistic M_K of layer 0 contains NaN or inf"),
+    ("stats.0.M_K", None, r"lacks statistic M_K of layer 0"),
+    ("transforms.wush.0.T_K", None, r"incomplete stored transforms: .*missing \['T_K'\]"),
+])
+def test_a_file_with_bad_statistics_is_refused_at_load(tmp_path, text_file, name, value, match):
+    """A calibration file whose statistics hold NaN/inf, or that lacks one, is refused when it is read, naming the
+    file, the statistic and the layer; a stored transform with a missing matrix likewise (nothing is solved from it)."""
+    from safetensors import safe_open
+    from safetensors.torch import save_file
+
+    model = tiny_model("llama")
+    cal = calibrate(model, CharTokenizer(), samples=1, seq_len=32, text_file=text_file, show_progress=False)
+    cal.transforms("wush")
+    path = cal.save(tmp_path / "c.safetensors")
+    with safe_open(str(path), framework="pt") as f:
+        header, tensors = f.metadata(), {k: f.get_tensor(k) for k in f.keys()}
+    assert name in tensors
+    if value is None:
+        del tensors[name]
+    else:
+        tensors[name] = tensors[name].clone()
+        tensors[name].view(-1)[3] = value
+    save_file(tensors, str(path), metadata=header)
+    with pytest.raises(CalibrationError, match=match) as e:
+        Calibration.load(path)
+    assert str(path) in str(e.value)
+
+
 def test_version_mismatch(tmp_path, text_file):
     from safetensors import safe_open
     from safetensors.torch import save_file

@@ -11,6 +11,8 @@ from wushkv.config import QuantConfig, WindowConfig
 from wushkv.decode import codes_as_float, decode_attention, dequantize_then_attend
 from wushkv.quantizers import pack, unpack
 
+from conftest import require_kernels
+
 
 @pytest.mark.parametrize("bits", [1, 2, 3, 4, 8])
 def test_codes_as_float_equals_unpack(bits):
@@ -48,10 +50,7 @@ CASES = {
 def path(request):
     """Both implementations of the code-domain products: the fused CPU kernels and pure PyTorch."""
     if request.param == "kernels":
-        from wushkv._ext import kernels
-
-        if kernels() is None:
-            pytest.skip("the fused CPU kernels could not be built here (no compiler or ninja)")
+        require_kernels()
         yield request.param
     else:
         with decode.kernels_enabled(False):
@@ -74,11 +73,7 @@ def test_packed_decode_equals_dequantize_then_sdpa(name, softcap, path):
 @pytest.mark.parametrize("d", [64, 40])
 def test_fused_kernels_equal_float_codes(bits, d):
     """code_dot / code_weighted_sum on a strided view of a larger buffer (as the cache stores codes)."""
-    from wushkv._ext import kernels
-
-    ext = kernels()
-    if ext is None:
-        pytest.skip("the fused CPU kernels could not be built here (no compiler or ninja)")
+    ext = require_kernels()
     g = torch.Generator().manual_seed(bits * d)
     c = torch.randint(0, 2**bits, (2, 3, 1500, d), generator=g, dtype=torch.uint8)
     packed = pack(c, bits)
@@ -151,3 +146,18 @@ def test_build_runs_under_the_lock_in_the_folder_torch_builds_in(tmp_path, monke
     with pytest.warns(UserWarning, match="stale build lock"):
         assert ext._build() == "module"
     assert seen == {"dir": bd, "baton_left": False} and bd.is_relative_to(tmp_path)
+
+
+def test_a_failed_build_is_a_failure_where_a_toolchain_is_present(monkeypatch):
+    """The kernel tests skip only where no build is possible; the toolchain probe sees this machine's compiler
+    and ninja, and WUSHKV_NO_EXT turns the build off."""
+    import os
+
+    from wushkv import _ext
+
+    tools = _ext.toolchain()
+    assert set(tools) == {"compiler", "ninja"}
+    if os.environ.get("WUSHKV_NO_EXT", "") in ("", "0") and all(tools.values()):
+        assert _ext.can_build() and require_kernels() is not None
+    monkeypatch.setenv("WUSHKV_NO_EXT", "1")
+    assert not _ext.can_build()

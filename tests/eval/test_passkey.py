@@ -1,5 +1,7 @@
 """Passkey prompts: deterministic, exact length, needle at the asked depth; answers parsed; scoring."""
 
+import re
+
 import pytest
 import torch
 
@@ -51,6 +53,40 @@ def test_scoring_counts_every_case():
     for r in res.values():
         assert set(r["accuracy"]) == {"300/0.2", "300/0.8"}
         assert all(v in (0.0, 0.5, 1.0) for v in r["accuracy"].values())  # 2 trials per cell
+
+
+class _Answering(CharTokenizer):
+    """A tokenizer whose ``decode`` answers with the key of the prompt it last encoded (the needle and the scored answer
+    both spell it), when ``answers(key)`` says so, else with another number: hits forced where the test wants them,
+    through run_passkey's own tokenizer argument."""
+
+    def __init__(self, answers):
+        super().__init__()
+        self.answers, self.key = answers, None
+
+    def __call__(self, text, return_tensors=None, add_special_tokens=True):
+        if m := re.search(r"\d{5}", text):
+            self.key = int(m.group())
+        return super().__call__(text, return_tensors, add_special_tokens)
+
+    def decode(self, ids, skip_special_tokens=False) -> str:
+        return f" {self.key if self.answers(self.key) else self.key + 1} is the key"
+
+
+def test_scoring_counts_forced_hits_per_cell():
+    """A hit is scored as a hit, and a cell's accuracy is the share of its trials that hit: every key answered gives
+    1.0, none gives 0.0, and answering only odd keys gives, in each cell, the share of odd keys its prompts hold."""
+    model = tiny_model("llama")
+    cfg = QuantConfig(2, 2, "affine", windows=WindowConfig(4, 16, 4))
+    quiet = dict(new_tokens=2, show_progress=False, log=lambda m: None)
+    contexts, depths, trials = [300], [0.2, 0.8], 3
+    for answers, want in ((lambda k: True, 1.0), (lambda k: False, 0.0)):
+        res = run_passkey(model, _Answering(answers), ["full-precision"], None, cfg, contexts, depths, trials, **quiet)
+        assert set(res["full-precision"]["accuracy"].values()) == {want} and res["full-precision"]["mean"] == want
+    odd = run_passkey(model, _Answering(lambda k: k % 2 == 1), ["full-precision"], None, cfg, contexts, depths, trials, **quiet)
+    for d in depths:
+        keys = [passkey_prompt(CharTokenizer(), 300, d, trial_seed(0, 300, d, t))[1] for t in range(trials)]
+        assert odd["full-precision"]["accuracy"][f"300/{d}"] == pytest.approx(sum(k % 2 for k in keys) / trials)
 
 
 def test_a_resolved_name_runs_its_method_at_its_own_settings():

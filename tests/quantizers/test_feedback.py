@@ -8,6 +8,8 @@ from wushkv.codecs import TokenCodec, storage_nbytes
 from wushkv.quantizers import AffineQuantizer, QuestQuantizer
 from wushkv.quantizers.feedback import feedback_gain, feedback_matrix, feedback_round
 
+from conftest import require_kernels
+
 
 def spd(d, seed=0, cond=50.0):
     g = torch.Generator().manual_seed(seed)
@@ -120,10 +122,7 @@ def test_bad_inputs():
 
 @pytest.mark.parametrize("group_size", [None, 8])
 def test_fused_kernel_matches_the_reference_loop(group_size):
-    from wushkv._ext import kernels
-
-    if kernels() is None:
-        pytest.skip("compiled CPU kernels unavailable (no compiler); the reference loop is used")
+    require_kernels()
     d = 32
     H = torch.stack([spd(d, seed=s) for s in range(3)])
     F = feedback_matrix(H)
