@@ -206,7 +206,7 @@ def apply_transforms(model: nn.Module, transforms: list[LayerTransforms], method
         mu = tr["mu_K"].float().to(dev) if "mu_K" in tr else None
         T_K = tr["T_K"].float().to(dev)
         attn.add_module(KEY_TRANSFORM_NAME, KeyTransform(T_K, tr["T_K_inv"].float().to(dev), mu))
-        key_mean = RotatingKeyMean(tr["mu_K_rope"].float().to(dev), T_K, ropes[li]).to(dev) if "mu_K_rope" in tr else None
+        key_mean = RotatingKeyMean(tr["mu_K_rope"].float(), T_K, ropes[li]) if "mu_K_rope" in tr else None
         inputs.append(CacheInputs(*(tr[f"F_{s}"].float().to(dev) if f"F_{s}" in tr else None for s in "KV"), key_mean))
     previous = use_wushkv_attention(model)
     return Installed(model, method, previous, saved, inputs)

@@ -122,9 +122,9 @@ class RotatingKeyMean:
                              f"got {tuple(mu.shape)} and {tuple(rope[0].shape)}")
         if not torch.isfinite(mu).all():
             raise ValueError("the rotating key mean contains NaN or inf")
-        self.mu = mu.detach().double().clone()
-        self.T_t = T.detach().double().transpose(-1, -2).contiguous()  # rows: c @ Tᵀ
-        self.inv_freq = rope[0].detach().float().clone()
+        self.T_t = T.detach().double().transpose(-1, -2).contiguous()  # rows: c @ Tᵀ; everything on T's device
+        self.mu = mu.detach().to(self.T_t.device, torch.float64, copy=True)
+        self.inv_freq = rope[0].detach().float().to(self.T_t.device)
         self.scaling = float(rope[1])
 
     def center(self, positions: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
@@ -133,15 +133,9 @@ class RotatingKeyMean:
 
         Exactness needs the same value for a position whichever block of positions it is computed in: float64
         throughout, then rounded to float32, so the last bits a matmul's blocking may change are rounded away."""
-        dev = self.T_t.device
-        pos = positions.to(dev)[:, None, :]  # (B', 1, N)
-        c = rope_rotate(self.mu.to(dev)[None, :, None, :], pos, self.inv_freq.to(dev), self.scaling)  # (B', Hkv, N, d)
+        pos = positions.to(self.T_t.device)[:, None, :]  # (B', 1, N)
+        c = rope_rotate(self.mu[None, :, None, :], pos, self.inv_freq, self.scaling)  # (B', Hkv, N, d)
         return torch.matmul(c, self.T_t).float().to(dtype)
-
-    def to(self, device) -> RotatingKeyMean:
-        out = copy.copy(self)
-        out.mu, out.T_t, out.inv_freq = self.mu.to(device), self.T_t.to(device), self.inv_freq.to(device)
-        return out
 
 
 @dataclass(frozen=True)

@@ -36,7 +36,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from .config import PER_TOKEN_QUANTIZERS
-from .methods.spec import MethodSpec, canonical_name, grammar_help, method_config, parse
+from .methods.spec import MethodSpec, UnknownMethodError, canonical_name, grammar_help, method_config, parse
 from .io import atomic_write, write_json
 from .runs import settings_key
 
@@ -152,9 +152,10 @@ class SweepConfig:
         for t in grid["transforms"]:
             try:
                 m = parse(t)
-            except (ValueError, TypeError) as e:
-                raise SweepError(f"unknown transform {t!r} in grid.transforms; {grammar_help()}" if "unknown method" in str(e)
-                                 else f"grid.transforms entry {t!r}: {e}") from None
+            except UnknownMethodError:
+                raise SweepError(f"unknown transform {t!r} in grid.transforms; {grammar_help()}") from None
+            except ValueError as e:
+                raise SweepError(f"grid.transforms entry {t!r}: {e}") from None
             if not isinstance(m, MethodSpec):
                 raise SweepError(f"grid.transforms entry {t!r}: a sweep runs wushkv methods; {grammar_help()}")
             transforms.append(canonical_name(m))  # results are keyed by the canonical name

@@ -14,7 +14,7 @@ def check_transforms(transforms: Sequence[str], tiles: bool = True, auto: bool =
     """Known transforms; with ``tiles``, also ``<transform>+tiles`` (the transform under KVarN's tile quantizer)
     and the other method suffixes; with ``auto``, also ``auto`` (the calling command resolves it per model,
     quantizer and width)."""
-    from ..methods.spec import AUTO, grammar_help, parse, spec_of
+    from ..methods.spec import AUTO, UnknownMethodError, grammar_help, parse, spec_of
     from ..transforms import TRANSFORMS
 
     for t in transforms:
@@ -23,12 +23,11 @@ def check_transforms(transforms: Sequence[str], tiles: bool = True, auto: bool =
                 raise ValueError(f"unknown transform {t!r}; known: {sorted(TRANSFORMS)}")
             continue
         try:
-            if parse(t) is AUTO and auto:
-                continue  # the calling command resolves it per model, quantizer and width
-            spec_of(t)  # a wushkv method (auto refused, saying which commands resolve it)
-        except ValueError as e:
-            raise ValueError(f"transform {t!r}: {e}" if "unknown method" not in str(e) else
-                             f"unknown transform {t!r}; {grammar_help()}") from None
+            m = parse(t)
+        except UnknownMethodError:
+            raise ValueError(f"unknown transform {t!r}; {grammar_help()}") from None
+        if not (m is AUTO and auto):  # auto: the calling command resolves it per model, quantizer and width
+            spec_of(m)  # a wushkv method (auto refused, saying which commands resolve it)
 
 
 def check_methods_list(s: str, auto: bool = False) -> list[str]:

@@ -7,7 +7,7 @@ PNG. Generic table and plot helpers are in :mod:`wushkv.report`.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from math import exp, nan
+from math import exp, isnan, nan
 from pathlib import Path
 
 from ..config import QuantConfig, WindowConfig
@@ -157,12 +157,18 @@ def compare_markdown(out: dict, transforms: Sequence[str], bits: Sequence[int]) 
             + "".join(f"* {x}\n" for x in margin_lines(out, transforms, bits)))
 
 
-def plot_compare(out: dict, transforms: Sequence[str], bits: Sequence[int], path, model: str, quantizer: str):
+def plot_compare(out: dict, transforms: Sequence[str], bits: Sequence[int], path, model: str, what: str):
+    """Δ% over full precision against bits, one line per transform (``what``: the subtitle, e.g. the quantizer);
+    a width a transform lacks is left out of its line."""
     # % over full precision on a log scale: the transforms that matter differ by a few percent
     # while identity is off by hundreds.
-    return plot_lines(bits, {t: [max(out["results"][t][str(b)]["delta_pct"], 1e-2) for b in bits] for t in transforms},
+    def pct(t: str, b: int) -> float:
+        v = out["results"][t].get(str(b), {}).get("delta_pct", nan)
+        return v if isnan(v) else max(v, 1e-2)
+
+    return plot_lines(bits, {t: [pct(t, b) for b in bits] for t in transforms},
                       path, "bits (keys and values)", "perplexity increase over full precision (%)",
-                      f"{model}: {quantizer}, full precision PPL {out['fp']['ppl']:.2f}", logy=True)
+                      f"{model}: {what}, full precision PPL {out['fp']['ppl']:.2f}", logy=True)
 
 
 # -- tune-clip ------------------------------------------------------------------------------------

@@ -226,8 +226,12 @@ AUTO = Auto()
 Method = Union[MethodSpec, FullPrecision, StockCache, Auto]
 
 
-def _unknown(name: str) -> ValueError:
-    return ValueError(f"unknown method {name!r}; " + grammar_help())
+class UnknownMethodError(ValueError):
+    """A name the grammar does not spell (as opposed to a known spelling of a combination that is refused)."""
+
+
+def _unknown(name: str) -> UnknownMethodError:
+    return UnknownMethodError(f"unknown method {name!r}; " + grammar_help())
 
 
 def parse(name: str | Method) -> Method:

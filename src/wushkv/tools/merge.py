@@ -47,12 +47,12 @@ def merge_compare(runs: list[tuple[str, dict]]) -> tuple[dict, dict]:
 def compare_report(first: dict, rows: dict, versus: str | None = None, plot: str | None = None) -> str:
     """The merged table (perplexity and Δ% per width), with ``versus`` every row's paired difference from that
     transform (95% bootstrap interval over chunks), and with ``plot`` a plot of Δ% against bits written there."""
+    from ..eval.report import compare_table, plot_compare
     from ..report import format_table
 
     bits = sorted({int(b) for r in rows.values() for b in r})
-    cell = lambda t, b, k: rows[t].get(str(b), {}).get(k, float("nan"))  # noqa: E731
-    headers = ["transform"] + [f"{b}-bit PPL" for b in bits] + [f"{b}-bit Δ%" for b in bits]
-    table = [[t] + [cell(t, b, "ppl") for b in bits] + [cell(t, b, "delta_pct") for b in bits] for t in rows]
+    merged = {"results": rows, "fp": first["fp"]}  # the shape of one compare run: its table and plot builders apply
+    headers, table = compare_table(merged, list(rows), bits)
     s = first["settings"]
     out = [format_table(headers, table, title=f"{s['model']}: {s['chunks']} x {s['seq_len']} tokens, full precision PPL {first['fp']['ppl']:.3f}")]
     if versus:
@@ -72,11 +72,7 @@ def compare_report(first: dict, rows: dict, versus: str | None = None, plot: str
                     parts.append(f"{b}-bit {d:+.2f}% ({lo:+.2f} … {hi:+.2f})")
             out.append(f"  {t:14s} " + "   ".join(parts))
     if plot:
-        from ..report import plot_lines
-
-        series = {t: [max(cell(t, b, "delta_pct"), 1e-2) for b in bits] for t in rows}
-        plot_lines(bits, series, plot, "bits (keys and values)", "perplexity increase over full precision (%)",
-                   f"{s['model']}: {s['chunks']} x {s['seq_len']} tokens, full precision PPL {first['fp']['ppl']:.2f}", logy=True)
+        plot_compare(merged, list(rows), bits, plot, s["model"], f"{s['chunks']} x {s['seq_len']} tokens")
         out.append(f"-> {plot}")
     return "\n".join(out)
 
