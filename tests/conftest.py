@@ -8,9 +8,37 @@ import pytest
 import torch
 
 
+# Every family the adapter supports (wushkv.models.FAMILIES), as a tiny random config: (config class, overrides of
+# COMMON). Keys are the test names of the families (model_type, but "gemma3" for gemma3_text). A family added to
+# the adapter without an entry here fails tests/test_families.py; an entry here runs through every check there.
+_MOE = dict(num_experts=4, num_local_experts=4, num_experts_per_tok=2, moe_intermediate_size=32, shared_expert_intermediate_size=32)
+TINY_CONFIGS = {
+    "llama": ("LlamaConfig", {}),
+    "mistral": ("MistralConfig", {"sliding_window": None}),
+    "qwen2": ("Qwen2Config", {}),
+    "qwen2_moe": ("Qwen2MoeConfig", _MOE),
+    "qwen3": ("Qwen3Config", {"use_sliding_window": False}),
+    "qwen3_moe": ("Qwen3MoeConfig", _MOE),
+    "gemma2": ("Gemma2Config", {"sliding_window": 16, "query_pre_attn_scalar": 24, "attn_logit_softcapping": 5.0,
+                                "layer_types": ["sliding_attention", "full_attention", "sliding_attention"]}),
+    "gemma3": ("Gemma3TextConfig", {"sliding_window": 16, "layer_types": ["sliding_attention", "sliding_attention", "full_attention"],
+                                    "query_pre_attn_scalar": 32}),
+    "granite": ("GraniteConfig", {"attention_multiplier": 0.1, "residual_multiplier": 0.5, "embedding_multiplier": 4.0, "logits_scaling": 2.0}),
+    "olmo2": ("Olmo2Config", {}),
+    "phi3": ("Phi3Config", {}),
+    "gpt_oss": ("GptOssConfig", _MOE | {"sliding_window": 16, "layer_types": ["sliding_attention", "full_attention", "sliding_attention"],
+                                        "rope_parameters": {"rope_type": "yarn", "factor": 4.0, "beta_fast": 32.0, "beta_slow": 1.0,
+                                                            "truncate": False, "original_max_position_embeddings": 128,
+                                                            "rope_theta": 10000.0}}),
+    "smollm3": ("SmolLM3Config", {"no_rope_layers": [1, 0, 1]}),  # layer 1 without RoPE
+    "lfm2": ("Lfm2Config", {"num_hidden_layers": 4, "layer_types": ["conv", "full_attention", "conv", "full_attention"],
+                            "hidden_size": 128, "intermediate_size": 256}),
+}
+
+
 def tiny_config(family: str, **over):
-    """A tiny config of ``family`` with GQA (2 query heads per KV head) and head_dim 32."""
-    from transformers import Gemma3TextConfig, LlamaConfig, Qwen3Config
+    """A tiny config of ``family`` (a key of :data:`TINY_CONFIGS`) with GQA (2 query heads per KV head) and head_dim 32."""
+    import transformers
 
     common = dict(
         vocab_size=96,
@@ -26,39 +54,36 @@ def tiny_config(family: str, **over):
         bos_token_id=1,
         eos_token_id=2,
     )
-    if family == "llama":
-        cfg = LlamaConfig(**(common | over))
-    elif family == "qwen3":
-        cfg = Qwen3Config(**(common | {"use_sliding_window": False} | over))
-    elif family == "gemma3":
-        cfg = Gemma3TextConfig(
-            **(common | {"sliding_window": 16, "layer_types": ["sliding_attention", "sliding_attention", "full_attention"], "query_pre_attn_scalar": 32} | over)
-        )
-    else:
+    if family not in TINY_CONFIGS:
         raise ValueError(family)
-    return cfg
+    cls, extra = TINY_CONFIGS[family]
+    return getattr(transformers, cls)(**(common | extra | over))
 
 
 def tiny_model(family: str, seed: int = 0, **over):
     from transformers import AutoModelForCausalLM
 
     torch.manual_seed(seed)
-    model = AutoModelForCausalLM.from_config(tiny_config(family, **over), dtype=torch.float32)
+    # eager experts: the grouped-matmul MoE kernels take no float64, and the tests run float64 models
+    model = AutoModelForCausalLM.from_config(tiny_config(family, **over), dtype=torch.float32, experts_implementation="eager")
     # Random init has tiny weights; scale the attention projections so attention is not uniform
     # and keys carry some anisotropy (a harder, more realistic test of the transforms).
     with torch.no_grad():
         for name, p in model.named_parameters():
-            if any(k in name for k in ("q_proj", "k_proj")) and p.dim() == 2:
+            if any(k in name for k in ("q_proj", "k_proj", "qkv_proj")) and p.dim() == 2:
                 p.mul_(4.0)
                 p[:, :3].mul_(3.0)  # outlier input channels
             if "v_proj" in name and p.dim() == 2:
                 p.mul_(4.0)
+            if name.endswith("sinks"):  # learned sink logits large enough to take a visible share of attention
+                p.copy_(torch.linspace(-1.0, 2.0, p.numel()))
     model.eval()
     model.config._name_or_path = f"tiny-{family}"
     return model
 
 
-FAMILIES = ["llama", "qwen3", "gemma3"]
+FAMILIES = ["llama", "qwen3", "gemma3"]  # the families the rest of the suite runs every check on
+ALL_FAMILIES = list(TINY_CONFIGS)  # every supported family: tests/test_families.py
 
 
 @pytest.fixture(params=FAMILIES)

@@ -28,7 +28,7 @@ def capture_qkv(model, ids):
     seen = {}
 
     class Obs:
-        def observe(self, module, q, k, v, allowed, scaling, softcap=None):
+        def observe(self, module, q, k, v, allowed, scaling, softcap=None, sinks=None):
             seen[module.layer_idx] = (q.double(), k.double(), v.double())
 
     prev = use_wushkv_attention(model)

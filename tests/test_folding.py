@@ -103,10 +103,8 @@ def test_centered_keys_are_exact(family):
 
 
 def test_centered_keys_refused_under_softcap():
-    model = tiny_model("llama")
+    model = tiny_model("gemma2")  # attn_logit_softcapping in its config
     spec = describe(model)
-    for layer in model.model.layers:
-        layer.self_attn.attn_logit_softcapping = 50.0
     tr = build_transforms("hadamard", spec.num_kv_heads, spec.head_dim)
     tr = tr.replace(mu_K=torch.ones(spec.num_kv_heads, spec.head_dim))
     with pytest.raises(ValueError, match="softcap"):

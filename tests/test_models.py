@@ -20,8 +20,8 @@ def test_describe_tiny_families(family):
         assert spec.sliding_layers == ()
     mods = attention_modules(model, spec)
     assert len(mods) == 3
-    q, k, v, o = projections(mods[0], spec)
-    assert q.out_features == 4 * 32 and k.out_features == 2 * 32 and v.out_features == 2 * 32 and o.in_features == 4 * 32
+    p = projections(mods[0], spec)
+    assert p.q.weight.shape == (4 * 32, 64) and p.k.weight.shape == p.v.weight.shape == (2 * 32, 64) and p.o.in_features == 4 * 32
     if spec.qk_norm:
         assert hasattr(mods[0], "q_norm") and hasattr(mods[0], "k_norm")
 

@@ -21,23 +21,36 @@ def grouped(q: torch.Tensor, num_kv_heads: int) -> torch.Tensor:
 
 
 def attention_probs(
-    q: torch.Tensor, k: torch.Tensor, allowed: torch.Tensor | None, scaling: float, softcap: float | None = None
+    q: torch.Tensor,
+    k: torch.Tensor,
+    allowed: torch.Tensor | None,
+    scaling: float,
+    softcap: float | None = None,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Softmax probabilities ``(B, Hkv, G, T, S)`` of grouped queries ``(B, Hkv, G, T, d)`` over keys ``(B, Hkv, S, d)``.
 
-    ``allowed``: bool ``(B, 1, T, S)`` (True = attend) or None.
+    ``allowed``: bool ``(B, 1, T, S)`` (True = attend) or None. ``sinks``: learned sink logits ``(Hq,)`` (gpt-oss),
+    one more softmax column per query head whose value is zero: with them the probabilities sum to less than 1.
     """
     scores = torch.matmul(q, k.unsqueeze(2).transpose(-1, -2)) * scaling  # (B, Hkv, G, T, S)
-    return _softmax(scores, allowed, softcap)
+    return _softmax(scores, allowed, softcap, sinks)
 
 
-def _softmax(scores: torch.Tensor, allowed: torch.Tensor | None, softcap: float | None) -> torch.Tensor:
+def _softmax(scores: torch.Tensor, allowed: torch.Tensor | None, softcap: float | None,
+             sinks: torch.Tensor | None = None) -> torch.Tensor:
+    """Softmax over the last dim of scores ``(B, Hkv, G, T, S)``; ``sinks`` (Hq,) join as a column and are dropped
+    again (their share of the probability goes to a zero value)."""
     if softcap is not None:
         scores = torch.tanh(scores / softcap) * softcap
     if allowed is not None:
         scores = scores.masked_fill(~allowed.unsqueeze(2), torch.finfo(scores.dtype).min)
     acc = torch.float32 if scores.dtype in (torch.float16, torch.bfloat16) else scores.dtype  # float64 stays float64
-    return torch.softmax(scores.to(acc), dim=-1).to(scores.dtype)
+    if sinks is None:
+        return torch.softmax(scores.to(acc), dim=-1).to(scores.dtype)
+    B, H, G, T, _ = scores.shape
+    column = sinks.to(scores.device, acc).view(1, H, G, 1, 1).expand(B, H, G, T, 1)
+    return torch.softmax(torch.cat([scores.to(acc), column], dim=-1), dim=-1)[..., :-1].to(scores.dtype)
 
 
 def reference_attention(
@@ -47,11 +60,13 @@ def reference_attention(
     allowed: torch.Tensor | None,
     scaling: float,
     softcap: float | None = None,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """Plain attention. q (B, Hq, T, d), k/v (B, Hkv, S, d) -> (B, T, Hq, d) (transformers' output layout)."""
+    """Plain attention. q (B, Hq, T, d), k/v (B, Hkv, S, d) -> (B, T, Hq, d) (transformers' output layout).
+    ``sinks``: learned sink logits (Hq,) or None (:func:`attention_probs`)."""
     B, Hq, T, d = q.shape
     qg = grouped(q, k.shape[1])
-    p = attention_probs(qg, k, allowed, scaling, softcap)
+    p = attention_probs(qg, k, allowed, scaling, softcap, sinks)
     out = torch.matmul(p, v.unsqueeze(2))  # (B, Hkv, G, T, d)
     return out.reshape(B, Hq, T, -1).transpose(1, 2).contiguous()
 
@@ -66,6 +81,7 @@ def selective_attention(
     allowed: torch.Tensor | None,
     scaling: float,
     softcap: float | None = None,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Attention where query ``i`` sees key/value ``t`` quantized (``k_hat``, ``v_hat``) iff ``quantized[i, t]``.
 
@@ -79,7 +95,7 @@ def selective_attention(
         quantized = quantized.unsqueeze(2)  # (B, 1, 1, T, S) against (B, Hkv, G, T, S)
     s_fp = torch.matmul(qg, k.unsqueeze(2).transpose(-1, -2))
     s_q = torch.matmul(qg, k_hat.unsqueeze(2).transpose(-1, -2))
-    p = _softmax(torch.where(quantized, s_q, s_fp) * scaling, allowed, softcap)  # (B, Hkv, G, T, S)
+    p = _softmax(torch.where(quantized, s_q, s_fp) * scaling, allowed, softcap, sinks)  # (B, Hkv, G, T, S)
     pq = p * quantized
     out = torch.matmul(pq, v_hat.unsqueeze(2)) + torch.matmul(p - pq, v.unsqueeze(2))
     return out.reshape(B, Hq, T, -1).transpose(1, 2).contiguous()
@@ -152,11 +168,16 @@ def fused_selective_attention(
     return out.transpose(1, 2).contiguous()
 
 
-def fast_attention(q, k, v, allowed, scaling, softcap=None) -> torch.Tensor:
-    """Fused SDPA where possible (no softcap; float64 keeps the explicit reference, so float64 runs are
-    computed the same way on every path), else :func:`reference_attention`. Returns (B, T, Hq, d)."""
-    if softcap is not None or q.dtype == torch.float64:
-        return reference_attention(q, k, v, allowed, scaling, softcap)
+def needs_reference(q: torch.Tensor, softcap: float | None, sinks: torch.Tensor | None) -> bool:
+    """Whether attention must run the explicit reference instead of fused SDPA: SDPA has no logit softcap and no
+    sink column, and float64 keeps the explicit reference so float64 runs are computed the same way on every path."""
+    return softcap is not None or sinks is not None or q.dtype == torch.float64
+
+
+def fast_attention(q, k, v, allowed, scaling, softcap=None, sinks=None) -> torch.Tensor:
+    """Fused SDPA where possible (:func:`needs_reference`), else :func:`reference_attention`. Returns (B, T, Hq, d)."""
+    if needs_reference(q, softcap, sinks):
+        return reference_attention(q, k, v, allowed, scaling, softcap, sinks)
     out = torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=allowed, scale=scaling, enable_gqa=q.shape[1] != k.shape[1])
     return out.transpose(1, 2).contiguous()
 

@@ -8,12 +8,12 @@ recent buffer) and the attention over it are :mod:`wushkv.layer`'s.
 from __future__ import annotations
 
 import torch
-from transformers.cache_utils import Cache
+from transformers.cache_utils import DYNAMIC_LAYER_TYPE_MAPPING, Cache
 
 from .config import QuantConfig
 from .hf import use_wushkv_attention
 from .layer import NO_INPUTS, CacheInputs, WushKVLayer, left_padding
-from .models import attention_modules, describe
+from .models import ATTENTION_LAYER_TYPES, attention_modules, describe
 
 __all__ = ["WushKVCache"]
 
@@ -32,6 +32,10 @@ class WushKVCache(Cache):
     that each row's sink and windows start at its first real token; every row then gets what it would
     get alone. Per-token quantizers (quest, affine) share one store across rows; quantizers of token
     blocks (KVarN's tiles, ``+ktiles``, KIVI) keep one unpadded layer per row, attended row by row.
+
+    Hybrid models (LFM2): ``config`` and ``inputs`` have one entry per *attention* layer (``describe(model).num_layers``);
+    a decoder layer without attention (convolution, linear attention) gets transformers' own cache layer for its
+    type, untouched (its state is a fixed-size recurrence, not a per-token cache: nothing to quantize).
     """
 
     def __init__(
@@ -51,11 +55,11 @@ class WushKVCache(Cache):
         if len(inputs) != spec.num_layers:
             raise ValueError(f"got cache inputs for {len(inputs)} layers, the model has {spec.num_layers}")
         use_wushkv_attention(model)
-        layers = []
+        layers = [None if t in ATTENTION_LAYER_TYPES else DYNAMIC_LAYER_TYPE_MAPPING[t]() for t in spec.decoder_layer_types]
         for i, attn in enumerate(attention_modules(model, spec)):
             kt = getattr(attn, "wushkv_key", None)
             sliding = spec.sliding_window if spec.layer_types[i] == "sliding_attention" else None
-            layers.append(WushKVLayer(configs[i], spec.head_dim, kt, sliding, inputs[i]))
+            layers[spec.attention_layers[i]] = WushKVLayer(configs[i], spec.head_dim, kt, sliding, inputs[i])
         super().__init__(layers=layers)
         self.configs = configs
         if attention_mask is not None:
@@ -63,13 +67,19 @@ class WushKVCache(Cache):
                 raise ValueError("give attention_mask or pad_lengths, not both")
             pad_lengths = left_padding(attention_mask)
         if pad_lengths is not None:
-            for layer in self.layers:
+            for layer in self.quantized_layers:
                 layer.set_padding(pad_lengths)
 
+    @property
+    def quantized_layers(self) -> list[WushKVLayer]:
+        """The cache's attention layers, in order (every layer but those of a hybrid's non-attention decoder layers)."""
+        return [layer for layer in self.layers if isinstance(layer, WushKVLayer)]
+
     def nbytes(self) -> dict[str, int]:
-        """Bytes actually held: packed codes, metadata (scales/offsets), full-precision windows, total."""
+        """Bytes actually held by the attention layers: packed codes, metadata (scales/offsets), full-precision
+        windows, total (a hybrid's convolution or recurrent states are not counted: they do not grow with the context)."""
         tot = {"codes": 0, "metadata": 0, "full_precision": 0}
-        for layer in self.layers:
+        for layer in self.quantized_layers:
             for k, v in layer.nbytes().items():
                 tot[k] += v
         tot["total"] = sum(tot.values())
@@ -78,7 +88,7 @@ class WushKVCache(Cache):
     def full_precision_nbytes(self, torch_dtype_size: int = 2) -> int:
         """Bytes a ``DynamicCache`` (sliding layers: ``DynamicSlidingWindowLayer``) would hold for the same tokens."""
         total = 0
-        for layer in self.layers:
+        for layer in self.quantized_layers:
             if layer.is_initialized:
                 B, H, _, d = layer.sink_k.shape
                 total += 2 * B * H * d * torch_dtype_size * (layer.n - layer._first_visible(layer.n))

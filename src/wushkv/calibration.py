@@ -94,11 +94,12 @@ class StatsCollector:
         return self.layers[layer]
 
     @torch.no_grad()
-    def observe(self, module, q, k, v, allowed, scaling, softcap=None) -> None:
-        """q (B, Hq, T, d), k/v (B, Hkv, S, d): raw queries/keys after norm+RoPE and v_proj outputs."""
+    def observe(self, module, q, k, v, allowed, scaling, softcap=None, sinks=None) -> None:
+        """q (B, Hq, T, d), k/v (B, Hkv, S, d): raw queries/keys after norm+RoPE and v_proj outputs; ``sinks``:
+        learned sink logits (Hq,) or None (they enter the attention probabilities the WUSH-A statistics weigh by)."""
+        layer = self.spec.attention_index(module.layer_idx)
         if not (torch.isfinite(q).all() and torch.isfinite(k).all() and torch.isfinite(v).all()):
-            raise CalibrationError(f"layer {module.layer_idx}: NaN or inf in queries/keys/values during calibration")
-        layer = module.layer_idx
+            raise CalibrationError(f"layer {layer}: NaN or inf in queries/keys/values during calibration")
         B, Hq, T, d = q.shape
         acc = self._acc(layer, d, q.device)
         Hkv = k.shape[1]
@@ -128,13 +129,13 @@ class StatsCollector:
         acc["SV"] += ((v64 * w[..., None]).transpose(-1, -2) @ v64).sum(0)
         acc["SW"] += w.sum(dim=(0, 2))
         if self.wush_a:
-            self._observe_attention_aware(acc, layer, qg, k, v, allowed, scaling, softcap)
+            self._observe_attention_aware(acc, layer, qg, k, v, allowed, scaling, softcap, sinks)
         if self.attention_weights is not None:
-            self._observe_attention_weights(acc, qg, k64, v64, allowed, scaling, softcap)
+            self._observe_attention_weights(acc, qg, k64, v64, allowed, scaling, softcap, sinks)
         if layer == 0:
             self.tokens += B * T
 
-    def _observe_attention_aware(self, acc, layer, qg, k, v, allowed, scaling, softcap) -> None:
+    def _observe_attention_aware(self, acc, layer, qg, k, v, allowed, scaling, softcap, sinks=None) -> None:
         """WUSH-A Hessians (docs/reference/math.md#31-wush-a-the-attention-aware-hessian), summed over perturbed positions t, in float32 then float64.
 
         Values: H_V^A = 2 Σ_{g,g'} (Σ_{i,t} p_{g,i,t} p_{g',i,t}) B_gᵀ B_{g'}.
@@ -144,7 +145,7 @@ class StatsCollector:
         """
         Hkv, G, d = qg.shape[1], qg.shape[2], qg.shape[-1]
         qf = qg.float()
-        p = attention_probs(qf, k.float(), allowed, scaling, softcap)  # (B, Hkv, G, T, S)
+        p = attention_probs(qf, k.float(), allowed, scaling, softcap, sinks)  # (B, Hkv, G, T, S)
         o = torch.matmul(p, v.float().unsqueeze(2))  # (B, Hkv, G, T, d)
         W = self.o_weights[layer].float().to(qf.device).view(-1, Hkv, G, d)  # (hidden, Hkv, G, d): B_g = W[:, h, g]
         for h in range(Hkv):
@@ -191,7 +192,7 @@ class StatsCollector:
             acc["H_V_A"][h] += 2 * torch.einsum("gh,ghde->de", PP, O.double())
             acc["H_K_A"][h] += 2 * HK
 
-    def _observe_attention_weights(self, acc, qg, k, v, allowed, scaling, softcap) -> None:
+    def _observe_attention_weights(self, acc, qg, k, v, allowed, scaling, softcap, sinks=None) -> None:
         """M_K_W += Σ_t w_t k_t k_tᵀ and M_V_W += Σ_t w_t v_t v_tᵀ, w_t = Σ_{g,i} p_{g,i,t}² over the queries i
         that read token t quantized (t ≥ S_sink and i − t ≥ S_keep), query rows in blocks."""
         sink, keep = self.attention_weights
@@ -201,7 +202,7 @@ class StatsCollector:
         for i0 in range(0, T, self.block):
             qb = qg[:, :, :, i0 : i0 + self.block].float()
             rows = torch.arange(i0, i0 + qb.shape[3], device=k.device)[:, None] + (S - T)  # the queries' positions
-            p = attention_probs(qb, k.float(), None if allowed is None else allowed[:, :, i0 : i0 + self.block], scaling, softcap)
+            p = attention_probs(qb, k.float(), None if allowed is None else allowed[:, :, i0 : i0 + self.block], scaling, softcap, sinks)
             quantized = (cols >= sink) & (rows - cols >= keep)  # (tb, S)
             w += (p.square() * quantized).sum(dim=(2, 3)).double()
         weighted_gram = lambda x: ((x * w[..., None]).transpose(-1, -2) @ x).sum(0)  # noqa: E731
@@ -413,7 +414,7 @@ def collect_statistics(model, sequences: torch.Tensor, wush_a: bool = False, ski
         if not 0 <= n < sequences.shape[1]:
             raise ValueError(f"{name} = {n}: expected an integer in [0, {sequences.shape[1] - 1}] (the sequences have {sequences.shape[1]} tokens)")
     spec = describe(model)
-    o_weights = [projections(a, spec)[3].weight.detach() for a in attention_modules(model, spec)]
+    o_weights = [projections(a, spec).o.weight.detach() for a in attention_modules(model, spec)]
     try:
         from .models import UnsupportedModelError, rope_parameters
 
@@ -439,12 +440,16 @@ def pre_rope_key_mean(model, sequences: torch.Tensor, show_progress: bool = True
     sums = [torch.zeros(H, d, dtype=torch.float64) for _ in range(spec.num_layers)]
     count = [0]
 
-    def hook_for(i, attn):
+    def hook_for(i, attn, rows):
         def hook(module, args, out):
-            sums[i].add_(pre_rope_keys(attn, spec, out.detach()).double().reshape(-1, H, d).sum(0).cpu())
+            keys = pre_rope_keys(attn, spec, rows.rows_of(out.detach()))
+            sums[i].add_(keys.double().reshape(-1, H, d).sum(0).cpu())
         return hook
 
-    hooks = [projections(a, spec)[1].register_forward_hook(hook_for(i, a)) for i, a in enumerate(attention_modules(model, spec))]
+    hooks = []
+    for i, a in enumerate(attention_modules(model, spec)):
+        k = projections(a, spec).k  # the key rows (of a fused QKV projection, where fused)
+        hooks.append(k.linear.register_forward_hook(hook_for(i, a, k)))
     try:
         dev = next(model.parameters()).device
         for row in progress(range(sequences.shape[0]), desc="pre-RoPE key mean", unit="seq", enabled=show_progress):

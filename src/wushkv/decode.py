@@ -169,13 +169,15 @@ def decode_attention(
     scaling: float,
     softcap: float | None = None,
     block: int = DEFAULT_BLOCK,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Attention of one new query per row over a cache given as parts, in position order.
 
     ``query`` (B, Hq, 1, d) (already in transformed space). ``parts_k``/``parts_v``: lists of either a
     full-precision tensor (B, Hkv, n, d) or a tuple ``(codec, store, n)`` (a quantized run of ``n``
     tokens; ``store`` as the codec encodes it). Every part is read; ``allowed`` (B, 1, 1, S) masks the
-    last ``S`` columns (earlier columns are not visible, e.g. outside a sliding window).
+    last ``S`` columns (earlier columns are not visible, e.g. outside a sliding window). ``sinks``: learned sink
+    logits (Hq,) (gpt-oss), one more softmax column with a zero value.
     Returns (B, 1, Hq, d), transformers' layout.
     """
     B, Hq, T, d = query.shape
@@ -210,7 +212,11 @@ def decode_attention(
             keep[..., n_all - S :] = allowed
             allowed = keep
         s = s.masked_fill(~allowed, float("-inf"))
-    p = torch.softmax(s, dim=-1).to(dtype)
+    if sinks is None:
+        p = torch.softmax(s, dim=-1).to(dtype)
+    else:  # the sink column takes its share of the probability and is dropped (its value is zero)
+        column = sinks.to(s.device, s.dtype).view(1, Hkv, G, 1).expand(B, Hkv, G, 1)
+        p = torch.softmax(torch.cat([s, column], dim=-1), dim=-1)[..., :-1].to(dtype)
 
     # 2. output: the same parts, in the same order, weighted by their slice of p
     out = None
@@ -233,7 +239,7 @@ def decode_attention(
     return out.reshape(B, Hq, 1, -1).transpose(1, 2)
 
 
-def dequantize_then_attend(query, parts_k, parts_v, allowed, scaling, softcap=None) -> torch.Tensor:
+def dequantize_then_attend(query, parts_k, parts_v, allowed, scaling, softcap=None, sinks=None) -> torch.Tensor:
     """Reference: dequantize every part, concatenate, plain attention. Returns (B, 1, Hq, d)."""
     def full(parts):
         xs = [p if torch.is_tensor(p) else p[0].decode(p[1], p[2]).to(query.dtype) for p in parts if torch.is_tensor(p) or p[2]]
@@ -243,7 +249,7 @@ def dequantize_then_attend(query, parts_k, parts_v, allowed, scaling, softcap=No
     if allowed is not None:
         S = allowed.shape[-1]
         K, V = K[:, :, -S:], V[:, :, -S:]
-    return reference_attention(query, K, V, allowed, scaling, softcap)
+    return reference_attention(query, K, V, allowed, scaling, softcap, sinks)
 
 
 __all__ = ["decode_attention", "dequantize_then_attend", "codes_as_float", "kernels_enabled", "DEFAULT_BLOCK"]

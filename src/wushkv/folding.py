@@ -33,7 +33,7 @@ class KeyTransform(nn.Module):
     With ``mu`` (Hkv, d), keys are centered first: k' = T (k − μ). Every key of the layer (sink,
     middle, recent) is shifted by the same μ, so each query's scores all move by the same −qᵀμ and
     the softmax is unchanged: exact, and free but for one subtraction (``shift`` = T μ is precomputed).
-    Invalid under a logit softcap (tanh is not shift-invariant); :func:`apply_transforms` refuses it.
+    Invalid under a logit softcap or learned sink logits; :func:`apply_transforms` refuses it (:func:`check_centering`).
 
     What the cache does besides (error feedback, keys centered on their rotating mean) is not here: it reaches
     the cache explicitly, as :class:`wushkv.layer.CacheInputs` (:attr:`Installed.cache_inputs`).
@@ -97,10 +97,10 @@ class Installed:
         spec = describe(self.model)
         with torch.no_grad():
             for attn, orig in zip(attention_modules(self.model, spec), self.saved):
-                _, _, v, o = projections(attn, spec)
-                v.weight.copy_(orig["v.weight"])
-                o.weight.copy_(orig["o.weight"])
-                for lin, key in ((v, "v.bias"), (o, "o.bias")):
+                p = projections(attn, spec)
+                p.v.weight.copy_(orig["v.weight"])
+                p.o.weight.copy_(orig["o.weight"])
+                for lin, key in ((p.v.linear, "v.bias"), (p.o, "o.bias")):
                     if key in orig:
                         lin.bias.copy_(orig[key])
                     elif lin.bias is not None:  # added by value centering
@@ -115,6 +115,21 @@ class Installed:
 
     def __exit__(self, *exc):
         self.restore()
+
+
+def check_centering(spec: ArchSpec, tr: dict[str, torch.Tensor], layer: int, method: str = "this method") -> None:
+    """Refuse centering that is not exact on ``spec``'s attention. A constant key shift ``mu_K`` moves every score
+    of a query by the same −qᵀμ, which the softmax ignores, unless a logit softcap (tanh is not shift-invariant) or
+    learned sink logits (a column that does not move) are in the softmax; a value shift ``mu_V`` comes back
+    exactly only where the attention weights sum to 1, which sink logits break. The rotating key mean
+    (``mu_K_rope``) is added back when read, so it is exact everywhere."""
+    if "mu_K" in tr and spec.attn_logit_softcap:
+        raise ValueError(f"{method}: layer {layer}: centered keys (mu_K) change attention under a logit softcap "
+                         f"({spec.attn_logit_softcap}); use an uncentered transform or the rotating key mean (+rmean)")
+    for name, what in (("mu_K", "centered keys"), ("mu_V", "centered values")):
+        if name in tr and spec.attention_sinks:
+            raise ValueError(f"{method}: layer {layer}: {what} ({name}) change attention with learned sink logits "
+                             f"({spec.family}); use an uncentered transform or the rotating key mean (+rmean)")
 
 
 def _check(name: str, t: torch.Tensor, spec: ArchSpec, layer: int) -> None:
@@ -145,6 +160,7 @@ def apply_transforms(model: nn.Module, transforms: list[LayerTransforms], method
     if any(hasattr(a, KEY_TRANSFORM_NAME) for a in mods):
         raise RuntimeError("transforms are already installed in this model; call restore() on the previous handle first")
     d, G = spec.head_dim, spec.group_size
+    method = str(method)
     for i, attn in enumerate(mods):
         offloaded = [n for n, t in attn.named_parameters() if t.device.type == "meta"]
         if offloaded:
@@ -161,10 +177,8 @@ def apply_transforms(model: nn.Module, transforms: list[LayerTransforms], method
         for name in ("F_K", "F_V"):
             if name in tr:
                 _check(name, tr[name], spec, i)
+        check_centering(spec, tr, i, method)
         if "mu_K" in tr:
-            cap = getattr(attn, "attn_logit_softcapping", None) or getattr(getattr(attn, "config", None), "attn_logit_softcapping", None)
-            if cap:
-                raise ValueError(f"layer {i}: centered keys (mu_K) change attention under a logit softcap ({cap}); use an uncentered transform")
             if not torch.isfinite(tr["mu_K"]).all():
                 raise ValueError(f"layer {i} mu_K contains NaN or inf")
         if "mu_K_rope" in tr:
@@ -179,18 +193,21 @@ def apply_transforms(model: nn.Module, transforms: list[LayerTransforms], method
             raise ValueError(f"layer {i} mu_K must have shape {(spec.num_kv_heads, d)}, got {tuple(tr['mu_K'].shape)}")
     saved, inputs = [], []
     for li, (attn, tr) in enumerate(zip(mods, transforms)):
-        _, _, v, o = projections(attn, spec)
+        p = projections(attn, spec)
+        v, o = p.v, p.o  # v: the value rows (of the fused QKV projection, where fused); o: the output linear
+        # the whole linear's bias is saved: it is the one value centering may add (over the fused q and k rows too)
         saved.append({"v.weight": v.weight.detach().clone(), "o.weight": o.weight.detach().clone()}
-                     | ({"v.bias": v.bias.detach().clone()} if v.bias is not None else {})
+                     | ({"v.bias": v.linear.bias.detach().clone()} if v.linear.bias is not None else {})
                      | ({"o.bias": o.bias.detach().clone()} if o.bias is not None else {}))
         T_V, T_V_inv = tr["T_V"].double(), tr["T_V_inv"].double()
         if "mu_V" in tr:
             # v' = T_V (v − μ_V): the softmax weights sum to 1, so attention outputs shift by exactly −μ_V,
             # given back through the o_proj bias (W_o μ per query head). Biases are added where missing.
             mu_V = tr["mu_V"].double().to(v.weight.device)  # (Hkv, d)
-            for lin, n in ((v, v.out_features), (o, o.out_features)):
+            for lin in (v.linear, o):
                 if lin.bias is None:
-                    lin.bias = nn.Parameter(torch.zeros(n, dtype=lin.weight.dtype, device=lin.weight.device), requires_grad=False)
+                    lin.bias = nn.Parameter(torch.zeros(lin.out_features, dtype=lin.weight.dtype, device=lin.weight.device),
+                                            requires_grad=False)
             v.bias.sub_(mu_V.reshape(-1).to(v.bias.dtype))
             mu_full = mu_V.repeat_interleave(G, dim=0).reshape(-1)  # per query head, in o_proj's input order
             o.bias.add_((o.weight.double() @ mu_full.to(o.weight.device)).to(o.bias.dtype))
@@ -203,10 +220,13 @@ def apply_transforms(model: nn.Module, transforms: list[LayerTransforms], method
         Wo = torch.einsum("ohgd,hde->ohge", Wo, T_V_inv.to(Wo.device))
         o.weight.copy_(Wo.reshape_as(o.weight))
         dev = v.weight.device
-        mu = tr["mu_K"].float().to(dev) if "mu_K" in tr else None
-        T_K = tr["T_K"].float().to(dev)
-        attn.add_module(KEY_TRANSFORM_NAME, KeyTransform(T_K, tr["T_K_inv"].float().to(dev), mu))
-        key_mean = RotatingKeyMean(tr["mu_K_rope"].float(), T_K, ropes[li]) if "mu_K_rope" in tr else None
+        # float32 key transforms (cast to the activations' dtype when applied), float64 for a float64 model: there
+        # T_K and T_K⁻¹ rounded to float32 would be inverses only to ~1e-7, and float64 runs check exactness
+        kdt = torch.float64 if v.weight.dtype == torch.float64 else torch.float32
+        mu = tr["mu_K"].to(dev, kdt) if "mu_K" in tr else None
+        T_K = tr["T_K"].to(dev, kdt)
+        attn.add_module(KEY_TRANSFORM_NAME, KeyTransform(T_K, tr["T_K_inv"].to(dev, kdt), mu))
+        key_mean = RotatingKeyMean(tr["mu_K_rope"].float(), T_K.float(), ropes[li]) if "mu_K_rope" in tr else None
         inputs.append(CacheInputs(*(tr[f"F_{s}"].float().to(dev) if f"F_{s}" in tr else None for s in "KV"), key_mean))
     previous = use_wushkv_attention(model)
     return Installed(model, method, previous, saved, inputs)

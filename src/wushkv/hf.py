@@ -47,15 +47,16 @@ def wushkv_attention(
     scaling = scaling if scaling is not None else query.shape[-1] ** -0.5
     if softcap is None:
         softcap = getattr(module, "attn_logit_softcapping", None)
+    sinks = kwargs.get("s_aux")  # learned per-query-head sink logits (gpt-oss): one more softmax column, zero value
     if isinstance(key, LayerView):
-        return key.attend(module, query, attention_mask, scaling, softcap), None
+        return key.attend(module, query, attention_mask, scaling, softcap, sinks), None
     observer = kwargs.get("wushkv_observer")
     if observer is not None:
-        observer.observe(module, query, key, value, as_allowed(attention_mask, key.shape[-2]), scaling, softcap)
+        observer.observe(module, query, key, value, as_allowed(attention_mask, key.shape[-2]), scaling, softcap, sinks=sinks)
     transform = getattr(module, "wushkv_key", None)
     if transform is not None:
         query, key = transform.queries(query), transform.keys(key)
-    return fast_attention(query, key, value, as_allowed(attention_mask, key.shape[-2]), scaling, softcap), None
+    return fast_attention(query, key, value, as_allowed(attention_mask, key.shape[-2]), scaling, softcap, sinks), None
 
 
 def _bool_mask(*args, **kwargs):

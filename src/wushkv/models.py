@@ -11,22 +11,72 @@ from __future__ import annotations
 import hashlib
 import importlib.util
 import inspect
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
 from torch import nn
 
-# Per family: where the decoder layers live, the attention submodule and its projections.
-# All supported families share the Llama-style layout; a family that differs adds its own entry.
-_LLAMA_LAYOUT = dict(layers="model.layers", attn="self_attn", q="q_proj", k="k_proj", v="v_proj", o="o_proj")
-FAMILIES: dict[str, dict] = {
-    "llama": dict(_LLAMA_LAYOUT, qk_norm=False),
-    "mistral": dict(_LLAMA_LAYOUT, qk_norm=False),
-    "qwen2": dict(_LLAMA_LAYOUT, qk_norm=False),
-    "qwen3": dict(_LLAMA_LAYOUT, qk_norm=True),
-    "gemma3_text": dict(_LLAMA_LAYOUT, qk_norm=True),
+@dataclass(frozen=True)
+class Family:
+    """How one ``model_type`` lays out its attention: what :func:`describe` needs beyond the config's numbers.
+
+    Names are attributes of the decoder layer (``attn``) and of its attention module (the rest). Adding a family
+    is one entry in :data:`FAMILIES`; a family whose attention really differs sets one of the named hooks:
+
+    * ``qkv``: one fused projection whose rows are [queries; keys; values] (Phi-3's ``qkv_proj``); folding T_V
+      then acts on its value rows and the fingerprint hashes its key and value rows.
+    * ``k_norm`` / ``k_norm_scope``: the key norm module and what it normalizes: ``"head"`` (each head's
+      ``head_dim`` after the split, Qwen3/Gemma-3) or ``"projection"`` (the whole key projection before the split,
+      OLMo-2). Only the calibration's pre-RoPE key mean reads it; keys reach attention already normalized.
+    * ``sinks``: the attention module has learned per-query-head sink logits (``sinks``, handed to attention as
+      ``s_aux``, gpt-oss): one more softmax column with a zero value. Constant key or value centering is then not
+      exact and is refused; the rotating key mean (added back when read) stays exact.
+    * ``nope_layers``: config -> decoder layers without RoPE (SmolLM3): their RoPE is the identity (zero
+      frequencies), so the rotating key mean is a constant one there.
+    * ``rope_per_pair``: the rotary module returns one cos/sin per rotated pair (head_dim/2 values, gpt-oss) instead
+      of transformers' usual ``cat(freqs, freqs)``; the pairing (i, i + head_dim/2) is the same.
+
+    Decoder layers whose ``layer_types`` entry is in :data:`NON_ATTENTION_LAYER_TYPES` (LFM2's ``"conv"``, linear
+    attention) hold no KV cache: wushkv quantizes the attention layers only and leaves the others' state to
+    transformers' own cache layers.
+    """
+
+    layers: str = "model.layers"
+    attn: str = "self_attn"
+    q: str = "q_proj"
+    k: str = "k_proj"
+    v: str = "v_proj"
+    o: str = "o_proj"
+    qkv: str | None = None
+    k_norm: str | None = None
+    k_norm_scope: str = "head"
+    sinks: bool = False
+    nope_layers: Callable[[object], list[int]] | None = None
+    rope_per_pair: bool = False
+
+
+FAMILIES: dict[str, Family] = {
+    "llama": Family(),
+    "mistral": Family(),
+    "qwen2": Family(),
+    "qwen2_moe": Family(),  # Qwen2 attention (q/k/v biases), MoE MLP
+    "qwen3": Family(k_norm="k_norm"),
+    "qwen3_moe": Family(k_norm="k_norm"),  # Qwen3 attention, MoE MLP
+    "gemma2": Family(),  # logit softcap, query_pre_attn_scalar (the scaling), alternating sliding layers
+    "gemma3_text": Family(k_norm="k_norm"),
+    "granite": Family(),  # attention_multiplier is the scaling; residual/embedding multipliers are outside attention
+    "olmo2": Family(k_norm="k_norm", k_norm_scope="projection"),
+    "phi3": Family(qkv="qkv_proj"),
+    "gpt_oss": Family(sinks=True, rope_per_pair=True),  # learned sink logits, alternating sliding layers, q/k/v/o biases, MoE MLP
+    "smollm3": Family(nope_layers=lambda c: [i for i, rope in enumerate(c.no_rope_layers) if not rope]),
+    "lfm2": Family(o="out_proj", k_norm="k_layernorm"),  # convolution layers between attention layers
 }
+
+# Decoder layer types that hold no KV cache (their state is transformers' own ``LinearAttentionLayer``).
+NON_ATTENTION_LAYER_TYPES = ("conv", "linear_attention")
+ATTENTION_LAYER_TYPES = ("full_attention", "sliding_attention")
 
 # Short names of the real models that install from the package registry.
 REAL_MODELS = {
@@ -44,22 +94,35 @@ class UnsupportedModelError(ValueError):
 class ArchSpec:
     """What wushkv needs to know about a decoder-only attention model.
 
+    wushkv counts **attention layers**: ``num_layers``, ``layer_types``, per-layer transforms, quantizer
+    configs and cache inputs have one entry per attention layer, in order. ``attention_layers[l]`` is the decoder
+    layer holding attention layer ``l``; for every family but hybrids (LFM2) the two numberings coincide.
+
     ``gqa_map[g]`` is the KV head read by query head ``g`` (transformers' ``repeat_kv`` order:
     query heads ``h*G .. h*G+G-1`` read KV head ``h``, ``G = num_heads // num_kv_heads``).
     """
 
     family: str
-    num_layers: int
+    num_layers: int  # attention layers
     num_heads: int
     num_kv_heads: int
     head_dim: int
     hidden_size: int
     qk_norm: bool
-    layer_types: tuple[str, ...]  # "full_attention" | "sliding_attention" per layer
+    layer_types: tuple[str, ...]  # "full_attention" | "sliding_attention" per attention layer
     sliding_window: int | None
     layers_path: str = field(repr=False)
     attn_name: str = field(repr=False)
-    proj_names: tuple[str, str, str, str] = field(repr=False)  # q, k, v, o
+    proj_names: tuple[str, str, str, str] = field(repr=False)  # q, k, v, o (q, k, v: the fused name when fused)
+    attention_layers: tuple[int, ...] = ()  # decoder layer of each attention layer
+    decoder_layer_types: tuple[str, ...] = ()  # every decoder layer's type, attention or not
+    nope_layers: tuple[int, ...] = ()  # attention layers without RoPE
+    fused_qkv: bool = False
+    k_norm: str | None = field(default=None, repr=False)
+    k_norm_scope: str = "head"
+    attention_sinks: bool = False
+    rope_per_pair: bool = field(default=False, repr=False)
+    attn_logit_softcap: float | None = None  # tanh cap on the attention logits (Gemma-2)
 
     @property
     def group_size(self) -> int:
@@ -76,8 +139,20 @@ class ArchSpec:
     def sliding_layers(self) -> tuple[int, ...]:
         return tuple(i for i, t in enumerate(self.layer_types) if t == "sliding_attention")
 
+    @property
+    def num_decoder_layers(self) -> int:
+        return len(self.decoder_layer_types)
+
+    def attention_index(self, decoder_layer: int) -> int:
+        """The attention-layer number of decoder layer ``decoder_layer`` (its ``layer_idx`` in transformers)."""
+        try:
+            return self.attention_layers.index(decoder_layer)
+        except ValueError:
+            raise ValueError(f"decoder layer {decoder_layer} has no attention (its type is "
+                             f"{self.decoder_layer_types[decoder_layer]!r})") from None
+
     def to_dict(self) -> dict:
-        return dict(
+        d = dict(
             family=self.family,
             num_layers=self.num_layers,
             num_heads=self.num_heads,
@@ -88,6 +163,18 @@ class ArchSpec:
             layer_types=list(self.layer_types),
             sliding_window=self.sliding_window,
         )
+        # Only where they say something: the fingerprints (and the file names and clip tables keyed by them) of the
+        # families supported before these fields existed stay what they were.
+        if self.attention_layers != tuple(range(self.num_layers)):
+            d["attention_layers"] = list(self.attention_layers)
+            d["decoder_layer_types"] = list(self.decoder_layer_types)
+        if self.nope_layers:
+            d["nope_layers"] = list(self.nope_layers)
+        if self.attention_sinks:
+            d["attention_sinks"] = True
+        if self.attn_logit_softcap:
+            d["attn_logit_softcap"] = self.attn_logit_softcap
+        return d
 
 
 def _text_config(config):
@@ -104,48 +191,113 @@ def describe(model) -> ArchSpec:
     if family not in FAMILIES:
         raise UnsupportedModelError(
             f"unsupported architecture {family!r} ({type(model).__name__}); wushkv supports the model_type "
-            f"families {sorted(FAMILIES)}"
+            f"families {sorted(FAMILIES)} (docs/reference/families.md says how to add one)"
         )
-    layout = FAMILIES[family]
+    fam = FAMILIES[family]
     tc = _text_config(config)
     num_heads = tc.num_attention_heads
     num_kv_heads = getattr(tc, "num_key_value_heads", None) or num_heads
     head_dim = getattr(tc, "head_dim", None) or tc.hidden_size // num_heads
     if num_heads % num_kv_heads:
         raise UnsupportedModelError(f"num_attention_heads={num_heads} is not a multiple of num_key_value_heads={num_kv_heads}")
-    layer_types = getattr(tc, "layer_types", None) or ["full_attention"] * tc.num_hidden_layers
-    unknown = set(layer_types) - {"full_attention", "sliding_attention"}
+    decoder_types = list(getattr(tc, "layer_types", None) or ["full_attention"] * tc.num_hidden_layers)
+    unknown = set(decoder_types) - set(ATTENTION_LAYER_TYPES) - set(NON_ATTENTION_LAYER_TYPES)
     if unknown:
-        raise UnsupportedModelError(f"layer types {sorted(unknown)} are not supported (full_attention, sliding_attention)")
+        raise UnsupportedModelError(f"layer types {sorted(unknown)} are not supported (attention: {list(ATTENTION_LAYER_TYPES)}; "
+                                    f"left to transformers' own cache: {list(NON_ATTENTION_LAYER_TYPES)})")
+    attention_layers = [i for i, t in enumerate(decoder_types) if t in ATTENTION_LAYER_TYPES]
+    if not attention_layers:
+        raise UnsupportedModelError(f"{family!r} has no attention layer ({sorted(set(decoder_types))}): no KV cache to quantize")
+    layer_types = [decoder_types[i] for i in attention_layers]
     sliding = getattr(tc, "sliding_window", None) if "sliding_attention" in layer_types else None
+    nope = set(fam.nope_layers(tc)) if fam.nope_layers else set()
     return ArchSpec(
         family=family,
-        num_layers=tc.num_hidden_layers,
+        num_layers=len(attention_layers),
         num_heads=num_heads,
         num_kv_heads=num_kv_heads,
         head_dim=head_dim,
         hidden_size=tc.hidden_size,
-        qk_norm=layout["qk_norm"],
+        qk_norm=fam.k_norm is not None,
         layer_types=tuple(layer_types),
         sliding_window=sliding,
-        layers_path=layout["layers"],
-        attn_name=layout["attn"],
-        proj_names=(layout["q"], layout["k"], layout["v"], layout["o"]),
+        layers_path=fam.layers,
+        attn_name=fam.attn,
+        proj_names=(fam.qkv or fam.q, fam.qkv or fam.k, fam.qkv or fam.v, fam.o),
+        attention_layers=tuple(attention_layers),
+        decoder_layer_types=tuple(decoder_types),
+        nope_layers=tuple(l for l, i in enumerate(attention_layers) if i in nope),
+        fused_qkv=fam.qkv is not None,
+        k_norm=fam.k_norm,
+        k_norm_scope=fam.k_norm_scope,
+        attention_sinks=fam.sinks,
+        rope_per_pair=fam.rope_per_pair,
+        attn_logit_softcap=getattr(tc, "attn_logit_softcapping", None) or None,
     )
 
 
 def attention_modules(model: nn.Module, spec: ArchSpec | None = None) -> list[nn.Module]:
-    """The attention module of every decoder layer, in layer order."""
+    """The attention module of every attention layer, in layer order (decoder layers without attention skipped)."""
     spec = spec or describe(model)
     layers = model.get_submodule(spec.layers_path)
-    return [layer.get_submodule(spec.attn_name) for layer in layers]
+    return [layers[i].get_submodule(spec.attn_name) for i in spec.attention_layers]
+
+
+@dataclass(frozen=True)
+class Rows:
+    """Rows ``[start, stop)`` of a linear layer: the part of its weight and bias one projection owns (the
+    whole layer, or the key or value rows of a fused QKV projection). ``weight``/``bias`` are views: writing
+    into them (under ``torch.no_grad``) changes the layer."""
+
+    linear: nn.Linear
+    start: int
+    stop: int
+
+    @property
+    def weight(self) -> torch.Tensor:
+        return self.linear.weight[self.start : self.stop]
+
+    @property
+    def bias(self) -> torch.Tensor | None:
+        return None if self.linear.bias is None else self.linear.bias[self.start : self.stop]
+
+    def rows_of(self, out: torch.Tensor) -> torch.Tensor:
+        """This projection's part of the linear layer's output (…, out_features) -> (…, stop - start)."""
+        return out[..., self.start : self.stop]
+
+
+@dataclass(frozen=True)
+class Projections:
+    """The projections of one attention module: ``q``/``k``/``v`` as :class:`Rows`, ``o`` the output linear."""
+
+    q: Rows
+    k: Rows
+    v: Rows
+    o: nn.Linear
+
+
+def projections(attn: nn.Module, spec: ArchSpec) -> Projections:
+    """The q/k/v rows and the output projection of one attention module (fused QKV split by head counts)."""
+    nq, nkv = spec.num_heads * spec.head_dim, spec.num_kv_heads * spec.head_dim
+    o = getattr(attn, spec.proj_names[3])
+    if spec.fused_qkv:
+        qkv = getattr(attn, spec.proj_names[0])
+        if qkv.out_features != nq + 2 * nkv:
+            raise UnsupportedModelError(f"fused {spec.proj_names[0]} has {qkv.out_features} rows, expected {nq} + 2 x {nkv}")
+        return Projections(Rows(qkv, 0, nq), Rows(qkv, nq, nq + nkv), Rows(qkv, nq + nkv, nq + 2 * nkv), o)
+    q, k, v = (getattr(attn, n) for n in spec.proj_names[:3])
+    return Projections(Rows(q, 0, q.out_features), Rows(k, 0, k.out_features), Rows(v, 0, v.out_features), o)
 
 
 def pre_rope_keys(attn: nn.Module, spec: ArchSpec, k_proj_out: torch.Tensor) -> torch.Tensor:
-    """Keys before RoPE from the output of ``k_proj`` (…, H·d): (…, H, d), through ``k_norm`` where the family
-    normalizes keys (applied here on the last dim, whatever layout the modeling code runs it in)."""
+    """Keys before RoPE from the key rows of the projection's output (…, Hkv·d): (…, Hkv, d), through the key
+    norm where the family has one, over each head (``"head"``) or the whole projection (``"projection"``)."""
+    if spec.k_norm is not None and spec.k_norm_scope == "projection":
+        k_proj_out = getattr(attn, spec.k_norm)(k_proj_out)
     k = k_proj_out.reshape(*k_proj_out.shape[:-1], spec.num_kv_heads, spec.head_dim)
-    return attn.k_norm(k) if spec.qk_norm else k
+    if spec.k_norm is not None and spec.k_norm_scope == "head":
+        k = getattr(attn, spec.k_norm)(k)
+    return k
 
 
 def rope_rotate(x: torch.Tensor, positions: torch.Tensor, inv_freq: torch.Tensor, scale: float, inverse: bool = False) -> torch.Tensor:
@@ -162,14 +314,18 @@ def rope_rotate(x: torch.Tensor, positions: torch.Tensor, inv_freq: torch.Tensor
 
 
 def rope_parameters(model: nn.Module, layer: int, spec: ArchSpec | None = None) -> tuple[torch.Tensor, float]:
-    """(inv_freq (head_dim/2,) float32, attention_scaling) of the rotary embedding ``layer`` uses.
+    """(inv_freq (head_dim/2,) float32, attention_scaling) of the rotary embedding attention layer ``layer`` uses.
 
     Read through the rotary module's public forward (cos/sin of position 1: the angle is each pair's
     frequency, the modulus the scaling), so per-layer-type RoPE (Gemma-3's local and global bases) and
-    scaled variants come out as the model applies them. Only position-independent frequencies are
-    supported: a RoPE whose frequencies depend on the sequence length (``dynamic``, ``longrope``) raises.
+    scaled variants come out as the model applies them. A layer without RoPE (``spec.nope_layers``) gets zero
+    frequencies and scaling 1: the identity rotation. Only position-independent frequencies over the whole head are
+    supported: a RoPE whose frequencies depend on the sequence length (``dynamic``, ``longrope``) or that rotates
+    part of the head (``partial_rotary_factor`` < 1) raises.
     """
     spec = spec or describe(model)
+    if layer in spec.nope_layers:
+        return torch.zeros(spec.head_dim // 2), 1.0
     base = model.get_submodule(spec.layers_path.rsplit(".", 1)[0])
     rot = getattr(base, "rotary_emb", None)
     if rot is None:
@@ -185,6 +341,11 @@ def rope_parameters(model: nn.Module, layer: int, spec: ArchSpec | None = None) 
     takes_type = "layer_type" in inspect.signature(rot.forward).parameters
     cos, sin = rot(x, pos, spec.layer_types[layer]) if takes_type else rot(x, pos)
     cos, sin = cos.reshape(-1).float().cpu(), sin.reshape(-1).float().cpu()
+    if spec.rope_per_pair and cos.numel() == spec.head_dim // 2:
+        cos, sin = cos.repeat(2), sin.repeat(2)
+    if cos.numel() != spec.head_dim:
+        raise UnsupportedModelError(f"the rotary embedding rotates {cos.numel()} of the {spec.head_dim} dims of a head "
+                                    "(partial_rotary_factor < 1); keys centered on their RoPE mean need a full rotation")
     half = spec.head_dim // 2
     if not torch.equal(cos[:half], cos[half:]):
         raise UnsupportedModelError("the rotary embedding does not use the rotate-half layout cat(freqs, freqs)")
@@ -192,22 +353,18 @@ def rope_parameters(model: nn.Module, layer: int, spec: ArchSpec | None = None) 
     return torch.atan2(sin[:half], cos[:half]), scale
 
 
-def projections(attn: nn.Module, spec: ArchSpec) -> tuple[nn.Linear, nn.Linear, nn.Linear, nn.Linear]:
-    """(q_proj, k_proj, v_proj, o_proj) of one attention module."""
-    return tuple(getattr(attn, name) for name in spec.proj_names)  # type: ignore[return-value]
-
-
 def fingerprint(model: nn.Module, spec: ArchSpec | None = None) -> dict:
-    """Architecture plus a hash of the k/v/o projection weights: identifies the model a calibration belongs to.
+    """Architecture plus a hash of the key, value and output projection weights (the key and value rows of a
+    fused QKV): identifies the model a calibration belongs to.
 
     The hash is taken over float32 bytes of the *original* weights; it is computed before any folding.
     """
     spec = spec or describe(model)
     h = hashlib.sha256()
     for attn in attention_modules(model, spec):
-        _, k, v, o = projections(attn, spec)
-        for lin in (k, v, o):
-            h.update(lin.weight.detach().to(torch.float32).cpu().contiguous().numpy().tobytes())
+        p = projections(attn, spec)
+        for w in (p.k.weight, p.v.weight, p.o.weight):
+            h.update(w.detach().to(torch.float32).cpu().contiguous().numpy().tobytes())
     d = spec.to_dict()
     d["weights_sha256"] = h.hexdigest()[:16]
     return d

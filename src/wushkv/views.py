@@ -15,7 +15,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .attention import as_allowed, fast_attention, fused_selective_attention, selective_attention
+from .attention import as_allowed, fast_attention, fused_selective_attention, needs_reference, selective_attention
 from .decode import decode_attention
 
 
@@ -24,7 +24,7 @@ class LayerView:
     shape, device, dtype and kv_offset, from ``layer``, ``n0``/``n1`` and a (B, Hkv, *, d) tensor ``_like``.
 
     The registered attention (:func:`wushkv.hf.wushkv_attention`) hands every ``LayerView`` it is given
-    as ``key`` to the view's ``attend(module, query, attention_mask, scaling, softcap)``."""
+    as ``key`` to the view's ``attend(module, query, attention_mask, scaling, softcap, sinks)``."""
 
     @property
     def shape(self):
@@ -74,8 +74,10 @@ class KVView(LayerView):
     def _like(self) -> torch.Tensor:
         return self.win_k
 
-    def attend(self, module, query, attention_mask, scaling: float, softcap: float | None) -> torch.Tensor:
-        """Attention of ``query`` (B, Hq, T, d) over this layer; returns (B, T, Hq, d) in transformed V space."""
+    def attend(self, module, query, attention_mask, scaling: float, softcap: float | None,
+               sinks: torch.Tensor | None = None) -> torch.Tensor:
+        """Attention of ``query`` (B, Hq, T, d) over this layer; returns (B, T, Hq, d) in transformed V space.
+        ``softcap``: the logit softcap or None; ``sinks``: learned sink logits (Hq,) or None."""
         layer = self.layer
         kt = getattr(module, "wushkv_key", None)
         if kt is not layer.key_transform:
@@ -89,7 +91,7 @@ class KVView(LayerView):
         if attention_mask is not None and self.n0 == 0 and not layer.is_sliding:
             layer._check_padding(attention_mask)
         if layer.padded:
-            return self._attend_padded(query, attention_mask, scaling, softcap)
+            return self._attend_padded(query, attention_mask, scaling, softcap, sinks)
         T = query.shape[2]
         dt = self.win_k.dtype
         if T == 1:  # decode: read the packed codes directly, block by block (wushkv.decode)
@@ -99,7 +101,7 @@ class KVView(LayerView):
                 allowed = torch.ones(query.shape[0], 1, 1, S, dtype=torch.bool, device=query.device)
             mid_k, mid_v = layer._mid_parts(self.mid, self.mid_len, self.mid_start, dt)
             rk, rv = self.win_k[:, :, self.moved :], self.win_v[:, :, self.moved :]
-            return decode_attention(query, [self.sink_k, mid_k, rk], [self.sink_v, mid_v, rv], allowed, scaling, softcap)
+            return decode_attention(query, [self.sink_k, mid_k, rk], [self.sink_v, mid_v, rv], allowed, scaling, softcap, sinks=sinks)
 
         mid_len = self.mid_len_before  # what this update flushed is still in the window, in full precision
         flushed = self.mid_len - mid_len
@@ -108,7 +110,7 @@ class KVView(LayerView):
             S = self.n1 - self.kv_offset
             K = torch.cat([self.sink_k, mk, self.win_k], dim=2)[:, :, -S:]
             V = torch.cat([self.sink_v, mv, self.win_v], dim=2)[:, :, -S:]
-            return fast_attention(query, K, V, as_allowed(attention_mask, S), scaling, softcap)
+            return fast_attention(query, K, V, as_allowed(attention_mask, S), scaling, softcap, sinks)
         if flushed and self.mid_start + mid_len == self.w0:
             # This update's flush is the window's first `flushed` columns, just encoded into the middle:
             # decode them (fake == decode(encode) bit for bit) instead of quantizing them a second time.
@@ -140,11 +142,12 @@ class KVView(LayerView):
         quantized = quantized[:, sl].to(query.device)
         allowed = as_allowed(attention_mask, S)
         args = (query, K[:, :, sl], V[:, :, sl], K_hat[:, :, sl], V_hat[:, :, sl], quantized, allowed, scaling)
-        if softcap is not None or query.dtype == torch.float64:  # the explicit two-matmul reference
-            return selective_attention(*args, softcap)
+        if needs_reference(query, softcap, sinks):  # the explicit two-matmul reference
+            return selective_attention(*args, softcap, sinks)
         return fused_selective_attention(*args)
 
-    def _attend_padded(self, query, attention_mask, scaling: float, softcap: float | None) -> torch.Tensor:
+    def _attend_padded(self, query, attention_mask, scaling: float, softcap: float | None,
+                       sinks: torch.Tensor | None = None) -> torch.Tensor:
         """Left-padded batch: the same emulation, with each row's windows counted from its first real token.
 
         Row ``b`` (``p_b`` pad tokens) sees column ``c`` quantized for query position ``i`` iff
@@ -181,8 +184,8 @@ class KVView(LayerView):
         quantized = ((pos >= start) & (pos < start + qc)).unsqueeze(1).to(query.device)  # (B, 1, T, S)
         allowed = as_allowed(attention_mask, S)
         args = (query, K, V, K_hat, V_hat, quantized, allowed, scaling)
-        if softcap is not None or query.dtype == torch.float64:
-            return selective_attention(*args, softcap)
+        if needs_reference(query, softcap, sinks):
+            return selective_attention(*args, softcap, sinks)
         return fused_selective_attention(*args)
 
 
@@ -202,7 +205,8 @@ class RowsView(LayerView):
     rows: list
     _like: torch.Tensor  # (B, Hkv, 0, d): shape, device and dtype of the batch
 
-    def attend(self, module, query, attention_mask, scaling: float, softcap: float | None) -> torch.Tensor:
+    def attend(self, module, query, attention_mask, scaling: float, softcap: float | None,
+               sinks: torch.Tensor | None = None) -> torch.Tensor:
         layer = self.layer
         if attention_mask is not None and self.n0 == 0 and not layer.is_sliding:
             layer._check_padding(attention_mask)
@@ -219,7 +223,7 @@ class RowsView(LayerView):
             if attention_mask is not None:  # the row's real columns start at max(lo, p)
                 m = attention_mask[b : b + 1] if attention_mask.shape[0] > 1 else attention_mask
                 mask = m[:, :, T - tq :, max(lo, p) - lo :]
-            o = view.attend(module, query[b : b + 1, :, T - tq :], mask, scaling, softcap)
+            o = view.attend(module, query[b : b + 1, :, T - tq :], mask, scaling, softcap, sinks)
             if out is None:
                 out = o.new_zeros(B, T, *o.shape[2:])
             out[b, T - tq :] = o[0]

@@ -18,17 +18,18 @@ import torch
 from ..attention import fast_attention
 from ..codecs import make_codec
 from ..config import QuantConfig
-from ..folding import KeyTransform
+from ..folding import KeyTransform, check_centering
 from ..hf import observe_sequences
-from ..models import describe
+from ..models import ArchSpec, describe, projections
 from ..transforms import LayerTransforms
 
 
 class ReconObserver:
     """Accumulates ‖Ŷ−Y‖² per (config, transform, layer) and ‖Y‖² per layer, for several configs in one pass."""
 
-    def __init__(self, transforms: dict[str, list[LayerTransforms]], cfgs: list[QuantConfig], head_dim: int, num_layers: int,
-                 sink: int = 0):
+    def __init__(self, transforms: dict[str, list[LayerTransforms]], cfgs: list[QuantConfig], spec: ArchSpec, sink: int = 0):
+        head_dim, num_layers = spec.head_dim, spec.num_layers
+        self.spec = spec
         self.transforms = transforms
         self.sink = sink
         self.codecs = [(make_codec(c, "key", head_dim), make_codec(c, "value", head_dim)) for c in cfgs]
@@ -36,11 +37,12 @@ class ReconObserver:
         self.den = torch.zeros(num_layers, dtype=torch.float64)
 
     @torch.no_grad()
-    def observe(self, module, q, k, v, allowed, scaling, softcap=None) -> None:
-        l = module.layer_idx
+    def observe(self, module, q, k, v, allowed, scaling, softcap=None, sinks=None) -> None:
+        l = self.spec.attention_index(module.layer_idx)
         B, Hq, T, d = q.shape
         Hkv = k.shape[1]
-        Y = module.o_proj(fast_attention(q, k, v, allowed, scaling, softcap).reshape(B, T, Hq * d))
+        o_proj = projections(module, self.spec).o
+        Y = o_proj(fast_attention(q, k, v, allowed, scaling, softcap, sinks).reshape(B, T, Hq * d))
         self.den[l] += float(Y.double().pow(2).sum())
         for name, layers in self.transforms.items():
             tr = layers[l]
@@ -55,12 +57,12 @@ class ReconObserver:
                 if self.sink:
                     k_hat = torch.cat([kt[:, :, : self.sink], k_hat[:, :, self.sink :]], 2)
                     v_hat = torch.cat([vt[:, :, : self.sink], v_hat[:, :, self.sink :]], 2)
-                out = fast_attention(qt, k_hat, v_hat, allowed, scaling, softcap)  # (B, T, Hq, d), T_V space
+                out = fast_attention(qt, k_hat, v_hat, allowed, scaling, softcap, sinks)  # (B, T, Hq, d), T_V space
                 out = torch.matmul(out.view(B, T, Hkv, Hq // Hkv, d), T_V_inv.mT[None, None])
                 if mu_V is not None:  # attention weights sum to 1: the output shifted by exactly −μ_V
                     out = out + mu_V[:, None, :]
                 out = out.reshape(B, T, Hq * d)
-                num[name][l] += float((module.o_proj(out) - Y).double().pow(2).sum())
+                num[name][l] += float((o_proj(out) - Y).double().pow(2).sum())
 
     def results(self) -> list[dict]:
         res = []
@@ -82,7 +84,10 @@ def layer_reconstruction(model, sequences: torch.Tensor, transforms: dict[str, l
     single = not isinstance(cfg, list)
     cfgs = [cfg] if single else cfg
     spec = describe(model)
-    obs = ReconObserver(transforms, cfgs, spec.head_dim, spec.num_layers, sink=sink)
+    for name, layers in transforms.items():  # centering that is not exact on this architecture: refused, as when folding
+        for l, tr in enumerate(layers):
+            check_centering(spec, tr.tensors(), l, name)
+    obs = ReconObserver(transforms, cfgs, spec, sink=sink)
     observe_sequences(model, sequences, obs, "recon", show_progress)
     res = obs.results()
     return res[0] if single else res
