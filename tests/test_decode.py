@@ -69,6 +69,28 @@ def test_packed_decode_equals_dequantize_then_sdpa(name, softcap, path):
         assert ((out - ref).norm() / ref.norm()) < 1e-5
 
 
+@pytest.mark.parametrize("name", ["quest-K2V2", "kvarn-K4V2"])
+def test_packed_decode_with_sink_logits(name, path):
+    """Learned sink logits (gpt-oss) join the softmax of the code-domain decode as one zero-valued column per query
+    head: equal to plain attention over the dequantized cache with the same sinks, and different from none (the sinks
+    take a visible share of the probability)."""
+    pk, pv = _parts(CASES[name])
+    q = torch.randn(2, 4, 1, 32, generator=torch.Generator().manual_seed(1)) * 2
+    sinks = torch.tensor([-1.0, 0.5, 2.0, 4.0])
+    ref = dequantize_then_attend(q, pk, pv, None, 32**-0.5, sinks=sinks)
+    out = decode_attention(q, pk, pv, None, 32**-0.5, block=8, sinks=sinks)
+    assert ((out - ref).norm() / ref.norm()) < 1e-5
+    plain = decode_attention(q, pk, pv, None, 32**-0.5, block=8)
+    assert ((out - plain).norm() / plain.norm()) > 1e-2
+    # the reference itself: softmax over [scores, sink] with the sink's share dropped
+    K = torch.cat([p if torch.is_tensor(p) else p[0].decode(p[1], p[2]) for p in pk if torch.is_tensor(p) or p[2]], 2)
+    V = torch.cat([p if torch.is_tensor(p) else p[0].decode(p[1], p[2]) for p in pv if torch.is_tensor(p) or p[2]], 2)
+    s = torch.einsum("bhgd,bhsd->bhgs", q.view(2, 2, 2, 32), K) * 32**-0.5
+    p = torch.softmax(torch.cat([s, sinks.view(1, 2, 2, 1).expand(2, 2, 2, 1)], -1), -1)[..., :-1]
+    manual = torch.einsum("bhgs,bhsd->bhgd", p, V).reshape(2, 1, 4, 32)
+    torch.testing.assert_close(ref, manual, rtol=1e-4, atol=1e-5)
+
+
 @pytest.mark.parametrize("bits", [1, 2, 4, 8])
 @pytest.mark.parametrize("d", [64, 40])
 def test_fused_kernels_equal_float_codes(bits, d):

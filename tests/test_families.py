@@ -274,3 +274,72 @@ def test_pre_rope_key_mean_matches_slow_reference(family):
     for l, st in enumerate(stats):
         torch.testing.assert_close(st["mu_K_pre"], ref[l], rtol=1e-5, atol=1e-6)
         assert torch.allclose(st["mu_K_pre"], st["mu_K"], atol=1e-3) == (l in spec.nope_layers), l
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("family", ALL_FAMILIES)
+def test_every_command_runs_on_the_family(family, tmp_path, capsys):
+    """The commands a user runs, on a tiny saved model of the family with a real tokenizer: calibrate, ppl, compare,
+    recon, generate, agree, passkey and export finish and report finite numbers (quantization error visible)."""
+    import json
+    import math
+
+    from wushkv.cli import main
+
+    from conftest import hf_char_tokenizer
+
+    model = tiny_model(family, vocab_size=128, max_position_embeddings=1024)
+    m = tmp_path / "m"
+    model.save_pretrained(m)
+    hf_char_tokenizer().save_pretrained(m)
+    text = tmp_path / "t.txt"
+    text.write_text("the quick brown fox jumps over the lazy dog. " * 40)
+    cal = tmp_path / "c.safetensors"
+    win = ["--sink", "4", "--keep", "8", "--flush", "4"]
+    methods = "wush,hadamard" + ("" if describe(model).attention_sinks or describe(model).attn_logit_softcap else ",wush-c")
+    runs = [
+        ["info", "--model", str(m)],
+        ["calibrate", "--model", str(m), "--samples", "2", "--seq-len", "64", "--calib-text-file", str(text), "--out", str(cal)],
+        ["ppl", "--model", str(m), "--transform", "wush", "--calibration", str(cal), "--text-file", str(text), "--chunks", "1",
+         "--seq-len", "128", *win, "--json", str(tmp_path / "ppl.json")],
+        ["compare", "--model", str(m), "--transforms", methods, "--calibration", str(cal), "--text-file", str(text),
+         "--chunks", "1", "--seq-len", "128", "--bits", "2", *win, "--json", str(tmp_path / "compare.json")],
+        ["recon", "--model", str(m), "--calibration", str(cal), "--transforms", "wush,hadamard", "--bits", "2",
+         "--samples", "1", "--seq-len", "64", "--text-file", str(text), "--json", str(tmp_path / "recon.json")],
+        ["generate", "--model", str(m), "--calibration", str(cal), "--transform", "wush", "--prompt", "the quick brown fox ",
+         "--max-new-tokens", "12", *win],
+        ["agree", "--model", str(m), "--calibration", str(cal), "--transforms", "wush", "--prompts", "1", "--prompt-len", "40",
+         "--new-tokens", "6", "--stride", "1", "--text-file", str(text), *win, "--json", str(tmp_path / "agree.json")],
+        ["passkey", "--model", str(m), "--calibration", str(cal), "--transforms", "wush", "--contexts", "300", "--depths", "0.5",
+         "--trials", "1", *win, "--json", str(tmp_path / "passkey.json")],
+        ["export", "--calibration", str(cal), "--transform", "wush", "--out", str(tmp_path / "wush.safetensors")],
+    ]
+    for argv in runs:
+        assert main(argv) == 0, argv[0]
+        capsys.readouterr()
+    ppl = json.loads((tmp_path / "ppl.json").read_text())
+    compare = json.loads((tmp_path / "compare.json").read_text())
+    finite = [v for v in json.dumps([ppl, compare]).replace("[", " ").replace("]", " ").replace(",", " ").split() if v == "NaN"]
+    assert not finite, "NaN in results"
+    rows = compare["results"]
+    fp = rows["full-precision"]["ppl"] if "full-precision" in rows else None
+    for name in methods.split(","):
+        ppl_2 = rows[name]["2"]["ppl"] if "2" in rows[name] else rows[name]["ppl"]
+        assert math.isfinite(ppl_2) and (fp is None or ppl_2 != fp), (name, rows[name])
+    assert (tmp_path / "wush.safetensors").stat().st_size > 0
+
+
+def test_partial_rotary_refuses_the_rotating_mean_by_its_reason(tmp_path):
+    """A RoPE over part of the head (Phi-4-mini's partial_rotary_factor): every method runs but the rotating key mean,
+    which is refused with the real reason (not as an old calibration file)."""
+    from wushkv.calibration import calibrate
+
+    model = tiny_model("phi3", rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.5})
+    text = tmp_path / "c.txt"
+    text.write_text(TINY_CALIBRATION_TEXT)
+    cal = calibrate(model, CharTokenizer(), samples=2, seq_len=48, text_file=str(text), show_progress=False)
+    ids = torch.randint(3, 96, (1, 30), generator=torch.Generator().manual_seed(0))
+    with apply_transforms(model, transforms_for(model, cal, parse("wush")), "wush") as inst:
+        assert torch.isfinite(_stream(model, ids, CODECS["quest"], [20, 1, 9], inst.cache_inputs)[0]).all()
+    with pytest.raises(UnsupportedModelError, match="rotates 16 of the 32 dims"):
+        transforms_for(model, cal, parse("wush+rmean"))

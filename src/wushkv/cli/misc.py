@@ -18,12 +18,25 @@ def cmd_info(args) -> int:
         return 0
     print(f"model          {args.model}")
     print(f"family         {spec.family}")
-    print(f"layers         {spec.num_layers}")
+    if spec.num_decoder_layers != spec.num_layers:  # a hybrid: the other decoder layers keep transformers' state
+        others = sorted(set(spec.decoder_layer_types) - set(spec.layer_types))
+        print(f"layers         {spec.num_layers} attention layers of {spec.num_decoder_layers} (the others: {', '.join(others)}, "
+              f"not quantized): decoder layers {list(spec.attention_layers)}")
+    else:
+        print(f"layers         {spec.num_layers}")
     print(f"query heads    {spec.num_heads}")
     print(f"KV heads       {spec.num_kv_heads}  (group of {spec.group_size} query heads per KV head)")
     print(f"head_dim       {spec.head_dim}")
     print(f"hidden size    {spec.hidden_size}")
-    print(f"q/k norm       {'yes' if spec.qk_norm else 'no'}")
+    print(f"q/k norm       {('yes, over the ' + spec.k_norm_scope) if spec.qk_norm else 'no'}")
+    if spec.fused_qkv:
+        print(f"projections    fused q/k/v ({spec.proj_names[0]})")
+    if spec.attention_sinks:
+        print("sink logits    learned, per query head (constant key/value centering refused)")
+    if spec.attn_logit_softcap:
+        print(f"logit softcap  {spec.attn_logit_softcap} (constant key centering refused)")
+    if spec.nope_layers:
+        print(f"no RoPE        attention layers {list(spec.nope_layers)}")
     gqa = ", ".join(f"q{g}->kv{h}" for g, h in enumerate(spec.gqa_map))
     print(f"GQA map        {gqa}")
     n_sw = len(spec.sliding_layers)

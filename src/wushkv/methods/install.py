@@ -14,7 +14,7 @@ import torch
 
 from ..config import QuantConfig
 from ..folding import apply_transforms
-from ..models import describe
+from ..models import describe, rope_parameters
 from ..quantizers.feedback import feedback_matrix
 from ..transforms import TRANSFORMS, LayerTransforms, build_transforms
 from ..transforms.wush import with_signs
@@ -94,6 +94,8 @@ def transforms_for(model, calibration, method: str | Method) -> list[LayerTransf
         if calibration is None:
             raise ValueError(f"method {m.name!r} centers keys on the calibration's pre-RoPE key mean; it needs a calibration (--calibration PATH)")
         if any("mu_K_pre" not in st for st in calibration.stats):
+            for layer in range(describe(model).num_layers):  # a RoPE wushkv cannot read: say so, not "old file"
+                rope_parameters(model, layer)
             raise ValueError(f"method {m.name!r} needs the pre-RoPE key mean (mu_K_pre), which this calibration file predates; "
                              "make a new one with `wushkv calibrate`, or add the mean to this file's statistics (same transforms) "
                              "with `wushkv calibration upgrade --calibration FILE --out NEW`")
