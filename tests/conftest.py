@@ -14,7 +14,7 @@ import torch
 _MOE = dict(num_experts=4, num_local_experts=4, num_experts_per_tok=2, moe_intermediate_size=32, shared_expert_intermediate_size=32)
 TINY_CONFIGS = {
     "llama": ("LlamaConfig", {}),
-    "mistral": ("MistralConfig", {"sliding_window": None}),
+    "mistral": ("MistralConfig", {"sliding_window": 16}),  # every layer sliding (no layer_types)
     "qwen2": ("Qwen2Config", {}),
     "qwen2_moe": ("Qwen2MoeConfig", _MOE),
     "qwen3": ("Qwen3Config", {"use_sliding_window": False}),

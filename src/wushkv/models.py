@@ -200,7 +200,13 @@ def describe(model) -> ArchSpec:
     head_dim = getattr(tc, "head_dim", None) or tc.hidden_size // num_heads
     if num_heads % num_kv_heads:
         raise UnsupportedModelError(f"num_attention_heads={num_heads} is not a multiple of num_key_value_heads={num_kv_heads}")
-    decoder_types = list(getattr(tc, "layer_types", None) or ["full_attention"] * tc.num_hidden_layers)
+    decoder_types = getattr(tc, "layer_types", None)
+    if not decoder_types:
+        # No per-layer types: Mistral, Phi-3 and Qwen3-MoE then apply a configured sliding window to every layer (their
+        # modeling code switches to the sliding-window mask), the others have none.
+        uniform = "sliding_attention" if getattr(tc, "sliding_window", None) else "full_attention"
+        decoder_types = [uniform] * tc.num_hidden_layers
+    decoder_types = list(decoder_types)
     unknown = set(decoder_types) - set(ATTENTION_LAYER_TYPES) - set(NON_ATTENTION_LAYER_TYPES)
     if unknown:
         raise UnsupportedModelError(f"layer types {sorted(unknown)} are not supported (attention: {list(ATTENTION_LAYER_TYPES)}; "
