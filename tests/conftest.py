@@ -82,6 +82,30 @@ def tiny_model(family: str, seed: int = 0, **over):
     return model
 
 
+def left_padded(rows: list) -> tuple[torch.Tensor, torch.Tensor]:
+    """Rows (1, n_b) of token ids left-padded into one batch: (ids (B, L), attention_mask (B, L)), L = max n_b."""
+    L = max(r.shape[1] for r in rows)
+    ids = torch.zeros(len(rows), L, dtype=torch.long)
+    mask = torch.zeros(len(rows), L, dtype=torch.long)
+    for b, r in enumerate(rows):
+        ids[b, L - r.shape[1] :], mask[b, L - r.shape[1] :] = r[0], 1
+    return ids, mask
+
+
+@torch.no_grad()
+def padded_prefill_then_decode(model, cache, ids: torch.Tensor, mask: torch.Tensor, nxt: torch.Tensor) -> torch.Tensor:
+    """Prefill the left-padded batch (ids, mask), then decode ``nxt`` (B, steps) one token per step, positions counted
+    from each row's first real token: the logits of every step, (B, L + steps, vocab)."""
+    B = ids.shape[0]
+    pos = (mask.cumsum(-1) - 1).clamp(min=0)
+    out = [model(ids, attention_mask=mask, position_ids=pos, cache=cache, use_cache=True).logits]
+    for t in range(nxt.shape[1]):
+        mask = torch.cat([mask, torch.ones(B, 1, dtype=torch.long)], 1)
+        pos = pos[:, -1:] + 1
+        out.append(model(nxt[:, t : t + 1], attention_mask=mask, position_ids=pos, cache=cache, use_cache=True).logits)
+    return torch.cat(out, 1)
+
+
 FAMILIES = ["llama", "qwen3", "gemma3"]  # the families the rest of the suite runs every check on
 ALL_FAMILIES = list(TINY_CONFIGS)  # every supported family: tests/test_families.py
 

@@ -12,7 +12,7 @@ from wushkv.folding import apply_transforms
 from wushkv.models import describe
 from wushkv.transforms import build_transforms
 
-from conftest import tiny_model
+from conftest import left_padded, padded_prefill_then_decode, tiny_model
 
 
 def install(model, name="random"):
@@ -224,12 +224,8 @@ def test_left_padded_batch_equals_rows_alone(family, name):
     model = tiny_model(family).double()
     cfg = PADDED[name]
     g = torch.Generator().manual_seed(3)
-    lengths, L = [30, 23, 27], 30
-    rows = [torch.randint(3, 96, (1, n), generator=g) for n in lengths]
-    ids = torch.zeros(3, L, dtype=torch.long)
-    mask = torch.zeros(3, L, dtype=torch.long)
-    for b, r in enumerate(rows):
-        ids[b, L - r.shape[1] :], mask[b, L - r.shape[1] :] = r[0], 1
+    rows = [torch.randint(3, 96, (1, n), generator=g) for n in (30, 23, 27)]
+    ids, mask = left_padded(rows)
     steps = 9  # decode across a tile boundary of every row
     nxt = torch.randint(3, 96, (3, steps), generator=g)
     transforms = [build_transforms("kvarn" if name == "kvarn" else "random", describe(model).num_kv_heads, describe(model).head_dim, seed=l)
@@ -243,13 +239,7 @@ def test_left_padded_batch_equals_rows_alone(family, name):
             transforms[l] = t.replace(F_K=feedback_matrix(a @ a.transpose(-1, -2), dtype=torch.float64))
     with apply_transforms(model, transforms, "kvarn" if name == "kvarn" else "random") as inst:
         cache = inst.cache(cfg, attention_mask=mask)
-        pos = (mask.cumsum(-1) - 1).clamp(min=0)
-        out = [model(ids, attention_mask=mask, position_ids=pos, cache=cache, use_cache=True).logits]
-        for t in range(steps):
-            mask = torch.cat([mask, torch.ones(3, 1, dtype=torch.long)], 1)
-            pos = pos[:, -1:] + 1
-            out.append(model(nxt[:, t : t + 1], attention_mask=mask, position_ids=pos, cache=cache, use_cache=True).logits)
-        batch = torch.cat(out, 1)
+        batch = padded_prefill_then_decode(model, cache, ids, mask, nxt)
         total = {"codes": 0, "metadata": 0, "full_precision": 0}
         for b, r in enumerate(rows):
             alone, c = stream(model, torch.cat([r, nxt[b : b + 1]], 1), cfg, chunks=[r.shape[1]] + [1] * steps, inputs=inst.cache_inputs)
@@ -262,7 +252,7 @@ def test_left_padded_batch_equals_rows_alone(family, name):
             assert {k: cache.nbytes()[k] for k in total} == total
         # the same prompt without declaring the padding is refused, not silently wrong
         with pytest.raises(ValueError, match=r"left padding of \[0, 7, 3\].*attention_mask=attention_mask"):
-            model(ids, attention_mask=mask[:, :L], cache=WushKVCache(model, cfg), use_cache=True)
+            model(ids, attention_mask=mask, cache=WushKVCache(model, cfg), use_cache=True)
 
 
 @torch.no_grad()
@@ -410,23 +400,13 @@ def test_rope_mean_keys_left_padded_batch_equals_rows_alone():
     model = tiny_model("llama").double()
     cfg = QuantConfig(2, 2, "quest", windows=WindowConfig(3, 5, 2))
     g = torch.Generator().manual_seed(3)
-    lengths, L = [30, 23], 30
-    rows = [torch.randint(3, 96, (1, n), generator=g) for n in lengths]
-    ids = torch.zeros(2, L, dtype=torch.long)
-    mask = torch.zeros(2, L, dtype=torch.long)
-    for b, r in enumerate(rows):
-        ids[b, L - r.shape[1] :], mask[b, L - r.shape[1] :] = r[0], 1
+    rows = [torch.randint(3, 96, (1, n), generator=g) for n in (30, 23)]
+    ids, mask = left_padded(rows)
     mus = pre_rope_key_mean(model, rows[0], show_progress=False)
     with apply_transforms(model, _rope_mean_transforms(model, mus), "random") as inst:
         cache = inst.cache(cfg, attention_mask=mask)
-        pos = (mask.cumsum(-1) - 1).clamp(min=0)
-        out = [model(ids, attention_mask=mask, position_ids=pos, cache=cache, use_cache=True).logits]
         nxt = torch.randint(3, 96, (2, 4), generator=g)
-        for t in range(4):
-            mask = torch.cat([mask, torch.ones(2, 1, dtype=torch.long)], 1)
-            pos = pos[:, -1:] + 1
-            out.append(model(nxt[:, t : t + 1], attention_mask=mask, position_ids=pos, cache=cache, use_cache=True).logits)
-        batch = torch.cat(out, 1)
+        batch = padded_prefill_then_decode(model, cache, ids, mask, nxt)
         for b, r in enumerate(rows):
             alone, _ = stream(model, torch.cat([r, nxt[b : b + 1]], 1), cfg, chunks=[r.shape[1]] + [1] * 4, inputs=inst.cache_inputs)
             n = r.shape[1] + 4

@@ -22,7 +22,7 @@ from wushkv.methods.install import transforms_for
 from wushkv.models import FAMILIES, UnsupportedModelError, attention_modules, describe, fingerprint, projections
 from wushkv.transforms import LayerTransforms, build_transforms
 
-from conftest import ALL_FAMILIES, TINY_CONFIGS, CharTokenizer, TINY_CALIBRATION_TEXT, tiny_model
+from conftest import ALL_FAMILIES, TINY_CONFIGS, CharTokenizer, TINY_CALIBRATION_TEXT, left_padded, padded_prefill_then_decode, tiny_model
 
 # The three codecs of the issue: per-token QuEST, per-token affine, and keys in KVarN's tiles (+ktiles) with QuEST values.
 CODECS = {
@@ -181,23 +181,13 @@ def test_left_padded_rows_equal_each_alone(family, codec):
     model = tiny_model(family).double()
     cfg = CODECS[codec]
     g = torch.Generator().manual_seed(3)
-    lengths, L, steps = [30, 23], 30, 6
+    lengths, steps = [30, 23], 6
     rows = [torch.randint(3, 96, (1, n), generator=g) for n in lengths]
-    ids = torch.zeros(2, L, dtype=torch.long)
-    mask = torch.zeros(2, L, dtype=torch.long)
-    for b, r in enumerate(rows):
-        ids[b, L - r.shape[1] :], mask[b, L - r.shape[1] :] = r[0], 1
+    ids, mask = left_padded(rows)
     nxt = torch.randint(3, 96, (2, steps), generator=g)
     name = "kvarn" if cfg.key_quantizer == "kvarn" else "random"
     with apply_transforms(model, _transforms(model, name), name) as inst:
-        cache = inst.cache(cfg, attention_mask=mask)
-        pos = (mask.cumsum(-1) - 1).clamp(min=0)
-        out = [model(ids, attention_mask=mask, position_ids=pos, cache=cache, use_cache=True).logits]
-        for t in range(steps):
-            mask = torch.cat([mask, torch.ones(2, 1, dtype=torch.long)], 1)
-            pos = pos[:, -1:] + 1
-            out.append(model(nxt[:, t : t + 1], attention_mask=mask, position_ids=pos, cache=cache, use_cache=True).logits)
-        batch = torch.cat(out, 1)
+        batch = padded_prefill_then_decode(model, inst.cache(cfg, attention_mask=mask), ids, mask, nxt)
         for b, r in enumerate(rows):
             alone, _ = _stream(model, torch.cat([r, nxt[b : b + 1]], 1), cfg, [r.shape[1]] + [1] * steps, inst.cache_inputs)
             n = r.shape[1] + steps
