@@ -4,7 +4,6 @@ precision over long generations, and passkey retrieval."""
 from __future__ import annotations
 
 import hashlib
-import json
 from pathlib import Path
 
 from ..config import GENERATION_WINDOWS
@@ -50,7 +49,9 @@ def _saved_agreement(path) -> dict:
     """``--report-only``: the run ``agree --json`` saved at ``path``."""
     if not path or not Path(path).is_file():
         raise ValueError(f"--report-only reads the results of an earlier run: --json {path!r} is not a file")
-    saved = json.loads(Path(path).read_text())
+    from ..io import read_json
+
+    saved = read_json(path, "--json")
     if not isinstance(saved, dict) or "state" not in saved or "settings" not in saved:
         raise ValueError(f"--json {path}: not a file `wushkv agree` wrote")
     return saved
