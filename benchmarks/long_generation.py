@@ -27,7 +27,14 @@ PAGE = 4096
 
 
 def rss() -> int:
-    """Resident bytes of this process (/proc/self/statm)."""
+    """Resident bytes of this process (/proc/self/statm), after glibc hands freed heap back (``malloc_trim``; else the
+    allocator's hold on the last chunk's attention temporaries swamps what the cache holds)."""
+    import ctypes
+
+    try:
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except (OSError, AttributeError):  # not glibc
+        pass
     with open("/proc/self/statm") as f:
         return int(f.read().split()[1]) * PAGE
 

@@ -40,7 +40,7 @@ from .attention import attention_probs, grouped
 from .hf import observe_sequences
 from .io import CHECKSUM_KEY, CorruptFileError, atomic_write, check_tensors_digest, tensors_digest, write_json
 from .progress import progress
-from .models import ArchSpec, attention_modules, describe, fingerprint, model_name, projections, rope_rotate
+from .models import ArchSpec, attention_modules, describe, fingerprint, model_name, projections, require_materialized, rope_rotate
 from .transforms import TRANSFORMS, LayerTransforms, build_transforms
 
 FORMAT = "wushkv-calibration"
@@ -479,6 +479,7 @@ def calibrate(
     """Collect statistics on calibration text and solve every calibrated transform."""
     import time
 
+    require_materialized(model, "calibration")
     t0 = time.perf_counter()
     seqs = calibration_sequences(tokenizer, samples, seq_len, text_file)
     stats = collect_statistics(model, seqs, wush_a=wush_a, skip_first=skip_first, show_progress=show_progress,

@@ -6,7 +6,7 @@ from dataclasses import replace
 from pathlib import Path
 
 from ..config import CLIP_GRID, PERPLEXITY_WINDOWS
-from .common import (add_calibration_args, add_model_args, add_quant_args, bits_list, calibration, err, load_model, names,
+from .common import (add_calibration_args, add_model_args, add_quant_args, bits_list, calibration, check_positions, err, load_model, names,
                      quant_config)
 
 
@@ -26,6 +26,7 @@ def cmd_ppl(args) -> int:
     clips = check_clips(args.clips, cfg)
     text, label = load_eval_text(args.text_file)
     model, tok = load_model(args)
+    check_positions(model, args.seq_len, "--seq-len", args.model)
     chunks = tokenize_chunks(tok, text, args.seq_len, args.chunks, first=args.first_chunk)
     if cfg is None:
         res = perplexity(model, chunks, desc=f"ppl {args.model}")
@@ -98,6 +99,7 @@ def cmd_compare(args) -> int:
     with exclusive_output(args.json):  # a second compare writing the same --json is refused, not interleaved
         text, label = load_eval_text(args.text_file)
         model, tok = load_model(args)
+        check_positions(model, args.seq_len, "--seq-len", args.model)
         clips = ClipTable.load(args.clips, model) if clips else None
         cal = calibration(args, model, tok, transforms)
         chunks = tokenize_chunks(tok, text, args.seq_len, args.chunks, first=args.first_chunk)

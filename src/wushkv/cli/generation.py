@@ -36,6 +36,8 @@ def cmd_generate(args) -> int:
     prompts = [open(f, encoding="utf-8").read() for f in args.prompt_file or []] + list(args.prompt or [])
     if not prompts:
         prompts = [GENERATE_PROMPT]
+    if not all(p.strip() for p in prompts):
+        raise ValueError("a prompt is empty: give each --prompt (or --prompt-file) some text to continue")
     out, cache, enc = generate(model, tok, prompts, method, cfg, cal, args.max_new_tokens, device=args.device)
     if len(prompts) > 1:
         L = enc["input_ids"].shape[1]
