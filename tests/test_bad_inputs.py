@@ -66,7 +66,7 @@ CASES: list[Case] = [
          "--seq-len 300 is past the 256 positions MODEL was trained for"),
     Case("text", "calibration text too short for the samples", [*CALIB, "--samples", "200", "--seq-len", "64"], "fewer than samples=200"),
     Case("text", "calibration on an empty file", ["calibrate", *M, "--calib-text-file", "EMPTY", "--out", "OUT.safetensors", "--samples", "2",
-                                                  "--seq-len", "64"], "fewer than samples=2"),
+                                                  "--seq-len", "64"], "the text has 0 tokens, fewer than one chunk of seq_len=64"),
     # -- widths, windows, groups
     Case("quantizer", "key bits 1", [*PPL, "--transform", "hadamard", "--k-bits", "1"], "k_bits=1 is not supported; the cache stores [2, 3, 4, 8] bits"),
     Case("quantizer", "key bits 9", ["ppl", "--transform", "hadamard", "--k-bits", "9"], "k_bits=9 is not supported"),
