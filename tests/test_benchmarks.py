@@ -162,3 +162,19 @@ def test_feedback_speed(capsys):
         assert positive(flush["fused_over_plain"]) and positive(flush["loop_over_fused"])
     assert positive(tiles["feedback_over_plain"]) and tiles["shape"] == (1, 2, 128, 32)
     assert "key tiles" in capsys.readouterr().out
+
+
+def test_long_generation():
+    """The long-generation benchmark on a tiny model: every checkpoint finite, the cache's bytes equal to the byte
+    accounting (QuEST and affine), the report printed."""
+    long_generation = load_benchmark("long_generation")
+    model = tiny_model("llama")
+    ids = torch.randint(3, 96, (1, 200), generator=torch.Generator().manual_seed(0))
+    for q in ("quest", "affine"):
+        args = long_generation.parse_args(["--model", "tiny", "--method", "hadamard", "--tokens", "208", "--new-tokens", "8",
+                                           "--chunk", "64", "--windows", "4,16,4", "--quantizer", q])
+        out = long_generation.run(args, model, ids)
+        assert [r["tokens"] for r in out["rows"]] == [64, 128, 192, 200, 202, 204, 206, 208]
+        assert out["all_finite"] and out["bytes_as_accounted"], q
+        assert out["rows"][-1]["nbytes"]["codes"] == 3 * 2 * 2 * 8 * 188  # layers, KV heads, sides, 32 dims at 2 bits; Qc(208) = 188
+        assert "bytes as accounted: True" in long_generation.report(out)

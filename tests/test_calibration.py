@@ -143,6 +143,7 @@ def test_a_file_with_bad_statistics_is_refused_at_load(tmp_path, text_file, name
     with safe_open(str(path), framework="pt") as f:
         header, tensors = f.metadata(), {k: f.get_tensor(k) for k in f.keys()}
     assert name in tensors
+    header.pop("sha256")  # a file without the checksum (older versions): the checks of the values themselves refuse it
     if value is None:
         del tensors[name]
     else:

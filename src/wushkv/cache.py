@@ -13,7 +13,7 @@ from transformers.cache_utils import DYNAMIC_LAYER_TYPE_MAPPING, Cache
 from .config import QuantConfig
 from .hf import use_wushkv_attention
 from .layer import NO_INPUTS, CacheInputs, WushKVLayer, left_padding
-from .models import ATTENTION_LAYER_TYPES, attention_modules, describe
+from .models import ATTENTION_LAYER_TYPES, attention_modules, describe, require_materialized
 
 __all__ = ["WushKVCache"]
 
@@ -47,6 +47,7 @@ class WushKVCache(Cache):
         pad_lengths=None,
         inputs: list[CacheInputs] | None = None,
     ):
+        require_materialized(model, "a WushKVCache")
         spec = describe(model)
         configs = config if isinstance(config, list) else [config or QuantConfig()] * spec.num_layers
         if len(configs) != spec.num_layers:

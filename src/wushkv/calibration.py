@@ -38,9 +38,9 @@ from safetensors.torch import save_file
 from . import __version__
 from .attention import attention_probs, grouped
 from .hf import observe_sequences
-from .io import atomic_write, write_json
+from .io import CHECKSUM_KEY, CorruptFileError, atomic_write, check_tensors_digest, tensors_digest, write_json
 from .progress import progress
-from .models import ArchSpec, attention_modules, describe, fingerprint, model_name, projections, rope_rotate
+from .models import ArchSpec, attention_modules, describe, fingerprint, model_name, projections, require_materialized, rope_rotate
 from .transforms import TRANSFORMS, LayerTransforms, build_transforms
 
 FORMAT = "wushkv-calibration"
@@ -297,6 +297,7 @@ class Calibration:
                 for k, t in tr.tensors().items():
                     tensors[f"transforms.{m}.{l}.{k}"] = t.float().contiguous()
         header = {"format": FORMAT, "format_version": str(FORMAT_VERSION), "meta": json.dumps(self.meta)}
+        header[CHECKSUM_KEY] = tensors_digest(tensors, header)  # verified at load: a damaged file is refused
         path = Path(path)
         atomic_write(path, lambda tmp: save_file(tensors, tmp, metadata=header))
         write_json(str(path) + ".json", self.meta)
@@ -313,16 +314,21 @@ class Calibration:
                 header = f.metadata() or {}
                 if header.get("format") != FORMAT:
                     raise CalibrationError(f"{str(path)!r} is not a wushkv calibration file (format {header.get('format')!r})")
-                version = int(header.get("format_version", -1))
-                if version != FORMAT_VERSION:
+                version = header.get("format_version")
+                if version != str(FORMAT_VERSION):
                     raise CalibrationError(f"{str(path)!r} has calibration format version {version}; this wushkv {__version__} reads version {FORMAT_VERSION}")
-                meta = json.loads(header["meta"])
                 tensors = {k: f.get_tensor(k) for k in f.keys()}
+            check_tensors_digest(path, tensors, header, "calibration file")
+            meta = json.loads(header["meta"])
+            n = meta["fingerprint"]["num_layers"]
+            if not isinstance(n, int) or n < 1:
+                raise CalibrationError(f"{str(path)!r} records num_layers={n!r}, not a positive integer")
         except CalibrationError:
             raise
+        except CorruptFileError as e:
+            raise CalibrationError(str(e)) from None
         except Exception as e:  # noqa: BLE001 - safetensors raises several types on corrupted files
             raise CalibrationError(f"{str(path)!r} is corrupted or not a safetensors file: {type(e).__name__}: {e}") from None
-        n = meta["fingerprint"]["num_layers"]
         stats: list[dict] = [{} for _ in range(n)]
         solved: dict[str, list] = {}
         try:
@@ -332,7 +338,7 @@ class Calibration:
                     stats[int(parts[1])][parts[2]] = t
                 elif parts[0] == "transforms":
                     solved.setdefault(parts[1], [{} for _ in range(n)])[int(parts[2])][parts[3]] = t
-        except (IndexError, ValueError) as e:
+        except (IndexError, ValueError, KeyError) as e:
             raise CalibrationError(f"{str(path)!r} has an unexpected tensor {key!r}: {e}") from None
         try:
             solved = {m: [LayerTransforms.from_tensors(tr) for tr in layers] for m, layers in solved.items()}
@@ -478,6 +484,7 @@ def calibrate(
     """Collect statistics on calibration text and solve every calibrated transform."""
     import time
 
+    require_materialized(model, "calibration")
     t0 = time.perf_counter()
     seqs = calibration_sequences(tokenizer, samples, seq_len, text_file)
     stats = collect_statistics(model, seqs, wush_a=wush_a, skip_first=skip_first, show_progress=show_progress,

@@ -1,12 +1,28 @@
-"""Small file helpers: atomic writes, JSON."""
+"""Small file helpers: atomic writes, JSON with a checksum, and an exclusive lock for a run's output.
+
+Every final file wushkv writes goes through :func:`atomic_write` (a temporary file beside it, renamed over it), so a
+process killed at any point leaves either the old file or the new one under the final name, never a part of one
+(a ``.NAME.*.tmp`` file may be left beside it). JSON written by :func:`write_json` carries ``"sha256"``: the SHA-256
+of the rest of the object (:func:`json_digest`); :func:`read_json` verifies it, so a file damaged on disk is refused
+with its name rather than read as other results. Files without the key (older versions, hand-made) are read as they
+are.
+"""
 
 from __future__ import annotations
 
+import contextlib
+import hashlib
 import json
 import os
 import tempfile
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
+
+CHECKSUM_KEY = "sha256"
+
+
+class CorruptFileError(ValueError):
+    """A file that cannot be read back as what wushkv wrote: the message names the file."""
 
 
 def atomic_write(path: str | Path, write: Callable[[str], None]) -> Path:
@@ -28,10 +44,117 @@ def atomic_write(path: str | Path, write: Callable[[str], None]) -> Path:
     return path
 
 
-def write_json(path: str | Path, obj) -> Path:
+def json_digest(obj) -> str:
+    """SHA-256 (hex) of ``obj`` as it reads back from JSON, serialized with sorted keys: the same for the object
+    written and the object read back (tuples become lists, keys strings; floats round-trip exactly)."""
+    canon = json.loads(json.dumps(obj))
+    return hashlib.sha256(json.dumps(canon, sort_keys=True).encode("utf-8")).hexdigest()
+
+
+def write_json(path: str | Path, obj, checksum: bool = True) -> Path:
+    """Write ``obj`` as indented JSON atomically; a dict gets ``"sha256"`` (:func:`json_digest` of the rest) unless
+    ``checksum`` is False."""
+    if checksum and isinstance(obj, dict):
+        obj = {k: v for k, v in obj.items() if k != CHECKSUM_KEY}
+        obj[CHECKSUM_KEY] = json_digest(obj)
+
     def w(tmp):
         with open(tmp, "w", encoding="utf-8") as f:
             json.dump(obj, f, indent=2, sort_keys=False)
             f.write("\n")
 
     return atomic_write(path, w)
+
+
+def read_json(path: str | Path, what: str = "JSON file"):
+    """The JSON value at ``path``, its checksum verified and removed. Raises :class:`CorruptFileError` (a
+    ``ValueError``) naming ``what`` and the path for a file that is not UTF-8 JSON or whose checksum does not match;
+    ``FileNotFoundError`` for a missing file."""
+    p = Path(path)
+    if not p.is_file():
+        raise FileNotFoundError(f"{what} {p} does not exist")
+    try:
+        obj = json.loads(p.read_bytes().decode("utf-8"))
+    except (UnicodeDecodeError, json.JSONDecodeError, RecursionError) as e:
+        raise CorruptFileError(f"{what} {p} is not readable JSON (damaged or truncated?): {e}") from None
+    if not isinstance(obj, dict):
+        return obj
+    if CHECKSUM_KEY not in obj:
+        # a key one character away from the checksum's is the checksum key damaged on disk, not an older file
+        if any(len(k) == len(CHECKSUM_KEY) and sum(a != b for a, b in zip(k, CHECKSUM_KEY)) == 1 for k in obj):
+            raise CorruptFileError(f"{what} {p} is damaged: its {CHECKSUM_KEY!r} key is misspelled")
+        return obj
+    stored = obj.pop(CHECKSUM_KEY)
+    if stored != json_digest(obj):
+        raise CorruptFileError(f"{what} {p} is damaged or was edited: its contents do not match the {CHECKSUM_KEY} it was "
+                               f"written with (to accept hand edits, delete the {CHECKSUM_KEY!r} line)")
+    return obj
+
+
+def lock_path(path: str | Path) -> Path:
+    """The lock file of output ``path``: ``.NAME.lock`` beside it."""
+    path = Path(path)
+    return path.parent / f".{path.name}.lock"
+
+
+class OutputLockedError(ValueError):
+    """Another process holds the lock of an output file."""
+
+
+@contextlib.contextmanager
+def exclusive_output(path: str | Path | None) -> Iterator[None]:
+    """Hold an exclusive lock on output ``path`` (``fcntl.flock`` on :func:`lock_path`, which records the holder's
+    pid) for the body: a second run writing the same file is refused with :class:`OutputLockedError` instead of
+    interleaving its results with the first's. The lock goes with the process (a killed run leaves no stale lock;
+    the lock file itself stays, empty of meaning). None: no lock. Where ``fcntl`` is missing (Windows): no lock."""
+    if path is None:
+        yield
+        return
+    try:
+        import fcntl
+    except ImportError:  # pragma: no cover - not POSIX
+        yield
+        return
+    lp = lock_path(path)
+    lp.parent.mkdir(parents=True, exist_ok=True)
+    fd = os.open(lp, os.O_RDWR | os.O_CREAT, 0o644)
+    try:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError:
+            holder = os.pread(fd, 32, 0).decode("ascii", "replace").strip() or "unknown"
+            raise OutputLockedError(f"another wushkv run is writing {path} (pid {holder}); wait for it to finish, or give "
+                                    "another output path") from None
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
+        yield
+    finally:
+        os.close(fd)  # releases the lock
+
+
+def tensors_digest(tensors: dict, metadata: dict[str, str]) -> str:
+    """SHA-256 (hex) of a safetensors file's content: every tensor's name, dtype, shape and bytes (names sorted) and
+    the string metadata (sorted JSON, ``sha256`` itself left out). Stored in the header as ``sha256`` by the writers
+    of calibration and export files and verified by their readers, so that a byte changed anywhere in the file is
+    refused rather than read as another calibration."""
+    import torch
+
+    h = hashlib.sha256()
+    h.update(json.dumps({k: v for k, v in metadata.items() if k != CHECKSUM_KEY}, sort_keys=True).encode("utf-8"))
+    for name in sorted(tensors):
+        t = tensors[name].detach().cpu().contiguous()
+        h.update(json.dumps([name, str(t.dtype), list(t.shape)]).encode("utf-8"))
+        h.update(t.reshape(-1).view(torch.uint8).numpy().tobytes())
+    return h.hexdigest()
+
+
+def check_tensors_digest(path, tensors: dict, metadata: dict[str, str], what: str) -> None:
+    """Raise :class:`CorruptFileError` naming ``path`` when the header's ``sha256`` does not match the content (a file
+    without one, from an older version, passes; a header key one character away from it is the key damaged)."""
+    if CHECKSUM_KEY not in metadata:
+        if any(len(k) == len(CHECKSUM_KEY) and sum(a != b for a, b in zip(k, CHECKSUM_KEY)) == 1 for k in metadata):
+            raise CorruptFileError(f"{what} {str(path)!r} is damaged: its {CHECKSUM_KEY!r} header key is misspelled")
+        return
+    if metadata[CHECKSUM_KEY] != tensors_digest(tensors, metadata):
+        raise CorruptFileError(f"{what} {str(path)!r} is damaged: its contents do not match the {CHECKSUM_KEY} it was written "
+                               "with; make it again")

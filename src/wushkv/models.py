@@ -468,3 +468,12 @@ def load(name_or_path: str = DEFAULT_MODEL, dtype: str | torch.dtype = "float32"
 
 def model_name(model: nn.Module) -> str:
     return getattr(model.config, "_name_or_path", None) or type(model).__name__
+
+
+def require_materialized(model, what: str) -> None:
+    """Refuse a model whose weights are on the meta device (built under ``torch.device("meta")`` or loaded without
+    weights): ``what`` (e.g. "a WushKVCache") needs real values, and would fail deep inside otherwise."""
+    p = next(iter(model.parameters()), None)
+    if p is not None and p.device.type == "meta":
+        raise ValueError(f"{what} needs a model with weights; {model_name(model)!r} is on the meta device (load it with "
+                         "wushkv.models.load, or call model.to_empty(device=...) and load its weights first)")

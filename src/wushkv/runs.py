@@ -16,7 +16,7 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 
 from .config import QuantConfig
-from .io import write_json
+from .io import read_json, write_json
 
 
 def as_json(obj):
@@ -44,8 +44,8 @@ def read_run(path: str | Path | None, parts: Sequence[str] = ("settings", "state
     if not path or not Path(path).exists():
         return None
     try:
-        prev = json.loads(Path(path).read_text(encoding="utf-8"))
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        prev = read_json(path, "the file")
+    except (OSError, ValueError) as e:
         raise ValueError(f"{flag} {path}: cannot resume from it ({e}); give another path or delete it") from None
     if not isinstance(prev, dict) or not all(isinstance(prev.get(p), dict) for p in parts):
         raise ValueError(f"{flag} {path}: not a file {writer} wrote (no {'/'.join(parts)}); give another path or delete it")

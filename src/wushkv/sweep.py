@@ -37,7 +37,7 @@ from pathlib import Path
 
 from .config import PER_TOKEN_QUANTIZERS
 from .methods.spec import MethodSpec, UnknownMethodError, canonical_name, grammar_help, method_config, parse
-from .io import atomic_write, write_json
+from .io import atomic_write, read_json, write_json
 from .runs import settings_key
 
 __all__ = ["Job", "SweepConfig", "run_sweep", "collect"]
@@ -327,8 +327,8 @@ def _finished(cfg: SweepConfig) -> dict[str, dict]:
         p = cfg.out / "jobs" / f"{cfg.job_id(job)}.json"
         if p.is_file():
             try:
-                rec = json.loads(p.read_text())
-            except (json.JSONDecodeError, OSError):
+                rec = read_json(p, "sweep job result")
+            except (ValueError, OSError):
                 continue  # unreadable: run again
             if rec.get("job") == asdict(job):
                 done[cfg.job_id(job)] = rec

@@ -32,9 +32,12 @@ def bits(s: str) -> int | None:
 def bits_list(s: str) -> list[int]:
     """Comma-separated bit widths, e.g. ``2,3,4``."""
     try:
-        return [int(b) for b in s.split(",") if b.strip()]
+        out = [int(b) for b in s.split(",") if b.strip()]
     except ValueError:
         raise argparse.ArgumentTypeError(f"expected comma-separated bit widths such as 2,3,4, got {s!r}") from None
+    if not out:
+        raise argparse.ArgumentTypeError(f"no widths in {s!r}; give comma-separated bit widths such as 2,3,4")
+    return out
 
 
 def windows_pair(s: str) -> tuple[int, int]:
@@ -85,6 +88,15 @@ def load_model(args):
     model, tok = load(args.model, dtype=args.dtype, device=args.device, device_map=getattr(args, "device_map", None))
     err(f"loaded {args.model} in {time.perf_counter() - t0:.1f}s")
     return model, tok
+
+
+def check_positions(model, n: int, flag: str, name: str) -> None:
+    """Refuse sequences of ``n`` tokens past the positions the model was trained for (``max_position_embeddings``):
+    its rotary embedding and attention are untested there, so a result would say nothing about the cache."""
+    limit = getattr(getattr(model, "config", None), "max_position_embeddings", None)
+    if isinstance(limit, int) and n > limit:
+        raise ValueError(f"{flag} {n} is past the {limit} positions {name} was trained for (max_position_embeddings); "
+                         f"give {flag} <= {limit}")
 
 
 def add_calibration_args(p: argparse.ArgumentParser, help: str | None = "calibration file; default: calibrate once and cache") -> None:

@@ -3,9 +3,10 @@
 from __future__ import annotations
 
 from dataclasses import replace
+from pathlib import Path
 
 from ..config import CLIP_GRID, PERPLEXITY_WINDOWS
-from .common import (add_calibration_args, add_model_args, add_quant_args, bits_list, calibration, err, load_model, names,
+from .common import (add_calibration_args, add_model_args, add_quant_args, bits_list, calibration, check_positions, err, load_model, names,
                      quant_config)
 
 
@@ -25,6 +26,7 @@ def cmd_ppl(args) -> int:
     clips = check_clips(args.clips, cfg)
     text, label = load_eval_text(args.text_file)
     model, tok = load_model(args)
+    check_positions(model, args.seq_len, "--seq-len", args.model)
     chunks = tokenize_chunks(tok, text, args.seq_len, args.chunks, first=args.first_chunk)
     if cfg is None:
         res = perplexity(model, chunks, desc=f"ppl {args.model}")
@@ -80,7 +82,7 @@ def cmd_compare(args) -> int:
     from ..eval.compare import run_compare
     from ..eval.prepare import check_clips, check_transforms
     from ..eval.report import compare_markdown, compare_report, plot_compare
-    from ..io import atomic_write, write_json
+    from ..io import atomic_write, exclusive_output, write_json
     from ..methods.auto import auto_calibration_note
     from ..methods.spec import AUTO_NAME as AUTO
     from ..methods.spec import canonical_name, method_config
@@ -94,27 +96,29 @@ def cmd_compare(args) -> int:
     for t in transforms:
         method_config(t, base)  # and each method against the quantizer
     clips = check_clips(args.clips, base)
-    text, label = load_eval_text(args.text_file)
-    model, tok = load_model(args)
-    clips = ClipTable.load(args.clips, model) if clips else None
-    cal = calibration(args, model, tok, transforms)
-    chunks = tokenize_chunks(tok, text, args.seq_len, args.chunks, first=args.first_chunk)
-    if AUTO in transforms and (note := auto_calibration_note(args.model, cal)):
-        err(note)
-    meta = {"model": args.model, "dtype": args.dtype, "text": label, "transforms": transforms, "bits": args.bits}
-    if args.first_chunk:
-        meta["first_chunk"] = args.first_chunk
-        label = f"{label}, chunks from {args.first_chunk}"
-    out = run_compare(model, tok, chunks, cal, transforms, args.bits, base, json_path=args.json, meta=meta, log=err, clips=clips)
-    print(compare_report(out, transforms, args.bits, args.model, label, args.quantizer, base.windows,
-                         clips=args.clips if clips is not None else None))
-    if args.markdown:
-        md = compare_markdown(out, transforms, args.bits)
-        atomic_write(args.markdown, lambda tmp: open(tmp, "w").write(md))
-    if args.plot:
-        plot_compare(out, transforms, args.bits, args.plot, args.model, args.quantizer)
-    if args.json:
-        write_json(args.json, out)
+    with exclusive_output(args.json):  # a second compare writing the same --json is refused, not interleaved
+        text, label = load_eval_text(args.text_file)
+        model, tok = load_model(args)
+        check_positions(model, args.seq_len, "--seq-len", args.model)
+        clips = ClipTable.load(args.clips, model) if clips else None
+        cal = calibration(args, model, tok, transforms)
+        chunks = tokenize_chunks(tok, text, args.seq_len, args.chunks, first=args.first_chunk)
+        if AUTO in transforms and (note := auto_calibration_note(args.model, cal)):
+            err(note)
+        meta = {"model": args.model, "dtype": args.dtype, "text": label, "transforms": transforms, "bits": args.bits}
+        if args.first_chunk:
+            meta["first_chunk"] = args.first_chunk
+            label = f"{label}, chunks from {args.first_chunk}"
+        out = run_compare(model, tok, chunks, cal, transforms, args.bits, base, json_path=args.json, meta=meta, log=err, clips=clips)
+        print(compare_report(out, transforms, args.bits, args.model, label, args.quantizer, base.windows,
+                             clips=args.clips if clips is not None else None))
+        if args.markdown:
+            md = compare_markdown(out, transforms, args.bits)
+            atomic_write(args.markdown, lambda tmp: Path(tmp).write_text(md, encoding="utf-8"))
+        if args.plot:
+            plot_compare(out, transforms, args.bits, args.plot, args.model, args.quantizer)
+        if args.json:
+            write_json(args.json, out)
     return 0
 
 

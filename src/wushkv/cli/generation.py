@@ -4,7 +4,6 @@ precision over long generations, and passkey retrieval."""
 from __future__ import annotations
 
 import hashlib
-import json
 from pathlib import Path
 
 from ..config import GENERATION_WINDOWS
@@ -37,6 +36,8 @@ def cmd_generate(args) -> int:
     prompts = [open(f, encoding="utf-8").read() for f in args.prompt_file or []] + list(args.prompt or [])
     if not prompts:
         prompts = [GENERATE_PROMPT]
+    if not all(p.strip() for p in prompts):
+        raise ValueError("a prompt is empty: give each --prompt (or --prompt-file) some text to continue")
     out, cache, enc = generate(model, tok, prompts, method, cfg, cal, args.max_new_tokens, device=args.device)
     if len(prompts) > 1:
         L = enc["input_ids"].shape[1]
@@ -50,7 +51,9 @@ def _saved_agreement(path) -> dict:
     """``--report-only``: the run ``agree --json`` saved at ``path``."""
     if not path or not Path(path).is_file():
         raise ValueError(f"--report-only reads the results of an earlier run: --json {path!r} is not a file")
-    saved = json.loads(Path(path).read_text())
+    from ..io import read_json
+
+    saved = read_json(path, "--json")
     if not isinstance(saved, dict) or "state" not in saved or "settings" not in saved:
         raise ValueError(f"--json {path}: not a file `wushkv agree` wrote")
     return saved

@@ -6,7 +6,7 @@ from __future__ import annotations
 import json
 
 from ..config import PERPLEXITY_WINDOWS
-from .common import add_model_args, add_quant_args, err, load_model, quant_config, windows_pair
+from .common import add_model_args, add_quant_args, check_positions, err, load_model, quant_config, windows_pair
 
 
 def cmd_info(args) -> int:
@@ -49,7 +49,10 @@ def cmd_info(args) -> int:
 def cmd_calibrate(args) -> int:
     from ..calibration import calibrate
 
+    if args.samples < 1:
+        raise ValueError(f"--samples {args.samples}: expected at least 1 calibration sequence")
     model, tok = load_model(args)
+    check_positions(model, args.seq_len, "--seq-len", args.model)
     cal = calibrate(model, tok, samples=args.samples, seq_len=args.seq_len, text_file=args.calib_text_file,
                     damping=args.damping, wush_a=args.wush_a, skip_first=args.skip_first,
                     skip_first_queries=args.skip_first_queries, attention_weights=args.attention_weights)

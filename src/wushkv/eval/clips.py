@@ -138,10 +138,9 @@ class ClipTable:
         p = Path(path)
         if not p.is_file():
             raise FileNotFoundError(f"clip table {p} does not exist (make one with `wushkv tune-clip --out {p}`)")
-        try:
-            data = json.loads(p.read_text(encoding="utf-8"))
-        except (json.JSONDecodeError, UnicodeDecodeError) as e:
-            raise ValueError(f"clip table {p} is not JSON ({e})") from None
+        from ..io import read_json
+
+        data = read_json(p, "clip table")
         if not isinstance(data, dict) or data.get("format") != FORMAT:
             raise ValueError(f"{p} is not a wushkv clip table (format {FORMAT!r}); make one with `wushkv tune-clip`")
         if data.get("version") != FORMAT_VERSION:

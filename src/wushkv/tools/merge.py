@@ -7,15 +7,21 @@ same case, raise :class:`ValueError` naming the file and what differs.
 
 from __future__ import annotations
 
-import json
-from pathlib import Path
 
 from ..runs import reconcile_settings
 
 
 def read_runs(paths: list[str]) -> list[tuple[str, dict]]:
     """[(path, parsed JSON)] in the order given."""
-    return [(str(p), json.loads(Path(p).read_text())) for p in paths]
+    from ..io import read_json
+
+    out = []
+    for p in paths:
+        d = read_json(p, "run file")
+        if not isinstance(d, dict) or not isinstance(d.get("settings"), dict):
+            raise ValueError(f"run file {p} is not a file a wushkv run wrote (no settings)")
+        out.append((str(p), d))
+    return out
 
 
 # -- compare --------------------------------------------------------------------------------------------------------
