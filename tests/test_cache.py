@@ -50,7 +50,8 @@ CONFIGS = {
 
 @pytest.mark.parametrize("name", list(CONFIGS))
 def test_streaming_equals_single_pass(family, name):
-    """float64 model: every code is decided identically, so the emulation is exact to rounding."""
+    """float64 model: every code is decided identically, so the emulation is exact to rounding (float32, with the
+    fused kernels, except at flipped codes: tests/test_float32_paths.py)."""
     cfg = CONFIGS[name]
     model = tiny_model(family).double()
     ids = torch.randint(3, 96, (1, 45), generator=torch.Generator().manual_seed(0))
@@ -65,34 +66,27 @@ def test_streaming_equals_single_pass(family, name):
     assert c1.nbytes() == c2.nbytes() == c3.nbytes()
 
 
-def test_streaming_equals_single_pass_float32(family):
-    """float32: the fused single-pass kernel and the decode kernel round differently in the last ulp, and
-    a key that sits exactly on a 2-bit decision boundary can then take the neighbouring code in a later
-    layer (seen here on qwen3: kernels agree to 3e-7 per layer, one flip moves later logits by 4e-3).
-    The float64 test above shows the emulation itself is exact; in float32 the paths must agree far
-    below the quantization error itself (the SmolLM2 slow test checks 1e-3 on a real model)."""
-    model = tiny_model(family)
-    ids = torch.randint(3, 96, (1, 45), generator=torch.Generator().manual_seed(0))
-    with install(model):
-        single, _ = stream(model, ids, CONFIGS["quest-2"], chunks=[45])
-        tokenwise, _ = stream(model, ids, CONFIGS["quest-2"])
-        ref = model(ids).logits
-    per_pos = (single - tokenwise).abs().amax(-1)[0]
-    assert per_pos.max() < 0.1 * (single - ref).abs().amax(-1)[0].max()
-
-
 @torch.no_grad()
-def test_8bit_identity_close_to_dynamic_cache(family):
+def test_8bit_cache_is_unclipped_and_close_to_full_precision(family):
+    """8 bits do not clip (docs/lab/clip-by-width.md): outlier channels in the keys and values (two output channels
+    of every KV head ×8, on the raw coordinates: nothing spreads them) come back to 8-bit rounding. Largest logit
+    error over the largest logit, measured (new / clipped at α_8 = 3.88 RMS or κ = 0.96/0.92, before):
+    llama 8.7e-3 / 0.90 (affine), 1.1e-2 / 0.12 (QuEST); qwen3 9.3e-3 / 0.96, 1.4e-2 / 0.11; gemma3 4.3e-2 / 1.1,
+    5.1e-2 / 0.43. What is left is 255 levels per token (the same with float32 metadata, and with a Hadamard
+    rotation spreading the outliers: 6.4e-3, 6.9e-3, 3.4e-2): a 1e-3 target is below that floor here."""
     model = tiny_model(family)
+    spec = describe(model)
+    for name, p in model.named_parameters():
+        if ("k_proj" in name or "v_proj" in name) and p.dim() == 2:
+            p.view(spec.num_kv_heads, spec.head_dim, -1)[:, :2].mul_(8.0)
     ids = torch.randint(3, 96, (1, 40), generator=torch.Generator().manual_seed(2))
     ref = model(ids, cache=DynamicCache(config=model.config), use_cache=True).logits
-    # Min-max affine at 8 bits is within 1e-2. QuEST saturates at ±3.88 RMS by design (MSE-optimal
-    # clipping for Gaussians), which outlier channels exceed even at 8 bits: a looser bound.
-    for quantizer, transform, tol in (("affine", "identity", 1e-2), ("quest", "identity", 2e-2), ("quest", "hadamard", 2e-2)):
-        cfg = QuantConfig(8, 8, quantizer, k_clip=0.0, v_clip=0.0, windows=WindowConfig(0, 0, 1))
+    tol = 7e-2 if family == "gemma3" else 2e-2  # gemma3's logits move ~4x more for the same rounding (rotated too)
+    for quantizer, transform in (("affine", "identity"), ("quest", "identity"), ("quest", "hadamard")):
+        cfg = QuantConfig(8, 8, quantizer, windows=WindowConfig(0, 0, 1))  # the defaults: α_b, κ = 0.96/0.92
         with install(model, transform):
             out, _ = stream(model, ids, cfg, chunks=[20] + [1] * 20)
-        assert (out - ref).abs().max() < tol, (quantizer, transform)
+        assert (out - ref).abs().max() < tol * ref.abs().max(), (quantizer, transform)
 
 
 @torch.no_grad()

@@ -7,6 +7,7 @@
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import os
 import threading
@@ -16,16 +17,52 @@ from pathlib import Path
 _EXT = None
 _LOCK = threading.Lock()
 BUILD_ERROR: str | None = None  # why the last build failed ("Type: message"), None if none failed
+_CALLS: collections.Counter = collections.Counter()  # kernel name -> calls since the last reset_calls()
+
+
+class _Counted:
+    """The compiled module, each kernel call counted by name (:func:`calls`): which path ran is then observable
+    (a test can tell the fused kernels from a silent fallback to PyTorch). One dict update per call: nothing
+    next to a kernel that reads a whole cache layer."""
+
+    def __init__(self, module):
+        self._module = module
+
+    def __getattr__(self, name):
+        fn = getattr(self._module, name)
+        if not callable(fn):
+            return fn
+
+        def counted(*args, **kwargs):
+            _CALLS[name] += 1
+            return fn(*args, **kwargs)
+
+        counted.__doc__ = fn.__doc__
+        setattr(self, name, counted)  # looked up once
+        return counted
 
 
 def kernels():
-    """The compiled module (``code_dot``, ``code_weighted_sum``), or None where it cannot be built."""
+    """The compiled kernels (``code_dot``, ``code_weighted_sum``, ``feedback_round``; each call counted, see
+    :func:`calls`), or None where they cannot be built."""
     global _EXT
     if _EXT is None:
         with _LOCK:
             if _EXT is None:
-                _EXT = _build()
+                built = _build()
+                _EXT = _Counted(built) if built else False
     return _EXT or None
+
+
+def calls() -> dict[str, int]:
+    """How many times each fused kernel ran since the last :func:`reset_calls` (e.g. ``{"code_dot": 60,
+    "code_weighted_sum": 60}``; empty where none ran): which path decoding actually took."""
+    return dict(_CALLS)
+
+
+def reset_calls() -> None:
+    """Set the counts of :func:`calls` back to zero."""
+    _CALLS.clear()
 
 
 def toolchain() -> dict[str, str | None]:

@@ -56,7 +56,9 @@ class QuantConfig:
     * ``key_quantizer``: the keys' quantizer when it is not ``quantizer`` (None: the same). ``kvarn`` with a
       per-token ``quantizer`` quantizes keys per channel in KVarN's tiles and values per token (the
       ``+ktiles`` methods, :meth:`wushkv.methods.MethodSpec.quant_config`); a tile side needs ``S_flush`` = its tile.
-    * ``k_alpha``/``v_alpha``: QuEST clip multipliers on α_b (1.0 = the Gaussian optimum).
+    * ``k_alpha``/``v_alpha``: QuEST clip multipliers on α_b (1.0 = the Gaussian optimum); from
+      :data:`wushkv.quantizers.quest.UNCLIPPED_FROM` bits (8-bit caches) on each token's max |x| (no clip), and the
+      affine clips ``k_clip``/``v_clip`` are not applied there.
     * ``tile_clip``: ``kvarn`` sides only: each balanced row is quantized over its mean ± tile_clip·α_b·σ
       (within its min-max) instead of its min-max; 0 = KVarN as published
       (:func:`wushkv.quantizers.kvarn.kvarn_quantize`). Same bytes.

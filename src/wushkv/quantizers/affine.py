@@ -13,6 +13,9 @@ shrinks [m·lo₀, m·hi₀] of its unclipped range for n multipliers m evenly s
 the one with the smallest ‖r − x̂‖² against the unclipped group, ties to the κ range: the same storage
 and decoder, never a larger group error than the κ rule.
 
+From :data:`wushkv.quantizers.quest.UNCLIPPED_FROM` bits on, κ is not applied (plain min–max): at those widths
+clipping costs more than it saves (docs/lab/clip-by-width.md); ``clip=True``/``False`` overrides the rule.
+
 Arithmetic is float32 (hot path); inputs must be finite (not checked: it would force a sync).
 """
 
@@ -26,7 +29,7 @@ from torch import Tensor
 
 from .base import QTensor, check_bits, check_group_size
 from .base import dequantize as _dequantize
-from .quest import search_multipliers
+from .quest import UNCLIPPED_FROM, search_multipliers
 
 __all__ = ["AffineQuantizer", "percentile_clip"]
 
@@ -112,6 +115,7 @@ class AffineQuantizer:
             a channel for axis=-2).
         search: 0 = off; n > 0 = each group picks the MSE-best of its κ range and n shrinks of its
             unclipped range (axis=-1 only; same storage).
+        clip: None = apply κ below ``UNCLIPPED_FROM`` bits only; True = at every width; False = never.
     """
 
     bits: int
@@ -119,6 +123,7 @@ class AffineQuantizer:
     clip_ratio: float = 0.0
     axis: int = -1
     search: int = 0
+    clip: bool | None = None
 
     def __post_init__(self) -> None:
         check_bits(self.bits)
@@ -132,6 +137,14 @@ class AffineQuantizer:
         search_multipliers(self.search)
         if self.search and self.axis != -1:
             raise ValueError(f"search={self.search} is per token (axis=-1) only, got axis={self.axis}")
+        if self.clip is not None and not isinstance(self.clip, bool):
+            raise ValueError(f"affine clip must be None (by width), True or False, got {self.clip!r}")
+
+    @property
+    def kappa(self) -> float:
+        """The percentile clip κ in effect: ``clip_ratio``, or 0 (none) where the width or ``clip`` turns it off."""
+        on = self.bits < UNCLIPPED_FROM if self.clip is None else self.clip
+        return self.clip_ratio if on else 0.0
 
     def quantize(self, x: Tensor) -> QTensor:
         """x [..., n] (axis=-1) or [..., T, d] (axis=-2), floating → QTensor (codes unpacked)."""
@@ -140,13 +153,13 @@ class AffineQuantizer:
         if self.axis == -1:
             if x.ndim < 1:
                 raise ValueError(f"x must have shape [..., n], got {tuple(x.shape)}")
-            return _quantize_last(x, self.bits, self.group_size, self.clip_ratio, self.search)
+            return _quantize_last(x, self.bits, self.group_size, self.kappa, self.search)
         if x.ndim < 2:
             raise ValueError(f"axis=-2 needs x of shape [..., T, d], got {tuple(x.shape)}")
         T = x.shape[-2]
         if T % self.group_size:
             raise ValueError(f"group_size {self.group_size} must divide the token dim T={T} for axis=-2")
-        qt = _quantize_last(x.mT, self.bits, self.group_size, self.clip_ratio)  # on [..., d, T]
+        qt = _quantize_last(x.mT, self.bits, self.group_size, self.kappa)  # on [..., d, T]
         return QTensor(
             codes=qt.codes.mT.contiguous(),  # [..., T, d]
             scale=qt.scale.mT.contiguous(),  # [..., T/G, d]
@@ -161,7 +174,7 @@ class AffineQuantizer:
         float32 [..., n/G] and G, as :meth:`quantize` computes them."""
         if self.axis != -1:
             raise ValueError("grid() is per token (axis=-1); per-channel groups span tokens")
-        _, s, z, G = _grid_last(x, self.bits, self.group_size, self.clip_ratio, self.search)
+        _, s, z, G = _grid_last(x, self.bits, self.group_size, self.kappa, self.search)
         return s, -z * s, G
 
     def dequantize(self, q: QTensor) -> Tensor:

@@ -4,6 +4,11 @@ Per group x ∈ R^G: r = ‖x‖₂/√G, Δ = max(2·α_b·r/(2^b − 1), tiny)
 2^{b−1} − 1), x̂ = (q + ½)·Δ. There is no zero level; the outermost levels are ±α_b·r, so larger
 |x| saturate. α_b is the MSE-optimal clip for a Gaussian, in RMS units.
 
+From :data:`UNCLIPPED_FROM` bits on, the grid is not clipped: Δ = 2·m·max|x|/(2^b − 1) (m = ``alpha_scale``), so
+the outermost levels are the group's own ±max|x|. There the rounding error is so small that clipping a
+heavy-tailed group costs more than it saves (docs/lab/clip-by-width.md measures where: an 8-bit cache clipped at
+α_8·r = 3.88 RMS was off by 2e-2 in logits on outlier channels). ``clip=True``/``False`` overrides the rule.
+
 With ``search = n > 0`` each group picks its own clip: Δ·m for the m of ``search_multipliers(n)``
 (1 first, then n values in [0.5, 1.5]) with the smallest ‖x − x̂‖² of that group, ties to the earliest.
 Same storage (one Δ per group) and the same decoder; a group never gets a larger error than with m = 1.
@@ -28,7 +33,11 @@ from torch import Tensor
 from .base import QTensor, check_bits, check_group_size
 from .base import dequantize as _dequantize
 
-__all__ = ["QUEST_ALPHA", "QUEST_MSE", "QuestQuantizer", "search_multipliers"]
+__all__ = ["QUEST_ALPHA", "QUEST_MSE", "QuestQuantizer", "UNCLIPPED_FROM", "search_multipliers"]
+
+# Widths from which the default grid spans each group's max |x| instead of clipping (QuEST and the affine
+# quantizer's percentile clip): measured on SmolLM2-135M's keys and values, docs/lab/clip-by-width.md.
+UNCLIPPED_FROM = 5
 
 # α_b: MSE-optimal Gaussian clipping level in RMS units, b = 1..8.
 QUEST_ALPHA: dict[int, float] = {
@@ -79,12 +88,15 @@ class QuestQuantizer:
         alpha_scale: multiplier on α_b (1.0: the Gaussian MSE optimum; < 1 clips harder).
         search: 0 = the fixed clip α_b·alpha_scale; n > 0 = each group picks the MSE-best of
             ``search_multipliers(n)`` times that clip (same storage; quantizing costs n + 1 passes).
+        clip: None = clip below :data:`UNCLIPPED_FROM` bits only; True = clip at α_b·RMS at every width; False =
+            never (levels up to ``alpha_scale``·max|x| of each group).
     """
 
     bits: int
     group_size: int | None = None
     alpha_scale: float = 1.0
     search: int = 0
+    clip: bool | None = None
 
     def __post_init__(self) -> None:
         check_bits(self.bits)
@@ -93,15 +105,25 @@ class QuestQuantizer:
         if isinstance(a, bool) or not isinstance(a, (int, float)) or not (0.0 < a < float("inf")):
             raise ValueError(f"QuEST alpha_scale must be a finite float > 0 (1.0 = the Gaussian optimum α_b), got {a!r}")
         search_multipliers(self.search)
+        if self.clip is not None and not isinstance(self.clip, bool):
+            raise ValueError(f"QuEST clip must be None (by width), True or False, got {self.clip!r}")
+
+    @property
+    def clipped(self) -> bool:
+        """Whether the grid clips at α_b·RMS (else it spans each group's max |x|)."""
+        return self.bits < UNCLIPPED_FROM if self.clip is None else self.clip
 
     @property
     def alpha(self) -> float:
-        """Clip level in RMS units: α_b (MSE-optimal for a Gaussian) times ``alpha_scale``."""
+        """Clip level in RMS units: α_b (MSE-optimal for a Gaussian) times ``alpha_scale`` (for a clipped grid)."""
         return QUEST_ALPHA[self.bits] * self.alpha_scale
 
     def _step(self, xg: Tensor, G: int) -> Tensor:
-        r = torch.linalg.vector_norm(xg, dim=-1) / math.sqrt(G)  # [..., g] RMS
-        delta = (2.0 * self.alpha / (2**self.bits - 1)) * r
+        if self.clipped:
+            r = torch.linalg.vector_norm(xg, dim=-1) / math.sqrt(G)  # [..., g] RMS
+            delta = (2.0 * self.alpha / (2**self.bits - 1)) * r
+        else:  # outermost levels (2^{b-1} − ½)·Δ = alpha_scale·max|x|
+            delta = (2.0 * self.alpha_scale / (2**self.bits - 1)) * xg.abs().amax(-1)
         tiny = torch.finfo(torch.float32).tiny
         if not self.search:
             return delta.clamp_min(tiny)
