@@ -237,6 +237,26 @@ def test_output_lock_refuses_a_second_writer(tmp_path):
         pass
 
 
+@pytest.mark.parametrize("command", ["compare", "agree", "passkey", "ppl", "tune-clip"])
+def test_every_command_refuses_a_results_file_another_run_writes(art, tmp_path, command, capsys):
+    """Every command holds the lock of the results file it writes and resumes (--json; tune-clip's --out) for the
+    whole run: while another run holds it, the command is refused at once, naming the file, and leaves it as it was."""
+    out = tmp_path / "r.json"
+    out.write_text('{"partial": "results of the other run"}\n')
+    model = ["--model", str(art.model), "--calibration", str(art.cal)]
+    argv = {
+        "compare": art.compare(art.cal, out),
+        "agree": ["agree", *model, "--transforms", "hadamard", "--prompts", "1", "--text-file", str(art.text), "--json", str(out)],
+        "passkey": ["passkey", *model, "--transforms", "hadamard", "--contexts", "300", "--json", str(out)],
+        "ppl": ["ppl", "--model", str(art.model), "--text-file", str(art.text), "--json", str(out)],
+        "tune-clip": ["tune-clip", *model, "--transforms", "wush", "--text-file", str(art.text), "--out", str(out)],
+    }[command]
+    with exclusive_output(out):
+        assert main(argv) == 2
+    assert f"another wushkv run is writing {out}" in capsys.readouterr().err
+    assert out.read_text() == '{"partial": "results of the other run"}\n'
+
+
 @pytest.mark.slow
 def test_two_compares_writing_one_json(art, tmp_path):
     """Two ``compare`` processes with the same ``--json``: the second is refused while the first holds the file

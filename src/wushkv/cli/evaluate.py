@@ -82,7 +82,7 @@ def cmd_compare(args) -> int:
     from ..eval.compare import run_compare
     from ..eval.prepare import check_clips, check_transforms
     from ..eval.report import compare_markdown, compare_report, plot_compare
-    from ..io import atomic_write, exclusive_output, write_json
+    from ..io import atomic_write, write_json
     from ..methods.auto import auto_calibration_note
     from ..methods.spec import AUTO_NAME as AUTO
     from ..methods.spec import canonical_name, method_config
@@ -96,29 +96,28 @@ def cmd_compare(args) -> int:
     for t in transforms:
         method_config(t, base)  # and each method against the quantizer
     clips = check_clips(args.clips, base)
-    with exclusive_output(args.json):  # a second compare writing the same --json is refused, not interleaved
-        text, label = load_eval_text(args.text_file)
-        model, tok = load_model(args)
-        check_positions(model, args.seq_len, "--seq-len", args.model)
-        clips = ClipTable.load(args.clips, model) if clips else None
-        cal = calibration(args, model, tok, transforms)
-        chunks = tokenize_chunks(tok, text, args.seq_len, args.chunks, first=args.first_chunk)
-        if AUTO in transforms and (note := auto_calibration_note(args.model, cal)):
-            err(note)
-        meta = {"model": args.model, "dtype": args.dtype, "text": label, "transforms": transforms, "bits": args.bits}
-        if args.first_chunk:
-            meta["first_chunk"] = args.first_chunk
-            label = f"{label}, chunks from {args.first_chunk}"
-        out = run_compare(model, tok, chunks, cal, transforms, args.bits, base, json_path=args.json, meta=meta, log=err, clips=clips)
-        print(compare_report(out, transforms, args.bits, args.model, label, args.quantizer, base.windows,
-                             clips=args.clips if clips is not None else None))
-        if args.markdown:
-            md = compare_markdown(out, transforms, args.bits)
-            atomic_write(args.markdown, lambda tmp: Path(tmp).write_text(md, encoding="utf-8"))
-        if args.plot:
-            plot_compare(out, transforms, args.bits, args.plot, args.model, args.quantizer)
-        if args.json:
-            write_json(args.json, out)
+    text, label = load_eval_text(args.text_file)
+    model, tok = load_model(args)
+    check_positions(model, args.seq_len, "--seq-len", args.model)
+    clips = ClipTable.load(args.clips, model) if clips else None
+    cal = calibration(args, model, tok, transforms)
+    chunks = tokenize_chunks(tok, text, args.seq_len, args.chunks, first=args.first_chunk)
+    if AUTO in transforms and (note := auto_calibration_note(args.model, cal)):
+        err(note)
+    meta = {"model": args.model, "dtype": args.dtype, "text": label, "transforms": transforms, "bits": args.bits}
+    if args.first_chunk:
+        meta["first_chunk"] = args.first_chunk
+        label = f"{label}, chunks from {args.first_chunk}"
+    out = run_compare(model, tok, chunks, cal, transforms, args.bits, base, json_path=args.json, meta=meta, log=err, clips=clips)
+    print(compare_report(out, transforms, args.bits, args.model, label, args.quantizer, base.windows,
+                         clips=args.clips if clips is not None else None))
+    if args.markdown:
+        md = compare_markdown(out, transforms, args.bits)
+        atomic_write(args.markdown, lambda tmp: Path(tmp).write_text(md, encoding="utf-8"))
+    if args.plot:
+        plot_compare(out, transforms, args.bits, args.plot, args.model, args.quantizer)
+    if args.json:
+        write_json(args.json, out)
     return 0
 
 
