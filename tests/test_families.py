@@ -290,6 +290,7 @@ def test_every_command_runs_on_the_family(family, tmp_path, capsys):
     methods = "wush,hadamard" + ("" if describe(model).attention_sinks or describe(model).attn_logit_softcap else ",wush-c")
     runs = [
         ["info", str(m)],
+        ["info", str(m), "--json"],
         ["calibrate", "--model", str(m), "--samples", "2", "--seq-len", "64", "--calib-text-file", str(text), "--out", str(cal)],
         ["ppl", "--model", str(m), "--transform", "wush", "--calibration", str(cal), "--text-file", str(text), "--chunks", "1",
          "--seq-len", "128", *win, "--json", str(tmp_path / "ppl.json")],

@@ -49,9 +49,9 @@ _RESUMED_OUT = ("tune-clip",)
 def run_output(args) -> str | None:
     """The results file a command reads back and extends as it runs (``--json``; tune-clip's ``--out``), or None."""
     out = getattr(args, "json", None)
-    if out is None and args.command in _RESUMED_OUT:
+    if args.command in _RESUMED_OUT:
         out = getattr(args, "out", None)
-    return out
+    return out if isinstance(out, str) else None  # `info --json` is a switch, not a file
 
 
 def main(argv: list[str] | None = None) -> int:
