@@ -228,7 +228,12 @@ num_cpus = 1
 # -- two runs writing one output ------------------------------------------------------------------------------------------
 def test_output_lock_refuses_a_second_writer(tmp_path):
     out = tmp_path / "r.json"
+    # a killed run's temporary of r.json, and those of r2.json and of r.json.x (other outputs)
+    stale, *others = (tmp_path / n for n in (".r.json.ab_c1234.tmp", ".r2.json.ab_c1234.tmp", ".r.json.x.ab_c1234.tmp"))
+    for f in (stale, *others):
+        f.write_text("{")
     with exclusive_output(out):
+        assert not stale.exists() and all(f.exists() for f in others)  # its own output's leftovers go, others' stay
         assert lock_path(out).read_text().strip() == str(os.getpid())
         with pytest.raises(OutputLockedError, match=rf"another wushkv run is writing {out} \(pid {os.getpid()}\)"):
             with exclusive_output(out):

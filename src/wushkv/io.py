@@ -2,7 +2,8 @@
 
 Every final file wushkv writes goes through :func:`atomic_write` (a temporary file beside it, renamed over it), so a
 process killed at any point leaves either the old file or the new one under the final name, never a part of one
-(a ``.NAME.*.tmp`` file may be left beside it). JSON written by :func:`write_json` carries ``"sha256"``: the SHA-256
+(a ``.NAME.*.tmp`` file may be left beside it; the next run that takes the file's lock, :func:`exclusive_output`,
+removes it). JSON written by :func:`write_json` carries ``"sha256"``: the SHA-256
 of the rest of the object (:func:`json_digest`); :func:`read_json` verifies it, so a file damaged on disk is refused
 with its name rather than read as other results. Files without the key (older versions, hand-made) are read as they
 are.
@@ -11,9 +12,11 @@ are.
 from __future__ import annotations
 
 import contextlib
+import glob
 import hashlib
 import json
 import os
+import re
 import tempfile
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -106,7 +109,8 @@ def exclusive_output(path: str | Path | None) -> Iterator[None]:
     """Hold an exclusive lock on output ``path`` (``fcntl.flock`` on :func:`lock_path`, which records the holder's
     pid) for the body: a second run writing the same file is refused with :class:`OutputLockedError` instead of
     interleaving its results with the first's. The lock goes with the process (a killed run leaves no stale lock;
-    the lock file itself stays, empty of meaning). None: no lock. Where ``fcntl`` is missing (Windows): no lock."""
+    the lock file itself stays, empty of meaning). Taking it removes the ``.NAME.*.tmp`` files a killed run left
+beside ``path`` (:func:`atomic_write`'s). None: no lock. Where ``fcntl`` is missing (Windows): no lock."""
     if path is None:
         yield
         return
@@ -127,6 +131,12 @@ def exclusive_output(path: str | Path | None) -> Iterator[None]:
                                     "another output path") from None
         os.ftruncate(fd, 0)
         os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
+        # Holding the lock, no other run is writing this file: a temporary file of it is a killed run's leftover.
+        # (mkstemp's 8-character names: ``.r.json.x.abcd1234.tmp`` is another output's, "r.json.x", and stays)
+        own = re.compile(rf"\.{re.escape(Path(path).name)}\.[a-z0-9_]{{8}}\.tmp")
+        for stale in Path(path).parent.glob(f".{glob.escape(Path(path).name)}.*.tmp"):
+            if own.fullmatch(stale.name):
+                stale.unlink(missing_ok=True)
         yield
     finally:
         os.close(fd)  # releases the lock
