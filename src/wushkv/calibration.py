@@ -32,13 +32,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
-from safetensors import safe_open
-from safetensors.torch import save_file
 
 from . import __version__
 from .attention import attention_probs, grouped
 from .hf import observe_sequences
-from .io import CHECKSUM_KEY, CorruptFileError, atomic_write, check_tensors_digest, tensors_digest, write_json
+from .io import CorruptFileError, read_checked_safetensors, write_checked_safetensors, write_json
 from .progress import progress
 from .models import ArchSpec, attention_modules, describe, fingerprint, model_name, projections, require_materialized, rope_rotate
 from .transforms import TRANSFORMS, LayerTransforms, build_transforms
@@ -297,9 +295,8 @@ class Calibration:
                 for k, t in tr.tensors().items():
                     tensors[f"transforms.{m}.{l}.{k}"] = t.float().contiguous()
         header = {"format": FORMAT, "format_version": str(FORMAT_VERSION), "meta": json.dumps(self.meta)}
-        header[CHECKSUM_KEY] = tensors_digest(tensors, header)  # verified at load: a damaged file is refused
         path = Path(path)
-        atomic_write(path, lambda tmp: save_file(tensors, tmp, metadata=header))
+        write_checked_safetensors(path, tensors, header)  # its checksum is verified at load: a damaged file is refused
         write_json(str(path) + ".json", self.meta)
         return path
 
@@ -309,16 +306,15 @@ class Calibration:
         path = Path(path)
         if not path.is_file():
             raise FileNotFoundError(f"calibration file {str(path)!r} does not exist; create it with `wushkv calibrate --out {path}`")
+        def check_format(header: dict[str, str]) -> None:
+            if header.get("format") != FORMAT:
+                raise CalibrationError(f"{str(path)!r} is not a wushkv calibration file (format {header.get('format')!r})")
+            version = header.get("format_version")
+            if version != str(FORMAT_VERSION):
+                raise CalibrationError(f"{str(path)!r} has calibration format version {version}; this wushkv {__version__} reads version {FORMAT_VERSION}")
+
         try:
-            with safe_open(str(path), framework="pt") as f:
-                header = f.metadata() or {}
-                if header.get("format") != FORMAT:
-                    raise CalibrationError(f"{str(path)!r} is not a wushkv calibration file (format {header.get('format')!r})")
-                version = header.get("format_version")
-                if version != str(FORMAT_VERSION):
-                    raise CalibrationError(f"{str(path)!r} has calibration format version {version}; this wushkv {__version__} reads version {FORMAT_VERSION}")
-                tensors = {k: f.get_tensor(k) for k in f.keys()}
-            check_tensors_digest(path, tensors, header, "calibration file")
+            header, tensors = read_checked_safetensors(path, "calibration file", check_format)
             meta = json.loads(header["meta"])
             n = meta["fingerprint"]["num_layers"]
             if not isinstance(n, int) or n < 1:
@@ -327,8 +323,8 @@ class Calibration:
             raise
         except CorruptFileError as e:
             raise CalibrationError(str(e)) from None
-        except Exception as e:  # noqa: BLE001 - safetensors raises several types on corrupted files
-            raise CalibrationError(f"{str(path)!r} is corrupted or not a safetensors file: {type(e).__name__}: {e}") from None
+        except (KeyError, TypeError, ValueError) as e:  # the metadata JSON damaged
+            raise CalibrationError(f"{str(path)!r} has damaged metadata: {type(e).__name__}: {e}") from None
         stats: list[dict] = [{} for _ in range(n)]
         solved: dict[str, list] = {}
         try:

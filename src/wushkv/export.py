@@ -26,9 +26,8 @@ import json
 from pathlib import Path
 
 import torch
-from safetensors.torch import save_file
 
-from .io import CHECKSUM_KEY, CorruptFileError, atomic_write, check_tensors_digest, tensors_digest
+from .io import CorruptFileError, read_checked_safetensors, write_checked_safetensors
 from .transforms import LayerTransforms
 
 EXPORT_FORMAT = "wushkv-transforms"
@@ -91,8 +90,7 @@ def export_transforms(calibration, method: str, path, dtype: str = "float32", to
         "num_layers": len(layers), "max_inverse_error": worst, "inverse_error_per_layer": errors,
     }
     header = {"format": EXPORT_FORMAT, "format_version": str(EXPORT_VERSION), "meta": json.dumps(meta)}
-    header[CHECKSUM_KEY] = tensors_digest(tensors, header)  # lets a reader refuse a damaged file (read_export)
-    atomic_write(Path(path), lambda tmp: save_file(tensors, tmp, metadata=header))
+    write_checked_safetensors(Path(path), tensors, header)  # its checksum lets a reader refuse a damaged file (read_export)
     return meta
 
 
@@ -100,21 +98,16 @@ def read_export(path) -> tuple[dict, dict[str, torch.Tensor]]:
     """(meta, {name: tensor}) of an export file, checked: its format and version, its checksum (files that carry
     one), the four maps of every layer. Raises :class:`~wushkv.io.CorruptFileError` (a ``ValueError``) naming the file
     for anything else; ``FileNotFoundError`` for a missing file."""
-    from safetensors import safe_open
-
     path = Path(path)
     if not path.is_file():
         raise FileNotFoundError(f"export file {str(path)!r} does not exist")
-    try:
-        with safe_open(str(path), framework="pt") as f:
-            header = f.metadata() or {}
-            tensors = {k: f.get_tensor(k) for k in f.keys()}
-    except Exception as e:  # noqa: BLE001 - safetensors raises several types on damaged files
-        raise CorruptFileError(f"export file {str(path)!r} is damaged or not a safetensors file: {type(e).__name__}: {e}") from None
-    if header.get("format") != EXPORT_FORMAT or header.get("format_version") != str(EXPORT_VERSION):
-        raise CorruptFileError(f"{str(path)!r} is not a wushkv export of format version {EXPORT_VERSION} (format "
-                               f"{header.get('format')!r}, version {header.get('format_version')!r})")
-    check_tensors_digest(path, tensors, header, "export file")
+
+    def check_format(header: dict[str, str]) -> None:
+        if header.get("format") != EXPORT_FORMAT or header.get("format_version") != str(EXPORT_VERSION):
+            raise CorruptFileError(f"{str(path)!r} is not a wushkv export of format version {EXPORT_VERSION} (format "
+                                   f"{header.get('format')!r}, version {header.get('format_version')!r})")
+
+    header, tensors = read_checked_safetensors(path, "export file", check_format)
     try:
         meta = json.loads(header["meta"])
         n = meta["num_layers"]

@@ -83,8 +83,7 @@ def read_json(path: str | Path, what: str = "JSON file"):
     if not isinstance(obj, dict):
         return obj
     if CHECKSUM_KEY not in obj:
-        # a key one character away from the checksum's is the checksum key damaged on disk, not an older file
-        if any(len(k) == len(CHECKSUM_KEY) and sum(a != b for a, b in zip(k, CHECKSUM_KEY)) == 1 for k in obj):
+        if _misspelled_checksum(obj):
             raise CorruptFileError(f"{what} {p} is damaged: its {CHECKSUM_KEY!r} key is misspelled")
         return obj
     stored = obj.pop(CHECKSUM_KEY)
@@ -158,11 +157,46 @@ def tensors_digest(tensors: dict, metadata: dict[str, str]) -> str:
     return h.hexdigest()
 
 
+def _misspelled_checksum(keys) -> bool:
+    """Whether a key is one character away from the checksum's: the checksum key damaged on disk, not an older file
+    without one."""
+    return any(len(k) == len(CHECKSUM_KEY) and sum(a != b for a, b in zip(k, CHECKSUM_KEY)) == 1 for k in keys)
+
+
+def write_checked_safetensors(path: str | Path, tensors: dict, header: dict[str, str]) -> Path:
+    """Write ``tensors`` with the string metadata ``header`` plus its ``sha256`` (:func:`tensors_digest`), atomically:
+    the writer of calibration and export files (:func:`read_checked_safetensors` reads them back)."""
+    from safetensors.torch import save_file
+
+    header = dict(header, **{CHECKSUM_KEY: tensors_digest(tensors, header)})
+    return atomic_write(path, lambda tmp: save_file(tensors, tmp, metadata=header))
+
+
+def read_checked_safetensors(path: str | Path, what: str,
+                             check_header: Callable[[dict[str, str]], None] | None = None) -> tuple[dict[str, str], dict]:
+    """(header, {name: tensor}) of a safetensors file, its ``sha256`` verified where it has one (older files have
+    none). Raises :class:`CorruptFileError` naming ``what`` and the path for a file safetensors cannot read or whose
+    content does not match its checksum. ``check_header`` (the caller's format and version check) runs first, so a
+    file of another format or version is named as such rather than as damaged."""
+    from safetensors import safe_open
+
+    try:
+        with safe_open(str(path), framework="pt") as f:
+            header = f.metadata() or {}
+            tensors = {k: f.get_tensor(k) for k in f.keys()}
+    except Exception as e:  # noqa: BLE001 - safetensors raises several types on damaged files
+        raise CorruptFileError(f"{what} {str(path)!r} is corrupted or not a safetensors file: {type(e).__name__}: {e}") from None
+    if check_header is not None:
+        check_header(header)
+    check_tensors_digest(path, tensors, header, what)
+    return header, tensors
+
+
 def check_tensors_digest(path, tensors: dict, metadata: dict[str, str], what: str) -> None:
     """Raise :class:`CorruptFileError` naming ``path`` when the header's ``sha256`` does not match the content (a file
     without one, from an older version, passes; a header key one character away from it is the key damaged)."""
     if CHECKSUM_KEY not in metadata:
-        if any(len(k) == len(CHECKSUM_KEY) and sum(a != b for a, b in zip(k, CHECKSUM_KEY)) == 1 for k in metadata):
+        if _misspelled_checksum(metadata):
             raise CorruptFileError(f"{what} {str(path)!r} is damaged: its {CHECKSUM_KEY!r} header key is misspelled")
         return
     if metadata[CHECKSUM_KEY] != tensors_digest(tensors, metadata):

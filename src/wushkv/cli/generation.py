@@ -7,6 +7,7 @@ import hashlib
 from pathlib import Path
 
 from ..config import GENERATION_WINDOWS
+from ..io import read_json
 from .common import (add_calibration_args, add_model_args, add_quant_args, calibration, context_list, err, load_model,
                      quant_config)
 
@@ -51,8 +52,6 @@ def _saved_agreement(path) -> dict:
     """``--report-only``: the run ``agree --json`` saved at ``path``."""
     if not path or not Path(path).is_file():
         raise ValueError(f"--report-only reads the results of an earlier run: --json {path!r} is not a file")
-    from ..io import read_json
-
     saved = read_json(path, "--json")
     if not isinstance(saved, dict) or "state" not in saved or "settings" not in saved:
         raise ValueError(f"--json {path}: not a file `wushkv agree` wrote")

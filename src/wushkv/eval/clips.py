@@ -26,6 +26,7 @@ from pathlib import Path
 import torch
 
 from ..config import CLIP_GRID, QuantConfig
+from ..io import read_json
 from ..methods.spec import canonical_name
 
 FORMAT = "wushkv-clips"
@@ -138,8 +139,6 @@ class ClipTable:
         p = Path(path)
         if not p.is_file():
             raise FileNotFoundError(f"clip table {p} does not exist (make one with `wushkv tune-clip --out {p}`)")
-        from ..io import read_json
-
         data = read_json(p, "clip table")
         if not isinstance(data, dict) or data.get("format") != FORMAT:
             raise ValueError(f"{p} is not a wushkv clip table (format {FORMAT!r}); make one with `wushkv tune-clip`")

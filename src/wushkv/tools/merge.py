@@ -7,14 +7,12 @@ same case, raise :class:`ValueError` naming the file and what differs.
 
 from __future__ import annotations
 
-
+from ..io import read_json
 from ..runs import reconcile_settings
 
 
 def read_runs(paths: list[str]) -> list[tuple[str, dict]]:
     """[(path, parsed JSON)] in the order given."""
-    from ..io import read_json
-
     out = []
     for p in paths:
         d = read_json(p, "run file")
