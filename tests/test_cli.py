@@ -209,27 +209,37 @@ def test_tune_clip_then_compare_with_the_table(tmp_path, capsys):
         assert res[t]["2"]["ppl"] == clips[t]["2"]["ppl"]  # the same text and clips: the same perplexity
 
 
-def test_compare_runs_auto_and_says_what_it_ran(tmp_path, capsys, monkeypatch):
-    """compare --transforms auto,...: auto resolves per width (here a recipe registered for the test under the
-    --model string, with its clip multipliers), the table row and JSON record it, the perplexity is that method's."""
+def test_compare_runs_auto_and_says_what_it_ran(tmp_path, capsys):
+    """compare --transforms auto,...: auto resolves per width from the calibration's selection (here one written for
+    the test, with its clip multipliers), the table row and JSON record it and why, the perplexity is that method's."""
     import json
 
-    import wushkv.methods.auto as methods
+    from wushkv.calibration import Calibration
+    from wushkv.config import QuantConfig, WindowConfig
+    from wushkv.methods.auto import selection_setting
 
     _, text, cal = _tiny_model_dir(tmp_path, repeats=20, max_position_embeddings=None)
+    setting = selection_setting(QuantConfig(windows=WindowConfig(4, 16, 4)))
+    cal.set_selection({"setting": setting, "text": "h.txt", "chunks": 4, "serve_len": 120, "rule": "lowest",
+                       "choices": {"2": {"recipe": "wush+ldlq-v@ka=1.2", "why": "lowest mean held-out NLL of 3 candidates"}}})
     path = cal.save(tmp_path / "c.safetensors")
-    monkeypatch.setitem(methods.AUTO_RECIPES, str(tmp_path / "m"), {2: methods.Recipe(methods.parse("wush+ldlq-v"), k_alpha=1.2)})
     out = tmp_path / "r.json"
     argv = ["compare", "--model", str(tmp_path / "m"), "--calibration", str(path), "--transforms", "auto,wush+ldlq-v", "--bits", "2,3",
             "--text-file", str(text), "--seq-len", "120", "--chunks", "2", "--sink", "4", "--keep", "16", "--flush", "4", "--json", str(out)]
     assert main(argv) == 0
-    assert "auto: 2-bit wush+ldlq-v (αK×1.2 αV×1), 3-bit wush (chosen on held-out C4" in capsys.readouterr().out
+    printed = capsys.readouterr().out
+    assert "auto: 2-bit wush+ldlq-v (αK×1.2 αV×1), 3-bit wush\n" in printed
+    assert "  2-bit: selected by `wushkv select` on h.txt (4 x 120 tokens, rule lowest): lowest mean held-out NLL" in printed
+    assert "  3-bit: no selection for" in printed and "wushkv select --calibration FILE" in printed
     res = json.loads(out.read_text())["results"]
     assert res["auto"]["2"]["method"] == "wush+ldlq-v" and res["auto"]["2"]["config"]["k_alpha"] == 1.2
+    assert res["auto"]["2"]["why"].startswith("selected by `wushkv select`")
     assert res["auto"]["3"]["method"] == "wush" and res["auto"]["2"]["ppl"] != res["wush+ldlq-v"]["2"]["ppl"]  # its own clip
-    # the recipes change (a new version): resuming the file runs auto again where it now stands for another method
-    monkeypatch.setitem(methods.AUTO_RECIPES, str(tmp_path / "m"), {2: methods.Recipe(methods.parse("wush+ldlq-v"), k_alpha=1.2),
-                                                                     3: methods.Recipe(methods.parse("wush+ldlq-v"))})
+    # a new selection written into the file: resuming runs auto again where it now stands for another method
+    cal = Calibration.load(path)
+    cal.set_selection({"setting": setting, "text": "h.txt", "chunks": 4, "serve_len": 120, "rule": "lowest",
+                       "choices": {"2": {"recipe": "wush+ldlq-v@ka=1.2"}, "3": {"recipe": "wush+ldlq-v"}}})
+    cal.save(path)
     assert main(argv) == 0
     assert "auto at 3 bits now stands for wush+ldlq-v" in capsys.readouterr().err
     again = json.loads(out.read_text())["results"]
@@ -270,7 +280,7 @@ def test_generate_batch_of_prompts_equals_each_alone(tmp_path, capsys):
         assert row == alone and len(alone) > len(p)
 
 
-def test_agree_and_passkey_take_auto(tmp_path, capsys, monkeypatch):
+def test_agree_and_passkey_take_auto(tmp_path, capsys):
     """agree and passkey resolve ``auto`` for the model and width (a model without recipes: centered WUSH keys under
     the affine quantizer), keep its rows under ``auto``, record the resolution and label the tables with it."""
     import json
@@ -284,16 +294,23 @@ def test_agree_and_passkey_take_auto(tmp_path, capsys, monkeypatch):
         out = tmp_path / f"{name}.json"
         assert main([*argv, "--json", str(out)]) == 0
         cap = capsys.readouterr()
-        assert "auto: wush+rmean (chosen on held-out C4" in cap.err and "auto (wush+rmean)" in cap.out
+        assert "auto: wush+rmean at K2V2 affine 4/8/4 (no selection for" in cap.err and "auto (wush+rmean)" in cap.out
         saved = json.loads(out.read_text())
         assert saved["settings"]["auto"]["method"] == "wush+rmean" and saved["results"]["auto"]["method"] == "wush+rmean"
+        assert "wushkv select" in saved["settings"]["auto"]["why"]
         a, b = saved["results"]["auto"], saved["results"]["wush+rmean"]
         key = "kl_by_position" if name == "agree" else "logprob"
         assert a[key] == b[key]  # the same method at the same settings
-    # a version whose recipes make auto another method here: resuming refuses the old auto rows, and says why
-    import wushkv.methods.auto as methods
+    # a selection written into the calibration makes auto another method here: resuming refuses the old auto rows, and
+    # says why
+    from wushkv.calibration import Calibration
+    from wushkv.config import QuantConfig, WindowConfig
+    from wushkv.methods.auto import selection_setting
 
-    monkeypatch.setitem(methods.AUTO_AFFINE_RECIPES, str(tmp_path / "m"), {2: methods.Recipe(methods.parse("wush"))})
+    cal = Calibration.load(path)
+    cal.set_selection({"setting": selection_setting(QuantConfig(quantizer="affine", windows=WindowConfig(4, 8, 4))),
+                       "choices": {"2": {"recipe": "wush"}}})
+    cal.save(path)
     for name, argv in runs.items():
         assert main([*argv, "--json", str(tmp_path / f"{name}.json")]) == 2
         assert "holds `auto` rows run as wush+rmean" in capsys.readouterr().err

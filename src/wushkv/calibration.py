@@ -42,7 +42,8 @@ from .models import ArchSpec, attention_modules, describe, fingerprint, model_na
 from .transforms import TRANSFORMS, LayerTransforms, build_transforms
 
 FORMAT = "wushkv-calibration"
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2  # 2: the header may hold "selections" (what `wushkv select` chose); version 1 files still load
+READABLE_VERSIONS = (1, 2)
 CALIBRATED = tuple(n for n, s in TRANSFORMS.items() if s.needs_calibration)
 
 
@@ -247,11 +248,19 @@ class StatsCollector:
 
 @dataclass
 class Calibration:
-    """Statistics and solved transforms of one model. ``meta`` is the JSON metadata."""
+    """Statistics and solved transforms of one model. ``meta`` is the JSON metadata (what the statistics depend on);
+    ``selections`` what ``wushkv select`` chose for ``auto`` per quantizer setting (:mod:`wushkv.eval.select`; JSON
+    records, read by :func:`wushkv.methods.auto.resolve_auto`), kept apart from ``meta`` so that choosing never
+    changes the calibration's recipe."""
 
     meta: dict
     stats: list[dict[str, torch.Tensor]]
     solved: dict[str, list[LayerTransforms]] = field(default_factory=dict)
+    selections: list[dict] = field(default_factory=list)
+
+    def set_selection(self, record: dict) -> None:
+        """Add ``record`` (a selection with its ``setting``), replacing one made under the same quantizer setting."""
+        self.selections = [r for r in self.selections if r.get("setting") != record.get("setting")] + [record]
 
     @property
     def spec_dict(self) -> dict:
@@ -294,7 +303,8 @@ class Calibration:
             for l, tr in enumerate(layers):
                 for k, t in tr.tensors().items():
                     tensors[f"transforms.{m}.{l}.{k}"] = t.float().contiguous()
-        header = {"format": FORMAT, "format_version": str(FORMAT_VERSION), "meta": json.dumps(self.meta)}
+        header = {"format": FORMAT, "format_version": str(FORMAT_VERSION), "meta": json.dumps(self.meta),
+                  "selections": json.dumps(self.selections)}
         path = Path(path)
         write_checked_safetensors(path, tensors, header)  # its checksum is verified at load: a damaged file is refused
         write_json(str(path) + ".json", self.meta)
@@ -310,12 +320,17 @@ class Calibration:
             if header.get("format") != FORMAT:
                 raise CalibrationError(f"{str(path)!r} is not a wushkv calibration file (format {header.get('format')!r})")
             version = header.get("format_version")
-            if version != str(FORMAT_VERSION):
-                raise CalibrationError(f"{str(path)!r} has calibration format version {version}; this wushkv {__version__} reads version {FORMAT_VERSION}")
+            if version not in {str(v) for v in READABLE_VERSIONS}:
+                raise CalibrationError(f"{str(path)!r} has calibration format version {version}; this wushkv {__version__} reads "
+                                       f"versions {', '.join(map(str, READABLE_VERSIONS))}" + (
+                                           " (a newer wushkv wrote it: upgrade wushkv)" if str(version).isdigit() and int(version) > FORMAT_VERSION else ""))
 
         try:
             header, tensors = read_checked_safetensors(path, "calibration file", check_format)
             meta = json.loads(header["meta"])
+            selections = json.loads(header.get("selections", "[]"))  # version 1 files have none
+            if not isinstance(selections, list) or not all(isinstance(r, dict) and isinstance(r.get("setting"), dict) for r in selections):
+                raise CalibrationError(f"{str(path)!r} has damaged selections: expected a list of records with a 'setting'")
             n = meta["fingerprint"]["num_layers"]
             if not isinstance(n, int) or n < 1:
                 raise CalibrationError(f"{str(path)!r} records num_layers={n!r}, not a positive integer")
@@ -346,7 +361,7 @@ class Calibration:
                     raise CalibrationError(f"{str(path)!r} lacks statistic {k} of layer {l}")
                 if not torch.isfinite(st[k]).all():
                     raise CalibrationError(f"{str(path)!r}: statistic {k} of layer {l} contains NaN or inf")
-        cal = cls(meta, stats, solved)
+        cal = cls(meta, stats, solved, selections)
         if model is not None:
             cal.check_model(model)
         return cal
@@ -363,11 +378,11 @@ class Calibration:
 
 
 def calibration_recipe(meta: dict | None) -> dict | None:
-    """What results made with a calibration depend on: its metadata less the date, timing and version
+    """What results made with a calibration depend on: its metadata less the date, timing, version and file format
     (two calibrations with the same recipe give the same statistics)."""
     if meta is None:
         return None
-    return {k: v for k, v in meta.items() if k not in ("date", "seconds", "wushkv_version")}
+    return {k: v for k, v in meta.items() if k not in ("date", "seconds", "wushkv_version", "format_version")}
 
 
 def c4_documents_read(samples: int, seq_len: int) -> int:

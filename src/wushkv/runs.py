@@ -75,6 +75,10 @@ def reconcile_settings(old: dict, new: dict, key: Callable[[dict], dict] | None 
         if "auto" in a and "auto" not in b:
             b["auto"] = a["auto"]
     ko, kn = (key(old), key(new)) if key is not None else (old, new)
+    ko, kn = dict(ko), dict(kn)
+    for k_ in (ko, kn):  # where auto's choice came from is recorded, not a setting: the same method resumes
+        if isinstance(k_.get("auto"), dict):
+            k_["auto"] = {a: b for a, b in k_["auto"].items() if a != "why"}
     for k in since:
         if k not in ko:  # a file from before the key was recorded
             ko[k] = kn.get(k)

@@ -137,22 +137,22 @@ def test_paired_difference_and_margins():
 
 
 @torch.no_grad()
-def test_compare_auto_runs_the_models_recipe_at_each_width(tiny_cal, monkeypatch):
-    """``auto`` in compare runs the recipe of the run's model at each width: the same perplexity as naming that
-    method, and the entry records which method it was."""
-    import wushkv.methods.auto as methods
-    from wushkv.methods.auto import Recipe
+def test_compare_auto_runs_the_models_recipe_at_each_width(tiny_cal):
+    """``auto`` in compare runs the calibration's selected recipe at each width: the same perplexity as naming that
+    method at its settings, and the entry records which method it was and why."""
+    from wushkv.methods.auto import selection_setting
 
     model = tiny_model("llama")
     cal = tiny_cal(model)
-    monkeypatch.setitem(methods.AUTO_RECIPES, "tiny", {2: Recipe(parse("wush+ldlq-v")), 3: Recipe(parse("wush"), k_alpha=1.2)})
-    chunks = torch.randint(3, 96, (1, 160), generator=torch.Generator().manual_seed(2))
     base = QuantConfig(windows=WindowConfig(4, 16, 4))
+    cal.set_selection({"setting": selection_setting(base), "choices": {"2": {"recipe": "wush+ldlq-v"}, "3": {"recipe": "wush@ka=1.2"}}})
+    chunks = torch.randint(3, 96, (1, 160), generator=torch.Generator().manual_seed(2))
     quiet = {"show_progress": False, "log": lambda m: None}
     out = run_compare(model, None, chunks, cal, ["auto", "wush+ldlq-v"], [2, 3], base, meta={"model": "tiny"}, **quiet)
     auto, named = out["results"]["auto"], out["results"]["wush+ldlq-v"]
     assert auto["2"]["method"] == "wush+ldlq-v" and auto["2"]["ppl"] == pytest.approx(named["2"]["ppl"], rel=1e-9)
     assert auto["3"]["method"] == "wush" and auto["3"]["config"]["k_alpha"] == pytest.approx(1.2)
+    assert auto["2"]["why"].startswith("selected by `wushkv select`") and "wush+ldlq-v" not in out["results"]["wush+ldlq-v"]["2"].get("why", "")
     direct = quantized_perplexity(model, chunks, cal, "wush", replace(base, k_bits=3, v_bits=3, k_alpha=1.2), show_progress=False)
     assert auto["3"]["ppl"] == pytest.approx(direct["ppl"], rel=1e-9)
 

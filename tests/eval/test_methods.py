@@ -218,33 +218,41 @@ def test_generation_method(tiny_cal):
 
 
 def test_auto_method_resolves_per_model_width_and_quantizer(tiny_cal):
-    """``auto``: each model's C4-chosen QuEST variant at K = V bits (its clip multipliers on top of the configured
-    ones), the generation choice with the affine quantizer, the paper recipe elsewhere; the resolved settings are the
-    method's own quantizer settings of the recipe-adjusted configuration."""
+    """``auto`` without a selection in the calibration: each shipped model's recorded QuEST recipe at K = V bits (its
+    clip multipliers on top of the configured ones), the generation choice with the affine quantizer, the paper recipe
+    elsewhere, each with why; the resolved settings are the method's own quantizer settings of the recipe-adjusted
+    configuration."""
     from dataclasses import replace
 
-    from wushkv.methods.auto import AUTO_CALIBRATION, AUTO_RECIPES, resolve_auto
+    from wushkv.methods.auto import RECORDED, parse_recipe, resolve_auto
 
     model = tiny_model("llama")
     cal = tiny_cal(model)
-    for key, table in AUTO_RECIPES.items():
-        assert key in AUTO_CALIBRATION and set(table) == {2, 3, 4}
-        for b, r in table.items():
-            assert isinstance(r.method, MethodSpec) and r.method.key_transform.startswith("wush")
-            base = QuantConfig(b, b, quantizer="quest", k_alpha=1.1)
+    assert cal.selections == []
+    for key, records in RECORDED.items():
+        quest = [r for r in records if r["setting"]["quantizer"] == "quest"]
+        assert len(quest) == 1 and set(quest[0]["choices"]) == {"2", "3", "4"} and len(quest[0]["calibration"]) == 2
+        for b, choice in quest[0]["choices"].items():
+            r = parse_recipe(choice["recipe"])
+            assert r.name == choice["recipe"] and r.method.key_transform.startswith("wush")
+            base = QuantConfig(int(b), int(b), quantizer="quest", k_alpha=1.1)
             got = resolve_auto(key, cal, base)
             c = got.config
+            assert got.source == "recorded" and key in got.why and "chosen under quest 16/128/16" in got.why  # other windows: said
             assert got.method == r.method and c.k_alpha == pytest.approx(1.1 * r.k_alpha) and c.v_alpha == pytest.approx(r.v_alpha)
-            assert (c.k_bits, c.v_bits, c.quantizer, c.tile_clip) == (b, b, "quest", r.tile_clip)
+            assert (c.k_bits, c.v_bits, c.quantizer, c.tile_clip) == (int(b), int(b), "quest", r.tile_clip)
             assert c == r.method.quant_config(replace(base, k_alpha=1.1 * r.k_alpha, v_alpha=r.v_alpha, tile_clip=r.tile_clip))
     got = resolve_auto("smollm2-135m", cal, QuantConfig(2, 2, quantizer="quest", windows=WindowConfig(16, 128, 16)))
     c = got.config  # what compare and generate run: keys in clipped tiles, QuEST values under the +ktiles windows
     assert got.method.name == "wush+ktiles+ldlq" and (c.side_quantizer("key"), c.side_quantizer("value"), c.tile_clip) == ("kvarn", "quest", 3.0)
     assert (c.windows.S_sink, c.windows.S_keep, c.windows.S_flush) == (16, 72, 128)
+    assert "chosen under" not in got.why and got.record()["recipe"] == "wush+ktiles+ldlq@tc=3"
     quest = QuantConfig(3, 2, quantizer="quest")
-    assert (resolve_auto("smollm2-135m", cal, quest).method.name, resolve_auto("smollm2-135m", cal, quest).config) == ("wush", quest)  # K ≠ V
+    got = resolve_auto("smollm2-135m", cal, quest)
+    assert (got.method.name, got.config) == ("wush", quest) and "K = V" in got.why  # K ≠ V
     name = lambda key, cfg: resolve_auto(key, cal, cfg).method.name  # noqa: E731
     assert name("my-model", replace(quest, v_bits=3)) == "wush"  # a model without recipes
+    assert "wushkv select --calibration" in resolve_auto("my-model", cal, replace(quest, v_bits=3)).why
     assert name("smollm2-135m", QuantConfig(8, 8, quantizer="quest")) == "wush"  # a width without one
     assert name("gemma3-270m", QuantConfig(2, 2, quantizer="affine")) == "wush+rmean"  # no affine recipe
     assert name("smollm2-135m", QuantConfig(3, 3, quantizer="affine")) == "wush+rmean"  # nor at 3 bits
@@ -254,17 +262,52 @@ def test_auto_method_resolves_per_model_width_and_quantizer(tiny_cal):
     assert parse("auto") is AUTO and AUTO.needs_calibration
 
 
+def test_auto_reads_the_calibrations_own_selection_first(tiny_cal, tmp_path):
+    """A selection in the calibration file wins over a recorded one and the paper recipe, exactly at its setting or,
+    said so, at the same quantizer's other windows; a recipe the calibration cannot run (+rmean without the pre-RoPE
+    mean) falls through, with the reason; the selection survives the file's save and load."""
+    from dataclasses import replace
+
+    from wushkv.calibration import Calibration
+    from wushkv.methods.auto import resolve_auto, selection_setting
+
+    model = tiny_model("llama")
+    cal = tiny_cal(model)
+    q = QuantConfig(quantizer="quest", windows=WindowConfig(4, 16, 4))
+    cal.set_selection({"setting": selection_setting(q), "text": "held.txt", "chunks": 4, "serve_len": 160, "rule": "lowest",
+                       "choices": {"2": {"recipe": "wush+ldlq-v@ka=1.2", "why": "lowest"}, "3": {"recipe": "wush+rmean+ldlq"}}})
+    cal.set_selection({"setting": selection_setting(QuantConfig(quantizer="affine")), "choices": {"2": {"recipe": "wush+ldlq"}}})
+    cal.set_selection({"setting": selection_setting(q), "text": "held.txt", "chunks": 4, "serve_len": 160, "rule": "lowest",
+                       "choices": {"2": {"recipe": "wush+ldlq-v@ka=1.2", "why": "lowest"}, "3": {"recipe": "wush+rmean+ldlq"}}})
+    assert len(cal.selections) == 2  # one per setting: choosing again replaces
+    path = cal.save(tmp_path / "c.safetensors")
+    cal = Calibration.load(path, model)
+    got = resolve_auto("smollm2-135m", cal, replace(q, k_bits=2, v_bits=2))  # over SmolLM2's recorded recipe
+    assert (got.source, got.method.name, got.config.k_alpha) == ("calibration", "wush+ldlq-v", pytest.approx(1.2))
+    assert "selected by `wushkv select` on held.txt (4 x 160 tokens, rule lowest): lowest" == got.why
+    other = resolve_auto("my-model", cal, QuantConfig(2, 2, quantizer="quest", windows=WindowConfig(8, 16, 4)))
+    assert other.method.name == "wush+ldlq-v" and "chosen under quest 4/16/4, this run is quest 8/16/4" in other.why
+    assert resolve_auto("my-model", cal, QuantConfig(2, 2, quantizer="affine")).method.name == "wush+ldlq"
+    got = resolve_auto("my-model", cal, replace(q, k_bits=3, v_bits=3))
+    assert got.method.name == "wush+rmean+ldlq" and got.source == "calibration"  # the tiny calibration holds the mean
+    for st in cal.stats:
+        st.pop("mu_K_pre")
+    got = resolve_auto("my-model", cal, replace(q, k_bits=3, v_bits=3))
+    assert got.method.name == "wush" and "calibration selection wush+rmean+ldlq not run" in got.why
+
+
 def test_auto_method_in_the_generation_setting(tiny_cal):
     """With the affine quantizer (generate, agree, passkey) ``auto`` takes the model's affine recipe at K = V bits: on
     SmolLM2 at 2 bits centered keys in clipped tiles with error feedback, affine values, under the +ktiles windows of
     64/256/8."""
-    from wushkv.methods.auto import AUTO_AFFINE_RECIPES, describe_resolved, resolve_auto
+    from wushkv.methods.auto import RECORDED, describe_resolved, parse_recipe, resolve_auto
 
     model = tiny_model("llama")
     cal = tiny_cal(model)
-    for table in AUTO_AFFINE_RECIPES.values():
-        for b, r in table.items():
-            assert r.method.key_transform.startswith("wush") and 2 <= b <= 8
+    for records in RECORDED.values():
+        for rec in records:
+            for b, choice in rec["choices"].items():
+                assert parse_recipe(choice["recipe"]).method.key_transform.startswith("wush") and 2 <= int(b) <= 8
     affine = QuantConfig(2, 2, quantizer="affine", windows=WindowConfig(64, 256, 8))
     got = resolve_auto("smollm2-135m", cal, affine)
     m, c = got.method, got.config
@@ -285,10 +328,15 @@ def test_auto_method_in_the_generation_setting(tiny_cal):
 def test_auto_calibration_note(tiny_cal):
     from types import SimpleNamespace
 
-    from wushkv.methods.auto import auto_calibration_note
+    from wushkv.methods.auto import auto_calibration_note, selection_setting
 
-    same = SimpleNamespace(meta={"samples": 32, "seq_len": 2048})
+    same = SimpleNamespace(meta={"samples": 32, "seq_len": 2048}, selections=[])
     assert auto_calibration_note("smollm2-135m", same) is None
     assert auto_calibration_note("my-model", same) is None and auto_calibration_note("smollm2-135m", None) is None
     note = auto_calibration_note("gemma3-270m", same)
-    assert "16 x 2048" in note and "32 x 2048" in note and "--samples 16" in note
+    assert "16 x 2048" in note and "32 x 2048" in note and "--samples 16" in note and "wushkv select" in note
+    q = QuantConfig(quantizer="quest")
+    own = SimpleNamespace(meta={"samples": 8, "seq_len": 512}, selections=[{"setting": selection_setting(q), "choices": {}}])
+    assert auto_calibration_note("gemma3-270m", own, q) is None  # its own selection applies: no recorded one is used
+
+

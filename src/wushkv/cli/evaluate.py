@@ -102,7 +102,7 @@ def cmd_compare(args) -> int:
     clips = ClipTable.load(args.clips, model) if clips else None
     cal = calibration(args, model, tok, transforms)
     chunks = tokenize_chunks(tok, text, args.seq_len, args.chunks, first=args.first_chunk)
-    if AUTO in transforms and (note := auto_calibration_note(args.model, cal)):
+    if AUTO in transforms and (note := auto_calibration_note(args.model, cal, base)):
         err(note)
     meta = {"model": args.model, "dtype": args.dtype, "text": label, "transforms": transforms, "bits": args.bits}
     if args.first_chunk:
@@ -204,8 +204,8 @@ def register(sub) -> None:
     add_model_args(p)
     p.add_argument("--bits", type=bits_list, default=[2, 3, 4], help="bit widths, comma-separated (default: 2,3,4)")
     p.add_argument("--transforms", default="identity,hadamard,random,oscar,kvarn,wush,auto",
-                   help="comma-separated; 'auto' is the WUSH variant chosen on held-out C4 for the model, quantizer and width "
-                        "(wushkv.methods.auto.AUTO_RECIPES) (default: %(default)s)")
+                   help="comma-separated; 'auto' is the WUSH variant chosen per width by `wushkv select` (the calibration's selection, "
+                        "else the recorded one of a shipped model, else the paper recipe) (default: %(default)s)")
     p.add_argument("--chunks", type=int, default=16, help="evaluation chunks (default: %(default)s)")
     p.add_argument("--first-chunk", type=int, default=0,
                    help="skip this many chunks first: more text beyond the protocol's first 16, to narrow a tie's interval "
@@ -248,7 +248,7 @@ def register(sub) -> None:
     p.add_argument("--model", default="smollm2-135m")
     p.add_argument("--bits", default="2,3,4")
     p.add_argument("--transforms", default="identity,hadamard,oscar,kvarn,wush,auto",
-                   help="comma-separated; auto: the WUSH variant chosen on held-out C4 for the model, quantizer and width (default: %(default)s)")
+                   help="comma-separated; auto: the WUSH variant chosen per width by `wushkv select` (default: %(default)s)")
     p.add_argument("--chunks", type=int, default=1, help="2048-token chunks (default: %(default)s; the full protocol is compare --chunks 16)")
     p.add_argument("--calib-samples", type=int, default=8)
     p.add_argument("--out", default="out/demo")

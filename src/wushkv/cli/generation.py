@@ -31,9 +31,7 @@ def cmd_generate(args) -> int:
     if auto:
         r = resolve_auto(args.model, cal, cfg)
         method, cfg = r.method.name, r.config
-        err(f"--transform auto: {r.describe()}" + ("" if method != "wush" else
-            " (wush+rmean needs the affine quantizer and a calibration holding the pre-RoPE key mean; the other variants are "
-            "chosen per model and quantizer at K = V bits)"))
+        err(f"--transform auto: {r.describe()} ({r.why})")
     prompts = [open(f, encoding="utf-8").read() for f in args.prompt_file or []] + list(args.prompt or [])
     if not prompts:
         prompts = [GENERATE_PROMPT]
@@ -152,8 +150,8 @@ def register(sub) -> None:
     p.add_argument("--prompt-file", action="append", default=None, help="read a prompt from a UTF-8 file (repeatable; before --prompt's)")
     p.add_argument("--max-new-tokens", type=int, default=128)
     p.add_argument("--transform", default="auto",
-                   help="method, as for agree; 'auto': the WUSH variant chosen on held-out C4 for the model, quantizer and width "
-                        "at K = V bits (affine, the default here: docs/results.md#generation-agree-and-passkey; QuEST: docs/results.md); elsewhere wush+rmean "
+                   help="method, as for agree; 'auto': the WUSH variant chosen per width by `wushkv select` (the calibration's selection, else "
+                        "the recorded one of a shipped model) at K = V bits; elsewhere wush+rmean "
                         "(keys centered on their rotating mean) with the affine quantizer when the calibration holds the pre-RoPE key "
                         "mean, else wush (default: %(default)s)")
     add_calibration_args(p)

@@ -77,12 +77,13 @@ def register(subparsers) -> None:
     p = subparsers.add_parser("calibration", help="operations on calibration files (upgrade)",
                               description="Operations on calibration files.")
     sub = _leaves(p, "calibration_command")
-    q = sub.add_parser("upgrade", help="add the pre-RoPE key mean (+rmean methods) to a calibration made before it was collected",
+    q = sub.add_parser("upgrade", help="bring a calibration file to the current format (adding the pre-RoPE key mean where it lacks it)",
                        formatter_class=raw, description=(
-                           "Add the pre-RoPE key mean (mu_K_pre, needed by the +rmean methods) to a calibration file made\n"
-                           "before it was collected, keeping its statistics and solved transforms (WUSH stays the same\n"
-                           "solution, signs included); write it to a new file atomically. The mean comes from the first\n"
-                           "--seqs calibration sequences (C4 by default, or --text-file) of the file's own sequence length.\n\n"
+                           "Write a calibration file made by an older wushkv in the current format version, keeping its\n"
+                           "statistics, solved transforms and selections (WUSH stays the same solution, signs included), to a\n"
+                           "new file atomically. A file made before the pre-RoPE key mean was collected (mu_K_pre, needed by\n"
+                           "the +rmean methods) gets it, from the first --seqs calibration sequences (C4 by default, or\n"
+                           "--text-file) of the file's own sequence length: that loads the model.\n\n"
                            "  wushkv calibration upgrade --calibration out/smollm2-c32.safetensors --out out/smollm2-c32-rmean.safetensors"))
     q.add_argument("--calibration", required=True, help="the calibration file to upgrade (kept as it is)")
     q.add_argument("--out", required=True, help="where to write the upgraded file (must differ from --calibration)")

@@ -132,9 +132,10 @@ def run_compare(model, tokenizer, chunks: torch.Tensor, calibration: Calibration
         for b in bits:
             done = out["results"].get(t, {}).get(str(b))
             name, cfg = t, method_config(t, replace(base, k_bits=b, v_bits=b))
-            if t == AUTO_NAME:  # the model's C4-chosen WUSH variant at this width
+            why = None
+            if t == AUTO_NAME:  # the calibration's selection at this width (or a recorded one, or the paper recipe)
                 r = resolve_auto(settings.get("model"), calibration, cfg)
-                name, cfg = r.method.name, r.config
+                name, cfg, why = r.method.name, r.config, r.why
             if clips is not None:
                 cfg = clips.apply(name, cfg)
             if done is not None and t == AUTO_NAME and (done.get("method"), QuantConfig.current_dict(done.get("config"))) != (
@@ -146,7 +147,7 @@ def run_compare(model, tokenizer, chunks: torch.Tensor, calibration: Calibration
             label = t if name == t else f"{t} ({name})"
             r = quantized_perplexity(model, chunks, calibration, name, cfg, show_progress=show_progress, desc=f"{label} {cfg.label()}")
             entry = {"ppl": r["ppl"], "delta_pct": 100 * (r["ppl"] / out["fp"]["ppl"] - 1), "seconds": r["seconds"], "config": cfg.to_dict(),
-                     "method": name, "chunk_nll": r["chunk_nll"]}
+                     "method": name, "chunk_nll": r["chunk_nll"]} | ({"why": why} if why is not None else {})
             out["results"].setdefault(t, {})[str(b)] = entry
             log(f"{label:>9} {cfg.label():<24} PPL {r['ppl']:9.3f}  ({entry['delta_pct']:+.2f}% over full precision, {r['seconds']:.0f}s)")
             if json_path:

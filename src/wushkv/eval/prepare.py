@@ -124,11 +124,12 @@ def resolve_auto(model_name: str, methods: Sequence[str], model, cal, cfg: Quant
     r = resolve(model_name, cal, cfg)
     r.config  # checks the method against the quantizer,
     transforms_for(model, cal, r.method)  # and against what the calibration holds, before anything long runs
-    log(f"auto: {r.describe()} (chosen on held-out C4 for {model_name}, {cfg.label()})")
-    if note := auto_calibration_note(model_name, cal):
+    log(f"auto: {r.describe()} at {cfg.label()} ({r.why})")
+    if note := auto_calibration_note(model_name, cal, cfg):
         log(note)
     # the configured quantization with the recipe's settings; the method's own layout is applied where it runs
-    return {AUTO_NAME: (r.method.name, r.base)}, {"auto": {"method": r.method.name, "quantization": as_json(r.base.to_dict())}}
+    # (``why`` is recorded, not compared on resume: :func:`wushkv.runs.reconcile_settings`)
+    return {AUTO_NAME: (r.method.name, r.base)}, {"auto": {"method": r.method.name, "quantization": as_json(r.base.to_dict()), "why": r.why}}
 
 
 def calibration_recipe_of(cal) -> dict | None:

@@ -142,8 +142,11 @@ def compare_report(out: dict, transforms: Sequence[str], bits: Sequence[int], mo
         def resolved(r: dict) -> str:
             return describe_resolved(r["method"], QuantConfig.from_dict(r["config"])) if "config" in r else r.get("method", "?")
 
-        lines.append("auto: " + ", ".join(f"{b}-bit {resolved(out['results'][AUTO][str(b)])}" for b in bits)
-                     + " (chosen on held-out C4; docs/results.md)")
+        lines.append("auto: " + ", ".join(f"{b}-bit {resolved(out['results'][AUTO][str(b)])}" for b in bits))
+        whys: dict[str, list[int]] = {}
+        for b in bits:  # where each choice came from (results of older versions recorded none)
+            whys.setdefault(out["results"][AUTO][str(b)].get("why", "chosen on held-out C4 (docs/results.md)"), []).append(b)
+        lines += [f"  {', '.join(map(str, bs))}-bit: {why}" for why, bs in whys.items()]
     best = best_per_bits(out, transforms, bits)
     lines.append("lowest perplexity: " + ", ".join(f"{b}-bit {t}" for b, t in best.items()))
     lines.append("\n".join("  " + x for x in margin_lines(out, transforms, bits)))

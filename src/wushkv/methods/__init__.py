@@ -5,7 +5,7 @@ cache and folding. Import from the submodules; this package re-exports the descr
 importing it never loads the model-side code.
 """
 
-from .auto import AUTO_AFFINE_RECIPES, AUTO_CALIBRATION, AUTO_RECIPES, Recipe, Resolved, describe_resolved, resolve_auto
+from .auto import RECORDED, Recipe, Resolved, describe_resolved, parse_recipe, resolve_auto
 from .spec import (
     AUTO,
     FULL_PRECISION,
@@ -23,7 +23,7 @@ from .spec import (
 )
 
 __all__ = [
-    "AUTO", "AUTO_AFFINE_RECIPES", "AUTO_CALIBRATION", "AUTO_RECIPES", "FULL_PRECISION", "Auto", "FullPrecision", "Method",
+    "AUTO", "FULL_PRECISION", "Auto", "FullPrecision", "Method",
     "MethodSpec", "Recipe", "Resolved", "StockCache", "canonical_name", "describe_resolved", "grammar_help",
-    "key_tile_windows", "method_config", "parse", "resolve_auto", "spec_of",
+    "RECORDED", "key_tile_windows", "method_config", "parse", "parse_recipe", "resolve_auto", "spec_of",
 ]

@@ -211,7 +211,7 @@ class StockCache:
 
 @dataclass(frozen=True)
 class Auto:
-    """``auto``: per model, quantizer and width, the WUSH variant chosen on held-out C4; resolved to a
+    """``auto``: per model, quantizer and width, the WUSH variant a selection chose on held-out text; resolved to a
     :class:`MethodSpec` and its settings by :func:`wushkv.methods.auto.resolve_auto` before anything runs."""
 
     @property
@@ -346,6 +346,6 @@ def grammar_markdown() -> str:
         lines.append(f"| `{s}` | {h} |")
     lines += [f"| `{FULL_PRECISION_NAME}` | transformers' `DynamicCache` (the ceiling) |",
               "| `stock-<" + "\\|".join(STOCK_BACKENDS) + ">-<2\\|4>` | the stock transformers `QuantizedCache` on the unmodified model |",
-              f"| `{AUTO_NAME}` | per model, quantizer and width, the WUSH variant chosen on held-out C4 (`wushkv.methods.auto`) |"]
+              f"| `{AUTO_NAME}` | per model, quantizer and width, the WUSH variant `wushkv select` chose on held-out text (`wushkv.methods.auto`) |"]
     return ("Suffixes may come in any order; results are keyed by the canonical name, which writes them in the order "
             + ", ".join(f"`{s}`" for s in SUFFIX_ORDER) + ".\n\n" + "\n".join(lines) + "\n")

@@ -1,6 +1,7 @@
-"""``wushkv calibration upgrade``: add the pre-RoPE key mean (``mu_K_pre``, needed by the ``+rmean`` methods) to a
-calibration file made before it was collected, keeping its statistics and solved transforms bit for bit (so WUSH
-stays the same solution, signs included), and write the result to a new file atomically."""
+"""``wushkv calibration upgrade``: bring a calibration file made by an older wushkv to the current format: add the
+pre-RoPE key mean (``mu_K_pre``, needed by the ``+rmean`` methods) where it was made before the mean was collected,
+keep its statistics, solved transforms and selections bit for bit (so WUSH stays the same solution, signs included),
+and write the result, in the current file format version, to a new file atomically."""
 
 from __future__ import annotations
 
@@ -31,15 +32,18 @@ def add_rope_mean(cal: Calibration, model, tokenizer, seqs: int = 4, text_file: 
 
 def upgrade_file(calibration: str | Path, out: str | Path, seqs: int = 4, text_file: str | None = None,
                  model=None, tokenizer=None, show_progress: bool = True) -> Path:
-    """Read ``calibration``, add ``mu_K_pre`` (:func:`add_rope_mean`) and save to ``out`` (atomically); the
-    original is kept, so ``out`` must be another path. ``model``/``tokenizer`` default to loading the model the
-    file names (``meta["model"]``); the file is checked against the model either way. Returns ``out``."""
+    """Read ``calibration``, add ``mu_K_pre`` (:func:`add_rope_mean`) if it lacks it, and save to ``out`` in the current
+    format version (atomically); the original is kept, so ``out`` must be another path. ``model``/``tokenizer``
+    default to loading the model the file names (``meta["model"]``), only when the mean must be computed; the file is
+    checked against the model whenever one is at hand. Returns ``out``."""
     if Path(out).resolve() == Path(calibration).resolve():
         raise ValueError("--out must differ from --calibration (the original is kept)")
-    if model is None:
-        from ..models import load
-
-        model, tokenizer = load(Calibration.load(calibration).meta["model"])
     cal = Calibration.load(calibration, model=model)
-    add_rope_mean(cal, model, tokenizer, seqs=seqs, text_file=text_file, show_progress=show_progress)
+    if not all("mu_K_pre" in st for st in cal.stats):
+        if model is None:
+            from ..models import load
+
+            model, tokenizer = load(cal.meta["model"])
+            cal.check_model(model)
+        add_rope_mean(cal, model, tokenizer, seqs=seqs, text_file=text_file, show_progress=show_progress)
     return cal.save(out)

@@ -1,0 +1,119 @@
+"""``select``: choose ``auto``'s recipe per width on held-out text and write the choice into the calibration file."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from ..config import PERPLEXITY_WINDOWS
+from .common import add_model_args, add_quant_args, bits_list, check_positions, err, load_model, names, quant_config
+
+
+def default_runs_path(calibration: str, settings_key: str) -> str:
+    """Where a selection keeps its evaluations by default: beside the calibration, named by what they depend on."""
+    return f"{calibration}.select-{settings_key}.json"
+
+
+def cmd_select(args) -> int:
+    from ..calibration import Calibration
+    from ..data import heldout_c4_text, read_text_file, tokenize_chunks, wikitext2_test
+    from ..eval.prepare import check_heldout_calibration, load_calibration
+    from ..eval.select import GATES, PasskeyGate, plot_selection, run_selection, selection_record, selection_report
+    from ..io import exclusive_output
+    from ..methods.auto import parse_recipe, selection_setting
+    from ..runs import settings_key
+
+    candidates = names(args.candidates)
+    if not candidates:
+        raise ValueError("--candidates is empty: give comma-separated recipes such as wush,wush+ldlq,wush+ktiles+ldlq@tc=1.7")
+    for c in candidates:
+        parse_recipe(c)  # every recipe is checked before anything loads
+    gates = names(args.gates) if args.gates else []
+    for g in gates:
+        if g not in GATES:
+            raise ValueError(f"--gates {g!r}: known gates are {', '.join(GATES)}")
+    if args.budget is not None and not (0 < args.budget < float("inf")):
+        raise ValueError(f"--budget {args.budget:g}: bits per element (keys and values, metadata included), a positive number such as 2.5")
+    base = quant_config(args, k_bits=2, v_bits=2)
+    if not Path(args.calibration).is_file():
+        raise FileNotFoundError(f"--calibration {args.calibration} does not exist; make one with `wushkv calibrate --out {args.calibration}`")
+    out_path = args.out or args.calibration
+    if args.text_file:
+        text, label = read_text_file(args.text_file), str(args.text_file)
+        try:
+            if text.strip() and text.strip() in wikitext2_test().strip():
+                raise ValueError(f"--text-file {args.text_file} is (part of) WikiText-2 test, the evaluation text: choose on held-out "
+                                 "text of the calibration's domain (default: C4 documents no calibration reads)")
+        except FileNotFoundError:  # no WikiText-2 here: nothing to compare with
+            pass
+    else:
+        text, label = heldout_c4_text()
+    model, tok = load_model(args)
+    check_positions(model, args.serve_len, "--serve-len", args.model)
+    cal = load_calibration(args.calibration, model)
+    if not args.text_file:
+        check_heldout_calibration(cal)
+    chunks = tokenize_chunks(tok, text, args.serve_len, args.chunks)
+    if chunks.shape[0] < args.chunks:
+        err(f"note: the held-out text gives {chunks.shape[0]} chunks of {args.serve_len} tokens, fewer than --chunks {args.chunks}")
+    runs = args.json or default_runs_path(args.calibration, settings_key([selection_setting(base), args.serve_len, int(chunks.shape[0]),
+                                                                          label, args.dtype]))
+    meta = {"model": args.model, "dtype": args.dtype, "text": label, "candidates": candidates, "bits": args.bits}
+    gate_objs = [PasskeyGate(model, tok, cal) for g in gates if g == "passkey"]
+    err(f"select: {len(candidates)} candidates x {len(args.bits)} widths on {label}, {chunks.shape[0]} x {args.serve_len} tokens; "
+        f"evaluations kept in {runs}")
+    with exclusive_output(runs if args.json is None else None), exclusive_output(out_path):  # --json is locked by main
+        out = run_selection(model, chunks, cal, candidates, args.bits, base, rule=args.rule, budget=args.budget, gates=gate_objs,
+                            json_path=runs, meta=meta, log=err)
+        print(selection_report(out, candidates, args.bits, args.model, label))
+        if args.plot:
+            plot_selection(out, candidates, args.bits, args.plot, args.model, label)
+        record = selection_record(out, label)
+        if not args.dry_run:
+            fresh = Calibration.load(args.calibration, model)  # the file as it is now, not as it was read before the run
+            fresh.set_selection(record)
+            fresh.save(out_path)
+            print(f"\nwrote the selection for {len(record['choices'])} width(s) into {out_path}: `auto` now runs "
+                  + ", ".join(f"{b}-bit {c['recipe']}" for b, c in record["choices"].items()))
+    return 0
+
+
+def register(sub) -> None:
+    from ..eval.select import DEFAULT_CANDIDATES, GATES, PASSKEY_GATE, RULES
+    from ..methods.auto import RECIPE_OPTIONS
+
+    p = sub.add_parser(
+        "select", help="choose auto's recipe per width on held-out text and write it into the calibration file",
+        description="Evaluate candidate recipes on held-out text of the calibration's domain (never the evaluation text), "
+                    "compare them paired over the chunks, pick one per width by --rule, and write the choice into the "
+                    "calibration file, where `auto` reads it. Resumable: every evaluation is kept in --json. "
+                    "docs/reference/selection.md explains the procedure, its defaults and its cost.")
+    add_model_args(p)
+    p.add_argument("--calibration", required=True, help="the calibration file (from `wushkv calibrate`) to choose for")
+    p.add_argument("--out", default=None, help="write the calibration with its selection here (default: rewrite --calibration in place, "
+                                               "atomically; its statistics are unchanged)")
+    p.add_argument("--bits", type=bits_list, default=[2, 3, 4], help="widths to choose for, K = V (default: 2,3,4)")
+    p.add_argument("--candidates", default=",".join(DEFAULT_CANDIDATES),
+                   help="comma-separated recipes, simplest first: a method with options "
+                        + ", ".join(f"@{k}=X ({d})" for k, (_, d) in RECIPE_OPTIONS.items())
+                        + "; the paper recipe wush is always evaluated (default: %(default)s)")
+    p.add_argument("--rule", choices=RULES, default="lowest",
+                   help="lowest: the lowest mean held-out NLL; simplest: the first listed candidate, displaced by a later one only "
+                        "where that one is lower on every chunk (default: %(default)s)")
+    p.add_argument("--budget", type=float, default=None, metavar="BITS",
+                   help="exclude candidates storing more than BITS bits per element in the quantized middle (keys and values, "
+                        "metadata included)")
+    p.add_argument("--gates", default="", help=f"comma-separated checks a pick must also pass, on their own prompts: {', '.join(GATES)} "
+                                               f"(passkey: {PASSKEY_GATE['trials']} trials at depths "
+                                               f"{','.join(map(str, PASSKEY_GATE['depths']))} of {PASSKEY_GATE['contexts'][0]} tokens, "
+                                               "no lower accuracy than full precision)")
+    p.add_argument("--serve-len", type=int, default=2048, help="the context length you will serve: held-out chunks of this many tokens "
+                                                               "(default: %(default)s)")
+    p.add_argument("--chunks", type=int, default=4, help="held-out chunks (default: %(default)s)")
+    p.add_argument("--text-file", default=None, help="held-out UTF-8 text of the calibration's domain (default: C4 documents 1200..1999, "
+                                                     "which no calibration here reads; never the evaluation text)")
+    p.add_argument("--json", default=None, help="keep (and resume) every evaluation here (default: beside the calibration, named by "
+                                                "the settings)")
+    p.add_argument("--plot", default=None, help="PNG of held-out perplexity increase against bits per candidate")
+    p.add_argument("--dry-run", action="store_true", help="report the choice without writing it into the calibration")
+    add_quant_args(p, PERPLEXITY_WINDOWS)
+    p.set_defaults(func=cmd_select)

@@ -1,0 +1,315 @@
+"""Selection: choose ``auto``'s recipe per width on held-out text of the calibration's domain (``wushkv select``).
+
+The procedure that chose the shipped models' recipes, as a command:
+
+1. **Text.** Held-out text of the calibration's domain that the calibration did not read (default: C4 validation
+   documents 1200..1999, :func:`wushkv.data.heldout_c4_text`; a calibration that read into them is refused), cut
+   into ``chunks`` sequences of ``serve_len`` tokens, the context the user will serve. Never the evaluation text.
+2. **Candidates.** :class:`~wushkv.methods.auto.Recipe`\\ s, simplest first (:data:`DEFAULT_CANDIDATES`). One over
+   the ``budget`` (bits per element of the quantized middle, metadata included: :func:`bits_per_element`) or that the
+   calibration cannot run (``+rmean`` without the pre-RoPE mean) is excluded before anything runs, and says why.
+3. **Evaluations.** Full precision once, then every (candidate, width) through the quantized cache: per-chunk mean
+   NLLs, so that candidates compare *paired* over the same chunks. Every evaluation is kept in a JSON file that is
+   rewritten after each one; a rerun with the same settings resumes from it (other settings are refused).
+4. **Rule** (:data:`RULES`), per width, over the candidates not excluded:
+
+   * ``lowest``: the lowest mean held-out NLL;
+   * ``simplest``: the first listed candidate, displaced by a later one only where that one is lower on *every*
+     chunk (walked in the listed order, so a more complex recipe must win everywhere to displace a simpler one).
+
+5. **Gates** (optional): a pick must also pass each gate, run on the gate's own prompts (never a reported
+   evaluation's); one that fails is removed, with the gate's numbers, and the rule picks again among the rest.
+   ``passkey``: retrieval accuracy over :data:`PASSKEY_GATE` prompts (seed 1, not the ``passkey`` command's 0) no
+   lower than full precision's on the same prompts.
+
+The result, per width, is a *choice* (recipe, why, held-out Δ% over full precision, paired Δ% against the paper
+recipe with its 95% bootstrap interval over the chunks, bits per element) written into the calibration file with the
+setting it was chosen under (:meth:`wushkv.calibration.Calibration.set_selection`), where ``auto`` reads it.
+"""
+
+from __future__ import annotations
+
+import datetime as _dt
+import hashlib
+import math
+from dataclasses import replace
+
+import torch
+
+from .. import __version__
+from ..calibration import calibration_recipe
+from ..codecs import make_codec, storage_nbytes
+from ..config import QuantConfig
+from ..io import write_json
+from ..methods.auto import SELECTION_VERSION, Recipe, parse_recipe, selection_setting, setting_label
+from ..models import describe
+from ..progress import progress
+from ..runs import as_json, read_run, resume_settings
+from .compare import MIN_CHUNKS_FOR_INTERVAL, paired_difference, quantized_perplexity
+from .perplexity import perplexity
+
+PAPER = "wush"
+# Simplest first. The method families that won somewhere on the shipped models (docs/results.md), at the tile and
+# QuEST clips that won there; `wushkv select --candidates` takes any list.
+DEFAULT_CANDIDATES = ("wush", "wush+ldlq", "wush+ktiles+ldlq", "wush+ktiles+ldlq@tc=1.7", "wush+ktiles+ldlq@tc=3",
+                      "wush+ldlq@ka=1.15@va=1.45")
+RULES = ("lowest", "simplest")
+GATES = ("passkey",)
+PASSKEY_GATE = {"contexts": [1024], "depths": [0.1, 0.5, 0.9], "trials": 2, "seed": 1}
+
+
+def bits_per_element(recipe: Recipe, cfg: QuantConfig, head_dim: int) -> float:
+    """Bits per element of the quantized middle of a cache running ``recipe`` at ``cfg`` (one width), keys and values
+    together, codes and metadata (scales, offsets, tile factors) included: measured by encoding one block of random
+    tokens with the codecs the cache uses (so it cannot drift from what the cache stores)."""
+    run = recipe.method.quant_config(recipe.base(cfg))
+    block = max(run.windows.S_flush, 1)
+    n = block * max(1, math.ceil(256 / block))  # whole tiles/blocks of the codec
+    x = torch.randn(1, n, head_dim, generator=torch.Generator().manual_seed(0))
+    total, elements = 0, 0
+    for side in ("key", "value"):
+        codec = make_codec(run, side, head_dim)
+        if codec is None:  # full precision on this side: 16-bit
+            total, elements = total + 2 * n * head_dim, elements + n * head_dim
+            continue
+        codes, meta = storage_nbytes(codec.encode(x))
+        total, elements = total + codes + meta, elements + n * head_dim
+    return 8 * total / elements
+
+
+def _unrunnable(recipe: Recipe, cfg: QuantConfig, calibration) -> str | None:
+    """Why ``recipe`` cannot run at ``cfg`` with ``calibration`` (None: it can)."""
+    from ..methods.auto import _usable
+
+    try:
+        recipe.method.quant_config(recipe.base(cfg))
+    except ValueError as e:  # e.g. +ktiles with a quantizer that has no per-token values
+        return f"cannot run at {cfg.label()}: {e}"
+    return _usable(recipe, calibration)
+
+
+def _beats_everywhere(a: dict, b: dict) -> bool:
+    return all(x < y for x, y in zip(a["chunk_nll"], b["chunk_nll"]))
+
+
+def apply_rule(rule: str, order: list[str], evals: dict[str, dict]) -> str:
+    """The candidate ``rule`` picks among ``order`` (names, simplest first; each with an evaluation in ``evals``)."""
+    if rule == "lowest":
+        return min(order, key=lambda n: (evals[n]["nll"], order.index(n)))
+    if rule == "simplest":
+        pick = order[0]
+        for n in order[1:]:  # a more complex candidate displaces the pick only by being lower on every chunk
+            if _beats_everywhere(evals[n], evals[pick]):
+                pick = n
+        return pick
+    raise ValueError(f"unknown rule {rule!r}; known: {', '.join(RULES)}")
+
+
+def _why(rule: str, pick: str, order: list[str], evals: dict[str, dict], removed: dict[str, str]) -> str:
+    n = len(order)
+    if rule == "lowest":
+        why = f"lowest mean held-out NLL of {n} candidate{'s' * (n != 1)}"
+    else:
+        why = (f"the first of {n} candidate{'s' * (n != 1)} (simplest first), displaced only by one lower on every chunk"
+               + (f": lower than {order[0]} on every chunk" if pick != order[0] else ""))
+    if removed:
+        why += "; removed by a gate: " + "; ".join(f"{k} ({v})" for k, v in removed.items())
+    return why
+
+
+class PasskeyGate:
+    """Passkey retrieval on the gate's own prompts (:data:`PASSKEY_GATE`, seed 1) under the selection's quantizer
+    setting: a candidate passes when its accuracy is no lower than full precision's on the same prompts."""
+
+    name = "passkey"
+
+    def __init__(self, model, tokenizer, calibration, settings: dict | None = None):
+        self.model, self.tokenizer, self.calibration = model, tokenizer, calibration
+        self.settings = dict(PASSKEY_GATE, **(settings or {}))
+        self._fp = None
+
+    def _accuracy(self, method: str, cfg: QuantConfig | None) -> float:
+        from .passkey import run_passkey
+
+        s = self.settings
+        res = run_passkey(self.model, self.tokenizer, [method], self.calibration, cfg, s["contexts"], s["depths"], s["trials"],
+                          seed=s["seed"], show_progress=False, log=lambda m: None)
+        return res[method]["mean"]
+
+    def __call__(self, recipe: Recipe, cfg: QuantConfig) -> dict:
+        if self._fp is None:
+            self._fp = self._accuracy("full-precision", cfg)
+        acc = self._accuracy(recipe.method.name, recipe.base(cfg))
+        return {"passed": acc >= self._fp - 1e-9, "accuracy": acc, "full_precision": self._fp,
+                "detail": f"passkey accuracy {100 * acc:.0f}% against full precision's {100 * self._fp:.0f}%"}
+
+
+def run_selection(model, chunks: torch.Tensor, calibration, candidates: list[str], bits: list[int], base: QuantConfig,
+                  rule: str = "lowest", budget: float | None = None, gates=(), json_path=None, meta: dict | None = None,
+                  show_progress: bool = True, log=print) -> dict:
+    """Evaluate every candidate at every width on ``chunks`` (N, serve_len) of held-out text and choose per width
+    (module docstring). ``gates``: callables ``(recipe, cfg) -> {"passed", "detail", ...}`` with a ``name``.
+
+    Returns ``{"settings", "fp", "results", "choices"}``: ``results[recipe][bits]`` each evaluation (or why it was
+    excluded), ``choices[bits]`` what the rule picked (:func:`selection_record` turns them into what the calibration
+    stores). Resumes from ``json_path`` (a file of other settings is refused)."""
+    if rule not in RULES:
+        raise ValueError(f"--rule {rule!r}: known rules are {', '.join(RULES)}")
+    if budget is not None and not (0 < budget < float("inf")):
+        raise ValueError(f"--budget {budget!r}: bits per element must be a positive number")
+    recipes = [parse_recipe(c) for c in candidates]
+    names = [r.name for r in recipes]
+    if len(set(names)) != len(names):
+        raise ValueError(f"--candidates lists a recipe twice: {', '.join(n for n in names if names.count(n) > 1)}")
+    if PAPER not in names:  # the paper recipe is what every choice is measured against
+        recipes, names = [parse_recipe(PAPER)] + recipes, [PAPER] + names
+    head_dim = describe(model).head_dim
+    cfgs = {b: replace(base, k_bits=b, v_bits=b) for b in bits}  # validates the widths before anything runs
+    settings = as_json(dict(meta or {}, chunks=int(chunks.shape[0]), serve_len=int(chunks.shape[1]), setting=selection_setting(base),
+                            rule=rule, budget=budget, gates=[g.name for g in gates],
+                            text_sha256=hashlib.sha256(chunks.cpu().numpy().tobytes()).hexdigest(),
+                            calibration=calibration_recipe(calibration.meta)))
+    out = {"settings": settings, "fp": None, "results": {}}
+    if json_path and (prev := read_run(json_path, ("settings", "results"), "wushkv select")) is not None:
+        # what the evaluations depend on: not the candidates, widths, rule, budget or gates (choosing again is free)
+        key = lambda s: {k: v for k, v in s.items() if k not in ("candidates", "bits", "rule", "budget", "gates")}  # noqa: E731
+        resume_settings(json_path, prev["settings"], settings, key=key)
+        out = {"settings": settings, "fp": prev.get("fp"), "results": prev["results"], "gates": prev.get("gates", {})}
+        if out["fp"] is not None and len(out["fp"].get("chunk_nll", [])) != chunks.shape[0]:
+            raise ValueError(f"--json {json_path}: its evaluations cover {len(out['fp']['chunk_nll'])} chunks, not {chunks.shape[0]}")
+        log(f"resuming from {json_path}")
+    out.setdefault("gates", {})
+
+    def save():
+        if json_path:
+            write_json(json_path, out)
+
+    plan = []  # (recipe, width) to evaluate; exclusions are decided afresh each run, before anything long runs
+    out["excluded"] = {}
+    for b, cfg in cfgs.items():
+        for r in recipes:
+            why, bpe = _unrunnable(r, cfg, calibration), None
+            if why is None:
+                bpe = bits_per_element(r, cfg, head_dim)
+                if budget is not None and bpe > budget + 1e-9:
+                    why = f"over the budget: {bpe:.3f} bits per element > {budget:g}"
+            if why is not None:
+                out["excluded"].setdefault(r.name, {})[str(b)] = {"why": why, "bits_per_element": bpe}
+            elif str(b) not in out["results"].get(r.name, {}):
+                plan.append((r, b, bpe))
+    if out["fp"] is None:
+        fp = perplexity(model, chunks, show_progress=show_progress, desc="full precision")
+        out["fp"] = {"ppl": fp["ppl"], "nll": fp["nll"], "chunk_nll": fp["chunk_nll"], "seconds": fp["seconds"]}
+        save()
+    bar = progress(plan, desc="select", enabled=show_progress, unit="eval")
+    for r, b, bpe in bar:
+        cfg = cfgs[b]
+        if hasattr(bar, "set_postfix_str"):
+            bar.set_postfix_str(f"{r.name} {b}-bit")
+        res = quantized_perplexity(model, chunks, calibration, r.method, r.method.quant_config(r.base(cfg)), show_progress=False)
+        out["results"].setdefault(r.name, {})[str(b)] = {
+            "ppl": res["ppl"], "nll": res["nll"], "delta_pct": 100 * (res["ppl"] / out["fp"]["ppl"] - 1), "chunk_nll": res["chunk_nll"],
+            "seconds": res["seconds"], "bits_per_element": bpe, "config": r.method.quant_config(r.base(cfg)).to_dict()}
+        log(f"{r.name:>28} {b}-bit  held-out PPL {res['ppl']:9.3f}  ({out['results'][r.name][str(b)]['delta_pct']:+.2f}%, "
+            f"{bpe:.3f} bits/element, {res['seconds']:.0f}s)")
+        save()
+    out["choices"] = {}
+    for b, cfg in cfgs.items():
+        order = [n for n in names if str(b) not in out["excluded"].get(n, {})]
+        evals = {n: out["results"][n][str(b)] for n in order}
+        removed: dict[str, str] = {}
+        pick = None
+        while order:
+            pick = apply_rule(rule, order, evals)
+            failed = None
+            for g in gates:
+                key = f"{g.name}/{pick}/{b}"
+                if key not in out["gates"]:
+                    out["gates"][key] = g(parse_recipe(pick), cfg)
+                    save()
+                if not out["gates"][key]["passed"]:
+                    failed = f"{g.name}: {out['gates'][key]['detail']}"
+                    break
+            if failed is None:
+                break
+            removed[pick] = failed
+            order = [n for n in order if n != pick]
+            pick = None
+        if pick is None:
+            out["choices"][str(b)] = None
+            log(f"{b}-bit: no candidate left ({'; '.join(f'{k}: {v}' for k, v in removed.items()) or 'all excluded'}); auto keeps its fallback")
+            continue
+        e = evals[pick]
+        choice = {"recipe": pick, "why": _why(rule, pick, order, evals, removed), "delta_pct": e["delta_pct"],
+                  "bits_per_element": e["bits_per_element"]}
+        if pick != PAPER and PAPER in evals:
+            d, lo, hi = paired_difference(e["chunk_nll"], evals[PAPER]["chunk_nll"])
+            choice["versus_paper"] = [d, lo, hi] if len(e["chunk_nll"]) >= MIN_CHUNKS_FOR_INTERVAL else [d, None, None]
+        out["choices"][str(b)] = choice
+    save()
+    return out
+
+
+def selection_record(out: dict, text_label: str) -> dict:
+    """What the calibration file stores of a selection (:attr:`wushkv.calibration.Calibration.selections`): the choices
+    per width and the settings they were chosen under."""
+    s = out["settings"]
+    return {"version": SELECTION_VERSION, "setting": s["setting"], "serve_len": s["serve_len"], "chunks": s["chunks"],
+            "text": text_label, "text_sha256": s["text_sha256"], "rule": s["rule"], "budget": s["budget"], "gates": s["gates"],
+            "candidates": s.get("candidates"), "fp_ppl": out["fp"]["ppl"],
+            "choices": {b: c for b, c in out["choices"].items() if c is not None},
+            "date": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"), "wushkv_version": __version__}
+
+
+def selection_report(out: dict, candidates: list[str], bits: list[int], model: str, text_label: str) -> str:
+    """Per width, every candidate: held-out PPL and Δ% over full precision, paired Δ% against the paper recipe, bits per
+    element, and what became of it (chosen, excluded and why, removed by a gate)."""
+    from ..report import format_table
+
+    s = out["settings"]
+    names = [parse_recipe(c).name for c in candidates]
+    if PAPER not in names:
+        names = [PAPER] + names
+    lines = [f"\n{model}: selection on {text_label} ({s['chunks']} x {s['serve_len']} tokens) under {setting_label(s['setting'])}, "
+             f"rule {s['rule']}" + (f", budget {s['budget']:g} bits/element" if s.get("budget") else "")
+             + f"; full precision PPL {out['fp']['ppl']:.3f}"]
+    for b in bits:
+        rows = []
+        choice = out["choices"].get(str(b))
+        for n in names:
+            x = out.get("excluded", {}).get(n, {}).get(str(b))
+            if x is not None:
+                bpe = x["bits_per_element"]
+                rows.append([n, "-", "-", "-", bpe if bpe is not None else "-", f"excluded: {x['why']}"])
+                continue
+            e = out["results"].get(n, {}).get(str(b))
+            if e is None:
+                continue
+            bpe = e.get("bits_per_element")
+            paired = "-"
+            if n != PAPER and PAPER in out["results"] and "chunk_nll" in out["results"][PAPER].get(str(b), {}):
+                d, lo, hi = paired_difference(e["chunk_nll"], out["results"][PAPER][str(b)]["chunk_nll"])
+                paired = f"{d:+.2f}" + (f" ({lo:+.2f} … {hi:+.2f})" if len(e["chunk_nll"]) >= MIN_CHUNKS_FOR_INTERVAL else "")
+            gate = [v for k, v in out.get("gates", {}).items() if k.endswith(f"/{n}/{b}") and not v["passed"]]
+            status = "CHOSEN" if choice and choice["recipe"] == n else ("removed by gate: " + gate[0]["detail"] if gate else "")
+            rows.append([n, e["ppl"], f"{e['delta_pct']:+.2f}", paired, bpe, status])
+        lines.append(format_table(["candidate", "held-out PPL", "Δ% vs FP", "Δ% vs wush (95% CI)", "bits/elem", ""], rows,
+                                  title=f"\n{b} bits" + (f": {choice['recipe']} ({choice['why']})" if choice else ": no choice")))
+    return "\n".join(lines)
+
+
+def plot_selection(out: dict, candidates: list[str], bits: list[int], path, model: str, text_label: str):
+    """Held-out Δ% over full precision against bits, one line per candidate (log scale), as ``compare`` plots."""
+    from ..report import plot_lines
+
+    names = [parse_recipe(c).name for c in candidates]
+    if PAPER not in names:
+        names = [PAPER] + names
+    series = {}
+    for n in names:
+        ys = [float("nan") if str(b) in out.get("excluded", {}).get(n, {}) else
+              out["results"].get(n, {}).get(str(b), {}).get("delta_pct", float("nan")) for b in bits]
+        series[n + (" *" if any((out["choices"].get(str(b)) or {}).get("recipe") == n for b in bits) else "")] = [
+            y if y != y else max(y, 1e-2) for y in ys]
+    return plot_lines(bits, series, path, "bits (keys and values)", "held-out perplexity increase over full precision (%)",
+                      f"{model}: selection on {text_label} (* chosen at some width)", logy=True)
