@@ -386,3 +386,57 @@ def test_centered_key_second_moment_matches_slow_reference():
     for l in range(spec.num_layers):
         torch.testing.assert_close(zero[l]["M_K_res"], zero[l]["M_K"])
         torch.testing.assert_close(stats[l]["M_K_res"], ref[l], rtol=1e-5, atol=1e-5)
+
+
+def test_cover_positions_averages_the_key_space_over_offsets(tiny_cal):
+    """``cover_positions``: each key-space statistic becomes the mean of R_s M R_sᵀ (R_s μ) over offsets s uniform on
+    [0, serve_len − seq_len], checked against explicit rotation matrices on a fine grid of offsets; value-side
+    statistics and the pre-RoPE mean do not move; traces are kept (a rotation); a serve length within the
+    calibration's changes nothing; over whole turns of one pair, that pair's block loses its direction (it commutes
+    with the pair's rotation)."""
+    from conftest import tiny_model
+
+    from wushkv.calibration import cover_positions
+    from wushkv.models import describe, rope_parameters
+
+    model = tiny_model("llama")
+    cal = tiny_cal(model)
+    spec = describe(model)
+    rope = [rope_parameters(model, l, spec) for l in range(spec.num_layers)]
+    same = cover_positions(cal, rope, int(cal.meta["seq_len"]))
+    assert all(torch.equal(a[k], b[k]) for a, b in zip(cal.stats, same.stats) for k in a) and "positions" not in same.meta
+    got = cover_positions(cal, rope, 64 + 96)
+    assert got.meta["positions"] == 160 and got.solved == {}
+    d = spec.head_dim
+    h = d // 2
+    f = rope[0][0].double()
+    offs = torch.linspace(0, 96, 1921, dtype=torch.float64)  # trapezoid rule on a fine grid: the continuous mean
+    wts = torch.full((len(offs),), 1.0, dtype=torch.float64)
+    wts[0] = wts[-1] = 0.5
+    wts /= wts.sum()
+
+    def R(s):  # the rotate-half RoPE rotation by s positions as a (d, d) matrix
+        c, sn = torch.cos(s * f), torch.sin(s * f)
+        m = torch.zeros(d, d, dtype=torch.float64)
+        m[:h, :h], m[h:, h:] = torch.diag(c), torch.diag(c)
+        m[:h, h:], m[h:, :h] = -torch.diag(sn), torch.diag(sn)
+        return m
+
+    Rs = torch.stack([R(s) for s in offs])  # (S, d, d)
+    for k in ("M_K", "H_K", "C_Q"):
+        M = cal.stats[0][k].double()
+        want = torch.einsum("s,shik,slk->hil", wts, torch.einsum("sij,hjk->shik", Rs, M), Rs)
+        assert torch.allclose(got.stats[0][k], want, atol=1e-6 * float(M.abs().max())), k
+        assert torch.allclose(got.stats[0][k].diagonal(dim1=-2, dim2=-1).sum(-1), M.diagonal(dim1=-2, dim2=-1).sum(-1))
+    mu = torch.einsum("s,sij,hj->hi", wts, Rs, cal.stats[0]["mu_K"].double())
+    assert torch.allclose(got.stats[0]["mu_K"], mu, atol=1e-6 * float(mu.abs().max()))
+    for k in ("M_V", "H_V", "Sigma_V", "mu_V", "mu_K_pre"):
+        assert torch.equal(got.stats[0][k], cal.stats[0][k]), k
+    # one pair over whole turns: its 2x2 block of M_K commutes with the pair's rotation
+    i = h - 1  # the lowest frequency
+    turns = 3 * 2 * torch.pi / float(f[i])
+    one = [(torch.zeros(h).index_fill_(0, torch.tensor([i]), float(f[i])), 1.0)] * spec.num_layers
+    B = cover_positions(cal, one, 64 + round(turns)).stats[0]["M_K"][0][[i, i + h]][:, [i, i + h]]
+    J = torch.tensor([[0.0, -1.0], [1.0, 0.0]], dtype=torch.float64)
+    assert torch.allclose(B @ J, J @ B, atol=2e-3 * float(B.abs().max()))
+    assert got.transforms("wush")  # transforms solve from the covered statistics

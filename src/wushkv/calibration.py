@@ -377,6 +377,68 @@ class Calibration:
             )
 
 
+# statistics of the key space, after RoPE (a rotation R_s of every key and query moves them to R_s M R_sᵀ / R_s μ);
+# the value-side ones and the pre-RoPE mean do not move
+KEY_SPACE_MATRICES = ("M_K", "H_K", "C_Q", "M_K_res", "H_K_A", "M_K_W")
+KEY_SPACE_VECTORS = ("mu_K",)
+def _uniform_shift_means(theta: torch.Tensor, span: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """(E cos θs, E sin θs) for s uniform on [0, span], elementwise in ``theta``."""
+    x = theta * span
+    small = x.abs() < 1e-8
+    safe = torch.where(small, torch.ones_like(x), x)
+    return torch.where(small, 1 - x**2 / 6, torch.sin(safe) / safe), torch.where(small, x / 2, (1 - torch.cos(safe)) / safe)
+
+
+def cover_positions(cal: Calibration, rope: list[tuple[torch.Tensor, float]], serve_len: int) -> Calibration:
+    """``cal`` with its key-space statistics averaged over the positions of a ``serve_len`` context (a new Calibration;
+    the transforms it stored are dropped and solved again from the new statistics).
+
+    A calibration of ``seq_len`` tokens sees its keys and queries at positions 0..seq_len−1 only. RoPE turns the pair
+    of channels of frequency ω by ω·t, and a low-frequency pair turns through a fraction of a turn within seq_len, so
+    its second moments hold the directions of those first positions, not those of the later positions a longer context
+    serves. Attention depends on relative positions alone, so the calibration text read at an offset s (every key and
+    query turned by R_s, RoPE at scale 1) is as likely as at 0: this takes the mean of M ↦ R_s M R_sᵀ (and μ ↦ R_s μ)
+    over s uniform on [0, serve_len − seq_len], in closed form (per pair of frequencies the mean of cos/sin of
+    (ω_i ± ω_j)·s), so that the statistics cover the positions 0..serve_len − 1 a served context holds. ``rope``: per
+    layer (inv_freq (d/2,), scaling) from :func:`wushkv.models.rope_parameters`. A ``serve_len`` no longer than the
+    calibration's sequences changes nothing.
+    """
+    L = int(cal.meta["seq_len"])
+    if isinstance(serve_len, bool) or not isinstance(serve_len, int) or serve_len < 1:
+        raise ValueError(f"serve_len={serve_len!r}: the context length to cover, a positive number of tokens")
+    meta = dict(cal.meta)
+    if serve_len <= L:
+        return Calibration(meta, [dict(st) for st in cal.stats], {}, list(cal.selections))
+    if len(rope) != len(cal.stats):
+        raise ValueError(f"rope has {len(rope)} layers, the calibration {len(cal.stats)}")
+    span = float(serve_len - L)
+    out = []
+    for st, (inv_freq, _) in zip(cal.stats, rope):
+        w = inv_freq.double()
+        cm, sm = _uniform_shift_means(w[:, None] - w[None, :], span)  # (h, h): frequencies ω_i − ω_j
+        cp, sp = _uniform_shift_means(w[:, None] + w[None, :], span)  # ω_i + ω_j
+        Ecc, Ess = (cm + cp) / 2, (cm - cp) / 2  # E c_i c_j, E s_i s_j
+        Ecs, Esc = (sp - sm) / 2, (sp + sm) / 2  # E c_i s_j, E s_i c_j
+        Ec, Es = _uniform_shift_means(w, span)
+        new = dict(st)
+        for k in KEY_SPACE_MATRICES:
+            if k in st:
+                M = st[k].double()  # (Hkv, d, d) in rotate-half layout: R_s = [[c, −s], [s, c]] per half
+                h = M.shape[-1] // 2
+                A, B, E, D = M[..., :h, :h], M[..., :h, h:], M[..., h:, :h], M[..., h:, h:]
+                new[k] = torch.cat([
+                    torch.cat([Ecc * A - Ecs * B - Esc * E + Ess * D, Ecs * A + Ecc * B - Ess * E - Esc * D], -1),
+                    torch.cat([Esc * A - Ess * B + Ecc * E - Ecs * D, Ess * A + Esc * B + Ecs * E + Ecc * D], -1)], -2)
+        for k in KEY_SPACE_VECTORS:
+            if k in st:
+                mu = st[k].double()  # (Hkv, d)
+                h = mu.shape[-1] // 2
+                new[k] = torch.cat([Ec * mu[..., :h] - Es * mu[..., h:], Es * mu[..., :h] + Ec * mu[..., h:]], -1)
+        out.append(new)
+    meta["positions"] = serve_len  # the statistics cover positions 0..positions-1 (absent: 0..seq_len-1)
+    return Calibration(meta, out, {}, list(cal.selections))
+
+
 def calibration_recipe(meta: dict | None) -> dict | None:
     """What results made with a calibration depend on: its metadata less the date, timing, version and file format
     (two calibrations with the same recipe give the same statistics)."""
