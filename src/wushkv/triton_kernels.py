@@ -445,7 +445,8 @@ def _kernels() -> dict:
             HALF: tl.constexpr = 1 << (BITS - 1)
             xg = tl.reshape(x, [NG, G])
             if CLIPPED:
-                step = coef * tl.math.div_rn(tl.math.sqrt_rn(tl.sum(xg * xg, 1)), sqrt_g)
+                ss = tl.sum(xg * xg, 1)
+                step = coef * tl.math.div_rn(tl.math.sqrt_rn(ss), tl.zeros_like(ss) + sqrt_g)
             else:
                 step = coef * tl.max(tl.abs(xg), 1)
             step = tl.maximum(step, 1.1754943508222875e-38)
@@ -463,7 +464,7 @@ def _kernels() -> dict:
             xg = tl.reshape(x, [NG, G])
             lo = tl.min(xg, 1)
             hi = tl.max(xg, 1)
-            s = tl.math.div_rn(tl.maximum(hi - lo, 1e-8), QMAX * 1.0)
+            s = tl.math.div_rn(tl.maximum(hi - lo, 1e-8), tl.zeros_like(hi) + QMAX)
             z = tl.math.div_rn(-lo, s)
             q = tl.floor(tl.math.div_rn(xg, s[:, None]) + z[:, None] + 0.5)
             q = tl.minimum(tl.maximum(q, 0.0), QMAX * 1.0)
