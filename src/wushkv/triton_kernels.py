@@ -143,14 +143,13 @@ def _kernels() -> dict:
     import triton
     import triton.language as tl
 
-    interpret = interpreting()
-    names = {"tl": tl, "triton": triton}  # what the interpreter sees as the kernels' globals
+    names = {"tl": tl, "triton": triton, "__name__": __name__}  # the kernels' globals
 
     def jit(fn):
-        """``triton.jit``; the helpers are closure variables of the kernels, which compiled kernels resolve, but the
-        interpreter re-executes each function's source against its globals: give it a namespace that holds them."""
-        if interpret:
-            fn = types.FunctionType(fn.__code__, names, fn.__name__, fn.__defaults__, fn.__closure__)
+        """``triton.jit`` of ``fn`` rebound to the globals ``names``, which holds ``tl`` and every kernel and helper
+        defined here: the interpreter re-executes a function's source against its globals, and the compiler resolves
+        the string annotations (``tl.constexpr``) there too."""
+        fn = types.FunctionType(fn.__code__, names, fn.__name__, fn.__defaults__, fn.__closure__)
         names[fn.__name__] = kernel = triton.jit(fn)
         return kernel
 
