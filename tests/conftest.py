@@ -7,6 +7,12 @@ import os
 import pytest
 import torch
 
+# The Triton kernels (wushkv.triton_kernels) run on CPU tensors under Triton's interpreter, which triton reads once,
+# when it is first imported (building a model imports it): set it before anything can, unless a CUDA device is here,
+# where the same tests run the compiled kernels.
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
 
 # Every family the adapter supports (wushkv.models.FAMILIES), as a tiny random config: (config class, overrides of
 # COMMON). Keys are the test names of the families (model_type, but "gemma3" for gemma3_text). A family added to

@@ -16,7 +16,9 @@ block instead — the same memory bound, a slower inner loop.
 On CPU, the code-domain products ``C q`` and ``Cᵀ w`` run in fused C++ kernels (:mod:`wushkv._ext`,
 built on first use) that read each packed byte once through byte lookup tables and never expand the
 codes; elsewhere, or where they cannot be built, the pure-PyTorch path above runs (same results).
-:func:`dequantize_then_attend` is the reference both are tested against.
+On CUDA, where triton imports, a cache of per-token codecs (sink, packed middle, recent) is read by the split-KV
+Triton kernel of :mod:`wushkv.triton_kernels` instead (:func:`triton_enabled` forces it on or off).
+:func:`dequantize_then_attend` is the reference they are all tested against.
 """
 
 from __future__ import annotations
@@ -33,6 +35,7 @@ from .quantizers import unpack
 DEFAULT_BLOCK = 4096
 _EXT = None  # the compiled kernels once looked up (False: unavailable)
 USE_KERNELS = True  # the fused CPU kernels of wushkv._ext where available (kernels_enabled(False) switches them off)
+USE_TRITON: bool | None = None  # None: the Triton decode on CUDA tensors; True: on any device; False: never
 _TABLES: dict = {}
 
 
@@ -46,6 +49,57 @@ def kernels_enabled(enabled: bool):
         yield
     finally:
         USE_KERNELS = previous
+
+
+@contextlib.contextmanager
+def triton_enabled(enabled: bool | None):
+    """Within the block, decode through the Triton kernels (True: on every device, CPU tensors under Triton's
+    interpreter, which needs ``TRITON_INTERPRET=1`` before triton is imported; an error where triton is missing),
+    never (False), or on CUDA tensors where triton imports (None, the default); the previous choice comes back
+    afterwards, also on error. Caches the kernels do not cover (KIVI keys, KVarN tiles, float64) keep the
+    PyTorch path."""
+    global USE_TRITON
+    previous, USE_TRITON = USE_TRITON, enabled
+    try:
+        yield
+    finally:
+        USE_TRITON = previous
+
+
+def _triton_decode(query, parts_k, parts_v, allowed, scaling, softcap, sinks):
+    """The Triton decode (B, 1, Hq, d) where it applies: [sink, packed middle, recent] with per-token codecs on
+    both sides, a float16/bfloat16/float32 query, a head_dim the kernels take; else None (the PyTorch path)."""
+    if USE_TRITON is False or (USE_TRITON is None and query.device.type != "cuda"):
+        return None
+    if query.dtype not in (torch.float16, torch.bfloat16, torch.float32) or len(parts_k) != 3 or len(parts_v) != 3:
+        return None
+    (sk, mk, rk), (sv, mv, rv) = parts_k, parts_v
+    if not all(torch.is_tensor(t) for t in (sk, rk, sv, rv)) or torch.is_tensor(mk) or torch.is_tensor(mv):
+        return None
+    from . import triton_kernels as tk
+
+    if not tk.available():
+        if USE_TRITON:
+            raise RuntimeError("triton_enabled(True) needs triton, which is not installed")
+        return None
+    B, Hq, _, d = query.shape
+    packed = []
+    for codec, store, n in (mk, mv):
+        if not isinstance(codec, TokenCodec):
+            return None
+        G = codec.d if codec.quantizer.group_size is None else codec.quantizer.group_size
+        try:
+            fmt = tk.TokenFormat(codec.bits, codec.d, G, codec.symmetric)
+        except ValueError:  # a head_dim or group size the kernels do not take
+            return None
+        if not n:  # nothing stored yet: empty tensors (never read)
+            store = {"codes": sk.new_empty(B, sk.shape[1], 0, fmt.nbytes, dtype=torch.uint8),
+                     "scale": sk.new_empty(B, sk.shape[1], 0, fmt.ngroups)}
+        packed.append(tk.Packed(fmt, store["codes"], store["scale"], store.get("offset")))
+    lengths = torch.tensor([[sk.shape[2], mk[2], rk.shape[2]]], dtype=torch.int32).expand(B, 3)
+    out = tk.decode(query[:, :, 0], lengths, sk, sv, packed[0], packed[1], rk, rv, scaling, softcap=softcap,
+                    sinks=sinks, allowed=None if allowed is None else allowed.reshape(B, -1))
+    return out.unsqueeze(1)
 
 
 def _code_table(bits: int, width: int, dtype: torch.dtype, device) -> torch.Tensor:
@@ -183,6 +237,9 @@ def decode_attention(
     B, Hq, T, d = query.shape
     if T != 1:
         raise ValueError(f"decode_attention takes one query position, got {T}")
+    out = _triton_decode(query, parts_k, parts_v, allowed, scaling, softcap, sinks)
+    if out is not None:
+        return out
     first = parts_k[0]
     Hkv = first.shape[1] if torch.is_tensor(first) else first[1]["codes"].shape[1]
     G = Hq // Hkv
@@ -252,4 +309,4 @@ def dequantize_then_attend(query, parts_k, parts_v, allowed, scaling, softcap=No
     return reference_attention(query, K, V, allowed, scaling, softcap, sinks)
 
 
-__all__ = ["decode_attention", "dequantize_then_attend", "codes_as_float", "kernels_enabled", "DEFAULT_BLOCK"]
+__all__ = ["decode_attention", "dequantize_then_attend", "codes_as_float", "kernels_enabled", "triton_enabled", "DEFAULT_BLOCK"]

@@ -1,0 +1,293 @@
+"""GPU decode benchmark of the Triton kernels (issue #33): one layer's decode attention, and one model decode step.
+
+    python benchmarks/gpu_decode.py --out out/gpu_check [--contexts 1024,4096,32768,131072] [--batches 1,16,64]
+        [--peak-tbps 4.8] [--e2e-contexts 4096,32768] [--e2e-batches 1,16]
+    python benchmarks/gpu_decode.py --dry-run --out /tmp/gpu_decode   # CPU, Triton's interpreter, tiny shapes
+
+1. *Kernel*: for each context and batch, one attention layer (``--q-heads`` query heads over ``--kv-heads`` KV heads of
+   ``--head-dim``) decodes one token: the Triton K2V2 kernel over a cache of a full-precision sink (64), a packed
+   middle and a full-precision recent buffer (256), against bfloat16 ``scaled_dot_product_attention`` over the same
+   context (the backend torch picks, and FlashAttention forced, each where it runs). Median of ``--iters`` timings
+   between CUDA events after ``--warmup``; the bytes each reads (codes, metadata, windows; bfloat16 K and V) and the
+   achieved bandwidth as a fraction of the device's peak (``PEAK_TBPS`` by device name, or ``--peak-tbps``).
+   Combinations whose tensors would not fit in ``--memory-fraction`` of the free memory are skipped (listed).
+2. *End to end*: a random-weight Llama-shaped model (``--e2e-layers`` layers of the same heads, bfloat16) decodes
+   one token per step over a filled cache: ``DynamicCache`` (SDPA), the wushkv K2V2 cache through the Triton kernels,
+   and the same cache on the PyTorch path; ms per token (median) and the allocator's peak above the cache during a step
+   (a full-precision copy of the middle would show here).
+
+Ratios mean something only within one run. ``--dry-run`` runs every code path on CPU tensors under Triton's
+interpreter with tiny shapes (timings meaningless), so the script does not crash on its first GPU run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import math
+import os
+import statistics
+import sys
+import time
+
+# Tiny CPU mode: the interpreter must be chosen before triton is first imported (torch may import it).
+if "--dry-run" in sys.argv[1:]:
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+import torch  # noqa: E402
+
+from wushkv import decode as decode_mod  # noqa: E402
+from wushkv import triton_kernels as tk  # noqa: E402
+from wushkv.io import write_json  # noqa: E402
+from wushkv.quantizers import QuestQuantizer  # noqa: E402
+
+# Peak DRAM bandwidth (TB/s) by a substring of torch.cuda.get_device_name(); the longest match wins.
+PEAK_TBPS = {
+    "H200": 4.8, "H100 SXM": 3.35, "H100 NVL": 3.9, "H100 PCIe": 2.0, "H100": 3.35, "H800": 3.35, "GH200": 4.0,
+    "B200": 8.0, "A100-SXM4-80GB": 2.039, "A100-PCIE-80GB": 1.935, "A100": 1.555, "A10G": 0.6, "L40S": 0.864,
+    "L4": 0.3, "RTX 4090": 1.008, "RTX 3090": 0.936, "V100": 0.9, "T4": 0.32,
+}
+SINK, RECENT = 64, 256  # the windows of the generation presets (wushkv.config.GENERATION_WINDOWS)
+
+
+def peak_tbps(name: str, override: float | None) -> float | None:
+    if override:
+        return override
+    hits = [k for k in PEAK_TBPS if k.lower() in name.lower()]
+    return PEAK_TBPS[max(hits, key=len)] if hits else None
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ints = lambda s: [int(x) for x in s.split(",") if x]  # noqa: E731
+    p.add_argument("--out", default=os.environ.get("OUT", "out/gpu_check"), help="folder of gpu_decode.json")
+    p.add_argument("--contexts", type=ints, default=[1024, 4096, 32768, 131072])
+    p.add_argument("--batches", type=ints, default=[1, 16, 64])
+    p.add_argument("--q-heads", type=int, default=32)
+    p.add_argument("--kv-heads", type=int, default=8)
+    p.add_argument("--head-dim", type=int, default=128)
+    p.add_argument("--k-bits", type=int, default=2)
+    p.add_argument("--v-bits", type=int, default=2)
+    p.add_argument("--warmup", type=int, default=5)
+    p.add_argument("--iters", type=int, default=20)
+    p.add_argument("--peak-tbps", type=float, default=None, help="the device's peak bandwidth (default: PEAK_TBPS)")
+    p.add_argument("--memory-fraction", type=float, default=0.8)
+    p.add_argument("--e2e-contexts", type=ints, default=[4096, 32768])
+    p.add_argument("--e2e-batches", type=ints, default=[1, 16])
+    p.add_argument("--e2e-layers", type=int, default=4)
+    p.add_argument("--dry-run", action="store_true", help="CPU, Triton's interpreter, tiny shapes: checks the code paths")
+    args = p.parse_args(argv)
+    if args.dry_run:
+        args.contexts, args.batches, args.q_heads, args.kv_heads, args.head_dim = [400], [1, 2], 4, 2, 64
+        args.warmup, args.iters, args.e2e_contexts, args.e2e_batches, args.e2e_layers = 0, 1, [400], [1], 2
+    return args
+
+
+class Timer:
+    """Median milliseconds of a callable: CUDA events around each call on a GPU, wall clock on CPU."""
+
+    def __init__(self, device):
+        self.cuda = device.type == "cuda"
+
+    def __call__(self, fn, warmup: int, iters: int) -> dict:
+        for _ in range(warmup):
+            fn()
+        times = []
+        for _ in range(max(1, iters)):
+            if self.cuda:
+                start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                start.record()
+                fn()
+                end.record()
+                end.synchronize()
+                times.append(start.elapsed_time(end))
+            else:
+                t = time.perf_counter()
+                fn()
+                times.append((time.perf_counter() - t) * 1e3)
+        return {"ms": statistics.median(times), "ms_all": times}
+
+
+def free_bytes(device) -> int:
+    if device.type == "cuda":
+        return torch.cuda.mem_get_info(device)[0]
+    return 8 << 30  # dry run: a few GiB
+
+
+def packed_cache(B, Hkv, n, d, bits, device, chunk=4096):
+    """A packed middle of n tokens of random keys or values written by the Triton store kernel (bfloat16 inputs,
+    chunks of ``chunk`` tokens so no full-size float copy exists): (Packed, bytes)."""
+    fmt = tk.TokenFormat.of(QuestQuantizer(bits), d)
+    codes = torch.empty(B, Hkv, n, fmt.nbytes, dtype=torch.uint8, device=device)
+    scale = torch.empty(B, Hkv, n, fmt.ngroups, dtype=torch.float16, device=device)
+    for a in range(0, n, chunk):
+        x = torch.randn(B, Hkv, min(chunk, n - a), d, device=device, dtype=torch.bfloat16)
+        tk.store_contiguous(x, codes, scale, None, a, fmt)
+    return tk.Packed(fmt, codes, scale), codes.numel() + scale.numel() * 2
+
+
+def kernel_case(args, ctx, B, device, timer) -> dict:
+    Hq, Hkv, d = args.q_heads, args.kv_heads, args.head_dim
+    n_mid = max(0, ctx - SINK - RECENT)
+    bf16_kv = 2 * B * Hkv * ctx * d * 2
+    need = bf16_kv + 2 * B * Hkv * n_mid * (d * max(args.k_bits, args.v_bits) // 8 + 2) + bf16_kv * (SINK + RECENT) // max(ctx, 1)
+    if need > args.memory_fraction * free_bytes(device):
+        return {"context": ctx, "batch": B, "skipped": f"needs ~{need / 2**30:.1f} GiB"}
+    bf = dict(device=device, dtype=torch.bfloat16)
+    q = torch.randn(B, Hq, d, **bf)
+    sk, sv = torch.randn(B, Hkv, SINK, d, **bf), torch.randn(B, Hkv, SINK, d, **bf)
+    rk, rv = torch.randn(B, Hkv, RECENT, d, **bf), torch.randn(B, Hkv, RECENT, d, **bf)
+    t0 = time.perf_counter()
+    mk, kbytes = packed_cache(B, Hkv, n_mid, d, args.k_bits, device)
+    mv, vbytes = packed_cache(B, Hkv, n_mid, d, args.v_bits, device)
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    store_s = time.perf_counter() - t0
+    lengths = torch.tensor([[SINK, n_mid, RECENT]] * B, dtype=torch.int32, device=device)
+    scaling = d**-0.5
+    triton_fn = lambda: tk.decode(q, lengths, sk, sv, mk, mv, rk, rv, scaling)  # noqa: E731
+    fp_bytes = 2 * B * Hkv * (SINK + RECENT) * d * 2
+    row = {"context": ctx, "batch": B, "store_tokens_per_s": 2 * B * n_mid / store_s if store_s else None,
+           "splits": tk.default_splits(B, Hkv, ctx, 32, device)}
+    row["triton"] = timer(triton_fn, args.warmup, args.iters) | {"bytes": kbytes + vbytes + fp_bytes + 2 * q.numel() * 2}
+    del mk, mv
+    # bfloat16 SDPA over the same context (K, V built after the packed cache is freed)
+    K, V = torch.randn(B, Hkv, ctx, d, **bf), torch.randn(B, Hkv, ctx, d, **bf)
+    q4 = q.unsqueeze(2)
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    sdpa = lambda: torch.nn.functional.scaled_dot_product_attention(q4, K, V, scale=scaling, enable_gqa=True)  # noqa: E731
+    for name, backends in (("sdpa", None), ("flash", [SDPBackend.FLASH_ATTENTION])):
+        try:
+            if backends is None:
+                row[name] = timer(sdpa, args.warmup, args.iters)
+            else:
+                with sdpa_kernel(backends):
+                    row[name] = timer(sdpa, args.warmup, args.iters)
+            row[name]["bytes"] = bf16_kv + 2 * q.numel() * 2
+        except RuntimeError as e:  # a backend that does not take this shape or device
+            row[name] = {"error": str(e).splitlines()[0][:200]}
+    del K, V
+    return row
+
+
+def add_bandwidth(row: dict, peak: float | None) -> None:
+    for name in ("triton", "sdpa", "flash"):
+        r = row.get(name)
+        if isinstance(r, dict) and "ms" in r:
+            r["tb_per_s"] = r["bytes"] / (r["ms"] * 1e-3) / 1e12
+            r["peak_fraction"] = r["tb_per_s"] / peak if peak else None
+    if "ms" in row.get("triton", {}):
+        for name in ("sdpa", "flash"):
+            if "ms" in row.get(name, {}):
+                row[f"triton_over_{name}"] = row["triton"]["ms"] / row[name]["ms"]
+
+
+def tiny_llama(args, device, dtype):
+    from transformers import AutoModelForCausalLM, LlamaConfig
+
+    d, Hq, Hkv = args.head_dim, args.q_heads, args.kv_heads
+    cfg = LlamaConfig(vocab_size=1024, hidden_size=Hq * d, intermediate_size=2 * Hq * d, num_hidden_layers=args.e2e_layers,
+                      num_attention_heads=Hq, num_key_value_heads=Hkv, head_dim=d, max_position_embeddings=1 << 18)
+    torch.manual_seed(0)
+    return AutoModelForCausalLM.from_config(cfg, dtype=dtype).to(device).eval()
+
+
+def e2e_case(args, model, ctx, B, device, timer) -> dict:
+    from transformers import DynamicCache
+
+    from wushkv.cache import WushKVCache
+    from wushkv.config import QuantConfig, WindowConfig
+
+    Hkv, d, L = args.kv_heads, args.head_dim, args.e2e_layers
+    need = 2 * L * B * Hkv * ctx * d * 2 * 2  # a bfloat16 cache, and room for the packed one's fill
+    if need > args.memory_fraction * free_bytes(device):
+        return {"context": ctx, "batch": B, "skipped": f"needs ~{need / 2**30:.1f} GiB"}
+    windows = WindowConfig(SINK, RECENT, 8)
+    wmodel = copy.deepcopy(model)  # the packed cache switches its model to the wushkv attention
+    row = {"context": ctx, "batch": B}
+    ids = torch.randint(3, 1000, (B, 1), device=device)
+    for name, enabled in (("dynamic", None), ("wushkv_triton", True), ("wushkv_pytorch", False)):
+        m = model if name == "dynamic" else wmodel
+        cache = DynamicCache(config=m.config) if name == "dynamic" else WushKVCache(m, QuantConfig(args.k_bits, args.v_bits, "quest", windows=windows))
+        for i in range(L):  # fill each layer with random keys and values (chunks: no second full copy)
+            for a in range(0, ctx, 8192):
+                n = min(8192, ctx - a)
+                k = torch.randn(B, Hkv, n, d, device=device, dtype=model.dtype)
+                v = torch.randn_like(k)
+                cache.layers[i].update(k, v) if name != "dynamic" else cache.update(k, v, i)
+        with torch.no_grad(), decode_mod.triton_enabled(enabled if name != "dynamic" else None):
+            step = lambda: m(ids, cache=cache, use_cache=True)  # noqa: E731
+            if device.type == "cuda":
+                torch.cuda.synchronize(device)
+                torch.cuda.reset_peak_memory_stats(device)
+                held = torch.cuda.memory_allocated(device)
+            tk.reset_calls()
+            row[name] = timer(step, args.warmup, args.iters)
+            row[name]["triton_launches"] = tk.calls().get("decode", 0)
+            if device.type == "cuda":
+                row[name]["step_peak_bytes_above_cache"] = torch.cuda.max_memory_allocated(device) - held
+        del cache
+    for name in ("wushkv_triton", "wushkv_pytorch"):
+        row[f"{name}_over_dynamic"] = row[name]["ms"] / row["dynamic"]["ms"]
+    return row
+
+
+def run(args) -> dict:
+    device = torch.device("cpu" if args.dry_run else "cuda")
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise SystemExit("gpu_decode.py needs a CUDA device (or --dry-run)")
+    name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu (Triton interpreter, dry run)"
+    peak = peak_tbps(name, args.peak_tbps)
+    timer = Timer(device)
+    out = {"device": name, "peak_tbps": peak, "torch": torch.__version__, "args": vars(args), "kernel": [], "e2e": []}
+    try:
+        import triton
+
+        out["triton"] = triton.__version__
+    except ImportError:
+        raise SystemExit("gpu_decode.py needs triton")
+    for ctx in args.contexts:
+        for B in args.batches:
+            row = kernel_case(args, ctx, B, device, timer)
+            add_bandwidth(row, peak)
+            out["kernel"].append(row)
+            print(summary(row), flush=True)
+            if device.type == "cuda":
+                torch.cuda.empty_cache()
+    model = tiny_llama(args, device, torch.bfloat16 if device.type == "cuda" else torch.float32)
+    for ctx in args.e2e_contexts:
+        for B in args.e2e_batches:
+            row = e2e_case(args, model, ctx, B, device, timer)
+            out["e2e"].append(row)
+            print(summary(row), flush=True)
+            if device.type == "cuda":
+                torch.cuda.empty_cache()
+    return out
+
+
+def summary(row: dict) -> str:
+    head = f"ctx {row['context']:>7} batch {row['batch']:>3}"
+    if "skipped" in row:
+        return f"{head}: skipped ({row['skipped']})"
+    parts = []
+    for k, v in row.items():
+        if isinstance(v, dict) and "ms" in v:
+            frac = v.get("peak_fraction")
+            parts.append(f"{k} {v['ms']:.3f} ms" + (f" ({100 * frac:.0f}% of peak)" if frac else ""))
+        elif k.endswith(("_over_sdpa", "_over_flash", "_over_dynamic")):
+            parts.append(f"{k} {v:.2f}x")
+    return f"{head}: " + ", ".join(parts)
+
+
+def main(argv=None) -> dict:
+    args = parse_args(argv)
+    res = run(args)
+    os.makedirs(args.out, exist_ok=True)
+    path = write_json(os.path.join(args.out, "gpu_decode.json"), res)
+    print(f"wrote {path}")
+    return res
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,675 @@
+"""Triton kernels of the packed cache: *store* (transform, quantize, pack, write) and split-KV *decode*.
+
+Which codecs: per-token groups, i.e. :class:`~wushkv.codecs.TokenCodec` over QuEST and the affine quantizer
+(every ``quest``/``affine`` cache, and the values of ``kivi`` and of the ``+ktiles`` methods). KIVI's per-channel keys
+and KVarN's tiles (the key tiles ``auto`` may pick) stay on the PyTorch path of :mod:`wushkv.decode`: a tile's codes
+only mean something after its tile-wide rotation and per-channel grid, so a program would have to dequantize the
+whole tile anyway, and they are a minority of the caches served. Store does not cover error-feedback rounding
+(``+ldlq``: a sequential pass over channels) or the per-token clip search (``clip_search``); decode reads what those
+store, so it covers them.
+
+Layouts (``nb`` = ⌈d·b/8⌉ packed bytes, ``ng`` = d/G groups, codes as :func:`wushkv.quantizers.pack` lays them out):
+
+* contiguous, the transformers cache (:mod:`wushkv.layer`): codes (B, Hkv, cap, nb), scale/offset (B, Hkv, cap, ng);
+* paged, vLLM's: codes (num_blocks, block_size, Hkv, nb), scale/offset (num_blocks, block_size, Hkv, ng); a token's
+  slot is ``block · block_size + row``, and decode finds sequence ``b``'s token ``t`` in block
+  ``block_table[b, t // block_size]``.
+
+*Store* runs one program per (token, KV head): it loads the head's d values, applies the head's transform
+``k' = T k`` when given, computes each group's grid exactly as :mod:`wushkv.quantizers` does (IEEE division and
+square root, the same float32 constants), packs 8 codes into ``b`` bytes and writes them with the metadata;
+``slot < 0`` (vLLM's padding) writes nothing.
+
+*Decode* runs one program per (sequence, KV head, split): the program reads its split's columns of the
+full-precision sink, the packed middle and the full-precision recent buffer (in position order: one softmax over
+all three), once for all the query heads of the GQA group. Packed codes are loaded as bytes and unpacked in
+registers; with one group per token the scores are ``s ⊙ (C q) + z·Σq`` and the output ``Cᵀ(p ⊙ s) + (Σ p z)·1``
+(:mod:`wushkv.decode`), with smaller groups a tile is dequantized in registers. Nothing is dequantized to global
+memory. Each split keeps an online softmax (running max, sum, weighted values) and writes them; a second kernel
+merges the splits (adding the learned sink logits, gpt-oss, to the denominator) and writes the output.
+
+Triton is imported on first use, so ``import wushkv`` never needs it. On CUDA tensors the kernels compile; on CPU
+tensors they run under Triton's interpreter, which needs ``TRITON_INTERPRET=1`` in the environment before triton
+is first imported (the interpreter replaces triton's own library functions at import).
+"""
+
+from __future__ import annotations
+
+import collections
+import functools
+import math
+import types
+from dataclasses import dataclass
+
+import torch
+
+from .quantizers import AffineQuantizer, QuestQuantizer
+from .quantizers.packing import PACK_BITS
+
+_TINY = float(torch.finfo(torch.float32).tiny)  # QuEST's floor on Δ
+_MIN_RANGE = 1e-8  # the affine quantizer's floor on hi − lo (wushkv.quantizers.affine)
+_CALLS: collections.Counter = collections.Counter()  # kernel name -> launches since reset_calls()
+
+
+def available() -> bool:
+    """Whether triton can be imported here."""
+    try:
+        import triton  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+def interpreting() -> bool:
+    """Whether triton was imported under its interpreter (``TRITON_INTERPRET=1``): the kernels then run on CPU
+    tensors. Decided once, when triton is first imported."""
+    import triton.language as tl
+    from triton.runtime.interpreter import InterpretedFunction
+
+    return isinstance(tl.standard.sum, InterpretedFunction)
+
+
+def calls() -> dict[str, int]:
+    """Kernel launches by name since :func:`reset_calls` (``{"decode": 3, "merge": 3}``): which path actually ran."""
+    return dict(_CALLS)
+
+
+def reset_calls() -> None:
+    _CALLS.clear()
+
+
+@dataclass(frozen=True)
+class TokenFormat:
+    """What the kernels need of a per-token codec: ``bits`` (1, 2, 3, 4, 8), head dim ``d`` and group size ``G``
+    (powers of two, 8 ≤ G ≤ d, 16 ≤ d), ``quest`` (symmetric: only the step is stored, offset = (½ − 2^{b−1})·Δ)
+    or affine (scale and offset stored), and for *store* the grid: QuEST's step coefficient ``coef``
+    (Δ = coef·RMS when ``clipped``, else coef·max|x|), the affine percentile index ``kth`` (−1: no clip)."""
+
+    bits: int
+    d: int
+    G: int
+    quest: bool
+    coef: float = 0.0
+    clipped: bool = False
+    kth: int = -1
+
+    def __post_init__(self):
+        if self.bits not in PACK_BITS:
+            raise ValueError(f"the Triton kernels take bits in {list(PACK_BITS)}, got {self.bits!r}")
+        for name, v, lo in (("head_dim", self.d, 16), ("group size", self.G, 8)):
+            if v < lo or v & (v - 1):
+                raise ValueError(f"the Triton kernels need a {name} that is a power of two >= {lo}, got {v}")
+        if self.d % self.G:
+            raise ValueError(f"group size {self.G} must divide head_dim {self.d}")
+
+    @property
+    def nbytes(self) -> int:
+        return self.d * self.bits // 8
+
+    @property
+    def ngroups(self) -> int:
+        return self.d // self.G
+
+    @property
+    def half(self) -> float:
+        """QuEST's offset per unit step: ½ − 2^{b−1}."""
+        return 0.5 - 2 ** (self.bits - 1)
+
+    @classmethod
+    def of(cls, quantizer, head_dim: int) -> TokenFormat:
+        """The format of a per-token :class:`QuestQuantizer` or :class:`AffineQuantizer` (axis −1, no clip search);
+        ValueError for anything the kernels do not cover, naming it."""
+        G = head_dim if quantizer.group_size is None else quantizer.group_size
+        if getattr(quantizer, "search", 0):
+            raise ValueError(f"the Triton store does not run the per-token clip search (search={quantizer.search})")
+        if isinstance(quantizer, QuestQuantizer):
+            # the same float64 constants as QuestQuantizer._step, rounded to float32 where torch multiplies
+            coef = 2.0 * (quantizer.alpha if quantizer.clipped else quantizer.alpha_scale) / (2**quantizer.bits - 1)
+            return cls(quantizer.bits, head_dim, G, True, coef=coef, clipped=quantizer.clipped)
+        if isinstance(quantizer, AffineQuantizer) and quantizer.axis == -1:
+            kappa = quantizer.kappa
+            kth = min(math.floor(kappa * head_dim), head_dim - 1) if kappa > 0 else -1
+            return cls(quantizer.bits, head_dim, G, False, kth=kth)
+        raise ValueError(f"the Triton kernels cover per-token QuEST and affine quantizers, got {quantizer!r}")
+
+
+def _next_pow2(n: int) -> int:
+    return 1 << max(0, (int(n) - 1).bit_length())
+
+
+@functools.cache
+def _kernels() -> dict:
+    """The kernels, defined (and decorated) on first use so that importing wushkv never imports triton."""
+    import triton
+    import triton.language as tl
+
+    names = {"tl": tl, "triton": triton, "__name__": __name__}  # the kernels' globals
+
+    def jit(fn):
+        """``triton.jit`` of ``fn`` rebound to the globals ``names``, which holds ``tl`` and every kernel and helper
+        defined here: the interpreter re-executes a function's source against its globals, and the compiler resolves
+        the string annotations (``tl.constexpr``) there too."""
+        fn = types.FunctionType(fn.__code__, names, fn.__name__, fn.__defaults__, fn.__closure__)
+        names[fn.__name__] = kernel = triton.jit(fn)
+        return kernel
+
+    # -- helpers -------------------------------------------------------------------------------------------------
+    @jit
+    def _rows(t, b, h, bt_ptr, s_bt, PAGE, s0, s1, s2, PAGED: tl.constexpr):
+        """Element offsets of the rows of tokens ``t`` of sequence ``b``, head ``h``: contiguous (b, h, t) or
+        paged (block_table[b, t // PAGE], t % PAGE, h)."""
+        if PAGED:
+            blk = tl.load(bt_ptr + b * s_bt + t // PAGE).to(tl.int64)
+            return blk * s0 + (t % PAGE).to(tl.int64) * s1 + h * s2
+        return b * s0 + t.to(tl.int64) * s1 + h * s2
+
+    @jit
+    def _unpack(ptr, rows, valid, D: tl.constexpr, BITS: tl.constexpr, BN: tl.constexpr):
+        """Codes (BN, D) int32 of packed rows at ``ptr + rows`` (each byte loaded once, unpacked in registers)."""
+        if BITS == 8:
+            d = tl.arange(0, D)
+            return tl.load(ptr + rows[:, None] + d[None, :], mask=valid[:, None], other=0).to(tl.int32)
+        elif BITS == 3:  # 8 codes in 3 bytes: a 24-bit word, low bits first
+            j = tl.arange(0, D // 8)
+            word = tl.zeros([BN, D // 8], dtype=tl.int32)
+            for m in tl.static_range(3):
+                byte = tl.load(ptr + rows[:, None] + j[None, :] * 3 + m, mask=valid[:, None], other=0).to(tl.int32)
+                word = word | (byte << (8 * m))
+            i = tl.arange(0, 8)
+            c = (word[:, :, None] >> (i[None, None, :] * 3)) & 7
+            return tl.reshape(c, [BN, D])
+        else:  # 1, 2, 4 bits: 8/BITS codes per byte, low bits first
+            PER: tl.constexpr = 8 // BITS
+            j = tl.arange(0, D // PER)
+            byte = tl.load(ptr + rows[:, None] + j[None, :], mask=valid[:, None], other=0).to(tl.int32)
+            i = tl.arange(0, PER)
+            c = (byte[:, :, None] >> (i[None, None, :] * BITS)) & ((1 << BITS) - 1)
+            return tl.reshape(c, [BN, D])
+
+    @jit
+    def _visible(c, N, mask_ptr, s_mb, S, b, WINDOW, HAS_MASK: tl.constexpr):
+        """Which absolute columns ``c`` (of N; −1 marks a lane past the end of its part) the query sees: inside the sliding window (WINDOW > 0: the last
+        WINDOW columns) and, with a mask over the last S columns, allowed by it (earlier columns are not)."""
+        first = tl.where(WINDOW > 0, N - WINDOW, 0)  # block comparisons only: the interpreter takes no scalar masks
+        if HAS_MASK:
+            first = tl.maximum(first, N - S)
+        ok = (c >= 0) & (c >= first) & (c < N)
+        if HAS_MASK:
+            m = tl.load(mask_ptr + b * s_mb + (c - (N - S)), mask=ok, other=0)
+            ok = ok & (m != 0)
+        return ok
+
+    @jit
+    def _finish_scores(s, c, N, sm_scale, softcap, mask_ptr, s_mb, S, b, WINDOW, HAS_MASK: tl.constexpr,
+                       SOFTCAP: tl.constexpr):
+        """Scaled, soft-capped, masked scores (GP, BN); ``c`` the tile's absolute columns."""
+        s = s * sm_scale
+        if SOFTCAP:  # tanh through exp: exact to float32 rounding, and the same in the interpreter
+            x = s / softcap
+            e = tl.exp(-2.0 * tl.abs(x))
+            t = (1.0 - e) / (1.0 + e)
+            s = tl.where(x < 0, -t, t) * softcap
+        ok = _visible(c, N, mask_ptr, s_mb, S, b, WINDOW, HAS_MASK)
+        return tl.where(ok[None, :], s, float("-inf"))
+
+    @jit
+    def _online(s, m, l):
+        """One online-softmax step over scores (GP, BN): the new max, the rescaling of the old state, p (GP, BN)."""
+        m_new = tl.maximum(m, tl.max(s, 1))
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # all masked so far: keep exp() finite
+        alpha = tl.exp(m - m_safe)
+        p = tl.exp(s - m_safe[:, None])
+        return m_new, alpha, p, l * alpha + tl.sum(p, 1)
+
+    @jit
+    def _rne_bf16(x):
+        """float32 rounded to the nearest bfloat16 (ties to even), held in float32: on the bits, because Triton's
+        interpreter truncates that conversion (finite values only)."""
+        bits = x.to(tl.int32, bitcast=True)
+        bits = (bits + 0x7FFF + ((bits >> 16) & 1)) & -65536
+        return bits.to(tl.float32, bitcast=True)
+
+    @jit
+    def _mma(a, b, DT: tl.constexpr, EMU: tl.constexpr, PREC: tl.constexpr):
+        """a @ b with operands in DT (the query's dtype) and float32 accumulation. EMU (the interpreter, whose dot
+        takes no bfloat16): operands rounded to DT and multiplied in float32, which is the same arithmetic (a product
+        of two DT values is exact in float32)."""
+        if EMU:
+            a = a.to(tl.float32)
+            b = b.to(tl.float32)
+            if DT == tl.bfloat16:
+                a = _rne_bf16(a)
+                b = _rne_bf16(b)
+            elif DT == tl.float16:
+                a = a.to(tl.float16).to(tl.float32)
+                b = b.to(tl.float16).to(tl.float32)
+            return tl.dot(a, b, input_precision="ieee")
+        return tl.dot(a.to(DT), b.to(DT), input_precision=PREC)
+
+    @jit
+    def _fp_segment(q, m, l, acc, k_ptr, v_ptr, sk_b, sk_h, sk_t, sv_b, sv_h, sv_t, b, h, a, e, base, N,
+                    sm_scale, softcap, mask_ptr, s_mb, S, WINDOW,
+                    D: tl.constexpr, BN: tl.constexpr, HAS_MASK: tl.constexpr, SOFTCAP: tl.constexpr,
+                    PREC: tl.constexpr, DT: tl.constexpr, EMU: tl.constexpr):
+        """Columns [a, e) of a full-precision part (B, Hkv, n, D) whose first column is absolute ``base``."""
+        d = tl.arange(0, D)
+        for start in range(a, e, BN):
+            t = start + tl.arange(0, BN)
+            valid = t < e
+            k = tl.load(k_ptr + b * sk_b + h * sk_h + t[:, None].to(tl.int64) * sk_t + d[None, :], mask=valid[:, None], other=0.0)
+            s = _mma(q, tl.trans(k), DT, EMU, PREC)
+            s = _finish_scores(s, tl.where(valid, base + t, -1), N, sm_scale, softcap, mask_ptr, s_mb, S, b, WINDOW, HAS_MASK, SOFTCAP)
+            m, alpha, p, l = _online(s, m, l)
+            v = tl.load(v_ptr + b * sv_b + h * sv_h + t[:, None].to(tl.int64) * sv_t + d[None, :], mask=valid[:, None], other=0.0)
+            acc = acc * alpha[:, None] + _mma(p, v, DT, EMU, PREC)
+        return m, l, acc
+
+    @jit
+    def _dequant_tile(c, s_ptr, z_ptr, srows, valid, G: tl.constexpr, D: tl.constexpr, HALF, HAS_Z: tl.constexpr):
+        """Codes (BN, D) → values in registers, groups of G channels: x̂ = s·c + z."""
+        g = tl.arange(0, D) // G
+        s = tl.load(s_ptr + srows[:, None] + g[None, :], mask=valid[:, None], other=0.0).to(tl.float32)
+        if HAS_Z:
+            z = tl.load(z_ptr + srows[:, None] + g[None, :], mask=valid[:, None], other=0.0).to(tl.float32)
+        else:
+            z = s * HALF
+        return c.to(tl.float32) * s + z
+
+    @jit
+    def _code_segment(q, qsum, m, l, acc,
+                      kc_ptr, ks_ptr, kz_ptr, vc_ptr, vs_ptr, vz_ptr,
+                      kc0, kc1, kc2, ks0, ks1, ks2, vc0, vc1, vc2, vs0, vs1, vs2,
+                      bt_ptr, s_bt, PAGE, b, h, a, e, base, N,
+                      sm_scale, softcap, mask_ptr, s_mb, S, WINDOW, K_HALF, V_HALF,
+                      D: tl.constexpr, BN: tl.constexpr, K_BITS: tl.constexpr, V_BITS: tl.constexpr,
+                      K_G: tl.constexpr, V_G: tl.constexpr, K_Z: tl.constexpr, V_Z: tl.constexpr,
+                      PAGED: tl.constexpr, HAS_MASK: tl.constexpr, SOFTCAP: tl.constexpr, PREC: tl.constexpr,
+                      DT: tl.constexpr, EMU: tl.constexpr):
+        """Tokens [a, e) of the packed middle, whose first token is absolute column ``base``."""
+        for start in range(a, e, BN):
+            t = start + tl.arange(0, BN)
+            valid = t < e
+            tt = tl.where(valid, t, 0)  # masked lanes still compute an address (block table reads stay in range)
+            # keys: scores = s ⊙ (C q) + z·Σq (one group per token), or a tile dequantized in registers
+            rows = _rows(tt, b, h, bt_ptr, s_bt, PAGE, kc0, kc1, kc2, PAGED)
+            srows = _rows(tt, b, h, bt_ptr, s_bt, PAGE, ks0, ks1, ks2, PAGED)
+            c = _unpack(kc_ptr, rows, valid, D, K_BITS, BN)
+            if K_G == D:
+                ks = tl.load(ks_ptr + srows, mask=valid, other=0.0).to(tl.float32)
+                if K_Z:
+                    kz = tl.load(kz_ptr + srows, mask=valid, other=0.0).to(tl.float32)
+                else:
+                    kz = ks * K_HALF
+                s = _mma(q, tl.trans(c), DT, EMU, PREC) * ks[None, :] + qsum[:, None] * kz[None, :]
+            else:
+                k = _dequant_tile(c, ks_ptr, kz_ptr, srows, valid, K_G, D, K_HALF, K_Z)
+                s = _mma(q, tl.trans(k), DT, EMU, PREC)
+            s = _finish_scores(s, tl.where(valid, base + t, -1), N, sm_scale, softcap, mask_ptr, s_mb, S, b, WINDOW, HAS_MASK, SOFTCAP)
+            m, alpha, p, l = _online(s, m, l)
+            # values: Cᵀ(p ⊙ s) + (Σ p z)·1, or the dequantized tile
+            rows = _rows(tt, b, h, bt_ptr, s_bt, PAGE, vc0, vc1, vc2, PAGED)
+            srows = _rows(tt, b, h, bt_ptr, s_bt, PAGE, vs0, vs1, vs2, PAGED)
+            c = _unpack(vc_ptr, rows, valid, D, V_BITS, BN)
+            if V_G == D:
+                vs = tl.load(vs_ptr + srows, mask=valid, other=0.0).to(tl.float32)
+                if V_Z:
+                    vz = tl.load(vz_ptr + srows, mask=valid, other=0.0).to(tl.float32)
+                else:
+                    vz = vs * V_HALF
+                o = _mma(p * vs[None, :], c, DT, EMU, PREC)
+                o = o + tl.sum(p * vz[None, :], 1)[:, None]
+            else:
+                v = _dequant_tile(c, vs_ptr, vz_ptr, srows, valid, V_G, D, V_HALF, V_Z)
+                o = _mma(p, v, DT, EMU, PREC)
+            acc = acc * alpha[:, None] + o
+        return m, l, acc
+
+    @jit
+    def _rne_out(x, META_BF16: tl.constexpr):
+        """float32 about to be stored as bfloat16 (META_BF16) rounded to nearest even first, as torch rounds it
+        (the interpreter would truncate); other dtypes unchanged."""
+        if META_BF16:
+            x = _rne_bf16(x)
+        return x
+
+    # -- decode: one program per (sequence, KV head, split) -------------------------------------------------------
+    @jit
+    def decode_kernel(q_ptr, sq_b, sq_h,
+                      lens_ptr,  # int32 (B, 3): sink, middle, recent tokens of each sequence
+                      sk_ptr, sv_ptr, sk_b, sk_h, sk_t, sv_b, sv_h, sv_t,
+                      rk_ptr, rv_ptr, rk_b, rk_h, rk_t, rv_b, rv_h, rv_t,
+                      kc_ptr, ks_ptr, kz_ptr, vc_ptr, vs_ptr, vz_ptr,
+                      kc0, kc1, kc2, ks0, ks1, ks2, vc0, vc1, vc2, vs0, vs1, vs2,
+                      bt_ptr, s_bt, PAGE,
+                      mask_ptr, s_mb, S, WINDOW,
+                      o_ptr, m_ptr, l_ptr,  # (B, Hq, SPLITS, D), (B, Hq, SPLITS) float32
+                      sm_scale, softcap, K_HALF, V_HALF, SPLITS,
+                      D: tl.constexpr, GQA: tl.constexpr, GP: tl.constexpr, BN: tl.constexpr,
+                      K_BITS: tl.constexpr, V_BITS: tl.constexpr, K_G: tl.constexpr, V_G: tl.constexpr,
+                      K_Z: tl.constexpr, V_Z: tl.constexpr, PAGED: tl.constexpr, HAS_MASK: tl.constexpr,
+                      SOFTCAP: tl.constexpr, PREC: tl.constexpr, DT: tl.constexpr, EMU: tl.constexpr):
+        b = tl.program_id(0).to(tl.int64)
+        h = tl.program_id(1).to(tl.int64)
+        sp = tl.program_id(2)
+        n_s = tl.load(lens_ptr + b * 3)
+        n_m = tl.load(lens_ptr + b * 3 + 1)
+        n_r = tl.load(lens_ptr + b * 3 + 2)
+        N = n_s + n_m + n_r
+        chunk = (N + SPLITS - 1) // SPLITS
+        lo = sp * chunk
+        hi = tl.minimum(N, lo + chunk)
+
+        gi = tl.arange(0, GP)
+        d = tl.arange(0, D)
+        hq = h * GQA + gi  # the query heads of this KV head
+        qmask = gi < GQA
+        q = tl.load(q_ptr + b * sq_b + hq[:, None] * sq_h + d[None, :], mask=qmask[:, None], other=0.0)
+        qsum = tl.sum(q.to(tl.float32), 1)
+        m = tl.full([GP], float("-inf"), dtype=tl.float32)
+        l = tl.zeros([GP], dtype=tl.float32)
+        acc = tl.zeros([GP, D], dtype=tl.float32)
+
+        # sink [0, n_s), middle [n_s, n_s + n_m), recent [n_s + n_m, N): each intersected with [lo, hi)
+        m, l, acc = _fp_segment(q, m, l, acc, sk_ptr, sv_ptr, sk_b, sk_h, sk_t, sv_b, sv_h, sv_t, b, h,
+                                tl.maximum(lo, 0), tl.minimum(hi, n_s), 0, N, sm_scale, softcap, mask_ptr, s_mb, S,
+                                WINDOW, D, BN, HAS_MASK, SOFTCAP, PREC, DT, EMU)
+        m, l, acc = _code_segment(q, qsum, m, l, acc, kc_ptr, ks_ptr, kz_ptr, vc_ptr, vs_ptr, vz_ptr,
+                                  kc0, kc1, kc2, ks0, ks1, ks2, vc0, vc1, vc2, vs0, vs1, vs2,
+                                  bt_ptr, s_bt, PAGE, b, h, tl.maximum(lo - n_s, 0), tl.minimum(hi - n_s, n_m), n_s, N,
+                                  sm_scale, softcap, mask_ptr, s_mb, S, WINDOW, K_HALF, V_HALF,
+                                  D, BN, K_BITS, V_BITS, K_G, V_G, K_Z, V_Z, PAGED, HAS_MASK, SOFTCAP, PREC, DT, EMU)
+        w0 = n_s + n_m
+        m, l, acc = _fp_segment(q, m, l, acc, rk_ptr, rv_ptr, rk_b, rk_h, rk_t, rv_b, rv_h, rv_t, b, h,
+                                tl.maximum(lo - w0, 0), tl.minimum(hi - w0, n_r), w0, N, sm_scale, softcap, mask_ptr,
+                                s_mb, S, WINDOW, D, BN, HAS_MASK, SOFTCAP, PREC, DT, EMU)
+
+        Hq = tl.num_programs(1) * GQA
+        row = (b * Hq + hq) * SPLITS + sp  # (GP,)
+        tl.store(m_ptr + row, m, mask=qmask)
+        tl.store(l_ptr + row, l, mask=qmask)
+        tl.store(o_ptr + row[:, None] * D + d[None, :], acc, mask=qmask[:, None])
+
+    # -- merge the splits: one program per (sequence, query head) -------------------------------------------------
+    @jit
+    def merge_kernel(o_ptr, m_ptr, l_ptr, sinks_ptr, out_ptr, s_ob, s_oh, SPLITS, Hq,
+                     D: tl.constexpr, SP: tl.constexpr, HAS_SINKS: tl.constexpr, OUT_BF16: tl.constexpr):
+        b = tl.program_id(0).to(tl.int64)
+        hq = tl.program_id(1).to(tl.int64)
+        i = tl.arange(0, SP)
+        d = tl.arange(0, D)
+        ok = i < SPLITS
+        row = (b * Hq + hq) * SPLITS + i
+        m = tl.load(m_ptr + row, mask=ok, other=float("-inf"))
+        l = tl.load(l_ptr + row, mask=ok, other=0.0)
+        M = tl.max(m, 0)
+        if HAS_SINKS:  # the learned sink logit: one more softmax column with a zero value
+            sink = tl.load(sinks_ptr + hq).to(tl.float32)
+            M = tl.maximum(M, sink)
+        M = tl.where(M == float("-inf"), 0.0, M)
+        w = tl.exp(m - M)  # (SP,): empty splits (m = -inf) weigh 0
+        L = tl.sum(l * w, 0)
+        if HAS_SINKS:
+            L = L + tl.exp(sink - M)
+        acc = tl.load(o_ptr + row[:, None] * D + d[None, :], mask=ok[:, None], other=0.0)
+        out = tl.sum(acc * w[:, None], 0) / L
+        tl.store(out_ptr + b * s_ob + hq * s_oh + d, _rne_out(out, OUT_BF16).to(out_ptr.dtype.element_ty))
+
+    # -- store: one program per (token, KV head) -------------------------------------------------------------------
+    @jit
+    def store_kernel(x_ptr, sx_r, sx_h, sx_d, t_ptr, st_h, st_i, st_j, slot_ptr, PAGE,
+                     c_ptr, sc0, sc1, sc2, s_ptr, ss0, ss1, ss2, z_ptr, sz0, sz1, sz2,
+                     coef, kth, sqrt_g,
+                     D: tl.constexpr, G: tl.constexpr, BITS: tl.constexpr, QUEST: tl.constexpr,
+                     CLIPPED: tl.constexpr, HAS_T: tl.constexpr, HAS_Z: tl.constexpr, TC: tl.constexpr,
+                     META_BF16: tl.constexpr):
+        r = tl.program_id(0).to(tl.int64)
+        h = tl.program_id(1).to(tl.int64)
+        raw = tl.load(slot_ptr + r).to(tl.int64)  # vLLM pads with slot -1: nothing is written (masks are blocks:
+        slot = tl.maximum(raw, 0)                   # the interpreter takes no scalar in a mask)
+        blk = slot // PAGE
+        tok = slot % PAGE
+        d = tl.arange(0, D)
+        if HAS_T:  # x' = T x, per KV head, float32, TC columns of T at a time
+            x = tl.zeros([D], dtype=tl.float32)
+            for j0 in tl.static_range(0, D, TC):
+                j = j0 + tl.arange(0, TC)
+                xj = tl.load(x_ptr + r * sx_r + h * sx_h + j * sx_d).to(tl.float32)
+                T = tl.load(t_ptr + h * st_h + d[:, None] * st_i + j[None, :] * st_j).to(tl.float32)
+                x += tl.sum(T * xj[None, :], 1)
+        else:
+            x = tl.load(x_ptr + r * sx_r + h * sx_h + d * sx_d).to(tl.float32)
+        NG: tl.constexpr = D // G
+        QMAX: tl.constexpr = (1 << BITS) - 1
+        if QUEST:  # Δ = coef·‖x_g‖/√G (or coef·max|x_g|), q = clamp(⌊x/Δ⌋, −2^{b−1}, 2^{b−1}−1) + 2^{b−1}
+            HALF: tl.constexpr = 1 << (BITS - 1)
+            xg = tl.reshape(x, [NG, G])
+            if CLIPPED:
+                ss = tl.sum(xg * xg, 1)
+                step = coef * tl.math.div_rn(tl.math.sqrt_rn(ss), tl.zeros_like(ss) + sqrt_g)
+            else:
+                step = coef * tl.max(tl.abs(xg), 1)
+            step = tl.maximum(step, 1.1754943508222875e-38)
+            q = tl.floor(tl.math.div_rn(xg, step[:, None]))
+            q = tl.minimum(tl.maximum(q, -HALF), HALF - 1) + HALF
+            scale = step
+            offset = step  # unused: QuEST stores only the step
+        else:  # affine: percentile clip over the row, then per group min–max
+            if CLIPPED:  # τ = the kth smallest |x| of the row (0-based), by counting, no sort
+                a = tl.abs(x)
+                less = tl.sum((a[None, :] < a[:, None]).to(tl.int32), 1)
+                leq = tl.sum((a[None, :] <= a[:, None]).to(tl.int32), 1)
+                tau = tl.max(tl.where((less <= kth) & (kth < leq), a, 0.0), 0)
+                x = tl.maximum(tl.minimum(x, tau), -tau)
+            xg = tl.reshape(x, [NG, G])
+            lo = tl.min(xg, 1)
+            hi = tl.max(xg, 1)
+            s = tl.math.div_rn(tl.maximum(hi - lo, 1e-8), tl.zeros_like(hi) + QMAX)
+            z = tl.math.div_rn(-lo, s)
+            q = tl.floor(tl.math.div_rn(xg, s[:, None]) + z[:, None] + 0.5)
+            q = tl.minimum(tl.maximum(q, 0.0), QMAX * 1.0)
+            scale = s
+            offset = -z * s
+        # pack: 8 codes → BITS bytes, code i at bits [i·BITS, (i+1)·BITS) (wushkv.quantizers.packing)
+        codes = tl.reshape(q.to(tl.int64), [D // 8, 8])
+        i = tl.arange(0, 8)
+        word = tl.sum(codes << (i[None, :] * BITS), 1)  # (D/8,): disjoint bits, so the sum is an or
+        w = tl.arange(0, D // 8)
+        base = blk * sc0 + tok * sc1 + h * sc2
+        for m in tl.static_range(BITS):
+            tl.store(c_ptr + base + w * BITS + m, ((word >> (8 * m)) & 255).to(tl.uint8), mask=(w * 0 + raw) >= 0)
+        g = tl.arange(0, NG)
+        tl.store(s_ptr + blk * ss0 + tok * ss1 + h * ss2 + g, _rne_out(scale, META_BF16).to(s_ptr.dtype.element_ty), mask=(g * 0 + raw) >= 0)
+        if HAS_Z:
+            tl.store(z_ptr + blk * sz0 + tok * sz1 + h * sz2 + g, _rne_out(offset, META_BF16).to(z_ptr.dtype.element_ty), mask=(g * 0 + raw) >= 0)
+
+    return {"decode": decode_kernel, "merge": merge_kernel, "store": store_kernel}
+
+
+def _check_device(*tensors) -> None:
+    cpu = any(t is not None and t.device.type == "cpu" for t in tensors)
+    if cpu and not interpreting():
+        raise RuntimeError("the Triton kernels run CPU tensors only under Triton's interpreter: set TRITON_INTERPRET=1 "
+                           "in the environment before triton is first imported")
+
+
+def _tl_dtype(dtype: torch.dtype):
+    import triton.language as tl
+
+    return {torch.float16: tl.float16, torch.bfloat16: tl.bfloat16, torch.float32: tl.float32}[dtype]
+
+
+def _launch(name: str, grid, *args, **meta) -> None:
+    _CALLS[name] += 1
+    _kernels()[name][grid](*args, **meta)
+
+
+# -- store ---------------------------------------------------------------------------------------------------------
+def _store(x, slots, page, codes, scale, offset, fmt: TokenFormat, transform, strides):
+    """x (R, Hkv, d) rows, slots (R,) int64: codes/scale/offset at (slot // page, slot % page, head) through
+    ``strides`` = ((block, token, head) of codes, of scale, of offset)."""
+    R, H, d = x.shape
+    if d != fmt.d:
+        raise ValueError(f"x has head_dim {d}, the format {fmt.d}")
+    if fmt.quest != (offset is None):
+        raise ValueError("QuEST stores no offset (pass offset=None); the affine quantizer needs one")
+    if codes.dtype != torch.uint8 or codes.shape[-1] != fmt.nbytes or codes.stride(-1) != 1:
+        raise ValueError(f"codes must be uint8 with a contiguous last dim of {fmt.nbytes} bytes, got {codes.dtype} "
+                         f"{tuple(codes.shape)}")
+    if transform is not None and tuple(transform.shape) != (H, d, d):
+        raise ValueError(f"transform must be (Hkv, d, d) = {(H, d, d)}, got {tuple(transform.shape)}")
+    _check_device(x, codes)
+    if R == 0:
+        return
+    t = transform if transform is not None else x  # a placeholder pointer when there is none
+    z = offset if offset is not None else scale
+    (c0, c1, c2), (s0, s1, s2), (z0, z1, z2) = strides
+    _launch("store", (R, H), x, *x.stride(), t, *(transform.stride() if transform is not None else (0, 0, 0)),
+            slots, page, codes, c0, c1, c2, scale, s0, s1, s2, z, z0, z1, z2,
+            float(fmt.coef), int(fmt.kth), float(math.sqrt(fmt.G)),
+            D=d, G=fmt.G, BITS=fmt.bits, QUEST=fmt.quest, CLIPPED=fmt.clipped if fmt.quest else fmt.kth >= 0,
+            HAS_T=transform is not None, HAS_Z=offset is not None, TC=min(d, 32), META_BF16=scale.dtype == torch.bfloat16)
+
+
+def store_paged(x, slot_mapping, codes, scale, offset, fmt: TokenFormat, transform=None) -> None:
+    """Quantize and write new tokens into vLLM-style paged blocks.
+
+    Args:
+        x: (T, Hkv, d) keys (after RoPE) or values, any float dtype.
+        slot_mapping: (T,) integer, ``block · block_size + row``; ``slot < 0`` is skipped.
+        codes: uint8 (num_blocks, block_size, Hkv, nb); scale (and offset, affine only; None for QuEST):
+            (num_blocks, block_size, Hkv, ng) in the metadata dtype.
+        transform: (Hkv, d, d) float or None: each head's rows are stored as ``T k`` (float32 in the kernel).
+    """
+    if x.dim() != 3 or codes.dim() != 4:
+        raise ValueError(f"x must be (T, Hkv, d) and codes (blocks, block_size, Hkv, bytes), got {tuple(x.shape)}, "
+                         f"{tuple(codes.shape)}")
+    strides = tuple((t.stride(0), t.stride(1), t.stride(2)) if t is not None else (0, 0, 0) for t in (codes, scale, offset))
+    slots = slot_mapping.to(device=x.device, dtype=torch.int64).contiguous()
+    _store(x, slots, codes.shape[1], codes, scale, offset, fmt, transform, strides)
+
+
+def store_contiguous(x, codes, scale, offset, start, fmt: TokenFormat, transform=None) -> None:
+    """Quantize and write new tokens of every sequence into the contiguous layout of the transformers cache.
+
+    Args:
+        x: (B, Hkv, T, d), tokens ``start[b] .. start[b] + T`` of each sequence.
+        codes: uint8 (B, Hkv, cap, nb); scale/offset (B, Hkv, cap, ng) (offset None for QuEST).
+        start: int or (B,) integer tensor: each sequence's first free token.
+    """
+    if x.dim() != 4 or codes.dim() != 4:
+        raise ValueError(f"x must be (B, Hkv, T, d) and codes (B, Hkv, cap, bytes), got {tuple(x.shape)}, {tuple(codes.shape)}")
+    B, H, T, d = x.shape
+    cap = codes.shape[2]
+    start = torch.as_tensor(start, dtype=torch.int64, device=x.device).expand(B)
+    if T and int((start + T).max()) > cap:
+        raise ValueError(f"{T} tokens from {start.tolist()} overflow the capacity {cap}")
+    slots = (torch.arange(B, device=x.device)[:, None] * cap + start[:, None] + torch.arange(T, device=x.device)).flatten()
+    rows = x.transpose(1, 2).reshape(B * T, H, d)
+    strides = tuple((t.stride(0), t.stride(2), t.stride(1)) if t is not None else (0, 0, 0) for t in (codes, scale, offset))
+    _store(rows, slots, cap, codes, scale, offset, fmt, transform, strides)
+
+
+# -- decode --------------------------------------------------------------------------------------------------------
+@dataclass
+class Packed:
+    """One side of the packed middle: ``codes`` uint8, ``scale`` (and ``offset``, affine; None for QuEST) as laid out
+    contiguously (B, Hkv, cap, ·) or paged (num_blocks, block_size, Hkv, ·), and its :class:`TokenFormat`."""
+
+    fmt: TokenFormat
+    codes: torch.Tensor
+    scale: torch.Tensor
+    offset: torch.Tensor | None = None
+
+
+def default_splits(batch: int, kv_heads: int, longest: int, block_n: int, device) -> int:
+    """Splits of each sequence so that about four programs run per streaming multiprocessor (one per CPU core
+    under the interpreter), never more than there are tiles."""
+    sms = torch.cuda.get_device_properties(device).multi_processor_count * 4 if device.type == "cuda" else 1
+    want = max(1, -(-sms // max(1, batch * kv_heads)))
+    return max(1, min(want, -(-max(longest, 1) // block_n), 256))
+
+
+def decode(query, lengths, sink_k, sink_v, mid_k: Packed, mid_v: Packed, recent_k, recent_v, scaling: float, *,
+           softcap: float | None = None, sinks=None, allowed=None, window: int | None = None,
+           block_table=None, splits: int | None = None, block_n: int = 32) -> torch.Tensor:
+    """Attention of one query token per sequence over [sink; packed middle; recent], split-KV.
+
+    Args:
+        query: (B, Hq, d) (float16, bfloat16 or float32; the dots run in this dtype with float32 accumulation),
+            already in the transformed key space. Hq = G·Hkv: query head ``h·G + i`` reads KV head ``h``.
+        lengths: int (B, 3): the sink, middle and recent tokens of each sequence (ragged).
+        sink_k, sink_v, recent_k, recent_v: (B, Hkv, ≥ length, d) full precision (any strides, last dim contiguous).
+        mid_k, mid_v: the packed middle (:class:`Packed`), contiguous (B, Hkv, cap, ·), or paged with ``block_table``
+            (B, max_blocks) int32 giving each sequence's blocks in order.
+        scaling: the softmax scale; ``softcap``: logit softcap (tanh) or None; ``sinks``: (Hq,) learned sink logits
+            or None; ``allowed``: bool (B, S), which of each sequence's last S columns are visible (earlier ones are
+            not) or None; ``window``: only each sequence's last ``window`` columns are visible (sliding window).
+        splits: programs per (sequence, KV head) (default :func:`default_splits`); ``block_n``: tokens per tile.
+
+    Returns:
+        (B, Hq, d) in the query's dtype.
+    """
+    B, Hq, d = query.shape
+    Hkv = sink_k.shape[1]
+    if Hq % Hkv:
+        raise ValueError(f"query heads {Hq} are not a multiple of KV heads {Hkv}")
+    G = Hq // Hkv
+    for side in (mid_k, mid_v):
+        if side.fmt.d != d:
+            raise ValueError(f"the packed middle has head_dim {side.fmt.d}, the query {d}")
+    if query.dtype not in (torch.float16, torch.bfloat16, torch.float32):
+        raise ValueError(f"query dtype must be float16, bfloat16 or float32, got {query.dtype}")
+    _check_device(query, mid_k.codes)
+    lengths = lengths.to(device=query.device, dtype=torch.int32).contiguous()
+    if splits is None:
+        splits = default_splits(B, Hkv, int(lengths.sum(1).max()) if B else 0, block_n, query.device)
+    paged = block_table is not None
+    emulate = query.device.type == "cpu"  # the interpreter: bfloat16 dots emulated in float32 (see _mma)
+    if sinks is not None and tuple(sinks.shape) != (Hq,):
+        raise ValueError(f"sinks must be (Hq,) = ({Hq},), got {tuple(sinks.shape)}")
+    query = query.contiguous() if query.stride(-1) != 1 else query
+    for t in (sink_k, sink_v, recent_k, recent_v):
+        if t.stride(-1) != 1:
+            raise ValueError("full-precision parts need a contiguous last dim")
+
+    def strides(t):  # (block or sequence, token, head)
+        if t is None:
+            return (0, 0, 0)
+        return (t.stride(0), t.stride(1), t.stride(2)) if paged else (t.stride(0), t.stride(2), t.stride(1))
+
+    o = torch.empty(B, Hq, splits, d, dtype=torch.float32, device=query.device)
+    m = torch.empty(B, Hq, splits, dtype=torch.float32, device=query.device)
+    l = torch.empty_like(m)
+    if allowed is not None:
+        mask = allowed.reshape(B, -1).to(torch.uint8).contiguous()
+        S = mask.shape[1]
+    else:
+        mask, S = lengths, 0
+    bt = block_table.to(device=query.device, dtype=torch.int32) if paged else lengths
+    page = mid_k.codes.shape[1] if paged else 1
+    if paged and mid_v.codes.shape[1] != page:
+        raise ValueError("keys and values must use the same block size")
+    kz = mid_k.offset if mid_k.offset is not None else mid_k.scale
+    vz = mid_v.offset if mid_v.offset is not None else mid_v.scale
+    if B and Hq:
+        _launch("decode", (B, Hkv, splits), query, query.stride(0), query.stride(1), lengths,
+                sink_k, sink_v, sink_k.stride(0), sink_k.stride(1), sink_k.stride(2), sink_v.stride(0), sink_v.stride(1), sink_v.stride(2),
+                recent_k, recent_v, recent_k.stride(0), recent_k.stride(1), recent_k.stride(2),
+                recent_v.stride(0), recent_v.stride(1), recent_v.stride(2),
+                mid_k.codes, mid_k.scale, kz, mid_v.codes, mid_v.scale, vz,
+                *strides(mid_k.codes), *strides(mid_k.scale), *strides(mid_v.codes), *strides(mid_v.scale),
+                bt, bt.stride(0), page, mask, mask.stride(0), S, int(window or 0),
+                o, m, l, float(scaling), float(softcap or 1.0), mid_k.fmt.half, mid_v.fmt.half, splits,
+                D=d, GQA=G, GP=max(16, _next_pow2(G)), BN=block_n, K_BITS=mid_k.fmt.bits, V_BITS=mid_v.fmt.bits,
+                K_G=mid_k.fmt.G, V_G=mid_v.fmt.G, K_Z=mid_k.offset is not None, V_Z=mid_v.offset is not None,
+                PAGED=paged, HAS_MASK=allowed is not None, SOFTCAP=softcap is not None,
+                PREC="ieee" if query.dtype == torch.float32 else "tf32", DT=_tl_dtype(query.dtype), EMU=emulate)
+    out = torch.empty(B, Hq, d, dtype=query.dtype, device=query.device)
+    if B and Hq:
+        _launch("merge", (B, Hq), o, m, l, sinks if sinks is not None else m, out, out.stride(0), out.stride(1), splits, Hq,
+                D=d, SP=_next_pow2(splits), HAS_SINKS=sinks is not None, OUT_BF16=query.dtype == torch.bfloat16)
+    return out
+
+
+__all__ = ["Packed", "TokenFormat", "available", "calls", "decode", "default_splits", "interpreting", "reset_calls",
+           "store_contiguous", "store_paged"]

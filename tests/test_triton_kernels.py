@@ -1,0 +1,362 @@
+"""The Triton kernels (wushkv.triton_kernels) against the PyTorch reference: store bit-exact with quantize + pack,
+decode equal to dequantize-then-attend, a whole model's decode equal through both paths.
+
+On a machine without CUDA they run on CPU tensors under Triton's interpreter (tests/conftest.py sets
+``TRITON_INTERPRET=1`` before triton is imported); with CUDA the same tests run the compiled kernels on the GPU
+(``benchmarks/gpu_check.sh``). Skipped only where triton cannot be imported. The interpreter is slow: shapes are tiny.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+pytest.importorskip("triton")
+
+from wushkv import decode as decode_mod  # noqa: E402
+from wushkv import triton_kernels as tk  # noqa: E402
+from wushkv.cache import WushKVCache  # noqa: E402
+from wushkv.codecs import TokenCodec  # noqa: E402
+from wushkv.config import QuantConfig, WindowConfig  # noqa: E402
+from wushkv.decode import decode_attention, dequantize_then_attend  # noqa: E402
+from wushkv.quantizers import AffineQuantizer, QuestQuantizer, pack  # noqa: E402
+
+from conftest import tiny_model  # noqa: E402
+
+DEVICE = "cuda" if torch.cuda.is_available() and not tk.interpreting() else "cpu"
+# QuEST's step needs ‖x‖ of each group: a sum whose order differs between torch and the kernel (and on CUDA torch
+# divides by a constant through its reciprocal), so on arbitrary data the step may differ in its last bit. On data
+# whose arithmetic is exact (multiples of 1/8) every result is bit for bit.
+EXACT_ON_ANY_DATA = DEVICE == "cpu"
+
+QUANTIZERS = {
+    "quest1": QuestQuantizer(1), "quest2": QuestQuantizer(2), "quest3": QuestQuantizer(3), "quest4-g16": QuestQuantizer(4, 16),
+    "quest8": QuestQuantizer(8), "affine1-g16": AffineQuantizer(1, 16, clip_ratio=0.9), "affine2": AffineQuantizer(2, clip_ratio=0.92),
+    "affine3": AffineQuantizer(3, clip_ratio=0.96), "affine4": AffineQuantizer(4), "affine8-g32": AffineQuantizer(8, 32, clip_ratio=0.9),
+}
+
+
+def _exact_data(shape, seed):
+    """Multiples of 1/8 in [-8, 8]: sums of squares of up to 256 of them are exact in float32, in any order."""
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(-64, 65, shape, generator=g).float() / 8
+
+
+def _buffers(lead, fmt, meta, fill=0xAB):
+    codes = torch.full((*lead, fmt.nbytes), fill, dtype=torch.uint8, device=DEVICE)
+    scale = torch.full((*lead, fmt.ngroups), -7.0, dtype=meta, device=DEVICE)
+    return codes, scale, (None if fmt.quest else torch.full_like(scale, -7.0))
+
+
+@pytest.mark.parametrize("bits", [1, 2, 3, 4, 8])
+def test_pack_bit_exact(bits):
+    """The kernel's packing equals wushkv.quantizers.pack: codes set through QuEST at a step of 1 (x = code − 2^{b−1}
+    quantizes to exactly ``code``, unclipped at 8 bits) land in the same bytes."""
+    d = 64
+    g = torch.Generator().manual_seed(bits)
+    codes = torch.randint(0, 2**bits, (6, 1, d), generator=g, dtype=torch.uint8)
+    codes[..., 0] = 2**bits - 1  # max|x| fixes the unclipped step; the clipped one is computed below
+    x = codes.float() - 2 ** (bits - 1) + 0.5  # the midrise level (q + ½)·Δ of each code at Δ = 1
+    q = QuestQuantizer(bits, clip=False, alpha_scale=1.0)
+    assert torch.equal(q.quantize(x).codes, codes)  # the reference maps x to these codes at Δ = 1
+    fmt = tk.TokenFormat.of(q, d)
+    out, scale, _ = _buffers((6, 1, 1), fmt, torch.float32)
+    tk.store_paged(x.to(DEVICE), torch.arange(6), out, scale, None, fmt)
+    assert torch.equal(out[:, 0].cpu(), pack(codes, bits))
+
+
+@pytest.mark.parametrize("name", list(QUANTIZERS))
+def test_store_equals_quantize_and_pack(name):
+    """Store into paged blocks (slot < 0 skipped, other slots untouched) and into the contiguous layout equals
+    ``quantize`` + ``pack`` with the metadata in float16, bit for bit."""
+    q, d, H = QUANTIZERS[name], 64, 2
+    fmt = tk.TokenFormat.of(q, d)
+    x = _exact_data((5, H, d), seed=len(name))
+    ref = q.quantize(x)
+    # paged: 3 blocks of 4 slots; token 2 is padding (slot −1)
+    slots = torch.tensor([9, 0, -1, 6, 3])
+    codes, scale, offset = _buffers((3, 4, H), fmt, torch.float16)
+    tk.store_paged(x.to(DEVICE), slots, codes, scale, offset, fmt)
+    written = torch.zeros(12, dtype=torch.bool)
+    for r, s in enumerate(slots.tolist()):
+        if s < 0:
+            continue
+        written[s] = True
+        blk, row = divmod(s, 4)
+        assert torch.equal(codes[blk, row].cpu(), pack(ref.codes[r], q.bits)), (name, r)
+        assert torch.equal(scale[blk, row].cpu(), ref.scale[r].half()), (name, r)
+        if offset is not None:
+            assert torch.equal(offset[blk, row].cpu(), ref.offset[r].half()), (name, r)
+    untouched = ~written.view(3, 4)
+    assert (codes[untouched.to(DEVICE)] == 0xAB).all() and (scale[untouched.to(DEVICE)] == -7).all()
+    # contiguous (B=2, H, cap=6): tokens 1..3 of sequence 0, 2..4 of sequence 1
+    xc = _exact_data((2, H, 3, d), seed=7)
+    refc = q.quantize(xc)
+    codes, scale, offset = _buffers((2, H, 6), fmt, torch.bfloat16)
+    tk.store_contiguous(xc.to(DEVICE), codes, scale, offset, torch.tensor([1, 2]), fmt)
+    for b, a in ((0, 1), (1, 2)):
+        assert torch.equal(codes[b, :, a : a + 3].cpu(), pack(refc.codes[b], q.bits))
+        assert torch.equal(scale[b, :, a : a + 3].cpu(), refc.scale[b].bfloat16())
+        assert (codes[b, :, :a] == 0xAB).all() and (codes[b, :, a + 3 :] == 0xAB).all()
+
+
+@pytest.mark.parametrize("name", ["quest2", "quest4-g16", "affine2", "affine8-g32"])
+def test_store_on_gaussian_rows(name):
+    """Arbitrary float rows: the affine grid (min, max, a percentile: no sums) is bit for bit; QuEST's step agrees
+    to float32 rounding and its codes everywhere but where x/Δ sits on a level boundary to that rounding."""
+    q, d = QUANTIZERS[name], 128
+    fmt = tk.TokenFormat.of(q, d)
+    g = torch.Generator().manual_seed(3)
+    x = torch.randn(24, 2, d, generator=g) * torch.linspace(0.2, 3, d)
+    ref = q.quantize(x)
+    codes, scale, offset = _buffers((24, 1, 2), fmt, torch.float32)
+    tk.store_paged(x.to(DEVICE), torch.arange(24), codes, scale, offset, fmt)
+    packed, scale = codes[:, 0].cpu(), scale[:, 0].cpu()
+    if fmt.quest or not EXACT_ON_ANY_DATA:
+        assert torch.allclose(scale, ref.scale, rtol=3e-7, atol=0)
+        assert (packed != pack(ref.codes, q.bits)).float().mean() < 2e-3
+    else:
+        assert torch.equal(packed, pack(ref.codes, q.bits)) and torch.equal(scale, ref.scale)
+        assert torch.equal(offset[:, 0].cpu(), ref.offset)
+
+
+def test_store_applies_the_head_transform():
+    """With a per-head transform T the stored rows are those of T k: exactly so for signed permutations scaled by
+    ½ (exact arithmetic), and to float32 rounding for a random rotation."""
+    d, H = 64, 2
+    q = QuestQuantizer(2)
+    fmt = tk.TokenFormat.of(q, d)
+    x = _exact_data((4, H, d), seed=5)
+    g = torch.Generator().manual_seed(0)
+    perm = torch.stack([torch.eye(d)[torch.randperm(d, generator=g)] * (torch.randint(0, 2, (d, 1), generator=g) * 2 - 1) * 0.5
+                        for _ in range(H)])  # (H, d, d)
+    ref = q.quantize(torch.einsum("hij,rhj->rhi", perm, x))
+    codes, scale, _ = _buffers((4, 1, H), fmt, torch.float32)
+    tk.store_paged(x.to(DEVICE), torch.arange(4), codes, scale, None, fmt, transform=perm.to(DEVICE))
+    assert torch.equal(codes[:, 0].cpu(), pack(ref.codes, 2)) and torch.equal(scale[:, 0].cpu(), ref.scale)
+    rot = torch.linalg.qr(torch.randn(H, d, d, generator=g))[0]
+    ref = q.quantize(torch.einsum("hij,rhj->rhi", rot, x))
+    tk.store_paged(x.to(DEVICE), torch.arange(4), codes, scale, None, fmt, transform=rot.to(DEVICE))
+    assert torch.allclose(scale[:, 0].cpu(), ref.scale, rtol=1e-5)
+    assert (codes[:, 0].cpu() != pack(ref.codes, 2)).float().mean() < 0.02
+
+
+# -- decode ----------------------------------------------------------------------------------------------------------
+def _codec(quantizer, d, meta=torch.float16):
+    return TokenCodec(quantizer, d, meta)
+
+
+def _packed(codec, store):
+    G = codec.d if codec.quantizer.group_size is None else codec.quantizer.group_size
+    return tk.Packed(tk.TokenFormat(codec.bits, codec.d, G, codec.symmetric), store["codes"], store["scale"], store.get("offset"))
+
+
+def _case(kq, vq, B, Hkv, G, d, n_s, n_m, n_r, seed=0, dtype=torch.float32):
+    """Query (B, Hq, 1, d), decode parts (sink, packed middle, recent) for keys and values, on DEVICE."""
+    g = torch.Generator().manual_seed(seed)
+    x = lambda n: (torch.randn(B, Hkv, n, d, generator=g) * torch.linspace(0.3, 2.5, d)).to(DEVICE, dtype)
+    parts = []
+    for quant in (kq, vq):
+        codec = _codec(quant, d)
+        parts.append([x(n_s), (codec, codec.encode(x(n_m).float()), n_m), x(n_r)])
+    q = (torch.randn(B, Hkv * G, 1, d, generator=g) * 1.5).to(DEVICE, dtype)
+    return q, parts[0], parts[1]
+
+
+def _triton(q, pk, pv, **kw):
+    (sk, (kc, ks, n), rk), (sv, (vc, vs, _), rv) = pk, pv
+    B = q.shape[0]
+    lengths = torch.tensor([[sk.shape[2], n, rk.shape[2]]] * B)
+    return tk.decode(q[:, :, 0], lengths, sk, sv, _packed(kc, ks), _packed(vc, vs), rk, rv, q.shape[-1] ** -0.5, **kw)
+
+
+def _rel(out, ref):
+    return ((out.float() - ref.float()).norm() / ref.float().norm()).item()
+
+
+DECODE_CASES = {  # (key quantizer, value quantizer, GQA group, head_dim)
+    "K1V8-gqa1-d64": (QuestQuantizer(1), AffineQuantizer(8), 1, 64),
+    "K2V2-gqa3-d128": (QuestQuantizer(2), QuestQuantizer(2), 3, 128),
+    "K3V4-gqa8-d64": (AffineQuantizer(3, clip_ratio=0.96), QuestQuantizer(4), 8, 64),
+    "K4V3-groups16-gqa3-d64": (QuestQuantizer(4, 16), AffineQuantizer(3, 16), 3, 64),
+    "K8V1-gqa1-d256": (AffineQuantizer(8), QuestQuantizer(1), 1, 256),
+}
+
+
+@pytest.mark.parametrize("name", list(DECODE_CASES))
+def test_decode_equals_dequantize_then_attend(name):
+    """Every width 1/2/3/4/8 on each side, QuEST and affine, one group per token and groups of 16, GQA 1/3/8,
+    head_dim 64/128/256: within 1e-3 (relative, float32) of plain attention over the dequantized cache."""
+    kq, vq, G, d = DECODE_CASES[name]
+    q, pk, pv = _case(kq, vq, B=2, Hkv=2, G=G, d=d, n_s=3, n_m=37, n_r=5)
+    ref = dequantize_then_attend(q, pk, pv, None, d**-0.5)[:, 0]
+    out = _triton(q, pk, pv, splits=2, block_n=16)
+    assert out.shape == ref.shape and _rel(out, ref) < 1e-3, _rel(out, ref)
+
+
+@pytest.mark.parametrize("feature", ["softcap", "sinks", "window", "mask", "splits>tokens"])
+def test_decode_options(feature):
+    """Softcap, learned sink logits, a sliding window, a mask of the last S columns, more splits than tokens (empty
+    splits merge as nothing): each as dequantize-then-attend computes it."""
+    d, B, Hkv, G = 64, 2, 2, 2
+    q, pk, pv = _case(QuestQuantizer(2), AffineQuantizer(2, clip_ratio=0.92), B, Hkv, G, d, n_s=4, n_m=20, n_r=6, seed=1)
+    N = 30
+    ref_kw, kw, allowed = {}, {}, None
+    if feature == "softcap":
+        ref_kw = kw = {"softcap": 2.0}
+    elif feature == "sinks":
+        sinks = torch.linspace(-1.0, 3.0, Hkv * G, device=DEVICE)
+        ref_kw = kw = {"sinks": sinks}
+    elif feature == "window":  # the last 11 columns: part of the middle and the recent buffer
+        allowed = torch.ones(B, 1, 1, 11, dtype=torch.bool, device=DEVICE)
+        kw = {"window": 11}
+    elif feature == "mask":
+        allowed = torch.rand(B, 1, 1, 25, generator=torch.Generator().manual_seed(2)) > 0.4
+        allowed = allowed.to(DEVICE)
+        kw = {"allowed": allowed.view(B, -1)}
+    ref = dequantize_then_attend(q, pk, pv, allowed, d**-0.5, **ref_kw)[:, 0]
+    out = _triton(q, pk, pv, splits=40 if feature == "splits>tokens" else 3, block_n=16, **kw)
+    assert _rel(out, ref) < 1e-3, _rel(out, ref)
+    plain = dequantize_then_attend(q, pk, pv, None, d**-0.5)[:, 0]
+    if feature != "splits>tokens":  # the option changed the result, so it was not silently ignored
+        assert _rel(plain, ref) > 1e-2
+    assert N == 4 + 20 + 6
+
+
+def test_decode_paged_ragged():
+    """vLLM's layout: each sequence's middle in shuffled blocks of 8 tokens (tiles of 16 cross block boundaries),
+    ragged sink, middle and recent lengths per sequence; equal to each sequence attended alone."""
+    d, Hkv, G, page = 64, 2, 3, 8
+    lens = [(2, 21, 3), (0, 8, 0), (4, 0, 5), (1, 33, 2)]  # (sink, middle, recent)
+    B = len(lens)
+    kc, vc = _codec(QuestQuantizer(3), d), _codec(AffineQuantizer(2, clip_ratio=0.92), d)
+    g = torch.Generator().manual_seed(4)
+    x = lambda n: torch.randn(1, Hkv, n, d, generator=g) * torch.linspace(0.3, 2.5, d)
+    nblocks = sum(-(-m // page) for _, m, _ in lens) + 2
+    order = torch.randperm(nblocks, generator=g).tolist()
+    table = torch.zeros(B, 8, dtype=torch.int32)
+    fmt_k, fmt_v = _packed(kc, kc.encode(x(1))).fmt, _packed(vc, vc.encode(x(1))).fmt
+    kbuf = [t.zero_() for t in _buffers((nblocks, page, Hkv), fmt_k, torch.float16) if t is not None]
+    vbuf = [t.zero_() for t in _buffers((nblocks, page, Hkv), fmt_v, torch.float16) if t is not None]
+    sk, sv, rk, rv = (torch.zeros(B, Hkv, 6, d) for _ in range(4))
+    q = torch.randn(B, Hkv * G, 1, d, generator=g)
+    refs = []
+    for b, (n_s, n_m, n_r) in enumerate(lens):
+        parts = {}
+        for side, codec, buf in (("k", kc, kbuf), ("v", vc, vbuf)):
+            mid = x(n_m)
+            store = codec.encode(mid) if n_m else codec.encode(x(1))
+            for t in range(n_m):  # token t of the middle goes to row t % page of the sequence's block t // page
+                blk = order[sum(-(-m // page) for _, m, _ in lens[:b]) + t // page]
+                table[b, t // page] = blk
+                for dst, key in zip(buf, ("codes", "scale", "offset")):
+                    dst[blk, t % page] = store[key][0, :, t].to(DEVICE)
+            parts[side] = (x(n_s), (codec, store, n_m), x(n_r))
+        sk[b, :, :n_s], sv[b, :, :n_s] = parts["k"][0][0], parts["v"][0][0]
+        rk[b, :, :n_r], rv[b, :, :n_r] = parts["k"][2][0], parts["v"][2][0]
+        refs.append(dequantize_then_attend(q[b : b + 1], list(parts["k"]), list(parts["v"]), None, d**-0.5)[0, 0])
+    ref = torch.stack(refs)
+    mk = tk.Packed(fmt_k, kbuf[0], kbuf[1])
+    mv = tk.Packed(fmt_v, vbuf[0], vbuf[1], vbuf[2])
+    dev = lambda t: t.to(DEVICE)
+    out = tk.decode(dev(q[:, :, 0]), torch.tensor(lens), dev(sk), dev(sv), mk, mv, dev(rk), dev(rv), d**-0.5,
+                    block_table=table, splits=3, block_n=16)
+    assert _rel(out.cpu(), ref) < 1e-3, _rel(out.cpu(), ref)
+
+
+def test_decode_bfloat16():
+    """bfloat16 queries and windows: the dots run in bfloat16 with float32 accumulation, as a bfloat16 model's
+    attention does. Bound: within 2e-2 (relative) of the float32 result over the same bfloat16 inputs, and no
+    further from it than the PyTorch path in bfloat16."""
+    d = 64
+    q, pk, pv = _case(QuestQuantizer(2), QuestQuantizer(2), B=1, Hkv=2, G=3, d=d, n_s=3, n_m=20, n_r=5, dtype=torch.bfloat16)
+    to32 = lambda parts: [p.float() if torch.is_tensor(p) else p for p in parts]
+    ref = dequantize_then_attend(q.float(), to32(pk), to32(pv), None, d**-0.5)[:, 0]
+    out = _triton(q, pk, pv, splits=2, block_n=16)
+    assert out.dtype == torch.bfloat16
+    with decode_mod.triton_enabled(False):
+        torch_path = decode_attention(q, pk, pv, None, d**-0.5)[:, 0]
+    assert _rel(out, ref) < 2e-2 and _rel(out, ref) <= 1.5 * _rel(torch_path, ref) + 1e-3, (_rel(out, ref), _rel(torch_path, ref))
+
+
+def test_decode_attention_dispatches_to_triton():
+    """decode_attention runs the Triton kernel under triton_enabled(True) (the launches are counted) and gives what
+    the PyTorch path gives; key tiles (KVarN) stay on the PyTorch path."""
+    d = 64
+    q, pk, pv = _case(QuestQuantizer(2), AffineQuantizer(3, clip_ratio=0.92), B=1, Hkv=2, G=2, d=d, n_s=2, n_m=12, n_r=3)
+    with decode_mod.triton_enabled(False):
+        ref = decode_attention(q, pk, pv, None, d**-0.5)
+    tk.reset_calls()
+    with decode_mod.triton_enabled(True):
+        out = decode_attention(q, pk, pv, None, d**-0.5)
+    assert tk.calls() == {"decode": 1, "merge": 1}
+    assert _rel(out, ref) < 1e-4
+    with decode_mod.triton_enabled(True):  # a full-precision middle (K-only caches): not the kernel's
+        decode_attention(q, [pk[0], pk[1][0].decode(pk[1][1], 12).to(q.dtype), pk[2]], pv, None, d**-0.5)
+    assert tk.calls() == {"decode": 1, "merge": 1}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("family,cfg", [
+    ("llama", QuantConfig(2, 2, "quest", windows=WindowConfig(4, 8, 4))),
+    ("gemma3", QuantConfig(4, 2, "affine", windows=WindowConfig(2, 4, 4))),
+])
+def test_model_decode_through_triton_equals_pytorch(family, cfg):
+    """A tiny model (gemma3: sliding-window layers and a GQA group of 2) prefilled with 30 tokens, then decoded 3
+    tokens: the logits of every decode step through the Triton kernels equal those of the PyTorch path."""
+    model = tiny_model(family).to(DEVICE)
+    ids = torch.randint(3, 96, (2, 33), generator=torch.Generator().manual_seed(0)).to(DEVICE)
+
+    def run(enabled):
+        cache = WushKVCache(model, cfg)
+        with torch.no_grad(), decode_mod.triton_enabled(enabled):
+            model(ids[:, :30], cache=cache, use_cache=True)
+            return torch.cat([model(ids[:, t : t + 1], cache=cache, use_cache=True).logits for t in range(30, 33)], 1)
+
+    ref = run(False)
+    tk.reset_calls()
+    out = run(True)
+    assert tk.calls()["decode"] == 3 * model.config.num_hidden_layers
+    assert (out - ref).abs().max() < 1e-4 * ref.abs().max(), (out - ref).abs().max()
+
+
+COMPILE = """
+import triton, triton.language as tl
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+from wushkv import triton_kernels as tk
+K = tk._kernels()
+def sig(name, ptrs, floats, consts):
+    s = {n: ptrs.get(n, "*fp32") if n.endswith("_ptr") else ("fp32" if n in floats else "i64") for n in K[name].arg_names}
+    return s | {c: "constexpr" for c in consts}
+consts = dict(D=128, G=32, BITS=3, QUEST=True, CLIPPED=True, HAS_T=True, HAS_Z=False, TC=32, META_BF16=True)
+ptrs = {"x_ptr": "*bf16", "c_ptr": "*u8", "s_ptr": "*bf16", "z_ptr": "*bf16", "slot_ptr": "*i64"}
+triton.compile(ASTSource(K["store"], sig("store", ptrs, ("coef", "sqrt_g"), consts), consts), target=GPUTarget("cuda", 90, 32))
+consts = dict(D=128, GQA=4, GP=16, BN=32, K_BITS=2, V_BITS=4, K_G=128, V_G=32, K_Z=False, V_Z=True, PAGED=True,
+              HAS_MASK=True, SOFTCAP=True, PREC="tf32", DT=tl.bfloat16, EMU=False)
+ptrs = {"q_ptr": "*bf16", "sk_ptr": "*bf16", "sv_ptr": "*bf16", "rk_ptr": "*bf16", "rv_ptr": "*bf16", "kc_ptr": "*u8",
+        "vc_ptr": "*u8", "mask_ptr": "*u8", "lens_ptr": "*i32", "bt_ptr": "*i32", "ks_ptr": "*fp16", "vs_ptr": "*fp16",
+        "kz_ptr": "*fp16", "vz_ptr": "*fp16"}
+k = triton.compile(ASTSource(K["decode"], sig("decode", ptrs, ("sm_scale", "softcap", "K_HALF", "V_HALF"), consts), consts),
+                   target=GPUTarget("cuda", 90, 32))
+consts = dict(D=128, SP=16, HAS_SINKS=True, OUT_BF16=True)
+triton.compile(ASTSource(K["merge"], sig("merge", {"out_ptr": "*bf16"}, (), consts), consts), target=GPUTarget("cuda", 90, 32))
+print("compiled", "ptx" in k.asm)
+"""
+
+
+@pytest.mark.slow
+def test_kernels_compile_for_cuda():
+    """The compiled path, which the interpreter does not exercise (Triton's front end, shapes the tensor-core dot
+    accepts, name resolution), without a GPU: the store, decode and merge kernels compile to PTX for sm_90."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["PYTHONPATH"] = str(Path(tk.__file__).resolve().parents[1]) + os.pathsep + env.get("PYTHONPATH", "")
+    res = subprocess.run([sys.executable, "-c", COMPILE], env=env, capture_output=True, text=True, timeout=300)
+    if res.returncode and "ptxas" in res.stderr and "not found" in res.stderr.lower():
+        pytest.skip("this triton install has no CUDA toolchain (ptxas) to compile with")
+    assert res.returncode == 0 and "compiled True" in res.stdout, res.stderr[-3000:]
