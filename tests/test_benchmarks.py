@@ -178,3 +178,17 @@ def test_long_generation():
         assert out["all_finite"] and out["bytes_as_accounted"], q
         assert out["rows"][-1]["nbytes"]["codes"] == 3 * 2 * 2 * 8 * 188  # layers, KV heads, sides, 32 dims at 2 bits; Qc(208) = 188
         assert "bytes as accounted: True" in long_generation.report(out)
+
+
+def test_selection_cost(tiny_cal, capsys):
+    cost = load_benchmark("selection_cost")
+    args = cost.parse_args(["--calibration", "unused", "--bits", "2", "--candidates", "wush,wush+ldlq", "--chunks", "4"])
+    model = tiny_model("llama")
+    from wushkv.config import WindowConfig
+
+    res = cost.run(args, model, tiny_cal(model), torch.randint(3, 96, (1, 160)), windows=WindowConfig(4, 16, 4))
+    assert [(r["recipe"], r["bits"]) for r in res["rows"]] == [("wush", 2), ("wush+ldlq", 2)]
+    assert all(positive(r["seconds"]) and positive(r["ratio"]) for r in res["rows"])
+    assert res["estimated_selection_seconds"] == pytest.approx(4 * res["seconds_per_chunk"])
+    assert res["seconds_per_chunk"] == pytest.approx(min(res["fp_seconds"]) + sum(r["seconds"] for r in res["rows"]))
+    assert "default selection over 4 chunks" in capsys.readouterr().out

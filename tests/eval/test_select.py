@@ -4,6 +4,7 @@ after a selection on a model no recipe was chosen for is no worse than the paper
 import json
 import math
 import re
+from dataclasses import replace
 
 import pytest
 import torch
@@ -219,3 +220,29 @@ def test_select_refuses_bad_settings(tmp_path, capsys):
         assert message in capsys.readouterr().err
     assert main(["select", "--calibration", str(tmp_path / "missing.safetensors")]) == 2
     assert "does not exist; make one with `wushkv calibrate" in capsys.readouterr().err
+
+
+def test_refine_walks_the_clips_of_the_pick(tiny_cal):
+    """``refine``: the pick's clip options are walked downhill (tile clip for key tiles, else the QuEST key clip; then
+    the value clip), every visited recipe is evaluated and kept, and ``lowest`` chooses among them too."""
+    from wushkv.eval.select import refine_options
+
+    q = QuantConfig(2, 2, windows=WindowConfig(4, 16, 4))
+    assert refine_options(parse_recipe("wush+ldlq"), q) == ["ka", "va"]
+    assert refine_options(parse_recipe("wush+ktiles+ldlq@tc=1.7"), q) == ["tc", "va"]
+    assert refine_options(parse_recipe("wush"), replace(q, quantizer="affine")) == []
+    assert refine_options(parse_recipe("wush+ktiles"), replace(q, quantizer="affine")) == ["tc"]
+    model = tiny_model("llama")
+    cal = tiny_cal(model)
+    out = run_selection(model, _chunks(HELD_OUT, 4), cal, ["wush", "wush+ldlq"], [2], BASE, refine=True, **QUIET)
+    names = list(out["results"])
+    assert len(names) > 2 and all("@" in n for n in names[2:])  # the walk's recipes, named by their clips
+    lowest = min(names, key=lambda n: out["results"][n]["2"]["nll"])
+    assert out["choices"]["2"]["recipe"] == lowest
+    assert set(names[2:]) <= set(_listed_names(out))
+
+
+def _listed_names(out):
+    from wushkv.eval.select import _listed
+
+    return _listed(out, ["wush", "wush+ldlq"])

@@ -63,7 +63,7 @@ def cmd_select(args) -> int:
         f"evaluations kept in {runs}")
     with exclusive_output(runs if args.json is None else None), exclusive_output(out_path):  # --json is locked by main
         out = run_selection(model, chunks, cal, candidates, args.bits, base, rule=args.rule, budget=args.budget, gates=gate_objs,
-                            json_path=runs, meta=meta, log=err)
+                            json_path=runs, meta=meta, refine=args.refine, log=err)
         print(selection_report(out, candidates, args.bits, args.model, label))
         if args.plot:
             plot_selection(out, candidates, args.bits, args.plot, args.model, label)
@@ -106,6 +106,9 @@ def register(sub) -> None:
                                                f"(passkey: {PASSKEY_GATE['trials']} trials at depths "
                                                f"{','.join(map(str, PASSKEY_GATE['depths']))} of {PASSKEY_GATE['contexts'][0]} tokens, "
                                                "no lower accuracy than full precision)")
+    p.add_argument("--refine", action="store_true",
+                   help="also walk each width's pick's clips downhill (the tile clip or QuEST key clip, then the value clip) and "
+                        "choose among what the walk visited too: a few evaluations more per width")
     p.add_argument("--serve-len", type=int, default=2048, help="the context length you will serve: held-out chunks of this many tokens "
                                                                "(default: %(default)s)")
     p.add_argument("--chunks", type=int, default=4, help="held-out chunks (default: %(default)s)")

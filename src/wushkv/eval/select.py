@@ -39,9 +39,9 @@ import torch
 from .. import __version__
 from ..calibration import calibration_recipe
 from ..codecs import make_codec, storage_nbytes
-from ..config import QuantConfig
+from ..config import CLIP_GRID, QuantConfig
 from ..io import write_json
-from ..methods.auto import SELECTION_VERSION, Recipe, parse_recipe, selection_setting, setting_label
+from ..methods.auto import RECIPE_OPTIONS, SELECTION_VERSION, Recipe, parse_recipe, selection_setting, setting_label
 from ..models import describe
 from ..progress import progress
 from ..runs import as_json, read_run, resume_settings
@@ -117,6 +117,49 @@ def _why(rule: str, pick: str, order: list[str], evals: dict[str, dict], removed
     return why
 
 
+# The clips `--refine` walks per option (multipliers on the configured QuEST α; the tile clip, 0 = min-max tiles).
+REFINE_GRIDS = {"ka": CLIP_GRID, "va": CLIP_GRID, "tc": (0.0, 1.3, 1.7, 2.2, 3.0)}
+
+
+def refine_options(recipe: Recipe, cfg: QuantConfig) -> list[str]:
+    """The clip options of ``recipe`` that change what it stores at ``cfg``: the tile clip of key tiles or the QuEST key
+    clip of per-token keys, then the QuEST value clip of per-token values."""
+    run = recipe.method.quant_config(recipe.base(cfg))
+    opts = []
+    if recipe.method.key_layout == "tiles":
+        opts.append("tc")
+    elif run.side_quantizer("key") == "quest":
+        opts.append("ka")
+    if recipe.method.value_layout == "token" and run.side_quantizer("value") == "quest":
+        opts.append("va")
+    return opts
+
+
+def refine_pick(recipe: Recipe, cfg: QuantConfig, nll) -> list[str]:
+    """Walk each clip option of ``recipe`` (:func:`refine_options`) downhill on its grid from its current value
+    (:func:`wushkv.eval.clips.line_search`; ``nll(recipe)`` the held-out mean NLL, memoized by the caller), one option
+    after the other; returns the names of the recipes visited, the last one the walk's end."""
+    from .clips import line_search
+
+    visited = [recipe.name]
+    for opt in refine_options(recipe, cfg):
+        attr = RECIPE_OPTIONS[opt][0]
+        now = getattr(recipe, attr)
+        grid = sorted(set(REFINE_GRIDS[opt]) | {now})
+
+        def f(x, r=recipe, attr=attr):
+            v = replace(r, **{attr: float(x)})
+            if v.name not in visited:
+                visited.append(v.name)
+            return nll(v)
+
+        recipe = replace(recipe, **{attr: float(line_search(f, grid, start=now))})
+    if recipe.name != visited[-1]:  # the walk ends where it started an option, not where it last looked
+        visited.remove(recipe.name)
+        visited.append(recipe.name)
+    return visited
+
+
 class PasskeyGate:
     """Passkey retrieval on the gate's own prompts (:data:`PASSKEY_GATE`, seed 1) under the selection's quantizer
     setting: a candidate passes when its accuracy is no lower than full precision's on the same prompts."""
@@ -146,9 +189,10 @@ class PasskeyGate:
 
 def run_selection(model, chunks: torch.Tensor, calibration, candidates: list[str], bits: list[int], base: QuantConfig,
                   rule: str = "lowest", budget: float | None = None, gates=(), json_path=None, meta: dict | None = None,
-                  show_progress: bool = True, log=print) -> dict:
+                  refine: bool = False, show_progress: bool = True, log=print) -> dict:
     """Evaluate every candidate at every width on ``chunks`` (N, serve_len) of held-out text and choose per width
     (module docstring). ``gates``: callables ``(recipe, cfg) -> {"passed", "detail", ...}`` with a ``name``.
+    ``refine``: walk the clips of each width's pick downhill (:func:`refine_pick`) before the rule's final choice.
 
     Returns ``{"settings", "fp", "results", "choices"}``: ``results[recipe][bits]`` each evaluation (or why it was
     excluded), ``choices[bits]`` what the rule picked (:func:`selection_record` turns them into what the calibration
@@ -166,13 +210,13 @@ def run_selection(model, chunks: torch.Tensor, calibration, candidates: list[str
     head_dim = describe(model).head_dim
     cfgs = {b: replace(base, k_bits=b, v_bits=b) for b in bits}  # validates the widths before anything runs
     settings = as_json(dict(meta or {}, chunks=int(chunks.shape[0]), serve_len=int(chunks.shape[1]), setting=selection_setting(base),
-                            rule=rule, budget=budget, gates=[g.name for g in gates],
+                            rule=rule, budget=budget, gates=[g.name for g in gates], refine=refine,
                             text_sha256=hashlib.sha256(chunks.cpu().numpy().tobytes()).hexdigest(),
                             calibration=calibration_recipe(calibration.meta)))
     out = {"settings": settings, "fp": None, "results": {}}
     if json_path and (prev := read_run(json_path, ("settings", "results"), "wushkv select")) is not None:
         # what the evaluations depend on: not the candidates, widths, rule, budget or gates (choosing again is free)
-        key = lambda s: {k: v for k, v in s.items() if k not in ("candidates", "bits", "rule", "budget", "gates")}  # noqa: E731
+        key = lambda s: {k: v for k, v in s.items() if k not in ("candidates", "bits", "rule", "budget", "gates", "refine")}  # noqa: E731
         resume_settings(json_path, prev["settings"], settings, key=key)
         out = {"settings": settings, "fp": prev.get("fp"), "results": prev["results"], "gates": prev.get("gates", {})}
         if out["fp"] is not None and len(out["fp"].get("chunk_nll", [])) != chunks.shape[0]:
@@ -201,21 +245,39 @@ def run_selection(model, chunks: torch.Tensor, calibration, candidates: list[str
         fp = perplexity(model, chunks, show_progress=show_progress, desc="full precision")
         out["fp"] = {"ppl": fp["ppl"], "nll": fp["nll"], "chunk_nll": fp["chunk_nll"], "seconds": fp["seconds"]}
         save()
+    def evaluate(r: Recipe, b: int, bpe: float | None) -> dict:
+        """The stored evaluation of ``r`` at ``b`` bits, run (and saved) if there is none."""
+        got = out["results"].get(r.name, {}).get(str(b))
+        if got is not None:
+            return got
+        cfg = r.method.quant_config(r.base(cfgs[b]))
+        res = quantized_perplexity(model, chunks, calibration, r.method, cfg, show_progress=False)
+        e = out["results"].setdefault(r.name, {})[str(b)] = {
+            "ppl": res["ppl"], "nll": res["nll"], "delta_pct": 100 * (res["ppl"] / out["fp"]["ppl"] - 1), "chunk_nll": res["chunk_nll"],
+            "seconds": res["seconds"], "bits_per_element": bpe, "config": cfg.to_dict()}
+        log(f"{r.name:>28} {b}-bit  held-out PPL {res['ppl']:9.3f}  ({e['delta_pct']:+.2f}%, {bpe:.3f} bits/element, {res['seconds']:.0f}s)")
+        save()
+        return e
+
     bar = progress(plan, desc="select", enabled=show_progress, unit="eval")
     for r, b, bpe in bar:
-        cfg = cfgs[b]
         if hasattr(bar, "set_postfix_str"):
             bar.set_postfix_str(f"{r.name} {b}-bit")
-        res = quantized_perplexity(model, chunks, calibration, r.method, r.method.quant_config(r.base(cfg)), show_progress=False)
-        out["results"].setdefault(r.name, {})[str(b)] = {
-            "ppl": res["ppl"], "nll": res["nll"], "delta_pct": 100 * (res["ppl"] / out["fp"]["ppl"] - 1), "chunk_nll": res["chunk_nll"],
-            "seconds": res["seconds"], "bits_per_element": bpe, "config": r.method.quant_config(r.base(cfg)).to_dict()}
-        log(f"{r.name:>28} {b}-bit  held-out PPL {res['ppl']:9.3f}  ({out['results'][r.name][str(b)]['delta_pct']:+.2f}%, "
-            f"{bpe:.3f} bits/element, {res['seconds']:.0f}s)")
-        save()
+        evaluate(r, b, bpe)
+    refined: dict[int, list[str]] = {b: [] for b in cfgs}
+    if refine:
+        for b, cfg in cfgs.items():
+            order = [n for n in names if str(b) not in out["excluded"].get(n, {})]
+            if not order:
+                continue
+            start = parse_recipe(apply_rule(rule, order, {n: out["results"][n][str(b)] for n in order}))
+            bpe = out["results"][start.name][str(b)]["bits_per_element"]
+            walked = refine_pick(start, cfg, lambda r: evaluate(r, b, bpe)["nll"])
+            refined[b] = [n for n in walked if n not in order]
+            log(f"{b}-bit: clips walked from {start.name}: {', '.join(walked)}")
     out["choices"] = {}
     for b, cfg in cfgs.items():
-        order = [n for n in names if str(b) not in out["excluded"].get(n, {})]
+        order = [n for n in names if str(b) not in out["excluded"].get(n, {})] + refined[b]  # refined last: the most complex
         evals = {n: out["results"][n][str(b)] for n in order}
         removed: dict[str, str] = {}
         pick = None
@@ -261,15 +323,20 @@ def selection_record(out: dict, text_label: str) -> dict:
             "date": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"), "wushkv_version": __version__}
 
 
+def _listed(out: dict, candidates: list[str]) -> list[str]:
+    """The paper recipe, the candidates in their order, then what a refinement walk added."""
+    names = [parse_recipe(c).name for c in candidates]
+    names = ([PAPER] if PAPER not in names else []) + names
+    return names + [n for n in out["results"] if n not in names]
+
+
 def selection_report(out: dict, candidates: list[str], bits: list[int], model: str, text_label: str) -> str:
     """Per width, every candidate: held-out PPL and Δ% over full precision, paired Δ% against the paper recipe, bits per
     element, and what became of it (chosen, excluded and why, removed by a gate)."""
     from ..report import format_table
 
     s = out["settings"]
-    names = [parse_recipe(c).name for c in candidates]
-    if PAPER not in names:
-        names = [PAPER] + names
+    names = _listed(out, candidates)
     lines = [f"\n{model}: selection on {text_label} ({s['chunks']} x {s['serve_len']} tokens) under {setting_label(s['setting'])}, "
              f"rule {s['rule']}" + (f", budget {s['budget']:g} bits/element" if s.get("budget") else "")
              + f"; full precision PPL {out['fp']['ppl']:.3f}"]
@@ -302,9 +369,7 @@ def plot_selection(out: dict, candidates: list[str], bits: list[int], path, mode
     """Held-out Δ% over full precision against bits, one line per candidate (log scale), as ``compare`` plots."""
     from ..report import plot_lines
 
-    names = [parse_recipe(c).name for c in candidates]
-    if PAPER not in names:
-        names = [PAPER] + names
+    names = _listed(out, candidates)
     series = {}
     for n in names:
         ys = [float("nan") if str(b) in out.get("excluded", {}).get(n, {}) else
