@@ -61,7 +61,9 @@ def cmd_select(args) -> int:
     gate_objs = [PasskeyGate(model, tok, cal) for g in gates if g == "passkey"]
     err(f"select: {len(candidates)} candidates x {len(args.bits)} widths on {label}, {chunks.shape[0]} x {args.serve_len} tokens; "
         f"evaluations kept in {runs}")
-    with exclusive_output(runs if args.json is None else None), exclusive_output(out_path):  # --json is locked by main
+    # cli.main locks the files named by flags (--json, --out, --plot); the defaults are locked here: the evaluations
+    # file beside the calibration, and the calibration itself when the selection is written into it in place
+    with exclusive_output(runs if args.json is None else None), exclusive_output(args.calibration if args.out is None else None):
         out = run_selection(model, chunks, cal, candidates, args.bits, base, rule=args.rule, budget=args.budget, gates=gate_objs,
                             json_path=runs, meta=meta, refine=args.refine, log=err)
         print(selection_report(out, candidates, args.bits, args.model, label))
