@@ -85,6 +85,11 @@ def _temp_of(path: Path) -> bool:
     return any(f.startswith(f".{path.name}.") and f.endswith(".tmp") for f in os.listdir(path.parent)) if path.parent.is_dir() else False
 
 
+def _temporaries(folder: Path) -> list[str]:
+    """The temporary files of ``atomic_write`` in ``folder`` (``.NAME.XXXXXXXX.tmp``)."""
+    return sorted(f for f in os.listdir(folder) if f.startswith(".") and f.endswith(".tmp"))
+
+
 def _run_killed(argv: list[str], trigger, timeout: float = 120) -> tuple[bool, str]:
     """Run ``python -m wushkv.cli ARGV`` and SIGKILL it the moment ``trigger()`` is true (polled every ~0.2 ms);
     (killed, stderr). A run that finishes first is not killed (the caller's checks still hold)."""
@@ -137,22 +142,28 @@ def test_atomic_write_killed_inside_the_write(tmp_path):
 @pytest.mark.slow
 def test_calibrate_and_export_killed_mid_write(art, tmp_path):
     """``calibrate`` and ``export`` killed while writing their output: nothing, or the complete file, under the final
-    name; a rerun writes what an uninterrupted run writes."""
+    name; a rerun writes what an uninterrupted run writes, and removes the temporary file the killed run left."""
     ref_cal, (ref_meta, ref_exp) = Calibration.load(art.cal), read_export(art.exp)
     out = tmp_path / "c.safetensors"
     killed, _ = _run_killed(art.calibrate(out), lambda: _temp_of(out))
     if out.exists():  # the kill came after the rename
         assert _same_calibration(Calibration.load(out), ref_cal)
+    left = _temporaries(tmp_path)
     assert main(art.calibrate(out)) == 0
     assert _same_calibration(Calibration.load(out), ref_cal)
+    assert not killed or left, "the kill left no temporary: the test did not kill inside the write"
+    assert _temporaries(tmp_path) == []
 
     exp = tmp_path / "e.safetensors"
     killed, _ = _run_killed(art.export(art.cal, exp), lambda: _temp_of(exp))
     if exp.exists():
         assert read_export(exp)[1].keys() == ref_exp.keys()
+    left = _temporaries(tmp_path)
     assert main(art.export(art.cal, exp)) == 0
     meta, tensors = read_export(exp)
     assert meta == ref_meta and tensors.keys() == ref_exp.keys() and all(torch.equal(tensors[k], ref_exp[k]) for k in tensors)
+    assert not killed or left
+    assert _temporaries(tmp_path) == []
 
 
 @pytest.mark.slow
@@ -185,6 +196,7 @@ def test_compare_killed_mid_write_resumes(art, tmp_path, capsys, after=2):
         assert "resuming from" in err
         assert err.count(" PPL ") == 8 - sum(len(by) for by in partial["results"].values())  # the missing ones only
     assert _results(read_json(out)) == ref
+    assert _temporaries(tmp_path) == []  # the killed run's temporary of r.json went with the rerun's lock
 
 
 @pytest.mark.slow
@@ -220,7 +232,9 @@ num_cpus = 1
                             lambda: jobs.is_dir() and any(f.endswith(".tmp") for f in os.listdir(jobs)) and len(os.listdir(jobs)) >= 2)
     for f in jobs.glob("*.json"):
         assert read_json(f)["value"] > 0  # complete records only
+    assert not killed or _temporaries(jobs)
     assert main(["sweep", "--config", str(tmp_path / "run.toml")]) == 0
+    assert _temporaries(jobs) == [] and _temporaries(tmp_path / "run") == []
     vals = lambda name: [(r["transform"], r["k_bits"], r["value"]) for r in read_json(tmp_path / name / "results.json")["results"]]  # noqa: E731
     assert vals("run") == vals("ref") and all(v is not None for *_, v in vals("run"))
 
@@ -242,32 +256,45 @@ def test_output_lock_refuses_a_second_writer(tmp_path):
         pass
 
 
-@pytest.mark.parametrize("command", ["compare", "agree", "passkey", "ppl", "tune-clip"])
-def test_every_command_refuses_a_results_file_another_run_writes(art, tmp_path, command, capsys):
-    """Every command holds the lock of the results file it writes and resumes (--json; tune-clip's --out) for the
-    whole run: while another run holds it, the command is refused at once, naming the file, and leaves it as it was."""
-    out = tmp_path / "r.json"
-    out.write_text('{"partial": "results of the other run"}\n')
+@pytest.mark.parametrize("command", ["compare", "agree", "passkey", "ppl", "tune-clip", "calibrate", "calibrate PATH.json", "export",
+                                     "compare --plot", "passkey NAME_pkey.png", "merge agree", "sweep"])
+def test_every_command_refuses_a_file_another_run_writes(art, tmp_path, command, capsys):
+    """Every command holds the lock of every file it writes (--json, --out, --markdown, --plot, and the files it writes
+    beside them) for the whole run: while another run holds one, the command is refused at once, naming the file, and
+    leaves it as it was."""
+    out, png = tmp_path / "r.json", tmp_path / "r.png"
     model = ["--model", str(art.model), "--calibration", str(art.cal)]
-    argv = {
-        "compare": art.compare(art.cal, out),
-        "agree": ["agree", *model, "--transforms", "hadamard", "--prompts", "1", "--text-file", str(art.text), "--json", str(out)],
-        "passkey": ["passkey", *model, "--transforms", "hadamard", "--contexts", "300", "--json", str(out)],
-        "ppl": ["ppl", "--model", str(art.model), "--text-file", str(art.text), "--json", str(out)],
-        "tune-clip": ["tune-clip", *model, "--transforms", "wush", "--text-file", str(art.text), "--out", str(out)],
+    passkey = ["passkey", *model, "--transforms", "hadamard", "--contexts", "300"]
+    (tmp_path / "sweep.toml").write_text(f'out = "{tmp_path}"\n[grid]\nmodels = ["{art.model}"]\ntransforms = ["hadamard"]\n'
+                                         'bits = [2]\nevaluations = ["ppl"]\n')
+    argv, held = {  # the command line, and the file another run holds
+        "compare": (art.compare(art.cal, out), out),
+        "agree": (["agree", *model, "--transforms", "hadamard", "--prompts", "1", "--text-file", str(art.text), "--json", str(out)], out),
+        "passkey": ([*passkey, "--json", str(out)], out),
+        "ppl": (["ppl", "--model", str(art.model), "--text-file", str(art.text), "--json", str(out)], out),
+        "tune-clip": (["tune-clip", *model, "--transforms", "wush", "--text-file", str(art.text), "--out", str(out)], out),
+        "calibrate": (art.calibrate(out), out),
+        "calibrate PATH.json": (art.calibrate(tmp_path / "r"), out),  # the metadata copy beside --out r
+        "export": (art.export(art.cal, out), out),
+        "compare --plot": ([*art.compare(art.cal, tmp_path / "c.json"), "--plot", str(png)], png),
+        "passkey NAME_pkey.png": ([*passkey, "--plot", str(png)], tmp_path / "r_pkey.png"),
+        "merge agree": (["merge", "agree", str(art.cmp), "--out", str(out)], out),
+        "sweep": (["sweep", "--config", str(tmp_path / "sweep.toml")], tmp_path / "results.json"),  # the lock of its folder's results.json
     }[command]
-    with exclusive_output(out):
+    held.write_text('{"partial": "results of the other run"}\n')
+    with exclusive_output(held):
         assert main(argv) == 2
-    assert f"another wushkv run is writing {out}" in capsys.readouterr().err
-    assert out.read_text() == '{"partial": "results of the other run"}\n'
+    assert f"another wushkv run is writing {held}" in capsys.readouterr().err
+    assert held.read_text() == '{"partial": "results of the other run"}\n'
 
 
 @pytest.mark.slow
-def test_two_compares_writing_one_json(art, tmp_path):
-    """Two ``compare`` processes with the same ``--json``: the second is refused while the first holds the file
-    (naming the first's pid), the first's results are complete and untouched."""
-    out = tmp_path / "r.json"
-    argv = [sys.executable, "-m", "wushkv.cli", *art.compare(art.cal, out)]
+@pytest.mark.parametrize("command", ["compare", "calibrate"])
+def test_two_runs_writing_one_file(art, tmp_path, command):
+    """Two ``compare`` processes with the same ``--json`` (two ``calibrate`` with the same ``--out``): the second is
+    refused while the first holds the file (naming the first's pid), the first's results are complete and untouched."""
+    out = tmp_path / ("r.json" if command == "compare" else "c.safetensors")
+    argv = [sys.executable, "-m", "wushkv.cli", *(art.compare(art.cal, out) if command == "compare" else art.calibrate(out))]
     first = subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
     t0 = time.monotonic()
     while not (lock_path(out).is_file() and lock_path(out).read_text().strip() == str(first.pid)):
@@ -282,7 +309,10 @@ def test_two_compares_writing_one_json(art, tmp_path):
     assert f"another wushkv run is writing {out} (pid {first.pid})" in second.stderr
     _, err = first.communicate(timeout=120)
     assert first.returncode == 0, err.decode()
-    assert _results(read_json(out)) == _results(read_json(art.cmp))
+    if command == "compare":
+        assert _results(read_json(out)) == _results(read_json(art.cmp))
+    else:
+        assert _same_calibration(Calibration.load(out), Calibration.load(art.cal))
 
 
 # -- damaged files ---------------------------------------------------------------------------------------------------------

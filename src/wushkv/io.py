@@ -18,7 +18,7 @@ import json
 import os
 import re
 import tempfile
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
 
 CHECKSUM_KEY = "sha256"
@@ -109,7 +109,7 @@ def exclusive_output(path: str | Path | None) -> Iterator[None]:
     pid) for the body: a second run writing the same file is refused with :class:`OutputLockedError` instead of
     interleaving its results with the first's. The lock goes with the process (a killed run leaves no stale lock;
     the lock file itself stays, empty of meaning). Taking it removes the ``.NAME.*.tmp`` files a killed run left
-beside ``path`` (:func:`atomic_write`'s). None: no lock. Where ``fcntl`` is missing (Windows): no lock."""
+    beside ``path`` (:func:`atomic_write`'s). None: no lock. Where ``fcntl`` is missing (Windows): no lock."""
     if path is None:
         yield
         return
@@ -130,15 +130,47 @@ beside ``path`` (:func:`atomic_write`'s). None: no lock. Where ``fcntl`` is miss
                                     "another output path") from None
         os.ftruncate(fd, 0)
         os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
-        # Holding the lock, no other run is writing this file: a temporary file of it is a killed run's leftover.
-        # (mkstemp's 8-character names: ``.r.json.x.abcd1234.tmp`` is another output's, "r.json.x", and stays)
-        own = re.compile(rf"\.{re.escape(Path(path).name)}\.[a-z0-9_]{{8}}\.tmp")
-        for stale in Path(path).parent.glob(f".{glob.escape(Path(path).name)}.*.tmp"):
-            if own.fullmatch(stale.name):
-                stale.unlink(missing_ok=True)
+        remove_temporaries(path)  # holding the lock, no other run is writing this file: they are a killed run's
         yield
     finally:
         os.close(fd)  # releases the lock
+
+
+@contextlib.contextmanager
+def exclusive_outputs(paths: Iterable[str | Path]) -> Iterator[None]:
+    """:func:`exclusive_output` on each of ``paths`` (the files one run writes), all held for the body; the first one
+    another run holds refuses the run (the locks taken so far are released)."""
+    with contextlib.ExitStack() as stack:
+        for p in paths:
+            stack.enter_context(exclusive_output(p))
+        yield
+
+
+def remove_temporaries(path: str | Path) -> list[Path]:
+    """Remove the temporary files :func:`atomic_write` makes for ``path`` (``.NAME.XXXXXXXX.tmp`` beside it, from
+    mkstemp) and return them. Only for a caller that holds the file's lock (or owns its folder): then no write of it
+    is under way, and any such file is a killed run's leftover. ``.r.json.x.abcd1234.tmp`` is another output's
+    ("r.json.x") and stays."""
+    path = Path(path)
+    own = re.compile(rf"\.{re.escape(path.name)}\.[a-z0-9_]{{8}}\.tmp")
+    gone = []
+    if path.parent.is_dir():
+        for stale in path.parent.glob(f".{glob.escape(path.name)}.*.tmp"):
+            if own.fullmatch(stale.name):
+                stale.unlink(missing_ok=True)
+                gone.append(stale)
+    return gone
+
+
+def remove_temporaries_in(folder: str | Path) -> list[Path]:
+    """Remove every temporary file :func:`atomic_write` left in ``folder`` (``.NAME.XXXXXXXX.tmp``) and return them.
+    Only for a folder one run owns whole (a sweep's ``jobs/``), while it holds the run's lock."""
+    folder = Path(folder)
+    temp = re.compile(r"\..+\.[a-z0-9_]{8}\.tmp")
+    gone = [f for f in folder.glob(".*.tmp") if temp.fullmatch(f.name)] if folder.is_dir() else []
+    for f in gone:
+        f.unlink(missing_ok=True)
+    return gone
 
 
 def tensors_digest(tensors: dict, metadata: dict[str, str]) -> str:

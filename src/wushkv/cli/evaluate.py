@@ -252,4 +252,4 @@ def register(sub) -> None:
     p.add_argument("--chunks", type=int, default=1, help="2048-token chunks (default: %(default)s; the full protocol is compare --chunks 16)")
     p.add_argument("--calib-samples", type=int, default=8)
     p.add_argument("--out", default="out/demo")
-    p.set_defaults(func=cmd_demo)
+    p.set_defaults(func=cmd_demo, outputs=lambda a: [])  # --out is a folder: the compare it runs locks its files
