@@ -239,6 +239,77 @@ num_cpus = 1
     assert vals("run") == vals("ref") and all(v is not None for *_, v in vals("run"))
 
 
+# -- a write that fails, an interrupted run ----------------------------------------------------------------------------------
+def test_a_write_that_fails_keeps_the_old_file(tmp_path):
+    """A disk that fills up in the middle of a write (ENOSPC from the writer): the previous file stays under the final
+    name, no temporary is left, and the error names the file."""
+    import errno
+
+    def fill_up(tmp):
+        with open(tmp, "wb") as f:
+            f.write(b"x" * 1000)
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    old = tmp_path / "r.json"
+    write_json(old, {"results": 1})
+    with pytest.raises(OSError, match=rf"No space left on device while writing {old} \(the previous file is kept\)") as e:
+        atomic_write(old, fill_up)
+    assert e.value.errno == errno.ENOSPC
+    assert read_json(old) == {"results": 1} and _temporaries(tmp_path) == []
+    with pytest.raises(OSError, match="nothing was written"):
+        atomic_write(tmp_path / "new.json", fill_up)
+    assert not (tmp_path / "new.json").exists() and _temporaries(tmp_path) == []
+
+
+@pytest.mark.slow
+def test_calibrate_past_the_file_size_limit_keeps_the_old_file(art, tmp_path):
+    """``calibrate`` whose output cannot be written (the process may write files of at most 64 KiB: RLIMIT_FSIZE, the
+    way a full disk fails a write): exit 2 with a message naming the file, no traceback, the previous calibration
+    intact under the final name and no temporary beside it."""
+    import resource
+
+    out = tmp_path / "c.safetensors"
+    out.write_bytes(art.cal.read_bytes())
+    assert art.cal.stat().st_size > 65536
+
+    def limit():
+        signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # the write fails with EFBIG instead of killing the process
+        resource.setrlimit(resource.RLIMIT_FSIZE, (65536, 65536))
+
+    r = subprocess.run([sys.executable, "-m", "wushkv.cli", *art.calibrate(out)], capture_output=True, text=True, timeout=120,
+                       preexec_fn=limit)
+    assert r.returncode == 2, r.stderr
+    assert f"while writing {out} (the previous file is kept)" in r.stderr and "Traceback" not in r.stderr
+    assert out.read_bytes() == art.cal.read_bytes() and _temporaries(tmp_path) == []
+
+
+@pytest.mark.slow
+def test_compare_interrupted_resumes(art, tmp_path, capsys):
+    """Ctrl-C (SIGINT) in a ``compare --json`` run once a result is saved: exit 130 with a line saying so, no
+    traceback; the file is a complete run file holding a prefix of the results, no temporary is left, and the
+    rerun resumes and ends with the results of an uninterrupted run."""
+    out = tmp_path / "r.json"
+    proc = subprocess.Popen([sys.executable, "-m", "wushkv.cli", *art.compare(art.cal, out)], stdout=subprocess.DEVNULL,
+                            stderr=subprocess.PIPE, text=True)
+    t0 = time.monotonic()
+    while not (out.exists() and sum(len(by) for by in read_json(out)["results"].values()) >= 1):
+        assert proc.poll() is None and time.monotonic() - t0 < 120, "compare saved no result"
+        time.sleep(0.01)
+    proc.send_signal(signal.SIGINT)
+    _, err = proc.communicate(timeout=120)
+    if proc.returncode == 0:
+        pytest.skip("compare finished before the interrupt reached it")
+    assert proc.returncode == 130, err
+    assert "wushkv compare: interrupted; the files it wrote are whole" in err and "Traceback" not in err
+    partial = _results(read_run(out, ("settings", "results")))
+    ref = _results(read_json(art.cmp))
+    assert all(partial["results"][t][b] == ref["results"][t][b] for t in partial["results"] for b in partial["results"][t])
+    assert _temporaries(tmp_path) == []
+    assert main(art.compare(art.cal, out)) == 0
+    assert "resuming from" in capsys.readouterr().err
+    assert _results(read_json(out)) == ref
+
+
 # -- two runs writing one output ------------------------------------------------------------------------------------------
 def test_output_lock_refuses_a_second_writer(tmp_path):
     out = tmp_path / "r.json"

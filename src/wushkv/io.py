@@ -12,6 +12,7 @@ are.
 from __future__ import annotations
 
 import contextlib
+import errno
 import glob
 import hashlib
 import json
@@ -28,10 +29,23 @@ class CorruptFileError(ValueError):
     """A file that cannot be read back as what wushkv wrote: the message names the file."""
 
 
-def atomic_write(path: str | Path, write: Callable[[str], None]) -> Path:
-    """Call ``write(tmp_path)`` then rename onto ``path``: no half-written file survives an interrupt."""
+def make_parent(path: str | Path) -> None:
+    """Create the folder of output ``path``; ``ValueError`` naming the path when a part of it is a file."""
     path = Path(path)
+    for folder in (path.parent, *path.parent.parents):
+        if folder.exists():
+            if not folder.is_dir():
+                raise ValueError(f"cannot write {path}: {folder} is a file, not a folder")
+            break
     path.parent.mkdir(parents=True, exist_ok=True)
+
+
+def atomic_write(path: str | Path, write: Callable[[str], None]) -> Path:
+    """Call ``write(tmp_path)`` then rename onto ``path``: no half-written file survives an interrupt. A write that
+    fails (a full disk: ENOSPC) leaves the previous file under ``path`` and no temporary; the ``OSError`` raised names
+    ``path``."""
+    path = Path(path)
+    make_parent(path)
     fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
     os.close(fd)
     try:
@@ -40,9 +54,12 @@ def atomic_write(path: str | Path, write: Callable[[str], None]) -> Path:
         os.umask(umask)
         os.chmod(tmp, 0o666 & ~umask)  # mkstemp makes 0600; give the file the usual permissions
         os.replace(tmp, path)
-    except BaseException:
+    except BaseException as e:
         if os.path.exists(tmp):
             os.unlink(tmp)
+        if isinstance(e, OSError) and e.errno is not None:  # the writer's message often lacks the file's name
+            kept = "the previous file is kept" if path.exists() else "nothing was written"
+            raise type(e)(e.errno, f"{e.strerror or e} while writing {path} ({kept})") from e
         raise
     return path
 
@@ -118,8 +135,8 @@ def exclusive_output(path: str | Path | None) -> Iterator[None]:
     except ImportError:  # pragma: no cover - not POSIX
         yield
         return
+    make_parent(path)
     lp = lock_path(path)
-    lp.parent.mkdir(parents=True, exist_ok=True)
     fd = os.open(lp, os.O_RDWR | os.O_CREAT, 0o644)
     try:
         try:
@@ -198,10 +215,19 @@ def _misspelled_checksum(keys) -> bool:
 def write_checked_safetensors(path: str | Path, tensors: dict, header: dict[str, str]) -> Path:
     """Write ``tensors`` with the string metadata ``header`` plus its ``sha256`` (:func:`tensors_digest`), atomically:
     the writer of calibration and export files (:func:`read_checked_safetensors` reads them back)."""
+    from safetensors import SafetensorError
     from safetensors.torch import save_file
 
     header = dict(header, **{CHECKSUM_KEY: tensors_digest(tensors, header)})
-    return atomic_write(path, lambda tmp: save_file(tensors, tmp, metadata=header))
+
+    def write(tmp):
+        try:
+            save_file(tensors, tmp, metadata=header)
+        except SafetensorError as e:  # an I/O error (a full disk) comes back as this, "... (os error 28)": an OSError
+            code = re.search(r"os error (\d+)", str(e))
+            raise OSError(int(code.group(1)) if code else errno.EIO, str(e)) from e
+
+    return atomic_write(path, write)
 
 
 def read_checked_safetensors(path: str | Path, what: str,

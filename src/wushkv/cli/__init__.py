@@ -52,6 +52,10 @@ def main(argv: list[str] | None = None) -> int:
         # one run per output file: a second run writing the same file is refused, never interleaved with the first
         with exclusive_outputs(output_files(args)):
             return args.func(args)
-    except (ValueError, FileNotFoundError) as e:
+    except (ValueError, OSError) as e:  # OSError: a file that cannot be written (disk full, a folder that is a file)
         print(f"wushkv {args.command}: error: {e}", file=sys.stderr)
         return 2
+    except KeyboardInterrupt:  # every write is atomic: what is on disk is whole, and a --json run resumes from it
+        print(f"wushkv {args.command}: interrupted; the files it wrote are whole (a run with --json resumes from its "
+              "file when run again)", file=sys.stderr)
+        return 130

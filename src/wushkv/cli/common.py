@@ -99,6 +99,25 @@ def output_files(args) -> list[str]:
     return [p for _, p in named]
 
 
+def refuse_overwriting_a_run(path: str | None, flag: str = "--json") -> None:
+    """A command that writes its result once (ppl, recon, lm-eval) refuses ``path`` when it holds a resumable run
+    (``compare``, ``agree``, ``passkey``, ``tune-clip``, ``merge``: an object with ``"settings"``), which may be hours
+    of results; a file of its own kind, a damaged file or none is overwritten as before."""
+    from pathlib import Path
+
+    from ..io import read_json
+
+    if not path or not Path(path).is_file():
+        return
+    try:
+        held = read_json(path, flag)
+    except ValueError:  # damaged: nothing a rerun could lose
+        return
+    if isinstance(held, dict) and isinstance(held.get("settings"), dict):
+        raise ValueError(f"{flag} {path} holds a resumable run (compare, agree, passkey, tune-clip or merge results) that "
+                         "this command would overwrite; give another path, or delete it")
+
+
 # -- the model -------------------------------------------------------------------------------------
 def add_model_args(p: argparse.ArgumentParser) -> None:
     from ..models import DEFAULT_MODEL

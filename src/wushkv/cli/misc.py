@@ -6,7 +6,7 @@ from __future__ import annotations
 import json
 
 from ..config import PERPLEXITY_WINDOWS
-from .common import add_model_args, add_quant_args, check_positions, err, load_model, quant_config, windows_pair
+from .common import add_model_args, add_quant_args, check_positions, err, load_model, quant_config, refuse_overwriting_a_run, windows_pair
 
 
 def cmd_info(args) -> int:
@@ -92,6 +92,7 @@ def cmd_sweep(args) -> int:
 
 
 def cmd_lm_eval(args) -> int:
+    refuse_overwriting_a_run(args.json)
     try:
         import lm_eval
         from lm_eval.tasks import TaskManager
