@@ -328,7 +328,8 @@ def test_output_lock_refuses_a_second_writer(tmp_path):
 
 
 @pytest.mark.parametrize("command", ["compare", "agree", "passkey", "ppl", "tune-clip", "calibrate", "calibrate PATH.json", "export",
-                                     "compare --plot", "passkey NAME_pkey.png", "merge agree", "sweep"])
+                                     "compare --plot", "passkey NAME_pkey.png", "merge agree", "sweep",
+                                     "calibration upgrade PATH.json"])
 def test_every_command_refuses_a_file_another_run_writes(art, tmp_path, command, capsys):
     """Every command holds the lock of every file it writes (--json, --out, --markdown, --plot, and the files it writes
     beside them) for the whole run: while another run holds one, the command is refused at once, naming the file, and
@@ -350,6 +351,7 @@ def test_every_command_refuses_a_file_another_run_writes(art, tmp_path, command,
         "compare --plot": ([*art.compare(art.cal, tmp_path / "c.json"), "--plot", str(png)], png),
         "passkey NAME_pkey.png": ([*passkey, "--plot", str(png)], tmp_path / "r_pkey.png"),
         "merge agree": (["merge", "agree", str(art.cmp), "--out", str(out)], out),
+        "calibration upgrade PATH.json": (["calibration", "upgrade", "--calibration", str(art.cal), "--out", str(tmp_path / "r")], out),
         "sweep": (["sweep", "--config", str(tmp_path / "sweep.toml")], tmp_path / "results.json"),  # the lock of its folder's results.json
     }[command]
     held.write_text('{"partial": "results of the other run"}\n')

@@ -147,7 +147,7 @@ def exclusive_output(path: str | Path | None) -> Iterator[None]:
                                     "another output path") from None
         os.ftruncate(fd, 0)
         os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
-        remove_temporaries(path)  # holding the lock, no other run is writing this file: they are a killed run's
+        remove_temporaries(path)  # holding the lock, no run is writing this file: its temporaries were left by a killed run
         yield
     finally:
         os.close(fd)  # releases the lock
@@ -223,8 +223,10 @@ def write_checked_safetensors(path: str | Path, tensors: dict, header: dict[str,
     def write(tmp):
         try:
             save_file(tensors, tmp, metadata=header)
-        except SafetensorError as e:  # an I/O error (a full disk) comes back as this, "... (os error 28)": an OSError
+        except SafetensorError as e:  # an I/O error (a full disk) comes back as this, "I/O error: ... (os error 28)"
             code = re.search(r"os error (\d+)", str(e))
+            if code is None and "I/O error" not in str(e):
+                raise
             raise OSError(int(code.group(1)) if code else errno.EIO, str(e)) from e
 
     return atomic_write(path, write)

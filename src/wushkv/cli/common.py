@@ -83,11 +83,11 @@ def output_files(args) -> list[str]:
     from pathlib import Path
 
     declared = getattr(args, "outputs", None)
-    named = ([(None, p) for p in declared(args)] if declared is not None else
-             [(f, v) for f in OUTPUT_FLAGS if isinstance(v := getattr(args, f, None), str)])
+    flagged = [(f, v) for f in OUTPUT_FLAGS if isinstance(v := getattr(args, f, None), str)]
+    named = flagged if declared is None else [(next((f for f, v in flagged if v == p), None), p) for p in declared(args)]
     seen: dict[Path, str] = {}
     for flag, path in named:
-        key, what = Path(path).resolve(), f"--{flag.replace('_', '-')} {path}" if flag else path
+        key, what = Path(path).resolve(), f"--{flag} {path}" if flag else path
         if key in seen:
             raise ValueError(f"{seen[key]} and {what} are one file: give each output its own path")
         seen[key] = what
