@@ -37,11 +37,13 @@ FILES = {
     "CAL": "a calibration of MODEL",
     "OTHER_CAL": "a calibration of another model of the same shape",
     "OLD_CAL": "CAL with `format_version` 0",
+    "NEW_CAL": "CAL with `format_version` 99 (from a later wushkv)",
     "NOT_ST": "a text file named `.safetensors`",
     "DAMAGED_CAL": "CAL with one byte of a statistic changed",
     "DAMAGED_JSON": "a `compare --json` file cut in half",
     "EDITED_JSON": "a `compare --json` file with one digit of a result changed",
     "OTHER_JSON": "a JSON file no wushkv run wrote",
+    "RUN_JSON": "a whole `compare --json` run file",
     "TYPO_TOML": "a sweep configuration with a misspelled key",
     "missing…": "a path that does not exist",
 }
@@ -109,6 +111,8 @@ CASES: list[Case] = [
     Case("calibration", "not a safetensors file", [*PPL, "--transform", "wush", "--calibration", "NOT_ST"], "'NOT_ST' is corrupted or not a safetensors file"),
     Case("calibration", "calibration from an older format version", [*PPL, "--transform", "wush", "--calibration", "OLD_CAL"],
          "'OLD_CAL' has calibration format version 0; this wushkv"),
+    Case("calibration", "calibration from a newer format version", [*PPL, "--transform", "wush", "--calibration", "NEW_CAL"],
+         "'NEW_CAL' has calibration format version 99; this wushkv"),
     Case("calibration", "calibration of another model", [*PPL, "--transform", "wush", "--calibration", "OTHER_CAL"],
          "does not match 'MODEL': weights_sha256"),
     Case("calibration", "calibration damaged on disk", [*PPL, "--transform", "wush", "--calibration", "DAMAGED_CAL"],
@@ -129,6 +133,14 @@ CASES: list[Case] = [
     Case("runs", "clip table missing", ["compare", "--clips", "missing.json"], "does not exist"),
     Case("runs", "sweep configuration missing", ["sweep", "--config", "missing.toml"], "missing.toml"),
     Case("runs", "sweep configuration with a misspelled key", ["sweep", "--config", "TYPO_TOML"], "chunk"),
+    Case("runs", "two outputs naming one file", ["compare", "--json", "OUT.json", "--markdown", "OUT.json"],
+         "--json OUT.json and --markdown OUT.json are one file: give each output its own path"),
+    Case("runs", "an output that is the text read", [*PPL, "--json", "TEXT"], "--json TEXT is also the --text-file the run reads"),
+    Case("runs", "export written over the calibration it reads", ["export", "--calibration", "CAL", "--out", "CAL"],
+         "--out CAL is also the --calibration the run reads: an output must differ from the run's inputs"),
+    Case("runs", "an output whose folder is a file", [*PPL, "--json", "TEXT/r.json"], "cannot write TEXT/r.json: TEXT is a file, not a folder"),
+    Case("runs", "a one-shot result written over a resumable run", [*PPL, "--json", "RUN_JSON"],
+         "--json RUN_JSON holds a resumable run (compare, agree, passkey, tune-clip or merge results) that this command would overwrite"),
     Case("runs", "another run holds the output", "with exclusive_output('OUT.json'):\n    with exclusive_output('OUT.json'): pass",
          "another wushkv run is writing OUT.json (pid"),
     # -- models
@@ -171,11 +183,13 @@ def files(tmp_path_factory):
     with safe_open(str(d / "CAL"), framework="pt") as f:
         header, tensors = f.metadata(), {k: f.get_tensor(k) for k in f.keys()}
     save_file(tensors, str(d / "OLD_CAL"), metadata=header | {"format_version": "0"})
+    save_file(tensors, str(d / "NEW_CAL"), metadata=header | {"format_version": "99"})
     data = bytearray((d / "CAL").read_bytes())
     data[-100] ^= 0x01
     (d / "DAMAGED_CAL").write_bytes(bytes(data))
     run = {"settings": {"model": "m"}, "fp": {"ppl": 12.5}, "results": {"wush": {"2": {"ppl": 13.25}}}}
     write_json(d / "EDITED_JSON", run)
+    write_json(d / "RUN_JSON", run)
     text = (d / "EDITED_JSON").read_text()
     (d / "DAMAGED_JSON").write_text(text[: len(text) // 2])
     (d / "EDITED_JSON").write_text(text.replace("13.25", "13.26"))

@@ -60,7 +60,8 @@ def _tiny_model_dir(tmp_path, repeats: int = 40, max_position_embeddings: int | 
         (["agree", "--transforms", "wush,random", "--growth-reference", "random", "--new-tokens", "4"], "needs --new-tokens >= 8"),
     ],
 )
-def test_bad_arguments(argv, message, capsys):
+def test_bad_arguments(argv, message, capsys, tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)  # the lock of an output named relative (c.json) goes there, not into the checkout
     assert main(argv) == 2
     assert message in capsys.readouterr().err
 

@@ -85,6 +85,18 @@ def _temp_of(path: Path) -> bool:
     return any(f.startswith(f".{path.name}.") and f.endswith(".tmp") for f in os.listdir(path.parent)) if path.parent.is_dir() else False
 
 
+def _temporaries(folder: Path) -> list[str]:
+    """The temporary files of ``atomic_write`` in ``folder`` (``.NAME.XXXXXXXX.tmp``)."""
+    return sorted(f for f in os.listdir(folder) if f.startswith(".") and f.endswith(".tmp"))
+
+
+def _leave_stale_temporary(path: Path) -> None:
+    """A temporary file of ``path`` as a run killed inside its write leaves it (mkstemp's name): whether the kill
+    itself left one is a race with the rename, so the rerun's cleanup is always given one to remove."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    (path.parent / f".{path.name}.k1lled_0.tmp").write_bytes(b"half a file")
+
+
 def _run_killed(argv: list[str], trigger, timeout: float = 120) -> tuple[bool, str]:
     """Run ``python -m wushkv.cli ARGV`` and SIGKILL it the moment ``trigger()`` is true (polled every ~0.2 ms);
     (killed, stderr). A run that finishes first is not killed (the caller's checks still hold)."""
@@ -137,22 +149,27 @@ def test_atomic_write_killed_inside_the_write(tmp_path):
 @pytest.mark.slow
 def test_calibrate_and_export_killed_mid_write(art, tmp_path):
     """``calibrate`` and ``export`` killed while writing their output: nothing, or the complete file, under the final
-    name; a rerun writes what an uninterrupted run writes."""
+    name; a rerun writes what an uninterrupted run writes, and removes the temporary file the killed run left."""
     ref_cal, (ref_meta, ref_exp) = Calibration.load(art.cal), read_export(art.exp)
     out = tmp_path / "c.safetensors"
     killed, _ = _run_killed(art.calibrate(out), lambda: _temp_of(out))
     if out.exists():  # the kill came after the rename
         assert _same_calibration(Calibration.load(out), ref_cal)
+    _leave_stale_temporary(out)
+    _leave_stale_temporary(Path(f"{out}.json"))
     assert main(art.calibrate(out)) == 0
     assert _same_calibration(Calibration.load(out), ref_cal)
+    assert _temporaries(tmp_path) == []
 
     exp = tmp_path / "e.safetensors"
     killed, _ = _run_killed(art.export(art.cal, exp), lambda: _temp_of(exp))
     if exp.exists():
         assert read_export(exp)[1].keys() == ref_exp.keys()
+    _leave_stale_temporary(exp)
     assert main(art.export(art.cal, exp)) == 0
     meta, tensors = read_export(exp)
     assert meta == ref_meta and tensors.keys() == ref_exp.keys() and all(torch.equal(tensors[k], ref_exp[k]) for k in tensors)
+    assert _temporaries(tmp_path) == []
 
 
 @pytest.mark.slow
@@ -179,12 +196,14 @@ def test_compare_killed_mid_write_resumes(art, tmp_path, capsys, after=2):
         partial = _results(read_run(out, ("settings", "results")))
         assert partial["fp"] == ref["fp"]
         assert all(partial["results"][t][b] == ref["results"][t][b] for t in partial["results"] for b in partial["results"][t])
+    _leave_stale_temporary(out)
     assert main(art.compare(art.cal, out)) == 0
     err = capsys.readouterr().err
     if partial is not None:
         assert "resuming from" in err
         assert err.count(" PPL ") == 8 - sum(len(by) for by in partial["results"].values())  # the missing ones only
     assert _results(read_json(out)) == ref
+    assert _temporaries(tmp_path) == []  # the killed run's temporary of r.json went with the rerun's lock
 
 
 @pytest.mark.slow
@@ -220,9 +239,82 @@ num_cpus = 1
                             lambda: jobs.is_dir() and any(f.endswith(".tmp") for f in os.listdir(jobs)) and len(os.listdir(jobs)) >= 2)
     for f in jobs.glob("*.json"):
         assert read_json(f)["value"] > 0  # complete records only
+    _leave_stale_temporary(jobs / "0123456789abcdef.json")
     assert main(["sweep", "--config", str(tmp_path / "run.toml")]) == 0
+    assert _temporaries(jobs) == [] and _temporaries(tmp_path / "run") == []
     vals = lambda name: [(r["transform"], r["k_bits"], r["value"]) for r in read_json(tmp_path / name / "results.json")["results"]]  # noqa: E731
     assert vals("run") == vals("ref") and all(v is not None for *_, v in vals("run"))
+
+
+# -- a write that fails, an interrupted run ----------------------------------------------------------------------------------
+def test_a_write_that_fails_keeps_the_old_file(tmp_path):
+    """A disk that fills up in the middle of a write (ENOSPC from the writer): the previous file stays under the final
+    name, no temporary is left, and the error names the file."""
+    import errno
+
+    def fill_up(tmp):
+        with open(tmp, "wb") as f:
+            f.write(b"x" * 1000)
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    old = tmp_path / "r.json"
+    write_json(old, {"results": 1})
+    with pytest.raises(OSError, match=rf"No space left on device while writing {old} \(the previous file is kept\)") as e:
+        atomic_write(old, fill_up)
+    assert e.value.errno == errno.ENOSPC
+    assert read_json(old) == {"results": 1} and _temporaries(tmp_path) == []
+    with pytest.raises(OSError, match="nothing was written"):
+        atomic_write(tmp_path / "new.json", fill_up)
+    assert not (tmp_path / "new.json").exists() and _temporaries(tmp_path) == []
+
+
+@pytest.mark.slow
+def test_calibrate_past_the_file_size_limit_keeps_the_old_file(art, tmp_path):
+    """``calibrate`` whose output cannot be written (the process may write files of at most 64 KiB: RLIMIT_FSIZE, the
+    way a full disk fails a write): exit 2 with a message naming the file, no traceback, the previous calibration
+    intact under the final name and no temporary beside it."""
+    import resource
+
+    out = tmp_path / "c.safetensors"
+    out.write_bytes(art.cal.read_bytes())
+    assert art.cal.stat().st_size > 65536
+
+    def limit():
+        signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # the write fails with EFBIG instead of killing the process
+        resource.setrlimit(resource.RLIMIT_FSIZE, (65536, 65536))
+
+    r = subprocess.run([sys.executable, "-m", "wushkv.cli", *art.calibrate(out)], capture_output=True, text=True, timeout=120,
+                       preexec_fn=limit)
+    assert r.returncode == 2, r.stderr
+    assert f"while writing {out} (the previous file is kept)" in r.stderr and "Traceback" not in r.stderr
+    assert out.read_bytes() == art.cal.read_bytes() and _temporaries(tmp_path) == []
+
+
+@pytest.mark.slow
+def test_compare_interrupted_resumes(art, tmp_path, capsys):
+    """Ctrl-C (SIGINT) in a ``compare --json`` run once a result is saved: exit 130 with a line saying so, no
+    traceback; the file is a complete run file holding a prefix of the results, no temporary is left, and the
+    rerun resumes and ends with the results of an uninterrupted run."""
+    out = tmp_path / "r.json"
+    proc = subprocess.Popen([sys.executable, "-m", "wushkv.cli", *art.compare(art.cal, out)], stdout=subprocess.DEVNULL,
+                            stderr=subprocess.PIPE, text=True)
+    t0 = time.monotonic()
+    while not (out.exists() and sum(len(by) for by in read_json(out)["results"].values()) >= 1):
+        assert proc.poll() is None and time.monotonic() - t0 < 120, "compare saved no result"
+        time.sleep(0.01)
+    proc.send_signal(signal.SIGINT)
+    _, err = proc.communicate(timeout=120)
+    if proc.returncode == 0:
+        pytest.skip("compare finished before the interrupt reached it")
+    assert proc.returncode == 130, err
+    assert "wushkv compare: interrupted; the files it wrote are whole" in err and "Traceback" not in err
+    partial = _results(read_run(out, ("settings", "results")))
+    ref = _results(read_json(art.cmp))
+    assert all(partial["results"][t][b] == ref["results"][t][b] for t in partial["results"] for b in partial["results"][t])
+    assert _temporaries(tmp_path) == []
+    assert main(art.compare(art.cal, out)) == 0
+    assert "resuming from" in capsys.readouterr().err
+    assert _results(read_json(out)) == ref
 
 
 # -- two runs writing one output ------------------------------------------------------------------------------------------
@@ -242,32 +334,47 @@ def test_output_lock_refuses_a_second_writer(tmp_path):
         pass
 
 
-@pytest.mark.parametrize("command", ["compare", "agree", "passkey", "ppl", "tune-clip"])
-def test_every_command_refuses_a_results_file_another_run_writes(art, tmp_path, command, capsys):
-    """Every command holds the lock of the results file it writes and resumes (--json; tune-clip's --out) for the
-    whole run: while another run holds it, the command is refused at once, naming the file, and leaves it as it was."""
-    out = tmp_path / "r.json"
-    out.write_text('{"partial": "results of the other run"}\n')
+@pytest.mark.parametrize("command", ["compare", "agree", "passkey", "ppl", "tune-clip", "calibrate", "calibrate PATH.json", "export",
+                                     "compare --plot", "passkey NAME_pkey.png", "merge agree", "sweep",
+                                     "calibration upgrade PATH.json"])
+def test_every_command_refuses_a_file_another_run_writes(art, tmp_path, command, capsys):
+    """Every command holds the lock of every file it writes (--json, --out, --markdown, --plot, and the files it writes
+    beside them) for the whole run: while another run holds one, the command is refused at once, naming the file, and
+    leaves it as it was."""
+    out, png = tmp_path / "r.json", tmp_path / "r.png"
     model = ["--model", str(art.model), "--calibration", str(art.cal)]
-    argv = {
-        "compare": art.compare(art.cal, out),
-        "agree": ["agree", *model, "--transforms", "hadamard", "--prompts", "1", "--text-file", str(art.text), "--json", str(out)],
-        "passkey": ["passkey", *model, "--transforms", "hadamard", "--contexts", "300", "--json", str(out)],
-        "ppl": ["ppl", "--model", str(art.model), "--text-file", str(art.text), "--json", str(out)],
-        "tune-clip": ["tune-clip", *model, "--transforms", "wush", "--text-file", str(art.text), "--out", str(out)],
+    passkey = ["passkey", *model, "--transforms", "hadamard", "--contexts", "300"]
+    (tmp_path / "sweep.toml").write_text(f'out = "{tmp_path}"\n[grid]\nmodels = ["{art.model}"]\ntransforms = ["hadamard"]\n'
+                                         'bits = [2]\nevaluations = ["ppl"]\n')
+    argv, held = {  # the command line, and the file another run holds
+        "compare": (art.compare(art.cal, out), out),
+        "agree": (["agree", *model, "--transforms", "hadamard", "--prompts", "1", "--text-file", str(art.text), "--json", str(out)], out),
+        "passkey": ([*passkey, "--json", str(out)], out),
+        "ppl": (["ppl", "--model", str(art.model), "--text-file", str(art.text), "--json", str(out)], out),
+        "tune-clip": (["tune-clip", *model, "--transforms", "wush", "--text-file", str(art.text), "--out", str(out)], out),
+        "calibrate": (art.calibrate(out), out),
+        "calibrate PATH.json": (art.calibrate(tmp_path / "r"), out),  # the metadata copy beside --out r
+        "export": (art.export(art.cal, out), out),
+        "compare --plot": ([*art.compare(art.cal, tmp_path / "c.json"), "--plot", str(png)], png),
+        "passkey NAME_pkey.png": ([*passkey, "--plot", str(png)], tmp_path / "r_pkey.png"),
+        "merge agree": (["merge", "agree", str(art.cmp), "--out", str(out)], out),
+        "calibration upgrade PATH.json": (["calibration", "upgrade", "--calibration", str(art.cal), "--out", str(tmp_path / "r")], out),
+        "sweep": (["sweep", "--config", str(tmp_path / "sweep.toml")], tmp_path / "results.json"),  # the lock of its folder's results.json
     }[command]
-    with exclusive_output(out):
+    held.write_text('{"partial": "results of the other run"}\n')
+    with exclusive_output(held):
         assert main(argv) == 2
-    assert f"another wushkv run is writing {out}" in capsys.readouterr().err
-    assert out.read_text() == '{"partial": "results of the other run"}\n'
+    assert f"another wushkv run is writing {held}" in capsys.readouterr().err
+    assert held.read_text() == '{"partial": "results of the other run"}\n'
 
 
 @pytest.mark.slow
-def test_two_compares_writing_one_json(art, tmp_path):
-    """Two ``compare`` processes with the same ``--json``: the second is refused while the first holds the file
-    (naming the first's pid), the first's results are complete and untouched."""
-    out = tmp_path / "r.json"
-    argv = [sys.executable, "-m", "wushkv.cli", *art.compare(art.cal, out)]
+@pytest.mark.parametrize("command", ["compare", "calibrate"])
+def test_two_runs_writing_one_file(art, tmp_path, command):
+    """Two ``compare`` processes with the same ``--json`` (two ``calibrate`` with the same ``--out``): the second is
+    refused while the first holds the file (naming the first's pid), the first's results are complete and untouched."""
+    out = tmp_path / ("r.json" if command == "compare" else "c.safetensors")
+    argv = [sys.executable, "-m", "wushkv.cli", *(art.compare(art.cal, out) if command == "compare" else art.calibrate(out))]
     first = subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
     t0 = time.monotonic()
     while not (lock_path(out).is_file() and lock_path(out).read_text().strip() == str(first.pid)):
@@ -282,7 +389,10 @@ def test_two_compares_writing_one_json(art, tmp_path):
     assert f"another wushkv run is writing {out} (pid {first.pid})" in second.stderr
     _, err = first.communicate(timeout=120)
     assert first.returncode == 0, err.decode()
-    assert _results(read_json(out)) == _results(read_json(art.cmp))
+    if command == "compare":
+        assert _results(read_json(out)) == _results(read_json(art.cmp))
+    else:
+        assert _same_calibration(Calibration.load(out), Calibration.load(art.cal))
 
 
 # -- damaged files ---------------------------------------------------------------------------------------------------------

@@ -12,13 +12,14 @@ are.
 from __future__ import annotations
 
 import contextlib
+import errno
 import glob
 import hashlib
 import json
 import os
 import re
 import tempfile
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
 
 CHECKSUM_KEY = "sha256"
@@ -28,10 +29,23 @@ class CorruptFileError(ValueError):
     """A file that cannot be read back as what wushkv wrote: the message names the file."""
 
 
-def atomic_write(path: str | Path, write: Callable[[str], None]) -> Path:
-    """Call ``write(tmp_path)`` then rename onto ``path``: no half-written file survives an interrupt."""
+def make_parent(path: str | Path) -> None:
+    """Create the folder of output ``path``; ``ValueError`` naming the path when a part of it is a file."""
     path = Path(path)
+    for folder in (path.parent, *path.parent.parents):
+        if folder.exists():
+            if not folder.is_dir():
+                raise ValueError(f"cannot write {path}: {folder} is a file, not a folder")
+            break
     path.parent.mkdir(parents=True, exist_ok=True)
+
+
+def atomic_write(path: str | Path, write: Callable[[str], None]) -> Path:
+    """Call ``write(tmp_path)`` then rename onto ``path``: no half-written file survives an interrupt. A write that
+    fails (a full disk: ENOSPC) leaves the previous file under ``path`` and no temporary; the ``OSError`` raised names
+    ``path``."""
+    path = Path(path)
+    make_parent(path)
     fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
     os.close(fd)
     try:
@@ -40,9 +54,12 @@ def atomic_write(path: str | Path, write: Callable[[str], None]) -> Path:
         os.umask(umask)
         os.chmod(tmp, 0o666 & ~umask)  # mkstemp makes 0600; give the file the usual permissions
         os.replace(tmp, path)
-    except BaseException:
+    except BaseException as e:
         if os.path.exists(tmp):
             os.unlink(tmp)
+        if isinstance(e, OSError) and e.errno is not None:  # the writer's message often lacks the file's name
+            kept = "the previous file is kept" if path.exists() else "nothing was written"
+            raise type(e)(e.errno, f"{e.strerror or e} while writing {path} ({kept})") from e
         raise
     return path
 
@@ -109,7 +126,7 @@ def exclusive_output(path: str | Path | None) -> Iterator[None]:
     pid) for the body: a second run writing the same file is refused with :class:`OutputLockedError` instead of
     interleaving its results with the first's. The lock goes with the process (a killed run leaves no stale lock;
     the lock file itself stays, empty of meaning). Taking it removes the ``.NAME.*.tmp`` files a killed run left
-beside ``path`` (:func:`atomic_write`'s). None: no lock. Where ``fcntl`` is missing (Windows): no lock."""
+    beside ``path`` (:func:`atomic_write`'s). None: no lock. Where ``fcntl`` is missing (Windows): no lock."""
     if path is None:
         yield
         return
@@ -118,8 +135,8 @@ beside ``path`` (:func:`atomic_write`'s). None: no lock. Where ``fcntl`` is miss
     except ImportError:  # pragma: no cover - not POSIX
         yield
         return
+    make_parent(path)
     lp = lock_path(path)
-    lp.parent.mkdir(parents=True, exist_ok=True)
     fd = os.open(lp, os.O_RDWR | os.O_CREAT, 0o644)
     try:
         try:
@@ -130,15 +147,47 @@ beside ``path`` (:func:`atomic_write`'s). None: no lock. Where ``fcntl`` is miss
                                     "another output path") from None
         os.ftruncate(fd, 0)
         os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
-        # Holding the lock, no other run is writing this file: a temporary file of it is a killed run's leftover.
-        # (mkstemp's 8-character names: ``.r.json.x.abcd1234.tmp`` is another output's, "r.json.x", and stays)
-        own = re.compile(rf"\.{re.escape(Path(path).name)}\.[a-z0-9_]{{8}}\.tmp")
-        for stale in Path(path).parent.glob(f".{glob.escape(Path(path).name)}.*.tmp"):
-            if own.fullmatch(stale.name):
-                stale.unlink(missing_ok=True)
+        remove_temporaries(path)  # holding the lock, no run is writing this file: its temporaries were left by a killed run
         yield
     finally:
         os.close(fd)  # releases the lock
+
+
+@contextlib.contextmanager
+def exclusive_outputs(paths: Iterable[str | Path]) -> Iterator[None]:
+    """:func:`exclusive_output` on each of ``paths`` (the files one run writes), all held for the body; the first one
+    another run holds refuses the run (the locks taken so far are released)."""
+    with contextlib.ExitStack() as stack:
+        for p in paths:
+            stack.enter_context(exclusive_output(p))
+        yield
+
+
+def remove_temporaries(path: str | Path) -> list[Path]:
+    """Remove the temporary files :func:`atomic_write` makes for ``path`` (``.NAME.XXXXXXXX.tmp`` beside it, from
+    mkstemp) and return them. Only for a caller that holds the file's lock (or owns its folder): then no write of it
+    is under way, and any such file is a killed run's leftover. ``.r.json.x.abcd1234.tmp`` is another output's
+    ("r.json.x") and stays."""
+    path = Path(path)
+    own = re.compile(rf"\.{re.escape(path.name)}\.[a-z0-9_]{{8}}\.tmp")
+    gone = []
+    if path.parent.is_dir():
+        for stale in path.parent.glob(f".{glob.escape(path.name)}.*.tmp"):
+            if own.fullmatch(stale.name):
+                stale.unlink(missing_ok=True)
+                gone.append(stale)
+    return gone
+
+
+def remove_temporaries_in(folder: str | Path) -> list[Path]:
+    """Remove every temporary file :func:`atomic_write` left in ``folder`` (``.NAME.XXXXXXXX.tmp``) and return them.
+    Only for a folder one run owns whole (a sweep's ``jobs/``), while it holds the run's lock."""
+    folder = Path(folder)
+    temp = re.compile(r"\..+\.[a-z0-9_]{8}\.tmp")
+    gone = [f for f in folder.glob(".*.tmp") if temp.fullmatch(f.name)] if folder.is_dir() else []
+    for f in gone:
+        f.unlink(missing_ok=True)
+    return gone
 
 
 def tensors_digest(tensors: dict, metadata: dict[str, str]) -> str:
@@ -166,10 +215,21 @@ def _misspelled_checksum(keys) -> bool:
 def write_checked_safetensors(path: str | Path, tensors: dict, header: dict[str, str]) -> Path:
     """Write ``tensors`` with the string metadata ``header`` plus its ``sha256`` (:func:`tensors_digest`), atomically:
     the writer of calibration and export files (:func:`read_checked_safetensors` reads them back)."""
+    from safetensors import SafetensorError
     from safetensors.torch import save_file
 
     header = dict(header, **{CHECKSUM_KEY: tensors_digest(tensors, header)})
-    return atomic_write(path, lambda tmp: save_file(tensors, tmp, metadata=header))
+
+    def write(tmp):
+        try:
+            save_file(tensors, tmp, metadata=header)
+        except SafetensorError as e:  # an I/O error (a full disk) comes back as this, "I/O error: ... (os error 28)"
+            code = re.search(r"os error (\d+)", str(e))
+            if code is None and "I/O error" not in str(e):
+                raise
+            raise OSError(int(code.group(1)) if code else errno.EIO, str(e)) from e
+
+    return atomic_write(path, write)
 
 
 def read_checked_safetensors(path: str | Path, what: str,

@@ -42,27 +42,20 @@ def _order(sub, order) -> None:
     sub._choices_actions.sort(key=lambda a: key(a.dest))  # the help lines (argparse keeps no public handle on them)
 
 
-# Commands whose ``--out`` is a run that resumes (read back and extended), like every ``--json``.
-_RESUMED_OUT = ("tune-clip",)
-
-
-def run_output(args) -> str | None:
-    """The results file a command reads back and extends as it runs (``--json``; tune-clip's ``--out``), or None."""
-    out = getattr(args, "json", None)
-    if args.command in _RESUMED_OUT:
-        out = getattr(args, "out", None)
-    return out if isinstance(out, str) else None  # `info --json` is a switch, not a file
-
-
 def main(argv: list[str] | None = None) -> int:
-    from ..io import exclusive_output
+    from ..io import exclusive_outputs
+    from .common import output_files
 
     parser = build_parser()
     args = parser.parse_args(argv)
     try:
-        # one run per results file: a second run writing the same file is refused, never interleaved with the first
-        with exclusive_output(run_output(args)):
+        # one run per output file: a second run writing the same file is refused, never interleaved with the first
+        with exclusive_outputs(output_files(args)):
             return args.func(args)
-    except (ValueError, FileNotFoundError) as e:
+    except (ValueError, OSError) as e:  # OSError: a file that cannot be written (disk full, a folder that is a file)
         print(f"wushkv {args.command}: error: {e}", file=sys.stderr)
         return 2
+    except KeyboardInterrupt:  # every write is atomic: what is on disk is whole, and a --json run resumes from it
+        print(f"wushkv {args.command}: interrupted; the files it wrote are whole (a run with --json resumes from its "
+              "file when run again)", file=sys.stderr)
+        return 130

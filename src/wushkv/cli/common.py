@@ -68,6 +68,56 @@ def names(s: str) -> list[str]:
     return [t.strip() for t in s.split(",") if t.strip()]
 
 
+# -- the files a command writes ---------------------------------------------------------------------
+OUTPUT_FLAGS = ("json", "out", "markdown", "plot")  # dests whose value is a file the command writes
+INPUT_FLAGS = ("calibration", "clips", "text_file", "calib_text_file", "config")  # dests whose value is a file it reads
+
+
+def output_files(args) -> list[str]:
+    """Every file the command of ``args`` writes: the values of its ``--json``, ``--out``, ``--markdown`` and
+    ``--plot`` (a flag that is not a path, such as ``info --json``, is none), or what its parser declares with
+    ``set_defaults(outputs=f)``, ``f(args)`` a list of paths (calibrate: PATH.json beside ``--out``; demo: none, its
+    ``--out`` is a folder whose compare run locks its own files). ``cli.main`` holds the lock of each for the whole run
+    (:func:`wushkv.io.exclusive_outputs`). Raises ``ValueError`` when two outputs are one file, or an output is a file
+    the run reads (``--calibration``, ``--text-file``, ...): it would be overwritten before or while it is read."""
+    from pathlib import Path
+
+    declared = getattr(args, "outputs", None)
+    flagged = [(f, v) for f in OUTPUT_FLAGS if isinstance(v := getattr(args, f, None), str)]
+    named = flagged if declared is None else [(next((f for f, v in flagged if v == p), None), p) for p in declared(args)]
+    seen: dict[Path, str] = {}
+    for flag, path in named:
+        key, what = Path(path).resolve(), f"--{flag} {path}" if flag else path
+        if key in seen:
+            raise ValueError(f"{seen[key]} and {what} are one file: give each output its own path")
+        seen[key] = what
+    for flag in INPUT_FLAGS:
+        src = getattr(args, flag, None)
+        if isinstance(src, str) and Path(src).resolve() in seen:
+            raise ValueError(f"{seen[Path(src).resolve()]} is also the --{flag.replace('_', '-')} the run reads: an output "
+                             "must differ from the run's inputs (it would be overwritten)")
+    return [p for _, p in named]
+
+
+def refuse_overwriting_a_run(path: str | None, flag: str = "--json") -> None:
+    """A command that writes its result once (ppl, recon, lm-eval) refuses ``path`` when it holds a resumable run
+    (``compare``, ``agree``, ``passkey``, ``tune-clip``, ``merge``: an object with ``"settings"``), which may be hours
+    of results; a file of its own kind, a damaged file or none is overwritten as before."""
+    from pathlib import Path
+
+    from ..io import read_json
+
+    if not path or not Path(path).is_file():
+        return
+    try:
+        held = read_json(path, flag)
+    except ValueError:  # damaged: nothing a rerun could lose
+        return
+    if isinstance(held, dict) and isinstance(held.get("settings"), dict):
+        raise ValueError(f"{flag} {path} holds a resumable run (compare, agree, passkey, tune-clip or merge results) that "
+                         "this command would overwrite; give another path, or delete it")
+
+
 # -- the model -------------------------------------------------------------------------------------
 def add_model_args(p: argparse.ArgumentParser) -> None:
     from ..models import DEFAULT_MODEL

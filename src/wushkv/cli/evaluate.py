@@ -7,7 +7,7 @@ from pathlib import Path
 
 from ..config import CLIP_GRID, PERPLEXITY_WINDOWS
 from .common import (add_calibration_args, add_model_args, add_quant_args, bits_list, calibration, check_positions, err, load_model, names,
-                     quant_config)
+                     quant_config, refuse_overwriting_a_run)
 
 
 def cmd_ppl(args) -> int:
@@ -19,6 +19,7 @@ def cmd_ppl(args) -> int:
     from ..io import write_json
     from ..methods.spec import method_config
 
+    refuse_overwriting_a_run(args.json)
     cfg = quant_config(args) if args.transform else None
     if args.transform:
         check_transforms([args.transform])
@@ -56,6 +57,7 @@ def cmd_recon(args) -> int:
     from ..eval.report import plot_recon, recon_tables
     from ..io import write_json
 
+    refuse_overwriting_a_run(args.json)
     transforms = names(args.transforms)
     check_recon_transforms(transforms)
     cfgs = [QuantConfig(k_bits=b, v_bits=b, quantizer=args.quantizer) for b in args.bits]
@@ -252,4 +254,4 @@ def register(sub) -> None:
     p.add_argument("--chunks", type=int, default=1, help="2048-token chunks (default: %(default)s; the full protocol is compare --chunks 16)")
     p.add_argument("--calib-samples", type=int, default=8)
     p.add_argument("--out", default="out/demo")
-    p.set_defaults(func=cmd_demo)
+    p.set_defaults(func=cmd_demo, outputs=lambda a: [])  # --out is a folder: the compare it runs locks its files

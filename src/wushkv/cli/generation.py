@@ -142,6 +142,13 @@ def cmd_passkey(args) -> int:
     return 0
 
 
+def _passkey_outputs(args) -> list[str]:
+    """The files ``passkey`` writes: ``--json``, ``--plot`` and the NAME_pkey.png beside the plot."""
+    from ..eval.report import sibling
+
+    return [f for f in (args.json, args.plot, args.plot and str(sibling(args.plot, "_pkey"))) if f]
+
+
 def register(sub) -> None:
     p = sub.add_parser("generate", help="stream generated text through the quantized cache")
     add_model_args(p)
@@ -198,4 +205,4 @@ def register(sub) -> None:
     p.add_argument("--json", default=None)
     p.add_argument("--plot", default=None, help="PNG heatmaps of accuracy; beside it, NAME_pkey.png: the geometric-mean probability of the key")
     add_quant_args(p, GENERATION_WINDOWS)
-    p.set_defaults(func=cmd_passkey, quantizer="affine")
+    p.set_defaults(func=cmd_passkey, quantizer="affine", outputs=_passkey_outputs)

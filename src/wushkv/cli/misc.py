@@ -6,7 +6,7 @@ from __future__ import annotations
 import json
 
 from ..config import PERPLEXITY_WINDOWS
-from .common import add_model_args, add_quant_args, check_positions, err, load_model, quant_config, windows_pair
+from .common import add_model_args, add_quant_args, check_positions, err, load_model, quant_config, refuse_overwriting_a_run, windows_pair
 
 
 def cmd_info(args) -> int:
@@ -77,15 +77,22 @@ def cmd_export(args) -> int:
 
 def cmd_sweep(args) -> int:
     from ..eval.report import sweep_table
+    from ..io import exclusive_output, remove_temporaries, remove_temporaries_in
     from ..sweep import SweepConfig, run_sweep
 
     cfg = SweepConfig.load(args.config)
-    out = run_sweep(cfg, ray_address=args.ray_address, max_jobs=args.max_jobs, log=err)
+    # one sweep per folder; holding it, the temporaries in the folders the sweep owns are a killed run's leftovers
+    with exclusive_output(cfg.out / "results.json"):
+        for folder in (cfg.out / "jobs", cfg.out / "calibrations"):
+            remove_temporaries_in(folder)
+        remove_temporaries(cfg.out / "results.md")
+        out = run_sweep(cfg, ray_address=args.ray_address, max_jobs=args.max_jobs, log=err)
     print(sweep_table(out, cfg.out))
     return 0
 
 
 def cmd_lm_eval(args) -> int:
+    refuse_overwriting_a_run(args.json)
     try:
         import lm_eval
         from lm_eval.tasks import TaskManager
@@ -142,7 +149,7 @@ def register(sub) -> None:
                    help="leave the queries at the first N positions out of the key Hessian H_K (queries before S_sink + S_keep "
                         "read no quantized key; default: %(default)s)")
     p.add_argument("--out", required=True, help="output .safetensors path (metadata also in PATH.json)")
-    p.set_defaults(func=cmd_calibrate)
+    p.set_defaults(func=cmd_calibrate, outputs=lambda a: [a.out, a.out + ".json"])  # Calibration.save writes both
 
     p = sub.add_parser("export", help="write solved transforms for a serving engine (row-vector convention, docs/reference/formats.md)")
     p.add_argument("--calibration", required=True, help="calibration file from `wushkv calibrate`")

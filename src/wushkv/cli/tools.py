@@ -89,7 +89,7 @@ def register(subparsers) -> None:
     q.add_argument("--out", required=True, help="where to write the upgraded file (must differ from --calibration)")
     q.add_argument("--seqs", type=int, default=4, help="calibration sequences to average over (default 4)")
     q.add_argument("--text-file", default=None, help="UTF-8 text instead of C4")
-    q.set_defaults(func=cmd_calibration_upgrade)
+    q.set_defaults(func=cmd_calibration_upgrade, outputs=lambda a: [a.out, a.out + ".json"])  # Calibration.save writes both
 
     p = subparsers.add_parser("data", help="write evaluation texts (heldout)", description="Write evaluation texts.")
     sub = _leaves(p, "data_command")
