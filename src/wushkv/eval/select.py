@@ -41,7 +41,7 @@ from ..calibration import calibration_recipe
 from ..codecs import make_codec, storage_nbytes
 from ..config import CLIP_GRID, QuantConfig
 from ..io import write_json
-from ..methods.auto import RECIPE_OPTIONS, SELECTION_VERSION, Recipe, parse_recipe, selection_setting, setting_label
+from ..methods.auto import RECIPE_OPTIONS, SELECTION_VERSION, Recipe, parse_recipe, selection_setting, setting_label, why_unusable
 from ..models import describe
 from ..progress import progress
 from ..runs import as_json, read_run, resume_settings
@@ -79,13 +79,11 @@ def bits_per_element(recipe: Recipe, cfg: QuantConfig, head_dim: int) -> float:
 
 def _unrunnable(recipe: Recipe, cfg: QuantConfig, calibration) -> str | None:
     """Why ``recipe`` cannot run at ``cfg`` with ``calibration`` (None: it can)."""
-    from ..methods.auto import _usable
-
     try:
         recipe.method.quant_config(recipe.base(cfg))
     except ValueError as e:  # e.g. +ktiles with a quantizer that has no per-token values
         return f"cannot run at {cfg.label()}: {e}"
-    return _usable(recipe, calibration)
+    return why_unusable(recipe, calibration)
 
 
 def _beats_everywhere(a: dict, b: dict) -> bool:

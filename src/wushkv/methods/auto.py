@@ -192,7 +192,7 @@ def find_selection(records: list[dict], cfg: QuantConfig) -> tuple[dict, bool] |
     return (same[0], False) if same else None
 
 
-def _usable(recipe: Recipe, calibration) -> str | None:
+def why_unusable(recipe: Recipe, calibration) -> str | None:
     """Why ``recipe`` cannot run with ``calibration`` (None: it can)."""
     if recipe.method.rope_mean and not has_rope_mean(calibration):
         return "its keys are centered on the pre-RoPE mean, which this calibration predates (wushkv calibration upgrade adds it)"
@@ -216,7 +216,7 @@ def resolve_auto(model_key: str | None, calibration, cfg: QuantConfig) -> Resolv
         if choice is None:
             continue
         recipe = parse_recipe(choice["recipe"])
-        if (why_not := _usable(recipe, calibration)) is not None:
+        if (why_not := why_unusable(recipe, calibration)) is not None:
             skipped.append(f"{source} selection {recipe.name} not run: {why_not}")
             continue
         under = "" if exact else f"; chosen under {setting_label(rec['setting'])}, this run is {setting_label(selection_setting(cfg))}"
