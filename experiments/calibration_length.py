@@ -46,10 +46,10 @@ def main(argv=None) -> int:
     model, tok = load(args.model)
     spec = describe(model)
     rope = [rope_parameters(model, l, spec) for l in range(spec.num_layers)]
-    cals = {}
+    cals = {}  # (L, file stem) -> calibration
     for f in args.calibrations.split(","):
         c = Calibration.load(f, model)
-        cals[int(c.meta["seq_len"])] = (f, c)
+        cals[(int(c.meta["seq_len"]), Path(f).stem)] = c
     recipes = [parse_recipe(m) for m in args.methods.split(",")]
     out = read_json(args.json, "results") if Path(args.json).exists() else {"settings": vars(args), "runs": {}}
     text = wikitext2_test()
@@ -68,15 +68,16 @@ def main(argv=None) -> int:
         fp = run(f"E{E}/full-precision", lambda: _keep(perplexity(model, chunks, show_progress=False)))
         had = run(f"E{E}/hadamard", lambda: _keep(quantized_perplexity(model, chunks, None, "hadamard", base, show_progress=False)))
         rows = []
-        for L, (f, cal) in sorted(cals.items()):
+        for (L, stem), cal in sorted(cals.items()):
             variants = [("as is", cal)]
             if L < E and not args.no_cover:
                 variants.append((f"covered to {E}", cover_positions(cal, rope, E)))
             for label, c in variants:
                 for r in recipes:
                     cfg = r.method.quant_config(r.base(base))
-                    res = run(f"E{E}/L{L}/{label}/{r.name}", lambda: _keep(quantized_perplexity(model, chunks, c, r.method, cfg, show_progress=False)))
-                    rows.append((L, label, r.name, res))
+                    key = f"E{E}/L{L}/{label}/{r.name}" + (f"/{stem}" if _extra(stem, L) else "")
+                    res = run(key, lambda: _keep(quantized_perplexity(model, chunks, c, r.method, cfg, show_progress=False)))
+                    rows.append((L, label + (f" ({stem})" if _extra(stem, L) else ""), r.name, res))
         print(f"\nE = {E}: full precision {fp['ppl']:.3f}, Hadamard {100 * (had['ppl'] / fp['ppl'] - 1):+.2f}%")
         for L, label, name, res in rows:
             d = 100 * (res["ppl"] / fp["ppl"] - 1)
@@ -85,6 +86,11 @@ def main(argv=None) -> int:
             kept = f"{margin / (100 * (had['ppl'] / ref['ppl'] - 1)):.2f} of the margin at L=E" if ref is not None and ref["ppl"] < had["ppl"] else ""
             print(f"  L={L:<5} {label:<16} {name:<28} {d:+7.2f}%   margin over Hadamard {margin:+6.2f}%   {kept}")
     return 0
+
+
+def _extra(stem: str, L: int) -> bool:
+    """A file whose name says more than its length (e.g. ``smollm2-L1024-skip16``): its runs are keyed by name too."""
+    return not stem.endswith(f"L{L}")
 
 
 def _keep(r: dict) -> dict:
