@@ -121,6 +121,30 @@ def test_store_on_gaussian_rows(name):
         assert torch.equal(offset[:, 0].cpu(), ref.offset)
 
 
+@pytest.mark.parametrize("name", ["quest3", "affine2"])
+def test_store_rows_per_program(name):
+    """The stored bytes do not depend on how many tokens a program takes (1 and 8 are the GPU's choices, 64 the
+    interpreter's): 7 tokens, one of them padding (slot −1), in programs of 1, 4 (the last one partly past the end)
+    and 64 rows, each time as ``quantize`` + ``pack`` wrote them."""
+    q, d, H = QUANTIZERS[name], 64, 2
+    fmt = tk.TokenFormat.of(q, d)
+    x = _exact_data((7, H, d), seed=9)
+    ref = q.quantize(x)
+    slots = torch.tensor([3, 0, 6, -1, 1, 5, 2])
+    for br in (1, 4, 64):
+        codes, scale, offset = _buffers((2, 4, H), fmt, torch.float16)
+        tk.store_paged(x.to(DEVICE), slots, codes, scale, offset, fmt, rows_per_program=br)
+        codes, scale = codes.view(8, H, -1).cpu(), scale.view(8, H, -1).cpu()
+        for r, slot in enumerate(slots.tolist()):
+            if slot >= 0:
+                assert torch.equal(codes[slot], pack(ref.codes[r], q.bits)), (br, r)
+                assert torch.equal(scale[slot], ref.scale[r].half()), (br, r)
+        assert (codes[[4, 7]] == 0xAB).all() and (scale[[4, 7]] == -7).all(), br  # the free slots: untouched
+    with pytest.raises(ValueError, match="power of two"):
+        tk.store_paged(x.to(DEVICE), slots, codes.to(DEVICE).view(2, 4, H, -1), scale.to(DEVICE).view(2, 4, H, -1),
+                       offset, fmt, rows_per_program=3)
+
+
 def test_store_applies_the_head_transform():
     """With a per-head transform T the stored rows are those of T k: exactly so for signed permutations scaled by
     ½ (exact arithmetic), and to float32 rounding for a random rotation."""
@@ -389,9 +413,10 @@ K = tk._kernels()
 def sig(name, ptrs, floats, consts):
     s = {n: ptrs.get(n, "*fp32") if n.endswith("_ptr") else ("fp32" if n in floats else "i64") for n in K[name].arg_names}
     return s | {c: "constexpr" for c in consts}
-consts = dict(D=128, G=32, BITS=3, QUEST=True, CLIPPED=True, HAS_T=True, HAS_Z=False, TC=32, META_BF16=True)
 ptrs = {"x_ptr": "*bf16", "c_ptr": "*u8", "s_ptr": "*bf16", "z_ptr": "*bf16", "slot_ptr": "*i64"}
-triton.compile(ASTSource(K["store"], sig("store", ptrs, ("coef", "sqrt_g"), consts), consts), target=GPUTarget("cuda", 90, 32))
+for quest, clipped, has_t, br in ((True, True, False, 8), (True, False, True, 1), (False, True, False, 1), (False, False, False, 8)):
+    consts = dict(D=128, G=32, BITS=3, QUEST=quest, CLIPPED=clipped, HAS_T=has_t, HAS_Z=not quest, TC=32, META_BF16=True, BR=br)
+    triton.compile(ASTSource(K["store"], sig("store", ptrs, ("coef", "sqrt_g"), consts), consts), target=GPUTarget("cuda", 90, 32))
 consts = dict(D=128, GQA=4, GP=16, BN=32, K_BITS=2, V_BITS=4, K_G=128, V_G=32, K_Z=False, V_Z=True, PAGED=True,
               HAS_MASK=True, SOFTCAP=True, PREC="tf32", DT=tl.bfloat16, EMU=False)
 ptrs = {"q_ptr": "*bf16", "sk_ptr": "*bf16", "sv_ptr": "*bf16", "rk_ptr": "*bf16", "rv_ptr": "*bf16", "kc_ptr": "*u8",
