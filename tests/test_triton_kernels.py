@@ -322,12 +322,12 @@ def test_decode_attention_dispatches_to_triton():
 
 
 # -- the cache's flush through the store kernel ------------------------------------------------------------------------
-def _stream(cfg, enabled, dtype=torch.float32, inputs=CacheInputs()):
+def _stream(cfg, enabled, dtype=torch.float32, inputs=CacheInputs(), device=DEVICE):
     """A layer (2 KV heads of 32) fed 14 tokens then 4 single tokens of exact data under ``triton_enabled(enabled)``:
     (the layer, the store kernel's launches, how many updates flushed tokens into the middle)."""
     layer = WushKVLayer(cfg, 32, inputs=inputs)
-    x = _exact_data((2, 2, 18, 32), seed=11).to(DEVICE, dtype)
-    y = _exact_data((2, 2, 18, 32), seed=12).to(DEVICE, dtype)
+    x = _exact_data((2, 2, 18, 32), seed=11).to(device, dtype)
+    y = _exact_data((2, 2, 18, 32), seed=12).to(device, dtype)
     tk.reset_calls()
     flushes = 0
     with decode_mod.triton_enabled(enabled):
@@ -339,17 +339,18 @@ def _stream(cfg, enabled, dtype=torch.float32, inputs=CacheInputs()):
 
 
 def _middle(layer):
-    return {side: getattr(layer, side).store.view() for side in ("k_side", "v_side")}
+    return {side: {k: t.cpu() for k, t in getattr(layer, side).store.view().items()} for side in ("k_side", "v_side")}
 
 
 @pytest.mark.parametrize("quantizer,dtype,meta", [("quest", torch.float32, "float16"), ("affine", torch.bfloat16, "bfloat16")])
 def test_cache_flush_goes_through_the_store_kernel(quantizer, dtype, meta):
     """Under triton_enabled(True) the layer's flush (decode.encode_block) writes the packed middle with the Triton
-    store kernel, one launch per side and flush, and stores what the PyTorch codec stores, bit for bit (codes, scale,
-    offset; exact data). Codecs the kernel does not cover stay on the PyTorch path: error feedback (that side only),
-    the clip search, KVarN tiles."""
+    store kernel, one launch per side and flush, and stores what the PyTorch codec stores on CPU, bit for bit (codes,
+    scale, offset; exact data; on CUDA torch divides by a constant through its reciprocal, the kernel as the CPU does).
+    Codecs the kernel does not cover stay on the PyTorch path: error feedback (that side only), the clip search,
+    KVarN tiles."""
     cfg = QuantConfig(2, 3, quantizer, group_size=16, metadata_dtype=meta, windows=WindowConfig(2, 4, 4))
-    ref, launches, flushes = _stream(cfg, False, dtype)
+    ref, launches, flushes = _stream(cfg, False, dtype, device="cpu")
     assert launches == 0 and flushes >= 2  # the prefill's flush and at least one during decode
     out, launches, _ = _stream(cfg, True, dtype)
     assert launches == 2 * flushes
