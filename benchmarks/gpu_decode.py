@@ -5,19 +5,21 @@
     python benchmarks/gpu_decode.py --dry-run --out /tmp/gpu_decode   # CPU, Triton's interpreter, tiny shapes
 
 1. *Kernel*: for each context and batch, one attention layer (``--q-heads`` query heads over ``--kv-heads`` KV heads of
-   ``--head-dim``) decodes one token: the Triton K2V2 kernel over a cache of a full-precision sink (64), a packed
-   middle and a full-precision recent buffer (256), against bfloat16 ``scaled_dot_product_attention`` over the same
+   ``--head-dim``) decodes one token: the Triton K2V2 kernel over a cache of a full-precision sink (``--sink``, 64), a
+   packed middle written by the store kernel, and a full-precision recent buffer (``--recent``, 256), against bfloat16 ``scaled_dot_product_attention`` over the same
    context (the backend torch picks, and FlashAttention forced, each where it runs). Median of ``--iters`` timings
    between CUDA events after ``--warmup``; the bytes each reads (codes, metadata, windows; bfloat16 K and V) and the
    achieved bandwidth as a fraction of the device's peak (``PEAK_TBPS`` by device name, or ``--peak-tbps``).
    Combinations whose tensors would not fit in ``--memory-fraction`` of the free memory are skipped (listed).
 2. *End to end*: a random-weight Llama-shaped model (``--e2e-layers`` layers of the same heads, bfloat16) decodes
    one token per step over a filled cache: ``DynamicCache`` (SDPA), the wushkv K2V2 cache through the Triton kernels,
-   and the same cache on the PyTorch path; ms per token (median) and the allocator's peak above the cache during a step
-   (a full-precision copy of the middle would show here).
+   and the same cache on the PyTorch path; ms per token (median), the kernel launches per step (a Triton row whose
+   decode launches are not one per layer and step gets an ``error``) and the allocator's peak above the cache during a
+   step (a full-precision copy of the middle would show here).
 
-Ratios mean something only within one run. ``--dry-run`` runs every code path on CPU tensors under Triton's
-interpreter with tiny shapes (timings meaningless), so the script does not crash on its first GPU run.
+Ratios mean something only within one run. The JSON is rewritten after every row, so a run cut short keeps what it
+measured. ``--dry-run`` runs every code path on CPU tensors under Triton's interpreter with tiny shapes (timings
+meaningless; a few seconds), so the script does not crash on its first GPU run; size flags given with it still apply.
 """
 
 from __future__ import annotations
@@ -47,7 +49,9 @@ PEAK_TBPS = {
     "B200": 8.0, "A100-SXM4-80GB": 2.039, "A100-PCIE-80GB": 1.935, "A100": 1.555, "A10G": 0.6, "L40S": 0.864,
     "L4": 0.3, "RTX 4090": 1.008, "RTX 3090": 0.936, "V100": 0.9, "T4": 0.32,
 }
-SINK, RECENT = 64, 256  # the windows of the generation presets (wushkv.config.GENERATION_WINDOWS)
+# --dry-run: every code path (a packed middle, the recent buffer, a flush during the timed steps) at the smallest sizes
+DRY_RUN = dict(contexts=[48], batches=[1, 2], q_heads=4, kv_heads=2, head_dim=32, sink=4, recent=8, flush=4, warmup=0,
+               iters=1, e2e_contexts=[48], e2e_batches=[1], e2e_layers=1, e2e_steps=4)
 
 
 def peak_tbps(name: str, override: float | None) -> float | None:
@@ -66,6 +70,9 @@ def parse_args(argv=None):
     p.add_argument("--q-heads", type=int, default=32)
     p.add_argument("--kv-heads", type=int, default=8)
     p.add_argument("--head-dim", type=int, default=128)
+    p.add_argument("--sink", type=int, default=64, help="full-precision sink tokens (the generation presets' 64)")
+    p.add_argument("--recent", type=int, default=256, help="full-precision recent tokens (the generation presets' 256)")
+    p.add_argument("--flush", type=int, default=8, help="the end-to-end cache's S_flush")
     p.add_argument("--k-bits", type=int, default=2)
     p.add_argument("--v-bits", type=int, default=2)
     p.add_argument("--warmup", type=int, default=5)
@@ -75,11 +82,16 @@ def parse_args(argv=None):
     p.add_argument("--e2e-contexts", type=ints, default=[4096, 32768])
     p.add_argument("--e2e-batches", type=ints, default=[1, 16])
     p.add_argument("--e2e-layers", type=int, default=4)
+    p.add_argument("--e2e-steps", type=int, default=None, help="timed decode steps end to end (default: --iters)")
     p.add_argument("--dry-run", action="store_true", help="CPU, Triton's interpreter, tiny shapes: checks the code paths")
+    if p.parse_known_args(argv)[0].dry_run:  # tiny defaults; flags given explicitly still win
+        p.set_defaults(**DRY_RUN)
     args = p.parse_args(argv)
-    if args.dry_run:
-        args.contexts, args.batches, args.q_heads, args.kv_heads, args.head_dim = [400], [1, 2], 4, 2, 64
-        args.warmup, args.iters, args.e2e_contexts, args.e2e_batches, args.e2e_layers = 0, 1, [400], [1], 2
+    if args.e2e_steps is None:
+        args.e2e_steps = args.iters
+    for name in ("sink", "recent", "flush", "warmup"):
+        if getattr(args, name) < (1 if name == "flush" else 0):
+            raise SystemExit(f"--{name} must be >= {1 if name == 'flush' else 0}, got {getattr(args, name)}")
     return args
 
 
@@ -115,39 +127,46 @@ def free_bytes(device) -> int:
 
 
 def packed_cache(B, Hkv, n, d, bits, device, chunk=4096):
-    """A packed middle of n tokens of random keys or values written by the Triton store kernel (bfloat16 inputs,
-    chunks of ``chunk`` tokens so no full-size float copy exists): (Packed, bytes)."""
+    """A packed middle of n tokens written by the Triton store kernel, chunks of ``chunk`` random bfloat16 tokens (one
+    chunk stored at every offset: no full-size float copy exists, and the timing is the kernel's alone):
+    (Packed, bytes, seconds the stores took)."""
     fmt = tk.TokenFormat.of(QuestQuantizer(bits), d)
     codes = torch.empty(B, Hkv, n, fmt.nbytes, dtype=torch.uint8, device=device)
     scale = torch.empty(B, Hkv, n, fmt.ngroups, dtype=torch.float16, device=device)
+    x = torch.randn(B, Hkv, min(chunk, n), d, device=device, dtype=torch.bfloat16)
+    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda device: None)
+    sync(device)
+    t0 = time.perf_counter()
     for a in range(0, n, chunk):
-        x = torch.randn(B, Hkv, min(chunk, n - a), d, device=device, dtype=torch.bfloat16)
-        tk.store_contiguous(x, codes, scale, None, a, fmt)
-    return tk.Packed(fmt, codes, scale), codes.numel() + scale.numel() * 2
+        tk.store_contiguous(x[:, :, : min(chunk, n - a)], codes, scale, None, a, fmt)
+    sync(device)
+    return tk.Packed(fmt, codes, scale), codes.numel() + scale.numel() * 2, time.perf_counter() - t0
 
 
 def kernel_case(args, ctx, B, device, timer) -> dict:
-    Hq, Hkv, d = args.q_heads, args.kv_heads, args.head_dim
-    n_mid = max(0, ctx - SINK - RECENT)
+    Hq, Hkv, d, SINK, RECENT = args.q_heads, args.kv_heads, args.head_dim, args.sink, args.recent
+    if ctx < SINK + RECENT:
+        raise SystemExit(f"context {ctx} is shorter than --sink + --recent = {SINK + RECENT}")
+    n_mid = ctx - SINK - RECENT
     bf16_kv = 2 * B * Hkv * ctx * d * 2
-    need = bf16_kv + 2 * B * Hkv * n_mid * (d * max(args.k_bits, args.v_bits) // 8 + 2) + bf16_kv * (SINK + RECENT) // max(ctx, 1)
+    # the packed cache, its windows and one store chunk, then (after they are freed) bfloat16 K and V
+    need = max(2 * B * Hkv * n_mid * (d * max(args.k_bits, args.v_bits) // 8 + 2) + bf16_kv * (SINK + RECENT) // ctx
+               + 2 * B * Hkv * 4096 * d * 2, bf16_kv)
     if need > args.memory_fraction * free_bytes(device):
         return {"context": ctx, "batch": B, "skipped": f"needs ~{need / 2**30:.1f} GiB"}
     bf = dict(device=device, dtype=torch.bfloat16)
     q = torch.randn(B, Hq, d, **bf)
     sk, sv = torch.randn(B, Hkv, SINK, d, **bf), torch.randn(B, Hkv, SINK, d, **bf)
     rk, rv = torch.randn(B, Hkv, RECENT, d, **bf), torch.randn(B, Hkv, RECENT, d, **bf)
-    t0 = time.perf_counter()
-    mk, kbytes = packed_cache(B, Hkv, n_mid, d, args.k_bits, device)
-    mv, vbytes = packed_cache(B, Hkv, n_mid, d, args.v_bits, device)
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-    store_s = time.perf_counter() - t0
+    packed_cache(B, Hkv, min(n_mid, 64), d, args.k_bits, device)  # compiles the store kernel outside the timing
+    mk, kbytes, k_s = packed_cache(B, Hkv, n_mid, d, args.k_bits, device)
+    mv, vbytes, v_s = packed_cache(B, Hkv, n_mid, d, args.v_bits, device)
+    store_s = k_s + v_s
     lengths = torch.tensor([[SINK, n_mid, RECENT]] * B, dtype=torch.int32, device=device)
     scaling = d**-0.5
     triton_fn = lambda: tk.decode(q, lengths, sk, sv, mk, mv, rk, rv, scaling)  # noqa: E731
     fp_bytes = 2 * B * Hkv * (SINK + RECENT) * d * 2
-    row = {"context": ctx, "batch": B, "store_tokens_per_s": 2 * B * n_mid / store_s if store_s else None,
+    row = {"context": ctx, "batch": B, "store_tokens_per_s": B * n_mid / store_s if store_s else None,
            "splits": tk.default_splits(B, Hkv, ctx, 32, device)}
     row["triton"] = timer(triton_fn, args.warmup, args.iters) | {"bytes": kbytes + vbytes + fp_bytes + 2 * q.numel() * 2}
     del mk, mv
@@ -190,7 +209,8 @@ def tiny_llama(args, device, dtype):
     cfg = LlamaConfig(vocab_size=1024, hidden_size=Hq * d, intermediate_size=2 * Hq * d, num_hidden_layers=args.e2e_layers,
                       num_attention_heads=Hq, num_key_value_heads=Hkv, head_dim=d, max_position_embeddings=1 << 18)
     torch.manual_seed(0)
-    return AutoModelForCausalLM.from_config(cfg, dtype=dtype).to(device).eval()
+    with torch.device(device):  # initialized where it runs: seconds on the GPU instead of a minute on the host
+        return AutoModelForCausalLM.from_config(cfg, dtype=dtype).eval()
 
 
 def e2e_case(args, model, ctx, B, device, timer) -> dict:
@@ -203,7 +223,7 @@ def e2e_case(args, model, ctx, B, device, timer) -> dict:
     need = 2 * L * B * Hkv * ctx * d * 2 * 2  # a bfloat16 cache, and room for the packed one's fill
     if need > args.memory_fraction * free_bytes(device):
         return {"context": ctx, "batch": B, "skipped": f"needs ~{need / 2**30:.1f} GiB"}
-    windows = WindowConfig(SINK, RECENT, 8)
+    windows = WindowConfig(args.sink, args.recent, args.flush)
     wmodel = copy.deepcopy(model)  # the packed cache switches its model to the wushkv attention
     row = {"context": ctx, "batch": B}
     ids = torch.randint(3, 1000, (B, 1), device=device)
@@ -223,8 +243,14 @@ def e2e_case(args, model, ctx, B, device, timer) -> dict:
                 torch.cuda.reset_peak_memory_stats(device)
                 held = torch.cuda.memory_allocated(device)
             tk.reset_calls()
-            row[name] = timer(step, args.warmup, args.iters)
-            row[name]["triton_launches"] = tk.calls().get("decode", 0)
+            row[name] = timer(step, args.warmup, args.e2e_steps)
+            calls = tk.calls()
+            row[name]["triton_launches"] = calls.get("decode", 0)
+            row[name]["triton_store_launches"] = calls.get("store", 0)
+            steps = args.warmup + max(1, args.e2e_steps)
+            if name == "wushkv_triton" and calls.get("decode", 0) != L * steps:
+                row[name]["error"] = (f"{calls.get('decode', 0)} Triton decode launches in {steps} steps of {L} layers: "
+                                      "the step did not run the kernels (is transformers the version wushkv requires?)")
             if device.type == "cuda":
                 row[name]["step_peak_bytes_above_cache"] = torch.cuda.max_memory_allocated(device) - held
         del cache
@@ -233,25 +259,28 @@ def e2e_case(args, model, ctx, B, device, timer) -> dict:
     return row
 
 
-def run(args) -> dict:
+def run(args, save=None) -> dict:
+    """Every kernel and end-to-end row; ``save(result)`` after each (a run cut short keeps what it measured)."""
     device = torch.device("cpu" if args.dry_run else "cuda")
     if device.type == "cuda" and not torch.cuda.is_available():
         raise SystemExit("gpu_decode.py needs a CUDA device (or --dry-run)")
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu (Triton interpreter, dry run)"
     peak = peak_tbps(name, args.peak_tbps)
     timer = Timer(device)
-    out = {"device": name, "peak_tbps": peak, "torch": torch.__version__, "args": vars(args), "kernel": [], "e2e": []}
     try:
+        import transformers
         import triton
-
-        out["triton"] = triton.__version__
-    except ImportError:
-        raise SystemExit("gpu_decode.py needs triton")
+    except ImportError as e:
+        raise SystemExit(f"gpu_decode.py needs triton and transformers: {e}")
+    out = {"device": name, "peak_tbps": peak, "torch": torch.__version__, "triton": triton.__version__,
+           "transformers": transformers.__version__, "args": vars(args), "kernel": [], "e2e": []}
+    save = save or (lambda result: None)
     for ctx in args.contexts:
         for B in args.batches:
             row = kernel_case(args, ctx, B, device, timer)
             add_bandwidth(row, peak)
             out["kernel"].append(row)
+            save(out)
             print(summary(row), flush=True)
             if device.type == "cuda":
                 torch.cuda.empty_cache()
@@ -260,6 +289,7 @@ def run(args) -> dict:
         for B in args.e2e_batches:
             row = e2e_case(args, model, ctx, B, device, timer)
             out["e2e"].append(row)
+            save(out)
             print(summary(row), flush=True)
             if device.type == "cuda":
                 torch.cuda.empty_cache()
@@ -275,6 +305,8 @@ def summary(row: dict) -> str:
         if isinstance(v, dict) and "ms" in v:
             frac = v.get("peak_fraction")
             parts.append(f"{k} {v['ms']:.3f} ms" + (f" ({100 * frac:.0f}% of peak)" if frac else ""))
+        if isinstance(v, dict) and "error" in v:
+            parts.append(f"{k} ERROR {v['error']}")
         elif k.endswith(("_over_sdpa", "_over_flash", "_over_dynamic")):
             parts.append(f"{k} {v:.2f}x")
     return f"{head}: " + ", ".join(parts)
@@ -282,10 +314,10 @@ def summary(row: dict) -> str:
 
 def main(argv=None) -> dict:
     args = parse_args(argv)
-    res = run(args)
     os.makedirs(args.out, exist_ok=True)
-    path = write_json(os.path.join(args.out, "gpu_decode.json"), res)
-    print(f"wrote {path}")
+    path = os.path.join(args.out, "gpu_decode.json")
+    res = run(args, save=lambda result: write_json(path, result))
+    print(f"wrote {write_json(path, res)}")
     return res
 
 

@@ -192,3 +192,48 @@ def test_selection_cost(tiny_cal, capsys):
     assert res["estimated_selection_seconds"] == pytest.approx(4 * res["seconds_per_chunk"])
     assert res["seconds_per_chunk"] == pytest.approx(min(res["fp_seconds"]) + sum(r["seconds"] for r in res["rows"]))
     assert "default selection over 4 chunks" in capsys.readouterr().out
+
+
+def test_gpu_decode_dry_run(tmp_path):
+    """The GPU benchmark's every code path on CPU (Triton's interpreter, its tiny --dry-run sizes): the JSON it
+    writes holds what docs/reference/performance.md promises, per context and batch the kernel's and SDPA's times,
+    the bytes each reads and the bandwidth they imply, the store's throughput, and end to end the ms per token of
+    DynamicCache, the packed cache through the kernels (one decode launch per layer and step, stores at the flush)
+    and on the PyTorch path (no launch)."""
+    import json
+
+    pytest.importorskip("triton")
+    gpu_decode = load_benchmark("gpu_decode")
+    assert gpu_decode.peak_tbps("NVIDIA H200", None) == 4.8 and gpu_decode.peak_tbps("NVIDIA H100 80GB HBM3", None) == 3.35
+    assert gpu_decode.peak_tbps("NVIDIA H200", 5.0) == 5.0 and gpu_decode.peak_tbps("cpu", None) is None
+    res = gpu_decode.main(["--dry-run", "--out", str(tmp_path), "--batches", "2"])
+    saved = json.loads((tmp_path / "gpu_decode.json").read_text())
+    assert {k: v for k, v in saved.items() if k != "sha256"} == res
+    a = res["args"]
+    assert res["device"].startswith("cpu") and res["peak_tbps"] is None
+    assert all(isinstance(res[k], str) for k in ("torch", "triton", "transformers"))
+    assert (a["contexts"], a["batches"], a["sink"], a["recent"], a["head_dim"]) == ([48], [2], 4, 8, 32)  # flags win
+
+    (row,) = res["kernel"]
+    B, ctx, Hq, Hkv, d = 2, 48, a["q_heads"], a["kv_heads"], a["head_dim"]
+    n_mid = ctx - a["sink"] - a["recent"]
+    packed = 2 * B * Hkv * n_mid * (d * 2 // 8 + 2)  # K2V2 codes and float16 steps
+    windows, q = 2 * B * Hkv * (a["sink"] + a["recent"]) * d * 2, 2 * B * Hq * d * 2  # bfloat16; the query in, the output out
+    assert (row["context"], row["batch"]) == (ctx, B) and row["splits"] >= 1 and positive(row["store_tokens_per_s"])
+    assert row["triton"]["bytes"] == packed + windows + q and row["sdpa"]["bytes"] == 2 * B * Hkv * ctx * d * 2 + q
+    for name in ("triton", "sdpa"):
+        r = row[name]
+        assert positive(r["ms"]) and len(r["ms_all"]) == a["iters"] and r["peak_fraction"] is None
+        assert r["tb_per_s"] == r["bytes"] / (r["ms"] * 1e-3) / 1e12
+    assert row["triton_over_sdpa"] == row["triton"]["ms"] / row["sdpa"]["ms"]
+    assert "ms" in row["flash"] or "error" in row["flash"]  # FlashAttention where torch has it for this device
+
+    (e2e,) = res["e2e"]
+    steps = a["warmup"] + a["e2e_steps"]
+    assert (e2e["context"], e2e["batch"]) == (48, 1)
+    for name in ("dynamic", "wushkv_triton", "wushkv_pytorch"):
+        assert positive(e2e[name]["ms"]) and "error" not in e2e[name], e2e[name]
+    assert e2e["wushkv_triton"]["triton_launches"] == a["e2e_layers"] * steps
+    assert e2e["wushkv_triton"]["triton_store_launches"] >= 2  # a flush during the steps wrote keys and values
+    assert e2e["wushkv_pytorch"]["triton_launches"] == e2e["wushkv_pytorch"]["triton_store_launches"] == 0
+    assert e2e["wushkv_triton_over_dynamic"] == e2e["wushkv_triton"]["ms"] / e2e["dynamic"]["ms"]

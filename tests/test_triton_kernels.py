@@ -19,6 +19,7 @@ from wushkv.cache import WushKVCache  # noqa: E402
 from wushkv.codecs import TokenCodec  # noqa: E402
 from wushkv.config import QuantConfig, WindowConfig  # noqa: E402
 from wushkv.decode import decode_attention, dequantize_then_attend  # noqa: E402
+from wushkv.layer import CacheInputs, WushKVLayer  # noqa: E402
 from wushkv.quantizers import AffineQuantizer, QuestQuantizer, pack  # noqa: E402
 
 from conftest import tiny_model  # noqa: E402
@@ -118,6 +119,30 @@ def test_store_on_gaussian_rows(name):
     else:
         assert torch.equal(packed, pack(ref.codes, q.bits)) and torch.equal(scale, ref.scale)
         assert torch.equal(offset[:, 0].cpu(), ref.offset)
+
+
+@pytest.mark.parametrize("name", ["quest3", "affine2"])
+def test_store_rows_per_program(name):
+    """The stored bytes do not depend on how many tokens a program takes (1 and 8 are the GPU's choices, 64 the
+    interpreter's): 7 tokens, one of them padding (slot −1), in programs of 1, 4 (the last one partly past the end)
+    and 64 rows, each time as ``quantize`` + ``pack`` wrote them."""
+    q, d, H = QUANTIZERS[name], 64, 2
+    fmt = tk.TokenFormat.of(q, d)
+    x = _exact_data((7, H, d), seed=9)
+    ref = q.quantize(x)
+    slots = torch.tensor([3, 0, 6, -1, 1, 5, 2])
+    for br in (1, 4, 64):
+        codes, scale, offset = _buffers((2, 4, H), fmt, torch.float16)
+        tk.store_paged(x.to(DEVICE), slots, codes, scale, offset, fmt, rows_per_program=br)
+        codes, scale = codes.view(8, H, -1).cpu(), scale.view(8, H, -1).cpu()
+        for r, slot in enumerate(slots.tolist()):
+            if slot >= 0:
+                assert torch.equal(codes[slot], pack(ref.codes[r], q.bits)), (br, r)
+                assert torch.equal(scale[slot], ref.scale[r].half()), (br, r)
+        assert (codes[[4, 7]] == 0xAB).all() and (scale[[4, 7]] == -7).all(), br  # the free slots: untouched
+    with pytest.raises(ValueError, match="power of two"):
+        tk.store_paged(x.to(DEVICE), slots, codes.to(DEVICE).view(2, 4, H, -1), scale.to(DEVICE).view(2, 4, H, -1),
+                       offset, fmt, rows_per_program=3)
 
 
 def test_store_applies_the_head_transform():
@@ -296,6 +321,51 @@ def test_decode_attention_dispatches_to_triton():
     assert tk.calls() == {"decode": 1, "merge": 1}
 
 
+# -- the cache's flush through the store kernel ------------------------------------------------------------------------
+def _stream(cfg, enabled, dtype=torch.float32, inputs=CacheInputs(), device=DEVICE):
+    """A layer (2 KV heads of 32) fed 14 tokens then 4 single tokens of exact data under ``triton_enabled(enabled)``:
+    (the layer, the store kernel's launches, how many updates flushed tokens into the middle)."""
+    layer = WushKVLayer(cfg, 32, inputs=inputs)
+    x = _exact_data((2, 2, 18, 32), seed=11).to(device, dtype)
+    y = _exact_data((2, 2, 18, 32), seed=12).to(device, dtype)
+    tk.reset_calls()
+    flushes = 0
+    with decode_mod.triton_enabled(enabled):
+        for a, b in ((0, 14), (14, 15), (15, 16), (16, 17), (17, 18)):
+            before = layer._mid_len if layer.is_initialized else 0
+            layer.update(x[:, :, a:b], y[:, :, a:b])
+            flushes += layer._mid_len > before
+    return layer, tk.calls().get("store", 0), flushes
+
+
+def _middle(layer):
+    return {side: {k: t.cpu() for k, t in getattr(layer, side).store.view().items()} for side in ("k_side", "v_side")}
+
+
+@pytest.mark.parametrize("quantizer,dtype,meta", [("quest", torch.float32, "float16"), ("affine", torch.bfloat16, "bfloat16")])
+def test_cache_flush_goes_through_the_store_kernel(quantizer, dtype, meta):
+    """Under triton_enabled(True) the layer's flush (decode.encode_block) writes the packed middle with the Triton
+    store kernel, one launch per side and flush, and stores what the PyTorch codec stores on CPU, bit for bit (codes,
+    scale, offset; exact data; on CUDA torch divides by a constant through its reciprocal, the kernel as the CPU does).
+    Codecs the kernel does not cover stay on the PyTorch path: error feedback (that side only), the clip search,
+    KVarN tiles."""
+    cfg = QuantConfig(2, 3, quantizer, group_size=16, metadata_dtype=meta, windows=WindowConfig(2, 4, 4))
+    ref, launches, flushes = _stream(cfg, False, dtype, device="cpu")
+    assert launches == 0 and flushes >= 2  # the prefill's flush and at least one during decode
+    out, launches, _ = _stream(cfg, True, dtype)
+    assert launches == 2 * flushes
+    for side, store in _middle(ref).items():
+        got = _middle(out)[side]
+        assert set(got) == set(store) == ({"codes", "scale"} | ({"offset"} if quantizer == "affine" else set()))
+        for k in store:
+            assert got[k].dtype == store[k].dtype and torch.equal(got[k], store[k]), (side, k)
+    eye = torch.eye(32).expand(2, 32, 32).contiguous().to(DEVICE)
+    assert _stream(cfg, True, dtype, CacheInputs(feedback_K=eye))[1] == flushes  # the values only
+    for other in (QuantConfig(2, 3, quantizer, clip_search=2, windows=WindowConfig(2, 4, 4)),
+                  QuantConfig(2, 2, "kvarn", windows=WindowConfig(2, 4, 4))):
+        assert _stream(other, True, dtype)[1] == 0, other
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("family,cfg", [
     ("llama", QuantConfig(2, 2, "quest", windows=WindowConfig(4, 8, 4))),
@@ -303,7 +373,10 @@ def test_decode_attention_dispatches_to_triton():
 ])
 def test_model_decode_through_triton_equals_pytorch(family, cfg):
     """A tiny model (gemma3: sliding-window layers and a GQA group of 2) prefilled with 30 tokens, then decoded 3
-    tokens: the logits of every decode step through the Triton kernels equal those of the PyTorch path."""
+    tokens, every flush through the store kernel and every decode step through the decode kernel: the packed middle
+    is the PyTorch path's (QuEST's step may differ in its last float32 bit where torch sums ‖x‖ in another order, so
+    a few codes and steps may flip: at most 0.2% of them, 0 measured on CPU; affine bit for bit), and the logits of
+    every decode step equal the PyTorch path's within 1e-4 of their scale (4e-7 measured on CPU)."""
     model = tiny_model(family).to(DEVICE)
     ids = torch.randint(3, 96, (2, 33), generator=torch.Generator().manual_seed(0)).to(DEVICE)
 
@@ -311,12 +384,24 @@ def test_model_decode_through_triton_equals_pytorch(family, cfg):
         cache = WushKVCache(model, cfg)
         with torch.no_grad(), decode_mod.triton_enabled(enabled):
             model(ids[:, :30], cache=cache, use_cache=True)
-            return torch.cat([model(ids[:, t : t + 1], cache=cache, use_cache=True).logits for t in range(30, 33)], 1)
+            logits = torch.cat([model(ids[:, t : t + 1], cache=cache, use_cache=True).logits for t in range(30, 33)], 1)
+        return logits, [_middle(layer) for layer in cache.layers]
 
-    ref = run(False)
+    ref, ref_mid = run(False)
     tk.reset_calls()
-    out = run(True)
-    assert tk.calls()["decode"] == 3 * model.config.num_hidden_layers
+    out, out_mid = run(True)
+    L = model.config.num_hidden_layers
+    assert tk.calls()["decode"] == 3 * L and tk.calls()["store"] >= 2 * L  # every layer flushed at least once
+    flips = total = 0
+    for a, b in zip(ref_mid, out_mid):
+        for side in a:
+            for k in a[side]:
+                assert a[side][k].shape == b[side][k].shape and a[side][k].dtype == b[side][k].dtype
+                if cfg.quantizer == "affine" and EXACT_ON_ANY_DATA:
+                    assert torch.equal(a[side][k], b[side][k]), (side, k)
+                flips += int((a[side][k] != b[side][k]).sum())
+                total += a[side][k].numel()
+    assert flips <= 2e-3 * total, (flips, total)
     assert (out - ref).abs().max() < 1e-4 * ref.abs().max(), (out - ref).abs().max()
 
 
@@ -329,9 +414,10 @@ K = tk._kernels()
 def sig(name, ptrs, floats, consts):
     s = {n: ptrs.get(n, "*fp32") if n.endswith("_ptr") else ("fp32" if n in floats else "i64") for n in K[name].arg_names}
     return s | {c: "constexpr" for c in consts}
-consts = dict(D=128, G=32, BITS=3, QUEST=True, CLIPPED=True, HAS_T=True, HAS_Z=False, TC=32, META_BF16=True)
 ptrs = {"x_ptr": "*bf16", "c_ptr": "*u8", "s_ptr": "*bf16", "z_ptr": "*bf16", "slot_ptr": "*i64"}
-triton.compile(ASTSource(K["store"], sig("store", ptrs, ("coef", "sqrt_g"), consts), consts), target=GPUTarget("cuda", 90, 32))
+for quest, clipped, has_t, br in ((True, True, False, 8), (True, False, True, 1), (False, True, False, 1), (False, False, False, 8)):
+    consts = dict(D=128, G=32, BITS=3, QUEST=quest, CLIPPED=clipped, HAS_T=has_t, HAS_Z=not quest, TC=32, META_BF16=True, BR=br)
+    triton.compile(ASTSource(K["store"], sig("store", ptrs, ("coef", "sqrt_g"), consts), consts), target=GPUTarget("cuda", 90, 32))
 consts = dict(D=128, GQA=4, GP=16, BN=32, K_BITS=2, V_BITS=4, K_G=128, V_G=32, K_Z=False, V_Z=True, PAGED=True,
               HAS_MASK=True, SOFTCAP=True, PREC="tf32", DT=tl.bfloat16, EMU=False)
 ptrs = {"q_ptr": "*bf16", "sk_ptr": "*bf16", "sv_ptr": "*bf16", "rk_ptr": "*bf16", "rv_ptr": "*bf16", "kc_ptr": "*u8",

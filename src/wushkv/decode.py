@@ -17,7 +17,8 @@ On CPU, the code-domain products ``C q`` and ``Cᵀ w`` run in fused C++ kernels
 built on first use) that read each packed byte once through byte lookup tables and never expand the
 codes; elsewhere, or where they cannot be built, the pure-PyTorch path above runs (same results).
 On CUDA, where triton imports, a cache of per-token codecs (sink, packed middle, recent) is read by the split-KV
-Triton kernel of :mod:`wushkv.triton_kernels` instead (:func:`triton_enabled` forces it on or off).
+Triton kernel of :mod:`wushkv.triton_kernels` instead, and :func:`encode_block` writes the cache's flushed blocks
+through its store kernel (:func:`triton_enabled` forces both on or off).
 :func:`dequantize_then_attend` is the reference they are all tested against.
 """
 
@@ -53,11 +54,11 @@ def kernels_enabled(enabled: bool):
 
 @contextlib.contextmanager
 def triton_enabled(enabled: bool | None):
-    """Within the block, decode through the Triton kernels (True: on every device, CPU tensors under Triton's
-    interpreter, which needs ``TRITON_INTERPRET=1`` before triton is imported; an error where triton is missing),
-    never (False), or on CUDA tensors where triton imports (None, the default); the previous choice comes back
-    afterwards, also on error. Caches the kernels do not cover (KIVI keys, KVarN tiles, float64) keep the
-    PyTorch path."""
+    """Within the block, decode and store (:func:`encode_block`) through the Triton kernels (True: on every device,
+    CPU tensors under Triton's interpreter, which needs ``TRITON_INTERPRET=1`` before triton is imported; an error
+    where triton is missing), never (False), or on CUDA tensors where triton imports (None, the default); the
+    previous choice comes back afterwards, also on error. Caches the kernels do not cover (KIVI keys, KVarN tiles,
+    float64; for store also error feedback and the clip search) keep the PyTorch path."""
     global USE_TRITON
     previous, USE_TRITON = USE_TRITON, enabled
     try:
@@ -66,21 +67,55 @@ def triton_enabled(enabled: bool | None):
         USE_TRITON = previous
 
 
-def _triton_decode(query, parts_k, parts_v, allowed, scaling, softcap, sinks):
-    """The Triton decode (B, 1, Hq, d) where it applies: [sink, packed middle, recent] with per-token codecs on
-    both sides, a float16/bfloat16/float32 query, a head_dim the kernels take; else None (the PyTorch path)."""
-    if USE_TRITON is False or (USE_TRITON is None and query.device.type != "cuda"):
-        return None
-    if query.dtype not in (torch.float16, torch.bfloat16, torch.float32) or len(parts_k) != 3 or len(parts_v) != 3:
-        return None
-    (sk, mk, rk), (sv, mv, rv) = parts_k, parts_v
-    if not all(torch.is_tensor(t) for t in (sk, rk, sv, rv)) or torch.is_tensor(mk) or torch.is_tensor(mv):
+def _triton_for(device):
+    """:mod:`wushkv.triton_kernels` where the switch sends tensors on ``device`` to it and triton imports, else None
+    (an error under ``triton_enabled(True)`` where triton is missing)."""
+    if USE_TRITON is False or (USE_TRITON is None and device.type != "cuda"):
         return None
     from . import triton_kernels as tk
 
     if not tk.available():
         if USE_TRITON:
             raise RuntimeError("triton_enabled(True) needs triton, which is not installed")
+        return None
+    return tk
+
+
+_TRITON_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+
+
+def encode_block(codec, x: torch.Tensor) -> dict[str, torch.Tensor]:
+    """``codec.encode(x)`` of a block x (B, Hkv, N, d) entering the packed middle: through the Triton store kernel
+    where the switch sends x's device there and the kernel covers the codec (a :class:`TokenCodec` without error
+    feedback or clip search, a head_dim and group size the kernels take, x in float16/bfloat16/float32), else through
+    the codec's PyTorch path. The same storage either way: codes uint8 (B, Hkv, N, ⌈d·b/8⌉), scale (and offset,
+    affine) (B, Hkv, N, d/G) in the codec's metadata dtype."""
+    covered = isinstance(codec, TokenCodec) and codec.feedback is None and x.dtype in _TRITON_DTYPES
+    tk = _triton_for(x.device) if covered else None
+    if tk is None:
+        return codec.encode(x)
+    try:
+        fmt = tk.TokenFormat.of(codec.quantizer, codec.d)
+    except ValueError:  # the clip search, a head_dim or group size the kernel does not take
+        return codec.encode(x)
+    B, H, N, _ = x.shape
+    codes = torch.empty(B, H, N, fmt.nbytes, dtype=torch.uint8, device=x.device)
+    scale = torch.empty(B, H, N, fmt.ngroups, dtype=codec.meta_dtype, device=x.device)
+    offset = None if fmt.quest else torch.empty_like(scale)
+    tk.store_contiguous(x, codes, scale, offset, 0, fmt)
+    return {"codes": codes, "scale": scale} | ({} if offset is None else {"offset": offset})
+
+
+def _triton_decode(query, parts_k, parts_v, allowed, scaling, softcap, sinks):
+    """The Triton decode (B, 1, Hq, d) where it applies: [sink, packed middle, recent] with per-token codecs on
+    both sides, a float16/bfloat16/float32 query, a head_dim the kernels take; else None (the PyTorch path)."""
+    if query.dtype not in _TRITON_DTYPES or len(parts_k) != 3 or len(parts_v) != 3:
+        return None
+    (sk, mk, rk), (sv, mv, rv) = parts_k, parts_v
+    if not all(torch.is_tensor(t) for t in (sk, rk, sv, rv)) or torch.is_tensor(mk) or torch.is_tensor(mv):
+        return None
+    tk = _triton_for(query.device)
+    if tk is None:
         return None
     B, Hq, _, d = query.shape
     packed = []
@@ -309,4 +344,5 @@ def dequantize_then_attend(query, parts_k, parts_v, allowed, scaling, softcap=No
     return reference_attention(query, K, V, allowed, scaling, softcap, sinks)
 
 
-__all__ = ["decode_attention", "dequantize_then_attend", "codes_as_float", "kernels_enabled", "triton_enabled", "DEFAULT_BLOCK"]
+__all__ = ["decode_attention", "dequantize_then_attend", "codes_as_float", "encode_block", "kernels_enabled", "triton_enabled",
+           "DEFAULT_BLOCK"]

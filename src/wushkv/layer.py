@@ -32,6 +32,7 @@ from transformers.cache_utils import CacheLayerMixin
 
 from .codecs import make_codec, storage_nbytes
 from .config import QuantConfig
+from .decode import encode_block
 from .models import rope_rotate
 from .views import KVView, RowsView
 
@@ -103,7 +104,7 @@ class _Side:
         self.store = _Growable()
 
     def append(self, x: torch.Tensor) -> None:
-        self.store.append(self.codec.encode(x))
+        self.store.append(encode_block(self.codec, x))  # the Triton store kernel on CUDA where it applies
 
 
 class RotatingKeyMean:

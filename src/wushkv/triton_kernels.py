@@ -15,7 +15,8 @@ Layouts (``nb`` = ⌈d·b/8⌉ packed bytes, ``ng`` = d/G groups, codes as :func
   slot is ``block · block_size + row``, and decode finds sequence ``b``'s token ``t`` in block
   ``block_table[b, t // block_size]``.
 
-*Store* runs one program per (token, KV head): it loads the head's d values, applies the head's transform
+*Store* runs one program per (BR tokens, KV head) (BR = 8 on a GPU, 1 where a row's work is d², 64 under the
+interpreter): it loads each token's d values of the head, applies the head's transform
 ``k' = T k`` when given, computes each group's grid exactly as :mod:`wushkv.quantizers` does (IEEE division and
 square root, the same float32 constants), packs 8 codes into ``b`` bytes and writes them with the metadata;
 ``slot < 0`` (vLLM's padding) writes nothing.
@@ -414,73 +415,78 @@ def _kernels() -> dict:
         out = tl.sum(acc * w[:, None], 0) / L
         tl.store(out_ptr + b * s_ob + hq * s_oh + d, _rne_out(out, OUT_BF16).to(out_ptr.dtype.element_ty))
 
-    # -- store: one program per (token, KV head) -------------------------------------------------------------------
+    # -- store: one program per (BR tokens, KV head) ---------------------------------------------------------------
     @jit
-    def store_kernel(x_ptr, sx_r, sx_h, sx_d, t_ptr, st_h, st_i, st_j, slot_ptr, PAGE,
+    def store_kernel(x_ptr, sx_r, sx_h, sx_d, t_ptr, st_h, st_i, st_j, slot_ptr, R, PAGE,
                      c_ptr, sc0, sc1, sc2, s_ptr, ss0, ss1, ss2, z_ptr, sz0, sz1, sz2,
                      coef, kth, sqrt_g,
                      D: tl.constexpr, G: tl.constexpr, BITS: tl.constexpr, QUEST: tl.constexpr,
                      CLIPPED: tl.constexpr, HAS_T: tl.constexpr, HAS_Z: tl.constexpr, TC: tl.constexpr,
-                     META_BF16: tl.constexpr):
-        r = tl.program_id(0).to(tl.int64)
+                     META_BF16: tl.constexpr, BR: tl.constexpr):
+        r = tl.program_id(0).to(tl.int64) * BR + tl.arange(0, BR)  # (BR,) rows
         h = tl.program_id(1).to(tl.int64)
-        raw = tl.load(slot_ptr + r).to(tl.int64)  # vLLM pads with slot -1: nothing is written (masks are blocks:
-        slot = tl.maximum(raw, 0)                   # the interpreter takes no scalar in a mask)
+        raw = tl.load(slot_ptr + r, mask=r < R, other=-1).to(tl.int64)  # vLLM pads with slot -1: nothing is written
+        ok = raw >= 0
+        slot = tl.maximum(raw, 0)
         blk = slot // PAGE
         tok = slot % PAGE
+        r = tl.where(r < R, r, 0)  # rows past the end read row 0 and write nothing
         d = tl.arange(0, D)
         if HAS_T:  # x' = T x, per KV head, float32, TC columns of T at a time
-            x = tl.zeros([D], dtype=tl.float32)
+            x = tl.zeros([BR, D], dtype=tl.float32)
             for j0 in tl.static_range(0, D, TC):
                 j = j0 + tl.arange(0, TC)
-                xj = tl.load(x_ptr + r * sx_r + h * sx_h + j * sx_d).to(tl.float32)
-                T = tl.load(t_ptr + h * st_h + d[:, None] * st_i + j[None, :] * st_j).to(tl.float32)
-                x += tl.sum(T * xj[None, :], 1)
+                xj = tl.load(x_ptr + r[:, None] * sx_r + h * sx_h + j[None, :] * sx_d).to(tl.float32)  # (BR, TC)
+                T = tl.load(t_ptr + h * st_h + d[:, None] * st_i + j[None, :] * st_j).to(tl.float32)  # (D, TC)
+                x += tl.sum(T[None, :, :] * xj[:, None, :], 2)
         else:
-            x = tl.load(x_ptr + r * sx_r + h * sx_h + d * sx_d).to(tl.float32)
+            x = tl.load(x_ptr + r[:, None] * sx_r + h * sx_h + d[None, :] * sx_d).to(tl.float32)  # (BR, D)
         NG: tl.constexpr = D // G
         QMAX: tl.constexpr = (1 << BITS) - 1
         if QUEST:  # Δ = coef·‖x_g‖/√G (or coef·max|x_g|), q = clamp(⌊x/Δ⌋, −2^{b−1}, 2^{b−1}−1) + 2^{b−1}
             HALF: tl.constexpr = 1 << (BITS - 1)
-            xg = tl.reshape(x, [NG, G])
+            xg = tl.reshape(x, [BR, NG, G])
             if CLIPPED:
-                ss = tl.sum(xg * xg, 1)
+                ss = tl.sum(xg * xg, 2)
                 step = coef * tl.math.div_rn(tl.math.sqrt_rn(ss), tl.zeros_like(ss) + sqrt_g)
             else:
-                step = coef * tl.max(tl.abs(xg), 1)
+                step = coef * tl.max(tl.abs(xg), 2)
             step = tl.maximum(step, 1.1754943508222875e-38)
-            q = tl.floor(tl.math.div_rn(xg, step[:, None]))
+            q = tl.floor(tl.math.div_rn(xg, step[:, :, None]))
             q = tl.minimum(tl.maximum(q, -HALF), HALF - 1) + HALF
             scale = step
             offset = step  # unused: QuEST stores only the step
         else:  # affine: percentile clip over the row, then per group min–max
             if CLIPPED:  # τ = the kth smallest |x| of the row (0-based), by counting, no sort
                 a = tl.abs(x)
-                less = tl.sum((a[None, :] < a[:, None]).to(tl.int32), 1)
-                leq = tl.sum((a[None, :] <= a[:, None]).to(tl.int32), 1)
-                tau = tl.max(tl.where((less <= kth) & (kth < leq), a, 0.0), 0)
-                x = tl.maximum(tl.minimum(x, tau), -tau)
-            xg = tl.reshape(x, [NG, G])
-            lo = tl.min(xg, 1)
-            hi = tl.max(xg, 1)
+                less = tl.sum((a[:, None, :] < a[:, :, None]).to(tl.int32), 2)
+                leq = tl.sum((a[:, None, :] <= a[:, :, None]).to(tl.int32), 2)
+                tau = tl.max(tl.where((less <= kth) & (kth < leq), a, 0.0), 1)
+                x = tl.maximum(tl.minimum(x, tau[:, None]), -tau[:, None])
+            xg = tl.reshape(x, [BR, NG, G])
+            lo = tl.min(xg, 2)
+            hi = tl.max(xg, 2)
             s = tl.math.div_rn(tl.maximum(hi - lo, 1e-8), tl.zeros_like(hi) + QMAX)
             z = tl.math.div_rn(-lo, s)
-            q = tl.floor(tl.math.div_rn(xg, s[:, None]) + z[:, None] + 0.5)
+            q = tl.floor(tl.math.div_rn(xg, s[:, :, None]) + z[:, :, None] + 0.5)
             q = tl.minimum(tl.maximum(q, 0.0), QMAX * 1.0)
             scale = s
             offset = -z * s
         # pack: 8 codes → BITS bytes, code i at bits [i·BITS, (i+1)·BITS) (wushkv.quantizers.packing)
-        codes = tl.reshape(q.to(tl.int64), [D // 8, 8])
+        codes = tl.reshape(q.to(tl.int64), [BR, D // 8, 8])
         i = tl.arange(0, 8)
-        word = tl.sum(codes << (i[None, :] * BITS), 1)  # (D/8,): disjoint bits, so the sum is an or
+        word = tl.sum(codes << (i[None, None, :] * BITS), 2)  # (BR, D/8): disjoint bits, so the sum is an or
         w = tl.arange(0, D // 8)
         base = blk * sc0 + tok * sc1 + h * sc2
         for m in tl.static_range(BITS):
-            tl.store(c_ptr + base + w * BITS + m, ((word >> (8 * m)) & 255).to(tl.uint8), mask=(w * 0 + raw) >= 0)
+            tl.store(c_ptr + base[:, None] + w[None, :] * BITS + m, ((word >> (8 * m)) & 255).to(tl.uint8),
+                     mask=ok[:, None])
         g = tl.arange(0, NG)
-        tl.store(s_ptr + blk * ss0 + tok * ss1 + h * ss2 + g, _rne_out(scale, META_BF16).to(s_ptr.dtype.element_ty), mask=(g * 0 + raw) >= 0)
+        tl.store(s_ptr + (blk * ss0 + tok * ss1 + h * ss2)[:, None] + g[None, :],
+                 _rne_out(scale, META_BF16).to(s_ptr.dtype.element_ty), mask=ok[:, None])
         if HAS_Z:
-            tl.store(z_ptr + blk * sz0 + tok * sz1 + h * sz2 + g, _rne_out(offset, META_BF16).to(z_ptr.dtype.element_ty), mask=(g * 0 + raw) >= 0)
+            tl.store(z_ptr + (blk * sz0 + tok * sz1 + h * sz2)[:, None] + g[None, :],
+                     _rne_out(offset, META_BF16).to(z_ptr.dtype.element_ty), mask=ok[:, None])
 
     return {"decode": decode_kernel, "merge": merge_kernel, "store": store_kernel}
 
@@ -504,7 +510,7 @@ def _launch(name: str, grid, *args, **meta) -> None:
 
 
 # -- store ---------------------------------------------------------------------------------------------------------
-def _store(x, slots, page, codes, scale, offset, fmt: TokenFormat, transform, strides):
+def _store(x, slots, page, codes, scale, offset, fmt: TokenFormat, transform, strides, rows_per_program):
     """x (R, Hkv, d) rows, slots (R,) int64: codes/scale/offset at (slot // page, slot % page, head) through
     ``strides`` = ((block, token, head) of codes, of scale, of offset)."""
     R, H, d = x.shape
@@ -523,14 +529,21 @@ def _store(x, slots, page, codes, scale, offset, fmt: TokenFormat, transform, st
     t = transform if transform is not None else x  # a placeholder pointer when there is none
     z = offset if offset is not None else scale
     (c0, c1, c2), (s0, s1, s2), (z0, z1, z2) = strides
-    _launch("store", (R, H), x, *x.stride(), t, *(transform.stride() if transform is not None else (0, 0, 0)),
-            slots, page, codes, c0, c1, c2, scale, s0, s1, s2, z, z0, z1, z2,
+    clipped = fmt.clipped if fmt.quest else fmt.kth >= 0
+    # rows per program: a handful on the GPU (the affine percentile compares a row with itself, d² per row, and
+    # the transform multiplies d² per row: one row there), many under the interpreter, which runs programs one by one
+    BR = rows_per_program or (64 if x.device.type == "cpu" else 1 if transform is not None or (clipped and not fmt.quest) else 8)
+    if BR & (BR - 1):
+        raise ValueError(f"rows_per_program must be a power of two, got {BR}")
+    _launch("store", (-(-R // BR), H), x, *x.stride(), t, *(transform.stride() if transform is not None else (0, 0, 0)),
+            slots, R, page, codes, c0, c1, c2, scale, s0, s1, s2, z, z0, z1, z2,
             float(fmt.coef), int(fmt.kth), float(math.sqrt(fmt.G)),
-            D=d, G=fmt.G, BITS=fmt.bits, QUEST=fmt.quest, CLIPPED=fmt.clipped if fmt.quest else fmt.kth >= 0,
-            HAS_T=transform is not None, HAS_Z=offset is not None, TC=min(d, 32), META_BF16=scale.dtype == torch.bfloat16)
+            D=d, G=fmt.G, BITS=fmt.bits, QUEST=fmt.quest, CLIPPED=clipped, HAS_T=transform is not None,
+            HAS_Z=offset is not None, TC=min(d, 32), META_BF16=scale.dtype == torch.bfloat16, BR=BR)
 
 
-def store_paged(x, slot_mapping, codes, scale, offset, fmt: TokenFormat, transform=None) -> None:
+def store_paged(x, slot_mapping, codes, scale, offset, fmt: TokenFormat, transform=None, *,
+                rows_per_program: int | None = None) -> None:
     """Quantize and write new tokens into vLLM-style paged blocks.
 
     Args:
@@ -539,22 +552,26 @@ def store_paged(x, slot_mapping, codes, scale, offset, fmt: TokenFormat, transfo
         codes: uint8 (num_blocks, block_size, Hkv, nb); scale (and offset, affine only; None for QuEST):
             (num_blocks, block_size, Hkv, ng) in the metadata dtype.
         transform: (Hkv, d, d) float or None: each head's rows are stored as ``T k`` (float32 in the kernel).
+        rows_per_program: tokens per program, a power of two (default: 8 on a GPU, 1 for the transform and the
+            affine percentile clip, 64 under the interpreter); the stored bytes do not depend on it.
     """
     if x.dim() != 3 or codes.dim() != 4:
         raise ValueError(f"x must be (T, Hkv, d) and codes (blocks, block_size, Hkv, bytes), got {tuple(x.shape)}, "
                          f"{tuple(codes.shape)}")
     strides = tuple((t.stride(0), t.stride(1), t.stride(2)) if t is not None else (0, 0, 0) for t in (codes, scale, offset))
     slots = slot_mapping.to(device=x.device, dtype=torch.int64).contiguous()
-    _store(x, slots, codes.shape[1], codes, scale, offset, fmt, transform, strides)
+    _store(x, slots, codes.shape[1], codes, scale, offset, fmt, transform, strides, rows_per_program)
 
 
-def store_contiguous(x, codes, scale, offset, start, fmt: TokenFormat, transform=None) -> None:
+def store_contiguous(x, codes, scale, offset, start, fmt: TokenFormat, transform=None, *,
+                     rows_per_program: int | None = None) -> None:
     """Quantize and write new tokens of every sequence into the contiguous layout of the transformers cache.
 
     Args:
         x: (B, Hkv, T, d), tokens ``start[b] .. start[b] + T`` of each sequence.
         codes: uint8 (B, Hkv, cap, nb); scale/offset (B, Hkv, cap, ng) (offset None for QuEST).
         start: int or (B,) integer tensor: each sequence's first free token.
+        transform, rows_per_program: as :func:`store_paged`.
     """
     if x.dim() != 4 or codes.dim() != 4:
         raise ValueError(f"x must be (B, Hkv, T, d) and codes (B, Hkv, cap, bytes), got {tuple(x.shape)}, {tuple(codes.shape)}")
@@ -566,7 +583,7 @@ def store_contiguous(x, codes, scale, offset, start, fmt: TokenFormat, transform
     slots = (torch.arange(B, device=x.device)[:, None] * cap + start[:, None] + torch.arange(T, device=x.device)).flatten()
     rows = x.transpose(1, 2).reshape(B * T, H, d)
     strides = tuple((t.stride(0), t.stride(2), t.stride(1)) if t is not None else (0, 0, 0) for t in (codes, scale, offset))
-    _store(rows, slots, cap, codes, scale, offset, fmt, transform, strides)
+    _store(rows, slots, cap, codes, scale, offset, fmt, transform, strides, rows_per_program)
 
 
 # -- decode --------------------------------------------------------------------------------------------------------
