@@ -57,3 +57,24 @@ def test_smollm2_wush_invariance_and_streaming(smollm2, tmp_path):
     # 10800 float16 scales did), 1710 calls of each kernel.
     with apply_transforms(model, cal.transforms("wush"), "wush"):
         check_paths(model, ids, cfg, tight=5e-4, metadata_flip=2e-3)
+
+
+def test_select_reproduces_smollm2s_recorded_2bit_choice_on_a_small_budget(smollm2):
+    """The selection, on a small budget (a 4 x 512 calibration, one 1024-token chunk of held-out C4), still picks the
+    recorded 2-bit recipe over the paper recipe, and `auto` then runs it from the calibration's own selection."""
+    from wushkv.calibration import calibrate
+    from wushkv.config import PERPLEXITY_WINDOWS, QuantConfig
+    from wushkv.data import heldout_c4_text, tokenize_chunks
+    from wushkv.eval.select import run_selection, selection_record
+    from wushkv.methods.auto import RECORDED, resolve_auto
+
+    model, tok = smollm2
+    recorded = next(r for r in RECORDED["smollm2-135m"] if r["setting"]["quantizer"] == "quest")["choices"]["2"]["recipe"]
+    cal = calibrate(model, tok, samples=4, seq_len=512, show_progress=False)
+    chunks = tokenize_chunks(tok, heldout_c4_text()[0], 1024, 1)
+    base = QuantConfig(windows=PERPLEXITY_WINDOWS)
+    out = run_selection(model, chunks, cal, ["wush", recorded], [2], base, show_progress=False, log=lambda m: None)
+    assert out["choices"]["2"]["recipe"] == recorded, out["results"]
+    cal.set_selection(selection_record(out, "held-out C4"))
+    got = resolve_auto("smollm2-135m", cal, QuantConfig(2, 2, windows=PERPLEXITY_WINDOWS))
+    assert got.source == "calibration" and got.record()["recipe"] == recorded
