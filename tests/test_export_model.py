@@ -94,6 +94,17 @@ def test_export_reloads_with_plain_transformers(family, tmp_path):
     assert tok("pack my box").input_ids == hf_char_tokenizer()("pack my box").input_ids
 
 
+def test_bfloat16_export_reloads_bit_for_bit(tmp_path):
+    """A model loaded in bfloat16 exports bfloat16 weights that reload to the same logits, bit for bit."""
+    from transformers import AutoModelForCausalLM
+
+    _model("llama").save_pretrained(tmp_path / "src")
+    model = AutoModelForCausalLM.from_pretrained(tmp_path / "src", dtype=torch.bfloat16)
+    meta = export_model(model, None, tmp_path / "bf16", method="random", cfg=CFG)
+    assert meta["checks"]["reload_vs_folded"] == 0.0 and meta["checks"]["reload_vs_original"] <= meta["checks"]["original_tolerance"]
+    assert AutoModelForCausalLM.from_pretrained(tmp_path / "bf16").dtype == torch.bfloat16
+
+
 def test_side_file_read_from_disk_holds_inverse_key_transforms(llama, tmp_path):
     model, cal = llama
     out = tmp_path / "served"
@@ -123,8 +134,9 @@ def test_side_file_read_from_disk_holds_inverse_key_transforms(llama, tmp_path):
     assert json.loads((out / SIDE_JSON).read_text())["sha256"]  # the readable copy is checksummed too
 
 
-@pytest.mark.parametrize("method", ["wush+rmean+ldlq", "wush-c:wush+ktiles", "hadamard"])
-def test_folder_and_side_file_reproduce_the_quantized_cache(method, llama, tmp_path):
+# tokens: past the first flush (sink 4 + keep 8 + flush 4; +ktiles: sink 4 + one tile of 128 keys)
+@pytest.mark.parametrize("method,n", [("wush+rmean+ldlq", 48), ("wush-c:wush+ktiles", 160), ("hadamard", 48)])
+def test_folder_and_side_file_reproduce_the_quantized_cache(method, n, llama, tmp_path):
     """Everything the cache needs is in the folder: the reloaded model with the side file's transforms and quantization
     gives the quantized-cache logits of the method installed on the original model."""
     from transformers import AutoModelForCausalLM
@@ -133,9 +145,12 @@ def test_folder_and_side_file_reproduce_the_quantized_cache(method, llama, tmp_p
     out = tmp_path / "served"
     cfg = replace(CFG, quantizer="affine")  # +ktiles quantizes values per token: quest or affine
     meta = export_model(model, hf_char_tokenizer(), out, method=method, cfg=cfg, calibration=cal)
-    ids = _ids(n=48)
+    ids = _ids(n=n)
     with method_cache(model, cal, method, cfg) as make:
-        want = _logits(model, ids, cache=make(), use_cache=True)
+        cache = make()
+        want = _logits(model, ids, cache=cache, use_cache=True)
+    # the cache was used and quantized (a transformers without the cache= keyword would ignore it silently)
+    assert cache.get_seq_length() == ids.shape[1] and _rel(want, _logits(model, ids), want) > 1e-3
     reloaded = AutoModelForCausalLM.from_pretrained(out)
     meta_read, tensors = read_side_file(out)
     assert meta_read == meta
@@ -251,3 +266,31 @@ def test_cli_export_model(llama, tmp_path, capsys):
     rc = main(["export-model", "--model", str(src), "--calibration", str(tmp_path / "other.safetensors"), "--method", "wush",
                "--out", str(tmp_path / "served2")])
     assert rc == 2 and "does not match" in capsys.readouterr().err and not (tmp_path / "served2").exists()
+
+
+@pytest.mark.slow
+def test_smollm2_exports_auto_and_reloads(tmp_path):
+    """The real GGUF-loaded SmolLM2 (its loader's quantizer refuses save_pretrained): the folder reloads, tokenizer
+    included, with the original logits; ``auto`` at K2V2 affine is its recorded selection."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from wushkv.models import ModelNotInstalledError, load
+
+    try:
+        model, tok = load("smollm2-135m")
+    except ModelNotInstalledError as e:  # only an absent package skips
+        pytest.skip(f"real model not installed: {e}")
+    text = tmp_path / "calib.txt"
+    text.write_text(TINY_CALIBRATION_TEXT * 4)
+    cal = calibrate(model, tok, samples=2, seq_len=256, text_file=str(text), show_progress=False)
+    out = tmp_path / "served"
+    cfg = QuantConfig(k_bits=2, v_bits=2, quantizer="affine", windows=WindowConfig(64, 256, 8))
+    meta = export_model(model, tok, out, method="auto", cfg=cfg, calibration=cal, model_key="smollm2-135m")
+    assert meta["choice"]["source"] == "recorded" and meta["method"] == "wush+rmean+ktiles+ldlq"
+    assert meta["checks"]["reload_vs_folded"] == 0.0 and meta["checks"]["reload_vs_original"] <= 1e-4
+    assert hasattr(model, "hf_quantizer")  # the GGUF loader is put back on the model handed in
+    ids = tok("The history of the KV cache begins", return_tensors="pt").input_ids
+    assert AutoTokenizer.from_pretrained(out)("The history of the KV cache begins").input_ids == ids[0].tolist()
+    with torch.no_grad():
+        want, got = model(ids).logits, AutoModelForCausalLM.from_pretrained(out)(ids).logits
+    assert _rel(got.double(), want.double(), want) <= 1e-4

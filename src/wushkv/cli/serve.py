@@ -1,5 +1,5 @@
 """``export-model``: a model folder a serving engine loads as a Hugging Face checkpoint, T_V folded into its weights,
-the key transforms and the quantizer in a ``wushkv`` side file (docs/reference/formats.md#served-model-folder)."""
+the key transforms and the quantizer in a ``wushkv`` side file (docs/reference/formats.md, "Served model folder")."""
 
 from __future__ import annotations
 
@@ -23,7 +23,11 @@ def cmd_export_model(args) -> int:
     c = meta["checks"]
     choice = meta["choice"]
     if choice.get("requested") == "auto":
+        from ..methods.auto import auto_calibration_note
+
         print(f"auto: {meta['method']} ({choice.get('why')})")
+        if note := auto_calibration_note(args.model, cal, cfg):
+            err(note)
     q = meta["quantization"]
     w = q["windows"]
     print(f"{args.model} with {meta['method']}, K{q['k_bits'] or 16}V{q['v_bits'] or 16} {q['quantizer']}"
