@@ -219,6 +219,37 @@ def _check_destination(out: Path) -> None:
                          "(export-model never writes into an existing checkpoint)")
 
 
+def _reload_checks(model, folder: Path, ids: torch.Tensor, folded: torch.Tensor, original: torch.Tensor,
+                   attention: str) -> dict:
+    """Load ``folder`` with plain transformers (what an engine reads), under the attention ``folded`` was computed with,
+    and compare its logits on ``ids`` with the folded and the original model's; raises :class:`ExportCheckError` past
+    the tolerances. Returns the measurements (relative to max(1, max |original logit|))."""
+    from transformers import AutoModelForCausalLM
+
+    dtype = str(next(model.parameters()).dtype).removeprefix("torch.")
+    reloaded = AutoModelForCausalLM.from_pretrained(folder, attn_implementation=attention)
+    got_dtype = str(next(reloaded.parameters()).dtype).removeprefix("torch.")
+    if got_dtype != dtype:
+        raise ExportCheckError(f"the exported folder reloads in {got_dtype}, the model was {dtype}")
+    if getattr(model, "hf_device_map", None) is None:  # on one device: check there (a split model is checked on CPU)
+        reloaded.to(next(model.parameters()).device)
+    again = _logits(reloaded, ids)
+    scale = max(1.0, float(original.abs().max()))
+    checks = {"probe_tokens": list(ids.shape), "max_abs_logit": scale,
+              "reload_vs_folded": float((again - folded).abs().max()) / scale,
+              "reload_vs_original": float((again - original).abs().max()) / scale,
+              "reload_tolerance": RELOAD_TOLERANCE.get(dtype, 1e-2), "original_tolerance": ORIGINAL_TOLERANCE.get(dtype, 1e-1)}
+    for what, tol_key in (("folded", "reload_tolerance"), ("original", "original_tolerance")):
+        got, tol = checks[f"reload_vs_{what}"], checks[tol_key]
+        if not got <= tol:
+            hint = ("; a model cast with .to(dtype) has its RoPE frequencies cast too, which a reload computes in float32: "
+                    "load it in that dtype instead") if what == "folded" else ""
+            raise ExportCheckError(f"the exported folder, reloaded with transformers, gives logits {got:.3g} (relative to max "
+                                   f"|logit| {scale:.3g}) from the {what} model's, over the tolerance {tol:g}; nothing was "
+                                   f"written{hint}")
+    return checks
+
+
 def export_model(model, tokenizer, out, method: str = "auto", cfg: QuantConfig | None = None, calibration=None,
                  model_key: str | None = None, log=None) -> dict:
     """Write ``model`` with ``method`` (``auto`` or a wushkv method name) at ``cfg`` as a served-model folder ``out``;
@@ -230,8 +261,6 @@ def export_model(model, tokenizer, out, method: str = "auto", cfg: QuantConfig |
     a method the folder cannot carry (centered values on a model without v_proj and o_proj biases) and
     :class:`ExportCheckError` when the reloaded folder does not reproduce the model; then nothing exists under ``out``.
     """
-    from transformers import AutoModelForCausalLM
-
     log = log or (lambda s: None)
     out = Path(out)
     _check_destination(out)
@@ -242,10 +271,14 @@ def export_model(model, tokenizer, out, method: str = "auto", cfg: QuantConfig |
     transforms = transforms_for(model, calibration, m)  # refuses what the calibration cannot give (e.g. +rmean on an old file)
     spec = describe(model)
     source = fingerprint(model)
-    dtype = str(next(model.parameters()).dtype).removeprefix("torch.")
+    tensors = side_tensors(model, transforms)
+    errors = [key_inverse_error(tensors[f"layers.{l}.key"], tensors[f"layers.{l}.query"]) for l in range(spec.num_layers)]
+    tol = DEFAULT_TOLERANCE["float32"]
+    if not max(errors) <= tol:
+        raise ExportCheckError(f"layer {errors.index(max(errors))}'s key transform and its inverse are {max(errors):.3g} from "
+                               f"inverse in float32 (tolerance {tol:g}); the transform is ill-conditioned")
     ids = _probe(model)
     original = _logits(model, ids)
-    scale = max(1.0, float(original.abs().max()))
     keys_before = set(model.state_dict())
     tmp = _temporary_folder(out)
     try:
@@ -261,32 +294,7 @@ def export_model(model, tokenizer, out, method: str = "auto", cfg: QuantConfig |
             model.save_pretrained(tmp)
         if tokenizer is not None:
             tokenizer.save_pretrained(tmp)
-        # plain transformers (what an engine reads), under the attention the folded logits were computed with
-        reloaded = AutoModelForCausalLM.from_pretrained(tmp, attn_implementation=installed.previous_attention)
-        if str(next(reloaded.parameters()).dtype).removeprefix("torch.") != dtype:
-            raise ExportCheckError(f"the exported folder reloads in {next(reloaded.parameters()).dtype}, the model was {dtype}")
-        if getattr(model, "hf_device_map", None) is None:  # on one device: check there (a split model is checked on CPU)
-            reloaded.to(next(model.parameters()).device)
-        again = _logits(reloaded, ids)
-        del reloaded
-        checks = {"probe_tokens": list(ids.shape), "max_abs_logit": scale,
-                  "reload_vs_folded": float((again - folded).abs().max()) / scale,
-                  "reload_vs_original": float((again - original).abs().max()) / scale,
-                  "reload_tolerance": RELOAD_TOLERANCE.get(dtype, 1e-2), "original_tolerance": ORIGINAL_TOLERANCE.get(dtype, 1e-1)}
-        for what in ("folded", "original"):
-            got, tol = checks[f"reload_vs_{what}"], checks[f"{'reload' if what == 'folded' else 'original'}_tolerance"]
-            if not got <= tol:
-                hint = ("; a model cast with .to(dtype) has its RoPE frequencies cast too, which a reload computes in float32: "
-                        "load it in that dtype instead") if what == "folded" else ""
-                raise ExportCheckError(f"the exported folder, reloaded with transformers, gives logits {got:.3g} (relative to max "
-                                       f"|logit| {scale:.3g}) from the {what} model's, over the tolerance {tol:g}; nothing was "
-                                       f"written{hint}")
-        tensors = side_tensors(model, transforms)
-        errors = [key_inverse_error(tensors[f"layers.{l}.key"], tensors[f"layers.{l}.query"]) for l in range(spec.num_layers)]
-        tol = DEFAULT_TOLERANCE["float32"]
-        if not max(errors) <= tol:
-            raise ExportCheckError(f"layer {errors.index(max(errors))}'s key transform and its inverse are {max(errors):.3g} from "
-                                   f"inverse in float32 (tolerance {tol:g}); the transform is ill-conditioned")
+        checks = _reload_checks(model, tmp, ids, folded, original, installed.previous_attention)
         cal_meta = calibration.meta if calibration is not None else {}
         meta = {
             "format": SERVED_FORMAT, "format_version": SERVED_VERSION, "wushkv_version": __version__,
@@ -304,9 +312,12 @@ def export_model(model, tokenizer, out, method: str = "auto", cfg: QuantConfig |
         write_checked_safetensors(tmp / SIDE_FILE, tensors, header)
         write_json(tmp / SIDE_JSON, meta)
         read_side_file(tmp)  # what was written reads back, checked
-        if out.exists():
-            out.rmdir()  # an empty folder (checked above): rename cannot replace one that holds files
-        os.rename(tmp, out)
+        try:
+            if out.exists():
+                out.rmdir()  # an empty folder (checked above): rename cannot replace one that holds files
+            os.rename(tmp, out)
+        except OSError as e:  # another run wrote --out meanwhile
+            raise ValueError(f"--out {str(out)!r} could not be put in place ({e}); nothing was written") from None
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
