@@ -14,9 +14,9 @@ import sys
 from .. import __version__
 from .common import context_list
 
-COMMAND_MODULES = ("misc", "evaluate", "select", "generation", "tools")  # wushkv.cli.<name>, each with register(subparsers)
+COMMAND_MODULES = ("misc", "evaluate", "select", "generation", "tools", "serve")  # wushkv.cli.<name>, each with register(subparsers)
 # the order of `wushkv --help`'s command list; a command not listed follows these, in the order it was registered
-HELP_ORDER = ("info", "ppl", "calibrate", "recon", "compare", "tune-clip", "select", "demo", "generate", "export", "agree", "passkey",
+HELP_ORDER = ("info", "ppl", "calibrate", "recon", "compare", "tune-clip", "select", "demo", "generate", "export", "export-model", "agree", "passkey",
               "sweep", "lm-eval", "calibration", "data", "merge")
 
 __all__ = ["COMMAND_MODULES", "build_parser", "context_list", "main"]

@@ -1,0 +1,52 @@
+"""``export-model``: a model folder a serving engine loads as a Hugging Face checkpoint, T_V folded into its weights,
+the key transforms and the quantizer in a ``wushkv`` side file (docs/reference/formats.md, "Served model folder")."""
+
+from __future__ import annotations
+
+import argparse
+from dataclasses import replace
+
+from ..config import GENERATION_WINDOWS
+from .common import add_model_args, add_quant_args, bits, err, load_model, quant_config
+
+
+def cmd_export_model(args) -> int:
+    from ..calibration import Calibration
+    from ..serving import export_model
+
+    cfg = quant_config(args)
+    if hasattr(args, "bits"):  # given (16 parses to None: full precision)
+        cfg = replace(cfg, k_bits=args.bits, v_bits=args.bits)
+    model, tok = load_model(args)
+    cal = Calibration.load(args.calibration, model=model) if args.calibration else None
+    meta = export_model(model, tok, args.out, method=args.method, cfg=cfg, calibration=cal, model_key=args.model, log=err)
+    c = meta["checks"]
+    choice = meta["choice"]
+    if choice.get("requested") == "auto":
+        from ..methods.auto import auto_calibration_note
+
+        print(f"auto: {meta['method']} ({choice.get('why')})")
+        if note := auto_calibration_note(args.model, cal, cfg):
+            err(note)
+    q = meta["quantization"]
+    w = q["windows"]
+    print(f"{args.model} with {meta['method']}, K{q['k_bits'] or 16}V{q['v_bits'] or 16} {q['quantizer']}"
+          f"{'/keys ' + q['key_quantizer'] if q['key_quantizer'] else ''} windows {w['S_sink']}/{w['S_keep']}/{w['S_flush']} -> {args.out}")
+    print(f"checked: reloaded with transformers, logits {c['reload_vs_folded']:.2e} from the folded model, "
+          f"{c['reload_vs_original']:.2e} from the original (relative to max |logit| {c['max_abs_logit']:.1f}; tolerances "
+          f"{c['reload_tolerance']:g}, {c['original_tolerance']:g}); key transforms inverse to {meta['max_inverse_error']:.1e}")
+    return 0
+
+
+def register(sub) -> None:
+    p = sub.add_parser("export-model", help="write a model folder an engine loads as a HF checkpoint: T_V folded, key transforms "
+                                           "and quantizer in a wushkv side file (docs/reference/formats.md)")
+    add_model_args(p)
+    p.add_argument("--calibration", default=None, help="calibration file of --model (needed by auto and calibrated methods; "
+                                                       "one of another model is refused)")
+    p.add_argument("--method", default="auto", help="auto (resolved for the model, quantizer and width, recorded with why) or a "
+                                                    "wushkv method, e.g. wush, wush+rmean+ktiles+ldlq (default: %(default)s)")
+    p.add_argument("--bits", type=bits, default=argparse.SUPPRESS, help="key and value bits at once (overrides --k-bits/--v-bits)")
+    add_quant_args(p, GENERATION_WINDOWS)
+    p.add_argument("--out", required=True, help="the folder to create (must not exist, or be empty)")
+    p.set_defaults(func=cmd_export_model, quantizer="affine")
