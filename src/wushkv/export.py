@@ -27,7 +27,7 @@ from pathlib import Path
 
 import torch
 
-from .io import CorruptFileError, read_checked_safetensors, write_checked_safetensors
+from .io import CorruptFileError, expect_format, read_checked_safetensors, write_checked_safetensors
 from .transforms import LayerTransforms
 
 EXPORT_FORMAT = "wushkv-transforms"
@@ -102,12 +102,7 @@ def read_export(path) -> tuple[dict, dict[str, torch.Tensor]]:
     if not path.is_file():
         raise FileNotFoundError(f"export file {str(path)!r} does not exist")
 
-    def check_format(header: dict[str, str]) -> None:
-        if header.get("format") != EXPORT_FORMAT or header.get("format_version") != str(EXPORT_VERSION):
-            raise CorruptFileError(f"{str(path)!r} is not a wushkv export of format version {EXPORT_VERSION} (format "
-                                   f"{header.get('format')!r}, version {header.get('format_version')!r})")
-
-    header, tensors = read_checked_safetensors(path, "export file", check_format)
+    header, tensors = read_checked_safetensors(path, "export file", expect_format(path, EXPORT_FORMAT, EXPORT_VERSION, "a wushkv export"))
     try:
         meta = json.loads(header["meta"])
         n = meta["num_layers"]

@@ -232,6 +232,17 @@ def write_checked_safetensors(path: str | Path, tensors: dict, header: dict[str,
     return atomic_write(path, write)
 
 
+def expect_format(path, fmt: str, version: int, what: str):
+    """A ``check_format`` for :func:`read_checked_safetensors`: the header must name ``fmt`` at ``version``, else a
+    :class:`CorruptFileError` naming the file and what it holds instead (``what``: "a wushkv export", ...)."""
+    def check(header: dict[str, str]) -> None:
+        if header.get("format") != fmt or header.get("format_version") != str(version):
+            raise CorruptFileError(f"{str(path)!r} is not {what} of format version {version} (format {header.get('format')!r}, "
+                                   f"version {header.get('format_version')!r})")
+
+    return check
+
+
 def read_checked_safetensors(path: str | Path, what: str,
                              check_header: Callable[[dict[str, str]], None] | None = None) -> tuple[dict[str, str], dict]:
     """(header, {name: tensor}) of a safetensors file, its ``sha256`` verified where it has one (older files have

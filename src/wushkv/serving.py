@@ -41,7 +41,7 @@ from .config import QuantConfig
 from .export import DEFAULT_TOLERANCE
 from .folding import apply_transforms
 from .hf import restore_attention
-from .io import CorruptFileError, read_checked_safetensors, read_json, write_checked_safetensors, write_json
+from .io import CorruptFileError, expect_format, read_checked_safetensors, read_json, write_checked_safetensors, write_json
 from .methods.auto import resolve_auto
 from .methods.install import transforms_for
 from .methods.spec import AUTO, CENTERED_TRANSFORMS, MethodSpec, parse, spec_of
@@ -125,11 +125,7 @@ def read_side_file(folder) -> tuple[dict, dict[str, torch.Tensor]]:
     if not path.is_file():
         raise FileNotFoundError(f"{str(folder)!r} holds no wushkv side file ({SIDE_FILE}); make the folder with `wushkv export-model`")
 
-    def check_format(header: dict[str, str]) -> None:
-        if header.get("format") != SERVED_FORMAT or header.get("format_version") != str(SERVED_VERSION):
-            raise CorruptFileError(f"{str(path)!r} is not a wushkv served-model side file of format version {SERVED_VERSION} "
-                                   f"(format {header.get('format')!r}, version {header.get('format_version')!r})")
-
+    check_format = expect_format(path, SERVED_FORMAT, SERVED_VERSION, "a wushkv served-model side file")
     header, tensors = read_checked_safetensors(path, "side file", check_format)
     try:
         meta = json.loads(header["meta"])
