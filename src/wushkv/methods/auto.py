@@ -114,9 +114,11 @@ def setting_label(setting: dict) -> str:
     return out + (f" ({', '.join(extra)})" if extra else "")
 
 
-def _recorded(model: str, calibration: tuple[int, int], cfg: QuantConfig, recipes: dict[int, str], chosen_on: str) -> dict:
+def _recorded(model: str, calibration: tuple[int, int], cfg: QuantConfig, recipes: dict[int, str | tuple[str, str]], chosen_on: str) -> dict:
+    """A recorded selection; a recipe given as (recipe, why) was chosen otherwise than ``chosen_on`` says, as ``why`` does."""
+    choices = {str(b): {"recipe": r} if isinstance(r, str) else {"recipe": r[0], "why": r[1]} for b, r in recipes.items()}
     return {"version": SELECTION_VERSION, "model": model, "setting": selection_setting(cfg), "calibration": list(calibration),
-            "source": chosen_on, "choices": {str(b): {"recipe": r} for b, r in recipes.items()}}
+            "source": chosen_on, "choices": choices}
 
 
 _QUEST = QuantConfig(quantizer="quest", windows=PERPLEXITY_WINDOWS)
@@ -133,7 +135,11 @@ RECORDED: dict[str, list[dict]] = {
                   _C4 + "; passkey gate (docs/lab/generation-key-tiles.md)"),
     ],
     "gemma3-270m": [
-        _recorded("gemma3-270m", (16, 2048), _QUEST, {2: "wush+ldlq@ka=1.15@va=1.45", 3: "wush+ktiles+ldlq@tc=1.7", 4: "wush+ktiles+ldlq@tc=1.7"}, _C4),
+        _recorded("gemma3-270m", (16, 2048), _QUEST, {
+            2: "wush+ldlq@ka=1.15@va=1.45",
+            3: ("wush+rmean+ktiles+ldlq@va=1.15@tc=1.7", "`wushkv select --bits 3 --chunks 2 --refine` on held-out C4, session 22 "
+                "(docs/lab/auto-selection.md)"),
+            4: "wush+ktiles+ldlq@tc=1.7"}, _C4),
     ],
 }
 WUSH = parse("wush")
@@ -227,7 +233,8 @@ def resolve_auto(model_key: str | None, calibration, cfg: QuantConfig) -> Resolv
                 why += f": {choice['why']}"
         else:
             s, n = rec.get("calibration", ("?", "?"))
-            why = f"the recorded selection for {model_key}, made on {rec.get('source')} from a {s} x {n} calibration{under}"
+            made = choice.get("why", rec.get("source"))
+            why = f"the recorded selection for {model_key}, made on {made} from a {s} x {n} calibration{under}"
         return Resolved(recipe.method, recipe.base(cfg), why, source, {"recipe": recipe.name, "exact_setting": exact})
     why = (f"no selection for {model_key or 'this model'} under {setting_label(selection_setting(cfg))} at {cfg.k_bits} bits: "
            f"{fallback.name}" + (" (the paper recipe)" if fallback == WUSH else "")
