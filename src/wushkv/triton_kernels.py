@@ -277,6 +277,16 @@ def _kernels() -> dict:
         return c.to(tl.float32) * s + z
 
     @jit
+    def _token_scale_offset(s_ptr, z_ptr, srows, valid, HALF, HAS_Z: tl.constexpr):
+        """(BN,) step and offset of tokens stored with one group each: x̂ = s·c + z (QuEST stores no offset)."""
+        s = tl.load(s_ptr + srows, mask=valid, other=0.0).to(tl.float32)
+        if HAS_Z:
+            z = tl.load(z_ptr + srows, mask=valid, other=0.0).to(tl.float32)
+        else:
+            z = s * HALF
+        return s, z
+
+    @jit
     def _code_segment(q, qsum, m, l, acc,
                       kc_ptr, ks_ptr, kz_ptr, vc_ptr, vs_ptr, vz_ptr,
                       kc0, kc1, kc2, ks0, ks1, ks2, vc0, vc1, vc2, vs0, vs1, vs2,
@@ -296,11 +306,7 @@ def _kernels() -> dict:
             srows = _rows(tt, b, h, bt_ptr, s_bt, PAGE, ks0, ks1, ks2, PAGED)
             c = _unpack(kc_ptr, rows, valid, D, K_BITS, BN)
             if K_G == D:
-                ks = tl.load(ks_ptr + srows, mask=valid, other=0.0).to(tl.float32)
-                if K_Z:
-                    kz = tl.load(kz_ptr + srows, mask=valid, other=0.0).to(tl.float32)
-                else:
-                    kz = ks * K_HALF
+                ks, kz = _token_scale_offset(ks_ptr, kz_ptr, srows, valid, K_HALF, K_Z)
                 s = _mma(q, tl.trans(c), DT, EMU, PREC) * ks[None, :] + qsum[:, None] * kz[None, :]
             else:
                 k = _dequant_tile(c, ks_ptr, kz_ptr, srows, valid, K_G, D, K_HALF, K_Z)
@@ -312,11 +318,7 @@ def _kernels() -> dict:
             srows = _rows(tt, b, h, bt_ptr, s_bt, PAGE, vs0, vs1, vs2, PAGED)
             c = _unpack(vc_ptr, rows, valid, D, V_BITS, BN)
             if V_G == D:
-                vs = tl.load(vs_ptr + srows, mask=valid, other=0.0).to(tl.float32)
-                if V_Z:
-                    vz = tl.load(vz_ptr + srows, mask=valid, other=0.0).to(tl.float32)
-                else:
-                    vz = vs * V_HALF
+                vs, vz = _token_scale_offset(vs_ptr, vz_ptr, srows, valid, V_HALF, V_Z)
                 o = _mma(p * vs[None, :], c, DT, EMU, PREC)
                 o = o + tl.sum(p * vz[None, :], 1)[:, None]
             else:
