@@ -41,21 +41,15 @@ from .config import QuantConfig
 from .export import DEFAULT_TOLERANCE
 from .folding import apply_transforms
 from .hf import restore_attention
-from .io import CorruptFileError, expect_format, read_checked_safetensors, read_json, write_checked_safetensors, write_json
+from .io import write_checked_safetensors, write_json
 from .methods.auto import resolve_auto
 from .methods.install import transforms_for
 from .methods.spec import AUTO, CENTERED_TRANSFORMS, MethodSpec, parse, spec_of
 from .models import describe, fingerprint, model_name, rope_parameters
+from .served_format import (CONVENTION, SERVED_FORMAT, SERVED_VERSION, SIDE_DIR, SIDE_DTYPE, SIDE_FILE, SIDE_JSON,  # noqa: F401 (re-exported)
+                            key_inverse_error, read_side_file, served_config)
 from .transforms import LayerTransforms
 
-SERVED_FORMAT = "wushkv-served-model"
-SERVED_VERSION = 1
-SIDE_DIR = "wushkv"
-SIDE_FILE = f"{SIDE_DIR}/kv_cache.safetensors"
-SIDE_JSON = f"{SIDE_DIR}/kv_cache.json"
-CONVENTION = ("row-vector, after RoPE: K'=(K-key_mean)@key, Q'=Q@query (key=T_K^T, query=T_K^-1, per layer (Hkv, d, d)); "
-              "values: T_V folded into v_proj/o_proj")
-SIDE_DTYPE = torch.float32
 # The logits checks, relative to max(1, the largest |logit| of the original model on the probe). The reloaded folder
 # must reproduce the folded model in memory (same weights, same attention, same arithmetic: 0 is expected and measured
 # in every test); the original model up to the rounding of the folded weights to their dtype (T_V·W_v and W_o·T_V⁻¹
@@ -109,45 +103,6 @@ def side_tensors(model, transforms: list[LayerTransforms]) -> dict[str, torch.Te
     return out
 
 
-def key_inverse_error(key: torch.Tensor, query: torch.Tensor) -> float:
-    """max |query·keyᵀ − I| over heads and entries, in float64: how far the stored pair is from T_K⁻¹·T_K."""
-    eye = torch.eye(key.shape[-1], dtype=torch.float64)
-    return float((query.double() @ key.double().mT - eye).abs().max())
-
-
-def read_side_file(folder) -> tuple[dict, dict[str, torch.Tensor]]:
-    """(meta, {name: tensor}) of an exported folder's side file, checked: format and version, its checksum, that the
-    readable JSON copy says the same, every layer's ``key``/``query`` of shape (Hkv, d, d) and inverse to the recorded
-    tolerance. Raises :class:`~wushkv.io.CorruptFileError` (a ``ValueError``) naming the file, ``FileNotFoundError`` for
-    a folder without one."""
-    folder = Path(folder)
-    path = folder / SIDE_FILE
-    if not path.is_file():
-        raise FileNotFoundError(f"{str(folder)!r} holds no wushkv side file ({SIDE_FILE}); make the folder with `wushkv export-model`")
-
-    check_format = expect_format(path, SERVED_FORMAT, SERVED_VERSION, "a wushkv served-model side file")
-    header, tensors = read_checked_safetensors(path, "side file", check_format)
-    try:
-        meta = json.loads(header["meta"])
-        n, H, d = meta["num_layers"], meta["num_kv_heads"], meta["head_dim"]
-        tol = float(meta["inverse_tolerance"])
-    except (KeyError, TypeError, ValueError) as e:
-        raise CorruptFileError(f"side file {str(path)!r} has damaged metadata: {type(e).__name__}: {e}") from None
-    if read_json(folder / SIDE_JSON, "side file metadata") != meta:
-        raise CorruptFileError(f"{str(folder / SIDE_JSON)!r} does not say what {str(path)!r} holds (one of them was replaced); "
-                               "export the folder again")
-    for l in range(n):
-        for k in ("key", "query"):
-            t = tensors.get(f"layers.{l}.{k}")
-            if t is None or tuple(t.shape) != (H, d, d):
-                raise CorruptFileError(f"side file {str(path)!r}: layers.{l}.{k} is "
-                                       f"{'missing' if t is None else tuple(t.shape)}, expected {(H, d, d)}")
-        err = key_inverse_error(tensors[f"layers.{l}.key"], tensors[f"layers.{l}.query"])
-        if not err <= tol:
-            raise CorruptFileError(f"side file {str(path)!r}: layer {l}'s query·keyᵀ is {err:.3g} from the identity (tolerance {tol:g})")
-    return meta, tensors
-
-
 def served_transforms(meta: dict, tensors: dict[str, torch.Tensor]) -> list[LayerTransforms]:
     """The per-layer transforms a side file stands for, for :func:`wushkv.folding.apply_transforms` on the exported
     model: its key side and error feedback, and the identity value transform (T_V is already in the weights)."""
@@ -159,11 +114,6 @@ def served_transforms(meta: dict, tensors: dict[str, torch.Tensor]) -> list[Laye
         out.append(LayerTransforms(T_K=key.mT.contiguous(), T_K_inv=query, T_V=eye, T_V_inv=eye.clone(), mu_K=get("key_mean"),
                                    mu_K_rope=get("key_mean_pre_rope"), F_K=get("key_feedback"), F_V=get("value_feedback")))
     return out
-
-
-def served_config(meta: dict) -> QuantConfig:
-    """The quantization a side file records (what the method runs at: its layouts and windows applied)."""
-    return QuantConfig.from_dict(meta["quantization"])
 
 
 # -- saving --------------------------------------------------------------------------------------------

