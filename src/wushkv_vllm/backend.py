@@ -161,7 +161,7 @@ class WushKVCPUImpl(CPUAttentionBackendImpl):
             kq, vq = st.codec.decode(gather(cache, tables[r], n, lo))  # (H, n − lo, d), the step's tokens included
             kf, vf = torch.zeros_like(kq), torch.zeros_like(vq)
             known = torch.zeros(n - lo, dtype=torch.bool)
-            st.missing += st.windows.read(kf, vf, known, tables[r], n, lo, ctx)
+            st.missing += st.windows.read(kf, vf, known, tables[r], lo, ctx, ctx)
             kf[:, ctx - lo:], vf[:, ctx - lo:], known[ctx - lo:] = k_new[a:b].transpose(0, 1), v_new[a:b].transpose(0, 1), True
             out = attend(q[a:b], torch.arange(ctx, n), kq, vq, kf, vf, known, torch.arange(lo, n), st.windows.sink,
                          st.windows.recent, self.scale, window, self.logits_soft_cap)

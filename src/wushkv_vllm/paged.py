@@ -146,13 +146,15 @@ class Windows:
         tail = range(max(min(self.sink, n), n - self.recent), n)
         return [*head, *tail]
 
-    def read(self, kf: torch.Tensor, vf: torch.Tensor, known: torch.Tensor, block_ids: torch.Tensor, n: int, start: int,
-             stop: int) -> int:
+    def read(self, kf: torch.Tensor, vf: torch.Tensor, known: torch.Tensor, block_ids: torch.Tensor, start: int, stop: int,
+             first_query: int) -> int:
         """Copy into full-precision keys and values (H, m, d) of positions start..start+m−1 the copies held of the
-        window positions below ``stop`` of a sequence of ``n`` tokens, setting ``known`` (m,); returns how many such
-        positions had no copy (dropped past :attr:`capacity`: read from their codes)."""
+        positions below ``stop`` that a query at ``first_query`` or later reads in full precision (the sink, and the
+        recent window of ``first_query``, which reaches furthest back), setting ``known`` (m,); returns how many of them
+        had no copy (dropped past :attr:`capacity`: read from their codes)."""
         missing = 0
-        for p in self.positions(n):
+        tail = max(self.sink, first_query - self.recent + 1) if self.recent else stop
+        for p in [*range(min(self.sink, stop)), *range(tail, stop)]:
             if not start <= p < stop:
                 continue
             b, off = int(block_ids[p // self.bs]), p % self.bs

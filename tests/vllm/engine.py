@@ -1,32 +1,50 @@
-"""Run one vLLM engine job for the plugin tests, in the vLLM environment (``.venv-vllm``): ``python engine.py JOB OUT``.
+"""Run vLLM engine jobs for the plugin tests, in the vLLM environment (``.venv-vllm``): ``python engine.py JOBS OUT``.
 
-JOB (JSON): ``folder``, ``engine`` (keyword arguments of ``vllm.LLM``), ``prompts`` (lists of token ids),
-``max_tokens``, optional ``prompt_logprobs`` (the top-1 token at every prompt position). OUT (JSON): each prompt's
-generated ``outputs``, ``prompt_top1`` where asked, and the cache vLLM allocated (``num_blocks``, ``block_size``).
-vLLM starts its engine in another process, hence the ``__main__`` guard.
+JOBS (JSON): a list of jobs, run one after another in this process (vLLM's import is paid once), each with
+``folder``, ``engine`` (keyword arguments of ``vllm.LLM``) and ``batches``, each one ``generate`` call: ``prompts``
+(lists of token ids), ``max_tokens``, optional ``prompt_logprobs`` (the top-1 token at every prompt position) and
+``logprobs`` (k: the top-k log-probabilities of every generated token). OUT
+(JSON): per job, per batch each prompt's generated ``outputs`` and ``prompt_top1`` where asked; then the cache vLLM allocated (``num_blocks``, ``block_size``) and its counters
+(``metrics``: preemptions, prefix-cache hits, ...), or ``error`` (the exception's type and message) if the engine
+refused to start. vLLM starts its engine in another process, hence the ``__main__`` guard.
 """
 
+import gc
 import json
 import sys
 
 
-def main(job_path: str, out_path: str) -> None:
+def run(job: dict) -> dict:
     from vllm import LLM, SamplingParams
     from vllm.inputs import TokensPrompt
 
-    job = json.load(open(job_path))
-    llm = LLM(model=job["folder"], **job.get("engine", {}))
-    sp = SamplingParams(temperature=0, max_tokens=job.get("max_tokens", 16), ignore_eos=True,
-                        prompt_logprobs=1 if job.get("prompt_logprobs") else None)
-    outs = llm.generate([TokensPrompt(prompt_token_ids=p) for p in job["prompts"]], sp, use_tqdm=False)
-    res = {"outputs": [list(o.outputs[0].token_ids) for o in outs]}
-    if job.get("prompt_logprobs"):
-        res["prompt_top1"] = [[None if lp is None else next(t for t, x in lp.items() if x.rank == 1) for lp in o.prompt_logprobs]
-                              for o in outs]
+    try:
+        llm = LLM(model=job["folder"], disable_log_stats=False, **job.get("engine", {}))
+    except Exception as e:  # noqa: BLE001 (the test reads what the user would see)
+        return {"error": f"{type(e).__name__}: {e}"}
+    res = {"batches": []}
+    for batch in job["batches"]:  # one generate call each: a later batch can hit the prefix cache of an earlier one
+        sp = SamplingParams(temperature=0, max_tokens=batch.get("max_tokens", 16), ignore_eos=True,
+                            prompt_logprobs=1 if batch.get("prompt_logprobs") else None, logprobs=batch.get("logprobs"))
+        outs = llm.generate([TokensPrompt(prompt_token_ids=p) for p in batch["prompts"]], sp, use_tqdm=False)
+        b = {"outputs": [list(o.outputs[0].token_ids) for o in outs]}
+        if batch.get("prompt_logprobs"):
+            b["prompt_top1"] = [[None if lp is None else next(t for t, x in lp.items() if x.rank == 1) for lp in o.prompt_logprobs]
+                                for o in outs]
+            b["prompt_logprob"] = [[None if lp is None else lp[t].logprob for t, lp in zip(p, o.prompt_logprobs)]
+                                   for p, o in zip(batch["prompts"], outs)]
+        if batch.get("logprobs"):  # per generated token: {token id: log-probability} of the top ``logprobs``
+            b["logprobs"] = [[{str(t): x.logprob for t, x in lp.items()} for lp in o.outputs[0].logprobs] for o in outs]
+        res["batches"].append(b)
     cc = llm.llm_engine.vllm_config.cache_config
-    res |= {"num_blocks": cc.num_gpu_blocks, "block_size": cc.block_size}
-    json.dump(res, open(out_path, "w"))
+    res |= {"num_blocks": cc.num_gpu_blocks, "block_size": cc.block_size,
+            "metrics": {m.name: m.value for m in llm.get_metrics() if hasattr(m, "value") and m.name.startswith("vllm:")}}
+    llm.llm_engine.engine_core.shutdown()
+    del llm
+    gc.collect()
+    return res
 
 
 if __name__ == "__main__":
-    main(*sys.argv[1:3])
+    jobs = json.load(open(sys.argv[1]))
+    json.dump([run(j) for j in jobs], open(sys.argv[2], "w"))

