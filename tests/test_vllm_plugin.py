@@ -1,7 +1,7 @@
 """The vLLM plugin (``wushkv_vllm``): the paged cells, windows and attention against wushkv's own codecs and cache
 (here, in wushkv's environment), then vLLM 0.32 itself on tiny exported folders (in ``.venv-vllm``, which
 ``make test`` creates: vLLM pins another transformers than wushkv's integration, so it gets its own environment and
-the tests drive it through ``tests/vllm/engine.py``)."""
+the tests drive it through ``python -m wushkv_vllm.jobs``)."""
 
 import json
 import os
@@ -17,7 +17,7 @@ import torch
 from wushkv.codecs import make_codec
 from wushkv.config import QuantConfig, WindowConfig
 from wushkv_vllm import VLLMVersionError, check_vllm_version
-from wushkv_vllm.paged import SlotCodec, Windows, attend, gather, store
+from wushkv_vllm.paged import SlotCodec, Windows, attend, decode_step, gather, store
 from wushkv_vllm.served import UnsupportedFolder, load_served
 
 from conftest import TINY_CALIBRATION_TEXT, hf_char_tokenizer, tiny_model
@@ -128,6 +128,22 @@ def test_attention_reads_what_token_by_token_decode_reads():
     assert torch.allclose(got, _reference(q, kq, vq, kq, vq, q_pos, 2, 3, 0.5), atol=1e-5)
 
 
+@pytest.mark.parametrize("bits", [2, 4])
+def test_decode_from_the_codes_equals_the_general_attention(bits):
+    """The decode step through wushkv's fused kernels (sink and recent window in full precision, the middle read from
+    the packed cells) gives what the general path gives a query at the last position."""
+    H, G, d, n, S, R = 2, 3, 32, 40, 4, 8
+    sc = SlotCodec(QuantConfig(k_bits=bits, v_bits=bits, quantizer="quest"), d)
+    k, v = torch.randn(n, H, d, generator=_g(11)) * 2, torch.randn(n, H, d, generator=_g(12))
+    cells = sc.encode(k, v).transpose(0, 1)  # (H, n, C)
+    kq, vq = sc.decode(cells)
+    kf, vf = k.transpose(0, 1).contiguous(), v.transpose(0, 1).contiguous()
+    q = torch.randn(1, H * G, d, generator=_g(13))
+    want = attend(q, torch.tensor([n - 1]), kq, vq, kf, vf, torch.ones(n, dtype=torch.bool), torch.arange(n), S, R, 0.3)[0]
+    got = decode_step(sc, q[0], (kf[:, :S], vf[:, :S]), cells[:, S:n - R], (kf[:, n - R:], vf[:, n - R:]), 0.3)
+    assert torch.allclose(got, want, atol=2e-5), float((got - want).abs().max())
+
+
 # -- the folder the plugin serves ------------------------------------------------------------------------
 def _export(tmp_path, name, method, cfg=CFG):
     from wushkv.calibration import calibrate
@@ -203,7 +219,7 @@ def engines(tmp_path_factory):
     jp, op = tmp / "jobs.json", tmp / "out.json"
     jp.write_text(json.dumps(jobs))
     env = dict(os.environ, VLLM_CPU_KVCACHE_SPACE="1", PYTHONPATH=str(ROOT / "src"))
-    r = subprocess.run([str(VLLM_PY), str(ROOT / "tests/vllm/engine.py"), str(jp), str(op)], env=env, capture_output=True,
+    r = subprocess.run([str(VLLM_PY), "-m", "wushkv_vllm.jobs", str(jp), str(op)], env=env, capture_output=True,
                        text=True, timeout=1500)
     assert r.returncode == 0, r.stderr[-4000:]
     out = json.loads(op.read_text())
@@ -288,3 +304,78 @@ def test_a_method_the_plugin_lacks_is_refused_by_name(engines):
     err = engines["out"][4].get("error", "")
     assert engines["out"][4].get("batches") is None
     assert "wush+ktiles" in engines["log"] and "KVarN key tiles (+ktiles)" in engines["log"], err
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _post(url: str, body: dict) -> dict:
+    import urllib.request
+
+    req = urllib.request.Request(url, data=json.dumps(body).encode(), headers={"Content-Type": "application/json"})
+    with urllib.request.urlopen(req, timeout=120) as r:
+        return json.loads(r.read())
+
+
+@needs_vllm
+@pytest.mark.slow
+def test_openai_server_answers_completions_and_chat_through_the_plugin(engines, tmp_path):
+    """`vllm serve DIR` on localhost: completions and chat requests over HTTP (the OpenAI API) come back from the
+    WUSH-KV cache, and a greedy completion is what wushkv's transformers cache predicts for it."""
+    import time
+    import urllib.error
+    import urllib.request
+
+    from transformers import AutoTokenizer
+
+    folder = engines["folders"]["wush"]
+    template = tmp_path / "chat.jinja"
+    template.write_text("{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}assistant:")
+    port = _free_port()
+    log = tmp_path / "server.log"
+    env = dict(os.environ, VLLM_CPU_KVCACHE_SPACE="1", PYTHONPATH=str(ROOT / "src"))
+    with open(log, "w") as lf:
+        server = subprocess.Popen([str(VLLM_PY.parent / "vllm"), "serve", str(folder), "--host", "127.0.0.1", "--port", str(port),
+                                   "--dtype", "float32", "--enforce-eager", "--max-model-len", "256", "--max-num-seqs", "4",
+                                   "--block-size", "32", "--chat-template", str(template)], env=env, stdout=lf, stderr=subprocess.STDOUT)
+    base = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 600
+        while True:
+            assert server.poll() is None, f"vllm serve exited {server.returncode}:\n{log.read_text()[-3000:]}"
+            try:
+                with urllib.request.urlopen(base + "/health", timeout=5) as r:
+                    if r.status == 200:
+                        break
+            except (urllib.error.URLError, ConnectionError, TimeoutError):
+                pass
+            assert time.monotonic() < deadline, f"vllm serve did not come up in 600 s:\n{log.read_text()[-3000:]}"
+            time.sleep(2)
+        model = str(folder)
+        prompt = "The quick brown fox jumps over the lazy dog; pack my box with "
+        comp = _post(base + "/v1/completions", {"model": model, "prompt": prompt, "max_tokens": 12, "temperature": 0,
+                                                  "logprobs": 1, "return_tokens_as_token_ids": True})
+        text = comp["choices"][0]["text"]
+        gen = [int(t.split(":")[1]) for t in comp["choices"][0]["logprobs"]["tokens"]]  # "token_id:N" (a random model's
+        # ids past the tokenizer's vocabulary decode to nothing)
+        assert comp["usage"]["completion_tokens"] == 12 == len(gen)
+        chat = _post(base + "/v1/chat/completions", {"model": model, "max_tokens": 8, "temperature": 0,
+                                                       "messages": [{"role": "user", "content": "pack my box"}]})
+        assert chat["choices"][0]["message"]["role"] == "assistant" and chat["usage"]["completion_tokens"] == 8
+    finally:
+        server.terminate()
+        try:
+            server.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            server.kill()
+    assert "wushkv: serving wush+ldlq (K2V2 quest)" in log.read_text()
+    # the completion, teacher-forced through wushkv's own cache, is its greedy choice at every token
+    tok = AutoTokenizer.from_pretrained(folder)
+    ids = tok(prompt)["input_ids"]
+    ref = _transformers_logprobs(folder, ids, gen).argmax(-1).tolist()
+    assert [ref[len(ids) - 1 + j] for j in range(len(gen))] == gen, (text, tok.decode(ref[len(ids) - 1:]))

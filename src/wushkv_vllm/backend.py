@@ -27,7 +27,7 @@ from vllm.config import get_current_vllm_config
 from vllm.logger import init_logger
 from vllm.v1.attention.backends.cpu_attn import CPUAttentionBackend, CPUAttentionBackendImpl
 
-from .paged import SlotCodec, Windows, attend, gather, store
+from .paged import SlotCodec, Windows, attend, decode_step, gather, store
 from .served import Served, UnsupportedFolder, has_side_file, load_served
 
 logger = init_logger("vllm.wushkv")  # under vLLM's logger: shown with its own lines
@@ -127,6 +127,26 @@ class WushKVCPUImpl(CPUAttentionBackendImpl):
             self._state = _LayerState(self.served, layer.layer_name, self.num_kv_heads, kv_cache.shape[2], self._max_num_seqs)
         return self._state
 
+    def _decode_fast(self, st, cache, table, n, q, k, v, out) -> bool:
+        """A decode step (one query, at position n − 1) straight from the codes when its windows' copies are all held:
+        sink and recent window in full precision, the middle through the fused kernels. False: take the general path."""
+        w = st.windows
+        S, R = min(w.sink, n), w.recent
+        t0 = max(S, n - R)
+        if t0 <= S or R == 0:  # no quantized middle, or no recent window: the general path is as fast
+            return False
+        H, d = k.shape
+        head = (torch.zeros(H, S, d), torch.zeros(H, S, d), torch.zeros(S, dtype=torch.bool))
+        tail = (torch.zeros(H, n - t0, d), torch.zeros(H, n - t0, d), torch.zeros(n - t0, dtype=torch.bool))
+        if w.read(*head, table, 0, S, n - 1) or w.read(*tail, table, t0, n - 1, n - 1) or not bool(head[2].all()):
+            return False
+        tail[0][:, -1], tail[1][:, -1], tail[2][-1] = k, v, True
+        if not bool(tail[2].all()):
+            return False
+        out.copy_(decode_step(st.codec, q, head[:2], gather(cache, table, t0, S), tail[:2], self.scale,
+                              self.logits_soft_cap).to(out.dtype))
+        return True
+
     def do_kv_cache_update(self, layer, key, value, kv_cache, slot_mapping) -> None:
         if self.served is None:
             return super().do_kv_cache_update(layer, key, value, kv_cache, slot_mapping)
@@ -157,6 +177,9 @@ class WushKVCPUImpl(CPUAttentionBackendImpl):
             if b <= a:
                 continue
             ctx = n - (b - a)
+            if b - a == 1 and window <= 0 and self._decode_fast(st, cache, tables[r], n, q[a], k_new[a], v_new[a], output[a]):
+                seqs.append((tables[r], n))
+                continue
             lo = max(0, ctx - window + 1) if window > 0 else 0  # the oldest position any of the step's queries reads
             kq, vq = st.codec.decode(gather(cache, tables[r], n, lo))  # (H, n − lo, d), the step's tokens included
             kf, vf = torch.zeros_like(kq), torch.zeros_like(vq)

@@ -28,6 +28,7 @@ import torch
 
 from wushkv.codecs import TokenCodec, make_codec
 from wushkv.config import QuantConfig
+from wushkv.decode import decode_attention
 
 SLOT_ALIGN = 4  # bytes: a cell is viewed as the model dtype by vLLM (2 bytes) and sliced per field here
 
@@ -70,12 +71,18 @@ class SlotCodec:
 
     def decode(self, cells: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(k, v) float32 (H, N, d) of uint8 cells (H, N, ≥ payload_bytes)."""
-        parts = {"key": {}, "value": {}}
-        for side, name, dtype, n, off, width in self.fields:
-            parts[side][name] = cells[..., off:off + width].contiguous().view(dtype).unsqueeze(0)  # (1, H, N, n)
+        parts = self.stores(cells)
         N = cells.shape[1]
         k, v = (self.codecs[s].decode(parts[s], N)[0] for s in ("key", "value"))
         return k, v
+
+    def stores(self, cells: torch.Tensor) -> dict[str, dict[str, torch.Tensor]]:
+        """The codec stores {"key": {...}, "value": {...}} (each tensor (1, H, N, ·)) of uint8 cells (H, N, ≥ payload):
+        what :func:`wushkv.decode.decode_attention` reads straight from the codes."""
+        parts = {"key": {}, "value": {}}
+        for side, name, dtype, n, off, width in self.fields:
+            parts[side][name] = cells[..., off:off + width].contiguous().view(dtype).unsqueeze(0)
+        return parts
 
     def fake(self, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """What decoding the cells of (T, H, d) keys and values gives, as (H, T, d) float32 (the slow reference)."""
@@ -213,3 +220,17 @@ def attend(q: torch.Tensor, q_pos: torch.Tensor, kq: torch.Tensor, vq: torch.Ten
         o = torch.einsum("hgtn,hnd->hgtd", p * full, vf) + torch.einsum("hgtn,hnd->hgtd", p * ~full, vq)
         out[a:a + block] = o.permute(2, 0, 1, 3).reshape(-1, Hq, d)
     return out
+
+
+def decode_step(sc: SlotCodec, q: torch.Tensor, head: tuple[torch.Tensor, torch.Tensor], middle: torch.Tensor,
+                tail: tuple[torch.Tensor, torch.Tensor], scale: float, softcap: float = 0.0) -> torch.Tensor:
+    """One decode query's attention straight from the codes (:func:`wushkv.decode.decode_attention`: the fused CPU
+    kernels): q (Hq, d) over the full-precision ``head`` (keys, values (H, S, d): the sink), the ``middle`` cells
+    (H, m, C) and the full-precision ``tail`` (H, R, d: the recent window, the new token last). The same attention as
+    :func:`attend` for a query at the last position whose window copies are all known. Returns float32 (Hq, d)."""
+    st = sc.stores(middle)
+    m = middle.shape[1]
+    parts_k = [head[0][None].float(), (sc.codecs["key"], st["key"], m), tail[0][None].float()]
+    parts_v = [head[1][None].float(), (sc.codecs["value"], st["value"], m), tail[1][None].float()]
+    out = decode_attention(q[None, :, None].float(), parts_k, parts_v, None, scale, softcap if softcap > 0 else None)
+    return out[0, 0]

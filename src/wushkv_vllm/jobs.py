@@ -1,10 +1,11 @@
-"""Run vLLM engine jobs for the plugin tests, in the vLLM environment (``.venv-vllm``): ``python engine.py JOBS OUT``.
+"""Run vLLM engine jobs in the vLLM environment (``.venv-vllm``), for the plugin's tests and benchmarks:
+``python -m wushkv_vllm.jobs JOBS OUT``.
 
 JOBS (JSON): a list of jobs, run one after another in this process (vLLM's import is paid once), each with
 ``folder``, ``engine`` (keyword arguments of ``vllm.LLM``) and ``batches``, each one ``generate`` call: ``prompts``
 (lists of token ids), ``max_tokens``, optional ``prompt_logprobs`` (the top-1 token at every prompt position) and
 ``logprobs`` (k: the top-k log-probabilities of every generated token). OUT
-(JSON): per job, per batch each prompt's generated ``outputs`` and ``prompt_top1`` where asked; then the cache vLLM allocated (``num_blocks``, ``block_size``) and its counters
+(JSON): per job, per batch each prompt's generated ``outputs``, the call's wall ``seconds`` and ``prompt_top1`` where asked; then the cache vLLM allocated (``num_blocks``, ``block_size``) and its counters
 (``metrics``: preemptions, prefix-cache hits, ...), or ``error`` (the exception's type and message) if the engine
 refused to start. vLLM starts its engine in another process, hence the ``__main__`` guard.
 """
@@ -12,6 +13,7 @@ refused to start. vLLM starts its engine in another process, hence the ``__main_
 import gc
 import json
 import sys
+import time
 
 
 def run(job: dict) -> dict:
@@ -26,8 +28,9 @@ def run(job: dict) -> dict:
     for batch in job["batches"]:  # one generate call each: a later batch can hit the prefix cache of an earlier one
         sp = SamplingParams(temperature=0, max_tokens=batch.get("max_tokens", 16), ignore_eos=True,
                             prompt_logprobs=1 if batch.get("prompt_logprobs") else None, logprobs=batch.get("logprobs"))
+        t = time.perf_counter()
         outs = llm.generate([TokensPrompt(prompt_token_ids=p) for p in batch["prompts"]], sp, use_tqdm=False)
-        b = {"outputs": [list(o.outputs[0].token_ids) for o in outs]}
+        b = {"outputs": [list(o.outputs[0].token_ids) for o in outs], "seconds": time.perf_counter() - t}
         if batch.get("prompt_logprobs"):
             b["prompt_top1"] = [[None if lp is None else next(t for t, x in lp.items() if x.rank == 1) for lp in o.prompt_logprobs]
                                 for o in outs]

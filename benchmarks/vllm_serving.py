@@ -1,0 +1,167 @@
+"""WUSH-KV served by vLLM (CPU) against stock vLLM, in one run: cache capacity, agreement with wushkv's transformers
+cache, and decode speed (issue #32; docs/reference/serving.md, performance.md).
+
+From one calibration it exports the model three times (``wushkv export-model``, wush+ldlq, QuEST, windows
+``--sink 16 --keep 128 --flush 1``): K2V2, K4V2, and the same weights without a side file (stock vLLM, plugin
+installed). Then, in the vLLM environment (``.venv-vllm``, ``make vllm-venv``; ``python -m wushkv_vllm.jobs``):
+
+* **capacity**: the tokens vLLM's paged cache holds for the same ``VLLM_CPU_KVCACHE_SPACE`` (its
+  ``CPU KV cache size`` line: blocks × block size), bfloat16 as served;
+* **agreement** (float32 on both sides, like for like): ``--prompts`` rows of WikiText-2 test of ``--prompt-len``
+  tokens, ``--new-tokens`` greedy tokens each through the plugin; teacher-forced, wushkv's transformers cache at the
+  same windows predicts every prompt and generated position; top-1 agreement and the largest log-probability gap;
+* **decode speed** at each of ``--contexts``: ``--requests`` requests of that many prompt tokens, generated once for
+  1 token (the prefill; it fills the prefix cache) and again for ``--decode-tokens``; decode tokens/s of the second
+  call, plugin over stock.
+
+    python benchmarks/vllm_serving.py --calibration out/smollm2-c32.safetensors --work out/vllm-bench \\
+        --json out/vllm_serving.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import subprocess
+import sys
+from dataclasses import replace
+from pathlib import Path
+
+import torch
+
+from wushkv.config import QuantConfig, WindowConfig
+from wushkv.data import tokenize_chunks, wikitext2_test
+from wushkv.io import write_json
+from wushkv.report import format_table
+
+ROOT = Path(__file__).resolve().parents[1]
+WINDOWS = WindowConfig(16, 128, 1)
+
+
+def export(model, tok, cal, out: Path, k_bits: int, v_bits: int) -> Path:
+    from wushkv.serving import export_model
+
+    if not (out / "wushkv" / "kv_cache.safetensors").is_file():
+        if out.exists():
+            shutil.rmtree(out)
+        cfg = QuantConfig(k_bits=k_bits, v_bits=v_bits, quantizer="quest", windows=WINDOWS)
+        export_model(model, tok, out, method="wush+ldlq", cfg=cfg, calibration=cal)
+    return out
+
+
+def run_jobs(vllm_python: str, jobs: list, work: Path, space_gib: int) -> list:
+    jp, op = work / "jobs.json", work / "jobs.out.json"
+    jp.write_text(json.dumps(jobs))
+    env = dict(os.environ, VLLM_CPU_KVCACHE_SPACE=str(space_gib), PYTHONPATH=str(ROOT / "src"))
+    r = subprocess.run([vllm_python, "-m", "wushkv_vllm.jobs", str(jp), str(op)], env=env, text=True,
+                       stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    (work / "jobs.log").write_text(r.stdout)
+    if r.returncode:
+        raise SystemExit(f"vLLM jobs failed (exit {r.returncode}); log in {work / 'jobs.log'}:\n{r.stdout[-3000:]}")
+    return json.loads(op.read_text())
+
+
+def reference_logprobs(folder: Path, prompt: list, gen: list) -> torch.Tensor:
+    """wushkv's transformers cache on the exported folder, teacher-forced, at the plugin's windows: (n, vocab)."""
+    from transformers import AutoModelForCausalLM
+
+    from wushkv.folding import apply_transforms
+    from wushkv.serving import read_side_file, served_config, served_transforms
+
+    model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32)
+    meta, tensors = read_side_file(folder)
+    cfg = served_config(meta)
+    cfg = replace(cfg, windows=WindowConfig(cfg.windows.S_sink, cfg.windows.S_keep, 1))
+    with apply_transforms(model, served_transforms(meta, tensors), meta["method"]) as inst, torch.no_grad():
+        return model(torch.tensor([prompt + gen]), cache=inst.cache(cfg), use_cache=True).logits[0].double().log_softmax(-1)
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--model", default="smollm2-135m")
+    p.add_argument("--calibration", required=True)
+    p.add_argument("--work", default="out/vllm-bench", help="folder for the exported models and the vLLM logs")
+    p.add_argument("--vllm-python", default=str(ROOT / ".venv-vllm" / "bin" / "python"))
+    p.add_argument("--kv-space", type=int, default=1, help="VLLM_CPU_KVCACHE_SPACE, GiB")
+    p.add_argument("--prompts", type=int, default=8)
+    p.add_argument("--prompt-len", type=int, default=512)
+    p.add_argument("--new-tokens", type=int, default=128)
+    p.add_argument("--contexts", default="1024,4096,8192")
+    p.add_argument("--requests", type=int, default=4)
+    p.add_argument("--decode-tokens", type=int, default=32)
+    p.add_argument("--skip", default="", help="comma-separated parts to skip: capacity, agreement, speed")
+    p.add_argument("--json", required=True)
+    args = p.parse_args(argv)
+    skip = set(filter(None, args.skip.split(",")))
+
+    from wushkv.calibration import Calibration
+    from wushkv.models import load
+
+    work = Path(args.work)
+    work.mkdir(parents=True, exist_ok=True)
+    model, tok = load(args.model)
+    cal = Calibration.load(args.calibration, model)
+    k2v2 = export(model, tok, cal, work / "k2v2", 2, 2)
+    k4v2 = export(model, tok, cal, work / "k4v2", 4, 2)
+    stock = work / "stock"
+    if not stock.exists():
+        shutil.copytree(k2v2, stock)
+        shutil.rmtree(stock / "wushkv")
+    del model
+    text_ids = tokenize_chunks(tok, wikitext2_test(), args.prompt_len, args.prompts).tolist()
+    long_ids = tokenize_chunks(tok, wikitext2_test(), max(int(c) for c in args.contexts.split(",")), args.requests, first=1)
+    out = {"settings": vars(args)}
+    bf16 = {"dtype": "bfloat16", "enforce_eager": True, "max_model_len": 2048, "max_num_seqs": 8}
+
+    if "capacity" not in skip:
+        res = run_jobs(args.vllm_python, [{"folder": str(f), "engine": bf16, "batches": []} for f in (stock, k2v2, k4v2)], work,
+                       args.kv_space)
+        tokens = [r["num_blocks"] * r["block_size"] for r in res]
+        out["capacity"] = {name: {"tokens": t, "vs_stock": t / tokens[0]} for name, t in zip(("stock bf16", "K2V2", "K4V2"), tokens)}
+        print(format_table(["cache", "tokens", "vs stock"], [[n, f"{v['tokens']:,}", f"{v['vs_stock']:.2f}x"]
+                                                             for n, v in out["capacity"].items()]), flush=True)
+
+    if "agreement" not in skip:
+        f32 = bf16 | {"dtype": "float32", "max_model_len": args.prompt_len + args.new_tokens}
+        res = run_jobs(args.vllm_python, [{"folder": str(f), "engine": f32, "batches": [
+            {"prompts": text_ids, "max_tokens": args.new_tokens, "prompt_logprobs": True, "logprobs": 1}]} for f in (k2v2, k4v2)],
+                       work, args.kv_space)
+        out["agreement"] = {}
+        for name, folder, r in zip(("K2V2", "K4V2"), (k2v2, k4v2), res):
+            b = r["batches"][0]
+            agree = total = 0
+            worst = 0.0
+            for prompt, gen, top, plp, glp in zip(text_ids, b["outputs"], b["prompt_top1"], b["prompt_logprob"], b["logprobs"]):
+                ref = reference_logprobs(folder, prompt, gen)
+                am = ref.argmax(-1).tolist()
+                pairs = [(am[i - 1], top[i]) for i in range(1, len(prompt))] + [(am[len(prompt) - 1 + j], g) for j, g in enumerate(gen)]
+                agree += sum(a == c for a, c in pairs)
+                total += len(pairs)
+                worst = max([worst] + [abs(float(ref[i - 1, prompt[i]]) - plp[i]) for i in range(1, len(prompt))]
+                            + [abs(float(ref[len(prompt) - 1 + j, int(t)]) - x) for j, lp in enumerate(glp) for t, x in lp.items()])
+            out["agreement"][name] = {"top1": agree / total, "positions": total, "max_logprob_gap": worst}
+        print(format_table(["cache", "top-1 vs wushkv's cache", "positions", "max |Δ log p|"],
+                           [[n, f"{100 * v['top1']:.2f}%", v["positions"], f"{v['max_logprob_gap']:.1e}"]
+                            for n, v in out["agreement"].items()]), flush=True)
+
+    if "speed" not in skip:
+        rows, out["speed"] = [], {}
+        for C in (int(c) for c in args.contexts.split(",")):
+            eng = bf16 | {"max_model_len": C + args.decode_tokens + 16, "max_num_seqs": args.requests}
+            prompts = [row[:C] for row in long_ids.tolist()]
+            batches = [{"prompts": prompts, "max_tokens": 1}, {"prompts": prompts, "max_tokens": args.decode_tokens}]
+            res = run_jobs(args.vllm_python, [{"folder": str(f), "engine": eng, "batches": batches} for f in (stock, k2v2)], work,
+                           args.kv_space)
+            tps = [args.requests * args.decode_tokens / r["batches"][1]["seconds"] for r in res]
+            out["speed"][C] = {"stock_tokens_per_s": tps[0], "k2v2_tokens_per_s": tps[1], "ratio": tps[1] / tps[0]}
+            rows.append([C, f"{tps[0]:.1f}", f"{tps[1]:.1f}", f"{tps[1] / tps[0]:.3f}"])
+            write_json(args.json, out)
+        print(format_table(["context", "stock tok/s", "K2V2 tok/s", "K2V2 / stock"], rows), flush=True)
+    write_json(args.json, out)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
