@@ -228,6 +228,7 @@ def test_select_refuses_bad_settings(tmp_path, capsys):
         (["--candidates", "wush@tc=2"], "wush has none"),
         (["--gates", "needle"], "--gates 'needle': known gates are passkey, agreement"),
         (["--gates", "agreement", "--agreement-margin", "-1"], "--agreement-margin -1: percentage points"),
+        (["--gates", "agreement,passkey,agreement"], "--gates 'agreement,passkey,agreement' lists a gate twice"),
         (["--agreement-margin", "nan"], "--agreement-margin nan: percentage points of top-1 agreement"),
         (["--agreement-margin", "101"], "a number from 0 to 100 (default 1)"),
         (["--agreement-new-tokens", "0"], "--agreement-new-tokens 0: give a whole number >= 1 (default 512)"),
@@ -311,7 +312,7 @@ def test_agreement_gate_measures_what_agree_measures_and_removes_a_broken_cache(
     # the margin decides: one wide enough to hold the broken cache's loss passes it
     wide = _gate(model, cal, margin=100 * (ok["top1"] - bad["top1"]) + 0.01)(parse_recipe(BROKEN), cfg)
     assert wide["passed"] and wide["top1"] == bad["top1"]
-    with pytest.raises(ValueError, match="--agreement-margin -1.0: percentage points"):
+    with pytest.raises(ValueError, match="--agreement-margin -1: percentage points of top-1 agreement a candidate may lose"):
         _gate(model, cal, margin=-1.0)
 
 

@@ -26,8 +26,8 @@ def check_agreement_args(args) -> None:
             default = AGREEMENT_GATE[flag.removeprefix("--agreement-").replace("-", "_")]
             raise ValueError(f"{flag} {v}: give a whole number >= {least} (default {default})")
     if not (math.isfinite(args.agreement_margin) and 0 <= args.agreement_margin <= 100):
-        raise ValueError(f"--agreement-margin {args.agreement_margin:g}: percentage points of top-1 agreement the paper recipe's may be "
-                         f"undercut by, a number from 0 to 100 (default {AGREEMENT_GATE['margin']:g})")
+        raise ValueError(f"--agreement-margin {args.agreement_margin:g}: percentage points of top-1 agreement a candidate may lose "
+                         f"against the paper recipe, a number from 0 to 100 (default {AGREEMENT_GATE['margin']:g})")
 
 
 def cmd_select(args) -> int:
@@ -49,6 +49,8 @@ def cmd_select(args) -> int:
     for g in gates:
         if g not in GATES:
             raise ValueError(f"--gates {g!r}: known gates are {', '.join(GATES)}")
+    if len(set(gates)) != len(gates):
+        raise ValueError(f"--gates {args.gates!r} lists a gate twice: give each once")
     check_agreement_args(args)
     if args.budget is not None and not (0 < args.budget < float("inf")):
         raise ValueError(f"--budget {args.budget:g}: bits per element (keys and values, metadata included), a positive number such as 2.5")
@@ -86,7 +88,8 @@ def cmd_select(args) -> int:
             gate_objs.append(PasskeyGate(model, tok, cal))
         elif g == "agreement":  # its prompts: the held-out text right after the chunks the selection scores
             prompts = agreement_prompts(tok, text, chunks.numel(), args.agreement_prompts, args.agreement_prompt_len)
-            gate_objs.append(AgreementGate(model, cal, prompts, new_tokens=args.agreement_new_tokens, margin=args.agreement_margin))
+            gate_objs.append(AgreementGate(model, cal, prompts, new_tokens=args.agreement_new_tokens, margin=args.agreement_margin,
+                                           log=err))
     err(f"select: {len(candidates)} candidates x {len(args.bits)} widths on {label}, {chunks.shape[0]} x {args.serve_len} tokens; "
         f"evaluations kept in {runs}")
     # cli.main locks the files named by flags (--json, --out, --plot); the defaults are locked here: the evaluations

@@ -228,9 +228,9 @@ class AgreementGate:
     docs/lab/long-generation-agreement.md); 4 prompts, one batch, so decoding them costs little more than one. Margin 1
     point: in the full ``agree`` protocol on SmolLM2 at 2 bits (16 x 1024 tokens, docs/lab/generation-key-tiles.md)
     every working quantizer (the rotations, KVarN's tiles, every WUSH variant) lies within 0.6 points of WUSH's top-1
-    (98.58% ... 99.62% against 99.18%) while a cache that breaks generation loses tens of points (no transform 73.8%,
-    the stock 2-bit hqq cache 45.1%): the gate removes what breaks generation, and leaves ranking what works to the
-    held-out perplexity.
+    (98.60% ... 99.62% against 99.13%) while a cache that breaks generation loses tens of points (no transform 73.8%,
+    the stock 2-bit hqq cache 45.1%, docs/lab/long-generation-agreement.md): the gate removes what breaks generation,
+    and leaves ranking what works to the held-out perplexity.
 
     **Cost.** The full-precision continuations once per gate (``new_tokens`` decoding steps of one batch), then per
     (recipe, width), the paper recipe's included once per width: one teacher-forced pass of the prompts and their
@@ -241,16 +241,16 @@ class AgreementGate:
     name = "agreement"
 
     def __init__(self, model, calibration, prompts: torch.Tensor, new_tokens: int = AGREEMENT_GATE["new_tokens"],
-                 margin: float = AGREEMENT_GATE["margin"]):
+                 margin: float = AGREEMENT_GATE["margin"], log=lambda m: None):
         if new_tokens < 1:
             raise ValueError(f"--agreement-new-tokens {new_tokens}: generate at least 1 token (default {AGREEMENT_GATE['new_tokens']})")
         if not (0 <= margin <= 100):  # also refuses nan
-            raise ValueError(f"--agreement-margin {margin}: percentage points of top-1 agreement, a number from 0 to 100 "
-                             f"(default {AGREEMENT_GATE['margin']:g})")
+            raise ValueError(f"--agreement-margin {margin:g}: percentage points of top-1 agreement a candidate may lose against the "
+                             f"paper recipe, a number from 0 to 100 (default {AGREEMENT_GATE['margin']:g})")
         if prompts.dim() != 2 or prompts.shape[0] < 1 or prompts.shape[1] < 2:
             raise ValueError(f"the agreement gate's prompts must be (prompts, tokens) with at least 1 x 2, got {tuple(prompts.shape)}")
         self.model, self.calibration, self.prompts = model, calibration, prompts
-        self.new_tokens, self.margin = int(new_tokens), float(margin)
+        self.new_tokens, self.margin, self.log = int(new_tokens), float(margin), log
         # what the gate's results depend on, kept with them so that a resumed file of other settings is refused
         self.settings = {"prompts": int(prompts.shape[0]), "prompt_len": int(prompts.shape[1]), "new_tokens": self.new_tokens,
                          "margin": self.margin, "reference": PAPER, "batch": int(prompts.shape[0]),
@@ -267,7 +267,7 @@ class AgreementGate:
         if key not in self._runs:
             # listed under the recipe's name: recipes of one method at other clips must not share rows
             res = run_agreement(self.model, self.prompts, [recipe.name], self.calibration, cfg, self.new_tokens, single_pass=True,
-                                batch=self.prompts.shape[0], show_progress=False, log=lambda m: None,
+                                batch=self.prompts.shape[0], show_progress=False, log=lambda m: self.log(f"agreement gate: {m.strip()}"),
                                 state={"continuations": self.continuations},
                                 resolved={recipe.name: (recipe.method.name, recipe.base(cfg))})
             self._runs[key] = res[recipe.name]
@@ -278,7 +278,7 @@ class AgreementGate:
         got = self.agreement(recipe, cfg)
         passed = 100 * got["top1"] >= 100 * ref["top1"] - self.margin - 1e-9
         n, P = self.prompts.shape
-        return {"passed": passed, "top1": got["top1"], "mean_kl": got["mean_kl"],
+        return {"passed": passed, "top1": got["top1"], "mean_kl": got["mean_kl"], "seconds": got["seconds"],
                 "median_first_divergence": got["median_first_divergence"], "reference": PAPER, "reference_top1": ref["top1"],
                 "reference_mean_kl": ref["mean_kl"], "reference_median_first_divergence": ref["median_first_divergence"],
                 "margin": self.margin,
@@ -452,6 +452,7 @@ def selection_report(out: dict, candidates: list[str], bits: list[int], model: s
     names = _listed(out, candidates)
     lines = [f"\n{model}: selection on {text_label} ({s['chunks']} x {s['serve_len']} tokens) under {setting_label(s['setting'])}, "
              f"rule {s['rule']}" + (f", budget {s['budget']:g} bits/element" if s.get("budget") else "")
+             + (f", gates {', '.join(s['gates'])}" if s.get("gates") else "")
              + f"; full precision PPL {out['fp']['ppl']:.3f}"]
     for b in bits:
         rows = []
