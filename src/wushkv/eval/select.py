@@ -219,8 +219,8 @@ class AgreementGate:
 
     **Rule.** A recipe passes when its top-1 agreement is no more than ``margin`` percentage points below the paper
     recipe's (``wush``) at the same width on the same continuations. The paper recipe is what every choice is measured
-    against and what ``auto`` falls back to, so it always passes its own gate: a width never loses its last candidate
-    to this gate.
+    against and what ``auto`` falls back to, so it always passes its own gate: a width whose candidates include it (not
+    excluded by a budget) never loses its last candidate to this gate.
 
     **Defaults** (:data:`AGREEMENT_GATE`). 512 new tokens after 512-token prompts: a long generation for the cache,
     whose recent window (128 or 256 tokens) the continuation outgrows, so most generated tokens are read back
