@@ -1,6 +1,7 @@
 """``wushkv select``: recipes, bytes, rules, gates, resuming, the choice in the calibration file, and that ``auto``
 after a selection on a model no recipe was chosen for is no worse than the paper recipe on other text."""
 
+import hashlib
 import json
 import math
 import re
@@ -8,11 +9,12 @@ from dataclasses import replace
 
 import pytest
 import torch
-from conftest import CharTokenizer, tiny_model
+from conftest import CharTokenizer, hf_char_tokenizer, tiny_model
 
 from wushkv.config import QuantConfig, WindowConfig
 from wushkv.eval.compare import paired_difference, run_compare
-from wushkv.eval.select import apply_rule, bits_per_element, run_selection, selection_record, selection_report
+from wushkv.eval.select import (AgreementGate, agreement_prompts, apply_rule, bits_per_element, run_selection, selection_record,
+                                selection_report)
 from wushkv.methods.auto import parse_recipe, resolve_auto
 
 QUIET = {"show_progress": False, "log": lambda m: None}
@@ -174,11 +176,22 @@ def test_select_command_writes_the_choice_into_the_calibration(tmp_path, capsys)
     held.write_text(HELD_OUT)
     argv = ["select", "--model", str(tmp_path / "m"), "--calibration", str(path), "--text-file", str(held), "--serve-len", "120",
             "--chunks", "2", "--bits", "2", "--candidates", "wush+ldlq-v,wush@va=1.3", "--sink", "4", "--keep", "16", "--flush", "4",
-            "--plot", str(tmp_path / "s.png")]
+            "--plot", str(tmp_path / "s.png"), "--gates", "agreement", "--agreement-prompts", "2", "--agreement-prompt-len", "32",
+            "--agreement-new-tokens", "24"]
     assert main(argv) == 0
     printed = capsys.readouterr().out
     assert "2 bits:" in printed and "CHOSEN" in printed and "wrote the selection for 1 width(s)" in printed
     assert (tmp_path / "s.png").stat().st_size > 0 and len(list(tmp_path.glob("c.safetensors.select-*.json"))) == 1
+    # the agreement gate ran with the flags' settings on the held-out tokens right after the two scored chunks
+    (runs,) = tmp_path.glob("c.safetensors.select-*.json")
+    saved = json.loads(runs.read_text())
+    got = saved["settings"]["gate_settings"]["agreement"]
+    assert {k: got[k] for k in ("prompts", "prompt_len", "new_tokens", "margin")} == {"prompts": 2, "prompt_len": 32, "new_tokens": 24,
+                                                                                      "margin": 1.0}
+    prompt_ids = hf_char_tokenizer()(HELD_OUT, return_tensors="pt").input_ids[0][240 : 240 + 64]  # the model dir's tokenizer
+    assert got["prompt_sha256"] == hashlib.sha256(prompt_ids.view(2, 32).numpy().tobytes()).hexdigest()
+    picked = saved["choices"]["2"]["recipe"]
+    assert saved["gates"][f"agreement/{picked}/2"]["passed"]
     with safetensors.safe_open(path, "pt") as f:
         assert f.metadata()["format_version"] == str(FORMAT_VERSION) == "2"
     cal2 = Calibration.load(path)
@@ -213,7 +226,14 @@ def test_select_refuses_bad_settings(tmp_path, capsys):
         (["--candidates", "wush,bogus"], "unknown method 'bogus'"),
         (["--candidates", " , "], "--candidates is empty"),
         (["--candidates", "wush@tc=2"], "wush has none"),
-        (["--gates", "needle"], "--gates 'needle': known gates are passkey"),
+        (["--gates", "needle"], "--gates 'needle': known gates are passkey, agreement"),
+        (["--gates", "agreement", "--agreement-margin", "-1"], "--agreement-margin -1: percentage points"),
+        (["--gates", "agreement,passkey,agreement"], "--gates 'agreement,passkey,agreement' lists a gate twice"),
+        (["--agreement-margin", "nan"], "--agreement-margin nan: percentage points of top-1 agreement"),
+        (["--agreement-margin", "101"], "a number from 0 to 100 (default 1)"),
+        (["--agreement-new-tokens", "0"], "--agreement-new-tokens 0: give a whole number >= 1 (default 512)"),
+        (["--agreement-prompts", "0"], "--agreement-prompts 0: give a whole number >= 1 (default 4)"),
+        (["--agreement-prompt-len", "1"], "--agreement-prompt-len 1: give a whole number >= 2 (default 512)"),
         (["--budget", "-1"], "--budget -1: bits per element"),
     ]:
         assert main(["select", "--calibration", str(tmp_path / "missing.safetensors"), *argv]) == 2
@@ -246,3 +266,97 @@ def _listed_names(out):
     from wushkv.eval.select import _listed
 
     return _listed(out, ["wush", "wush+ldlq"])
+
+
+# A clip far inside every key and value's range: almost every entry saturates, the cache no longer holds what the
+# model wrote, and greedy generation through it leaves full precision's text at once. The same bytes as `wush`.
+BROKEN = "wush@ka=0.1@va=0.1"
+
+
+def _gate(model, cal, new_tokens=32, margin=1.0, prompt_len=48):
+    """An agreement gate on 2 prompts from the held-out text past 4 scored chunks of 160 tokens."""
+    return AgreementGate(model, cal, agreement_prompts(CharTokenizer(), HELD_OUT, 4 * 160, 2, prompt_len), new_tokens=new_tokens,
+                         margin=margin)
+
+
+def test_agreement_gate_measures_what_agree_measures_and_removes_a_broken_cache(tiny_cal):
+    """The agreement gate's prompts are the held-out tokens right after the scored chunks; its numbers are
+    ``run_agreement``'s for the recipe at its own clips and width, on full precision's continuations computed once;
+    the paper recipe passes its own gate, a cache whose clips saturate it fails with its numbers in the detail, and the
+    margin is the rule: points of top-1 below the paper recipe's."""
+    from wushkv.eval.agreement import run_agreement
+
+    ids = CharTokenizer()(HELD_OUT, return_tensors="pt").input_ids[0]
+    prompts = agreement_prompts(CharTokenizer(), HELD_OUT, 640, 2, 48)
+    assert torch.equal(prompts.flatten(), ids[640 : 640 + 96]) and torch.equal(_chunks(HELD_OUT, 4).flatten(), ids[:640])
+    with pytest.raises(ValueError, match="tokens past the 640 the selection scores, fewer than the agreement gate's 200 prompts"):
+        agreement_prompts(CharTokenizer(), HELD_OUT, 640, 200, 48)
+    model = tiny_model("llama")
+    cal = tiny_cal(model)
+    gate = _gate(model, cal)
+    cfg = replace(BASE, k_bits=2, v_bits=2)
+    ok = gate(parse_recipe("wush"), cfg)
+    conts = [list(c) for c in gate.continuations]
+    bad = gate(parse_recipe(BROKEN), cfg)
+    assert gate.continuations == conts and len(conts) == 2 and all(len(c) == 32 for c in conts)  # computed once, reused
+    # the same numbers from `agree`'s function, run independently: the recipe at its clip, not the method's default
+    state = {}
+    ref = run_agreement(model, gate.prompts, ["wush", "broken"], cal, cfg, 32, single_pass=True, batch=2, state=state,
+                        resolved={"broken": ("wush", replace(cfg, k_alpha=0.1 * cfg.k_alpha, v_alpha=0.1 * cfg.v_alpha))}, **QUIET)
+    assert state["continuations"] == conts
+    assert ok["top1"] == ok["reference_top1"] == ref["wush"]["top1"] and ok["passed"]
+    assert bad["top1"] == ref["broken"]["top1"] and bad["mean_kl"] == ref["broken"]["mean_kl"]
+    assert bad["reference_top1"] == ok["top1"] and 100 * bad["top1"] < 100 * ok["top1"] - 20 and not bad["passed"]
+    assert bad["detail"].startswith(f"top-1 agreement with full precision {100 * bad['top1']:.2f}% against wush's {100 * ok['top1']:.2f}% "
+                                    "(allowed 1 points below) over 2 x 32 generated tokens after 48-token prompts")
+    # the margin decides: one wide enough to hold the broken cache's loss passes it
+    wide = _gate(model, cal, margin=100 * (ok["top1"] - bad["top1"]) + 0.01)(parse_recipe(BROKEN), cfg)
+    assert wide["passed"] and wide["top1"] == bad["top1"]
+    with pytest.raises(ValueError, match="--agreement-margin -1: percentage points of top-1 agreement a candidate may lose"):
+        _gate(model, cal, margin=-1.0)
+
+
+def test_selection_agreement_gate_removes_the_pick_reports_it_and_resumes_only_with_its_settings(tiny_cal, tmp_path):
+    """In a selection: the 2-bit picks of this tiny model (error feedback, key tiles) agree with full precision over 128
+    generated tokens more than the default 1 point less often than the paper recipe does; the gate removes each, the report and the choice name the gate and
+    its numbers, the choice is the first the rule reaches that passes; a rerun with the same gate settings reruns
+    nothing, one with another margin is refused, and a gate added to a resumed file runs."""
+    long = {"new_tokens": 128, "prompt_len": 64}
+    model = tiny_model("llama")
+    cal = tiny_cal(model)
+    chunks = _chunks(HELD_OUT, 4)
+    runs = tmp_path / "runs.json"
+    cands = ["wush", "wush+ldlq", "wush+ktiles+ldlq@tc=1.7"]
+    log = []
+    out = run_selection(model, chunks, cal, cands, [2], BASE, gates=[_gate(model, cal, **long)], json_path=runs,
+                        meta={"model": "tiny"}, show_progress=False, log=log.append)
+    gates = out["gates"]
+    removed = [n for n in cands if f"agreement/{n}/2" in gates and not gates[f"agreement/{n}/2"]["passed"]]
+    assert removed and "wush" not in removed  # the paper recipe passes its own gate
+    choice = out["choices"]["2"]
+    assert gates[f"agreement/{choice['recipe']}/2"]["passed"]
+    ranked = sorted(cands, key=lambda n: out["results"][n]["2"]["nll"])
+    assert ranked[: ranked.index(choice["recipe"])] == removed  # every candidate the rule preferred was removed, in order
+    for n in removed:
+        g = gates[f"agreement/{n}/2"]
+        assert 100 * g["top1"] < 100 * g["reference_top1"] and g["reference"] == "wush"
+        assert f"{n} (agreement: {g['detail']})" in choice["why"]
+        assert any(m.startswith(f"2-bit {n}: agreement gate FAILED: top-1 agreement") for m in log)
+    report = selection_report(out, cands, [2], "tiny", "held-out")
+    assert all(f"removed by gate agreement: {gates[f'agreement/{n}/2']['detail']}" in report for n in removed)
+    saved = json.loads(runs.read_text())
+    assert saved["settings"]["gate_settings"]["agreement"]["margin"] == 1.0 and saved["gates"] == gates
+    assert selection_record(out, "held-out")["gate_settings"]["agreement"]["new_tokens"] == 128
+    # the same settings: nothing runs again, the same choice
+    log = []
+    again = run_selection(model, chunks, cal, cands, [2], BASE, gates=[_gate(model, cal, **long)], json_path=runs,
+                          meta={"model": "tiny"}, show_progress=False, log=log.append)
+    assert again["choices"] == out["choices"] and not any(": agreement gate" in m for m in log)
+    # another margin: the stored gate results do not hold for it
+    with pytest.raises(ValueError, match=r"holds agreement gate results of other settings \(differing: margin\)"):
+        run_selection(model, chunks, cal, cands, [2], BASE, gates=[_gate(model, cal, **long, margin=2.0)], json_path=runs,
+                      meta={"model": "tiny"}, **QUIET)
+    # dropping the gate keeps its settings with its results; adding another gate is free
+    fake = FailFirst()
+    run_selection(model, chunks, cal, cands, [2], BASE, gates=[fake], json_path=runs, meta={"model": "tiny"}, **QUIET)
+    assert fake.calls and json.loads(runs.read_text())["settings"]["gate_settings"]["agreement"]["margin"] == 1.0

@@ -13,11 +13,29 @@ def default_runs_path(calibration: str, settings_key: str) -> str:
     return f"{calibration}.select-{settings_key}.json"
 
 
+def check_agreement_args(args) -> None:
+    """Refuse agreement-gate settings out of range before anything loads (whether or not the gate is asked for:
+    a bad value given is a mistake either way)."""
+    import math
+
+    from ..eval.select import AGREEMENT_GATE
+
+    for flag, v, least in (("--agreement-prompts", args.agreement_prompts, 1), ("--agreement-prompt-len", args.agreement_prompt_len, 2),
+                           ("--agreement-new-tokens", args.agreement_new_tokens, 1)):
+        if v < least:
+            default = AGREEMENT_GATE[flag.removeprefix("--agreement-").replace("-", "_")]
+            raise ValueError(f"{flag} {v}: give a whole number >= {least} (default {default})")
+    if not (math.isfinite(args.agreement_margin) and 0 <= args.agreement_margin <= 100):
+        raise ValueError(f"--agreement-margin {args.agreement_margin:g}: percentage points of top-1 agreement a candidate may lose "
+                         f"against the paper recipe, a number from 0 to 100 (default {AGREEMENT_GATE['margin']:g})")
+
+
 def cmd_select(args) -> int:
     from ..calibration import Calibration
     from ..data import heldout_c4_text, read_text_file, tokenize_chunks, wikitext2_test
     from ..eval.prepare import check_heldout_calibration, load_calibration
-    from ..eval.select import GATES, PasskeyGate, plot_selection, run_selection, selection_record, selection_report
+    from ..eval.select import (GATES, AgreementGate, PasskeyGate, agreement_prompts, plot_selection, run_selection, selection_record,
+                               selection_report)
     from ..io import exclusive_output
     from ..methods.auto import parse_recipe, selection_setting
     from ..runs import settings_key
@@ -31,6 +49,9 @@ def cmd_select(args) -> int:
     for g in gates:
         if g not in GATES:
             raise ValueError(f"--gates {g!r}: known gates are {', '.join(GATES)}")
+    if len(set(gates)) != len(gates):
+        raise ValueError(f"--gates {args.gates!r} lists a gate twice: give each once")
+    check_agreement_args(args)
     if args.budget is not None and not (0 < args.budget < float("inf")):
         raise ValueError(f"--budget {args.budget:g}: bits per element (keys and values, metadata included), a positive number such as 2.5")
     base = quant_config(args, k_bits=2, v_bits=2)
@@ -49,6 +70,9 @@ def cmd_select(args) -> int:
         text, label = heldout_c4_text()
     model, tok = load_model(args)
     check_positions(model, args.serve_len, "--serve-len", args.model)
+    if "agreement" in gates:
+        check_positions(model, args.agreement_prompt_len + args.agreement_new_tokens, "--agreement-prompt-len + --agreement-new-tokens",
+                        args.model)
     cal = load_calibration(args.calibration, model)
     if not args.text_file:
         check_heldout_calibration(cal)
@@ -58,7 +82,14 @@ def cmd_select(args) -> int:
     runs = args.json or default_runs_path(args.calibration, settings_key([selection_setting(base), args.serve_len, int(chunks.shape[0]),
                                                                           label, args.dtype]))
     meta = {"model": args.model, "dtype": args.dtype, "text": label, "candidates": candidates, "bits": args.bits}
-    gate_objs = [PasskeyGate(model, tok, cal) for g in gates if g == "passkey"]
+    gate_objs = []
+    for g in gates:
+        if g == "passkey":
+            gate_objs.append(PasskeyGate(model, tok, cal))
+        elif g == "agreement":  # its prompts: the held-out text right after the chunks the selection scores
+            prompts = agreement_prompts(tok, text, chunks.numel(), args.agreement_prompts, args.agreement_prompt_len)
+            gate_objs.append(AgreementGate(model, cal, prompts, new_tokens=args.agreement_new_tokens, margin=args.agreement_margin,
+                                           log=err))
     err(f"select: {len(candidates)} candidates x {len(args.bits)} widths on {label}, {chunks.shape[0]} x {args.serve_len} tokens; "
         f"evaluations kept in {runs}")
     # cli.main locks the files named by flags (--json, --out, --plot); the defaults are locked here: the evaluations
@@ -80,7 +111,7 @@ def cmd_select(args) -> int:
 
 
 def register(sub) -> None:
-    from ..eval.select import DEFAULT_CANDIDATES, GATES, PASSKEY_GATE, RULES
+    from ..eval.select import AGREEMENT_GATE, DEFAULT_CANDIDATES, GATES, PASSKEY_GATE, RULES
     from ..methods.auto import RECIPE_OPTIONS
 
     p = sub.add_parser(
@@ -107,7 +138,19 @@ def register(sub) -> None:
     p.add_argument("--gates", default="", help=f"comma-separated checks a pick must also pass, on their own prompts: {', '.join(GATES)} "
                                                f"(passkey: {PASSKEY_GATE['trials']} trials at depths "
                                                f"{','.join(map(str, PASSKEY_GATE['depths']))} of {PASSKEY_GATE['contexts'][0]} tokens, "
-                                               "no lower accuracy than full precision)")
+                                               "no lower accuracy than full precision; agreement: long greedy generations "
+                                               "from held-out prompts, teacher-forced top-1 agreement with full precision no more "
+                                               "than --agreement-margin points below the paper recipe's)")
+    p.add_argument("--agreement-prompts", type=int, default=AGREEMENT_GATE["prompts"],
+                   help="the agreement gate's prompts, held-out text past the scored chunks, decoded as one batch (default: %(default)s)")
+    p.add_argument("--agreement-prompt-len", type=int, default=AGREEMENT_GATE["prompt_len"],
+                   help="tokens per agreement-gate prompt (default: %(default)s)")
+    p.add_argument("--agreement-new-tokens", type=int, default=AGREEMENT_GATE["new_tokens"],
+                   help="greedy tokens full precision generates after each prompt, which every candidate then reads back through "
+                        "its quantized cache (default: %(default)s)")
+    p.add_argument("--agreement-margin", type=float, default=AGREEMENT_GATE["margin"], metavar="POINTS",
+                   help="a candidate passes the agreement gate when its top-1 agreement with full precision is at most POINTS "
+                        "percentage points below the paper recipe's at the same width (default: %(default)s)")
     p.add_argument("--refine", action="store_true",
                    help="also walk each width's pick's clips downhill (the tile clip or QuEST key clip, then the value clip) and "
                         "choose among what the walk visited too: a few evaluations more per width")

@@ -20,7 +20,10 @@ The procedure that chose the shipped models' recipes, as a command:
 5. **Gates** (optional): a pick must also pass each gate, run on the gate's own prompts (never a reported
    evaluation's); one that fails is removed, with the gate's numbers, and the rule picks again among the rest.
    ``passkey``: retrieval accuracy over :data:`PASSKEY_GATE` prompts (seed 1, not the ``passkey`` command's 0) no
-   lower than full precision's on the same prompts.
+   lower than full precision's on the same prompts. ``agreement`` (:class:`AgreementGate`): over long greedy
+   generations from held-out prompts past the chunks the selection scores, teacher-forced top-1 agreement with full
+   precision no more than :data:`AGREEMENT_GATE`\\ ``["margin"]`` points below the paper recipe's at the same width.
+   A gate's settings are part of what a resumed file must match.
 
 The result, per width, is a *choice* (recipe, why, held-out Δ% over full precision, paired Δ% against the paper
 recipe with its 95% bootstrap interval over the chunks, bits per element) written into the calibration file with the
@@ -31,6 +34,7 @@ from __future__ import annotations
 
 import datetime as _dt
 import hashlib
+import json
 import math
 from dataclasses import replace
 
@@ -54,8 +58,11 @@ PAPER = "wush"
 DEFAULT_CANDIDATES = ("wush", "wush+ldlq", "wush+ktiles+ldlq", "wush+ktiles+ldlq@tc=1.7", "wush+ktiles+ldlq@tc=3",
                       "wush+ldlq@ka=1.15@va=1.45")
 RULES = ("lowest", "simplest")
-GATES = ("passkey",)
+GATES = ("passkey", "agreement")
 PASSKEY_GATE = {"contexts": [1024], "depths": [0.1, 0.5, 0.9], "trials": 2, "seed": 1}
+# The agreement gate's defaults (AgreementGate explains each): 4 held-out prompts of 512 tokens, 512 greedy tokens each,
+# top-1 agreement no more than 1 point below the paper recipe's.
+AGREEMENT_GATE = {"prompts": 4, "prompt_len": 512, "new_tokens": 512, "margin": 1.0}
 
 
 def bits_per_element(recipe: Recipe, cfg: QuantConfig, head_dim: int) -> float:
@@ -185,6 +192,102 @@ class PasskeyGate:
                 "detail": f"passkey accuracy {100 * acc:.0f}% against full precision's {100 * self._fp:.0f}%"}
 
 
+def agreement_prompts(tokenizer, text: str, scored: int, prompts: int, prompt_len: int) -> torch.Tensor:
+    """The agreement gate's prompts (prompts, prompt_len): consecutive tokens of the held-out ``text`` starting right
+    after the first ``scored`` tokens, the ones the selection's chunks hold (:func:`wushkv.data.tokenize_chunks` cuts
+    them from the start). Never the scored text, and never the evaluation text (the held-out text is not WikiText-2)."""
+    if prompts < 1 or prompt_len < 2:
+        raise ValueError(f"the agreement gate needs at least 1 prompt of at least 2 tokens, got {prompts} x {prompt_len}")
+    ids = tokenizer(text, return_tensors="pt").input_ids[0]
+    rest = ids[scored : scored + prompts * prompt_len]
+    if rest.numel() < prompts * prompt_len:
+        raise ValueError(f"the held-out text has {max(ids.numel() - scored, 0)} tokens past the {scored} the selection scores, fewer "
+                         f"than the agreement gate's {prompts} prompts x {prompt_len} tokens: give a longer --text-file, or fewer "
+                         "--agreement-prompts or a shorter --agreement-prompt-len")
+    return rest.view(prompts, prompt_len)
+
+
+class AgreementGate:
+    """Long-generation agreement with full precision on the gate's own prompts, under the selection's quantizer setting.
+
+    **Measure.** Full precision generates ``new_tokens`` greedy tokens after each of ``prompts`` (N, P) (EOS
+    ignored), once per gate; a recipe then reads ``prompt + continuation`` through its quantized cache (the exact
+    single-pass emulation of streaming decode) and, at every generated position, agrees or not with full precision's
+    next token (:func:`wushkv.eval.agreement.run_agreement`, what ``wushkv agree`` reports as top-1, with its mean KL
+    and first divergence). The prompts are held-out text of the calibration's domain past the chunks the selection
+    scores (:func:`agreement_prompts`), never the evaluation text ``agree`` and the reports read.
+
+    **Rule.** A recipe passes when its top-1 agreement is no more than ``margin`` percentage points below the paper
+    recipe's (``wush``) at the same width on the same continuations. The paper recipe is what every choice is measured
+    against and what ``auto`` falls back to, so it always passes its own gate: a width whose candidates include it (not
+    excluded by a budget) never loses its last candidate to this gate.
+
+    **Defaults** (:data:`AGREEMENT_GATE`). 512 new tokens after 512-token prompts: a long generation for the cache,
+    whose recent window (128 or 256 tokens) the continuation outgrows, so most generated tokens are read back
+    quantized, hundreds of steps after they were written (the regime where WUSH's KL rose late,
+    docs/lab/long-generation-agreement.md); 4 prompts, one batch, so decoding them costs little more than one. Margin 1
+    point: in the full ``agree`` protocol on SmolLM2 at 2 bits (16 x 1024 tokens, docs/lab/generation-key-tiles.md)
+    every working quantizer (the rotations, KVarN's tiles, every WUSH variant) lies within 0.6 points of WUSH's top-1
+    (98.60% ... 99.62% against 99.13%) while a cache that breaks generation loses tens of points (no transform 73.8%,
+    the stock 2-bit hqq cache 45.1%, docs/lab/long-generation-agreement.md): the gate removes what breaks generation,
+    and leaves ranking what works to the held-out perplexity.
+
+    **Cost.** The full-precision continuations once per gate (``new_tokens`` decoding steps of one batch), then per
+    (recipe, width), the paper recipe's included once per width: one teacher-forced pass of the prompts and their
+    continuations through the quantized cache, one full-precision pass for the reference logits, and greedy decoding
+    through the quantized cache until every prompt has left full precision's text.
+    """
+
+    name = "agreement"
+
+    def __init__(self, model, calibration, prompts: torch.Tensor, new_tokens: int = AGREEMENT_GATE["new_tokens"],
+                 margin: float = AGREEMENT_GATE["margin"], log=lambda m: None):
+        if new_tokens < 1:
+            raise ValueError(f"--agreement-new-tokens {new_tokens}: generate at least 1 token (default {AGREEMENT_GATE['new_tokens']})")
+        if not (0 <= margin <= 100):  # also refuses nan
+            raise ValueError(f"--agreement-margin {margin:g}: percentage points of top-1 agreement a candidate may lose against the "
+                             f"paper recipe, a number from 0 to 100 (default {AGREEMENT_GATE['margin']:g})")
+        if prompts.dim() != 2 or prompts.shape[0] < 1 or prompts.shape[1] < 2:
+            raise ValueError(f"the agreement gate's prompts must be (prompts, tokens) with at least 1 x 2, got {tuple(prompts.shape)}")
+        self.model, self.calibration, self.prompts = model, calibration, prompts
+        self.new_tokens, self.margin, self.log = int(new_tokens), float(margin), log
+        # what the gate's results depend on, kept with them so that a resumed file of other settings is refused
+        self.settings = {"prompts": int(prompts.shape[0]), "prompt_len": int(prompts.shape[1]), "new_tokens": self.new_tokens,
+                         "margin": self.margin, "reference": PAPER, "batch": int(prompts.shape[0]),
+                         "prompt_sha256": hashlib.sha256(prompts.cpu().numpy().tobytes()).hexdigest()}
+        self.continuations: list[list[int]] = []  # full precision's, filled by the first run and read by every other
+        self._runs: dict[tuple[str, str], dict] = {}  # (recipe, width setting) -> run_agreement's summary
+
+    def agreement(self, recipe: Recipe, cfg: QuantConfig) -> dict:
+        """:func:`~wushkv.eval.agreement.run_agreement`'s summary of ``recipe`` at ``cfg`` on the gate's prompts
+        (``top1``, ``mean_kl``, ``median_first_divergence``, ...), run once per (recipe, setting)."""
+        from .agreement import run_agreement
+
+        key = (recipe.name, json.dumps(cfg.to_dict(), sort_keys=True))
+        if key not in self._runs:
+            # listed under the recipe's name: recipes of one method at other clips must not share rows
+            res = run_agreement(self.model, self.prompts, [recipe.name], self.calibration, cfg, self.new_tokens, single_pass=True,
+                                batch=self.prompts.shape[0], show_progress=False, log=lambda m: self.log(f"agreement gate: {m.strip()}"),
+                                state={"continuations": self.continuations},
+                                resolved={recipe.name: (recipe.method.name, recipe.base(cfg))})
+            self._runs[key] = res[recipe.name]
+        return self._runs[key]
+
+    def __call__(self, recipe: Recipe, cfg: QuantConfig) -> dict:
+        ref = self.agreement(parse_recipe(PAPER), cfg)
+        got = self.agreement(recipe, cfg)
+        passed = 100 * got["top1"] >= 100 * ref["top1"] - self.margin - 1e-9
+        n, P = self.prompts.shape
+        return {"passed": passed, "top1": got["top1"], "mean_kl": got["mean_kl"], "seconds": got["seconds"],
+                "median_first_divergence": got["median_first_divergence"], "reference": PAPER, "reference_top1": ref["top1"],
+                "reference_mean_kl": ref["mean_kl"], "reference_median_first_divergence": ref["median_first_divergence"],
+                "margin": self.margin,
+                "detail": f"top-1 agreement with full precision {100 * got['top1']:.2f}% against {PAPER}'s {100 * ref['top1']:.2f}% "
+                          f"(allowed {self.margin:g} points below) over {n} x {self.new_tokens} generated tokens after {P}-token "
+                          f"prompts; mean KL {got['mean_kl']:.4f} against {ref['mean_kl']:.4f}, median first divergence "
+                          f"{got['median_first_divergence']:g} against {ref['median_first_divergence']:g}"}
+
+
 def run_selection(model, chunks: torch.Tensor, calibration, candidates: list[str], bits: list[int], base: QuantConfig,
                   rule: str = "lowest", budget: float | None = None, gates=(), json_path=None, meta: dict | None = None,
                   refine: bool = False, show_progress: bool = True, log=print) -> dict:
@@ -208,14 +311,24 @@ def run_selection(model, chunks: torch.Tensor, calibration, candidates: list[str
     head_dim = describe(model).head_dim
     cfgs = {b: replace(base, k_bits=b, v_bits=b) for b in bits}  # validates the widths before anything runs
     settings = as_json(dict(meta or {}, chunks=int(chunks.shape[0]), serve_len=int(chunks.shape[1]), setting=selection_setting(base),
-                            rule=rule, budget=budget, gates=[g.name for g in gates], refine=refine,
+                            rule=rule, budget=budget, gates=[g.name for g in gates],
+                            gate_settings={g.name: getattr(g, "settings", None) for g in gates}, refine=refine,
                             text_sha256=hashlib.sha256(chunks.cpu().numpy().tobytes()).hexdigest(),
                             calibration=calibration_recipe(calibration.meta)))
     out = {"settings": settings, "fp": None, "results": {}}
     if json_path and (prev := read_run(json_path, ("settings", "results"), "wushkv select")) is not None:
         # what the evaluations depend on: not the candidates, widths, rule, budget or gates (choosing again is free)
-        key = lambda s: {k: v for k, v in s.items() if k not in ("candidates", "bits", "rule", "budget", "gates", "refine")}  # noqa: E731
+        key = lambda s: {k: v for k, v in s.items()  # noqa: E731
+                         if k not in ("candidates", "bits", "rule", "budget", "gates", "gate_settings", "refine")}
         resume_settings(json_path, prev["settings"], settings, key=key)
+        # a gate's stored results hold only for the settings it ran with: adding a gate is free, changing one is refused
+        before = prev["settings"].get("gate_settings") or {}
+        for name, now in settings["gate_settings"].items():
+            if name in before and before[name] != now:
+                differ = sorted(k for k in set(before[name] or {}) | set(now or {}) if (before[name] or {}).get(k) != (now or {}).get(k))
+                raise ValueError(f"--json {json_path} holds {name} gate results of other settings (differing: {', '.join(differ)}); "
+                                 f"give the same {name} gate settings, another path to start afresh, or delete it")
+        settings["gate_settings"] = before | settings["gate_settings"]  # a gate not run now keeps its results and settings
         out = {"settings": settings, "fp": prev.get("fp"), "results": prev["results"], "gates": prev.get("gates", {})}
         if out["fp"] is not None and len(out["fp"].get("chunk_nll", [])) != chunks.shape[0]:
             raise ValueError(f"--json {json_path}: its evaluations cover {len(out['fp']['chunk_nll'])} chunks, not {chunks.shape[0]}")
@@ -285,7 +398,8 @@ def run_selection(model, chunks: torch.Tensor, calibration, candidates: list[str
             for g in gates:
                 key = f"{g.name}/{pick}/{b}"
                 if key not in out["gates"]:
-                    out["gates"][key] = g(parse_recipe(pick), cfg)
+                    out["gates"][key] = r = g(parse_recipe(pick), cfg)
+                    log(f"{b}-bit {pick}: {g.name} gate {'passed' if r['passed'] else 'FAILED'}: {r['detail']}")
                     save()
                 if not out["gates"][key]["passed"]:
                     failed = f"{g.name}: {out['gates'][key]['detail']}"
@@ -316,6 +430,7 @@ def selection_record(out: dict, text_label: str) -> dict:
     s = out["settings"]
     return {"version": SELECTION_VERSION, "setting": s["setting"], "serve_len": s["serve_len"], "chunks": s["chunks"],
             "text": text_label, "text_sha256": s["text_sha256"], "rule": s["rule"], "budget": s["budget"], "gates": s["gates"],
+            "gate_settings": {g: (s.get("gate_settings") or {}).get(g) for g in s["gates"]},
             "candidates": s.get("candidates"), "fp_ppl": out["fp"]["ppl"],
             "choices": {b: c for b, c in out["choices"].items() if c is not None},
             "date": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"), "wushkv_version": __version__}
@@ -337,6 +452,7 @@ def selection_report(out: dict, candidates: list[str], bits: list[int], model: s
     names = _listed(out, candidates)
     lines = [f"\n{model}: selection on {text_label} ({s['chunks']} x {s['serve_len']} tokens) under {setting_label(s['setting'])}, "
              f"rule {s['rule']}" + (f", budget {s['budget']:g} bits/element" if s.get("budget") else "")
+             + (f", gates {', '.join(s['gates'])}" if s.get("gates") else "")
              + f"; full precision PPL {out['fp']['ppl']:.3f}"]
     for b in bits:
         rows = []
@@ -355,8 +471,9 @@ def selection_report(out: dict, candidates: list[str], bits: list[int], model: s
             if n != PAPER and PAPER in out["results"] and "chunk_nll" in out["results"][PAPER].get(str(b), {}):
                 d, lo, hi = paired_difference(e["chunk_nll"], out["results"][PAPER][str(b)]["chunk_nll"])
                 paired = f"{d:+.2f}" + (f" ({lo:+.2f} … {hi:+.2f})" if len(e["chunk_nll"]) >= MIN_CHUNKS_FOR_INTERVAL else "")
-            gate = [v for k, v in out.get("gates", {}).items() if k.endswith(f"/{n}/{b}") and not v["passed"]]
-            status = "CHOSEN" if choice and choice["recipe"] == n else ("removed by gate: " + gate[0]["detail"] if gate else "")
+            gate = [(k.split("/")[0], v) for k, v in out.get("gates", {}).items()  # failures of the gates this run applied
+                    if k.endswith(f"/{n}/{b}") and k.split("/")[0] in s["gates"] and not v["passed"]]
+            status = "CHOSEN" if choice and choice["recipe"] == n else (f"removed by gate {gate[0][0]}: {gate[0][1]['detail']}" if gate else "")
             rows.append([n, e["ppl"], f"{e['delta_pct']:+.2f}", paired, bpe, status])
         lines.append(format_table(["candidate", "held-out PPL", "Δ% vs FP", "Δ% vs wush (95% CI)", "bits/elem", ""], rows,
                                   title=f"\n{b} bits" + (f": {choice['recipe']} ({choice['why']})" if choice else ": no choice")))
