@@ -59,7 +59,9 @@ SERVE_ARGS ?= --method wush+ldlq --bits 4 --quantizer quest --sink 16 --keep 128
 serve: $(VENV)/.models $(VLLM_VENV)/.installed
 	test -f out/smollm2-cal.safetensors || $(VENV)/bin/wushkv calibrate --samples 16 --seq-len 2048 --out out/smollm2-cal.safetensors
 	test -f $(SERVE_DIR)/wushkv/kv_cache.safetensors || $(VENV)/bin/wushkv export-model --calibration out/smollm2-cal.safetensors $(SERVE_ARGS) --out $(SERVE_DIR)
-	VLLM_CPU_KVCACHE_SPACE=$${VLLM_CPU_KVCACHE_SPACE:-1} $(VLLM_VENV)/bin/vllm serve $(SERVE_DIR) --dtype bfloat16 --max-model-len 4096
+	# what `vllm serve` runs: vllm-cpu 0.32.0's `vllm` command fails on its own package name (docs/reference/serving.md)
+	VLLM_CPU_KVCACHE_SPACE=$${VLLM_CPU_KVCACHE_SPACE:-1} $(VLLM_VENV)/bin/python -m vllm.entrypoints.launchers.api_server.entry \
+	    --model $(SERVE_DIR) --dtype bfloat16 --max-model-len 4096
 
 clean:
 	rm -rf $(VENV) $(VLLM_VENV) .pytest_cache .hypothesis src/*.egg-info

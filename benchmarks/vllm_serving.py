@@ -35,6 +35,7 @@ from wushkv.config import QuantConfig, WindowConfig
 from wushkv.data import tokenize_chunks, wikitext2_test
 from wushkv.io import write_json
 from wushkv.report import format_table
+from wushkv_vllm.jobs import compare
 
 ROOT = Path(__file__).resolve().parents[1]
 WINDOWS = WindowConfig(16, 128, 1)
@@ -134,13 +135,8 @@ def main(argv=None) -> int:
             agree = total = 0
             worst = 0.0
             for prompt, gen, top, plp, glp in zip(text_ids, b["outputs"], b["prompt_top1"], b["prompt_logprob"], b["logprobs"]):
-                ref = reference_logprobs(folder, prompt, gen)
-                am = ref.argmax(-1).tolist()
-                pairs = [(am[i - 1], top[i]) for i in range(1, len(prompt))] + [(am[len(prompt) - 1 + j], g) for j, g in enumerate(gen)]
-                agree += sum(a == c for a, c in pairs)
-                total += len(pairs)
-                worst = max([worst] + [abs(float(ref[i - 1, prompt[i]]) - plp[i]) for i in range(1, len(prompt))]
-                            + [abs(float(ref[len(prompt) - 1 + j, int(t)]) - x) for j, lp in enumerate(glp) for t, x in lp.items()])
+                a, t, w = compare(reference_logprobs(folder, prompt, gen), prompt, gen, top, plp, glp)
+                agree, total, worst = agree + a, total + t, max(worst, w)
             out["agreement"][name] = {"top1": agree / total, "positions": total, "max_logprob_gap": worst}
         print(format_table(["cache", "top-1 vs wushkv's cache", "positions", "max |Δ log p|"],
                            [[n, f"{100 * v['top1']:.2f}%", v["positions"], f"{v['max_logprob_gap']:.1e}"]

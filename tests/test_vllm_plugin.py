@@ -17,6 +17,7 @@ import torch
 from wushkv.codecs import make_codec
 from wushkv.config import QuantConfig, WindowConfig
 from wushkv_vllm import VLLMVersionError, check_vllm_version
+from wushkv_vllm.jobs import compare
 from wushkv_vllm.paged import SlotCodec, Windows, attend, decode_step, gather, store
 from wushkv_vllm.served import UnsupportedFolder, load_served
 
@@ -274,13 +275,8 @@ def test_k2v2_equals_the_transformers_cache_under_chunked_prefill_and_preemption
     worst = 0.0
     for prompt, gen, top, plp, glp in zip(job["batches"][0]["prompts"], batch["outputs"], batch["prompt_top1"],
                                           batch["prompt_logprob"], batch["logprobs"]):
-        ref = _transformers_logprobs(engines["folders"]["wush"], prompt, gen)
-        am = ref.argmax(-1).tolist()
-        pairs = [(am[i - 1], top[i]) for i in range(1, len(prompt))] + [(am[len(prompt) - 1 + j], g) for j, g in enumerate(gen)]
-        agree += sum(a == b for a, b in pairs)
-        total += len(pairs)
-        worst = max([worst] + [abs(float(ref[i - 1, prompt[i]]) - plp[i]) for i in range(1, len(prompt))]
-                    + [abs(float(ref[len(prompt) - 1 + j, int(t)]) - x) for j, lp in enumerate(glp) for t, x in lp.items()])
+        a, t, w = compare(_transformers_logprobs(engines["folders"]["wush"], prompt, gen), prompt, gen, top, plp, glp)
+        agree, total, worst = agree + a, total + t, max(worst, w)
     assert agree == total, (agree, total)  # measured: every position
     assert worst < 1e-4, worst  # measured: 1e-6 (a chunk that read a window token from its codes was off by 1e-2)
     # 2-bit cells: 8 bytes of codes + an fp16 step a side, 20 bytes against 256 in float32
@@ -325,7 +321,7 @@ def _post(url: str, body: dict) -> dict:
 @needs_vllm
 @pytest.mark.slow
 def test_openai_server_answers_completions_and_chat_through_the_plugin(engines, tmp_path):
-    """`vllm serve DIR` on localhost: completions and chat requests over HTTP (the OpenAI API) come back from the
+    """vLLM's OpenAI-compatible server (what `vllm serve DIR` runs) on localhost: completions and chat requests over HTTP (the OpenAI API) come back from the
     WUSH-KV cache, and a greedy completion is what wushkv's transformers cache predicts for it."""
     import time
     import urllib.error
@@ -340,7 +336,10 @@ def test_openai_server_answers_completions_and_chat_through_the_plugin(engines, 
     log = tmp_path / "server.log"
     env = dict(os.environ, VLLM_CPU_KVCACHE_SPACE="1", PYTHONPATH=str(ROOT / "src"))
     with open(log, "w") as lf:
-        server = subprocess.Popen([str(VLLM_PY.parent / "vllm"), "serve", str(folder), "--host", "127.0.0.1", "--port", str(port),
+        # `vllm serve`'s own module: vllm-cpu 0.32.0's `vllm` command fails before it starts, on
+        # importlib.metadata.version("vllm") (its distribution is named vllm-cpu)
+        server = subprocess.Popen([str(VLLM_PY), "-m", "vllm.entrypoints.launchers.api_server.entry", "--model", str(folder),
+                                   "--host", "127.0.0.1", "--port", str(port),
                                    "--dtype", "float32", "--enforce-eager", "--max-model-len", "256", "--max-num-seqs", "4",
                                    "--block-size", "32", "--chat-template", str(template)], env=env, stdout=lf, stderr=subprocess.STDOUT)
     base = f"http://127.0.0.1:{port}"

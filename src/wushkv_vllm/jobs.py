@@ -16,6 +16,18 @@ import sys
 import time
 
 
+def compare(ref, prompt: list, gen: list, top: list, prompt_logprob: list, logprobs: list) -> tuple[int, int, float]:
+    """(agreeing positions, positions, largest |Δ log p|) of one request served by vLLM against reference
+    log-probabilities ``ref`` (n, vocab) of the same tokens ``prompt + gen`` (row i predicts token i + 1): vLLM's
+    prompt top-1 ``top`` and ``prompt_logprob`` (None first) and, per generated token, its top ``logprobs``."""
+    am = ref.argmax(-1).tolist()
+    n = len(prompt)
+    pairs = [(am[i - 1], top[i]) for i in range(1, n)] + [(am[n - 1 + j], g) for j, g in enumerate(gen)]
+    gaps = [abs(float(ref[i - 1, prompt[i]]) - prompt_logprob[i]) for i in range(1, n)]
+    gaps += [abs(float(ref[n - 1 + j, int(t)]) - x) for j, lp in enumerate(logprobs) for t, x in lp.items()]
+    return sum(a == b for a, b in pairs), len(pairs), max(gaps, default=0.0)
+
+
 def run(job: dict) -> dict:
     from vllm import LLM, SamplingParams
     from vllm.inputs import TokensPrompt
