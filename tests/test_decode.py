@@ -183,3 +183,16 @@ def test_a_failed_build_is_a_failure_where_a_toolchain_is_present(monkeypatch):
         assert _ext.can_build() and require_kernels() is not None
     monkeypatch.setenv("WUSHKV_NO_EXT", "1")
     assert not _ext.can_build()
+
+
+def test_each_environment_builds_in_its_own_folder(monkeypatch):
+    """Two environments with the same Python and torch (wushkv's and the vLLM plugin's) must not share a build folder:
+    torch's build file names its environment's headers, so each would find the other's build stale and rebuild it."""
+    import torch
+
+    import wushkv._ext as ext
+
+    here = ext.build_directory("k")
+    monkeypatch.setattr(torch, "__file__", "/elsewhere/venv/lib/python3.11/site-packages/torch/__init__.py")
+    there = ext.build_directory("k")
+    assert here != there and here.parent.parent == there.parent.parent and here.name == there.name == "k"

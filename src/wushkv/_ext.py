@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import collections
 import contextlib
+import hashlib
 import os
 import threading
 import warnings
@@ -140,8 +141,11 @@ def build_directory(name: str) -> Path:
     import torch
 
     root = os.environ.get("TORCH_EXTENSIONS_DIR") or get_default_build_root()
-    # one folder per Python and torch, as torch's own default does: environments do not rebuild each other's
-    env = f"py{sys.version_info.major}{sys.version_info.minor}_torch{torch.__version__.replace('+', '_')}"
+    # one folder per Python, torch and environment: torch's build file names the torch headers of the environment
+    # that wrote it, so two environments with the same torch (wushkv's, and .venv-vllm's for the vLLM plugin) sharing
+    # a folder would each find the other's build stale and rebuild it, holding the lock every process waits on
+    where = hashlib.sha256(str(Path(torch.__file__).resolve().parent).encode()).hexdigest()[:8]
+    env = f"py{sys.version_info.major}{sys.version_info.minor}_torch{torch.__version__.replace('+', '_')}_{where}"
     return Path(root) / "wushkv" / env / name
 
 

@@ -9,13 +9,17 @@ is vLLM's. With one:
 * ``do_kv_cache_update`` transforms the new keys after RoPE, ``K' = (K − key_mean)·key`` per KV head, quantizes keys
   and values per token and writes their cells at vLLM's slots;
 * ``forward`` attends: queries ``Q' = Q·query`` (``Q'K'ᵀ = QKᵀ`` up to a per-query constant, which softmax ignores)
-  over the request's context read from its cells through the block table, its full-precision windows from
-  :class:`wushkv_vllm.paged.Windows`, and the step's own tokens in full precision (vLLM's quantized caches attend to
-  the tokens being computed unquantized too: what is stored is quantized).
+  over the request's context read from its cells through the block table, a query at position p reading a token in
+  full precision while it is in the windows of a sequence of p + 1 tokens (copies from
+  :class:`wushkv_vllm.paged.Windows`, the step's own tokens as computed), from its codes otherwise: what p would read
+  had the sequence been decoded token by token, wushkv's own cache's rule, so a prefill chunk, a prompt's
+  log-probabilities and a decode step all see the quantized cache.
 
 Values need nothing at run time: T_V is folded into ``v_proj``/``o_proj`` by ``wushkv export-model``.
-The attention here is plain torch (:func:`wushkv_vllm.paged.attend`), a reference: correct under chunked prefill,
-prefix caching, preemption and mixed batches, not fast.
+A decode step whose window copies are held reads the middle straight from its codes with wushkv's fused CPU kernels
+(:func:`wushkv_vllm.paged.decode_step`); other steps decode the context and attend in plain torch
+(:func:`wushkv_vllm.paged.attend`): correct under chunked prefill, prefix caching, preemption and mixed batches, not
+yet fast (per request and per layer from Python).
 """
 
 from __future__ import annotations
