@@ -74,6 +74,38 @@ def test_upgrade_refuses_to_overwrite_its_input(tmp_path):
         args.func(args)
 
 
+# -- calibration cover ----------------------------------------------------------------------------------------------
+def test_cover_writes_the_statistics_of_the_served_positions(tmp_path):
+    """The covered file holds what ``cover_positions`` gives (statistics averaged over the offsets, ``positions``
+    recorded, transforms solved again, so WUSH's keys change), the original is kept; a length the calibration already
+    covers, and writing over the input, are refused."""
+    from wushkv.calibration import calibrate, cover_positions
+    from wushkv.models import describe, rope_parameters
+    from wushkv.tools.cover import cover_file
+
+    model = tiny_model("llama")
+    text = tmp_path / "calib.txt"
+    text.write_text(TINY_CALIBRATION_TEXT)
+    cal = calibrate(model, CharTokenizer(), samples=3, seq_len=64, text_file=str(text), show_progress=False)
+    src = cal.save(tmp_path / "c.safetensors")
+    out = cover_file(src, tmp_path / "c-256.safetensors", 256, model=model)
+    got, before = Calibration.load(out, model), Calibration.load(src, model)
+    spec = describe(model)
+    want = cover_positions(before, [rope_parameters(model, l, spec) for l in range(spec.num_layers)], 256)
+    assert got.meta["positions"] == 256 and {k: v for k, v in got.meta.items() if k != "positions"} == before.meta
+    for a, b in zip(want.stats, got.stats):
+        assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    assert not torch.equal(got.stats[0]["M_K"], before.stats[0]["M_K"])
+    tk_before = before.transforms("wush")[0].T_K
+    assert not torch.allclose(got.transforms("wush")[0].T_K.abs(), tk_before.abs())  # solved from the new statistics
+    assert torch.equal(Calibration.load(src, model).stats[0]["M_K"], before.stats[0]["M_K"])  # the original is kept
+    with pytest.raises(ValueError, match=r"--serve-len 64: .*longer than the calibration's sequences \(64 tokens\)"):
+        cover_file(src, tmp_path / "x.safetensors", 64, model=model)
+    args = parse(["calibration", "cover", "--calibration", str(src), "--serve-len", "256", "--out", str(src)])
+    with pytest.raises(ValueError, match="--out must differ from --calibration"):
+        args.func(args)
+
+
 def test_group_without_subcommand_prints_help(capsys):
     assert run(["merge"]) == 2
     assert "compare" in capsys.readouterr().err

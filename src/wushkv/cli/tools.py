@@ -20,6 +20,13 @@ def cmd_calibration_upgrade(args) -> int:
     return 0
 
 
+def cmd_calibration_cover(args) -> int:
+    from ..tools.cover import cover_file
+
+    print(f"wrote {cover_file(args.calibration, args.out, args.serve_len)}")
+    return 0
+
+
 def cmd_data_heldout(args) -> int:
     from ..tools.heldout import write_heldout
 
@@ -74,7 +81,7 @@ def register(subparsers) -> None:
     """Add ``calibration``, ``data`` and ``merge`` (with their nested subcommands) to ``subparsers``."""
     raw = argparse.RawDescriptionHelpFormatter
 
-    p = subparsers.add_parser("calibration", help="operations on calibration files (upgrade)",
+    p = subparsers.add_parser("calibration", help="operations on calibration files (upgrade, cover)",
                               description="Operations on calibration files.")
     sub = _leaves(p, "calibration_command")
     q = sub.add_parser("upgrade", help="bring a calibration file to the current format (adding the pre-RoPE key mean where it lacks it)",
@@ -90,6 +97,19 @@ def register(subparsers) -> None:
     q.add_argument("--seqs", type=int, default=4, help="calibration sequences to average over (default 4)")
     q.add_argument("--text-file", default=None, help="UTF-8 text instead of C4")
     q.set_defaults(func=cmd_calibration_upgrade, outputs=lambda a: [a.out, a.out + ".json"])  # Calibration.save writes both
+
+    q = sub.add_parser("cover", help="cover a calibration's key statistics to the positions of a longer served context",
+                       formatter_class=raw, description=(
+                           "Write a calibration whose key-space statistics are averaged, in closed form, over the RoPE\n"
+                           "positions of a --serve-len context (the calibration text read at every offset up to\n"
+                           "serve-len − its sequence length), with its transforms solved again from them. For serving\n"
+                           "contexts several times longer than the calibration's sequences (docs/lab/calibration-length.md).\n\n"
+                           "  wushkv calibration cover --calibration out/smollm2-c16x1024.safetensors --serve-len 4096 \\\n"
+                           "      --out out/smollm2-c16x1024-4k.safetensors"))
+    q.add_argument("--calibration", required=True, help="the calibration file to cover (kept as it is)")
+    q.add_argument("--serve-len", type=int, required=True, help="the context length you will serve, longer than the calibration's sequences")
+    q.add_argument("--out", required=True, help="where to write the covered file (must differ from --calibration)")
+    q.set_defaults(func=cmd_calibration_cover, outputs=lambda a: [a.out, a.out + ".json"])
 
     p = subparsers.add_parser("data", help="write evaluation texts (heldout)", description="Write evaluation texts.")
     sub = _leaves(p, "data_command")
