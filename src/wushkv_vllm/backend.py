@@ -85,7 +85,8 @@ class WushKVCPUBackend(CPUAttentionBackend):
 class _LayerState:
     """One attention layer's transforms, cell codec and windows, for this rank's KV heads."""
 
-    def __init__(self, served: Served, layer_name: str, num_kv_heads: int, block_size: int, max_num_seqs: int):
+    def __init__(self, served: Served, layer_name: str, num_kv_heads: int, block_size: int, max_num_seqs: int,
+                 dtype: torch.dtype):
         from vllm.distributed import get_tensor_model_parallel_rank, get_tensor_model_parallel_world_size
 
         self.l = served.attention_layer(layer_name)
@@ -93,7 +94,8 @@ class _LayerState:
         t = served.layer(self.l, heads)
         self.key, self.query, self.key_mean = t["key"], t["query"], t["key_mean"]
         self.codec = SlotCodec(served.cfg, served.head_dim, t["key_feedback"], t["value_feedback"])
-        win = Windows(block_size, num_kv_heads, served.head_dim, served.sink, served.recent, capacity=0)
+        # copies in the served dtype: what wushkv's cache keeps of its windows too (the model's dtype)
+        win = Windows(block_size, num_kv_heads, served.head_dim, served.sink, served.recent, capacity=0, dtype=dtype)
         win.capacity = 2 * max_num_seqs * win.blocks_per_sequence()
         self.windows = win
         self.missing = 0
@@ -123,12 +125,14 @@ class WushKVCPUImpl(CPUAttentionBackendImpl):
         if self.served is not None:
             if self.alibi_slopes is not None or self.sinks is not None:
                 raise UnsupportedFolder("the wushkv plugin serves models without ALiBi and without learned attention sinks")
-            self._max_num_seqs = get_current_vllm_config().scheduler_config.max_num_seqs
+            cfg = get_current_vllm_config()
+            self._max_num_seqs, self._dtype = cfg.scheduler_config.max_num_seqs, cfg.model_config.dtype
         self._state: _LayerState | None = None
 
     def _layer(self, layer, kv_cache: torch.Tensor) -> _LayerState:
         if self._state is None:
-            self._state = _LayerState(self.served, layer.layer_name, self.num_kv_heads, kv_cache.shape[2], self._max_num_seqs)
+            self._state = _LayerState(self.served, layer.layer_name, self.num_kv_heads, kv_cache.shape[2], self._max_num_seqs,
+                                      self._dtype)
         return self._state
 
     def _decode_fast(self, st, cache, table, n, q, k, v, out) -> bool:

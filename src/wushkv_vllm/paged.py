@@ -113,7 +113,8 @@ def gather(cache: torch.Tensor, block_ids: torch.Tensor, stop: int, start: int =
 class Windows:
     """Full-precision copies of stored cells, per physical block (module docstring).
 
-    Each entry: block id -> (keys and values (bs, H, 2, d) in ``dtype``, written (bs,) bool)."""
+    Each entry: block id -> (keys and values (bs, H, 2, d) in ``dtype``, written (bs,) bool). Reads return them as
+    float32."""
 
     def __init__(self, block_size: int, heads: int, head_dim: int, sink: int, recent: int, capacity: int,
                  dtype: torch.dtype = torch.float32):
