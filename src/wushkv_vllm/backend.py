@@ -98,7 +98,7 @@ class _LayerState:
         win = Windows(block_size, num_kv_heads, served.head_dim, served.sink, served.recent, capacity=0, dtype=dtype)
         win.capacity = 2 * max_num_seqs * win.blocks_per_sequence()
         self.windows = win
-        self.missing = 0
+        self.missing, self.warned = 0, False  # window positions read from codes for want of a copy
 
     def keys(self, k: torch.Tensor) -> torch.Tensor:
         """K' = (K − key_mean)·key per KV head: (T, H, d) -> float32."""
@@ -199,4 +199,8 @@ class WushKVCPUImpl(CPUAttentionBackendImpl):
             output[a:b] = out.to(output.dtype)
             seqs.append((tables[r], n))
         st.windows.protect_and_trim(seqs)
+        if st.missing and not st.warned:  # once per layer: quality below wushkv's cache, say so
+            st.warned = True
+            logger.warning("wushkv: layer %d read %d window positions from their codes: their full-precision copies were "
+                           "dropped past %d blocks (raise max_num_seqs to keep more)", st.l, st.missing, st.windows.capacity)
         return output
