@@ -26,15 +26,14 @@ import os
 import shutil
 import subprocess
 import sys
-from dataclasses import replace
 from pathlib import Path
 
-import torch
 
 from wushkv.config import QuantConfig, WindowConfig
 from wushkv.data import tokenize_chunks, wikitext2_test
 from wushkv.io import write_json
 from wushkv.report import format_table
+from wushkv.serving import served_logprobs
 from wushkv_vllm.jobs import compare
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -62,21 +61,6 @@ def run_jobs(vllm_python: str, jobs: list, work: Path, space_gib: int) -> list:
     if r.returncode:
         raise SystemExit(f"vLLM jobs failed (exit {r.returncode}); log in {work / 'jobs.log'}:\n{r.stdout[-3000:]}")
     return json.loads(op.read_text())
-
-
-def reference_logprobs(folder: Path, prompt: list, gen: list) -> torch.Tensor:
-    """wushkv's transformers cache on the exported folder, teacher-forced, at the plugin's windows: (n, vocab)."""
-    from transformers import AutoModelForCausalLM
-
-    from wushkv.folding import apply_transforms
-    from wushkv.serving import read_side_file, served_config, served_transforms
-
-    model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32)
-    meta, tensors = read_side_file(folder)
-    cfg = served_config(meta)
-    cfg = replace(cfg, windows=WindowConfig(cfg.windows.S_sink, cfg.windows.S_keep, 1))
-    with apply_transforms(model, served_transforms(meta, tensors), meta["method"]) as inst, torch.no_grad():
-        return model(torch.tensor([prompt + gen]), cache=inst.cache(cfg), use_cache=True).logits[0].double().log_softmax(-1)
 
 
 def main(argv=None) -> int:
@@ -135,7 +119,7 @@ def main(argv=None) -> int:
             agree = total = 0
             worst = 0.0
             for prompt, gen, top, plp, glp in zip(text_ids, b["outputs"], b["prompt_top1"], b["prompt_logprob"], b["logprobs"]):
-                a, t, w = compare(reference_logprobs(folder, prompt, gen), prompt, gen, top, plp, glp)
+                a, t, w = compare(served_logprobs(folder, prompt + gen), prompt, gen, top, plp, glp)
                 agree, total, worst = agree + a, total + t, max(worst, w)
             out["agreement"][name] = {"top1": agree / total, "positions": total, "max_logprob_gap": worst}
         print(format_table(["cache", "top-1 vs wushkv's cache", "positions", "max |Δ log p|"],

@@ -16,6 +16,7 @@ import torch
 
 from wushkv.codecs import make_codec
 from wushkv.config import QuantConfig, WindowConfig
+from wushkv.serving import served_logprobs
 from wushkv_vllm import VLLMVersionError, check_vllm_version
 from wushkv_vllm.jobs import compare
 from wushkv_vllm.paged import SlotCodec, Windows, attend, decode_step, gather, store
@@ -244,25 +245,6 @@ def test_identity_8bit_agrees_with_stock_vllm(engines):
     assert abs(ratio - 256 / 68) < 0.01, ratio
 
 
-def _transformers_logprobs(folder, prompt, generated):
-    """Teacher-forced log-probabilities (n, vocab) of wushkv's transformers cache on the folder, at the windows the
-    plugin serves (S_sink, S_keep, 1): row i predicts token i + 1."""
-    from transformers import AutoModelForCausalLM
-
-    from wushkv.folding import apply_transforms
-    from wushkv.serving import read_side_file, served_config, served_transforms
-
-    model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32)
-    meta, tensors = read_side_file(folder)
-    cfg = served_config(meta)
-    cfg = replace(cfg, windows=WindowConfig(cfg.windows.S_sink, cfg.windows.S_keep, 1))
-    with apply_transforms(model, served_transforms(meta, tensors), meta["method"]) as installed, torch.no_grad():
-        cache = installed.cache(cfg)
-        logits = model(torch.tensor([prompt + generated]), cache=cache, use_cache=True).logits[0]
-    assert cache.get_seq_length() == len(prompt) + len(generated)  # the quantized cache was used
-    return logits.double().log_softmax(-1)
-
-
 @needs_vllm
 @pytest.mark.slow
 def test_k2v2_equals_the_transformers_cache_under_chunked_prefill_and_preemption(engines):
@@ -275,7 +257,7 @@ def test_k2v2_equals_the_transformers_cache_under_chunked_prefill_and_preemption
     worst = 0.0
     for prompt, gen, top, plp, glp in zip(job["batches"][0]["prompts"], batch["outputs"], batch["prompt_top1"],
                                           batch["prompt_logprob"], batch["logprobs"]):
-        a, t, w = compare(_transformers_logprobs(engines["folders"]["wush"], prompt, gen), prompt, gen, top, plp, glp)
+        a, t, w = compare(served_logprobs(engines["folders"]["wush"], prompt + gen), prompt, gen, top, plp, glp)
         agree, total, worst = agree + a, total + t, max(worst, w)
     assert agree == total, (agree, total)  # measured: every position
     assert worst < 1e-4, worst  # measured: 1e-6 (a chunk that read a window token from its codes was off by 1e-2)
@@ -290,7 +272,7 @@ def test_prefix_caching_gives_each_request_what_it_gets_alone(engines):
     assert res["metrics"]["vllm:prefix_cache_hits"] > 0, res["metrics"]
     for batch, out in zip(job["batches"], res["batches"]):
         prompt, gen = batch["prompts"][0], out["outputs"][0]
-        ref = _transformers_logprobs(engines["folders"]["wush"], prompt, gen).argmax(-1).tolist()
+        ref = served_logprobs(engines["folders"]["wush"], prompt + gen).argmax(-1).tolist()
         assert [ref[len(prompt) - 1 + j] for j in range(len(gen))] == gen
 
 
@@ -376,5 +358,5 @@ def test_openai_server_answers_completions_and_chat_through_the_plugin(engines, 
     # the completion, teacher-forced through wushkv's own cache, is its greedy choice at every token
     tok = AutoTokenizer.from_pretrained(folder)
     ids = tok(prompt)["input_ids"]
-    ref = _transformers_logprobs(folder, ids, gen).argmax(-1).tolist()
+    ref = served_logprobs(folder, ids + gen).argmax(-1).tolist()
     assert [ref[len(ids) - 1 + j] for j in range(len(gen))] == gen, (text, tok.decode(ref[len(ids) - 1:]))

@@ -116,6 +116,29 @@ def served_transforms(meta: dict, tensors: dict[str, torch.Tensor]) -> list[Laye
     return out
 
 
+def served_logprobs(folder, ids: list[int], dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """Teacher-forced log-probabilities (n, vocab) float64 of the token ids through wushkv's cache on an exported
+    folder, reloaded with plain transformers, at the windows a paged engine serves: ``(S_sink, S_keep, 1)`` (the
+    vLLM plugin writes a token's codes when it is stored). Row i predicts token i + 1: the reference the plugin's
+    tests and ``benchmarks/vllm_serving.py`` hold vLLM to."""
+    from dataclasses import replace
+
+    from transformers import AutoModelForCausalLM
+
+    from .config import WindowConfig
+
+    model = AutoModelForCausalLM.from_pretrained(folder, dtype=dtype)
+    meta, tensors = read_side_file(folder)
+    cfg = served_config(meta)
+    cfg = replace(cfg, windows=WindowConfig(cfg.windows.S_sink, cfg.windows.S_keep, 1))
+    with apply_transforms(model, served_transforms(meta, tensors), meta["method"]) as installed, torch.no_grad():
+        cache = installed.cache(cfg)
+        logits = model(torch.tensor([list(ids)]), cache=cache, use_cache=True).logits[0]
+    if cache.get_seq_length() != len(ids):  # a transformers that ignores the cache= keyword would not quantize
+        raise RuntimeError(f"the quantized cache holds {cache.get_seq_length()} tokens after {len(ids)}: it was not used")
+    return logits.double().log_softmax(-1)
+
+
 # -- saving --------------------------------------------------------------------------------------------
 @contextlib.contextmanager
 def _dense_checkpoint(model):

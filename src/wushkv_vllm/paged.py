@@ -132,20 +132,23 @@ class Windows:
         return sum(x.numel() * x.element_size() + w.numel() for x, w in self.blocks.values())
 
     def write(self, k: torch.Tensor, v: torch.Tensor, slot_mapping: torch.Tensor) -> None:
-        """Keep full-precision keys and values (T, H, d) of the tokens stored at ``slot_mapping`` (T,)."""
+        """Keep full-precision keys and values (T, H, d) of the tokens stored at ``slot_mapping`` (T,); one indexed
+        copy per block touched, not per token (a prefill chunk writes thousands)."""
         if not (self.sink or self.recent):
             return
-        for i, slot in enumerate(slot_mapping.tolist()):
-            if slot < 0:
-                continue
-            b, off = divmod(slot, self.bs)
+        keep = slot_mapping >= 0
+        slots = slot_mapping[keep].long()
+        k, v = k[keep], v[keep]
+        blocks, offs = slots // self.bs, slots % self.bs
+        for b in dict.fromkeys(blocks.tolist()):  # in the order written: the last block is the newest
             entry = self.blocks.get(b)
             if entry is None:
                 entry = (torch.zeros(self.bs, self.H, 2, self.d, dtype=self.dtype), torch.zeros(self.bs, dtype=torch.bool))
                 self.blocks[b] = entry
-            entry[0][off, :, 0] = k[i]
-            entry[0][off, :, 1] = v[i]
-            entry[1][off] = True
+            m = blocks == b
+            entry[0][offs[m], :, 0] = k[m].to(self.dtype)
+            entry[0][offs[m], :, 1] = v[m].to(self.dtype)
+            entry[1][offs[m]] = True
             self.blocks.move_to_end(b)
 
     def positions(self, n: int) -> list[int]:
@@ -160,19 +163,20 @@ class Windows:
         positions below ``stop`` that a query at ``first_query`` or later reads in full precision (the sink, and the
         recent window of ``first_query``, which reaches furthest back), setting ``known`` (m,); returns how many of them
         had no copy (dropped past :attr:`capacity`: read from their codes)."""
-        missing = 0
         tail = max(self.sink, first_query - self.recent + 1) if self.recent else stop
-        for p in [*range(min(self.sink, stop)), *range(tail, stop)]:
-            if not start <= p < stop:
-                continue
-            b, off = int(block_ids[p // self.bs]), p % self.bs
+        p = torch.tensor([*range(min(self.sink, stop)), *range(tail, stop)], dtype=torch.long)
+        p = p[(p >= start) & (p < stop)]
+        missing = 0
+        blocks = block_ids[p // self.bs].long()
+        for b in dict.fromkeys(blocks.tolist()):  # one indexed copy per block, not per position
+            pb = p[blocks == b]
             entry = self.blocks.get(b)
-            if entry is None or not bool(entry[1][off]):
-                missing += 1
-                continue
-            kf[:, p - start] = entry[0][off, :, 0]
-            vf[:, p - start] = entry[0][off, :, 1]
-            known[p - start] = True
+            held = pb[entry[1][pb % self.bs]] if entry is not None else pb[:0]  # the positions its copy holds
+            missing += len(pb) - len(held)
+            if len(held):
+                kf[:, held - start] = entry[0][held % self.bs, :, 0].transpose(0, 1).float()
+                vf[:, held - start] = entry[0][held % self.bs, :, 1].transpose(0, 1).float()
+                known[held - start] = True
         return missing
 
     def protect_and_trim(self, sequences: list[tuple[torch.Tensor, int]]) -> None:
