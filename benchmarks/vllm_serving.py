@@ -11,8 +11,9 @@ installed). Then, in the vLLM environment (``.venv-vllm``, ``make vllm-venv``; `
   tokens, ``--new-tokens`` greedy tokens each through the plugin; teacher-forced, wushkv's transformers cache at the
   same windows predicts every prompt and generated position; top-1 agreement and the largest log-probability gap;
 * **decode speed** at each of ``--contexts``: ``--requests`` requests of that many prompt tokens, generated once for
-  1 token (the prefill; it fills the prefix cache) and again for ``--decode-tokens``; decode tokens/s of the second
-  call, plugin over stock.
+  1 token (the prefill; it fills the prefix cache), then again for 1 token and for ``--decode-tokens`` N: the two
+  calls differ by N − 1 decode steps of the batch; decode tokens/s and ms per step (time per output token), plugin
+  over stock.
 
     python benchmarks/vllm_serving.py --calibration out/smollm2-c32.safetensors --work out/vllm-bench \\
         --json out/vllm_serving.json
@@ -131,14 +132,22 @@ def main(argv=None) -> int:
         for C in (int(c) for c in args.contexts.split(",")):
             eng = bf16 | {"max_model_len": C + args.decode_tokens + 16, "max_num_seqs": args.requests}
             prompts = [row[:C] for row in long_ids.tolist()]
-            batches = [{"prompts": prompts, "max_tokens": 1}, {"prompts": prompts, "max_tokens": args.decode_tokens}]
+            # prefill once (it fills the prefix cache), then the same prompts for 1 token and for N: the difference of
+            # the two calls is N − 1 decode steps of the whole batch (prefix hits, the last block's recompute and the
+            # first token cancel)
+            batches = [{"prompts": prompts, "max_tokens": 1}, {"prompts": prompts, "max_tokens": 1},
+                       {"prompts": prompts, "max_tokens": args.decode_tokens}]
             res = run_jobs(args.vllm_python, [{"folder": str(f), "engine": eng, "batches": batches} for f in (stock, k2v2)], work,
                            args.kv_space)
-            tps = [args.requests * args.decode_tokens / r["batches"][1]["seconds"] for r in res]
-            out["speed"][C] = {"stock_tokens_per_s": tps[0], "k2v2_tokens_per_s": tps[1], "ratio": tps[1] / tps[0]}
-            rows.append([C, f"{tps[0]:.1f}", f"{tps[1]:.1f}", f"{tps[1] / tps[0]:.3f}"])
+            steps = [r["batches"][2]["seconds"] - r["batches"][1]["seconds"] for r in res]
+            tps = [args.requests * (args.decode_tokens - 1) / s for s in steps]
+            tpot = [1000 * s / (args.decode_tokens - 1) for s in steps]
+            out["speed"][C] = {"stock_tokens_per_s": tps[0], "k2v2_tokens_per_s": tps[1], "ratio": tps[1] / tps[0],
+                               "stock_ms_per_step": tpot[0], "k2v2_ms_per_step": tpot[1]}
+            rows.append([C, f"{tps[0]:.1f}", f"{tps[1]:.1f}", f"{tpot[0]:.0f}", f"{tpot[1]:.0f}", f"{tps[1] / tps[0]:.3f}"])
             write_json(args.json, out)
-        print(format_table(["context", "stock tok/s", "K2V2 tok/s", "K2V2 / stock"], rows), flush=True)
+        print(format_table(["context", "stock tok/s", "K2V2 tok/s", "stock ms/step", "K2V2 ms/step", "K2V2 / stock"], rows),
+              flush=True)
     write_json(args.json, out)
     return 0
 

@@ -16,10 +16,11 @@ is vLLM's. With one:
   log-probabilities and a decode step all see the quantized cache.
 
 Values need nothing at run time: T_V is folded into ``v_proj``/``o_proj`` by ``wushkv export-model``.
-A decode step whose window copies are held reads the middle straight from its codes with wushkv's fused CPU kernels
-(:func:`wushkv_vllm.paged.decode_step`); other steps decode the context and attend in plain torch
-(:func:`wushkv_vllm.paged.attend`): correct under chunked prefill, prefix caching, preemption and mixed batches, not
-yet fast (per request and per layer from Python).
+The decode rows of a step (one query each) go through one call of wushkv's fused kernel for the whole batch
+(:func:`wushkv_vllm.paged.decode_batch`: each request's context read through its block table, window tokens from
+their copies, the rest from the codes); prefill chunks decode their context and attend in plain torch
+(:func:`wushkv_vllm.paged.attend`). Both follow the same rule, under chunked prefill, prefix caching, preemption and
+mixed batches.
 """
 
 from __future__ import annotations
@@ -31,7 +32,7 @@ from vllm.config import get_current_vllm_config
 from vllm.logger import init_logger
 from vllm.v1.attention.backends.cpu_attn import CPUAttentionBackend, CPUAttentionBackendImpl
 
-from .paged import SlotCodec, Windows, attend, decode_step, gather, store
+from .paged import SlotCodec, Windows, attend, decode_batch, gather, store
 from .served import Served, UnsupportedFolder, has_side_file, load_served
 
 logger = init_logger("vllm.wushkv")  # under vLLM's logger: shown with its own lines
@@ -67,6 +68,24 @@ def served_model() -> Served | None:
     return _SERVED[folder]
 
 
+_SAID: list[bool] = []
+
+
+def _say_decode_path(fused: bool, st: "_LayerState") -> None:
+    """Once per process: which path decode steps take (the fused kernel, or the general one and why)."""
+    if _SAID:
+        return
+    _SAID.append(fused)
+    if fused:
+        logger.info("wushkv: decode steps read the paged cells through the fused kernel (wushkv._ext.paged_decode)")
+        return
+    from wushkv import _ext
+
+    why = "the cells are not per-token 1/2/4/8-bit codes" if st.codec.sides() is None else (
+        f"the CPU kernels did not build: {_ext.BUILD_ERROR or 'WUSHKV_NO_EXT is set'}")
+    logger.warning("wushkv: decode steps take the general path (decode the context, then attend; slower): %s", why)
+
+
 class WushKVCPUBackend(CPUAttentionBackend):
     """``CPU_ATTN``, with WUSH-KV's cells for a served folder (module docstring)."""
 
@@ -96,7 +115,7 @@ class _LayerState:
         self.codec = SlotCodec(served.cfg, served.head_dim, t["key_feedback"], t["value_feedback"])
         # copies in the served dtype: what wushkv's cache keeps of its windows too (the model's dtype)
         win = Windows(block_size, num_kv_heads, served.head_dim, served.sink, served.recent, capacity=0, dtype=dtype)
-        win.capacity = 2 * max_num_seqs * win.blocks_per_sequence()
+        win.capacity = 2 * max_num_seqs * win.pages_per_sequence()
         self.windows = win
         self.missing, self.warned = 0, False  # window positions read from codes for want of a copy
 
@@ -135,26 +154,6 @@ class WushKVCPUImpl(CPUAttentionBackendImpl):
                                       self._dtype)
         return self._state
 
-    def _decode_fast(self, st, cache, table, n, q, k, v, out) -> bool:
-        """A decode step (one query, at position n − 1) straight from the codes when its windows' copies are all held:
-        sink and recent window in full precision, the middle through the fused kernels. False: take the general path."""
-        w = st.windows
-        S, R = min(w.sink, n), w.recent
-        t0 = max(S, n - R)
-        if t0 <= S or R == 0:  # no quantized middle, or no recent window: the general path is as fast
-            return False
-        H, d = k.shape
-        head = (torch.zeros(H, S, d), torch.zeros(H, S, d), torch.zeros(S, dtype=torch.bool))
-        tail = (torch.zeros(H, n - t0, d), torch.zeros(H, n - t0, d), torch.zeros(n - t0, dtype=torch.bool))
-        if w.read(*head, table, 0, S, n - 1) or w.read(*tail, table, t0, n - 1, n - 1) or not bool(head[2].all()):
-            return False
-        tail[0][:, -1], tail[1][:, -1], tail[2][-1] = k, v, True
-        if not bool(tail[2].all()):
-            return False
-        out.copy_(decode_step(st.codec, q, head[:2], gather(cache, table, t0, S), tail[:2], self.scale,
-                              self.logits_soft_cap).to(out.dtype))
-        return True
-
     def do_kv_cache_update(self, layer, key, value, kv_cache, slot_mapping) -> None:
         if self.served is None:
             return super().do_kv_cache_update(layer, key, value, kv_cache, slot_mapping)
@@ -179,15 +178,25 @@ class WushKVCPUImpl(CPUAttentionBackendImpl):
         seq_lens = attn_metadata.seq_lens.tolist()
         tables = attn_metadata.block_table
         window = self.sliding_window
-        seqs = []
+        seqs, rows = [], []
         for r, n in enumerate(seq_lens):
-            a, b = starts[r], starts[r + 1]
-            if b <= a:
-                continue
-            ctx = n - (b - a)
-            if b - a == 1 and window <= 0 and self._decode_fast(st, cache, tables[r], n, q[a], k_new[a], v_new[a], output[a]):
+            if starts[r + 1] > starts[r]:
                 seqs.append((tables[r], n))
-                continue
+                rows.append(r)
+        # decode rows (one query) of the whole batch in one call of the fused kernel, straight from the codes
+        dec = [r for r in rows if starts[r + 1] - starts[r] == 1]
+        if dec:
+            idx = torch.tensor(dec)
+            at = torch.tensor([starts[r] for r in dec])
+            out = decode_batch(st.codec, cache, tables[idx], attn_metadata.seq_lens[idx], q[at], st.windows, self.scale,
+                               window, self.logits_soft_cap)
+            if out is not None:
+                output[at] = out.to(output.dtype)
+                rows = [r for r in rows if starts[r + 1] - starts[r] != 1]
+            _say_decode_path(out is not None, st)
+        for r in rows:  # prefill chunks (and every row where the kernel is not available): decode, then attend
+            n, a, b = seq_lens[r], starts[r], starts[r + 1]
+            ctx = n - (b - a)
             lo = max(0, ctx - window + 1) if window > 0 else 0  # the oldest position any of the step's queries reads
             kq, vq = st.codec.decode(gather(cache, tables[r], n, lo))  # (H, n − lo, d), the step's tokens included
             kf, vf = torch.zeros_like(kq), torch.zeros_like(vq)
@@ -197,7 +206,6 @@ class WushKVCPUImpl(CPUAttentionBackendImpl):
             out = attend(q[a:b], torch.arange(ctx, n), kq, vq, kf, vf, known, torch.arange(lo, n), st.windows.sink,
                          st.windows.recent, self.scale, window, self.logits_soft_cap)
             output[a:b] = out.to(output.dtype)
-            seqs.append((tables[r], n))
         st.windows.protect_and_trim(seqs)
         if st.missing and not st.warned:  # once per layer: quality below wushkv's cache, say so
             st.warned = True

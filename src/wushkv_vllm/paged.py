@@ -22,13 +22,13 @@ tokens are read from their codes.
 
 from __future__ import annotations
 
+import math
 from collections import OrderedDict
 
 import torch
 
 from wushkv.codecs import TokenCodec, make_codec
 from wushkv.config import QuantConfig
-from wushkv.decode import decode_attention
 
 SLOT_ALIGN = 4  # bytes: a cell is viewed as the model dtype by vLLM (2 bytes) and sliced per field here
 
@@ -84,6 +84,21 @@ class SlotCodec:
             parts[side][name] = cells[..., off:off + width].contiguous().view(dtype).unsqueeze(0)
         return parts
 
+    def sides(self) -> tuple[list[int], list[int], float, float] | None:
+        """The cell layout as :func:`decode_batch`'s kernel reads it: per side [codes, scale, offset (−1: symmetric),
+        bits, metadata dtype (0 float16, 1 bfloat16, 2 float32)] and the symmetric offset's factor (QuEST:
+        offset = scale·(½ − 2^(b−1))); None where the kernel does not apply (groups within a token, 3 bits)."""
+        kinds = {torch.float16: 0, torch.bfloat16: 1, torch.float32: 2}
+        out, halves = [], []
+        for side, c in self.codecs.items():
+            f = {name: (dtype, n, off) for s, name, dtype, n, off, _w in self.fields if s == side}
+            scale_dtype, n_groups, scale_off = f["scale"]
+            if n_groups != 1 or c.bits not in (1, 2, 4, 8) or scale_dtype not in kinds:
+                return None
+            out.append([f["codes"][2], scale_off, f["offset"][2] if "offset" in f else -1, c.bits, kinds[scale_dtype]])
+            halves.append(float(c._half))
+        return out[0], out[1], halves[0], halves[1]
+
     def fake(self, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """What decoding the cells of (T, H, d) keys and values gives, as (H, T, d) float32 (the slow reference)."""
         return tuple(c.fake(x.float().transpose(0, 1).unsqueeze(0))[0] for c, x in zip(self.codecs.values(), (k, v)))
@@ -111,45 +126,78 @@ def gather(cache: torch.Tensor, block_ids: torch.Tensor, stop: int, start: int =
 
 
 class Windows:
-    """Full-precision copies of stored cells, per physical block (module docstring).
+    """Full-precision copies of stored cells in pages of :attr:`unit` tokens (module docstring).
 
-    Each entry: block id -> (keys and values (bs, H, 2, d) in ``dtype``, written (bs,) bool). Reads return them as
-    float32."""
+    A page is ``unit`` consecutive slots of one physical block (page id ``block·(block_size/unit) + slot/unit``); the
+    unit is the largest that divides the block size and both windows (16 for sink 16, recent 128, block 128), so a
+    sequence holds about its windows' own tokens, not whole blocks. Copies live in one pool, ``pool`` (P, unit, H, 2, d)
+    in ``dtype`` (keys at [..., 0, :], values at [..., 1, :]) with ``written`` (P, unit) bool; ``index`` (pages,) int32
+    maps a page to its pool row (−1: none). Reads return float32; the fused decode
+    (:func:`decode_batch`) reads the pool through ``index`` itself."""
 
     def __init__(self, block_size: int, heads: int, head_dim: int, sink: int, recent: int, capacity: int,
                  dtype: torch.dtype = torch.float32):
         if sink < 0 or recent < 0:
             raise ValueError(f"windows must be >= 0, got sink {sink}, recent {recent}")
         self.bs, self.H, self.d, self.sink, self.recent, self.dtype = block_size, heads, head_dim, sink, recent, dtype
-        self.capacity = capacity
-        self.blocks: OrderedDict[int, tuple[torch.Tensor, torch.Tensor]] = OrderedDict()
+        self.unit = math.gcd(block_size, *(x for x in (sink, recent) if x))
+        self.capacity = capacity  # pages
+        self.pool = torch.zeros(0, self.unit, heads, 2, head_dim, dtype=dtype)
+        self.written = torch.zeros(0, self.unit, dtype=torch.bool)
+        self.index = torch.full((0,), -1, dtype=torch.int32)
+        self.pages: OrderedDict[int, int] = OrderedDict()  # page -> pool row, oldest written first
+        self.free: list[int] = []
 
-    def blocks_per_sequence(self) -> int:
-        """Blocks one sequence's windows can touch: its first (sink) and those of its last ``recent`` tokens."""
-        return (1 if self.sink else 0) + (-(-self.recent // self.bs) + 1 if self.recent else 0)
+    def pages_per_sequence(self) -> int:
+        """Pages one sequence's windows can touch: its sink's and those of its last ``recent`` tokens."""
+        u = self.unit
+        return -(-self.sink // u) + (-(-self.recent // u) + 1 if self.recent else 0)
 
     def nbytes(self) -> int:
-        return sum(x.numel() * x.element_size() + w.numel() for x, w in self.blocks.values())
+        """Bytes of the copies held (pages in use)."""
+        row = self.pool[0].numel() * self.pool.element_size() + self.unit if len(self.pool) else 0
+        return len(self.pages) * row
+
+    def _grow(self, need: int) -> None:
+        """At least ``need`` free pool rows (the pool doubles: copies are rare)."""
+        if len(self.free) >= need:
+            return
+        old = len(self.pool)
+        new = max(old * 2, old + need, 16)
+        self.pool = torch.cat([self.pool, self.pool.new_zeros(new - old, *self.pool.shape[1:])])
+        self.written = torch.cat([self.written, self.written.new_zeros(new - old, self.unit)])
+        self.free.extend(range(new - 1, old - 1, -1))
+
+    def _page_slots(self, page_ids: torch.Tensor) -> None:
+        top = int(page_ids.max()) + 1 if len(page_ids) else 0
+        if top > len(self.index):
+            self.index = torch.cat([self.index, self.index.new_full((top - len(self.index),), -1)])
 
     def write(self, k: torch.Tensor, v: torch.Tensor, slot_mapping: torch.Tensor) -> None:
-        """Keep full-precision keys and values (T, H, d) of the tokens stored at ``slot_mapping`` (T,); one indexed
-        copy per block touched, not per token (a prefill chunk writes thousands)."""
+        """Keep full-precision keys and values (T, H, d) of the tokens stored at ``slot_mapping`` (T,): the pages they
+        fall in get pool rows (a new page starts unwritten), then one indexed copy for all tokens."""
         if not (self.sink or self.recent):
             return
         keep = slot_mapping >= 0
         slots = slot_mapping[keep].long()
-        k, v = k[keep], v[keep]
-        blocks, offs = slots // self.bs, slots % self.bs
-        for b in dict.fromkeys(blocks.tolist()):  # in the order written: the last block is the newest
-            entry = self.blocks.get(b)
-            if entry is None:
-                entry = (torch.zeros(self.bs, self.H, 2, self.d, dtype=self.dtype), torch.zeros(self.bs, dtype=torch.bool))
-                self.blocks[b] = entry
-            m = blocks == b
-            entry[0][offs[m], :, 0] = k[m].to(self.dtype)
-            entry[0][offs[m], :, 1] = v[m].to(self.dtype)
-            entry[1][offs[m]] = True
-            self.blocks.move_to_end(b)
+        if not len(slots):
+            return
+        pages = slots // self.unit
+        self._page_slots(pages)
+        uniq = torch.unique(pages).tolist()
+        new = [p for p in uniq if p not in self.pages]
+        self._grow(len(new))
+        for p in new:
+            e = self.free.pop()
+            self.written[e] = False
+            self.index[p] = e
+            self.pages[p] = e
+        for p in uniq:
+            self.pages.move_to_end(p)
+        rows, offs = self.index[pages].long(), slots % self.unit
+        kv = torch.stack([k[keep], v[keep]], dim=2).to(self.dtype)  # (T, H, 2, d)
+        self.pool[rows, offs] = kv
+        self.written[rows, offs] = True
 
     def positions(self, n: int) -> list[int]:
         """The positions of a sequence of ``n`` tokens that are in a window."""
@@ -166,32 +214,38 @@ class Windows:
         tail = max(self.sink, first_query - self.recent + 1) if self.recent else stop
         p = torch.tensor([*range(min(self.sink, stop)), *range(tail, stop)], dtype=torch.long)
         p = p[(p >= start) & (p < stop)]
-        missing = 0
-        blocks = block_ids[p // self.bs].long()
-        for b in dict.fromkeys(blocks.tolist()):  # one indexed copy per block, not per position
-            pb = p[blocks == b]
-            entry = self.blocks.get(b)
-            held = pb[entry[1][pb % self.bs]] if entry is not None else pb[:0]  # the positions its copy holds
-            missing += len(pb) - len(held)
-            if len(held):
-                kf[:, held - start] = entry[0][held % self.bs, :, 0].transpose(0, 1).float()
-                vf[:, held - start] = entry[0][held % self.bs, :, 1].transpose(0, 1).float()
-                known[held - start] = True
-        return missing
+        if not len(p):
+            return 0
+        pages = block_ids[p // self.bs].long() * (self.bs // self.unit) + (p % self.bs) // self.unit
+        inside = pages < len(self.index)
+        rows = torch.full_like(pages, -1)
+        rows[inside] = self.index[pages[inside]].long()
+        held = rows >= 0
+        held[held.clone()] = self.written[rows[held], p[held] % self.unit]
+        h = p[held]
+        kv = self.pool[rows[held], h % self.unit].float()  # (m, H, 2, d)
+        kf[:, h - start] = kv[:, :, 0].transpose(0, 1)
+        vf[:, h - start] = kv[:, :, 1].transpose(0, 1)
+        known[h - start] = True
+        return int(len(p) - len(h))
 
     def protect_and_trim(self, sequences: list[tuple[torch.Tensor, int]]) -> None:
-        """After a step: drop the oldest copies past :attr:`capacity`, never those holding a window position of the
-        step's ``sequences`` [(block ids, n)]."""
-        if len(self.blocks) <= self.capacity:
+        """After a step, past :attr:`capacity` pages: drop the oldest copies down to three quarters of it (so trims
+        are rare), never those holding a window position of the step's ``sequences`` [(block ids, n)]."""
+        if len(self.pages) <= self.capacity:
             return
+        u, ppb = self.unit, self.bs // self.unit
         keep = set()
         for block_ids, n in sequences:
-            keep.update(int(block_ids[p // self.bs]) for p in self.positions(n))
-        for b in list(self.blocks):
-            if len(self.blocks) <= self.capacity:
+            keep.update(int(block_ids[p // self.bs]) * ppb + (p % self.bs) // u for p in self.positions(n))
+        target = self.capacity * 3 // 4
+        for p in list(self.pages):
+            if len(self.pages) <= target:
                 break
-            if b not in keep:
-                del self.blocks[b]
+            if p not in keep:
+                e = self.pages.pop(p)
+                self.index[p] = -1
+                self.free.append(e)
 
 
 def attend(q: torch.Tensor, q_pos: torch.Tensor, kq: torch.Tensor, vq: torch.Tensor, kf: torch.Tensor, vf: torch.Tensor,
@@ -227,15 +281,19 @@ def attend(q: torch.Tensor, q_pos: torch.Tensor, kq: torch.Tensor, vq: torch.Ten
     return out
 
 
-def decode_step(sc: SlotCodec, q: torch.Tensor, head: tuple[torch.Tensor, torch.Tensor], middle: torch.Tensor,
-                tail: tuple[torch.Tensor, torch.Tensor], scale: float, softcap: float = 0.0) -> torch.Tensor:
-    """One decode query's attention straight from the codes (:func:`wushkv.decode.decode_attention`: the fused CPU
-    kernels): q (Hq, d) over the full-precision ``head`` (keys, values (H, S, d): the sink), the ``middle`` cells
-    (H, m, C) and the full-precision ``tail`` (H, R, d: the recent window, the new token last). The same attention as
-    :func:`attend` for a query at the last position whose window copies are all known. Returns float32 (Hq, d)."""
-    st = sc.stores(middle)
-    m = middle.shape[1]
-    parts_k = [head[0][None].float(), (sc.codecs["key"], st["key"], m), tail[0][None].float()]
-    parts_v = [head[1][None].float(), (sc.codecs["value"], st["value"], m), tail[1][None].float()]
-    out = decode_attention(q[None, :, None].float(), parts_k, parts_v, None, scale, softcap if softcap > 0 else None)
-    return out[0, 0]
+def decode_batch(sc: SlotCodec, cache: torch.Tensor, block_table: torch.Tensor, seq_lens: torch.Tensor, q: torch.Tensor,
+                 windows: Windows, scale: float, sliding_window: int = -1, softcap: float = 0.0) -> torch.Tensor | None:
+    """One decode query per request, all requests in one call of the fused kernel (``paged_decode`` of
+    :mod:`wushkv._ext`): request r's query q[r] (Hq, d) at position seq_lens[r] − 1 reads its context through its block
+    table row, each token from its full-precision copy in ``windows`` where it is in the windows of a sequence of
+    seq_lens[r] tokens and its copy is held, from its cell's codes otherwise; the same attention as :func:`attend`.
+    cache (num_blocks, H, block_size, C) uint8, block_table (R, ≥ blocks) int, seq_lens (R,), q (R, Hq, d).
+    Returns float32 (R, Hq, d), or None where the kernel is not available (no compiler) or does not cover the cells."""
+    from wushkv._ext import kernels
+
+    ext, sides = kernels(), sc.sides()
+    if ext is None or sides is None:
+        return None
+    return ext.paged_decode(cache, block_table.to(torch.int32), seq_lens.to(torch.int64), q.float(), windows.pool,
+                            windows.written, windows.index, *sides, windows.sink, windows.recent,
+                            sliding_window if sliding_window > 0 else -1, float(scale), float(softcap or 0.0))

@@ -8,10 +8,19 @@
 //   feedback_round(x (B,H,N,d) f32, scale/offset (B,H,N,g) f32, F (H,d,d) f32, bits) -> (B,H,N,d) uint8:
 //       codes on each group's grid, rounded coordinate by coordinate with error feedback
 //       (wushkv.quantizers.feedback; the PyTorch loop there is the reference)
+//   paged_decode(cache (NB,H,bs,C) uint8, block_table (R,MB) i32, seq_lens (R,) i64, q (R,Hq,d) f32, pool (P,U,H,2,d),
+//       written (P,U) bool, page_index (NB*bs/U,) i32, layout, ...) -> (R,Hq,d) f32: one decode query per request over
+//       its paged context of cells (wushkv_vllm.paged.SlotCodec), the window tokens from their full-precision copies
+//       (wushkv_vllm.paged.Windows), the rest straight from the codes; split-KV with an online-softmax merge
 //
 // The codes tensor may be a strided view (the cache's growable buffer); the last dim must be dense.
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
+#include <c10/util/BFloat16.h>
+#include <c10/util/Half.h>
+#include <algorithm>
+#include <cmath>
+#include <cstring>
 #include <vector>
 
 static constexpr int64_t CHUNK = 1024;  // tokens per parallel work item
@@ -161,8 +170,232 @@ torch::Tensor feedback_round(torch::Tensor x, torch::Tensor scale, torch::Tensor
   return codes;
 }
 
+
+// ---- paged decode -----------------------------------------------------------------------------------------------
+// One side (keys or values) of a cell: byte offsets of its codes, its step/scale and its offset (-1: symmetric, the
+// offset is scale * half, QuEST's (1/2 - 2^(b-1))), its width and the metadata's dtype (0 f16, 1 bf16, 2 f32).
+struct CellSide {
+  int64_t codes, scale, offset, bits;
+  float half;
+  int64_t meta;
+};
+
+static inline float meta_at(const uint8_t* p, int64_t kind) {
+  if (kind == 0) { c10::Half h; std::memcpy(&h, p, 2); return static_cast<float>(h); }
+  if (kind == 1) { c10::BFloat16 b; std::memcpy(&b, p, 2); return static_cast<float>(b); }
+  float f; std::memcpy(&f, p, 4); return f;
+}
+
+static constexpr int64_t PAGED_CHUNK = 512;  // tokens per split: a request's context is several work items
+
+template <typename scalar_t>
+static void paged_decode_impl(const torch::Tensor& cache, const torch::Tensor& table, const torch::Tensor& lens,
+                              const torch::Tensor& q, const torch::Tensor& pool, const torch::Tensor& written,
+                              const torch::Tensor& page_index, CellSide K, CellSide V, int64_t sink, int64_t recent,
+                              int64_t window, float scale, float softcap, torch::Tensor& out) {
+  const int64_t NB = cache.size(0), H = cache.size(1), bs = cache.size(2);
+  const int64_t s0 = cache.stride(0), s1 = cache.stride(1), s2 = cache.stride(2);
+  const int64_t R = q.size(0), Hq = q.size(1), d = q.size(2), G = Hq / H, MB = table.size(1);
+  const int64_t U = pool.size(1), ppb = bs / U, npages = page_index.size(0);
+  const int64_t kper = 8 / K.bits, vper = 8 / V.bits;
+  const int64_t knb = (d * K.bits + 7) / 8, vnb = (d * V.bits + 7) / 8, KD = knb * kper, VD = vnb * vper;
+  const uint8_t* cp = cache.data_ptr<uint8_t>();
+  const int32_t* tp = table.data_ptr<int32_t>();
+  const int64_t* lp = lens.data_ptr<int64_t>();
+  const float* qp = q.data_ptr<float>();
+  const scalar_t* pp = pool.data_ptr<scalar_t>();
+  const bool* wp = written.data_ptr<bool>();
+  const int32_t* ip = page_index.data_ptr<int32_t>();
+  const std::vector<float> ktab = byte_table(K.bits), vtab = byte_table(V.bits);
+
+  // work items: (request, KV head, token range); the splits of one (request, head) are consecutive
+  std::vector<int64_t> item_r, item_a, item_b, first(R * H + 1, 0);
+  for (int64_t r = 0; r < R; ++r) {
+    const int64_t n = lp[r], lo = window > 0 ? std::max<int64_t>(0, n - window) : 0;
+    TORCH_CHECK(n >= 1 && (n + bs - 1) / bs <= MB, "seq_lens[", r, "] = ", n, " does not fit the block table");
+    for (int64_t h = 0; h < H; ++h) {
+      first[r * H + h] = item_r.size();
+      for (int64_t a = lo; a < n; a += PAGED_CHUNK) {
+        item_r.push_back(r * H + h);
+        item_a.push_back(a);
+        item_b.push_back(std::min(n, a + PAGED_CHUNK));
+      }
+    }
+  }
+  first[R * H] = item_r.size();
+  const int64_t items = item_r.size(), W = 2 * G + G * d;  // per item: max, sum, unnormalized output, per query
+  std::vector<float> part(items * W);
+
+  at::parallel_for(0, items, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> qz(G * std::max(KD, d), 0.f), qsum(G), cf(std::max(KD, VD)), s(G * PAGED_CHUNK), kf(d), acc(G * VD), osum(G);
+    std::vector<int32_t> src(PAGED_CHUNK);  // per token: its copy's pool row, or -1 (read the codes)
+    for (int64_t it = begin; it < end; ++it) {
+      const int64_t rh = item_r[it], r = rh / H, h = rh % H, a = item_a[it], b = item_b[it], n = lp[r];
+      std::fill(qz.begin(), qz.end(), 0.f);
+      for (int64_t g = 0; g < G; ++g) {
+        float sum = 0.f;
+        for (int64_t i = 0; i < d; ++i) {
+          const float x = qp[(r * Hq + h * G + g) * d + i];
+          qz[g * KD + i] = x;
+          sum += x;
+        }
+        qsum[g] = sum;
+      }
+      const int32_t* row = tp + r * MB;
+      // 1. scores
+      for (int64_t t = a; t < b; ++t) {
+        const int64_t blk = row[t / bs], off = t % bs;
+        TORCH_CHECK(blk >= 0 && blk < NB, "block table entry ", blk, " out of range");
+        int32_t e = -1;
+        if (t < sink || t > n - 1 - recent) {  // a window position: its full-precision copy where it is held
+          const int64_t page = blk * ppb + off / U;
+          if (page < npages) {
+            e = ip[page];
+            if (e >= 0 && !wp[e * U + off % U]) e = -1;
+          }
+        }
+        const int64_t j = t - a;
+        src[j] = e < 0 ? -1 : static_cast<int32_t>(e * U + off % U);
+        if (e >= 0) {
+          const scalar_t* kr = pp + ((src[j] * H + h) * 2) * d;
+          for (int64_t i = 0; i < d; ++i) kf[i] = static_cast<float>(kr[i]);
+          for (int64_t g = 0; g < G; ++g) {
+            const float* qg = qz.data() + g * KD;
+            float acc_s = 0.f;
+#pragma omp simd reduction(+ : acc_s)
+            for (int64_t i = 0; i < d; ++i) acc_s += kf[i] * qg[i];
+            s[g * PAGED_CHUNK + j] = acc_s;
+          }
+        } else {
+          const uint8_t* cell = cp + blk * s0 + h * s1 + off * s2;
+          unpack_any(cell + K.codes, knb, kper, ktab.data(), cf.data());
+          const float sc = meta_at(cell + K.scale, K.meta);
+          const float of = K.offset >= 0 ? meta_at(cell + K.offset, K.meta) : sc * K.half;
+          for (int64_t g = 0; g < G; ++g) {
+            const float* qg = qz.data() + g * KD;
+            float acc_s = 0.f;
+#pragma omp simd reduction(+ : acc_s)
+            for (int64_t i = 0; i < KD; ++i) acc_s += cf[i] * qg[i];
+            s[g * PAGED_CHUNK + j] = sc * acc_s + of * qsum[g];
+          }
+        }
+      }
+      // 2. this split's softmax: max, weights, sum
+      float* P = part.data() + it * W;
+      for (int64_t g = 0; g < G; ++g) {
+        float* sg = s.data() + g * PAGED_CHUNK;
+        float m = -INFINITY;
+        for (int64_t j = 0; j < b - a; ++j) {
+          float x = sg[j] * scale;
+          if (softcap > 0.f) x = softcap * std::tanh(x / softcap);
+          sg[j] = x;
+          m = std::max(m, x);
+        }
+        float l = 0.f;
+        for (int64_t j = 0; j < b - a; ++j) {
+          sg[j] = std::exp(sg[j] - m);
+          l += sg[j];
+        }
+        P[g] = m;
+        P[G + g] = l;
+      }
+      // 3. values, weighted
+      std::fill(acc.begin(), acc.end(), 0.f);
+      std::fill(osum.begin(), osum.end(), 0.f);
+      for (int64_t t = a; t < b; ++t) {
+        const int64_t j = t - a;
+        if (src[j] >= 0) {
+          const scalar_t* vr = pp + ((src[j] * H + h) * 2 + 1) * d;
+          for (int64_t i = 0; i < d; ++i) kf[i] = static_cast<float>(vr[i]);
+          for (int64_t g = 0; g < G; ++g) {
+            const float w = s[g * PAGED_CHUNK + j];
+            float* ag = acc.data() + g * VD;
+#pragma omp simd
+            for (int64_t i = 0; i < d; ++i) ag[i] += w * kf[i];
+          }
+        } else {
+          const int64_t blk = row[t / bs], off = t % bs;
+          const uint8_t* cell = cp + blk * s0 + h * s1 + off * s2;
+          unpack_any(cell + V.codes, vnb, vper, vtab.data(), cf.data());
+          const float sc = meta_at(cell + V.scale, V.meta);
+          const float of = V.offset >= 0 ? meta_at(cell + V.offset, V.meta) : sc * V.half;
+          for (int64_t g = 0; g < G; ++g) {
+            const float p = s[g * PAGED_CHUNK + j], w = p * sc;
+            float* ag = acc.data() + g * VD;
+#pragma omp simd
+            for (int64_t i = 0; i < VD; ++i) ag[i] += w * cf[i];
+            osum[g] += p * of;
+          }
+        }
+      }
+      for (int64_t g = 0; g < G; ++g)
+        for (int64_t i = 0; i < d; ++i) P[2 * G + g * d + i] = acc[g * VD + i] + osum[g];
+    }
+  });
+
+  // merge the splits of each (request, KV head)
+  float* op = out.data_ptr<float>();
+  at::parallel_for(0, R * H, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t rh = begin; rh < end; ++rh) {
+      const int64_t r = rh / H, h = rh % H;
+      for (int64_t g = 0; g < G; ++g) {
+        float m = -INFINITY;
+        for (int64_t it = first[rh]; it < first[rh + 1]; ++it) m = std::max(m, part[it * W + g]);
+        float l = 0.f;
+        float* o = op + (r * Hq + h * G + g) * d;
+        std::fill(o, o + d, 0.f);
+        for (int64_t it = first[rh]; it < first[rh + 1]; ++it) {
+          const float c = std::exp(part[it * W + g] - m);
+          l += c * part[it * W + G + g];
+          const float* pa = part.data() + it * W + 2 * G + g * d;
+          for (int64_t i = 0; i < d; ++i) o[i] += c * pa[i];
+        }
+        for (int64_t i = 0; i < d; ++i) o[i] /= l;
+      }
+    }
+  });
+}
+
+torch::Tensor paged_decode(torch::Tensor cache, torch::Tensor block_table, torch::Tensor seq_lens, torch::Tensor q,
+                           torch::Tensor pool, torch::Tensor written, torch::Tensor page_index,
+                           std::vector<int64_t> key_side, std::vector<int64_t> value_side, double key_half,
+                           double value_half, int64_t sink, int64_t recent, int64_t window, double scale,
+                           double softcap) {
+  TORCH_CHECK(cache.scalar_type() == torch::kUInt8 && cache.dim() == 4 && cache.stride(3) == 1,
+              "cache: uint8 (num_blocks, H, block_size, C), dense last dim");
+  TORCH_CHECK(block_table.scalar_type() == torch::kInt32 && block_table.dim() == 2, "block_table: int32 (R, max_blocks)");
+  TORCH_CHECK(seq_lens.scalar_type() == torch::kInt64 && seq_lens.dim() == 1, "seq_lens: int64 (R,)");
+  TORCH_CHECK(q.scalar_type() == torch::kFloat && q.dim() == 3, "q: float32 (R, Hq, d)");
+  TORCH_CHECK(pool.dim() == 5 && pool.size(3) == 2 && written.scalar_type() == torch::kBool && written.dim() == 2,
+              "pool: (P, U, H, 2, d), written: bool (P, U)");
+  TORCH_CHECK(page_index.scalar_type() == torch::kInt32 && page_index.dim() == 1, "page_index: int32 (pages,)");
+  TORCH_CHECK(key_side.size() == 5 && value_side.size() == 5, "a side is (codes, scale, offset, bits, meta dtype)");
+  const int64_t H = cache.size(1), bs = cache.size(2), R = q.size(0), Hq = q.size(1), d = q.size(2);
+  TORCH_CHECK(Hq % H == 0 && block_table.size(0) == R && seq_lens.size(0) == R, "shapes of q, cache, tables do not match");
+  TORCH_CHECK(pool.size(2) == H && pool.size(4) == d && bs % pool.size(1) == 0 && written.size(1) == pool.size(1),
+              "the window pool does not match the cache");
+  CellSide K{key_side[0], key_side[1], key_side[2], key_side[3], float(key_half), key_side[4]};
+  CellSide V{value_side[0], value_side[1], value_side[2], value_side[3], float(value_half), value_side[4]};
+  for (const CellSide& c : {K, V})
+    TORCH_CHECK(c.bits == 1 || c.bits == 2 || c.bits == 4 || c.bits == 8, "bits must be 1, 2, 4 or 8, got ", c.bits);
+  auto out = torch::empty({R, Hq, d}, q.options());
+  if (R == 0) return out;
+  auto tables = block_table.contiguous();
+  auto lens = seq_lens.contiguous();
+  auto qc = q.contiguous();
+  auto pc = pool.contiguous();
+  auto wc = written.contiguous();
+  auto ic = page_index.contiguous();
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, pc.scalar_type(), "paged_decode", [&] {
+    paged_decode_impl<scalar_t>(cache, tables, lens, qc, pc, wc, ic, K, V, sink, recent, window, float(scale),
+                                float(softcap), out);
+  });
+  return out;
+}
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("feedback_round", &feedback_round, "codes rounded with error feedback");
   m.def("code_dot", &code_dot, "Σ_i c_ji q_gi over packed codes");
+  m.def("paged_decode", &paged_decode, "decode attention over paged cells");
   m.def("code_weighted_sum", &code_weighted_sum, "Σ_j w_gj c_j over packed codes");
 }
