@@ -1,5 +1,6 @@
 """Decode attention over packed codes equals dequantize-then-attend (docs/reference/math.md#32-full-precision-windows-and-the-batched-flush storage, issue: speed)."""
 
+import hashlib
 from pathlib import Path
 
 import pytest
@@ -162,7 +163,7 @@ def test_build_runs_under_the_lock_in_the_folder_torch_builds_in(tmp_path, monke
         return "module"
 
     monkeypatch.setattr(cpp, "load", fake_load)
-    bd = ext.build_directory(f"wushkv_codes_{ext._cpu_tag()}")
+    bd = ext.kernel_directory()
     bd.mkdir(parents=True)
     (bd / "lock").touch()
     with pytest.warns(UserWarning, match="stale build lock"):
@@ -196,3 +197,6 @@ def test_each_environment_builds_in_its_own_folder(monkeypatch):
     monkeypatch.setattr(torch, "__file__", "/elsewhere/venv/lib/python3.11/site-packages/torch/__init__.py")
     there = ext.build_directory("k")
     assert here != there and here.parent.parent == there.parent.parent and here.name == there.name == "k"
+    # and one per source: another checkout of wushkv in the same environment builds beside, not over, this one
+    assert ext.kernel_directory().parent == ext.build_directory(f"wushkv_codes_{ext._cpu_tag()}")
+    assert ext.kernel_directory().name == hashlib.sha256(ext.SOURCE.read_bytes()).hexdigest()[:10]

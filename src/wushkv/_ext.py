@@ -149,17 +149,26 @@ def build_directory(name: str) -> Path:
     return Path(root) / "wushkv" / env / name
 
 
+SOURCE = Path(__file__).with_name("csrc") / "codes.cpp"
+
+
+def kernel_directory() -> Path:
+    """Where this wushkv's kernels are built: per environment (:func:`build_directory`), CPU model (-march=native: the
+    name carries a hash of the CPU flags, so a cached build is never loaded on a machine lacking its instructions) and
+    source (two checkouts or versions of wushkv in one environment would otherwise each find the other's build stale
+    and rebuild it in turn, holding the lock every process waits on)."""
+    return build_directory(f"wushkv_codes_{_cpu_tag()}") / hashlib.sha256(SOURCE.read_bytes()).hexdigest()[:10]
+
+
 def _build():
     if os.environ.get("WUSHKV_NO_EXT", "") not in ("", "0"):
         return False
     try:
         from torch.utils.cpp_extension import load
 
-        src = Path(__file__).with_name("csrc") / "codes.cpp"
-        # -march=native: build per CPU model (the name carries a hash of the CPU flags, so a cached build
-        # is never loaded on a machine lacking its instructions)
+        src = SOURCE
         name = f"wushkv_codes_{_cpu_tag()}"
-        build_dir = build_directory(name)
+        build_dir = kernel_directory()
         import sys
 
         bindir = str(Path(sys.executable).parent)  # the environment's own ninja (the `ninja` package)

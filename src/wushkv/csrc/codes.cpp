@@ -186,6 +186,158 @@ static inline float meta_at(const uint8_t* p, int64_t kind) {
   float f; std::memcpy(&f, p, 4); return f;
 }
 
+
+// Rows of codes are read in a permuted order: position t*nb + m is code t of byte m (t < 8/bits, m < nb), so a row
+// unpacks as 8/bits runs over its bytes (shift, mask, convert: vector instructions, no table), and queries and value
+// sums are kept in that order (permuted once per work item, back at its end).
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__)
+#include <immintrin.h>
+#define WUSHKV_AVX512 1
+#endif
+
+#ifdef WUSHKV_AVX512
+// GN queries (≤ 4) at BITS bits: accumulators in registers, the loops over code runs and queries unrolled
+template <int BITS, int GN>
+static inline void dot_codes_t(const uint8_t* __restrict row, int64_t nb, const float* __restrict q, int64_t stride,
+                               float* __restrict s) {
+  constexpr int PER = 8 / BITS;
+  const __m512i mask = _mm512_set1_epi32((1 << BITS) - 1);
+  __m512 acc[GN];
+#pragma GCC unroll 4
+  for (int g = 0; g < GN; ++g) acc[g] = _mm512_setzero_ps();
+  for (int64_t m = 0; m < nb; m += 16) {
+    const __mmask16 lanes = nb - m >= 16 ? __mmask16(0xFFFF) : __mmask16((1u << (nb - m)) - 1);
+    const __m512i x = _mm512_cvtepu8_epi32(_mm_maskz_loadu_epi8(lanes, row + m));
+#pragma GCC unroll 8
+    for (int t = 0; t < PER; ++t) {
+      const __m512 c = _mm512_cvtepi32_ps(_mm512_and_si512(_mm512_srli_epi32(x, t * BITS), mask));
+#pragma GCC unroll 4
+      for (int g = 0; g < GN; ++g)
+        acc[g] = _mm512_fmadd_ps(c, _mm512_maskz_loadu_ps(lanes, q + g * stride + t * nb + m), acc[g]);
+    }
+  }
+#pragma GCC unroll 4
+  for (int g = 0; g < GN; ++g) s[g] = _mm512_reduce_add_ps(acc[g]);
+}
+
+template <int BITS>
+static inline void dot_codes_b(const uint8_t* row, int64_t nb, const float* q, int64_t stride, int64_t G, float* s) {
+  int64_t g = 0;
+  for (; g + 4 <= G; g += 4) dot_codes_t<BITS, 4>(row, nb, q + g * stride, stride, s + g);
+  switch (G - g) {
+    case 3: dot_codes_t<BITS, 3>(row, nb, q + g * stride, stride, s + g); break;
+    case 2: dot_codes_t<BITS, 2>(row, nb, q + g * stride, stride, s + g); break;
+    case 1: dot_codes_t<BITS, 1>(row, nb, q + g * stride, stride, s + g); break;
+    default: break;
+  }
+}
+
+template <int BITS>
+static inline void axpy_codes_t(const uint8_t* __restrict row, int64_t nb, const float* __restrict w, int64_t G,
+                                float* __restrict acc, int64_t stride) {
+  constexpr int PER = 8 / BITS;
+  const __m512i mask = _mm512_set1_epi32((1 << BITS) - 1);
+  for (int64_t m = 0; m < nb; m += 16) {
+    const __mmask16 lanes = nb - m >= 16 ? __mmask16(0xFFFF) : __mmask16((1u << (nb - m)) - 1);
+    const __m512i x = _mm512_cvtepu8_epi32(_mm_maskz_loadu_epi8(lanes, row + m));
+#pragma GCC unroll 8
+    for (int t = 0; t < PER; ++t) {
+      const __m512 c = _mm512_cvtepi32_ps(_mm512_and_si512(_mm512_srli_epi32(x, t * BITS), mask));
+      for (int64_t g = 0; g < G; ++g) {
+        float* a = acc + g * stride + t * nb + m;
+        _mm512_mask_storeu_ps(a, lanes, _mm512_fmadd_ps(_mm512_set1_ps(w[g]), c, _mm512_maskz_loadu_ps(lanes, a)));
+      }
+    }
+  }
+}
+#endif
+
+// s[g] = Σ_i cf_i · q[g*stride + i] over the permuted codes of one row, for g < G
+static inline void dot_codes(const uint8_t* __restrict row, int64_t nb, int64_t bits, const float* __restrict q,
+                             int64_t stride, int64_t G, float* __restrict s) {
+#ifdef WUSHKV_AVX512
+  switch (bits) {
+    case 1: return dot_codes_b<1>(row, nb, q, stride, G, s);
+    case 2: return dot_codes_b<2>(row, nb, q, stride, G, s);
+    case 4: return dot_codes_b<4>(row, nb, q, stride, G, s);
+    default: return dot_codes_b<8>(row, nb, q, stride, G, s);
+  }
+#else
+  const int64_t per = 8 / bits;
+  const int mask = (1 << bits) - 1;
+  for (int64_t g = 0; g < G; ++g) s[g] = 0.f;
+  for (int64_t t = 0; t < per; ++t)
+    for (int64_t g = 0; g < G; ++g) {
+      const float* qg = q + g * stride + t * nb;
+      float a = 0.f;
+#pragma omp simd reduction(+ : a)
+      for (int64_t m = 0; m < nb; ++m) a += static_cast<float>((row[m] >> (t * bits)) & mask) * qg[m];
+      s[g] += a;
+    }
+#endif
+}
+
+// acc[g*stride + i] += w[g] · cf_i over the permuted codes of one row, for g < G
+static inline void axpy_codes(const uint8_t* __restrict row, int64_t nb, int64_t bits, const float* __restrict w,
+                              int64_t G, float* __restrict acc, int64_t stride) {
+#ifdef WUSHKV_AVX512
+  switch (bits) {
+    case 1: return axpy_codes_t<1>(row, nb, w, G, acc, stride);
+    case 2: return axpy_codes_t<2>(row, nb, w, G, acc, stride);
+    case 4: return axpy_codes_t<4>(row, nb, w, G, acc, stride);
+    default: return axpy_codes_t<8>(row, nb, w, G, acc, stride);
+  }
+#else
+  const int64_t per = 8 / bits;
+  const int mask = (1 << bits) - 1;
+  for (int64_t t = 0; t < per; ++t)
+    for (int64_t g = 0; g < G; ++g) {
+      float* a = acc + g * stride + t * nb;
+      const float wg = w[g];
+#pragma omp simd
+      for (int64_t m = 0; m < nb; ++m) a[m] += wg * static_cast<float>((row[m] >> (t * bits)) & mask);
+    }
+#endif
+}
+
+// x[j] <- exp(x[j] - m) for j < n; returns Σ_j of the new x[j]. With AVX-512: exp(y) = 2^k·p(r), y = k·ln2 + r,
+// |r| ≤ ln2/2, p the degree-6 Taylor polynomial (relative error below 2e-7, float32's own rounding); scalar
+// std::exp otherwise (a call per element, which would cost more than the codes' dot products)
+static inline float exp_shifted_sum(float* __restrict x, int64_t n, float m) {
+  float l = 0.f;
+  int64_t j = 0;
+#ifdef WUSHKV_AVX512
+  const __m512 vm = _mm512_set1_ps(m), lo = _mm512_set1_ps(-87.3f), log2e = _mm512_set1_ps(1.44269504088896341f);
+  const __m512 ln2hi = _mm512_set1_ps(0.693359375f), ln2lo = _mm512_set1_ps(-2.12194440e-4f);
+  const __m512 c2 = _mm512_set1_ps(1.f / 2), c3 = _mm512_set1_ps(1.f / 6), c4 = _mm512_set1_ps(1.f / 24),
+               c5 = _mm512_set1_ps(1.f / 120), c6 = _mm512_set1_ps(1.f / 720), one = _mm512_set1_ps(1.f);
+  __m512 sum = _mm512_setzero_ps();
+  for (; j < n; j += 16) {
+    const __mmask16 lanes = n - j >= 16 ? __mmask16(0xFFFF) : __mmask16((1u << (n - j)) - 1);
+    __m512 y = _mm512_max_ps(_mm512_sub_ps(_mm512_maskz_loadu_ps(lanes, x + j), vm), lo);
+    const __m512 k = _mm512_roundscale_ps(_mm512_mul_ps(y, log2e), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    __m512 r = _mm512_fnmadd_ps(k, ln2hi, y);
+    r = _mm512_fnmadd_ps(k, ln2lo, r);
+    __m512 p = _mm512_fmadd_ps(c6, r, c5);
+    p = _mm512_fmadd_ps(p, r, c4);
+    p = _mm512_fmadd_ps(p, r, c3);
+    p = _mm512_fmadd_ps(p, r, c2);
+    p = _mm512_fmadd_ps(p, r, one);
+    p = _mm512_fmadd_ps(p, r, one);
+    const __m512 e = _mm512_scalef_ps(p, k);
+    _mm512_mask_storeu_ps(x + j, lanes, e);
+    sum = _mm512_mask_add_ps(sum, lanes, sum, e);
+  }
+  l = _mm512_reduce_add_ps(sum);
+#else
+  for (; j < n; ++j) {
+    x[j] = std::exp(x[j] - m);
+    l += x[j];
+  }
+#endif
+  return l;
+}
+
 static constexpr int64_t PAGED_CHUNK = 512;  // tokens per split: a request's context is several work items
 
 template <typename scalar_t>
@@ -206,7 +358,6 @@ static void paged_decode_impl(const torch::Tensor& cache, const torch::Tensor& t
   const scalar_t* pp = pool.data_ptr<scalar_t>();
   const bool* wp = written.data_ptr<bool>();
   const int32_t* ip = page_index.data_ptr<int32_t>();
-  const std::vector<float> ktab = byte_table(K.bits), vtab = byte_table(V.bits);
 
   // work items: (request, KV head, token range); the splits of one (request, head) are consecutive
   std::vector<int64_t> item_r, item_a, item_b, first(R * H + 1, 0);
@@ -226,110 +377,114 @@ static void paged_decode_impl(const torch::Tensor& cache, const torch::Tensor& t
   const int64_t items = item_r.size(), W = 2 * G + G * d;  // per item: max, sum, unnormalized output, per query
   std::vector<float> part(items * W);
 
+  // queries and value sums in the permuted order of dot_codes / axpy_codes
   at::parallel_for(0, items, 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> qz(G * std::max(KD, d), 0.f), qsum(G), cf(std::max(KD, VD)), s(G * PAGED_CHUNK), kf(d), acc(G * VD), osum(G);
+    // the closure's sizes as locals: the stores below would otherwise make the compiler reload them every token
+    const int64_t H_ = H, G_ = G, d_ = d, bs_ = bs, U_ = U, KD_ = KD, VD_ = VD, knb_ = knb, vnb_ = vnb;
+    const int64_t s0_ = s0, s1_ = s1, s2_ = s2;
+    const CellSide K_ = K, V_ = V;
+    std::vector<float> qz(G_ * d_), qk(G_ * KD_, 0.f), qsum(G_), dots(G_), s(G_ * PAGED_CHUNK), kf(d_);
+    std::vector<float> acc(G_ * VD_), accf(G_ * d_), osum(G_);
     std::vector<int32_t> src(PAGED_CHUNK);  // per token: its copy's pool row, or -1 (read the codes)
     for (int64_t it = begin; it < end; ++it) {
-      const int64_t rh = item_r[it], r = rh / H, h = rh % H, a = item_a[it], b = item_b[it], n = lp[r];
-      std::fill(qz.begin(), qz.end(), 0.f);
-      for (int64_t g = 0; g < G; ++g) {
+      const int64_t rh = item_r[it], r = rh / H_, h = rh % H_, a = item_a[it], b = item_b[it], n = lp[r];
+      const int64_t len = b - a;
+      std::fill(qk.begin(), qk.end(), 0.f);
+      for (int64_t g = 0; g < G_; ++g) {
         float sum = 0.f;
-        for (int64_t i = 0; i < d; ++i) {
-          const float x = qp[(r * Hq + h * G + g) * d + i];
-          qz[g * KD + i] = x;
+        for (int64_t i = 0; i < d_; ++i) {
+          const float x = qp[(r * Hq + h * G_ + g) * d_ + i];
+          qz[g * d_ + i] = x;
+          qk[g * KD_ + (i % kper) * knb_ + i / kper] = x;
           sum += x;
         }
         qsum[g] = sum;
       }
       const int32_t* row = tp + r * MB;
-      // 1. scores
+      // 0. the window positions of this range (t < sink or t > n − 1 − recent) whose copy is held: read from the pool
+      std::fill(src.begin(), src.begin() + len, -1);
       for (int64_t t = a; t < b; ++t) {
-        const int64_t blk = row[t / bs], off = t % bs;
-        TORCH_CHECK(blk >= 0 && blk < NB, "block table entry ", blk, " out of range");
-        int32_t e = -1;
-        if (t < sink || t > n - 1 - recent) {  // a window position: its full-precision copy where it is held
-          const int64_t page = blk * ppb + off / U;
-          if (page < npages) {
-            e = ip[page];
-            if (e >= 0 && !wp[e * U + off % U]) e = -1;
-          }
+        if (t >= sink && t <= n - 1 - recent) {  // the middle: jump to the recent window
+          t = n - 1 - recent;
+          continue;
         }
-        const int64_t j = t - a;
-        src[j] = e < 0 ? -1 : static_cast<int32_t>(e * U + off % U);
-        if (e >= 0) {
-          const scalar_t* kr = pp + ((src[j] * H + h) * 2) * d;
-          for (int64_t i = 0; i < d; ++i) kf[i] = static_cast<float>(kr[i]);
-          for (int64_t g = 0; g < G; ++g) {
-            const float* qg = qz.data() + g * KD;
-            float acc_s = 0.f;
+        const int64_t blk = row[t / bs_], off = t % bs_, page = blk * ppb + off / U_;
+        if (page < npages) {
+          const int32_t e = ip[page];
+          if (e >= 0 && wp[e * U_ + off % U_]) src[t - a] = static_cast<int32_t>(e * U_ + off % U_);
+        }
+      }
+      // 1. scores, block by block (one division per block, not per token)
+      for (int64_t t = a; t < b;) {
+        const int64_t bi = t / bs_, stop = std::min(b, (bi + 1) * bs_), blk = row[bi];
+        const uint8_t* base = cp + blk * s0_ + h * s1_ + (t - bi * bs_) * s2_;
+        for (; t < stop; ++t, base += s2_) {
+          const int64_t j = t - a;
+          if (src[j] >= 0) {
+            const scalar_t* kr = pp + ((src[j] * H_ + h) * 2) * d_;
+            for (int64_t i = 0; i < d_; ++i) kf[i] = static_cast<float>(kr[i]);
+            for (int64_t g = 0; g < G_; ++g) {
+              const float* qg = qz.data() + g * d_;
+              float acc_s = 0.f;
 #pragma omp simd reduction(+ : acc_s)
-            for (int64_t i = 0; i < d; ++i) acc_s += kf[i] * qg[i];
-            s[g * PAGED_CHUNK + j] = acc_s;
-          }
-        } else {
-          const uint8_t* cell = cp + blk * s0 + h * s1 + off * s2;
-          unpack_any(cell + K.codes, knb, kper, ktab.data(), cf.data());
-          const float sc = meta_at(cell + K.scale, K.meta);
-          const float of = K.offset >= 0 ? meta_at(cell + K.offset, K.meta) : sc * K.half;
-          for (int64_t g = 0; g < G; ++g) {
-            const float* qg = qz.data() + g * KD;
-            float acc_s = 0.f;
-#pragma omp simd reduction(+ : acc_s)
-            for (int64_t i = 0; i < KD; ++i) acc_s += cf[i] * qg[i];
-            s[g * PAGED_CHUNK + j] = sc * acc_s + of * qsum[g];
+              for (int64_t i = 0; i < d_; ++i) acc_s += kf[i] * qg[i];
+              s[g * PAGED_CHUNK + j] = acc_s;
+            }
+          } else {
+            dot_codes(base + K_.codes, knb_, K_.bits, qk.data(), KD_, G_, dots.data());
+            const float sc = meta_at(base + K_.scale, K_.meta);
+            const float of = K_.offset >= 0 ? meta_at(base + K_.offset, K_.meta) : sc * K_.half;
+            for (int64_t g = 0; g < G_; ++g) s[g * PAGED_CHUNK + j] = sc * dots[g] + of * qsum[g];
           }
         }
       }
       // 2. this split's softmax: max, weights, sum
       float* P = part.data() + it * W;
-      for (int64_t g = 0; g < G; ++g) {
+      for (int64_t g = 0; g < G_; ++g) {
         float* sg = s.data() + g * PAGED_CHUNK;
         float m = -INFINITY;
-        for (int64_t j = 0; j < b - a; ++j) {
+        for (int64_t j = 0; j < len; ++j) {
           float x = sg[j] * scale;
           if (softcap > 0.f) x = softcap * std::tanh(x / softcap);
           sg[j] = x;
           m = std::max(m, x);
         }
-        float l = 0.f;
-        for (int64_t j = 0; j < b - a; ++j) {
-          sg[j] = std::exp(sg[j] - m);
-          l += sg[j];
-        }
         P[g] = m;
-        P[G + g] = l;
+        P[G_ + g] = exp_shifted_sum(sg, len, m);
       }
       // 3. values, weighted
       std::fill(acc.begin(), acc.end(), 0.f);
+      std::fill(accf.begin(), accf.end(), 0.f);
       std::fill(osum.begin(), osum.end(), 0.f);
-      for (int64_t t = a; t < b; ++t) {
-        const int64_t j = t - a;
-        if (src[j] >= 0) {
-          const scalar_t* vr = pp + ((src[j] * H + h) * 2 + 1) * d;
-          for (int64_t i = 0; i < d; ++i) kf[i] = static_cast<float>(vr[i]);
-          for (int64_t g = 0; g < G; ++g) {
-            const float w = s[g * PAGED_CHUNK + j];
-            float* ag = acc.data() + g * VD;
+      for (int64_t t = a; t < b;) {
+        const int64_t bi = t / bs_, stop = std::min(b, (bi + 1) * bs_), blk = row[bi];
+        const uint8_t* base = cp + blk * s0_ + h * s1_ + (t - bi * bs_) * s2_;
+        for (; t < stop; ++t, base += s2_) {
+          const int64_t j = t - a;
+          if (src[j] >= 0) {
+            const scalar_t* vr = pp + ((src[j] * H_ + h) * 2 + 1) * d_;
+            for (int64_t i = 0; i < d_; ++i) kf[i] = static_cast<float>(vr[i]);
+            for (int64_t g = 0; g < G_; ++g) {
+              const float w = s[g * PAGED_CHUNK + j];
+              float* ag = accf.data() + g * d_;
 #pragma omp simd
-            for (int64_t i = 0; i < d; ++i) ag[i] += w * kf[i];
-          }
-        } else {
-          const int64_t blk = row[t / bs], off = t % bs;
-          const uint8_t* cell = cp + blk * s0 + h * s1 + off * s2;
-          unpack_any(cell + V.codes, vnb, vper, vtab.data(), cf.data());
-          const float sc = meta_at(cell + V.scale, V.meta);
-          const float of = V.offset >= 0 ? meta_at(cell + V.offset, V.meta) : sc * V.half;
-          for (int64_t g = 0; g < G; ++g) {
-            const float p = s[g * PAGED_CHUNK + j], w = p * sc;
-            float* ag = acc.data() + g * VD;
-#pragma omp simd
-            for (int64_t i = 0; i < VD; ++i) ag[i] += w * cf[i];
-            osum[g] += p * of;
+              for (int64_t i = 0; i < d_; ++i) ag[i] += w * kf[i];
+            }
+          } else {
+            const float sc = meta_at(base + V_.scale, V_.meta);
+            const float of = V_.offset >= 0 ? meta_at(base + V_.offset, V_.meta) : sc * V_.half;
+            for (int64_t g = 0; g < G_; ++g) {
+              const float p = s[g * PAGED_CHUNK + j];
+              dots[g] = p * sc;
+              osum[g] += p * of;
+            }
+            axpy_codes(base + V_.codes, vnb_, V_.bits, dots.data(), G_, acc.data(), VD_);
           }
         }
       }
-      for (int64_t g = 0; g < G; ++g)
-        for (int64_t i = 0; i < d; ++i) P[2 * G + g * d + i] = acc[g * VD + i] + osum[g];
+      for (int64_t g = 0; g < G_; ++g)
+        for (int64_t i = 0; i < d_; ++i)
+          P[2 * G_ + g * d_ + i] = acc[g * VD_ + (i % vper) * vnb_ + i / vper] + accf[g * d_ + i] + osum[g];
     }
   });
 
