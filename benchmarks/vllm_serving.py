@@ -129,9 +129,11 @@ def main(argv=None) -> int:
 
     if "speed" not in skip:
         rows, out["speed"] = [], {}
+        max_pos = json.loads((k2v2 / "config.json").read_text()).get("max_position_embeddings", 1 << 30)
         for C in (int(c) for c in args.contexts.split(",")):
-            eng = bf16 | {"max_model_len": C + args.decode_tokens + 16, "max_num_seqs": args.requests}
-            prompts = [row[:C] for row in long_ids.tolist()]
+            P = min(C, max_pos - args.decode_tokens)  # the model's last position ends the decode: 8k is 8,192 in all
+            eng = bf16 | {"max_model_len": P + args.decode_tokens, "max_num_seqs": args.requests}
+            prompts = [row[:P] for row in long_ids.tolist()]
             # prefill once (it fills the prefix cache), then the same prompts for 1 token and for N: the difference of
             # the two calls is N − 1 decode steps of the whole batch (prefix hits, the last block's recompute and the
             # first token cancel)
@@ -139,10 +141,13 @@ def main(argv=None) -> int:
                        {"prompts": prompts, "max_tokens": args.decode_tokens}]
             res = run_jobs(args.vllm_python, [{"folder": str(f), "engine": eng, "batches": batches} for f in (stock, k2v2)], work,
                            args.kv_space)
+            for f, r in zip(("stock", "K2V2"), res):
+                if "error" in r:
+                    raise SystemExit(f"vLLM refused the {f} engine at context {C}: {r['error']}")
             steps = [r["batches"][2]["seconds"] - r["batches"][1]["seconds"] for r in res]
             tps = [args.requests * (args.decode_tokens - 1) / s for s in steps]
             tpot = [1000 * s / (args.decode_tokens - 1) for s in steps]
-            out["speed"][C] = {"stock_tokens_per_s": tps[0], "k2v2_tokens_per_s": tps[1], "ratio": tps[1] / tps[0],
+            out["speed"][C] = {"prompt_tokens": P, "stock_tokens_per_s": tps[0], "k2v2_tokens_per_s": tps[1], "ratio": tps[1] / tps[0],
                                "stock_ms_per_step": tpot[0], "k2v2_ms_per_step": tpot[1]}
             rows.append([C, f"{tps[0]:.1f}", f"{tps[1]:.1f}", f"{tpot[0]:.0f}", f"{tpot[1]:.0f}", f"{tps[1] / tps[0]:.3f}"])
             write_json(args.json, out)

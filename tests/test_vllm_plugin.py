@@ -187,11 +187,11 @@ def test_batched_decode_kernel_equals_the_general_attention(quantizer, bits, dty
 
 
 # -- the folder the plugin serves ------------------------------------------------------------------------
-def _export(tmp_path, name, method, cfg=CFG):
+def _export(tmp_path, name, method, cfg=CFG, family="llama"):
     from wushkv.calibration import calibrate
     from wushkv.serving import export_model
 
-    model = tiny_model("llama", vocab_size=128)
+    model = tiny_model(family, vocab_size=128)
     text = tmp_path / "calib.txt"
     text.write_text(TINY_CALIBRATION_TEXT)
     cal = calibrate(model, hf_char_tokenizer(), samples=3, seq_len=64, text_file=str(text), show_progress=False)
@@ -245,6 +245,7 @@ def engines(tmp_path_factory):
     shutil.rmtree(stock / "wushkv")  # the same weights without a side file: stock vLLM, plugin installed
     wush = _export(tmp, "wush2", "wush+ldlq")
     tiles = _export(tmp, "tiles", "wush+ktiles", replace(CFG, windows=WindowConfig(4, 128, 128)))
+    gemma = _export(tmp, "gemma", "wush+ldlq", family="gemma3")  # sliding-window layers (16 tokens), GQA 2
     shared = _prompts(1, 150, 0, seed=5)[0]
     jobs = [
         {"folder": str(id8), "engine": ENGINE, "batches": [{"prompts": _prompts(), "max_tokens": 16, "prompt_logprobs": True}]},
@@ -257,6 +258,12 @@ def engines(tmp_path_factory):
         {"folder": str(wush), "engine": ENGINE,
          "batches": [{"prompts": [shared + [7, 8, 9]], "max_tokens": 24}, {"prompts": [shared + [40, 41]], "max_tokens": 24}]},
         {"folder": str(tiles), "engine": ENGINE, "batches": []},
+        # tensor parallelism: 2 ranks of one KV head each (one CPU core each; vLLM's CPU workers need the binding)
+        {"folder": str(wush), "engine": ENGINE | {"tensor_parallel_size": 2, "distributed_executor_backend": "mp"},
+         "env": {"VLLM_CPU_OMP_THREADS_BIND": "0|1"},
+         "batches": [{"prompts": _prompts(4, 60, 0), "max_tokens": 32, "prompt_logprobs": True, "logprobs": 2}]},
+        {"folder": str(gemma), "engine": ENGINE,
+         "batches": [{"prompts": _prompts(4, 60, 0), "max_tokens": 32, "prompt_logprobs": True, "logprobs": 2}]},
     ]
     jp, op = tmp / "jobs.json", tmp / "out.json"
     jp.write_text(json.dumps(jobs))
@@ -265,7 +272,7 @@ def engines(tmp_path_factory):
                        text=True, timeout=1500)
     assert r.returncode == 0, r.stderr[-4000:]
     out = json.loads(op.read_text())
-    return {"jobs": jobs, "out": out, "folders": {"id8": id8, "wush": wush}, "log": r.stdout + r.stderr}
+    return {"jobs": jobs, "out": out, "folders": {"id8": id8, "wush": wush, "gemma": gemma}, "log": r.stdout + r.stderr}
 
 
 def _agreement(a: list, b: list) -> float:
@@ -307,6 +314,40 @@ def test_k2v2_equals_the_transformers_cache_under_chunked_prefill_and_preemption
     assert worst < 1e-4, worst  # measured: 1e-6 (a chunk that read a window token from its codes was off by 1e-2)
     # 2-bit cells: 8 bytes of codes + an fp16 step a side, 20 bytes against 256 in float32
     assert "20-byte cells per token and KV head (256 in torch.float32)" in engines["log"]
+
+
+def _agrees_with_wushkv(engines, j: int, folder: str) -> tuple[int, int, float]:
+    """(agreeing positions, positions, largest |Δ log p|) of job j's batch against wushkv's transformers cache."""
+    job, batch = engines["jobs"][j], engines["out"][j]["batches"][0]
+    agree = total = 0
+    worst = 0.0
+    for prompt, gen, top, plp, glp in zip(job["batches"][0]["prompts"], batch["outputs"], batch["prompt_top1"],
+                                          batch["prompt_logprob"], batch["logprobs"]):
+        a, t, w = compare(served_logprobs(engines["folders"][folder], prompt + gen), prompt, gen, top, plp, glp)
+        agree, total, worst = agree + a, total + t, max(worst, w)
+    return agree, total, worst
+
+
+@needs_vllm
+@pytest.mark.slow
+@pytest.mark.skipif((os.cpu_count() or 1) < 2, reason="tensor parallelism on CPU binds one core per rank: needs 2 cores")
+def test_tensor_parallel_ranks_serve_their_kv_heads(engines):
+    """Two ranks, each with its KV head's transforms, cells and windows: what one rank gives, to float32 rounding."""
+    res = engines["out"][5]
+    assert "batches" in res, res.get("error")
+    agree, total, worst = _agrees_with_wushkv(engines, 5, "wush")
+    assert agree == total and worst < 1e-4, (agree, total, worst)  # measured: every position, 2.4e-6 against TP=1
+
+
+@needs_vllm
+@pytest.mark.slow
+def test_sliding_window_layers_and_their_fused_decode(engines):
+    """Gemma-3 (tiny): sliding-window layers of 16 tokens beside full ones, q/k norms, GQA; prompts of 61-130 tokens
+    decode far past the window, through the fused kernel's window bound."""
+    res = engines["out"][6]
+    assert "batches" in res, res.get("error")
+    agree, total, worst = _agrees_with_wushkv(engines, 6, "gemma")
+    assert agree == total and worst < 1e-4, (agree, total, worst)
 
 
 @needs_vllm

@@ -2,7 +2,8 @@
 ``python -m wushkv_vllm.jobs JOBS OUT``.
 
 JOBS (JSON): a list of jobs, run one after another in this process (vLLM's import is paid once), each with
-``folder``, ``engine`` (keyword arguments of ``vllm.LLM``) and ``batches``, each one ``generate`` call: ``prompts``
+``folder``, ``engine`` (keyword arguments of ``vllm.LLM``), optional ``env`` (environment variables set while the
+engine runs, e.g. ``VLLM_CPU_OMP_THREADS_BIND`` for tensor parallelism on CPU) and ``batches``, each one ``generate`` call: ``prompts``
 (lists of token ids), ``max_tokens``, optional ``prompt_logprobs`` (the top-1 token at every prompt position) and
 ``logprobs`` (k: the top-k log-probabilities of every generated token). OUT
 (JSON): per job, per batch each prompt's generated ``outputs``, the call's wall ``seconds`` and ``prompt_top1`` where asked; then the cache vLLM allocated (``num_blocks``, ``block_size``) and its counters
@@ -29,6 +30,21 @@ def compare(ref, prompt: list, gen: list, top: list, prompt_logprob: list, logpr
 
 
 def run(job: dict) -> dict:
+    import os
+
+    saved = {k: os.environ.get(k) for k in job.get("env", {})}
+    os.environ.update(job.get("env", {}))  # vLLM's engine processes are started with this environment
+    try:
+        return _run(job)
+    finally:
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+
+
+def _run(job: dict) -> dict:
     from vllm import LLM, SamplingParams
     from vllm.inputs import TokensPrompt
 
