@@ -268,15 +268,20 @@ def attend(q: torch.Tensor, q_pos: torch.Tensor, kq: torch.Tensor, vq: torch.Ten
     for a in range(0, T, block):
         qp = q_pos[a:a + block, None]
         qg = q[a:a + block].float().reshape(-1, H, G, d).permute(1, 2, 0, 3)  # (H, G, t, d)
-        full = known[None, :] & ((k_pos[None, :] < sink) | (k_pos[None, :] > qp - recent))  # (t, n)
-        s = torch.where(full, torch.einsum("hgtd,hnd->hgtn", qg, kf), torch.einsum("hgtd,hnd->hgtn", qg, kq)) * scale
+        # every query reads the codes but for its windows: the columns J some query of the block reads in full
+        # precision (the sink, and from the first query's recent window on) are corrected, the rest is one product
+        J = (known & ((k_pos < sink) | (k_pos > int(qp.min()) - recent))).nonzero().flatten()
+        full = (k_pos[J][None, :] < sink) | (k_pos[J][None, :] > qp - recent)  # (t, |J|)
+        s = torch.einsum("hgtd,hnd->hgtn", qg, kq)
+        s[..., J] = torch.where(full, torch.einsum("hgtd,hnd->hgtn", qg, kf[:, J]), s[..., J])
+        s = s * scale
         if softcap > 0:
             s = softcap * torch.tanh(s / softcap)
         allowed = k_pos[None, :] <= qp
         if sliding_window > 0:
             allowed &= k_pos[None, :] > qp - sliding_window
         p = s.masked_fill(~allowed, float("-inf")).softmax(-1)
-        o = torch.einsum("hgtn,hnd->hgtd", p * full, vf) + torch.einsum("hgtn,hnd->hgtd", p * ~full, vq)
+        o = torch.einsum("hgtn,hnd->hgtd", p, vq) + torch.einsum("hgtn,hnd->hgtd", p[..., J] * full, vf[:, J] - vq[:, J])
         out[a:a + block] = o.permute(2, 0, 1, 3).reshape(-1, Hq, d)
     return out
 
