@@ -111,16 +111,18 @@ def test_windows_keep_copies_of_the_window_positions_and_drop_the_oldest_others(
     assert w2.read(kf, vf, known, torch.tensor([0]), 0, 4, 3) == 3 and known.tolist() == [False, False, False, True]
 
 
-def _reference(q, kq, vq, kf, vf, q_pos, sink, recent, scale):
-    """Query by query, the keys a token-by-token decode would read."""
+def _reference(q, kq, vq, kf, vf, q_pos, sink, recent, scale, known=None):
+    """Query by query, the keys a token-by-token decode would read (a window token without a ``known`` copy: its codes)."""
     T, Hq, d = q.shape
     H, n, _ = kq.shape
+    known = torch.ones(n, dtype=torch.bool) if known is None else known
     out = torch.zeros(T, Hq, d)
     for i, p in enumerate(q_pos.tolist()):
         for hq in range(Hq):
             h = hq // (Hq // H)
-            ks = torch.stack([kf[h, t] if (t < sink or t > p - recent) else kq[h, t] for t in range(p + 1)])
-            vs = torch.stack([vf[h, t] if (t < sink or t > p - recent) else vq[h, t] for t in range(p + 1)])
+            full = [(t < sink or t > p - recent) and bool(known[t]) for t in range(p + 1)]
+            ks = torch.stack([kf[h, t] if full[t] else kq[h, t] for t in range(p + 1)])
+            vs = torch.stack([vf[h, t] if full[t] else vq[h, t] for t in range(p + 1)])
             out[i, hq] = ((ks @ q[i, hq]) * scale).softmax(0) @ vs
     return out
 
@@ -138,6 +140,11 @@ def test_attention_reads_what_token_by_token_decode_reads():
     # no copy known: everything from the codes
     got = attend(q, q_pos, kq, vq, kf, vf, ~known, torch.arange(n), 2, 3, 0.5)
     assert torch.allclose(got, _reference(q, kq, vq, kq, vq, q_pos, 2, 3, 0.5), atol=1e-5)
+    # some copies dropped (positions 1 and 9): those window positions come from their codes
+    some = known.clone()
+    some[[1, 9]] = False
+    got = attend(q, q_pos, kq, vq, kf, vf, some, torch.arange(n), 2, 3, 0.5, block=4)
+    assert torch.allclose(got, _reference(q, kq, vq, kf, vf, q_pos, 2, 3, 0.5, some), atol=1e-5)
 
 
 @pytest.mark.parametrize("quantizer, bits, dtype", [("quest", 2, torch.float32), ("affine", 4, torch.bfloat16),
