@@ -19,7 +19,7 @@ from wushkv.config import QuantConfig, WindowConfig
 from wushkv.serving import served_logprobs
 from wushkv_vllm import VLLMVersionError, check_vllm_version
 from wushkv_vllm.jobs import compare
-from wushkv_vllm.paged import SlotCodec, Windows, attend, decode_batch, gather, store
+from wushkv_vllm.paged import SlotCodec, Windows, attend, decode_batch, decode_context, gather, store
 from wushkv_vllm.served import UnsupportedFolder, load_served
 
 from conftest import TINY_CALIBRATION_TEXT, hf_char_tokenizer, require_kernels, tiny_model
@@ -53,8 +53,9 @@ def test_cells_decode_to_what_the_codecs_store(quantizer, bits, feedback):
     assert float((kd - k.transpose(0, 1)).abs().max()) > 0  # quantized, not a copy
 
 
-def test_store_and_gather_through_a_block_table():
-    sc = SlotCodec(CFG, 32)
+@pytest.mark.parametrize("cfg", [CFG, replace(CFG, quantizer="affine", k_bits=4)])
+def test_store_and_gather_through_a_block_table(cfg):
+    sc = SlotCodec(cfg, 32)
     bs, H, n = 4, 2, 11
     cache = torch.zeros(9, H, bs, sc.slot_bytes, dtype=torch.uint8)
     table = torch.tensor([7, 2, 5, 0])  # the request's blocks, not in order
@@ -69,6 +70,11 @@ def test_store_and_gather_through_a_block_table():
     assert torch.equal(kd, kr) and torch.equal(vd, vr)
     kd, _ = sc.decode(gather(cache, table, n, start=5))  # a sliding window's reads start later
     assert torch.equal(kd, kr[:, 5:])
+    if sc.sides() is not None:  # the fused decode of the prefill path: the same values, bit for bit
+        require_kernels()
+        for start in (0, 5):
+            kc, vc = decode_context(sc, cache, table, n, start)
+            assert torch.equal(kc, kr[:, start:]) and torch.equal(vc, vr[:, start:])
     assert int(cache[[1, 3, 4, 6, 8]].count_nonzero()) == 0  # nothing written outside the request's blocks
 
 

@@ -32,7 +32,7 @@ from vllm.config import get_current_vllm_config
 from vllm.logger import init_logger
 from vllm.v1.attention.backends.cpu_attn import CPUAttentionBackend, CPUAttentionBackendImpl
 
-from .paged import SlotCodec, Windows, attend, decode_batch, gather, store
+from .paged import SlotCodec, Windows, attend, decode_batch, decode_context, store
 from .served import Served, UnsupportedFolder, has_side_file, load_served
 
 logger = init_logger("vllm.wushkv")  # under vLLM's logger: shown with its own lines
@@ -198,7 +198,7 @@ class WushKVCPUImpl(CPUAttentionBackendImpl):
             n, a, b = seq_lens[r], starts[r], starts[r + 1]
             ctx = n - (b - a)
             lo = max(0, ctx - window + 1) if window > 0 else 0  # the oldest position any of the step's queries reads
-            kq, vq = st.codec.decode(gather(cache, tables[r], n, lo))  # (H, n − lo, d), the step's tokens included
+            kq, vq = decode_context(st.codec, cache, tables[r], n, lo)  # (H, n − lo, d), the step's tokens included
             kf, vf = torch.zeros_like(kq), torch.zeros_like(vq)
             known = torch.zeros(n - lo, dtype=torch.bool)
             st.missing += st.windows.read(kf, vf, known, tables[r], lo, ctx, ctx)

@@ -69,11 +69,25 @@ def _run(job: dict) -> dict:
         res["batches"].append(b)
     cc = llm.llm_engine.vllm_config.cache_config
     res |= {"num_blocks": cc.num_gpu_blocks, "block_size": cc.block_size,
-            "metrics": {m.name: m.value for m in llm.get_metrics() if hasattr(m, "value") and m.name.startswith("vllm:")}}
+            "metrics": _metrics(llm.get_metrics())}
     llm.llm_engine.engine_core.shutdown()
     del llm
     gc.collect()
     return res
+
+
+def _metrics(metrics) -> dict:
+    """vLLM's counters and gauges by name, and its histograms as NAME_sum / NAME_count (e.g. the inter-token latency:
+    the mean decode step of the engine is ``vllm:inter_token_latency_seconds_sum / _count``)."""
+    out = {}
+    for m in metrics:
+        if not m.name.startswith("vllm:"):
+            continue
+        if hasattr(m, "value"):
+            out[m.name] = m.value
+        elif hasattr(m, "sum") and hasattr(m, "count"):
+            out[m.name + "_sum"], out[m.name + "_count"] = m.sum, m.count
+    return out
 
 
 if __name__ == "__main__":

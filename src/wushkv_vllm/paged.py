@@ -250,7 +250,7 @@ class Windows:
 
 def attend(q: torch.Tensor, q_pos: torch.Tensor, kq: torch.Tensor, vq: torch.Tensor, kf: torch.Tensor, vf: torch.Tensor,
            known: torch.Tensor, k_pos: torch.Tensor, sink: int, recent: int, scale: float, sliding_window: int = -1,
-           softcap: float = 0.0, block: int = 256) -> torch.Tensor:
+           softcap: float = 0.0, block: int = 1024) -> torch.Tensor:
     """Causal attention as WUSH-KV's cache gives it: a query at position p reads the key and value at position t in
     full precision when t is in the windows of a sequence of p + 1 tokens (t < ``sink`` or t > p − ``recent``) and
     its full-precision copy is ``known``, from its codes otherwise — what p would read had the sequence been decoded
@@ -259,7 +259,11 @@ def attend(q: torch.Tensor, q_pos: torch.Tensor, kq: torch.Tensor, vq: torch.Ten
     q (T, Hq, d) at positions ``q_pos`` (T,); decoded keys and values ``kq``/``vq`` (H, n, d) and full-precision ones
     ``kf``/``vf`` (H, n, d, zeros where not ``known`` (n,)) at positions ``k_pos`` (n,). Grouped: query head j reads KV
     head j // (Hq / H). ``sliding_window`` > 0: keys at p − window < t ≤ p only; ``softcap`` > 0: s ↦ c·tanh(s/c).
-    Queries go ``block`` at a time (memory). Returns float32 (T, Hq, d)."""
+
+    One masked attention (torch's fused ``scaled_dot_product_attention``) over the codes' keys and, appended, the
+    full-precision copies of the columns J some query reads in full precision (the sink, and from the first query's
+    recent window on): a query is allowed a code column or its copy, never both. Queries go ``block`` at a time
+    (memory: the mask is block × (n + |J|)). Returns float32 (T, Hq, d)."""
     T, Hq, d = q.shape
     H = kq.shape[0]
     G = Hq // H
@@ -267,23 +271,41 @@ def attend(q: torch.Tensor, q_pos: torch.Tensor, kq: torch.Tensor, vq: torch.Ten
     out = torch.empty(T, Hq, d)
     for a in range(0, T, block):
         qp = q_pos[a:a + block, None]
-        qg = q[a:a + block].float().reshape(-1, H, G, d).permute(1, 2, 0, 3)  # (H, G, t, d)
-        # every query reads the codes but for its windows: the columns J some query of the block reads in full
-        # precision (the sink, and from the first query's recent window on) are corrected, the rest is one product
         J = (known & ((k_pos < sink) | (k_pos > int(qp.min()) - recent))).nonzero().flatten()
-        full = (k_pos[J][None, :] < sink) | (k_pos[J][None, :] > qp - recent)  # (t, |J|)
-        s = torch.einsum("hgtd,hnd->hgtn", qg, kq)
-        s[..., J] = torch.where(full, torch.einsum("hgtd,hnd->hgtn", qg, kf[:, J]), s[..., J])
-        s = s * scale
-        if softcap > 0:
-            s = softcap * torch.tanh(s / softcap)
+        full = (k_pos[J][None, :] < sink) | (k_pos[J][None, :] > qp - recent)  # (t, |J|): reads the copy
         allowed = k_pos[None, :] <= qp
         if sliding_window > 0:
             allowed &= k_pos[None, :] > qp - sliding_window
-        p = s.masked_fill(~allowed, float("-inf")).softmax(-1)
-        o = torch.einsum("hgtn,hnd->hgtd", p, vq) + torch.einsum("hgtn,hnd->hgtd", p[..., J] * full, vf[:, J] - vq[:, J])
-        out[a:a + block] = o.permute(2, 0, 1, 3).reshape(-1, Hq, d)
+        full &= allowed[:, J]
+        codes = allowed.clone()
+        codes[:, J] &= ~full
+        K, V = torch.cat([kq, kf[:, J]], 1), torch.cat([vq, vf[:, J]], 1)  # (H, n + |J|, d)
+        mask = torch.cat([codes, full], 1)  # (t, n + |J|)
+        qg = q[a:a + block].float().transpose(0, 1)  # (Hq, t, d)
+        if softcap > 0:  # the fused kernel has no softcap: scores, capped, by hand
+            s = torch.einsum("hgtd,hnd->hgtn", qg.reshape(H, G, -1, d), K) * scale
+            s = (softcap * torch.tanh(s / softcap)).masked_fill(~mask, float("-inf")).softmax(-1)
+            o = torch.einsum("hgtn,hnd->hgtd", s, V).reshape(Hq, -1, d)
+        else:  # 4-d inputs and an additive mask take torch's fused CPU kernel (3-d or a bool mask: its slow path)
+            bias = torch.zeros(mask.shape).masked_fill_(~mask, float("-inf"))
+            o = torch.nn.functional.scaled_dot_product_attention(qg[None], K[None], V[None], attn_mask=bias[None, None],
+                                                                 scale=scale, enable_gqa=G > 1)[0]
+        out[a:a + block] = o.transpose(0, 1)
     return out
+
+
+def decode_context(sc: SlotCodec, cache: torch.Tensor, block_ids: torch.Tensor, stop: int,
+                   start: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    """Keys and values (H, stop − start, d) float32 of a request's positions start..stop−1 decoded from its cells
+    through its block table row: the fused ``paged_dequantize`` of :mod:`wushkv._ext` where it covers the cells, else
+    :meth:`SlotCodec.decode` of :func:`gather` (the same values)."""
+    from wushkv._ext import kernels
+
+    ext, sides = kernels(), sc.sides()
+    if ext is None or sides is None:
+        return sc.decode(gather(cache, block_ids, stop, start))
+    k, v = ext.paged_dequantize(cache, block_ids.to(torch.int32), start, stop, *sides, sc.d)
+    return k, v
 
 
 def decode_batch(sc: SlotCodec, cache: torch.Tensor, block_table: torch.Tensor, seq_lens: torch.Tensor, q: torch.Tensor,

@@ -8,6 +8,8 @@
 //   feedback_round(x (B,H,N,d) f32, scale/offset (B,H,N,g) f32, F (H,d,d) f32, bits) -> (B,H,N,d) uint8:
 //       codes on each group's grid, rounded coordinate by coordinate with error feedback
 //       (wushkv.quantizers.feedback; the PyTorch loop there is the reference)
+//   paged_dequantize(cache, block_ids (nb,) i32, start, stop, ...) -> [k, v] (H, stop-start, d) f32: a request's cells
+//       decoded through its block table (the prefill path)
 //   paged_decode(cache (NB,H,bs,C) uint8, block_table (R,MB) i32, seq_lens (R,) i64, q (R,Hq,d) f32, pool (P,U,H,2,d),
 //       written (P,U) bool, page_index (NB*bs/U,) i32, layout, ...) -> (R,Hq,d) f32: one decode query per request over
 //       its paged context of cells (wushkv_vllm.paged.SlotCodec), the window tokens from their full-precision copies
@@ -548,9 +550,56 @@ torch::Tensor paged_decode(torch::Tensor cache, torch::Tensor block_table, torch
   return out;
 }
 
+// keys and values (H, stop − start, d) float32 of positions start..stop−1 of one request, decoded from its cells
+// through its block table row: x = scale·code + offset per token (the codecs' formula); the prefill path's input
+std::vector<torch::Tensor> paged_dequantize(torch::Tensor cache, torch::Tensor block_ids, int64_t start, int64_t stop,
+                                            std::vector<int64_t> key_side, std::vector<int64_t> value_side,
+                                            double key_half, double value_half, int64_t d) {
+  TORCH_CHECK(cache.scalar_type() == torch::kUInt8 && cache.dim() == 4 && cache.stride(3) == 1,
+              "cache: uint8 (num_blocks, H, block_size, C), dense last dim");
+  TORCH_CHECK(block_ids.scalar_type() == torch::kInt32 && block_ids.dim() == 1, "block_ids: int32 (blocks,)");
+  TORCH_CHECK(key_side.size() == 5 && value_side.size() == 5, "a side is (codes, scale, offset, bits, meta dtype)");
+  const int64_t NB = cache.size(0), H = cache.size(1), bs = cache.size(2), m = stop - start;
+  TORCH_CHECK(0 <= start && start <= stop && (stop + bs - 1) / bs <= block_ids.size(0), "positions ", start, "..", stop,
+              " do not fit ", block_ids.size(0), " blocks");
+  const CellSide sides[2] = {{key_side[0], key_side[1], key_side[2], key_side[3], float(key_half), key_side[4]},
+                             {value_side[0], value_side[1], value_side[2], value_side[3], float(value_half), value_side[4]}};
+  for (const CellSide& c : sides)
+    TORCH_CHECK(c.bits == 1 || c.bits == 2 || c.bits == 4 || c.bits == 8, "bits must be 1, 2, 4 or 8, got ", c.bits);
+  auto ids = block_ids.contiguous();
+  const int32_t* ip = ids.data_ptr<int32_t>();
+  for (int64_t i = start / bs; i < (stop + bs - 1) / bs; ++i)
+    TORCH_CHECK(ip[i] >= 0 && ip[i] < NB, "block id ", ip[i], " out of range");
+  auto opts = torch::TensorOptions().dtype(torch::kFloat);
+  std::vector<torch::Tensor> out = {torch::empty({H, m, d}, opts), torch::empty({H, m, d}, opts)};
+  const uint8_t* cp = cache.data_ptr<uint8_t>();
+  const int64_t s0 = cache.stride(0), s1 = cache.stride(1), s2 = cache.stride(2);
+  const std::vector<float> tabs[2] = {byte_table(sides[0].bits), byte_table(sides[1].bits)};
+  const int64_t nchunks = (m + CHUNK - 1) / CHUNK;
+  at::parallel_for(0, 2 * H * nchunks, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> cf(8 * d + 8);
+    for (int64_t it = begin; it < end; ++it) {
+      const int64_t side = it / (H * nchunks), h = (it / nchunks) % H, c = it % nchunks;
+      const CellSide& S = sides[side];
+      const int64_t per = 8 / S.bits, nb = (d * S.bits + 7) / 8;
+      float* o = out[side].data_ptr<float>() + h * m * d;
+      for (int64_t t = start + c * CHUNK; t < std::min(stop, start + (c + 1) * CHUNK); ++t) {
+        const uint8_t* cell = cp + ip[t / bs] * s0 + h * s1 + (t % bs) * s2;
+        unpack_any(cell + S.codes, nb, per, tabs[side].data(), cf.data());
+        const float sc = meta_at(cell + S.scale, S.meta);
+        const float of = S.offset >= 0 ? meta_at(cell + S.offset, S.meta) : sc * S.half;
+        float* row = o + (t - start) * d;
+        for (int64_t i = 0; i < d; ++i) row[i] = sc * cf[i] + of;
+      }
+    }
+  });
+  return out;
+}
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("feedback_round", &feedback_round, "codes rounded with error feedback");
   m.def("code_dot", &code_dot, "Σ_i c_ji q_gi over packed codes");
   m.def("paged_decode", &paged_decode, "decode attention over paged cells");
+  m.def("paged_dequantize", &paged_dequantize, "keys and values of a request's cells");
   m.def("code_weighted_sum", &code_weighted_sum, "Σ_j w_gj c_j over packed codes");
 }
