@@ -210,5 +210,5 @@ class WushKVCPUImpl(CPUAttentionBackendImpl):
         if st.missing and not st.warned:  # once per layer: quality below wushkv's cache, say so
             st.warned = True
             logger.warning("wushkv: layer %d read %d window positions from their codes: their full-precision copies were "
-                           "dropped past %d blocks (raise max_num_seqs to keep more)", st.l, st.missing, st.windows.capacity)
+                           "dropped past %d pages (raise max_num_seqs to keep more)", st.l, st.missing, st.windows.capacity)
         return output
