@@ -24,7 +24,7 @@ from pathlib import Path
 from wushkv.calibration import Calibration, cover_positions
 from wushkv.config import PERPLEXITY_WINDOWS, QuantConfig
 from wushkv.data import tokenize_chunks, wikitext2_test
-from wushkv.eval.compare import quantized_perplexity
+from wushkv.eval.compare import paired_difference, quantized_perplexity
 from wushkv.eval.perplexity import perplexity
 from wushkv.io import read_json, write_json
 from wushkv.methods.auto import parse_recipe
@@ -40,6 +40,9 @@ def main(argv=None) -> int:
     p.add_argument("--bits", type=int, default=2)
     p.add_argument("--methods", default="wush", help="comma-separated recipes (METHOD[@ka=..][@va=..][@tc=..])")
     p.add_argument("--no-cover", action="store_true", help="skip the covered variants")
+    p.add_argument("--paired-against", default=None, metavar="STEM",
+                   help="also print each row's paired Δ%% (95%% bootstrap over chunks) against the same method with the "
+                        "calibration file of this stem, as is (e.g. smollm2-L1024: covered against uncovered)")
     p.add_argument("--json", required=True)
     args = p.parse_args(argv)
 
@@ -67,7 +70,7 @@ def main(argv=None) -> int:
         chunks = tokenize_chunks(tok, text, E, args.chunks)
         fp = run(f"E{E}/full-precision", lambda: _keep(perplexity(model, chunks, show_progress=False)))
         had = run(f"E{E}/hadamard", lambda: _keep(quantized_perplexity(model, chunks, None, "hadamard", base, show_progress=False)))
-        rows = []
+        rows, against = [], {}  # against: method -> its result with the --paired-against file, as is
         for (L, stem), cal in sorted(cals.items()):
             variants = [("as is", cal)]
             if L < E and not args.no_cover:
@@ -78,6 +81,8 @@ def main(argv=None) -> int:
                     key = f"E{E}/L{L}/{label}/{r.name}" + (f"/{stem}" if _extra(stem, L) else "")
                     res = run(key, lambda: _keep(quantized_perplexity(model, chunks, c, r.method, cfg, show_progress=False)))
                     rows.append((L, label + (f" ({stem})" if _extra(stem, L) else ""), r.name, res))
+                    if stem == args.paired_against and label == "as is":
+                        against[r.name] = res
         print(f"\nE = {E}: full precision {fp['ppl']:.3f}, Hadamard {100 * (had['ppl'] / fp['ppl'] - 1):+.2f}%")
         for L, label, name, res in rows:
             d = 100 * (res["ppl"] / fp["ppl"] - 1)
@@ -85,6 +90,9 @@ def main(argv=None) -> int:
             ref = next((x for (L2, lab2, n2, x) in rows if L2 == E and lab2 == "as is" and n2 == name), None)
             kept = f"{margin / (100 * (had['ppl'] / ref['ppl'] - 1)):.2f} of the margin at L=E" if ref is not None and ref["ppl"] < had["ppl"] else ""
             print(f"  L={L:<5} {label:<16} {name:<28} {d:+7.2f}%   margin over Hadamard {margin:+6.2f}%   {kept}")
+            if name in against and res is not against[name]:
+                dp, lo, hi = paired_difference(res["chunk_nll"], against[name]["chunk_nll"])
+                print(f"        vs {args.paired_against} as is: {dp:+.2f}% [95% paired bootstrap over chunks: {lo:+.2f}%, {hi:+.2f}%]")
     return 0
 
 
