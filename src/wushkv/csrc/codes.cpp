@@ -341,6 +341,7 @@ static inline float exp_shifted_sum(float* __restrict x, int64_t n, float m) {
 }
 
 static constexpr int64_t PAGED_CHUNK = 512;  // tokens per split: a request's context is several work items
+static constexpr int64_t PAGED_SERIAL = 16384;  // token-heads below which a step runs on one thread
 
 template <typename scalar_t>
 static void paged_decode_impl(const torch::Tensor& cache, const torch::Tensor& table, const torch::Tensor& lens,
@@ -380,7 +381,12 @@ static void paged_decode_impl(const torch::Tensor& cache, const torch::Tensor& t
   std::vector<float> part(items * W);
 
   // queries and value sums in the permuted order of dot_codes / axpy_codes
-  at::parallel_for(0, items, 1, [&](int64_t begin, int64_t end) {
+  // a small step runs on the calling thread: waking the pool's threads costs more than its work (and, on a machine
+  // shared with other processes, a descheduled thread holds the whole step at the join)
+  int64_t tokens = 0;
+  for (int64_t it = 0; it < items; ++it) tokens += item_b[it] - item_a[it];
+  const int64_t grain = tokens < PAGED_SERIAL ? std::max<int64_t>(items, 1) : 1;
+  at::parallel_for(0, items, grain, [&](int64_t begin, int64_t end) {
     // the closure's sizes as locals: the stores below would otherwise make the compiler reload them every token
     const int64_t H_ = H, G_ = G, d_ = d, bs_ = bs, U_ = U, KD_ = KD, VD_ = VD, knb_ = knb, vnb_ = vnb;
     const int64_t s0_ = s0, s1_ = s1, s2_ = s2;
@@ -492,8 +498,8 @@ static void paged_decode_impl(const torch::Tensor& cache, const torch::Tensor& t
 
   // merge the splits of each (request, KV head)
   float* op = out.data_ptr<float>();
-  at::parallel_for(0, R * H, 1, [&](int64_t begin, int64_t end) {
-    for (int64_t rh = begin; rh < end; ++rh) {
+  {
+    for (int64_t rh = 0; rh < R * H; ++rh) {
       const int64_t r = rh / H, h = rh % H;
       for (int64_t g = 0; g < G; ++g) {
         float m = -INFINITY;
@@ -510,7 +516,7 @@ static void paged_decode_impl(const torch::Tensor& cache, const torch::Tensor& t
         for (int64_t i = 0; i < d; ++i) o[i] /= l;
       }
     }
-  });
+  }
 }
 
 torch::Tensor paged_decode(torch::Tensor cache, torch::Tensor block_table, torch::Tensor seq_lens, torch::Tensor q,
