@@ -57,6 +57,7 @@ class SlotCodec:
                 off += width
         self.payload_bytes = off
         self.slot_bytes = -(-off // SLOT_ALIGN) * SLOT_ALIGN
+        self._sides = self._kernel_sides()
 
     def encode(self, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         """uint8 (T, H, slot_bytes) cells of keys and values (T, H, d) (already transformed)."""
@@ -88,20 +89,19 @@ class SlotCodec:
         """The cell layout as :func:`decode_batch`'s kernel reads it: per side [codes, scale, offset (−1: symmetric),
         bits, metadata dtype (0 float16, 1 bfloat16, 2 float32)] and the symmetric offset's factor (QuEST:
         offset = scale·(½ − 2^(b−1))); None where the kernel does not apply (groups within a token, 3 bits)."""
-        if hasattr(self, "_sides"):  # read every step of every layer: computed once
-            return self._sides
+        return self._sides
+
+    def _kernel_sides(self):
         kinds = {torch.float16: 0, torch.bfloat16: 1, torch.float32: 2}
         out, halves = [], []
         for side, c in self.codecs.items():
             f = {name: (dtype, n, off) for s, name, dtype, n, off, _w in self.fields if s == side}
             scale_dtype, n_groups, scale_off = f["scale"]
             if n_groups != 1 or c.bits not in (1, 2, 4, 8) or scale_dtype not in kinds:
-                self._sides = None
                 return None
             out.append([f["codes"][2], scale_off, f["offset"][2] if "offset" in f else -1, c.bits, kinds[scale_dtype]])
             halves.append(float(c._half))
-        self._sides = (out[0], out[1], halves[0], halves[1])
-        return self._sides
+        return out[0], out[1], halves[0], halves[1]
 
     def fake(self, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """What decoding the cells of (T, H, d) keys and values gives, as (H, T, d) float32 (the slow reference)."""
