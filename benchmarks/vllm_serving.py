@@ -8,8 +8,15 @@ installed). Then, in the vLLM environment (``.venv-vllm``, ``make vllm-venv``; `
 * **capacity**: the tokens vLLM's paged cache holds for the same ``VLLM_CPU_KVCACHE_SPACE`` (its
   ``CPU KV cache size`` line: blocks × block size), bfloat16 as served;
 * **agreement** (float32 on both sides, like for like): ``--prompts`` rows of WikiText-2 test of ``--prompt-len``
-  tokens, ``--new-tokens`` greedy tokens each through the plugin; teacher-forced, wushkv's transformers cache at the
-  same windows predicts every prompt and generated position; top-1 agreement and the largest log-probability gap;
+  tokens (the first prompts of ``wushkv agree``), ``--new-tokens`` greedy tokens each through the plugin;
+  teacher-forced, wushkv's transformers cache at the same windows predicts every prompt and generated position; top-1
+  agreement and the largest log-probability gap;
+* **quality against full precision**, on the same tokens: the model's full-precision log-probabilities (the exported
+  weights, transformers, float32) against vLLM's served ones and against wushkv's transformers cache: top-1 agreement
+  and the mean KL(full precision ‖ served). vLLM returns the top ``--topk`` log-probabilities of a position, not its
+  whole vocabulary, so its KL is that of the two distributions coarsened to those tokens and one bucket for the rest
+  (a lower bound on the KL; :func:`wushkv_vllm.jobs.coarse_kl`); the transformers cache gets both its full KL and the
+  same coarsened one, for a like-for-like comparison;
 * **decode speed** at each of ``--contexts``: ``--requests`` requests of that many prompt tokens, generated once for
   1 token (the prefill, timed; it fills the prefix cache), then again for ``--decode-tokens`` from the prefix cache:
   the mean decode step is vLLM's inter-token latency (time per output token); decode tokens/s of the batch, plugin
@@ -35,7 +42,7 @@ from wushkv.data import tokenize_chunks, wikitext2_test
 from wushkv.io import write_json
 from wushkv.report import format_table
 from wushkv.serving import served_logprobs
-from wushkv_vllm.jobs import compare
+from wushkv_vllm.jobs import coarse_kl, compare, versus_reference
 
 ROOT = Path(__file__).resolve().parents[1]
 WINDOWS = WindowConfig(16, 128, 1)
@@ -50,6 +57,22 @@ def export(model, tok, cal, out: Path, k_bits: int, v_bits: int) -> Path:
         cfg = QuantConfig(k_bits=k_bits, v_bits=v_bits, quantizer="quest", windows=WINDOWS)
         export_model(model, tok, out, method="wush+ldlq", cfg=cfg, calibration=cal)
     return out
+
+
+_FP: dict = {}  # the full-precision model, loaded once
+
+
+def full_precision_logprobs(folder: Path, ids: list[int]):
+    """Log-probabilities (n, vocab) float64 of ``ids`` teacher-forced through the folder's model in full precision
+    (transformers, float32, no quantized cache); row i predicts token i + 1."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    if _FP.get("folder") != folder:
+        _FP.update(folder=folder, model=AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32))
+    model = _FP["model"]
+    with torch.no_grad():
+        return model(torch.tensor([list(ids)])).logits[0].double().log_softmax(-1)
 
 
 def run_jobs(vllm_python: str, jobs: list, work: Path, space_gib: int) -> list:
@@ -74,6 +97,7 @@ def main(argv=None) -> int:
     p.add_argument("--prompts", type=int, default=8)
     p.add_argument("--prompt-len", type=int, default=512)
     p.add_argument("--new-tokens", type=int, default=128)
+    p.add_argument("--topk", type=int, default=20, help="log-probabilities vLLM returns per position (its max_logprobs: 20)")
     p.add_argument("--contexts", default="1024,4096,8192")
     p.add_argument("--requests", type=int, default=4)
     p.add_argument("--decode-tokens", type=int, default=32)
@@ -112,20 +136,44 @@ def main(argv=None) -> int:
     if "agreement" not in skip:
         f32 = bf16 | {"dtype": "float32", "max_model_len": args.prompt_len + args.new_tokens}
         res = run_jobs(args.vllm_python, [{"folder": str(f), "engine": f32, "batches": [
-            {"prompts": text_ids, "max_tokens": args.new_tokens, "prompt_logprobs": True, "logprobs": 1}]} for f in (k2v2, k4v2)],
-                       work, args.kv_space)
-        out["agreement"] = {}
+            {"prompts": text_ids, "max_tokens": args.new_tokens, "prompt_logprobs": args.topk, "logprobs": args.topk}]}
+            for f in (k2v2, k4v2)], work, args.kv_space)
+        out["agreement"], out["versus_full_precision"] = {}, {}
         for name, folder, r in zip(("K2V2", "K4V2"), (k2v2, k4v2), res):
             b = r["batches"][0]
             agree = total = 0
             worst = 0.0
-            for prompt, gen, top, plp, glp in zip(text_ids, b["outputs"], b["prompt_top1"], b["prompt_logprob"], b["logprobs"]):
-                a, t, w = compare(served_logprobs(folder, prompt + gen), prompt, gen, top, plp, glp)
+            q = {"vllm_top1": 0, "vllm_coarse_kl": [], "wushkv_top1": 0, "wushkv_kl": [], "wushkv_coarse_kl": []}
+            for prompt, gen, top, plp, ptk, glp in zip(text_ids, b["outputs"], b["prompt_top1"], b["prompt_logprob"],
+                                                       b["prompt_topk"], b["logprobs"]):
+                ids = prompt + gen
+                mine = served_logprobs(folder, ids)
+                a, t, w = compare(mine, prompt, gen, top, plp, glp)
                 agree, total, worst = agree + a, total + t, max(worst, w)
+                fp = full_precision_logprobs(stock, ids)
+                a, kls = versus_reference(fp, prompt, gen, ptk, glp)
+                q["vllm_top1"] += a
+                q["vllm_coarse_kl"] += kls
+                rows = range(len(ids) - 1)  # every position predicting a token of the request (the first excluded)
+                own = [{str(int(i)): float(mine[r, i]) for i in mine[r].topk(args.topk).indices} for r in rows]
+                q["wushkv_top1"] += int((fp[:-1].argmax(-1) == mine[:-1].argmax(-1)).sum())
+                q["wushkv_kl"] += (fp[:-1].exp() * (fp[:-1] - mine[:-1])).sum(-1).clamp_min(0).tolist()
+                q["wushkv_coarse_kl"] += [coarse_kl(fp[r], lp) for r, lp in zip(rows, own)]
             out["agreement"][name] = {"top1": agree / total, "positions": total, "max_logprob_gap": worst}
+            n = len(q["vllm_coarse_kl"])
+            out["versus_full_precision"][name] = {
+                "positions": n, "vllm_top1": q["vllm_top1"] / n, "vllm_mean_coarse_kl": sum(q["vllm_coarse_kl"]) / n,
+                "wushkv_top1": q["wushkv_top1"] / n, "wushkv_mean_kl": sum(q["wushkv_kl"]) / n,
+                "wushkv_mean_coarse_kl": sum(q["wushkv_coarse_kl"]) / n, "topk": args.topk}
         print(format_table(["cache", "top-1 vs wushkv's cache", "positions", "max |Δ log p|"],
                            [[n, f"{100 * v['top1']:.2f}%", v["positions"], f"{v['max_logprob_gap']:.1e}"]
                             for n, v in out["agreement"].items()]), flush=True)
+        print(format_table(["cache", "positions", "top-1 vs FP: vLLM", "wushkv cache", f"KL top-{args.topk}+rest: vLLM",
+                            "wushkv cache", "full KL: wushkv cache"],
+                           [[n, v["positions"], f"{100 * v['vllm_top1']:.2f}%", f"{100 * v['wushkv_top1']:.2f}%",
+                             f"{v['vllm_mean_coarse_kl']:.4f}", f"{v['wushkv_mean_coarse_kl']:.4f}", f"{v['wushkv_mean_kl']:.4f}"]
+                            for n, v in out["versus_full_precision"].items()]), flush=True)
+        write_json(args.json, out)
 
     if "speed" not in skip:
         rows, out["speed"] = [], {}

@@ -106,6 +106,46 @@ def test_cover_writes_the_statistics_of_the_served_positions(tmp_path):
         args.func(args)
 
 
+def test_selection_on_a_covered_file_chooses_for_it_alone(tmp_path):
+    """The documented remedy for serving past the calibration's length: cover the file, then select on it at the
+    served length. The selection runs on the covered statistics (its evaluations differ from the original file's),
+    its evaluations file is refused for the original (another calibration recipe), the choice and the ``positions``
+    are both kept in the covered file, and ``auto`` there resolves to the choice, the original's ``auto`` staying the
+    paper recipe; the centered (``+rmean``) candidates run on a covered file too (it keeps the pre-RoPE mean)."""
+    from wushkv.calibration import calibrate
+    from wushkv.config import QuantConfig, WindowConfig
+    from wushkv.eval.select import run_selection, selection_record
+    from wushkv.methods.auto import resolve_auto
+    from wushkv.tools.cover import cover_file
+
+    model = tiny_model("llama")
+    text = tmp_path / "calib.txt"
+    text.write_text(TINY_CALIBRATION_TEXT)
+    cal = calibrate(model, CharTokenizer(), samples=3, seq_len=64, text_file=str(text), show_progress=False)
+    src = cal.save(tmp_path / "c.safetensors")
+    covered = Calibration.load(cover_file(src, tmp_path / "c-256.safetensors", 256, model=model), model)
+    assert all("mu_K_pre" in st for st in covered.stats)
+    ids = CharTokenizer()("a lazy dog sleeps while the brown fox runs far away. " * 30, return_tensors="pt").input_ids[0]
+    chunks = ids[: 2 * 256].view(2, 256)  # served length 256, four times the calibration's
+    base = QuantConfig(windows=WindowConfig(4, 16, 4))
+    cands = ["wush", "wush+ldlq", "wush+rmean"]
+    quiet = {"show_progress": False, "log": lambda m: None}
+    runs = tmp_path / "runs.json"
+    got = run_selection(model, chunks, covered, cands, [2], base, json_path=runs, meta={"model": "tiny"}, **quiet)
+    assert set(got["results"]) == set(cands) and not got["excluded"]
+    assert got["settings"]["calibration"]["positions"] == 256 and got["settings"]["serve_len"] == 256
+    plain = run_selection(model, chunks, Calibration.load(src, model), cands, [2], base, meta={"model": "tiny"}, **quiet)
+    assert got["results"]["wush"]["2"]["chunk_nll"] != plain["results"]["wush"]["2"]["chunk_nll"]  # other statistics
+    with pytest.raises(ValueError, match="other settings"):  # the covered file's evaluations are not the original's
+        run_selection(model, chunks, Calibration.load(src, model), cands, [2], base, json_path=runs, meta={"model": "tiny"}, **quiet)
+    covered.set_selection(selection_record(got, "held-out"))
+    again = Calibration.load(covered.save(tmp_path / "c-256-sel.safetensors"), model)
+    assert again.meta["positions"] == 256
+    res = resolve_auto("tiny", again, QuantConfig(2, 2, windows=WindowConfig(4, 16, 4)))
+    assert res.source == "calibration" and res.record()["recipe"] == got["choices"]["2"]["recipe"]
+    assert resolve_auto("tiny", Calibration.load(src, model), QuantConfig(2, 2, windows=WindowConfig(4, 16, 4))).source == "paper"
+
+
 def test_group_without_subcommand_prints_help(capsys):
     assert run(["merge"]) == 2
     assert "compare" in capsys.readouterr().err

@@ -78,6 +78,64 @@ def test_store_and_gather_through_a_block_table(cfg):
     assert int(cache[[1, 3, 4, 6, 8]].count_nonzero()) == 0  # nothing written outside the request's blocks
 
 
+
+@pytest.mark.parametrize("quantizer,k_bits,v_bits,feedback,meta", [
+    ("quest", 2, 2, True, "float16"), ("quest", 2, 2, False, "float16"), ("quest", 4, 2, True, "bfloat16"),
+    ("quest", 8, 8, False, "float32"), ("affine", 2, 4, True, "float16"), ("affine", 2, 2, False, "float16"),
+    ("quest", 3, 3, True, "float16")])
+def test_fused_store_writes_the_bytes_of_encode(quantizer, k_bits, v_bits, feedback, meta):
+    """``SlotCodec.store`` (the fused ``paged_store`` where it covers the cells: per-token codes of 1/2/4/8 bits, with
+    error feedback or QuEST's) writes exactly what ``encode`` then ``store`` write: every byte of every cell,
+    padding slots skipped, the cell's padding zeroed, other cells untouched. Tokens of every scale, a zero token, the
+    QuEST clip multipliers and a per-token clip search (one grid per token) on the keys."""
+    H, d, T, bs = 3, 64, 300, 16
+    cfg = QuantConfig(k_bits=k_bits, v_bits=v_bits, quantizer=quantizer, metadata_dtype=meta, k_alpha=1.15,
+                      clip_search=4 if quantizer == "quest" and not feedback else 0)
+    g = _g(11)
+    F = torch.eye(d).expand(H, d, d) + torch.triu(torch.randn(H, d, d, generator=g) * 0.1, 1) if feedback else None
+    sc = SlotCodec(cfg, d, F, F)
+    assert sc._fused_store == (sc.sides() is not None and (feedback or quantizer == "quest"))
+    if sc._fused_store:
+        require_kernels()
+    k = torch.randn(T, H, d, generator=g) * torch.rand(T, H, 1, generator=g) * 4
+    v = torch.randn(T, H, d, generator=g)
+    k[5] = 0
+    slots = torch.randperm(40 * bs, generator=g)[:T]
+    slots[[7, 100]] = -1
+    ref = torch.randint(0, 256, (40, H, bs, sc.slot_bytes + 4), dtype=torch.uint8, generator=g)
+    got = ref.clone()
+    store(ref, sc.encode(k, v), slots)
+    sc.store(got, k, v, slots)
+    assert torch.equal(got, ref)
+
+def test_kl_from_the_top_k_is_a_lower_bound_that_is_exact_when_nothing_is_left_out():
+    """What the serving benchmark reports of vLLM's quality against full precision, from the top-k log-probabilities
+    vLLM returns: the coarsened KL is 0 for the same distribution, never above the full KL, equal to it when the top-k
+    holds the whole vocabulary, and grows with k towards it; top-1 agreement counts the positions whose best token is
+    the reference's."""
+    from wushkv_vllm.jobs import coarse_kl, versus_reference
+
+    g = _g(21)
+    V, n = 50, 9
+    p = (torch.randn(n, V, generator=g) * 2).double().log_softmax(-1)
+    q = (p + torch.randn(n, V, generator=g).double() * 0.7).log_softmax(-1)
+    full = (p.exp() * (p - q)).sum(-1)
+
+    def top(row, k):
+        return {str(int(i)): float(row[i]) for i in row.topk(k).indices}
+
+    for r in range(n):
+        assert coarse_kl(p[r], top(p[r], 5)) == pytest.approx(0.0, abs=1e-12)
+        ks = [coarse_kl(p[r], top(q[r], k)) for k in (1, 5, 20, V)]
+        assert all(a <= b + 1e-12 for a, b in zip(ks, ks[1:])) and ks[-1] == pytest.approx(float(full[r]), rel=1e-9)
+        assert ks[0] >= 0 and ks[2] <= float(full[r]) + 1e-12
+    prompt, gen = [1, 2, 3, 4, 5], [6, 7, 8, 9]  # rows 0..7 of n = 9 predict tokens 1..8
+    prompt_topk = [None] + [top(q[i - 1], 20) for i in range(1, 5)]
+    agree, kls = versus_reference(p, prompt, gen, prompt_topk, [top(q[4 + j], 20) for j in range(4)])
+    assert len(kls) == 8 and agree == int((p[:8].argmax(-1) == q[:8].argmax(-1)).sum())
+    assert kls == pytest.approx([coarse_kl(p[r], top(q[r], 20)) for r in range(8)])
+
+
 def test_windows_keep_copies_of_the_window_positions_and_drop_the_oldest_others():
     bs, H, d = 4, 1, 2
     w = Windows(bs, H, d, sink=2, recent=4, capacity=4)

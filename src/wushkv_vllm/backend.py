@@ -32,7 +32,7 @@ from vllm.config import get_current_vllm_config
 from vllm.logger import init_logger
 from vllm.v1.attention.backends.cpu_attn import CPUAttentionBackend, CPUAttentionBackendImpl
 
-from .paged import SlotCodec, Windows, attend, decode_batch, decode_context, store
+from .paged import SlotCodec, Windows, attend, decode_batch, decode_context
 from .served import Served, UnsupportedFolder, has_side_file, load_served
 
 logger = init_logger("vllm.wushkv")  # under vLLM's logger: shown with its own lines
@@ -118,6 +118,7 @@ class _LayerState:
         win.capacity = 2 * max_num_seqs * win.pages_per_sequence()
         self.windows = win
         self.missing, self.warned = 0, False  # window positions read from codes for want of a copy
+        self.stashed: torch.Tensor | None = None  # the step's transformed keys, from its update to its forward
 
     def keys(self, k: torch.Tensor) -> torch.Tensor:
         """K' = (K − key_mean)·key per KV head: (T, H, d) -> float32."""
@@ -159,7 +160,12 @@ class WushKVCPUImpl(CPUAttentionBackendImpl):
             return super().do_kv_cache_update(layer, key, value, kv_cache, slot_mapping)
         st = self._layer(layer, kv_cache)
         n = slot_mapping.shape[0]
-        store(kv_cache.view(torch.uint8), st.codec.encode(st.keys(key[:n]), value[:n]), slot_mapping)
+        k = st.keys(key[:n])
+        st.codec.store(kv_cache.view(torch.uint8), k, value[:n], slot_mapping)
+        # this step's forward of the layer attends with the same transformed keys: handed over, not computed again
+        # (taken by the next forward, so a step never sees another step's keys; vLLM runs a layer's update and then
+        # its forward on the same key tensor)
+        st.stashed = k
 
     def forward(self, layer, query, key, value, kv_cache, attn_metadata, output, output_scale=None, output_block_scale=None):
         if self.served is None:
@@ -167,11 +173,15 @@ class WushKVCPUImpl(CPUAttentionBackendImpl):
         if output_scale is not None or output_block_scale is not None:
             raise NotImplementedError("fused output quantization is not supported by the wushkv backend")
         if attn_metadata is None:  # warm-up
+            if self._state is not None:
+                self._state.stashed = None
             return output
         st = self._layer(layer, kv_cache)
         cache = kv_cache.view(torch.uint8)
         T = attn_metadata.num_actual_tokens
-        k_new, v_new = st.keys(key[:T]), value[:T].float()
+        k_new, st.stashed = st.stashed, None
+        k_new = k_new[:T] if k_new is not None and k_new.shape[0] >= T else st.keys(key[:T])
+        v_new = value[:T].float()
         st.windows.write(k_new, v_new, attn_metadata.slot_mapping[:T])
         q = st.queries(query[:T])
         starts = attn_metadata.query_start_loc.tolist()

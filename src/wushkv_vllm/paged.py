@@ -58,6 +58,10 @@ class SlotCodec:
         self.payload_bytes = off
         self.slot_bytes = -(-off // SLOT_ALIGN) * SLOT_ALIGN
         self._sides = self._kernel_sides()
+        # the fused store writes a side's codes on its quantizer's grid: with error feedback on any per-token grid,
+        # without it on QuEST's (floor(x/Δ)); an affine side without feedback is encoded in torch
+        self._fused_store = self._sides is not None and all(
+            c.feedback is not None or c.symmetric for c in self.codecs.values())
 
     def encode(self, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         """uint8 (T, H, slot_bytes) cells of keys and values (T, H, d) (already transformed)."""
@@ -69,6 +73,28 @@ class SlotCodec:
             t = stored[side][name][0].transpose(0, 1).contiguous()  # (T, H, n)
             out[..., off:off + width] = t.view(torch.uint8)
         return out
+
+    def store(self, cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slot_mapping: torch.Tensor) -> None:
+        """Write the cells of keys and values (T, H, d) (already transformed) into ``cache`` (num_blocks, H, block_size,
+        ≥ slot_bytes) uint8 at vLLM's slots (T,) (< 0: padding, skipped): :meth:`encode` then :func:`store`, in one
+        call of the fused ``paged_store`` of :mod:`wushkv._ext` where it covers the cells (the same bytes: the grid is
+        the quantizer's own, computed here; the kernel stores it, rounds and packs the codes)."""
+        from wushkv._ext import kernels
+
+        ext = kernels() if self._fused_store else None
+        if ext is None or not hasattr(ext, "paged_store"):
+            return store(cache, self.encode(k, v), slot_mapping)
+        xs, steps, offsets, fbs = [], [], [], []
+        empty = torch.empty(0)
+        for c, x in zip(self.codecs.values(), (k, v)):
+            x = x.float()
+            scale, offset, _ = c.quantizer.grid(x)  # (T, H, 1) float32, as TokenCodec._quant computes it
+            xs.append(x)
+            steps.append(scale)
+            offsets.append(empty if c.symmetric else offset)
+            fbs.append(empty if c.feedback is None else c.feedback)
+        ext.paged_store(cache, slot_mapping.to(torch.int64), xs, steps, offsets, fbs, *self._sides, self.payload_bytes,
+                        self.slot_bytes)
 
     def decode(self, cells: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(k, v) float32 (H, N, d) of uint8 cells (H, N, ≥ payload_bytes)."""
@@ -172,8 +198,8 @@ class Windows:
         self.written = torch.cat([self.written, self.written.new_zeros(new - old, self.unit)])
         self.free.extend(range(new - 1, old - 1, -1))
 
-    def _page_slots(self, page_ids: torch.Tensor) -> None:
-        top = int(page_ids.max()) + 1 if len(page_ids) else 0
+    def _page_slots(self, top: int) -> None:
+        """``index`` covers pages below ``top``."""
         if top > len(self.index):
             self.index = torch.cat([self.index, self.index.new_full((top - len(self.index),), -1)])
 
@@ -187,8 +213,9 @@ class Windows:
         if not len(slots):
             return
         pages = slots // self.unit
-        self._page_slots(pages)
-        uniq = torch.unique(pages).tolist()
+        # the bookkeeping in Python ints: a decode step stores a few tokens, and tensor ops cost more than their work
+        uniq = list(dict.fromkeys(pages.tolist()))
+        self._page_slots(max(uniq) + 1)
         new = [p for p in uniq if p not in self.pages]
         self._grow(len(new))
         for p in new:

@@ -10,6 +10,8 @@
 //       (wushkv.quantizers.feedback; the PyTorch loop there is the reference)
 //   paged_dequantize(cache, block_ids (nb,) i32, start, stop, ...) -> [k, v] (H, stop-start, d) f32: a request's cells
 //       decoded through its block table (the prefill path)
+//   paged_store(cache (NB,H,bs,C) uint8, slots (T,) i64, [k, v] (T,H,d) f32, steps/offsets (T,H) f32, feedback (H,d,d), layout):
+//       the cells of new tokens written at their slots (wushkv_vllm.paged.SlotCodec.store; the same bytes as its encode)
 //   paged_decode(cache (NB,H,bs,C) uint8, block_table (R,MB) i32, seq_lens (R,) i64, q (R,Hq,d) f32, pool (P,U,H,2,d),
 //       written (P,U) bool, page_index (NB*bs/U,) i32, layout, ...) -> (R,Hq,d) f32: one decode query per request over
 //       its paged context of cells (wushkv_vllm.paged.SlotCodec), the window tokens from their full-precision copies
@@ -602,10 +604,115 @@ std::vector<torch::Tensor> paged_dequantize(torch::Tensor cache, torch::Tensor b
   return out;
 }
 
+// ---- paged store ------------------------------------------------------------------------------------------------
+// Write the cells of T new tokens at vLLM's slots (slot < 0: padding, skipped): per side, the step (and offset) as the
+// quantizer computed them (float32, (T,H)) are stored in the metadata dtype, the codes are rounded on that grid and
+// packed (wushkv.quantizers.pack's layout). Codes: with error feedback F (H,d,d) on the grid as stored (the
+// feedback_round loop above, wushkv.quantizers.feedback); without, QuEST's floor(x/Δ) + 2^(b-1) on the float32 step
+// (wushkv.quantizers.quest), so the bytes are the ones wushkv_vllm.paged.SlotCodec.encode writes.
+static inline void put_meta(uint8_t* p, int64_t kind, float v) {
+  if (kind == 0) { c10::Half h(v); std::memcpy(p, &h, 2); }
+  else if (kind == 1) { c10::BFloat16 b(v); std::memcpy(p, &b, 2); }
+  else std::memcpy(p, &v, 4);
+}
+
+static inline void pack_codes(const uint8_t* c, int64_t d, int64_t bits, uint8_t* out) {
+  const int64_t per = 8 / bits, nb = (d * bits + 7) / 8;
+  for (int64_t m = 0; m < nb; ++m) {
+    uint8_t byte = 0;
+    for (int64_t t = 0; t < per && m * per + t < d; ++t) byte |= uint8_t(c[m * per + t] << (t * bits));
+    out[m] = byte;
+  }
+}
+
+void paged_store(torch::Tensor cache, torch::Tensor slots, std::vector<torch::Tensor> x, std::vector<torch::Tensor> step,
+                 std::vector<torch::Tensor> offset, std::vector<torch::Tensor> feedback,
+                 std::vector<int64_t> key_side, std::vector<int64_t> value_side, double key_half, double value_half,
+                 int64_t payload, int64_t slot_bytes) {
+  TORCH_CHECK(cache.scalar_type() == torch::kUInt8 && cache.dim() == 4 && cache.stride(3) == 1,
+              "cache: uint8 (num_blocks, H, block_size, C), dense last dim");
+  TORCH_CHECK(slots.scalar_type() == torch::kInt64 && slots.dim() == 1, "slots: int64 (T,)");
+  TORCH_CHECK(x.size() == 2 && step.size() == 2 && offset.size() == 2 && feedback.size() == 2, "two sides: keys, values");
+  const int64_t NB = cache.size(0), H = cache.size(1), bs = cache.size(2), T = slots.size(0);
+  const CellSide sides[2] = {{key_side[0], key_side[1], key_side[2], key_side[3], float(key_half), key_side[4]},
+                             {value_side[0], value_side[1], value_side[2], value_side[3], float(value_half), value_side[4]}};
+  int64_t d = 0;
+  for (int s = 0; s < 2; ++s) {
+    TORCH_CHECK(x[s].scalar_type() == torch::kFloat && x[s].dim() == 3 && x[s].size(0) == T && x[s].size(1) == H,
+                "x: float32 (T, H, d) per side");
+    d = x[s].size(2);
+    TORCH_CHECK(step[s].scalar_type() == torch::kFloat && step[s].numel() == T * H, "step: float32 (T, H) per side");
+    TORCH_CHECK(!offset[s].defined() || offset[s].numel() == 0 || (sides[s].offset >= 0 && offset[s].numel() == T * H),
+                "offset: float32 (T, H) for an asymmetric side, empty otherwise");
+    TORCH_CHECK(!feedback[s].defined() || feedback[s].numel() == 0 ||
+                (feedback[s].dim() == 3 && feedback[s].size(0) == H && feedback[s].size(1) == d), "feedback: (H, d, d)");
+    TORCH_CHECK(sides[s].bits == 1 || sides[s].bits == 2 || sides[s].bits == 4 || sides[s].bits == 8, "bits must be 1, 2, 4 or 8");
+  }
+  auto sl = slots.contiguous();
+  const int64_t* sp = sl.data_ptr<int64_t>();
+  for (int64_t t = 0; t < T; ++t) TORCH_CHECK(sp[t] < NB * bs, "slot ", sp[t], " out of range");
+  torch::Tensor xs[2], st[2], of[2], fb[2];
+  for (int s = 0; s < 2; ++s) {
+    xs[s] = x[s].contiguous();
+    st[s] = step[s].contiguous();
+    of[s] = offset[s].defined() && offset[s].numel() ? offset[s].to(torch::kFloat).contiguous() : torch::Tensor();
+    fb[s] = feedback[s].defined() && feedback[s].numel() ? feedback[s].to(torch::kFloat).contiguous() : torch::Tensor();
+  }
+  for (int s = 0; s < 2; ++s)
+    TORCH_CHECK(fb[s].defined() || sides[s].offset < 0, "codes without feedback are written for QuEST sides only");
+  TORCH_CHECK(0 <= payload && payload <= slot_bytes && slot_bytes <= cache.size(3), "cell of ", slot_bytes, " bytes");
+  uint8_t* cp = cache.data_ptr<uint8_t>();
+  const int64_t s0 = cache.stride(0), s1 = cache.stride(1), s2 = cache.stride(2);
+  at::parallel_for(0, T * H, 64, [&](int64_t begin, int64_t end) {
+    std::vector<float> w(d);
+    std::vector<uint8_t> c(d);
+    for (int64_t it = begin; it < end; ++it) {
+      const int64_t t = it / H, h = it % H;
+      if (sp[t] < 0) continue;
+      uint8_t* cell = cp + (sp[t] / bs) * s0 + h * s1 + (sp[t] % bs) * s2;
+      std::memset(cell + payload, 0, slot_bytes - payload);  // the padding, as SlotCodec.encode leaves it
+      for (int s = 0; s < 2; ++s) {
+        const CellSide& S = sides[s];
+        const float delta = st[s].data_ptr<float>()[it];
+        put_meta(cell + S.scale, S.meta, delta);
+        const float* xr = xs[s].data_ptr<float>() + it * d;
+        const float qmax = float((1 << S.bits) - 1);
+        if (fb[s].defined()) {  // the grid as stored, then the feedback loop of feedback_round
+          const float sc = meta_at(cell + S.scale, S.meta);
+          float o = sc * S.half;
+          if (S.offset >= 0) {
+            put_meta(cell + S.offset, S.meta, of[s].data_ptr<float>()[it]);
+            o = meta_at(cell + S.offset, S.meta);
+          }
+          const float* Fh = fb[s].data_ptr<float>() + h * d * d;
+          for (int64_t k = 0; k < d; ++k) w[k] = xr[k];
+          for (int64_t j = 0; j < d; ++j) {
+            float q = std::floor((w[j] - o) / sc + 0.5f);
+            q = q < 0.f ? 0.f : (q > qmax ? qmax : q);
+            c[j] = static_cast<uint8_t>(q);
+            const float e = w[j] - (q * sc + o);
+            const float* row = Fh + j * d;
+            for (int64_t k = j + 1; k < d; ++k) w[k] -= e * row[k];
+          }
+        } else {  // QuEST: clamp(floor(x/Δ), -2^(b-1), 2^(b-1) - 1) + 2^(b-1) on the float32 step
+          const float half = float(1 << (S.bits - 1));
+          for (int64_t j = 0; j < d; ++j) {
+            float q = std::floor(xr[j] / delta);
+            q = q < -half ? -half : (q > half - 1.f ? half - 1.f : q);
+            c[j] = static_cast<uint8_t>(q + half);
+          }
+        }
+        pack_codes(c.data(), d, S.bits, cell + S.codes);
+      }
+    }
+  });
+}
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("feedback_round", &feedback_round, "codes rounded with error feedback");
   m.def("code_dot", &code_dot, "Σ_i c_ji q_gi over packed codes");
   m.def("paged_decode", &paged_decode, "decode attention over paged cells");
   m.def("paged_dequantize", &paged_dequantize, "keys and values of a request's cells");
+  m.def("paged_store", &paged_store, "write the cells of new tokens at their slots");
   m.def("code_weighted_sum", &code_weighted_sum, "Σ_j w_gj c_j over packed codes");
 }
