@@ -189,7 +189,8 @@ def test_selection_cost(tiny_cal, capsys):
     res = cost.run(args, model, tiny_cal(model), torch.randint(3, 96, (1, 160)), windows=WindowConfig(4, 16, 4))
     assert [(r["recipe"], r["bits"]) for r in res["rows"]] == [("wush", 2), ("wush+ldlq", 2)]
     assert all(positive(r["seconds"]) and positive(r["ratio"]) for r in res["rows"])
-    assert res["estimated_selection_seconds"] == pytest.approx(4 * res["seconds_per_chunk"])
+    assert all(positive(r["warm_up_seconds"]) for r in res["rows"])
+    assert res["estimated_selection_seconds"] == pytest.approx(4 * res["seconds_per_chunk"] + res["warm_up_seconds"])
     assert res["seconds_per_chunk"] == pytest.approx(min(res["fp_seconds"]) + sum(r["seconds"] for r in res["rows"]))
     assert "default selection over 4 chunks" in capsys.readouterr().out
 

@@ -7,7 +7,8 @@ is vLLM's. With one:
 * ``customize_spec`` gives vLLM the size of one (token, KV head) cell (:class:`wushkv_vllm.paged.SlotCodec`), so vLLM
   sizes, allocates and counts its paged cache in quantized cells (the log's ``KV cache size: N tokens`` is theirs);
 * ``do_kv_cache_update`` transforms the new keys after RoPE, ``K' = (K − key_mean)·key`` per KV head, quantizes keys
-  and values per token and writes their cells at vLLM's slots;
+  and values per token and writes their cells at vLLM's slots (one call of wushkv's fused store,
+  :meth:`wushkv_vllm.paged.SlotCodec.store`), and hands the transformed keys to the layer's forward of the same step;
 * ``forward`` attends: queries ``Q' = Q·query`` (``Q'K'ᵀ = QKᵀ`` up to a per-query constant, which softmax ignores)
   over the request's context read from its cells through the block table, a query at position p reading a token in
   full precision while it is in the windows of a sequence of p + 1 tokens (copies from
