@@ -22,3 +22,21 @@ def test_heatmap_uses_the_data_scale_when_asked(tmp_path, monkeypatch):
     plot_heatmaps(grids, [0.5], [1024, 2048], tmp_path / "q.png", "context", "depth", "t")
     assert seen == [0.35, 0.35, 1.0, 1.0]
     assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_log_plots_show_values_below_the_reference(tmp_path, monkeypatch):
+    """A method below full precision (negative Δ%, as held-out text gives a 3-4-bit cache) is drawn where it is, on a
+    symmetric log axis, not clamped onto a floor with the others; all-positive series keep the log axis."""
+    import matplotlib.axes
+
+    from wushkv.report import plot_lines
+
+    scales, drawn = [], []
+    real_scale, real_plot = matplotlib.axes.Axes.set_yscale, matplotlib.axes.Axes.plot
+    monkeypatch.setattr(matplotlib.axes.Axes, "set_yscale", lambda self, v, **k: scales.append(v) or real_scale(self, v, **k))
+    monkeypatch.setattr(matplotlib.axes.Axes, "plot", lambda self, x, y, *a, **k: drawn.append(list(y)) or real_plot(self, x, y, *a, **k))
+    out = plot_lines([2, 3, 4], {"wush": [7.9, 0.87, 0.15], "auto": [-0.81, -0.07, math.nan]}, tmp_path / "s.png", "bits", "%", "t",
+                     logy=True)
+    plot_lines([2, 3, 4], {"wush": [7.9, 0.87, 0.15]}, tmp_path / "l.png", "bits", "%", "t", logy=True)
+    assert scales == ["symlog", "log"] and drawn[1][:2] == [-0.81, -0.07]
+    assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"

@@ -52,7 +52,13 @@ def plot_lines(x, series: dict[str, Sequence[float]], path, xlabel: str, ylabel:
     if hline is not None:
         ax.axhline(hline, color="k", ls="--", lw=1, label=hlabel)
     if logy:
-        ax.set_yscale("log")
+        ys = [y for v in series.values() for y in v if y == y]
+        if any(y <= 0 for y in ys):  # a method below the reference: a log axis would hide it, symlog shows it
+            small = min((abs(y) for y in ys if y != 0), default=1.0)
+            ax.set_yscale("symlog", linthresh=max(min(small, 0.1), 1e-3))
+            ax.axhline(0.0, color="k", lw=0.8)
+        else:
+            ax.set_yscale("log")
     ax.set_xlabel(xlabel)
     ax.set_ylabel(ylabel)
     ax.set_title(title)

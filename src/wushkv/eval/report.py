@@ -164,10 +164,9 @@ def plot_compare(out: dict, transforms: Sequence[str], bits: Sequence[int], path
     """Δ% over full precision against bits, one line per transform (``what``: the subtitle, e.g. the quantizer);
     a width a transform lacks is left out of its line."""
     # % over full precision on a log scale: the transforms that matter differ by a few percent
-    # while identity is off by hundreds.
+    # while identity is off by hundreds (symmetric log where one is below full precision: plot_lines).
     def pct(t: str, b: int) -> float:
-        v = out["results"][t].get(str(b), {}).get("delta_pct", nan)
-        return v if isnan(v) else max(v, 1e-2)
+        return out["results"][t].get(str(b), {}).get("delta_pct", nan)
 
     return plot_lines(bits, {t: [pct(t, b) for b in bits] for t in transforms},
                       path, "bits (keys and values)", "perplexity increase over full precision (%)",

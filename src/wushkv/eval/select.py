@@ -481,7 +481,8 @@ def selection_report(out: dict, candidates: list[str], bits: list[int], model: s
 
 
 def plot_selection(out: dict, candidates: list[str], bits: list[int], path, model: str, text_label: str):
-    """Held-out Δ% over full precision against bits, one line per candidate (log scale), as ``compare`` plots."""
+    """Held-out Δ% over full precision against bits, one line per candidate (log scale; symmetric log where a candidate
+    is below full precision, as held-out text can put a 3-4-bit cache), as ``compare`` plots."""
     from ..report import plot_lines
 
     names = _listed(out, candidates)
@@ -489,7 +490,6 @@ def plot_selection(out: dict, candidates: list[str], bits: list[int], path, mode
     for n in names:
         ys = [float("nan") if str(b) in out.get("excluded", {}).get(n, {}) else
               out["results"].get(n, {}).get(str(b), {}).get("delta_pct", float("nan")) for b in bits]
-        series[n + (" *" if any((out["choices"].get(str(b)) or {}).get("recipe") == n for b in bits) else "")] = [
-            y if y != y else max(y, 1e-2) for y in ys]
+        series[n + (" *" if any((out["choices"].get(str(b)) or {}).get("recipe") == n for b in bits) else "")] = ys
     return plot_lines(bits, series, path, "bits (keys and values)", "held-out perplexity increase over full precision (%)",
                       f"{model}: selection on {text_label} (* chosen at some width)", logy=True)
