@@ -648,6 +648,12 @@ void paged_store(torch::Tensor cache, torch::Tensor slots, std::vector<torch::Te
                 (feedback[s].dim() == 3 && feedback[s].size(0) == H && feedback[s].size(1) == d), "feedback: (H, d, d)");
     TORCH_CHECK(sides[s].bits == 1 || sides[s].bits == 2 || sides[s].bits == 4 || sides[s].bits == 8, "bits must be 1, 2, 4 or 8");
   }
+  TORCH_CHECK(x[0].size(2) == d && (!feedback[0].defined() || feedback[0].numel() == 0 || feedback[0].size(2) == d) &&
+              (!feedback[1].defined() || feedback[1].numel() == 0 || feedback[1].size(2) == d),
+              "keys, values and feedback must share head_dim ", d);
+  for (int s = 0; s < 2; ++s)
+    TORCH_CHECK(sides[s].codes + (d * sides[s].bits + 7) / 8 <= payload && sides[s].scale + 2 <= payload,
+                "the cell layout does not fit its payload of ", payload, " bytes");
   auto sl = slots.contiguous();
   const int64_t* sp = sl.data_ptr<int64_t>();
   for (int64_t t = 0; t < T; ++t) TORCH_CHECK(sp[t] < NB * bs, "slot ", sp[t], " out of range");
