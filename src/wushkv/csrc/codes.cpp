@@ -140,6 +140,21 @@ torch::Tensor code_weighted_sum(torch::Tensor codes, torch::Tensor w, int64_t bi
   return partial.sum(1).narrow(-1, 0, d).reshape({B, H, G, d});
 }
 
+// codes of one vector w (d; overwritten) on its groups' grids (scale s, offset o per group of gs channels), rounded
+// coordinate by coordinate with error feedback F (d, d): each coordinate's error pushed onto the later ones
+static inline void feedback_row(float* w, const float* s, const float* o, int64_t gs, const float* F, int64_t d, float qmax,
+                                uint8_t* codes) {
+  for (int64_t j = 0; j < d; ++j) {
+    const float sj = s[j / gs], oj = o[j / gs];
+    float c = std::floor((w[j] - oj) / sj + 0.5f);
+    c = c < 0.f ? 0.f : (c > qmax ? qmax : c);
+    codes[j] = static_cast<uint8_t>(c);
+    const float e = w[j] - (c * sj + oj);
+    const float* row = F + j * d;
+    for (int64_t k = j + 1; k < d; ++k) w[k] -= e * row[k];
+  }
+}
+
 torch::Tensor feedback_round(torch::Tensor x, torch::Tensor scale, torch::Tensor offset, torch::Tensor F, int64_t bits) {
   TORCH_CHECK(x.dim() == 4 && x.scalar_type() == torch::kFloat32, "x must be (B,H,N,d) float32");
   TORCH_CHECK(F.dim() == 3 && F.scalar_type() == torch::kFloat32, "F must be (H,d,d) float32");
@@ -158,17 +173,8 @@ torch::Tensor feedback_round(torch::Tensor x, torch::Tensor scale, torch::Tensor
     std::vector<float> w(d);
     for (int64_t r = r0; r < r1; ++r) {
       const int64_t h = (r / N) % H;
-      const float* Fh = fp + h * d * d;
       for (int64_t k = 0; k < d; ++k) w[k] = xp[r * d + k];
-      for (int64_t j = 0; j < d; ++j) {
-        const float s = sp[r * ng + j / gs], o = op[r * ng + j / gs];
-        float c = std::floor((w[j] - o) / s + 0.5f);
-        c = c < 0.f ? 0.f : (c > qmax ? qmax : c);
-        cp[r * d + j] = static_cast<uint8_t>(c);
-        const float e = w[j] - (c * s + o);
-        const float* row = Fh + j * d;
-        for (int64_t k = j + 1; k < d; ++k) w[k] -= e * row[k];
-      }
+      feedback_row(w.data(), sp + r * ng, op + r * ng, gs, fp + h * d * d, d, qmax, cp + r * d);
     }
   });
   return codes;
@@ -500,23 +506,22 @@ static void paged_decode_impl(const torch::Tensor& cache, const torch::Tensor& t
 
   // merge the splits of each (request, KV head)
   float* op = out.data_ptr<float>();
-  {
-    for (int64_t rh = 0; rh < R * H; ++rh) {
-      const int64_t r = rh / H, h = rh % H;
-      for (int64_t g = 0; g < G; ++g) {
-        float m = -INFINITY;
-        for (int64_t it = first[rh]; it < first[rh + 1]; ++it) m = std::max(m, part[it * W + g]);
-        float l = 0.f;
-        float* o = op + (r * Hq + h * G + g) * d;
-        std::fill(o, o + d, 0.f);
-        for (int64_t it = first[rh]; it < first[rh + 1]; ++it) {
-          const float c = std::exp(part[it * W + g] - m);
-          l += c * part[it * W + G + g];
-          const float* pa = part.data() + it * W + 2 * G + g * d;
-          for (int64_t i = 0; i < d; ++i) o[i] += c * pa[i];
-        }
-        for (int64_t i = 0; i < d; ++i) o[i] /= l;
+  // serial: a few hundred (request, KV head) rows of d floats, less than waking the pool costs
+  for (int64_t rh = 0; rh < R * H; ++rh) {
+    const int64_t r = rh / H, h = rh % H;
+    for (int64_t g = 0; g < G; ++g) {
+      float m = -INFINITY;
+      for (int64_t it = first[rh]; it < first[rh + 1]; ++it) m = std::max(m, part[it * W + g]);
+      float l = 0.f;
+      float* o = op + (r * Hq + h * G + g) * d;
+      std::fill(o, o + d, 0.f);
+      for (int64_t it = first[rh]; it < first[rh + 1]; ++it) {
+        const float c = std::exp(part[it * W + g] - m);
+        l += c * part[it * W + G + g];
+        const float* pa = part.data() + it * W + 2 * G + g * d;
+        for (int64_t i = 0; i < d; ++i) o[i] += c * pa[i];
       }
+      for (int64_t i = 0; i < d; ++i) o[i] /= l;
     }
   }
 }
@@ -683,23 +688,15 @@ void paged_store(torch::Tensor cache, torch::Tensor slots, std::vector<torch::Te
         put_meta(cell + S.scale, S.meta, delta);
         const float* xr = xs[s].data_ptr<float>() + it * d;
         const float qmax = float((1 << S.bits) - 1);
-        if (fb[s].defined()) {  // the grid as stored, then the feedback loop of feedback_round
+        if (fb[s].defined()) {  // the grid as stored, then feedback_round's loop
           const float sc = meta_at(cell + S.scale, S.meta);
           float o = sc * S.half;
           if (S.offset >= 0) {
             put_meta(cell + S.offset, S.meta, of[s].data_ptr<float>()[it]);
             o = meta_at(cell + S.offset, S.meta);
           }
-          const float* Fh = fb[s].data_ptr<float>() + h * d * d;
           for (int64_t k = 0; k < d; ++k) w[k] = xr[k];
-          for (int64_t j = 0; j < d; ++j) {
-            float q = std::floor((w[j] - o) / sc + 0.5f);
-            q = q < 0.f ? 0.f : (q > qmax ? qmax : q);
-            c[j] = static_cast<uint8_t>(q);
-            const float e = w[j] - (q * sc + o);
-            const float* row = Fh + j * d;
-            for (int64_t k = j + 1; k < d; ++k) w[k] -= e * row[k];
-          }
+          feedback_row(w.data(), &sc, &o, d, fb[s].data_ptr<float>() + h * d * d, d, qmax, c.data());
         } else {  // QuEST: clamp(floor(x/Δ), -2^(b-1), 2^(b-1) - 1) + 2^(b-1) on the float32 step
           const float half = float(1 << (S.bits - 1));
           for (int64_t j = 0; j < d; ++j) {
