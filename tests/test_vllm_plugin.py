@@ -19,7 +19,7 @@ from wushkv.config import QuantConfig, WindowConfig
 from wushkv.serving import served_logprobs
 from wushkv_vllm import VLLMVersionError, check_vllm_version
 from wushkv_vllm.jobs import compare
-from wushkv_vllm.paged import SlotCodec, Windows, attend, decode_batch, decode_context, gather, store
+from wushkv_vllm.paged import SlotCodec, Windows, attend, decode_batch, decode_context, gather, store, store_tiles
 from wushkv_vllm.served import UnsupportedFolder, load_served
 
 from conftest import TINY_CALIBRATION_TEXT, hf_char_tokenizer, require_kernels, tiny_model
@@ -108,6 +108,48 @@ def test_fused_store_writes_the_bytes_of_encode(quantizer, k_bits, v_bits, feedb
     sc.store(got, k, v, slots)
     assert torch.equal(got, ref)
 
+@pytest.mark.parametrize("bits,feedback,meta", [(2, True, "float16"), (4, False, "bfloat16"), (3, True, "float16")])
+def test_key_tile_cells_hold_what_the_tile_codec_stores(bits, feedback, meta):
+    """Keys in KVarN tiles (+ktiles): values are written when a token is stored (the fused store where it applies, the
+    same bytes as encode, the key fields untouched), a tile's key fields when its last token is, from the copies of its
+    tokens, however the tokens arrive in steps; decoded, every complete tile is what wushkv's cache stores of it
+    (:class:`wushkv.codecs.KVarNCodec`, bit for bit) and the open tile reads zero keys (its tokens are read from their
+    copies). At head_dim 64 a tile's scale and zero take 2 bytes of each of its 128 cells."""
+    H, d, bs, tile, n = 2, 64, 256, 128, 700
+    cfg = QuantConfig(k_bits=bits, v_bits=2, quantizer="quest", key_quantizer="kvarn", tile_clip=1.7, metadata_dtype=meta,
+                      windows=WindowConfig(128, 72, tile))
+    F = torch.eye(d).expand(H, d, d) + torch.triu(torch.randn(H, d, d, generator=_g(50)) * 0.1, 1) if feedback else None
+    sc = SlotCodec(cfg, d, F, F)
+    vbytes = d * 2 // 8 + (2 if meta != "float32" else 4)
+    assert sc.tile == tile and sc.meta_width == 2 and sc.payload_bytes == -(-d * bits // 8) + 2 + 2 + vbytes
+    if sc.sides() is not None:
+        require_kernels()
+    g = _g(51)
+    k, v = torch.randn(n, H, d, generator=g) * torch.rand(n, H, 1, generator=g) * 4, torch.randn(n, H, d, generator=g)
+    table = torch.tensor([3, 0, 2])
+    pos = torch.arange(n)
+    slots = table[pos // bs] * bs + pos % bs
+    cache = torch.randint(0, 256, (4, H, bs, sc.slot_bytes), dtype=torch.uint8, generator=g)
+    ref = cache.clone()
+    store(ref, sc.encode(k, v), slots, sc.value_offset)
+    w = Windows(bs, H, d, 128, 72, capacity=0, flush=tile)
+    for a, b in ((0, 100), (100, 101), (101, 300), (300, 384), (384, 385), (385, 700)):  # prefill chunks, decode steps
+        sc.store(cache, k[a:b], v[a:b], slots[a:b])
+        w.write(k[a:b], v[a:b], slots[a:b])
+        assert store_tiles(sc, cache, w, slots[a:b]) == 0
+        w.protect_and_trim([])  # capacity 0: everything but the open tile is dropped
+        assert w.open == ({int(slots[b - 1]) // tile} if b % tile else set())
+        assert all(p * w.unit // tile in w.open for p in w.pages)
+    assert torch.equal(cache[..., sc.value_offset:], ref[..., sc.value_offset:])  # the values: the bytes of encode
+    kd, vd = decode_context(sc, cache, table, n)
+    full = n // tile * tile
+    want = make_codec(cfg, "key", d, F).fake(k[:full].transpose(0, 1).reshape(1, H, full, d))[0]
+    assert torch.equal(kd[:, :full], want) and not kd[:, full:].any()
+    assert torch.equal(vd, make_codec(cfg, "value", d, F).fake(v.transpose(0, 1).unsqueeze(0))[0])
+    kd2, _ = decode_context(sc, cache, table, n, start=200)  # from inside a tile (a sliding window's start)
+    assert torch.equal(kd2, kd[:, 200:])
+
+
 def test_kl_from_the_top_k_is_a_lower_bound_that_is_exact_when_nothing_is_left_out():
     """What the serving benchmark reports of vLLM's quality against full precision, from the top-k log-probabilities
     vLLM returns: the coarsened KL is 0 for the same distribution, never above the full KL, equal to it when the top-k
@@ -175,16 +217,36 @@ def test_windows_keep_copies_of_the_window_positions_and_drop_the_oldest_others(
     assert w2.read(kf, vf, known, torch.tensor([0]), 0, 4, 3) == 3 and known.tolist() == [False, False, False, True]
 
 
-def _reference(q, kq, vq, kf, vf, q_pos, sink, recent, scale, known=None):
-    """Query by query, the keys a token-by-token decode would read (a window token without a ``known`` copy: its codes)."""
+def test_windows_with_a_flush_keep_the_unflushed_tail_and_every_open_tile():
+    bs, H, d = 8, 1, 2
+    w = Windows(bs, H, d, sink=4, recent=2, capacity=1, flush=4)
+    assert w.unit == 2 and w.pages_per_sequence() == 2 + 3 + 1
+    assert [w.tail(n) for n in (4, 6, 7, 9, 10, 13, 14)] == [4, 4, 4, 4, 8, 8, 12]  # S_sink + Qc(n)
+    assert w.positions(13) == [0, 1, 2, 3, 8, 9, 10, 11, 12]
+    table = torch.tensor([2, 0])
+    k = torch.arange(13, dtype=torch.float32)[:, None, None].expand(13, H, d).contiguous()
+    slots = table[torch.arange(13) // bs] * bs + torch.arange(13) % bs
+    w.write(k, k, slots)
+    assert w.open == {4, 5, 0, 1}  # tiles (slot // 4) of blocks 2 and 0; nothing closed them
+    w.close([4, 5, 0])  # the complete tiles written
+    w.protect_and_trim([])
+    assert set(w.pages) == {2}  # tile 1 (slots 4-7 of block 0, position 12 so far) is open: kept past the capacity
+    with pytest.raises(ValueError, match="sink of whole tiles"):
+        Windows(bs, H, d, sink=2, recent=2, capacity=1, flush=4)
+
+
+def _reference(q, kq, vq, kf, vf, q_pos, sink, recent, scale, known=None, flush=1):
+    """Query by query, the keys a token-by-token decode would read (a window token without a ``known`` copy: its codes):
+    wushkv's cache of windows (sink, recent, flush) after p + 1 tokens holds S_sink + Qc(p + 1) tokens in codes."""
     T, Hq, d = q.shape
     H, n, _ = kq.shape
     known = torch.ones(n, dtype=torch.bool) if known is None else known
     out = torch.zeros(T, Hq, d)
     for i, p in enumerate(q_pos.tolist()):
+        tail = sink + WindowConfig(sink, recent, flush).quantized_count(p + 1)
         for hq in range(Hq):
             h = hq // (Hq // H)
-            full = [(t < sink or t > p - recent) and bool(known[t]) for t in range(p + 1)]
+            full = [(t < sink or t >= tail) and bool(known[t]) for t in range(p + 1)]
             ks = torch.stack([kf[h, t] if full[t] else kq[h, t] for t in range(p + 1)])
             vs = torch.stack([vf[h, t] if full[t] else vq[h, t] for t in range(p + 1)])
             out[i, hq] = ((ks @ q[i, hq]) * scale).softmax(0) @ vs
@@ -209,23 +271,38 @@ def test_attention_reads_what_token_by_token_decode_reads():
     some[[1, 9]] = False
     got = attend(q, q_pos, kq, vq, kf, vf, some, torch.arange(n), 2, 3, 0.5, block=4)
     assert torch.allclose(got, _reference(q, kq, vq, kf, vf, q_pos, 2, 3, 0.5, some), atol=1e-5)
+    # flushes of 4 tokens (key tiles): the tail holds 1 to 4 tokens, whole tiles leave it at once
+    for known_ in (known, some):
+        got = attend(q, q_pos, kq, vq, kf, vf, known_, torch.arange(n), 2, 1, 0.5, block=4, flush=4)
+        assert torch.allclose(got, _reference(q, kq, vq, kf, vf, q_pos, 2, 1, 0.5, known_, flush=4), atol=1e-5)
 
 
 @pytest.mark.parametrize("quantizer, bits, dtype", [("quest", 2, torch.float32), ("affine", 4, torch.bfloat16),
                                                      ("quest", 8, torch.float32), ("quest", 4, torch.float16),
-                                                     ("quest", 3, torch.float32)])
+                                                     ("quest", 3, torch.float32), ("tiles", 2, torch.float32),
+                                                     ("tiles", 4, torch.bfloat16)])
 def test_batched_decode_kernel_equals_the_general_attention(quantizer, bits, dtype):
     """The fused decode of a whole batch (one call, through the block tables, window tokens from the pool, the rest
     from the codes) gives what the general path gives each request's query at its last position: ragged lengths
     (shorter than the sink, inside one block, many splits), blocks out of order, a copy dropped (read from its
-    codes), GQA groups of 3, a sliding window and softcapping."""
+    codes), GQA groups of 3, a sliding window and softcapping. ``tiles``: keys in KVarN tiles of 8 tokens (clipped,
+    with error feedback), their unflushed tail of 4 to 11 tokens in full precision."""
     require_kernels()
     H, G, d, bs, S, R = 2, 3, 32, 16, 4, 24
-    sc = SlotCodec(QuantConfig(k_bits=bits, v_bits=2, quantizer=quantizer), d)
+    tile = 8 if quantizer == "tiles" else 1
+    if tile > 1:
+        S, R = 8, 4
+        cfg = QuantConfig(k_bits=bits, v_bits=2, quantizer="quest", key_quantizer="kvarn", tile_clip=1.7,
+                          windows=WindowConfig(S, R, tile))
+        F = torch.eye(d).expand(H, d, d) + torch.triu(torch.randn(H, d, d, generator=_g(19)) * 0.1, 1)
+        sc = SlotCodec(cfg, d, F)
+        assert sc.tile == tile and sc.sides() is not None
+    else:
+        sc = SlotCodec(QuantConfig(k_bits=bits, v_bits=2, quantizer=quantizer), d)
     lens = [1, 5, 37, 100, 1500]
     NB = sum(-(-n // bs) for n in lens) + 3
     cache = torch.zeros(NB, H, bs, sc.slot_bytes + 4, dtype=torch.uint8)[..., 2:2 + sc.slot_bytes]  # strided, like vLLM's
-    w = Windows(bs, H, d, S, R, capacity=10_000, dtype=dtype)
+    w = Windows(bs, H, d, S, R, capacity=10_000, dtype=dtype, flush=tile)
     tables = torch.full((len(lens), 100), -1, dtype=torch.int32)
     perm, used = torch.randperm(NB, generator=_g(20)), 0
     for r, n in enumerate(lens):
@@ -234,8 +311,13 @@ def test_batched_decode_kernel_equals_the_general_attention(quantizer, bits, dty
         k, v = torch.randn(n, H, d, generator=_g(21 + r)) * 2, torch.randn(n, H, d, generator=_g(31 + r))
         pos = torch.arange(n)
         slots = tables[r][pos // bs].long() * bs + pos % bs
-        store(cache, sc.encode(k, v), slots)
-        w.write(k, v, slots)
+        for a in range(0, n, 13):  # in steps of 13 tokens: tiles complete across steps
+            sc.store(cache, k[a:a + 13], v[a:a + 13], slots[a:a + 13])
+            w.write(k[a:a + 13], v[a:a + 13], slots[a:a + 13])
+            if tile > 1:
+                assert store_tiles(sc, cache, w, slots[a:a + 13]) == 0
+    if tile > 1:  # still open: each request's last, incomplete tile
+        assert w.open == {int(tables[r][(n - 1) // bs]) * bs // tile + (n - 1) % bs // tile for r, n in enumerate(lens) if n % tile}
     dropped = int(tables[3, 0]) * (bs // w.unit)  # request 3's sink page: its copies dropped, read from the codes
     w.index[dropped] = -1
     q = torch.randn(len(lens), H * G, d, generator=_g(40))
@@ -243,12 +325,12 @@ def test_batched_decode_kernel_equals_the_general_attention(quantizer, bits, dty
         want = []
         for r, n in enumerate(lens):
             lo = max(0, n - window) if window > 0 else 0
-            kq, vq = sc.decode(gather(cache, tables[r], n, lo))
+            kq, vq = decode_context(sc, cache, tables[r], n, lo)
             kf, vf, known = torch.zeros_like(kq), torch.zeros_like(vq), torch.zeros(n - lo, dtype=torch.bool)
             missing = w.read(kf, vf, known, tables[r], lo, n, n - 1)
-            assert missing == (S if r == 3 and lo == 0 else 0)
+            assert missing == (min(S, w.unit) if r == 3 and lo == 0 else 0)
             want.append(attend(q[r:r + 1], torch.tensor([n - 1]), kq, vq, kf, vf, known, torch.arange(lo, n), S, R, 0.3,
-                               window, softcap)[0])
+                               window, softcap, flush=tile)[0])
         got = decode_batch(sc, cache, tables, torch.tensor(lens), q, w, 0.3, window, softcap)
         if bits == 3:  # 3-bit codes straddle bytes: the kernel declines, the backend takes the general path
             assert got is None
@@ -284,8 +366,13 @@ def test_served_folder_checks(tmp_path):
     with pytest.raises(UnsupportedFolder, match="decoder layer 7"):
         s.attention_layer("model.layers.7.self_attn.attn")
     tiles = _export(tmp_path, "tiles", "wush+ktiles", replace(CFG, windows=WindowConfig(4, 128, 128)))
-    with pytest.raises(UnsupportedFolder, match=r"key_layout='tiles' \(KVarN key tiles \(\+ktiles\)"):
+    with pytest.raises(UnsupportedFolder, match=r"sink of 4 tokens, across vLLM's blocks.*export with --sink 128"):
         load_served(tiles)
+    tiles = _export(tmp_path, "tiles128", "wush+ktiles+ldlq", replace(CFG, windows=WindowConfig(128, 64, 16)))
+    s = load_served(tiles, num_kv_heads=2, head_dim=32)
+    # (128, 8, 128): the selected windows' average of full-precision tokens; cells of 8 bytes of key codes, s_tok,
+    # 1 byte of the tile's scale and zero (4·32/128), then 8 + 2 of values
+    assert (s.sink, s.recent, s.flush) == (128, 8, 128) and s.slot_bytes() == 24
 
 
 def test_other_vllm_versions_are_refused_by_name():
@@ -315,7 +402,9 @@ def engines(tmp_path_factory):
     shutil.copytree(id8, stock)
     shutil.rmtree(stock / "wushkv")  # the same weights without a side file: stock vLLM, plugin installed
     wush = _export(tmp, "wush2", "wush+ldlq")
-    tiles = _export(tmp, "tiles", "wush+ktiles", replace(CFG, windows=WindowConfig(4, 128, 128)))
+    rmean = _export(tmp, "rmean", "wush+rmean")
+    # key tiles of 128 tokens after a sink of one tile, the tail 8 to 135 tokens (what +ktiles makes of 128/64/16)
+    tiles = _export(tmp, "tiles", "wush+ktiles+ldlq", replace(CFG, windows=WindowConfig(128, 64, 16)))
     gemma = _export(tmp, "gemma", "wush+ldlq", family="gemma3")  # sliding-window layers (16 tokens), GQA 2
     shared = _prompts(1, 150, 0, seed=5)[0]
     jobs = [
@@ -328,13 +417,18 @@ def engines(tmp_path_factory):
          "batches": [{"prompts": _prompts(4, 60, 0), "max_tokens": 64, "prompt_logprobs": True, "logprobs": 2}]},
         {"folder": str(wush), "engine": ENGINE,
          "batches": [{"prompts": [shared + [7, 8, 9]], "max_tokens": 24}, {"prompts": [shared + [40, 41]], "max_tokens": 24}]},
-        {"folder": str(tiles), "engine": ENGINE, "batches": []},
+        {"folder": str(rmean), "engine": ENGINE, "batches": []},
         # tensor parallelism: 2 ranks of one KV head each (one CPU core each; vLLM's CPU workers need the binding)
         {"folder": str(wush), "engine": ENGINE | {"tensor_parallel_size": 2, "distributed_executor_backend": "mp"},
          "env": {"VLLM_CPU_OMP_THREADS_BIND": "0|1"},
          "batches": [{"prompts": _prompts(4, 60, 0), "max_tokens": 32, "prompt_logprobs": True, "logprobs": 2}]},
         {"folder": str(gemma), "engine": ENGINE,
          "batches": [{"prompts": _prompts(4, 60, 0), "max_tokens": 32, "prompt_logprobs": True, "logprobs": 2}]},
+        # key tiles: prompts of 241-256 tokens in chunks of 64, 70 generated (tiles complete in prefill chunks and
+        # in decode), preemption (9 blocks of 128, one vLLM's null block, for 4 requests that grow from 2 to 3 blocks)
+        {"folder": str(tiles), "engine": ENGINE | {"max_model_len": 512, "block_size": 128, "max_num_batched_tokens": 64,
+                                                   "num_gpu_blocks_override": 9},
+         "batches": [{"prompts": _prompts(4, 240, 5, seed=3), "max_tokens": 70, "prompt_logprobs": True, "logprobs": 2}]},
     ]
     jp, op = tmp / "jobs.json", tmp / "out.json"
     jp.write_text(json.dumps(jobs))
@@ -343,7 +437,8 @@ def engines(tmp_path_factory):
                        text=True, timeout=1500)
     assert r.returncode == 0, r.stderr[-4000:]
     out = json.loads(op.read_text())
-    return {"jobs": jobs, "out": out, "folders": {"id8": id8, "wush": wush, "gemma": gemma}, "log": r.stdout + r.stderr}
+    return {"jobs": jobs, "out": out, "folders": {"id8": id8, "wush": wush, "gemma": gemma, "tiles": tiles},
+            "log": r.stdout + r.stderr}
 
 
 def _agreement(a: list, b: list) -> float:
@@ -437,7 +532,22 @@ def test_prefix_caching_gives_each_request_what_it_gets_alone(engines):
 def test_a_method_the_plugin_lacks_is_refused_by_name(engines):
     err = engines["out"][4].get("error", "")
     assert engines["out"][4].get("batches") is None
-    assert "wush+ktiles" in engines["log"] and "KVarN key tiles (+ktiles)" in engines["log"], err
+    assert "wush+rmean" in engines["log"] and "rotating pre-RoPE mean (+rmean)" in engines["log"], err
+
+
+@needs_vllm
+@pytest.mark.slow
+def test_key_tiles_equal_the_transformers_cache_under_chunked_prefill_and_preemption(engines):
+    """``+ktiles`` served: each tile's key codes written when its block's last token is stored, the unflushed tail
+    read from copies; every prompt position and generated token gets wushkv's own cache's log-probabilities at the
+    exported windows (128, 8, 128), through prefill chunks of 64 tokens, decode (the fused kernel's tile path) and
+    preemptions."""
+    res = engines["out"][7]
+    assert "batches" in res, res.get("error")
+    assert res["metrics"]["vllm:num_preemptions"] > 0, res["metrics"]
+    assert "serving wush+ktiles+ldlq (K2V2 quest)" in engines["log"]
+    agree, total, worst = _agrees_with_wushkv(engines, 7, "tiles")
+    assert agree == total and worst < 1e-4, (agree, total, worst)
 
 
 def _free_port() -> int:

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import torch
 
-from .config import QuantConfig
+from .config import QuantConfig, WindowConfig
 from .io import CorruptFileError, expect_format, read_checked_safetensors, read_json
 
 SERVED_FORMAT = "wushkv-served-model"
@@ -65,3 +65,11 @@ def read_side_file(folder) -> tuple[dict, dict[str, torch.Tensor]]:
 def served_config(meta: dict) -> QuantConfig:
     """The quantization a side file records (what the method runs at: its layouts and windows applied)."""
     return QuantConfig.from_dict(meta["quantization"])
+
+
+def served_windows(cfg: QuantConfig) -> WindowConfig:
+    """The windows a paged engine serves a side file's quantization at: per-token keys ``(S_sink, S_keep, 1)`` (a
+    token's codes are written when it is stored: exactly the last ``S_keep`` tokens are in full precision), key
+    tiles the recorded ``(S_sink, S_keep, S_flush)`` (a tile of ``S_flush`` tokens is written when it is complete)."""
+    w = cfg.windows
+    return w if cfg.side_quantizer("key") == "kvarn" else WindowConfig(w.S_sink, w.S_keep, 1)

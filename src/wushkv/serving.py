@@ -47,7 +47,7 @@ from .methods.install import transforms_for
 from .methods.spec import AUTO, CENTERED_TRANSFORMS, MethodSpec, parse, spec_of
 from .models import describe, fingerprint, model_name, rope_parameters
 from .served_format import (CONVENTION, SERVED_FORMAT, SERVED_VERSION, SIDE_DIR, SIDE_DTYPE, SIDE_FILE, SIDE_JSON,  # noqa: F401 (re-exported)
-                            key_inverse_error, read_side_file, served_config)
+                            key_inverse_error, read_side_file, served_config, served_windows)
 from .transforms import LayerTransforms
 
 # The logits checks, relative to max(1, the largest |logit| of the original model on the probe). The reloaded folder
@@ -118,19 +118,18 @@ def served_transforms(meta: dict, tensors: dict[str, torch.Tensor]) -> list[Laye
 
 def served_logprobs(folder, ids: list[int], dtype: torch.dtype = torch.float32) -> torch.Tensor:
     """Teacher-forced log-probabilities (n, vocab) float64 of the token ids through wushkv's cache on an exported
-    folder, reloaded with plain transformers, at the windows a paged engine serves: ``(S_sink, S_keep, 1)`` (the
-    vLLM plugin writes a token's codes when it is stored). Row i predicts token i + 1: the reference the plugin's
-    tests and ``benchmarks/vllm_serving.py`` hold vLLM to."""
+    folder, reloaded with plain transformers, at the windows a paged engine serves
+    (:func:`~wushkv.served_format.served_windows`: ``(S_sink, S_keep, 1)`` for per-token keys, whose codes the vLLM
+    plugin writes when a token is stored; key tiles as exported). Row i predicts token i + 1: the reference the
+    plugin's tests and ``benchmarks/vllm_serving.py`` hold vLLM to."""
     from dataclasses import replace
 
     from transformers import AutoModelForCausalLM
 
-    from .config import WindowConfig
-
     model = AutoModelForCausalLM.from_pretrained(folder, dtype=dtype)
     meta, tensors = read_side_file(folder)
     cfg = served_config(meta)
-    cfg = replace(cfg, windows=WindowConfig(cfg.windows.S_sink, cfg.windows.S_keep, 1))
+    cfg = replace(cfg, windows=served_windows(cfg))
     with apply_transforms(model, served_transforms(meta, tensors), meta["method"]) as installed, torch.no_grad():
         cache = installed.cache(cfg)
         logits = model(torch.tensor([list(ids)]), cache=cache, use_cache=True).logits[0]

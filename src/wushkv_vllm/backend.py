@@ -9,6 +9,8 @@ is vLLM's. With one:
 * ``do_kv_cache_update`` transforms the new keys after RoPE, ``K' = (K − key_mean)·key`` per KV head, quantizes keys
   and values per token and writes their cells at vLLM's slots (one call of wushkv's fused store,
   :meth:`wushkv_vllm.paged.SlotCodec.store`), and hands the transformed keys to the layer's forward of the same step;
+  key tiles (``+ktiles``) are written by the forward when their last token is stored, from the copies of their tokens
+  (:func:`wushkv_vllm.paged.store_tiles`);
 * ``forward`` attends: queries ``Q' = Q·query`` (``Q'K'ᵀ = QKᵀ`` up to a per-query constant, which softmax ignores)
   over the request's context read from its cells through the block table, a query at position p reading a token in
   full precision while it is in the windows of a sequence of p + 1 tokens (copies from
@@ -33,7 +35,7 @@ from vllm.config import get_current_vllm_config
 from vllm.logger import init_logger
 from vllm.v1.attention.backends.cpu_attn import CPUAttentionBackend, CPUAttentionBackendImpl
 
-from .paged import SlotCodec, Windows, attend, decode_batch, decode_context
+from .paged import SlotCodec, Windows, attend, decode_batch, decode_context, store_tiles
 from .served import Served, UnsupportedFolder, has_side_file, load_served
 
 logger = init_logger("vllm.wushkv")  # under vLLM's logger: shown with its own lines
@@ -62,9 +64,11 @@ def served_model() -> Served | None:
             raise UnsupportedFolder(f"{folder}: the side file names decoder layer {max(served.meta['attention_layers'])}, "
                                     f"the model has {hf.num_hidden_layers} layers; export the folder again")
         q, w = served.cfg, served.cfg.windows
+        tail = (f"last {w.S_keep}" if served.flush == 1 else
+                f"last {w.S_keep} to {w.S_keep + served.flush - 1} (key tiles of {served.flush}, written whole)")
         logger.info("wushkv: serving %s (K%sV%s %s) from %s: %d-byte cells per token and KV head (%d in %s), windows: "
-                    "first %d and last %d tokens in full precision", served.meta["method"], q.k_bits, q.v_bits, q.quantizer,
-                    folder, served.slot_bytes(), 2 * served.head_dim * mc.dtype.itemsize, mc.dtype, w.S_sink, w.S_keep)
+                    "first %d and %s tokens in full precision", served.meta["method"], q.k_bits, q.v_bits, q.quantizer,
+                    folder, served.slot_bytes(), 2 * served.head_dim * mc.dtype.itemsize, mc.dtype, w.S_sink, tail)
         _SERVED[folder] = served
     return _SERVED[folder]
 
@@ -114,11 +118,16 @@ class _LayerState:
         t = served.layer(self.l, heads)
         self.key, self.query, self.key_mean = t["key"], t["query"], t["key_mean"]
         self.codec = SlotCodec(served.cfg, served.head_dim, t["key_feedback"], t["value_feedback"])
+        if self.codec.tile and block_size % self.codec.tile:
+            raise UnsupportedFolder(f"key tiles of {self.codec.tile} tokens are written into vLLM's blocks whole; the block size "
+                                    f"{block_size} is not a multiple of it (serve with block_size={self.codec.tile})")
         # copies in the served dtype: what wushkv's cache keeps of its windows too (the model's dtype)
-        win = Windows(block_size, num_kv_heads, served.head_dim, served.sink, served.recent, capacity=0, dtype=dtype)
+        win = Windows(block_size, num_kv_heads, served.head_dim, served.sink, served.recent, capacity=0, dtype=dtype,
+                      flush=served.flush)
         win.capacity = 2 * max_num_seqs * win.pages_per_sequence()
         self.windows = win
         self.missing, self.warned = 0, False  # window positions read from codes for want of a copy
+        self.unwritten = 0  # completed key tiles left as they were for want of a copy (module store_tiles)
         self.stashed: torch.Tensor | None = None  # the step's transformed keys, from its update to its forward
 
     def keys(self, k: torch.Tensor) -> torch.Tensor:
@@ -184,6 +193,8 @@ class WushKVCPUImpl(CPUAttentionBackendImpl):
         k_new = k_new[:T] if k_new is not None and k_new.shape[0] >= T else st.keys(key[:T])
         v_new = value[:T].float()
         st.windows.write(k_new, v_new, attn_metadata.slot_mapping[:T])
+        if st.codec.tile:  # the key tiles this step completes: written from their tokens' copies, before anything reads them
+            st.unwritten += store_tiles(st.codec, cache, st.windows, attn_metadata.slot_mapping[:T])
         q = st.queries(query[:T])
         starts = attn_metadata.query_start_loc.tolist()
         seq_lens = attn_metadata.seq_lens.tolist()
@@ -215,7 +226,7 @@ class WushKVCPUImpl(CPUAttentionBackendImpl):
             st.missing += st.windows.read(kf, vf, known, tables[r], lo, ctx, ctx)
             kf[:, ctx - lo:], vf[:, ctx - lo:], known[ctx - lo:] = k_new[a:b].transpose(0, 1), v_new[a:b].transpose(0, 1), True
             out = attend(q[a:b], torch.arange(ctx, n), kq, vq, kf, vf, known, torch.arange(lo, n), st.windows.sink,
-                         st.windows.recent, self.scale, window, self.logits_soft_cap)
+                         st.windows.recent, self.scale, window, self.logits_soft_cap, flush=st.windows.flush)
             output[a:b] = out.to(output.dtype)
         st.windows.protect_and_trim(seqs)
         if st.missing and not st.warned:  # once per layer: quality below wushkv's cache, say so

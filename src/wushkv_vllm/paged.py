@@ -11,8 +11,20 @@ One cell holds a token's keys and values after the transforms, quantized per tok
 A token's cell is written once, when vLLM stores the token, and depends on that token only: a complete block's bytes
 are final, which is all vLLM's prefix caching shares, and preemption by recompute writes the same bytes again.
 
-The full-precision windows (the first ``sink`` tokens of a sequence and its last ``recent`` ones, wushkv's windows
-``(S_sink, S_keep, 1)``) cannot live in fixed-size cells. :class:`Windows` keeps a full-precision copy of the cells
+Keys in KVarN tiles (``+ktiles``: one tile of ``tile`` = ``S_flush`` consecutive tokens, quantized together,
+:mod:`wushkv.quantizers.kvarn`) have a cell of their own shape::
+
+    [ key codes | key s_tok (fp16) | key tile slice | value codes | value scale (| value offset) | padding ]
+
+A tile's per-channel scale and zero (2·d float16, 4·d bytes) are spread over its cells, ``⌈4d/tile⌉`` bytes each
+(2 at d = 64). Tiles start at positions ``tile·j``, which the served sink (a whole number of tiles) puts on vLLM's
+blocks (a block holds whole tiles): a tile's key fields are written once, when its last token is stored, from the
+full-precision copies of its tokens (:func:`store_tiles`); until then its tokens are read from those copies, which
+:class:`Windows` never drops while the tile is open. The values are per token, written when stored, as above.
+
+The full-precision windows (the first ``sink`` tokens of a sequence and its unflushed tail: wushkv's windows
+``(S_sink, S_keep, S_flush)``, with ``S_flush`` 1 for per-token keys, whose codes are written when a token is stored,
+and the tile for key tiles) cannot live in fixed-size cells. :class:`Windows` keeps a full-precision copy of the cells
 written, keyed by physical block, and attention reads the copy where a position is in a window and the copy is there,
 the codes otherwise; the copy is written with the codes, so it always says what the codes stand for (a block that
 changes owner is written again before it is read). The copies live outside vLLM's KV budget, bounded by
@@ -27,8 +39,10 @@ from collections import OrderedDict
 
 import torch
 
-from wushkv.codecs import TokenCodec, make_codec
+from wushkv.codecs import KVarNCodec, TokenCodec, make_codec
 from wushkv.config import QuantConfig
+from wushkv.quantizers import unpack
+from wushkv.quantizers.kvarn import KVarNTiles, kvarn_dequantize
 
 SLOT_ALIGN = 4  # bytes: a cell is viewed as the model dtype by vLLM (2 bytes) and sliced per field here
 
@@ -36,19 +50,30 @@ SLOT_ALIGN = 4  # bytes: a cell is viewed as the model dtype by vLLM (2 bytes) a
 class SlotCodec:
     """The bytes of one (token, KV head) cell for quantization ``cfg`` at head_dim ``d``.
 
-    ``key_feedback`` / ``value_feedback`` (H, d, d): the ``+ldlq`` error feedback of this rank's KV heads."""
+    ``key_feedback`` / ``value_feedback`` (H, d, d): the ``+ldlq`` error feedback of this rank's KV heads.
+    ``tile``: tokens per key tile (``cfg``'s ``S_flush`` when its keys are KVarN tiles), 0 for per-token keys."""
 
     def __init__(self, cfg: QuantConfig, head_dim: int, key_feedback: torch.Tensor | None = None,
                  value_feedback: torch.Tensor | None = None):
         self.cfg, self.d = cfg, head_dim
         self.codecs = {"key": make_codec(cfg, "key", head_dim, key_feedback), "value": make_codec(cfg, "value", head_dim, value_feedback)}
+        self.tile = cfg.windows.S_flush if isinstance(self.codecs["key"], KVarNCodec) else 0
         for side, c in self.codecs.items():
-            if not isinstance(c, TokenCodec):
+            if not isinstance(c, TokenCodec) and not (side == "key" and self.tile):
                 q = "full precision" if c is None else cfg.side_quantizer(side)
-                raise ValueError(f"the paged cache stores per-token codes (quantizers quest, affine); the {side}s are {q}")
+                raise ValueError(f"the paged cache stores per-token codes (quantizers quest, affine; KVarN tiles for the keys); "
+                                 f"the {side}s are {q}")
         # fields: (side, name, dtype, per-token width, byte offset, byte width), from one probe token
         self.fields, off = [], 0
         for side, c in self.codecs.items():
+            if side == "key" and self.tile:  # codes, the token's fold s_tok, its slice of the tile's scale and zero
+                nb = -(-head_dim * c.bits // 8)
+                self.meta_width = -(-4 * head_dim // self.tile)
+                for name, dtype, n, width in (("codes", torch.uint8, nb, nb), ("s_fold", torch.float16, 1, 2),
+                                              ("tile_meta", torch.uint8, self.meta_width, self.meta_width)):
+                    self.fields.append((side, name, dtype, n, off, width))
+                    off += width
+                continue
             heads = 1 if c.feedback is None else c.feedback.shape[0]
             probe = c.encode(torch.zeros(1, heads, 1, head_dim))
             for name, t in probe.items():
@@ -57,21 +82,25 @@ class SlotCodec:
                 off += width
         self.payload_bytes = off
         self.slot_bytes = -(-off // SLOT_ALIGN) * SLOT_ALIGN
+        # the value fields start here: what a store at a token's arrival writes when the keys wait for their tile
+        self.value_offset = min(f[4] for f in self.fields if f[0] == "value")
         self._sides = self._kernel_sides()
         # the fused store writes a side's codes on its quantizer's grid: with error feedback on any per-token grid,
         # without it on QuEST's (floor(x/Δ)); an affine side without feedback is encoded in torch
         self._fused_store = self._sides is not None and all(
-            c.feedback is not None or c.symmetric for c in self.codecs.values())
+            c.feedback is not None or c.symmetric for c in self.codecs.values() if isinstance(c, TokenCodec))
 
     def encode(self, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        """uint8 (T, H, slot_bytes) cells of keys and values (T, H, d) (already transformed)."""
+        """uint8 (T, H, slot_bytes) cells of keys and values (T, H, d) (already transformed). Key tiles are not
+        encoded here (their key fields stay zero: :meth:`store_tiles` writes them when a tile is complete)."""
         T, H, _ = k.shape
         out = torch.zeros(T, H, self.slot_bytes, dtype=torch.uint8)
         stored = {side: c.encode(x.float().transpose(0, 1).unsqueeze(0))  # (1, H, T, ·)
-                  for (side, c), x in zip(self.codecs.items(), (k, v))}
+                  for (side, c), x in zip(self.codecs.items(), (k, v)) if not (side == "key" and self.tile)}
         for side, name, _dtype, _n, off, width in self.fields:
-            t = stored[side][name][0].transpose(0, 1).contiguous()  # (T, H, n)
-            out[..., off:off + width] = t.view(torch.uint8)
+            if side in stored:
+                t = stored[side][name][0].transpose(0, 1).contiguous()  # (T, H, n)
+                out[..., off:off + width] = t.view(torch.uint8)
         return out
 
     def store(self, cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slot_mapping: torch.Tensor) -> None:
@@ -82,11 +111,15 @@ class SlotCodec:
         from wushkv._ext import kernels
 
         ext = kernels() if self._fused_store else None
+        lo = self.value_offset if self.tile else 0  # key tiles: their fields wait for the tile (store_tiles)
         if ext is None or not hasattr(ext, "paged_store"):
-            return store(cache, self.encode(k, v), slot_mapping)
+            return store(cache, self.encode(k, v), slot_mapping, lo)
         xs, steps, offsets, fbs = [], [], [], []
         empty = torch.empty(0)
         for c, x in zip(self.codecs.values(), (k, v)):
+            if not isinstance(c, TokenCodec):  # key tiles: skipped by the kernel
+                xs.append(empty), steps.append(empty), offsets.append(empty), fbs.append(empty)
+                continue
             x = x.float()
             scale, offset, _ = c.quantizer.grid(x)  # (T, H, 1) float32, as TokenCodec._quant computes it
             xs.append(x)
@@ -96,12 +129,42 @@ class SlotCodec:
         ext.paged_store(cache, slot_mapping.to(torch.int64), xs, steps, offsets, fbs, *self._sides, self.payload_bytes,
                         self.slot_bytes)
 
+    def store_tiles(self, cache: torch.Tensor, keys: torch.Tensor, first_slots: torch.Tensor) -> None:
+        """Write the key fields of whole tiles: keys (n, H, tile, d) (already transformed; the tokens of each tile in
+        order) quantized as wushkv's cache quantizes a flushed tile (:class:`wushkv.codecs.KVarNCodec`, with the
+        ``+ldlq`` feedback along channels where the method has it), into the cells of ``cache`` (num_blocks, H,
+        block_size, ≥ slot_bytes) uint8 from slots ``first_slots`` (n,) on (a tile lies within one block)."""
+        n, H, G, d = keys.shape
+        if G != self.tile:
+            raise ValueError(f"tiles of {self.tile} tokens, got {G}")
+        s = self.codecs["key"].encode(keys.float())  # codes (n, H, G, nb), scale/zero (n, H, 1, d), s_fold (n, H, 1, G)
+        meta = torch.cat([s["scale"], s["zero"]], -1).reshape(n, H, 2 * d).view(torch.uint8)  # (n, H, 4d)
+        meta = torch.nn.functional.pad(meta, (0, G * self.meta_width - 4 * d)).reshape(n, H, G, self.meta_width)
+        fields = {"codes": s["codes"], "s_fold": s["s_fold"].reshape(n, H, G, 1).view(torch.uint8), "tile_meta": meta}
+        key_bytes = self.value_offset
+        cells = torch.empty(n, H, G, key_bytes, dtype=torch.uint8)
+        for side, name, _dtype, _n, off, width in self.fields:
+            if side == "key":
+                cells[..., off:off + width] = fields[name]
+        slots = (first_slots.long()[:, None] + torch.arange(G)).reshape(-1)  # (n·G,)
+        store(cache, cells.permute(0, 2, 1, 3).reshape(n * G, H, key_bytes), slots)
+
     def decode(self, cells: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """(k, v) float32 (H, N, d) of uint8 cells (H, N, ≥ payload_bytes)."""
+        """(k, v) float32 (H, N, d) of uint8 cells (H, N, ≥ payload_bytes); with key tiles, N whole tiles starting on
+        one (every tile's key fields written)."""
         parts = self.stores(cells)
         N = cells.shape[1]
-        k, v = (self.codecs[s].decode(parts[s], N)[0] for s in ("key", "value"))
-        return k, v
+        v = self.codecs["value"].decode(parts["value"], N)[0]
+        if not self.tile:
+            return self.codecs["key"].decode(parts["key"], N)[0], v
+        H, G, d = cells.shape[0], self.tile, self.d
+        if N % G:
+            raise ValueError(f"key tiles decode whole tiles of {G} tokens, got {N} tokens")
+        kp = parts["key"]
+        meta = kp["tile_meta"][0].reshape(H, N // G, G * self.meta_width)[..., :4 * d].contiguous().view(torch.float16)
+        t = KVarNTiles(unpack(kp["codes"], self.codecs["key"].bits, d), meta[None, ..., :d], meta[None, ..., d:],
+                       kp["s_fold"].reshape(1, H, N // G, G), self.codecs["key"].bits, "key", G)
+        return kvarn_dequantize(t)[0], v
 
     def stores(self, cells: torch.Tensor) -> dict[str, dict[str, torch.Tensor]]:
         """The codec stores {"key": {...}, "value": {...}} (each tensor (1, H, N, ·)) of uint8 cells (H, N, ≥ payload):
@@ -113,8 +176,10 @@ class SlotCodec:
 
     def sides(self) -> tuple[list[int], list[int], float, float] | None:
         """The cell layout as :func:`decode_batch`'s kernel reads it: per side [codes, scale, offset (−1: symmetric),
-        bits, metadata dtype (0 float16, 1 bfloat16, 2 float32)] and the symmetric offset's factor (QuEST:
-        offset = scale·(½ − 2^(b−1))); None where the kernel does not apply (groups within a token, 3 bits)."""
+        bits, metadata dtype (0 float16, 1 bfloat16, 2 float32), tile (0: per token), tile slice, its width] and the
+        symmetric offset's factor (QuEST: offset = scale·(½ − 2^(b−1))); for key tiles the scale is the token's
+        float16 s_tok and the tile slice holds its share of the tile's channel scale and zero. None where the kernel
+        does not apply (groups within a token, 3 bits)."""
         return self._sides
 
     def _kernel_sides(self):
@@ -122,27 +187,57 @@ class SlotCodec:
         out, halves = [], []
         for side, c in self.codecs.items():
             f = {name: (dtype, n, off) for s, name, dtype, n, off, _w in self.fields if s == side}
-            scale_dtype, n_groups, scale_off = f["scale"]
-            if n_groups != 1 or c.bits not in (1, 2, 4, 8) or scale_dtype not in kinds:
+            if c.bits not in (1, 2, 4, 8):
                 return None
-            out.append([f["codes"][2], scale_off, f["offset"][2] if "offset" in f else -1, c.bits, kinds[scale_dtype]])
+            if side == "key" and self.tile:
+                out.append([f["codes"][2], f["s_fold"][2], -1, c.bits, 0, self.tile, f["tile_meta"][2], self.meta_width])
+                halves.append(0.0)
+                continue
+            scale_dtype, n_groups, scale_off = f["scale"]
+            if n_groups != 1 or scale_dtype not in kinds:
+                return None
+            out.append([f["codes"][2], scale_off, f["offset"][2] if "offset" in f else -1, c.bits, kinds[scale_dtype], 0, 0, 0])
             halves.append(float(c._half))
         return out[0], out[1], halves[0], halves[1]
 
     def fake(self, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """What decoding the cells of (T, H, d) keys and values gives, as (H, T, d) float32 (the slow reference)."""
+        """What decoding the cells of (T, H, d) keys and values gives, as (H, T, d) float32 (the slow reference; key
+        tiles: T whole tiles, as wushkv's cache flushes them)."""
         return tuple(c.fake(x.float().transpose(0, 1).unsqueeze(0))[0] for c, x in zip(self.codecs.values(), (k, v)))
 
 
-def store(cache: torch.Tensor, cells: torch.Tensor, slot_mapping: torch.Tensor) -> None:
-    """Write cells (T, H, C) into ``cache`` (num_blocks, H, block_size, ≥ C) uint8 at vLLM's slots (T,) =
+def store(cache: torch.Tensor, cells: torch.Tensor, slot_mapping: torch.Tensor, lo: int = 0) -> None:
+    """Write bytes lo.. of cells (T, H, C) into ``cache`` (num_blocks, H, block_size, ≥ C) uint8 at vLLM's slots (T,) =
     block·block_size + offset; slots < 0 (padding) are skipped."""
     bs = cache.shape[2]
     keep = slot_mapping >= 0
     if not bool(keep.all()):
         cells, slot_mapping = cells[keep], slot_mapping[keep]
     slot_mapping = slot_mapping.long()
-    cache[slot_mapping // bs, :, slot_mapping % bs, :cells.shape[-1]] = cells
+    cache[slot_mapping // bs, :, slot_mapping % bs, lo:cells.shape[-1]] = cells[..., lo:]
+
+
+def store_tiles(sc: SlotCodec, cache: torch.Tensor, windows: "Windows", slot_mapping: torch.Tensor) -> int:
+    """Write the key fields of the tiles whose last token is among this step's slots (T,) (< 0: padding), from the
+    full-precision copies of their tokens in ``windows`` (written this step or kept, open, since); returns how many
+    tiles had a copy missing and were left as they are (a block prefix caching shares, whose codes are final: vLLM
+    recomputes its last token; nothing else, the open tiles' copies are never dropped). Every tile is closed."""
+    G = sc.tile
+    slots = slot_mapping[slot_mapping >= 0].long()
+    first = slots[slots % G == G - 1] - (G - 1)
+    if not len(first):
+        return 0
+    u = windows.unit
+    idx = first[:, None] + torch.arange(G)  # (n, G) the tiles' slots
+    rows = windows.index[(idx // u).clamp(max=len(windows.index) - 1)].long()
+    rows[idx // u >= len(windows.index)] = -1
+    held = (rows >= 0).all(1)
+    held[held.clone()] = windows.written[rows[held], idx[held] % u].all(1)
+    windows.close((first // G).tolist())
+    if bool(held.any()):
+        k = windows.pool[rows[held], idx[held] % u][..., 0, :]  # (n, G, H, d)
+        sc.store_tiles(cache, k.transpose(1, 2), first[held])
+    return int((~held).sum())
 
 
 def gather(cache: torch.Tensor, block_ids: torch.Tensor, stop: int, start: int = 0) -> torch.Tensor:
@@ -158,19 +253,30 @@ def gather(cache: torch.Tensor, block_ids: torch.Tensor, stop: int, start: int =
 class Windows:
     """Full-precision copies of stored cells in pages of :attr:`unit` tokens (module docstring).
 
+    The windows are wushkv's ``(sink, recent, flush)``: a sequence of n tokens reads in full precision its first
+    ``sink`` and its tail from :meth:`tail` (n) on, at least ``recent`` tokens, flushed ``flush`` at a time (1:
+    exactly the last ``recent``). With ``flush`` > 1 (key tiles of ``flush`` tokens) the copies of a tile are kept
+    while it is open (stored in part, :func:`store_tiles` not yet run on it), whatever the capacity: its keys exist
+    nowhere else.
+
     A page is ``unit`` consecutive slots of one physical block (page id ``block·(block_size/unit) + slot/unit``); the
-    unit is the largest that divides the block size and both windows (16 for sink 16, recent 128, block 128), so a
-    sequence holds about its windows' own tokens, not whole blocks. Copies live in one pool, ``pool`` (P, unit, H, 2, d)
+    unit is the largest that divides the block size, both windows and the flush (16 for sink 16, recent 128, block
+    128), so a sequence holds about its windows' own tokens, not whole blocks. Copies live in one pool, ``pool`` (P, unit, H, 2, d)
     in ``dtype`` (keys at [..., 0, :], values at [..., 1, :]) with ``written`` (P, unit) bool; ``index`` (pages,) int32
     maps a page to its pool row (−1: none). Reads return float32; the fused decode
     (:func:`decode_batch`) reads the pool through ``index`` itself."""
 
     def __init__(self, block_size: int, heads: int, head_dim: int, sink: int, recent: int, capacity: int,
-                 dtype: torch.dtype = torch.float32):
-        if sink < 0 or recent < 0:
-            raise ValueError(f"windows must be >= 0, got sink {sink}, recent {recent}")
+                 dtype: torch.dtype = torch.float32, flush: int = 1):
+        if sink < 0 or recent < 0 or flush < 1:
+            raise ValueError(f"windows must be >= 0 and the flush >= 1, got sink {sink}, recent {recent}, flush {flush}")
+        if flush > 1 and (block_size % flush or sink % flush):
+            raise ValueError(f"tiles of {flush} tokens need blocks and a sink of whole tiles, got block {block_size}, "
+                             f"sink {sink}")
         self.bs, self.H, self.d, self.sink, self.recent, self.dtype = block_size, heads, head_dim, sink, recent, dtype
-        self.unit = math.gcd(block_size, *(x for x in (sink, recent) if x))
+        self.flush = flush
+        self.unit = math.gcd(block_size, *(x for x in (sink, recent, flush if flush > 1 else 0) if x))
+        self.open: set[int] = set()  # tiles (slot // flush) with copies written and key fields not yet
         self.capacity = capacity  # pages
         self.pool = torch.zeros(0, self.unit, heads, 2, head_dim, dtype=dtype)
         self.written = torch.zeros(0, self.unit, dtype=torch.bool)
@@ -178,10 +284,16 @@ class Windows:
         self.pages: OrderedDict[int, int] = OrderedDict()  # page -> pool row, oldest written first
         self.free: list[int] = []
 
+    def tail(self, n: int) -> int:
+        """The first position of the full-precision tail of a sequence of ``n`` tokens: S_sink + Qc(n), Qc(n) =
+        flush·⌊max(0, n − sink − recent)/flush⌋ (wushkv's :meth:`~wushkv.config.WindowConfig.quantized_count`)."""
+        return self.sink + self.flush * (max(0, n - self.sink - self.recent) // self.flush)
+
     def pages_per_sequence(self) -> int:
-        """Pages one sequence's windows can touch: its sink's and those of its last ``recent`` tokens."""
+        """Pages one sequence's windows can touch: its sink's and those of its tail (up to recent + flush − 1 tokens)."""
         u = self.unit
-        return -(-self.sink // u) + (-(-self.recent // u) + 1 if self.recent else 0)
+        span = self.recent + self.flush - 1
+        return -(-self.sink // u) + (-(-span // u) + 1 if span else 0)
 
     def nbytes(self) -> int:
         """Bytes of the copies held (pages in use)."""
@@ -206,7 +318,7 @@ class Windows:
     def write(self, k: torch.Tensor, v: torch.Tensor, slot_mapping: torch.Tensor) -> None:
         """Keep full-precision keys and values (T, H, d) of the tokens stored at ``slot_mapping`` (T,): the pages they
         fall in get pool rows (a new page starts unwritten), then one indexed copy for all tokens."""
-        if not (self.sink or self.recent):
+        if not (self.sink or self.recent or self.flush > 1):
             return
         keep = slot_mapping >= 0
         slots = slot_mapping[keep].long()
@@ -225,15 +337,21 @@ class Windows:
             self.pages[p] = e
         for p in uniq:
             self.pages.move_to_end(p)
+        if self.flush > 1:
+            self.open.update(p * self.unit // self.flush for p in uniq)
         rows, offs = self.index[pages].long(), slots % self.unit
         kv = torch.stack([k[keep], v[keep]], dim=2).to(self.dtype)  # (T, H, 2, d)
         self.pool[rows, offs] = kv
         self.written[rows, offs] = True
 
+    def close(self, tiles: list[int]) -> None:
+        """Tiles (slot // flush) whose key fields are written: their copies may be dropped past the capacity."""
+        self.open.difference_update(tiles)
+
     def positions(self, n: int) -> list[int]:
         """The positions of a sequence of ``n`` tokens that are in a window."""
         head = range(min(self.sink, n))
-        tail = range(max(min(self.sink, n), n - self.recent), n)
+        tail = range(max(min(self.sink, n), self.tail(n)), n)
         return [*head, *tail]
 
     def read(self, kf: torch.Tensor, vf: torch.Tensor, known: torch.Tensor, block_ids: torch.Tensor, start: int, stop: int,
@@ -242,7 +360,7 @@ class Windows:
         positions below ``stop`` that a query at ``first_query`` or later reads in full precision (the sink, and the
         recent window of ``first_query``, which reaches furthest back), setting ``known`` (m,); returns how many of them
         had no copy (dropped past :attr:`capacity`: read from their codes)."""
-        tail = max(self.sink, first_query - self.recent + 1) if self.recent else stop
+        tail = self.tail(first_query + 1)
         p = torch.tensor([*range(min(self.sink, stop)), *range(tail, stop)], dtype=torch.long)
         p = p[(p >= start) & (p < stop)]
         if not len(p):
@@ -262,7 +380,8 @@ class Windows:
 
     def protect_and_trim(self, sequences: list[tuple[torch.Tensor, int]]) -> None:
         """After a step, past :attr:`capacity` pages: drop the oldest copies down to three quarters of it (so trims
-        are rare), never those holding a window position of the step's ``sequences`` [(block ids, n)]."""
+        are rare), never those holding a window position of the step's ``sequences`` [(block ids, n)], nor those of
+        an open tile."""
         if len(self.pages) <= self.capacity:
             return
         u, ppb = self.unit, self.bs // self.unit
@@ -273,7 +392,7 @@ class Windows:
         for p in list(self.pages):
             if len(self.pages) <= target:
                 break
-            if p not in keep:
+            if p not in keep and not (self.open and p * u // self.flush in self.open):
                 e = self.pages.pop(p)
                 self.index[p] = -1
                 self.free.append(e)
@@ -281,11 +400,12 @@ class Windows:
 
 def attend(q: torch.Tensor, q_pos: torch.Tensor, kq: torch.Tensor, vq: torch.Tensor, kf: torch.Tensor, vf: torch.Tensor,
            known: torch.Tensor, k_pos: torch.Tensor, sink: int, recent: int, scale: float, sliding_window: int = -1,
-           softcap: float = 0.0, block: int = 1024) -> torch.Tensor:
+           softcap: float = 0.0, block: int = 1024, flush: int = 1) -> torch.Tensor:
     """Causal attention as WUSH-KV's cache gives it: a query at position p reads the key and value at position t in
-    full precision when t is in the windows of a sequence of p + 1 tokens (t < ``sink`` or t > p − ``recent``) and
-    its full-precision copy is ``known``, from its codes otherwise — what p would read had the sequence been decoded
-    token by token (wushkv's windows (sink, recent, 1); the same rule as :mod:`wushkv.layer`'s prefill emulation).
+    full precision when t is in the windows of a sequence of p + 1 tokens (t < ``sink`` or t ≥ sink + Qc(p + 1),
+    Qc(n) = flush·⌊max(0, n − sink − recent)/flush⌋; with flush 1, t > p − ``recent``) and its full-precision copy is
+    ``known``, from its codes otherwise — what p would read had the sequence been decoded token by token (wushkv's
+    windows (sink, recent, flush); the same rule as :mod:`wushkv.layer`'s prefill emulation).
 
     q (T, Hq, d) at positions ``q_pos`` (T,); decoded keys and values ``kq``/``vq`` (H, n, d) and full-precision ones
     ``kf``/``vf`` (H, n, d, zeros where not ``known`` (n,)) at positions ``k_pos`` (n,). Grouped: query head j reads KV
@@ -302,8 +422,9 @@ def attend(q: torch.Tensor, q_pos: torch.Tensor, kq: torch.Tensor, vq: torch.Ten
     out = torch.empty(T, Hq, d)
     for a in range(0, T, block):
         qp = q_pos[a:a + block, None]
-        J = (known & ((k_pos < sink) | (k_pos > int(qp.min()) - recent))).nonzero().flatten()
-        full = (k_pos[J][None, :] < sink) | (k_pos[J][None, :] > qp - recent)  # (t, |J|): reads the copy
+        tail = sink + flush * torch.div((qp + 1 - sink - recent).clamp(min=0), flush, rounding_mode="floor")  # (t, 1)
+        J = (known & ((k_pos < sink) | (k_pos >= int(tail.min())))).nonzero().flatten()
+        full = (k_pos[J][None, :] < sink) | (k_pos[J][None, :] >= tail)  # (t, |J|): reads the copy
         allowed = k_pos[None, :] <= qp
         if sliding_window > 0:
             allowed &= k_pos[None, :] > qp - sliding_window
@@ -332,6 +453,12 @@ def decode_context(sc: SlotCodec, cache: torch.Tensor, block_ids: torch.Tensor, 
     :meth:`SlotCodec.decode` of :func:`gather` (the same values)."""
     from wushkv._ext import kernels
 
+    if sc.tile:  # whole tiles; the open one's keys zero (their key fields are not written: read from their copies)
+        G = sc.tile
+        a, b = start // G * G, -(-stop // G) * G
+        k, v = sc.decode(gather(cache, block_ids, b, a))
+        k[:, stop // G * G - a:] = 0
+        return k[:, start - a:stop - a], v[:, start - a:stop - a]
     ext, sides = kernels(), sc.sides()
     if ext is None or sides is None:
         return sc.decode(gather(cache, block_ids, stop, start))
@@ -353,5 +480,5 @@ def decode_batch(sc: SlotCodec, cache: torch.Tensor, block_table: torch.Tensor, 
     if ext is None or sides is None:
         return None
     return ext.paged_decode(cache, block_table.to(torch.int32), seq_lens.to(torch.int64), q.float(), windows.pool,
-                            windows.written, windows.index, *sides, windows.sink, windows.recent,
+                            windows.written, windows.index, *sides, windows.sink, windows.recent, windows.flush,
                             sliding_window if sliding_window > 0 else -1, float(scale), float(softcap or 0.0))

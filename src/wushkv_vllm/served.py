@@ -13,7 +13,7 @@ from pathlib import Path
 import torch
 
 from wushkv.config import QuantConfig
-from wushkv.served_format import SIDE_FILE, read_side_file, served_config
+from wushkv.served_format import SIDE_FILE, read_side_file, served_config, served_windows
 
 from .paged import SlotCodec
 
@@ -21,13 +21,12 @@ from .paged import SlotCodec
 SUPPORTED = {
     "value_transform_folded": {True},
     "key_centering": {"none", "constant"},
-    "key_layout": {"token"},
+    "key_layout": {"token", "tiles"},
     "value_layout": {"token"},
     "feedback": {"", "K", "V", "KV"},
 }
 UNSUPPORTED_WHY = {
     "key_centering": "keys centered on their rotating pre-RoPE mean (+rmean) need each token's position at store time",
-    "key_layout": "KVarN key tiles (+ktiles) are written per 128-token tile, not per token",
     "value_layout": "KVarN value tiles are written per tile, not per token",
 }
 _LAYER = re.compile(r"layers\.(\d+)\.")
@@ -41,9 +40,10 @@ class UnsupportedFolder(ValueError):
 class Served:
     """An exported folder as the plugin serves it.
 
-    ``sink``/``recent``: the full-precision windows (wushkv windows ``(S_sink, S_keep, 1)``: the paged cache writes a
-    token's codes when it is stored, so the side file's ``S_flush`` becomes 1 and at least ``S_keep`` recent tokens
-    are read in full precision, never more)."""
+    ``sink``/``recent``/``flush``: the full-precision windows, :func:`wushkv.served_format.served_windows`: per-token
+    keys ``(S_sink, S_keep, 1)`` (the paged cache writes a token's codes when it is stored, so the side file's
+    ``S_flush`` becomes 1 and exactly ``S_keep`` recent tokens are read in full precision); key tiles ``(S_sink,
+    S_keep, tile)`` as exported (a tile's codes are written when it is complete)."""
 
     folder: Path
     meta: dict
@@ -57,6 +57,10 @@ class Served:
     @property
     def recent(self) -> int:
         return self.cfg.windows.S_keep
+
+    @property
+    def flush(self) -> int:
+        return served_windows(self.cfg).S_flush
 
     @property
     def num_kv_heads(self) -> int:
@@ -122,11 +126,18 @@ def load_served(folder, *, num_layers: int | None = None, num_kv_heads: int | No
     cfg = served_config(meta)
     for side in ("key", "value"):
         q = cfg.side_quantizer(side)
-        if q not in ("quest", "affine"):
-            raise UnsupportedFolder(f"{folder}: the {side}s use quantizer {q!r}; the plugin stores per-token codes (quest, affine)")
+        if q not in ("quest", "affine") and not (side == "key" and q == "kvarn"):
+            raise UnsupportedFolder(f"{folder}: the {side}s use quantizer {q!r}; the plugin stores per-token codes (quest, affine)"
+                                    + (" or KVarN key tiles" if side == "key" else ""))
         bits = cfg.k_bits if side == "key" else cfg.v_bits
         if bits is None:
             raise UnsupportedFolder(f"{folder}: the {side}s are not quantized; the plugin needs {side} bits in 2, 3, 4, 8")
+    w = cfg.windows
+    if cfg.side_quantizer("key") == "kvarn" and w.S_sink % w.S_flush:
+        raise UnsupportedFolder(f"{folder}: key tiles of {w.S_flush} tokens start after the sink of {w.S_sink} tokens, across vLLM's "
+                                f"blocks (a block would be complete, and shared, before its tile): the plugin serves key tiles with a "
+                                f"sink of whole tiles; export with --sink {max(w.S_flush, w.S_flush * round(w.S_sink / w.S_flush))} "
+                                "(docs/reference/serving.md)")
     mine = {"num_layers": len(meta.get("attention_layers") or range(int(meta["num_layers"]))), "num_kv_heads": int(meta["num_kv_heads"]),
             "head_dim": int(meta["head_dim"])}
     for name, want in (("num_layers", num_layers), ("num_kv_heads", num_kv_heads), ("head_dim", head_dim)):
@@ -137,5 +148,5 @@ def load_served(folder, *, num_layers: int | None = None, num_kv_heads: int | No
 
 
 def _supported_words() -> str:
-    return ("per-token quest or affine codes on both sides, any key transform with or without a constant key mean, error "
-            "feedback (+ldlq) on either side")
+    return ("per-token quest or affine codes on both sides, or KVarN key tiles (+ktiles) with a sink of whole tiles; any key "
+            "transform with or without a constant key mean; error feedback (+ldlq) on either side")

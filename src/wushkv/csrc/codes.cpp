@@ -13,9 +13,10 @@
 //   paged_store(cache (NB,H,bs,C) uint8, slots (T,) i64, [k, v] (T,H,d) f32, steps/offsets (T,H) f32, feedback (H,d,d), layout):
 //       the cells of new tokens written at their slots (wushkv_vllm.paged.SlotCodec.store; the same bytes as its encode)
 //   paged_decode(cache (NB,H,bs,C) uint8, block_table (R,MB) i32, seq_lens (R,) i64, q (R,Hq,d) f32, pool (P,U,H,2,d),
-//       written (P,U) bool, page_index (NB*bs/U,) i32, layout, ...) -> (R,Hq,d) f32: one decode query per request over
-//       its paged context of cells (wushkv_vllm.paged.SlotCodec), the window tokens from their full-precision copies
-//       (wushkv_vllm.paged.Windows), the rest straight from the codes; split-KV with an online-softmax merge
+//       written (P,U) bool, page_index (NB*bs/U,) i32, layout, windows, ...) -> (R,Hq,d) f32: one decode query per
+//       request over its paged context of cells (wushkv_vllm.paged.SlotCodec; per-token codes, or KVarN key tiles),
+//       the window tokens from their full-precision copies (wushkv_vllm.paged.Windows), the rest straight from the
+//       codes; split-KV with an online-softmax merge
 //
 // The codes tensor may be a strided view (the cache's growable buffer); the last dim must be dense.
 #include <torch/extension.h>
@@ -184,11 +185,24 @@ torch::Tensor feedback_round(torch::Tensor x, torch::Tensor scale, torch::Tensor
 // ---- paged decode -----------------------------------------------------------------------------------------------
 // One side (keys or values) of a cell: byte offsets of its codes, its step/scale and its offset (-1: symmetric, the
 // offset is scale * half, QuEST's (1/2 - 2^(b-1))), its width and the metadata's dtype (0 f16, 1 bf16, 2 f32).
+// Key tiles (tile > 0, KVarN's, wushkv.quantizers.kvarn): k[t, i] = s_tok[t] * (scale[i] * code + zero[i]) per tile of
+// `tile` tokens; `scale` is then the offset of the token's f16 s_tok and the tile's f16 scale (d) and zero (d) are
+// spread over its cells, `tmeta_w` bytes each at offset `tmeta` (wushkv_vllm.paged.SlotCodec).
 struct CellSide {
   int64_t codes, scale, offset, bits;
   float half;
-  int64_t meta;
+  int64_t meta, tile = 0, tmeta = 0, tmeta_w = 0;
 };
+
+// a side from its Python form [codes, scale, offset, bits, meta dtype(, tile, tile slice, its width)]
+static CellSide cell_side(const std::vector<int64_t>& v, double half) {
+  TORCH_CHECK(v.size() == 5 || v.size() == 8, "a side is (codes, scale, offset, bits, meta dtype[, tile, slice, width])");
+  CellSide c{v[0], v[1], v[2], v[3], float(half), v[4]};
+  if (v.size() == 8) { c.tile = v[5]; c.tmeta = v[6]; c.tmeta_w = v[7]; }
+  TORCH_CHECK(c.bits == 1 || c.bits == 2 || c.bits == 4 || c.bits == 8, "bits must be 1, 2, 4 or 8, got ", c.bits);
+  TORCH_CHECK(c.tile >= 0 && (c.tile == 0 || (c.tmeta_w > 0 && c.meta == 0)), "a tile side: f16 metadata and a slice");
+  return c;
+}
 
 static inline float meta_at(const uint8_t* p, int64_t kind) {
   if (kind == 0) { c10::Half h; std::memcpy(&h, p, 2); return static_cast<float>(h); }
@@ -355,10 +369,13 @@ template <typename scalar_t>
 static void paged_decode_impl(const torch::Tensor& cache, const torch::Tensor& table, const torch::Tensor& lens,
                               const torch::Tensor& q, const torch::Tensor& pool, const torch::Tensor& written,
                               const torch::Tensor& page_index, CellSide K, CellSide V, int64_t sink, int64_t recent,
-                              int64_t window, float scale, float softcap, torch::Tensor& out) {
+                              int64_t flush, int64_t window, float scale, float softcap, torch::Tensor& out) {
   const int64_t NB = cache.size(0), H = cache.size(1), bs = cache.size(2);
   const int64_t s0 = cache.stride(0), s1 = cache.stride(1), s2 = cache.stride(2);
   const int64_t R = q.size(0), Hq = q.size(1), d = q.size(2), G = Hq / H, MB = table.size(1);
+  TORCH_CHECK(K.tile == 0 || (bs % K.tile == 0 && K.tile * K.tmeta_w >= 4 * d), "key tiles must lie in blocks and hold ",
+              "their scale and zero");
+  (void)NB;
   const int64_t U = pool.size(1), ppb = bs / U, npages = page_index.size(0);
   const int64_t kper = 8 / K.bits, vper = 8 / V.bits;
   const int64_t knb = (d * K.bits + 7) / 8, vnb = (d * V.bits + 7) / 8, KD = knb * kper, VD = vnb * vper;
@@ -402,9 +419,16 @@ static void paged_decode_impl(const torch::Tensor& cache, const torch::Tensor& t
     std::vector<float> qz(G_ * d_), qk(G_ * KD_, 0.f), qsum(G_), dots(G_), s(G_ * PAGED_CHUNK), kf(d_);
     std::vector<float> acc(G_ * VD_), accf(G_ * d_), osum(G_);
     std::vector<int32_t> src(PAGED_CHUNK);  // per token: its copy's pool row, or -1 (read the codes)
+    // key tiles: the queries scaled by the current tile's channel scales (permuted), their dot with its zeros
+    const int64_t KT = K_.tile;
+    std::vector<float> qkt(KT ? G_ * KD_ : 0, 0.f), qzt(G_);
+    std::vector<uint8_t> tmeta(KT ? KT * K_.tmeta_w : 0);
     for (int64_t it = begin; it < end; ++it) {
       const int64_t rh = item_r[it], r = rh / H_, h = rh % H_, a = item_a[it], b = item_b[it], n = lp[r];
       const int64_t len = b - a;
+      // wushkv's windows: the middle read from codes is [sink, sink + Qc(n)), Qc(n) = flush·⌊(n − sink − recent)⁺/flush⌋
+      const int64_t mid_end = sink + flush * (std::max<int64_t>(0, n - sink - recent) / flush);
+      int64_t cur_tile = -1;
       std::fill(qk.begin(), qk.end(), 0.f);
       for (int64_t g = 0; g < G_; ++g) {
         float sum = 0.f;
@@ -420,8 +444,8 @@ static void paged_decode_impl(const torch::Tensor& cache, const torch::Tensor& t
       // 0. the window positions of this range (t < sink or t > n − 1 − recent) whose copy is held: read from the pool
       std::fill(src.begin(), src.begin() + len, -1);
       for (int64_t t = a; t < b; ++t) {
-        if (t >= sink && t <= n - 1 - recent) {  // the middle: jump to the recent window
-          t = n - 1 - recent;
+        if (t >= sink && t < mid_end) {  // the middle: jump to the tail
+          t = mid_end - 1;
           continue;
         }
         const int64_t blk = row[t / bs_], off = t % bs_, page = blk * ppb + off / U_;
@@ -446,6 +470,25 @@ static void paged_decode_impl(const torch::Tensor& cache, const torch::Tensor& t
               for (int64_t i = 0; i < d_; ++i) acc_s += kf[i] * qg[i];
               s[g * PAGED_CHUNK + j] = acc_s;
             }
+          } else if (KT) {  // q·k = s_tok·(Σ_i (q_i·scale_i)·code_i + q·zero), the tile's terms computed once
+            if (t / KT != cur_tile) {
+              cur_tile = t / KT;
+              const int64_t off0 = (t % bs_) / KT * KT;  // the tile's first slot in this block
+              const uint8_t* tb = cp + blk * s0_ + h * s1_ + off0 * s2_ + K_.tmeta;
+              for (int64_t o = 0; o < KT; ++o) std::memcpy(tmeta.data() + o * K_.tmeta_w, tb + o * s2_, K_.tmeta_w);
+              for (int64_t g = 0; g < G_; ++g) {
+                float z = 0.f;
+                for (int64_t i = 0; i < d_; ++i) {
+                  const float x = qz[g * d_ + i];
+                  qkt[g * KD_ + (i % kper) * knb_ + i / kper] = x * meta_at(tmeta.data() + 2 * i, 0);
+                  z += x * meta_at(tmeta.data() + 2 * (d_ + i), 0);
+                }
+                qzt[g] = z;
+              }
+            }
+            dot_codes(base + K_.codes, knb_, K_.bits, qkt.data(), KD_, G_, dots.data());
+            const float st = meta_at(base + K_.scale, 0);
+            for (int64_t g = 0; g < G_; ++g) s[g * PAGED_CHUNK + j] = st * (dots[g] + qzt[g]);
           } else {
             dot_codes(base + K_.codes, knb_, K_.bits, qk.data(), KD_, G_, dots.data());
             const float sc = meta_at(base + K_.scale, K_.meta);
@@ -529,7 +572,7 @@ static void paged_decode_impl(const torch::Tensor& cache, const torch::Tensor& t
 torch::Tensor paged_decode(torch::Tensor cache, torch::Tensor block_table, torch::Tensor seq_lens, torch::Tensor q,
                            torch::Tensor pool, torch::Tensor written, torch::Tensor page_index,
                            std::vector<int64_t> key_side, std::vector<int64_t> value_side, double key_half,
-                           double value_half, int64_t sink, int64_t recent, int64_t window, double scale,
+                           double value_half, int64_t sink, int64_t recent, int64_t flush, int64_t window, double scale,
                            double softcap) {
   TORCH_CHECK(cache.scalar_type() == torch::kUInt8 && cache.dim() == 4 && cache.stride(3) == 1,
               "cache: uint8 (num_blocks, H, block_size, C), dense last dim");
@@ -539,15 +582,13 @@ torch::Tensor paged_decode(torch::Tensor cache, torch::Tensor block_table, torch
   TORCH_CHECK(pool.dim() == 5 && pool.size(3) == 2 && written.scalar_type() == torch::kBool && written.dim() == 2,
               "pool: (P, U, H, 2, d), written: bool (P, U)");
   TORCH_CHECK(page_index.scalar_type() == torch::kInt32 && page_index.dim() == 1, "page_index: int32 (pages,)");
-  TORCH_CHECK(key_side.size() == 5 && value_side.size() == 5, "a side is (codes, scale, offset, bits, meta dtype)");
+  TORCH_CHECK(flush >= 1 && sink >= 0 && recent >= 0, "windows: sink, recent >= 0, flush >= 1");
   const int64_t H = cache.size(1), bs = cache.size(2), R = q.size(0), Hq = q.size(1), d = q.size(2);
   TORCH_CHECK(Hq % H == 0 && block_table.size(0) == R && seq_lens.size(0) == R, "shapes of q, cache, tables do not match");
   TORCH_CHECK(pool.size(2) == H && pool.size(4) == d && bs % pool.size(1) == 0 && written.size(1) == pool.size(1),
               "the window pool does not match the cache");
-  CellSide K{key_side[0], key_side[1], key_side[2], key_side[3], float(key_half), key_side[4]};
-  CellSide V{value_side[0], value_side[1], value_side[2], value_side[3], float(value_half), value_side[4]};
-  for (const CellSide& c : {K, V})
-    TORCH_CHECK(c.bits == 1 || c.bits == 2 || c.bits == 4 || c.bits == 8, "bits must be 1, 2, 4 or 8, got ", c.bits);
+  const CellSide K = cell_side(key_side, key_half), V = cell_side(value_side, value_half);
+  TORCH_CHECK(V.tile == 0, "values are per token");
   auto out = torch::empty({R, Hq, d}, q.options());
   if (R == 0) return out;
   auto tables = block_table.contiguous();
@@ -557,7 +598,7 @@ torch::Tensor paged_decode(torch::Tensor cache, torch::Tensor block_table, torch
   auto wc = written.contiguous();
   auto ic = page_index.contiguous();
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, pc.scalar_type(), "paged_decode", [&] {
-    paged_decode_impl<scalar_t>(cache, tables, lens, qc, pc, wc, ic, K, V, sink, recent, window, float(scale),
+    paged_decode_impl<scalar_t>(cache, tables, lens, qc, pc, wc, ic, K, V, sink, recent, flush, window, float(scale),
                                 float(softcap), out);
   });
   return out;
@@ -571,14 +612,11 @@ std::vector<torch::Tensor> paged_dequantize(torch::Tensor cache, torch::Tensor b
   TORCH_CHECK(cache.scalar_type() == torch::kUInt8 && cache.dim() == 4 && cache.stride(3) == 1,
               "cache: uint8 (num_blocks, H, block_size, C), dense last dim");
   TORCH_CHECK(block_ids.scalar_type() == torch::kInt32 && block_ids.dim() == 1, "block_ids: int32 (blocks,)");
-  TORCH_CHECK(key_side.size() == 5 && value_side.size() == 5, "a side is (codes, scale, offset, bits, meta dtype)");
   const int64_t NB = cache.size(0), H = cache.size(1), bs = cache.size(2), m = stop - start;
   TORCH_CHECK(0 <= start && start <= stop && (stop + bs - 1) / bs <= block_ids.size(0), "positions ", start, "..", stop,
               " do not fit ", block_ids.size(0), " blocks");
-  const CellSide sides[2] = {{key_side[0], key_side[1], key_side[2], key_side[3], float(key_half), key_side[4]},
-                             {value_side[0], value_side[1], value_side[2], value_side[3], float(value_half), value_side[4]}};
-  for (const CellSide& c : sides)
-    TORCH_CHECK(c.bits == 1 || c.bits == 2 || c.bits == 4 || c.bits == 8, "bits must be 1, 2, 4 or 8, got ", c.bits);
+  const CellSide sides[2] = {cell_side(key_side, key_half), cell_side(value_side, value_half)};
+  TORCH_CHECK(sides[0].tile == 0 && sides[1].tile == 0, "paged_dequantize reads per-token sides (key tiles: in torch)");
   auto ids = block_ids.contiguous();
   const int32_t* ip = ids.data_ptr<int32_t>();
   for (int64_t i = start / bs; i < (stop + bs - 1) / bs; ++i)
@@ -614,7 +652,8 @@ std::vector<torch::Tensor> paged_dequantize(torch::Tensor cache, torch::Tensor b
 // quantizer computed them (float32, (T,H)) are stored in the metadata dtype, the codes are rounded on that grid and
 // packed (wushkv.quantizers.pack's layout). Codes: with error feedback F (H,d,d) on the grid as stored (the
 // feedback_round loop above, wushkv.quantizers.feedback); without, QuEST's floor(x/Δ) + 2^(b-1) on the float32 step
-// (wushkv.quantizers.quest), so the bytes are the ones wushkv_vllm.paged.SlotCodec.encode writes.
+// (wushkv.quantizers.quest), so the bytes are the ones wushkv_vllm.paged.SlotCodec.encode writes. A key-tile side
+// (tile > 0) is skipped, its fields left as they are: they are written when the tile is complete (SlotCodec.store_tiles).
 static inline void put_meta(uint8_t* p, int64_t kind, float v) {
   if (kind == 0) { c10::Half h(v); std::memcpy(p, &h, 2); }
   else if (kind == 1) { c10::BFloat16 b(v); std::memcpy(p, &b, 2); }
@@ -639,10 +678,11 @@ void paged_store(torch::Tensor cache, torch::Tensor slots, std::vector<torch::Te
   TORCH_CHECK(slots.scalar_type() == torch::kInt64 && slots.dim() == 1, "slots: int64 (T,)");
   TORCH_CHECK(x.size() == 2 && step.size() == 2 && offset.size() == 2 && feedback.size() == 2, "two sides: keys, values");
   const int64_t NB = cache.size(0), H = cache.size(1), bs = cache.size(2), T = slots.size(0);
-  const CellSide sides[2] = {{key_side[0], key_side[1], key_side[2], key_side[3], float(key_half), key_side[4]},
-                             {value_side[0], value_side[1], value_side[2], value_side[3], float(value_half), value_side[4]}};
+  const CellSide sides[2] = {cell_side(key_side, key_half), cell_side(value_side, value_half)};
+  TORCH_CHECK(sides[1].tile == 0, "values are per token");
   int64_t d = 0;
-  for (int s = 0; s < 2; ++s) {
+  for (int s = 1; s >= 0; --s) {
+    if (sides[s].tile) continue;
     TORCH_CHECK(x[s].scalar_type() == torch::kFloat && x[s].dim() == 3 && x[s].size(0) == T && x[s].size(1) == H,
                 "x: float32 (T, H, d) per side");
     d = x[s].size(2);
@@ -651,9 +691,9 @@ void paged_store(torch::Tensor cache, torch::Tensor slots, std::vector<torch::Te
                 "offset: float32 (T, H) for an asymmetric side, empty otherwise");
     TORCH_CHECK(!feedback[s].defined() || feedback[s].numel() == 0 ||
                 (feedback[s].dim() == 3 && feedback[s].size(0) == H && feedback[s].size(1) == d), "feedback: (H, d, d)");
-    TORCH_CHECK(sides[s].bits == 1 || sides[s].bits == 2 || sides[s].bits == 4 || sides[s].bits == 8, "bits must be 1, 2, 4 or 8");
   }
-  TORCH_CHECK(x[0].size(2) == d && (!feedback[0].defined() || feedback[0].numel() == 0 || feedback[0].size(2) == d) &&
+  TORCH_CHECK((sides[0].tile || x[0].size(2) == d) &&
+              (!feedback[0].defined() || feedback[0].numel() == 0 || feedback[0].size(2) == d) &&
               (!feedback[1].defined() || feedback[1].numel() == 0 || feedback[1].size(2) == d),
               "keys, values and feedback must share head_dim ", d);
   for (int s = 0; s < 2; ++s)
@@ -664,13 +704,14 @@ void paged_store(torch::Tensor cache, torch::Tensor slots, std::vector<torch::Te
   for (int64_t t = 0; t < T; ++t) TORCH_CHECK(sp[t] < NB * bs, "slot ", sp[t], " out of range");
   torch::Tensor xs[2], st[2], of[2], fb[2];
   for (int s = 0; s < 2; ++s) {
+    if (sides[s].tile) continue;
     xs[s] = x[s].contiguous();
     st[s] = step[s].contiguous();
     of[s] = offset[s].defined() && offset[s].numel() ? offset[s].to(torch::kFloat).contiguous() : torch::Tensor();
     fb[s] = feedback[s].defined() && feedback[s].numel() ? feedback[s].to(torch::kFloat).contiguous() : torch::Tensor();
   }
   for (int s = 0; s < 2; ++s)
-    TORCH_CHECK(fb[s].defined() || sides[s].offset < 0, "codes without feedback are written for QuEST sides only");
+    TORCH_CHECK(sides[s].tile || fb[s].defined() || sides[s].offset < 0, "codes without feedback are written for QuEST sides only");
   TORCH_CHECK(0 <= payload && payload <= slot_bytes && slot_bytes <= cache.size(3), "cell of ", slot_bytes, " bytes");
   uint8_t* cp = cache.data_ptr<uint8_t>();
   const int64_t s0 = cache.stride(0), s1 = cache.stride(1), s2 = cache.stride(2);
@@ -684,6 +725,7 @@ void paged_store(torch::Tensor cache, torch::Tensor slots, std::vector<torch::Te
       std::memset(cell + payload, 0, slot_bytes - payload);  // the padding, as SlotCodec.encode leaves it
       for (int s = 0; s < 2; ++s) {
         const CellSide& S = sides[s];
+        if (S.tile) continue;
         const float delta = st[s].data_ptr<float>()[it];
         put_meta(cell + S.scale, S.meta, delta);
         const float* xr = xs[s].data_ptr<float>() + it * d;
