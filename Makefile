@@ -52,10 +52,11 @@ test: $(VENV)/.models $(VLLM_VENV)/.installed
 test-fast: $(VENV)/.installed
 	$(PY) -m pytest -q -m "not slow"
 
-# Export SmolLM2 with WUSH-KV (wush+ldlq, K4V4 QuEST, windows 16/128/1: what the vLLM plugin implements) and serve it
-# with vLLM's OpenAI-compatible server on localhost:8000 (docs/reference/serving.md).
-SERVE_DIR ?= out/smollm2-served
-SERVE_ARGS ?= --method wush+ldlq --bits 4 --quantizer quest --sink 16 --keep 128 --flush 1
+# Export SmolLM2 with WUSH-KV (auto at K2V2 QuEST: its recorded pick, keys in 128-token tiles, with a sink of one
+# 128-token block, which the vLLM plugin needs for tiles: windows 128/72/128) and serve it with vLLM's OpenAI-compatible
+# server on localhost:8000 (docs/reference/serving.md).
+SERVE_DIR ?= out/smollm2-served-auto
+SERVE_ARGS ?= --method auto --bits 2 --quantizer quest --sink 128 --keep 128 --flush 16
 serve: $(VENV)/.models $(VLLM_VENV)/.installed
 	test -f out/smollm2-cal.safetensors || $(VENV)/bin/wushkv calibrate --samples 16 --seq-len 2048 --out out/smollm2-cal.safetensors
 	test -f $(SERVE_DIR)/wushkv/kv_cache.safetensors || $(VENV)/bin/wushkv export-model --calibration out/smollm2-cal.safetensors $(SERVE_ARGS) --out $(SERVE_DIR)

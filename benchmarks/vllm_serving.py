@@ -1,9 +1,11 @@
 """WUSH-KV served by vLLM (CPU) against stock vLLM, in one run: cache capacity, agreement with wushkv's transformers
 cache, and decode speed (issue #32; docs/reference/serving.md, performance.md).
 
-From one calibration it exports the model three times (``wushkv export-model``, wush+ldlq, QuEST, windows
-``--sink 16 --keep 128 --flush 1``): K2V2, K4V2, and the same weights without a side file (stock vLLM, plugin
-installed). Then, in the vLLM environment (``.venv-vllm``, ``make vllm-venv``; ``python -m wushkv_vllm.jobs``):
+From one calibration it exports the model three times (``wushkv export-model``, ``--method`` (default ``auto``:
+the model's recorded selection, e.g. SmolLM2's key tiles at 2 bits), QuEST, windows ``--sink 128 --keep 128 --flush
+16``: a sink of one 128-token block, which key tiles need, and for a key-tile recipe the tail that keeps the average
+number of full-precision tokens, 128/72/128; per-token recipes are served at 128/128/1): K2V2, K4V2, and the same
+weights without a side file (stock vLLM, plugin installed). Then, in the vLLM environment (``.venv-vllm``, ``make vllm-venv``; ``python -m wushkv_vllm.jobs``):
 
 * **capacity**: the tokens vLLM's paged cache holds for the same ``VLLM_CPU_KVCACHE_SPACE`` (its
   ``CPU KV cache size`` line: blocks × block size), bfloat16 as served;
@@ -45,18 +47,25 @@ from wushkv.serving import served_logprobs
 from wushkv_vllm.jobs import coarse_kl, compare, versus_reference
 
 ROOT = Path(__file__).resolve().parents[1]
-WINDOWS = WindowConfig(16, 128, 1)
 
 
-def export(model, tok, cal, out: Path, k_bits: int, v_bits: int) -> Path:
+def export(model, tok, cal, out: Path, method: str, k_bits: int, v_bits: int, windows: WindowConfig, model_key: str) -> Path:
+    """The folder ``out`` exported (kept if it holds a side file: its name carries the method, widths and windows)."""
     from wushkv.serving import export_model
 
     if not (out / "wushkv" / "kv_cache.safetensors").is_file():
         if out.exists():
             shutil.rmtree(out)
-        cfg = QuantConfig(k_bits=k_bits, v_bits=v_bits, quantizer="quest", windows=WINDOWS)
-        export_model(model, tok, out, method="wush+ldlq", cfg=cfg, calibration=cal)
+        cfg = QuantConfig(k_bits=k_bits, v_bits=v_bits, quantizer="quest", windows=windows)
+        export_model(model, tok, out, method=method, cfg=cfg, calibration=cal, model_key=model_key)
     return out
+
+
+def served_method(folder: Path) -> str:
+    """The method an exported folder serves (``auto`` resolved) and its windows, from its side file's JSON copy."""
+    meta = json.loads((folder / "wushkv" / "kv_cache.json").read_text())
+    w = meta["quantization"]["windows"]
+    return f"{meta['method']} {w['S_sink']}/{w['S_keep']}/{w['S_flush']}"
 
 
 _FP: dict = {}  # the full-precision model, loaded once
@@ -91,6 +100,8 @@ def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--model", default="smollm2-135m")
     p.add_argument("--calibration", required=True)
+    p.add_argument("--method", default="auto", help="the method exported at K2V2 and K4V2 (default: %(default)s)")
+    p.add_argument("--windows", default="128,128,16", help="S_sink,S_keep,S_flush given to export-model (default: %(default)s)")
     p.add_argument("--work", default="out/vllm-bench", help="folder for the exported models and the vLLM logs")
     p.add_argument("--vllm-python", default=str(ROOT / ".venv-vllm" / "bin" / "python"))
     p.add_argument("--kv-space", type=int, default=1, help="VLLM_CPU_KVCACHE_SPACE, GiB")
@@ -113,8 +124,10 @@ def main(argv=None) -> int:
     work.mkdir(parents=True, exist_ok=True)
     model, tok = load(args.model)
     cal = Calibration.load(args.calibration, model)
-    k2v2 = export(model, tok, cal, work / "k2v2", 2, 2)
-    k4v2 = export(model, tok, cal, work / "k4v2", 4, 2)
+    win = WindowConfig(*(int(x) for x in args.windows.split(",")))
+    tag = f"{args.method}-{win.S_sink}-{win.S_keep}-{win.S_flush}"
+    k2v2 = export(model, tok, cal, work / f"k2v2-{tag}", args.method, 2, 2, win, args.model)
+    k4v2 = export(model, tok, cal, work / f"k4v2-{tag}", args.method, 4, 2, win, args.model)
     stock = work / "stock"
     if not stock.exists():
         shutil.copytree(k2v2, stock)
@@ -122,7 +135,8 @@ def main(argv=None) -> int:
     del model
     text_ids = tokenize_chunks(tok, wikitext2_test(), args.prompt_len, args.prompts).tolist()
     long_ids = tokenize_chunks(tok, wikitext2_test(), max(int(c) for c in args.contexts.split(",")), args.requests, first=1)
-    out = {"settings": vars(args)}
+    out = {"settings": vars(args), "served": {"K2V2": served_method(k2v2), "K4V2": served_method(k4v2)}}
+    print(f"served: K2V2 {out['served']['K2V2']}, K4V2 {out['served']['K4V2']}", flush=True)
     bf16 = {"dtype": "bfloat16", "enforce_eager": True, "max_model_len": 2048, "max_num_seqs": 8}
 
     if "capacity" not in skip:
