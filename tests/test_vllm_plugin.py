@@ -19,7 +19,8 @@ from wushkv.config import QuantConfig, WindowConfig
 from wushkv.serving import served_logprobs
 from wushkv_vllm import VLLMVersionError, check_vllm_version
 from wushkv_vllm.jobs import compare
-from wushkv_vllm.paged import SlotCodec, Windows, attend, decode_batch, decode_context, gather, store, store_tiles
+from wushkv_vllm.paged import (RopeMean, SlotCodec, Windows, attend, decode_batch, decode_context, gather, step_positions, store,
+                               store_tiles)
 from wushkv_vllm.served import UnsupportedFolder, load_served
 
 from conftest import TINY_CALIBRATION_TEXT, hf_char_tokenizer, require_kernels, tiny_model
@@ -217,6 +218,27 @@ def test_windows_keep_copies_of_the_window_positions_and_drop_the_oldest_others(
     assert w2.read(kf, vf, known, torch.tensor([0]), 0, 4, 3) == 3 and known.tolist() == [False, False, False, True]
 
 
+def test_rotating_key_mean_is_the_transformers_caches_and_its_bias_the_scores():
+    """``+rmean`` in the plugin: the centers c'_t are bit for bit those of wushkv's cache (:class:`RotatingKeyMean`), and
+    the kernel's form of q'·c'_t (queries' A, B against a cos/sin table) is Q·R_t μ; a step's positions."""
+    from wushkv.layer import RotatingKeyMean
+
+    H, d, n = 2, 16, 300
+    g = _g(60)
+    mu, T = torch.randn(H, d, generator=g) * 2, torch.randn(H, d, d, generator=g)
+    inv_freq = 1.0 / 500 ** (torch.arange(0, d, 2) / d)
+    rm = RopeMean(mu, T.mT, inv_freq, 1.25)
+    pos = torch.tensor([0, 1, 7, 129, 299, 4000])
+    ref = RotatingKeyMean(mu, T, (inv_freq, 1.25)).center(pos[None], torch.float32)[0]  # (H, N, d)
+    assert torch.equal(rm.center(pos), ref.transpose(0, 1))
+    Q = torch.randn(3, 2 * H, d, generator=g)  # GQA 2
+    want = torch.einsum("rjd,njd->rjn", Q.double(), rm.rotated(pos).repeat_interleave(2, 1))
+    got = rm.bias_terms(Q) @ rm.table(4001)[pos].T
+    assert torch.allclose(got.double(), want, rtol=1e-5, atol=1e-4), float((got - want).abs().max())
+    # three requests: 3 new tokens of 10, 1 of 5 (decode), 4 of 4 (a first chunk)
+    assert step_positions(torch.tensor([0, 3, 4, 8]), torch.tensor([10, 5, 4])).tolist() == [7, 8, 9, 4, 0, 1, 2, 3]
+
+
 def test_windows_with_a_flush_keep_the_unflushed_tail_and_every_open_tile():
     bs, H, d = 8, 1, 2
     w = Windows(bs, H, d, sink=4, recent=2, capacity=1, flush=4)
@@ -280,16 +302,23 @@ def test_attention_reads_what_token_by_token_decode_reads():
 @pytest.mark.parametrize("quantizer, bits, dtype", [("quest", 2, torch.float32), ("affine", 4, torch.bfloat16),
                                                      ("quest", 8, torch.float32), ("quest", 4, torch.float16),
                                                      ("quest", 3, torch.float32), ("tiles", 2, torch.float32),
-                                                     ("tiles", 4, torch.bfloat16)])
+                                                     ("tiles", 4, torch.bfloat16), ("quest+rmean", 2, torch.float32),
+                                                     ("tiles+rmean", 2, torch.float32)])
 def test_batched_decode_kernel_equals_the_general_attention(quantizer, bits, dtype):
     """The fused decode of a whole batch (one call, through the block tables, window tokens from the pool, the rest
     from the codes) gives what the general path gives each request's query at its last position: ragged lengths
     (shorter than the sink, inside one block, many splits), blocks out of order, a copy dropped (read from its
     codes), GQA groups of 3, a sliding window and softcapping. ``tiles``: keys in KVarN tiles of 8 tokens (clipped,
-    with error feedback), their unflushed tail of 4 to 11 tokens in full precision."""
+    with error feedback), their unflushed tail of 4 to 11 tokens in full precision. ``+rmean``: the codes hold keys
+    centered on a rotating mean, which a token read from them gets back (in the kernel, from a cos/sin table)."""
     require_kernels()
     H, G, d, bs, S, R = 2, 3, 32, 16, 4, 24
+    quantizer, rmean = quantizer.removesuffix("+rmean"), quantizer.endswith("+rmean")
     tile = 8 if quantizer == "tiles" else 1
+    rm = None
+    if rmean:  # a mean far from 0, as keys have it, rotated by RoPE of base 10,000; no transform (key = I)
+        rm = RopeMean(torch.randn(H, d, generator=_g(18)) * 3, torch.eye(d).expand(H, d, d),
+                      1.0 / 10000 ** (torch.arange(0, d, 2) / d), 1.0)
     if tile > 1:
         S, R = 8, 4
         cfg = QuantConfig(k_bits=bits, v_bits=2, quantizer="quest", key_quantizer="kvarn", tile_clip=1.7,
@@ -311,11 +340,13 @@ def test_batched_decode_kernel_equals_the_general_attention(quantizer, bits, dty
         k, v = torch.randn(n, H, d, generator=_g(21 + r)) * 2, torch.randn(n, H, d, generator=_g(31 + r))
         pos = torch.arange(n)
         slots = tables[r][pos // bs].long() * bs + pos % bs
+        k = k + (0 if rm is None else rm.center(pos))  # keys near their rotating mean
         for a in range(0, n, 13):  # in steps of 13 tokens: tiles complete across steps
-            sc.store(cache, k[a:a + 13], v[a:a + 13], slots[a:a + 13])
+            kc = k[a:a + 13] - (0 if rm is None else rm.center(pos[a:a + 13]))
+            sc.store(cache, kc, v[a:a + 13], slots[a:a + 13])
             w.write(k[a:a + 13], v[a:a + 13], slots[a:a + 13])
             if tile > 1:
-                assert store_tiles(sc, cache, w, slots[a:a + 13]) == 0
+                assert store_tiles(sc, cache, w, slots[a:a + 13], rm, pos[a:a + 13]) == 0
     if tile > 1:  # still open: each request's last, incomplete tile
         assert w.open == {int(tables[r][(n - 1) // bs]) * bs // tile + (n - 1) % bs // tile for r, n in enumerate(lens) if n % tile}
     dropped = int(tables[3, 0]) * (bs // w.unit)  # request 3's sink page: its copies dropped, read from the codes
@@ -326,12 +357,14 @@ def test_batched_decode_kernel_equals_the_general_attention(quantizer, bits, dty
         for r, n in enumerate(lens):
             lo = max(0, n - window) if window > 0 else 0
             kq, vq = decode_context(sc, cache, tables[r], n, lo)
+            if rm is not None:
+                kq += rm.center(torch.arange(lo, n)).transpose(0, 1)
             kf, vf, known = torch.zeros_like(kq), torch.zeros_like(vq), torch.zeros(n - lo, dtype=torch.bool)
             missing = w.read(kf, vf, known, tables[r], lo, n, n - 1)
             assert missing == (min(S, w.unit) if r == 3 and lo == 0 else 0)
             want.append(attend(q[r:r + 1], torch.tensor([n - 1]), kq, vq, kf, vf, known, torch.arange(lo, n), S, R, 0.3,
                                window, softcap, flush=tile)[0])
-        got = decode_batch(sc, cache, tables, torch.tensor(lens), q, w, 0.3, window, softcap)
+        got = decode_batch(sc, cache, tables, torch.tensor(lens), q, w, 0.3, window, softcap, rm, q)
         if bits == 3:  # 3-bit codes straddle bytes: the kernel declines, the backend takes the general path
             assert got is None
             continue
@@ -402,7 +435,9 @@ def engines(tmp_path_factory):
     shutil.copytree(id8, stock)
     shutil.rmtree(stock / "wushkv")  # the same weights without a side file: stock vLLM, plugin installed
     wush = _export(tmp, "wush2", "wush+ldlq")
-    rmean = _export(tmp, "rmean", "wush+rmean")
+    vtiles = _export(tmp, "vtiles", "wush+tiles")
+    # +rmean with key tiles, affine values with feedback (the generation setting's kind of pick), sink of one tile
+    rmean = _export(tmp, "rmean", "wush+rmean+ktiles+ldlq", replace(CFG, quantizer="affine", windows=WindowConfig(128, 64, 16)))
     # key tiles of 128 tokens after a sink of one tile, the tail 8 to 135 tokens (what +ktiles makes of 128/64/16)
     tiles = _export(tmp, "tiles", "wush+ktiles+ldlq", replace(CFG, windows=WindowConfig(128, 64, 16)))
     gemma = _export(tmp, "gemma", "wush+ldlq", family="gemma3")  # sliding-window layers (16 tokens), GQA 2
@@ -417,7 +452,7 @@ def engines(tmp_path_factory):
          "batches": [{"prompts": _prompts(4, 60, 0), "max_tokens": 64, "prompt_logprobs": True, "logprobs": 2}]},
         {"folder": str(wush), "engine": ENGINE,
          "batches": [{"prompts": [shared + [7, 8, 9]], "max_tokens": 24}, {"prompts": [shared + [40, 41]], "max_tokens": 24}]},
-        {"folder": str(rmean), "engine": ENGINE, "batches": []},
+        {"folder": str(vtiles), "engine": ENGINE, "batches": []},
         # tensor parallelism: 2 ranks of one KV head each (one CPU core each; vLLM's CPU workers need the binding)
         {"folder": str(wush), "engine": ENGINE | {"tensor_parallel_size": 2, "distributed_executor_backend": "mp"},
          "env": {"VLLM_CPU_OMP_THREADS_BIND": "0|1"},
@@ -429,6 +464,8 @@ def engines(tmp_path_factory):
         {"folder": str(tiles), "engine": ENGINE | {"max_model_len": 512, "block_size": 128, "max_num_batched_tokens": 64,
                                                    "num_gpu_blocks_override": 9},
          "batches": [{"prompts": _prompts(4, 240, 5, seed=3), "max_tokens": 70, "prompt_logprobs": True, "logprobs": 2}]},
+        {"folder": str(rmean), "engine": ENGINE | {"max_model_len": 512, "block_size": 128, "max_num_batched_tokens": 64},
+         "batches": [{"prompts": _prompts(3, 230, 17, seed=4), "max_tokens": 40, "prompt_logprobs": True, "logprobs": 2}]},
     ]
     jp, op = tmp / "jobs.json", tmp / "out.json"
     jp.write_text(json.dumps(jobs))
@@ -437,7 +474,7 @@ def engines(tmp_path_factory):
                        text=True, timeout=1500)
     assert r.returncode == 0, r.stderr[-4000:]
     out = json.loads(op.read_text())
-    return {"jobs": jobs, "out": out, "folders": {"id8": id8, "wush": wush, "gemma": gemma, "tiles": tiles},
+    return {"jobs": jobs, "out": out, "folders": {"id8": id8, "wush": wush, "gemma": gemma, "tiles": tiles, "rmean": rmean},
             "log": r.stdout + r.stderr}
 
 
@@ -532,7 +569,7 @@ def test_prefix_caching_gives_each_request_what_it_gets_alone(engines):
 def test_a_method_the_plugin_lacks_is_refused_by_name(engines):
     err = engines["out"][4].get("error", "")
     assert engines["out"][4].get("batches") is None
-    assert "wush+rmean" in engines["log"] and "rotating pre-RoPE mean (+rmean)" in engines["log"], err
+    assert "wush+tiles" in engines["log"] and "KVarN value tiles are written per tile" in engines["log"], err
 
 
 @needs_vllm
@@ -626,3 +663,16 @@ def test_openai_server_answers_completions_and_chat_through_the_plugin(engines, 
     ids = tok(prompt)["input_ids"]
     ref = served_logprobs(folder, ids + gen).argmax(-1).tolist()
     assert [ref[len(ids) - 1 + j] for j in range(len(gen))] == gen, (text, tok.decode(ref[len(ids) - 1:]))
+
+
+@needs_vllm
+@pytest.mark.slow
+def test_rotating_key_mean_equals_the_transformers_cache(engines):
+    """``+rmean`` served (with key tiles and affine values): the codes hold keys centered on their rotating mean at their
+    positions (stored by the forward, which knows them), a token read from codes gets Q·R_t μ back (the kernel's
+    cos/sin table; the prefill path adds c'_t); every position gets wushkv's own cache's log-probabilities."""
+    res = engines["out"][8]
+    assert "batches" in res, res.get("error")
+    assert "serving wush+rmean+ktiles+ldlq (K2V2 affine)" in engines["log"]
+    agree, total, worst = _agrees_with_wushkv(engines, 8, "rmean")
+    assert agree == total and worst < 1e-4, (agree, total, worst)

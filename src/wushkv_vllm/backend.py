@@ -35,7 +35,7 @@ from vllm.config import get_current_vllm_config
 from vllm.logger import init_logger
 from vllm.v1.attention.backends.cpu_attn import CPUAttentionBackend, CPUAttentionBackendImpl
 
-from .paged import SlotCodec, Windows, attend, decode_batch, decode_context, store_tiles
+from .paged import RopeMean, SlotCodec, Windows, attend, decode_batch, decode_context, step_positions, store_tiles
 from .served import Served, UnsupportedFolder, has_side_file, load_served
 
 logger = init_logger("vllm.wushkv")  # under vLLM's logger: shown with its own lines
@@ -117,6 +117,9 @@ class _LayerState:
         heads = served.heads(num_kv_heads, get_tensor_model_parallel_rank(), get_tensor_model_parallel_world_size())
         t = served.layer(self.l, heads)
         self.key, self.query, self.key_mean = t["key"], t["query"], t["key_mean"]
+        # +rmean: the codes hold keys centered on their rotating mean, which needs positions: stored by the forward
+        self.rope_mean = (RopeMean(t["key_mean_pre_rope"], t["key"], t["rope_inv_freq"], t["rope_scaling"])
+                          if t["key_mean_pre_rope"] is not None else None)
         self.codec = SlotCodec(served.cfg, served.head_dim, t["key_feedback"], t["value_feedback"])
         if self.codec.tile and block_size % self.codec.tile:
             raise UnsupportedFolder(f"key tiles of {self.codec.tile} tokens are written into vLLM's blocks whole; the block size "
@@ -171,7 +174,8 @@ class WushKVCPUImpl(CPUAttentionBackendImpl):
         st = self._layer(layer, kv_cache)
         n = slot_mapping.shape[0]
         k = st.keys(key[:n])
-        st.codec.store(kv_cache.view(torch.uint8), k, value[:n], slot_mapping)
+        if st.rope_mean is None:  # +rmean: stored by the forward, which knows the tokens' positions
+            st.codec.store(kv_cache.view(torch.uint8), k, value[:n], slot_mapping)
         # this step's forward of the layer attends with the same transformed keys: handed over, not computed again
         # (taken by the next forward, so a step never sees another step's keys; vLLM runs a layer's update and then
         # its forward on the same key tensor)
@@ -192,9 +196,14 @@ class WushKVCPUImpl(CPUAttentionBackendImpl):
         k_new, st.stashed = st.stashed, None
         k_new = k_new[:T] if k_new is not None and k_new.shape[0] >= T else st.keys(key[:T])
         v_new = value[:T].float()
-        st.windows.write(k_new, v_new, attn_metadata.slot_mapping[:T])
+        slots = attn_metadata.slot_mapping[:T]
+        rm = st.rope_mean
+        pos = step_positions(attn_metadata.query_start_loc, attn_metadata.seq_lens) if rm is not None else None
+        if rm is not None:  # the codes of K' − c'_t
+            st.codec.store(cache, k_new - rm.center(pos), value[:T], slots)
+        st.windows.write(k_new, v_new, slots)
         if st.codec.tile:  # the key tiles this step completes: written from their tokens' copies, before anything reads them
-            st.unwritten += store_tiles(st.codec, cache, st.windows, attn_metadata.slot_mapping[:T])
+            st.unwritten += store_tiles(st.codec, cache, st.windows, slots, rm, pos)
         q = st.queries(query[:T])
         starts = attn_metadata.query_start_loc.tolist()
         seq_lens = attn_metadata.seq_lens.tolist()
@@ -211,7 +220,7 @@ class WushKVCPUImpl(CPUAttentionBackendImpl):
             idx = torch.tensor(dec)
             at = torch.tensor([starts[r] for r in dec])
             out = decode_batch(st.codec, cache, tables[idx], attn_metadata.seq_lens[idx], q[at], st.windows, self.scale,
-                               window, self.logits_soft_cap)
+                               window, self.logits_soft_cap, rm, None if rm is None else query[at].float())
             if out is not None:
                 output[at] = out.to(output.dtype)
                 rows = [r for r in rows if starts[r + 1] - starts[r] != 1]
@@ -221,6 +230,8 @@ class WushKVCPUImpl(CPUAttentionBackendImpl):
             ctx = n - (b - a)
             lo = max(0, ctx - window + 1) if window > 0 else 0  # the oldest position any of the step's queries reads
             kq, vq = decode_context(st.codec, cache, tables[r], n, lo)  # (H, n − lo, d), the step's tokens included
+            if rm is not None:  # read from codes, a key is k̂ + c'_t (the copies, which hold K', replace it in the windows)
+                kq += rm.center(torch.arange(lo, n)).transpose(0, 1)
             kf, vf = torch.zeros_like(kq), torch.zeros_like(vq)
             known = torch.zeros(n - lo, dtype=torch.bool)
             st.missing += st.windows.read(kf, vf, known, tables[r], lo, ctx, ctx)

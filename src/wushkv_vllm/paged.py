@@ -206,6 +206,66 @@ class SlotCodec:
         return tuple(c.fake(x.float().transpose(0, 1).unsqueeze(0))[0] for c, x in zip(self.codecs.values(), (k, v)))
 
 
+class RopeMean:
+    """Keys centered on their rotating pre-RoPE mean (``+rmean``), as wushkv's cache centers them
+    (:class:`wushkv.layer.RotatingKeyMean`): the codes hold ``K' − c'_t``, ``c'_t = (R_t μ)·key`` per KV head, R_t the
+    layer's RoPE at position t; the full-precision copies hold K'. Read from codes, a key is ``k̂ + c'_t``, so a score
+    gains ``q'·c'_t = Q·R_t μ`` (``query·keyᵀ = I``): a function of the position that the fused decode evaluates from a
+    table of ``cos tθ``, ``sin tθ`` (:meth:`bias_terms`, :meth:`table`).
+
+    mu (H, d) the pre-RoPE key mean, key (H, d, d), inv_freq (d/2,) and scaling of the layer's RoPE (rotate-half)."""
+
+    def __init__(self, mu: torch.Tensor, key: torch.Tensor, inv_freq: torch.Tensor, scaling: float):
+        H, d = mu.shape
+        if tuple(key.shape) != (H, d, d) or tuple(inv_freq.shape) != (d // 2,):
+            raise ValueError(f"the rotating key mean needs mu (H, d), key (H, d, d), inv_freq (d/2,); got {tuple(mu.shape)}, "
+                             f"{tuple(key.shape)}, {tuple(inv_freq.shape)}")
+        self.mu, self.key = mu.double(), key.double()
+        self.theta = inv_freq.float().double()  # as wushkv's cache: float32 frequencies, float64 angles
+        self.scaling = float(scaling)
+        self._table = torch.zeros(0, d)
+
+    def rotated(self, positions: torch.Tensor) -> torch.Tensor:
+        """R_t μ (N, H, d) float64 at positions (N,) (transformers' rotate-half layout, times the RoPE scaling)."""
+        ang = positions.double()[:, None] * self.theta  # (N, d/2)
+        cos, sin = torch.cat([ang.cos(), ang.cos()], -1)[:, None], torch.cat([ang.sin(), ang.sin()], -1)[:, None]
+        h = self.mu.shape[-1] // 2
+        rot = torch.cat([-self.mu[:, h:], self.mu[:, :h]], -1)
+        return (self.mu * cos + rot * sin) * self.scaling
+
+    def center(self, positions: torch.Tensor) -> torch.Tensor:
+        """c'_t = (R_t μ)·key (N, H, d) float32 at positions (N,): float64, then rounded, as wushkv's cache computes it."""
+        return torch.einsum("nhd,hde->nhe", self.rotated(positions), self.key).float()
+
+    def bias_terms(self, Q: torch.Tensor) -> torch.Tensor:
+        """(R, Hq, d) float32 [A | B]·scaling of untransformed queries Q (R, Hq, d) (query head j on KV head j // G):
+        Q·R_t μ = Σ_i A_i cos tθ_i + B_i sin tθ_i, A_i = Q_i μ_i + Q_{i+h} μ_{i+h}, B_i = Q_{i+h} μ_i − Q_i μ_{i+h}."""
+        R, Hq, d = Q.shape
+        h = d // 2
+        mu = self.mu.float().repeat_interleave(Hq // self.mu.shape[0], 0)  # (Hq, d)
+        Q = Q.float()
+        A = Q[..., :h] * mu[:, :h] + Q[..., h:] * mu[:, h:]
+        B = Q[..., h:] * mu[:, :h] - Q[..., :h] * mu[:, h:]
+        return torch.cat([A, B], -1) * self.scaling
+
+    def table(self, n: int) -> torch.Tensor:
+        """(≥ n, d) float32 [cos tθ | sin tθ] for positions t < n (grown by doubling, kept)."""
+        if len(self._table) < n:
+            m = max(n, 2 * len(self._table), 1024)
+            ang = torch.arange(m, dtype=torch.float64)[:, None] * self.theta
+            self._table = torch.cat([ang.cos(), ang.sin()], -1).float()
+        return self._table
+
+
+def step_positions(query_start_loc: torch.Tensor, seq_lens: torch.Tensor) -> torch.Tensor:
+    """The position (T,) of each of a step's tokens, request r's ``query_start_loc[r]..[r+1]`` being the last of its
+    ``seq_lens[r]`` positions."""
+    qsl, lens = query_start_loc.long(), seq_lens.long()
+    q_lens = qsl[1:] - qsl[:-1]
+    first = torch.repeat_interleave(lens - q_lens, q_lens)
+    return first + torch.arange(int(qsl[-1])) - torch.repeat_interleave(qsl[:-1], q_lens)
+
+
 def store(cache: torch.Tensor, cells: torch.Tensor, slot_mapping: torch.Tensor, lo: int = 0) -> None:
     """Write bytes lo.. of cells (T, H, C) into ``cache`` (num_blocks, H, block_size, ≥ C) uint8 at vLLM's slots (T,) =
     block·block_size + offset; slots < 0 (padding) are skipped."""
@@ -217,14 +277,18 @@ def store(cache: torch.Tensor, cells: torch.Tensor, slot_mapping: torch.Tensor, 
     cache[slot_mapping // bs, :, slot_mapping % bs, lo:cells.shape[-1]] = cells[..., lo:]
 
 
-def store_tiles(sc: SlotCodec, cache: torch.Tensor, windows: "Windows", slot_mapping: torch.Tensor) -> int:
+def store_tiles(sc: SlotCodec, cache: torch.Tensor, windows: "Windows", slot_mapping: torch.Tensor,
+                rope_mean: RopeMean | None = None, positions: torch.Tensor | None = None) -> int:
     """Write the key fields of the tiles whose last token is among this step's slots (T,) (< 0: padding), from the
     full-precision copies of their tokens in ``windows`` (written this step or kept, open, since); returns how many
     tiles had a copy missing and were left as they are (a block prefix caching shares, whose codes are final: vLLM
-    recomputes its last token; nothing else, the open tiles' copies are never dropped). Every tile is closed."""
+    recomputes its last token; nothing else, the open tiles' copies are never dropped). Every tile is closed.
+    ``rope_mean`` with the step's ``positions`` (T,): the tiles' keys are centered on it first."""
     G = sc.tile
-    slots = slot_mapping[slot_mapping >= 0].long()
-    first = slots[slots % G == G - 1] - (G - 1)
+    keep = slot_mapping >= 0
+    slots = slot_mapping[keep].long()
+    last = slots % G == G - 1
+    first = slots[last] - (G - 1)
     if not len(first):
         return 0
     u = windows.unit
@@ -235,7 +299,10 @@ def store_tiles(sc: SlotCodec, cache: torch.Tensor, windows: "Windows", slot_map
     held[held.clone()] = windows.written[rows[held], idx[held] % u].all(1)
     windows.close((first // G).tolist())
     if bool(held.any()):
-        k = windows.pool[rows[held], idx[held] % u][..., 0, :]  # (n, G, H, d)
+        k = windows.pool[rows[held], idx[held] % u][..., 0, :].float()  # (n, G, H, d)
+        if rope_mean is not None:
+            p0 = positions[keep][last][held].long() - (G - 1)
+            k = k - rope_mean.center((p0[:, None] + torch.arange(G)).reshape(-1)).reshape(k.shape)
         sc.store_tiles(cache, k.transpose(1, 2), first[held])
     return int((~held).sum())
 
@@ -467,18 +534,24 @@ def decode_context(sc: SlotCodec, cache: torch.Tensor, block_ids: torch.Tensor, 
 
 
 def decode_batch(sc: SlotCodec, cache: torch.Tensor, block_table: torch.Tensor, seq_lens: torch.Tensor, q: torch.Tensor,
-                 windows: Windows, scale: float, sliding_window: int = -1, softcap: float = 0.0) -> torch.Tensor | None:
+                 windows: Windows, scale: float, sliding_window: int = -1, softcap: float = 0.0,
+                 rope_mean: RopeMean | None = None, q_raw: torch.Tensor | None = None) -> torch.Tensor | None:
     """One decode query per request, all requests in one call of the fused kernel (``paged_decode`` of
     :mod:`wushkv._ext`): request r's query q[r] (Hq, d) at position seq_lens[r] − 1 reads its context through its block
     table row, each token from its full-precision copy in ``windows`` where it is in the windows of a sequence of
     seq_lens[r] tokens and its copy is held, from its cell's codes otherwise; the same attention as :func:`attend`.
     cache (num_blocks, H, block_size, C) uint8, block_table (R, ≥ blocks) int, seq_lens (R,), q (R, Hq, d).
+    ``rope_mean`` (+rmean) with the untransformed queries ``q_raw`` (R, Hq, d): a token read from its codes gains
+    Q·R_t μ (:class:`RopeMean`).
     Returns float32 (R, Hq, d), or None where the kernel is not available (no compiler) or does not cover the cells."""
     from wushkv._ext import kernels
 
     ext, sides = kernels(), sc.sides()
     if ext is None or sides is None:
         return None
+    empty = torch.empty(0)
+    ab, table = ((rope_mean.bias_terms(q_raw), rope_mean.table(int(seq_lens.max()))) if rope_mean is not None
+                 else (empty, empty))
     return ext.paged_decode(cache, block_table.to(torch.int32), seq_lens.to(torch.int64), q.float(), windows.pool,
                             windows.written, windows.index, *sides, windows.sink, windows.recent, windows.flush,
-                            sliding_window if sliding_window > 0 else -1, float(scale), float(softcap or 0.0))
+                            sliding_window if sliding_window > 0 else -1, float(scale), float(softcap or 0.0), ab, table)

@@ -20,13 +20,12 @@ from .paged import SlotCodec
 # The features of docs/reference/formats.md's side file the paged cache implements, and what the others would need.
 SUPPORTED = {
     "value_transform_folded": {True},
-    "key_centering": {"none", "constant"},
+    "key_centering": {"none", "constant", "rope-mean"},
     "key_layout": {"token", "tiles"},
     "value_layout": {"token"},
     "feedback": {"", "K", "V", "KV"},
 }
 UNSUPPORTED_WHY = {
-    "key_centering": "keys centered on their rotating pre-RoPE mean (+rmean) need each token's position at store time",
     "value_layout": "KVarN value tiles are written per tile, not per token",
 }
 _LAYER = re.compile(r"layers\.(\d+)\.")
@@ -97,13 +96,20 @@ class Served:
         h = tp_rank * H // tp_size
         return slice(h, h + 1)
 
-    def layer(self, l: int, heads: slice) -> dict[str, torch.Tensor | None]:
+    def layer(self, l: int, heads: slice) -> dict:
         """Layer ``l``'s transforms for KV heads ``heads``: ``key`` (H, d, d), ``query`` (H, d, d), and where the
-        method has them ``key_mean`` (H, d), ``key_feedback``/``value_feedback`` (H, d, d)."""
+        method has them ``key_mean`` (H, d), ``key_feedback``/``value_feedback`` (H, d, d), and for ``+rmean``
+        ``key_mean_pre_rope`` (H, d) with the layer's RoPE ``rope_inv_freq`` (d/2,) and ``rope_scaling``."""
         out = {}
-        for k in ("key", "query", "key_mean", "key_feedback", "value_feedback"):
+        for k in ("key", "query", "key_mean", "key_feedback", "value_feedback", "key_mean_pre_rope"):
             t = self.tensors.get(f"layers.{l}.{k}")
             out[k] = None if t is None else t[heads].contiguous()
+        out["rope_inv_freq"] = self.tensors.get(f"layers.{l}.rope_inv_freq")
+        scaling = self.meta.get("rope_scaling")
+        out["rope_scaling"] = float(scaling[l]) if scaling else 1.0
+        if (out["key_mean_pre_rope"] is None) != (out["rope_inv_freq"] is None):
+            raise UnsupportedFolder(f"{self.folder}: layer {l} has a rotating key mean without its RoPE frequencies (or the "
+                                    "reverse); export the folder again")
         return out
 
 
@@ -149,4 +155,4 @@ def load_served(folder, *, num_layers: int | None = None, num_kv_heads: int | No
 
 def _supported_words() -> str:
     return ("per-token quest or affine codes on both sides, or KVarN key tiles (+ktiles) with a sink of whole tiles; any key "
-            "transform with or without a constant key mean; error feedback (+ldlq) on either side")
+            "transform, with or without a constant or rotating (+rmean) key mean; error feedback (+ldlq) on either side")

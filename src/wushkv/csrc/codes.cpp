@@ -16,7 +16,7 @@
 //       written (P,U) bool, page_index (NB*bs/U,) i32, layout, windows, ...) -> (R,Hq,d) f32: one decode query per
 //       request over its paged context of cells (wushkv_vllm.paged.SlotCodec; per-token codes, or KVarN key tiles),
 //       the window tokens from their full-precision copies (wushkv_vllm.paged.Windows), the rest straight from the
-//       codes; split-KV with an online-softmax merge
+//       codes (+rmean: plus q·R_t μ from a table of cos/sin tθ); split-KV with an online-softmax merge
 //
 // The codes tensor may be a strided view (the cache's growable buffer); the last dim must be dense.
 #include <torch/extension.h>
@@ -369,7 +369,8 @@ template <typename scalar_t>
 static void paged_decode_impl(const torch::Tensor& cache, const torch::Tensor& table, const torch::Tensor& lens,
                               const torch::Tensor& q, const torch::Tensor& pool, const torch::Tensor& written,
                               const torch::Tensor& page_index, CellSide K, CellSide V, int64_t sink, int64_t recent,
-                              int64_t flush, int64_t window, float scale, float softcap, torch::Tensor& out) {
+                              int64_t flush, int64_t window, float scale, float softcap, const float* abp,
+                              const float* rtp, torch::Tensor& out) {
   const int64_t NB = cache.size(0), H = cache.size(1), bs = cache.size(2);
   const int64_t s0 = cache.stride(0), s1 = cache.stride(1), s2 = cache.stride(2);
   const int64_t R = q.size(0), Hq = q.size(1), d = q.size(2), G = Hq / H, MB = table.size(1);
@@ -495,6 +496,16 @@ static void paged_decode_impl(const torch::Tensor& cache, const torch::Tensor& t
             const float of = K_.offset >= 0 ? meta_at(base + K_.offset, K_.meta) : sc * K_.half;
             for (int64_t g = 0; g < G_; ++g) s[g * PAGED_CHUNK + j] = sc * dots[g] + of * qsum[g];
           }
+          if (abp != nullptr && src[j] < 0) {  // +rmean: the codes hold K' − c'_t; q'·c'_t = Σ_i ab_i · [cos tθ | sin tθ]_i
+            const float* tr = rtp + t * d_;
+            for (int64_t g = 0; g < G_; ++g) {
+              const float* ag = abp + (r * Hq + h * G_ + g) * d_;
+              float b_ = 0.f;
+#pragma omp simd reduction(+ : b_)
+              for (int64_t i = 0; i < d_; ++i) b_ += ag[i] * tr[i];
+              s[g * PAGED_CHUNK + j] += b_;
+            }
+          }
         }
       }
       // 2. this split's softmax: max, weights, sum
@@ -573,7 +584,7 @@ torch::Tensor paged_decode(torch::Tensor cache, torch::Tensor block_table, torch
                            torch::Tensor pool, torch::Tensor written, torch::Tensor page_index,
                            std::vector<int64_t> key_side, std::vector<int64_t> value_side, double key_half,
                            double value_half, int64_t sink, int64_t recent, int64_t flush, int64_t window, double scale,
-                           double softcap) {
+                           double softcap, torch::Tensor rmean_ab, torch::Tensor rope_table) {
   TORCH_CHECK(cache.scalar_type() == torch::kUInt8 && cache.dim() == 4 && cache.stride(3) == 1,
               "cache: uint8 (num_blocks, H, block_size, C), dense last dim");
   TORCH_CHECK(block_table.scalar_type() == torch::kInt32 && block_table.dim() == 2, "block_table: int32 (R, max_blocks)");
@@ -589,6 +600,16 @@ torch::Tensor paged_decode(torch::Tensor cache, torch::Tensor block_table, torch
               "the window pool does not match the cache");
   const CellSide K = cell_side(key_side, key_half), V = cell_side(value_side, value_half);
   TORCH_CHECK(V.tile == 0, "values are per token");
+  const bool rm = rmean_ab.defined() && rmean_ab.numel() > 0;
+  torch::Tensor abc, rtc;
+  if (rm) {
+    TORCH_CHECK(rmean_ab.scalar_type() == torch::kFloat && rmean_ab.dim() == 3 && rmean_ab.size(0) == R &&
+                rmean_ab.size(1) == Hq && rmean_ab.size(2) == d, "rmean_ab: float32 (R, Hq, d)");
+    TORCH_CHECK(rope_table.scalar_type() == torch::kFloat && rope_table.dim() == 2 && rope_table.size(1) == d &&
+                rope_table.size(0) >= seq_lens.max().item<int64_t>(), "rope_table: float32 (>= max seq_len, d)");
+    abc = rmean_ab.contiguous();
+    rtc = rope_table.contiguous();
+  }
   auto out = torch::empty({R, Hq, d}, q.options());
   if (R == 0) return out;
   auto tables = block_table.contiguous();
@@ -599,7 +620,8 @@ torch::Tensor paged_decode(torch::Tensor cache, torch::Tensor block_table, torch
   auto ic = page_index.contiguous();
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, pc.scalar_type(), "paged_decode", [&] {
     paged_decode_impl<scalar_t>(cache, tables, lens, qc, pc, wc, ic, K, V, sink, recent, flush, window, float(scale),
-                                float(softcap), out);
+                                float(softcap), rm ? abc.data_ptr<float>() : nullptr, rm ? rtc.data_ptr<float>() : nullptr,
+                                out);
   });
   return out;
 }
