@@ -260,6 +260,12 @@ def test_cli_export_model(llama, tmp_path, capsys):
     printed = capsys.readouterr().out
     assert rc == 0 and "wush, K4V4 affine windows 4/8/4" in printed and "logits 0.00e+00 from the folded model" in printed
     assert read_side_file(tmp_path / "served")[0]["quantization"]["k_bits"] == 4
+    assert "note:" not in capsys.readouterr().err
+    # key tiles after a sink of 4 tokens: exported (the folder is engine-agnostic), with a note of what vLLM needs
+    rc = main(["export-model", "--model", str(src), "--calibration", str(tmp_path / "cal.safetensors"), "--method", "wush+ktiles",
+               "--bits", "2", "--sink", "4", "--keep", "8", "--flush", "4", "--out", str(tmp_path / "tiles")])
+    err = capsys.readouterr().err
+    assert rc == 0 and "note: key tiles of 128 tokens start after the sink of 4 tokens" in err and "export with --sink 128" in err
 
     other = _cal(_model("llama", seed=1), tmp_path)
     other.save(tmp_path / "other.safetensors")

@@ -399,7 +399,7 @@ def test_served_folder_checks(tmp_path):
     with pytest.raises(UnsupportedFolder, match="decoder layer 7"):
         s.attention_layer("model.layers.7.self_attn.attn")
     tiles = _export(tmp_path, "tiles", "wush+ktiles", replace(CFG, windows=WindowConfig(4, 128, 128)))
-    with pytest.raises(UnsupportedFolder, match=r"sink of 4 tokens, across vLLM's blocks.*export with --sink 128"):
+    with pytest.raises(UnsupportedFolder, match=r"sink of 4 tokens, across a paged cache's blocks.*export with --sink 128"):
         load_served(tiles)
     tiles = _export(tmp_path, "tiles128", "wush+ktiles+ldlq", replace(CFG, windows=WindowConfig(128, 64, 16)))
     s = load_served(tiles, num_kv_heads=2, head_dim=32)

@@ -73,3 +73,15 @@ def served_windows(cfg: QuantConfig) -> WindowConfig:
     tiles the recorded ``(S_sink, S_keep, S_flush)`` (a tile of ``S_flush`` tokens is written when it is complete)."""
     w = cfg.windows
     return w if cfg.side_quantizer("key") == "kvarn" else WindowConfig(w.S_sink, w.S_keep, 1)
+
+
+def tile_sink_problem(cfg: QuantConfig) -> str | None:
+    """Why a paged engine cannot serve ``cfg``'s key tiles (None: it can, or the keys are per token): tiles of
+    ``S_flush`` tokens start after the sink, so they fall on a paged cache's blocks only after a sink of whole tiles."""
+    w = cfg.windows
+    if cfg.side_quantizer("key") != "kvarn" or w.S_sink % w.S_flush == 0:
+        return None
+    fix = max(w.S_flush, w.S_flush * round(w.S_sink / w.S_flush))
+    return (f"key tiles of {w.S_flush} tokens start after the sink of {w.S_sink} tokens, across a paged cache's blocks (a "
+            f"block would be complete, and shared, before its tile): the vLLM plugin serves key tiles with a sink of whole "
+            f"tiles; export with --sink {fix} (docs/reference/serving.md)")

@@ -10,7 +10,8 @@ is vLLM's. With one:
   and values per token and writes their cells at vLLM's slots (one call of wushkv's fused store,
   :meth:`wushkv_vllm.paged.SlotCodec.store`), and hands the transformed keys to the layer's forward of the same step;
   key tiles (``+ktiles``) are written by the forward when their last token is stored, from the copies of their tokens
-  (:func:`wushkv_vllm.paged.store_tiles`);
+  (:func:`wushkv_vllm.paged.store_tiles`); keys centered on their rotating mean (``+rmean``) are stored by the forward,
+  which knows the tokens' positions (:class:`wushkv_vllm.paged.RopeMean`);
 * ``forward`` attends: queries ``Q' = Q·query`` (``Q'K'ᵀ = QKᵀ`` up to a per-query constant, which softmax ignores)
   over the request's context read from its cells through the block table, a query at position p reading a token in
   full precision while it is in the windows of a sequence of p + 1 tokens (copies from

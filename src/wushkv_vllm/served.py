@@ -13,7 +13,7 @@ from pathlib import Path
 import torch
 
 from wushkv.config import QuantConfig
-from wushkv.served_format import SIDE_FILE, read_side_file, served_config, served_windows
+from wushkv.served_format import SIDE_FILE, read_side_file, served_config, served_windows, tile_sink_problem
 
 from .paged import SlotCodec
 
@@ -138,12 +138,8 @@ def load_served(folder, *, num_layers: int | None = None, num_kv_heads: int | No
         bits = cfg.k_bits if side == "key" else cfg.v_bits
         if bits is None:
             raise UnsupportedFolder(f"{folder}: the {side}s are not quantized; the plugin needs {side} bits in 2, 3, 4, 8")
-    w = cfg.windows
-    if cfg.side_quantizer("key") == "kvarn" and w.S_sink % w.S_flush:
-        raise UnsupportedFolder(f"{folder}: key tiles of {w.S_flush} tokens start after the sink of {w.S_sink} tokens, across vLLM's "
-                                f"blocks (a block would be complete, and shared, before its tile): the plugin serves key tiles with a "
-                                f"sink of whole tiles; export with --sink {max(w.S_flush, w.S_flush * round(w.S_sink / w.S_flush))} "
-                                "(docs/reference/serving.md)")
+    if (why := tile_sink_problem(cfg)) is not None:
+        raise UnsupportedFolder(f"{folder}: {why}")
     mine = {"num_layers": len(meta.get("attention_layers") or range(int(meta["num_layers"]))), "num_kv_heads": int(meta["num_kv_heads"]),
             "head_dim": int(meta["head_dim"])}
     for name, want in (("num_layers", num_layers), ("num_kv_heads", num_kv_heads), ("head_dim", head_dim)):

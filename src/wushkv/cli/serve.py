@@ -28,6 +28,11 @@ def cmd_export_model(args) -> int:
         print(f"auto: {meta['method']} ({choice.get('why')})")
         if note := auto_calibration_note(args.model, cal, cfg):
             err(note)
+    from ..config import QuantConfig
+    from ..served_format import tile_sink_problem
+
+    if (why := tile_sink_problem(QuantConfig.from_dict(meta["quantization"]))) is not None:
+        err(f"note: {why}")
     q = meta["quantization"]
     w = q["windows"]
     print(f"{args.model} with {meta['method']}, K{q['k_bits'] or 16}V{q['v_bits'] or 16} {q['quantizer']}"
