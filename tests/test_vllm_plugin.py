@@ -139,7 +139,7 @@ def test_key_tile_cells_hold_what_the_tile_codec_stores(bits, feedback, meta):
         w.write(k[a:b], v[a:b], slots[a:b])
         assert store_tiles(sc, cache, w, slots[a:b]) == 0
         w.protect_and_trim([])  # capacity 0: everything but the open tile is dropped
-        assert w.open == ({int(slots[b - 1]) // tile} if b % tile else set())
+        assert set(w.open) == ({int(slots[b - 1]) // tile} if b % tile else set())
         assert all(p * w.unit // tile in w.open for p in w.pages)
     assert torch.equal(cache[..., sc.value_offset:], ref[..., sc.value_offset:])  # the values: the bytes of encode
     kd, vd = decode_context(sc, cache, table, n)
@@ -249,10 +249,16 @@ def test_windows_with_a_flush_keep_the_unflushed_tail_and_every_open_tile():
     k = torch.arange(13, dtype=torch.float32)[:, None, None].expand(13, H, d).contiguous()
     slots = table[torch.arange(13) // bs] * bs + torch.arange(13) % bs
     w.write(k, k, slots)
-    assert w.open == {4, 5, 0, 1}  # tiles (slot // 4) of blocks 2 and 0; nothing closed them
+    assert set(w.open) == {4, 5, 0, 1}  # tiles (slot // 4) of blocks 2 and 0; nothing closed them
     w.close([4, 5, 0])  # the complete tiles written
     w.protect_and_trim([])
     assert set(w.pages) == {2}  # tile 1 (slots 4-7 of block 0, position 12 so far) is open: kept past the capacity
+    # requests that ended mid-tile leave their tiles open; past max_open the oldest not in the step's windows go
+    w.max_open = 2
+    for b in (1, 3, 4):  # one token into blocks 1, 3, 4: tiles 2, 6, 8
+        w.write(k[:1], k[:1], torch.tensor([b * bs]))
+    w.protect_and_trim([(torch.tensor([3]), 1)])  # block 3's request is running: its tile stays
+    assert list(w.open) == [6, 8] and w.abandoned == 2
     with pytest.raises(ValueError, match="sink of whole tiles"):
         Windows(bs, H, d, sink=2, recent=2, capacity=1, flush=4)
 
@@ -348,7 +354,7 @@ def test_batched_decode_kernel_equals_the_general_attention(quantizer, bits, dty
             if tile > 1:
                 assert store_tiles(sc, cache, w, slots[a:a + 13], rm, pos[a:a + 13]) == 0
     if tile > 1:  # still open: each request's last, incomplete tile
-        assert w.open == {int(tables[r][(n - 1) // bs]) * bs // tile + (n - 1) % bs // tile for r, n in enumerate(lens) if n % tile}
+        assert set(w.open) == {int(tables[r][(n - 1) // bs]) * bs // tile + (n - 1) % bs // tile for r, n in enumerate(lens) if n % tile}
     dropped = int(tables[3, 0]) * (bs // w.unit)  # request 3's sink page: its copies dropped, read from the codes
     w.index[dropped] = -1
     q = torch.randn(len(lens), H * G, d, generator=_g(40))

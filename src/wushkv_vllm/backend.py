@@ -127,11 +127,11 @@ class _LayerState:
                                     f"{block_size} is not a multiple of it (serve with block_size={self.codec.tile})")
         # copies in the served dtype: what wushkv's cache keeps of its windows too (the model's dtype)
         win = Windows(block_size, num_kv_heads, served.head_dim, served.sink, served.recent, capacity=0, dtype=dtype,
-                      flush=served.flush)
+                      flush=served.flush, max_open=4 * max_num_seqs)
         win.capacity = 2 * max_num_seqs * win.pages_per_sequence()
         self.windows = win
         self.missing, self.warned = 0, False  # window positions read from codes for want of a copy
-        self.unwritten = 0  # completed key tiles left as they were for want of a copy (module store_tiles)
+        self.unwritten = self.unwritten_said = 0  # completed key tiles left as they were for want of a copy (store_tiles)
         self.stashed: torch.Tensor | None = None  # the step's transformed keys, from its update to its forward
 
     def keys(self, k: torch.Tensor) -> torch.Tensor:
@@ -245,4 +245,9 @@ class WushKVCPUImpl(CPUAttentionBackendImpl):
             st.warned = True
             logger.warning("wushkv: layer %d read %d window positions from their codes: their full-precision copies were "
                            "dropped past %d pages (raise max_num_seqs to keep more)", st.l, st.missing, st.windows.capacity)
+        if st.unwritten > st.unwritten_said:  # a completed key tile without all its copies: left as it was
+            st.unwritten_said = st.unwritten
+            logger.warning("wushkv: layer %d: %d key tiles completed without the copies of all their tokens (%d open tiles let go "
+                           "past %d); their key codes were not written", st.l, st.unwritten, st.windows.abandoned,
+                           st.windows.max_open)
         return output

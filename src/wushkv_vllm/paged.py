@@ -323,8 +323,10 @@ class Windows:
     The windows are wushkv's ``(sink, recent, flush)``: a sequence of n tokens reads in full precision its first
     ``sink`` and its tail from :meth:`tail` (n) on, at least ``recent`` tokens, flushed ``flush`` at a time (1:
     exactly the last ``recent``). With ``flush`` > 1 (key tiles of ``flush`` tokens) the copies of a tile are kept
-    while it is open (stored in part, :func:`store_tiles` not yet run on it), whatever the capacity: its keys exist
-    nowhere else.
+    while it is open (stored in part, :func:`store_tiles` not yet run on it): its keys exist nowhere else. A request
+    that ends (or is preempted) in the middle of a tile leaves it open until its block is filled again; past
+    ``max_open`` open tiles the oldest of them not in a window of the step are let go (counted in :attr:`abandoned`: a
+    running request's tile is written again and again, so it is never the oldest).
 
     A page is ``unit`` consecutive slots of one physical block (page id ``block·(block_size/unit) + slot/unit``); the
     unit is the largest that divides the block size, both windows and the flush (16 for sink 16, recent 128, block
@@ -334,7 +336,7 @@ class Windows:
     (:func:`decode_batch`) reads the pool through ``index`` itself."""
 
     def __init__(self, block_size: int, heads: int, head_dim: int, sink: int, recent: int, capacity: int,
-                 dtype: torch.dtype = torch.float32, flush: int = 1):
+                 dtype: torch.dtype = torch.float32, flush: int = 1, max_open: int | None = None):
         if sink < 0 or recent < 0 or flush < 1:
             raise ValueError(f"windows must be >= 0 and the flush >= 1, got sink {sink}, recent {recent}, flush {flush}")
         if flush > 1 and (block_size % flush or sink % flush):
@@ -343,7 +345,9 @@ class Windows:
         self.bs, self.H, self.d, self.sink, self.recent, self.dtype = block_size, heads, head_dim, sink, recent, dtype
         self.flush = flush
         self.unit = math.gcd(block_size, *(x for x in (sink, recent, flush if flush > 1 else 0) if x))
-        self.open: set[int] = set()  # tiles (slot // flush) with copies written and key fields not yet
+        # tiles (slot // flush) with copies written and key fields not yet, least recently written first
+        self.open: OrderedDict[int, None] = OrderedDict()
+        self.max_open, self.abandoned = max_open, 0
         self.capacity = capacity  # pages
         self.pool = torch.zeros(0, self.unit, heads, 2, head_dim, dtype=dtype)
         self.written = torch.zeros(0, self.unit, dtype=torch.bool)
@@ -405,7 +409,9 @@ class Windows:
         for p in uniq:
             self.pages.move_to_end(p)
         if self.flush > 1:
-            self.open.update(p * self.unit // self.flush for p in uniq)
+            for t in dict.fromkeys(p * self.unit // self.flush for p in uniq):
+                self.open[t] = None
+                self.open.move_to_end(t)
         rows, offs = self.index[pages].long(), slots % self.unit
         kv = torch.stack([k[keep], v[keep]], dim=2).to(self.dtype)  # (T, H, 2, d)
         self.pool[rows, offs] = kv
@@ -413,7 +419,8 @@ class Windows:
 
     def close(self, tiles: list[int]) -> None:
         """Tiles (slot // flush) whose key fields are written: their copies may be dropped past the capacity."""
-        self.open.difference_update(tiles)
+        for t in tiles:
+            self.open.pop(t, None)
 
     def positions(self, n: int) -> list[int]:
         """The positions of a sequence of ``n`` tokens that are in a window."""
@@ -448,13 +455,24 @@ class Windows:
     def protect_and_trim(self, sequences: list[tuple[torch.Tensor, int]]) -> None:
         """After a step, past :attr:`capacity` pages: drop the oldest copies down to three quarters of it (so trims
         are rare), never those holding a window position of the step's ``sequences`` [(block ids, n)], nor those of
-        an open tile."""
-        if len(self.pages) <= self.capacity:
+        an open tile (past ``max_open`` open tiles, the oldest not in the step's windows are let go first)."""
+        over_open = self.max_open is not None and len(self.open) > self.max_open
+        if len(self.pages) <= self.capacity and not over_open:
             return
         u, ppb = self.unit, self.bs // self.unit
         keep = set()
         for block_ids, n in sequences:
             keep.update(int(block_ids[p // self.bs]) * ppb + (p % self.bs) // u for p in self.positions(n))
+        if over_open:  # tiles of requests that ended mid-tile: the oldest first
+            live = {p * u // self.flush for p in keep}
+            for t in list(self.open):
+                if len(self.open) <= self.max_open:
+                    break
+                if t not in live:
+                    del self.open[t]
+                    self.abandoned += 1
+        if len(self.pages) <= self.capacity:
+            return
         target = self.capacity * 3 // 4
         for p in list(self.pages):
             if len(self.pages) <= target:
