@@ -259,6 +259,14 @@ def test_windows_with_a_flush_keep_the_unflushed_tail_and_every_open_tile():
         w.write(k[:1], k[:1], torch.tensor([b * bs]))
     w.protect_and_trim([(torch.tensor([3]), 1)])  # block 3's request is running: its tile stays
     assert list(w.open) == [6, 8] and w.abandoned == 2
+    # the pages of sink positions outlive a step their request waits, up to max_sink_pages
+    w2 = Windows(bs, H, d, sink=4, recent=2, capacity=2, max_sink_pages=2)
+    for b in (0, 1, 2):  # three requests of 6 tokens, blocks 0, 1, 2
+        pos = torch.arange(6)
+        w2.write(k[:6], k[:6], b * bs + pos, pos)
+    assert list(w2.sinks) == [0, 1, 4, 5, 8, 9]
+    w2.protect_and_trim([(torch.tensor([2]), 6)])  # only block 2's request in the step
+    assert list(w2.sinks) == [8, 9] and set(w2.pages) == {8, 9, 10}
     with pytest.raises(ValueError, match="sink of whole tiles"):
         Windows(bs, H, d, sink=2, recent=2, capacity=1, flush=4)
 

@@ -129,6 +129,7 @@ class _LayerState:
         win = Windows(block_size, num_kv_heads, served.head_dim, served.sink, served.recent, capacity=0, dtype=dtype,
                       flush=served.flush, max_open=4 * max_num_seqs)
         win.capacity = 2 * max_num_seqs * win.pages_per_sequence()
+        win.max_sink_pages = 4 * max_num_seqs * -(-win.sink // win.unit)
         self.windows = win
         self.missing, self.warned = 0, False  # window positions read from codes for want of a copy
         self.unwritten = self.unwritten_said = 0  # completed key tiles left as they were for want of a copy (store_tiles)
@@ -199,10 +200,10 @@ class WushKVCPUImpl(CPUAttentionBackendImpl):
         v_new = value[:T].float()
         slots = attn_metadata.slot_mapping[:T]
         rm = st.rope_mean
-        pos = step_positions(attn_metadata.query_start_loc, attn_metadata.seq_lens) if rm is not None else None
+        pos = step_positions(attn_metadata.query_start_loc, attn_metadata.seq_lens)  # (T,)
         if rm is not None:  # the codes of K' − c'_t
             st.codec.store(cache, k_new - rm.center(pos), value[:T], slots)
-        st.windows.write(k_new, v_new, slots)
+        st.windows.write(k_new, v_new, slots, pos)
         if st.codec.tile:  # the key tiles this step completes: written from their tokens' copies, before anything reads them
             st.unwritten += store_tiles(st.codec, cache, st.windows, slots, rm, pos)
         q = st.queries(query[:T])

@@ -326,7 +326,10 @@ class Windows:
     while it is open (stored in part, :func:`store_tiles` not yet run on it): its keys exist nowhere else. A request
     that ends (or is preempted) in the middle of a tile leaves it open until its block is filled again; past
     ``max_open`` open tiles the oldest of them not in a window of the step are let go (counted in :attr:`abandoned`: a
-    running request's tile is written again and again, so it is never the oldest).
+    running request's tile is written again and again, so it is never the oldest). Likewise the pages of sink
+    positions (told by :meth:`write`'s ``positions``) are kept past the capacity, up to ``max_sink_pages``: a request
+    that waits a step (a long prompt prefilled in chunks beside others) has no window in that step, and its sink,
+    written first, would otherwise be the first copy dropped.
 
     A page is ``unit`` consecutive slots of one physical block (page id ``block·(block_size/unit) + slot/unit``); the
     unit is the largest that divides the block size, both windows and the flush (16 for sink 16, recent 128, block
@@ -336,7 +339,8 @@ class Windows:
     (:func:`decode_batch`) reads the pool through ``index`` itself."""
 
     def __init__(self, block_size: int, heads: int, head_dim: int, sink: int, recent: int, capacity: int,
-                 dtype: torch.dtype = torch.float32, flush: int = 1, max_open: int | None = None):
+                 dtype: torch.dtype = torch.float32, flush: int = 1, max_open: int | None = None,
+                 max_sink_pages: int | None = None):
         if sink < 0 or recent < 0 or flush < 1:
             raise ValueError(f"windows must be >= 0 and the flush >= 1, got sink {sink}, recent {recent}, flush {flush}")
         if flush > 1 and (block_size % flush or sink % flush):
@@ -348,6 +352,8 @@ class Windows:
         # tiles (slot // flush) with copies written and key fields not yet, least recently written first
         self.open: OrderedDict[int, None] = OrderedDict()
         self.max_open, self.abandoned = max_open, 0
+        self.sinks: OrderedDict[int, None] = OrderedDict()  # pages holding sink positions, least recently written first
+        self.max_sink_pages = max_sink_pages
         self.capacity = capacity  # pages
         self.pool = torch.zeros(0, self.unit, heads, 2, head_dim, dtype=dtype)
         self.written = torch.zeros(0, self.unit, dtype=torch.bool)
@@ -386,9 +392,10 @@ class Windows:
         if top > len(self.index):
             self.index = torch.cat([self.index, self.index.new_full((top - len(self.index),), -1)])
 
-    def write(self, k: torch.Tensor, v: torch.Tensor, slot_mapping: torch.Tensor) -> None:
+    def write(self, k: torch.Tensor, v: torch.Tensor, slot_mapping: torch.Tensor, positions: torch.Tensor | None = None) -> None:
         """Keep full-precision keys and values (T, H, d) of the tokens stored at ``slot_mapping`` (T,): the pages they
-        fall in get pool rows (a new page starts unwritten), then one indexed copy for all tokens."""
+        fall in get pool rows (a new page starts unwritten), then one indexed copy for all tokens. ``positions`` (T,):
+        the tokens' positions, which mark the sink's pages (kept past the capacity)."""
         if not (self.sink or self.recent or self.flush > 1):
             return
         keep = slot_mapping >= 0
@@ -408,6 +415,10 @@ class Windows:
             self.pages[p] = e
         for p in uniq:
             self.pages.move_to_end(p)
+        if positions is not None and self.sink:
+            for p in dict.fromkeys(pages[positions[keep] < self.sink].tolist()):
+                self.sinks[p] = None
+                self.sinks.move_to_end(p)
         if self.flush > 1:
             for t in dict.fromkeys(p * self.unit // self.flush for p in uniq):
                 self.open[t] = None
@@ -457,7 +468,8 @@ class Windows:
         are rare), never those holding a window position of the step's ``sequences`` [(block ids, n)], nor those of
         an open tile (past ``max_open`` open tiles, the oldest not in the step's windows are let go first)."""
         over_open = self.max_open is not None and len(self.open) > self.max_open
-        if len(self.pages) <= self.capacity and not over_open:
+        over_sink = self.max_sink_pages is not None and len(self.sinks) > self.max_sink_pages
+        if len(self.pages) <= self.capacity and not over_open and not over_sink:
             return
         u, ppb = self.unit, self.bs // self.unit
         keep = set()
@@ -471,13 +483,19 @@ class Windows:
                 if t not in live:
                     del self.open[t]
                     self.abandoned += 1
+        if over_sink:  # sinks of requests that ended: the oldest first
+            for p in list(self.sinks):
+                if len(self.sinks) <= self.max_sink_pages:
+                    break
+                if p not in keep:
+                    del self.sinks[p]
         if len(self.pages) <= self.capacity:
             return
         target = self.capacity * 3 // 4
         for p in list(self.pages):
             if len(self.pages) <= target:
                 break
-            if p not in keep and not (self.open and p * u // self.flush in self.open):
+            if p not in keep and p not in self.sinks and not (self.open and p * u // self.flush in self.open):
                 e = self.pages.pop(p)
                 self.index[p] = -1
                 self.free.append(e)

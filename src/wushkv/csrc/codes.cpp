@@ -422,7 +422,7 @@ static void paged_decode_impl(const torch::Tensor& cache, const torch::Tensor& t
     std::vector<int32_t> src(PAGED_CHUNK);  // per token: its copy's pool row, or -1 (read the codes)
     // key tiles: the queries scaled by the current tile's channel scales (permuted), their dot with its zeros
     const int64_t KT = K_.tile;
-    std::vector<float> qkt(KT ? G_ * KD_ : 0, 0.f), qzt(G_);
+    std::vector<float> qkt(KT ? G_ * KD_ : 0, 0.f), qzt(G_), tsc(KT ? 2 * d_ : 0);
     std::vector<uint8_t> tmeta(KT ? KT * K_.tmeta_w : 0);
     for (int64_t it = begin; it < end; ++it) {
       const int64_t rh = item_r[it], r = rh / H_, h = rh % H_, a = item_a[it], b = item_b[it], n = lp[r];
@@ -477,12 +477,13 @@ static void paged_decode_impl(const torch::Tensor& cache, const torch::Tensor& t
               const int64_t off0 = (t % bs_) / KT * KT;  // the tile's first slot in this block
               const uint8_t* tb = cp + blk * s0_ + h * s1_ + off0 * s2_ + K_.tmeta;
               for (int64_t o = 0; o < KT; ++o) std::memcpy(tmeta.data() + o * K_.tmeta_w, tb + o * s2_, K_.tmeta_w);
+              for (int64_t i = 0; i < 2 * d_; ++i) tsc[i] = meta_at(tmeta.data() + 2 * i, 0);  // scale (d), then zero (d)
               for (int64_t g = 0; g < G_; ++g) {
                 float z = 0.f;
                 for (int64_t i = 0; i < d_; ++i) {
                   const float x = qz[g * d_ + i];
-                  qkt[g * KD_ + (i % kper) * knb_ + i / kper] = x * meta_at(tmeta.data() + 2 * i, 0);
-                  z += x * meta_at(tmeta.data() + 2 * (d_ + i), 0);
+                  qkt[g * KD_ + (i % kper) * knb_ + i / kper] = x * tsc[i];
+                  z += x * tsc[d_ + i];
                 }
                 qzt[g] = z;
               }
