@@ -200,15 +200,17 @@ class WushKVCPUImpl(CPUAttentionBackendImpl):
         v_new = value[:T].float()
         slots = attn_metadata.slot_mapping[:T]
         rm = st.rope_mean
-        pos = step_positions(attn_metadata.query_start_loc, attn_metadata.seq_lens)  # (T,)
+        starts = attn_metadata.query_start_loc.tolist()
+        seq_lens = attn_metadata.seq_lens.tolist()
+        # the step's positions: for +rmean, and to mark sink pages (only a step holding a position below the sink)
+        in_sink = any(n - (b - a) < st.windows.sink for n, a, b in zip(seq_lens, starts, starts[1:]) if b > a)
+        pos = step_positions(attn_metadata.query_start_loc, attn_metadata.seq_lens) if rm is not None or in_sink else None
         if rm is not None:  # the codes of K' − c'_t
             st.codec.store(cache, k_new - rm.center(pos), value[:T], slots)
         st.windows.write(k_new, v_new, slots, pos)
         if st.codec.tile:  # the key tiles this step completes: written from their tokens' copies, before anything reads them
             st.unwritten += store_tiles(st.codec, cache, st.windows, slots, rm, pos)
         q = st.queries(query[:T])
-        starts = attn_metadata.query_start_loc.tolist()
-        seq_lens = attn_metadata.seq_lens.tolist()
         tables = attn_metadata.block_table
         window = self.sliding_window
         seqs, rows = [], []

@@ -473,8 +473,10 @@ class Windows:
             return
         u, ppb = self.unit, self.bs // self.unit
         keep = set()
-        for block_ids, n in sequences:
-            keep.update(int(block_ids[p // self.bs]) * ppb + (p % self.bs) // u for p in self.positions(n))
+        for block_ids, n in sequences:  # the pages of the windows, a page at a time (u divides the block and the sink)
+            row = block_ids.tolist()
+            starts = [*range(0, min(self.sink, n), u), *range(max(min(self.sink, n), self.tail(n)) // u * u, n, u)]
+            keep.update(row[p // self.bs] * ppb + (p % self.bs) // u for p in starts)
         if over_open:  # tiles of requests that ended mid-tile: the oldest first
             live = {p * u // self.flush for p in keep}
             for t in list(self.open):
