@@ -40,7 +40,8 @@ from collections import OrderedDict
 import torch
 
 from wushkv.codecs import KVarNCodec, TokenCodec, make_codec
-from wushkv.config import QuantConfig
+from wushkv.config import QuantConfig, WindowConfig
+from wushkv.models import rope_rotate
 from wushkv.quantizers import unpack
 from wushkv.quantizers.kvarn import KVarNTiles, kvarn_dequantize
 
@@ -221,17 +222,14 @@ class RopeMean:
             raise ValueError(f"the rotating key mean needs mu (H, d), key (H, d, d), inv_freq (d/2,); got {tuple(mu.shape)}, "
                              f"{tuple(key.shape)}, {tuple(inv_freq.shape)}")
         self.mu, self.key = mu.double(), key.double()
-        self.theta = inv_freq.float().double()  # as wushkv's cache: float32 frequencies, float64 angles
+        self.inv_freq = inv_freq.float()  # as wushkv's cache: float32 frequencies, float64 angles
+        self.theta = self.inv_freq.double()
         self.scaling = float(scaling)
         self._table = torch.zeros(0, d)
 
     def rotated(self, positions: torch.Tensor) -> torch.Tensor:
-        """R_t μ (N, H, d) float64 at positions (N,) (transformers' rotate-half layout, times the RoPE scaling)."""
-        ang = positions.double()[:, None] * self.theta  # (N, d/2)
-        cos, sin = torch.cat([ang.cos(), ang.cos()], -1)[:, None], torch.cat([ang.sin(), ang.sin()], -1)[:, None]
-        h = self.mu.shape[-1] // 2
-        rot = torch.cat([-self.mu[:, h:], self.mu[:, :h]], -1)
-        return (self.mu * cos + rot * sin) * self.scaling
+        """R_t μ (N, H, d) float64 at positions (N,) (:func:`wushkv.models.rope_rotate`, as wushkv's cache rotates it)."""
+        return rope_rotate(self.mu[None], positions[:, None], self.inv_freq, self.scaling)
 
     def center(self, positions: torch.Tensor) -> torch.Tensor:
         """c'_t = (R_t μ)·key (N, H, d) float32 at positions (N,): float64, then rounded, as wushkv's cache computes it."""
@@ -348,6 +346,7 @@ class Windows:
                              f"sink {sink}")
         self.bs, self.H, self.d, self.sink, self.recent, self.dtype = block_size, heads, head_dim, sink, recent, dtype
         self.flush = flush
+        self._windows = WindowConfig(sink, recent, flush)
         self.unit = math.gcd(block_size, *(x for x in (sink, recent, flush if flush > 1 else 0) if x))
         # tiles (slot // flush) with copies written and key fields not yet, least recently written first
         self.open: OrderedDict[int, None] = OrderedDict()
@@ -364,7 +363,7 @@ class Windows:
     def tail(self, n: int) -> int:
         """The first position of the full-precision tail of a sequence of ``n`` tokens: S_sink + Qc(n), Qc(n) =
         flush·⌊max(0, n − sink − recent)/flush⌋ (wushkv's :meth:`~wushkv.config.WindowConfig.quantized_count`)."""
-        return self.sink + self.flush * (max(0, n - self.sink - self.recent) // self.flush)
+        return self.sink + self._windows.quantized_count(n)
 
     def pages_per_sequence(self) -> int:
         """Pages one sequence's windows can touch: its sink's and those of its tail (up to recent + flush − 1 tokens)."""

@@ -371,12 +371,11 @@ static void paged_decode_impl(const torch::Tensor& cache, const torch::Tensor& t
                               const torch::Tensor& page_index, CellSide K, CellSide V, int64_t sink, int64_t recent,
                               int64_t flush, int64_t window, float scale, float softcap, const float* abp,
                               const float* rtp, torch::Tensor& out) {
-  const int64_t NB = cache.size(0), H = cache.size(1), bs = cache.size(2);
+  const int64_t H = cache.size(1), bs = cache.size(2);
   const int64_t s0 = cache.stride(0), s1 = cache.stride(1), s2 = cache.stride(2);
   const int64_t R = q.size(0), Hq = q.size(1), d = q.size(2), G = Hq / H, MB = table.size(1);
   TORCH_CHECK(K.tile == 0 || (bs % K.tile == 0 && K.tile * K.tmeta_w >= 4 * d), "key tiles must lie in blocks and hold ",
               "their scale and zero");
-  (void)NB;
   const int64_t U = pool.size(1), ppb = bs / U, npages = page_index.size(0);
   const int64_t kper = 8 / K.bits, vper = 8 / V.bits;
   const int64_t knb = (d * K.bits + 7) / 8, vnb = (d * V.bits + 7) / 8, KD = knb * kper, VD = vnb * vper;
