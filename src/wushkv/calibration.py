@@ -38,7 +38,8 @@ from .attention import attention_probs, grouped
 from .hf import observe_sequences
 from .io import CorruptFileError, read_checked_safetensors, write_checked_safetensors, write_json
 from .progress import progress
-from .models import ArchSpec, attention_modules, describe, fingerprint, model_name, projections, require_materialized, rope_rotate
+from .models import ArchSpec, attention_modules, describe, fingerprint, model_name, projections, require_materialized
+from .transforms.rope import rope_rotate
 from .transforms import TRANSFORMS, LayerTransforms, build_transforms
 
 FORMAT = "wushkv-calibration"

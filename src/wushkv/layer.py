@@ -33,7 +33,7 @@ from transformers.cache_utils import CacheLayerMixin
 from .codecs import make_codec, storage_nbytes
 from .config import QuantConfig
 from .decode import encode_block
-from .models import rope_rotate
+from .transforms.rope import rope_rotate
 from .views import KVView, RowsView
 
 

@@ -306,19 +306,6 @@ def pre_rope_keys(attn: nn.Module, spec: ArchSpec, k_proj_out: torch.Tensor) -> 
     return k
 
 
-def rope_rotate(x: torch.Tensor, positions: torch.Tensor, inv_freq: torch.Tensor, scale: float, inverse: bool = False) -> torch.Tensor:
-    """R_t x (``inverse``: R_t⁻¹ x) in transformers' rotate-half layout, for ``rope_parameters``' (inv_freq, scale).
-
-    x (..., d) and ``positions`` (...) broadcast against each other's leading dims; computed in x's dtype."""
-    ang = positions.to(x.device, x.dtype)[..., None] * inv_freq.to(x.device, x.dtype)
-    ang = torch.cat([ang, ang], dim=-1)
-    h = x.shape[-1] // 2
-    rot = torch.cat([-x[..., h:], x[..., :h]], dim=-1)
-    if inverse:
-        return (x * ang.cos() - rot * ang.sin()) / scale
-    return (x * ang.cos() + rot * ang.sin()) * scale
-
-
 def rope_parameters(model: nn.Module, layer: int, spec: ArchSpec | None = None) -> tuple[torch.Tensor, float]:
     """(inv_freq (head_dim/2,) float32, attention_scaling) of the rotary embedding attention layer ``layer`` uses.
 

@@ -41,7 +41,7 @@ import torch
 
 from wushkv.codecs import KVarNCodec, TokenCodec, make_codec
 from wushkv.config import QuantConfig, WindowConfig
-from wushkv.models import rope_rotate
+from wushkv.transforms.rope import rope_rotate
 from wushkv.quantizers import unpack
 from wushkv.quantizers.kvarn import KVarNTiles, kvarn_dequantize
 
@@ -228,7 +228,7 @@ class RopeMean:
         self._table = torch.zeros(0, d)
 
     def rotated(self, positions: torch.Tensor) -> torch.Tensor:
-        """R_t μ (N, H, d) float64 at positions (N,) (:func:`wushkv.models.rope_rotate`, as wushkv's cache rotates it)."""
+        """R_t μ (N, H, d) float64 at positions (N,) (:func:`wushkv.transforms.rope.rope_rotate`, as wushkv's cache rotates it)."""
         return rope_rotate(self.mu[None], positions[:, None], self.inv_freq, self.scaling)
 
     def center(self, positions: torch.Tensor) -> torch.Tensor:

@@ -13,6 +13,7 @@ from .hadamard import hadamard_matrix, hadamard_transform, is_full_hadamard
 from .orthogonal import identity_transform, oscar_rotation, oscar_transform, random_orthogonal_transform
 from .per_layer import LayerTransforms
 from .registry import TRANSFORMS, TransformSpec, build_transforms, get_transform_spec
+from .rope import rope_rotate
 from .wush import wush_transform
 
 __all__ = [
@@ -28,6 +29,7 @@ __all__ = [
     "TRANSFORMS",
     "build_transforms",
     "get_transform_spec",
+    "rope_rotate",
     "LayerTransforms",
 ]
 
