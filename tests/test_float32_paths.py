@@ -7,11 +7,12 @@ of a rounding boundary can be stored differently: a quantization code one level 
 half-ulp over (a *flip*). A flip changes every later position that sees it; everything else agrees to float32
 rounding. So each check here
 
-1. asserts which path ran: the prefill used no kernel, and streaming called ``code_dot`` (keys) and
+1. asserts which path ran: the prefill read no packed codes, and streaming called ``code_dot`` (keys) and
    ``code_weighted_sum`` (values) exactly once per layer and decode step with a quantized middle
    (:func:`wushkv._ext.calls`);
 2. compares every stored value of the two caches (codes unpacked, metadata in its stored dtype) and bounds the
-   flips: codes to 1 in 1000, float16 metadata to 5%;
+   flips up to the first layer that has one (later layers see its effect, not rounding): codes to 1 in 1000, float16
+   metadata to 5%;
 3. bounds the logit difference to float32 rounding (:data:`TIGHT`, logits here are ~0.5) at every position that
    sees no flipped token, to :data:`METADATA_FLIP` where it sees only metadata flips, and behind a code flip to a
    tenth of the quantization effect (the old loose check, now only where a flip is seen).
@@ -36,6 +37,8 @@ TIGHT = 1e-5  # float32 rounding through a few layers: measured 1e-7..9e-7 on th
 METADATA_FLIP = 2e-4  # behind float16 metadata flips only (each moves one scale by ~5e-4 relative): measured ≤ 6e-5
 # flips measured on these runs: codes ≤ 1 in 2e4 (2 of 18 runs), float16 metadata ≤ 2.6% (KVarN tiles: statistics of
 # 8 tokens × 32 channels, each an ulp from its neighbour in float16)
+
+DECODE_KERNELS = ("code_dot", "code_weighted_sum")  # the kernels that read packed codes (the quantizers have their own)
 
 CONFIGS = {  # kernels read 1/2/4/8-bit per-token codes: every side quantized per token uses them here
     "quest": QuantConfig(2, 2, "quest", windows=WindowConfig(4, 8, 4)),
@@ -75,10 +78,17 @@ def flips(cache_a, cache_b, n_mid: int) -> dict[str, list]:
     stored dtype. Returns, for ``"codes"`` and for ``"metadata"`` (float16 scales, offsets, tile statistics),
     [values that differ, values compared, the first middle token (0-based) a difference belongs to or None].
 
-    float32 metadata (KVarN's tile folds) is not rounded when stored, so it is compared to a relative 1e-5."""
+    float32 metadata (KVarN's tile folds) is not rounded when stored, so it is compared to a relative 1e-5.
+
+    The counts stop after the first layer with a flip: a flip there moves every later layer's keys and values by more
+    than float32 rounding (a float16 half-ulp, ~2e-4 relative), so their float16 metadata then flips at a rate set by
+    that, not by rounding order. The first token still covers every layer (a later layer flips only at or after the
+    first flipped token: attention is causal)."""
     out = {"codes": [0, 0, None], "metadata": [0, 0, None]}
+    counting = True
     for la, lb in zip(cache_a.layers, cache_b.layers, strict=True):
         assert la._mid_len == lb._mid_len == n_mid
+        flipped_here = False
         for sa, sb in ((la.k_side, lb.k_side), (la.v_side, lb.v_side)):
             va, vb = stored(sa), stored(sb)
             assert va.keys() == vb.keys()
@@ -90,12 +100,15 @@ def flips(cache_a, cache_b, n_mid: int) -> dict[str, list]:
                     continue
                 acc = out["codes" if key == "codes" else "metadata"]
                 diff = a != b
-                acc[0] += int(diff.sum())
-                acc[1] += a.numel()
+                if counting:
+                    acc[0] += int(diff.sum())
+                    acc[1] += a.numel()
                 rows = diff.nonzero()[:, 2]  # dim 2: tokens, or blocks of n_mid / a.shape[2] tokens
                 if rows.numel():
+                    flipped_here = True
                     tok = int(rows.min()) * n_mid // a.shape[2]
                     acc[2] = tok if acc[2] is None else min(acc[2], tok)
+        counting = counting and not flipped_here
     return out
 
 
@@ -119,8 +132,11 @@ def check_paths(model, ids, cfg, max_code_flips: float = 1e-3, max_metadata_flip
         if cfg.side_quantizer("key") != "kvarn":
             want["code_dot"] = layers * steps
         want["code_weighted_sum"] = layers * steps
-    assert calls1 == {}, "the single pass reads no packed codes"
-    assert calls2 == want, f"decode did not take the fused kernels as expected: {calls2} != {want}"
+    decode1, decode2 = ({k: n for k, n in c.items() if k in DECODE_KERNELS} for c in (calls1, calls2))
+    assert decode1 == {}, "the single pass reads no packed codes"
+    assert decode2 == want, f"decode did not take the fused kernels as expected: {decode2} != {want}"
+    if kernels_expected() and cfg.side_quantizer("key") == "kvarn":  # key tiles are quantized by the fused kernels too
+        assert calls1.get("kvarn_rows") and calls2.get("kvarn_rows"), (calls1, calls2)
 
     # 2. flips are rare
     n_mid = w.quantized_count(T)

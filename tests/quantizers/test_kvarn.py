@@ -467,3 +467,63 @@ def test_feedback_is_for_keys_only():
         kvarn_quantize(torch.randn(128, 4), 2, "key", feedback=torch.eye(3))
     with pytest.raises(ValueError, match="does not broadcast"):
         kvarn_quantize(torch.randn(1, 3, 128, 4), 2, "key", feedback=torch.eye(4).expand(2, 4, 4))
+
+
+# ---------------------------------------------------------------- the compiled tile kernels (csrc/codes.cpp)
+
+
+@pytest.mark.parametrize("d,tile", [(6, 8), (64, 128), (24, 20)])  # row lengths under, at and off the 16-wide loops
+@pytest.mark.parametrize("kind,bits,clip,feedback", [("key", 2, 0.0, False), ("key", 2, 3.0, True), ("key", 3, 1.5, False),
+                                                     ("value", 4, 0.0, False), ("value", 2, 1.3, False), ("key", 4, 0.0, True)])
+def test_fused_tile_kernels_match_the_pytorch_loop(d, tile, kind, bits, clip, feedback):
+    """kvarn_balance and kvarn_rows (C++) against this module's PyTorch code, their reference: the same balanced tiles
+    and row + column scales to float32 rounding, the same codes but where rounding order puts a value across a
+    boundary, the same dequantized values to float16 metadata rounding; and the kernels really ran.
+
+    Not the same split of the scales between rows and columns: (ℓ_r + s, ℓ_c − s) balances a tile alike for any s,
+    and once the balance has converged (imbalance ≈ 2, every std ≈ 1) later rounds differ by such a shift while
+    their imbalances tie to float32 rounding, so which round is kept may differ between the two; the float16
+    ``scale``/``zero`` and ``s_fold`` then differ by e^±s with the same product."""
+    from wushkv import _ext
+    from wushkv.quantizers.feedback import feedback_matrix
+
+    from conftest import require_kernels
+
+    require_kernels()
+    g = torch.Generator().manual_seed(d + tile + bits)
+    x = (torch.randn(2, 3, 4 * tile, d, generator=g) @ torch.randn(d, d, generator=g) * torch.rand(d, generator=g) * 3
+         + torch.randn(d, generator=g))
+    F = None
+    if feedback:
+        Q = torch.randn(3, d, d, generator=g)
+        F = feedback_matrix(Q @ Q.mT + 0.1 * torch.eye(d))
+    _ext.reset_calls()
+    fast = kvarn_quantize(x, bits, kind, tile=tile, clip=clip, feedback=F)
+    assert _ext.calls() == {"kvarn_balance": 1, "kvarn_rows": 1}
+    ref = kvarn_quantize(x, bits, kind, tile=tile, clip=clip, feedback=F, fused=False)
+    assert _ext.calls() == {"kvarn_balance": 1, "kvarn_rows": 1}, "fused=False ran a kernel"
+    assert (fast.codes == ref.codes).float().mean() >= 0.999
+    same = fast.codes == ref.codes
+    xf, xr = kvarn_dequantize(fast), kvarn_dequantize(ref)
+    # a float16 rounding of each of scale, zero and s_fold: relative to s_fold·(scale·q + |zero|), as the sum may cancel
+    size = kvarn_dequantize(KVarNTiles(ref.codes, ref.scale.abs(), ref.zero.abs(), ref.s_fold.abs(), bits, kind, tile))
+    slack = 8 * FP16_EPS * size + 1e-6
+    assert ((xf - xr).abs()[same] <= slack[same]).all()
+    A = _tile_view(x.reshape(-1, d), tile, kind)
+    Bf, rf, cf = balance(A)
+    Br, rr, cr = balance(A, fused=False)
+    torch.testing.assert_close(Bf, Br, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(rf[..., :, None] + cf[..., None, :], rr[..., :, None] + cr[..., None, :], rtol=0, atol=1e-5)
+
+
+def test_fused_balance_keeps_the_start_of_constant_and_nan_tiles():
+    """The kernel's tie and NaN rules are the loop's: a constant tile (imbalance 0 at the start) keeps ℓ = 0; a tile
+    with a NaN never takes a round whose imbalance is NaN."""
+    from conftest import require_kernels
+
+    require_kernels()
+    A = torch.stack([torch.full((4, 5), 2.5), torch.randn(4, 5, generator=torch.Generator().manual_seed(3))])
+    A[1, 0, 0] = float("nan")
+    for fused in (True, False):
+        _, lr, lc = balance(A, fused=fused)
+        assert torch.equal(lr, torch.zeros_like(lr)) and torch.equal(lc, torch.zeros_like(lc)), fused

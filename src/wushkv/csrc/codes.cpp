@@ -17,6 +17,11 @@
 //       request over its paged context of cells (wushkv_vllm.paged.SlotCodec; per-token codes, or KVarN key tiles),
 //       the window tokens from their full-precision copies (wushkv_vllm.paged.Windows), the rest straight from the
 //       codes (+rmean: plus q·R_t μ from a table of cos/sin tθ); split-KV with an online-softmax merge
+//   kvarn_balance(A (N,R,C) f32, iters) -> [B, log_r (N,R), log_c (N,C)]: KVarN's dual-axis balance of each tile
+//       (wushkv.quantizers.kvarn.balance; its PyTorch loop is the reference)
+//   kvarn_rows(A, log_r, log_c, F (N,R,R) f32 or empty, bits, clip, alpha) -> [codes (N,R,C) u8, lo (N,R), step (N,R)]:
+//       each balanced row's grid and codes, rows in order with error feedback when F is given
+//       (wushkv.quantizers.kvarn.kvarn_quantize)
 //
 // The codes tensor may be a strided view (the cache's growable buffer); the last dim must be dense.
 #include <torch/extension.h>
@@ -775,11 +780,195 @@ void paged_store(torch::Tensor cache, torch::Tensor slots, std::vector<torch::Te
   });
 }
 
+// ---- KVarN tiles (wushkv.quantizers.kvarn) -----------------------------------------------------------------------
+// A tile is one R x C matrix in L1; every loop below runs over a contiguous row, and the row reductions keep 16
+// independent partial sums so they vectorize without reassociating (no -ffast-math). Two-pass mean/variance in
+// float32, as exact as PyTorch's reductions though not bit-equal to them.
+static inline float row_sum(const float* __restrict x, int64_t n) {
+  float acc[16] = {0.f};
+  int64_t i = 0;
+  for (; i + 16 <= n; i += 16)
+    for (int k = 0; k < 16; ++k) acc[k] += x[i + k];
+  float s = 0.f;
+  for (; i < n; ++i) s += x[i];
+  for (int k = 0; k < 16; ++k) s += acc[k];
+  return s;
+}
+
+static inline float row_sq_dev(const float* __restrict x, int64_t n, float m) {
+  float acc[16] = {0.f};
+  int64_t i = 0;
+  for (; i + 16 <= n; i += 16)
+    for (int k = 0; k < 16; ++k) { const float t = x[i + k] - m; acc[k] += t * t; }
+  float s = 0.f;
+  for (; i < n; ++i) { const float t = x[i] - m; s += t * t; }
+  for (int k = 0; k < 16; ++k) s += acc[k];
+  return s;
+}
+
+// unbiased std of each row (R) and each column (C) of B (R, C); mean: C floats of scratch
+static void tile_stds(const float* __restrict B, int64_t R, int64_t C, float* __restrict std_r, float* __restrict std_c,
+                      float* __restrict mean) {
+  if (std_r)
+    for (int64_t r = 0; r < R; ++r) {
+      const float* b = B + r * C;
+      const float m = row_sum(b, C) / float(C);
+      std_r[r] = std::sqrt(row_sq_dev(b, C, m) / float(C - 1));
+    }
+  if (std_c) {
+    std::fill(mean, mean + C, 0.f);
+    std::fill(std_c, std_c + C, 0.f);
+    for (int64_t r = 0; r < R; ++r)
+      for (int64_t c = 0; c < C; ++c) mean[c] += B[r * C + c];
+    for (int64_t c = 0; c < C; ++c) mean[c] /= float(R);
+    for (int64_t r = 0; r < R; ++r)
+      for (int64_t c = 0; c < C; ++c) { const float t = B[r * C + c] - mean[c]; std_c[c] += t * t; }
+    for (int64_t c = 0; c < C; ++c) std_c[c] = std::sqrt(std_c[c] / float(R - 1));
+  }
+}
+
+// max std / max(min std, 1e-8) over columns plus over rows (kvarn.imbalance)
+static float tile_imbalance(const float* B, int64_t R, int64_t C, float* std_r, float* std_c, float* mean) {
+  tile_stds(B, R, C, std_r, std_c, mean);
+  auto ratio = [](const float* s, int64_t n) {
+    float hi = s[0], lo = s[0];
+    for (int64_t i = 1; i < n; ++i) { hi = std::max(hi, s[i]); lo = std::min(lo, s[i]); }
+    // NaN propagates as torch's amax/amin do: a NaN std makes the ratio NaN
+    for (int64_t i = 0; i < n; ++i) if (std::isnan(s[i])) return NAN;
+    return hi / std::max(lo, 1e-8f);
+  };
+  return ratio(std_c, C) + ratio(std_r, R);
+}
+
+// B = A / (exp(log_r) exp(log_c)^T)
+static inline void divide_out(const float* __restrict A, const float* __restrict er, const float* __restrict ec, int64_t R,
+                              int64_t C, float* __restrict B) {
+  for (int64_t r = 0; r < R; ++r)
+    for (int64_t c = 0; c < C; ++c) B[r * C + c] = A[r * C + c] / (er[r] * ec[c]);
+}
+
+std::vector<torch::Tensor> kvarn_balance(torch::Tensor A, int64_t iters) {
+  TORCH_CHECK(A.dim() == 3 && A.scalar_type() == torch::kFloat32, "A must be (N,R,C) float32");
+  TORCH_CHECK(A.size(1) >= 2 && A.size(2) >= 2 && iters >= 0, "tiles need R, C >= 2 and iters >= 0");
+  A = A.contiguous();
+  const int64_t N = A.size(0), R = A.size(1), C = A.size(2);
+  auto Bout = torch::empty_like(A);
+  auto LR = torch::zeros({N, R}, A.options()), LC = torch::zeros({N, C}, A.options());
+  const float* ap = A.data_ptr<float>();
+  float *bp = Bout.data_ptr<float>(), *lrp = LR.data_ptr<float>(), *lcp = LC.data_ptr<float>();
+  at::parallel_for(0, N, 1, [&](int64_t n0, int64_t n1) {
+    std::vector<float> B(R * C), lr(R), lc(C), er(R), ec(C), sr(R), sc(C), mean(C), br(R), bc(C);
+    for (int64_t n = n0; n < n1; ++n) {
+      const float* a = ap + n * R * C;
+      std::fill(lr.begin(), lr.end(), 0.f);
+      std::fill(lc.begin(), lc.end(), 0.f);
+      std::fill(br.begin(), br.end(), 0.f);
+      std::fill(bc.begin(), bc.end(), 0.f);
+      float best = tile_imbalance(a, R, C, sr.data(), sc.data(), mean.data());
+      std::copy(a, a + R * C, B.begin());
+      for (int64_t it = 0; it < iters; ++it) {
+        tile_stds(B.data(), R, C, nullptr, sc.data(), mean.data());
+        for (int64_t c = 0; c < C; ++c) {
+          lc[c] = std::min(std::max(lc[c] + std::log(std::min(std::max(sc[c], 1e-3f), 1e3f)), -0.3f), 10.f);
+          ec[c] = std::exp(lc[c]);
+        }
+        for (int64_t r = 0; r < R; ++r) er[r] = std::exp(lr[r]);
+        divide_out(a, er.data(), ec.data(), R, C, B.data());
+        tile_stds(B.data(), R, C, sr.data(), nullptr, mean.data());
+        for (int64_t r = 0; r < R; ++r) {
+          lr[r] = std::min(std::max(lr[r] + std::log(std::min(std::max(sr[r], 1e-3f), 1e3f)), -0.3f), 10.f);
+          er[r] = std::exp(lr[r]);
+        }
+        divide_out(a, er.data(), ec.data(), R, C, B.data());
+        const float imb = tile_imbalance(B.data(), R, C, sr.data(), sc.data(), mean.data());
+        if (imb < best) {  // strictly better only: a NaN never replaces the incumbent
+          best = imb;
+          br = lr;
+          bc = lc;
+        }
+      }
+      for (int64_t r = 0; r < R; ++r) er[r] = std::exp(br[r]);
+      for (int64_t c = 0; c < C; ++c) ec[c] = std::exp(bc[c]);
+      divide_out(a, er.data(), ec.data(), R, C, bp + n * R * C);
+      std::copy(br.begin(), br.end(), lrp + n * R);
+      std::copy(bc.begin(), bc.end(), lcp + n * C);
+    }
+  });
+  return {Bout, LR, LC};
+}
+
+// Each row's grid (min-max, or clipped to mean ± clip·alpha·σ) and its codes (round half to even, as torch.round), rows
+// in order; with feedback F (R, R), row r's error as the decoder reads it (float16 metadata) is pushed onto the later
+// rows, W[r'] -= F[r, r'] e (kvarn._feedback_rows).
+std::vector<torch::Tensor> kvarn_rows(torch::Tensor A, torch::Tensor log_r, torch::Tensor log_c, torch::Tensor F, int64_t bits,
+                                      double clip, double alpha) {
+  TORCH_CHECK(A.dim() == 3 && A.scalar_type() == torch::kFloat32, "A must be (N,R,C) float32");
+  const int64_t N = A.size(0), R = A.size(1), C = A.size(2);
+  TORCH_CHECK(log_r.sizes() == torch::IntArrayRef({N, R}) && log_c.sizes() == torch::IntArrayRef({N, C}), "log_r (N,R), log_c (N,C)");
+  const bool fb = F.numel() > 0;
+  TORCH_CHECK(!fb || (F.scalar_type() == torch::kFloat32 && F.sizes() == torch::IntArrayRef({N, R, R})), "F must be (N,R,R) float32");
+  TORCH_CHECK(bits >= 1 && bits <= 8, "bits in 1..8");
+  A = A.contiguous(); log_r = log_r.contiguous(); log_c = log_c.contiguous();
+  if (fb) F = F.contiguous();
+  auto Q = torch::empty({N, R, C}, A.options().dtype(torch::kUInt8));
+  auto LO = torch::empty({N, R}, A.options()), ST = torch::empty({N, R}, A.options());
+  const float *ap = A.data_ptr<float>(), *lrp = log_r.data_ptr<float>(), *lcp = log_c.data_ptr<float>();
+  const float* fp = fb ? F.data_ptr<float>() : nullptr;
+  uint8_t* qp = Q.data_ptr<uint8_t>();
+  float *lop = LO.data_ptr<float>(), *stp = ST.data_ptr<float>();
+  const float qmax = float((1 << bits) - 1), c_alpha = float(clip * alpha);
+  at::parallel_for(0, N, 1, [&](int64_t n0, int64_t n1) {
+    std::vector<float> W(R * C), b(C), fold(C), fold16(C), q(C);
+    for (int64_t n = n0; n < n1; ++n) {
+      std::copy(ap + n * R * C, ap + (n + 1) * R * C, W.begin());
+      for (int64_t c = 0; c < C; ++c) {
+        fold[c] = std::exp(lcp[n * C + c]);
+        fold16[c] = float(c10::Half(fold[c]));
+      }
+      for (int64_t r = 0; r < R; ++r) {
+        const float re = std::exp(lrp[n * R + r]);
+        float* w = W.data() + r * C;
+        for (int64_t c = 0; c < C; ++c) b[c] = w[c] / (re * fold[c]);
+        float lo = b[0], hi = b[0];
+        for (int64_t c = 1; c < C; ++c) { lo = std::min(lo, b[c]); hi = std::max(hi, b[c]); }
+        if (clip > 0) {
+          const float m = row_sum(b.data(), C) / float(C);
+          const float half = c_alpha * std::sqrt(row_sq_dev(b.data(), C, m) / float(C));
+          lo = std::max(lo, m - half);
+          hi = std::min(hi, m + half);
+        }
+        const float step = std::max((hi - lo) / qmax, 1e-10f);
+        lop[n * R + r] = lo;
+        stp[n * R + r] = step;
+        uint8_t* qr = qp + (n * R + r) * C;
+        for (int64_t c = 0; c < C; ++c) {
+          const float v = std::min(std::max(std::nearbyint((b[c] - lo) / step), 0.f), qmax);
+          q[c] = v;
+          qr[c] = uint8_t(v);
+        }
+        if (fb && r + 1 < R) {
+          const float s16 = float(c10::Half(re * step)), z16 = float(c10::Half(re * lo));
+          for (int64_t c = 0; c < C; ++c) b[c] = w[c] - fold16[c] * (s16 * q[c] + z16);  // the error e, reusing b
+          const float* frow = fp + (n * R + r) * R;
+          for (int64_t r2 = r + 1; r2 < R; ++r2) {
+            const float f = frow[r2];
+            float* w2 = W.data() + r2 * C;
+            for (int64_t c = 0; c < C; ++c) w2[c] -= f * b[c];
+          }
+        }
+      }
+    }
+  });
+  return {Q, LO, ST};
+}
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("feedback_round", &feedback_round, "codes rounded with error feedback");
   m.def("code_dot", &code_dot, "Σ_i c_ji q_gi over packed codes");
   m.def("paged_decode", &paged_decode, "decode attention over paged cells");
   m.def("paged_dequantize", &paged_dequantize, "keys and values of a request's cells");
   m.def("paged_store", &paged_store, "write the cells of new tokens at their slots");
+  m.def("kvarn_balance", &kvarn_balance, "KVarN dual-axis balance of tiles");
+  m.def("kvarn_rows", &kvarn_rows, "KVarN row grids and codes, with error feedback");
   m.def("code_weighted_sum", &code_weighted_sum, "Σ_j w_gj c_j over packed codes");
 }

@@ -83,7 +83,17 @@ def _divide_out(A: Tensor, log_r: Tensor, log_c: Tensor) -> Tensor:
     return A / (log_r.exp().unsqueeze(-1) * log_c.exp().unsqueeze(-2))
 
 
-def balance(A: Tensor, iters: int = 16) -> tuple[Tensor, Tensor, Tensor]:
+def _fused_kernels(t: Tensor):
+    # the compiled tile kernels (csrc/codes.cpp) for a CPU tensor, None where they are not built
+    if t.device.type != "cpu":
+        return None
+    from .._ext import kernels
+
+    ext = kernels()
+    return ext if ext is not None and hasattr(ext, "kvarn_balance") else None
+
+
+def balance(A: Tensor, iters: int = 16, *, fused: bool = True) -> tuple[Tensor, Tensor, Tensor]:
     """Dual-axis variance normalization in the log domain (docs/reference/math.md#7-kvarn-tiles step 2), batched.
 
     Args:
@@ -96,6 +106,10 @@ def balance(A: Tensor, iters: int = 16) -> tuple[Tensor, Tensor, Tensor]:
         Per batch element the scales are those of lowest ``imbalance`` among the start
         (ℓ = 0, B = A) and the ``iters`` rounds; ties keep the earlier one. All ℓ lie in
         [-0.3, 10].
+
+    ``fused``: CPU tiles go through the compiled kernel (``csrc/codes.cpp``, about 50× faster) when it is built; this
+    loop is its reference. The two agree to float32 rounding (their reductions sum in different orders), so a tile
+    whose two best rounds have nearly equal imbalance may keep a different round.
     """
     if A.dim() < 2 or A.shape[-1] < 2 or A.shape[-2] < 2:
         raise ValueError(
@@ -109,6 +123,10 @@ def balance(A: Tensor, iters: int = 16) -> tuple[Tensor, Tensor, Tensor]:
     log_c = A.new_zeros(A.shape[:-2] + A.shape[-1:])  # (..., C)
     if A.numel() == 0:  # empty batch: nothing to balance (and std would warn)
         return A, log_r, log_c
+    ext = _fused_kernels(A) if fused else None
+    if ext is not None:
+        B, log_r, log_c = ext.kvarn_balance(A.reshape(-1, *A.shape[-2:]), iters)
+        return B.view(A.shape), log_r.view(A.shape[:-1]), log_c.view(*A.shape[:-2], A.shape[-1])
     best_r, best_c = log_r, log_c
     best_imb = imbalance(A)  # (...,) the starting point counts
     B = A
@@ -202,7 +220,8 @@ def _check_clip(clip: float) -> None:
         raise ValueError(f"KVarN `clip` must be a finite number >= 0 (0 = each row's min-max, as KVarN ships), got {clip!r}")
 
 
-def kvarn_quantize(x: Tensor, bits: int, kind: str, tile: int = 128, clip: float = 0.0, feedback: Tensor | None = None) -> KVarNTiles:
+def kvarn_quantize(x: Tensor, bits: int, kind: str, tile: int = 128, clip: float = 0.0, feedback: Tensor | None = None, *,
+                   fused: bool = True) -> KVarNTiles:
     """Quantize already-rotated keys or values x [..., T, d] with KVarN (docs/reference/math.md#7-kvarn-tiles steps 2-4).
 
     T must be a multiple of ``tile`` (the cache keeps the remainder in its fp16 tail) and
@@ -224,6 +243,11 @@ def kvarn_quantize(x: Tensor, bits: int, kind: str, tile: int = 128, clip: float
     over the tile's tokens, e_r = A_r − Â_r (Â from the float16 metadata as stored), is pushed onto the
     rows not yet quantized, A_{r'} −= F[r, r']·e_r. The balance scales come from the original tile.
     Same codes format, metadata and bytes; F = I gives the plain codes exactly.
+
+    ``fused``: on CPU, the balance and the rows run in the compiled kernels (``csrc/codes.cpp``) when they are built;
+    the PyTorch code here is their reference (:func:`balance`; codes equal but where float32 rounding puts a value on
+    a rounding boundary). wushkv's cache and the vLLM plugin both quantize through this function, so they store the
+    same tiles either way.
     """
     _check_bits(bits)
     _check_kind(kind)
@@ -241,8 +265,16 @@ def kvarn_quantize(x: Tensor, bits: int, kind: str, tile: int = 128, clip: float
         _check_feedback(feedback, x, kind)
 
     A = _to_tiles(x.float(), tile, kind)  # (..., n, R, C)
-    B, log_r, log_c = balance(A)
-    if feedback is None:
+    ext = _fused_kernels(A) if fused and A.numel() else None
+    B, log_r, log_c = balance(A, fused=fused)
+    if ext is not None:
+        R, C = A.shape[-2:]
+        F = (feedback.to(torch.float32).unsqueeze(-3).expand(*A.shape[:-2], R, R).reshape(-1, R, R) if feedback is not None
+             else A.new_empty(0))
+        q, lo, step = ext.kvarn_rows(A.reshape(-1, R, C), log_r.reshape(-1, R), log_c.reshape(-1, C), F, bits, float(clip),
+                                     float(QUEST_ALPHA[bits]))
+        q, lo, step = q.view(A.shape), lo.view(log_r.shape), step.view(log_r.shape)
+    elif feedback is None:
         lo, step = _row_grid(B, bits, clip)  # (..., n, R)
         q = torch.round((B - lo.unsqueeze(-1)) / step.unsqueeze(-1)).clamp_(0, 2**bits - 1)  # (..., n, R, C)
     else:
