@@ -266,6 +266,18 @@ def test_cli_export_model(llama, tmp_path, capsys):
                "--bits", "2", "--sink", "4", "--keep", "8", "--flush", "4", "--out", str(tmp_path / "tiles")])
     err = capsys.readouterr().err
     assert rc == 0 and "note: key tiles of 128 tokens start after the sink of 4 tokens" in err and "export with --sink 128" in err
+    # no --sink: the default (64) is raised to one whole tile, the recent window shortened by as much: servable
+    rc = main(["export-model", "--model", str(src), "--calibration", str(tmp_path / "cal.safetensors"), "--method", "wush+ktiles",
+               "--bits", "2", "--keep", "256", "--out", str(tmp_path / "tiles-default")])
+    out, err = capsys.readouterr()
+    assert rc == 0 and "sink 64 -> 128, recent window 256 -> 192" in err and "key tiles of 128 tokens start" not in err
+    w = read_side_file(tmp_path / "tiles-default")[0]["quantization"]["windows"]
+    assert (w["S_sink"], w["S_keep"], w["S_flush"]) == (128, 132, 128)  # key_tile_windows of 128/192/8
+    # a method without key tiles keeps the default sink, silently
+    rc = main(["export-model", "--model", str(src), "--calibration", str(tmp_path / "cal.safetensors"), "--method", "wush",
+               "--bits", "2", "--out", str(tmp_path / "plain-default")])
+    assert rc == 0 and "note:" not in capsys.readouterr().err
+    assert read_side_file(tmp_path / "plain-default")[0]["quantization"]["windows"]["S_sink"] == 64
 
     other = _cal(_model("llama", seed=1), tmp_path)
     other.save(tmp_path / "other.safetensors")

@@ -14,11 +14,16 @@ def cmd_export_model(args) -> int:
     from ..calibration import Calibration
     from ..serving import export_model
 
+    sink_given = args.sink is not None
+    if not sink_given:
+        args.sink = GENERATION_WINDOWS.S_sink
     cfg = quant_config(args)
     if hasattr(args, "bits"):  # given (16 parses to None: full precision)
         cfg = replace(cfg, k_bits=args.bits, v_bits=args.bits)
     model, tok = load_model(args)
     cal = Calibration.load(args.calibration, model=model) if args.calibration else None
+    if not sink_given:
+        cfg = _servable_sink(cfg, cal, args)
     meta = export_model(model, tok, args.out, method=args.method, cfg=cfg, calibration=cal, model_key=args.model, log=err)
     c = meta["checks"]
     choice = meta["choice"]
@@ -43,6 +48,25 @@ def cmd_export_model(args) -> int:
     return 0
 
 
+def _servable_sink(cfg, cal, args):
+    """``cfg`` with the default sink raised to whole key tiles where the method keeps keys in tiles (the vLLM plugin
+    serves tiles only after a sink of whole tiles: :func:`wushkv.served_format.tile_sink_problem`), the recent window
+    shortened by as much, so that as many tokens stay in full precision on average; ``cfg`` itself otherwise."""
+    from ..serving import resolve_method
+    from ..served_format import tile_sink_problem
+
+    m, resolved, _ = resolve_method(args.method, cal, cfg, args.model)
+    if tile_sink_problem(resolved) is None:
+        return cfg
+    w, tile = cfg.windows, resolved.windows.S_flush
+    sink = tile * -(-w.S_sink // tile)
+    keep = max(0, w.S_keep - (sink - w.S_sink))
+    err(f"note: {m.name} keeps keys in {tile}-token tiles, which the vLLM plugin serves after a sink of whole tiles: sink "
+        f"{w.S_sink} -> {sink}, recent window {w.S_keep} -> {keep} (as many full-precision tokens on average); --sink "
+        "sets the sink")
+    return replace(cfg, windows=replace(w, S_sink=sink, S_keep=keep))
+
+
 def register(sub) -> None:
     p = sub.add_parser("export-model", help="write a model folder an engine loads as a HF checkpoint: T_V folded, key transforms "
                                            "and quantizer in a wushkv side file (docs/reference/formats.md)")
@@ -53,5 +77,10 @@ def register(sub) -> None:
                                                     "wushkv method, e.g. wush, wush+rmean+ktiles+ldlq (default: %(default)s)")
     p.add_argument("--bits", type=bits, default=argparse.SUPPRESS, help="key and value bits at once (overrides --k-bits/--v-bits)")
     add_quant_args(p, GENERATION_WINDOWS)
+    for action in p._actions:  # no --sink: the generation default, or whole key tiles where the method needs them
+        if action.dest == "sink":
+            action.default = None
+            action.help = (f"S_sink full-precision first tokens (default: {GENERATION_WINDOWS.S_sink}; for a method with key "
+                           "tiles, whole tiles, which the vLLM plugin needs, the recent window shortened by as much)")
     p.add_argument("--out", required=True, help="the folder to create (must not exist, or be empty)")
     p.set_defaults(func=cmd_export_model, quantizer="affine")
