@@ -317,24 +317,28 @@ def test_attention_reads_what_token_by_token_decode_reads():
                                                      ("quest", 8, torch.float32), ("quest", 4, torch.float16),
                                                      ("quest", 3, torch.float32), ("tiles", 2, torch.float32),
                                                      ("tiles", 4, torch.bfloat16), ("quest+rmean", 2, torch.float32),
-                                                     ("tiles+rmean", 2, torch.float32)])
+                                                     ("tiles+rmean", 2, torch.float32), ("tiles128", 2, torch.float32)])
 def test_batched_decode_kernel_equals_the_general_attention(quantizer, bits, dtype):
     """The fused decode of a whole batch (one call, through the block tables, window tokens from the pool, the rest
     from the codes) gives what the general path gives each request's query at its last position: ragged lengths
     (shorter than the sink, inside one block, many splits), blocks out of order, a copy dropped (read from its
     codes), GQA groups of 3, a sliding window and softcapping. ``tiles``: keys in KVarN tiles of 8 tokens (clipped,
     with error feedback), their unflushed tail of 4 to 11 tokens in full precision. ``+rmean``: the codes hold keys
-    centered on a rotating mean, which a token read from them gets back (in the kernel, from a cos/sin table)."""
+    centered on a rotating mean, which a token read from them gets back (in the kernel, from a cos/sin table).
+    ``tiles128``: tiles of 128 tokens in blocks of 128, whose scale and zero take 1 byte a cell at d = 32 (a float16
+    then spans two cells: the kernel's gathering path; 8-token tiles read theirs in place)."""
     require_kernels()
     H, G, d, bs, S, R = 2, 3, 32, 16, 4, 24
     quantizer, rmean = quantizer.removesuffix("+rmean"), quantizer.endswith("+rmean")
-    tile = 8 if quantizer == "tiles" else 1
+    tile = {"tiles": 8, "tiles128": 128}.get(quantizer, 1)
+    if tile == 128:
+        quantizer, bs = "tiles", 128
     rm = None
     if rmean:  # a mean far from 0, as keys have it, rotated by RoPE of base 10,000; no transform (key = I)
         rm = RopeMean(torch.randn(H, d, generator=_g(18)) * 3, torch.eye(d).expand(H, d, d),
                       1.0 / 10000 ** (torch.arange(0, d, 2) / d), 1.0)
     if tile > 1:
-        S, R = 8, 4
+        S, R = tile, 4
         cfg = QuantConfig(k_bits=bits, v_bits=2, quantizer="quest", key_quantizer="kvarn", tile_clip=1.7,
                           windows=WindowConfig(S, R, tile))
         F = torch.eye(d).expand(H, d, d) + torch.triu(torch.randn(H, d, d, generator=_g(19)) * 0.1, 1)

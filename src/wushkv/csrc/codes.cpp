@@ -367,6 +367,93 @@ static inline float exp_shifted_sum(float* __restrict x, int64_t n, float m) {
   return l;
 }
 
+// acc[g*astride + i] += Σ_j p[g*pstride + j]·sc_j · c_ji and osum[g] += Σ_j p[g*pstride + j]·of_j over `count`
+// consecutive cells of one block (cell j at base + j*cstride; sc, of its value side's step and offset): a run of
+// tokens read from their codes. The G × d/16 accumulators stay in registers for the whole run (axpy_codes loads and
+// stores them for every token, a store-to-load chain per token).
+using AxpyRun = void (*)(const uint8_t*, int64_t, int64_t, const CellSide&, int64_t, const float*, int64_t, float*,
+                         int64_t, float*);
+#ifdef WUSHKV_AVX512
+template <int BITS, int GN, int M>
+static void axpy_run_t(const uint8_t* base, int64_t cstride, int64_t count, const CellSide& V, int64_t nb, const float* p,
+                       int64_t pstride, float* acc, int64_t astride, float* osum) {
+  constexpr int PER = 8 / BITS;
+  const __m512i mask = _mm512_set1_epi32((1 << BITS) - 1);
+  __mmask16 lanes[M];
+  for (int mm = 0; mm < M; ++mm) lanes[mm] = nb - mm * 16 >= 16 ? __mmask16(0xFFFF) : __mmask16((1u << (nb - mm * 16)) - 1);
+  __m512 a[GN][M * PER];
+  float os[GN];
+  for (int g = 0; g < GN; ++g) {
+    os[g] = 0.f;
+    for (int k = 0; k < M * PER; ++k) a[g][k] = _mm512_setzero_ps();
+  }
+  for (int64_t j = 0; j < count; ++j, base += cstride) {
+    const float sc = meta_at(base + V.scale, V.meta);
+    const float of = V.offset >= 0 ? meta_at(base + V.offset, V.meta) : sc * V.half;
+    __m512 w[GN];
+    for (int g = 0; g < GN; ++g) {
+      const float pg = p[g * pstride + j];
+      w[g] = _mm512_set1_ps(pg * sc);
+      os[g] += pg * of;
+    }
+    const uint8_t* row = base + V.codes;
+#pragma GCC unroll 4
+    for (int mm = 0; mm < M; ++mm) {
+      const __m512i x = _mm512_cvtepu8_epi32(_mm_maskz_loadu_epi8(lanes[mm], row + mm * 16));
+#pragma GCC unroll 8
+      for (int t = 0; t < PER; ++t) {
+        const __m512 c = _mm512_cvtepi32_ps(_mm512_and_si512(_mm512_srli_epi32(x, t * BITS), mask));
+#pragma GCC unroll 4
+        for (int g = 0; g < GN; ++g) a[g][mm * PER + t] = _mm512_fmadd_ps(w[g], c, a[g][mm * PER + t]);
+      }
+    }
+  }
+  for (int g = 0; g < GN; ++g) {
+    osum[g] += os[g];
+    for (int mm = 0; mm < M; ++mm)
+      for (int t = 0; t < PER; ++t) {
+        float* dst = acc + g * astride + t * nb + mm * 16;
+        _mm512_mask_storeu_ps(dst, lanes[mm], _mm512_add_ps(_mm512_maskz_loadu_ps(lanes[mm], dst), a[g][mm * PER + t]));
+      }
+  }
+}
+
+template <int BITS, int M>
+static AxpyRun axpy_run_g(int64_t G) {
+  switch (G) {
+    case 1: return axpy_run_t<BITS, 1, M>;
+    case 2: return axpy_run_t<BITS, 2, M>;
+    case 3: return axpy_run_t<BITS, 3, M>;
+    case 4: return axpy_run_t<BITS, 4, M>;
+    default: return nullptr;
+  }
+}
+#endif
+
+// the register-resident run for (bits, G, nb), or nullptr (no AVX-512, or more accumulators than registers hold):
+// then each token goes through axpy_codes
+static AxpyRun axpy_run_for(int64_t bits, int64_t G, int64_t nb) {
+#ifdef WUSHKV_AVX512
+  const int64_t M = (nb + 15) / 16, per = 8 / bits;
+  if (G < 1 || G > 4 || G * M * per > 24) return nullptr;
+  switch (bits * 10 + M) {
+    case 11: return axpy_run_g<1, 1>(G);
+    case 21: return axpy_run_g<2, 1>(G);
+    case 22: return axpy_run_g<2, 2>(G);
+    case 41: return axpy_run_g<4, 1>(G);
+    case 42: return axpy_run_g<4, 2>(G);
+    case 44: return axpy_run_g<4, 4>(G);
+    case 81: return axpy_run_g<8, 1>(G);
+    case 82: return axpy_run_g<8, 2>(G);
+    case 84: return axpy_run_g<8, 4>(G);
+    default: return nullptr;
+  }
+#else
+  (void)bits, (void)G, (void)nb;
+  return nullptr;
+#endif
+}
+
 static constexpr int64_t PAGED_CHUNK = 512;  // tokens per split: a request's context is several work items
 static constexpr int64_t PAGED_SERIAL = 16384;  // token-heads below which a step runs on one thread
 
@@ -421,6 +508,9 @@ static void paged_decode_impl(const torch::Tensor& cache, const torch::Tensor& t
     const int64_t H_ = H, G_ = G, d_ = d, bs_ = bs, U_ = U, KD_ = KD, VD_ = VD, knb_ = knb, vnb_ = vnb;
     const int64_t s0_ = s0, s1_ = s1, s2_ = s2;
     const CellSide K_ = K, V_ = V;
+    const AxpyRun vrun = axpy_run_for(V_.bits, G_, vnb_);
+    std::vector<int64_t> kperm(d_);  // channel i's place in the permuted order of dot_codes (no division per tile)
+    for (int64_t i = 0; i < d_; ++i) kperm[i] = (i % kper) * knb_ + i / kper;
     std::vector<float> qz(G_ * d_), qk(G_ * KD_, 0.f), qsum(G_), dots(G_), s(G_ * PAGED_CHUNK), kf(d_);
     std::vector<float> acc(G_ * VD_), accf(G_ * d_), osum(G_);
     std::vector<int32_t> src(PAGED_CHUNK);  // per token: its copy's pool row, or -1 (read the codes)
@@ -433,14 +523,14 @@ static void paged_decode_impl(const torch::Tensor& cache, const torch::Tensor& t
       const int64_t len = b - a;
       // wushkv's windows: the middle read from codes is [sink, sink + Qc(n)), Qc(n) = flush·⌊(n − sink − recent)⁺/flush⌋
       const int64_t mid_end = sink + flush * (std::max<int64_t>(0, n - sink - recent) / flush);
-      int64_t cur_tile = -1;
+      int64_t tile_lo = 0, tile_hi = 0;  // the tile whose scales qkt/qzt hold, [tile_lo, tile_hi): none yet
       std::fill(qk.begin(), qk.end(), 0.f);
       for (int64_t g = 0; g < G_; ++g) {
         float sum = 0.f;
         for (int64_t i = 0; i < d_; ++i) {
           const float x = qp[(r * Hq + h * G_ + g) * d_ + i];
           qz[g * d_ + i] = x;
-          qk[g * KD_ + (i % kper) * knb_ + i / kper] = x;
+          qk[g * KD_ + kperm[i]] = x;
           sum += x;
         }
         qsum[g] = sum;
@@ -476,17 +566,25 @@ static void paged_decode_impl(const torch::Tensor& cache, const torch::Tensor& t
               s[g * PAGED_CHUNK + j] = acc_s;
             }
           } else if (KT) {  // q·k = s_tok·(Σ_i (q_i·scale_i)·code_i + q·zero), the tile's terms computed once
-            if (t / KT != cur_tile) {
-              cur_tile = t / KT;
+            if (t >= tile_hi || t < tile_lo) {  // a compare per token, not a 64-bit division (tens of cycles)
+              tile_lo = t / KT * KT;
+              tile_hi = tile_lo + KT;
               const int64_t off0 = (t % bs_) / KT * KT;  // the tile's first slot in this block
               const uint8_t* tb = cp + blk * s0_ + h * s1_ + off0 * s2_ + K_.tmeta;
-              for (int64_t o = 0; o < KT; ++o) std::memcpy(tmeta.data() + o * K_.tmeta_w, tb + o * s2_, K_.tmeta_w);
-              for (int64_t i = 0; i < 2 * d_; ++i) tsc[i] = meta_at(tmeta.data() + 2 * i, 0);  // scale (d), then zero (d)
+              if (K_.tmeta_w % 2 == 0) {  // no f16 straddles two cells: read them in place, scale (d) then zero (d)
+                int64_t i = 0;
+                for (int64_t o = 0; o < KT && i < 2 * d_; ++o)
+                  for (int64_t k = 0; k + 1 < K_.tmeta_w && i < 2 * d_; k += 2) tsc[i++] = meta_at(tb + o * s2_ + k, 0);
+              } else {  // gather the slices, then read
+                for (int64_t o = 0; o < KT; ++o)
+                  for (int64_t k = 0; k < K_.tmeta_w; ++k) tmeta[o * K_.tmeta_w + k] = tb[o * s2_ + k];
+                for (int64_t i = 0; i < 2 * d_; ++i) tsc[i] = meta_at(tmeta.data() + 2 * i, 0);
+              }
               for (int64_t g = 0; g < G_; ++g) {
                 float z = 0.f;
                 for (int64_t i = 0; i < d_; ++i) {
                   const float x = qz[g * d_ + i];
-                  qkt[g * KD_ + (i % kper) * knb_ + i / kper] = x * tsc[i];
+                  qkt[g * KD_ + kperm[i]] = x * tsc[i];
                   z += x * tsc[d_ + i];
                 }
                 qzt[g] = z;
@@ -518,11 +616,15 @@ static void paged_decode_impl(const torch::Tensor& cache, const torch::Tensor& t
       for (int64_t g = 0; g < G_; ++g) {
         float* sg = s.data() + g * PAGED_CHUNK;
         float m = -INFINITY;
-        for (int64_t j = 0; j < len; ++j) {
-          float x = sg[j] * scale;
-          if (softcap > 0.f) x = softcap * std::tanh(x / softcap);
-          sg[j] = x;
-          m = std::max(m, x);
+        if (softcap > 0.f) {
+          for (int64_t j = 0; j < len; ++j) {
+            const float x = softcap * std::tanh(sg[j] * scale / softcap);
+            sg[j] = x;
+            m = std::max(m, x);
+          }
+        } else {  // no call in the loop: it vectorizes
+          for (int64_t j = 0; j < len; ++j) sg[j] *= scale;
+          for (int64_t j = 0; j < len; ++j) m = std::max(m, sg[j]);
         }
         P[g] = m;
         P[G_ + g] = exp_shifted_sum(sg, len, m);
@@ -536,6 +638,14 @@ static void paged_decode_impl(const torch::Tensor& cache, const torch::Tensor& t
         const uint8_t* base = cp + blk * s0_ + h * s1_ + (t - bi * bs_) * s2_;
         for (; t < stop; ++t, base += s2_) {
           const int64_t j = t - a;
+          if (vrun != nullptr && src[j] < 0) {  // a run of cells read from their codes, accumulated in registers
+            int64_t e = t + 1;
+            while (e < stop && src[e - a] < 0) ++e;
+            vrun(base, s2_, e - t, V_, vnb_, s.data() + j, PAGED_CHUNK, acc.data(), VD_, osum.data());
+            base += (e - t - 1) * s2_;
+            t = e - 1;
+            continue;
+          }
           if (src[j] >= 0) {
             const scalar_t* vr = pp + ((src[j] * H_ + h) * 2 + 1) * d_;
             for (int64_t i = 0; i < d_; ++i) kf[i] = static_cast<float>(vr[i]);
