@@ -1,6 +1,7 @@
 """What error-feedback rounding (``+ldlq``) costs when the cache flushes: the fused CPU kernel against the
 PyTorch reference loop and against plain QuEST rounding of the same block, measured in the same run; and for
-key tiles (``+ktiles+ldlq``), KVarN's key-tile quantizer with feedback along the channels against without.
+key tiles (``+ktiles+ldlq``), KVarN's key-tile quantizer with feedback along the channels against without, and
+against its PyTorch reference loop (``fused=False``; the default runs the compiled kernels on CPU).
 
     python benchmarks/feedback_speed.py [--threads 1] [--repeats 50]
 
@@ -77,7 +78,9 @@ def run(repeats: int, flush_shapes=FLUSH_SHAPES, tile_shapes=TILE_SHAPES) -> dic
 
     from wushkv.quantizers.kvarn import kvarn_quantize
 
-    print(f"\nkey tiles (KVarN, 2 bits, tile clip 1.7)\n{'shape (B, H, N, d)':22s} {'plain tiles':>12s} {'feedback':>10s} {'feedback/plain':>15s}")
+    print(f"\nkey tiles (KVarN, 2 bits, tile clip 1.7; fused kernels {'on' if fused_ok else 'UNAVAILABLE'}, loop: their PyTorch "
+          f"reference with feedback)\n{'shape (B, H, N, d)':22s} {'plain tiles':>12s} {'feedback':>10s} {'feedback/plain':>15s} "
+          f"{'loop':>10s} {'loop/feedback':>14s}")
     for shape in tile_shapes:
         _, H, _, d = shape
         x = torch.randn(*shape, generator=g)
@@ -85,8 +88,10 @@ def run(repeats: int, flush_shapes=FLUSH_SHAPES, tile_shapes=TILE_SHAPES) -> dic
         F = feedback_matrix(A @ A.mT / d + torch.eye(d, dtype=torch.float64))
         plain = median_ms(lambda x=x: kvarn_quantize(x, 2, "key", clip=1.7), repeats)
         fb = median_ms(lambda x=x, F=F: kvarn_quantize(x, 2, "key", clip=1.7, feedback=F), max(3, repeats // 5))
-        out["tiles"].append({"shape": shape, "plain_ms": plain, "feedback_ms": fb, "feedback_over_plain": fb / plain})
-        print(f"{str(shape):22s} {plain:10.3f}ms {fb:8.3f}ms {fb / plain:14.1f}x", flush=True)
+        loop = median_ms(lambda x=x, F=F: kvarn_quantize(x, 2, "key", clip=1.7, feedback=F, fused=False), max(3, repeats // 10))
+        out["tiles"].append({"shape": shape, "plain_ms": plain, "feedback_ms": fb, "feedback_over_plain": fb / plain,
+                             "loop_ms": loop, "loop_over_feedback": loop / fb})
+        print(f"{str(shape):22s} {plain:10.3f}ms {fb:8.3f}ms {fb / plain:14.1f}x {loop:8.3f}ms {loop / fb:13.1f}x", flush=True)
     return out
 
 

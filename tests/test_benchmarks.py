@@ -160,8 +160,21 @@ def test_feedback_speed(capsys):
     assert positive(flush["plain_ms"]) and positive(flush["loop_ms"])
     if res["fused_kernel"]:
         assert positive(flush["fused_over_plain"]) and positive(flush["loop_over_fused"])
-    assert positive(tiles["feedback_over_plain"]) and tiles["shape"] == (1, 2, 128, 32)
+    assert positive(tiles["feedback_over_plain"]) and positive(tiles["loop_over_feedback"]) and tiles["shape"] == (1, 2, 128, 32)
     assert "key tiles" in capsys.readouterr().out
+
+
+def test_paged_decode(capsys):
+    from conftest import require_kernels
+
+    require_kernels()
+    paged_decode = load_benchmark("paged_decode")
+    assert paged_decode.parse_args([]).threads == 1
+    (row,) = paged_decode.run([256], 2, 1)
+    assert row["context"] == 256 and positive(row["dense_ms"])
+    for layout in ("per_token", "ktiles"):
+        assert positive(row[f"{layout}_over_dense"]) and positive(row[f"{layout}_ns_per_token_head"])
+    assert "ktiles/float32" in capsys.readouterr().out
 
 
 def test_long_generation():

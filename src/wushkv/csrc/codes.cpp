@@ -430,6 +430,101 @@ static AxpyRun axpy_run_g(int64_t G) {
 }
 #endif
 
+// s[g*sstride + j] for `count` consecutive key cells of one block read from their codes, the G queries q (permuted,
+// qstride apart) held in registers for the whole run: per token (TILE) s_tok·(q·code + add[g]) with add = the tile's
+// q·zero, or sc·(q·code) + of·add[g] with add = Σ q. The G dot products are reduced together (hsum4).
+using DotRun = void (*)(const uint8_t*, int64_t, int64_t, const CellSide&, int64_t, const float*, int64_t, const float*,
+                        float*, int64_t);
+#ifdef WUSHKV_AVX512
+// the lane sums of a, b, c, d: out[0..3] (fewer shuffles than four _mm512_reduce_add_ps)
+static inline void hsum4(__m512 a, __m512 b, __m512 c, __m512 d, float* out) {
+  const __m512 ab = _mm512_add_ps(_mm512_shuffle_f32x4(a, b, _MM_SHUFFLE(1, 0, 1, 0)), _mm512_shuffle_f32x4(a, b, _MM_SHUFFLE(3, 2, 3, 2)));
+  const __m512 cd = _mm512_add_ps(_mm512_shuffle_f32x4(c, d, _MM_SHUFFLE(1, 0, 1, 0)), _mm512_shuffle_f32x4(c, d, _MM_SHUFFLE(3, 2, 3, 2)));
+  __m512 x = _mm512_add_ps(_mm512_shuffle_f32x4(ab, cd, _MM_SHUFFLE(2, 0, 2, 0)), _mm512_shuffle_f32x4(ab, cd, _MM_SHUFFLE(3, 1, 3, 1)));
+  x = _mm512_add_ps(x, _mm512_permute_ps(x, _MM_SHUFFLE(1, 0, 3, 2)));
+  x = _mm512_add_ps(x, _mm512_permute_ps(x, _MM_SHUFFLE(2, 3, 0, 1)));
+  alignas(64) float lanes[16];
+  _mm512_store_ps(lanes, x);
+  out[0] = lanes[0], out[1] = lanes[4], out[2] = lanes[8], out[3] = lanes[12];
+}
+
+template <int BITS, int GN, int M, bool TILE>
+static void dot_run_t(const uint8_t* base, int64_t cstride, int64_t count, const CellSide& K, int64_t nb, const float* q,
+                      int64_t qstride, const float* add, float* s, int64_t sstride) {
+  constexpr int PER = 8 / BITS;
+  const __m512i mask = _mm512_set1_epi32((1 << BITS) - 1);
+  __mmask16 lanes[M];
+  for (int mm = 0; mm < M; ++mm) lanes[mm] = nb - mm * 16 >= 16 ? __mmask16(0xFFFF) : __mmask16((1u << (nb - mm * 16)) - 1);
+  __m512 qv[GN][M * PER];
+  for (int g = 0; g < GN; ++g)
+    for (int mm = 0; mm < M; ++mm)
+      for (int t = 0; t < PER; ++t) qv[g][mm * PER + t] = _mm512_maskz_loadu_ps(lanes[mm], q + g * qstride + t * nb + mm * 16);
+  for (int64_t j = 0; j < count; ++j, base += cstride) {
+    const uint8_t* row = base + K.codes;
+    __m512 acc[4] = {_mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps()};
+#pragma GCC unroll 4
+    for (int mm = 0; mm < M; ++mm) {
+      const __m512i x = _mm512_cvtepu8_epi32(_mm_maskz_loadu_epi8(lanes[mm], row + mm * 16));
+#pragma GCC unroll 8
+      for (int t = 0; t < PER; ++t) {
+        const __m512 c = _mm512_cvtepi32_ps(_mm512_and_si512(_mm512_srli_epi32(x, t * BITS), mask));
+#pragma GCC unroll 4
+        for (int g = 0; g < GN; ++g) acc[g] = _mm512_fmadd_ps(c, qv[g][mm * PER + t], acc[g]);
+      }
+    }
+    float dots[4];
+    hsum4(acc[0], acc[1], acc[2], acc[3], dots);
+    if constexpr (TILE) {
+      const float st = meta_at(base + K.scale, 0);
+      for (int g = 0; g < GN; ++g) s[g * sstride + j] = st * (dots[g] + add[g]);
+    } else {
+      const float sc = meta_at(base + K.scale, K.meta);
+      const float of = K.offset >= 0 ? meta_at(base + K.offset, K.meta) : sc * K.half;
+      for (int g = 0; g < GN; ++g) s[g * sstride + j] = sc * dots[g] + of * add[g];
+    }
+  }
+}
+
+template <int BITS, int M, bool TILE>
+static DotRun dot_run_g(int64_t G) {
+  switch (G) {
+    case 1: return dot_run_t<BITS, 1, M, TILE>;
+    case 2: return dot_run_t<BITS, 2, M, TILE>;
+    case 3: return dot_run_t<BITS, 3, M, TILE>;
+    case 4: return dot_run_t<BITS, 4, M, TILE>;
+    default: return nullptr;
+  }
+}
+
+template <bool TILE>
+static DotRun dot_run_m(int64_t bits, int64_t G, int64_t M) {
+  switch (bits * 10 + M) {
+    case 11: return dot_run_g<1, 1, TILE>(G);
+    case 21: return dot_run_g<2, 1, TILE>(G);
+    case 22: return dot_run_g<2, 2, TILE>(G);
+    case 41: return dot_run_g<4, 1, TILE>(G);
+    case 42: return dot_run_g<4, 2, TILE>(G);
+    case 44: return dot_run_g<4, 4, TILE>(G);
+    case 81: return dot_run_g<8, 1, TILE>(G);
+    case 82: return dot_run_g<8, 2, TILE>(G);
+    case 84: return dot_run_g<8, 4, TILE>(G);
+    default: return nullptr;
+  }
+}
+#endif
+
+// the register-resident key run for (bits, G, nb, tiles or not), or nullptr (then each token goes through dot_codes)
+static DotRun dot_run_for(int64_t bits, int64_t G, int64_t nb, bool tile) {
+#ifdef WUSHKV_AVX512
+  const int64_t M = (nb + 15) / 16, per = 8 / bits;
+  if (G < 1 || G > 4 || G * M * per > 16) return nullptr;  // the queries in at most 16 registers
+  return tile ? dot_run_m<true>(bits, G, M) : dot_run_m<false>(bits, G, M);
+#else
+  (void)bits, (void)G, (void)nb, (void)tile;
+  return nullptr;
+#endif
+}
+
 // the register-resident run for (bits, G, nb), or nullptr (no AVX-512, or more accumulators than registers hold):
 // then each token goes through axpy_codes
 static AxpyRun axpy_run_for(int64_t bits, int64_t G, int64_t nb) {
@@ -509,6 +604,7 @@ static void paged_decode_impl(const torch::Tensor& cache, const torch::Tensor& t
     const int64_t s0_ = s0, s1_ = s1, s2_ = s2;
     const CellSide K_ = K, V_ = V;
     const AxpyRun vrun = axpy_run_for(V_.bits, G_, vnb_);
+    const DotRun krun = dot_run_for(K_.bits, G_, knb_, K_.tile > 0);
     std::vector<int64_t> kperm(d_);  // channel i's place in the permuted order of dot_codes (no division per tile)
     for (int64_t i = 0; i < d_; ++i) kperm[i] = (i % kper) * knb_ + i / kper;
     std::vector<float> qz(G_ * d_), qk(G_ * KD_, 0.f), qsum(G_), dots(G_), s(G_ * PAGED_CHUNK), kf(d_);
@@ -549,12 +645,61 @@ static void paged_decode_impl(const torch::Tensor& cache, const torch::Tensor& t
           if (e >= 0 && wp[e * U_ + off % U_]) src[t - a] = static_cast<int32_t>(e * U_ + off % U_);
         }
       }
+      // the scales of the tile holding position t (in block blk) folded into the queries: qkt, qzt
+      auto load_tile = [&](int64_t t, int64_t blk) {
+        tile_lo = t / KT * KT;
+        tile_hi = tile_lo + KT;
+        const int64_t off0 = (t % bs_) / KT * KT;  // the tile's first slot in this block
+        const uint8_t* tb = cp + blk * s0_ + h * s1_ + off0 * s2_ + K_.tmeta;
+        if (K_.tmeta_w % 2 == 0) {  // no f16 straddles two cells: read them in place, scale (d) then zero (d)
+          int64_t i = 0;
+          for (int64_t o = 0; o < KT && i < 2 * d_; ++o)
+            for (int64_t k = 0; k + 1 < K_.tmeta_w && i < 2 * d_; k += 2) tsc[i++] = meta_at(tb + o * s2_ + k, 0);
+        } else {  // gather the slices, then read
+          for (int64_t o = 0; o < KT; ++o)
+            for (int64_t k = 0; k < K_.tmeta_w; ++k) tmeta[o * K_.tmeta_w + k] = tb[o * s2_ + k];
+          for (int64_t i = 0; i < 2 * d_; ++i) tsc[i] = meta_at(tmeta.data() + 2 * i, 0);
+        }
+        for (int64_t g = 0; g < G_; ++g) {
+          float z = 0.f;
+          for (int64_t i = 0; i < d_; ++i) {
+            const float x = qz[g * d_ + i];
+            qkt[g * KD_ + kperm[i]] = x * tsc[i];
+            z += x * tsc[d_ + i];
+          }
+          qzt[g] = z;
+        }
+      };
+      // +rmean: the codes hold K' − c'_t; q'·c'_t = Σ_i ab_i · [cos tθ | sin tθ]_i
+      auto add_rmean = [&](int64_t t, int64_t j) {
+        const float* tr = rtp + t * d_;
+        for (int64_t g = 0; g < G_; ++g) {
+          const float* ag = abp + (r * Hq + h * G_ + g) * d_;
+          float b_ = 0.f;
+#pragma omp simd reduction(+ : b_)
+          for (int64_t i = 0; i < d_; ++i) b_ += ag[i] * tr[i];
+          s[g * PAGED_CHUNK + j] += b_;
+        }
+      };
       // 1. scores, block by block (one division per block, not per token)
       for (int64_t t = a; t < b;) {
         const int64_t bi = t / bs_, stop = std::min(b, (bi + 1) * bs_), blk = row[bi];
         const uint8_t* base = cp + blk * s0_ + h * s1_ + (t - bi * bs_) * s2_;
         for (; t < stop; ++t, base += s2_) {
           const int64_t j = t - a;
+          if (krun != nullptr && src[j] < 0) {  // a run of cells read from their codes (within one tile), queries in registers
+            if (KT && (t >= tile_hi || t < tile_lo)) load_tile(t, blk);
+            const int64_t lim = KT ? std::min(stop, tile_hi) : stop;
+            int64_t e = t + 1;
+            while (e < lim && src[e - a] < 0) ++e;
+            krun(base, s2_, e - t, K_, knb_, KT ? qkt.data() : qk.data(), KD_, KT ? qzt.data() : qsum.data(), s.data() + j,
+                 PAGED_CHUNK);
+            if (abp != nullptr)
+              for (int64_t u = t; u < e; ++u) add_rmean(u, u - a);
+            base += (e - t - 1) * s2_;
+            t = e - 1;
+            continue;
+          }
           if (src[j] >= 0) {
             const scalar_t* kr = pp + ((src[j] * H_ + h) * 2) * d_;
             for (int64_t i = 0; i < d_; ++i) kf[i] = static_cast<float>(kr[i]);
@@ -566,30 +711,7 @@ static void paged_decode_impl(const torch::Tensor& cache, const torch::Tensor& t
               s[g * PAGED_CHUNK + j] = acc_s;
             }
           } else if (KT) {  // q·k = s_tok·(Σ_i (q_i·scale_i)·code_i + q·zero), the tile's terms computed once
-            if (t >= tile_hi || t < tile_lo) {  // a compare per token, not a 64-bit division (tens of cycles)
-              tile_lo = t / KT * KT;
-              tile_hi = tile_lo + KT;
-              const int64_t off0 = (t % bs_) / KT * KT;  // the tile's first slot in this block
-              const uint8_t* tb = cp + blk * s0_ + h * s1_ + off0 * s2_ + K_.tmeta;
-              if (K_.tmeta_w % 2 == 0) {  // no f16 straddles two cells: read them in place, scale (d) then zero (d)
-                int64_t i = 0;
-                for (int64_t o = 0; o < KT && i < 2 * d_; ++o)
-                  for (int64_t k = 0; k + 1 < K_.tmeta_w && i < 2 * d_; k += 2) tsc[i++] = meta_at(tb + o * s2_ + k, 0);
-              } else {  // gather the slices, then read
-                for (int64_t o = 0; o < KT; ++o)
-                  for (int64_t k = 0; k < K_.tmeta_w; ++k) tmeta[o * K_.tmeta_w + k] = tb[o * s2_ + k];
-                for (int64_t i = 0; i < 2 * d_; ++i) tsc[i] = meta_at(tmeta.data() + 2 * i, 0);
-              }
-              for (int64_t g = 0; g < G_; ++g) {
-                float z = 0.f;
-                for (int64_t i = 0; i < d_; ++i) {
-                  const float x = qz[g * d_ + i];
-                  qkt[g * KD_ + kperm[i]] = x * tsc[i];
-                  z += x * tsc[d_ + i];
-                }
-                qzt[g] = z;
-              }
-            }
+            if (t >= tile_hi || t < tile_lo) load_tile(t, blk);  // a compare per token, not a 64-bit division
             dot_codes(base + K_.codes, knb_, K_.bits, qkt.data(), KD_, G_, dots.data());
             const float st = meta_at(base + K_.scale, 0);
             for (int64_t g = 0; g < G_; ++g) s[g * PAGED_CHUNK + j] = st * (dots[g] + qzt[g]);
@@ -599,16 +721,7 @@ static void paged_decode_impl(const torch::Tensor& cache, const torch::Tensor& t
             const float of = K_.offset >= 0 ? meta_at(base + K_.offset, K_.meta) : sc * K_.half;
             for (int64_t g = 0; g < G_; ++g) s[g * PAGED_CHUNK + j] = sc * dots[g] + of * qsum[g];
           }
-          if (abp != nullptr && src[j] < 0) {  // +rmean: the codes hold K' − c'_t; q'·c'_t = Σ_i ab_i · [cos tθ | sin tθ]_i
-            const float* tr = rtp + t * d_;
-            for (int64_t g = 0; g < G_; ++g) {
-              const float* ag = abp + (r * Hq + h * G_ + g) * d_;
-              float b_ = 0.f;
-#pragma omp simd reduction(+ : b_)
-              for (int64_t i = 0; i < d_; ++i) b_ += ag[i] * tr[i];
-              s[g * PAGED_CHUNK + j] += b_;
-            }
-          }
+          if (abp != nullptr && src[j] < 0) add_rmean(t, j);
         }
       }
       // 2. this split's softmax: max, weights, sum
