@@ -374,13 +374,31 @@ static inline float exp_shifted_sum(float* __restrict x, int64_t n, float m) {
 using AxpyRun = void (*)(const uint8_t*, int64_t, int64_t, const CellSide&, int64_t, const float*, int64_t, float*,
                          int64_t, float*);
 #ifdef WUSHKV_AVX512
+// the run kernels' shared parts: the lane masks of a row's M groups of 16 bytes, and a row's codes as M·(8/BITS)
+// vectors of 16 floats in the permuted order (vector mm·(8/BITS) + t, lane m: code t of byte 16·mm + m)
+template <int M>
+static inline void row_lanes(int64_t nb, __mmask16* lanes) {
+  for (int mm = 0; mm < M; ++mm) lanes[mm] = nb - mm * 16 >= 16 ? __mmask16(0xFFFF) : __mmask16((1u << (nb - mm * 16)) - 1);
+}
+
+template <int BITS, int M>
+static inline void unpack_codes_v(const uint8_t* row, const __mmask16* lanes, __m512* c) {
+  constexpr int PER = 8 / BITS;
+  const __m512i mask = _mm512_set1_epi32((1 << BITS) - 1);
+#pragma GCC unroll 4
+  for (int mm = 0; mm < M; ++mm) {
+    const __m512i x = _mm512_cvtepu8_epi32(_mm_maskz_loadu_epi8(lanes[mm], row + mm * 16));
+#pragma GCC unroll 8
+    for (int t = 0; t < PER; ++t) c[mm * PER + t] = _mm512_cvtepi32_ps(_mm512_and_si512(_mm512_srli_epi32(x, t * BITS), mask));
+  }
+}
+
 template <int BITS, int GN, int M>
 static void axpy_run_t(const uint8_t* base, int64_t cstride, int64_t count, const CellSide& V, int64_t nb, const float* p,
                        int64_t pstride, float* acc, int64_t astride, float* osum) {
   constexpr int PER = 8 / BITS;
-  const __m512i mask = _mm512_set1_epi32((1 << BITS) - 1);
   __mmask16 lanes[M];
-  for (int mm = 0; mm < M; ++mm) lanes[mm] = nb - mm * 16 >= 16 ? __mmask16(0xFFFF) : __mmask16((1u << (nb - mm * 16)) - 1);
+  row_lanes<M>(nb, lanes);
   __m512 a[GN][M * PER];
   float os[GN];
   for (int g = 0; g < GN; ++g) {
@@ -396,17 +414,12 @@ static void axpy_run_t(const uint8_t* base, int64_t cstride, int64_t count, cons
       w[g] = _mm512_set1_ps(pg * sc);
       os[g] += pg * of;
     }
-    const uint8_t* row = base + V.codes;
-#pragma GCC unroll 4
-    for (int mm = 0; mm < M; ++mm) {
-      const __m512i x = _mm512_cvtepu8_epi32(_mm_maskz_loadu_epi8(lanes[mm], row + mm * 16));
+    __m512 c[M * PER];
+    unpack_codes_v<BITS, M>(base + V.codes, lanes, c);
 #pragma GCC unroll 8
-      for (int t = 0; t < PER; ++t) {
-        const __m512 c = _mm512_cvtepi32_ps(_mm512_and_si512(_mm512_srli_epi32(x, t * BITS), mask));
+    for (int k = 0; k < M * PER; ++k)
 #pragma GCC unroll 4
-        for (int g = 0; g < GN; ++g) a[g][mm * PER + t] = _mm512_fmadd_ps(w[g], c, a[g][mm * PER + t]);
-      }
-    }
+      for (int g = 0; g < GN; ++g) a[g][k] = _mm512_fmadd_ps(w[g], c[k], a[g][k]);
   }
   for (int g = 0; g < GN; ++g) {
     osum[g] += os[g];
@@ -452,26 +465,20 @@ template <int BITS, int GN, int M, bool TILE>
 static void dot_run_t(const uint8_t* base, int64_t cstride, int64_t count, const CellSide& K, int64_t nb, const float* q,
                       int64_t qstride, const float* add, float* s, int64_t sstride) {
   constexpr int PER = 8 / BITS;
-  const __m512i mask = _mm512_set1_epi32((1 << BITS) - 1);
   __mmask16 lanes[M];
-  for (int mm = 0; mm < M; ++mm) lanes[mm] = nb - mm * 16 >= 16 ? __mmask16(0xFFFF) : __mmask16((1u << (nb - mm * 16)) - 1);
+  row_lanes<M>(nb, lanes);
   __m512 qv[GN][M * PER];
   for (int g = 0; g < GN; ++g)
     for (int mm = 0; mm < M; ++mm)
       for (int t = 0; t < PER; ++t) qv[g][mm * PER + t] = _mm512_maskz_loadu_ps(lanes[mm], q + g * qstride + t * nb + mm * 16);
   for (int64_t j = 0; j < count; ++j, base += cstride) {
-    const uint8_t* row = base + K.codes;
     __m512 acc[4] = {_mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps()};
-#pragma GCC unroll 4
-    for (int mm = 0; mm < M; ++mm) {
-      const __m512i x = _mm512_cvtepu8_epi32(_mm_maskz_loadu_epi8(lanes[mm], row + mm * 16));
+    __m512 c[M * PER];
+    unpack_codes_v<BITS, M>(base + K.codes, lanes, c);
 #pragma GCC unroll 8
-      for (int t = 0; t < PER; ++t) {
-        const __m512 c = _mm512_cvtepi32_ps(_mm512_and_si512(_mm512_srli_epi32(x, t * BITS), mask));
+    for (int k = 0; k < M * PER; ++k)
 #pragma GCC unroll 4
-        for (int g = 0; g < GN; ++g) acc[g] = _mm512_fmadd_ps(c, qv[g][mm * PER + t], acc[g]);
-      }
-    }
+      for (int g = 0; g < GN; ++g) acc[g] = _mm512_fmadd_ps(c[k], qv[g][k], acc[g]);
     float dots[4];
     hsum4(acc[0], acc[1], acc[2], acc[3], dots);
     if constexpr (TILE) {
