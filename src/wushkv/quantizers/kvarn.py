@@ -107,7 +107,7 @@ def balance(A: Tensor, iters: int = 16, *, fused: bool = True) -> tuple[Tensor, 
         (ℓ = 0, B = A) and the ``iters`` rounds; ties keep the earlier one. All ℓ lie in
         [-0.3, 10].
 
-    ``fused``: CPU tiles go through the compiled kernel (``csrc/codes.cpp``, about 50× faster) when it is built; this
+    ``fused``: CPU tiles go through the compiled kernel (``csrc/codes.cpp``, about 17× faster) when it is built; this
     loop is its reference. The two agree to float32 rounding (their reductions sum in different orders), so a tile
     whose two best rounds have nearly equal imbalance may keep a different round.
     """
