@@ -4,7 +4,8 @@ cache, and decode speed (issue #32; docs/reference/serving.md, performance.md).
 From one calibration it exports the model three times (``wushkv export-model``, ``--method`` (default ``auto``:
 the model's recorded selection, e.g. SmolLM2's key tiles at 2 bits), QuEST, windows ``--sink 128 --keep 128 --flush
 16``: a sink of one 128-token block, which key tiles need, and for a key-tile recipe the tail that keeps the average
-number of full-precision tokens, 128/72/128; per-token recipes are served at 128/128/1): K2V2, K4V2, and the same
+number of full-precision tokens, 128/72/128; per-token recipes are served at 128/128/1; ``--metadata-dtype``: K4V2's
+QuEST steps in one byte (e5m3) by default): K2V2, K4V2, and the same
 weights without a side file (stock vLLM, plugin installed). Then, in the vLLM environment (``.venv-vllm``, ``make vllm-venv``; ``python -m wushkv_vllm.jobs``):
 
 * **capacity**: the tokens vLLM's paged cache holds for the same ``VLLM_CPU_KVCACHE_SPACE`` (its
@@ -49,14 +50,16 @@ from wushkv_vllm.jobs import coarse_kl, compare, versus_reference
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def export(model, tok, cal, out: Path, method: str, k_bits: int, v_bits: int, windows: WindowConfig, model_key: str) -> Path:
-    """The folder ``out`` exported (kept if it holds a side file: its name carries the method, widths and windows)."""
+def export(model, tok, cal, out: Path, method: str, k_bits: int, v_bits: int, windows: WindowConfig, model_key: str,
+           metadata_dtype: str = "float16") -> Path:
+    """The folder ``out`` exported (kept if it holds a side file: its name carries the method, widths, windows and
+    metadata dtype)."""
     from wushkv.serving import export_model
 
     if not (out / "wushkv" / "kv_cache.safetensors").is_file():
         if out.exists():
             shutil.rmtree(out)
-        cfg = QuantConfig(k_bits=k_bits, v_bits=v_bits, quantizer="quest", windows=windows)
+        cfg = QuantConfig(k_bits=k_bits, v_bits=v_bits, quantizer="quest", windows=windows, metadata_dtype=metadata_dtype)
         export_model(model, tok, out, method=method, cfg=cfg, calibration=cal, model_key=model_key)
     return out
 
@@ -64,8 +67,10 @@ def export(model, tok, cal, out: Path, method: str, k_bits: int, v_bits: int, wi
 def served_method(folder: Path) -> str:
     """The method an exported folder serves (``auto`` resolved) and its windows, from its side file's JSON copy."""
     meta = json.loads((folder / "wushkv" / "kv_cache.json").read_text())
-    w = meta["quantization"]["windows"]
-    return f"{meta['method']} {w['S_sink']}/{w['S_keep']}/{w['S_flush']}"
+    q = meta["quantization"]
+    w = q["windows"]
+    steps = "" if q.get("metadata_dtype", "float16") == "float16" else f", {q['metadata_dtype']} steps"
+    return f"{meta['method']} {w['S_sink']}/{w['S_keep']}/{w['S_flush']}{steps}"
 
 
 _FP: dict = {}  # the full-precision model, loaded once
@@ -102,6 +107,10 @@ def main(argv=None) -> int:
     p.add_argument("--calibration", required=True)
     p.add_argument("--method", default="auto", help="the method exported at K2V2 and K4V2 (default: %(default)s)")
     p.add_argument("--windows", default="128,128,16", help="S_sink,S_keep,S_flush given to export-model (default: %(default)s)")
+    p.add_argument("--metadata-dtype", default="float16,e5m3",
+                   help="export-model's --metadata-dtype at K2V2,K4V2: e5m3 stores each QuEST step in one byte, which takes "
+                        "K4V2's cell from 52 to 50 bytes; auto's K2V2 key tiles gain nothing (37 bytes pad to 38) "
+                        "(default: %(default)s)")
     p.add_argument("--work", default="out/vllm-bench", help="folder for the exported models and the vLLM logs")
     p.add_argument("--vllm-python", default=str(ROOT / ".venv-vllm" / "bin" / "python"))
     p.add_argument("--kv-space", type=int, default=1, help="VLLM_CPU_KVCACHE_SPACE, GiB")
@@ -125,9 +134,12 @@ def main(argv=None) -> int:
     model, tok = load(args.model)
     cal = Calibration.load(args.calibration, model)
     win = WindowConfig(*(int(x) for x in args.windows.split(",")))
-    tag = f"{args.method}-{win.S_sink}-{win.S_keep}-{win.S_flush}"
-    k2v2 = export(model, tok, cal, work / f"k2v2-{tag}", args.method, 2, 2, win, args.model)
-    k4v2 = export(model, tok, cal, work / f"k4v2-{tag}", args.method, 4, 2, win, args.model)
+    meta = args.metadata_dtype.split(",")
+    if len(meta) != 2 or not set(meta) <= {"float16", "e5m3"}:
+        raise SystemExit(f"--metadata-dtype takes two of float16, e5m3 (K2V2,K4V2), got {args.metadata_dtype!r}")
+    tags = [f"{args.method}-{win.S_sink}-{win.S_keep}-{win.S_flush}" + ("" if m == "float16" else f"-{m}") for m in meta]
+    k2v2 = export(model, tok, cal, work / f"k2v2-{tags[0]}", args.method, 2, 2, win, args.model, meta[0])
+    k4v2 = export(model, tok, cal, work / f"k4v2-{tags[1]}", args.method, 4, 2, win, args.model, meta[1])
     stock = work / "stock"
     if not stock.exists():
         shutil.copytree(k2v2, stock)

@@ -89,6 +89,8 @@ CASES: list[Case] = [
     Case("quantizer", "unknown key quantizer", ["ppl", "--transform", "hadamard", "--key-quantizer", "nf4"], "unknown key quantizer 'nf4'"),
     Case("quantizer", "negative tile clip", ["compare", "--tile-clip", "-1"], "tile_clip=-1.0"),
     Case("quantizer", "negative clip search", [*PPL, "--transform", "hadamard", "--clip-search", "-1"], "clip_search=-1: must be an integer in 0..256"),
+    Case("quantizer", "one-byte steps for affine", [*PPL, "--transform", "hadamard", "--quantizer", "affine", "--metadata-dtype", "e5m3"],
+         "metadata_dtype 'e5m3' stores one positive step per token"),
     Case("quantizer", "QuEST clip multiplier below 0", [*PPL, "--transform", "hadamard", "--k-alpha", "-1"], "k_alpha=-1.0"),
     Case("quantizer", "library: bits 5", "QuantConfig(k_bits=5)", "k_bits=5 is not supported"),
     Case("quantizer", "library: windows negative", "WindowConfig(-1, 8, 4)", "S_sink must be an integer >= 0, got -1"),

@@ -45,6 +45,7 @@ CONFIGS = {
     "kvarn-keys-affine-values": QuantConfig(3, 2, "affine", key_quantizer="kvarn", windows=WindowConfig(3, 2, 8)),
     "quest-3-search": QuantConfig(3, 3, "quest", clip_search=8, windows=WindowConfig(4, 8, 4)),
     "affine-2-search": QuantConfig(2, 2, "affine", clip_search=8, windows=WindowConfig(3, 5, 2)),
+    "quest-K4V2-e5m3": QuantConfig(4, 2, "quest", metadata_dtype="e5m3", windows=WindowConfig(4, 8, 4)),
 }
 
 

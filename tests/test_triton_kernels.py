@@ -362,7 +362,8 @@ def test_cache_flush_goes_through_the_store_kernel(quantizer, dtype, meta):
     eye = torch.eye(32).expand(2, 32, 32).contiguous().to(DEVICE)
     assert _stream(cfg, True, dtype, CacheInputs(feedback_K=eye))[1] == flushes  # the values only
     for other in (QuantConfig(2, 3, quantizer, clip_search=2, windows=WindowConfig(2, 4, 4)),
-                  QuantConfig(2, 2, "kvarn", windows=WindowConfig(2, 4, 4))):
+                  QuantConfig(2, 2, "kvarn", windows=WindowConfig(2, 4, 4)),
+                  QuantConfig(2, 3, "quest", metadata_dtype="e5m3", windows=WindowConfig(2, 4, 4))):
         assert _stream(other, True, dtype)[1] == 0, other
 
 

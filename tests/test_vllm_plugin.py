@@ -35,18 +35,22 @@ def _g(seed):
 
 
 # -- the cells, in wushkv's environment ----------------------------------------------------------------
-@pytest.mark.parametrize("quantizer,bits,feedback", [("quest", 2, False), ("affine", 3, True), ("quest", 4, True), ("affine", 8, False)])
-def test_cells_decode_to_what_the_codecs_store(quantizer, bits, feedback):
+@pytest.mark.parametrize("quantizer,bits,feedback,meta", [("quest", 2, False, "float16"), ("affine", 3, True, "float16"),
+                                                        ("quest", 4, True, "float16"), ("affine", 8, False, "float16"),
+                                                        ("quest", 2, False, "e5m3"), ("quest", 4, True, "e5m3")])
+def test_cells_decode_to_what_the_codecs_store(quantizer, bits, feedback, meta):
     H, d, T = 2, 32, 7
-    cfg = QuantConfig(k_bits=bits, v_bits=bits, quantizer=quantizer)
+    cfg = QuantConfig(k_bits=bits, v_bits=bits, quantizer=quantizer, metadata_dtype=meta)
     F = torch.eye(d).expand(H, d, d) + torch.triu(torch.randn(H, d, d, generator=_g(3)) * 0.1, 1) if feedback else None
     sc = SlotCodec(cfg, d, F, F)
     k, v = torch.randn(T, H, d, generator=_g(1)) * 3, torch.randn(T, H, d, generator=_g(2))
     cells = sc.encode(k, v)
-    assert cells.shape == (T, H, sc.slot_bytes) and cells.dtype == torch.uint8 and sc.slot_bytes % 4 == 0
-    # the codes and metadata wushkv's cache stores per token: d·b/8 bytes of codes, fp16 scale (and offset if affine)
-    per_side = d * bits // 8 + 2 * (2 if quantizer == "affine" else 1)
-    assert sc.payload_bytes == 2 * per_side
+    assert cells.shape == (T, H, sc.slot_bytes) and cells.dtype == torch.uint8 and sc.slot_bytes % 2 == 0
+    # the codes and metadata wushkv's cache stores per token: d·b/8 bytes of codes, the scale (fp16, or one E5M3 byte;
+    # and an fp16 offset if affine)
+    per_side = d * bits // 8 + (1 if meta == "e5m3" else 2 * (2 if quantizer == "affine" else 1))
+    assert sc.payload_bytes == 2 * per_side and sc.slot_bytes == sc.payload_bytes
+    assert SlotCodec(cfg, d, align=4).slot_bytes == -(-sc.payload_bytes // 4) * 4  # a float32 model's cells
     kd, vd = sc.decode(cells.transpose(0, 1))
     kr, vr = sc.fake(k, v)
     ref_k = make_codec(cfg, "key", d, F).fake(k.transpose(0, 1).unsqueeze(0))[0]
@@ -83,7 +87,7 @@ def test_store_and_gather_through_a_block_table(cfg):
 @pytest.mark.parametrize("quantizer,k_bits,v_bits,feedback,meta", [
     ("quest", 2, 2, True, "float16"), ("quest", 2, 2, False, "float16"), ("quest", 4, 2, True, "bfloat16"),
     ("quest", 8, 8, False, "float32"), ("affine", 2, 4, True, "float16"), ("affine", 2, 2, False, "float16"),
-    ("quest", 3, 3, True, "float16")])
+    ("quest", 3, 3, True, "float16"), ("quest", 4, 2, False, "e5m3"), ("quest", 2, 2, True, "e5m3")])
 def test_fused_store_writes_the_bytes_of_encode(quantizer, k_bits, v_bits, feedback, meta):
     """``SlotCodec.store`` (the fused ``paged_store`` where it covers the cells: per-token codes of 1/2/4/8 bits, with
     error feedback or QuEST's) writes exactly what ``encode`` then ``store`` write: every byte of every cell,
@@ -109,7 +113,7 @@ def test_fused_store_writes_the_bytes_of_encode(quantizer, k_bits, v_bits, feedb
     sc.store(got, k, v, slots)
     assert torch.equal(got, ref)
 
-@pytest.mark.parametrize("bits,feedback,meta", [(2, True, "float16"), (4, False, "bfloat16"), (3, True, "float16")])
+@pytest.mark.parametrize("bits,feedback,meta", [(2, True, "float16"), (4, False, "bfloat16"), (3, True, "float16"), (2, True, "e5m3")])
 def test_key_tile_cells_hold_what_the_tile_codec_stores(bits, feedback, meta):
     """Keys in KVarN tiles (+ktiles): values are written when a token is stored (the fused store where it applies, the
     same bytes as encode, the key fields untouched), a tile's key fields when its last token is, from the copies of its
@@ -121,7 +125,7 @@ def test_key_tile_cells_hold_what_the_tile_codec_stores(bits, feedback, meta):
                       windows=WindowConfig(128, 72, tile))
     F = torch.eye(d).expand(H, d, d) + torch.triu(torch.randn(H, d, d, generator=_g(50)) * 0.1, 1) if feedback else None
     sc = SlotCodec(cfg, d, F, F)
-    vbytes = d * 2 // 8 + (2 if meta != "float32" else 4)
+    vbytes = d * 2 // 8 + {"float32": 4, "e5m3": 1}.get(meta, 2)
     assert sc.tile == tile and sc.meta_width == 2 and sc.payload_bytes == -(-d * bits // 8) + 2 + 2 + vbytes
     if sc.sides() is not None:
         require_kernels()
@@ -422,8 +426,9 @@ def test_served_folder_checks(tmp_path):
     tiles = _export(tmp_path, "tiles128", "wush+ktiles+ldlq", replace(CFG, windows=WindowConfig(128, 64, 16)))
     s = load_served(tiles, num_kv_heads=2, head_dim=32)
     # (128, 8, 128): the selected windows' average of full-precision tokens; cells of 8 bytes of key codes, s_tok,
-    # 1 byte of the tile's scale and zero (4·32/128), then 8 + 2 of values
-    assert (s.sink, s.recent, s.flush) == (128, 8, 128) and s.slot_bytes() == 24
+    # 1 byte of the tile's scale and zero (4·32/128), then 8 + 2 of values: 21 bytes, padded to 22 for a 2-byte dtype
+    # and to 24 for float32
+    assert (s.sink, s.recent, s.flush) == (128, 8, 128) and s.slot_bytes() == 22 and s.slot_bytes(4) == 24
 
 
 def test_other_vllm_versions_are_refused_by_name():
@@ -452,7 +457,7 @@ def engines(tmp_path_factory):
     stock = tmp / "stock"
     shutil.copytree(id8, stock)
     shutil.rmtree(stock / "wushkv")  # the same weights without a side file: stock vLLM, plugin installed
-    wush = _export(tmp, "wush2", "wush+ldlq")
+    wush = _export(tmp, "wush2", "wush+ldlq", replace(CFG, metadata_dtype="e5m3"))  # one-byte steps (gemma's: float16)
     vtiles = _export(tmp, "vtiles", "wush+tiles")
     # +rmean with key tiles, affine values with feedback (the generation setting's kind of pick), sink of one tile
     rmean = _export(tmp, "rmean", "wush+rmean+ktiles+ldlq", replace(CFG, quantizer="affine", windows=WindowConfig(128, 64, 16)))
@@ -484,6 +489,9 @@ def engines(tmp_path_factory):
          "batches": [{"prompts": _prompts(4, 240, 5, seed=3), "max_tokens": 70, "prompt_logprobs": True, "logprobs": 2}]},
         {"folder": str(rmean), "engine": ENGINE | {"max_model_len": 512, "block_size": 128, "max_num_batched_tokens": 64},
          "batches": [{"prompts": _prompts(3, 230, 17, seed=4), "max_tokens": 40, "prompt_logprobs": True, "logprobs": 2}]},
+        # served in bfloat16, as people serve: cells padded to 2 bytes, not float32's 4
+        {"folder": str(wush), "engine": ENGINE | {"dtype": "bfloat16"}, "batches": [{"prompts": _prompts(2), "max_tokens": 8}]},
+        {"folder": str(stock), "engine": ENGINE | {"dtype": "bfloat16"}, "batches": []},
     ]
     jp, op = tmp / "jobs.json", tmp / "out.json"
     jp.write_text(json.dumps(jobs))
@@ -533,8 +541,9 @@ def test_k2v2_equals_the_transformers_cache_under_chunked_prefill_and_preemption
         agree, total, worst = agree + a, total + t, max(worst, w)
     assert agree == total, (agree, total)  # measured: every position
     assert worst < 1e-4, worst  # measured: 1e-6 (a chunk that read a window token from its codes was off by 1e-2)
-    # 2-bit cells: 8 bytes of codes + an fp16 step a side, 20 bytes against 256 in float32
+    # 2-bit cells: 8 bytes of codes + a one-byte (e5m3) step a side, 18 bytes padded to float32's 20, against 256
     assert "20-byte cells per token and KV head (256 in torch.float32)" in engines["log"]
+    assert load_served(engines["folders"]["wush"]).cfg.metadata_dtype == "e5m3"
 
 
 def _agrees_with_wushkv(engines, j: int, folder: str) -> tuple[int, int, float]:
@@ -547,6 +556,18 @@ def _agrees_with_wushkv(engines, j: int, folder: str) -> tuple[int, int, float]:
         a, t, w = compare(served_logprobs(engines["folders"][folder], prompt + gen), prompt, gen, top, plp, glp)
         agree, total, worst = agree + a, total + t, max(worst, w)
     return agree, total, worst
+
+
+@needs_vllm
+@pytest.mark.slow
+def test_bfloat16_cells_are_padded_to_two_bytes(engines):
+    """Served in bfloat16, one-byte steps make an 18-byte cell (8 + 1 + 8 + 1 at head_dim 32, 2-bit), against 2 × 32
+    bfloat16 = 128 bytes: vLLM's cache holds 128/18 = 7.1× stock's tokens (float32's 4-byte padding would give 20)."""
+    wush, stock = engines["out"][9], engines["out"][10]
+    assert "18-byte cells per token and KV head (128 in torch.bfloat16)" in engines["log"]
+    ratio = wush["num_blocks"] / stock["num_blocks"]
+    assert abs(ratio - 128 / 18) < 0.02, ratio
+    assert all(len(o) == 8 for o in wush["batches"][0]["outputs"])
 
 
 @needs_vllm

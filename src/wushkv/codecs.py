@@ -22,7 +22,27 @@ from .quantizers.base import QTensor, dequantize
 from .quantizers.feedback import feedback_round
 from .quantizers.kvarn import KVarNTiles, kvarn_dequantize, kvarn_quantize
 
-_DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16, "float32": torch.float32}
+_DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16, "float32": torch.float32, "e5m3": torch.float16}
+E5M3_MAX = 0xF7  # the largest E5M3 byte: 61440 (0xF8 << 7 is float16's infinity)
+
+
+def e5m3_round(x: torch.Tensor) -> torch.Tensor:
+    """float16 of positive steps ``x`` rounded to E5M3 (metadata dtype ``e5m3``): a float16 without its sign bit
+    (steps are positive) and its 7 low mantissa bits, so one byte; 5 exponent bits keep float16's range (2^-24 to
+    61440), 3 mantissa bits put neighbours 6-12% apart. Rounded half up on float16's bit pattern (monotone across its
+    subnormals), as :func:`wushkv._ext`'s paged store rounds it."""
+    h = x.to(torch.float16).view(torch.int16).to(torch.int32)
+    return e5m3_decode(((h + 64) >> 7).clamp_(0, E5M3_MAX).to(torch.uint8))
+
+
+def e5m3_encode(x: torch.Tensor) -> torch.Tensor:
+    """uint8 bytes of float16 steps already on the E5M3 grid (:func:`e5m3_round`)."""
+    return (x.view(torch.int16) >> 7).to(torch.uint8)
+
+
+def e5m3_decode(b: torch.Tensor) -> torch.Tensor:
+    """float16 steps of E5M3 bytes ``b`` (uint8): the byte is float16's bits 14..7."""
+    return (b.to(torch.int16) << 7).view(torch.float16)
 
 
 class TokenCodec:
@@ -30,13 +50,20 @@ class TokenCodec:
 
     With ``feedback`` (heads, d, d), the codes are rounded with error feedback on the quantizer's own
     grid (:mod:`wushkv.quantizers.feedback`): same storage, same decoder, a smaller weighted error.
+
+    ``step_byte``: QuEST's step is stored in one byte (metadata dtype ``e5m3``, :func:`e5m3_round`), and the codes are
+    rounded on that rounded step, so the stored grid is the one the codes were made on (``scale`` is then uint8).
     """
 
     block = 1
 
-    def __init__(self, quantizer, head_dim: int, metadata_dtype: torch.dtype, feedback: torch.Tensor | None = None):
+    def __init__(self, quantizer, head_dim: int, metadata_dtype: torch.dtype, feedback: torch.Tensor | None = None,
+                 step_byte: bool = False):
         if feedback is not None and tuple(feedback.shape[-2:]) != (head_dim, head_dim):
             raise ValueError(f"feedback must be (heads, {head_dim}, {head_dim}), got {tuple(feedback.shape)}")
+        if step_byte and not isinstance(quantizer, QuestQuantizer):
+            raise ValueError(f"one-byte steps (e5m3) are for QuEST, whose only metadata is a positive step; got {type(quantizer).__name__}")
+        self.step_byte = step_byte
         self.feedback = feedback
         self.quantizer = quantizer
         self.bits = quantizer.bits
@@ -45,7 +72,24 @@ class TokenCodec:
         self.symmetric = isinstance(quantizer, QuestQuantizer)  # offset = (½ − 2^{b−1})·Δ
         self._half = 0.5 - 2 ** (self.bits - 1)
 
+    def grid(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None, int]:
+        """The grid tokens x [..., d] are stored on: (scale, offset or None (symmetric)) in the metadata dtype
+        (float16 for ``e5m3``), [..., d/G], and G."""
+        scale, offset, G = self.quantizer.grid(x.float())
+        scale = e5m3_round(scale) if self.step_byte else scale.to(self.meta_dtype)
+        return scale, None if self.symmetric else offset.to(self.meta_dtype), G
+
     def _quant(self, x):
+        if self.step_byte:  # codes on the rounded step
+            scale, _, G = self.grid(x)
+            if self.feedback is not None:  # as below: on the grid as stored
+                s = scale.float()
+                return feedback_round(x, s, s * self._half, self.bits, G, self.feedback), scale, None, G
+            s = scale.float().clamp_min(torch.finfo(torch.float32).tiny)  # a step rounded to 0 decodes to zeros
+            half = 2 ** (self.bits - 1)
+            xg = x.float().reshape(*x.shape[:-1], -1, G)
+            q = torch.floor(xg / s[..., None]).clamp_(-half, half - 1)
+            return (q + half).to(torch.uint8).reshape(x.shape), scale, None, G
         if self.feedback is not None:  # the grid alone, then codes rounded on it as stored (metadata dtype)
             scale, offset, G = self.quantizer.grid(x.float())
             scale = scale.to(self.meta_dtype)
@@ -58,13 +102,13 @@ class TokenCodec:
         return q.codes, scale, offset, q.group_size
 
     def _dequant(self, codes, scale, offset, group_size):
-        scale = scale.float()
+        scale = (e5m3_decode(scale) if scale.dtype == torch.uint8 else scale).float()
         offset = scale * self._half if offset is None else offset.float()
         return dequantize(QTensor(codes, scale, offset, self.bits, group_size))
 
     def encode(self, x: torch.Tensor) -> dict[str, torch.Tensor]:
         codes, scale, offset, _ = self._quant(x)
-        out = {"codes": pack(codes, self.bits, check=False), "scale": scale}
+        out = {"codes": pack(codes, self.bits, check=False), "scale": e5m3_encode(scale) if self.step_byte else scale}
         if offset is not None:
             out["offset"] = offset
         return out
@@ -78,7 +122,8 @@ class TokenCodec:
 
     def scale_offset(self, s: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
         """Per-group float32 (scale, offset) of stored tokens: x̂ = scale·code + offset."""
-        scale = s["scale"].float()
+        scale = s["scale"]
+        scale = (e5m3_decode(scale) if scale.dtype == torch.uint8 else scale).float()
         return scale, (scale * self._half if "offset" not in s else s["offset"].float())
 
 
@@ -144,13 +189,15 @@ def make_codec(cfg: QuantConfig, side: str, head_dim: int, feedback: torch.Tenso
     if bits is None:
         return None
     meta = _DTYPES[cfg.metadata_dtype]
+    step_byte = cfg.metadata_dtype == "e5m3"  # QuEST sides only (QuantConfig checks)
     quantizer = cfg.side_quantizer(side)
     if feedback is not None and quantizer not in PER_TOKEN_QUANTIZERS and not (quantizer == "kvarn" and side == "key"):
         raise ValueError(f"error-feedback rounding (+ldlq) needs a per-token quantizer (quest, affine) or KVarN's key tiles, "
                          f"got {quantizer!r} for the {side}s")
     if quantizer == "quest":
         alpha = cfg.k_alpha if side == "key" else cfg.v_alpha
-        return TokenCodec(QuestQuantizer(bits, cfg.group_size, alpha_scale=alpha, search=cfg.clip_search), head_dim, meta, feedback)
+        return TokenCodec(QuestQuantizer(bits, cfg.group_size, alpha_scale=alpha, search=cfg.clip_search), head_dim, meta, feedback,
+                          step_byte=step_byte)
     if quantizer == "affine":
         clip = cfg.k_clip if side == "key" else cfg.v_clip
         return TokenCodec(AffineQuantizer(bits, cfg.group_size, clip_ratio=clip, search=cfg.clip_search), head_dim, meta, feedback)
@@ -170,4 +217,4 @@ def storage_nbytes(s: dict[str, torch.Tensor]) -> tuple[int, int]:
     return codes, meta
 
 
-__all__ = ["ChannelCodec", "KVarNCodec", "TokenCodec", "make_codec", "packed_nbytes", "storage_nbytes"]
+__all__ = ["ChannelCodec", "KVarNCodec", "TokenCodec", "e5m3_decode", "e5m3_encode", "e5m3_round", "make_codec", "packed_nbytes", "storage_nbytes"]

@@ -11,6 +11,7 @@ CONFIG_VERSION = 1
 CACHE_BITS = (2, 3, 4, 8)
 QUANTIZER_NAMES = ("quest", "affine", "kivi", "kvarn")
 PER_TOKEN_QUANTIZERS = ("quest", "affine")  # one grid per token (group): padding, error feedback (also KVarN key tiles), clip search
+METADATA_DTYPES = ("float16", "bfloat16", "float32", "e5m3")  # stored scales/offsets; e5m3: one byte per QuEST step
 CLIP_GRID = (0.7, 0.85, 1.0, 1.15, 1.3, 1.45, 1.6)  # QuEST clip multipliers on α_b that `wushkv tune-clip` walks
 
 
@@ -66,7 +67,9 @@ class QuantConfig:
       token (group) picks the clip of least squared error among n + 1 candidates when it is quantized
       (same bytes, same decoder; :func:`wushkv.quantizers.search_multipliers`).
     * ``group_size``: channels per quantization group for per-token quantizers (None: head_dim).
-    * ``metadata_dtype``: dtype of stored scales/offsets.
+    * ``metadata_dtype``: dtype of stored scales/offsets: float16, bfloat16, float32, or ``e5m3``, one byte per
+      QuEST step (a float16 without its sign bit and 7 low mantissa bits, the codes rounded on the rounded step:
+      :func:`wushkv.codecs.e5m3_round`), for QuEST's per-token sides only (KVarN tiles keep their float16 metadata).
     """
 
     k_bits: int | None = 2
@@ -105,8 +108,13 @@ class QuantConfig:
             raise ValueError(f"clip_search={c!r}: must be an integer in 0..256 (candidate clips per token; 0 = off)")
         if c and self.quantizer not in PER_TOKEN_QUANTIZERS:
             raise ValueError(f"clip_search={c} needs a per-token quantizer (quest, affine), got {self.quantizer!r}")
-        if self.metadata_dtype not in ("float16", "bfloat16", "float32"):
-            raise ValueError(f"metadata_dtype {self.metadata_dtype!r} is not one of float16, bfloat16, float32")
+        if self.metadata_dtype not in METADATA_DTYPES:
+            raise ValueError(f"metadata_dtype {self.metadata_dtype!r} is not one of {', '.join(METADATA_DTYPES)}")
+        if self.metadata_dtype == "e5m3":
+            for side, b in (("key", self.k_bits), ("value", self.v_bits)):
+                if b is not None and self.side_quantizer(side) not in ("quest", "kvarn"):
+                    raise ValueError(f"metadata_dtype 'e5m3' stores one positive step per token (QuEST); the {side}s' quantizer "
+                                     f"{self.side_quantizer(side)!r} stores signed offsets: use quest (or float16 metadata)")
         if "kvarn" in (self.quantizer, self.key_quantizer) and self.windows.S_flush < 2:
             raise ValueError("kvarn quantizes tiles of S_flush tokens; S_flush must be >= 2 (128 in KVarN)")
 

@@ -58,7 +58,7 @@ def triton_enabled(enabled: bool | None):
     CPU tensors under Triton's interpreter, which needs ``TRITON_INTERPRET=1`` before triton is imported; an error
     where triton is missing), never (False), or on CUDA tensors where triton imports (None, the default); the
     previous choice comes back afterwards, also on error. Caches the kernels do not cover (KIVI keys, KVarN tiles,
-    float64; for store also error feedback and the clip search) keep the PyTorch path."""
+    one-byte E5M3 steps, float64; for store also error feedback and the clip search) keep the PyTorch path."""
     global USE_TRITON
     previous, USE_TRITON = USE_TRITON, enabled
     try:
@@ -87,10 +87,10 @@ _TRITON_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 def encode_block(codec, x: torch.Tensor) -> dict[str, torch.Tensor]:
     """``codec.encode(x)`` of a block x (B, Hkv, N, d) entering the packed middle: through the Triton store kernel
     where the switch sends x's device there and the kernel covers the codec (a :class:`TokenCodec` without error
-    feedback or clip search, a head_dim and group size the kernels take, x in float16/bfloat16/float32), else through
+    feedback, clip search or one-byte steps, a head_dim and group size the kernels take, x in float16/bfloat16/float32), else through
     the codec's PyTorch path. The same storage either way: codes uint8 (B, Hkv, N, ⌈d·b/8⌉), scale (and offset,
     affine) (B, Hkv, N, d/G) in the codec's metadata dtype."""
-    covered = isinstance(codec, TokenCodec) and codec.feedback is None and x.dtype in _TRITON_DTYPES
+    covered = isinstance(codec, TokenCodec) and codec.feedback is None and not codec.step_byte and x.dtype in _TRITON_DTYPES
     tk = _triton_for(x.device) if covered else None
     if tk is None:
         return codec.encode(x)
@@ -120,7 +120,7 @@ def _triton_decode(query, parts_k, parts_v, allowed, scaling, softcap, sinks):
     B, Hq, _, d = query.shape
     packed = []
     for codec, store, n in (mk, mv):
-        if not isinstance(codec, TokenCodec):
+        if not isinstance(codec, TokenCodec) or codec.step_byte:  # the kernel reads float steps
             return None
         G = codec.d if codec.quantizer.group_size is None else codec.quantizer.group_size
         try:

@@ -69,7 +69,7 @@ def served_model() -> Served | None:
                 f"last {w.S_keep} to {w.S_keep + served.flush - 1} (key tiles of {served.flush}, written whole)")
         logger.info("wushkv: serving %s (K%sV%s %s) from %s: %d-byte cells per token and KV head (%d in %s), windows: "
                     "first %d and %s tokens in full precision", served.meta["method"], q.k_bits, q.v_bits, q.quantizer,
-                    folder, served.slot_bytes(), 2 * served.head_dim * mc.dtype.itemsize, mc.dtype, w.S_sink, tail)
+                    folder, served.slot_bytes(mc.dtype.itemsize), 2 * served.head_dim * mc.dtype.itemsize, mc.dtype, w.S_sink, tail)
         _SERVED[folder] = served
     return _SERVED[folder]
 
@@ -100,7 +100,7 @@ class WushKVCPUBackend(CPUAttentionBackend):
         served = served_model()
         if served is None or spec.state_content_bytes is not None:
             return spec
-        return replace(spec, state_content_bytes=served.slot_bytes())
+        return replace(spec, state_content_bytes=served.slot_bytes(spec.dtype.itemsize))
 
     @staticmethod
     def get_impl_cls():
@@ -121,7 +121,7 @@ class _LayerState:
         # +rmean: the codes hold keys centered on their rotating mean, which needs positions: stored by the forward
         self.rope_mean = (RopeMean(t["key_mean_pre_rope"], t["key"], t["rope_inv_freq"], t["rope_scaling"])
                           if t["key_mean_pre_rope"] is not None else None)
-        self.codec = SlotCodec(served.cfg, served.head_dim, t["key_feedback"], t["value_feedback"])
+        self.codec = SlotCodec(served.cfg, served.head_dim, t["key_feedback"], t["value_feedback"], align=dtype.itemsize)
         if self.codec.tile and block_size % self.codec.tile:
             raise UnsupportedFolder(f"key tiles of {self.codec.tile} tokens are written into vLLM's blocks whole; the block size "
                                     f"{block_size} is not a multiple of it (serve with block_size={self.codec.tile})")

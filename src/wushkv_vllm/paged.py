@@ -6,7 +6,9 @@ vLLM hands a layer its KV cache as a logical ``(num_blocks, H, block_size, C)`` 
 One cell holds a token's keys and values after the transforms, quantized per token by the codecs of
 :mod:`wushkv.codecs` (the same codes and metadata :class:`wushkv.cache.WushKVCache` stores)::
 
-    [ key codes | key scale (| key offset) | value codes | value scale (| value offset) | padding to 4 bytes ]
+    [ key codes | key scale (| key offset) | value codes | value scale (| value offset) | padding to 2 bytes ]
+
+(a scale is float16, or one E5M3 byte with metadata dtype ``e5m3``: :func:`wushkv.codecs.e5m3_round`).
 
 A token's cell is written once, when vLLM stores the token, and depends on that token only: a complete block's bytes
 are final, which is all vLLM's prefix caching shares, and preemption by recompute writes the same bytes again.
@@ -45,17 +47,18 @@ from wushkv.transforms.rope import rope_rotate
 from wushkv.quantizers import unpack
 from wushkv.quantizers.kvarn import KVarNTiles, kvarn_dequantize
 
-SLOT_ALIGN = 4  # bytes: a cell is viewed as the model dtype by vLLM (2 bytes) and sliced per field here
+SLOT_ALIGN = 2  # bytes: vLLM allocates the cache in the model's dtype and views it as cells (even sizes, as its TurboQuant's)
 
 
 class SlotCodec:
     """The bytes of one (token, KV head) cell for quantization ``cfg`` at head_dim ``d``.
 
     ``key_feedback`` / ``value_feedback`` (H, d, d): the ``+ldlq`` error feedback of this rank's KV heads.
-    ``tile``: tokens per key tile (``cfg``'s ``S_flush`` when its keys are KVarN tiles), 0 for per-token keys."""
+    ``tile``: tokens per key tile (``cfg``'s ``S_flush`` when its keys are KVarN tiles), 0 for per-token keys.
+    ``align``: the cell size is a multiple of it (the model dtype's size: vLLM views the cells in that dtype)."""
 
     def __init__(self, cfg: QuantConfig, head_dim: int, key_feedback: torch.Tensor | None = None,
-                 value_feedback: torch.Tensor | None = None):
+                 value_feedback: torch.Tensor | None = None, align: int = SLOT_ALIGN):
         self.cfg, self.d = cfg, head_dim
         self.codecs = {"key": make_codec(cfg, "key", head_dim, key_feedback), "value": make_codec(cfg, "value", head_dim, value_feedback)}
         self.tile = cfg.windows.S_flush if isinstance(self.codecs["key"], KVarNCodec) else 0
@@ -82,7 +85,7 @@ class SlotCodec:
                 self.fields.append((side, name, t.dtype, t.shape[-1], off, width))
                 off += width
         self.payload_bytes = off
-        self.slot_bytes = -(-off // SLOT_ALIGN) * SLOT_ALIGN
+        self.slot_bytes = -(-off // align) * align
         # the value fields start here: what a store at a token's arrival writes when the keys wait for their tile
         self.value_offset = min(f[4] for f in self.fields if f[0] == "value")
         self._sides = self._kernel_sides()
@@ -122,7 +125,10 @@ class SlotCodec:
                 xs.append(empty), steps.append(empty), offsets.append(empty), fbs.append(empty)
                 continue
             x = x.float()
-            scale, offset, _ = c.quantizer.grid(x)  # (T, H, 1) float32, as TokenCodec._quant computes it
+            if c.step_byte:  # the step rounded to its byte, on which TokenCodec._quant rounds the codes too
+                scale, offset = c.grid(x)[0].float().clamp_min(torch.finfo(torch.float32).tiny), None
+            else:
+                scale, offset, _ = c.quantizer.grid(x)  # (T, H, 1) float32, as TokenCodec._quant computes it
             xs.append(x)
             steps.append(scale)
             offsets.append(empty if c.symmetric else offset)
@@ -177,14 +183,14 @@ class SlotCodec:
 
     def sides(self) -> tuple[list[int], list[int], float, float] | None:
         """The cell layout as :func:`decode_batch`'s kernel reads it: per side [codes, scale, offset (−1: symmetric),
-        bits, metadata dtype (0 float16, 1 bfloat16, 2 float32), tile (0: per token), tile slice, its width] and the
+        bits, metadata dtype (0 float16, 1 bfloat16, 2 float32, 3 E5M3), tile (0: per token), tile slice, its width] and the
         symmetric offset's factor (QuEST: offset = scale·(½ − 2^(b−1))); for key tiles the scale is the token's
         float16 s_tok and the tile slice holds its share of the tile's channel scale and zero. None where the kernel
         does not apply (groups within a token, 3 bits)."""
         return self._sides
 
     def _kernel_sides(self):
-        kinds = {torch.float16: 0, torch.bfloat16: 1, torch.float32: 2}
+        kinds = {torch.float16: 0, torch.bfloat16: 1, torch.float32: 2, torch.uint8: 3}  # uint8: an E5M3 step
         out, halves = [], []
         for side, c in self.codecs.items():
             f = {name: (dtype, n, off) for s, name, dtype, n, off, _w in self.fields if s == side}

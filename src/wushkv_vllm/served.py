@@ -69,9 +69,10 @@ class Served:
     def head_dim(self) -> int:
         return int(self.meta["head_dim"])
 
-    def slot_bytes(self) -> int:
-        """Bytes of one (token, KV head) cell: the same for every layer (feedback changes the codes, not their size)."""
-        return SlotCodec(self.cfg, self.head_dim).slot_bytes
+    def slot_bytes(self, align: int = 2) -> int:
+        """Bytes of one (token, KV head) cell, a multiple of ``align`` (the served dtype's size): the same for every
+        layer (feedback changes the codes, not their size)."""
+        return SlotCodec(self.cfg, self.head_dim, align=align).slot_bytes
 
     def attention_layer(self, layer_name: str) -> int:
         """The side file's attention-layer index of vLLM's layer ``model.layers.{i}.self_attn.attn``."""

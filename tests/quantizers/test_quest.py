@@ -187,3 +187,48 @@ def test_clip_search_errors_and_config():
     with pytest.raises(ValueError, match="clip_search=-2: must be an integer in 0..256"):
         QuantConfig(clip_search=-2)
     assert QuantConfig.from_dict(QuantConfig(clip_search=8).to_dict()).clip_search == 8
+
+
+def test_e5m3_steps_round_to_one_byte_and_back():
+    """E5M3 (metadata dtype ``e5m3``): float16's bits 14..7, so every byte decodes to a float16 and back to itself;
+    rounding is monotone, to nearest within float16's normal range (relative error ≤ 1/16: 3 mantissa bits), and
+    saturates at 61440 instead of reaching infinity."""
+    from wushkv.codecs import E5M3_MAX, e5m3_decode, e5m3_encode, e5m3_round
+
+    b = torch.arange(E5M3_MAX + 1, dtype=torch.int32).to(torch.uint8)
+    f = e5m3_decode(b)
+    assert torch.equal(e5m3_encode(f), b) and torch.equal(e5m3_round(f.float()), f)
+    assert bool((f[1:].float() > f[:-1].float()).all()) and float(f[-1]) == 61440.0
+    x = torch.logspace(-4.2, 4.7, 5001)  # float16's normal range (2^-14 = 6.1e-5 up)
+    r = e5m3_round(x).float()
+    assert bool((r[1:] >= r[:-1]).all())
+    assert float((r / x - 1).abs().max()) <= 1 / 16 + 1e-3
+    # nearest: no other byte is closer (up to twice float16's own rounding first, 2^-11)
+    err = (f.float()[None, :] - x[:, None]).abs()
+    assert bool((err.min(1).values >= (r - x).abs() - 2 ** -10 * x).all())
+    assert float(e5m3_round(torch.tensor([1e30]))) == 61440.0 and float(e5m3_round(torch.tensor([0.0]))) == 0.0
+
+
+@pytest.mark.parametrize("bits", [2, 4])
+def test_e5m3_codec_codes_are_made_on_the_stored_step(bits):
+    """With one-byte steps the codes are rounded on the rounded step, so decode(encode(x)) is QuEST on that step:
+    codes = ⌊x/Δ'⌋ + 2^(b-1) clamped, x̂ = (code − 2^(b-1) + ½)·Δ'; its error stays within a few percent of float16
+    metadata's (the step moves by ≤ 6%); affine sides are refused by QuantConfig."""
+    from wushkv.codecs import e5m3_decode, make_codec
+    from wushkv.config import QuantConfig
+
+    x = torch.randn(2, 3, 50, 64, generator=torch.Generator().manual_seed(bits)) * torch.linspace(0.01, 40, 50)[:, None]
+    c = make_codec(QuantConfig(bits, bits, "quest", metadata_dtype="e5m3"), "key", 64)
+    s = c.encode(x)
+    assert s["scale"].dtype == torch.uint8 and s["scale"].shape == (2, 3, 50, 1)
+    step = e5m3_decode(s["scale"]).float()
+    half = 2 ** (bits - 1)
+    ref = (torch.floor(x / step).clamp(-half, half - 1) + 0.5) * step
+    assert torch.equal(c.decode(s, 50), ref) and torch.equal(c.fake(x), ref)
+    fp16 = make_codec(QuantConfig(bits, bits, "quest"), "key", 64).fake(x)
+    e1, e2 = float((ref - x).square().mean()), float((fp16 - x).square().mean())
+    assert e1 > 0 and abs(e1 / e2 - 1) < 0.05
+    with pytest.raises(ValueError, match="e5m3.*affine"):
+        QuantConfig(2, 2, "affine", metadata_dtype="e5m3")
+    with pytest.raises(ValueError, match="metadata_dtype 'float8'"):
+        QuantConfig(2, 2, "quest", metadata_dtype="float8")

@@ -10,7 +10,7 @@ import sys
 import time
 import typing
 
-from ..config import QuantConfig, WindowConfig
+from ..config import METADATA_DTYPES, QuantConfig, WindowConfig
 
 
 def err(message: str) -> None:
@@ -182,6 +182,8 @@ QUANT_HELP: dict[str, tuple[str | None, dict]] = {
     "tile_clip": (None, {"metavar": "M", "help": "kvarn, +tiles and +ktiles: quantize each tile row over its mean ± M·α_b·σ instead of its "
                          "min-max (same bytes; 0 = KVarN as published) (default: %(default)s)"}),
     "group_size": (None, {"help": "channels per quantization group (default: head_dim)"}),
+    "metadata_dtype": (None, {"choices": METADATA_DTYPES, "help": "stored scales: float16, bfloat16, float32, or e5m3 (QuEST sides: "
+                              "one byte per step, codes rounded on the rounded step; smaller cells) (default: %(default)s)"}),
 }
 # WindowConfig's fields: their flags and help (the defaults are each command's windows)
 WINDOW_HELP: dict[str, tuple[str, str]] = {
@@ -189,8 +191,7 @@ WINDOW_HELP: dict[str, tuple[str, str]] = {
     "S_keep": ("--keep", "S_keep full-precision recent tokens (default: %(default)s)"),
     "S_flush": ("--flush", "S_flush tokens quantized per flush (default: %(default)s)"),
 }
-NO_FLAG = {"windows": "one flag per WindowConfig field (WINDOW_HELP)", "metadata_dtype": "stored scales stay float16 from the CLI",
-           "version": "the file format's, not a setting"}
+NO_FLAG = {"windows": "one flag per WindowConfig field (WINDOW_HELP)", "version": "the file format's, not a setting"}
 
 
 def _flag_type(field: dataclasses.Field, hints: dict):

@@ -189,7 +189,8 @@ torch::Tensor feedback_round(torch::Tensor x, torch::Tensor scale, torch::Tensor
 
 // ---- paged decode -----------------------------------------------------------------------------------------------
 // One side (keys or values) of a cell: byte offsets of its codes, its step/scale and its offset (-1: symmetric, the
-// offset is scale * half, QuEST's (1/2 - 2^(b-1))), its width and the metadata's dtype (0 f16, 1 bf16, 2 f32).
+// offset is scale * half, QuEST's (1/2 - 2^(b-1))), its width and the metadata's dtype (0 f16, 1 bf16, 2 f32, 3 E5M3:
+// one byte, a symmetric side's step).
 // Key tiles (tile > 0, KVarN's, wushkv.quantizers.kvarn): k[t, i] = s_tok[t] * (scale[i] * code + zero[i]) per tile of
 // `tile` tokens; `scale` is then the offset of the token's f16 s_tok and the tile's f16 scale (d) and zero (d) are
 // spread over its cells, `tmeta_w` bytes each at offset `tmeta` (wushkv_vllm.paged.SlotCodec).
@@ -205,11 +206,14 @@ static CellSide cell_side(const std::vector<int64_t>& v, double half) {
   CellSide c{v[0], v[1], v[2], v[3], float(half), v[4]};
   if (v.size() == 8) { c.tile = v[5]; c.tmeta = v[6]; c.tmeta_w = v[7]; }
   TORCH_CHECK(c.bits == 1 || c.bits == 2 || c.bits == 4 || c.bits == 8, "bits must be 1, 2, 4 or 8, got ", c.bits);
+  TORCH_CHECK(c.meta >= 0 && c.meta <= 3 && (c.meta != 3 || c.offset < 0), "metadata dtype 0-3 (3, E5M3: steps only), got ", c.meta);
   TORCH_CHECK(c.tile >= 0 && (c.tile == 0 || (c.tmeta_w > 0 && c.meta == 0)), "a tile side: f16 metadata and a slice");
   return c;
 }
 
+// kind 3 is E5M3 (wushkv.codecs.e5m3_round): one byte, float16's bits 14..7 (a positive step)
 static inline float meta_at(const uint8_t* p, int64_t kind) {
+  if (kind == 3) return static_cast<float>(c10::Half(uint16_t(uint16_t(p[0]) << 7), c10::Half::from_bits()));
   if (kind == 0) { c10::Half h; std::memcpy(&h, p, 2); return static_cast<float>(h); }
   if (kind == 1) { c10::BFloat16 b; std::memcpy(&b, p, 2); return static_cast<float>(b); }
   float f; std::memcpy(&f, p, 4); return f;
@@ -912,7 +916,10 @@ std::vector<torch::Tensor> paged_dequantize(torch::Tensor cache, torch::Tensor b
 // (wushkv.quantizers.quest), so the bytes are the ones wushkv_vllm.paged.SlotCodec.encode writes. A key-tile side
 // (tile > 0) is skipped, its fields left as they are: they are written when the tile is complete (SlotCodec.store_tiles).
 static inline void put_meta(uint8_t* p, int64_t kind, float v) {
-  if (kind == 0) { c10::Half h(v); std::memcpy(p, &h, 2); }
+  if (kind == 3) {  // E5M3: float16's bits rounded half up to their top 8 (sign dropped), as wushkv.codecs.e5m3_round
+    const int32_t h = int32_t(c10::Half(v).x);
+    p[0] = uint8_t(std::min<int32_t>(std::max<int32_t>((h + 64) >> 7, 0), 0xF7));
+  } else if (kind == 0) { c10::Half h(v); std::memcpy(p, &h, 2); }
   else if (kind == 1) { c10::BFloat16 b(v); std::memcpy(p, &b, 2); }
   else std::memcpy(p, &v, 4);
 }
@@ -954,7 +961,7 @@ void paged_store(torch::Tensor cache, torch::Tensor slots, std::vector<torch::Te
               (!feedback[1].defined() || feedback[1].numel() == 0 || feedback[1].size(2) == d),
               "keys, values and feedback must share head_dim ", d);
   for (int s = 0; s < 2; ++s)
-    TORCH_CHECK(sides[s].codes + (d * sides[s].bits + 7) / 8 <= payload && sides[s].scale + 2 <= payload,
+    TORCH_CHECK(sides[s].codes + (d * sides[s].bits + 7) / 8 <= payload && sides[s].scale + (sides[s].meta == 3 ? 1 : 2) <= payload,
                 "the cell layout does not fit its payload of ", payload, " bytes");
   auto sl = slots.contiguous();
   const int64_t* sp = sl.data_ptr<int64_t>();
