@@ -294,9 +294,17 @@ def test_calibrate_past_the_file_size_limit_keeps_the_old_file(art, tmp_path):
 def test_compare_interrupted_resumes(art, tmp_path, capsys):
     """Ctrl-C (SIGINT) in a ``compare --json`` run once a result is saved: exit 130 with a line saying so, no
     traceback; the file is a complete run file holding a prefix of the results, no temporary is left, and the
-    rerun resumes and ends with the results of an uninterrupted run."""
+    rerun resumes and ends with the results of an uninterrupted run. 16 cells of 4 chunks each, so that the run is
+    still going when the interrupt arrives on a loaded machine (with 8 cells of 2 chunks it sometimes was not)."""
+    def compare(out):
+        argv = art.compare(art.cal, out)
+        argv[argv.index("--bits") + 1], argv[argv.index("--chunks") + 1] = "2,3,4,8", "4"
+        return argv
+
+    assert main(compare(tmp_path / "ref.json")) == 0
+    ref = _results(read_json(tmp_path / "ref.json"))
     out = tmp_path / "r.json"
-    proc = subprocess.Popen([sys.executable, "-m", "wushkv.cli", *art.compare(art.cal, out)], stdout=subprocess.DEVNULL,
+    proc = subprocess.Popen([sys.executable, "-m", "wushkv.cli", *compare(out)], stdout=subprocess.DEVNULL,
                             stderr=subprocess.PIPE, text=True)
     t0 = time.monotonic()
     while not (out.exists() and sum(len(by) for by in read_json(out)["results"].values()) >= 1):
@@ -309,10 +317,9 @@ def test_compare_interrupted_resumes(art, tmp_path, capsys):
     assert proc.returncode == 130, err
     assert "wushkv compare: interrupted; the files it wrote are whole" in err and "Traceback" not in err
     partial = _results(read_run(out, ("settings", "results")))
-    ref = _results(read_json(art.cmp))
     assert all(partial["results"][t][b] == ref["results"][t][b] for t in partial["results"] for b in partial["results"][t])
     assert _temporaries(tmp_path) == []
-    assert main(art.compare(art.cal, out)) == 0
+    assert main(compare(out)) == 0
     assert "resuming from" in capsys.readouterr().err
     assert _results(read_json(out)) == ref
 
