@@ -87,8 +87,8 @@ _TRITON_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 def encode_block(codec, x: torch.Tensor) -> dict[str, torch.Tensor]:
     """``codec.encode(x)`` of a block x (B, Hkv, N, d) entering the packed middle: through the Triton store kernel
     where the switch sends x's device there and the kernel covers the codec (a :class:`TokenCodec` without error
-    feedback, clip search or one-byte steps, a head_dim and group size the kernels take, x in float16/bfloat16/float32), else through
-    the codec's PyTorch path. The same storage either way: codes uint8 (B, Hkv, N, ⌈d·b/8⌉), scale (and offset,
+    feedback, clip search or one-byte steps, a head_dim and group size the kernels take, x in
+    float16/bfloat16/float32), else through the codec's PyTorch path. The same storage either way: codes uint8 (B, Hkv, N, ⌈d·b/8⌉), scale (and offset,
     affine) (B, Hkv, N, d/G) in the codec's metadata dtype."""
     covered = isinstance(codec, TokenCodec) and codec.feedback is None and not codec.step_byte and x.dtype in _TRITON_DTYPES
     tk = _triton_for(x.device) if covered else None
