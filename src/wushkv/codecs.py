@@ -80,31 +80,24 @@ class TokenCodec:
         return scale, None if self.symmetric else offset.to(self.meta_dtype), G
 
     def _quant(self, x):
-        if self.step_byte:  # codes on the rounded step
-            scale, _, G = self.grid(x)
-            if self.feedback is not None:  # as below: on the grid as stored
-                s = scale.float()
-                return feedback_round(x, s, s * self._half, self.bits, G, self.feedback), scale, None, G
-            s = scale.float().clamp_min(torch.finfo(torch.float32).tiny)  # a step rounded to 0 decodes to zeros
-            half = 2 ** (self.bits - 1)
-            xg = x.float().reshape(*x.shape[:-1], -1, G)
-            q = torch.floor(xg / s[..., None]).clamp_(-half, half - 1)
-            return (q + half).to(torch.uint8).reshape(x.shape), scale, None, G
-        if self.feedback is not None:  # the grid alone, then codes rounded on it as stored (metadata dtype)
-            scale, offset, G = self.quantizer.grid(x.float())
-            scale = scale.to(self.meta_dtype)
-            offset = None if self.symmetric else offset.to(self.meta_dtype)
-            s, o = self.scale_offset({"scale": scale} | ({} if offset is None else {"offset": offset}))
+        if self.feedback is None and not self.step_byte:  # the quantizer's own rounding, its grid stored as it is
+            q = self.quantizer.quantize(x.float())
+            scale = q.scale.to(self.meta_dtype)
+            offset = None if self.symmetric else q.offset.to(self.meta_dtype)
+            return q.codes, scale, offset, q.group_size
+        scale, offset, G = self.grid(x)  # the grid alone, then codes rounded on it as stored
+        s, o = self.scale_offset({"scale": scale} | ({} if offset is None else {"offset": offset}))
+        if self.feedback is not None:
             return feedback_round(x, s, o, self.bits, G, self.feedback), scale, offset, G
-        q = self.quantizer.quantize(x.float())
-        scale = q.scale.to(self.meta_dtype)
-        offset = None if self.symmetric else q.offset.to(self.meta_dtype)
-        return q.codes, scale, offset, q.group_size
+        # one-byte steps: QuEST's ⌊x/Δ⌋ on the rounded step (one rounded to 0 decodes to zeros)
+        half = 2 ** (self.bits - 1)
+        xg = x.float().reshape(*x.shape[:-1], -1, G)
+        q = torch.floor(xg / s.clamp_min(torch.finfo(torch.float32).tiny)[..., None]).clamp_(-half, half - 1)
+        return (q + half).to(torch.uint8).reshape(x.shape), scale, None, G
 
     def _dequant(self, codes, scale, offset, group_size):
-        scale = (e5m3_decode(scale) if scale.dtype == torch.uint8 else scale).float()
-        offset = scale * self._half if offset is None else offset.float()
-        return dequantize(QTensor(codes, scale, offset, self.bits, group_size))
+        s, o = self.scale_offset({"scale": scale} | ({} if offset is None else {"offset": offset}))
+        return dequantize(QTensor(codes, s, o, self.bits, group_size))
 
     def encode(self, x: torch.Tensor) -> dict[str, torch.Tensor]:
         codes, scale, offset, _ = self._quant(x)
