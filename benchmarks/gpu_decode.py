@@ -4,12 +4,18 @@
         [--peak-tbps 4.8] [--e2e-contexts 4096,32768] [--e2e-batches 1,16]
     python benchmarks/gpu_decode.py --dry-run --out /tmp/gpu_decode   # CPU, Triton's interpreter, tiny shapes
 
+0. *Sweep* (``--sweep``, default 32768x16 then 1024x16): the decode kernel's launch parameters
+   (:class:`wushkv.triton_kernels.DecodeTuning`: tokens per tile, warps, pipeline stages, programs per multiprocessor)
+   timed at each shape within ``--sweep-budget`` seconds; the fastest at the first shape is the tuning every row below
+   runs under (through ``decode_tuning``, the cache's decode steps too), and each kernel row also times the library's
+   defaults (``triton_default``).
 1. *Kernel*: for each context and batch, one attention layer (``--q-heads`` query heads over ``--kv-heads`` KV heads of
    ``--head-dim``) decodes one token: the Triton K2V2 kernel over a cache of a full-precision sink (``--sink``, 64), a
    packed middle written by the store kernel, and a full-precision recent buffer (``--recent``, 256), against bfloat16 ``scaled_dot_product_attention`` over the same
    context (the backend torch picks, and FlashAttention forced, each where it runs). Median of ``--iters`` timings
    between CUDA events after ``--warmup``; the bytes each reads (codes, metadata, windows; bfloat16 K and V) and the
-   achieved bandwidth as a fraction of the device's peak (``PEAK_TBPS`` by device name, or ``--peak-tbps``).
+   achieved bandwidth as a fraction of the device's peak (``PEAK_TBPS`` by device name, or ``--peak-tbps``); and the
+   same kernel over the bfloat16 context (``triton_bf16``: what the packing saves, apart from how good the kernel is).
    Combinations whose tensors would not fit in ``--memory-fraction`` of the free memory are skipped (listed).
 2. *End to end*: a random-weight Llama-shaped model (``--e2e-layers`` layers of the same heads, bfloat16) decodes
    one token per step over a filled cache: ``DynamicCache`` (SDPA), the wushkv K2V2 cache through the Triton kernels,
@@ -51,7 +57,14 @@ PEAK_TBPS = {
 }
 # --dry-run: every code path (a packed middle, the recent buffer, a flush during the timed steps) at the smallest sizes
 DRY_RUN = dict(contexts=[48], batches=[1, 2], q_heads=4, kv_heads=2, head_dim=32, sink=4, recent=8, flush=4, warmup=0,
-               iters=1, e2e_contexts=[48], e2e_batches=[1], e2e_layers=1, e2e_steps=4)
+               iters=1, e2e_contexts=[48], e2e_batches=[1], e2e_layers=1, e2e_steps=4, sweep="48x2")
+# The decode kernel's launch parameters the sweep tries, most promising first (it stops at --sweep-budget): tiles of
+# block_n tokens, warps, software-pipeline stages; each compiled once, then timed at each programs_per_sm.
+SWEEP_TILES = [(64, 4, 3), (128, 8, 3), (64, 8, 3), (128, 4, 3), (32, 4, 3), (64, 4, 2), (128, 8, 2), (32, 4, 2),
+               (64, 4, 4), (128, 8, 4), (256, 8, 3), (32, 8, 3), (64, 4, 1), (128, 8, 1), (16, 4, 3), (256, 8, 2),
+               (32, 4, 1), (64, 8, 2), (128, 4, 2), (16, 4, 1)]
+SWEEP_PER_SM = (4, 8, 16, 2)
+DRY_SWEEP_TILES, DRY_SWEEP_PER_SM = [(16, 4, 1), (32, 4, 3)], (1, 4)
 
 
 def peak_tbps(name: str, override: float | None) -> float | None:
@@ -83,6 +96,11 @@ def parse_args(argv=None):
     p.add_argument("--e2e-batches", type=ints, default=[1, 16])
     p.add_argument("--e2e-layers", type=int, default=4)
     p.add_argument("--e2e-steps", type=int, default=None, help="timed decode steps end to end (default: --iters)")
+    p.add_argument("--sweep", default="32768x16,1024x16",
+                   help="context x batch shapes at which the decode kernel's launch parameters (DecodeTuning) are swept "
+                        "before the rows; the first picks the tuning every row then uses ('' : no sweep, the defaults)")
+    p.add_argument("--sweep-budget", type=float, default=100.0,
+                   help="seconds the sweep may spend at its first shape (compiles included); later shapes time the tunings it reached")
     p.add_argument("--dry-run", action="store_true", help="CPU, Triton's interpreter, tiny shapes: checks the code paths")
     if p.parse_known_args(argv)[0].dry_run:  # tiny defaults; flags given explicitly still win
         p.set_defaults(**DRY_RUN)
@@ -143,17 +161,20 @@ def packed_cache(B, Hkv, n, d, bits, device, chunk=4096):
     return tk.Packed(fmt, codes, scale), codes.numel() + scale.numel() * 2, time.perf_counter() - t0
 
 
-def kernel_case(args, ctx, B, device, timer) -> dict:
-    Hq, Hkv, d, SINK, RECENT = args.q_heads, args.kv_heads, args.head_dim, args.sink, args.recent
-    if ctx < SINK + RECENT:
-        raise SystemExit(f"context {ctx} is shorter than --sink + --recent = {SINK + RECENT}")
-    n_mid = ctx - SINK - RECENT
+def _shape_fits(args, ctx, B, device) -> tuple[bool, float]:
+    d, Hkv, n_mid = args.head_dim, args.kv_heads, ctx - args.sink - args.recent
     bf16_kv = 2 * B * Hkv * ctx * d * 2
     # the packed cache, its windows and one store chunk, then (after they are freed) bfloat16 K and V
-    need = max(2 * B * Hkv * n_mid * (d * max(args.k_bits, args.v_bits) // 8 + 2) + bf16_kv * (SINK + RECENT) // ctx
+    need = max(2 * B * Hkv * n_mid * (d * max(args.k_bits, args.v_bits) // 8 + 2) + bf16_kv * (args.sink + args.recent) // ctx
                + 2 * B * Hkv * 4096 * d * 2, bf16_kv)
-    if need > args.memory_fraction * free_bytes(device):
-        return {"context": ctx, "batch": B, "skipped": f"needs ~{need / 2**30:.1f} GiB"}
+    return need <= args.memory_fraction * free_bytes(device), need
+
+
+def kernel_inputs(args, ctx, B, device):
+    """Query, windows and the packed K2V2 middle of one layer at (ctx, B): (inputs for tk.decode, bytes it reads,
+    seconds the stores took)."""
+    Hq, Hkv, d, SINK, RECENT = args.q_heads, args.kv_heads, args.head_dim, args.sink, args.recent
+    n_mid = ctx - SINK - RECENT
     bf = dict(device=device, dtype=torch.bfloat16)
     q = torch.randn(B, Hq, d, **bf)
     sk, sv = torch.randn(B, Hkv, SINK, d, **bf), torch.randn(B, Hkv, SINK, d, **bf)
@@ -161,15 +182,81 @@ def kernel_case(args, ctx, B, device, timer) -> dict:
     packed_cache(B, Hkv, min(n_mid, 64), d, args.k_bits, device)  # compiles the store kernel outside the timing
     mk, kbytes, k_s = packed_cache(B, Hkv, n_mid, d, args.k_bits, device)
     mv, vbytes, v_s = packed_cache(B, Hkv, n_mid, d, args.v_bits, device)
-    store_s = k_s + v_s
     lengths = torch.tensor([[SINK, n_mid, RECENT]] * B, dtype=torch.int32, device=device)
-    scaling = d**-0.5
-    triton_fn = lambda: tk.decode(q, lengths, sk, sv, mk, mv, rk, rv, scaling)  # noqa: E731
     fp_bytes = 2 * B * Hkv * (SINK + RECENT) * d * 2
+    return (q, lengths, sk, sv, mk, mv, rk, rv, d**-0.5), kbytes + vbytes + fp_bytes + 2 * q.numel() * 2, k_s + v_s
+
+
+def sweep(args, device, timer) -> dict:
+    """Time the decode kernel at each --sweep shape under each DecodeTuning of SWEEP_TILES x SWEEP_PER_SM (within
+    --sweep-budget seconds): {"rows": [...], "best": the fastest tuning at the first shape, "default": ...}."""
+    shapes = [[int(v) for v in s.split("x")] for s in args.sweep.split(",") if s]
+    tiles, per_sm = (DRY_SWEEP_TILES, DRY_SWEEP_PER_SM) if args.dry_run else (SWEEP_TILES, SWEEP_PER_SM)
+    out = {"shapes": shapes, "rows": [], "default": vars(tk.DecodeTuning()) | {}}
+    t0 = time.perf_counter()
+    for si, (ctx, B) in enumerate(shapes):
+        if not _shape_fits(args, ctx, B, device)[0]:
+            out["rows"].append({"context": ctx, "batch": B, "skipped": "does not fit"})
+            continue
+        inputs, nbytes, _ = kernel_inputs(args, ctx, B, device)
+        for ti, (bn, w, st) in enumerate(tiles):
+            # the budget bounds the first shape's compiles; later shapes time the tunings the first one reached
+            if (si == 0 and time.perf_counter() - t0 > args.sweep_budget) or (si > 0 and ti >= out["reached"]):
+                out["cut_short"] = out.get("cut_short", False) or si == 0
+                break
+            if si == 0:
+                out["reached"] = ti + 1
+            for ppsm in per_sm:
+                tune = dict(block_n=bn, num_warps=w, num_stages=st, programs_per_sm=ppsm)
+                row = {"context": ctx, "batch": B, **tune}
+                try:
+                    with tk.decode_tuning(**tune):
+                        row["splits"] = tk.default_splits(B, args.kv_heads, ctx, bn, device)
+                        row |= timer(lambda: tk.decode(*inputs), min(args.warmup, 3), max(1, args.iters // 2))
+                    row["tb_per_s"] = nbytes / (row["ms"] * 1e-3) / 1e12
+                except Exception as e:  # a tuning this device cannot compile (shared memory, registers)
+                    row["error"] = f"{type(e).__name__}: {str(e).splitlines()[0][:160] if str(e) else ''}"
+                    out["rows"].append(row)
+                    break  # the other programs_per_sm compile the same kernel
+                row.pop("ms_all", None)
+                out["rows"].append(row)
+        del inputs
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+        timed = [r for r in out["rows"] if "ms" in r and (r["context"], r["batch"]) == (ctx, B)]
+        if timed:
+            best = min(timed, key=lambda r: r["ms"])
+            out.setdefault("best_by_shape", {})[f"{ctx}x{B}"] = {k: best[k] for k in ("block_n", "num_warps", "num_stages", "programs_per_sm", "ms")}
+            if si == 0:
+                out["best"] = {k: best[k] for k in ("block_n", "num_warps", "num_stages", "programs_per_sm")}
+        print(f"sweep {ctx}x{B}: {len(timed)} tunings timed" + (f", best {out['best_by_shape'][f'{ctx}x{B}']}" if timed else ""), flush=True)
+    out["seconds"] = time.perf_counter() - t0
+    return out
+
+
+def kernel_case(args, ctx, B, device, timer) -> dict:
+    """One layer's decode at (ctx, B): the K2V2 kernel under the current tuning (``triton``) and under the library's
+    defaults (``triton_default``), bfloat16 SDPA and FlashAttention, and the same kernel over a bfloat16 context
+    (``triton_bf16``: the whole context as its full-precision sink, no packed middle)."""
+    Hkv, d, SINK, RECENT = args.kv_heads, args.head_dim, args.sink, args.recent
+    if ctx < SINK + RECENT:
+        raise SystemExit(f"context {ctx} is shorter than --sink + --recent = {SINK + RECENT}")
+    n_mid = ctx - SINK - RECENT
+    bf16_kv = 2 * B * Hkv * ctx * d * 2
+    fits, need = _shape_fits(args, ctx, B, device)
+    if not fits:
+        return {"context": ctx, "batch": B, "skipped": f"needs ~{need / 2**30:.1f} GiB"}
+    bf = dict(device=device, dtype=torch.bfloat16)
+    inputs, nbytes, store_s = kernel_inputs(args, ctx, B, device)
+    q, scaling = inputs[0], inputs[-1]
+    tuning = tk.current_tuning()
     row = {"context": ctx, "batch": B, "store_tokens_per_s": B * n_mid / store_s if store_s else None,
-           "splits": tk.default_splits(B, Hkv, ctx, 32, device)}
-    row["triton"] = timer(triton_fn, args.warmup, args.iters) | {"bytes": kbytes + vbytes + fp_bytes + 2 * q.numel() * 2}
-    del mk, mv
+           "tuning": vars(tuning) | {}, "splits": tk.default_splits(B, Hkv, ctx, tuning.block_n, device)}
+    row["triton"] = timer(lambda: tk.decode(*inputs), args.warmup, args.iters) | {"bytes": nbytes}
+    if tuning != tk.DecodeTuning():
+        with tk.decode_tuning(**vars(tk.DecodeTuning())):
+            row["triton_default"] = timer(lambda: tk.decode(*inputs), args.warmup, args.iters) | {"bytes": nbytes}
+    del inputs
     # bfloat16 SDPA over the same context (K, V built after the packed cache is freed)
     K, V = torch.randn(B, Hkv, ctx, d, **bf), torch.randn(B, Hkv, ctx, d, **bf)
     q4 = q.unsqueeze(2)
@@ -186,18 +273,26 @@ def kernel_case(args, ctx, B, device, timer) -> dict:
             row[name]["bytes"] = bf16_kv + 2 * q.numel() * 2
         except RuntimeError as e:  # a backend that does not take this shape or device
             row[name] = {"error": str(e).splitlines()[0][:200]}
+    # the same kernel over the bfloat16 context: what packing saves, apart from how good the kernel is
+    fmt = tk.TokenFormat.of(QuestQuantizer(args.k_bits), d)
+    empty = tk.Packed(fmt, torch.empty(B, Hkv, 0, fmt.nbytes, dtype=torch.uint8, device=device),
+                      torch.empty(B, Hkv, 0, 1, dtype=torch.float16, device=device))
+    lengths = torch.tensor([[ctx, 0, 0]] * B, dtype=torch.int32, device=device)
+    none = K[:, :, :0]
+    row["triton_bf16"] = timer(lambda: tk.decode(q, lengths, K, V, empty, empty, none, none, scaling), args.warmup,
+                               args.iters) | {"bytes": bf16_kv + 2 * q.numel() * 2}
     del K, V
     return row
 
 
 def add_bandwidth(row: dict, peak: float | None) -> None:
-    for name in ("triton", "sdpa", "flash"):
+    for name in ("triton", "triton_default", "sdpa", "flash", "triton_bf16"):
         r = row.get(name)
         if isinstance(r, dict) and "ms" in r:
             r["tb_per_s"] = r["bytes"] / (r["ms"] * 1e-3) / 1e12
             r["peak_fraction"] = r["tb_per_s"] / peak if peak else None
     if "ms" in row.get("triton", {}):
-        for name in ("sdpa", "flash"):
+        for name in ("sdpa", "flash", "triton_bf16"):
             if "ms" in row.get(name, {}):
                 row[f"triton_over_{name}"] = row["triton"]["ms"] / row[name]["ms"]
 
@@ -275,6 +370,19 @@ def run(args, save=None) -> dict:
     out = {"device": name, "peak_tbps": peak, "torch": torch.__version__, "triton": triton.__version__,
            "transformers": transformers.__version__, "args": vars(args), "kernel": [], "e2e": []}
     save = save or (lambda result: None)
+    tuning = {}
+    if args.sweep:
+        out["sweep"] = sweep(args, device, timer)
+        tuning = out["sweep"].get("best", {})
+        save(out)
+    with tk.decode_tuning(**tuning):
+        out["tuning"] = vars(tk.current_tuning()) | {}
+        print(f"rows under {out['tuning']}", flush=True)
+        _rows(args, out, device, timer, peak, save)
+    return out
+
+
+def _rows(args, out, device, timer, peak, save) -> None:
     for ctx in args.contexts:
         for B in args.batches:
             row = kernel_case(args, ctx, B, device, timer)
@@ -293,7 +401,6 @@ def run(args, save=None) -> dict:
             print(summary(row), flush=True)
             if device.type == "cuda":
                 torch.cuda.empty_cache()
-    return out
 
 
 def summary(row: dict) -> str:
@@ -307,7 +414,7 @@ def summary(row: dict) -> str:
             parts.append(f"{k} {v['ms']:.3f} ms" + (f" ({100 * frac:.0f}% of peak)" if frac else ""))
         if isinstance(v, dict) and "error" in v:
             parts.append(f"{k} ERROR {v['error']}")
-        elif k.endswith(("_over_sdpa", "_over_flash", "_over_dynamic")):
+        elif k.endswith(("_over_sdpa", "_over_flash", "_over_triton_bf16", "_over_dynamic")):
             parts.append(f"{k} {v:.2f}x")
     return f"{head}: " + ", ".join(parts)
 

@@ -241,6 +241,15 @@ def test_gpu_decode_dry_run(tmp_path):
         assert r["tb_per_s"] == r["bytes"] / (r["ms"] * 1e-3) / 1e12
     assert row["triton_over_sdpa"] == row["triton"]["ms"] / row["sdpa"]["ms"]
     assert "ms" in row["flash"] or "error" in row["flash"]  # FlashAttention where torch has it for this device
+    # the same kernel over the bfloat16 context, and the sweep whose fastest tuning the rows ran under
+    assert row["triton_bf16"]["bytes"] == row["sdpa"]["bytes"] and positive(row["triton_bf16"]["ms"])
+    sw = res["sweep"]
+    assert sw["shapes"] == [[48, 2]] and res["tuning"] == row["tuning"] == sw["best"]
+    timed = [r for r in sw["rows"] if "ms" in r]
+    assert len(timed) == len(gpu_decode.DRY_SWEEP_TILES) * len(gpu_decode.DRY_SWEEP_PER_SM)
+    fastest = min(timed, key=lambda r: r["ms"])
+    assert sw["best"] == {k: fastest[k] for k in ("block_n", "num_warps", "num_stages", "programs_per_sm")}
+    assert ("triton_default" in row) == (res["tuning"] != sw["default"])
 
     (e2e,) = res["e2e"]
     steps = a["warmup"] + a["e2e_steps"]

@@ -168,21 +168,24 @@ def test_store_applies_the_head_transform():
 
 # -- decode ----------------------------------------------------------------------------------------------------------
 def _codec(quantizer, d, meta=torch.float16):
+    if meta == "e5m3":  # one-byte QuEST steps
+        return TokenCodec(quantizer, d, torch.float16, step_byte=True)
     return TokenCodec(quantizer, d, meta)
 
 
 def _packed(codec, store):
     G = codec.d if codec.quantizer.group_size is None else codec.quantizer.group_size
-    return tk.Packed(tk.TokenFormat(codec.bits, codec.d, G, codec.symmetric), store["codes"], store["scale"], store.get("offset"))
+    fmt = tk.TokenFormat(codec.bits, codec.d, G, codec.symmetric, step_byte=codec.step_byte)
+    return tk.Packed(fmt, store["codes"], store["scale"], store.get("offset"))
 
 
-def _case(kq, vq, B, Hkv, G, d, n_s, n_m, n_r, seed=0, dtype=torch.float32):
+def _case(kq, vq, B, Hkv, G, d, n_s, n_m, n_r, seed=0, dtype=torch.float32, meta=torch.float16):
     """Query (B, Hq, 1, d), decode parts (sink, packed middle, recent) for keys and values, on DEVICE."""
     g = torch.Generator().manual_seed(seed)
     x = lambda n: (torch.randn(B, Hkv, n, d, generator=g) * torch.linspace(0.3, 2.5, d)).to(DEVICE, dtype)
     parts = []
     for quant in (kq, vq):
-        codec = _codec(quant, d)
+        codec = _codec(quant, d, meta)
         parts.append([x(n_s), (codec, codec.encode(x(n_m).float()), n_m), x(n_r)])
     q = (torch.randn(B, Hkv * G, 1, d, generator=g) * 1.5).to(DEVICE, dtype)
     return q, parts[0], parts[1]
@@ -217,6 +220,28 @@ def test_decode_equals_dequantize_then_attend(name):
     ref = dequantize_then_attend(q, pk, pv, None, d**-0.5)[:, 0]
     out = _triton(q, pk, pv, splits=2, block_n=16)
     assert out.shape == ref.shape and _rel(out, ref) < 1e-3, _rel(out, ref)
+
+
+def test_decode_reads_one_byte_steps():
+    """QuEST steps stored as one E5M3 byte (metadata dtype ``e5m3``), one group per token and groups of 16: the
+    kernel decodes the byte as the codec does, within 1e-3 of dequantize-then-attend; decode_attention sends such a
+    cache to the kernel (the store kernel does not write them: its flushes stay on the PyTorch path)."""
+    d = 64
+    q, pk, pv = _case(QuestQuantizer(4, 16), QuestQuantizer(2), B=2, Hkv=2, G=3, d=d, n_s=3, n_m=37, n_r=5, meta="e5m3")
+    assert pk[1][1]["scale"].dtype == pv[1][1]["scale"].dtype == torch.uint8
+    ref = dequantize_then_attend(q, pk, pv, None, d**-0.5)[:, 0]
+    out = _triton(q, pk, pv, splits=2, block_n=16)
+    assert _rel(out, ref) < 1e-3, _rel(out, ref)
+    tk.reset_calls()
+    with decode_mod.triton_enabled(True):
+        out = decode_attention(q, pk, pv, None, d**-0.5)[:, 0]
+    assert tk.calls() == {"decode": 1, "merge": 1} and _rel(out, ref) < 1e-3
+    with pytest.raises(ValueError, match="e5m3"):
+        fmt = tk.TokenFormat(2, d, d, True, step_byte=True)
+        tk.store_paged(q[:, :2, 0], torch.arange(1), pk[1][1]["codes"], pk[1][1]["scale"], None, fmt)
+    with pytest.raises(ValueError, match="step_byte=True needs uint8"):
+        wrong = tk.Packed(tk.TokenFormat(2, d, d, True, step_byte=True), pv[1][1]["codes"], pv[1][1]["scale"].half())
+        tk.decode(q[:, :, 0], torch.tensor([[3, 37, 5]] * 2), pk[0], pv[0], wrong, wrong, pk[2], pv[2], 1.0)
 
 
 @pytest.mark.parametrize("feature", ["softcap", "sinks", "window", "mask", "splits>tokens"])
@@ -289,16 +314,18 @@ def test_decode_paged_ragged():
     assert _rel(out.cpu(), ref) < 1e-3, _rel(out.cpu(), ref)
 
 
-def test_decode_bfloat16():
-    """bfloat16 queries and windows: the dots run in bfloat16 with float32 accumulation, as a bfloat16 model's
-    attention does. Bound: within 2e-2 (relative) of the float32 result over the same bfloat16 inputs, and no
-    further from it than the PyTorch path in bfloat16."""
+@pytest.mark.parametrize("dtype,kbits,vbits", [(torch.bfloat16, 2, 2), (torch.float16, 3, 1), (torch.bfloat16, 8, 4)])
+def test_decode_bfloat16(dtype, kbits, vbits):
+    """bfloat16 (and float16) queries and windows: the dots run in that dtype with float32 accumulation, as such a
+    model's attention does, the codes entering them as ``c + 128`` (bfloat16, up to 7 bits; 8-bit codes convert) or
+    ``c + 1024`` (float16), the offset taken back out. Bound: within 2e-2 (relative) of the float32 result over the
+    same inputs, and no further from it than the PyTorch path in that dtype."""
     d = 64
-    q, pk, pv = _case(QuestQuantizer(2), QuestQuantizer(2), B=1, Hkv=2, G=3, d=d, n_s=3, n_m=20, n_r=5, dtype=torch.bfloat16)
+    q, pk, pv = _case(QuestQuantizer(kbits), QuestQuantizer(vbits), B=1, Hkv=2, G=3, d=d, n_s=3, n_m=20, n_r=5, dtype=dtype)
     to32 = lambda parts: [p.float() if torch.is_tensor(p) else p for p in parts]
     ref = dequantize_then_attend(q.float(), to32(pk), to32(pv), None, d**-0.5)[:, 0]
     out = _triton(q, pk, pv, splits=2, block_n=16)
-    assert out.dtype == torch.bfloat16
+    assert out.dtype == dtype
     with decode_mod.triton_enabled(False):
         torch_path = decode_attention(q, pk, pv, None, d**-0.5)[:, 0]
     assert _rel(out, ref) < 2e-2 and _rel(out, ref) <= 1.5 * _rel(torch_path, ref) + 1e-3, (_rel(out, ref), _rel(torch_path, ref))
@@ -371,10 +398,12 @@ def test_cache_flush_goes_through_the_store_kernel(quantizer, dtype, meta):
 @pytest.mark.parametrize("family,cfg", [
     ("llama", QuantConfig(2, 2, "quest", windows=WindowConfig(4, 8, 4))),
     ("gemma3", QuantConfig(4, 2, "affine", windows=WindowConfig(2, 4, 4))),
+    ("llama", QuantConfig(4, 2, "quest", metadata_dtype="e5m3", windows=WindowConfig(4, 8, 4))),
 ])
 def test_model_decode_through_triton_equals_pytorch(family, cfg):
-    """A tiny model (gemma3: sliding-window layers and a GQA group of 2) prefilled with 30 tokens, then decoded 3
-    tokens, every flush through the store kernel and every decode step through the decode kernel: the packed middle
+    """A tiny model (gemma3: sliding-window layers and a GQA group of 2; llama also with one-byte steps, which the
+    store kernel leaves to the PyTorch path) prefilled with 30 tokens, then decoded 3 tokens, every flush through the
+    store kernel and every decode step through the decode kernel: the packed middle
     is the PyTorch path's (QuEST's step may differ in its last float32 bit where torch sums ‖x‖ in another order, so
     a few codes and steps may flip: at most 0.2% of them, 0 measured on CPU; affine bit for bit), and the logits of
     every decode step equal the PyTorch path's within 1e-4 of their scale (4e-7 measured on CPU)."""
@@ -392,7 +421,8 @@ def test_model_decode_through_triton_equals_pytorch(family, cfg):
     tk.reset_calls()
     out, out_mid = run(True)
     L = model.config.num_hidden_layers
-    assert tk.calls()["decode"] == 3 * L and tk.calls()["store"] >= 2 * L  # every layer flushed at least once
+    stores = tk.calls().get("store", 0)  # every layer flushed at least once; one-byte steps on the PyTorch path
+    assert tk.calls()["decode"] == 3 * L and (stores == 0 if cfg.metadata_dtype == "e5m3" else stores >= 2 * L)
     flips = total = 0
     for a, b in zip(ref_mid, out_mid):
         for side in a:
@@ -419,13 +449,15 @@ ptrs = {"x_ptr": "*bf16", "c_ptr": "*u8", "s_ptr": "*bf16", "z_ptr": "*bf16", "s
 for quest, clipped, has_t, br in ((True, True, False, 8), (True, False, True, 1), (False, True, False, 1), (False, False, False, 8)):
     consts = dict(D=128, G=32, BITS=3, QUEST=quest, CLIPPED=clipped, HAS_T=has_t, HAS_Z=not quest, TC=32, META_BF16=True, BR=br)
     triton.compile(ASTSource(K["store"], sig("store", ptrs, ("coef", "sqrt_g"), consts), consts), target=GPUTarget("cuda", 90, 32))
-consts = dict(D=128, GQA=4, GP=16, BN=32, K_BITS=2, V_BITS=4, K_G=128, V_G=32, K_Z=False, V_Z=True, PAGED=True,
-              HAS_MASK=True, SOFTCAP=True, PREC="tf32", DT=tl.bfloat16, EMU=False)
+consts = dict(D=128, GQA=4, GP=16, BN=32, K_BITS=2, V_BITS=4, K_G=128, V_G=32, K_Z=False, V_Z=True, K_E5M3=True, K_OFF=128, V_OFF=0,
+              V_E5M3=False, PAGED=True, HAS_MASK=True, SOFTCAP=True, PREC="tf32", DT=tl.bfloat16, EMU=False)
 ptrs = {"q_ptr": "*bf16", "sk_ptr": "*bf16", "sv_ptr": "*bf16", "rk_ptr": "*bf16", "rv_ptr": "*bf16", "kc_ptr": "*u8",
-        "vc_ptr": "*u8", "mask_ptr": "*u8", "lens_ptr": "*i32", "bt_ptr": "*i32", "ks_ptr": "*fp16", "vs_ptr": "*fp16",
-        "kz_ptr": "*fp16", "vz_ptr": "*fp16"}
-k = triton.compile(ASTSource(K["decode"], sig("decode", ptrs, ("sm_scale", "softcap", "K_HALF", "V_HALF"), consts), consts),
-                   target=GPUTarget("cuda", 90, 32))
+        "vc_ptr": "*u8", "mask_ptr": "*u8", "lens_ptr": "*i32", "bt_ptr": "*i32", "ks_ptr": "*u8", "vs_ptr": "*fp16",
+        "kz_ptr": "*u8", "vz_ptr": "*fp16"}
+for bn, warps, stages, v in ((32, 4, 3, (4, 32, True, 0)), (128, 8, 2, (2, 128, False, 128))):  # two tunings, two value codecs
+    consts.update(BN=bn, V_BITS=v[0], V_G=v[1], V_Z=v[2], V_OFF=v[3])
+    k = triton.compile(ASTSource(K["decode"], sig("decode", ptrs, ("sm_scale", "softcap", "K_HALF", "V_HALF"), consts), consts),
+                       target=GPUTarget("cuda", 90, 32), options={"num_warps": warps, "num_stages": stages})
 consts = dict(D=128, SP=16, HAS_SINKS=True, OUT_BF16=True)
 triton.compile(ASTSource(K["merge"], sig("merge", {"out_ptr": "*bf16"}, (), consts), consts), target=GPUTarget("cuda", 90, 32))
 print("compiled", "ptx" in k.asm)
@@ -435,7 +467,8 @@ print("compiled", "ptx" in k.asm)
 @pytest.mark.slow
 def test_kernels_compile_for_cuda():
     """The compiled path, which the interpreter does not exercise (Triton's front end, shapes the tensor-core dot
-    accepts, name resolution), without a GPU: the store, decode and merge kernels compile to PTX for sm_90."""
+    accepts, name resolution), without a GPU: the store, decode (two tunings, one-byte key steps) and merge kernels
+    compile to PTX for sm_90."""
     import os
     import subprocess
     import sys

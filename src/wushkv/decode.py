@@ -58,7 +58,7 @@ def triton_enabled(enabled: bool | None):
     CPU tensors under Triton's interpreter, which needs ``TRITON_INTERPRET=1`` before triton is imported; an error
     where triton is missing), never (False), or on CUDA tensors where triton imports (None, the default); the
     previous choice comes back afterwards, also on error. Caches the kernels do not cover (KIVI keys, KVarN tiles,
-    one-byte E5M3 steps, float64; for store also error feedback and the clip search) keep the PyTorch path."""
+    float64; for store also error feedback, the clip search and one-byte E5M3 steps) keep the PyTorch path."""
     global USE_TRITON
     previous, USE_TRITON = USE_TRITON, enabled
     try:
@@ -120,16 +120,16 @@ def _triton_decode(query, parts_k, parts_v, allowed, scaling, softcap, sinks):
     B, Hq, _, d = query.shape
     packed = []
     for codec, store, n in (mk, mv):
-        if not isinstance(codec, TokenCodec) or codec.step_byte:  # the kernel reads float steps
+        if not isinstance(codec, TokenCodec):
             return None
         G = codec.d if codec.quantizer.group_size is None else codec.quantizer.group_size
         try:
-            fmt = tk.TokenFormat(codec.bits, codec.d, G, codec.symmetric)
+            fmt = tk.TokenFormat(codec.bits, codec.d, G, codec.symmetric, step_byte=codec.step_byte)
         except ValueError:  # a head_dim or group size the kernels do not take
             return None
         if not n:  # nothing stored yet: empty tensors (never read)
             store = {"codes": sk.new_empty(B, sk.shape[1], 0, fmt.nbytes, dtype=torch.uint8),
-                     "scale": sk.new_empty(B, sk.shape[1], 0, fmt.ngroups)}
+                     "scale": sk.new_empty(B, sk.shape[1], 0, fmt.ngroups, dtype=torch.uint8 if fmt.step_byte else sk.dtype)}
         packed.append(tk.Packed(fmt, store["codes"], store["scale"], store.get("offset")))
     lengths = torch.tensor([[sk.shape[2], mk[2], rk.shape[2]]], dtype=torch.int32).expand(B, 3)
     out = tk.decode(query[:, :, 0], lengths, sk, sv, packed[0], packed[1], rk, rv, scaling, softcap=softcap,

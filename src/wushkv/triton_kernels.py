@@ -37,6 +37,8 @@ is first imported (the interpreter replaces triton's own library functions at im
 from __future__ import annotations
 
 import collections
+import contextlib
+import dataclasses
 import functools
 import math
 import types
@@ -84,7 +86,9 @@ class TokenFormat:
     """What the kernels need of a per-token codec: ``bits`` (1, 2, 3, 4, 8), head dim ``d`` and group size ``G``
     (powers of two, 8 ≤ G ≤ d, 16 ≤ d), ``quest`` (symmetric: only the step is stored, offset = (½ − 2^{b−1})·Δ)
     or affine (scale and offset stored), and for *store* the grid: QuEST's step coefficient ``coef``
-    (Δ = coef·RMS when ``clipped``, else coef·max|x|), the affine percentile index ``kth`` (−1: no clip)."""
+    (Δ = coef·RMS when ``clipped``, else coef·max|x|), the affine percentile index ``kth`` (−1: no clip).
+    ``step_byte``: QuEST's steps are one E5M3 byte each (:func:`wushkv.codecs.e5m3_decode`: float16's bits 14..7);
+    decode reads them, store does not write them (the codes must be rounded on the rounded step)."""
 
     bits: int
     d: int
@@ -93,6 +97,7 @@ class TokenFormat:
     coef: float = 0.0
     clipped: bool = False
     kth: int = -1
+    step_byte: bool = False
 
     def __post_init__(self):
         if self.bits not in PACK_BITS:
@@ -102,6 +107,8 @@ class TokenFormat:
                 raise ValueError(f"the Triton kernels need a {name} that is a power of two >= {lo}, got {v}")
         if self.d % self.G:
             raise ValueError(f"group size {self.G} must divide head_dim {self.d}")
+        if self.step_byte and not self.quest:
+            raise ValueError("one-byte (e5m3) steps are QuEST's only; an affine format stores scale and offset")
 
     @property
     def nbytes(self) -> int:
@@ -266,20 +273,52 @@ def _kernels() -> dict:
         return m, l, acc
 
     @jit
-    def _dequant_tile(c, s_ptr, z_ptr, srows, valid, G: tl.constexpr, D: tl.constexpr, HALF, HAS_Z: tl.constexpr):
+    def _codes_as(c, OFF: tl.constexpr):
+        """Codes (int32, < 2^bits) as the dot's operand, built on the bits instead of converted (int→float
+        conversions run at a fraction of the integer units' rate): OFF 128, bfloat16 c + 128 (0x4300 is 128.0, whose
+        7 mantissa bits hold c < 128); OFF 1024, float16 c + 1024 (0x6400, 10 mantissa bits); OFF 0, float32 c
+        exactly (0x4B000000 is 2^23). The caller takes OFF back out of the dot's result, exactly."""
+        if OFF == 128:
+            return (c | 0x4300).to(tl.int16).to(tl.bfloat16, bitcast=True)
+        elif OFF == 1024:
+            return (c | 0x6400).to(tl.int16).to(tl.float16, bitcast=True)
+        else:
+            return (c | 0x4B000000).to(tl.float32, bitcast=True) - 8388608.0
+
+    @jit
+    def _round_to(x, DT: tl.constexpr, EMU: tl.constexpr):
+        """float32 rounded to DT (nearest even) and held in float32, as :func:`_mma` would round it."""
+        if DT == tl.bfloat16:
+            if EMU:
+                return _rne_bf16(x)
+            return x.to(tl.bfloat16).to(tl.float32)
+        elif DT == tl.float16:
+            return x.to(tl.float16).to(tl.float32)
+        return x
+
+    @jit
+    def _step(x, E5M3: tl.constexpr):
+        """Stored steps as float32: E5M3 bytes are float16's bits 14..7 (positive, so no sign bit)."""
+        if E5M3:
+            return (x.to(tl.int16) << 7).to(tl.float16, bitcast=True).to(tl.float32)
+        return x.to(tl.float32)
+
+    @jit
+    def _dequant_tile(c, s_ptr, z_ptr, srows, valid, G: tl.constexpr, D: tl.constexpr, HALF, HAS_Z: tl.constexpr,
+                      E5M3: tl.constexpr):
         """Codes (BN, D) → values in registers, groups of G channels: x̂ = s·c + z."""
         g = tl.arange(0, D) // G
-        s = tl.load(s_ptr + srows[:, None] + g[None, :], mask=valid[:, None], other=0.0).to(tl.float32)
+        s = _step(tl.load(s_ptr + srows[:, None] + g[None, :], mask=valid[:, None], other=0), E5M3)
         if HAS_Z:
             z = tl.load(z_ptr + srows[:, None] + g[None, :], mask=valid[:, None], other=0.0).to(tl.float32)
         else:
             z = s * HALF
-        return c.to(tl.float32) * s + z
+        return _codes_as(c, 0) * s + z
 
     @jit
-    def _token_scale_offset(s_ptr, z_ptr, srows, valid, HALF, HAS_Z: tl.constexpr):
+    def _token_scale_offset(s_ptr, z_ptr, srows, valid, HALF, HAS_Z: tl.constexpr, E5M3: tl.constexpr):
         """(BN,) step and offset of tokens stored with one group each: x̂ = s·c + z (QuEST stores no offset)."""
-        s = tl.load(s_ptr + srows, mask=valid, other=0.0).to(tl.float32)
+        s = _step(tl.load(s_ptr + srows, mask=valid, other=0), E5M3)
         if HAS_Z:
             z = tl.load(z_ptr + srows, mask=valid, other=0.0).to(tl.float32)
         else:
@@ -294,9 +333,13 @@ def _kernels() -> dict:
                       sm_scale, softcap, mask_ptr, s_mb, S, WINDOW, K_HALF, V_HALF,
                       D: tl.constexpr, BN: tl.constexpr, K_BITS: tl.constexpr, V_BITS: tl.constexpr,
                       K_G: tl.constexpr, V_G: tl.constexpr, K_Z: tl.constexpr, V_Z: tl.constexpr,
+                      K_E5M3: tl.constexpr, V_E5M3: tl.constexpr, K_OFF: tl.constexpr, V_OFF: tl.constexpr,
                       PAGED: tl.constexpr, HAS_MASK: tl.constexpr, SOFTCAP: tl.constexpr, PREC: tl.constexpr,
                       DT: tl.constexpr, EMU: tl.constexpr):
-        """Tokens [a, e) of the packed middle, whose first token is absolute column ``base``."""
+        """Tokens [a, e) of the packed middle, whose first token is absolute column ``base``. With one group per
+        token the codes enter the dots as ``c + OFF`` (:func:`_codes_as`), and OFF comes back out: for keys
+        ``q·(c + OFF) − OFF·Σq``, for values ``Σ_t w_t (c_t + OFF) − OFF·Σ_t w_t`` with the same rounded weights
+        w = p ⊙ s the dot reads."""
         for start in range(a, e, BN):
             t = start + tl.arange(0, BN)
             valid = t < e
@@ -306,10 +349,11 @@ def _kernels() -> dict:
             srows = _rows(tt, b, h, bt_ptr, s_bt, PAGE, ks0, ks1, ks2, PAGED)
             c = _unpack(kc_ptr, rows, valid, D, K_BITS, BN)
             if K_G == D:
-                ks, kz = _token_scale_offset(ks_ptr, kz_ptr, srows, valid, K_HALF, K_Z)
-                s = _mma(q, tl.trans(c), DT, EMU, PREC) * ks[None, :] + qsum[:, None] * kz[None, :]
+                ks, kz = _token_scale_offset(ks_ptr, kz_ptr, srows, valid, K_HALF, K_Z, K_E5M3)
+                s = (_mma(q, tl.trans(_codes_as(c, K_OFF)), DT, EMU, PREC) - K_OFF * qsum[:, None]) * ks[None, :] \
+                    + qsum[:, None] * kz[None, :]
             else:
-                k = _dequant_tile(c, ks_ptr, kz_ptr, srows, valid, K_G, D, K_HALF, K_Z)
+                k = _dequant_tile(c, ks_ptr, kz_ptr, srows, valid, K_G, D, K_HALF, K_Z, K_E5M3)
                 s = _mma(q, tl.trans(k), DT, EMU, PREC)
             s = _finish_scores(s, tl.where(valid, base + t, -1), N, sm_scale, softcap, mask_ptr, s_mb, S, b, WINDOW, HAS_MASK, SOFTCAP)
             m, alpha, p, l = _online(s, m, l)
@@ -318,11 +362,12 @@ def _kernels() -> dict:
             srows = _rows(tt, b, h, bt_ptr, s_bt, PAGE, vs0, vs1, vs2, PAGED)
             c = _unpack(vc_ptr, rows, valid, D, V_BITS, BN)
             if V_G == D:
-                vs, vz = _token_scale_offset(vs_ptr, vz_ptr, srows, valid, V_HALF, V_Z)
-                o = _mma(p * vs[None, :], c, DT, EMU, PREC)
-                o = o + tl.sum(p * vz[None, :], 1)[:, None]
+                vs, vz = _token_scale_offset(vs_ptr, vz_ptr, srows, valid, V_HALF, V_Z, V_E5M3)
+                w = _round_to(p * vs[None, :], DT, EMU)
+                o = _mma(w, _codes_as(c, V_OFF), DT, EMU, PREC)
+                o = o + tl.sum(p * vz[None, :] - V_OFF * w, 1)[:, None]
             else:
-                v = _dequant_tile(c, vs_ptr, vz_ptr, srows, valid, V_G, D, V_HALF, V_Z)
+                v = _dequant_tile(c, vs_ptr, vz_ptr, srows, valid, V_G, D, V_HALF, V_Z, V_E5M3)
                 o = _mma(p, v, DT, EMU, PREC)
             acc = acc * alpha[:, None] + o
         return m, l, acc
@@ -349,7 +394,8 @@ def _kernels() -> dict:
                       sm_scale, softcap, K_HALF, V_HALF, SPLITS,
                       D: tl.constexpr, GQA: tl.constexpr, GP: tl.constexpr, BN: tl.constexpr,
                       K_BITS: tl.constexpr, V_BITS: tl.constexpr, K_G: tl.constexpr, V_G: tl.constexpr,
-                      K_Z: tl.constexpr, V_Z: tl.constexpr, PAGED: tl.constexpr, HAS_MASK: tl.constexpr,
+                      K_Z: tl.constexpr, V_Z: tl.constexpr, K_E5M3: tl.constexpr, V_E5M3: tl.constexpr,
+                      K_OFF: tl.constexpr, V_OFF: tl.constexpr, PAGED: tl.constexpr, HAS_MASK: tl.constexpr,
                       SOFTCAP: tl.constexpr, PREC: tl.constexpr, DT: tl.constexpr, EMU: tl.constexpr):
         b = tl.program_id(0).to(tl.int64)
         h = tl.program_id(1).to(tl.int64)
@@ -380,7 +426,8 @@ def _kernels() -> dict:
                                   kc0, kc1, kc2, ks0, ks1, ks2, vc0, vc1, vc2, vs0, vs1, vs2,
                                   bt_ptr, s_bt, PAGE, b, h, tl.maximum(lo - n_s, 0), tl.minimum(hi - n_s, n_m), n_s, N,
                                   sm_scale, softcap, mask_ptr, s_mb, S, WINDOW, K_HALF, V_HALF,
-                                  D, BN, K_BITS, V_BITS, K_G, V_G, K_Z, V_Z, PAGED, HAS_MASK, SOFTCAP, PREC, DT, EMU)
+                                  D, BN, K_BITS, V_BITS, K_G, V_G, K_Z, V_Z, K_E5M3, V_E5M3, K_OFF, V_OFF, PAGED,
+                                  HAS_MASK, SOFTCAP, PREC, DT, EMU)
         w0 = n_s + n_m
         m, l, acc = _fp_segment(q, m, l, acc, rk_ptr, rv_ptr, rk_b, rk_h, rk_t, rv_b, rv_h, rv_t, b, h,
                                 tl.maximum(lo - w0, 0), tl.minimum(hi - w0, n_r), w0, N, sm_scale, softcap, mask_ptr,
@@ -506,6 +553,14 @@ def _tl_dtype(dtype: torch.dtype):
     return {torch.float16: tl.float16, torch.bfloat16: tl.bfloat16, torch.float32: tl.float32}[dtype]
 
 
+def _code_offset(dtype: torch.dtype, bits: int) -> int:
+    """The offset ``_codes_as`` builds codes with for dots in ``dtype``: 128 in bfloat16 (codes < 128, i.e. up to 7
+    bits; 8-bit codes go through float32 and convert, exactly), 1024 in float16, 0 in float32."""
+    if dtype == torch.bfloat16:
+        return 128 if bits < 8 else 0
+    return 1024 if dtype == torch.float16 else 0
+
+
 def _launch(name: str, grid, *args, **meta) -> None:
     _CALLS[name] += 1
     _kernels()[name][grid](*args, **meta)
@@ -518,6 +573,9 @@ def _store(x, slots, page, codes, scale, offset, fmt: TokenFormat, transform, st
     R, H, d = x.shape
     if d != fmt.d:
         raise ValueError(f"x has head_dim {d}, the format {fmt.d}")
+    if fmt.step_byte:
+        raise ValueError("the Triton store does not write one-byte (e5m3) steps: the codes must be rounded on the "
+                         "rounded step (TokenCodec's PyTorch path does)")
     if fmt.quest != (offset is None):
         raise ValueError("QuEST stores no offset (pass offset=None); the affine quantizer needs one")
     if codes.dtype != torch.uint8 or codes.shape[-1] != fmt.nbytes or codes.stride(-1) != 1:
@@ -600,17 +658,58 @@ class Packed:
     offset: torch.Tensor | None = None
 
 
-def default_splits(batch: int, kv_heads: int, longest: int, block_n: int, device) -> int:
-    """Splits of each sequence so that about four programs run per streaming multiprocessor (one per CPU core
-    under the interpreter), never more than there are tiles."""
-    sms = torch.cuda.get_device_properties(device).multi_processor_count * 4 if device.type == "cuda" else 1
+@dataclass(frozen=True)
+class DecodeTuning:
+    """Launch parameters of the decode kernel: ``block_n`` tokens per tile (a power of two ≥ 16), ``num_warps`` and
+    ``num_stages`` (Triton's; the interpreter ignores them), and ``programs_per_sm``: splits are chosen so that about
+    that many programs run per streaming multiprocessor (:func:`default_splits`). None of them changes what is
+    computed beyond float32 summation order; :func:`decode_tuning` swaps them for a block of code."""
+
+    block_n: int = 32
+    num_warps: int = 4
+    num_stages: int = 3
+    programs_per_sm: int = 4
+
+    def __post_init__(self):
+        if self.block_n < 16 or self.block_n & (self.block_n - 1):
+            raise ValueError(f"block_n must be a power of two >= 16, got {self.block_n!r}")
+        for name in ("num_warps", "num_stages", "programs_per_sm"):
+            if not isinstance(getattr(self, name), int) or getattr(self, name) < 1:
+                raise ValueError(f"{name} must be a positive int, got {getattr(self, name)!r}")
+
+
+_TUNING: list[DecodeTuning] = [DecodeTuning()]
+
+
+def current_tuning() -> DecodeTuning:
+    """The decode kernel's launch parameters in effect (:func:`decode_tuning` changes them)."""
+    return _TUNING[-1]
+
+
+@contextlib.contextmanager
+def decode_tuning(**changes):
+    """Within the block, :func:`decode` launches with ``changes`` (fields of :class:`DecodeTuning`) over the current
+    ones: how a benchmark sweeps them through the whole cache, with no monkeypatching."""
+    _TUNING.append(dataclasses.replace(current_tuning(), **changes))
+    try:
+        yield _TUNING[-1]
+    finally:
+        _TUNING.pop()
+
+
+def default_splits(batch: int, kv_heads: int, longest: int, block_n: int, device, programs_per_sm: int | None = None) -> int:
+    """Splits of each sequence so that about ``programs_per_sm`` (default: the current :class:`DecodeTuning`'s)
+    programs run per streaming multiprocessor (one per CPU core under the interpreter), never more than there are
+    tiles."""
+    per_sm = programs_per_sm or current_tuning().programs_per_sm
+    sms = torch.cuda.get_device_properties(device).multi_processor_count * per_sm if device.type == "cuda" else 1
     want = max(1, -(-sms // max(1, batch * kv_heads)))
     return max(1, min(want, -(-max(longest, 1) // block_n), 256))
 
 
 def decode(query, lengths, sink_k, sink_v, mid_k: Packed, mid_v: Packed, recent_k, recent_v, scaling: float, *,
            softcap: float | None = None, sinks=None, allowed=None, window: int | None = None,
-           block_table=None, splits: int | None = None, block_n: int = 32) -> torch.Tensor:
+           block_table=None, splits: int | None = None, block_n: int | None = None) -> torch.Tensor:
     """Attention of one query token per sequence over [sink; packed middle; recent], split-KV.
 
     Args:
@@ -623,7 +722,8 @@ def decode(query, lengths, sink_k, sink_v, mid_k: Packed, mid_v: Packed, recent_
         scaling: the softmax scale; ``softcap``: logit softcap (tanh) or None; ``sinks``: (Hq,) learned sink logits
             or None; ``allowed``: bool (B, S), which of each sequence's last S columns are visible (earlier ones are
             not) or None; ``window``: only each sequence's last ``window`` columns are visible (sliding window).
-        splits: programs per (sequence, KV head) (default :func:`default_splits`); ``block_n``: tokens per tile.
+        splits: programs per (sequence, KV head) (default :func:`default_splits`); ``block_n``: tokens per tile
+            (default: the current :class:`DecodeTuning`'s, which also gives the warps and pipeline stages).
 
     Returns:
         (B, Hq, d) in the query's dtype.
@@ -636,10 +736,15 @@ def decode(query, lengths, sink_k, sink_v, mid_k: Packed, mid_v: Packed, recent_
     for side in (mid_k, mid_v):
         if side.fmt.d != d:
             raise ValueError(f"the packed middle has head_dim {side.fmt.d}, the query {d}")
+        if side.fmt.step_byte != (side.scale.dtype == torch.uint8):
+            raise ValueError(f"a format with step_byte={side.fmt.step_byte} needs {'uint8' if side.fmt.step_byte else 'float'} "
+                             f"steps, got {side.scale.dtype}")
     if query.dtype not in (torch.float16, torch.bfloat16, torch.float32):
         raise ValueError(f"query dtype must be float16, bfloat16 or float32, got {query.dtype}")
     _check_device(query, mid_k.codes)
     lengths = lengths.to(device=query.device, dtype=torch.int32).contiguous()
+    tuning = current_tuning()
+    block_n = block_n or tuning.block_n
     if splits is None:
         splits = default_splits(B, Hkv, int(lengths.sum(1).max()) if B else 0, block_n, query.device)
     paged = block_table is not None
@@ -681,8 +786,11 @@ def decode(query, lengths, sink_k, sink_v, mid_k: Packed, mid_v: Packed, recent_
                 o, m, l, float(scaling), float(softcap or 1.0), mid_k.fmt.half, mid_v.fmt.half, splits,
                 D=d, GQA=G, GP=max(16, _next_pow2(G)), BN=block_n, K_BITS=mid_k.fmt.bits, V_BITS=mid_v.fmt.bits,
                 K_G=mid_k.fmt.G, V_G=mid_v.fmt.G, K_Z=mid_k.offset is not None, V_Z=mid_v.offset is not None,
+                K_E5M3=mid_k.fmt.step_byte, V_E5M3=mid_v.fmt.step_byte,
+                K_OFF=_code_offset(query.dtype, mid_k.fmt.bits), V_OFF=_code_offset(query.dtype, mid_v.fmt.bits),
                 PAGED=paged, HAS_MASK=allowed is not None, SOFTCAP=softcap is not None,
-                PREC="ieee" if query.dtype == torch.float32 else "tf32", DT=_tl_dtype(query.dtype), EMU=emulate)
+                PREC="ieee" if query.dtype == torch.float32 else "tf32", DT=_tl_dtype(query.dtype), EMU=emulate,
+                num_warps=tuning.num_warps, num_stages=tuning.num_stages)
     out = torch.empty(B, Hq, d, dtype=query.dtype, device=query.device)
     if B and Hq:
         _launch("merge", (B, Hq), o, m, l, sinks if sinks is not None else m, out, out.stride(0), out.stride(1), splits, Hq,
@@ -690,5 +798,6 @@ def decode(query, lengths, sink_k, sink_v, mid_k: Packed, mid_v: Packed, recent_
     return out
 
 
-__all__ = ["Packed", "TokenFormat", "available", "calls", "decode", "default_splits", "interpreting", "reset_calls",
+__all__ = ["DecodeTuning", "Packed", "TokenFormat", "available", "calls", "current_tuning", "decode", "decode_tuning",
+           "default_splits", "interpreting", "reset_calls",
            "store_contiguous", "store_paged"]
