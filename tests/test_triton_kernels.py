@@ -464,6 +464,24 @@ print("compiled", "ptx" in k.asm)
 """
 
 
+def test_launcher_sees_the_constexpr_parameters():
+    """The compiled launcher specializes exactly the parameters annotated ``tl.constexpr`` (the interpreter and an
+    explicit compile do not ask it, so a kernel whose annotations were lost runs here and fails only on a GPU)."""
+    import inspect
+    import re
+
+    from triton.runtime.jit import JITFunction
+
+    for name, kernel in tk._kernels().items():
+        launcher = JITFunction(kernel.fn)  # what triton.jit builds on a GPU (the interpreter's wraps the same fn)
+        annotated = [p for p, a in inspect.signature(kernel.fn).parameters.items() if "constexpr" in str(a.annotation)]
+        assert annotated and [launcher.arg_names[i] for i in launcher.constexprs] == annotated, name
+        source = inspect.getsource(kernel.fn)
+        assert all(f"{p}: tl.constexpr" in source for p in annotated), name
+        params = re.search(r"def \w+\((.*?)\):[ \t]*\n", source, re.S).group(1)
+        assert len(annotated) == params.count("tl.constexpr"), name  # none of the source's lost
+
+
 @pytest.mark.slow
 def test_kernels_compile_for_cuda():
     """The compiled path, which the interpreter does not exercise (Triton's front end, shapes the tensor-core dot

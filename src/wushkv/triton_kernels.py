@@ -156,8 +156,12 @@ def _kernels() -> dict:
     def jit(fn):
         """``triton.jit`` of ``fn`` rebound to the globals ``names``, which holds ``tl`` and every kernel and helper
         defined here: the interpreter re-executes a function's source against its globals, and the compiler resolves
-        the string annotations (``tl.constexpr``) there too."""
-        fn = types.FunctionType(fn.__code__, names, fn.__name__, fn.__defaults__, fn.__closure__)
+        the string annotations (``tl.constexpr``) there too. The annotations are copied over: a function built from
+        a code object has none, and the launcher reads them to know which parameters are compile-time constants."""
+        rebound = types.FunctionType(fn.__code__, names, fn.__name__, fn.__defaults__, fn.__closure__)
+        rebound.__annotations__ = dict(fn.__annotations__)
+        rebound.__doc__, rebound.__kwdefaults__ = fn.__doc__, fn.__kwdefaults__
+        fn = rebound
         names[fn.__name__] = kernel = triton.jit(fn)
         return kernel
 
