@@ -101,6 +101,11 @@ def parse_args(argv=None):
                         "before the rows; the first picks the tuning every row then uses ('' : no sweep, the defaults)")
     p.add_argument("--sweep-budget", type=float, default=100.0,
                    help="seconds the sweep may spend at its first shape (compiles included); later shapes time the tunings it reached")
+    p.add_argument("--tuning", default="", help="DecodeTuning fields for the rows when there is no sweep, e.g. "
+                   "block_n=64,num_warps=4,num_stages=2,programs_per_sm=8")
+    p.add_argument("--widths", type=ints, default=[],
+                   help="also time the kernel at the first --contexts/--batches shape with K and V at each of these widths "
+                        "(where the time goes: unpacking grows with the codes per byte, bytes with the width)")
     p.add_argument("--dry-run", action="store_true", help="CPU, Triton's interpreter, tiny shapes: checks the code paths")
     if p.parse_known_args(argv)[0].dry_run:  # tiny defaults; flags given explicitly still win
         p.set_defaults(**DRY_RUN)
@@ -370,7 +375,7 @@ def run(args, save=None) -> dict:
     out = {"device": name, "peak_tbps": peak, "torch": torch.__version__, "triton": triton.__version__,
            "transformers": transformers.__version__, "args": vars(args), "kernel": [], "e2e": []}
     save = save or (lambda result: None)
-    tuning = {}
+    tuning = {k: int(v) for k, v in (kv.split("=") for kv in args.tuning.split(",") if kv)}
     if args.sweep:
         out["sweep"] = sweep(args, device, timer)
         tuning = out["sweep"].get("best", {})
@@ -383,6 +388,19 @@ def run(args, save=None) -> dict:
 
 
 def _rows(args, out, device, timer, peak, save) -> None:
+    if args.widths:
+        ctx, B = args.contexts[0], args.batches[0]
+        out["widths"] = []
+        for bits in args.widths:
+            a = copy.copy(args)
+            a.k_bits = a.v_bits = bits
+            inputs, nbytes, _ = kernel_inputs(a, ctx, B, device)
+            row = {"context": ctx, "batch": B, "bits": bits, "triton": timer(lambda: tk.decode(*inputs), args.warmup, args.iters) | {"bytes": nbytes}}
+            add_bandwidth(row, peak)
+            out["widths"].append(row)
+            save(out)
+            print(f"K{bits}V{bits} ctx {ctx} batch {B}: {row['triton']['ms']:.3f} ms, {row['triton']['tb_per_s']:.2f} TB/s", flush=True)
+            del inputs
     for ctx in args.contexts:
         for B in args.batches:
             row = kernel_case(args, ctx, B, device, timer)
