@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import argparse
 import copy
+import json
 import math
 import os
 import statistics
@@ -106,6 +107,8 @@ def parse_args(argv=None):
     p.add_argument("--widths", type=ints, default=[],
                    help="also time the kernel at the first --contexts/--batches shape with K and V at each of these widths "
                         "(where the time goes: unpacking grows with the codes per byte, bytes with the width)")
+    p.add_argument("--plot", default="", help="also write a PNG of the kernel rows here")
+    p.add_argument("--plot-from", default="", help="with --plot: draw it from this saved gpu_decode.json, run nothing")
     p.add_argument("--dry-run", action="store_true", help="CPU, Triton's interpreter, tiny shapes: checks the code paths")
     if p.parse_known_args(argv)[0].dry_run:  # tiny defaults; flags given explicitly still win
         p.set_defaults(**DRY_RUN)
@@ -437,12 +440,38 @@ def summary(row: dict) -> str:
     return f"{head}: " + ", ".join(parts)
 
 
+def plot(result: dict, path) -> str:
+    """PNG of the kernel rows: the K2V2 kernel's time over bfloat16 SDPA's by context, one line per batch, and the
+    same kernel over the bfloat16 context (dashed line: the issue's 0.5 target)."""
+    from wushkv.report import plot_lines
+
+    rows = [r for r in result["kernel"] if "triton_over_sdpa" in r]
+    contexts = sorted({r["context"] for r in rows})
+    series = {}
+    for B in sorted({r["batch"] for r in rows}):
+        by_ctx = {r["context"]: r for r in rows if r["batch"] == B}
+        series[f"K2V2 kernel / SDPA, batch {B}"] = [by_ctx[c]["triton_over_sdpa"] if c in by_ctx else float("nan") for c in contexts]
+        series[f"same kernel over bf16 / SDPA, batch {B}"] = [
+            by_ctx[c]["triton_bf16"]["ms"] / by_ctx[c]["sdpa"]["ms"] if c in by_ctx and "ms" in by_ctx[c].get("triton_bf16", {})
+            else float("nan") for c in contexts]
+    return str(plot_lines([math.log2(c) for c in contexts], series, path, "log2(context tokens)",
+                          "decode attention time / bf16 SDPA", f"Triton decode, one layer, {result['device']}",
+                          logy=True, hline=0.5, hlabel="target 0.5"))
+
+
 def main(argv=None) -> dict:
     args = parse_args(argv)
+    if args.plot_from:  # redraw a saved run's figure
+        with open(args.plot_from) as f:
+            res = json.load(f)
+        print(f"wrote {plot(res, args.plot)}")
+        return res
     os.makedirs(args.out, exist_ok=True)
     path = os.path.join(args.out, "gpu_decode.json")
     res = run(args, save=lambda result: write_json(path, result))
     print(f"wrote {write_json(path, res)}")
+    if args.plot:
+        print(f"wrote {plot(res, args.plot)}")
     return res
 
 
