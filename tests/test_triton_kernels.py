@@ -331,6 +331,25 @@ def test_decode_bfloat16(dtype, kbits, vbits):
     assert _rel(out, ref) < 2e-2 and _rel(out, ref) <= 1.5 * _rel(torch_path, ref) + 1e-3, (_rel(out, ref), _rel(torch_path, ref))
 
 
+def test_decode_tuning_changes_launches_not_results():
+    """Launch parameters (DecodeTuning) change how the work is cut, not what is computed: other tiles, splits per
+    multiprocessor and warps give the same output to float32 summation order; decode_tuning() restores the previous
+    tuning on exit, also on error; bad values are refused by name."""
+    d = 64
+    q, pk, pv = _case(QuestQuantizer(2), QuestQuantizer(3), B=2, Hkv=2, G=3, d=d, n_s=3, n_m=70, n_r=5)
+    ref = _triton(q, pk, pv)
+    before = tk.current_tuning()
+    with tk.decode_tuning(block_n=16, num_warps=8, num_stages=1, programs_per_sm=2) as t:
+        assert tk.current_tuning() == t and t.block_n == 16 and t.programs_per_sm == 2
+        assert _rel(_triton(q, pk, pv), ref) < 1e-5
+    with pytest.raises(RuntimeError), tk.decode_tuning(block_n=128):
+        raise RuntimeError("inside")
+    assert tk.current_tuning() == before
+    for bad, match in ((dict(block_n=48), "block_n"), (dict(num_warps=0), "num_warps"), (dict(programs_per_sm=1.5), "programs_per_sm")):
+        with pytest.raises(ValueError, match=match):
+            tk.DecodeTuning(**bad)
+
+
 def test_decode_attention_dispatches_to_triton():
     """decode_attention runs the Triton kernel under triton_enabled(True) (the launches are counted) and gives what
     the PyTorch path gives; key tiles (KVarN) stay on the PyTorch path."""
