@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import argparse
 import copy
+import dataclasses
 import json
 import math
 import os
@@ -65,6 +66,7 @@ SWEEP_TILES = [(64, 4, 3), (128, 8, 3), (64, 8, 3), (128, 4, 3), (32, 4, 3), (64
                (64, 4, 4), (128, 8, 4), (256, 8, 3), (32, 8, 3), (64, 4, 1), (128, 8, 1), (16, 4, 3), (256, 8, 2),
                (32, 4, 1), (64, 8, 2), (128, 4, 2), (16, 4, 1)]
 SWEEP_PER_SM = (4, 8, 16, 2)
+TUNING_FIELDS = tuple(f.name for f in dataclasses.fields(tk.DecodeTuning))
 DRY_SWEEP_TILES, DRY_SWEEP_PER_SM = [(16, 4, 1), (32, 4, 3)], (1, 4)
 
 
@@ -234,9 +236,9 @@ def sweep(args, device, timer) -> dict:
         timed = [r for r in out["rows"] if "ms" in r and (r["context"], r["batch"]) == (ctx, B)]
         if timed:
             best = min(timed, key=lambda r: r["ms"])
-            out.setdefault("best_by_shape", {})[f"{ctx}x{B}"] = {k: best[k] for k in ("block_n", "num_warps", "num_stages", "programs_per_sm", "ms")}
+            out.setdefault("best_by_shape", {})[f"{ctx}x{B}"] = {k: best[k] for k in (*TUNING_FIELDS, "ms")}
             if si == 0:
-                out["best"] = {k: best[k] for k in ("block_n", "num_warps", "num_stages", "programs_per_sm")}
+                out["best"] = {k: best[k] for k in TUNING_FIELDS}
         print(f"sweep {ctx}x{B}: {len(timed)} tunings timed" + (f", best {out['best_by_shape'][f'{ctx}x{B}']}" if timed else ""), flush=True)
     out["seconds"] = time.perf_counter() - t0
     return out

@@ -248,7 +248,7 @@ def test_gpu_decode_dry_run(tmp_path):
     timed = [r for r in sw["rows"] if "ms" in r]
     assert len(timed) == len(gpu_decode.DRY_SWEEP_TILES) * len(gpu_decode.DRY_SWEEP_PER_SM)
     fastest = min(timed, key=lambda r: r["ms"])
-    assert sw["best"] == {k: fastest[k] for k in ("block_n", "num_warps", "num_stages", "programs_per_sm")}
+    assert sw["best"] == {k: fastest[k] for k in gpu_decode.TUNING_FIELDS}
     assert ("triton_default" in row) == (res["tuning"] != sw["default"])
 
     (e2e,) = res["e2e"]

@@ -247,14 +247,8 @@ def _kernels() -> dict:
         takes no bfloat16): operands rounded to DT and multiplied in float32, which is the same arithmetic (a product
         of two DT values is exact in float32)."""
         if EMU:
-            a = a.to(tl.float32)
-            b = b.to(tl.float32)
-            if DT == tl.bfloat16:
-                a = _rne_bf16(a)
-                b = _rne_bf16(b)
-            elif DT == tl.float16:
-                a = a.to(tl.float16).to(tl.float32)
-                b = b.to(tl.float16).to(tl.float32)
+            a = _round_to(a.to(tl.float32), DT, EMU)
+            b = _round_to(b.to(tl.float32), DT, EMU)
             return tl.dot(a, b, input_precision="ieee")
         return tl.dot(a.to(DT), b.to(DT), input_precision=PREC)
 
@@ -291,7 +285,8 @@ def _kernels() -> dict:
 
     @jit
     def _round_to(x, DT: tl.constexpr, EMU: tl.constexpr):
-        """float32 rounded to DT (nearest even) and held in float32, as :func:`_mma` would round it."""
+        """float32 rounded to DT (nearest even) and held in float32: what :func:`_mma` feeds its dot (the
+        interpreter truncates float32 → bfloat16, so there it rounds on the bits)."""
         if DT == tl.bfloat16:
             if EMU:
                 return _rne_bf16(x)
