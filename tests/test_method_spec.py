@@ -13,7 +13,7 @@ from wushkv.methods.spec import SUFFIX_ORDER, key_tile_windows
 from wushkv.transforms import TRANSFORMS
 
 SIDES = sorted(TRANSFORMS)
-SUFFIXES = ["+rmean", "+tiles", "+ktiles", "+ldlq", "+ldlq-k", "+ldlq-v", "+signs1", "+signs2", "+signs13"]
+SUFFIXES = ["+rmean", "+tiles", "+ktiles", "+ldlq", "+ldlq-k", "+ldlq-v", "+signs1", "+signs2", "+signs13", "+cover4096", "+cover2"]
 
 
 @st.composite
@@ -58,11 +58,14 @@ def test_canonical_order_and_known_names():
         "wush+tiles+ldlq-k": MethodSpec("wush", key_layout="tiles", value_layout="tiles", feedback="K"),
         "kvarn+ldlq-k": MethodSpec("kvarn", key_layout="tiles", value_layout="tiles", feedback="K"),
         "wush-a+signs3+ldlq": MethodSpec("wush-a", feedback="KV", signs=3),
+        "wush+cover4096+ktiles+ldlq": MethodSpec("wush", key_layout="tiles", feedback="KV", cover=4096),
+        "hadamard+cover8192+ldlq-k": MethodSpec("hadamard", feedback="K", cover=8192),
     }
     for name, spec in cases.items():
         assert parse(name) == spec and canonical_name(spec) == name
     assert canonical_name("wush+ldlq+rmean") == canonical_name("wush+rmean+ldlq") == "wush+rmean+ldlq"
     assert canonical_name("kvarn+tiles") == "kvarn" and canonical_name("wush+signs01") == "wush+signs1"
+    assert canonical_name("wush+ldlq+cover4096+signs2") == "wush+signs2+cover4096+ldlq"
     assert parse("full-precision") is FULL_PRECISION and parse("auto") is AUTO
     assert parse("stock-hqq-2") == StockCache("hqq", 2) and canonical_name(StockCache("quanto", 4)) == "stock-quanto-4"
     assert parse(MethodSpec("wush")) == MethodSpec("wush")  # a spec passes through
@@ -74,7 +77,8 @@ def test_canonical_order_and_known_names():
     ("wush+ldlq-k+ldlq-v", "use one of"), ("wush+tiles+ktiles", "cannot be combined"), ("kvarn+ktiles", "cannot be combined"),
     ("wush+tiles+ldlq", "tile values have no feedback"), ("hadamard+signs1", "has none"), ("wush+signs0", "numbered from 1"),
     ("wush+rmean+rmean", "given twice"), ("wush+", "unknown method"), ("wush-c+rmean", "exclusive"),
-    ("hadamard-c:wush+rmean", "exclusive"), ("stock-hqq-3", "stock-<backend>-<bits>"), ("stock-foo-2", "stock-<backend>-<bits>"),
+    ("hadamard-c:wush+rmean", "exclusive"), ("wush+cover1", "N a whole number >= 2"), ("wush+cover", "unknown method"),
+    ("hadamard+cover4096", "this method reads none"), ("wush+cover8+cover16", r"'\+coverN' given twice"), ("stock-hqq-3", "stock-<backend>-<bits>"), ("stock-foo-2", "stock-<backend>-<bits>"),
 ])
 def test_refused_names_say_why(bad, match):
     with pytest.raises(ValueError, match=match):

@@ -106,6 +106,44 @@ def test_cover_writes_the_statistics_of_the_served_positions(tmp_path):
         args.func(args)
 
 
+def test_a_methods_cover_suffix_is_the_covered_file(tmp_path):
+    """``+coverN`` covers in memory what ``calibration cover`` writes: the transforms of ``wush+cover256+ldlq`` on the
+    file as calibrated equal ``wush+ldlq``'s on the file covered to 256 (matrices and feedback, bit for bit), and on that
+    covered file ``+cover256`` changes nothing; one copy is covered per length; a length the sequences already hold, or
+    another length on a covered file, is refused with what to do, and ``auto`` skips such a recorded choice, saying why."""
+    from wushkv.calibration import calibrate
+    from wushkv.config import QuantConfig
+    from wushkv.methods.auto import resolve_auto
+    from wushkv.methods.install import covered_calibration, transforms_for
+    from wushkv.tools.cover import cover_file
+
+    model = tiny_model("llama")
+    text = tmp_path / "calib.txt"
+    text.write_text(TINY_CALIBRATION_TEXT)
+    cal = calibrate(model, CharTokenizer(), samples=3, seq_len=64, text_file=str(text), show_progress=False)
+    src = cal.save(tmp_path / "c.safetensors")
+    covered = Calibration.load(cover_file(src, tmp_path / "c-256.safetensors", 256, model=model), model)
+    cal = Calibration.load(src, model)
+    want = transforms_for(model, covered, "wush+ldlq")
+    for got in (transforms_for(model, cal, "wush+cover256+ldlq"), transforms_for(model, covered, "wush+cover256+ldlq")):
+        for a, b in zip(got, want, strict=True):
+            assert all(torch.equal(getattr(a, k), getattr(b, k)) for k in ("T_K", "T_K_inv", "T_V", "T_V_inv", "F_K", "F_V"))
+    plain = transforms_for(model, cal, "wush+ldlq")
+    assert not torch.allclose(plain[0].T_K.abs(), want[0].T_K.abs())  # covering changed the key transform
+    assert torch.equal(plain[0].T_V, want[0].T_V)  # and not the value side: value statistics do not turn with RoPE
+    assert covered_calibration(model, cal, 256) is covered_calibration(model, cal, 256)
+    with pytest.raises(ValueError, match=r"\+cover64: the calibration's sequences already hold 64 positions"):
+        transforms_for(model, cal, "wush+cover64")
+    with pytest.raises(ValueError, match=r"\+cover512: this calibration's statistics are already covered to 256 positions"):
+        transforms_for(model, covered, "wush+cover512")
+    # a selection made on the file as calibrated travels with `calibration cover`; its covered choice cannot run there
+    covered.set_selection({"setting": __import__("wushkv.methods.auto", fromlist=["x"]).selection_setting(QuantConfig()),
+                           "choices": {"2": {"recipe": "wush+cover128+ldlq"}}})
+    r = resolve_auto(None, covered, QuantConfig(2, 2))
+    assert r.method.name == "wush" and "calibration selection wush+cover128+ldlq not run: +cover128: this calibration's statistics are " \
+        "already covered to 256 positions" in r.why
+
+
 def test_selection_on_a_covered_file_chooses_for_it_alone(tmp_path):
     """The documented remedy for serving past the calibration's length: cover the file, then select on it at the
     served length. The selection runs on the covered statistics (its evaluations differ from the original file's),

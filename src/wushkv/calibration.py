@@ -258,6 +258,9 @@ class Calibration:
     stats: list[dict[str, torch.Tensor]]
     solved: dict[str, list[LayerTransforms]] = field(default_factory=dict)
     selections: list[dict] = field(default_factory=list)
+    # what is derived from the statistics and kept for reuse, never saved (e.g. the copies covered to longer
+    # contexts, :func:`wushkv.methods.install.covered_calibration`)
+    derived: dict = field(default_factory=dict, repr=False, compare=False)
 
     def set_selection(self, record: dict) -> None:
         """Add ``record`` (a selection with its ``setting``), replacing one made under the same quantizer setting."""
@@ -388,6 +391,21 @@ def _uniform_shift_means(theta: torch.Tensor, span: float) -> tuple[torch.Tensor
     small = x.abs() < 1e-8
     safe = torch.where(small, torch.ones_like(x), x)
     return torch.where(small, 1 - x**2 / 6, torch.sin(safe) / safe), torch.where(small, x / 2, (1 - torch.cos(safe)) / safe)
+
+
+def why_not_covered(meta: dict, positions: int) -> str | None:
+    """Why a calibration of ``meta`` cannot be covered to ``positions`` as a method's ``+coverN`` asks (None: it can,
+    or it already is): its sequences already hold that many positions, or the file was covered to another length
+    (covering twice would average twice)."""
+    L, have = int(meta["seq_len"]), meta.get("positions")
+    if have is not None:
+        if int(have) == positions:
+            return None
+        return (f"+cover{positions}: this calibration's statistics are already covered to {have} positions (`wushkv calibration "
+                f"cover`); apply +cover{positions} to the file as calibrated, or drop it")
+    if positions <= L:
+        return f"+cover{positions}: the calibration's sequences already hold {L} positions; +coverN covers a longer context (N > {L}), or drop it"
+    return None
 
 
 def cover_positions(cal: Calibration, rope: list[tuple[torch.Tensor, float]], serve_len: int) -> Calibration:

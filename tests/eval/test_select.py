@@ -101,7 +101,7 @@ def test_selection_chooses_keeps_every_evaluation_and_resumes(tiny_cal, tmp_path
     chunks = _chunks(HELD_OUT, 4)
     runs = tmp_path / "runs.json"
     cands = ["wush", "wush+ldlq", "wush+ktiles+ldlq@tc=1.7"]
-    out = run_selection(model, chunks, cal, cands, [2, 3], BASE, json_path=runs, meta={"model": "tiny"}, **QUIET)
+    out = run_selection(model, chunks, cal, cands, [2, 3], BASE, cover="no", json_path=runs, meta={"model": "tiny"}, **QUIET)
     saved = json.loads(runs.read_text())
     assert saved["fp"]["chunk_nll"] == out["fp"]["chunk_nll"] and len(out["fp"]["chunk_nll"]) == 4
     for b in (2, 3):
@@ -116,14 +116,14 @@ def test_selection_chooses_keeps_every_evaluation_and_resumes(tiny_cal, tmp_path
     assert "CHOSEN" in report and "bits/elem" in report
     # resuming: nothing is evaluated again (the stored numbers come back as they were)
     log = []
-    again = run_selection(model, chunks, cal, cands, [2, 3], BASE, json_path=runs, meta={"model": "tiny"}, show_progress=False, log=log.append)
+    again = run_selection(model, chunks, cal, cands, [2, 3], BASE, cover="no", json_path=runs, meta={"model": "tiny"}, show_progress=False, log=log.append)
     assert again["results"] == out["results"] and not any("held-out PPL" in m for m in log) and any("resuming" in m for m in log)
     # a budget under the key tiles' bytes excludes them (and says so), a gate that fails the pick makes the rule pick again
     gate = FailFirst()
     kt = out["results"]["wush+ktiles+ldlq@tc=1.7"]["2"]["bits_per_element"]
     new = cands + ["wush+ldlq-v"]
     log = []
-    third = run_selection(model, chunks, cal, new, [2], BASE, json_path=runs, budget=kt - 0.01, gates=[gate], meta={"model": "tiny"},
+    third = run_selection(model, chunks, cal, new, [2], BASE, cover="no", json_path=runs, budget=kt - 0.01, gates=[gate], meta={"model": "tiny"},
                           show_progress=False, log=log.append)
     assert [m for m in log if "held-out PPL" in m] and all("wush+ldlq-v " in m for m in log if "held-out PPL" in m)  # only the new one
     assert third["excluded"]["wush+ktiles+ldlq@tc=1.7"]["2"]["why"].startswith("over the budget")
@@ -135,7 +135,7 @@ def test_selection_chooses_keeps_every_evaluation_and_resumes(tiny_cal, tmp_path
     assert "excluded: over the budget" in selection_report(third, new, [2], "tiny", "held-out")
     # other settings are refused, not overwritten
     with pytest.raises(ValueError, match="other settings"):
-        run_selection(model, _chunks(EVALUATION, 4), cal, cands, [2], BASE, json_path=runs, meta={"model": "tiny"}, **QUIET)
+        run_selection(model, _chunks(EVALUATION, 4), cal, cands, [2], BASE, cover="no", json_path=runs, meta={"model": "tiny"}, **QUIET)
     # the record in the calibration: what auto reads
     cal.set_selection(selection_record(out, "held-out"))
     cal = Calibration.load(cal.save(tmp_path / "c.safetensors"), model)
@@ -157,6 +157,42 @@ def test_auto_after_selection_is_no_worse_than_the_paper_recipe_on_other_text(ti
         assert lo <= 0, f"{b} bits: auto ({ev['results']['auto'][str(b)]['method']}) worse than wush beyond the interval: {d:+.3f}% ({lo:+.3f} … {hi:+.3f})"
     assert sel["choices"]["2"]["recipe"] != "wush"
     assert ev["results"]["auto"]["2"]["ppl"] < ev["results"]["wush"]["2"]["ppl"]
+
+
+def test_selection_chooses_the_statistics_too_when_serving_past_the_calibration(tiny_cal, tmp_path):
+    """Held-out chunks longer than the calibration's sequences: every candidate is also evaluated on statistics
+    covered to the served length (``+cover{serve_len}`` right after it), the rule chooses among all of them, and
+    ``auto`` then runs exactly what was evaluated (the same per-chunk NLLs on the same chunks). ``cover="no"``, or
+    chunks no longer than the calibration's sequences, evaluate the file's statistics only; a run with ``cover="no"``
+    resumes from the same file without evaluating anything again."""
+    model = tiny_model("llama")
+    cal = tiny_cal(model)  # 3 x 64 tokens
+    long = _chunks(HELD_OUT, 3, 192)
+    runs = tmp_path / "runs.json"
+    cands = ["wush", "wush+ldlq"]
+    out = run_selection(model, long, cal, cands, [2], BASE, json_path=runs, **QUIET)
+    assert out["order"] == ["wush", "wush+cover192", "wush+ldlq", "wush+cover192+ldlq"]
+    evals = {n: out["results"][n]["2"] for n in out["order"]}
+    assert out["choices"]["2"]["recipe"] == min(out["order"], key=lambda n: evals[n]["nll"])
+    assert evals["wush+cover192"]["chunk_nll"] != evals["wush"]["chunk_nll"]  # other statistics, other transforms
+    report = selection_report(out, cands, [2], "tiny", "held-out")
+    assert [line.split()[0] for line in report.splitlines() if line.startswith("wush")] == out["order"]  # covered after its own
+    log = []
+    none = run_selection(model, long, cal, cands, [2], BASE, json_path=runs, cover="no", show_progress=False, log=log.append)
+    assert none["order"] == ["wush", "wush+ldlq"] and not any("held-out PPL" in m for m in log)
+    short = run_selection(model, _chunks(HELD_OUT, 3, 64), cal, cands, [2], BASE, **QUIET)
+    assert short["order"] == ["wush", "wush+ldlq"]
+    with pytest.raises(ValueError, match="--cover 'yes': known: auto, no"):
+        run_selection(model, long, cal, cands, [2], BASE, cover="yes", **QUIET)
+    # the choice travels in the calibration, and `auto` runs it, covering included
+    cal.set_selection(selection_record(out, "held-out"))
+    cfg = replace(BASE, k_bits=2, v_bits=2)
+    r = resolve_auto("tiny", cal, cfg)
+    assert r.record()["recipe"] == out["choices"]["2"]["recipe"]
+    for pick in ("wush+cover192+ldlq", "wush+cover192"):  # whichever the rule picked, each covered one runs as evaluated
+        cal.set_selection(selection_record(out, "held-out") | {"choices": {"2": {"recipe": pick}}})
+        ev = run_compare(model, None, long, cal, ["auto"], [2], BASE, meta={"model": "tiny"}, **QUIET)
+        assert ev["results"]["auto"]["2"]["method"] == pick and ev["results"]["auto"]["2"]["chunk_nll"] == evals[pick]["chunk_nll"]
 
 
 def test_select_command_writes_the_choice_into_the_calibration(tmp_path, capsys):
@@ -254,7 +290,7 @@ def test_refine_walks_the_clips_of_the_pick(tiny_cal):
     assert refine_options(parse_recipe("wush+ktiles"), replace(q, quantizer="affine")) == ["tc"]
     model = tiny_model("llama")
     cal = tiny_cal(model)
-    out = run_selection(model, _chunks(HELD_OUT, 4), cal, ["wush", "wush+ldlq"], [2], BASE, refine=True, **QUIET)
+    out = run_selection(model, _chunks(HELD_OUT, 4), cal, ["wush", "wush+ldlq"], [2], BASE, refine=True, cover="no", **QUIET)
     names = list(out["results"])
     assert len(names) > 2 and all("@" in n for n in names[2:])  # the walk's recipes, named by their clips
     lowest = min(names, key=lambda n: out["results"][n]["2"]["nll"])

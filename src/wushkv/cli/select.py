@@ -34,8 +34,8 @@ def cmd_select(args) -> int:
     from ..calibration import Calibration
     from ..data import heldout_c4_text, read_text_file, tokenize_chunks, wikitext2_test
     from ..eval.prepare import check_heldout_calibration, load_calibration
-    from ..eval.select import (GATES, AgreementGate, PasskeyGate, agreement_prompts, plot_selection, run_selection, selection_record,
-                               selection_report)
+    from ..eval.select import (GATES, PAPER, AgreementGate, PasskeyGate, agreement_prompts, covered_candidates, plot_selection, run_selection,
+                               selection_record, selection_report)
     from ..io import exclusive_output
     from ..methods.auto import parse_recipe, selection_setting
     from ..runs import settings_key
@@ -90,13 +90,18 @@ def cmd_select(args) -> int:
             prompts = agreement_prompts(tok, text, chunks.numel(), args.agreement_prompts, args.agreement_prompt_len)
             gate_objs.append(AgreementGate(model, cal, prompts, new_tokens=args.agreement_new_tokens, margin=args.agreement_margin,
                                            log=err))
-    err(f"select: {len(candidates)} candidates x {len(args.bits)} widths on {label}, {chunks.shape[0]} x {args.serve_len} tokens; "
+    listed = [parse_recipe(c) for c in candidates]
+    listed += [parse_recipe(PAPER)] if PAPER not in {r.name for r in listed} else []  # always evaluated
+    n_covered = len(covered_candidates(listed, cal, args.serve_len, args.cover)) - len(listed)
+    covered = (f" (and {n_covered} on statistics covered to {args.serve_len} positions, the calibration's sequences being "
+               f"{cal.meta['seq_len']} tokens: --cover no leaves them out)" if n_covered else "")
+    err(f"select: {len(candidates)} candidates{covered} x {len(args.bits)} widths on {label}, {chunks.shape[0]} x {args.serve_len} tokens; "
         f"evaluations kept in {runs}")
     # cli.main locks the files named by flags (--json, --out, --plot); the defaults are locked here: the evaluations
     # file beside the calibration, and the calibration itself when the selection is written into it in place
     with exclusive_output(runs if args.json is None else None), exclusive_output(args.calibration if args.out is None else None):
         out = run_selection(model, chunks, cal, candidates, args.bits, base, rule=args.rule, budget=args.budget, gates=gate_objs,
-                            json_path=runs, meta=meta, refine=args.refine, log=err)
+                            json_path=runs, meta=meta, refine=args.refine, cover=args.cover, log=err)
         print(selection_report(out, candidates, args.bits, args.model, label))
         if args.plot:
             plot_selection(out, candidates, args.bits, args.plot, args.model, label)
@@ -111,7 +116,7 @@ def cmd_select(args) -> int:
 
 
 def register(sub) -> None:
-    from ..eval.select import AGREEMENT_GATE, DEFAULT_CANDIDATES, GATES, PASSKEY_GATE, RULES
+    from ..eval.select import AGREEMENT_GATE, COVER_MODES, DEFAULT_CANDIDATES, GATES, PASSKEY_GATE, RULES
     from ..methods.auto import RECIPE_OPTIONS
 
     p = sub.add_parser(
@@ -156,6 +161,10 @@ def register(sub) -> None:
                         "choose among what the walk visited too: a few evaluations more per width")
     p.add_argument("--serve-len", type=int, default=2048, help="the context length you will serve: held-out chunks of this many tokens "
                                                                "(default: %(default)s)")
+    p.add_argument("--cover", choices=COVER_MODES, default="auto",
+                   help="auto: where --serve-len is longer than the calibration's sequences, also evaluate each candidate on "
+                        "statistics covered to --serve-len positions (+coverN), so that the choice includes the statistics "
+                        "(twice the evaluations); no: the file's statistics only (default: %(default)s)")
     p.add_argument("--chunks", type=int, default=4, help="held-out chunks (default: %(default)s)")
     p.add_argument("--text-file", default=None, help="held-out UTF-8 text of the calibration's domain (default: C4 documents 1200..1999, "
                                                      "which no calibration here reads; never the evaluation text)")

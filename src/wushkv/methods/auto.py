@@ -202,6 +202,10 @@ def why_unusable(recipe: Recipe, calibration) -> str | None:
     """Why ``recipe`` cannot run with ``calibration`` (None: it can)."""
     if recipe.method.rope_mean and not has_rope_mean(calibration):
         return "its keys are centered on the pre-RoPE mean, which this calibration predates (wushkv calibration upgrade adds it)"
+    if recipe.method.cover is not None and calibration is not None:
+        from ..calibration import why_not_covered
+
+        return why_not_covered(calibration.meta, recipe.method.cover)
     return None
 
 

@@ -12,6 +12,7 @@ from dataclasses import replace
 
 import torch
 
+from ..calibration import cover_positions, why_not_covered
 from ..config import QuantConfig
 from ..folding import apply_transforms
 from ..models import describe, rope_parameters
@@ -83,13 +84,36 @@ def _plain(model, calibration, transform: str) -> list[LayerTransforms]:
     return [build_transforms(transform, spec.num_kv_heads, spec.head_dim) for _ in range(spec.num_layers)]
 
 
+def covered_calibration(model, calibration, positions: int):
+    """``calibration`` with its key-space statistics covered to ``positions`` (``+coverN``;
+    :func:`wushkv.calibration.cover_positions` with ``model``'s RoPE frequencies), kept on the calibration so that
+    every method covered to the same length reads one copy. Refused, with what to do, where covering would not be
+    what ``+coverN`` says: ``positions`` no longer than the calibration's sequences (nothing to cover), or a file
+    already covered (covering twice averages twice; a file covered to exactly ``positions`` is returned as it is)."""
+    if (why := why_not_covered(calibration.meta, positions)) is not None:
+        raise ValueError(why)
+    if calibration.meta.get("positions") is not None:  # covered to exactly ``positions`` already
+        return calibration
+    cache = calibration.derived.setdefault("covered", {})
+    if positions not in cache:
+        spec = describe(model)
+        cache[positions] = cover_positions(calibration, [rope_parameters(model, l, spec) for l in range(spec.num_layers)], positions)
+    return cache[positions]
+
+
 def transforms_for(model, calibration, method: str | Method) -> list[LayerTransforms]:
     """Per-layer transforms of a method (:class:`~wushkv.transforms.LayerTransforms`: the four matrices and, as the
     method needs, ``F_K``/``F_V`` feedback matrices, ``mu_K_rope`` the pre-RoPE key mean [Hkv, d]).
 
-    Built in this order: each side's transform (the calibration's, or built for calibration-free ones), the sign
-    pattern redrawn on the WUSH sides, the feedback matrices of the transforms so obtained, the rotating mean."""
+    Built in this order: the statistics covered to the served positions (``+coverN``), each side's transform (the
+    calibration's, or built for calibration-free ones), the sign pattern redrawn on the WUSH sides, the feedback
+    matrices of the transforms so obtained, the rotating mean."""
     m = spec_of(method, "transforms_for")
+    if m.cover is not None:
+        if calibration is None:
+            raise ValueError(f"method {m.name!r} covers calibration statistics to {m.cover} positions; it needs a calibration "
+                             "(--calibration PATH)")
+        return transforms_for(model, covered_calibration(model, calibration, m.cover), replace(m, cover=None))
     if m.rope_mean:
         if calibration is None:
             raise ValueError(f"method {m.name!r} centers keys on the calibration's pre-RoPE key mean; it needs a calibration (--calibration PATH)")

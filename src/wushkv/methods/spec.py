@@ -10,6 +10,9 @@ name grammar is only a spelling of a :class:`MethodSpec`:
 
   - ``+signsN``: the N-th random sign pattern on the eigenvectors of the WUSH-family sides (another exact
     WUSH solution; N ≥ 1);
+  - ``+coverN``: the calibration's key-space statistics averaged over the positions of an N-token context before
+    the transforms are solved (:func:`wushkv.calibration.cover_positions`), for contexts longer than the
+    calibration's sequences;
   - ``+rmean``: keys centered on their rotating pre-RoPE mean (``key_centering="rope-mean"``);
   - ``+tiles``: both sides in KVarN's tiles, with KVarN's windows (``kvarn`` is ``hadamard``'s transform
     with these tiles, the way KVarN ships); ``+ktiles``: the keys alone in tiles, values per token;
@@ -46,9 +49,11 @@ CENTERINGS = ("none", "rope-mean")
 FEEDBACK_SIDES = ("", "K", "V", "KV")
 
 # suffix -> what it sets; the canonical name writes them in this order
-SUFFIX_ORDER = ("+signsN", "+rmean", "+tiles", "+ktiles", "+ldlq", "+ldlq-k", "+ldlq-v")
+SUFFIX_ORDER = ("+signsN", "+coverN", "+rmean", "+tiles", "+ktiles", "+ldlq", "+ldlq-k", "+ldlq-v")
 SUFFIX_HELP = {
     "+signsN": "WUSH's N-th random eigenvector sign pattern (N >= 1; another exact WUSH solution)",
+    "+coverN": "the calibration's key statistics covered to the positions of an N-token context before solving (N longer than "
+               "its sequences; what `wushkv calibration cover` writes to a file)",
     "+rmean": "keys centered on their rotating pre-RoPE mean (needs a calibration holding it)",
     "+tiles": "both sides in KVarN's tiles and windows instead of the configured quantizer",
     "+ktiles": "keys in KVarN's tiles, values per token by the configured quantizer",
@@ -57,7 +62,7 @@ SUFFIX_HELP = {
     "+ldlq-v": "error feedback on the values only",
 }
 _LDLQ = {"+ldlq": "KV", "+ldlq-k": "K", "+ldlq-v": "V"}
-_TOKEN = re.compile(r"\+(signs\d+|rmean|tiles|ktiles|ldlq-k|ldlq-v|ldlq)(?=\+|$)")
+_TOKEN = re.compile(r"\+(signs\d+|cover\d+|rmean|tiles|ktiles|ldlq-k|ldlq-v|ldlq)(?=\+|$)")
 
 
 @dataclass(frozen=True)
@@ -71,7 +76,9 @@ class MethodSpec:
     * ``feedback``: the sides ("K", "V", "KV"; "" for none) rounded with error feedback against the
       calibration's Hessians in the transformed space (same bytes, a smaller weighted error);
     * ``key_centering``: ``"none"`` or ``"rope-mean"`` (the cache quantizes T (k_t − R_t μ) and adds T R_t μ back);
-    * ``signs``: N of the WUSH sign pattern drawn on the WUSH-family sides, or None.
+    * ``signs``: N of the WUSH sign pattern drawn on the WUSH-family sides, or None;
+    * ``cover``: N, the positions (tokens of context) the calibration's key-space statistics are averaged over
+      before anything is solved from them (:func:`wushkv.calibration.cover_positions`), or None for the file's own.
 
     Frozen and hashable; two specs are equal exactly when they describe the same method (``kvarn`` and
     ``hadamard+tiles`` build the same matrices but stay two methods, as KVarN ships and as our Hadamard under its tiles).
@@ -84,6 +91,7 @@ class MethodSpec:
     feedback: str = ""
     key_centering: str = "none"
     signs: int | None = None
+    cover: int | None = None
 
     def __post_init__(self):
         if self.value_transform is None:
@@ -117,6 +125,14 @@ class MethodSpec:
             if not (self.key_transform in SIGNED_TRANSFORMS or self.value_transform in SIGNED_TRANSFORMS):
                 raise ValueError(f"+signsN draws eigenvector signs of {list(SIGNED_TRANSFORMS)}; this method has none "
                                  f"({self.key_transform}/{self.value_transform})")
+
+        if self.cover is not None:
+            if isinstance(self.cover, bool) or not isinstance(self.cover, int) or self.cover < 2:
+                raise ValueError(f"cover={self.cover!r}: +coverN covers the statistics to an N-token context, N a whole number >= 2 "
+                                 "(e.g. +cover8192)")
+            if not self.needs_calibration:
+                raise ValueError(f"+cover{self.cover} covers calibration statistics; this method reads none "
+                                 f"({self.key_transform}/{self.value_transform} without +ldlq or +rmean)")
 
     # --- what the method needs -------------------------------------------------------------------
     @property
@@ -263,7 +279,7 @@ def parse(name: str | Method) -> Method:
     v = v if sep else k
     if k not in TRANSFORMS or v not in TRANSFORMS:
         raise _unknown(name)
-    seen = [("+signsN" if t.startswith("signs") else "+" + t) for t in tokens]
+    seen = [("+signsN" if t.startswith("signs") else "+coverN" if t.startswith("cover") else "+" + t) for t in tokens]
     dup = sorted({s for s in seen if seen.count(s) > 1})
     if dup:
         raise ValueError(f"method {name!r}: suffix {dup[0]!r} given twice")
@@ -276,6 +292,7 @@ def parse(name: str | Method) -> Method:
     if "+ktiles" in seen and tiles:
         raise ValueError(f"method {name!r}: '+ktiles' puts the keys in KVarN's tiles; it cannot be combined with '+tiles'/kvarn (both sides in tiles)")
     signs = next((int(t[len("signs"):]) for t in tokens if t.startswith("signs")), None)
+    cover = next((int(t[len("cover"):]) for t in tokens if t.startswith("cover")), None)
     try:
         return MethodSpec(
             key_transform=k, value_transform=v,
@@ -283,7 +300,7 @@ def parse(name: str | Method) -> Method:
             value_layout="tiles" if tiles else "token",
             feedback=_LDLQ[ldlq[0]] if ldlq else "",
             key_centering="rope-mean" if "+rmean" in seen else "none",
-            signs=signs,
+            signs=signs, cover=cover,
         )
     except ValueError as e:
         raise ValueError(f"method {name!r}: {e}") from None
@@ -297,6 +314,8 @@ def canonical_name(method: str | Method) -> str:
     out = m.key_transform if m.key_transform == m.value_transform else f"{m.key_transform}{SIDES_SEP}{m.value_transform}"
     if m.signs is not None:
         out += f"+signs{m.signs}"
+    if m.cover is not None:
+        out += f"+cover{m.cover}"
     if m.rope_mean:
         out += "+rmean"
     if m.tiles and m.key_transform != KVARN:
