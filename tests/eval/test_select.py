@@ -93,7 +93,8 @@ def test_selection_chooses_keeps_every_evaluation_and_resumes(tiny_cal, tmp_path
     """On a tiny model: full precision once and every (candidate, width) evaluated and kept; the choice is the rule's
     over the kept per-chunk NLLs, with the paired difference against the paper recipe; a budget and a gate remove
     candidates and say why; a rerun resumes without evaluating anything again, and a new candidate is the only new
-    evaluation; the record the calibration stores carries the setting and survives save and load."""
+    evaluation; the record the calibration stores carries the setting and survives save and load. (The file's own
+    statistics only, ``cover="no"``: covered candidates have their own test.)"""
     from wushkv.calibration import Calibration
 
     model = tiny_model("llama")
@@ -276,6 +277,9 @@ def test_select_refuses_bad_settings(tmp_path, capsys):
         assert message in capsys.readouterr().err
     assert main(["select", "--calibration", str(tmp_path / "missing.safetensors")]) == 2
     assert "does not exist; make one with `wushkv calibrate" in capsys.readouterr().err
+    with pytest.raises(SystemExit):  # argparse's own refusal of a choice it does not offer
+        main(["select", "--calibration", str(tmp_path / "missing.safetensors"), "--cover", "yes"])
+    assert "argument --cover: invalid choice: 'yes'" in capsys.readouterr().err
 
 
 def test_refine_walks_the_clips_of_the_pick(tiny_cal):

@@ -136,7 +136,9 @@ def register(sub) -> None:
     p = sub.add_parser("calibrate", help="collect statistics on calibration text and solve the transforms")
     add_model_args(p)
     p.add_argument("--samples", type=int, default=32, help="calibration sequences (default: %(default)s)")
-    p.add_argument("--seq-len", type=int, default=2048, help="tokens per sequence (default: %(default)s)")
+    p.add_argument("--seq-len", type=int, default=2048,
+                   help="tokens per sequence (default: %(default)s); serving longer contexts, calibrate at that length or run "
+                        "`wushkv select --serve-len N`, which also tries the statistics covered to N positions")
     p.add_argument("--calib-text-file", default=None, help="calibration text: UTF-8 file or C4-style .jsonl[.gz] (default: the C4 sample)")
     p.add_argument("--damping", type=float, default=0.01, help="γ: damping of H and M relative to their mean diagonal (default: %(default)s)")
     p.add_argument("--wush-a", action="store_true", help="also collect attention-aware Hessians (WUSH-A; cost grows as seq-len²: about 2.6× a plain calibration at 1024 tokens, 3.7× at 2048)")
