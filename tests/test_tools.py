@@ -106,6 +106,19 @@ def test_cover_writes_the_statistics_of_the_served_positions(tmp_path):
         args.func(args)
 
 
+def _saved_and_covered(model, tmp_path, serve_len: int = 256):
+    """A 3 x 64-token calibration of ``model`` saved as ``c.safetensors``, and that file covered to ``serve_len``
+    (``wushkv calibration cover``), loaded."""
+    from wushkv.calibration import calibrate
+    from wushkv.tools.cover import cover_file
+
+    text = tmp_path / "calib.txt"
+    text.write_text(TINY_CALIBRATION_TEXT)
+    cal = calibrate(model, CharTokenizer(), samples=3, seq_len=64, text_file=str(text), show_progress=False)
+    src = cal.save(tmp_path / "c.safetensors")
+    return src, Calibration.load(cover_file(src, tmp_path / f"c-{serve_len}.safetensors", serve_len, model=model), model)
+
+
 def test_a_methods_cover_suffix_is_the_covered_file(tmp_path):
     """``+coverN`` covers in memory what ``calibration cover`` writes: the transforms of ``wush+cover256+ldlq`` on the
     file as calibrated equal ``wush+ldlq``'s on the file covered to 256 (matrices and feedback, bit for bit), and on that
@@ -113,16 +126,11 @@ def test_a_methods_cover_suffix_is_the_covered_file(tmp_path):
     another length on a covered file, is refused with what to do, and ``auto`` skips such a recorded choice, saying why."""
     from wushkv.calibration import calibrate
     from wushkv.config import QuantConfig
-    from wushkv.methods.auto import resolve_auto
+    from wushkv.methods.auto import resolve_auto, selection_setting
     from wushkv.methods.install import covered_calibration, transforms_for
-    from wushkv.tools.cover import cover_file
 
     model = tiny_model("llama")
-    text = tmp_path / "calib.txt"
-    text.write_text(TINY_CALIBRATION_TEXT)
-    cal = calibrate(model, CharTokenizer(), samples=3, seq_len=64, text_file=str(text), show_progress=False)
-    src = cal.save(tmp_path / "c.safetensors")
-    covered = Calibration.load(cover_file(src, tmp_path / "c-256.safetensors", 256, model=model), model)
+    src, covered = _saved_and_covered(model, tmp_path)
     cal = Calibration.load(src, model)
     want = transforms_for(model, covered, "wush+ldlq")
     for got in (transforms_for(model, cal, "wush+cover256+ldlq"), transforms_for(model, covered, "wush+cover256+ldlq")):
@@ -137,7 +145,7 @@ def test_a_methods_cover_suffix_is_the_covered_file(tmp_path):
     with pytest.raises(ValueError, match=r"\+cover512: this calibration's statistics are already covered to 256 positions"):
         transforms_for(model, covered, "wush+cover512")
     # a selection made on the file as calibrated travels with `calibration cover`; its covered choice cannot run there
-    covered.set_selection({"setting": __import__("wushkv.methods.auto", fromlist=["x"]).selection_setting(QuantConfig()),
+    covered.set_selection({"setting": selection_setting(QuantConfig()),
                            "choices": {"2": {"recipe": "wush+cover128+ldlq"}}})
     r = resolve_auto(None, covered, QuantConfig(2, 2))
     assert r.method.name == "wush" and "calibration selection wush+cover128+ldlq not run: +cover128: this calibration's statistics are " \
@@ -150,18 +158,12 @@ def test_selection_on_a_covered_file_chooses_for_it_alone(tmp_path):
     its evaluations file is refused for the original (another calibration recipe), the choice and the ``positions``
     are both kept in the covered file, and ``auto`` there resolves to the choice, the original's ``auto`` staying the
     paper recipe; the centered (``+rmean``) candidates run on a covered file too (it keeps the pre-RoPE mean)."""
-    from wushkv.calibration import calibrate
     from wushkv.config import QuantConfig, WindowConfig
     from wushkv.eval.select import run_selection, selection_record
     from wushkv.methods.auto import resolve_auto
-    from wushkv.tools.cover import cover_file
 
     model = tiny_model("llama")
-    text = tmp_path / "calib.txt"
-    text.write_text(TINY_CALIBRATION_TEXT)
-    cal = calibrate(model, CharTokenizer(), samples=3, seq_len=64, text_file=str(text), show_progress=False)
-    src = cal.save(tmp_path / "c.safetensors")
-    covered = Calibration.load(cover_file(src, tmp_path / "c-256.safetensors", 256, model=model), model)
+    src, covered = _saved_and_covered(model, tmp_path)
     assert all("mu_K_pre" in st for st in covered.stats)
     ids = CharTokenizer()("a lazy dog sleeps while the brown fox runs far away. " * 30, return_tensors="pt").input_ids[0]
     chunks = ids[: 2 * 256].view(2, 256)  # served length 256, four times the calibration's
