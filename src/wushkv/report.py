@@ -67,6 +67,34 @@ def plot_lines(x, series: dict[str, Sequence[float]], path, xlabel: str, ylabel:
     return _save(fig, path)
 
 
+def plot_bars(values: dict[str, float], path, xlabel: str, title: str, highlight: Sequence[str] = (), logx: bool = False):
+    """One horizontal bar per name, top to bottom in ``values``' order (NaN: no bar); names in ``highlight`` drawn in
+    another colour. For one measurement per name, where :func:`plot_lines` over a single x would stack every point."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    names = list(values)
+    fig, ax = plt.subplots(figsize=(8, 1.2 + 0.32 * len(names)))
+    ys = range(len(names))[::-1]
+    xs = [values[n] for n in names]
+    ax.barh(list(ys), [x if x == x else 0.0 for x in xs], color=["tab:orange" if n in highlight else "tab:blue" for n in names])
+    for y, x in zip(ys, xs):
+        if x == x:
+            ax.annotate(f"{x:+.2f}", (x, y), xytext=(3, 0), textcoords="offset points", va="center", fontsize=7)
+    ax.set_yticks(list(ys), names, fontsize=8)
+    if logx and all(x > 0 for x in xs if x == x):
+        ax.set_xscale("log")
+    else:
+        ax.axvline(0.0, color="k", lw=0.8)
+    ax.set_xlabel(xlabel)
+    ax.set_title(title, fontsize=10)
+    ax.grid(alpha=0.3, axis="x", which="both")
+    fig.tight_layout()
+    return _save(fig, path)
+
+
 def color_max(grids: dict[str, Sequence[Sequence[float]]]) -> float:
     """The largest finite value of all ``grids`` (NaN cells are runs not made), 1.0 if none is positive."""
     top = max((v for g in grids.values() for row in g for v in row if math.isfinite(v)), default=0.0)

@@ -515,14 +515,22 @@ def selection_report(out: dict, candidates: list[str], bits: list[int], model: s
 
 def plot_selection(out: dict, candidates: list[str], bits: list[int], path, model: str, text_label: str):
     """Held-out Δ% over full precision against bits, one line per candidate (log scale; symmetric log where a candidate
-    is below full precision, as held-out text can put a 3-4-bit cache), as ``compare`` plots."""
-    from ..report import plot_lines
+    is below full precision, as held-out text can put a 3-4-bit cache), as ``compare`` plots; for one width, one bar per
+    candidate in the listed order, the pick highlighted."""
+    from ..report import plot_bars, plot_lines
 
     names = _listed(out, candidates)
+    chosen = {(out["choices"].get(str(b)) or {}).get("recipe") for b in bits}
     series = {}
     for n in names:
         ys = [float("nan") if str(b) in out.get("excluded", {}).get(n, {}) else
               out["results"].get(n, {}).get(str(b), {}).get("delta_pct", float("nan")) for b in bits]
-        series[n + (" *" if any((out["choices"].get(str(b)) or {}).get("recipe") == n for b in bits) else "")] = ys
+        series[n] = ys
+    if len(bits) == 1:
+        s = out["settings"]
+        return plot_bars({n: ys[0] for n, ys in series.items()}, path, "held-out perplexity increase over full precision (%)",
+                         f"{model}, {bits[0]} bits: selection on {text_label}, {s['chunks']} x {s['serve_len']} tokens (chosen in orange)",
+                         highlight=chosen, logx=True)
+    series = {n + (" *" if n in chosen else ""): ys for n, ys in series.items()}
     return plot_lines(bits, series, path, "bits (keys and values)", "held-out perplexity increase over full precision (%)",
                       f"{model}: selection on {text_label} (* chosen at some width)", logy=True)
