@@ -40,3 +40,23 @@ def test_log_plots_show_values_below_the_reference(tmp_path, monkeypatch):
     plot_lines([2, 3, 4], {"wush": [7.9, 0.87, 0.15]}, tmp_path / "l.png", "bits", "%", "t", logy=True)
     assert scales == ["symlog", "log"] and drawn[1][:2] == [-0.81, -0.07]
     assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_bar_plot_draws_each_value_in_order_and_logs_only_positive_ones(tmp_path, monkeypatch):
+    """One bar per name, top to bottom in the given order at its own length (NaN: an empty slot), the highlighted one
+    in another colour; a log axis only where every value is positive."""
+    import matplotlib.axes
+
+    from wushkv.report import plot_bars
+
+    bars, scales = [], []
+    real_barh, real_scale = matplotlib.axes.Axes.barh, matplotlib.axes.Axes.set_xscale
+    monkeypatch.setattr(matplotlib.axes.Axes, "barh", lambda self, y, w, **k: bars.append((list(y), list(w), k["color"]))
+                        or real_barh(self, y, w, **k))
+    monkeypatch.setattr(matplotlib.axes.Axes, "set_xscale", lambda self, v, **k: scales.append(v) or real_scale(self, v, **k))
+    out = plot_bars({"wush": 36.4, "wush+cover4096": 3.7, "skipped": math.nan}, tmp_path / "b.png", "%", "t",
+                    highlight={"wush+cover4096"}, logx=True)
+    plot_bars({"a": 1.0, "b": -0.5}, tmp_path / "c.png", "%", "t", logx=True)
+    (y, w, c), (_, w2, _) = bars
+    assert y == [2, 1, 0] and w == [36.4, 3.7, 0.0] and c == ["tab:blue", "tab:orange", "tab:blue"] and w2 == [1.0, -0.5]
+    assert scales == ["log"] and out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
