@@ -20,6 +20,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field, replace
 
+from ..calibration import why_not_covered
 from ..config import GENERATION_WINDOWS, PERPLEXITY_WINDOWS, QuantConfig
 from .spec import MethodSpec, parse
 
@@ -203,8 +204,6 @@ def why_unusable(recipe: Recipe, calibration) -> str | None:
     if recipe.method.rope_mean and not has_rope_mean(calibration):
         return "its keys are centered on the pre-RoPE mean, which this calibration predates (wushkv calibration upgrade adds it)"
     if recipe.method.cover is not None and calibration is not None:
-        from ..calibration import why_not_covered
-
         return why_not_covered(calibration.meta, recipe.method.cover)
     return None
 

@@ -125,7 +125,6 @@ class MethodSpec:
             if not (self.key_transform in SIGNED_TRANSFORMS or self.value_transform in SIGNED_TRANSFORMS):
                 raise ValueError(f"+signsN draws eigenvector signs of {list(SIGNED_TRANSFORMS)}; this method has none "
                                  f"({self.key_transform}/{self.value_transform})")
-
         if self.cover is not None:
             if isinstance(self.cover, bool) or not isinstance(self.cover, int) or self.cover < 2:
                 raise ValueError(f"cover={self.cover!r}: +coverN covers the statistics to an N-token context, N a whole number >= 2 "
