@@ -211,7 +211,7 @@ def test_select_command_writes_the_choice_into_the_calibration(tmp_path, capsys)
     path = cal.save(tmp_path / "c.safetensors")
     held = tmp_path / "held.txt"
     held.write_text(HELD_OUT)
-    argv = ["select", "--model", str(tmp_path / "m"), "--calibration", str(path), "--text-file", str(held), "--serve-len", "120",
+    argv = ["select", "--model", str(tmp_path / "m"), "--calibration", str(path), "--text-file", str(held), "--serve-len", "120", "--cover", "no",
             "--chunks", "2", "--bits", "2", "--candidates", "wush+ldlq-v,wush@va=1.3", "--sink", "4", "--keep", "16", "--flush", "4",
             "--plot", str(tmp_path / "s.png"), "--gates", "agreement", "--agreement-prompts", "2", "--agreement-prompt-len", "32",
             "--agreement-new-tokens", "24"]
