@@ -171,7 +171,9 @@ def test_selection_chooses_the_statistics_too_when_serving_past_the_calibration(
     long = _chunks(HELD_OUT, 3, 192)
     runs = tmp_path / "runs.json"
     cands = ["wush", "wush+ldlq"]
-    out = run_selection(model, long, cal, cands, [2], BASE, json_path=runs, **QUIET)
+    said = []
+    out = run_selection(model, long, cal, cands, [2], BASE, json_path=runs, show_progress=False, log=said.append)
+    assert any(m.startswith("plus 2 candidates: the same on statistics covered to 192 positions") for m in said)
     assert out["order"] == ["wush", "wush+cover192", "wush+ldlq", "wush+cover192+ldlq"]
     evals = {n: out["results"][n]["2"] for n in out["order"]}
     assert out["choices"]["2"]["recipe"] == min(out["order"], key=lambda n: evals[n]["nll"])

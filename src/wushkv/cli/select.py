@@ -34,8 +34,8 @@ def cmd_select(args) -> int:
     from ..calibration import Calibration
     from ..data import heldout_c4_text, read_text_file, tokenize_chunks, wikitext2_test
     from ..eval.prepare import check_heldout_calibration, load_calibration
-    from ..eval.select import (GATES, PAPER, AgreementGate, PasskeyGate, agreement_prompts, covered_candidates, plot_selection, run_selection,
-                               selection_record, selection_report)
+    from ..eval.select import (GATES, AgreementGate, PasskeyGate, agreement_prompts, plot_selection, run_selection, selection_record,
+                               selection_report)
     from ..io import exclusive_output
     from ..methods.auto import parse_recipe, selection_setting
     from ..runs import settings_key
@@ -90,12 +90,7 @@ def cmd_select(args) -> int:
             prompts = agreement_prompts(tok, text, chunks.numel(), args.agreement_prompts, args.agreement_prompt_len)
             gate_objs.append(AgreementGate(model, cal, prompts, new_tokens=args.agreement_new_tokens, margin=args.agreement_margin,
                                            log=err))
-    listed = [parse_recipe(c) for c in candidates]
-    listed += [parse_recipe(PAPER)] if PAPER not in {r.name for r in listed} else []  # always evaluated
-    n_covered = len(covered_candidates(listed, cal, args.serve_len, args.cover)) - len(listed)
-    covered = (f" (and {n_covered} on statistics covered to {args.serve_len} positions, the calibration's sequences being "
-               f"{cal.meta['seq_len']} tokens: --cover no leaves them out)" if n_covered else "")
-    err(f"select: {len(candidates)} candidates{covered} x {len(args.bits)} widths on {label}, {chunks.shape[0]} x {args.serve_len} tokens; "
+    err(f"select: {len(candidates)} candidates x {len(args.bits)} widths on {label}, {chunks.shape[0]} x {args.serve_len} tokens; "
         f"evaluations kept in {runs}")
     # cli.main locks the files named by flags (--json, --out, --plot); the defaults are locked here: the evaluations
     # file beside the calibration, and the calibration itself when the selection is written into it in place

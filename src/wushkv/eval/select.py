@@ -337,8 +337,12 @@ def run_selection(model, chunks: torch.Tensor, calibration, candidates: list[str
         raise ValueError(f"--candidates lists a recipe twice: {', '.join(n for n in names if names.count(n) > 1)}")
     if PAPER not in names:  # the paper recipe is what every choice is measured against
         recipes, names = [parse_recipe(PAPER)] + recipes, [PAPER] + names
+    listed = len(recipes)
     recipes = covered_candidates(recipes, calibration, int(chunks.shape[1]), cover)
     names = [r.name for r in recipes]
+    if len(recipes) > listed:
+        log(f"plus {len(recipes) - listed} candidates: the same on statistics covered to {chunks.shape[1]} positions "
+            f"(+cover{chunks.shape[1]}), the calibration's sequences being {calibration.meta['seq_len']} tokens (--cover no leaves them out)")
     head_dim = describe(model).head_dim
     cfgs = {b: replace(base, k_bits=b, v_bits=b) for b in bits}  # validates the widths before anything runs
     settings = as_json(dict(meta or {}, chunks=int(chunks.shape[0]), serve_len=int(chunks.shape[1]), setting=selection_setting(base),
