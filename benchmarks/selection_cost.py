@@ -7,7 +7,8 @@ The selection's cost is (chunks) x (1 full-precision pass + one pass per candida
 first evaluation builds once (the error-feedback matrices; timed on a short warm-up per candidate and width); each
 pass's time is a ratio to the full-precision pass of the same run (absolute times drift on a shared machine). The
 printed estimate is the default selection's wall time at this run's speed: 4 chunks, the default candidates, the
-widths asked for.
+widths asked for. Each pass does what the selection's does: full precision keeps its next-token distributions (a
+``Reference``), and every quantized pass measures its KL to them beside its NLL.
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ import torch
 
 from wushkv.config import PERPLEXITY_WINDOWS, QuantConfig
 from wushkv.eval.compare import quantized_perplexity
-from wushkv.eval.perplexity import perplexity
+from wushkv.eval.perplexity import REFERENCE_TOP, perplexity
 from wushkv.eval.select import DEFAULT_CANDIDATES
 from wushkv.io import write_json
 from wushkv.methods.auto import parse_recipe
@@ -40,7 +41,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 def run(args, model, calibration, chunk: torch.Tensor, windows=PERPLEXITY_WINDOWS) -> dict:
     """Time full precision, then every (candidate, width), then full precision again, on ``chunk`` (1, seq_len)."""
     perplexity(model, chunk[:, :128], show_progress=False)  # warm-up
-    fp = perplexity(model, chunk, show_progress=False)["seconds"]
+    fp_run = perplexity(model, chunk, show_progress=False, keep_reference=REFERENCE_TOP)
+    fp, reference = fp_run["seconds"], fp_run["reference"]
     rows = []
     for b in (int(x) for x in args.bits.split(",")):
         for name in args.candidates.split(","):
@@ -51,9 +53,9 @@ def run(args, model, calibration, chunk: torch.Tensor, windows=PERPLEXITY_WINDOW
             w = cfg.windows
             short = chunk[:, : min(chunk.shape[1], w.S_sink + w.S_keep + w.S_flush + 16)]  # a few tokens quantized
             once = quantized_perplexity(model, short, calibration, r.method, cfg, show_progress=False)["seconds"]
-            t = quantized_perplexity(model, chunk, calibration, r.method, cfg, show_progress=False)["seconds"]
+            t = quantized_perplexity(model, chunk, calibration, r.method, cfg, show_progress=False, reference=reference)["seconds"]
             rows.append({"recipe": r.name, "bits": b, "seconds": t, "warm_up_seconds": once})
-    fp2 = perplexity(model, chunk, show_progress=False)["seconds"]
+    fp2 = perplexity(model, chunk, show_progress=False, keep_reference=REFERENCE_TOP)["seconds"]
     t_fp = min(fp, fp2)
     for row in rows:
         row["ratio"] = row["seconds"] / t_fp

@@ -74,6 +74,13 @@ def test_rules():
     assert apply_rule("simplest", ["wush", "a", "c"], evals) == "wush"
     with pytest.raises(ValueError, match="unknown rule 'best'"):
         apply_rule("best", order, evals)
+    # by the KL: the same rules over each evaluation's mean and per-chunk KL
+    kl = {n: {"kl": e["nll"], "chunk_kl": e["chunk_nll"], "nll": -e["nll"], "chunk_nll": [-x for x in e["chunk_nll"]]}
+          for n, e in evals.items()}
+    assert apply_rule("lowest", order, kl, "kl") == "a" and apply_rule("simplest", order, kl, "kl") == "b"
+    assert apply_rule("lowest", order, kl) == "c"  # the NLL, which these fake evaluations rank the other way
+    with pytest.raises(ValueError, match="unknown metric 'ppl'"):
+        apply_rule("lowest", order, kl, "ppl")
 
 
 class FailFirst:
@@ -91,7 +98,7 @@ class FailFirst:
 
 def test_selection_chooses_keeps_every_evaluation_and_resumes(tiny_cal, tmp_path):
     """On a tiny model: full precision once and every (candidate, width) evaluated and kept; the choice is the rule's
-    over the kept per-chunk NLLs, with the paired difference against the paper recipe; a budget and a gate remove
+    over the kept per-chunk KLs (the default metric), with the paired difference against the paper recipe; a budget and a gate remove
     candidates and say why; a rerun resumes without evaluating anything again, and a new candidate is the only new
     evaluation; the record the calibration stores carries the setting and survives save and load. (The file's own
     statistics only, ``cover="no"``: covered candidates have their own test.)"""
@@ -108,9 +115,9 @@ def test_selection_chooses_keeps_every_evaluation_and_resumes(tiny_cal, tmp_path
     for b in (2, 3):
         evals = {n: out["results"][n][str(b)] for n in cands}
         assert all(len(e["chunk_nll"]) == 4 and math.isclose(e["nll"], sum(e["chunk_nll"]) / 4) for e in evals.values())
-        pick = min(cands, key=lambda n: evals[n]["nll"])
+        pick = min(cands, key=lambda n: evals[n]["kl"])  # the default metric
         choice = out["choices"][str(b)]
-        assert choice["recipe"] == pick and choice["why"].startswith("lowest mean held-out NLL of 3 candidates")
+        assert choice["recipe"] == pick and choice["why"].startswith("lowest mean held-out KL to full precision of 3 candidates")
         if pick != "wush":
             assert choice["versus_paper"] == pytest.approx(list(paired_difference(evals[pick]["chunk_nll"], evals["wush"]["chunk_nll"])))
     report = selection_report(out, cands, [2, 3], "tiny", "held-out")
@@ -129,7 +136,7 @@ def test_selection_chooses_keeps_every_evaluation_and_resumes(tiny_cal, tmp_path
     assert [m for m in log if "held-out PPL" in m] and all("wush+ldlq-v " in m for m in log if "held-out PPL" in m)  # only the new one
     assert third["excluded"]["wush+ktiles+ldlq@tc=1.7"]["2"]["why"].startswith("over the budget")
     first, second = gate.calls  # the rule's pick among the rest, which failed, then its pick without it
-    ranked = sorted((n for n in new if n != "wush+ktiles+ldlq@tc=1.7"), key=lambda n: third["results"][n]["2"]["nll"])
+    ranked = sorted((n for n in new if n != "wush+ktiles+ldlq@tc=1.7"), key=lambda n: third["results"][n]["2"]["kl"])
     assert [first, second] == ranked[:2] and third["choices"]["2"]["recipe"] == second
     assert f"removed by a gate: {first} (fake: {first} told to fail)" in third["choices"]["2"]["why"]
     assert third["gates"][f"fake/{first}/2"]["passed"] is False
@@ -143,6 +150,43 @@ def test_selection_chooses_keeps_every_evaluation_and_resumes(tiny_cal, tmp_path
     for b in (2, 3):
         got = resolve_auto("tiny", cal, QuantConfig(b, b, windows=WindowConfig(4, 16, 4)))
         assert got.record()["recipe"] == out["choices"][str(b)]["recipe"] and got.source == "calibration"
+
+
+def test_selection_by_kl_measures_both_chooses_again_for_free_and_upgrades_old_evaluations(tiny_cal, tmp_path):
+    """Every evaluation holds the NLL and the KL to full precision per chunk; ``metric="kl"`` picks the lowest mean KL
+    and says so; a resumed run by the NLL evaluates nothing and picks the lowest NLL; an evaluation stored before the KL
+    was measured runs again when the KL is asked for (and only then); the record carries the metric."""
+    model = tiny_model("llama")
+    cal = tiny_cal(model)
+    chunks = _chunks(HELD_OUT, 4)
+    runs = tmp_path / "runs.json"
+    cands = ["wush", "wush+ldlq", "wush+ktiles+ldlq@tc=1.7"]
+    out = run_selection(model, chunks, cal, cands, [2], BASE, cover="no", json_path=runs, metric="kl", **QUIET)
+    evals = {n: out["results"][n]["2"] for n in cands}
+    assert all(len(e["chunk_kl"]) == 4 and e["kl"] > 0 and math.isclose(e["kl"], sum(e["chunk_kl"]) / 4) for e in evals.values())
+    choice = out["choices"]["2"]
+    assert choice["recipe"] == min(cands, key=lambda n: evals[n]["kl"]) and choice["kl"] == evals[choice["recipe"]]["kl"]
+    assert choice["why"].startswith("lowest mean held-out KL to full precision of 3 candidates")
+    assert selection_record(out, "held-out")["metric"] == "kl" and "KL to FP" in selection_report(out, cands, [2], "tiny", "held-out")
+    log = []
+    by_nll = run_selection(model, chunks, cal, cands, [2], BASE, cover="no", json_path=runs, metric="nll", show_progress=False, log=log.append)
+    assert not any("held-out PPL" in m for m in log) and by_nll["results"] == out["results"]
+    assert by_nll["choices"]["2"]["recipe"] == min(cands, key=lambda n: evals[n]["nll"])
+    # a file from before the KL: its evaluations serve the NLL as they are, and run again for the KL
+    saved = json.loads(runs.read_text())
+    for e in saved["results"].values():
+        for v in e.values():
+            del v["kl"], v["chunk_kl"]
+    del saved["sha256"]  # a hand edit, accepted as the message says
+    runs.write_text(json.dumps(saved))
+    log = []
+    run_selection(model, chunks, cal, cands, [2], BASE, cover="no", json_path=runs, metric="nll", show_progress=False, log=log.append)
+    assert not any("held-out PPL" in m for m in log)
+    again = run_selection(model, chunks, cal, cands, [2], BASE, cover="no", json_path=runs, metric="kl", show_progress=False, log=log.append)
+    assert sum("held-out PPL" in m for m in log) == 3 and again["choices"]["2"]["recipe"] == choice["recipe"]
+    assert all(again["results"][n]["2"]["chunk_kl"] == pytest.approx(evals[n]["chunk_kl"]) for n in cands)  # deterministic
+    with pytest.raises(ValueError, match="--metric 'ppl': known metrics are nll, kl"):
+        run_selection(model, chunks, cal, cands, [2], BASE, cover="no", metric="ppl", **QUIET)
 
 
 def test_auto_after_selection_is_no_worse_than_the_paper_recipe_on_other_text(tiny_cal):
@@ -176,7 +220,7 @@ def test_selection_chooses_the_statistics_too_when_serving_past_the_calibration(
     assert any(m.startswith("plus 2 candidates: the same on statistics covered to 192 positions") for m in said)
     assert out["order"] == ["wush", "wush+cover192", "wush+ldlq", "wush+cover192+ldlq"]
     evals = {n: out["results"][n]["2"] for n in out["order"]}
-    assert out["choices"]["2"]["recipe"] == min(out["order"], key=lambda n: evals[n]["nll"])
+    assert out["choices"]["2"]["recipe"] == min(out["order"], key=lambda n: evals[n]["kl"])
     assert evals["wush+cover192"]["chunk_nll"] != evals["wush"]["chunk_nll"]  # other statistics, other transforms
     report = selection_report(out, cands, [2], "tiny", "held-out")
     assert [line.split()[0] for line in report.splitlines() if line.startswith("wush")] == out["order"]  # covered after its own
@@ -299,7 +343,7 @@ def test_refine_walks_the_clips_of_the_pick(tiny_cal):
     out = run_selection(model, _chunks(HELD_OUT, 4), cal, ["wush", "wush+ldlq"], [2], BASE, refine=True, cover="no", **QUIET)
     names = list(out["results"])
     assert len(names) > 2 and all("@" in n for n in names[2:])  # the walk's recipes, named by their clips
-    lowest = min(names, key=lambda n: out["results"][n]["2"]["nll"])
+    lowest = min(names, key=lambda n: out["results"][n]["2"]["kl"])
     assert out["choices"]["2"]["recipe"] == lowest
     assert set(names[2:]) <= set(_listed_names(out))
 
@@ -362,7 +406,8 @@ def test_selection_agreement_gate_removes_the_pick_reports_it_and_resumes_only_w
     """In a selection: the 2-bit picks of this tiny model (error feedback, key tiles) agree with full precision over 128
     generated tokens more than the default 1 point less often than the paper recipe does; the gate removes each, the report and the choice name the gate and
     its numbers, the choice is the first the rule reaches that passes; a rerun with the same gate settings reruns
-    nothing, one with another margin is refused, and a gate added to a resumed file runs."""
+    nothing, one with another margin is refused, and a gate added to a resumed file runs. (By the NLL, under which this
+    tiny model ranks the gated recipes first.)"""
     long = {"new_tokens": 128, "prompt_len": 64}
     model = tiny_model("llama")
     cal = tiny_cal(model)
@@ -370,7 +415,7 @@ def test_selection_agreement_gate_removes_the_pick_reports_it_and_resumes_only_w
     runs = tmp_path / "runs.json"
     cands = ["wush", "wush+ldlq", "wush+ktiles+ldlq@tc=1.7"]
     log = []
-    out = run_selection(model, chunks, cal, cands, [2], BASE, gates=[_gate(model, cal, **long)], json_path=runs,
+    out = run_selection(model, chunks, cal, cands, [2], BASE, gates=[_gate(model, cal, **long)], json_path=runs, metric="nll",
                         meta={"model": "tiny"}, show_progress=False, log=log.append)
     gates = out["gates"]
     removed = [n for n in cands if f"agreement/{n}/2" in gates and not gates[f"agreement/{n}/2"]["passed"]]
@@ -391,7 +436,7 @@ def test_selection_agreement_gate_removes_the_pick_reports_it_and_resumes_only_w
     assert selection_record(out, "held-out")["gate_settings"]["agreement"]["new_tokens"] == 128
     # the same settings: nothing runs again, the same choice
     log = []
-    again = run_selection(model, chunks, cal, cands, [2], BASE, gates=[_gate(model, cal, **long)], json_path=runs,
+    again = run_selection(model, chunks, cal, cands, [2], BASE, gates=[_gate(model, cal, **long)], json_path=runs, metric="nll",
                           meta={"model": "tiny"}, show_progress=False, log=log.append)
     assert again["choices"] == out["choices"] and not any(": agreement gate" in m for m in log)
     # another margin: the stored gate results do not hold for it

@@ -96,7 +96,7 @@ def cmd_select(args) -> int:
     # file beside the calibration, and the calibration itself when the selection is written into it in place
     with exclusive_output(runs if args.json is None else None), exclusive_output(args.calibration if args.out is None else None):
         out = run_selection(model, chunks, cal, candidates, args.bits, base, rule=args.rule, budget=args.budget, gates=gate_objs,
-                            json_path=runs, meta=meta, refine=args.refine, cover=args.cover, log=err)
+                            json_path=runs, meta=meta, refine=args.refine, cover=args.cover, metric=args.metric, log=err)
         print(selection_report(out, candidates, args.bits, args.model, label))
         if args.plot:
             plot_selection(out, candidates, args.bits, args.plot, args.model, label)
@@ -111,7 +111,7 @@ def cmd_select(args) -> int:
 
 
 def register(sub) -> None:
-    from ..eval.select import AGREEMENT_GATE, COVER_MODES, DEFAULT_CANDIDATES, GATES, PASSKEY_GATE, RULES
+    from ..eval.select import AGREEMENT_GATE, COVER_MODES, DEFAULT_CANDIDATES, DEFAULT_METRIC, GATES, METRICS, PASSKEY_GATE, RULES
     from ..methods.auto import RECIPE_OPTIONS
 
     p = sub.add_parser(
@@ -130,8 +130,12 @@ def register(sub) -> None:
                         + ", ".join(f"@{k}=X ({d})" for k, (_, d) in RECIPE_OPTIONS.items())
                         + "; the paper recipe wush is always evaluated (default: %(default)s)")
     p.add_argument("--rule", choices=RULES, default="lowest",
-                   help="lowest: the lowest mean held-out NLL; simplest: the first listed candidate, displaced by a later one only "
+                   help="lowest: the lowest mean of --metric; simplest: the first listed candidate, displaced by a later one only "
                         "where that one is lower on every chunk (default: %(default)s)")
+    p.add_argument("--metric", choices=METRICS, default=DEFAULT_METRIC,
+                   help="what the rule compares: kl, the mean KL from full precision's next-token distributions (the damage "
+                        "alone, which separates recipes the NLL's chance ties); nll, the held-out NLL, what perplexity reports. "
+                        "Both are measured, so a resumed run with the other chooses again for free (default: %(default)s)")
     p.add_argument("--budget", type=float, default=None, metavar="BITS",
                    help="exclude candidates storing more than BITS bits per element in the quantized middle (keys and values, "
                         "metadata included)")

@@ -44,10 +44,11 @@ def cached_calibration(model, tokenizer, samples: int, seq_len: int, damping: fl
 
 
 def quantized_perplexity(model, chunks: torch.Tensor, calibration: Calibration | None, transform: str | MethodSpec,
-                         cfg: QuantConfig, show_progress: bool = True, desc: str = "ppl") -> dict:
+                         cfg: QuantConfig, show_progress: bool = True, desc: str = "ppl", reference=None) -> dict:
     """Install the method ``transform`` (a name or a :class:`~wushkv.methods.MethodSpec`), evaluate ``chunks`` (N, L)
     through a fresh quantized cache per chunk at ``cfg`` (the method's own settings,
-    :meth:`~wushkv.methods.MethodSpec.quant_config`), restore the model."""
+    :meth:`~wushkv.methods.MethodSpec.quant_config`), restore the model. ``reference``: full precision's
+    :class:`~wushkv.eval.perplexity.Reference` per chunk, for the KL to it (:func:`~wushkv.eval.perplexity.perplexity`)."""
     w = cfg.windows
     if chunks.shape[1] <= w.S_sink + w.S_keep + w.S_flush - 1:
         raise ValueError(
@@ -57,7 +58,8 @@ def quantized_perplexity(model, chunks: torch.Tensor, calibration: Calibration |
     m = spec_of(transform, "quantized_perplexity")
     trs = transforms_for(model, calibration, m)
     with apply_transforms(model, trs, m.name) as installed:
-        return perplexity(model, chunks, cache_factory=lambda: installed.cache(cfg), show_progress=show_progress, desc=desc)
+        return perplexity(model, chunks, cache_factory=lambda: installed.cache(cfg), show_progress=show_progress, desc=desc,
+                          reference=reference)
 
 
 def _resume_key(settings: dict) -> dict:

@@ -11,16 +11,20 @@ The procedure that chose the shipped models' recipes, as a command:
    statistics: a short calibration read as it is, or averaged over the served context's positions. One over
    the ``budget`` (bits per element of the quantized middle, metadata included: :func:`bits_per_element`) or that the
    calibration cannot run (``+rmean`` without the pre-RoPE mean) is excluded before anything runs, and says why.
-3. **Evaluations.** Full precision once, then every (candidate, width) through the quantized cache: per-chunk mean
-   NLLs, so that candidates compare *paired* over the same chunks. Every evaluation is kept in a JSON file that is
+3. **Evaluations.** Full precision once, then every (candidate, width) through the quantized cache: per chunk, the
+   mean NLL and the mean KL from full precision's next-token distributions (:func:`~wushkv.eval.perplexity.coarse_kl`),
+   so that candidates compare *paired* over the same chunks. Every evaluation is kept in a JSON file that is
    rewritten after each one; a rerun with the same settings resumes from it (other settings are refused).
-4. **Rule** (:data:`RULES`), per width, over the candidates not excluded:
+4. **Metric** (:data:`METRICS`): what the rule compares. ``nll``: the held-out NLL, what perplexity reports. ``kl``:
+   the KL from full precision, the damage alone: at 3-4 bits the NLL's change is mostly chance (a quantized cache
+   lowers the NLL of some chunks) and ties recipes that the KL separates on every chunk.
+5. **Rule** (:data:`RULES`), per width, over the candidates not excluded:
 
-   * ``lowest``: the lowest mean held-out NLL;
+   * ``lowest``: the lowest mean of the metric;
    * ``simplest``: the first listed candidate, displaced by a later one only where that one is lower on *every*
      chunk (walked in the listed order, so a more complex recipe must win everywhere to displace a simpler one).
 
-5. **Gates** (optional): a pick must also pass each gate, run on the gate's own prompts (never a reported
+6. **Gates** (optional): a pick must also pass each gate, run on the gate's own prompts (never a reported
    evaluation's); one that fails is removed, with the gate's numbers, and the rule picks again among the rest.
    ``passkey``: retrieval accuracy over :data:`PASSKEY_GATE` prompts (seed 1, not the ``passkey`` command's 0) no
    lower than full precision's on the same prompts. ``agreement`` (:class:`AgreementGate`): over long greedy
@@ -53,7 +57,7 @@ from ..models import describe
 from ..progress import progress
 from ..runs import as_json, read_run, resume_settings
 from .compare import MIN_CHUNKS_FOR_INTERVAL, paired_difference, quantized_perplexity
-from .perplexity import perplexity
+from .perplexity import REFERENCE_TOP, perplexity
 
 PAPER = "wush"
 # Simplest first. The method families that won somewhere on the shipped models (docs/results.md), at the tile and
@@ -61,6 +65,9 @@ PAPER = "wush"
 DEFAULT_CANDIDATES = ("wush", "wush+ldlq", "wush+ktiles+ldlq", "wush+ktiles+ldlq@tc=1.7", "wush+ktiles+ldlq@tc=3",
                       "wush+ldlq@ka=1.15@va=1.45", "wush+rmean+ktiles+ldlq@va=1.15@tc=1.7")
 RULES = ("lowest", "simplest")
+METRICS = ("nll", "kl")
+DEFAULT_METRIC = "kl"
+METRIC_LABELS = {"nll": "held-out NLL", "kl": "held-out KL to full precision"}
 COVER_MODES = ("auto", "no")
 GATES = ("passkey", "agreement")
 PASSKEY_GATE = {"contexts": [1024], "depths": [0.1, 0.5, 0.9], "trials": 2, "seed": 1}
@@ -120,29 +127,33 @@ def _unrunnable(recipe: Recipe, cfg: QuantConfig, calibration) -> str | None:
     return why_unusable(recipe, calibration)
 
 
-def _beats_everywhere(a: dict, b: dict) -> bool:
-    return all(x < y for x, y in zip(a["chunk_nll"], b["chunk_nll"]))
+def _beats_everywhere(a: dict, b: dict, metric: str = "nll") -> bool:
+    return all(x < y for x, y in zip(a[f"chunk_{metric}"], b[f"chunk_{metric}"]))
 
 
-def apply_rule(rule: str, order: list[str], evals: dict[str, dict]) -> str:
-    """The candidate ``rule`` picks among ``order`` (names, simplest first; each with an evaluation in ``evals``)."""
+def apply_rule(rule: str, order: list[str], evals: dict[str, dict], metric: str = "nll") -> str:
+    """The candidate ``rule`` picks among ``order`` (names, simplest first; each with an evaluation in ``evals``), by
+    ``metric`` (``nll`` or ``kl``: each evaluation's mean and ``chunk_<metric>`` per chunk; lower is better)."""
+    if metric not in METRICS:
+        raise ValueError(f"unknown metric {metric!r}; known: {', '.join(METRICS)}")
     if rule == "lowest":
-        return min(order, key=lambda n: (evals[n]["nll"], order.index(n)))
+        return min(order, key=lambda n: (evals[n][metric], order.index(n)))
     if rule == "simplest":
         pick = order[0]
         for n in order[1:]:  # a more complex candidate displaces the pick only by being lower on every chunk
-            if _beats_everywhere(evals[n], evals[pick]):
+            if _beats_everywhere(evals[n], evals[pick], metric):
                 pick = n
         return pick
     raise ValueError(f"unknown rule {rule!r}; known: {', '.join(RULES)}")
 
 
-def _why(rule: str, pick: str, order: list[str], evals: dict[str, dict], removed: dict[str, str]) -> str:
+def _why(rule: str, pick: str, order: list[str], evals: dict[str, dict], removed: dict[str, str], metric: str = "nll") -> str:
     n = len(order)
     if rule == "lowest":
-        why = f"lowest mean held-out NLL of {n} candidate{'s' * (n != 1)}"
+        why = f"lowest mean {METRIC_LABELS[metric]} of {n} candidate{'s' * (n != 1)}"
     else:
-        why = (f"the first of {n} candidate{'s' * (n != 1)} (simplest first), displaced only by one lower on every chunk"
+        why = (f"the first of {n} candidate{'s' * (n != 1)} (simplest first), displaced only by one of lower {METRIC_LABELS[metric]} "
+               "on every chunk"
                + (f": lower than {order[0]} on every chunk" if pick != order[0] else ""))
     if removed:
         why += "; removed by a gate: " + "; ".join(f"{k} ({v})" for k, v in removed.items())
@@ -167,9 +178,9 @@ def refine_options(recipe: Recipe, cfg: QuantConfig) -> list[str]:
     return opts
 
 
-def refine_pick(recipe: Recipe, cfg: QuantConfig, nll) -> list[str]:
+def refine_pick(recipe: Recipe, cfg: QuantConfig, score) -> list[str]:
     """Walk each clip option of ``recipe`` (:func:`refine_options`) downhill on its grid from its current value
-    (:func:`wushkv.eval.clips.line_search`; ``nll(recipe)`` the held-out mean NLL, memoized by the caller), one option
+    (:func:`wushkv.eval.clips.line_search`; ``score(recipe)`` the selection's metric on held-out text, memoized by the caller), one option
     after the other; returns the names of the recipes visited, the last one the walk's end."""
     from .clips import line_search
 
@@ -183,7 +194,7 @@ def refine_pick(recipe: Recipe, cfg: QuantConfig, nll) -> list[str]:
             v = replace(r, **{attr: float(x)})
             if v.name not in visited:
                 visited.append(v.name)
-            return nll(v)
+            return score(v)
 
         recipe = replace(recipe, **{attr: float(line_search(f, grid, start=now))})
     if recipe.name != visited[-1]:  # the walk ends where it started an option, not where it last looked
@@ -317,18 +328,21 @@ class AgreementGate:
 
 def run_selection(model, chunks: torch.Tensor, calibration, candidates: list[str], bits: list[int], base: QuantConfig,
                   rule: str = "lowest", budget: float | None = None, gates=(), json_path=None, meta: dict | None = None,
-                  refine: bool = False, cover: str = "auto", show_progress: bool = True, log=print) -> dict:
+                  refine: bool = False, cover: str = "auto", metric: str = DEFAULT_METRIC, show_progress: bool = True, log=print) -> dict:
     """Evaluate every candidate at every width on ``chunks`` (N, serve_len) of held-out text and choose per width
     (module docstring). ``gates``: callables ``(recipe, cfg) -> {"passed", "detail", ...}`` with a ``name``.
     ``refine``: walk the clips of each width's pick downhill (:func:`refine_pick`) before the rule's final choice.
     ``cover``: ``"auto"`` also evaluates each candidate on statistics covered to the served length where the
-    calibration is shorter (:func:`covered_candidates`), ``"no"`` only on the file's own.
+    calibration is shorter (:func:`covered_candidates`), ``"no"`` only on the file's own. ``metric``: what the rule and the
+    walk compare (:data:`METRICS`); both are measured on every evaluation, so choosing again by the other is free.
 
     Returns ``{"settings", "fp", "results", "choices"}``: ``results[recipe][bits]`` each evaluation (or why it was
     excluded), ``choices[bits]`` what the rule picked (:func:`selection_record` turns them into what the calibration
     stores). Resumes from ``json_path`` (a file of other settings is refused)."""
     if rule not in RULES:
         raise ValueError(f"--rule {rule!r}: known rules are {', '.join(RULES)}")
+    if metric not in METRICS:
+        raise ValueError(f"--metric {metric!r}: known metrics are {', '.join(METRICS)}")
     if budget is not None and not (0 < budget < float("inf")):
         raise ValueError(f"--budget {budget!r}: bits per element must be a positive number")
     recipes = [parse_recipe(c) for c in candidates]
@@ -346,7 +360,7 @@ def run_selection(model, chunks: torch.Tensor, calibration, candidates: list[str
     head_dim = describe(model).head_dim
     cfgs = {b: replace(base, k_bits=b, v_bits=b) for b in bits}  # validates the widths before anything runs
     settings = as_json(dict(meta or {}, chunks=int(chunks.shape[0]), serve_len=int(chunks.shape[1]), setting=selection_setting(base),
-                            rule=rule, budget=budget, gates=[g.name for g in gates],
+                            rule=rule, metric=metric, budget=budget, gates=[g.name for g in gates],
                             gate_settings={g.name: getattr(g, "settings", None) for g in gates}, refine=refine, cover=cover,
                             text_sha256=hashlib.sha256(chunks.cpu().numpy().tobytes()).hexdigest(),
                             calibration=calibration_recipe(calibration.meta)))
@@ -354,7 +368,7 @@ def run_selection(model, chunks: torch.Tensor, calibration, candidates: list[str
     if json_path and (prev := read_run(json_path, ("settings", "results"), "wushkv select")) is not None:
         # what the evaluations depend on: not the candidates, widths, rule, budget or gates (choosing again is free)
         key = lambda s: {k: v for k, v in s.items()  # noqa: E731
-                         if k not in ("candidates", "bits", "rule", "budget", "gates", "gate_settings", "refine", "cover")}
+                         if k not in ("candidates", "bits", "rule", "metric", "budget", "gates", "gate_settings", "refine", "cover")}
         resume_settings(json_path, prev["settings"], settings, key=key)
         # a gate's stored results hold only for the settings it ran with: adding a gate is free, changing one is refused
         before = prev["settings"].get("gate_settings") or {}
@@ -386,23 +400,37 @@ def run_selection(model, chunks: torch.Tensor, calibration, candidates: list[str
                     why = f"over the budget: {bpe:.3f} bits per element > {budget:g}"
             if why is not None:
                 out["excluded"].setdefault(r.name, {})[str(b)] = {"why": why, "bits_per_element": bpe}
-            elif str(b) not in out["results"].get(r.name, {}):
+            elif not _measured(out["results"].get(r.name, {}).get(str(b)), metric):
                 plan.append((r, b, bpe))
+    reference = []  # full precision's distributions per chunk, for the KL (kept in memory only: ~6 MB per 2048-token chunk)
+
+    def fp_reference() -> list:
+        """Full precision's :class:`~wushkv.eval.perplexity.Reference` per chunk: from its own pass, run (once) before the
+        first evaluation; a resumed run that has evaluations left runs it again (deterministic, one pass)."""
+        if not reference:
+            fp = perplexity(model, chunks, show_progress=show_progress, desc="full precision", keep_reference=REFERENCE_TOP)
+            reference.extend(fp.pop("reference"))
+            if out["fp"] is None:
+                out["fp"] = {"ppl": fp["ppl"], "nll": fp["nll"], "chunk_nll": fp["chunk_nll"], "seconds": fp["seconds"]}
+                save()
+        return reference
+
     if out["fp"] is None:
-        fp = perplexity(model, chunks, show_progress=show_progress, desc="full precision")
-        out["fp"] = {"ppl": fp["ppl"], "nll": fp["nll"], "chunk_nll": fp["chunk_nll"], "seconds": fp["seconds"]}
-        save()
+        fp_reference()
+
     def evaluate(r: Recipe, b: int, bpe: float | None) -> dict:
-        """The stored evaluation of ``r`` at ``b`` bits, run (and saved) if there is none."""
+        """The stored evaluation of ``r`` at ``b`` bits, run (and saved) if there is none or it lacks the metric (an
+        evaluation from before the KL was measured)."""
         got = out["results"].get(r.name, {}).get(str(b))
-        if got is not None:
+        if _measured(got, metric):
             return got
         cfg = r.method.quant_config(r.base(cfgs[b]))
-        res = quantized_perplexity(model, chunks, calibration, r.method, cfg, show_progress=False)
+        res = quantized_perplexity(model, chunks, calibration, r.method, cfg, show_progress=False, reference=fp_reference())
         e = out["results"].setdefault(r.name, {})[str(b)] = {
             "ppl": res["ppl"], "nll": res["nll"], "delta_pct": 100 * (res["ppl"] / out["fp"]["ppl"] - 1), "chunk_nll": res["chunk_nll"],
-            "seconds": res["seconds"], "bits_per_element": bpe, "config": cfg.to_dict()}
-        log(f"{r.name:>28} {b}-bit  held-out PPL {res['ppl']:9.3f}  ({e['delta_pct']:+.2f}%, {bpe:.3f} bits/element, {res['seconds']:.0f}s)")
+            "kl": res["kl"], "chunk_kl": res["chunk_kl"], "seconds": res["seconds"], "bits_per_element": bpe, "config": cfg.to_dict()}
+        log(f"{r.name:>28} {b}-bit  held-out PPL {res['ppl']:9.3f}  ({e['delta_pct']:+.2f}%, KL {res['kl']:.5f}, {bpe:.3f} bits/element, "
+            f"{res['seconds']:.0f}s)")
         save()
         return e
 
@@ -417,9 +445,9 @@ def run_selection(model, chunks: torch.Tensor, calibration, candidates: list[str
             order = [n for n in names if str(b) not in out["excluded"].get(n, {})]
             if not order:
                 continue
-            start = parse_recipe(apply_rule(rule, order, {n: out["results"][n][str(b)] for n in order}))
+            start = parse_recipe(apply_rule(rule, order, {n: out["results"][n][str(b)] for n in order}, metric))
             bpe = out["results"][start.name][str(b)]["bits_per_element"]
-            walked = refine_pick(start, cfg, lambda r: evaluate(r, b, bpe)["nll"])
+            walked = refine_pick(start, cfg, lambda r: evaluate(r, b, bpe)[metric])
             refined[b] = [n for n in walked if n not in order]
             log(f"{b}-bit: clips walked from {start.name}: {', '.join(walked)}")
     out["choices"] = {}
@@ -429,7 +457,7 @@ def run_selection(model, chunks: torch.Tensor, calibration, candidates: list[str
         removed: dict[str, str] = {}
         pick = None
         while order:
-            pick = apply_rule(rule, order, evals)
+            pick = apply_rule(rule, order, evals, metric)
             failed = None
             for g in gates:
                 key = f"{g.name}/{pick}/{b}"
@@ -450,8 +478,10 @@ def run_selection(model, chunks: torch.Tensor, calibration, candidates: list[str
             log(f"{b}-bit: no candidate left ({'; '.join(f'{k}: {v}' for k, v in removed.items()) or 'all excluded'}); auto keeps its fallback")
             continue
         e = evals[pick]
-        choice = {"recipe": pick, "why": _why(rule, pick, order, evals, removed), "delta_pct": e["delta_pct"],
+        choice = {"recipe": pick, "why": _why(rule, pick, order, evals, removed, metric), "delta_pct": e["delta_pct"],
                   "bits_per_element": e["bits_per_element"]}
+        if "kl" in e:
+            choice["kl"] = e["kl"]
         if pick != PAPER and PAPER in evals:
             d, lo, hi = paired_difference(e["chunk_nll"], evals[PAPER]["chunk_nll"])
             choice["versus_paper"] = [d, lo, hi] if len(e["chunk_nll"]) >= MIN_CHUNKS_FOR_INTERVAL else [d, None, None]
@@ -460,12 +490,19 @@ def run_selection(model, chunks: torch.Tensor, calibration, candidates: list[str
     return out
 
 
+def _measured(e: dict | None, metric: str) -> bool:
+    """Whether the stored evaluation ``e`` holds ``metric`` (evaluations from before the KL was measured hold the NLL
+    only, and run again when the KL is asked for)."""
+    return e is not None and (metric == "nll" or "chunk_kl" in e)
+
+
 def selection_record(out: dict, text_label: str) -> dict:
     """What the calibration file stores of a selection (:attr:`wushkv.calibration.Calibration.selections`): the choices
     per width and the settings they were chosen under."""
     s = out["settings"]
     return {"version": SELECTION_VERSION, "setting": s["setting"], "serve_len": s["serve_len"], "chunks": s["chunks"],
-            "text": text_label, "text_sha256": s["text_sha256"], "rule": s["rule"], "budget": s["budget"], "gates": s["gates"],
+            "text": text_label, "text_sha256": s["text_sha256"], "rule": s["rule"], "metric": s.get("metric", "nll"), "budget": s["budget"],
+            "gates": s["gates"],
             "gate_settings": {g: (s.get("gate_settings") or {}).get(g) for g in s["gates"]},
             "candidates": s.get("candidates"), "fp_ppl": out["fp"]["ppl"],
             "choices": {b: c for b, c in out["choices"].items() if c is not None},
@@ -481,14 +518,14 @@ def _listed(out: dict, candidates: list[str]) -> list[str]:
 
 
 def selection_report(out: dict, candidates: list[str], bits: list[int], model: str, text_label: str) -> str:
-    """Per width, every candidate: held-out PPL and Δ% over full precision, paired Δ% against the paper recipe, bits per
-    element, and what became of it (chosen, excluded and why, removed by a gate)."""
+    """Per width, every candidate: held-out PPL and Δ% over full precision, paired Δ% against the paper recipe, mean KL to
+    full precision, bits per element, and what became of it (chosen, excluded and why, removed by a gate)."""
     from ..report import format_table
 
     s = out["settings"]
     names = _listed(out, candidates)
     lines = [f"\n{model}: selection on {text_label} ({s['chunks']} x {s['serve_len']} tokens) under {setting_label(s['setting'])}, "
-             f"rule {s['rule']}" + (f", budget {s['budget']:g} bits/element" if s.get("budget") else "")
+             f"rule {s['rule']} by {METRIC_LABELS[s.get('metric', 'nll')]}" + (f", budget {s['budget']:g} bits/element" if s.get("budget") else "")
              + (f", gates {', '.join(s['gates'])}" if s.get("gates") else "")
              + f"; full precision PPL {out['fp']['ppl']:.3f}"]
     for b in bits:
@@ -498,7 +535,7 @@ def selection_report(out: dict, candidates: list[str], bits: list[int], model: s
             x = out.get("excluded", {}).get(n, {}).get(str(b))
             if x is not None:
                 bpe = x["bits_per_element"]
-                rows.append([n, "-", "-", "-", bpe if bpe is not None else "-", f"excluded: {x['why']}"])
+                rows.append([n, "-", "-", "-", "-", bpe if bpe is not None else "-", f"excluded: {x['why']}"])
                 continue
             e = out["results"].get(n, {}).get(str(b))
             if e is None:
@@ -511,30 +548,33 @@ def selection_report(out: dict, candidates: list[str], bits: list[int], model: s
             gate = [(k.split("/")[0], v) for k, v in out.get("gates", {}).items()  # failures of the gates this run applied
                     if k.endswith(f"/{n}/{b}") and k.split("/")[0] in s["gates"] and not v["passed"]]
             status = "CHOSEN" if choice and choice["recipe"] == n else (f"removed by gate {gate[0][0]}: {gate[0][1]['detail']}" if gate else "")
-            rows.append([n, e["ppl"], f"{e['delta_pct']:+.2f}", paired, bpe, status])
-        lines.append(format_table(["candidate", "held-out PPL", "Δ% vs FP", "Δ% vs wush (95% CI)", "bits/elem", ""], rows,
+            rows.append([n, e["ppl"], f"{e['delta_pct']:+.2f}", paired, f"{e['kl']:.5f}" if "kl" in e else "-", bpe, status])
+        lines.append(format_table(["candidate", "held-out PPL", "Δ% vs FP", "Δ% vs wush (95% CI)", "KL to FP", "bits/elem", ""], rows,
                                   title=f"\n{b} bits" + (f": {choice['recipe']} ({choice['why']})" if choice else ": no choice")))
     return "\n".join(lines)
 
 
 def plot_selection(out: dict, candidates: list[str], bits: list[int], path, model: str, text_label: str):
-    """Held-out Δ% over full precision against bits, one line per candidate (log scale; symmetric log where a candidate
-    is below full precision, as held-out text can put a 3-4-bit cache), as ``compare`` plots; for one width, one bar per
-    candidate in the listed order, the pick highlighted."""
+    """What the rule compared against bits, one line per candidate: the held-out Δ% over full precision (log scale;
+    symmetric log where a candidate is below full precision, as held-out text can put a 3-4-bit cache), as ``compare``
+    plots, or the mean KL to full precision; for one width, one bar per candidate in the listed order, the pick
+    highlighted."""
     from ..report import plot_bars, plot_lines
 
     names = _listed(out, candidates)
     chosen = {(out["choices"].get(str(b)) or {}).get("recipe") for b in bits}
+    key, label = (("kl", "held-out KL to full precision (nats per token)") if out["settings"].get("metric") == "kl"
+                  else ("delta_pct", "held-out perplexity increase over full precision (%)"))
     series = {}
     for n in names:
         ys = [float("nan") if str(b) in out.get("excluded", {}).get(n, {}) else
-              out["results"].get(n, {}).get(str(b), {}).get("delta_pct", float("nan")) for b in bits]
+              out["results"].get(n, {}).get(str(b), {}).get(key, float("nan")) for b in bits]
         series[n] = ys
     if len(bits) == 1:
         s = out["settings"]
-        return plot_bars({n: ys[0] for n, ys in series.items()}, path, "held-out perplexity increase over full precision (%)",
+        return plot_bars({n: ys[0] for n, ys in series.items()}, path, label,
                          f"{model}, {bits[0]} bits: selection on {text_label}, {s['chunks']} x {s['serve_len']} tokens (chosen in orange)",
                          highlight=chosen, logx=True)
     series = {n + (" *" if n in chosen else ""): ys for n, ys in series.items()}
-    return plot_lines(bits, series, path, "bits (keys and values)", "held-out perplexity increase over full precision (%)",
+    return plot_lines(bits, series, path, "bits (keys and values)", label,
                       f"{model}: selection on {text_label} (* chosen at some width)", logy=True)
