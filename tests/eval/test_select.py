@@ -176,7 +176,7 @@ def test_selection_by_kl_measures_both_chooses_again_for_free_and_upgrades_old_e
     saved = json.loads(runs.read_text())
     for e in saved["results"].values():
         for v in e.values():
-            del v["kl"], v["chunk_kl"]
+            del v["kl"], v["chunk_kl"], v["kl_top"]
     del saved["sha256"]  # a hand edit, accepted as the message says
     runs.write_text(json.dumps(saved))
     log = []
@@ -185,6 +185,14 @@ def test_selection_by_kl_measures_both_chooses_again_for_free_and_upgrades_old_e
     again = run_selection(model, chunks, cal, cands, [2], BASE, cover="no", json_path=runs, metric="kl", show_progress=False, log=log.append)
     assert sum("held-out PPL" in m for m in log) == 3 and again["choices"]["2"]["recipe"] == choice["recipe"]
     assert all(again["results"][n]["2"]["chunk_kl"] == pytest.approx(evals[n]["chunk_kl"]) for n in cands)  # deterministic
+    # a KL against a reference of another size does not compare: it runs again too
+    saved = json.loads(runs.read_text())
+    saved["results"]["wush"]["2"]["kl_top"] = 16
+    del saved["sha256"]
+    runs.write_text(json.dumps(saved))
+    log = []
+    run_selection(model, chunks, cal, cands, [2], BASE, cover="no", json_path=runs, metric="kl", show_progress=False, log=log.append)
+    assert [m.split()[0] for m in log if "held-out PPL" in m] == ["wush"]
     with pytest.raises(ValueError, match="--metric 'ppl': known metrics are nll, kl"):
         run_selection(model, chunks, cal, cands, [2], BASE, cover="no", metric="ppl", **QUIET)
 

@@ -428,7 +428,7 @@ def run_selection(model, chunks: torch.Tensor, calibration, candidates: list[str
         res = quantized_perplexity(model, chunks, calibration, r.method, cfg, show_progress=False, reference=fp_reference())
         e = out["results"].setdefault(r.name, {})[str(b)] = {
             "ppl": res["ppl"], "nll": res["nll"], "delta_pct": 100 * (res["ppl"] / out["fp"]["ppl"] - 1), "chunk_nll": res["chunk_nll"],
-            "kl": res["kl"], "chunk_kl": res["chunk_kl"], "seconds": res["seconds"], "bits_per_element": bpe, "config": cfg.to_dict()}
+            "kl": res["kl"], "chunk_kl": res["chunk_kl"], "kl_top": REFERENCE_TOP, "seconds": res["seconds"], "bits_per_element": bpe, "config": cfg.to_dict()}
         log(f"{r.name:>28} {b}-bit  held-out PPL {res['ppl']:9.3f}  ({e['delta_pct']:+.2f}%, KL {res['kl']:.5f}, {bpe:.3f} bits/element, "
             f"{res['seconds']:.0f}s)")
         save()
@@ -491,9 +491,10 @@ def run_selection(model, chunks: torch.Tensor, calibration, candidates: list[str
 
 
 def _measured(e: dict | None, metric: str) -> bool:
-    """Whether the stored evaluation ``e`` holds ``metric`` (evaluations from before the KL was measured hold the NLL
-    only, and run again when the KL is asked for)."""
-    return e is not None and (metric == "nll" or "chunk_kl" in e)
+    """Whether the stored evaluation ``e`` holds ``metric``: evaluations from before the KL was measured hold the NLL
+    only, and run again when the KL is asked for, as do those whose KL kept another number of full precision's tokens
+    (``kl_top``: a coarser reference gives a smaller KL, so KLs of different references do not compare)."""
+    return e is not None and (metric == "nll" or ("chunk_kl" in e and e.get("kl_top") == REFERENCE_TOP))
 
 
 def selection_record(out: dict, text_label: str) -> dict:
