@@ -81,3 +81,16 @@ def test_code_cites_the_repository_docs():
                 if not (ROOT / c).is_file():
                     bad.append(f"{f.relative_to(ROOT)}:{i}: cites {c}, which does not exist")
     assert not bad, "\n".join(bad)
+
+
+def test_selection_page_lists_the_default_candidates():
+    """docs/reference/selection.md's table of candidates is the list `wushkv select` runs by default: every default
+    candidate by its full name, and no recipe row that is not one."""
+    from wushkv.eval.select import DEFAULT_CANDIDATES
+
+    text = (ROOT / "docs" / "reference" / "selection.md").read_text(encoding="utf-8")
+    table = text[text.index("| recipe | what it is |"):]
+    table = table[: table.index("\n\n")]
+    rows = [line.split("|")[1] for line in table.splitlines()[2:]]
+    listed = [name for row in rows for name in re.findall(r"`([^`]+)`", row)]
+    assert sorted(listed) == sorted(DEFAULT_CANDIDATES), (listed, DEFAULT_CANDIDATES)

@@ -62,8 +62,8 @@ from .perplexity import REFERENCE_TOP, perplexity
 PAPER = "wush"
 # Simplest first. The method families that won somewhere on the shipped models (docs/results.md), at the tile and
 # QuEST clips that won there; `wushkv select --candidates` takes any list.
-DEFAULT_CANDIDATES = ("wush", "wush+ldlq", "wush+ktiles+ldlq", "wush+ktiles+ldlq@tc=1.7", "wush+ktiles+ldlq@tc=3",
-                      "wush+ldlq@ka=1.15@va=1.45", "wush+rmean+ktiles+ldlq@va=1.15@tc=1.7")
+DEFAULT_CANDIDATES = ("wush", "wush+ldlq", "wush+ktiles+ldlq", "wush+ktiles+ldlq@tc=1.7", "wush+ktiles+ldlq@va=1.15",
+                      "wush+ktiles+ldlq@va=1.15@tc=1.3", "wush+ldlq@ka=1.15@va=1.45", "wush+rmean+ktiles+ldlq@va=1.15@tc=1.7")
 RULES = ("lowest", "simplest")
 METRICS = ("nll", "kl")
 DEFAULT_METRIC = "kl"

@@ -125,14 +125,16 @@ def _recorded(model: str, calibration: tuple[int, int], cfg: QuantConfig, recipe
 _QUEST = QuantConfig(quantizer="quest", windows=PERPLEXITY_WINDOWS)
 _AFFINE = QuantConfig(quantizer="affine", windows=GENERATION_WINDOWS)
 _C4 = "held-out C4, sessions 15-18 (docs/lab/auto-c4-picks.md, tile-clip.md, ktiles-ldlq.md)"
-_KL = "held-out C4 by `wushkv select --refine`, KL to full precision, session 48 (docs/lab/selection-by-kl.md)"
+_KL = "held-out C4 by `wushkv select --refine`, KL to full precision, sessions 48-49 (docs/lab/selection-by-kl.md)"
 # The selections recorded for the shipped models (the names ``wushkv.models.load`` takes): what the procedure of
 # ``wushkv select`` chose on held-out C4 from calibrations of the given recipe (samples, tokens). The affine record is
 # the generation setting's: on SmolLM2 at K2V2 held-out C4 ranks wush+ktiles+ldlq first, but it loses the 1k passkey;
 # the centered variant keeps it and ties on held-out C4 (docs/results.md, generation). SmolLM2's QuEST picks were
-# made by the NLL (the rule until session 48); Gemma-3's by the KL, the default since. Gemma-3's before, from the same
-# calibration (bit for bit): wush+ldlq@ka=1.15@va=1.45 / wush+rmean+ktiles+ldlq@va=1.15@tc=1.7 / wush+ktiles+ldlq@tc=1.7,
-# +3.37% / +0.92% / +0.26% on WikiText-2 16 x 2048, against +2.47% / +0.78% / +0.30% now (docs/lab/selection-by-kl.md).
+# made by the NLL (the rule until session 48); Gemma-3's by the KL, the default since, with session 49's default
+# candidates (the defaults alone choose the same; with session 48's the 4-bit pick was the centered
+# wush+rmean+ktiles+ldlq@va=1.15@tc=1.7, +0.30%). Gemma-3's before, from the same calibration (bit for bit):
+# wush+ldlq@ka=1.15@va=1.45 / wush+rmean+ktiles+ldlq@va=1.15@tc=1.7 / wush+ktiles+ldlq@tc=1.7, +3.37% / +0.92% / +0.26%
+# on WikiText-2 16 x 2048, against +2.47% / +0.78% / +0.41% now (docs/lab/selection-by-kl.md).
 RECORDED: dict[str, list[dict]] = {
     "smollm2-135m": [
         _recorded("smollm2-135m", (32, 2048), _QUEST, {2: "wush+ktiles+ldlq@tc=3", 3: "wush+ktiles+ldlq@tc=1.7", 4: "wush+ktiles+ldlq"}, _C4),
@@ -141,7 +143,7 @@ RECORDED: dict[str, list[dict]] = {
     ],
     "gemma3-270m": [
         _recorded("gemma3-270m", (16, 2048), _QUEST, {
-            2: "wush+ktiles+ldlq@va=1.15@tc=1.3", 3: "wush+ktiles+ldlq@va=1.15", 4: "wush+rmean+ktiles+ldlq@va=1.15@tc=1.7"}, _KL),
+            2: "wush+ktiles+ldlq@va=1.15@tc=1.3", 3: "wush+ktiles+ldlq@va=1.15", 4: "wush+ktiles+ldlq@va=1.15"}, _KL),
     ],
 }
 WUSH = parse("wush")
