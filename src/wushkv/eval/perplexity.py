@@ -99,14 +99,9 @@ def chunk_logits(model, input_ids: torch.Tensor, cache=None) -> torch.Tensor:
 
 
 def _nll(logits: torch.Tensor, input_ids: torch.Tensor) -> float:
+    """Summed next-token NLL (float64) of ``input_ids`` [B, L] under ``logits`` (B, L, V)."""
     return float(F.cross_entropy(logits[:, :-1].reshape(-1, logits.shape[-1]).float(), input_ids[:, 1:].reshape(-1).to(logits.device),
                                  reduction="sum").double())
-
-
-@torch.no_grad()
-def chunk_nll(model, input_ids: torch.Tensor, cache=None) -> tuple[float, int]:
-    """Summed next-token NLL (float64) and the number of predicted tokens of ``input_ids`` [B, L]."""
-    return _nll(chunk_logits(model, input_ids, cache), input_ids), input_ids[:, 1:].numel()
 
 
 def perplexity(
