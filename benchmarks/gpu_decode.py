@@ -62,12 +62,14 @@ DRY_RUN = dict(contexts=[48], batches=[1, 2], q_heads=4, kv_heads=2, head_dim=32
                iters=1, e2e_contexts=[48], e2e_batches=[1], e2e_layers=1, e2e_steps=4, sweep="48x2")
 # The decode kernel's launch parameters the sweep tries, most promising first (it stops at --sweep-budget): tiles of
 # block_n tokens, warps, software-pipeline stages; each compiled once, then timed at each programs_per_sm.
-SWEEP_TILES = [(64, 4, 3), (128, 8, 3), (64, 8, 3), (128, 4, 3), (32, 4, 3), (64, 4, 2), (128, 8, 2), (32, 4, 2),
+SWEEP_TILES = [(32, 1, 2), (64, 1, 2), (16, 1, 2), (32, 1, 3), (64, 1, 3), (32, 2, 2), (64, 4, 3), (128, 8, 3), (64, 8, 3), (128, 4, 3), (32, 4, 3), (64, 4, 2), (128, 8, 2), (32, 4, 2),
                (64, 4, 4), (128, 8, 4), (256, 8, 3), (32, 8, 3), (64, 4, 1), (128, 8, 1), (16, 4, 3), (256, 8, 2),
                (32, 4, 1), (64, 8, 2), (128, 4, 2), (16, 4, 1)]
 SWEEP_PER_SM = (4, 8, 16, 2)
 TUNING_FIELDS = tuple(f.name for f in dataclasses.fields(tk.DecodeTuning))
-DRY_SWEEP_TILES, DRY_SWEEP_PER_SM = [(16, 4, 1), (32, 4, 3)], (1, 4)
+DRY_SWEEP_TILES, DRY_SWEEP_PER_SM = [(16, 4, 1), (32, 1, 3)], (1, 4)
+# session 46's kernel and tuning: codes unpacked to (tokens, d) tiles, 64 tokens, 4 warps, 2 stages ("triton_tiles")
+TILES = dict(class_split=False, block_n=64, num_warps=4, num_stages=2)
 
 
 def peak_tbps(name: str, override: float | None) -> float | None:
@@ -217,7 +219,7 @@ def sweep(args, device, timer) -> dict:
             if si == 0:
                 out["reached"] = ti + 1
             for ppsm in per_sm:
-                tune = dict(block_n=bn, num_warps=w, num_stages=st, programs_per_sm=ppsm)
+                tune = dict(block_n=bn, num_warps=w, num_stages=st, programs_per_sm=ppsm, class_split=True)
                 row = {"context": ctx, "batch": B, **tune}
                 try:
                     with tk.decode_tuning(**tune):
@@ -260,12 +262,16 @@ def kernel_case(args, ctx, B, device, timer) -> dict:
     inputs, nbytes, store_s = kernel_inputs(args, ctx, B, device)
     q, scaling = inputs[0], inputs[-1]
     tuning = tk.current_tuning()
+    classes = tuning.class_split and tk.code_classes(inputs[4].fmt, q.dtype, inputs[4].codes) > 0
     row = {"context": ctx, "batch": B, "store_tokens_per_s": B * n_mid / store_s if store_s else None,
-           "tuning": vars(tuning) | {}, "splits": tk.default_splits(B, Hkv, ctx, tuning.block_n, device)}
+           "tuning": vars(tuning) | {}, "classes": classes,
+           "splits": tk.default_splits(B, Hkv, ctx, tuning.tile(classes)[0], device)}
     row["triton"] = timer(lambda: tk.decode(*inputs), args.warmup, args.iters) | {"bytes": nbytes}
     if tuning != tk.DecodeTuning():
         with tk.decode_tuning(**vars(tk.DecodeTuning())):
             row["triton_default"] = timer(lambda: tk.decode(*inputs), args.warmup, args.iters) | {"bytes": nbytes}
+    with tk.decode_tuning(**TILES):  # in the same run: the kernel as session 46 timed it
+        row["triton_tiles"] = timer(lambda: tk.decode(*inputs), args.warmup, args.iters) | {"bytes": nbytes}
     del inputs
     # bfloat16 SDPA over the same context (K, V built after the packed cache is freed)
     K, V = torch.randn(B, Hkv, ctx, d, **bf), torch.randn(B, Hkv, ctx, d, **bf)
@@ -296,13 +302,13 @@ def kernel_case(args, ctx, B, device, timer) -> dict:
 
 
 def add_bandwidth(row: dict, peak: float | None) -> None:
-    for name in ("triton", "triton_default", "sdpa", "flash", "triton_bf16"):
+    for name in ("triton", "triton_default", "triton_tiles", "sdpa", "flash", "triton_bf16"):
         r = row.get(name)
         if isinstance(r, dict) and "ms" in r:
             r["tb_per_s"] = r["bytes"] / (r["ms"] * 1e-3) / 1e12
             r["peak_fraction"] = r["tb_per_s"] / peak if peak else None
     if "ms" in row.get("triton", {}):
-        for name in ("sdpa", "flash", "triton_bf16"):
+        for name in ("sdpa", "flash", "triton_bf16", "triton_tiles"):
             if "ms" in row.get(name, {}):
                 row[f"triton_over_{name}"] = row["triton"]["ms"] / row[name]["ms"]
 
@@ -364,6 +370,12 @@ def e2e_case(args, model, ctx, B, device, timer) -> dict:
     return row
 
 
+def _tuning_value(v: str):
+    """A --tuning value: True/False (class_split), None (by the path) or an int."""
+    named = {"True": True, "False": False, "None": None}
+    return named[v] if v in named else int(v)
+
+
 def run(args, save=None) -> dict:
     """Every kernel and end-to-end row; ``save(result)`` after each (a run cut short keeps what it measured)."""
     device = torch.device("cpu" if args.dry_run else "cuda")
@@ -380,7 +392,7 @@ def run(args, save=None) -> dict:
     out = {"device": name, "peak_tbps": peak, "torch": torch.__version__, "triton": triton.__version__,
            "transformers": transformers.__version__, "args": vars(args), "kernel": [], "e2e": []}
     save = save or (lambda result: None)
-    tuning = {k: int(v) for k, v in (kv.split("=") for kv in args.tuning.split(",") if kv)}
+    tuning = {k: _tuning_value(v) for k, v in (kv.split("=") for kv in args.tuning.split(",") if kv)}
     if args.sweep:
         out["sweep"] = sweep(args, device, timer)
         tuning = out["sweep"].get("best", {})
@@ -437,7 +449,7 @@ def summary(row: dict) -> str:
             parts.append(f"{k} {v['ms']:.3f} ms" + (f" ({100 * frac:.0f}% of peak)" if frac else ""))
         if isinstance(v, dict) and "error" in v:
             parts.append(f"{k} ERROR {v['error']}")
-        elif k.endswith(("_over_sdpa", "_over_flash", "_over_triton_bf16", "_over_dynamic")):
+        elif k.endswith(("_over_sdpa", "_over_flash", "_over_triton_bf16", "_over_triton_tiles", "_over_dynamic")):
             parts.append(f"{k} {v:.2f}x")
     return f"{head}: " + ", ".join(parts)
 

@@ -260,3 +260,34 @@ def test_gpu_decode_dry_run(tmp_path):
     assert e2e["wushkv_triton"]["triton_store_launches"] >= 2  # a flush during the steps wrote keys and values
     assert e2e["wushkv_pytorch"]["triton_launches"] == e2e["wushkv_pytorch"]["triton_store_launches"] == 0
     assert e2e["wushkv_triton_over_dynamic"] == e2e["wushkv_triton"]["ms"] / e2e["dynamic"]["ms"]
+
+
+def test_kernel_sass_compiles_both_paths(tmp_path):
+    """The compile-only profile of the decode kernel for sm_90 (no GPU): the launch it records is the one decode
+    makes (K2V2 bfloat16 head_dim 128 reads its codes in classes of 8 under the default tuning, session 46's tiles
+    otherwise), and the class path's loop over the middle issues fewer instructions per token than the tiles' (0.35×
+    on triton 3.9, bound 0.6×) with at most a handful of spilled registers reloaded in it. Cannot run where triton
+    ships no CUDA toolchain."""
+    import json
+    import os
+
+    triton = pytest.importorskip("triton")
+    if not os.path.exists(os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "nvdisasm")):
+        pytest.skip("this triton install has no CUDA toolchain (nvdisasm) to compile and disassemble with")
+    import subprocess
+    import sys
+
+    # its own process: this one imported triton under the interpreter (conftest), which cannot compile
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["PYTHONPATH"] = str(Path(__file__).resolve().parents[1] / "src") + os.pathsep + env.get("PYTHONPATH", "")
+    script = Path(__file__).resolve().parents[1] / "benchmarks" / "kernel_sass.py"
+    proc = subprocess.run([sys.executable, str(script), "--widths", "2", "--configs", "tiles,classes 32", "--json",
+                           str(tmp_path / "k.json")], env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    res = json.loads((tmp_path / "k.json").read_text())
+    tiles, classes = res["rows"]
+    assert (tiles["classes"], tiles["block_n"], tiles["num_warps"]) == (False, 64, 4)
+    assert (classes["classes"], classes["block_n"], classes["num_warps"]) == (True, 32, 1)
+    assert tiles["mma"] > 0 and classes["mma"] > 0 and tiles["over_baseline"] == 1.0
+    assert classes["over_baseline"] < 0.6 and classes["spill_loads"] <= 8, classes
+    assert "warp-instr/token" in proc.stdout and res["target"] == "sm_90"

@@ -273,13 +273,15 @@ def test_decode_options(feature):
     assert N == 4 + 20 + 6
 
 
-def test_decode_paged_ragged():
+@pytest.mark.parametrize("dtype,kbits,vbits,d", [(torch.float32, 3, 2, 64), (torch.bfloat16, 2, 4, 128)])
+def test_decode_paged_ragged(dtype, kbits, vbits, d):
     """vLLM's layout: each sequence's middle in shuffled blocks of 8 tokens (tiles of 16 cross block boundaries),
-    ragged sink, middle and recent lengths per sequence; equal to each sequence attended alone."""
-    d, Hkv, G, page = 64, 2, 3, 8
+    ragged sink, middle and recent lengths per sequence; equal to each sequence attended alone (in bfloat16: within
+    its bound of the float32 result, codes read in classes as near as unpacked to tiles)."""
+    Hkv, G, page = 2, 3, 8
     lens = [(2, 21, 3), (0, 8, 0), (4, 0, 5), (1, 33, 2)]  # (sink, middle, recent)
     B = len(lens)
-    kc, vc = _codec(QuestQuantizer(3), d), _codec(AffineQuantizer(2, clip_ratio=0.92), d)
+    kc, vc = _codec(QuestQuantizer(kbits), d), _codec(AffineQuantizer(vbits, clip_ratio=0.92), d)
     g = torch.Generator().manual_seed(4)
     x = lambda n: torch.randn(1, Hkv, n, d, generator=g) * torch.linspace(0.3, 2.5, d)
     nblocks = sum(-(-m // page) for _, m, _ in lens) + 2
@@ -308,19 +310,28 @@ def test_decode_paged_ragged():
     ref = torch.stack(refs)
     mk = tk.Packed(fmt_k, kbuf[0], kbuf[1])
     mv = tk.Packed(fmt_v, vbuf[0], vbuf[1], vbuf[2])
-    dev = lambda t: t.to(DEVICE)
-    out = tk.decode(dev(q[:, :, 0]), torch.tensor(lens), dev(sk), dev(sv), mk, mv, dev(rk), dev(rv), d**-0.5,
-                    block_table=table, splits=3, block_n=16)
-    assert _rel(out.cpu(), ref) < 1e-3, _rel(out.cpu(), ref)
+    dev = lambda t: t.to(DEVICE, dtype)
+    run = lambda: tk.decode(dev(q[:, :, 0]), torch.tensor(lens), dev(sk), dev(sv), mk, mv, dev(rk), dev(rv), d**-0.5,
+                            block_table=table, splits=3, block_n=16).cpu()
+    out = run()
+    if dtype == torch.float32:
+        assert _rel(out, ref) < 1e-3, _rel(out, ref)
+        return
+    assert tk.code_classes(fmt_k, dtype, kbuf[0]) == 8 and tk.code_classes(fmt_v, dtype, vbuf[0]) == 4
+    with tk.decode_tuning(class_split=False):
+        tiles = run()
+    assert _rel(out, tiles) < 2e-3 and _rel(out, ref) < 2e-2, (_rel(out, tiles), _rel(out, ref))
 
 
-@pytest.mark.parametrize("dtype,kbits,vbits", [(torch.bfloat16, 2, 2), (torch.float16, 3, 1), (torch.bfloat16, 8, 4)])
-def test_decode_bfloat16(dtype, kbits, vbits):
+@pytest.mark.parametrize("dtype,kbits,vbits,d", [(torch.bfloat16, 2, 2, 64), (torch.float16, 3, 1, 64),
+                                                  (torch.bfloat16, 8, 4, 64), (torch.bfloat16, 2, 2, 128),
+                                                  (torch.float16, 4, 2, 128)])
+def test_decode_bfloat16(dtype, kbits, vbits, d):
     """bfloat16 (and float16) queries and windows: the dots run in that dtype with float32 accumulation, as such a
     model's attention does, the codes entering them as ``c + 128`` (bfloat16, up to 7 bits; 8-bit codes convert) or
-    ``c + 1024`` (float16), the offset taken back out. Bound: within 2e-2 (relative) of the float32 result over the
-    same inputs, and no further from it than the PyTorch path in that dtype."""
-    d = 64
+    ``c + 1024`` (float16), the offset taken back out: unpacked to (tokens, d) tiles, or at 2 and 4 bits from head_dim
+    128 and 64 read as 16-bit words in classes (``code_classes``). Bound: within 2e-2 (relative) of the float32
+    result over the same inputs, and no further from it than the PyTorch path in that dtype."""
     q, pk, pv = _case(QuestQuantizer(kbits), QuestQuantizer(vbits), B=1, Hkv=2, G=3, d=d, n_s=3, n_m=20, n_r=5, dtype=dtype)
     to32 = lambda parts: [p.float() if torch.is_tensor(p) else p for p in parts]
     ref = dequantize_then_attend(q.float(), to32(pk), to32(pv), None, d**-0.5)[:, 0]
@@ -329,6 +340,56 @@ def test_decode_bfloat16(dtype, kbits, vbits):
     with decode_mod.triton_enabled(False):
         torch_path = decode_attention(q, pk, pv, None, d**-0.5)[:, 0]
     assert _rel(out, ref) < 2e-2 and _rel(out, ref) <= 1.5 * _rel(torch_path, ref) + 1e-3, (_rel(out, ref), _rel(torch_path, ref))
+
+
+def _classes(parts, dtype):
+    codec, store, _ = parts[1]
+    return tk.code_classes(_packed(codec, store).fmt, dtype, store["codes"])
+
+
+@pytest.mark.parametrize("dtype,kq,vq,d,kw", [
+    (torch.bfloat16, QuestQuantizer(2), QuestQuantizer(2), 128, {}),
+    (torch.float16, AffineQuantizer(4, clip_ratio=0.96), QuestQuantizer(2), 128, {"softcap": 3.0}),
+    (torch.bfloat16, QuestQuantizer(2), AffineQuantizer(4), 256, {"window": 30}),
+    (torch.bfloat16, QuestQuantizer(4), QuestQuantizer(3), 64, {"mask": 25}),  # keys in classes, values in tiles
+])
+def test_decode_code_classes_equal_unpacked_tiles(dtype, kq, vq, d, kw):
+    """Codes read as 16-bit words split into classes (one dot per class, the query's channels P·k + S against class
+    S, the value dots' results interleaved back) give what unpacking them to (tokens, d) tiles gives, over ragged
+    tiles (47 middle tokens in tiles of 16), GQA 3, each option; both as near the float32 result as the bound of
+    ``test_decode_bfloat16``. ``code_classes`` says which side took which path."""
+    B, Hkv, G, kw = 2, 2, 3, dict(kw)
+    q, pk, pv = _case(kq, vq, B, Hkv, G, d, n_s=3, n_m=47, n_r=5, seed=3, dtype=dtype)
+    assert _classes(pk, dtype) == 16 // kq.bits and _classes(pv, dtype) == (16 // vq.bits if vq.bits in (2, 4) else 0)
+    allowed = None
+    if "mask" in kw:
+        allowed = (torch.rand(B, 1, 1, kw.pop("mask"), generator=torch.Generator().manual_seed(5)) > 0.4).to(DEVICE)
+        kw["allowed"] = allowed.view(B, -1)
+    elif "window" in kw:
+        allowed = torch.ones(B, 1, 1, kw["window"], dtype=torch.bool, device=DEVICE)
+    to32 = lambda parts: [p.float() if torch.is_tensor(p) else p for p in parts]
+    ref = dequantize_then_attend(q.float(), to32(pk), to32(pv), allowed, d**-0.5,
+                                 **({"softcap": kw["softcap"]} if "softcap" in kw else {}))[:, 0]
+    out = _triton(q, pk, pv, splits=2, block_n=16, **kw)
+    with tk.decode_tuning(class_split=False):
+        tiles = _triton(q, pk, pv, splits=2, block_n=16, **kw)
+    assert _rel(out, tiles) < 2e-3, _rel(out, tiles)
+    assert _rel(out, ref) < 2e-2 and _rel(out, ref) <= 1.5 * _rel(tiles, ref) + 1e-3, (_rel(out, ref), _rel(tiles, ref))
+
+
+def test_code_classes_cover_what_they_can():
+    """Which sides decode reads in classes: one group per token, 2 or 4 bits, float16/bfloat16 dots, d/P ≥ 16, even
+    code rows; everything else unpacks to tiles."""
+    fmt = lambda bits, d, G=None: tk.TokenFormat(bits, d, G or d, True)
+    bf = torch.bfloat16
+    assert [tk.code_classes(fmt(b, 128), bf) for b in (1, 2, 3, 4, 8)] == [0, 8, 0, 4, 0]
+    assert tk.code_classes(fmt(2, 64), bf) == 0 and tk.code_classes(fmt(4, 64), torch.float16) == 4
+    assert tk.code_classes(fmt(2, 128), torch.float32) == 0 and tk.code_classes(fmt(2, 128, 32), bf) == 0
+    codes = torch.zeros(4, 33, dtype=torch.uint8)  # 2-bit rows of 32 bytes at odd offsets
+    assert tk.code_classes(fmt(2, 128), bf, codes[:, 1:]) == 0 and tk.code_classes(fmt(2, 128), bf, codes[:, :32]) == 0
+    assert tk.code_classes(fmt(2, 128), bf, torch.zeros(4, 32, dtype=torch.uint8)) == 8
+    with pytest.raises(ValueError, match="class_split must be True or False"):
+        tk.DecodeTuning(class_split=1)
 
 
 def test_decode_tuning_changes_launches_not_results():
@@ -469,7 +530,7 @@ for quest, clipped, has_t, br in ((True, True, False, 8), (True, False, True, 1)
     consts = dict(D=128, G=32, BITS=3, QUEST=quest, CLIPPED=clipped, HAS_T=has_t, HAS_Z=not quest, TC=32, META_BF16=True, BR=br)
     triton.compile(ASTSource(K["store"], sig("store", ptrs, ("coef", "sqrt_g"), consts), consts), target=GPUTarget("cuda", 90, 32))
 consts = dict(D=128, GQA=4, GP=16, BN=32, K_BITS=2, V_BITS=4, K_G=128, V_G=32, K_Z=False, V_Z=True, K_E5M3=True, K_OFF=128, V_OFF=0,
-              V_E5M3=False, PAGED=True, HAS_MASK=True, SOFTCAP=True, PREC="tf32", DT=tl.bfloat16, EMU=False)
+              V_E5M3=False, K_P=0, V_P=0, PAGED=True, HAS_MASK=True, SOFTCAP=True, PREC="tf32", DT=tl.bfloat16, EMU=False)
 ptrs = {"q_ptr": "*bf16", "sk_ptr": "*bf16", "sv_ptr": "*bf16", "rk_ptr": "*bf16", "rv_ptr": "*bf16", "kc_ptr": "*u8",
         "vc_ptr": "*u8", "mask_ptr": "*u8", "lens_ptr": "*i32", "bt_ptr": "*i32", "ks_ptr": "*u8", "vs_ptr": "*fp16",
         "kz_ptr": "*u8", "vz_ptr": "*fp16"}
@@ -477,6 +538,13 @@ for bn, warps, stages, v in ((32, 4, 3, (4, 32, True, 0)), (128, 8, 2, (2, 128, 
     consts.update(BN=bn, V_BITS=v[0], V_G=v[1], V_Z=v[2], V_OFF=v[3])
     k = triton.compile(ASTSource(K["decode"], sig("decode", ptrs, ("sm_scale", "softcap", "K_HALF", "V_HALF"), consts), consts),
                        target=GPUTarget("cuda", 90, 32), options={"num_warps": warps, "num_stages": stages})
+for dt, off, kv, warps in ((tl.bfloat16, 128, (2, 8, 4, 4), 1), (tl.float16, 1024, (4, 4, 2, 8), 4)):  # codes in classes: inline PTX
+    consts.update(BN=64, DT=dt, K_OFF=off, V_OFF=off, K_BITS=kv[0], K_P=kv[1], V_BITS=kv[2], V_P=kv[3], V_G=128, V_Z=False, K_E5M3=False)
+    p = dict(ptrs, q_ptr="*bf16" if dt == tl.bfloat16 else "*fp16", sk_ptr="*fp16", sv_ptr="*fp16", rk_ptr="*fp16", rv_ptr="*fp16",
+             ks_ptr="*fp16", kz_ptr="*fp16", vz_ptr="*fp16")
+    k = triton.compile(ASTSource(K["decode"], sig("decode", p, ("sm_scale", "softcap", "K_HALF", "V_HALF"), consts), consts),
+                       target=GPUTarget("cuda", 90, 32), options={"num_warps": warps, "num_stages": 2})
+    assert "lop3.b32" in k.asm["ptx"] and "cubin" in k.asm
 consts = dict(D=128, SP=16, HAS_SINKS=True, OUT_BF16=True)
 triton.compile(ASTSource(K["merge"], sig("merge", {"out_ptr": "*bf16"}, (), consts), consts), target=GPUTarget("cuda", 90, 32))
 print("compiled", "ptx" in k.asm)
@@ -504,8 +572,8 @@ def test_launcher_sees_the_constexpr_parameters():
 @pytest.mark.slow
 def test_kernels_compile_for_cuda():
     """The compiled path, which the interpreter does not exercise (Triton's front end, shapes the tensor-core dot
-    accepts, name resolution), without a GPU: the store, decode (two tunings, one-byte key steps) and merge kernels
-    compile to PTX for sm_90."""
+    accepts, name resolution), without a GPU: the store, decode (two tunings, one-byte key steps; codes in classes,
+    whose inline PTX ptxas assembles) and merge kernels compile for sm_90."""
     import os
     import subprocess
     import sys

@@ -284,6 +284,70 @@ def _kernels() -> dict:
             return (c | 0x4B000000).to(tl.float32, bitcast=True) - 8388608.0
 
     @jit
+    def _class_codes(w, S: tl.constexpr, BITS: tl.constexpr, OFF: tl.constexpr, EMU: tl.constexpr):
+        """Class ``S`` of 16-bit code words ``w`` (BN, D/P), P = 16/BITS: the code at bits [S·BITS, (S+1)·BITS) of
+        word k, i.e. channel P·k + S (little-endian bytes of :func:`wushkv.quantizers.pack`), as the dot's operand
+        ``c + OFF`` (bfloat16 OFF 128, float16 OFF 1024; :func:`_codes_as`). On a GPU two codes per shift and one
+        ``lop3`` (``(w >> S·BITS) & mask | 0x4300`` on both halves of a 32-bit register: each half's bits stay its
+        own, what the shift carries over from the high half is masked off), already the tensor cores' bf16x2."""
+        MASK: tl.constexpr = (1 << BITS) - 1
+        BASE: tl.constexpr = 0x4300 if OFF == 128 else 0x6400
+        LO: tl.constexpr = MASK * 0x10001
+        HI: tl.constexpr = BASE * 0x10001
+        ASM: tl.constexpr = (f"lop3.b32 $0, $1, {LO}, {HI}, 0xea;" if S == 0 else
+                             f"{{.reg .b32 t; shr.b32 t, $1, {S * BITS}; lop3.b32 $0, t, {LO}, {HI}, 0xea;}}")
+        if EMU:  # the interpreter runs no PTX: the same bits, one code at a time
+            c = (((w >> (S * BITS)) & MASK) | BASE).to(tl.int16)
+            if OFF == 128:
+                out = c.to(tl.bfloat16, bitcast=True)
+            else:
+                out = c.to(tl.float16, bitcast=True)
+        elif OFF == 128:
+            out = tl.inline_asm_elementwise(ASM, "=r,r", [w], dtype=tl.bfloat16, is_pure=True, pack=2)
+        else:
+            out = tl.inline_asm_elementwise(ASM, "=r,r", [w], dtype=tl.float16, is_pure=True, pack=2)
+        return out
+
+    @jit
+    def _class_scores(q_ptr, qrow, qmask, w, GP: tl.constexpr, BN: tl.constexpr, D: tl.constexpr, P: tl.constexpr,
+                      BITS: tl.constexpr, OFF: tl.constexpr, PREC: tl.constexpr, DT: tl.constexpr,
+                      EMU: tl.constexpr):
+        """q (GP, D) · (C + OFF)ᵀ over code words ``w`` (BN, D/P): one dot per class S with the query's channels
+        P·k + S (loaded from ``q_ptr + qrow``, L1-resident), so the codes never change layout."""
+        k = tl.arange(0, D // P)
+        s = tl.zeros([GP, BN], dtype=tl.float32)
+        for S in tl.static_range(P):
+            qS = tl.load(q_ptr + qrow[:, None] + k[None, :] * P + S, mask=qmask[:, None], other=0.0)
+            s += _mma(qS, tl.trans(_class_codes(w, S, BITS, OFF, EMU)), DT, EMU, PREC)
+        return s
+
+    @jit
+    def _class_pv(wt, w, S: tl.constexpr, acc, BITS: tl.constexpr, OFF: tl.constexpr, PREC: tl.constexpr,
+                  DT: tl.constexpr, EMU: tl.constexpr):
+        """acc + wt (GP, BN) · (C_S + OFF), C_S class S of code words ``w``: channels P·k + S of the values."""
+        c = _class_codes(w, S, BITS, OFF, EMU)
+        if EMU:
+            return tl.dot(_round_to(wt.to(tl.float32), DT, EMU), c.to(tl.float32), acc, input_precision="ieee")
+        return tl.dot(wt.to(DT), c, acc, input_precision=PREC)
+
+    @jit
+    def _join_classes(a0, a1, a2, a3, a4, a5, a6, a7, GP: tl.constexpr, D: tl.constexpr, P: tl.constexpr):
+        """Per-class results (GP, D/P) back in channel order (GP, D): class S of word k is channel P·k + S, and
+        ``join`` puts its operands side by side on a new last axis (P = 4 or 8; a4..a7 unused at 4)."""
+        if P == 8:
+            o = tl.join(tl.join(tl.join(a0, a4), tl.join(a2, a6)), tl.join(tl.join(a1, a5), tl.join(a3, a7)))
+        else:
+            o = tl.join(tl.join(a0, a2), tl.join(a1, a3))
+        return tl.reshape(o, [GP, D])
+
+    @jit
+    def _words(ptr, rows, valid, D: tl.constexpr, P: tl.constexpr, BN: tl.constexpr):
+        """The 16-bit code words (BN, D/P) of packed rows at byte offsets ``rows`` (even: checked on the host)."""
+        k = tl.arange(0, D // P)
+        return tl.load(ptr.to(tl.pointer_type(tl.int16)) + (rows // 2)[:, None] + k[None, :], mask=valid[:, None],
+                       other=0)
+
+    @jit
     def _round_to(x, DT: tl.constexpr, EMU: tl.constexpr):
         """float32 rounded to DT (nearest even) and held in float32: what :func:`_mma` feeds its dot (the
         interpreter truncates float32 → bfloat16, so there it rounds on the bits)."""
@@ -325,7 +389,7 @@ def _kernels() -> dict:
         return s, z
 
     @jit
-    def _code_segment(q, qsum, m, l, acc,
+    def _code_segment(q, qsum, m, l, acc, q_ptr, qrow, qmask,
                       kc_ptr, ks_ptr, kz_ptr, vc_ptr, vs_ptr, vz_ptr,
                       kc0, kc1, kc2, ks0, ks1, ks2, vc0, vc1, vc2, vs0, vs1, vs2,
                       bt_ptr, s_bt, PAGE, b, h, a, e, base, N,
@@ -333,12 +397,28 @@ def _kernels() -> dict:
                       D: tl.constexpr, BN: tl.constexpr, K_BITS: tl.constexpr, V_BITS: tl.constexpr,
                       K_G: tl.constexpr, V_G: tl.constexpr, K_Z: tl.constexpr, V_Z: tl.constexpr,
                       K_E5M3: tl.constexpr, V_E5M3: tl.constexpr, K_OFF: tl.constexpr, V_OFF: tl.constexpr,
+                      K_P: tl.constexpr, V_P: tl.constexpr, GP: tl.constexpr,
                       PAGED: tl.constexpr, HAS_MASK: tl.constexpr, SOFTCAP: tl.constexpr, PREC: tl.constexpr,
                       DT: tl.constexpr, EMU: tl.constexpr):
         """Tokens [a, e) of the packed middle, whose first token is absolute column ``base``. With one group per
         token the codes enter the dots as ``c + OFF`` (:func:`_codes_as`), and OFF comes back out: for keys
         ``q·(c + OFF) − OFF·Σq``, for values ``Σ_t w_t (c_t + OFF) − OFF·Σ_t w_t`` with the same rounded weights
-        w = p ⊙ s the dot reads."""
+        w = p ⊙ s the dot reads. K_P/V_P > 0: that side's codes are read as 16-bit words and split into P classes
+        (:func:`_class_codes`), one dot each, instead of unpacked to a (BN, D) tile, whose reshape and re-layout for
+        the tensor cores cost more than the bytes (session 46's H200 run). The values' classes then keep one
+        accumulator each (a0..a7, (GP, D/P)) and join ``acc`` after the last tile: joined every tile, the classes'
+        results would hold as many registers again as the accumulators."""
+        VK: tl.constexpr = D // V_P if V_P > 0 else 16
+        a0 = tl.zeros([GP, VK], dtype=tl.float32)
+        a1 = tl.zeros([GP, VK], dtype=tl.float32)
+        a2 = tl.zeros([GP, VK], dtype=tl.float32)
+        a3 = tl.zeros([GP, VK], dtype=tl.float32)
+        a4 = tl.zeros([GP, VK], dtype=tl.float32)
+        a5 = tl.zeros([GP, VK], dtype=tl.float32)
+        a6 = tl.zeros([GP, VK], dtype=tl.float32)
+        a7 = tl.zeros([GP, VK], dtype=tl.float32)
+        keep = tl.full([GP], 1.0, dtype=tl.float32)  # how much of the incoming acc the online softmax keeps
+        corr = tl.zeros([GP], dtype=tl.float32)  # Σ p z − OFF·Σ w, added to every channel
         for start in range(a, e, BN):
             t = start + tl.arange(0, BN)
             valid = t < e
@@ -346,29 +426,61 @@ def _kernels() -> dict:
             # keys: scores = s ⊙ (C q) + z·Σq (one group per token), or a tile dequantized in registers
             rows = _rows(tt, b, h, bt_ptr, s_bt, PAGE, kc0, kc1, kc2, PAGED)
             srows = _rows(tt, b, h, bt_ptr, s_bt, PAGE, ks0, ks1, ks2, PAGED)
-            c = _unpack(kc_ptr, rows, valid, D, K_BITS, BN)
-            if K_G == D:
+            if K_P > 0:
+                ks, kz = _token_scale_offset(ks_ptr, kz_ptr, srows, valid, K_HALF, K_Z, K_E5M3)
+                raw = _class_scores(q_ptr, qrow, qmask, _words(kc_ptr, rows, valid, D, K_P, BN), GP, BN, D, K_P,
+                                    K_BITS, K_OFF, PREC, DT, EMU)
+                # (raw − OFF·Σq)·s + Σq·z, scaled: the scale and the offset folded into per-token vectors
+                ks = ks * sm_scale
+                s = raw * ks[None, :] + qsum[:, None] * (kz * sm_scale - K_OFF * ks)[None, :]
+            elif K_G == D:
+                c = _unpack(kc_ptr, rows, valid, D, K_BITS, BN)
                 ks, kz = _token_scale_offset(ks_ptr, kz_ptr, srows, valid, K_HALF, K_Z, K_E5M3)
                 s = (_mma(q, tl.trans(_codes_as(c, K_OFF)), DT, EMU, PREC) - K_OFF * qsum[:, None]) * ks[None, :] \
                     + qsum[:, None] * kz[None, :]
             else:
+                c = _unpack(kc_ptr, rows, valid, D, K_BITS, BN)
                 k = _dequant_tile(c, ks_ptr, kz_ptr, srows, valid, K_G, D, K_HALF, K_Z, K_E5M3)
                 s = _mma(q, tl.trans(k), DT, EMU, PREC)
-            s = _finish_scores(s, tl.where(valid, base + t, -1), N, sm_scale, softcap, mask_ptr, s_mb, S, b, WINDOW, HAS_MASK, SOFTCAP)
+            s = _finish_scores(s, tl.where(valid, base + t, -1), N, 1.0 if K_P > 0 else sm_scale, softcap, mask_ptr,
+                               s_mb, S, b, WINDOW, HAS_MASK, SOFTCAP)
             m, alpha, p, l = _online(s, m, l)
             # values: Cᵀ(p ⊙ s) + (Σ p z)·1, or the dequantized tile
             rows = _rows(tt, b, h, bt_ptr, s_bt, PAGE, vc0, vc1, vc2, PAGED)
             srows = _rows(tt, b, h, bt_ptr, s_bt, PAGE, vs0, vs1, vs2, PAGED)
-            c = _unpack(vc_ptr, rows, valid, D, V_BITS, BN)
-            if V_G == D:
+            if V_P > 0:
+                vs, vz = _token_scale_offset(vs_ptr, vz_ptr, srows, valid, V_HALF, V_Z, V_E5M3)
+                w = _round_to(p * vs[None, :], DT, EMU)
+                words = _words(vc_ptr, rows, valid, D, V_P, BN)
+                if tl.min(alpha, 0) < 1.0:  # a row's max rose; else alpha is exactly 1 and rescaling is a no-op
+                    a0, a1, a2, a3 = a0 * alpha[:, None], a1 * alpha[:, None], a2 * alpha[:, None], a3 * alpha[:, None]
+                    if V_P == 8:
+                        a4, a5, a6, a7 = a4 * alpha[:, None], a5 * alpha[:, None], a6 * alpha[:, None], a7 * alpha[:, None]
+                a0 = _class_pv(w, words, 0, a0, V_BITS, V_OFF, PREC, DT, EMU)
+                a1 = _class_pv(w, words, 1, a1, V_BITS, V_OFF, PREC, DT, EMU)
+                a2 = _class_pv(w, words, 2, a2, V_BITS, V_OFF, PREC, DT, EMU)
+                a3 = _class_pv(w, words, 3, a3, V_BITS, V_OFF, PREC, DT, EMU)
+                if V_P == 8:
+                    a4 = _class_pv(w, words, 4, a4, V_BITS, V_OFF, PREC, DT, EMU)
+                    a5 = _class_pv(w, words, 5, a5, V_BITS, V_OFF, PREC, DT, EMU)
+                    a6 = _class_pv(w, words, 6, a6, V_BITS, V_OFF, PREC, DT, EMU)
+                    a7 = _class_pv(w, words, 7, a7, V_BITS, V_OFF, PREC, DT, EMU)
+                corr = corr * alpha + tl.sum(p * vz[None, :] - V_OFF * w, 1)
+                keep = keep * alpha
+            elif V_G == D:
+                c = _unpack(vc_ptr, rows, valid, D, V_BITS, BN)
                 vs, vz = _token_scale_offset(vs_ptr, vz_ptr, srows, valid, V_HALF, V_Z, V_E5M3)
                 w = _round_to(p * vs[None, :], DT, EMU)
                 o = _mma(w, _codes_as(c, V_OFF), DT, EMU, PREC)
                 o = o + tl.sum(p * vz[None, :] - V_OFF * w, 1)[:, None]
             else:
+                c = _unpack(vc_ptr, rows, valid, D, V_BITS, BN)
                 v = _dequant_tile(c, vs_ptr, vz_ptr, srows, valid, V_G, D, V_HALF, V_Z, V_E5M3)
                 o = _mma(p, v, DT, EMU, PREC)
-            acc = acc * alpha[:, None] + o
+            if V_P == 0:
+                acc = acc * alpha[:, None] + o
+        if V_P > 0:
+            acc = acc * keep[:, None] + _join_classes(a0, a1, a2, a3, a4, a5, a6, a7, GP, D, V_P) + corr[:, None]
         return m, l, acc
 
     @jit
@@ -394,7 +506,8 @@ def _kernels() -> dict:
                       D: tl.constexpr, GQA: tl.constexpr, GP: tl.constexpr, BN: tl.constexpr,
                       K_BITS: tl.constexpr, V_BITS: tl.constexpr, K_G: tl.constexpr, V_G: tl.constexpr,
                       K_Z: tl.constexpr, V_Z: tl.constexpr, K_E5M3: tl.constexpr, V_E5M3: tl.constexpr,
-                      K_OFF: tl.constexpr, V_OFF: tl.constexpr, PAGED: tl.constexpr, HAS_MASK: tl.constexpr,
+                      K_OFF: tl.constexpr, V_OFF: tl.constexpr, K_P: tl.constexpr, V_P: tl.constexpr,
+                      PAGED: tl.constexpr, HAS_MASK: tl.constexpr,
                       SOFTCAP: tl.constexpr, PREC: tl.constexpr, DT: tl.constexpr, EMU: tl.constexpr):
         b = tl.program_id(0).to(tl.int64)
         h = tl.program_id(1).to(tl.int64)
@@ -411,22 +524,26 @@ def _kernels() -> dict:
         d = tl.arange(0, D)
         hq = h * GQA + gi  # the query heads of this KV head
         qmask = gi < GQA
-        q = tl.load(q_ptr + b * sq_b + hq[:, None] * sq_h + d[None, :], mask=qmask[:, None], other=0.0)
+        qrow = b * sq_b + hq * sq_h
+        q = tl.load(q_ptr + qrow[:, None] + d[None, :], mask=qmask[:, None], other=0.0)
         qsum = tl.sum(q.to(tl.float32), 1)
         m = tl.full([GP], float("-inf"), dtype=tl.float32)
         l = tl.zeros([GP], dtype=tl.float32)
         acc = tl.zeros([GP, D], dtype=tl.float32)
 
-        # sink [0, n_s), middle [n_s, n_s + n_m), recent [n_s + n_m, N): each intersected with [lo, hi)
-        m, l, acc = _fp_segment(q, m, l, acc, sk_ptr, sv_ptr, sk_b, sk_h, sk_t, sv_b, sv_h, sv_t, b, h,
-                                tl.maximum(lo, 0), tl.minimum(hi, n_s), 0, N, sm_scale, softcap, mask_ptr, s_mb, S,
-                                WINDOW, D, BN, HAS_MASK, SOFTCAP, PREC, DT, EMU)
-        m, l, acc = _code_segment(q, qsum, m, l, acc, kc_ptr, ks_ptr, kz_ptr, vc_ptr, vs_ptr, vz_ptr,
+        # middle [n_s, n_s + n_m), sink [0, n_s), recent [n_s + n_m, N), each intersected with [lo, hi): one online
+        # softmax over the three, in any order; the middle first, so that no accumulator is live through its loop
+        # but its own (nor q, loaded again after it)
+        m, l, acc = _code_segment(q, qsum, m, l, acc, q_ptr, qrow, qmask, kc_ptr, ks_ptr, kz_ptr, vc_ptr, vs_ptr, vz_ptr,
                                   kc0, kc1, kc2, ks0, ks1, ks2, vc0, vc1, vc2, vs0, vs1, vs2,
                                   bt_ptr, s_bt, PAGE, b, h, tl.maximum(lo - n_s, 0), tl.minimum(hi - n_s, n_m), n_s, N,
                                   sm_scale, softcap, mask_ptr, s_mb, S, WINDOW, K_HALF, V_HALF,
-                                  D, BN, K_BITS, V_BITS, K_G, V_G, K_Z, V_Z, K_E5M3, V_E5M3, K_OFF, V_OFF, PAGED,
-                                  HAS_MASK, SOFTCAP, PREC, DT, EMU)
+                                  D, BN, K_BITS, V_BITS, K_G, V_G, K_Z, V_Z, K_E5M3, V_E5M3, K_OFF, V_OFF,
+                                  K_P, V_P, GP, PAGED, HAS_MASK, SOFTCAP, PREC, DT, EMU)
+        q = tl.load(q_ptr + qrow[:, None] + d[None, :], mask=qmask[:, None], other=0.0)
+        m, l, acc = _fp_segment(q, m, l, acc, sk_ptr, sv_ptr, sk_b, sk_h, sk_t, sv_b, sv_h, sv_t, b, h,
+                                tl.maximum(lo, 0), tl.minimum(hi, n_s), 0, N, sm_scale, softcap, mask_ptr, s_mb, S,
+                                WINDOW, D, BN, HAS_MASK, SOFTCAP, PREC, DT, EMU)
         w0 = n_s + n_m
         m, l, acc = _fp_segment(q, m, l, acc, rk_ptr, rv_ptr, rk_b, rk_h, rk_t, rv_b, rv_h, rv_t, b, h,
                                 tl.maximum(lo - w0, 0), tl.minimum(hi - w0, n_r), w0, N, sm_scale, softcap, mask_ptr,
@@ -540,6 +657,8 @@ def _kernels() -> dict:
 
 
 def _check_device(*tensors) -> None:
+    if _RECORDING:
+        return  # nothing runs: CPU tensors stand in for a GPU's
     cpu = any(t is not None and t.device.type == "cpu" for t in tensors)
     if cpu and not interpreting():
         raise RuntimeError("the Triton kernels run CPU tensors only under Triton's interpreter: set TRITON_INTERPRET=1 "
@@ -560,7 +679,41 @@ def _code_offset(dtype: torch.dtype, bits: int) -> int:
     return 1024 if dtype == torch.float16 else 0
 
 
+def code_classes(fmt: TokenFormat, dtype: torch.dtype, codes: torch.Tensor | None = None) -> int:
+    """P, the classes decode splits one side's 16-bit code words into (:func:`_class_codes`), or 0 where it unpacks
+    to a (BN, d) tile instead: one group per token, 2 or 4 bits (P = 16/bits codes per word), float16/bfloat16
+    dots (codes built on the bits as ``c + 128``/``c + 1024``), d/P ≥ 16 (a tensor-core dot needs K ≥ 16: 2 bits
+    from head_dim 128, 4 bits from 64) and, ``codes`` given, a middle with code rows at even byte offsets."""
+    if fmt.G != fmt.d or fmt.bits not in (2, 4) or dtype not in (torch.float16, torch.bfloat16):
+        return 0
+    P = 16 // fmt.bits
+    if fmt.d // P < 16:
+        return 0
+    if codes is not None and (codes.numel() == 0 or codes.data_ptr() % 2 or any(st % 2 for st in codes.stride()[:-1])):
+        return 0  # no middle at all (a full-precision context): the launch keeps the tiles' launch parameters
+    return P
+
+
+_RECORDING: list[list] = []
+
+
+@contextlib.contextmanager
+def recorded_launches():
+    """Within the block no kernel runs: each launch the calls would make is appended to the list this yields as
+    ``(name, grid, args, constexprs)`` (launch options ``num_warps``/``num_stages`` among the constexprs), and CPU
+    tensors pass for a GPU's. What a compile-only study (``benchmarks/kernel_sass.py``) compiles for a device it does
+    not have; the outputs of the calls are left unwritten."""
+    _RECORDING.append([])
+    try:
+        yield _RECORDING[-1]
+    finally:
+        _RECORDING.pop()
+
+
 def _launch(name: str, grid, *args, **meta) -> None:
+    if _RECORDING:
+        _RECORDING[-1].append((name, grid, args, meta))
+        return
     _CALLS[name] += 1
     _kernels()[name][grid](*args, **meta)
 
@@ -660,24 +813,40 @@ class Packed:
 @dataclass(frozen=True)
 class DecodeTuning:
     """Launch parameters of the decode kernel: ``block_n`` tokens per tile (a power of two ≥ 16), ``num_warps`` and
-    ``num_stages`` (Triton's; the interpreter ignores them), and ``programs_per_sm``: splits are chosen so that about
-    that many programs run per streaming multiprocessor (:func:`default_splits`). None of them changes what is
-    computed beyond float32 summation order; :func:`decode_tuning` swaps them for a block of code.
+    ``num_stages`` (Triton's; the interpreter ignores them), ``programs_per_sm``: splits are chosen so that about
+    that many programs run per streaming multiprocessor (:func:`default_splits`), and ``class_split``: read 2- and
+    4-bit codes as 16-bit words split into classes (:func:`code_classes`) where they allow it, else unpack them to
+    (tokens, d) tiles (session 46's kernel). None of them changes what is computed beyond float32 summation order;
+    :func:`decode_tuning` swaps them for a block of code.
 
-    The defaults are the fastest of ``benchmarks/gpu_decode.py``'s sweep on an H200 (K2V2, 32k tokens, batch 16,
-    32 query / 8 KV heads of 128; 0.88 ms against 1.12 ms for the 32/4/3/4 used before; the same at 1k tokens)."""
+    ``block_n``/``num_warps`` None: by the path (:meth:`tile`). Unpacking to tiles, 64 tokens and 4 warps, the
+    fastest of ``benchmarks/gpu_decode.py``'s sweep on an H200 (K2V2, 32k tokens, batch 16, 32 query / 8 KV heads
+    of 128: 0.88 ms against 1.12 ms for 32/4/3/4). Codes in classes, 32 tokens and one warp: a class's value dot
+    is (GQA rows, d/P), narrower than 4 warps' tensor-core tiles, which would each compute it again; chosen on the
+    compiled code for sm_90 (fewest instructions per token without register spills, ``benchmarks/kernel_sass.py``),
+    not yet timed on a GPU."""
 
-    block_n: int = 64
-    num_warps: int = 4
+    block_n: int | None = None
+    num_warps: int | None = None
     num_stages: int = 2
     programs_per_sm: int = 8
+    class_split: bool = True
 
     def __post_init__(self):
-        if self.block_n < 16 or self.block_n & (self.block_n - 1):
-            raise ValueError(f"block_n must be a power of two >= 16, got {self.block_n!r}")
+        if self.block_n is not None and (not isinstance(self.block_n, int) or self.block_n < 16
+                                         or self.block_n & (self.block_n - 1)):
+            raise ValueError(f"block_n must be a power of two >= 16 (or None: by the path), got {self.block_n!r}")
         for name in ("num_warps", "num_stages", "programs_per_sm"):
-            if not isinstance(getattr(self, name), int) or getattr(self, name) < 1:
-                raise ValueError(f"{name} must be a positive int, got {getattr(self, name)!r}")
+            v = getattr(self, name)
+            if not (v is None and name == "num_warps") and (not isinstance(v, int) or v < 1):
+                raise ValueError(f"{name} must be a positive int, got {v!r}")
+        if not isinstance(self.class_split, bool):
+            raise ValueError(f"class_split must be True or False, got {self.class_split!r}")
+
+    def tile(self, classes: bool) -> tuple[int, int]:
+        """(block_n, num_warps) in effect for a launch whose codes are read in classes (``classes``) or not."""
+        auto = (32, 1) if classes else (64, 4)
+        return self.block_n or auto[0], self.num_warps or auto[1]
 
 
 _TUNING: list[DecodeTuning] = [DecodeTuning()]
@@ -725,7 +894,8 @@ def decode(query, lengths, sink_k, sink_v, mid_k: Packed, mid_v: Packed, recent_
             or None; ``allowed``: bool (B, S), which of each sequence's last S columns are visible (earlier ones are
             not) or None; ``window``: only each sequence's last ``window`` columns are visible (sliding window).
         splits: programs per (sequence, KV head) (default :func:`default_splits`); ``block_n``: tokens per tile
-            (default: the current :class:`DecodeTuning`'s, which also gives the warps and pipeline stages).
+            (default: the current :class:`DecodeTuning`'s for the path, :meth:`DecodeTuning.tile`, which also gives
+            the warps and pipeline stages).
 
     Returns:
         (B, Hq, d) in the query's dtype.
@@ -746,11 +916,14 @@ def decode(query, lengths, sink_k, sink_v, mid_k: Packed, mid_v: Packed, recent_
     _check_device(query, mid_k.codes)
     lengths = lengths.to(device=query.device, dtype=torch.int32).contiguous()
     tuning = current_tuning()
-    block_n = block_n or tuning.block_n
+    k_p = code_classes(mid_k.fmt, query.dtype, mid_k.codes) if tuning.class_split else 0
+    v_p = code_classes(mid_v.fmt, query.dtype, mid_v.codes) if tuning.class_split else 0
+    tile_n, num_warps = tuning.tile(bool(k_p or v_p))
+    block_n = block_n or tile_n
     if splits is None:
         splits = default_splits(B, Hkv, int(lengths.sum(1).max()) if B else 0, block_n, query.device)
     paged = block_table is not None
-    emulate = query.device.type == "cpu"  # the interpreter: bfloat16 dots emulated in float32 (see _mma)
+    emulate = query.device.type == "cpu" and not _RECORDING  # the interpreter: bfloat16 dots emulated (see _mma)
     if sinks is not None and tuple(sinks.shape) != (Hq,):
         raise ValueError(f"sinks must be (Hq,) = ({Hq},), got {tuple(sinks.shape)}")
     query = query.contiguous() if query.stride(-1) != 1 else query
@@ -790,9 +963,10 @@ def decode(query, lengths, sink_k, sink_v, mid_k: Packed, mid_v: Packed, recent_
                 K_G=mid_k.fmt.G, V_G=mid_v.fmt.G, K_Z=mid_k.offset is not None, V_Z=mid_v.offset is not None,
                 K_E5M3=mid_k.fmt.step_byte, V_E5M3=mid_v.fmt.step_byte,
                 K_OFF=_code_offset(query.dtype, mid_k.fmt.bits), V_OFF=_code_offset(query.dtype, mid_v.fmt.bits),
+                K_P=k_p, V_P=v_p,
                 PAGED=paged, HAS_MASK=allowed is not None, SOFTCAP=softcap is not None,
                 PREC="ieee" if query.dtype == torch.float32 else "tf32", DT=_tl_dtype(query.dtype), EMU=emulate,
-                num_warps=tuning.num_warps, num_stages=tuning.num_stages)
+                num_warps=num_warps, num_stages=tuning.num_stages)
     out = torch.empty(B, Hq, d, dtype=query.dtype, device=query.device)
     if B and Hq:
         _launch("merge", (B, Hq), o, m, l, sinks if sinks is not None else m, out, out.stride(0), out.stride(1), splits, Hq,
@@ -800,6 +974,6 @@ def decode(query, lengths, sink_k, sink_v, mid_k: Packed, mid_v: Packed, recent_
     return out
 
 
-__all__ = ["DecodeTuning", "Packed", "TokenFormat", "available", "calls", "current_tuning", "decode", "decode_tuning",
-           "default_splits", "interpreting", "reset_calls",
+__all__ = ["DecodeTuning", "Packed", "TokenFormat", "available", "calls", "code_classes", "current_tuning", "decode", "decode_tuning",
+           "default_splits", "interpreting", "recorded_launches", "reset_calls",
            "store_contiguous", "store_paged"]

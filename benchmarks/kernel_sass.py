@@ -1,0 +1,184 @@
+"""The decode kernel compiled for a GPU this machine does not have: a static profile of its machine code.
+
+Without a GPU, what can be measured of a kernel is what it compiles to. This compiles ``wushkv.triton_kernels``'
+decode kernel for sm_90 (Hopper: the H200 it was timed on) as the launcher would, with the specializations the
+launcher derives from the arguments (16-divisible pointers and integers, integers equal to 1), disassembles it with
+the ``nvdisasm`` that triton ships, and counts per configuration:
+
+* the instructions of the loop over the packed middle, per token of the middle and warp (``warp_instr_per_token``:
+  instructions a thread runs per tile × warps / tokens per tile): what the issue slots of the device pay;
+* register spills in that loop (``LDL``/``STL``), registers and stack per thread.
+
+Baseline in the same run: the kernel as session 46 timed it (codes unpacked to (tokens, d) tiles, 64 tokens per tile,
+4 warps), whose loop the H200 ran at 0.88 ms for 32k tokens × batch 16 (bf16 SDPA: 0.49 ms). A ratio of issued
+instructions is not a ratio of times (latency, occupancy and memory are not in it), so these figures choose what to
+time on a GPU; ``benchmarks/gpu_decode.py`` times it.
+
+    python benchmarks/kernel_sass.py [--widths 2,4,3,8] [--head-dims 128] [--json out.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import json
+import os
+import re
+import subprocess
+import sys
+import tempfile
+
+# the compiled path, not the interpreter (which would otherwise be picked up from the environment of a test run)
+os.environ.pop("TRITON_INTERPRET", None)
+
+import torch  # noqa: E402
+
+from wushkv import triton_kernels as tk  # noqa: E402
+from wushkv.io import write_json  # noqa: E402
+from wushkv.quantizers import QuestQuantizer  # noqa: E402
+
+# (label, DecodeTuning fields): the baseline first
+CONFIGS = [
+    ("tiles 64/4 (session 46)", dict(class_split=False, block_n=64, num_warps=4)),
+    ("classes 32/1 (default)", dict(class_split=True)),
+    ("classes 64/1", dict(class_split=True, block_n=64, num_warps=1)),
+    ("classes 64/2", dict(class_split=True, block_n=64, num_warps=2)),
+    ("classes 64/4", dict(class_split=True, block_n=64, num_warps=4)),
+]
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--widths", default="2,4,3,8", help="K = V code widths to compile (per-token QuEST)")
+    p.add_argument("--head-dims", default="128")
+    p.add_argument("--q-heads", type=int, default=32)
+    p.add_argument("--kv-heads", type=int, default=8)
+    p.add_argument("--configs", default="", help="labels of CONFIGS to run (comma-separated prefixes); default all")
+    p.add_argument("--json", default=None)
+    return p.parse_args(argv)
+
+
+def _tools():
+    import triton
+
+    bin_dir = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin")
+    tools = {t: os.path.join(bin_dir, t) for t in ("nvdisasm", "cuobjdump", "ptxas")}
+    missing = [t for t, path in tools.items() if not os.path.exists(path)]
+    if missing:
+        raise SystemExit(f"kernel_sass.py needs triton's CUDA tools, missing here: {missing} (in {bin_dir})")
+    return tools
+
+
+def recorded_decode(bits: int, d: int, q_heads: int, kv_heads: int, n_mid: int = 1024):
+    """The decode launch of one bfloat16 layer over a K{bits}V{bits} middle (sink 64, recent 256; CPU tensors standing
+    in for the GPU's: only their dtypes, strides and alignment reach the compiler)."""
+    bf = dict(dtype=torch.bfloat16)
+    q = torch.zeros(1, q_heads, d, **bf)
+    sink, recent = torch.zeros(1, kv_heads, 64, d, **bf), torch.zeros(1, kv_heads, 256, d, **bf)
+
+    def side():
+        fmt = tk.TokenFormat.of(QuestQuantizer(bits), d)
+        return tk.Packed(fmt, torch.zeros(1, kv_heads, n_mid, fmt.nbytes, dtype=torch.uint8),
+                         torch.ones(1, kv_heads, n_mid, 1, dtype=torch.float16))
+
+    lengths = torch.tensor([[64, n_mid, 256]], dtype=torch.int32)
+    with tk.recorded_launches() as launches:
+        tk.decode(q, lengths, sink, sink, side(), side(), recent, recent, d**-0.5, splits=4)
+    return next(rec for rec in launches if rec[0] == "decode")
+
+
+def compile_for_sm90(record):
+    """triton.compile of a recorded launch with the launcher's specializations."""
+    import triton
+    from triton._C.libtriton import native_specialize_impl
+    from triton.backends.compiler import BaseBackend, GPUTarget
+    from triton.compiler import ASTSource
+
+    name, _grid, args, meta = record
+    meta = dict(meta)
+    options = {k: meta.pop(k) for k in ("num_warps", "num_stages")}
+    kernel = tk._kernels()[name]
+    names = kernel.arg_names
+    free = [n for n in names if n not in meta]
+    sig, consts, attrs = {}, dict(meta), {}
+    for n, a in zip(free, args, strict=True):
+        ty, attr = native_specialize_impl(BaseBackend, a, False, True, True)
+        if ty == "constexpr":  # an integer equal to 1
+            consts[n] = a
+            continue
+        sig[n] = ty
+        if attr:
+            attrs[(names.index(n),)] = BaseBackend.parse_attr(attr)
+    sig = {n: sig.get(n, "constexpr") for n in names}
+    return triton.compile(ASTSource(kernel, sig, consts, attrs), target=GPUTarget("cuda", 90, 32), options=options)
+
+
+def profile(compiled, tools) -> dict:
+    """Registers, stack, and the loops of the SASS (backward branches) with their instruction counts."""
+    with tempfile.TemporaryDirectory() as tmp:
+        cubin = os.path.join(tmp, "k.cubin")
+        with open(cubin, "wb") as f:
+            f.write(compiled.asm["cubin"])
+        sass = subprocess.run([tools["nvdisasm"], "-c", cubin], capture_output=True, text=True, check=True).stdout
+        res = subprocess.run([tools["cuobjdump"], "-res-usage", cubin], capture_output=True, text=True, check=True).stdout
+    usage = {k.lower(): int(v) for k, v in re.findall(r"(REG|STACK|SHARED|LOCAL):(\d+)", res)}
+    ops, labels, pending = [], {}, []
+    for line in sass.splitlines():
+        m = re.match(r"\s*\.L_x_(\d+):", line)
+        if m:
+            pending.append(m.group(1))
+            continue
+        m = re.search(r"/\*([0-9a-f]{4,})\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9_.]*)", line)
+        if m:
+            addr = int(m.group(1), 16)
+            labels.update(dict.fromkeys(pending, addr))
+            pending = []
+            ops.append((addr, m.group(2).split(".")[0], line))
+    loops = []
+    for addr, op, line in ops:
+        m = re.search(r"\.L_x_(\d+)", line) if op == "BRA" else None
+        if m and labels.get(m.group(1), addr) < addr:
+            body = collections.Counter(o for a, o, _ in ops if labels[m.group(1)] <= a <= addr)
+            loops.append(body)
+    return {"usage": usage, "instructions": len(ops), "loops": loops}
+
+
+def run(args) -> dict:
+    tools = _tools()
+    wanted = [c for c in CONFIGS if not args.configs or any(c[0].startswith(p) for p in args.configs.split(","))]
+    rows = []
+    for d in (int(x) for x in args.head_dims.split(",")):
+        for bits in (int(x) for x in args.widths.split(",")):
+            base = None
+            for label, fields in wanted:
+                with tk.decode_tuning(**fields) as tuning:
+                    record = recorded_decode(bits, d, args.q_heads, args.kv_heads)
+                    block_n, warps = record[3]["BN"], record[3]["num_warps"]
+                    classes = record[3]["K_P"] > 0 or record[3]["V_P"] > 0
+                prof = profile(compile_for_sm90(record), tools)
+                mid = prof["loops"][0]  # the middle runs first (triton_kernels.decode_kernel)
+                n = sum(mid.values())
+                row = {"config": label, "bits": bits, "head_dim": d, "classes": classes, "block_n": block_n,
+                       "num_warps": warps, "num_stages": tuning.num_stages, "loop_instructions": n,
+                       "warp_instr_per_token": n * warps / block_n, "spill_loads": mid["LDL"],
+                       "spill_stores": mid["STL"], "mma": mid["HMMA"], "registers": prof["usage"].get("reg"),
+                       "stack": prof["usage"].get("stack"), "top": dict(mid.most_common(8))}
+                base = base or row
+                row["over_baseline"] = row["warp_instr_per_token"] / base["warp_instr_per_token"]
+                rows.append(row)
+                print(f"d {d} K{bits}V{bits} {label:26s} {row['warp_instr_per_token']:6.1f} warp-instr/token "
+                      f"({row['over_baseline']:.2f}x), spills {row['spill_loads']}/{row['spill_stores']}, "
+                      f"{row['registers']} regs, stack {row['stack']}", flush=True)
+    return {"target": "sm_90", "rows": rows}
+
+
+def main(argv=None) -> dict:
+    args = parse_args(argv)
+    result = run(args)
+    if args.json:
+        write_json(args.json, result)
+    return result
+
+
+if __name__ == "__main__":
+    sys.exit(0 if main() else 1)
