@@ -24,7 +24,8 @@ square root, the same float32 constants), packs 8 codes into ``b`` bytes and wri
 *Decode* runs one program per (sequence, KV head, split): the program reads its split's columns of the packed
 middle, then of the full-precision sink and recent buffer (one online softmax over all three), once for all the
 query heads of the GQA group. 2- and 4-bit codes are read as 16-bit words split into classes, one tensor-core dot
-per class (:func:`code_classes`); other codes are loaded as bytes and unpacked in registers; with one group per token the scores are ``s ⊙ (C q) + z·Σq`` and the output ``Cᵀ(p ⊙ s) + (Σ p z)·1``
+per class (:func:`code_classes`); other codes are loaded as bytes and unpacked in registers; with one group per
+token the scores are ``s ⊙ (C q) + z·Σq`` and the output ``Cᵀ(p ⊙ s) + (Σ p z)·1``
 (:mod:`wushkv.decode`), with smaller groups a tile is dequantized in registers. Nothing is dequantized to global
 memory. Each split keeps an online softmax (running max, sum, weighted values) and writes them; a second kernel
 merges the splits (adding the learned sink logits, gpt-oss, to the denominator) and writes the output.
