@@ -262,10 +262,9 @@ def kernel_case(args, ctx, B, device, timer) -> dict:
     inputs, nbytes, store_s = kernel_inputs(args, ctx, B, device)
     q, scaling = inputs[0], inputs[-1]
     tuning = tk.current_tuning()
-    classes = tuning.class_split and tk.code_classes(inputs[4].fmt, q.dtype, inputs[4].codes) > 0
+    k_p, v_p, block_n, _ = tuning.launch(q.dtype, inputs[4], inputs[5])
     row = {"context": ctx, "batch": B, "store_tokens_per_s": B * n_mid / store_s if store_s else None,
-           "tuning": vars(tuning) | {}, "classes": classes,
-           "splits": tk.default_splits(B, Hkv, ctx, tuning.tile(classes)[0], device)}
+           "tuning": vars(tuning) | {}, "classes": [k_p, v_p], "splits": tk.default_splits(B, Hkv, ctx, block_n, device)}
     row["triton"] = timer(lambda: tk.decode(*inputs), args.warmup, args.iters) | {"bytes": nbytes}
     if tuning != tk.DecodeTuning():
         with tk.decode_tuning(**vars(tk.DecodeTuning())):

@@ -820,7 +820,7 @@ class DecodeTuning:
     (tokens, d) tiles (session 46's kernel). None of them changes what is computed beyond float32 summation order;
     :func:`decode_tuning` swaps them for a block of code.
 
-    ``block_n``/``num_warps`` None: by the path (:meth:`tile`). Unpacking to tiles, 64 tokens and 4 warps, the
+    ``block_n``/``num_warps`` None: by the path (:meth:`launch`). Unpacking to tiles, 64 tokens and 4 warps, the
     fastest of ``benchmarks/gpu_decode.py``'s sweep on an H200 (K2V2, 32k tokens, batch 16, 32 query / 8 KV heads
     of 128: 0.88 ms against 1.12 ms for 32/4/3/4). Codes in classes, 32 tokens and one warp: a class's value dot
     is (GQA rows, d/P), narrower than 4 warps' tensor-core tiles, which would each compute it again; chosen on the
@@ -844,10 +844,12 @@ class DecodeTuning:
         if not isinstance(self.class_split, bool):
             raise ValueError(f"class_split must be True or False, got {self.class_split!r}")
 
-    def tile(self, classes: bool) -> tuple[int, int]:
-        """(block_n, num_warps) in effect for a launch whose codes are read in classes (``classes``) or not."""
-        auto = (32, 1) if classes else (64, 4)
-        return self.block_n or auto[0], self.num_warps or auto[1]
+    def launch(self, dtype: torch.dtype, mid_k: Packed, mid_v: Packed) -> tuple[int, int, int, int]:
+        """(K_P, V_P, block_n, num_warps) of a decode over this middle with ``dtype`` queries: each side's classes
+        (:func:`code_classes`, 0 with ``class_split`` off) and the tile and warps in effect for that path."""
+        k_p, v_p = (code_classes(side.fmt, dtype, side.codes) if self.class_split else 0 for side in (mid_k, mid_v))
+        auto = (32, 1) if k_p or v_p else (64, 4)
+        return k_p, v_p, self.block_n or auto[0], self.num_warps or auto[1]
 
 
 _TUNING: list[DecodeTuning] = [DecodeTuning()]
@@ -895,7 +897,7 @@ def decode(query, lengths, sink_k, sink_v, mid_k: Packed, mid_v: Packed, recent_
             or None; ``allowed``: bool (B, S), which of each sequence's last S columns are visible (earlier ones are
             not) or None; ``window``: only each sequence's last ``window`` columns are visible (sliding window).
         splits: programs per (sequence, KV head) (default :func:`default_splits`); ``block_n``: tokens per tile
-            (default: the current :class:`DecodeTuning`'s for the path, :meth:`DecodeTuning.tile`, which also gives
+            (default: the current :class:`DecodeTuning`'s for the path, :meth:`DecodeTuning.launch`, which also gives
             the warps and pipeline stages).
 
     Returns:
@@ -917,9 +919,7 @@ def decode(query, lengths, sink_k, sink_v, mid_k: Packed, mid_v: Packed, recent_
     _check_device(query, mid_k.codes)
     lengths = lengths.to(device=query.device, dtype=torch.int32).contiguous()
     tuning = current_tuning()
-    k_p = code_classes(mid_k.fmt, query.dtype, mid_k.codes) if tuning.class_split else 0
-    v_p = code_classes(mid_v.fmt, query.dtype, mid_v.codes) if tuning.class_split else 0
-    tile_n, num_warps = tuning.tile(bool(k_p or v_p))
+    k_p, v_p, tile_n, num_warps = tuning.launch(query.dtype, mid_k, mid_v)
     block_n = block_n or tile_n
     if splits is None:
         splits = default_splits(B, Hkv, int(lengths.sum(1).max()) if B else 0, block_n, query.device)
