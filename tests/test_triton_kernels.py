@@ -392,6 +392,35 @@ def test_code_classes_cover_what_they_can():
         tk.DecodeTuning(class_split=1)
 
 
+def test_splits_never_read_lengths_on_the_device():
+    """Choosing the splits reads ``lengths`` only where it is on the host: on a GPU that read would synchronize at
+    every layer and step. A device-resident ``lengths`` (here on the meta device, whose values cannot be read at
+    all) gives the parts' capacity instead, contiguous and paged; a host one the exact longest sequence."""
+    fmt = tk.TokenFormat(2, 64, 64, True)
+    part = lambda n: torch.zeros(2, 2, n, 64)
+    mid = tk.Packed(fmt, torch.zeros(2, 2, 40, fmt.nbytes, dtype=torch.uint8), torch.zeros(2, 2, 40, 1))
+    on_device = torch.empty(2, 3, dtype=torch.int32, device="meta")
+    assert tk._longest(on_device, part(4), mid, part(16), None) == 4 + 40 + 16
+    paged = tk.Packed(fmt, torch.zeros(9, 8, 2, fmt.nbytes, dtype=torch.uint8), torch.zeros(9, 8, 2, 1))
+    assert tk._longest(on_device, part(4), paged, part(16), torch.zeros(2, 5, dtype=torch.int32)) == 4 + 5 * 8 + 16
+    assert tk._longest(torch.tensor([[4, 33, 16], [1, 7, 2]]), part(4), mid, part(16), None) == 53
+
+
+def test_store_contiguous_checks_the_capacity_on_the_host():
+    """Writing past a sequence's capacity is refused, naming the start and the capacity, from an int start or a
+    host tensor (the check reads no device tensor), and nothing is written."""
+    fmt = tk.TokenFormat.of(QuestQuantizer(2), 64)
+    codes = torch.zeros(2, 2, 8, fmt.nbytes, dtype=torch.uint8, device=DEVICE)
+    scale = torch.zeros(2, 2, 8, 1, dtype=torch.float16, device=DEVICE)
+    x = torch.randn(2, 2, 3, 64, device=DEVICE)
+    for start in (6, torch.tensor([0, 6])):
+        with pytest.raises(ValueError, match=r"3 tokens from (6|\[0, 6\]) overflow the capacity 8"):
+            tk.store_contiguous(x, codes, scale, None, start, fmt)
+    assert not codes.any()
+    tk.store_contiguous(x, codes, scale, None, torch.tensor([5, 0]), fmt)
+    assert codes[0, :, 5:].any() and codes[1, :, :3].any() and not codes[0, :, :5].any()
+
+
 def test_decode_tuning_changes_launches_not_results():
     """Launch parameters (DecodeTuning) change how the work is cut, not what is computed: other tiles, splits per
     multiprocessor and warps give the same output to float32 summation order; decode_tuning() restores the previous

@@ -783,16 +783,19 @@ def store_contiguous(x, codes, scale, offset, start, fmt: TokenFormat, transform
     Args:
         x: (B, Hkv, T, d), tokens ``start[b] .. start[b] + T`` of each sequence.
         codes: uint8 (B, Hkv, cap, nb); scale/offset (B, Hkv, cap, ng) (offset None for QuEST).
-        start: int or (B,) integer tensor: each sequence's first free token.
+        start: int or (B,) integer tensor: each sequence's first free token (overflow is checked where it is on
+            the host).
         transform, rows_per_program: as :func:`store_paged`.
     """
     if x.dim() != 4 or codes.dim() != 4:
         raise ValueError(f"x must be (B, Hkv, T, d) and codes (B, Hkv, cap, bytes), got {tuple(x.shape)}, {tuple(codes.shape)}")
     B, H, T, d = x.shape
     cap = codes.shape[2]
-    start = torch.as_tensor(start, dtype=torch.int64, device=x.device).expand(B)
-    if T and int((start + T).max()) > cap:
+    start = torch.as_tensor(start, dtype=torch.int64)
+    # checked where ``start`` is on the host (an int, the usual case): reading a GPU tensor would wait for the device
+    if T and start.device.type == "cpu" and int((start + T).max()) > cap:
         raise ValueError(f"{T} tokens from {start.tolist()} overflow the capacity {cap}")
+    start = start.to(x.device).expand(B)
     slots = (torch.arange(B, device=x.device)[:, None] * cap + start[:, None] + torch.arange(T, device=x.device)).flatten()
     rows = x.transpose(1, 2).reshape(B * T, H, d)
     strides = tuple((t.stride(0), t.stride(2), t.stride(1)) if t is not None else (0, 0, 0) for t in (codes, scale, offset))
@@ -881,6 +884,16 @@ def default_splits(batch: int, kv_heads: int, longest: int, block_n: int, device
     return max(1, min(want, -(-max(longest, 1) // block_n), 256))
 
 
+def _longest(lengths, sink_k, mid_k: Packed, recent_k, block_table) -> int:
+    """The longest sequence's columns for :func:`default_splits`, which only caps the splits by it. Read from
+    ``lengths`` where it is on the host; on a GPU reading it would make the host wait for the device at every layer
+    and step (the launch queue drained, each launch's latency exposed), so there the parts' capacities bound it."""
+    if lengths.device.type == "cpu":
+        return int(lengths.sum(1).max()) if lengths.shape[0] else 0
+    mid = block_table.shape[1] * mid_k.codes.shape[1] if block_table is not None else mid_k.codes.shape[2]
+    return sink_k.shape[2] + mid + recent_k.shape[2]
+
+
 def decode(query, lengths, sink_k, sink_v, mid_k: Packed, mid_v: Packed, recent_k, recent_v, scaling: float, *,
            softcap: float | None = None, sinks=None, allowed=None, window: int | None = None,
            block_table=None, splits: int | None = None, block_n: int | None = None) -> torch.Tensor:
@@ -917,12 +930,13 @@ def decode(query, lengths, sink_k, sink_v, mid_k: Packed, mid_v: Packed, recent_
     if query.dtype not in (torch.float16, torch.bfloat16, torch.float32):
         raise ValueError(f"query dtype must be float16, bfloat16 or float32, got {query.dtype}")
     _check_device(query, mid_k.codes)
+    longest = _longest(lengths, sink_k, mid_k, recent_k, block_table) if splits is None else 0
     lengths = lengths.to(device=query.device, dtype=torch.int32).contiguous()
     tuning = current_tuning()
     k_p, v_p, tile_n, num_warps = tuning.launch(query.dtype, mid_k, mid_v)
     block_n = block_n or tile_n
     if splits is None:
-        splits = default_splits(B, Hkv, int(lengths.sum(1).max()) if B else 0, block_n, query.device)
+        splits = default_splits(B, Hkv, longest, block_n, query.device)
     paged = block_table is not None
     emulate = query.device.type == "cpu" and not _RECORDING  # the interpreter: bfloat16 dots emulated (see _mma)
     if sinks is not None and tuple(sinks.shape) != (Hq,):
