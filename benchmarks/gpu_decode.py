@@ -13,7 +13,10 @@
    ``--head-dim``) decodes one token: the Triton K2V2 kernel over a cache of a full-precision sink (``--sink``, 64), a
    packed middle written by the store kernel, and a full-precision recent buffer (``--recent``, 256), against bfloat16 ``scaled_dot_product_attention`` over the same
    context (the backend torch picks, and FlashAttention forced, each where it runs). Median of ``--iters`` timings
-   between CUDA events after ``--warmup``; the bytes each reads (codes, metadata, windows; bfloat16 K and V) and the
+   after ``--warmup`` (:class:`Timer`): ``ms`` the device's time between CUDA events around the call with the L2
+   flushed and the host's launches queued ahead (what the kernels cost), ``latency_ms`` each call timed alone (the
+   host's Python and Triton's launcher included, as session 46 timed), ``host_ms`` the host's time to issue it;
+   the bytes each reads (codes, metadata, windows; bfloat16 K and V) and the
    achieved bandwidth as a fraction of the device's peak (``PEAK_TBPS`` by device name, or ``--peak-tbps``); and the
    same kernel over the bfloat16 context (``triton_bf16``: what the packing saves, apart from how good the kernel is).
    Combinations whose tensors would not fit in ``--memory-fraction`` of the free memory are skipped (listed).
@@ -62,7 +65,8 @@ DRY_RUN = dict(contexts=[48], batches=[1, 2], q_heads=4, kv_heads=2, head_dim=32
                iters=1, e2e_contexts=[48], e2e_batches=[1], e2e_layers=1, e2e_steps=4, sweep="48x2")
 # The decode kernel's launch parameters the sweep tries, most promising first (it stops at --sweep-budget): tiles of
 # block_n tokens, warps, software-pipeline stages; each compiled once, then timed at each programs_per_sm.
-SWEEP_TILES = [(32, 1, 2), (64, 1, 2), (16, 1, 2), (32, 1, 3), (64, 1, 3), (32, 2, 2), (64, 4, 3), (128, 8, 3), (64, 8, 3), (128, 4, 3), (32, 4, 3), (64, 4, 2), (128, 8, 2), (32, 4, 2),
+SWEEP_TILES = [(32, 1, 2), (64, 1, 2), (16, 1, 2), (32, 1, 3), (64, 1, 3), (32, 1, 1), (64, 1, 1), (32, 2, 2),
+               (64, 4, 3), (128, 8, 3), (64, 8, 3), (128, 4, 3), (32, 4, 3), (64, 4, 2), (128, 8, 2), (32, 4, 2),
                (64, 4, 4), (128, 8, 4), (256, 8, 3), (32, 8, 3), (64, 4, 1), (128, 8, 1), (16, 4, 3), (256, 8, 2),
                (32, 4, 1), (64, 8, 2), (128, 4, 2), (16, 4, 1)]
 SWEEP_PER_SM = (4, 8, 16, 2)
@@ -126,20 +130,45 @@ def parse_args(argv=None):
 
 
 class Timer:
-    """Median milliseconds of a callable: CUDA events around each call on a GPU, wall clock on CPU."""
+    """Median milliseconds of a callable.
+
+    On a GPU, ``gpu=True`` (the kernel rows, the sweep) times what the device spends, as ``triton.testing.do_bench``
+    does: before each call the L2 cache is flushed (a buffer of twice its size written: a K2V2 cache of a few MB would
+    otherwise be read from L2 on every repetition, bfloat16 K and V of the same context would not), the GPU is kept busy
+    (``torch.cuda._sleep``) for twice the time the host took to issue one call, so that the call's launches are
+    queued before its start event runs, and nothing waits for the device between calls: ``ms`` is the time between
+    two CUDA events around the call's kernels alone. ``latency_ms`` is each call timed alone (start event, call,
+    end event, wait): the host's Python and Triton's launcher included, and the L2 warm from the call before, as
+    session 46 timed. ``host_ms`` is the host's time to issue one call. ``gpu=False`` (the end-to-end rows, where the
+    host's part of a step is part of what is measured): ``ms`` is that latency. On CPU, wall clock."""
+
+    FLUSH_BYTES = 256 << 20  # at least; do_bench's size
 
     def __init__(self, device):
         self.cuda = device.type == "cuda"
+        self.device = device
+        self._flush = None
 
-    def __call__(self, fn, warmup: int, iters: int) -> dict:
+    def __call__(self, fn, warmup: int, iters: int, gpu: bool = False) -> dict:
         for _ in range(warmup):
             fn()
-        times = []
+        times, host = self._latency(fn, iters)
+        out = {"ms": statistics.median(times), "ms_all": times}
+        if not (self.cuda and gpu):
+            return out
+        out = {"latency_ms": out["ms"], "latency_ms_all": times}
+        return out | self._gpu_time(fn, iters, statistics.median(host))
+
+    def _latency(self, fn, iters: int) -> tuple[list[float], list[float]]:
+        """Each call timed alone (ms), and the host's seconds in it."""
+        times, host = [], []
         for _ in range(max(1, iters)):
             if self.cuda:
                 start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
                 start.record()
+                t = time.perf_counter()
                 fn()
+                host.append(time.perf_counter() - t)
                 end.record()
                 end.synchronize()
                 times.append(start.elapsed_time(end))
@@ -147,7 +176,30 @@ class Timer:
                 t = time.perf_counter()
                 fn()
                 times.append((time.perf_counter() - t) * 1e3)
-        return {"ms": statistics.median(times), "ms_all": times}
+        return times, host
+
+    def _gpu_time(self, fn, iters: int, host_s: float) -> dict:
+        if self._flush is None:
+            l2 = getattr(torch.cuda.get_device_properties(self.device), "L2_cache_size", 0) or 64 << 20
+            self._flush = torch.empty(max(self.FLUSH_BYTES, 2 * l2), dtype=torch.int8, device=self.device)
+        # cycles for twice the host's time per call at 2 GHz (H100/H200 clocks: 1.6-2 GHz; at least 1x up to 4 GHz)
+        cycles = int(2 * host_s * 2e9)
+        n = max(1, iters)
+        events = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in range(n)]
+        issue = []
+        torch.cuda.synchronize(self.device)
+        for start, end in events:
+            self._flush.zero_()
+            torch.cuda._sleep(cycles)
+            start.record()
+            t = time.perf_counter()
+            fn()
+            issue.append(time.perf_counter() - t)
+            end.record()
+        torch.cuda.synchronize(self.device)
+        times = [s.elapsed_time(e) for s, e in events]
+        return {"ms": statistics.median(times), "ms_all": times, "host_ms": 1e3 * statistics.median(issue),
+                "sleep_ms": 1e3 * cycles / 2e9}
 
 
 def free_bytes(device) -> int:
@@ -224,13 +276,13 @@ def sweep(args, device, timer) -> dict:
                 try:
                     with tk.decode_tuning(**tune):
                         row["splits"] = tk.default_splits(B, args.kv_heads, ctx, bn, device)
-                        row |= timer(lambda: tk.decode(*inputs), min(args.warmup, 3), max(1, args.iters // 2))
+                        row |= timer(lambda: tk.decode(*inputs), min(args.warmup, 3), max(1, args.iters // 2), gpu=True)
                     row["tb_per_s"] = nbytes / (row["ms"] * 1e-3) / 1e12
                 except Exception as e:  # a tuning this device cannot compile (shared memory, registers)
                     row["error"] = f"{type(e).__name__}: {str(e).splitlines()[0][:160] if str(e) else ''}"
                     out["rows"].append(row)
                     break  # the other programs_per_sm compile the same kernel
-                row.pop("ms_all", None)
+                row.pop("ms_all", None), row.pop("latency_ms_all", None)
                 out["rows"].append(row)
         del inputs
         if device.type == "cuda":
@@ -265,12 +317,12 @@ def kernel_case(args, ctx, B, device, timer) -> dict:
     k_p, v_p, block_n, _ = tuning.launch(q.dtype, inputs[4], inputs[5])
     row = {"context": ctx, "batch": B, "store_tokens_per_s": B * n_mid / store_s if store_s else None,
            "tuning": vars(tuning) | {}, "classes": [k_p, v_p], "splits": tk.default_splits(B, Hkv, ctx, block_n, device)}
-    row["triton"] = timer(lambda: tk.decode(*inputs), args.warmup, args.iters) | {"bytes": nbytes}
+    row["triton"] = timer(lambda: tk.decode(*inputs), args.warmup, args.iters, gpu=True) | {"bytes": nbytes}
     if tuning != tk.DecodeTuning():
         with tk.decode_tuning(**vars(tk.DecodeTuning())):
-            row["triton_default"] = timer(lambda: tk.decode(*inputs), args.warmup, args.iters) | {"bytes": nbytes}
+            row["triton_default"] = timer(lambda: tk.decode(*inputs), args.warmup, args.iters, gpu=True) | {"bytes": nbytes}
     with tk.decode_tuning(**TILES):  # in the same run: the kernel as session 46 timed it
-        row["triton_tiles"] = timer(lambda: tk.decode(*inputs), args.warmup, args.iters) | {"bytes": nbytes}
+        row["triton_tiles"] = timer(lambda: tk.decode(*inputs), args.warmup, args.iters, gpu=True) | {"bytes": nbytes}
     del inputs
     # bfloat16 SDPA over the same context (K, V built after the packed cache is freed)
     K, V = torch.randn(B, Hkv, ctx, d, **bf), torch.randn(B, Hkv, ctx, d, **bf)
@@ -281,10 +333,10 @@ def kernel_case(args, ctx, B, device, timer) -> dict:
     for name, backends in (("sdpa", None), ("flash", [SDPBackend.FLASH_ATTENTION])):
         try:
             if backends is None:
-                row[name] = timer(sdpa, args.warmup, args.iters)
+                row[name] = timer(sdpa, args.warmup, args.iters, gpu=True)
             else:
                 with sdpa_kernel(backends):
-                    row[name] = timer(sdpa, args.warmup, args.iters)
+                    row[name] = timer(sdpa, args.warmup, args.iters, gpu=True)
             row[name]["bytes"] = bf16_kv + 2 * q.numel() * 2
         except RuntimeError as e:  # a backend that does not take this shape or device
             row[name] = {"error": str(e).splitlines()[0][:200]}
@@ -295,7 +347,7 @@ def kernel_case(args, ctx, B, device, timer) -> dict:
     lengths = torch.tensor([[ctx, 0, 0]] * B, dtype=torch.int32, device=device)
     none = K[:, :, :0]
     row["triton_bf16"] = timer(lambda: tk.decode(q, lengths, K, V, empty, empty, none, none, scaling), args.warmup,
-                               args.iters) | {"bytes": bf16_kv + 2 * q.numel() * 2}
+                               args.iters, gpu=True) | {"bytes": bf16_kv + 2 * q.numel() * 2}
     del K, V
     return row
 
@@ -411,7 +463,7 @@ def _rows(args, out, device, timer, peak, save) -> None:
             a = copy.copy(args)
             a.k_bits = a.v_bits = bits
             inputs, nbytes, _ = kernel_inputs(a, ctx, B, device)
-            row = {"context": ctx, "batch": B, "bits": bits, "triton": timer(lambda: tk.decode(*inputs), args.warmup, args.iters) | {"bytes": nbytes}}
+            row = {"context": ctx, "batch": B, "bits": bits, "triton": timer(lambda: tk.decode(*inputs), args.warmup, args.iters, gpu=True) | {"bytes": nbytes}}
             add_bandwidth(row, peak)
             out["widths"].append(row)
             save(out)
@@ -445,7 +497,8 @@ def summary(row: dict) -> str:
     for k, v in row.items():
         if isinstance(v, dict) and "ms" in v:
             frac = v.get("peak_fraction")
-            parts.append(f"{k} {v['ms']:.3f} ms" + (f" ({100 * frac:.0f}% of peak)" if frac else ""))
+            lat = f", {v['latency_ms']:.3f} ms alone" if "latency_ms" in v else ""
+            parts.append(f"{k} {v['ms']:.3f} ms" + (f" ({100 * frac:.0f}% of peak{lat})" if frac else f" ({lat[2:]})" if lat else ""))
         if isinstance(v, dict) and "error" in v:
             parts.append(f"{k} ERROR {v['error']}")
         elif k.endswith(("_over_sdpa", "_over_flash", "_over_triton_bf16", "_over_triton_tiles", "_over_dynamic")):

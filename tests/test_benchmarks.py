@@ -208,6 +208,60 @@ def test_selection_cost(tiny_cal, capsys):
     assert "default selection over 4 chunks" in capsys.readouterr().out
 
 
+def test_gpu_decode_timer_times_the_device_alone(monkeypatch):
+    """The GPU timing's protocol, with CUDA's events, sleep and synchronization played by a log (no GPU here): each
+    call is preceded by an L2 flush (a write of at least FLUSH_BYTES) and a sleep of twice the host's time to issue
+    it, is bracketed by its own events, and nothing waits for the device until every call is queued; its host time
+    and its latency alone (synchronized after each call) come with it. A synchronization between the calls would let
+    the host's Python into the GPU time."""
+    import time
+
+    gpu_decode = load_benchmark("gpu_decode")
+    log, clock = [], [0.0]
+
+    class Event:
+        def __init__(self, enable_timing=False):
+            self.t = None
+
+        def record(self):
+            log.append("record")
+            self.t = clock[0]
+
+        def synchronize(self):
+            log.append("sync")
+
+        def elapsed_time(self, other):
+            return other.t - self.t
+
+    monkeypatch.setattr(torch.cuda, "Event", Event)
+    monkeypatch.setattr(torch.cuda, "_sleep", lambda cycles: log.append(("sleep", cycles)))
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda device=None: log.append("sync"))
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda device: type("P", (), {"L2_cache_size": 1 << 20})())
+    monkeypatch.setattr(gpu_decode.Timer, "FLUSH_BYTES", 1 << 10)
+    timer = gpu_decode.Timer(torch.device("cpu"))
+    timer.cuda = True  # the CUDA branch on CPU tensors
+
+    def fn():
+        log.append("fn")
+        time.sleep(0.002)  # the host's part: at least 2 ms to issue
+        clock[0] += 1.5  # the call's "device time" between its events
+
+    out = timer(fn, warmup=2, iters=3, gpu=True)
+    assert timer._flush.numel() == 2 << 20  # twice the L2, above FLUSH_BYTES
+    assert out["ms"] == out["latency_ms"] == 1.5 and len(out["ms_all"]) == len(out["latency_ms_all"]) == 3
+    assert out["host_ms"] >= 2 and out["sleep_ms"] >= 4  # the device kept busy for twice the host's time
+    # warm-up, then three calls timed alone (each waits), then three queued calls and one wait at the end
+    assert log[:2] == ["fn", "fn"] and log[2:14] == ["record", "fn", "record", "sync"] * 3
+    gpu = log[14:]
+    assert gpu[0] == "sync" and gpu[-1] == "sync" and gpu.count("sync") == 2
+    for i in range(3):
+        sleep, start, call, end = gpu[1 + 4 * i: 5 + 4 * i]
+        assert sleep[0] == "sleep" and sleep[1] >= 2 * 0.002 * 2e9 and (start, call, end) == ("record", "fn", "record")
+    # the end-to-end rows (gpu=False) keep the latency as their time
+    log.clear()
+    assert set(timer(fn, warmup=0, iters=2)) == {"ms", "ms_all"} and "sleep" not in str(log)
+
+
 def test_gpu_decode_dry_run(tmp_path):
     """The GPU benchmark's every code path on CPU (Triton's interpreter, its tiny --dry-run sizes): the JSON it
     writes holds what docs/reference/performance.md promises, per context and batch the kernel's and SDPA's times,
@@ -238,6 +292,7 @@ def test_gpu_decode_dry_run(tmp_path):
     for name in ("triton", "sdpa"):
         r = row[name]
         assert positive(r["ms"]) and len(r["ms_all"]) == a["iters"] and r["peak_fraction"] is None
+        assert "latency_ms" not in r  # on CPU: wall clock, one time per call
         assert r["tb_per_s"] == r["bytes"] / (r["ms"] * 1e-3) / 1e12
     assert row["triton_over_sdpa"] == row["triton"]["ms"] / row["sdpa"]["ms"]
     assert "ms" in row["flash"] or "error" in row["flash"]  # FlashAttention where torch has it for this device
@@ -264,9 +319,10 @@ def test_gpu_decode_dry_run(tmp_path):
 
 def test_kernel_sass_compiles_both_paths(tmp_path):
     """The compile-only profile of the decode kernel for sm_90 (no GPU): the launch it records is the one decode
-    makes (K2V2 bfloat16 head_dim 128 reads its codes in classes of 8 under the default tuning, session 46's tiles
-    otherwise), and the class path's loop over the middle issues fewer instructions per token than the tiles' (0.35×
-    on triton 3.9, bound 0.6×) with at most a handful of spilled registers reloaded in it. Cannot run where triton
+    makes (K2V2 and K3V3 bfloat16 head_dim 128 read their codes in classes of 8 under the default tuning, session
+    46's tiles otherwise), and the class path's loop over the middle issues fewer instructions per token than the
+    tiles' (0.35× at 2 bits, 0.41× at 3 on triton 3.9; bound 0.6×) with at most a handful of spilled registers
+    reloaded in it. Cannot run where triton
     ships no CUDA toolchain."""
     import json
     import os
@@ -281,13 +337,13 @@ def test_kernel_sass_compiles_both_paths(tmp_path):
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     env["PYTHONPATH"] = str(Path(__file__).resolve().parents[1] / "src") + os.pathsep + env.get("PYTHONPATH", "")
     script = Path(__file__).resolve().parents[1] / "benchmarks" / "kernel_sass.py"
-    proc = subprocess.run([sys.executable, str(script), "--widths", "2", "--configs", "tiles,classes 32", "--json",
+    proc = subprocess.run([sys.executable, str(script), "--widths", "2,3", "--configs", "tiles,classes 32", "--json",
                            str(tmp_path / "k.json")], env=env, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
     res = json.loads((tmp_path / "k.json").read_text())
-    tiles, classes = res["rows"]
-    assert (tiles["classes"], tiles["block_n"], tiles["num_warps"]) == (False, 64, 4)
-    assert (classes["classes"], classes["block_n"], classes["num_warps"]) == (True, 32, 1)
-    assert tiles["mma"] > 0 and classes["mma"] > 0 and tiles["over_baseline"] == 1.0
-    assert classes["over_baseline"] < 0.6 and classes["spill_loads"] <= 8, classes
+    for (tiles, classes), bound in zip((res["rows"][:2], res["rows"][2:]), (0.6, 0.6), strict=True):
+        assert (tiles["classes"], tiles["block_n"], tiles["num_warps"]) == (False, 64, 4)
+        assert (classes["classes"], classes["block_n"], classes["num_warps"]) == (True, 32, 1)
+        assert tiles["mma"] > 0 and classes["mma"] > 0 and tiles["over_baseline"] == 1.0
+        assert classes["over_baseline"] < bound and classes["spill_loads"] <= 8, classes
     assert "warp-instr/token" in proc.stdout and res["target"] == "sm_90"

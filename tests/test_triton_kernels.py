@@ -347,20 +347,25 @@ def _classes(parts, dtype):
     return tk.code_classes(_packed(codec, store).fmt, dtype, store["codes"])
 
 
-@pytest.mark.parametrize("dtype,kq,vq,d,kw", [
-    (torch.bfloat16, QuestQuantizer(2), QuestQuantizer(2), 128, {}),
-    (torch.float16, AffineQuantizer(4, clip_ratio=0.96), QuestQuantizer(2), 128, {"softcap": 3.0}),
-    (torch.bfloat16, QuestQuantizer(2), AffineQuantizer(4), 256, {"window": 30}),
-    (torch.bfloat16, QuestQuantizer(4), QuestQuantizer(3), 64, {"mask": 25}),  # keys in classes, values in tiles
+@pytest.mark.parametrize("dtype,kq,vq,d,kw,classes", [
+    (torch.bfloat16, QuestQuantizer(2), QuestQuantizer(2), 128, {}, (8, 8)),
+    (torch.float16, AffineQuantizer(4, clip_ratio=0.96), QuestQuantizer(2), 128, {"softcap": 3.0}, (4, 8)),
+    (torch.bfloat16, QuestQuantizer(2), AffineQuantizer(4), 256, {"window": 30}, (8, 4)),
+    (torch.bfloat16, QuestQuantizer(4), QuestQuantizer(3), 64, {"mask": 25}, (4, 0)),  # 3 bits at d 64: tiles
+    # words of bytes: three at 3 bits, one at 1 bit and at 2 bits below head_dim 128
+    (torch.bfloat16, QuestQuantizer(3), QuestQuantizer(3), 128, {}, (8, 8)),
+    (torch.float16, QuestQuantizer(1), AffineQuantizer(3), 128, {"softcap": 3.0}, (8, 8)),
+    (torch.bfloat16, QuestQuantizer(2), QuestQuantizer(2), 64, {"mask": 25}, (4, 4)),
+    (torch.bfloat16, AffineQuantizer(2), QuestQuantizer(1), 256, {"window": 30}, (8, 8)),
 ])
-def test_decode_code_classes_equal_unpacked_tiles(dtype, kq, vq, d, kw):
-    """Codes read as 16-bit words split into classes (one dot per class, the query's channels P·k + S against class
-    S, the value dots' results interleaved back) give what unpacking them to (tokens, d) tiles gives, over ragged
-    tiles (47 middle tokens in tiles of 16), GQA 3, each option; both as near the float32 result as the bound of
-    ``test_decode_bfloat16``. ``code_classes`` says which side took which path."""
+def test_decode_code_classes_equal_unpacked_tiles(dtype, kq, vq, d, kw, classes):
+    """Codes read as words split into classes (one dot per class, the query's channels P·k + S against class S, the
+    value dots' results interleaved back) give what unpacking them to (tokens, d) tiles gives, over ragged tiles
+    (47 middle tokens in tiles of 16), GQA 3, each option, words of 16 bits and of one or three bytes; both as near
+    the float32 result as the bound of ``test_decode_bfloat16``. ``code_classes`` says which side took which path."""
     B, Hkv, G, kw = 2, 2, 3, dict(kw)
     q, pk, pv = _case(kq, vq, B, Hkv, G, d, n_s=3, n_m=47, n_r=5, seed=3, dtype=dtype)
-    assert _classes(pk, dtype) == 16 // kq.bits and _classes(pv, dtype) == (16 // vq.bits if vq.bits in (2, 4) else 0)
+    assert (_classes(pk, dtype), _classes(pv, dtype)) == classes
     allowed = None
     if "mask" in kw:
         allowed = (torch.rand(B, 1, 1, kw.pop("mask"), generator=torch.Generator().manual_seed(5)) > 0.4).to(DEVICE)
@@ -378,16 +383,22 @@ def test_decode_code_classes_equal_unpacked_tiles(dtype, kq, vq, d, kw):
 
 
 def test_code_classes_cover_what_they_can():
-    """Which sides decode reads in classes: one group per token, 2 or 4 bits, float16/bfloat16 dots, d/P ≥ 16, even
-    code rows; everything else unpacks to tiles."""
+    """Which sides decode reads in classes: one group per token, 1 to 4 bits, float16/bfloat16 dots, d/P ≥ 16 (16-bit
+    words at 2 and 4 bits, bytes at 1 bit and at 2 bits below head_dim 128, three bytes at 3 bits), 16-bit words at
+    even offsets; everything else unpacks to tiles."""
     fmt = lambda bits, d, G=None: tk.TokenFormat(bits, d, G or d, True)
     bf = torch.bfloat16
-    assert [tk.code_classes(fmt(b, 128), bf) for b in (1, 2, 3, 4, 8)] == [0, 8, 0, 4, 0]
-    assert tk.code_classes(fmt(2, 64), bf) == 0 and tk.code_classes(fmt(4, 64), torch.float16) == 4
+    assert [tk.code_classes(fmt(b, 128), bf) for b in (1, 2, 3, 4, 8)] == [8, 8, 8, 4, 0]
+    assert [tk.code_classes(fmt(b, 64), bf) for b in (1, 2, 3, 4, 8)] == [0, 4, 0, 4, 0]
+    assert [tk.code_classes(fmt(b, 256), torch.float16) for b in (1, 2, 3, 4)] == [8, 8, 8, 4]
+    assert tk.code_classes(fmt(4, 32), bf) == 0 and tk.code_classes(fmt(2, 32), bf) == 0
     assert tk.code_classes(fmt(2, 128), torch.float32) == 0 and tk.code_classes(fmt(2, 128, 32), bf) == 0
-    codes = torch.zeros(4, 33, dtype=torch.uint8)  # 2-bit rows of 32 bytes at odd offsets
-    assert tk.code_classes(fmt(2, 128), bf, codes[:, 1:]) == 0 and tk.code_classes(fmt(2, 128), bf, codes[:, :32]) == 0
+    codes = torch.zeros(4, 49, dtype=torch.uint8)  # rows at odd offsets: 2-bit rows of 32 bytes, 3-bit of 48
+    assert tk.code_classes(fmt(2, 128), bf, codes[:, 1:33]) == 0 and tk.code_classes(fmt(2, 128), bf, codes[:, :32]) == 0
+    assert tk.code_classes(fmt(3, 128), bf, codes[:, 1:]) == 8  # bytes need no alignment
+    assert tk.code_classes(fmt(2, 64), bf, codes[:, 1:17]) == 4
     assert tk.code_classes(fmt(2, 128), bf, torch.zeros(4, 32, dtype=torch.uint8)) == 8
+    assert tk.code_classes(fmt(3, 128), bf, torch.zeros(4, 0, 48, dtype=torch.uint8)) == 0  # no middle
     with pytest.raises(ValueError, match="class_split must be True or False"):
         tk.DecodeTuning(class_split=1)
 
@@ -419,6 +430,46 @@ def test_store_contiguous_checks_the_capacity_on_the_host():
     assert not codes.any()
     tk.store_contiguous(x, codes, scale, None, torch.tensor([5, 0]), fmt)
     assert codes[0, :, 5:].any() and codes[1, :, :3].any() and not codes[0, :, :5].any()
+
+
+@pytest.mark.skipif(DEVICE != "cuda", reason="needs a CUDA device: torch's sync debug mode watches CUDA streams")
+def test_kernels_never_make_the_host_wait_for_the_device():
+    """On a GPU, store and decode queue their work and return: torch's sync debug mode turns any wait of the host
+    for the device into an error. Host-side lengths, block tables, slot mappings and starts (what the transformers
+    cache and vLLM pass) reach the device through pinned memory; a plain copy from pageable memory would wait for
+    every kernel queued before it, at every layer and step."""
+    fmt = tk.TokenFormat.of(QuestQuantizer(2), 128)
+    B, H, d, cap = 2, 2, 128, 64
+    codes = torch.zeros(B, H, cap, fmt.nbytes, dtype=torch.uint8, device=DEVICE)
+    scale = torch.zeros(B, H, cap, 1, dtype=torch.float16, device=DEVICE)
+    paged_codes = torch.zeros(8, 16, H, fmt.nbytes, dtype=torch.uint8, device=DEVICE)
+    paged_scale = torch.zeros(8, 16, H, 1, dtype=torch.float16, device=DEVICE)
+    x = torch.randn(B, H, 40, d, device=DEVICE, dtype=torch.bfloat16)
+    q = torch.randn(B, 4 * H, d, device=DEVICE, dtype=torch.bfloat16)
+    part = torch.randn(B, H, 8, d, device=DEVICE, dtype=torch.bfloat16)
+    mid = tk.Packed(fmt, codes, scale)
+    paged = tk.Packed(fmt, paged_codes, paged_scale)
+    lengths = torch.tensor([[8, 40, 8]], dtype=torch.int32).expand(B, 3)  # on the host, expanded: as the cache builds it
+
+    def step():
+        tk.store_contiguous(x, codes, scale, None, 0, fmt)
+        tk.store_contiguous(x[:, :, :4], codes, scale, None, torch.tensor([40, 44]), fmt)
+        tk.store_paged(x[0].transpose(0, 1), torch.arange(40), paged_codes, paged_scale, None, fmt)
+        a = tk.decode(q, lengths, part, part, mid, mid, part, part, d**-0.5)
+        b = tk.decode(q, lengths, part, part, paged, paged, part, part, d**-0.5,
+                      block_table=torch.tensor([[0, 1, 2], [0, 1, 2]], dtype=torch.int32))
+        return a, b
+
+    step()  # compiles outside the check
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        a, b = step()
+    finally:
+        torch.cuda.set_sync_debug_mode(0)
+    torch.cuda.synchronize()
+    assert torch.isfinite(a).all() and torch.isfinite(b).all()
+    assert _rel(a[:1].float(), b[:1].float()) < 1e-2  # sequence 0: the same middle in either layout
 
 
 def test_decode_tuning_changes_launches_not_results():
@@ -567,13 +618,16 @@ for bn, warps, stages, v in ((32, 4, 3, (4, 32, True, 0)), (128, 8, 2, (2, 128, 
     consts.update(BN=bn, V_BITS=v[0], V_G=v[1], V_Z=v[2], V_OFF=v[3])
     k = triton.compile(ASTSource(K["decode"], sig("decode", ptrs, ("sm_scale", "softcap", "K_HALF", "V_HALF"), consts), consts),
                        target=GPUTarget("cuda", 90, 32), options={"num_warps": warps, "num_stages": stages})
-for dt, off, kv, warps in ((tl.bfloat16, 128, (2, 8, 4, 4), 1), (tl.float16, 1024, (4, 4, 2, 8), 4)):  # codes in classes: inline PTX
+# codes in classes, inline PTX: 16-bit words (2 and 4 bits), then words of three bytes and of one (3, 1 and 2 bits)
+for dt, off, kv, warps in ((tl.bfloat16, 128, (2, 8, 4, 4), 1), (tl.float16, 1024, (4, 4, 2, 8), 4),
+                           (tl.bfloat16, 128, (3, 8, 1, 8), 1), (tl.float16, 1024, (2, 4, 3, 8), 1)):
     consts.update(BN=64, DT=dt, K_OFF=off, V_OFF=off, K_BITS=kv[0], K_P=kv[1], V_BITS=kv[2], V_P=kv[3], V_G=128, V_Z=False, K_E5M3=False)
     p = dict(ptrs, q_ptr="*bf16" if dt == tl.bfloat16 else "*fp16", sk_ptr="*fp16", sv_ptr="*fp16", rk_ptr="*fp16", rv_ptr="*fp16",
              ks_ptr="*fp16", kz_ptr="*fp16", vz_ptr="*fp16")
     k = triton.compile(ASTSource(K["decode"], sig("decode", p, ("sm_scale", "softcap", "K_HALF", "V_HALF"), consts), consts),
                        target=GPUTarget("cuda", 90, 32), options={"num_warps": warps, "num_stages": 2})
     assert "lop3.b32" in k.asm["ptx"] and "cubin" in k.asm
+    assert ("prmt.b32" in k.asm["ptx"]) == (kv[0] * kv[1] != 16 or kv[2] * kv[3] != 16)
 consts = dict(D=128, SP=16, HAS_SINKS=True, OUT_BF16=True)
 triton.compile(ASTSource(K["merge"], sig("merge", {"out_ptr": "*bf16"}, (), consts), consts), target=GPUTarget("cuda", 90, 32))
 print("compiled", "ptx" in k.asm)
@@ -602,7 +656,8 @@ def test_launcher_sees_the_constexpr_parameters():
 def test_kernels_compile_for_cuda():
     """The compiled path, which the interpreter does not exercise (Triton's front end, shapes the tensor-core dot
     accepts, name resolution), without a GPU: the store, decode (two tunings, one-byte key steps; codes in classes,
-    whose inline PTX ptxas assembles) and merge kernels compile for sm_90."""
+    in words of 16 bits, three bytes and one, whose inline PTX ptxas assembles) and merge kernels compile for
+    sm_90."""
     import os
     import subprocess
     import sys

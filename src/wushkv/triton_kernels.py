@@ -285,28 +285,52 @@ def _kernels() -> dict:
             return (c | 0x4B000000).to(tl.float32, bitcast=True) - 8388608.0
 
     @jit
-    def _class_codes(w, S: tl.constexpr, BITS: tl.constexpr, OFF: tl.constexpr, EMU: tl.constexpr):
-        """Class ``S`` of 16-bit code words ``w`` (BN, D/P), P = 16/BITS: the code at bits [S·BITS, (S+1)·BITS) of
-        word k, i.e. channel P·k + S (little-endian bytes of :func:`wushkv.quantizers.pack`), as the dot's operand
-        ``c + OFF`` (bfloat16 OFF 128, float16 OFF 1024; :func:`_codes_as`). On a GPU two codes per shift and one
-        ``lop3`` (``(w >> S·BITS) & mask | 0x4300`` on both halves of a 32-bit register: each half's bits stay its
-        own, what the shift carries over from the high half is masked off), already the tensor cores' bf16x2."""
+    def _class_codes(w, S: tl.constexpr, P: tl.constexpr, BITS: tl.constexpr, OFF: tl.constexpr, EMU: tl.constexpr):
+        """Class ``S`` of code words ``w`` (BN, D/P) of P codes each (:func:`_words`): the code at bits
+        [S·BITS, (S+1)·BITS) of word k, i.e. channel P·k + S (little-endian bytes of
+        :func:`wushkv.quantizers.pack`), as the dot's operand ``c + OFF`` (bfloat16 OFF 128, float16 OFF 1024;
+        :func:`_codes_as`). On a GPU, inline PTX builds two codes per ``lop3`` (``& mask | 0x4300`` on both halves
+        of a 32-bit register: each half keeps its own bits, what a shift carries over from the other is masked off),
+        already the tensor cores' bf16x2 operand: 16-bit words (``w`` int16, two per register) take one shift first;
+        3-byte words (``w`` int32) one ``prmt`` of the two bytes holding the code from each of two words, and a
+        shift; bytes (``w`` uint8, four per register) one shift for four and a ``prmt`` per two. The result is
+        elementwise whatever pairs Triton hands the assembly. Under the interpreter, the same bits in plain Triton."""
         MASK: tl.constexpr = (1 << BITS) - 1
         BASE: tl.constexpr = 0x4300 if OFF == 128 else 0x6400
         LO: tl.constexpr = MASK * 0x10001
         HI: tl.constexpr = BASE * 0x10001
-        ASM: tl.constexpr = (f"lop3.b32 $0, $1, {LO}, {HI}, 0xea;" if S == 0 else
-                             f"{{.reg .b32 t; shr.b32 t, $1, {S * BITS}; lop3.b32 $0, t, {LO}, {HI}, 0xea;}}")
+        SH: tl.constexpr = S * BITS
+        WIDE: tl.constexpr = SH + BITS > 16  # 3-byte words: the code is in bytes 1-2, not 0-1
+        if P * BITS == 16:
+            ASM: tl.constexpr = (f"lop3.b32 $0, $1, {LO}, {HI}, 0xea;" if S == 0 else
+                                 f"{{.reg .b32 t; shr.b32 t, $1, {SH}; lop3.b32 $0, t, {LO}, {HI}, 0xea;}}")
+        elif P * BITS == 24:
+            ASM: tl.constexpr = (f"{{.reg .b32 t; prmt.b32 t, $1, $2, {0x6521 if WIDE else 0x5410}; "
+                                 f"shr.b32 t, t, {SH - 8 if WIDE else SH}; lop3.b32 $0, t, {LO}, {HI}, 0xea;}}")
+        else:
+            ASM: tl.constexpr = (f"{{.reg .b32 t, u; shr.b32 t, $2, {SH}; prmt.b32 u, t, t, 0x1100; "
+                                 f"lop3.b32 $0, u, {LO}, {HI}, 0xea; prmt.b32 u, t, t, 0x3322; "
+                                 f"lop3.b32 $1, u, {LO}, {HI}, 0xea;}}")
         if EMU:  # the interpreter runs no PTX: the same bits, one code at a time
-            c = (((w >> (S * BITS)) & MASK) | BASE).to(tl.int16)
+            c = (((w.to(tl.int32) >> SH) & MASK) | BASE).to(tl.int16)
             if OFF == 128:
                 out = c.to(tl.bfloat16, bitcast=True)
             else:
                 out = c.to(tl.float16, bitcast=True)
+        elif P * BITS == 16:
+            if OFF == 128:
+                out = tl.inline_asm_elementwise(ASM, "=r,r", [w], dtype=tl.bfloat16, is_pure=True, pack=2)
+            else:
+                out = tl.inline_asm_elementwise(ASM, "=r,r", [w], dtype=tl.float16, is_pure=True, pack=2)
+        elif P * BITS == 24:
+            if OFF == 128:
+                out = tl.inline_asm_elementwise(ASM, "=r,r,r", [w], dtype=tl.bfloat16, is_pure=True, pack=2)
+            else:
+                out = tl.inline_asm_elementwise(ASM, "=r,r,r", [w], dtype=tl.float16, is_pure=True, pack=2)
         elif OFF == 128:
-            out = tl.inline_asm_elementwise(ASM, "=r,r", [w], dtype=tl.bfloat16, is_pure=True, pack=2)
+            out = tl.inline_asm_elementwise(ASM, "=r,=r,r", [w], dtype=tl.bfloat16, is_pure=True, pack=4)
         else:
-            out = tl.inline_asm_elementwise(ASM, "=r,r", [w], dtype=tl.float16, is_pure=True, pack=2)
+            out = tl.inline_asm_elementwise(ASM, "=r,=r,r", [w], dtype=tl.float16, is_pure=True, pack=4)
         return out
 
     @jit
@@ -319,14 +343,14 @@ def _kernels() -> dict:
         s = tl.zeros([GP, BN], dtype=tl.float32)
         for S in tl.static_range(P):
             qS = tl.load(q_ptr + qrow[:, None] + k[None, :] * P + S, mask=qmask[:, None], other=0.0)
-            s += _mma(qS, tl.trans(_class_codes(w, S, BITS, OFF, EMU)), DT, EMU, PREC)
+            s += _mma(qS, tl.trans(_class_codes(w, S, P, BITS, OFF, EMU)), DT, EMU, PREC)
         return s
 
     @jit
-    def _class_pv(wt, w, S: tl.constexpr, acc, BITS: tl.constexpr, OFF: tl.constexpr, PREC: tl.constexpr,
-                  DT: tl.constexpr, EMU: tl.constexpr):
+    def _class_pv(wt, w, S: tl.constexpr, acc, P: tl.constexpr, BITS: tl.constexpr, OFF: tl.constexpr,
+                  PREC: tl.constexpr, DT: tl.constexpr, EMU: tl.constexpr):
         """acc + wt (GP, BN) · (C_S + OFF), C_S class S of code words ``w``: channels P·k + S of the values."""
-        c = _class_codes(w, S, BITS, OFF, EMU)
+        c = _class_codes(w, S, P, BITS, OFF, EMU)
         if EMU:
             return tl.dot(_round_to(wt.to(tl.float32), DT, EMU), c.to(tl.float32), acc, input_precision="ieee")
         return tl.dot(wt.to(DT), c, acc, input_precision=PREC)
@@ -342,11 +366,23 @@ def _kernels() -> dict:
         return tl.reshape(o, [GP, D])
 
     @jit
-    def _words(ptr, rows, valid, D: tl.constexpr, P: tl.constexpr, BN: tl.constexpr):
-        """The 16-bit code words (BN, D/P) of packed rows at byte offsets ``rows`` (even: checked on the host)."""
+    def _words(ptr, rows, valid, D: tl.constexpr, P: tl.constexpr, BITS: tl.constexpr, BN: tl.constexpr):
+        """The code words (BN, D/P) of packed rows at byte offsets ``rows``: P codes of BITS bits, WB = P·BITS/8
+        bytes each. 16-bit words are loaded as int16 (rows at even offsets: checked on the host), bytes as uint8,
+        3-byte words assembled from their bytes (little-endian) in int32."""
         k = tl.arange(0, D // P)
-        return tl.load(ptr.to(tl.pointer_type(tl.int16)) + (rows // 2)[:, None] + k[None, :], mask=valid[:, None],
-                       other=0)
+        WB: tl.constexpr = P * BITS // 8
+        if WB == 2:
+            w = tl.load(ptr.to(tl.pointer_type(tl.int16)) + (rows // 2)[:, None] + k[None, :], mask=valid[:, None],
+                        other=0)
+        else:
+            at = ptr + rows[:, None] + k[None, :] * WB
+            w = tl.load(at, mask=valid[:, None], other=0)
+            if WB == 3:
+                w = w.to(tl.int32)
+                for j in tl.static_range(1, WB):
+                    w = w | (tl.load(at + j, mask=valid[:, None], other=0).to(tl.int32) << (8 * j))
+        return w
 
     @jit
     def _round_to(x, DT: tl.constexpr, EMU: tl.constexpr):
@@ -429,7 +465,7 @@ def _kernels() -> dict:
             srows = _rows(tt, b, h, bt_ptr, s_bt, PAGE, ks0, ks1, ks2, PAGED)
             if K_P > 0:
                 ks, kz = _token_scale_offset(ks_ptr, kz_ptr, srows, valid, K_HALF, K_Z, K_E5M3)
-                raw = _class_scores(q_ptr, qrow, qmask, _words(kc_ptr, rows, valid, D, K_P, BN), GP, BN, D, K_P,
+                raw = _class_scores(q_ptr, qrow, qmask, _words(kc_ptr, rows, valid, D, K_P, K_BITS, BN), GP, BN, D, K_P,
                                     K_BITS, K_OFF, PREC, DT, EMU)
                 # (raw − OFF·Σq)·s + Σq·z, scaled: the scale and the offset folded into per-token vectors
                 ks = ks * sm_scale
@@ -452,20 +488,20 @@ def _kernels() -> dict:
             if V_P > 0:
                 vs, vz = _token_scale_offset(vs_ptr, vz_ptr, srows, valid, V_HALF, V_Z, V_E5M3)
                 w = _round_to(p * vs[None, :], DT, EMU)
-                words = _words(vc_ptr, rows, valid, D, V_P, BN)
+                words = _words(vc_ptr, rows, valid, D, V_P, V_BITS, BN)
                 if tl.min(alpha, 0) < 1.0:  # a row's max rose; else alpha is exactly 1 and rescaling is a no-op
                     a0, a1, a2, a3 = a0 * alpha[:, None], a1 * alpha[:, None], a2 * alpha[:, None], a3 * alpha[:, None]
                     if V_P == 8:
                         a4, a5, a6, a7 = a4 * alpha[:, None], a5 * alpha[:, None], a6 * alpha[:, None], a7 * alpha[:, None]
-                a0 = _class_pv(w, words, 0, a0, V_BITS, V_OFF, PREC, DT, EMU)
-                a1 = _class_pv(w, words, 1, a1, V_BITS, V_OFF, PREC, DT, EMU)
-                a2 = _class_pv(w, words, 2, a2, V_BITS, V_OFF, PREC, DT, EMU)
-                a3 = _class_pv(w, words, 3, a3, V_BITS, V_OFF, PREC, DT, EMU)
+                a0 = _class_pv(w, words, 0, a0, V_P, V_BITS, V_OFF, PREC, DT, EMU)
+                a1 = _class_pv(w, words, 1, a1, V_P, V_BITS, V_OFF, PREC, DT, EMU)
+                a2 = _class_pv(w, words, 2, a2, V_P, V_BITS, V_OFF, PREC, DT, EMU)
+                a3 = _class_pv(w, words, 3, a3, V_P, V_BITS, V_OFF, PREC, DT, EMU)
                 if V_P == 8:
-                    a4 = _class_pv(w, words, 4, a4, V_BITS, V_OFF, PREC, DT, EMU)
-                    a5 = _class_pv(w, words, 5, a5, V_BITS, V_OFF, PREC, DT, EMU)
-                    a6 = _class_pv(w, words, 6, a6, V_BITS, V_OFF, PREC, DT, EMU)
-                    a7 = _class_pv(w, words, 7, a7, V_BITS, V_OFF, PREC, DT, EMU)
+                    a4 = _class_pv(w, words, 4, a4, V_P, V_BITS, V_OFF, PREC, DT, EMU)
+                    a5 = _class_pv(w, words, 5, a5, V_P, V_BITS, V_OFF, PREC, DT, EMU)
+                    a6 = _class_pv(w, words, 6, a6, V_P, V_BITS, V_OFF, PREC, DT, EMU)
+                    a7 = _class_pv(w, words, 7, a7, V_P, V_BITS, V_OFF, PREC, DT, EMU)
                 corr = corr * alpha + tl.sum(p * vz[None, :] - V_OFF * w, 1)
                 keep = keep * alpha
             elif V_G == D:
@@ -666,6 +702,17 @@ def _check_device(*tensors) -> None:
                            "in the environment before triton is first imported")
 
 
+def _to_device(t: torch.Tensor, device: torch.device, dtype: torch.dtype) -> torch.Tensor:
+    """``t`` as ``dtype`` on ``device`` without making the host wait for the device. A plain copy from the host's
+    pageable memory synchronizes the stream (torch waits for the copy, so for every kernel queued before it): at
+    each layer and step the host could not run ahead of the GPU. From pinned memory the copy is asynchronous, and
+    torch's pinned-memory cache keeps the buffer until the copy has run. Converted and made contiguous on the host
+    first: torch would otherwise stage a non-contiguous source (an expanded ``lengths``) in pageable memory again."""
+    if t.device.type != "cpu" or device.type != "cuda":
+        return t.to(device=device, dtype=dtype)
+    return t.to(dtype=dtype).contiguous().pin_memory().to(device, non_blocking=True)
+
+
 def _tl_dtype(dtype: torch.dtype):
     import triton.language as tl
 
@@ -680,18 +727,28 @@ def _code_offset(dtype: torch.dtype, bits: int) -> int:
     return 1024 if dtype == torch.float16 else 0
 
 
+# Codes per word by width (bits: P): 16-bit words at 2 and 4 bits, words of one byte at 1 bit (and 2 bits where
+# head_dim / 8 < 16), of three bytes at 3 bits. 8-bit codes are bytes already (the tiles read them as such).
+_CLASSES = {1: (8,), 2: (8, 4), 3: (8,), 4: (4,)}
+
+
 def code_classes(fmt: TokenFormat, dtype: torch.dtype, codes: torch.Tensor | None = None) -> int:
-    """P, the classes decode splits one side's 16-bit code words into (:func:`_class_codes`), or 0 where it unpacks
-    to a (BN, d) tile instead: one group per token, 2 or 4 bits (P = 16/bits codes per word), float16/bfloat16
-    dots (codes built on the bits as ``c + 128``/``c + 1024``), d/P ≥ 16 (a tensor-core dot needs K ≥ 16: 2 bits
-    from head_dim 128, 4 bits from 64) and, ``codes`` given, a middle with code rows at even byte offsets."""
-    if fmt.G != fmt.d or fmt.bits not in (2, 4) or dtype not in (torch.float16, torch.bfloat16):
+    """P, the classes decode splits one side's code words into (:func:`_class_codes`), or 0 where it unpacks to a
+    (BN, d) tile instead: one group per token, 1 to 4 bits, float16/bfloat16 dots (codes built on the bits as
+    ``c + 128``/``c + 1024``), d/P ≥ 16 (a tensor-core dot needs K ≥ 16). A word holds P codes: 16 bits at 2 bits
+    (P 8, from head_dim 128) and 4 bits (P 4, from 64), one byte at 1 bit (P 8, from 128) and at 2 bits below
+    head_dim 128 (P 4, from 64), three bytes at 3 bits (P 8, from 128). ``codes`` given: 16-bit words need code rows
+    at even byte offsets, and a middle of no tokens keeps the tiles (a full-precision context keeps the tiles'
+    launch parameters)."""
+    if fmt.G != fmt.d or fmt.bits not in _CLASSES or dtype not in (torch.float16, torch.bfloat16):
         return 0
-    P = 16 // fmt.bits
-    if fmt.d // P < 16:
+    P = next((P for P in _CLASSES[fmt.bits] if fmt.d // P >= 16), 0)
+    if not P or codes is None:
+        return P
+    if codes.numel() == 0:
         return 0
-    if codes is not None and (codes.numel() == 0 or codes.data_ptr() % 2 or any(st % 2 for st in codes.stride()[:-1])):
-        return 0  # no middle at all (a full-precision context): the launch keeps the tiles' launch parameters
+    if P * fmt.bits == 16 and (codes.data_ptr() % 2 or any(st % 2 for st in codes.stride()[:-1])):
+        return 0
     return P
 
 
@@ -772,7 +829,7 @@ def store_paged(x, slot_mapping, codes, scale, offset, fmt: TokenFormat, transfo
         raise ValueError(f"x must be (T, Hkv, d) and codes (blocks, block_size, Hkv, bytes), got {tuple(x.shape)}, "
                          f"{tuple(codes.shape)}")
     strides = tuple((t.stride(0), t.stride(1), t.stride(2)) if t is not None else (0, 0, 0) for t in (codes, scale, offset))
-    slots = slot_mapping.to(device=x.device, dtype=torch.int64).contiguous()
+    slots = _to_device(slot_mapping, x.device, torch.int64).contiguous()
     _store(x, slots, codes.shape[1], codes, scale, offset, fmt, transform, strides, rows_per_program)
 
 
@@ -791,12 +848,19 @@ def store_contiguous(x, codes, scale, offset, start, fmt: TokenFormat, transform
         raise ValueError(f"x must be (B, Hkv, T, d) and codes (B, Hkv, cap, bytes), got {tuple(x.shape)}, {tuple(codes.shape)}")
     B, H, T, d = x.shape
     cap = codes.shape[2]
-    start = torch.as_tensor(start, dtype=torch.int64)
     # checked where ``start`` is on the host (an int, the usual case): reading a GPU tensor would wait for the device
-    if T and start.device.type == "cpu" and int((start + T).max()) > cap:
-        raise ValueError(f"{T} tokens from {start.tolist()} overflow the capacity {cap}")
-    start = start.to(x.device).expand(B)
-    slots = (torch.arange(B, device=x.device)[:, None] * cap + start[:, None] + torch.arange(T, device=x.device)).flatten()
+    if isinstance(start, int):
+        if start < 0:
+            raise ValueError(f"start must be >= 0, got {start}")
+        if T and start + T > cap:
+            raise ValueError(f"{T} tokens from {start} overflow the capacity {cap}")
+        first = start
+    else:
+        start = torch.as_tensor(start)
+        if T and start.device.type == "cpu" and int((start + T).max()) > cap:
+            raise ValueError(f"{T} tokens from {start.tolist()} overflow the capacity {cap}")
+        first = _to_device(start, x.device, torch.int64).expand(B)[:, None]
+    slots = (torch.arange(B, device=x.device)[:, None] * cap + first + torch.arange(T, device=x.device)).flatten()
     rows = x.transpose(1, 2).reshape(B * T, H, d)
     strides = tuple((t.stride(0), t.stride(2), t.stride(1)) if t is not None else (0, 0, 0) for t in (codes, scale, offset))
     _store(rows, slots, cap, codes, scale, offset, fmt, transform, strides, rows_per_program)
@@ -931,7 +995,7 @@ def decode(query, lengths, sink_k, sink_v, mid_k: Packed, mid_v: Packed, recent_
         raise ValueError(f"query dtype must be float16, bfloat16 or float32, got {query.dtype}")
     _check_device(query, mid_k.codes)
     longest = _longest(lengths, sink_k, mid_k, recent_k, block_table) if splits is None else 0
-    lengths = lengths.to(device=query.device, dtype=torch.int32).contiguous()
+    lengths = _to_device(lengths, query.device, torch.int32).contiguous()
     tuning = current_tuning()
     k_p, v_p, tile_n, num_warps = tuning.launch(query.dtype, mid_k, mid_v)
     block_n = block_n or tile_n
@@ -959,7 +1023,7 @@ def decode(query, lengths, sink_k, sink_v, mid_k: Packed, mid_v: Packed, recent_
         S = mask.shape[1]
     else:
         mask, S = lengths, 0
-    bt = block_table.to(device=query.device, dtype=torch.int32) if paged else lengths
+    bt = _to_device(block_table, query.device, torch.int32) if paged else lengths
     page = mid_k.codes.shape[1] if paged else 1
     if paged and mid_v.codes.shape[1] != page:
         raise ValueError("keys and values must use the same block size")
