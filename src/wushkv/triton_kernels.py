@@ -732,6 +732,13 @@ def _code_offset(dtype: torch.dtype, bits: int) -> int:
 _CLASSES = {1: (8,), 2: (8, 4), 3: (8,), 4: (4,)}
 
 
+@functools.cache
+def _classes(bits: int, d: int, G: int, dtype: torch.dtype) -> int:
+    if G != d or bits not in _CLASSES or dtype not in (torch.float16, torch.bfloat16):
+        return 0
+    return next((P for P in _CLASSES[bits] if d // P >= 16), 0)
+
+
 def code_classes(fmt: TokenFormat, dtype: torch.dtype, codes: torch.Tensor | None = None) -> int:
     """P, the classes decode splits one side's code words into (:func:`_class_codes`), or 0 where it unpacks to a
     (BN, d) tile instead: one group per token, 1 to 4 bits, float16/bfloat16 dots (codes built on the bits as
@@ -740,9 +747,7 @@ def code_classes(fmt: TokenFormat, dtype: torch.dtype, codes: torch.Tensor | Non
     head_dim 128 (P 4, from 64), three bytes at 3 bits (P 8, from 128). ``codes`` given: 16-bit words need code rows
     at even byte offsets, and a middle of no tokens keeps the tiles (a full-precision context keeps the tiles'
     launch parameters)."""
-    if fmt.G != fmt.d or fmt.bits not in _CLASSES or dtype not in (torch.float16, torch.bfloat16):
-        return 0
-    P = next((P for P in _CLASSES[fmt.bits] if fmt.d // P >= 16), 0)
+    P = _classes(fmt.bits, fmt.d, fmt.G, dtype)
     if not P or codes is None:
         return P
     if codes.numel() == 0:
@@ -953,7 +958,7 @@ def _longest(lengths, sink_k, mid_k: Packed, recent_k, block_table) -> int:
     ``lengths`` where it is on the host; on a GPU reading it would make the host wait for the device at every layer
     and step (the launch queue drained, each launch's latency exposed), so there the parts' capacities bound it."""
     if lengths.device.type == "cpu":
-        return int(lengths.sum(1).max()) if lengths.shape[0] else 0
+        return max(map(sum, lengths.tolist()), default=0)  # a few small rows: cheaper on the host than torch ops
     mid = block_table.shape[1] * mid_k.codes.shape[1] if block_table is not None else mid_k.codes.shape[2]
     return sink_k.shape[2] + mid + recent_k.shape[2]
 
@@ -1013,11 +1018,14 @@ def decode(query, lengths, sink_k, sink_v, mid_k: Packed, mid_v: Packed, recent_
     def strides(t):  # (block or sequence, token, head)
         if t is None:
             return (0, 0, 0)
-        return (t.stride(0), t.stride(1), t.stride(2)) if paged else (t.stride(0), t.stride(2), t.stride(1))
+        st = t.stride()
+        return st[:3] if paged else (st[0], st[2], st[1])
 
-    o = torch.empty(B, Hq, splits, d, dtype=torch.float32, device=query.device)
-    m = torch.empty(B, Hq, splits, dtype=torch.float32, device=query.device)
-    l = torch.empty_like(m)
+    # the splits' state in one allocation (the host's time per call counts where a step is short): o (B, Hq, splits,
+    # d), then m and l (B, Hq, splits), float32
+    n = B * Hq * splits
+    state = torch.empty(n * (d + 2), dtype=torch.float32, device=query.device)
+    o, m, l = state[: n * d].view(B, Hq, splits, d), state[n * d: n * (d + 1)].view(B, Hq, splits), state[n * (d + 1):].view(B, Hq, splits)
     if allowed is not None:
         mask = allowed.reshape(B, -1).to(torch.uint8).contiguous()
         S = mask.shape[1]
@@ -1030,10 +1038,9 @@ def decode(query, lengths, sink_k, sink_v, mid_k: Packed, mid_v: Packed, recent_
     kz = mid_k.offset if mid_k.offset is not None else mid_k.scale
     vz = mid_v.offset if mid_v.offset is not None else mid_v.scale
     if B and Hq:
-        _launch("decode", (B, Hkv, splits), query, query.stride(0), query.stride(1), lengths,
-                sink_k, sink_v, sink_k.stride(0), sink_k.stride(1), sink_k.stride(2), sink_v.stride(0), sink_v.stride(1), sink_v.stride(2),
-                recent_k, recent_v, recent_k.stride(0), recent_k.stride(1), recent_k.stride(2),
-                recent_v.stride(0), recent_v.stride(1), recent_v.stride(2),
+        _launch("decode", (B, Hkv, splits), query, *query.stride()[:2], lengths,
+                sink_k, sink_v, *sink_k.stride()[:3], *sink_v.stride()[:3],
+                recent_k, recent_v, *recent_k.stride()[:3], *recent_v.stride()[:3],
                 mid_k.codes, mid_k.scale, kz, mid_v.codes, mid_v.scale, vz,
                 *strides(mid_k.codes), *strides(mid_k.scale), *strides(mid_v.codes), *strides(mid_v.scale),
                 bt, bt.stride(0), page, mask, mask.stride(0), S, int(window or 0),
