@@ -132,12 +132,12 @@ def parse_args(argv=None):
 class Timer:
     """Median milliseconds of a callable.
 
-    On a GPU, ``gpu=True`` (the kernel rows, the sweep) times what the device spends, as ``triton.testing.do_bench``
-    does: before each call the L2 cache is flushed (a buffer of twice its size written: a K2V2 cache of a few MB would
-    otherwise be read from L2 on every repetition, bfloat16 K and V of the same context would not), the GPU is kept busy
-    (``torch.cuda._sleep``) for twice the time the host took to issue one call, so that the call's launches are
-    queued before its start event runs, and nothing waits for the device between calls: ``ms`` is the time between
-    two CUDA events around the call's kernels alone. ``latency_ms`` is each call timed alone (start event, call,
+    On a GPU, ``gpu=True`` (the kernel rows, the sweep) times what the device spends. Before each call the L2 cache
+    is flushed, as ``triton.testing.do_bench`` does (a buffer of max(256 MB, twice the L2) written: a K2V2 cache of a
+    few MB would otherwise be read from L2 on every repetition, bfloat16 K and V of the same context would not); then,
+    beyond do_bench, the GPU is kept busy (``torch.cuda._sleep``) for twice the time the host took to issue one call,
+    so that the call's launches are queued before its start event runs; nothing waits for the device between calls:
+    ``ms`` is the time between two CUDA events around the call's kernels alone. ``latency_ms`` is each call timed alone (start event, call,
     end event, wait): the host's Python and Triton's launcher included, and the L2 warm from the call before, as
     session 46 timed. ``host_ms`` is the host's time to issue one call. ``gpu=False`` (the end-to-end rows, where the
     host's part of a step is part of what is measured): ``ms`` is that latency. On CPU, wall clock."""
@@ -148,6 +148,9 @@ class Timer:
         self.cuda = device.type == "cuda"
         self.device = device
         self._flush = None
+        if self.cuda:  # held for the whole run, allocated before any row measures the free memory
+            l2 = getattr(torch.cuda.get_device_properties(device), "L2_cache_size", 0) or 64 << 20
+            self._flush = torch.empty(max(self.FLUSH_BYTES, 2 * l2), dtype=torch.int8, device=device)
 
     def __call__(self, fn, warmup: int, iters: int, gpu: bool = False) -> dict:
         for _ in range(warmup):
@@ -178,10 +181,10 @@ class Timer:
                 times.append((time.perf_counter() - t) * 1e3)
         return times, host
 
+    def _flush_l2(self) -> None:
+        self._flush.zero_()
+
     def _gpu_time(self, fn, iters: int, host_s: float) -> dict:
-        if self._flush is None:
-            l2 = getattr(torch.cuda.get_device_properties(self.device), "L2_cache_size", 0) or 64 << 20
-            self._flush = torch.empty(max(self.FLUSH_BYTES, 2 * l2), dtype=torch.int8, device=self.device)
         # cycles for twice the host's time per call at 2 GHz (H100/H200 clocks: 1.6-2 GHz; at least 1x up to 4 GHz)
         cycles = int(2 * host_s * 2e9)
         n = max(1, iters)
@@ -189,7 +192,7 @@ class Timer:
         issue = []
         torch.cuda.synchronize(self.device)
         for start, end in events:
-            self._flush.zero_()
+            self._flush_l2()
             torch.cuda._sleep(cycles)
             start.record()
             t = time.perf_counter()

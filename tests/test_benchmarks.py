@@ -210,7 +210,7 @@ def test_selection_cost(tiny_cal, capsys):
 
 def test_gpu_decode_timer_times_the_device_alone(monkeypatch):
     """The GPU timing's protocol, with CUDA's events, sleep and synchronization played by a log (no GPU here): each
-    call is preceded by an L2 flush (a write of at least FLUSH_BYTES) and a sleep of twice the host's time to issue
+    call is preceded by an L2 flush (a write of the flush buffer) and a sleep of twice the host's time to issue
     it, is bracketed by its own events, and nothing waits for the device until every call is queued; its host time
     and its latency alone (synchronized after each call) come with it. A synchronization between the calls would let
     the host's Python into the GPU time."""
@@ -236,10 +236,10 @@ def test_gpu_decode_timer_times_the_device_alone(monkeypatch):
     monkeypatch.setattr(torch.cuda, "Event", Event)
     monkeypatch.setattr(torch.cuda, "_sleep", lambda cycles: log.append(("sleep", cycles)))
     monkeypatch.setattr(torch.cuda, "synchronize", lambda device=None: log.append("sync"))
-    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda device: type("P", (), {"L2_cache_size": 1 << 20})())
-    monkeypatch.setattr(gpu_decode.Timer, "FLUSH_BYTES", 1 << 10)
+    flush = gpu_decode.Timer._flush_l2
+    monkeypatch.setattr(gpu_decode.Timer, "_flush_l2", lambda self: (log.append("flush"), flush(self)))
     timer = gpu_decode.Timer(torch.device("cpu"))
-    timer.cuda = True  # the CUDA branch on CPU tensors
+    timer.cuda, timer._flush = True, torch.ones(1 << 10, dtype=torch.int8)  # the CUDA branch on CPU tensors
 
     def fn():
         log.append("fn")
@@ -247,7 +247,7 @@ def test_gpu_decode_timer_times_the_device_alone(monkeypatch):
         clock[0] += 1.5  # the call's "device time" between its events
 
     out = timer(fn, warmup=2, iters=3, gpu=True)
-    assert timer._flush.numel() == 2 << 20  # twice the L2, above FLUSH_BYTES
+    assert not timer._flush.any()  # written
     assert out["ms"] == out["latency_ms"] == 1.5 and len(out["ms_all"]) == len(out["latency_ms_all"]) == 3
     assert out["host_ms"] >= 2 and out["sleep_ms"] >= 4  # the device kept busy for twice the host's time
     # warm-up, then three calls timed alone (each waits), then three queued calls and one wait at the end
@@ -255,8 +255,8 @@ def test_gpu_decode_timer_times_the_device_alone(monkeypatch):
     gpu = log[14:]
     assert gpu[0] == "sync" and gpu[-1] == "sync" and gpu.count("sync") == 2
     for i in range(3):
-        sleep, start, call, end = gpu[1 + 4 * i: 5 + 4 * i]
-        assert sleep[0] == "sleep" and sleep[1] >= 2 * 0.002 * 2e9 and (start, call, end) == ("record", "fn", "record")
+        flushed, sleep, start, call, end = gpu[1 + 5 * i: 6 + 5 * i]
+        assert flushed == "flush" and sleep[0] == "sleep" and sleep[1] >= 2 * 0.002 * 2e9 and (start, call, end) == ("record", "fn", "record")
     # the end-to-end rows (gpu=False) keep the latency as their time
     log.clear()
     assert set(timer(fn, warmup=0, iters=2)) == {"ms", "ms_all"} and "sleep" not in str(log)
@@ -321,7 +321,7 @@ def test_kernel_sass_compiles_both_paths(tmp_path):
     """The compile-only profile of the decode kernel for sm_90 (no GPU): the launch it records is the one decode
     makes (K2V2 and K3V3 bfloat16 head_dim 128 read their codes in classes of 8 under the default tuning, session
     46's tiles otherwise), and the class path's loop over the middle issues fewer instructions per token than the
-    tiles' (0.35× at 2 bits, 0.41× at 3 on triton 3.9; bound 0.6×) with at most a handful of spilled registers
+    tiles' (0.35× at 2 bits, 0.41× at 3 on triton 3.9; bounds 0.45× and 0.5×) with at most a handful of spilled registers
     reloaded in it. Cannot run where triton
     ships no CUDA toolchain."""
     import json
@@ -341,7 +341,8 @@ def test_kernel_sass_compiles_both_paths(tmp_path):
                            str(tmp_path / "k.json")], env=env, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
     res = json.loads((tmp_path / "k.json").read_text())
-    for (tiles, classes), bound in zip((res["rows"][:2], res["rows"][2:]), (0.6, 0.6), strict=True):
+    for bits, bound in ((2, 0.45), (3, 0.5)):  # 0.35x and 0.41x on triton 3.9
+        tiles, classes = (r for r in res["rows"] if r["bits"] == bits)
         assert (tiles["classes"], tiles["block_n"], tiles["num_warps"]) == (False, 64, 4)
         assert (classes["classes"], classes["block_n"], classes["num_warps"]) == (True, 32, 1)
         assert tiles["mma"] > 0 and classes["mma"] > 0 and tiles["over_baseline"] == 1.0

@@ -8,6 +8,7 @@ On a machine without CUDA they run on CPU tensors under Triton's interpreter (te
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import torch
 
@@ -357,6 +358,7 @@ def _classes(parts, dtype):
     (torch.float16, QuestQuantizer(1), AffineQuantizer(3), 128, {"softcap": 3.0}, (8, 8)),
     (torch.bfloat16, QuestQuantizer(2), QuestQuantizer(2), 64, {"mask": 25}, (4, 4)),
     (torch.bfloat16, AffineQuantizer(2), QuestQuantizer(1), 256, {"window": 30}, (8, 8)),
+    (torch.bfloat16, QuestQuantizer(2), QuestQuantizer(2), 128, {"odd": True}, (4, 8)),  # keys' rows at odd offsets
 ])
 def test_decode_code_classes_equal_unpacked_tiles(dtype, kq, vq, d, kw, classes):
     """Codes read as words split into classes (one dot per class, the query's channels P·k + S against class S, the
@@ -365,6 +367,11 @@ def test_decode_code_classes_equal_unpacked_tiles(dtype, kq, vq, d, kw, classes)
     the float32 result as the bound of ``test_decode_bfloat16``. ``code_classes`` says which side took which path."""
     B, Hkv, G, kw = 2, 2, 3, dict(kw)
     q, pk, pv = _case(kq, vq, B, Hkv, G, d, n_s=3, n_m=47, n_r=5, seed=3, dtype=dtype)
+    if kw.pop("odd", False):  # the keys' code rows at odd byte offsets: no 16-bit words there
+        codes = pk[1][1]["codes"]
+        wide = torch.zeros(*codes.shape[:-1], codes.shape[-1] + 1, dtype=codes.dtype, device=codes.device)
+        wide[..., 1:] = codes
+        pk[1][1]["codes"] = wide[..., 1:]
     assert (_classes(pk, dtype), _classes(pv, dtype)) == classes
     allowed = None
     if "mask" in kw:
@@ -394,7 +401,9 @@ def test_code_classes_cover_what_they_can():
     assert tk.code_classes(fmt(4, 32), bf) == 0 and tk.code_classes(fmt(2, 32), bf) == 0
     assert tk.code_classes(fmt(2, 128), torch.float32) == 0 and tk.code_classes(fmt(2, 128, 32), bf) == 0
     codes = torch.zeros(4, 49, dtype=torch.uint8)  # rows at odd offsets: 2-bit rows of 32 bytes, 3-bit of 48
-    assert tk.code_classes(fmt(2, 128), bf, codes[:, 1:33]) == 0 and tk.code_classes(fmt(2, 128), bf, codes[:, :32]) == 0
+    assert tk.code_classes(fmt(2, 128), bf, codes[:, 1:33]) == 4  # odd rows: bytes of 4 codes instead of words
+    assert tk.code_classes(fmt(2, 128), bf, codes[:, :32]) == 4  # rows 49 bytes apart: every other one odd
+    assert tk.code_classes(fmt(4, 128), bf, codes[:, 1:]) == 0  # 4-bit codes have no byte words: tiles
     assert tk.code_classes(fmt(3, 128), bf, codes[:, 1:]) == 8  # bytes need no alignment
     assert tk.code_classes(fmt(2, 64), bf, codes[:, 1:17]) == 4
     assert tk.code_classes(fmt(2, 128), bf, torch.zeros(4, 32, dtype=torch.uint8)) == 8
@@ -418,14 +427,19 @@ def test_splits_never_read_lengths_on_the_device():
 
 
 def test_store_contiguous_checks_the_capacity_on_the_host():
-    """Writing past a sequence's capacity is refused, naming the start and the capacity, from an int start or a
-    host tensor (the check reads no device tensor), and nothing is written."""
+    """Writing past a sequence's capacity, or from a negative start, is refused, naming the start and the capacity,
+    from an int start (numpy's too) or a host tensor of any integer dtype (the check reads no device tensor), and
+    nothing is written; a bool is not a start."""
     fmt = tk.TokenFormat.of(QuestQuantizer(2), 64)
     codes = torch.zeros(2, 2, 8, fmt.nbytes, dtype=torch.uint8, device=DEVICE)
     scale = torch.zeros(2, 2, 8, 1, dtype=torch.float16, device=DEVICE)
     x = torch.randn(2, 2, 3, 64, device=DEVICE)
-    for start in (6, torch.tensor([0, 6])):
-        with pytest.raises(ValueError, match=r"3 tokens from (6|\[0, 6\]) overflow the capacity 8"):
+    for start in (6, np.int64(6), torch.tensor([0, 6]), torch.tensor([0, 254], dtype=torch.uint8)):  # 254 + 3 wraps in uint8
+        with pytest.raises(ValueError, match=r"3 tokens from (6|\[0, 6\]|\[0, 254\]) overflow the capacity 8"):
+            tk.store_contiguous(x, codes, scale, None, start, fmt)
+    for start, match in ((-1, r"start must be >= 0, got -1"), (torch.tensor([2, -1]), r"start must be >= 0, got \[2, -1\]"),
+                         (True, "start must be an integer")):
+        with pytest.raises(ValueError, match=match):
             tk.store_contiguous(x, codes, scale, None, start, fmt)
     assert not codes.any()
     tk.store_contiguous(x, codes, scale, None, torch.tensor([5, 0]), fmt)

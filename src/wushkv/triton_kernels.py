@@ -23,8 +23,8 @@ square root, the same float32 constants), packs 8 codes into ``b`` bytes and wri
 
 *Decode* runs one program per (sequence, KV head, split): the program reads its split's columns of the packed
 middle, then of the full-precision sink and recent buffer (one online softmax over all three), once for all the
-query heads of the GQA group. 2- and 4-bit codes are read as 16-bit words split into classes, one tensor-core dot
-per class (:func:`code_classes`); other codes are loaded as bytes and unpacked in registers; with one group per
+query heads of the GQA group. With one group per token, 1- to 4-bit codes are read as words (16 bits, or one or
+three bytes) split into classes, one tensor-core dot per class (:func:`code_classes`); other codes are loaded as bytes and unpacked in registers; with one group per
 token the scores are ``s ⊙ (C q) + z·Σq`` and the output ``Cᵀ(p ⊙ s) + (Σ p z)·1``
 (:mod:`wushkv.decode`), with smaller groups a tile is dequantized in registers. Nothing is dequantized to global
 memory. Each split keeps an online softmax (running max, sum, weighted values) and writes them; a second kernel
@@ -42,6 +42,7 @@ import contextlib
 import dataclasses
 import functools
 import math
+import numbers
 import types
 from dataclasses import dataclass
 
@@ -221,17 +222,28 @@ def _kernels() -> dict:
             x = s / softcap
             e = tl.exp(-2.0 * tl.abs(x))
             t = (1.0 - e) / (1.0 + e)
-            s = tl.where(x < 0, -t, t) * softcap
+            s = tl.where(x < 0, -t, t) * (softcap * 1.4426950408889634)  # capped, then in base 2 (see decode_kernel)
         ok = _visible(c, N, mask_ptr, s_mb, S, b, WINDOW, HAS_MASK)
         return tl.where(ok[None, :], s, float("-inf"))
 
     @jit
-    def _online(s, m, l):
-        """One online-softmax step over scores (GP, BN): the new max, the rescaling of the old state, p (GP, BN)."""
+    def _exp2(x, EMU: tl.constexpr):
+        """2^x. On a GPU one ``ex2.approx.ftz``: ``tl.exp2`` adds a fix-up for results below 2^-126 (a multiply, a
+        compare, a predicated multiply each side of the ex2: four more instructions per score), and softmax weights
+        that small are 0 in any dtype the dots read. 2^-inf = 0 either way."""
+        if EMU:
+            return tl.exp2(x)
+        return tl.inline_asm_elementwise("ex2.approx.ftz.f32 $0, $1;", "=r,r", [x], dtype=tl.float32, is_pure=True,
+                                         pack=1)
+
+    @jit
+    def _online(s, m, l, EMU: tl.constexpr):
+        """One online-softmax step over scores (GP, BN) in base 2 (the scale carries log2 e): the new max, the
+        rescaling of the old state, p (GP, BN)."""
         m_new = tl.maximum(m, tl.max(s, 1))
-        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # all masked so far: keep exp() finite
-        alpha = tl.exp(m - m_safe)
-        p = tl.exp(s - m_safe[:, None])
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # all masked so far: keep exp2() finite
+        alpha = _exp2(m - m_safe, EMU)
+        p = _exp2(s - m_safe[:, None], EMU)
         return m_new, alpha, p, l * alpha + tl.sum(p, 1)
 
     @jit
@@ -266,7 +278,7 @@ def _kernels() -> dict:
             k = tl.load(k_ptr + b * sk_b + h * sk_h + t[:, None].to(tl.int64) * sk_t + d[None, :], mask=valid[:, None], other=0.0)
             s = _mma(q, tl.trans(k), DT, EMU, PREC)
             s = _finish_scores(s, tl.where(valid, base + t, -1), N, sm_scale, softcap, mask_ptr, s_mb, S, b, WINDOW, HAS_MASK, SOFTCAP)
-            m, alpha, p, l = _online(s, m, l)
+            m, alpha, p, l = _online(s, m, l, EMU)
             v = tl.load(v_ptr + b * sv_b + h * sv_h + t[:, None].to(tl.int64) * sv_t + d[None, :], mask=valid[:, None], other=0.0)
             acc = acc * alpha[:, None] + _mma(p, v, DT, EMU, PREC)
         return m, l, acc
@@ -481,7 +493,7 @@ def _kernels() -> dict:
                 s = _mma(q, tl.trans(k), DT, EMU, PREC)
             s = _finish_scores(s, tl.where(valid, base + t, -1), N, 1.0 if K_P > 0 else sm_scale, softcap, mask_ptr,
                                s_mb, S, b, WINDOW, HAS_MASK, SOFTCAP)
-            m, alpha, p, l = _online(s, m, l)
+            m, alpha, p, l = _online(s, m, l, EMU)
             # values: Cᵀ(p ⊙ s) + (Σ p z)·1, or the dequantized tile
             rows = _rows(tt, b, h, bt_ptr, s_bt, PAGE, vc0, vc1, vc2, PAGED)
             srows = _rows(tt, b, h, bt_ptr, s_bt, PAGE, vs0, vs1, vs2, PAGED)
@@ -554,6 +566,10 @@ def _kernels() -> dict:
         n_r = tl.load(lens_ptr + b * 3 + 2)
         N = n_s + n_m + n_r
         chunk = (N + SPLITS - 1) // SPLITS
+        # the softmax runs in base 2: the scale carries log2 e (folded into per-token vectors on the class path, so
+        # exp2 needs no multiply); with a softcap the cap needs natural units, and _finish_scores converts after it
+        if not SOFTCAP:
+            sm_scale = sm_scale * 1.4426950408889634
         lo = sp * chunk
         hi = tl.minimum(N, lo + chunk)
 
@@ -606,13 +622,13 @@ def _kernels() -> dict:
         l = tl.load(l_ptr + row, mask=ok, other=0.0)
         M = tl.max(m, 0)
         if HAS_SINKS:  # the learned sink logit: one more softmax column with a zero value
-            sink = tl.load(sinks_ptr + hq).to(tl.float32)
+            sink = tl.load(sinks_ptr + hq).to(tl.float32) * 1.4426950408889634
             M = tl.maximum(M, sink)
         M = tl.where(M == float("-inf"), 0.0, M)
-        w = tl.exp(m - M)  # (SP,): empty splits (m = -inf) weigh 0
+        w = tl.exp2(m - M)  # (SP,): empty splits (m = -inf) weigh 0; m and M in base 2 (decode_kernel)
         L = tl.sum(l * w, 0)
         if HAS_SINKS:
-            L = L + tl.exp(sink - M)
+            L = L + tl.exp2(sink - M)
         acc = tl.load(o_ptr + row[:, None] * D + d[None, :], mask=ok[:, None], other=0.0)
         out = tl.sum(acc * w[:, None], 0) / L
         tl.store(out_ptr + b * s_ob + hq * s_oh + d, _rne_out(out, OUT_BF16).to(out_ptr.dtype.element_ty))
@@ -706,11 +722,17 @@ def _to_device(t: torch.Tensor, device: torch.device, dtype: torch.dtype) -> tor
     """``t`` as ``dtype`` on ``device`` without making the host wait for the device. A plain copy from the host's
     pageable memory synchronizes the stream (torch waits for the copy, so for every kernel queued before it): at
     each layer and step the host could not run ahead of the GPU. From pinned memory the copy is asynchronous, and
-    torch's pinned-memory cache keeps the buffer until the copy has run. Converted and made contiguous on the host
-    first: torch would otherwise stage a non-contiguous source (an expanded ``lengths``) in pageable memory again."""
+    torch's pinned-memory cache keeps the buffer until the copy has run. The buffer is a fresh contiguous one in
+    ``dtype`` (torch would stage a non-contiguous source, an expanded ``lengths``, in pageable memory again)."""
     if t.device.type != "cpu" or device.type != "cuda":
         return t.to(device=device, dtype=dtype)
-    return t.to(dtype=dtype).contiguous().pin_memory().to(device, non_blocking=True)
+    if torch.cuda.is_current_stream_capturing():
+        raise RuntimeError("a CUDA graph cannot capture a copy from the host: pass lengths, block tables, slot "
+                           "mappings and starts as tensors on the GPU while capturing")
+    # always a fresh buffer: a caller's own pinned tensor, read after this returns, could be overwritten meanwhile
+    staged = torch.empty(t.shape, dtype=dtype, pin_memory=True)
+    staged.copy_(t)
+    return staged.to(device, non_blocking=True)
 
 
 def _tl_dtype(dtype: torch.dtype):
@@ -745,7 +767,8 @@ def code_classes(fmt: TokenFormat, dtype: torch.dtype, codes: torch.Tensor | Non
     ``c + 128``/``c + 1024``), d/P ≥ 16 (a tensor-core dot needs K ≥ 16). A word holds P codes: 16 bits at 2 bits
     (P 8, from head_dim 128) and 4 bits (P 4, from 64), one byte at 1 bit (P 8, from 128) and at 2 bits below
     head_dim 128 (P 4, from 64), three bytes at 3 bits (P 8, from 128). ``codes`` given: 16-bit words need code rows
-    at even byte offsets, and a middle of no tokens keeps the tiles (a full-precision context keeps the tiles'
+    at even byte offsets (2-bit rows at odd ones are read in bytes, 4-bit ones in tiles), and a middle of no tokens
+    keeps the tiles (a full-precision context keeps the tiles'
     launch parameters)."""
     P = _classes(fmt.bits, fmt.d, fmt.G, dtype)
     if not P or codes is None:
@@ -753,7 +776,7 @@ def code_classes(fmt: TokenFormat, dtype: torch.dtype, codes: torch.Tensor | Non
     if codes.numel() == 0:
         return 0
     if P * fmt.bits == 16 and (codes.data_ptr() % 2 or any(st % 2 for st in codes.stride()[:-1])):
-        return 0
+        return 4 if fmt.bits == 2 else 0  # 2-bit rows at odd offsets: bytes of 4 codes (d/4 ≥ 32 here)
     return P
 
 
@@ -854,14 +877,19 @@ def store_contiguous(x, codes, scale, offset, start, fmt: TokenFormat, transform
     B, H, T, d = x.shape
     cap = codes.shape[2]
     # checked where ``start`` is on the host (an int, the usual case): reading a GPU tensor would wait for the device
-    if isinstance(start, int):
+    if isinstance(start, bool) or (torch.is_tensor(start) and start.dtype == torch.bool):
+        raise ValueError(f"start must be an integer or an integer tensor, got {start!r}")
+    if isinstance(start, numbers.Integral):
+        start = int(start)
         if start < 0:
             raise ValueError(f"start must be >= 0, got {start}")
         if T and start + T > cap:
             raise ValueError(f"{T} tokens from {start} overflow the capacity {cap}")
         first = start
     else:
-        start = torch.as_tensor(start)
+        start = torch.as_tensor(start, dtype=torch.int64)
+        if start.device.type == "cpu" and start.numel() and int(start.min()) < 0:
+            raise ValueError(f"start must be >= 0, got {start.tolist()}")
         if T and start.device.type == "cpu" and int((start + T).max()) > cap:
             raise ValueError(f"{T} tokens from {start.tolist()} overflow the capacity {cap}")
         first = _to_device(start, x.device, torch.int64).expand(B)[:, None]
@@ -887,8 +915,8 @@ class Packed:
 class DecodeTuning:
     """Launch parameters of the decode kernel: ``block_n`` tokens per tile (a power of two ≥ 16), ``num_warps`` and
     ``num_stages`` (Triton's; the interpreter ignores them), ``programs_per_sm``: splits are chosen so that about
-    that many programs run per streaming multiprocessor (:func:`default_splits`), and ``class_split``: read 2- and
-    4-bit codes as 16-bit words split into classes (:func:`code_classes`) where they allow it, else unpack them to
+    that many programs run per streaming multiprocessor (:func:`default_splits`), and ``class_split``: read 1- to
+    4-bit codes as words split into classes (:func:`code_classes`) where they allow it, else unpack them to
     (tokens, d) tiles (session 46's kernel). None of them changes what is computed beyond float32 summation order;
     :func:`decode_tuning` swaps them for a block of code.
 
