@@ -72,7 +72,7 @@ SWEEP_TILES = [(32, 1, 2), (64, 1, 2), (16, 1, 2), (32, 1, 3), (64, 1, 3), (32, 
 SWEEP_PER_SM = (4, 8, 16, 2)
 TUNING_FIELDS = tuple(f.name for f in dataclasses.fields(tk.DecodeTuning))
 DRY_SWEEP_TILES, DRY_SWEEP_PER_SM = [(16, 4, 1), (32, 1, 3)], (1, 4)
-# session 46's kernel and tuning: codes unpacked to (tokens, d) tiles, 64 tokens, 4 warps, 2 stages ("triton_tiles")
+# session 46's path and tuning: codes unpacked to (tokens, d) tiles, 64 tokens, 4 warps, 2 stages ("triton_tiles")
 TILES = dict(class_split=False, block_n=64, num_warps=4, num_stages=2)
 
 
@@ -324,9 +324,13 @@ def kernel_case(args, ctx, B, device, timer) -> dict:
     if tuning != tk.DecodeTuning():
         with tk.decode_tuning(**vars(tk.DecodeTuning())):
             row["triton_default"] = timer(lambda: tk.decode(*inputs), args.warmup, args.iters, gpu=True) | {"bytes": nbytes}
-    with tk.decode_tuning(**TILES):  # in the same run: the kernel as session 46 timed it
+    with tk.decode_tuning(**TILES):  # in the same run: the path session 46 timed
         row["triton_tiles"] = timer(lambda: tk.decode(*inputs), args.warmup, args.iters, gpu=True) | {"bytes": nbytes}
-    del inputs
+        tiles_out = tk.decode(*inputs)
+    # a fast kernel counts only if it computes the same: the timed path's output against the tiles' (another way to
+    # read the same codes; bfloat16 dots, so about 1e-3 apart)
+    row["triton_vs_tiles"] = max_rel(tk.decode(*inputs), tiles_out)
+    del inputs, tiles_out
     # bfloat16 SDPA over the same context (K, V built after the packed cache is freed)
     K, V = torch.randn(B, Hkv, ctx, d, **bf), torch.randn(B, Hkv, ctx, d, **bf)
     q4 = q.unsqueeze(2)
@@ -349,10 +353,22 @@ def kernel_case(args, ctx, B, device, timer) -> dict:
                       torch.empty(B, Hkv, 0, 1, dtype=torch.float16, device=device))
     lengths = torch.tensor([[ctx, 0, 0]] * B, dtype=torch.int32, device=device)
     none = K[:, :, :0]
-    row["triton_bf16"] = timer(lambda: tk.decode(q, lengths, K, V, empty, empty, none, none, scaling), args.warmup,
-                               args.iters, gpu=True) | {"bytes": bf16_kv + 2 * q.numel() * 2}
+    bf16_call = lambda: tk.decode(q, lengths, K, V, empty, empty, none, none, scaling)  # noqa: E731
+    row["triton_bf16"] = timer(bf16_call, args.warmup, args.iters, gpu=True) | {"bytes": bf16_kv + 2 * q.numel() * 2}
+    row["triton_bf16_vs_sdpa"] = max_rel(bf16_call(), sdpa()[:, :, 0])
     del K, V
     return row
+
+
+# Outputs further apart than this (largest difference over the largest magnitude) mark a row MISMATCH: bfloat16
+# dots over a long context land about 1e-3 apart; a kernel that reads the codes wrong lands at O(1)
+AGREE = 2e-2
+
+
+def max_rel(out: torch.Tensor, ref: torch.Tensor) -> float:
+    """max |out − ref| / max |ref| in float32."""
+    ref = ref.float()
+    return float((out.float() - ref).abs().max() / ref.abs().max().clamp_min(1e-30))
 
 
 def add_bandwidth(row: dict, peak: float | None) -> None:
@@ -467,11 +483,15 @@ def _rows(args, out, device, timer, peak, save) -> None:
             a.k_bits = a.v_bits = bits
             inputs, nbytes, _ = kernel_inputs(a, ctx, B, device)
             row = {"context": ctx, "batch": B, "bits": bits, "triton": timer(lambda: tk.decode(*inputs), args.warmup, args.iters, gpu=True) | {"bytes": nbytes}}
+            with tk.decode_tuning(**TILES):
+                tiles_out = tk.decode(*inputs)
+            row["triton_vs_tiles"] = max_rel(tk.decode(*inputs), tiles_out)
             add_bandwidth(row, peak)
             out["widths"].append(row)
             save(out)
-            print(f"K{bits}V{bits} ctx {ctx} batch {B}: {row['triton']['ms']:.3f} ms, {row['triton']['tb_per_s']:.2f} TB/s", flush=True)
-            del inputs
+            print(f"K{bits}V{bits} ctx {ctx} batch {B}: {row['triton']['ms']:.3f} ms, {row['triton']['tb_per_s']:.2f} TB/s, "
+                  f"vs tiles {row['triton_vs_tiles']:.1e}" + (" MISMATCH" if row["triton_vs_tiles"] > AGREE else ""), flush=True)
+            del inputs, tiles_out
     for ctx in args.contexts:
         for B in args.batches:
             row = kernel_case(args, ctx, B, device, timer)
@@ -506,6 +526,8 @@ def summary(row: dict) -> str:
             parts.append(f"{k} ERROR {v['error']}")
         elif k.endswith(("_over_sdpa", "_over_flash", "_over_triton_bf16", "_over_triton_tiles", "_over_dynamic")):
             parts.append(f"{k} {v:.2f}x")
+        elif k.endswith(("_vs_tiles", "_vs_sdpa")):
+            parts.append(f"{k} {v:.1e}" + (" MISMATCH" if v > AGREE else ""))
     return f"{head}: " + ", ".join(parts)
 
 

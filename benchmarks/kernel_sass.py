@@ -9,7 +9,7 @@ the ``nvdisasm`` that triton ships, and counts per configuration:
   instructions a thread runs per tile × warps / tokens per tile): what the issue slots of the device pay;
 * register spills in that loop (``LDL``/``STL``), registers and stack per thread.
 
-Baseline in the same run: the kernel as session 46 timed it (codes unpacked to (tokens, d) tiles, 64 tokens per tile,
+Baseline in the same run: the path session 46 timed (codes unpacked to (tokens, d) tiles, 64 tokens per tile,
 4 warps), whose loop the H200 ran at 0.88 ms for 32k tokens × batch 16 (bf16 SDPA: 0.49 ms). A ratio of issued
 instructions is not a ratio of times (latency, occupancy and memory are not in it), so these figures choose what to
 time on a GPU; ``benchmarks/gpu_decode.py`` times it.

@@ -298,6 +298,9 @@ def test_gpu_decode_dry_run(tmp_path):
     assert "ms" in row["flash"] or "error" in row["flash"]  # FlashAttention where torch has it for this device
     # the same kernel over the bfloat16 context, and the sweep whose fastest tuning the rows ran under
     assert row["triton_bf16"]["bytes"] == row["sdpa"]["bytes"] and positive(row["triton_bf16"]["ms"])
+    # each row checks what it timed: the kernel against the tiles' path, the bf16 run against SDPA
+    assert 0 <= row["triton_vs_tiles"] < gpu_decode.AGREE and 0 <= row["triton_bf16_vs_sdpa"] < gpu_decode.AGREE
+    assert gpu_decode.max_rel(torch.ones(3), torch.full((3,), 2.0)) == 0.5
     sw = res["sweep"]
     assert sw["shapes"] == [[48, 2]] and res["tuning"] == row["tuning"] == sw["best"]
     timed = [r for r in sw["rows"] if "ms" in r]
