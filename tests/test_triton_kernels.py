@@ -274,23 +274,27 @@ def test_decode_options(feature):
     assert N == 4 + 20 + 6
 
 
-@pytest.mark.parametrize("dtype,kbits,vbits,d", [(torch.float32, 3, 2, 64), (torch.bfloat16, 2, 4, 128)])
-def test_decode_paged_ragged(dtype, kbits, vbits, d):
+@pytest.mark.parametrize("dtype,kbits,vbits,d,absolute", [(torch.float32, 3, 2, 64, False), (torch.bfloat16, 2, 4, 128, False),
+                                                            (torch.float32, 2, 3, 64, True), (torch.bfloat16, 3, 2, 128, True)])
+def test_decode_paged_ragged(dtype, kbits, vbits, d, absolute):
     """vLLM's layout: each sequence's middle in shuffled blocks of 8 tokens (tiles of 16 cross block boundaries),
     ragged sink, middle and recent lengths per sequence; equal to each sequence attended alone (in bfloat16: within
-    its bound of the float32 result, codes read in classes as near as unpacked to tiles)."""
+    its bound of the float32 result, codes read in classes as near as unpacked to tiles). ``absolute_pages``: the
+    block table maps every position, the sink's too (vLLM's cells), whose rows hold codes that must not be read."""
     Hkv, G, page = 2, 3, 8
     lens = [(2, 21, 3), (0, 8, 0), (4, 0, 5), (1, 33, 2)]  # (sink, middle, recent)
     B = len(lens)
     kc, vc = _codec(QuestQuantizer(kbits), d), _codec(AffineQuantizer(vbits, clip_ratio=0.92), d)
     g = torch.Generator().manual_seed(4)
     x = lambda n: torch.randn(1, Hkv, n, d, generator=g) * torch.linspace(0.3, 2.5, d)
-    nblocks = sum(-(-m // page) for _, m, _ in lens) + 2
+    first = [n_s if absolute else 0 for n_s, _, _ in lens]  # the middle's first position in the block table
+    spans = [-(-(f + m) // page) for f, (_, m, _) in zip(first, lens)]
+    nblocks = sum(spans) + 2
     order = torch.randperm(nblocks, generator=g).tolist()
     table = torch.zeros(B, 8, dtype=torch.int32)
     fmt_k, fmt_v = _packed(kc, kc.encode(x(1))).fmt, _packed(vc, vc.encode(x(1))).fmt
-    kbuf = [t.zero_() for t in _buffers((nblocks, page, Hkv), fmt_k, torch.float16) if t is not None]
-    vbuf = [t.zero_() for t in _buffers((nblocks, page, Hkv), fmt_v, torch.float16) if t is not None]
+    kbuf = [t.fill_(5) for t in _buffers((nblocks, page, Hkv), fmt_k, torch.float16) if t is not None]  # rows never read
+    vbuf = [t.fill_(5) for t in _buffers((nblocks, page, Hkv), fmt_v, torch.float16) if t is not None]
     sk, sv, rk, rv = (torch.zeros(B, Hkv, 6, d) for _ in range(4))
     q = torch.randn(B, Hkv * G, 1, d, generator=g)
     refs = []
@@ -299,11 +303,12 @@ def test_decode_paged_ragged(dtype, kbits, vbits, d):
         for side, codec, buf in (("k", kc, kbuf), ("v", vc, vbuf)):
             mid = x(n_m)
             store = codec.encode(mid) if n_m else codec.encode(x(1))
-            for t in range(n_m):  # token t of the middle goes to row t % page of the sequence's block t // page
-                blk = order[sum(-(-m // page) for _, m, _ in lens[:b]) + t // page]
-                table[b, t // page] = blk
+            for t in range(n_m):  # middle token t at position first + t: row p % page of the sequence's block p // page
+                p = first[b] + t
+                blk = order[sum(spans[:b]) + p // page]
+                table[b, p // page] = blk
                 for dst, key in zip(buf, ("codes", "scale", "offset")):
-                    dst[blk, t % page] = store[key][0, :, t].to(DEVICE)
+                    dst[blk, p % page] = store[key][0, :, t].to(DEVICE)
             parts[side] = (x(n_s), (codec, store, n_m), x(n_r))
         sk[b, :, :n_s], sv[b, :, :n_s] = parts["k"][0][0], parts["v"][0][0]
         rk[b, :, :n_r], rv[b, :, :n_r] = parts["k"][2][0], parts["v"][2][0]
@@ -313,12 +318,16 @@ def test_decode_paged_ragged(dtype, kbits, vbits, d):
     mv = tk.Packed(fmt_v, vbuf[0], vbuf[1], vbuf[2])
     dev = lambda t: t.to(DEVICE, dtype)
     run = lambda: tk.decode(dev(q[:, :, 0]), torch.tensor(lens), dev(sk), dev(sv), mk, mv, dev(rk), dev(rv), d**-0.5,
-                            block_table=table, splits=3, block_n=16).cpu()
+                            block_table=table, absolute_pages=absolute, splits=3, block_n=16).cpu()
     out = run()
+    if absolute:  # the flag is read: the same table taken as the middle's alone reads the sink's rows
+        wrong = tk.decode(dev(q[:, :, 0]), torch.tensor(lens), dev(sk), dev(sv), mk, mv, dev(rk), dev(rv), d**-0.5,
+                          block_table=table, splits=3, block_n=16).cpu()
+        assert _rel(wrong, ref) > 0.1
     if dtype == torch.float32:
         assert _rel(out, ref) < 1e-3, _rel(out, ref)
         return
-    assert tk.code_classes(fmt_k, dtype, kbuf[0]) == 8 and tk.code_classes(fmt_v, dtype, vbuf[0]) == 4
+    assert tk.code_classes(fmt_k, dtype, kbuf[0]) == 8 and tk.code_classes(fmt_v, dtype, vbuf[0]) == 16 // vbits
     with tk.decode_tuning(class_split=False):
         tiles = run()
     assert _rel(out, tiles) < 2e-3 and _rel(out, ref) < 2e-2, (_rel(out, tiles), _rel(out, ref))
@@ -624,7 +633,8 @@ for quest, clipped, has_t, br in ((True, True, False, 8), (True, False, True, 1)
     consts = dict(D=128, G=32, BITS=3, QUEST=quest, CLIPPED=clipped, HAS_T=has_t, HAS_Z=not quest, TC=32, META_BF16=True, BR=br)
     triton.compile(ASTSource(K["store"], sig("store", ptrs, ("coef", "sqrt_g"), consts), consts), target=GPUTarget("cuda", 90, 32))
 consts = dict(D=128, GQA=4, GP=16, BN=32, K_BITS=2, V_BITS=4, K_G=128, V_G=32, K_Z=False, V_Z=True, K_E5M3=True, K_OFF=128, V_OFF=0,
-              V_E5M3=False, K_P=0, V_P=0, PAGED=True, HAS_MASK=True, SOFTCAP=True, PREC="tf32", DT=tl.bfloat16, EMU=False)
+              V_E5M3=False, K_P=0, V_P=0, PAGED=True, PAGE_ABS=False, HAS_MASK=True, SOFTCAP=True, PREC="tf32", DT=tl.bfloat16,
+              EMU=False)
 ptrs = {"q_ptr": "*bf16", "sk_ptr": "*bf16", "sv_ptr": "*bf16", "rk_ptr": "*bf16", "rv_ptr": "*bf16", "kc_ptr": "*u8",
         "vc_ptr": "*u8", "mask_ptr": "*u8", "lens_ptr": "*i32", "bt_ptr": "*i32", "ks_ptr": "*u8", "vs_ptr": "*fp16",
         "kz_ptr": "*u8", "vz_ptr": "*fp16"}
@@ -635,7 +645,8 @@ for bn, warps, stages, v in ((32, 4, 3, (4, 32, True, 0)), (128, 8, 2, (2, 128, 
 # codes in classes, inline PTX: 16-bit words (2 and 4 bits), then words of three bytes and of one (3, 1 and 2 bits)
 for dt, off, kv, warps in ((tl.bfloat16, 128, (2, 8, 4, 4), 1), (tl.float16, 1024, (4, 4, 2, 8), 4),
                            (tl.bfloat16, 128, (3, 8, 1, 8), 1), (tl.float16, 1024, (2, 4, 3, 8), 1)):
-    consts.update(BN=64, DT=dt, K_OFF=off, V_OFF=off, K_BITS=kv[0], K_P=kv[1], V_BITS=kv[2], V_P=kv[3], V_G=128, V_Z=False, K_E5M3=False)
+    consts.update(BN=64, DT=dt, K_OFF=off, V_OFF=off, K_BITS=kv[0], K_P=kv[1], V_BITS=kv[2], V_P=kv[3], V_G=128, V_Z=False, K_E5M3=False,
+                  PAGE_ABS=warps == 1)
     p = dict(ptrs, q_ptr="*bf16" if dt == tl.bfloat16 else "*fp16", sk_ptr="*fp16", sv_ptr="*fp16", rk_ptr="*fp16", rv_ptr="*fp16",
              ks_ptr="*fp16", kz_ptr="*fp16", vz_ptr="*fp16")
     k = triton.compile(ASTSource(K["decode"], sig("decode", p, ("sm_scale", "softcap", "K_HALF", "V_HALF"), consts), consts),

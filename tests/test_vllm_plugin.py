@@ -113,6 +113,58 @@ def test_fused_store_writes_the_bytes_of_encode(quantizer, k_bits, v_bits, feedb
     sc.store(got, k, v, slots)
     assert torch.equal(got, ref)
 
+@pytest.mark.parametrize("quantizer,k_bits,v_bits,meta", [("quest", 2, 2, "float16"), ("affine", 3, 4, "float16"),
+                                                          ("quest", 4, 3, "bfloat16"), ("quest", 8, 2, "float32")])
+def test_store_through_the_triton_kernel_writes_the_bytes_of_encode(quantizer, k_bits, v_bits, meta):
+    """The GPU path of ``SlotCodec.store`` (wushkv's Triton store kernel, here under Triton's interpreter, one launch
+    per side into strided views of the cells) writes every payload byte ``encode`` writes, padding slots skipped, and
+    leaves the cells' padding and everything around them as it was. Error feedback and one-byte steps keep the other
+    paths (their codes are rounded on what the kernel does not compute)."""
+    pytest.importorskip("triton")
+    from wushkv import triton_kernels as tk
+    from wushkv.decode import triton_enabled
+
+    H, d, T, bs = 3, 64, 120, 16
+    cfg = QuantConfig(k_bits=k_bits, v_bits=v_bits, quantizer=quantizer, metadata_dtype=meta, k_alpha=1.15)
+    sc = SlotCodec(cfg, d)
+    g = _g(12)
+    k = torch.randn(T, H, d, generator=g) * torch.rand(T, H, 1, generator=g) * 4
+    v = torch.randn(T, H, d, generator=g)
+    k[5] = 0
+    slots = torch.randperm(20 * bs, generator=g)[:T]
+    slots[[7, 100]] = -1
+    base = torch.randint(0, 256, (20, H, bs, sc.slot_bytes + 8), dtype=torch.uint8, generator=g)
+    ref, got = base.clone(), base.clone()
+    P, cells = sc.payload_bytes, lambda t: t[..., 4:4 + sc.slot_bytes]  # strided, like vLLM's (float32 steps: 4-aligned)
+    store(cells(ref), sc.encode(k, v), slots)
+    tk.reset_calls()
+    with triton_enabled(True):
+        sc.store(cells(got), k, v, slots)
+    assert tk.calls() == {"store": 2}
+    # the affine grid bit for bit; QuEST's step is coef·‖x‖/√d, whose sum runs in another order in the kernel: steps
+    # equal to their dtype's rounding (a last bit apart now and then), a code flipped with them rarely, as in the
+    # transformers cache's flush through the kernel
+    live = slots[slots >= 0]
+    for _side, name, dtype, _n, off, width in sc.fields:
+        a, b = (cells(t)[live // bs, :, live % bs, off:off + width] for t in (got, ref))  # (written, H, width)
+        if quantizer == "affine":
+            assert torch.equal(a, b), name
+        elif name == "codes":
+            assert int((a != b).sum()) <= 0.002 * a.numel(), name
+        else:
+            a, b = (t.contiguous().view(dtype).float() for t in (a, b))
+            assert bool(((a - b).abs() <= 2 * torch.finfo(dtype).eps * b.abs()).all()), name  # an ulp or so
+    assert torch.equal(got[..., :4], base[..., :4]) and torch.equal(got[..., 4 + P:], base[..., 4 + P:])
+    untouched = torch.ones(20 * bs, dtype=torch.bool)
+    untouched[live] = False
+    assert torch.equal(got.transpose(1, 2).reshape(20 * bs, H, -1)[untouched], base.transpose(1, 2).reshape(20 * bs, H, -1)[untouched])
+    for other in (replace(cfg, quantizer="quest", metadata_dtype="e5m3"), replace(cfg, quantizer="quest", clip_search=4)):
+        tk.reset_calls()
+        with triton_enabled(True):
+            SlotCodec(other, d).store(cells(base.clone()), k, v, slots)
+        assert tk.calls() == {}
+
+
 @pytest.mark.parametrize("bits,feedback,meta", [(2, True, "float16"), (4, False, "bfloat16"), (3, True, "float16"), (2, True, "e5m3")])
 def test_key_tile_cells_hold_what_the_tile_codec_stores(bits, feedback, meta):
     """Keys in KVarN tiles (+ktiles): values are written when a token is stored (the fused store where it applies, the
@@ -392,6 +444,54 @@ def test_batched_decode_kernel_equals_the_general_attention(quantizer, bits, dty
             continue
         err = float((got - torch.stack(want)).abs().max())
         assert err < 2e-5, (window, softcap, err)
+
+
+@pytest.mark.parametrize("quantizer, bits, dtype", [("quest", 2, torch.float32), ("affine", 4, torch.bfloat16),
+                                                     ("quest", 3, torch.float32), ("quest", 8, torch.float16),
+                                                     ("quest", 2, torch.bfloat16)])
+def test_batched_decode_through_the_triton_kernel(quantizer, bits, dtype):
+    """The GPU path of the batched decode (wushkv's Triton kernel, here under Triton's interpreter): the codes read in
+    place through views of the strided cells, the block tables mapping every position; the window tokens from their
+    copies, a dropped copy from its cell; gives what the general path gives (float32: to 1e-5 of the output's scale;
+    a float16/bfloat16 model's dots run in its dtype: 2e-2). 3-bit codes too, which the CPU kernel declines."""
+    pytest.importorskip("triton")
+    from wushkv import triton_kernels as tk
+    from wushkv.decode import triton_enabled
+
+    H, G, d, bs, S, R = 2, 3, 64, 16, 4, 24
+    sc = SlotCodec(QuantConfig(k_bits=bits, v_bits=2, quantizer=quantizer), d)
+    lens = [1, 5, 37, 100, 230]
+    NB = sum(-(-n // bs) for n in lens) + 3
+    cache = torch.zeros(NB, H, bs, sc.slot_bytes + 4, dtype=torch.uint8)[..., 2:2 + sc.slot_bytes]  # strided, like vLLM's
+    w = Windows(bs, H, d, S, R, capacity=10_000, dtype=dtype)
+    tables = torch.full((len(lens), 20), -1, dtype=torch.int32)
+    perm, used = torch.randperm(NB, generator=_g(20)), 0
+    for r, n in enumerate(lens):
+        nb = -(-n // bs)
+        tables[r, :nb], used = perm[used:used + nb], used + nb
+        k, v = torch.randn(n, H, d, generator=_g(21 + r)) * 2, torch.randn(n, H, d, generator=_g(31 + r))
+        pos = torch.arange(n)
+        slots = tables[r][pos // bs].long() * bs + pos % bs
+        sc.store(cache, k, v, slots)
+        w.write(k, v, slots)
+    w.index[int(tables[3, 0]) * (bs // w.unit)] = -1  # request 3's sink page: its copies dropped, read from the codes
+    q = torch.randn(len(lens), H * G, d, generator=_g(40))
+    for window, softcap in ((-1, 0.0), (50, 0.0), (-1, 5.0)):
+        want = []
+        for r, n in enumerate(lens):
+            lo = max(0, n - window) if window > 0 else 0
+            kq, vq = decode_context(sc, cache, tables[r], n, lo)
+            kf, vf, known = torch.zeros_like(kq), torch.zeros_like(vq), torch.zeros(n - lo, dtype=torch.bool)
+            w.read(kf, vf, known, tables[r], lo, n, n - 1)
+            want.append(attend(q[r:r + 1], torch.tensor([n - 1]), kq, vq, kf, vf, known, torch.arange(lo, n), S, R, 0.3,
+                               window, softcap)[0])
+        want = torch.stack(want)
+        tk.reset_calls()
+        with triton_enabled(True):
+            got = decode_batch(sc, cache, tables, torch.tensor(lens), q, w, 0.3, window, softcap)
+        assert tk.calls() == {"decode": 1, "merge": 1}  # the whole batch in one launch, not the CPU kernel
+        err = float((got - want).abs().max() / want.abs().max())
+        assert err < (1e-5 if dtype == torch.float32 else 2e-2), (window, softcap, err)
 
 
 # -- the folder the plugin serves ------------------------------------------------------------------------

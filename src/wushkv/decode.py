@@ -67,7 +67,7 @@ def triton_enabled(enabled: bool | None):
         USE_TRITON = previous
 
 
-def _triton_for(device):
+def triton_for(device):
     """:mod:`wushkv.triton_kernels` where the switch sends tensors on ``device`` to it and triton imports, else None
     (an error under ``triton_enabled(True)`` where triton is missing)."""
     if USE_TRITON is False or (USE_TRITON is None and device.type != "cuda"):
@@ -91,7 +91,7 @@ def encode_block(codec, x: torch.Tensor) -> dict[str, torch.Tensor]:
     float16/bfloat16/float32), else through the codec's PyTorch path. The same storage either way: codes uint8 (B, Hkv, N, ⌈d·b/8⌉), scale (and offset,
     affine) (B, Hkv, N, d/G) in the codec's metadata dtype."""
     covered = isinstance(codec, TokenCodec) and codec.feedback is None and not codec.step_byte and x.dtype in _TRITON_DTYPES
-    tk = _triton_for(x.device) if covered else None
+    tk = triton_for(x.device) if covered else None
     if tk is None:
         return codec.encode(x)
     try:
@@ -114,7 +114,7 @@ def _triton_decode(query, parts_k, parts_v, allowed, scaling, softcap, sinks):
     (sk, mk, rk), (sv, mv, rv) = parts_k, parts_v
     if not all(torch.is_tensor(t) for t in (sk, rk, sv, rv)) or torch.is_tensor(mk) or torch.is_tensor(mv):
         return None
-    tk = _triton_for(query.device)
+    tk = triton_for(query.device)
     if tk is None:
         return None
     B, Hq, _, d = query.shape
@@ -344,5 +344,5 @@ def dequantize_then_attend(query, parts_k, parts_v, allowed, scaling, softcap=No
     return reference_attention(query, K, V, allowed, scaling, softcap, sinks)
 
 
-__all__ = ["decode_attention", "dequantize_then_attend", "codes_as_float", "encode_block", "kernels_enabled", "triton_enabled",
+__all__ = ["decode_attention", "dequantize_then_attend", "codes_as_float", "encode_block", "kernels_enabled", "triton_enabled", "triton_for",
            "DEFAULT_BLOCK"]

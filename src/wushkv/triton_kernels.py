@@ -447,8 +447,8 @@ def _kernels() -> dict:
                       K_G: tl.constexpr, V_G: tl.constexpr, K_Z: tl.constexpr, V_Z: tl.constexpr,
                       K_E5M3: tl.constexpr, V_E5M3: tl.constexpr, K_OFF: tl.constexpr, V_OFF: tl.constexpr,
                       K_P: tl.constexpr, V_P: tl.constexpr, GP: tl.constexpr,
-                      PAGED: tl.constexpr, HAS_MASK: tl.constexpr, SOFTCAP: tl.constexpr, PREC: tl.constexpr,
-                      DT: tl.constexpr, EMU: tl.constexpr):
+                      PAGED: tl.constexpr, PAGE_ABS: tl.constexpr, HAS_MASK: tl.constexpr, SOFTCAP: tl.constexpr,
+                      PREC: tl.constexpr, DT: tl.constexpr, EMU: tl.constexpr):
         """Tokens [a, e) of the packed middle, whose first token is absolute column ``base``. With one group per
         token the codes enter the dots as ``c + OFF`` (:func:`_codes_as`), and OFF comes back out: for keys
         ``q·(c + OFF) − OFF·Σq``, for values ``Σ_t w_t (c_t + OFF) − OFF·Σ_t w_t`` with the same rounded weights
@@ -472,6 +472,8 @@ def _kernels() -> dict:
             t = start + tl.arange(0, BN)
             valid = t < e
             tt = tl.where(valid, t, 0)  # masked lanes still compute an address (block table reads stay in range)
+            if PAGE_ABS:  # the block table maps absolute positions (vLLM's cells hold every token, the sink's too)
+                tt = tt + base
             # keys: scores = s ⊙ (C q) + z·Σq (one group per token), or a tile dequantized in registers
             rows = _rows(tt, b, h, bt_ptr, s_bt, PAGE, kc0, kc1, kc2, PAGED)
             srows = _rows(tt, b, h, bt_ptr, s_bt, PAGE, ks0, ks1, ks2, PAGED)
@@ -556,7 +558,7 @@ def _kernels() -> dict:
                       K_BITS: tl.constexpr, V_BITS: tl.constexpr, K_G: tl.constexpr, V_G: tl.constexpr,
                       K_Z: tl.constexpr, V_Z: tl.constexpr, K_E5M3: tl.constexpr, V_E5M3: tl.constexpr,
                       K_OFF: tl.constexpr, V_OFF: tl.constexpr, K_P: tl.constexpr, V_P: tl.constexpr,
-                      PAGED: tl.constexpr, HAS_MASK: tl.constexpr,
+                      PAGED: tl.constexpr, PAGE_ABS: tl.constexpr, HAS_MASK: tl.constexpr,
                       SOFTCAP: tl.constexpr, PREC: tl.constexpr, DT: tl.constexpr, EMU: tl.constexpr):
         b = tl.program_id(0).to(tl.int64)
         h = tl.program_id(1).to(tl.int64)
@@ -592,7 +594,7 @@ def _kernels() -> dict:
                                   bt_ptr, s_bt, PAGE, b, h, tl.maximum(lo - n_s, 0), tl.minimum(hi - n_s, n_m), n_s, N,
                                   sm_scale, softcap, mask_ptr, s_mb, S, WINDOW, K_HALF, V_HALF,
                                   D, BN, K_BITS, V_BITS, K_G, V_G, K_Z, V_Z, K_E5M3, V_E5M3, K_OFF, V_OFF,
-                                  K_P, V_P, GP, PAGED, HAS_MASK, SOFTCAP, PREC, DT, EMU)
+                                  K_P, V_P, GP, PAGED, PAGE_ABS, HAS_MASK, SOFTCAP, PREC, DT, EMU)
         q = tl.load(q_ptr + qrow[:, None] + d[None, :], mask=qmask[:, None], other=0.0)
         m, l, acc = _fp_segment(q, m, l, acc, sk_ptr, sv_ptr, sk_b, sk_h, sk_t, sv_b, sv_h, sv_t, b, h,
                                 tl.maximum(lo, 0), tl.minimum(hi, n_s), 0, N, sm_scale, softcap, mask_ptr, s_mb, S,
@@ -993,7 +995,8 @@ def _longest(lengths, sink_k, mid_k: Packed, recent_k, block_table) -> int:
 
 def decode(query, lengths, sink_k, sink_v, mid_k: Packed, mid_v: Packed, recent_k, recent_v, scaling: float, *,
            softcap: float | None = None, sinks=None, allowed=None, window: int | None = None,
-           block_table=None, splits: int | None = None, block_n: int | None = None) -> torch.Tensor:
+           block_table=None, absolute_pages: bool = False, splits: int | None = None,
+           block_n: int | None = None) -> torch.Tensor:
     """Attention of one query token per sequence over [sink; packed middle; recent], split-KV.
 
     Args:
@@ -1002,7 +1005,9 @@ def decode(query, lengths, sink_k, sink_v, mid_k: Packed, mid_v: Packed, recent_
         lengths: int (B, 3): the sink, middle and recent tokens of each sequence (ragged).
         sink_k, sink_v, recent_k, recent_v: (B, Hkv, ≥ length, d) full precision (any strides, last dim contiguous).
         mid_k, mid_v: the packed middle (:class:`Packed`), contiguous (B, Hkv, cap, ·), or paged with ``block_table``
-            (B, max_blocks) int32 giving each sequence's blocks in order.
+            (B, max_blocks) int32 giving each sequence's blocks in order: of the middle alone, or, ``absolute_pages``,
+            of all its positions (vLLM's cells hold every token, the windows' too: the middle's token i is read at
+            position lengths[b, 0] + i).
         scaling: the softmax scale; ``softcap``: logit softcap (tanh) or None; ``sinks``: (Hq,) learned sink logits
             or None; ``allowed``: bool (B, S), which of each sequence's last S columns are visible (earlier ones are
             not) or None; ``window``: only each sequence's last ``window`` columns are visible (sliding window).
@@ -1078,7 +1083,7 @@ def decode(query, lengths, sink_k, sink_v, mid_k: Packed, mid_v: Packed, recent_
                 K_E5M3=mid_k.fmt.step_byte, V_E5M3=mid_v.fmt.step_byte,
                 K_OFF=_code_offset(query.dtype, mid_k.fmt.bits), V_OFF=_code_offset(query.dtype, mid_v.fmt.bits),
                 K_P=k_p, V_P=v_p,
-                PAGED=paged, HAS_MASK=allowed is not None, SOFTCAP=softcap is not None,
+                PAGED=paged, PAGE_ABS=paged and absolute_pages, HAS_MASK=allowed is not None, SOFTCAP=softcap is not None,
                 PREC="ieee" if query.dtype == torch.float32 else "tf32", DT=_tl_dtype(query.dtype), EMU=emulate,
                 num_warps=num_warps, num_stages=tuning.num_stages)
     out = torch.empty(B, Hq, d, dtype=query.dtype, device=query.device)

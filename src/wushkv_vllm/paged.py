@@ -114,6 +114,8 @@ class SlotCodec:
         the quantizer's own, computed here; the kernel stores it, rounds and packs the codes)."""
         from wushkv._ext import kernels
 
+        if self._store_triton(cache, k, v, slot_mapping):
+            return
         ext = kernels() if self._fused_store else None
         lo = self.value_offset if self.tile else 0  # key tiles: their fields wait for the tile (store_tiles)
         if ext is None or not hasattr(ext, "paged_store"):
@@ -135,6 +137,43 @@ class SlotCodec:
             fbs.append(empty if c.feedback is None else c.feedback)
         ext.paged_store(cache, slot_mapping.to(torch.int64), xs, steps, offsets, fbs, *self._sides, self.payload_bytes,
                         self.slot_bytes)
+
+    def _store_triton(self, cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slot_mapping: torch.Tensor) -> bool:
+        """:meth:`store` through wushkv's Triton store kernel (:func:`wushkv.triton_kernels.store_paged`, one launch
+        per side) into strided views of the cells, where :func:`wushkv.decode.triton_for` sends the cache's device
+        (a GPU; any device under ``triton_enabled(True)``) and the kernel covers both sides: per-token QuEST or affine
+        codes without error feedback, clip search or one-byte steps (their codes are rounded on what the kernel does
+        not compute). The same bytes as :meth:`encode` (the kernel's grid is the quantizer's); the padding is left as
+        it was. False where it does not apply: the caller stores as before."""
+        from wushkv.decode import triton_for
+
+        tk = triton_for(cache.device) if not self.tile else None
+        if tk is None:
+            return False
+        cells = cache.permute(0, 2, 1, 3)  # (blocks, block_size, H, C): the kernel's paged (block, token, head)
+        plan = []
+        for (side, c), x in zip(self.codecs.items(), (k, v)):
+            if not isinstance(c, TokenCodec) or c.feedback is not None or c.step_byte:
+                return False
+            try:
+                fmt = tk.TokenFormat.of(c.quantizer, c.d)
+            except ValueError:  # the clip search, a head_dim or group size the kernel does not take
+                return False
+            fields = {name: (dtype, off, width) for s, name, dtype, _n, off, width in self.fields if s == side}
+            views = []
+            for name in ("codes", "scale", "offset"):
+                if name not in fields:
+                    views.append(None)
+                    continue
+                dtype, off, width = fields[name]
+                try:
+                    views.append(cells[..., off:off + width] if dtype == torch.uint8 else cells[..., off:off + width].view(dtype))
+                except RuntimeError:  # a field at an odd byte offset: not viewable as float16 in place
+                    return False
+            plan.append((x, fmt, views))
+        for x, fmt, (codes, scale, offset) in plan:
+            tk.store_paged(x.to(cache.device), slot_mapping, codes, scale, offset, fmt)
+        return True
 
     def store_tiles(self, cache: torch.Tensor, keys: torch.Tensor, first_slots: torch.Tensor) -> None:
         """Write the key fields of whole tiles: keys (n, H, tile, d) (already transformed; the tokens of each tile in
@@ -586,9 +625,17 @@ def decode_batch(sc: SlotCodec, cache: torch.Tensor, block_table: torch.Tensor, 
     cache (num_blocks, H, block_size, C) uint8, block_table (R, ≥ blocks) int, seq_lens (R,), q (R, Hq, d).
     ``rope_mean`` (+rmean) with the untransformed queries ``q_raw`` (R, Hq, d): a token read from its codes gains
     Q·R_t μ (:class:`RopeMean`).
+    Where :func:`wushkv.decode.triton_for` sends the cache's device (a GPU; any device under
+    ``triton_enabled(True)``), wushkv's Triton decode kernel reads the cells instead (:func:`decode_batch_triton`).
     Returns float32 (R, Hq, d), or None where the kernel is not available (no compiler) or does not cover the cells."""
     from wushkv._ext import kernels
+    from wushkv.decode import triton_for
 
+    tk = triton_for(cache.device) if rope_mean is None else None
+    if tk is not None:
+        out = decode_batch_triton(tk, sc, cache, block_table, seq_lens, q, windows, scale, sliding_window, softcap)
+        if out is not None:
+            return out
     ext, sides = kernels(), sc.sides()
     if ext is None or sides is None:
         return None
@@ -598,3 +645,76 @@ def decode_batch(sc: SlotCodec, cache: torch.Tensor, block_table: torch.Tensor, 
     return ext.paged_decode(cache, block_table.to(torch.int32), seq_lens.to(torch.int64), q.float(), windows.pool,
                             windows.written, windows.index, *sides, windows.sink, windows.recent, windows.flush,
                             sliding_window if sliding_window > 0 else -1, float(scale), float(softcap or 0.0), ab, table)
+
+
+def decode_batch_triton(tk, sc: SlotCodec, cache: torch.Tensor, block_table: torch.Tensor, seq_lens: torch.Tensor,
+                        q: torch.Tensor, windows: Windows, scale: float, sliding_window: int = -1,
+                        softcap: float = 0.0) -> torch.Tensor | None:
+    """:func:`decode_batch` through wushkv's Triton decode kernel (``tk``: :mod:`wushkv.triton_kernels`), the GPU
+    path. Request r's context is three parts, as the kernel reads them: its sink (positions below
+    min(sink, n)) and its tail (:meth:`Windows.tail` on), gathered from their copies into (R, H, ·, d) tensors in the
+    copies' dtype, and between them the codes, read in place through strided views of the cells (a paged middle whose
+    block table maps every position: ``absolute_pages``). A window position whose copy was dropped is dequantized
+    from its cell in torch instead (what the rule reads). The dots run in the copies' dtype (float16/bfloat16 models;
+    float32 copies: IEEE float32).
+
+    Returns float32 (R, Hq, d), or None where the kernel does not apply: key tiles, a codec the kernels do not take, a
+    metadata field at an odd byte offset (it cannot be viewed as float16 in place)."""
+    if sc.tile:
+        return None
+    fmts = []
+    for c in sc.codecs.values():
+        G = c.d if c.quantizer.group_size is None else c.quantizer.group_size
+        try:
+            fmts.append(tk.TokenFormat(c.bits, c.d, G, c.symmetric, step_byte=c.step_byte))
+        except ValueError:  # a head_dim or group size the kernels do not take
+            return None
+    cells = cache.permute(0, 2, 1, 3)  # (blocks, block_size, H, C): the kernel's paged (block, token, head)
+    fields = {}
+    for side, name, dtype, _n, off, width in sc.fields:
+        f = cells[..., off:off + width]
+        try:
+            fields[side, name] = f if dtype == torch.uint8 else f.view(dtype)
+        except RuntimeError:
+            return None
+    packed = [tk.Packed(fmt, fields[side, "codes"], fields[side, "scale"], fields.get((side, "offset")))
+              for fmt, side in zip(fmts, ("key", "value"))]
+    R, bs, d = len(seq_lens), cache.shape[2], sc.d
+    lens = seq_lens.tolist()  # the host's: the windows' bookkeeping is there too
+    sink = [min(windows.sink, n) for n in lens]
+    tail = [min(max(s, windows.tail(n)), n) for s, n in zip(sink, lens)]
+    # each request's window positions, sink then tail, padded with a position it has (the kernel reads lengths)
+    S, W = max(sink, default=0), max((n - t for n, t in zip(lens, tail)), default=0)
+    pos = torch.tensor([[*range(s), *[0] * (S - s), *range(t, n), *[max(n - 1, 0)] * (W - n + t)]
+                        for s, t, n in zip(sink, tail, lens)], dtype=torch.long).reshape(R, S + W)
+    kf, vf = _window_copies(sc, cache, block_table, pos, windows)  # (R, H, S + W, d) each
+    dt = windows.dtype if windows.dtype in (torch.float16, torch.bfloat16) else torch.float32
+    dev = cache.device
+    kf, vf = kf.to(dev, dt), vf.to(dev, dt)
+    lengths = torch.tensor([[s, t - s, n - t] for s, t, n in zip(sink, tail, lens)], dtype=torch.int32).reshape(R, 3)
+    out = tk.decode(q.to(dev, dt), lengths, kf[:, :, :S], vf[:, :, :S], packed[0], packed[1], kf[:, :, S:], vf[:, :, S:],
+                    float(scale), softcap=float(softcap) if softcap else None,
+                    window=sliding_window if sliding_window > 0 else None, block_table=block_table.to(dev, torch.int32),
+                    absolute_pages=True)
+    return out.float()
+
+
+def _window_copies(sc: SlotCodec, cache: torch.Tensor, block_table: torch.Tensor, pos: torch.Tensor,
+                   windows: Windows) -> tuple[torch.Tensor, torch.Tensor]:
+    """Keys and values (R, H, P, d) float32 at positions ``pos`` (R, P) of each request: the copies the windows
+    hold, and for a position without one, its cell decoded."""
+    R, P = pos.shape
+    bs, u = cache.shape[2], windows.unit
+    blocks = block_table.to(pos.device).long().gather(1, pos // bs)  # (R, P)
+    pages = blocks * (bs // u) + (pos % bs) // u
+    rows = torch.full_like(pages, -1)
+    inside = pages < len(windows.index)
+    rows[inside] = windows.index[pages[inside]].long()
+    held = rows >= 0
+    held[held.clone()] = windows.written[rows[held], (pos % u)[held]]
+    kv = windows.pool[rows.clamp_min(0), pos % u].float()  # (R, P, H, 2, d)
+    if not bool(held.all()):  # copies dropped past the capacity: those positions from their codes
+        cells = cache[blocks[~held], :, pos[~held] % bs]  # (m, H, C)
+        k, v = sc.decode(cells.transpose(0, 1))  # (H, m, d)
+        kv[~held] = torch.stack([k, v], 2).transpose(0, 1)  # (m, H, 2, d)
+    return kv[..., 0, :].transpose(1, 2), kv[..., 1, :].transpose(1, 2)
