@@ -301,6 +301,7 @@ def test_gpu_decode_dry_run(tmp_path):
     # each row checks what it timed: the kernel against the tiles' path, the bf16 run against SDPA
     assert 0 <= row["triton_vs_tiles"] < gpu_decode.AGREE and 0 <= row["triton_bf16_vs_sdpa"] < gpu_decode.AGREE
     assert gpu_decode.max_rel(torch.ones(3), torch.full((3,), 2.0)) == 0.5
+    assert not gpu_decode.agrees(gpu_decode.max_rel(torch.tensor([1.0, float("nan")]), torch.ones(2)))  # NaN: MISMATCH
     sw = res["sweep"]
     assert sw["shapes"] == [[48, 2]] and res["tuning"] == row["tuning"] == sw["best"]
     timed = [r for r in sw["rows"] if "ms" in r]

@@ -274,6 +274,25 @@ def test_decode_options(feature):
     assert N == 4 + 20 + 6
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_decode_never_reads_what_the_window_hides(dtype):
+    """A sliding window's earlier columns (and a mask's) are not read at all: the splits share the visible columns
+    only (O(window) work), so rows there may hold anything, as vLLM's freed blocks do. NaN in the sink, in the
+    middle's codes and steps before the window change nothing, with more splits than visible tiles."""
+    d = 128 if dtype == torch.bfloat16 else 64
+    q, pk, pv = _case(QuestQuantizer(2), AffineQuantizer(4), 2, 2, 3, d, n_s=5, n_m=70, n_r=6, seed=7, dtype=dtype)
+    clean = _triton(q, pk, pv, window=40, splits=6, block_n=16)
+    for part in (pk, pv):
+        part[0].fill_(float("nan"))  # the whole sink: before the window
+        store = part[1][1]
+        store["scale"][:, :, :30] = float("nan")  # middle tokens 0..29 (columns 5..34 of 81: the window starts at 41)
+        store["codes"][:, :, :30] = 0xFF
+    out = _triton(q, pk, pv, window=40, splits=6, block_n=16)
+    assert torch.isfinite(out).all() and torch.equal(out, clean)
+    mask = torch.ones(2, 25, dtype=torch.bool, device=DEVICE)
+    assert torch.isfinite(_triton(q, pk, pv, allowed=mask, splits=6, block_n=16)).all()
+
+
 @pytest.mark.parametrize("dtype,kbits,vbits,d,absolute", [(torch.float32, 3, 2, 64, False), (torch.bfloat16, 2, 4, 128, False),
                                                             (torch.float32, 2, 3, 64, True), (torch.bfloat16, 3, 2, 128, True)])
 def test_decode_paged_ragged(dtype, kbits, vbits, d, absolute):
@@ -433,6 +452,9 @@ def test_splits_never_read_lengths_on_the_device():
     paged = tk.Packed(fmt, torch.zeros(9, 8, 2, fmt.nbytes, dtype=torch.uint8), torch.zeros(9, 8, 2, 1))
     assert tk._longest(on_device, part(4), paged, part(16), torch.zeros(2, 5, dtype=torch.int32)) == 4 + 5 * 8 + 16
     assert tk._longest(torch.tensor([[4, 33, 16], [1, 7, 2]]), part(4), mid, part(16), None) == 53
+    with pytest.raises(ValueError, match="absolute_pages=True describes a block table"):
+        tk.decode(torch.zeros(2, 2, 64), torch.tensor([[4, 40, 16]] * 2), part(4), part(4), mid, mid, part(16),
+                  part(16), 0.1, absolute_pages=True)
 
 
 def test_store_contiguous_checks_the_capacity_on_the_host():
@@ -447,7 +469,8 @@ def test_store_contiguous_checks_the_capacity_on_the_host():
         with pytest.raises(ValueError, match=r"3 tokens from (6|\[0, 6\]|\[0, 254\]) overflow the capacity 8"):
             tk.store_contiguous(x, codes, scale, None, start, fmt)
     for start, match in ((-1, r"start must be >= 0, got -1"), (torch.tensor([2, -1]), r"start must be >= 0, got \[2, -1\]"),
-                         (True, "start must be an integer")):
+                         (True, "start must be an integer"), (2.5, "start must be an integer"),
+                         (torch.tensor([1.5, 0.0]), "start must be an integer")):
         with pytest.raises(ValueError, match=match):
             tk.store_contiguous(x, codes, scale, None, start, fmt)
     assert not codes.any()

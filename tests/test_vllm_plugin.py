@@ -125,6 +125,7 @@ def test_store_through_the_triton_kernel_writes_the_bytes_of_encode(quantizer, k
     from wushkv.decode import triton_enabled
 
     H, d, T, bs = 3, 64, 120, 16
+    dev = _triton_device()
     cfg = QuantConfig(k_bits=k_bits, v_bits=v_bits, quantizer=quantizer, metadata_dtype=meta, k_alpha=1.15)
     sc = SlotCodec(cfg, d)
     g = _g(12)
@@ -139,7 +140,9 @@ def test_store_through_the_triton_kernel_writes_the_bytes_of_encode(quantizer, k
     store(cells(ref), sc.encode(k, v), slots)
     tk.reset_calls()
     with triton_enabled(True):
-        sc.store(cells(got), k, v, slots)
+        got = got.to(dev)
+        sc.store(cells(got), k.to(dev), v.to(dev), slots)
+        got = got.cpu()
     assert tk.calls() == {"store": 2}
     # the affine grid bit for bit; QuEST's step is coef·‖x‖/√d, whose sum runs in another order in the kernel: steps
     # equal to their dtype's rounding (a last bit apart now and then), a code flipped with them rarely, as in the
@@ -161,7 +164,7 @@ def test_store_through_the_triton_kernel_writes_the_bytes_of_encode(quantizer, k
     for other in (replace(cfg, quantizer="quest", metadata_dtype="e5m3"), replace(cfg, quantizer="quest", clip_search=4)):
         tk.reset_calls()
         with triton_enabled(True):
-            SlotCodec(other, d).store(cells(base.clone()), k, v, slots)
+            SlotCodec(other, d).store(cells(base.clone()), k, v, slots)  # declined before any launch (any device)
         assert tk.calls() == {}
 
 
@@ -446,20 +449,30 @@ def test_batched_decode_kernel_equals_the_general_attention(quantizer, bits, dty
         assert err < 2e-5, (window, softcap, err)
 
 
-@pytest.mark.parametrize("quantizer, bits, dtype", [("quest", 2, torch.float32), ("affine", 4, torch.bfloat16),
-                                                     ("quest", 3, torch.float32), ("quest", 8, torch.float16),
-                                                     ("quest", 2, torch.bfloat16)])
-def test_batched_decode_through_the_triton_kernel(quantizer, bits, dtype):
-    """The GPU path of the batched decode (wushkv's Triton kernel, here under Triton's interpreter): the codes read in
-    place through views of the strided cells, the block tables mapping every position; the window tokens from their
-    copies, a dropped copy from its cell; gives what the general path gives (float32: to 1e-5 of the output's scale;
-    a float16/bfloat16 model's dots run in its dtype: 2e-2). 3-bit codes too, which the CPU kernel declines."""
+def _triton_device():
+    """Where the plugin's Triton paths run in these tests: the GPU where there is one (its real path: cells on the
+    device, windows on the host), else CPU tensors under Triton's interpreter (tests/conftest.py)."""
+    from wushkv import triton_kernels as tk
+
+    return "cuda" if torch.cuda.is_available() and not tk.interpreting() else "cpu"
+
+
+@pytest.mark.parametrize("quantizer, bits, dtype, meta", [
+    ("quest", 2, torch.float32, "float16"), ("affine", 4, torch.bfloat16, "float16"), ("quest", 3, torch.float32, "float16"),
+    ("quest", 8, torch.float16, "float16"), ("quest", 2, torch.bfloat16, "float16"), ("quest", 2, torch.bfloat16, "e5m3")])
+def test_batched_decode_through_the_triton_kernel(quantizer, bits, dtype, meta):
+    """The GPU path of the batched decode (wushkv's Triton kernel; here under Triton's interpreter where there is no
+    GPU): the codes read in place through views of the cells, the block tables mapping every position; the window
+    tokens from their copies, a dropped copy from its cell; gives what the general path gives (float32: to 1e-5 of
+    the output's scale; a float16/bfloat16 model's dots run in its dtype: 2e-2). 3-bit codes too, which the CPU
+    kernel declines; one-byte (e5m3) steps put the values' fields at odd offsets."""
     pytest.importorskip("triton")
     from wushkv import triton_kernels as tk
     from wushkv.decode import triton_enabled
 
     H, G, d, bs, S, R = 2, 3, 64, 16, 4, 24
-    sc = SlotCodec(QuantConfig(k_bits=bits, v_bits=2, quantizer=quantizer), d)
+    dev = _triton_device()
+    sc = SlotCodec(QuantConfig(k_bits=bits, v_bits=2, quantizer=quantizer, metadata_dtype=meta), d)
     lens = [1, 5, 37, 100, 230]
     NB = sum(-(-n // bs) for n in lens) + 3
     cache = torch.zeros(NB, H, bs, sc.slot_bytes + 4, dtype=torch.uint8)[..., 2:2 + sc.slot_bytes]  # strided, like vLLM's
@@ -488,7 +501,7 @@ def test_batched_decode_through_the_triton_kernel(quantizer, bits, dtype):
         want = torch.stack(want)
         tk.reset_calls()
         with triton_enabled(True):
-            got = decode_batch(sc, cache, tables, torch.tensor(lens), q, w, 0.3, window, softcap)
+            got = decode_batch(sc, cache.to(dev), tables.to(dev), torch.tensor(lens), q.to(dev), w, 0.3, window, softcap).cpu()
         assert tk.calls() == {"decode": 1, "merge": 1}  # the whole batch in one launch, not the CPU kernel
         err = float((got - want).abs().max() / want.abs().max())
         assert err < (1e-5 if dtype == torch.float32 else 2e-2), (window, softcap, err)

@@ -567,12 +567,17 @@ def _kernels() -> dict:
         n_m = tl.load(lens_ptr + b * 3 + 1)
         n_r = tl.load(lens_ptr + b * 3 + 2)
         N = n_s + n_m + n_r
-        chunk = (N + SPLITS - 1) // SPLITS
+        # the splits share the columns the query can see: a sliding window's (and a mask's) earlier ones are never
+        # read, which is O(window) work, and their rows may hold anything (vLLM frees them: 0·NaN would be NaN)
+        first = tl.where(WINDOW > 0, tl.maximum(N - WINDOW, 0), 0)
+        if HAS_MASK:
+            first = tl.maximum(first, N - S)
+        chunk = (N - first + SPLITS - 1) // SPLITS
         # the softmax runs in base 2: the scale carries log2 e (folded into per-token vectors on the class path, so
         # exp2 needs no multiply); with a softcap the cap needs natural units, and _finish_scores converts after it
         if not SOFTCAP:
             sm_scale = sm_scale * 1.4426950408889634
-        lo = sp * chunk
+        lo = first + sp * chunk
         hi = tl.minimum(N, lo + chunk)
 
         gi = tl.arange(0, GP)
@@ -879,7 +884,8 @@ def store_contiguous(x, codes, scale, offset, start, fmt: TokenFormat, transform
     B, H, T, d = x.shape
     cap = codes.shape[2]
     # checked where ``start`` is on the host (an int, the usual case): reading a GPU tensor would wait for the device
-    if isinstance(start, bool) or (torch.is_tensor(start) and start.dtype == torch.bool):
+    if isinstance(start, bool) or not (isinstance(start, numbers.Integral) or torch.is_tensor(start)) or (
+            torch.is_tensor(start) and (start.dtype == torch.bool or start.is_floating_point() or start.is_complex())):
         raise ValueError(f"start must be an integer or an integer tensor, got {start!r}")
     if isinstance(start, numbers.Integral):
         start = int(start)
@@ -1020,6 +1026,8 @@ def decode(query, lengths, sink_k, sink_v, mid_k: Packed, mid_v: Packed, recent_
     """
     B, Hq, d = query.shape
     Hkv = sink_k.shape[1]
+    if absolute_pages and block_table is None:
+        raise ValueError("absolute_pages=True describes a block table: pass block_table")
     if Hq % Hkv:
         raise ValueError(f"query heads {Hq} are not a multiple of KV heads {Hkv}")
     G = Hq // Hkv
@@ -1038,7 +1046,8 @@ def decode(query, lengths, sink_k, sink_v, mid_k: Packed, mid_v: Packed, recent_
     k_p, v_p, tile_n, num_warps = tuning.launch(query.dtype, mid_k, mid_v)
     block_n = block_n or tile_n
     if splits is None:
-        splits = default_splits(B, Hkv, longest, block_n, query.device)
+        visible = min([longest] + ([window] if window else []) + ([allowed.shape[-1]] if allowed is not None else []))
+        splits = default_splits(B, Hkv, visible, block_n, query.device)  # the kernel splits the visible columns
     paged = block_table is not None
     emulate = query.device.type == "cpu" and not _RECORDING  # the interpreter: bfloat16 dots emulated (see _mma)
     if sinks is not None and tuple(sinks.shape) != (Hq,):

@@ -143,8 +143,9 @@ class SlotCodec:
         per side) into strided views of the cells, where :func:`wushkv.decode.triton_for` sends the cache's device
         (a GPU; any device under ``triton_enabled(True)``) and the kernel covers both sides: per-token QuEST or affine
         codes without error feedback, clip search or one-byte steps (their codes are rounded on what the kernel does
-        not compute). The same bytes as :meth:`encode` (the kernel's grid is the quantizer's); the padding is left as
-        it was. False where it does not apply: the caller stores as before."""
+        not compute). The bytes of :meth:`encode`: the affine grid bit for bit, QuEST's step to its dtype's rounding
+        (the kernel sums ‖x‖ in another order: a last bit apart now and then, a code with it rarely); the padding is
+        left as it was. False where it does not apply: the caller stores as before."""
         from wushkv.decode import triton_for
 
         tk = triton_for(cache.device) if not self.tile else None
@@ -658,6 +659,9 @@ def decode_batch_triton(tk, sc: SlotCodec, cache: torch.Tensor, block_table: tor
     from its cell in torch instead (what the rule reads). The dots run in the copies' dtype (float16/bfloat16 models;
     float32 copies: IEEE float32).
 
+    Not yet run on a GPU: the windows (pool and bookkeeping) live on the host, so each call gathers the copies there
+    and copies them over, and reads ``seq_lens`` and the block tables on the host (a wait for the device per layer).
+
     Returns float32 (R, Hq, d), or None where the kernel does not apply: key tiles, a codec the kernels do not take, a
     metadata field at an odd byte offset (it cannot be viewed as float16 in place)."""
     if sc.tile:
@@ -687,7 +691,8 @@ def decode_batch_triton(tk, sc: SlotCodec, cache: torch.Tensor, block_table: tor
     S, W = max(sink, default=0), max((n - t for n, t in zip(lens, tail)), default=0)
     pos = torch.tensor([[*range(s), *[0] * (S - s), *range(t, n), *[max(n - 1, 0)] * (W - n + t)]
                         for s, t, n in zip(sink, tail, lens)], dtype=torch.long).reshape(R, S + W)
-    kf, vf = _window_copies(sc, cache, block_table, pos, windows)  # (R, H, S + W, d) each
+    first = torch.tensor([max(0, n - sliding_window) if sliding_window > 0 else 0 for n in lens]).reshape(R, 1)
+    kf, vf = _window_copies(sc, cache, block_table, pos, pos >= first, windows)  # (R, H, S + W, d) each
     dt = windows.dtype if windows.dtype in (torch.float16, torch.bfloat16) else torch.float32
     dev = cache.device
     kf, vf = kf.to(dev, dt), vf.to(dev, dt)
@@ -700,9 +705,10 @@ def decode_batch_triton(tk, sc: SlotCodec, cache: torch.Tensor, block_table: tor
 
 
 def _window_copies(sc: SlotCodec, cache: torch.Tensor, block_table: torch.Tensor, pos: torch.Tensor,
-                   windows: Windows) -> tuple[torch.Tensor, torch.Tensor]:
-    """Keys and values (R, H, P, d) float32 at positions ``pos`` (R, P) of each request: the copies the windows
-    hold, and for a position without one, its cell decoded."""
+                   need: torch.Tensor, windows: Windows) -> tuple[torch.Tensor, torch.Tensor]:
+    """Keys and values (R, H, P, d) float32 at positions ``pos`` (R, P) of each request, on the windows' device: the
+    copies the windows hold, and for a position without one, its cell decoded. Positions not ``need``-ed (before a
+    sliding window: never read, their blocks perhaps freed) are zeros."""
     R, P = pos.shape
     bs, u = cache.shape[2], windows.unit
     blocks = block_table.to(pos.device).long().gather(1, pos // bs)  # (R, P)
@@ -712,9 +718,12 @@ def _window_copies(sc: SlotCodec, cache: torch.Tensor, block_table: torch.Tensor
     rows[inside] = windows.index[pages[inside]].long()
     held = rows >= 0
     held[held.clone()] = windows.written[rows[held], (pos % u)[held]]
+    held &= need
     kv = windows.pool[rows.clamp_min(0), pos % u].float()  # (R, P, H, 2, d)
-    if not bool(held.all()):  # copies dropped past the capacity: those positions from their codes
-        cells = cache[blocks[~held], :, pos[~held] % bs]  # (m, H, C)
+    kv[~held] = 0
+    dropped = ~held & need
+    if bool(dropped.any()):  # copies dropped past the capacity: those positions from their codes
+        cells = cache[blocks[dropped].to(cache.device), :, (pos[dropped] % bs).to(cache.device)]  # (m, H, C)
         k, v = sc.decode(cells.transpose(0, 1))  # (H, m, d)
-        kv[~held] = torch.stack([k, v], 2).transpose(0, 1)  # (m, H, 2, d)
+        kv[dropped] = torch.stack([k, v], 2).transpose(0, 1).to(kv.device)  # (m, H, 2, d)
     return kv[..., 0, :].transpose(1, 2), kv[..., 1, :].transpose(1, 2)
