@@ -84,6 +84,17 @@ def test_store_and_gather_through_a_block_table(cfg):
 
 
 
+def _tokens_to_store(g, T: int, H: int, d: int, n_slots: int):
+    """Keys (T, H, d) of every scale (token 5 zero), values, and their slots among the first ``n_slots`` (tokens 7 and
+    100: -1, vLLM's padding)."""
+    k = torch.randn(T, H, d, generator=g) * torch.rand(T, H, 1, generator=g) * 4
+    v = torch.randn(T, H, d, generator=g)
+    k[5] = 0
+    slots = torch.randperm(n_slots, generator=g)[:T]
+    slots[[7, 100]] = -1
+    return k, v, slots
+
+
 @pytest.mark.parametrize("quantizer,k_bits,v_bits,feedback,meta", [
     ("quest", 2, 2, True, "float16"), ("quest", 2, 2, False, "float16"), ("quest", 4, 2, True, "bfloat16"),
     ("quest", 8, 8, False, "float32"), ("affine", 2, 4, True, "float16"), ("affine", 2, 2, False, "float16"),
@@ -102,11 +113,7 @@ def test_fused_store_writes_the_bytes_of_encode(quantizer, k_bits, v_bits, feedb
     assert sc._fused_store == (sc.sides() is not None and (feedback or quantizer == "quest"))
     if sc._fused_store:
         require_kernels()
-    k = torch.randn(T, H, d, generator=g) * torch.rand(T, H, 1, generator=g) * 4
-    v = torch.randn(T, H, d, generator=g)
-    k[5] = 0
-    slots = torch.randperm(40 * bs, generator=g)[:T]
-    slots[[7, 100]] = -1
+    k, v, slots = _tokens_to_store(g, T, H, d, 40 * bs)
     ref = torch.randint(0, 256, (40, H, bs, sc.slot_bytes + 4), dtype=torch.uint8, generator=g)
     got = ref.clone()
     store(ref, sc.encode(k, v), slots)
@@ -129,11 +136,7 @@ def test_store_through_the_triton_kernel_writes_the_bytes_of_encode(quantizer, k
     cfg = QuantConfig(k_bits=k_bits, v_bits=v_bits, quantizer=quantizer, metadata_dtype=meta, k_alpha=1.15)
     sc = SlotCodec(cfg, d)
     g = _g(12)
-    k = torch.randn(T, H, d, generator=g) * torch.rand(T, H, 1, generator=g) * 4
-    v = torch.randn(T, H, d, generator=g)
-    k[5] = 0
-    slots = torch.randperm(20 * bs, generator=g)[:T]
-    slots[[7, 100]] = -1
+    k, v, slots = _tokens_to_store(g, T, H, d, 20 * bs)
     base = torch.randint(0, 256, (20, H, bs, sc.slot_bytes + 8), dtype=torch.uint8, generator=g)
     ref, got = base.clone(), base.clone()
     P, cells = sc.payload_bytes, lambda t: t[..., 4:4 + sc.slot_bytes]  # strided, like vLLM's (float32 steps: 4-aligned)
@@ -406,9 +409,30 @@ def test_batched_decode_kernel_equals_the_general_attention(quantizer, bits, dty
     else:
         sc = SlotCodec(QuantConfig(k_bits=bits, v_bits=2, quantizer=quantizer), d)
     lens = [1, 5, 37, 100, 1500]
-    NB = sum(-(-n // bs) for n in lens) + 3
-    cache = torch.zeros(NB, H, bs, sc.slot_bytes + 4, dtype=torch.uint8)[..., 2:2 + sc.slot_bytes]  # strided, like vLLM's
     w = Windows(bs, H, d, S, R, capacity=10_000, dtype=dtype, flush=tile)
+    cache, tables = _filled_cells(sc, w, lens, rm)
+    if tile > 1:  # still open: each request's last, incomplete tile
+        assert set(w.open) == {int(tables[r][(n - 1) // bs]) * bs // tile + (n - 1) % bs // tile for r, n in enumerate(lens) if n % tile}
+    w.index[int(tables[3, 0]) * (bs // w.unit)] = -1  # request 3's sink page: its copies dropped, read from the codes
+    q = torch.randn(len(lens), H * G, d, generator=_g(40))
+    for window, softcap in ((-1, 0.0), (50, 0.0), (-1, 5.0)):
+        want, missing = _general_decode(sc, w, cache, tables, lens, q, window, softcap, rm)
+        assert missing == [min(S, w.unit) if r == 3 and window < 0 else 0 for r in range(len(lens))]
+        got = decode_batch(sc, cache, tables, torch.tensor(lens), q, w, 0.3, window, softcap, rm, q)
+        if bits == 3:  # 3-bit codes straddle bytes: the kernel declines, the backend takes the general path
+            assert got is None
+            continue
+        err = float((got - want).abs().max())
+        assert err < 2e-5, (window, softcap, err)
+
+
+def _filled_cells(sc: SlotCodec, w: Windows, lens: list[int], rm: RopeMean | None = None):
+    """A strided cell cache (like vLLM's) and block tables (R, 100) holding ``lens`` requests of random tokens in
+    blocks out of order, stored 13 tokens at a time (key tiles complete across steps), their copies in ``w``; keys
+    near their rotating mean with ``rm``."""
+    H, d, bs = w.H, sc.d, w.bs
+    NB = sum(-(-n // bs) for n in lens) + 3
+    cache = torch.zeros(NB, H, bs, sc.slot_bytes + 4, dtype=torch.uint8)[..., 2:2 + sc.slot_bytes]
     tables = torch.full((len(lens), 100), -1, dtype=torch.int32)
     perm, used = torch.randperm(NB, generator=_g(20)), 0
     for r, n in enumerate(lens):
@@ -417,36 +441,30 @@ def test_batched_decode_kernel_equals_the_general_attention(quantizer, bits, dty
         k, v = torch.randn(n, H, d, generator=_g(21 + r)) * 2, torch.randn(n, H, d, generator=_g(31 + r))
         pos = torch.arange(n)
         slots = tables[r][pos // bs].long() * bs + pos % bs
-        k = k + (0 if rm is None else rm.center(pos))  # keys near their rotating mean
-        for a in range(0, n, 13):  # in steps of 13 tokens: tiles complete across steps
+        k = k + (0 if rm is None else rm.center(pos))
+        for a in range(0, n, 13):
             kc = k[a:a + 13] - (0 if rm is None else rm.center(pos[a:a + 13]))
             sc.store(cache, kc, v[a:a + 13], slots[a:a + 13])
             w.write(k[a:a + 13], v[a:a + 13], slots[a:a + 13])
-            if tile > 1:
+            if sc.tile:
                 assert store_tiles(sc, cache, w, slots[a:a + 13], rm, pos[a:a + 13]) == 0
-    if tile > 1:  # still open: each request's last, incomplete tile
-        assert set(w.open) == {int(tables[r][(n - 1) // bs]) * bs // tile + (n - 1) % bs // tile for r, n in enumerate(lens) if n % tile}
-    dropped = int(tables[3, 0]) * (bs // w.unit)  # request 3's sink page: its copies dropped, read from the codes
-    w.index[dropped] = -1
-    q = torch.randn(len(lens), H * G, d, generator=_g(40))
-    for window, softcap in ((-1, 0.0), (50, 0.0), (-1, 5.0)):
-        want = []
-        for r, n in enumerate(lens):
-            lo = max(0, n - window) if window > 0 else 0
-            kq, vq = decode_context(sc, cache, tables[r], n, lo)
-            if rm is not None:
-                kq += rm.center(torch.arange(lo, n)).transpose(0, 1)
-            kf, vf, known = torch.zeros_like(kq), torch.zeros_like(vq), torch.zeros(n - lo, dtype=torch.bool)
-            missing = w.read(kf, vf, known, tables[r], lo, n, n - 1)
-            assert missing == (min(S, w.unit) if r == 3 and lo == 0 else 0)
-            want.append(attend(q[r:r + 1], torch.tensor([n - 1]), kq, vq, kf, vf, known, torch.arange(lo, n), S, R, 0.3,
-                               window, softcap, flush=tile)[0])
-        got = decode_batch(sc, cache, tables, torch.tensor(lens), q, w, 0.3, window, softcap, rm, q)
-        if bits == 3:  # 3-bit codes straddle bytes: the kernel declines, the backend takes the general path
-            assert got is None
-            continue
-        err = float((got - torch.stack(want)).abs().max())
-        assert err < 2e-5, (window, softcap, err)
+    return cache, tables
+
+
+def _general_decode(sc, w, cache, tables, lens, q, window, softcap, rm=None) -> tuple[torch.Tensor, list[int]]:
+    """Each request's query at its last position through the general path (decode the context, attend with the
+    copies): (R, Hq, d) float32, and the window positions each read from its codes for want of a copy."""
+    want, missing = [], []
+    for r, n in enumerate(lens):
+        lo = max(0, n - window) if window > 0 else 0
+        kq, vq = decode_context(sc, cache, tables[r], n, lo)
+        if rm is not None:
+            kq += rm.center(torch.arange(lo, n)).transpose(0, 1)
+        kf, vf, known = torch.zeros_like(kq), torch.zeros_like(vq), torch.zeros(n - lo, dtype=torch.bool)
+        missing.append(w.read(kf, vf, known, tables[r], lo, n, n - 1))
+        want.append(attend(q[r:r + 1], torch.tensor([n - 1]), kq, vq, kf, vf, known, torch.arange(lo, n), w.sink,
+                           w.recent, 0.3, window, softcap, flush=w.flush)[0])
+    return torch.stack(want), missing
 
 
 def _triton_device():
@@ -474,31 +492,12 @@ def test_batched_decode_through_the_triton_kernel(quantizer, bits, dtype, meta):
     dev = _triton_device()
     sc = SlotCodec(QuantConfig(k_bits=bits, v_bits=2, quantizer=quantizer, metadata_dtype=meta), d)
     lens = [1, 5, 37, 100, 230]
-    NB = sum(-(-n // bs) for n in lens) + 3
-    cache = torch.zeros(NB, H, bs, sc.slot_bytes + 4, dtype=torch.uint8)[..., 2:2 + sc.slot_bytes]  # strided, like vLLM's
     w = Windows(bs, H, d, S, R, capacity=10_000, dtype=dtype)
-    tables = torch.full((len(lens), 20), -1, dtype=torch.int32)
-    perm, used = torch.randperm(NB, generator=_g(20)), 0
-    for r, n in enumerate(lens):
-        nb = -(-n // bs)
-        tables[r, :nb], used = perm[used:used + nb], used + nb
-        k, v = torch.randn(n, H, d, generator=_g(21 + r)) * 2, torch.randn(n, H, d, generator=_g(31 + r))
-        pos = torch.arange(n)
-        slots = tables[r][pos // bs].long() * bs + pos % bs
-        sc.store(cache, k, v, slots)
-        w.write(k, v, slots)
+    cache, tables = _filled_cells(sc, w, lens)
     w.index[int(tables[3, 0]) * (bs // w.unit)] = -1  # request 3's sink page: its copies dropped, read from the codes
     q = torch.randn(len(lens), H * G, d, generator=_g(40))
     for window, softcap in ((-1, 0.0), (50, 0.0), (-1, 5.0)):
-        want = []
-        for r, n in enumerate(lens):
-            lo = max(0, n - window) if window > 0 else 0
-            kq, vq = decode_context(sc, cache, tables[r], n, lo)
-            kf, vf, known = torch.zeros_like(kq), torch.zeros_like(vq), torch.zeros(n - lo, dtype=torch.bool)
-            w.read(kf, vf, known, tables[r], lo, n, n - 1)
-            want.append(attend(q[r:r + 1], torch.tensor([n - 1]), kq, vq, kf, vf, known, torch.arange(lo, n), S, R, 0.3,
-                               window, softcap)[0])
-        want = torch.stack(want)
+        want, _ = _general_decode(sc, w, cache, tables, lens, q, window, softcap)
         tk.reset_calls()
         with triton_enabled(True):
             got = decode_batch(sc, cache.to(dev), tables.to(dev), torch.tensor(lens), q.to(dev), w, 0.3, window, softcap).cpu()
