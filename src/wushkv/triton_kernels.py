@@ -24,8 +24,9 @@ square root, the same float32 constants), packs 8 codes into ``b`` bytes and wri
 *Decode* runs one program per (sequence, KV head, split): the program reads its split's columns of the packed
 middle, then of the full-precision sink and recent buffer (one online softmax over all three), once for all the
 query heads of the GQA group. With one group per token, 1- to 4-bit codes are read as words (16 bits, or one or
-three bytes) split into classes, one tensor-core dot per class (:func:`code_classes`); other codes are loaded as bytes and unpacked in registers; with one group per
-token the scores are ``s ⊙ (C q) + z·Σq`` and the output ``Cᵀ(p ⊙ s) + (Σ p z)·1``
+three bytes) split into classes, one tensor-core dot per class (:func:`code_classes`); other codes are loaded as
+bytes and unpacked in registers; with one group per token the scores are ``s ⊙ (C q) + z·Σq`` and the output
+``Cᵀ(p ⊙ s) + (Σ p z)·1``
 (:mod:`wushkv.decode`), with smaller groups a tile is dequantized in registers. Nothing is dequantized to global
 memory. Each split keeps an online softmax (running max, sum, weighted values) and writes them; a second kernel
 merges the splits (adding the learned sink logits, gpt-oss, to the denominator) and writes the output.
@@ -775,8 +776,7 @@ def code_classes(fmt: TokenFormat, dtype: torch.dtype, codes: torch.Tensor | Non
     (P 8, from head_dim 128) and 4 bits (P 4, from 64), one byte at 1 bit (P 8, from 128) and at 2 bits below
     head_dim 128 (P 4, from 64), three bytes at 3 bits (P 8, from 128). ``codes`` given: 16-bit words need code rows
     at even byte offsets (2-bit rows at odd ones are read in bytes, 4-bit ones in tiles), and a middle of no tokens
-    keeps the tiles (a full-precision context keeps the tiles'
-    launch parameters)."""
+    keeps the tiles (a full-precision context keeps the tiles' launch parameters)."""
     P = _classes(fmt.bits, fmt.d, fmt.G, dtype)
     if not P or codes is None:
         return P
@@ -1064,10 +1064,11 @@ def decode(query, lengths, sink_k, sink_v, mid_k: Packed, mid_v: Packed, recent_
         return st[:3] if paged else (st[0], st[2], st[1])
 
     # the splits' state in one allocation (the host's time per call counts where a step is short): o (B, Hq, splits,
-    # d), then m and l (B, Hq, splits), float32
-    n = B * Hq * splits
-    state = torch.empty(n * (d + 2), dtype=torch.float32, device=query.device)
-    o, m, l = state[: n * d].view(B, Hq, splits, d), state[n * d: n * (d + 1)].view(B, Hq, splits), state[n * (d + 1):].view(B, Hq, splits)
+    # d), then m and l (B, Hq, splits), float32, each at a 16-byte boundary (the launcher specializes on alignment)
+    n, n4 = B * Hq * splits, -(-B * Hq * splits // 4) * 4
+    state = torch.empty(n * d + 2 * n4, dtype=torch.float32, device=query.device)
+    o = state[: n * d].view(B, Hq, splits, d)
+    m, l = (state[n * d + i * n4: n * d + i * n4 + n].view(B, Hq, splits) for i in (0, 1))
     if allowed is not None:
         mask = allowed.reshape(B, -1).to(torch.uint8).contiguous()
         S = mask.shape[1]
