@@ -106,6 +106,16 @@ def encode_block(codec, x: torch.Tensor) -> dict[str, torch.Tensor]:
     return {"codes": codes, "scale": scale} | ({} if offset is None else {"offset": offset})
 
 
+def read_format(tk, codec: TokenCodec):
+    """The :class:`wushkv.triton_kernels.TokenFormat` the decode kernel reads ``codec``'s storage in, or None where the
+    kernels do not take its head_dim or group size."""
+    G = codec.d if codec.quantizer.group_size is None else codec.quantizer.group_size
+    try:
+        return tk.TokenFormat(codec.bits, codec.d, G, codec.symmetric, step_byte=codec.step_byte)
+    except ValueError:
+        return None
+
+
 def _triton_decode(query, parts_k, parts_v, allowed, scaling, softcap, sinks):
     """The Triton decode (B, 1, Hq, d) where it applies: [sink, packed middle, recent] with per-token codecs on
     both sides, a float16/bfloat16/float32 query, a head_dim the kernels take; else None (the PyTorch path)."""
@@ -122,10 +132,8 @@ def _triton_decode(query, parts_k, parts_v, allowed, scaling, softcap, sinks):
     for codec, store, n in (mk, mv):
         if not isinstance(codec, TokenCodec):
             return None
-        G = codec.d if codec.quantizer.group_size is None else codec.quantizer.group_size
-        try:
-            fmt = tk.TokenFormat(codec.bits, codec.d, G, codec.symmetric, step_byte=codec.step_byte)
-        except ValueError:  # a head_dim or group size the kernels do not take
+        fmt = read_format(tk, codec)
+        if fmt is None:
             return None
         if not n:  # nothing stored yet: empty tensors (never read)
             store = {"codes": sk.new_empty(B, sk.shape[1], 0, fmt.nbytes, dtype=torch.uint8),
@@ -344,5 +352,5 @@ def dequantize_then_attend(query, parts_k, parts_v, allowed, scaling, softcap=No
     return reference_attention(query, K, V, allowed, scaling, softcap, sinks)
 
 
-__all__ = ["decode_attention", "dequantize_then_attend", "codes_as_float", "encode_block", "kernels_enabled", "triton_enabled", "triton_for",
+__all__ = ["decode_attention", "dequantize_then_attend", "codes_as_float", "encode_block", "kernels_enabled", "triton_enabled", "triton_for", "read_format",
            "DEFAULT_BLOCK"]

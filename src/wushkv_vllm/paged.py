@@ -138,6 +138,20 @@ class SlotCodec:
         ext.paged_store(cache, slot_mapping.to(torch.int64), xs, steps, offsets, fbs, *self._sides, self.payload_bytes,
                         self.slot_bytes)
 
+    def field_views(self, cache: torch.Tensor) -> dict[tuple[str, str], torch.Tensor] | None:
+        """Each field of the cells of ``cache`` (num_blocks, H, block_size, ≥ slot_bytes) uint8, viewed in place in its
+        dtype as (num_blocks, block_size, H, n): the (block, token, head) layout of the Triton kernels' paged cache.
+        {(side, name): view}, or None where a field cannot be viewed in place (a float16 at an odd byte offset)."""
+        cells = cache.permute(0, 2, 1, 3)
+        views = {}
+        for side, name, dtype, _n, off, width in self.fields:
+            f = cells[..., off:off + width]
+            try:
+                views[side, name] = f if dtype == torch.uint8 else f.view(dtype)
+            except RuntimeError:
+                return None
+        return views
+
     def _store_triton(self, cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slot_mapping: torch.Tensor) -> bool:
         """:meth:`store` through wushkv's Triton store kernel (:func:`wushkv.triton_kernels.store_paged`, one launch
         per side) into strided views of the cells, where :func:`wushkv.decode.triton_for` sends the cache's device
@@ -151,29 +165,20 @@ class SlotCodec:
         tk = triton_for(cache.device) if not self.tile else None
         if tk is None:
             return False
-        cells = cache.permute(0, 2, 1, 3)  # (blocks, block_size, H, C): the kernel's paged (block, token, head)
-        plan = []
-        for (side, c), x in zip(self.codecs.items(), (k, v)):
+        fmts = []
+        for c in self.codecs.values():
             if not isinstance(c, TokenCodec) or c.feedback is not None or c.step_byte:
                 return False
             try:
-                fmt = tk.TokenFormat.of(c.quantizer, c.d)
+                fmts.append(tk.TokenFormat.of(c.quantizer, c.d))
             except ValueError:  # the clip search, a head_dim or group size the kernel does not take
                 return False
-            fields = {name: (dtype, off, width) for s, name, dtype, _n, off, width in self.fields if s == side}
-            views = []
-            for name in ("codes", "scale", "offset"):
-                if name not in fields:
-                    views.append(None)
-                    continue
-                dtype, off, width = fields[name]
-                try:
-                    views.append(cells[..., off:off + width] if dtype == torch.uint8 else cells[..., off:off + width].view(dtype))
-                except RuntimeError:  # a field at an odd byte offset: not viewable as float16 in place
-                    return False
-            plan.append((x, fmt, views))
-        for x, fmt, (codes, scale, offset) in plan:
-            tk.store_paged(x.to(cache.device), slot_mapping, codes, scale, offset, fmt)
+        views = self.field_views(cache)
+        if views is None:
+            return False
+        for side, x, fmt in zip(("key", "value"), (k, v), fmts):
+            tk.store_paged(x.to(cache.device), slot_mapping, views[side, "codes"], views[side, "scale"],
+                           views.get((side, "offset")), fmt)
         return True
 
     def store_tiles(self, cache: torch.Tensor, keys: torch.Tensor, first_slots: torch.Tensor) -> None:
@@ -484,6 +489,17 @@ class Windows:
         tail = range(max(min(self.sink, n), self.tail(n)), n)
         return [*head, *tail]
 
+    def copies(self, blocks: torch.Tensor, pos: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Where the copies of positions ``pos`` in physical blocks ``blocks`` (same shape, integer) are: their pool
+        rows (−1: no page) and whether each is held (its page has a row and the slot is written)."""
+        pages = blocks.long() * (self.bs // self.unit) + (pos % self.bs) // self.unit
+        inside = pages < len(self.index)
+        rows = torch.full_like(pages, -1)
+        rows[inside] = self.index[pages[inside]].long()
+        held = rows >= 0
+        held[held.clone()] = self.written[rows[held], pos[held] % self.unit]
+        return rows, held
+
     def read(self, kf: torch.Tensor, vf: torch.Tensor, known: torch.Tensor, block_ids: torch.Tensor, start: int, stop: int,
              first_query: int) -> int:
         """Copy into full-precision keys and values (H, m, d) of positions start..start+m−1 the copies held of the
@@ -495,12 +511,7 @@ class Windows:
         p = p[(p >= start) & (p < stop)]
         if not len(p):
             return 0
-        pages = block_ids[p // self.bs].long() * (self.bs // self.unit) + (p % self.bs) // self.unit
-        inside = pages < len(self.index)
-        rows = torch.full_like(pages, -1)
-        rows[inside] = self.index[pages[inside]].long()
-        held = rows >= 0
-        held[held.clone()] = self.written[rows[held], p[held] % self.unit]
+        rows, held = self.copies(block_ids[p // self.bs], p)
         h = p[held]
         kv = self.pool[rows[held], h % self.unit].float()  # (m, H, 2, d)
         kf[:, h - start] = kv[:, :, 0].transpose(0, 1)
@@ -664,26 +675,17 @@ def decode_batch_triton(tk, sc: SlotCodec, cache: torch.Tensor, block_table: tor
 
     Returns float32 (R, Hq, d), or None where the kernel does not apply: key tiles, a codec the kernels do not take, a
     metadata field at an odd byte offset (it cannot be viewed as float16 in place)."""
+    from wushkv.decode import read_format
+
     if sc.tile:
         return None
-    fmts = []
-    for c in sc.codecs.values():
-        G = c.d if c.quantizer.group_size is None else c.quantizer.group_size
-        try:
-            fmts.append(tk.TokenFormat(c.bits, c.d, G, c.symmetric, step_byte=c.step_byte))
-        except ValueError:  # a head_dim or group size the kernels do not take
-            return None
-    cells = cache.permute(0, 2, 1, 3)  # (blocks, block_size, H, C): the kernel's paged (block, token, head)
-    fields = {}
-    for side, name, dtype, _n, off, width in sc.fields:
-        f = cells[..., off:off + width]
-        try:
-            fields[side, name] = f if dtype == torch.uint8 else f.view(dtype)
-        except RuntimeError:
-            return None
-    packed = [tk.Packed(fmt, fields[side, "codes"], fields[side, "scale"], fields.get((side, "offset")))
+    fmts = [read_format(tk, c) for c in sc.codecs.values()]
+    views = sc.field_views(cache)
+    if None in fmts or views is None:
+        return None
+    packed = [tk.Packed(fmt, views[side, "codes"], views[side, "scale"], views.get((side, "offset")))
               for fmt, side in zip(fmts, ("key", "value"))]
-    R, bs, d = len(seq_lens), cache.shape[2], sc.d
+    R = len(seq_lens)
     lens = seq_lens.tolist()  # the host's: the windows' bookkeeping is there too
     sink = [min(windows.sink, n) for n in lens]
     tail = [min(max(s, windows.tail(n)), n) for s, n in zip(sink, lens)]
@@ -709,17 +711,11 @@ def _window_copies(sc: SlotCodec, cache: torch.Tensor, block_table: torch.Tensor
     """Keys and values (R, H, P, d) float32 at positions ``pos`` (R, P) of each request, on the windows' device: the
     copies the windows hold, and for a position without one, its cell decoded. Positions not ``need``-ed (before a
     sliding window: never read, their blocks perhaps freed) are zeros."""
-    R, P = pos.shape
-    bs, u = cache.shape[2], windows.unit
+    bs = cache.shape[2]
     blocks = block_table.to(pos.device).long().gather(1, pos // bs)  # (R, P)
-    pages = blocks * (bs // u) + (pos % bs) // u
-    rows = torch.full_like(pages, -1)
-    inside = pages < len(windows.index)
-    rows[inside] = windows.index[pages[inside]].long()
-    held = rows >= 0
-    held[held.clone()] = windows.written[rows[held], (pos % u)[held]]
+    rows, held = windows.copies(blocks, pos)
     held &= need
-    kv = windows.pool[rows.clamp_min(0), pos % u].float()  # (R, P, H, 2, d)
+    kv = windows.pool[rows.clamp_min(0), pos % windows.unit].float()  # (R, P, H, 2, d)
     kv[~held] = 0
     dropped = ~held & need
     if bool(dropped.any()):  # copies dropped past the capacity: those positions from their codes
