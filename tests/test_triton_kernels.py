@@ -352,6 +352,90 @@ def test_decode_paged_ragged(dtype, kbits, vbits, d, absolute):
     assert _rel(out, tiles) < 2e-3 and _rel(out, ref) < 2e-2, (_rel(out, tiles), _rel(out, ref))
 
 
+def _tile_packed(codec, store):
+    """A KVarN key store (wushkv's cache: codes (B, H, T, ·), scale/zero (B, H, tiles, d), s_fold (B, H, tiles, tile))
+    as the kernel reads it."""
+    return tk.Packed(tk.TileFormat(codec.bits, codec.d, codec.block), store["codes"], store["s_fold"].flatten(2, 3)[..., None],
+                     tile_scale=store["scale"], tile_zero=store["zero"])
+
+
+@pytest.mark.parametrize("dtype,bits,d,G,block_n,splits", [(torch.float32, 2, 64, 3, 16, 3), (torch.float32, 3, 128, 1, 32, 2),
+                                                           (torch.bfloat16, 2, 64, 8, 64, 1), (torch.float16, 4, 64, 3, 32, 5)])
+def test_decode_reads_key_tiles(dtype, bits, d, G, block_n, splits):
+    """KVarN key tiles (``auto``'s key tiles, :class:`wushkv.codecs.KVarNCodec`) dequantized in registers: tiles of 16
+    tokens read by tiles of 16-64 (one or several key tiles each) and splits that start inside a key tile, beside
+    per-token values; equal to dequantize-then-attend (1e-3 in float32, 2e-2 in a 16-bit dtype)."""
+    from wushkv.codecs import KVarNCodec
+
+    B, Hkv, tile = 2, 2, 16
+    g = torch.Generator().manual_seed(7)
+    x = lambda n: (torch.randn(B, Hkv, n, d, generator=g) * torch.linspace(0.3, 2.5, d)).to(DEVICE)
+    kc, vc = KVarNCodec(bits, d, tile, "key"), _codec(QuestQuantizer(2), d)
+    n_s, n_m, n_r = 3, 3 * tile, 5
+    pk = [x(n_s), (kc, kc.encode(x(n_m)), n_m), x(n_r)]
+    pv = [x(n_s), (vc, vc.encode(x(n_m)), n_m), x(n_r)]
+    q = (torch.randn(B, Hkv * G, 1, d, generator=g) * 1.5).to(DEVICE)
+    ref = dequantize_then_attend(q, pk, pv, None, d**-0.5)[:, 0]
+    out = tk.decode(q[:, :, 0].to(dtype), torch.tensor([[n_s, n_m, n_r]] * B), *(t.to(dtype) for t in (pk[0], pv[0])),
+                    _tile_packed(kc, pk[1][1]), _packed(vc, pv[1][1]), pk[2].to(dtype), pv[2].to(dtype), d**-0.5,
+                    splits=splits, block_n=block_n)
+    assert _rel(out, ref) < (1e-3 if dtype == torch.float32 else 2e-2), _rel(out, ref)
+    with pytest.raises(ValueError, match="tiles are read for the keys only"):
+        tk.decode(q[:, :, 0], torch.tensor([[n_s, n_m, n_r]] * B), pk[0], pv[0], _packed(vc, pv[1][1]), _tile_packed(kc, pk[1][1]),
+                  pk[2], pv[2], d**-0.5)
+
+
+@pytest.mark.parametrize("dtype,d,absolute", [(torch.float32, 64, True), (torch.bfloat16, 128, False)])
+def test_decode_reads_key_tiles_spread_over_paged_cells(dtype, d, absolute):
+    """The vLLM plugin's cells: each token's row holds its key codes and s_tok, and a tile's 2d halves of [scale | zero]
+    are spread over its tokens' rows (``TileFormat.spread``), blocks of 32 tokens in shuffled order, ragged lengths
+    with sinks of whole tiles; equal to each sequence attended alone over its dequantized tiles."""
+    from wushkv.codecs import KVarNCodec
+
+    Hkv, G, page, tile, bits = 2, 3, 32, 16, 2
+    spread = 2 * d // tile  # halves per token row: a tile's 2d halves over its 16 tokens
+    lens = [(16, 48, 3), (0, 16, 0), (16, 0, 5), (0, 80, 2)]  # (sink, middle, recent); middles of whole tiles
+    B = len(lens)
+    kc, vc = KVarNCodec(bits, d, tile, "key"), _codec(AffineQuantizer(2, clip_ratio=0.92), d)
+    g = torch.Generator().manual_seed(5)
+    x = lambda n: torch.randn(1, Hkv, n, d, generator=g) * torch.linspace(0.3, 2.5, d)
+    first = [n_s if absolute else 0 for n_s, _, _ in lens]
+    spans = [-(-(f + m) // page) for f, (_, m, _) in zip(first, lens)]
+    nblocks = sum(spans) + 2
+    order = torch.randperm(nblocks, generator=g).tolist()
+    table = torch.zeros(B, 8, dtype=torch.int32)
+    codes = torch.full((nblocks, page, Hkv, d * bits // 8), 5, dtype=torch.uint8)
+    s_tok = torch.full((nblocks, page, Hkv, 1), 7.0, dtype=torch.float16)
+    meta = torch.full((nblocks, page, Hkv, spread), 7.0, dtype=torch.float16)
+    fmt_v = _packed(vc, vc.encode(x(1))).fmt
+    vbuf = [t.fill_(5) for t in _buffers((nblocks, page, Hkv), fmt_v, torch.float16) if t is not None]
+    sk, sv, rk, rv = (torch.zeros(B, Hkv, 16, d) for _ in range(4))
+    q = torch.randn(B, Hkv * G, 1, d, generator=g)
+    refs = []
+    for b, (n_s, n_m, n_r) in enumerate(lens):
+        ks, vs = kc.encode(x(n_m or tile)), vc.encode(x(n_m or 1))  # (an empty middle: a store never read)
+        halves = torch.cat([ks["scale"], ks["zero"]], -1)  # (1, H, tiles, 2d)
+        for t in range(n_m):
+            p = first[b] + t
+            blk = order[sum(spans[:b]) + p // page]
+            table[b, p // page] = blk
+            codes[blk, p % page], s_tok[blk, p % page] = ks["codes"][0, :, t], ks["s_fold"][0, :, t // tile, t % tile, None]
+            r = t % tile
+            meta[blk, p % page] = halves[0, :, t // tile, r * spread:(r + 1) * spread]
+            for dst, key in zip(vbuf, ("codes", "scale", "offset")):
+                dst[blk, p % page] = vs[key][0, :, t]
+        pk, pv = [x(n_s), (kc, ks, n_m), x(n_r)], [x(n_s), (vc, vs, n_m), x(n_r)]
+        sk[b, :, :n_s], sv[b, :, :n_s], rk[b, :, :n_r], rv[b, :, :n_r] = pk[0][0], pv[0][0], pk[2][0], pv[2][0]
+        refs.append(dequantize_then_attend(q[b:b + 1], pk, pv, None, d**-0.5)[0, 0])
+    ref = torch.stack(refs)
+    mk = tk.Packed(tk.TileFormat(bits, d, tile, spread=spread), codes.to(DEVICE), s_tok.to(DEVICE), tile_scale=meta.to(DEVICE))
+    mv = tk.Packed(fmt_v, *(t.to(DEVICE) for t in vbuf))
+    dev = lambda t: t.to(DEVICE, dtype)
+    out = tk.decode(dev(q[:, :, 0]), torch.tensor(lens), dev(sk), dev(sv), mk, mv, dev(rk), dev(rv), d**-0.5,
+                    block_table=table, absolute_pages=absolute, splits=3, block_n=32).cpu()
+    assert _rel(out, ref) < (1e-3 if dtype == torch.float32 else 2e-2), _rel(out, ref)
+
+
 @pytest.mark.parametrize("dtype,kbits,vbits,d", [(torch.bfloat16, 2, 2, 64), (torch.float16, 3, 1, 64),
                                                   (torch.bfloat16, 8, 4, 64), (torch.bfloat16, 2, 2, 128),
                                                   (torch.float16, 4, 2, 128)])
@@ -539,7 +623,8 @@ def test_decode_tuning_changes_launches_not_results():
 
 def test_decode_attention_dispatches_to_triton():
     """decode_attention runs the Triton kernel under triton_enabled(True) (the launches are counted) and gives what
-    the PyTorch path gives; key tiles (KVarN) stay on the PyTorch path."""
+    the PyTorch path gives, for per-token codes and for KVarN key tiles; a full-precision middle stays on the PyTorch
+    path."""
     d = 64
     q, pk, pv = _case(QuestQuantizer(2), AffineQuantizer(3, clip_ratio=0.92), B=1, Hkv=2, G=2, d=d, n_s=2, n_m=12, n_r=3)
     with decode_mod.triton_enabled(False):
@@ -552,6 +637,16 @@ def test_decode_attention_dispatches_to_triton():
     with decode_mod.triton_enabled(True):  # a full-precision middle (K-only caches): not the kernel's
         decode_attention(q, [pk[0], pk[1][0].decode(pk[1][1], 12).to(q.dtype), pk[2]], pv, None, d**-0.5)
     assert tk.calls() == {"decode": 1, "merge": 1}
+    from wushkv.codecs import KVarNCodec
+
+    kc = KVarNCodec(2, d, 4, "key")  # tiles of 4 tokens: the 12 of the middle
+    keys = torch.randn(1, 2, 12, d, generator=torch.Generator().manual_seed(3)).to(DEVICE)
+    tiles = [pk[0], (kc, kc.encode(keys), 12), pk[2]]
+    with decode_mod.triton_enabled(False):
+        ref = decode_attention(q, tiles, pv, None, d**-0.5)
+    with decode_mod.triton_enabled(True):
+        out = decode_attention(q, tiles, pv, None, d**-0.5)
+    assert tk.calls() == {"decode": 2, "merge": 2} and _rel(out, ref) < 1e-4
 
 
 # -- the cache's flush through the store kernel ------------------------------------------------------------------------
@@ -605,11 +700,13 @@ def test_cache_flush_goes_through_the_store_kernel(quantizer, dtype, meta):
     ("llama", QuantConfig(2, 2, "quest", windows=WindowConfig(4, 8, 4))),
     ("gemma3", QuantConfig(4, 2, "affine", windows=WindowConfig(2, 4, 4))),
     ("llama", QuantConfig(4, 2, "quest", metadata_dtype="e5m3", windows=WindowConfig(4, 8, 4))),
+    ("llama", QuantConfig(2, 2, "quest", key_quantizer="kvarn", windows=WindowConfig(4, 4, 8))),
 ])
 def test_model_decode_through_triton_equals_pytorch(family, cfg):
     """A tiny model (gemma3: sliding-window layers and a GQA group of 2; llama also with one-byte steps, which the
-    store kernel leaves to the PyTorch path) prefilled with 30 tokens, then decoded 3 tokens, every flush through the
-    store kernel and every decode step through the decode kernel: the packed middle
+    store kernel leaves to the PyTorch path, and with KVarN key tiles of 8 tokens, ``+ktiles``' keys, stored by the
+    PyTorch path and read by the decode kernel) prefilled with 30 tokens, then decoded 3 tokens, every flush through
+    the store kernel and every decode step through the decode kernel: the packed middle
     is the PyTorch path's (QuEST's step may differ in its last float32 bit where torch sums ‖x‖ in another order, so
     a few codes and steps may flip: at most 0.2% of them, 0 measured on CPU; affine bit for bit), and the logits of
     every decode step equal the PyTorch path's within 1e-4 of their scale (4e-7 measured on CPU)."""
@@ -628,7 +725,9 @@ def test_model_decode_through_triton_equals_pytorch(family, cfg):
     out, out_mid = run(True)
     L = model.config.num_hidden_layers
     stores = tk.calls().get("store", 0)  # every layer flushed at least once; one-byte steps on the PyTorch path
-    assert tk.calls()["decode"] == 3 * L and (stores == 0 if cfg.metadata_dtype == "e5m3" else stores >= 2 * L)
+    # (key tiles: values through the store kernel, keys through KVarN's quantizer)
+    assert tk.calls()["decode"] == 3 * L and (stores == 0 if cfg.metadata_dtype == "e5m3" else
+                                              stores >= (L if cfg.key_quantizer == "kvarn" else 2 * L))
     flips = total = 0
     for a, b in zip(ref_mid, out_mid):
         for side in a:
@@ -656,11 +755,11 @@ for quest, clipped, has_t, br in ((True, True, False, 8), (True, False, True, 1)
     consts = dict(D=128, G=32, BITS=3, QUEST=quest, CLIPPED=clipped, HAS_T=has_t, HAS_Z=not quest, TC=32, META_BF16=True, BR=br)
     triton.compile(ASTSource(K["store"], sig("store", ptrs, ("coef", "sqrt_g"), consts), consts), target=GPUTarget("cuda", 90, 32))
 consts = dict(D=128, GQA=4, GP=16, BN=32, K_BITS=2, V_BITS=4, K_G=128, V_G=32, K_Z=False, V_Z=True, K_E5M3=True, K_OFF=128, V_OFF=0,
-              V_E5M3=False, K_P=0, V_P=0, PAGED=True, PAGE_ABS=False, HAS_MASK=True, SOFTCAP=True, PREC="tf32", DT=tl.bfloat16,
-              EMU=False)
+              V_E5M3=False, K_P=0, V_P=0, K_TILE=0, KT_MW=128, PAGED=True, PAGE_ABS=False, HAS_MASK=True, SOFTCAP=True,
+              PREC="tf32", DT=tl.bfloat16, EMU=False)
 ptrs = {"q_ptr": "*bf16", "sk_ptr": "*bf16", "sv_ptr": "*bf16", "rk_ptr": "*bf16", "rv_ptr": "*bf16", "kc_ptr": "*u8",
         "vc_ptr": "*u8", "mask_ptr": "*u8", "lens_ptr": "*i32", "bt_ptr": "*i32", "ks_ptr": "*u8", "vs_ptr": "*fp16",
-        "kz_ptr": "*u8", "vz_ptr": "*fp16"}
+        "kz_ptr": "*u8", "vz_ptr": "*fp16", "kts_ptr": "*fp16", "ktz_ptr": "*fp16"}
 for bn, warps, stages, v in ((32, 4, 3, (4, 32, True, 0)), (128, 8, 2, (2, 128, False, 128))):  # two tunings, two value codecs
     consts.update(BN=bn, V_BITS=v[0], V_G=v[1], V_Z=v[2], V_OFF=v[3])
     k = triton.compile(ASTSource(K["decode"], sig("decode", ptrs, ("sm_scale", "softcap", "K_HALF", "V_HALF"), consts), consts),
@@ -676,6 +775,11 @@ for dt, off, kv, warps in ((tl.bfloat16, 128, (2, 8, 4, 4), 1), (tl.float16, 102
                        target=GPUTarget("cuda", 90, 32), options={"num_warps": warps, "num_stages": 2})
     assert "lop3.b32" in k.asm["ptx"] and "cubin" in k.asm
     assert ("prmt.b32" in k.asm["ptx"]) == (kv[0] * kv[1] != 16 or kv[2] * kv[3] != 16)
+# KVarN key tiles of 16 tokens: spread over paged cells (16 halves a token), then rows of their own
+for paged, mw in ((True, 16), (False, 128)):
+    consts.update(K_TILE=16, KT_MW=mw, K_P=0, K_BITS=2, PAGED=paged, PAGE_ABS=paged, BN=32)
+    triton.compile(ASTSource(K["decode"], sig("decode", p, ("sm_scale", "softcap", "K_HALF", "V_HALF"), consts), consts),
+                   target=GPUTarget("cuda", 90, 32), options={"num_warps": 4, "num_stages": 2})
 consts = dict(D=128, SP=16, HAS_SINKS=True, OUT_BF16=True)
 triton.compile(ASTSource(K["merge"], sig("merge", {"out_ptr": "*bf16"}, (), consts), consts), target=GPUTarget("cuda", 90, 32))
 print("compiled", "ptx" in k.asm)

@@ -506,6 +506,34 @@ def test_batched_decode_through_the_triton_kernel(quantizer, bits, dtype, meta):
         assert err < (1e-5 if dtype == torch.float32 else 2e-2), (window, softcap, err)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_batched_decode_of_key_tiles_through_the_triton_kernel(dtype):
+    """Key tiles (``+ktiles``: KVarN tiles of 16 tokens after a sink of one tile, values QuEST) through the Triton
+    decode: each tile's scale and zero read where the cells spread them, over its tokens; the open tile and the tail
+    from their copies; what the general path gives (1e-5 in float32, 2e-2 in bfloat16)."""
+    pytest.importorskip("triton")
+    from wushkv import triton_kernels as tk
+    from wushkv.decode import triton_enabled
+
+    H, G, d, bs = 2, 3, 64, 32
+    dev = _triton_device()
+    sc = SlotCodec(QuantConfig(k_bits=2, v_bits=2, quantizer="quest", key_quantizer="kvarn",
+                               windows=WindowConfig(16, 8, 16)), d)
+    assert sc.tile == 16
+    lens = [1, 20, 37, 100, 131]
+    w = Windows(bs, H, d, 16, 8, capacity=10_000, dtype=dtype, flush=16)
+    cache, tables = _filled_cells(sc, w, lens)
+    q = torch.randn(len(lens), H * G, d, generator=_g(41))
+    for window in (-1, 50):
+        want, _ = _general_decode(sc, w, cache, tables, lens, q, window, 0.0)
+        tk.reset_calls()
+        with triton_enabled(True):
+            got = decode_batch(sc, cache.to(dev), tables.to(dev), torch.tensor(lens), q.to(dev), w, 0.3, window).cpu()
+        assert tk.calls() == {"decode": 1, "merge": 1}
+        err = float((got - want).abs().max() / want.abs().max())
+        assert err < (1e-5 if dtype == torch.float32 else 2e-2), (window, err)
+
+
 # -- the folder the plugin serves ------------------------------------------------------------------------
 def _export(tmp_path, name, method, cfg=CFG, family="llama"):
     from wushkv.calibration import calibrate
@@ -553,6 +581,22 @@ def test_other_vllm_versions_are_refused_by_name():
 # -- vLLM itself -----------------------------------------------------------------------------------------
 needs_vllm = pytest.mark.skipif(not VLLM_PY.exists(), reason=f"no vLLM environment at {VLLM_PY} (`make test` creates it)")
 ENGINE = {"dtype": "float32", "enforce_eager": True, "max_model_len": 256, "max_num_seqs": 4, "block_size": 32}
+
+
+@needs_vllm
+@pytest.mark.slow
+def test_cuda_backends_serve_what_the_cpu_backend_serves(tmp_path):
+    """vLLM's CUDA backends as the plugin replaces them (wushkv_vllm.cuda), run on CPU tensors, their Triton kernels
+    under the interpreter: for a served folder the spec, layout and CUDA graph support they declare, the metadata their
+    builder makes (host copies once a step), and steps of chunked prefills beside decodes that store the same bytes
+    and attend to the same outputs (1e-5) as the CPU backend (tests/vllm_cuda_backend_check.py)."""
+    folder = _export(tmp_path, "affine", "wush", replace(CFG, quantizer="affine"))  # the Triton store's bytes are exact
+    env = dict(os.environ, PYTHONPATH=str(ROOT / "src"), TRITON_INTERPRET="1")
+    r = subprocess.run([str(VLLM_PY), str(ROOT / "tests" / "vllm_cuda_backend_check.py"), str(folder)], env=env,
+                       capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stderr[-4000:]
+    got = json.loads(r.stdout.strip().splitlines()[-1])
+    assert got["worst"] < 1e-5 and got["decode_rows"] >= 8 and got["calls"]["decode"] >= 4, got
 
 
 def _prompts(n=4, base=30, step=23, seed=0):

@@ -30,7 +30,7 @@ import sys
 import torch
 
 from .attention import reference_attention
-from .codecs import TokenCodec
+from .codecs import KVarNCodec, TokenCodec
 from .quantizers import unpack
 
 DEFAULT_BLOCK = 4096
@@ -57,8 +57,9 @@ def triton_enabled(enabled: bool | None):
     """Within the block, decode and store (:func:`encode_block`) through the Triton kernels (True: on every device,
     CPU tensors under Triton's interpreter, which needs ``TRITON_INTERPRET=1`` before triton is imported; an error
     where triton is missing), never (False), or on CUDA tensors where triton imports (None, the default); the
-    previous choice comes back afterwards, also on error. Caches the kernels do not cover (KIVI keys, KVarN tiles,
-    float64; for store also error feedback, the clip search and one-byte E5M3 steps) keep the PyTorch path."""
+    previous choice comes back afterwards, also on error. Caches the kernels do not cover (KIVI keys, KVarN tiles
+    of values, float64; for store also error feedback, the clip search, one-byte E5M3 steps and KVarN's key tiles)
+    keep the PyTorch path."""
     global USE_TRITON
     previous, USE_TRITON = USE_TRITON, enabled
     try:
@@ -116,9 +117,21 @@ def read_format(tk, codec: TokenCodec):
         return None
 
 
+def tile_format(tk, codec: KVarNCodec):
+    """The :class:`wushkv.triton_kernels.TileFormat` the decode kernel reads KVarN key tiles in, or None where the
+    kernels do not take them (values' tiles; a head_dim or tile that is not a power of two)."""
+    if codec.kind != "key":
+        return None
+    try:
+        return tk.TileFormat(codec.bits, codec.d, codec.block)
+    except ValueError:
+        return None
+
+
 def _triton_decode(query, parts_k, parts_v, allowed, scaling, softcap, sinks):
     """The Triton decode (B, 1, Hq, d) where it applies: [sink, packed middle, recent] with per-token codecs on
-    both sides, a float16/bfloat16/float32 query, a head_dim the kernels take; else None (the PyTorch path)."""
+    both sides (or KVarN tiles for the keys: ``auto``'s key tiles), a float16/bfloat16/float32 query, a head_dim the
+    kernels take; else None (the PyTorch path)."""
     if query.dtype not in _TRITON_DTYPES or len(parts_k) != 3 or len(parts_v) != 3:
         return None
     (sk, mk, rk), (sv, mv, rv) = parts_k, parts_v
@@ -129,7 +142,20 @@ def _triton_decode(query, parts_k, parts_v, allowed, scaling, softcap, sinks):
         return None
     B, Hq, _, d = query.shape
     packed = []
-    for codec, store, n in (mk, mv):
+    H = sk.shape[1]
+    for side, (codec, store, n) in zip(("key", "value"), (mk, mv)):
+        if side == "key" and isinstance(codec, KVarNCodec):
+            fmt = tile_format(tk, codec)
+            if fmt is None:
+                return None
+            if not n:  # nothing stored yet: empty tensors (never read)
+                half = dict(dtype=torch.float16, device=sk.device)
+                store = {"codes": sk.new_empty(B, H, 0, fmt.nbytes, dtype=torch.uint8), "s_fold": torch.empty(B, H, 0, fmt.tile, **half),
+                         "scale": torch.empty(B, H, 0, d, **half), "zero": torch.empty(B, H, 0, d, **half)}
+            # s_fold (B, H, tiles, tile): one s_tok per token, as a per-token scale (B, H, T, 1)
+            packed.append(tk.Packed(fmt, store["codes"], store["s_fold"].flatten(2, 3)[..., None],
+                                    tile_scale=store["scale"], tile_zero=store["zero"]))
+            continue
         if not isinstance(codec, TokenCodec):
             return None
         fmt = read_format(tk, codec)

@@ -144,6 +144,47 @@ class TokenFormat:
         raise ValueError(f"the Triton kernels cover per-token QuEST and affine quantizers, got {quantizer!r}")
 
 
+@dataclass(frozen=True)
+class TileFormat:
+    """KVarN key tiles as decode reads them (:class:`wushkv.codecs.KVarNCodec`, keys): ``tile`` consecutive tokens
+    share a float16 scale and zero per channel, each token has its float16 fold ``s_tok`` and ``bits``-bit codes
+    packed like a per-token codec's, and k̂[t, c] = s_tok[t]·(scale[c]·code[t, c] + zero[c])
+    (:func:`wushkv.quantizers.kvarn.kvarn_dequantize`).
+
+    ``spread`` (halves): 0, a tile's scale and zero are rows of their own, (·, tiles, d) each (wushkv's cache);
+    else they are the 2d halves [scale | zero] spread over the tile's tokens, ``spread`` halves in each token's row
+    (the vLLM plugin's cells, :class:`wushkv_vllm.paged.SlotCodec`)."""
+
+    bits: int
+    d: int
+    tile: int
+    spread: int = 0
+    step_byte = False  # read alike from a TokenFormat: a float16 s_tok per token, no stored offset
+
+    def __post_init__(self):
+        if self.bits not in PACK_BITS:
+            raise ValueError(f"the Triton kernels take bits in {list(PACK_BITS)}, got {self.bits!r}")
+        for name, v, lo in (("head_dim", self.d, 16), ("tile", self.tile, 1)):
+            if v < lo or v & (v - 1):
+                raise ValueError(f"the Triton kernels need a {name} that is a power of two >= {lo}, got {v}")
+        if self.spread and (self.spread & (self.spread - 1) or (2 * self.d) % self.spread
+                            or self.spread * self.tile < 2 * self.d):
+            raise ValueError(f"a tile's 2·{self.d} halves spread over its {self.tile} tokens need a power of two "
+                             f"dividing {2 * self.d} and at least {-(-2 * self.d // self.tile)} halves per token, got {self.spread}")
+
+    @property
+    def G(self) -> int:  # one s_tok per token
+        return self.d
+
+    @property
+    def nbytes(self) -> int:
+        return self.d * self.bits // 8
+
+    @property
+    def half(self) -> float:
+        return 0.0
+
+
 def _next_pow2(n: int) -> int:
     return 1 << max(0, (int(n) - 1).bit_length())
 
@@ -439,18 +480,43 @@ def _kernels() -> dict:
         return s, z
 
     @jit
+    def _key_tile(c, st_ptr, srows, s_ptr, z_ptr, t, b, h, bt_ptr, s_bt, PAGE, m0, m1, m2, ZI, base, valid,
+                  D: tl.constexpr, TILE: tl.constexpr, MW: tl.constexpr, PAGED: tl.constexpr, PAGE_ABS: tl.constexpr):
+        """Codes (BN, D) of KVarN key tiles → keys in registers, k̂[t, c] = s_tok[t]·(scale[c]·code[t, c] + zero[c]) in
+        float32 as :func:`wushkv.quantizers.kvarn.kvarn_dequantize` computes it, with the scale and zero of the tile of
+        middle token ``t``. A tile's row holds ``MW`` halves: half i of [scale | zero] is ``i // MW`` rows on (the
+        tile's next tokens, where they are spread over its cells; zero's halves start at ``ZI``) and ``i % MW`` in."""
+        st = tl.load(st_ptr + srows, mask=valid, other=0.0).to(tl.float32)
+        if PAGED:  # the row of the tile's first token, through the block table
+            first = (t // TILE) * TILE
+            if PAGE_ABS:
+                first = first + base
+            mrow = _rows(first, b, h, bt_ptr, s_bt, PAGE, m0, m1, m2, PAGED)
+        else:  # the tile's own row
+            mrow = _rows(t // TILE, b, h, bt_ptr, s_bt, PAGE, m0, m1, m2, PAGED)
+        ch = tl.arange(0, D)
+        so = (ch // MW).to(tl.int64) * m1 + ch % MW
+        zo = ((ch + ZI) // MW).to(tl.int64) * m1 + (ch + ZI) % MW
+        sc = tl.load(s_ptr + mrow[:, None] + so[None, :], mask=valid[:, None], other=0.0).to(tl.float32)
+        zr = tl.load(z_ptr + mrow[:, None] + zo[None, :], mask=valid[:, None], other=0.0).to(tl.float32)
+        return st[:, None] * (sc * c.to(tl.float32) + zr)
+
+    @jit
     def _code_segment(q, qsum, m, l, acc, q_ptr, qrow, qmask,
-                      kc_ptr, ks_ptr, kz_ptr, vc_ptr, vs_ptr, vz_ptr,
-                      kc0, kc1, kc2, ks0, ks1, ks2, vc0, vc1, vc2, vs0, vs1, vs2,
+                      kc_ptr, ks_ptr, kz_ptr, vc_ptr, vs_ptr, vz_ptr, kts_ptr, ktz_ptr,
+                      kc0, kc1, kc2, ks0, ks1, ks2, vc0, vc1, vc2, vs0, vs1, vs2, kt0, kt1, kt2, KT_ZI,
                       bt_ptr, s_bt, PAGE, b, h, a, e, base, N,
                       sm_scale, softcap, mask_ptr, s_mb, S, WINDOW, K_HALF, V_HALF,
                       D: tl.constexpr, BN: tl.constexpr, K_BITS: tl.constexpr, V_BITS: tl.constexpr,
                       K_G: tl.constexpr, V_G: tl.constexpr, K_Z: tl.constexpr, V_Z: tl.constexpr,
                       K_E5M3: tl.constexpr, V_E5M3: tl.constexpr, K_OFF: tl.constexpr, V_OFF: tl.constexpr,
                       K_P: tl.constexpr, V_P: tl.constexpr, GP: tl.constexpr,
+                      K_TILE: tl.constexpr, KT_MW: tl.constexpr,
                       PAGED: tl.constexpr, PAGE_ABS: tl.constexpr, HAS_MASK: tl.constexpr, SOFTCAP: tl.constexpr,
                       PREC: tl.constexpr, DT: tl.constexpr, EMU: tl.constexpr):
-        """Tokens [a, e) of the packed middle, whose first token is absolute column ``base``. With one group per
+        """Tokens [a, e) of the packed middle, whose first token is absolute column ``base``. K_TILE > 0: the keys are
+        KVarN tiles of K_TILE tokens, dequantized in registers (:func:`_key_tile`; the scale varies along the channels,
+        so the dot cannot take the codes as they are). With one group per
         token the codes enter the dots as ``c + OFF`` (:func:`_codes_as`), and OFF comes back out: for keys
         ``q·(c + OFF) − OFF·Σq``, for values ``Σ_t w_t (c_t + OFF) − OFF·Σ_t w_t`` with the same rounded weights
         w = p ⊙ s the dot reads. K_P/V_P > 0: that side's codes are read as 16-bit words and split into P classes
@@ -478,7 +544,12 @@ def _kernels() -> dict:
             # keys: scores = s ⊙ (C q) + z·Σq (one group per token), or a tile dequantized in registers
             rows = _rows(tt, b, h, bt_ptr, s_bt, PAGE, kc0, kc1, kc2, PAGED)
             srows = _rows(tt, b, h, bt_ptr, s_bt, PAGE, ks0, ks1, ks2, PAGED)
-            if K_P > 0:
+            if K_TILE > 0:
+                c = _unpack(kc_ptr, rows, valid, D, K_BITS, BN)
+                k = _key_tile(c, ks_ptr, srows, kts_ptr, ktz_ptr, tl.where(valid, t, 0), b, h, bt_ptr, s_bt, PAGE,
+                              kt0, kt1, kt2, KT_ZI, base, valid, D, K_TILE, KT_MW, PAGED, PAGE_ABS)
+                s = _mma(q, tl.trans(k), DT, EMU, PREC)
+            elif K_P > 0:
                 ks, kz = _token_scale_offset(ks_ptr, kz_ptr, srows, valid, K_HALF, K_Z, K_E5M3)
                 raw = _class_scores(q_ptr, qrow, qmask, _words(kc_ptr, rows, valid, D, K_P, K_BITS, BN), GP, BN, D, K_P,
                                     K_BITS, K_OFF, PREC, DT, EMU)
@@ -494,7 +565,7 @@ def _kernels() -> dict:
                 c = _unpack(kc_ptr, rows, valid, D, K_BITS, BN)
                 k = _dequant_tile(c, ks_ptr, kz_ptr, srows, valid, K_G, D, K_HALF, K_Z, K_E5M3)
                 s = _mma(q, tl.trans(k), DT, EMU, PREC)
-            s = _finish_scores(s, tl.where(valid, base + t, -1), N, 1.0 if K_P > 0 else sm_scale, softcap, mask_ptr,
+            s = _finish_scores(s, tl.where(valid, base + t, -1), N, 1.0 if K_P > 0 and K_TILE == 0 else sm_scale, softcap, mask_ptr,
                                s_mb, S, b, WINDOW, HAS_MASK, SOFTCAP)
             m, alpha, p, l = _online(s, m, l, EMU)
             # values: Cᵀ(p ⊙ s) + (Σ p z)·1, or the dequantized tile
@@ -551,6 +622,7 @@ def _kernels() -> dict:
                       rk_ptr, rv_ptr, rk_b, rk_h, rk_t, rv_b, rv_h, rv_t,
                       kc_ptr, ks_ptr, kz_ptr, vc_ptr, vs_ptr, vz_ptr,
                       kc0, kc1, kc2, ks0, ks1, ks2, vc0, vc1, vc2, vs0, vs1, vs2,
+                      kts_ptr, ktz_ptr, kt0, kt1, kt2, KT_ZI,  # KVarN key tiles' scale and zero (K_TILE > 0)
                       bt_ptr, s_bt, PAGE,
                       mask_ptr, s_mb, S, WINDOW,
                       o_ptr, m_ptr, l_ptr,  # (B, Hq, SPLITS, D), (B, Hq, SPLITS) float32
@@ -559,6 +631,7 @@ def _kernels() -> dict:
                       K_BITS: tl.constexpr, V_BITS: tl.constexpr, K_G: tl.constexpr, V_G: tl.constexpr,
                       K_Z: tl.constexpr, V_Z: tl.constexpr, K_E5M3: tl.constexpr, V_E5M3: tl.constexpr,
                       K_OFF: tl.constexpr, V_OFF: tl.constexpr, K_P: tl.constexpr, V_P: tl.constexpr,
+                      K_TILE: tl.constexpr, KT_MW: tl.constexpr,
                       PAGED: tl.constexpr, PAGE_ABS: tl.constexpr, HAS_MASK: tl.constexpr,
                       SOFTCAP: tl.constexpr, PREC: tl.constexpr, DT: tl.constexpr, EMU: tl.constexpr):
         b = tl.program_id(0).to(tl.int64)
@@ -596,11 +669,12 @@ def _kernels() -> dict:
         # softmax over the three, in any order; the middle first, so that no accumulator is live through its loop
         # but its own (nor q, loaded again after it)
         m, l, acc = _code_segment(q, qsum, m, l, acc, q_ptr, qrow, qmask, kc_ptr, ks_ptr, kz_ptr, vc_ptr, vs_ptr, vz_ptr,
-                                  kc0, kc1, kc2, ks0, ks1, ks2, vc0, vc1, vc2, vs0, vs1, vs2,
+                                  kts_ptr, ktz_ptr, kc0, kc1, kc2, ks0, ks1, ks2, vc0, vc1, vc2, vs0, vs1, vs2,
+                                  kt0, kt1, kt2, KT_ZI,
                                   bt_ptr, s_bt, PAGE, b, h, tl.maximum(lo - n_s, 0), tl.minimum(hi - n_s, n_m), n_s, N,
                                   sm_scale, softcap, mask_ptr, s_mb, S, WINDOW, K_HALF, V_HALF,
                                   D, BN, K_BITS, V_BITS, K_G, V_G, K_Z, V_Z, K_E5M3, V_E5M3, K_OFF, V_OFF,
-                                  K_P, V_P, GP, PAGED, PAGE_ABS, HAS_MASK, SOFTCAP, PREC, DT, EMU)
+                                  K_P, V_P, GP, K_TILE, KT_MW, PAGED, PAGE_ABS, HAS_MASK, SOFTCAP, PREC, DT, EMU)
         q = tl.load(q_ptr + qrow[:, None] + d[None, :], mask=qmask[:, None], other=0.0)
         m, l, acc = _fp_segment(q, m, l, acc, sk_ptr, sv_ptr, sk_b, sk_h, sk_t, sv_b, sv_h, sv_t, b, h,
                                 tl.maximum(lo, 0), tl.minimum(hi, n_s), 0, N, sm_scale, softcap, mask_ptr, s_mb, S,
@@ -769,14 +843,17 @@ def _classes(bits: int, d: int, G: int, dtype: torch.dtype) -> int:
     return next((P for P in _CLASSES[bits] if d // P >= 16), 0)
 
 
-def code_classes(fmt: TokenFormat, dtype: torch.dtype, codes: torch.Tensor | None = None) -> int:
+def code_classes(fmt: TokenFormat | TileFormat, dtype: torch.dtype, codes: torch.Tensor | None = None) -> int:
     """P, the classes decode splits one side's code words into (:func:`_class_codes`), or 0 where it unpacks to a
     (BN, d) tile instead: one group per token, 1 to 4 bits, float16/bfloat16 dots (codes built on the bits as
     ``c + 128``/``c + 1024``), d/P ≥ 16 (a tensor-core dot needs K ≥ 16). A word holds P codes: 16 bits at 2 bits
     (P 8, from head_dim 128) and 4 bits (P 4, from 64), one byte at 1 bit (P 8, from 128) and at 2 bits below
     head_dim 128 (P 4, from 64), three bytes at 3 bits (P 8, from 128). ``codes`` given: 16-bit words need code rows
     at even byte offsets (2-bit rows at odd ones are read in bytes, 4-bit ones in tiles), and a middle of no tokens
-    keeps the tiles (a full-precision context keeps the tiles' launch parameters)."""
+    keeps the tiles (a full-precision context keeps the tiles' launch parameters). Key tiles (:class:`TileFormat`)
+    are dequantized in (BN, d) tiles: 0."""
+    if isinstance(fmt, TileFormat):
+        return 0
     P = _classes(fmt.bits, fmt.d, fmt.G, dtype)
     if not P or codes is None:
         return P
@@ -911,12 +988,19 @@ def store_contiguous(x, codes, scale, offset, start, fmt: TokenFormat, transform
 @dataclass
 class Packed:
     """One side of the packed middle: ``codes`` uint8, ``scale`` (and ``offset``, affine; None for QuEST) as laid out
-    contiguously (B, Hkv, cap, ·) or paged (num_blocks, block_size, Hkv, ·), and its :class:`TokenFormat`."""
+    contiguously (B, Hkv, cap, ·) or paged (num_blocks, block_size, Hkv, ·), and its :class:`TokenFormat`.
 
-    fmt: TokenFormat
+    Key tiles (a :class:`TileFormat`): ``scale`` is each token's float16 ``s_tok`` (·, 1), and ``tile_scale``,
+    ``tile_zero`` the tiles' float16 per-channel scale and zero: contiguous (B, Hkv, tiles, d) each, or with the
+    format's ``spread``, one (·, spread) float16 view of the halves spread over the tiles' tokens, laid out as the codes
+    (``tile_zero`` unused)."""
+
+    fmt: TokenFormat | TileFormat
     codes: torch.Tensor
     scale: torch.Tensor
     offset: torch.Tensor | None = None
+    tile_scale: torch.Tensor | None = None
+    tile_zero: torch.Tensor | None = None
 
 
 @dataclass(frozen=True)
@@ -1031,6 +1115,8 @@ def decode(query, lengths, sink_k, sink_v, mid_k: Packed, mid_v: Packed, recent_
     if Hq % Hkv:
         raise ValueError(f"query heads {Hq} are not a multiple of KV heads {Hkv}")
     G = Hq // Hkv
+    if isinstance(mid_v.fmt, TileFormat):
+        raise ValueError("KVarN tiles are read for the keys only: the values' middle needs a TokenFormat")
     for side in (mid_k, mid_v):
         if side.fmt.d != d:
             raise ValueError(f"the packed middle has head_dim {side.fmt.d}, the query {d}")
@@ -1080,19 +1166,34 @@ def decode(query, lengths, sink_k, sink_v, mid_k: Packed, mid_v: Packed, recent_
         raise ValueError("keys and values must use the same block size")
     kz = mid_k.offset if mid_k.offset is not None else mid_k.scale
     vz = mid_v.offset if mid_v.offset is not None else mid_v.scale
+    kts, ktz, kt_strides, kt_zi, kt_tile, kt_mw = mid_k.scale, mid_k.scale, (0, 0, 0), 0, 0, d
+    if isinstance(mid_k.fmt, TileFormat):
+        kt_tile, spread = mid_k.fmt.tile, mid_k.fmt.spread
+        kts = mid_k.tile_scale
+        ktz = kts if spread else mid_k.tile_zero
+        if kts is None or ktz is None:
+            raise ValueError("key tiles need their scale (and, not spread, their zero): Packed.tile_scale/tile_zero")
+        if kts.dtype != torch.float16 or ktz.dtype != torch.float16 or kts.stride(-1) != 1 or ktz.stride(-1) != 1:
+            raise ValueError(f"key tiles' scale and zero must be float16 with a contiguous last dim, got {kts.dtype}, {ktz.dtype}")
+        if not spread and kts.stride() != ktz.stride():
+            raise ValueError("key tiles' scale and zero must be laid out alike")
+        if paged and page % kt_tile:
+            raise ValueError(f"paged key tiles lie within a block: block size {page} is not a multiple of the tile {kt_tile}")
+        kt_strides, kt_zi, kt_mw = strides(kts), d if spread else 0, spread or d
     if B and Hq:
         _launch("decode", (B, Hkv, splits), query, *query.stride()[:2], lengths,
                 sink_k, sink_v, *sink_k.stride()[:3], *sink_v.stride()[:3],
                 recent_k, recent_v, *recent_k.stride()[:3], *recent_v.stride()[:3],
                 mid_k.codes, mid_k.scale, kz, mid_v.codes, mid_v.scale, vz,
                 *strides(mid_k.codes), *strides(mid_k.scale), *strides(mid_v.codes), *strides(mid_v.scale),
+                kts, ktz, *kt_strides, kt_zi,
                 bt, bt.stride(0), page, mask, mask.stride(0), S, int(window or 0),
                 o, m, l, float(scaling), float(softcap or 1.0), mid_k.fmt.half, mid_v.fmt.half, splits,
                 D=d, GQA=G, GP=max(16, _next_pow2(G)), BN=block_n, K_BITS=mid_k.fmt.bits, V_BITS=mid_v.fmt.bits,
                 K_G=mid_k.fmt.G, V_G=mid_v.fmt.G, K_Z=mid_k.offset is not None, V_Z=mid_v.offset is not None,
                 K_E5M3=mid_k.fmt.step_byte, V_E5M3=mid_v.fmt.step_byte,
                 K_OFF=_code_offset(query.dtype, mid_k.fmt.bits), V_OFF=_code_offset(query.dtype, mid_v.fmt.bits),
-                K_P=k_p, V_P=v_p,
+                K_P=k_p, V_P=v_p, K_TILE=kt_tile, KT_MW=kt_mw,
                 PAGED=paged, PAGE_ABS=paged and absolute_pages, HAS_MASK=allowed is not None, SOFTCAP=softcap is not None,
                 PREC="ieee" if query.dtype == torch.float32 else "tf32", DT=_tl_dtype(query.dtype), EMU=emulate,
                 num_warps=num_warps, num_stages=tuning.num_stages)
@@ -1103,6 +1204,6 @@ def decode(query, lengths, sink_k, sink_v, mid_k: Packed, mid_v: Packed, recent_
     return out
 
 
-__all__ = ["DecodeTuning", "Packed", "TokenFormat", "available", "calls", "code_classes", "current_tuning", "decode", "decode_tuning",
+__all__ = ["DecodeTuning", "Packed", "TileFormat", "TokenFormat", "available", "calls", "code_classes", "current_tuning", "decode", "decode_tuning",
            "default_splits", "interpreting", "recorded_launches", "reset_calls",
            "store_contiguous", "store_paged"]

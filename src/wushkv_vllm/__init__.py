@@ -11,6 +11,9 @@ Nothing here imports ``transformers`` or wushkv's transformers integration: vLLM
 from __future__ import annotations
 
 VLLM_VERSION = "0.32.0"
+# what register() puts in place of vLLM's attention backends, by registry name: the CPU platform's, and the CUDA ones
+CPU_BACKENDS = {"CPU_ATTN": "wushkv_vllm.backend.WushKVCPUBackend"}
+CUDA_BACKENDS = {"FLASH_ATTN": "wushkv_vllm.cuda.WushKVFlashAttnBackend", "TRITON_ATTN": "wushkv_vllm.cuda.WushKVTritonBackend"}
 
 
 class VLLMVersionError(RuntimeError):
@@ -24,10 +27,13 @@ def check_vllm_version(found: str) -> None:
 
 
 def register() -> None:
-    """vLLM's general-plugin hook: check the vLLM version, then put the WUSH-KV backend in place of ``CPU_ATTN``
-    (it stays stock vLLM for folders without a side file). Safe to call more than once."""
+    """vLLM's general-plugin hook: check the vLLM version, then put the WUSH-KV backends in place of vLLM's: ``CPU_ATTN``
+    on CPU, ``FLASH_ATTN`` and ``TRITON_ATTN`` on CUDA (:mod:`wushkv_vllm.cuda`); they stay stock vLLM for folders
+    without a side file. Safe to call more than once."""
     import vllm
+    from vllm.platforms import current_platform
     from vllm.v1.attention.backends.registry import AttentionBackendEnum, register_backend
 
     check_vllm_version(vllm.__version__)
-    register_backend(AttentionBackendEnum.CPU_ATTN, "wushkv_vllm.backend.WushKVCPUBackend")
+    for name, path in (CUDA_BACKENDS if current_platform.is_cuda() else CPU_BACKENDS).items():
+        register_backend(getattr(AttentionBackendEnum, name), path)

@@ -20,6 +20,7 @@ is vLLM's. With one:
   log-probabilities and a decode step all see the quantized cache.
 
 Values need nothing at run time: T_V is folded into ``v_proj``/``o_proj`` by ``wushkv export-model``.
+The update and forward are :class:`ServedImpl`'s, which the CUDA backends share (:mod:`wushkv_vllm.cuda`).
 The decode rows of a step (one query each) go through one call of wushkv's fused kernel for the whole batch
 (:func:`wushkv_vllm.paged.decode_batch`: each request's context read through its block table, window tokens from
 their copies, the rest from the codes); prefill chunks decode their context and attend in plain torch
@@ -36,7 +37,8 @@ from vllm.config import get_current_vllm_config
 from vllm.logger import init_logger
 from vllm.v1.attention.backends.cpu_attn import CPUAttentionBackend, CPUAttentionBackendImpl
 
-from .paged import RopeMean, SlotCodec, Windows, attend, decode_batch, decode_context, step_positions, store_tiles
+from .paged import (RopeMean, SlotCodec, Windows, attend, decode_batch, decode_context, step_positions, store_tiles,
+                    to_device)
 from .served import Served, UnsupportedFolder, has_side_file, load_served
 
 logger = init_logger("vllm.wushkv")  # under vLLM's logger: shown with its own lines
@@ -77,18 +79,24 @@ def served_model() -> Served | None:
 _SAID: list[bool] = []
 
 
-def _say_decode_path(fused: bool, st: "_LayerState") -> None:
+def _say_decode_path(fused: bool, st: "_LayerState", device: torch.device) -> None:
     """Once per process: which path decode steps take (the fused kernel, or the general one and why)."""
     if _SAID:
         return
     _SAID.append(fused)
+    cpu = device.type == "cpu"
     if fused:
-        logger.info("wushkv: decode steps read the paged cells through the fused kernel (wushkv._ext.paged_decode)")
+        logger.info("wushkv: decode steps read the paged cells through the fused kernel (%s)",
+                    "wushkv._ext.paged_decode" if cpu else "wushkv.triton_kernels.decode")
         return
     from wushkv import _ext
 
-    why = "the cells are not per-token 1/2/4/8-bit codes" if st.codec.sides() is None else (
-        f"the CPU kernels did not build: {_ext.BUILD_ERROR or 'WUSHKV_NO_EXT is set'}")
+    if not cpu:
+        why = "no GPU kernel reads these cells yet (key tiles, +rmean)"
+    elif st.codec.sides() is None:
+        why = "the cells are not per-token 1/2/4/8-bit codes"
+    else:
+        why = f"the CPU kernels did not build: {_ext.BUILD_ERROR or 'WUSHKV_NO_EXT is set'}"
     logger.warning("wushkv: decode steps take the general path (decode the context, then attend; slower): %s", why)
 
 
@@ -111,23 +119,28 @@ class _LayerState:
     """One attention layer's transforms, cell codec and windows, for this rank's KV heads."""
 
     def __init__(self, served: Served, layer_name: str, num_kv_heads: int, block_size: int, max_num_seqs: int,
-                 dtype: torch.dtype):
+                 dtype: torch.dtype, device: torch.device | None = None):
         from vllm.distributed import get_tensor_model_parallel_rank, get_tensor_model_parallel_world_size
 
         self.l = served.attention_layer(layer_name)
         heads = served.heads(num_kv_heads, get_tensor_model_parallel_rank(), get_tensor_model_parallel_world_size())
         t = served.layer(self.l, heads)
-        self.key, self.query, self.key_mean = t["key"], t["query"], t["key_mean"]
+
+        def dev(x):  # the transforms on the cache's device; the rotating mean stays on the host (RopeMean.center)
+            return None if x is None else x.to(device)
+
+        self.key, self.query, self.key_mean = dev(t["key"]), dev(t["query"]), dev(t["key_mean"])
         # +rmean: the codes hold keys centered on their rotating mean, which needs positions: stored by the forward
         self.rope_mean = (RopeMean(t["key_mean_pre_rope"], t["key"], t["rope_inv_freq"], t["rope_scaling"])
                           if t["key_mean_pre_rope"] is not None else None)
-        self.codec = SlotCodec(served.cfg, served.head_dim, t["key_feedback"], t["value_feedback"], align=dtype.itemsize)
+        self.codec = SlotCodec(served.cfg, served.head_dim, dev(t["key_feedback"]), dev(t["value_feedback"]),
+                               align=dtype.itemsize)
         if self.codec.tile and block_size % self.codec.tile:
             raise UnsupportedFolder(f"key tiles of {self.codec.tile} tokens are written into vLLM's blocks whole; the block size "
                                     f"{block_size} is not a multiple of it (serve with block_size={self.codec.tile})")
         # copies in the served dtype: what wushkv's cache keeps of its windows too (the model's dtype)
         win = Windows(block_size, num_kv_heads, served.head_dim, served.sink, served.recent, capacity=0, dtype=dtype,
-                      flush=served.flush, max_open=4 * max_num_seqs)
+                      flush=served.flush, max_open=4 * max_num_seqs, device=device)
         win.capacity = 2 * max_num_seqs * win.pages_per_sequence()
         win.max_sink_pages = 4 * max_num_seqs * -(-win.sink // win.unit)
         self.windows = win
@@ -150,8 +163,20 @@ class _LayerState:
         return torch.einsum("thgd,hde->thge", qg, self.query).reshape(T, Hq, d)
 
 
-class WushKVCPUImpl(CPUAttentionBackendImpl):
-    """CPU attention over WUSH-KV cells (module docstring); stock ``CPU_ATTN`` for a folder without a side file."""
+def host_batch(md) -> tuple[list[int], list[int], torch.Tensor, torch.Tensor]:
+    """A step's batch as the windows' bookkeeping reads it, on the host: query start locations (R + 1) and sequence
+    lengths (R) as ints, the slot mapping (T,) and the block table (R, ·). The CUDA backends' metadata carries these
+    copies, made once a step for every layer (:class:`wushkv_vllm.cuda.WushKVMetadata`); on CPU they are the tensors."""
+    host = getattr(md, "host", None)
+    if host is not None:
+        return host
+    return md.query_start_loc.tolist(), md.seq_lens.tolist(), md.slot_mapping.cpu(), md.block_table.cpu()
+
+
+class ServedImpl:
+    """WUSH-KV's key update and attention (module docstring), for a vLLM attention impl it precedes in the bases
+    (``class X(ServedImpl, SomeAttentionImpl)``): with no side file every call is that impl's. The tensors of a step
+    are on the cache's device; the windows' bookkeeping and the batch's layout (:func:`host_batch`) on the host."""
 
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
@@ -162,12 +187,15 @@ class WushKVCPUImpl(CPUAttentionBackendImpl):
                 raise UnsupportedFolder("the wushkv plugin serves models without ALiBi and without learned attention sinks")
             cfg = get_current_vllm_config()
             self._max_num_seqs, self._dtype = cfg.scheduler_config.max_num_seqs, cfg.model_config.dtype
+        # the sliding window in tokens (−1: none): CPU_ATTN keeps it so, the CUDA impls as (window − 1, 0)
+        w = self.sliding_window
+        self._window = w if isinstance(w, int) else (w[0] + 1 if w[0] >= 0 else -1)
         self._state: _LayerState | None = None
 
     def _layer(self, layer, kv_cache: torch.Tensor) -> _LayerState:
         if self._state is None:
             self._state = _LayerState(self.served, layer.layer_name, self.num_kv_heads, kv_cache.shape[2], self._max_num_seqs,
-                                      self._dtype)
+                                      self._dtype, kv_cache.device)
         return self._state
 
     def do_kv_cache_update(self, layer, key, value, kv_cache, slot_mapping) -> None:
@@ -193,55 +221,55 @@ class WushKVCPUImpl(CPUAttentionBackendImpl):
                 self._state.stashed = None
             return output
         st = self._layer(layer, kv_cache)
-        cache = kv_cache.view(torch.uint8)
+        cache, dev = kv_cache.view(torch.uint8), kv_cache.device
         T = attn_metadata.num_actual_tokens
         k_new, st.stashed = st.stashed, None
         k_new = k_new[:T] if k_new is not None and k_new.shape[0] >= T else st.keys(key[:T])
         v_new = value[:T].float()
-        slots = attn_metadata.slot_mapping[:T]
+        starts, seq_lens, host_slots, host_tables = host_batch(attn_metadata)
+        host_slots = host_slots[:T]
         rm = st.rope_mean
-        starts = attn_metadata.query_start_loc.tolist()
-        seq_lens = attn_metadata.seq_lens.tolist()
-        # the step's positions: for +rmean, and to mark sink pages (only a step holding a position below the sink)
+        # the step's positions (host): for +rmean, and to mark sink pages (only a step holding a position below the sink)
         in_sink = any(n - (b - a) < st.windows.sink for n, a, b in zip(seq_lens, starts, starts[1:]) if b > a)
-        pos = step_positions(attn_metadata.query_start_loc, attn_metadata.seq_lens) if rm is not None or in_sink else None
+        pos = step_positions(torch.tensor(starts), torch.tensor(seq_lens)) if rm is not None or in_sink else None
         if rm is not None:  # the codes of K' − c'_t
-            st.codec.store(cache, k_new - rm.center(pos), value[:T], slots)
-        st.windows.write(k_new, v_new, slots, pos)
+            st.codec.store(cache, k_new - rm.center(pos.to(dev)), value[:T], attn_metadata.slot_mapping[:T])
+        st.windows.write(k_new, v_new, host_slots, pos)
         if st.codec.tile:  # the key tiles this step completes: written from their tokens' copies, before anything reads them
-            st.unwritten += store_tiles(st.codec, cache, st.windows, slots, rm, pos)
+            st.unwritten += store_tiles(st.codec, cache, st.windows, host_slots, rm, pos)
         q = st.queries(query[:T])
         tables = attn_metadata.block_table
-        window = self.sliding_window
+        window = self._window
         seqs, rows = [], []
         for r, n in enumerate(seq_lens):
             if starts[r + 1] > starts[r]:
-                seqs.append((tables[r], n))
+                seqs.append((host_tables[r], n))
                 rows.append(r)
         # decode rows (one query) of the whole batch in one call of the fused kernel, straight from the codes
         dec = [r for r in rows if starts[r + 1] - starts[r] == 1]
         if dec:
             idx = torch.tensor(dec)
-            at = torch.tensor([starts[r] for r in dec])
-            out = decode_batch(st.codec, cache, tables[idx], attn_metadata.seq_lens[idx], q[at], st.windows, self.scale,
-                               window, self.logits_soft_cap, rm, None if rm is None else query[at].float())
+            at = to_device(torch.tensor([starts[r] for r in dec]), dev)
+            out = decode_batch(st.codec, cache, tables[to_device(idx, dev)], torch.tensor([seq_lens[r] for r in dec]), q[at],
+                               st.windows, self.scale, window, self.logits_soft_cap, rm,
+                               None if rm is None else query[at].float(), host_table=host_tables[idx])
             if out is not None:
                 output[at] = out.to(output.dtype)
                 rows = [r for r in rows if starts[r + 1] - starts[r] != 1]
-            _say_decode_path(out is not None, st)
+            _say_decode_path(out is not None, st, dev)
         for r in rows:  # prefill chunks (and every row where the kernel is not available): decode, then attend
             n, a, b = seq_lens[r], starts[r], starts[r + 1]
             ctx = n - (b - a)
             lo = max(0, ctx - window + 1) if window > 0 else 0  # the oldest position any of the step's queries reads
             kq, vq = decode_context(st.codec, cache, tables[r], n, lo)  # (H, n − lo, d), the step's tokens included
             if rm is not None:  # read from codes, a key is k̂ + c'_t (the copies, which hold K', replace it in the windows)
-                kq += rm.center(torch.arange(lo, n)).transpose(0, 1)
+                kq += rm.center(torch.arange(lo, n, device=dev)).transpose(0, 1)
             kf, vf = torch.zeros_like(kq), torch.zeros_like(vq)
-            known = torch.zeros(n - lo, dtype=torch.bool)
-            st.missing += st.windows.read(kf, vf, known, tables[r], lo, ctx, ctx)
+            known = torch.zeros(n - lo, dtype=torch.bool, device=dev)
+            st.missing += st.windows.read(kf, vf, known, host_tables[r], lo, ctx, ctx)
             kf[:, ctx - lo:], vf[:, ctx - lo:], known[ctx - lo:] = k_new[a:b].transpose(0, 1), v_new[a:b].transpose(0, 1), True
-            out = attend(q[a:b], torch.arange(ctx, n), kq, vq, kf, vf, known, torch.arange(lo, n), st.windows.sink,
-                         st.windows.recent, self.scale, window, self.logits_soft_cap, flush=st.windows.flush)
+            out = attend(q[a:b], torch.arange(ctx, n, device=dev), kq, vq, kf, vf, known, torch.arange(lo, n, device=dev),
+                         st.windows.sink, st.windows.recent, self.scale, window, self.logits_soft_cap, flush=st.windows.flush)
             output[a:b] = out.to(output.dtype)
         st.windows.protect_and_trim(seqs)
         if st.missing and not st.warned:  # once per layer: quality below wushkv's cache, say so
@@ -254,3 +282,7 @@ class WushKVCPUImpl(CPUAttentionBackendImpl):
                            "past %d); their key codes were not written", st.l, st.unwritten, st.windows.abandoned,
                            st.windows.max_open)
         return output
+
+
+class WushKVCPUImpl(ServedImpl, CPUAttentionBackendImpl):
+    """CPU attention over WUSH-KV cells (module docstring); stock ``CPU_ATTN`` for a folder without a side file."""

@@ -50,6 +50,14 @@ from wushkv.quantizers.kvarn import KVarNTiles, kvarn_dequantize
 SLOT_ALIGN = 2  # bytes: vLLM allocates the cache in the model's dtype and views it as cells (even sizes, as its TurboQuant's)
 
 
+def to_device(t: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """A host tensor (indices, masks) on ``device`` without making the host wait: a pageable copy to a GPU waits for the
+    device, a pinned one does not (as :mod:`wushkv.triton_kernels` copies its host lengths and tables)."""
+    if t.device == device or device.type == "cpu":
+        return t.to(device)
+    return t.pin_memory().to(device, non_blocking=True)
+
+
 class SlotCodec:
     """The bytes of one (token, KV head) cell for quantization ``cfg`` at head_dim ``d``.
 
@@ -78,8 +86,8 @@ class SlotCodec:
                     self.fields.append((side, name, dtype, n, off, width))
                     off += width
                 continue
-            heads = 1 if c.feedback is None else c.feedback.shape[0]
-            probe = c.encode(torch.zeros(1, heads, 1, head_dim))
+            heads, dev = (1, None) if c.feedback is None else (c.feedback.shape[0], c.feedback.device)
+            probe = c.encode(torch.zeros(1, heads, 1, head_dim, device=dev))
             for name, t in probe.items():
                 width = t.shape[-1] * t.element_size()
                 self.fields.append((side, name, t.dtype, t.shape[-1], off, width))
@@ -98,7 +106,7 @@ class SlotCodec:
         """uint8 (T, H, slot_bytes) cells of keys and values (T, H, d) (already transformed). Key tiles are not
         encoded here (their key fields stay zero: :meth:`store_tiles` writes them when a tile is complete)."""
         T, H, _ = k.shape
-        out = torch.zeros(T, H, self.slot_bytes, dtype=torch.uint8)
+        out = torch.zeros(T, H, self.slot_bytes, dtype=torch.uint8, device=k.device)
         stored = {side: c.encode(x.float().transpose(0, 1).unsqueeze(0))  # (1, H, T, ·)
                   for (side, c), x in zip(self.codecs.items(), (k, v)) if not (side == "key" and self.tile)}
         for side, name, _dtype, _n, off, width in self.fields:
@@ -116,7 +124,7 @@ class SlotCodec:
 
         if self._store_triton(cache, k, v, slot_mapping):
             return
-        ext = kernels() if self._fused_store else None
+        ext = kernels() if self._fused_store and cache.device.type == "cpu" else None
         lo = self.value_offset if self.tile else 0  # key tiles: their fields wait for the tile (store_tiles)
         if ext is None or not hasattr(ext, "paged_store"):
             return store(cache, self.encode(k, v), slot_mapping, lo)
@@ -194,11 +202,11 @@ class SlotCodec:
         meta = torch.nn.functional.pad(meta, (0, G * self.meta_width - 4 * d)).reshape(n, H, G, self.meta_width)
         fields = {"codes": s["codes"], "s_fold": s["s_fold"].reshape(n, H, G, 1).view(torch.uint8), "tile_meta": meta}
         key_bytes = self.value_offset
-        cells = torch.empty(n, H, G, key_bytes, dtype=torch.uint8)
+        cells = torch.empty(n, H, G, key_bytes, dtype=torch.uint8, device=keys.device)
         for side, name, _dtype, _n, off, width in self.fields:
             if side == "key":
                 cells[..., off:off + width] = fields[name]
-        slots = (first_slots.long()[:, None] + torch.arange(G)).reshape(-1)  # (n·G,)
+        slots = (first_slots.long()[:, None] + torch.arange(G, device=first_slots.device)).reshape(-1)  # (n·G,)
         store(cache, cells.permute(0, 2, 1, 3).reshape(n * G, H, key_bytes), slots)
 
     def decode(self, cells: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -283,8 +291,10 @@ class RopeMean:
         return rope_rotate(self.mu[None], positions[:, None], self.inv_freq, self.scaling)
 
     def center(self, positions: torch.Tensor) -> torch.Tensor:
-        """c'_t = (R_t μ)·key (N, H, d) float32 at positions (N,): float64, then rounded, as wushkv's cache computes it."""
-        return torch.einsum("nhd,hde->nhe", self.rotated(positions), self.key).float()
+        """c'_t = (R_t μ)·key (N, H, d) float32 at positions (N,): float64, then rounded, as wushkv's cache computes it
+        (on the host; returned on the positions' device)."""
+        c = torch.einsum("nhd,hde->nhe", self.rotated(positions.cpu()), self.key).float()
+        return c.to(positions.device)
 
     def bias_terms(self, Q: torch.Tensor) -> torch.Tensor:
         """(R, Hq, d) float32 [A | B]·scaling of untransformed queries Q (R, Hq, d) (query head j on KV head j // G):
@@ -334,8 +344,8 @@ def store_tiles(sc: SlotCodec, cache: torch.Tensor, windows: "Windows", slot_map
     recomputes its last token; nothing else, the open tiles' copies are never dropped). Every tile is closed.
     ``rope_mean`` with the step's ``positions`` (T,): the tiles' keys are centered on it first."""
     G = sc.tile
-    keep = slot_mapping >= 0
-    slots = slot_mapping[keep].long()
+    keep = slot_mapping.cpu() >= 0
+    slots = slot_mapping.cpu()[keep].long()
     last = slots % G == G - 1
     first = slots[last] - (G - 1)
     if not len(first):
@@ -348,11 +358,12 @@ def store_tiles(sc: SlotCodec, cache: torch.Tensor, windows: "Windows", slot_map
     held[held.clone()] = windows.written[rows[held], idx[held] % u].all(1)
     windows.close((first // G).tolist())
     if bool(held.any()):
-        k = windows.pool[rows[held], idx[held] % u][..., 0, :].float()  # (n, G, H, d)
+        dev = windows.pool.device
+        k = windows.pool[rows[held].to(dev), (idx[held] % u).to(dev)][..., 0, :].float()  # (n, G, H, d)
         if rope_mean is not None:
-            p0 = positions[keep][last][held].long() - (G - 1)
-            k = k - rope_mean.center((p0[:, None] + torch.arange(G)).reshape(-1)).reshape(k.shape)
-        sc.store_tiles(cache, k.transpose(1, 2), first[held])
+            p0 = positions.cpu()[keep][last][held].long() - (G - 1)
+            k = k - rope_mean.center((p0[:, None] + torch.arange(G)).reshape(-1).to(dev)).reshape(k.shape)
+        sc.store_tiles(cache, k.to(cache.device).transpose(1, 2), first[held].to(cache.device))
     return int((~held).sum())
 
 
@@ -385,11 +396,15 @@ class Windows:
     128), so a sequence holds about its windows' own tokens, not whole blocks. Copies live in one pool, ``pool`` (P, unit, H, 2, d)
     in ``dtype`` (keys at [..., 0, :], values at [..., 1, :]) with ``written`` (P, unit) bool; ``index`` (pages,) int32
     maps a page to its pool row (−1: none). Reads return float32; the fused decode
-    (:func:`decode_batch`) reads the pool through ``index`` itself."""
+    (:func:`decode_batch`) reads the pool through ``index`` itself.
+
+    The pool lives on ``device`` (the cache's); ``written``, ``index`` and the rest of the bookkeeping on the host, in
+    Python ints where a step touches a few pages: slot mappings and positions given to :meth:`write`, :meth:`copies`
+    and :meth:`read` are the host's."""
 
     def __init__(self, block_size: int, heads: int, head_dim: int, sink: int, recent: int, capacity: int,
                  dtype: torch.dtype = torch.float32, flush: int = 1, max_open: int | None = None,
-                 max_sink_pages: int | None = None):
+                 max_sink_pages: int | None = None, device: torch.device | str | None = None):
         if sink < 0 or recent < 0 or flush < 1:
             raise ValueError(f"windows must be >= 0 and the flush >= 1, got sink {sink}, recent {recent}, flush {flush}")
         if flush > 1 and (block_size % flush or sink % flush):
@@ -405,7 +420,7 @@ class Windows:
         self.sinks: OrderedDict[int, None] = OrderedDict()  # pages holding sink positions, least recently written first
         self.max_sink_pages = max_sink_pages
         self.capacity = capacity  # pages
-        self.pool = torch.zeros(0, self.unit, heads, 2, head_dim, dtype=dtype)
+        self.pool = torch.zeros(0, self.unit, heads, 2, head_dim, dtype=dtype, device=device)
         self.written = torch.zeros(0, self.unit, dtype=torch.bool)
         self.index = torch.full((0,), -1, dtype=torch.int32)
         self.pages: OrderedDict[int, int] = OrderedDict()  # page -> pool row, oldest written first
@@ -448,8 +463,8 @@ class Windows:
         the tokens' positions, which mark the sink's pages (kept past the capacity)."""
         if not (self.sink or self.recent or self.flush > 1):
             return
-        keep = slot_mapping >= 0
-        slots = slot_mapping[keep].long()
+        keep = slot_mapping.cpu() >= 0
+        slots = slot_mapping.cpu()[keep].long()
         if not len(slots):
             return
         pages = slots // self.unit
@@ -466,7 +481,7 @@ class Windows:
         for p in uniq:
             self.pages.move_to_end(p)
         if positions is not None and self.sink:
-            for p in dict.fromkeys(pages[positions[keep] < self.sink].tolist()):
+            for p in dict.fromkeys(pages[positions.cpu()[keep] < self.sink].tolist()):
                 self.sinks[p] = None
                 self.sinks.move_to_end(p)
         if self.flush > 1:
@@ -474,8 +489,11 @@ class Windows:
                 self.open[t] = None
                 self.open.move_to_end(t)
         rows, offs = self.index[pages].long(), slots % self.unit
-        kv = torch.stack([k[keep], v[keep]], dim=2).to(self.dtype)  # (T, H, 2, d)
-        self.pool[rows, offs] = kv
+        dev = self.pool.device
+        kv = torch.stack([k, v], dim=2)  # (T, H, 2, d)
+        if len(slots) < len(keep):  # padding (slot < 0): its tokens' rows left out, by a host index (a mask would wait)
+            kv = kv.index_select(0, to_device(keep.nonzero().flatten(), kv.device))
+        self.pool[to_device(rows, dev), to_device(offs, dev)] = kv.to(dev, self.dtype)
         self.written[rows, offs] = True
 
     def close(self, tiles: list[int]) -> None:
@@ -513,10 +531,12 @@ class Windows:
             return 0
         rows, held = self.copies(block_ids[p // self.bs], p)
         h = p[held]
-        kv = self.pool[rows[held], h % self.unit].float()  # (m, H, 2, d)
-        kf[:, h - start] = kv[:, :, 0].transpose(0, 1)
-        vf[:, h - start] = kv[:, :, 1].transpose(0, 1)
-        known[h - start] = True
+        dev = self.pool.device
+        kv = self.pool[rows[held].to(dev), (h % self.unit).to(dev)].float().to(kf.device)  # (m, H, 2, d)
+        at = (h - start).to(kf.device)
+        kf[:, at] = kv[:, :, 0].transpose(0, 1)
+        vf[:, at] = kv[:, :, 1].transpose(0, 1)
+        known[at.to(known.device)] = True
         return int(len(p) - len(h))
 
     def protect_and_trim(self, sequences: list[tuple[torch.Tensor, int]]) -> None:
@@ -580,7 +600,7 @@ def attend(q: torch.Tensor, q_pos: torch.Tensor, kq: torch.Tensor, vq: torch.Ten
     H = kq.shape[0]
     G = Hq // H
     kq, vq, kf, vf = kq.float(), vq.float(), kf.float(), vf.float()
-    out = torch.empty(T, Hq, d)
+    out = torch.empty(T, Hq, d, device=kq.device)
     for a in range(0, T, block):
         qp = q_pos[a:a + block, None]
         tail = sink + flush * torch.div((qp + 1 - sink - recent).clamp(min=0), flush, rounding_mode="floor")  # (t, 1)
@@ -600,7 +620,7 @@ def attend(q: torch.Tensor, q_pos: torch.Tensor, kq: torch.Tensor, vq: torch.Ten
             s = (softcap * torch.tanh(s / softcap)).masked_fill(~mask, float("-inf")).softmax(-1)
             o = torch.einsum("hgtn,hnd->hgtd", s, V).reshape(Hq, -1, d)
         else:  # 4-d inputs and an additive mask take torch's fused CPU kernel (3-d or a bool mask: its slow path)
-            bias = torch.zeros(mask.shape).masked_fill_(~mask, float("-inf"))
+            bias = torch.zeros(mask.shape, device=mask.device).masked_fill_(~mask, float("-inf"))
             o = torch.nn.functional.scaled_dot_product_attention(qg[None], K[None], V[None], attn_mask=bias[None, None],
                                                                  scale=scale, enable_gqa=G > 1)[0]
         out[a:a + block] = o.transpose(0, 1)
@@ -620,7 +640,7 @@ def decode_context(sc: SlotCodec, cache: torch.Tensor, block_ids: torch.Tensor, 
         k, v = sc.decode(gather(cache, block_ids, b, a))
         k[:, stop // G * G - a:] = 0
         return k[:, start - a:stop - a], v[:, start - a:stop - a]
-    ext, sides = kernels(), sc.sides()
+    ext, sides = kernels() if cache.device.type == "cpu" else None, sc.sides()
     if ext is None or sides is None:
         return sc.decode(gather(cache, block_ids, stop, start))
     k, v = ext.paged_dequantize(cache, block_ids.to(torch.int32), start, stop, *sides, sc.d)
@@ -629,7 +649,8 @@ def decode_context(sc: SlotCodec, cache: torch.Tensor, block_ids: torch.Tensor, 
 
 def decode_batch(sc: SlotCodec, cache: torch.Tensor, block_table: torch.Tensor, seq_lens: torch.Tensor, q: torch.Tensor,
                  windows: Windows, scale: float, sliding_window: int = -1, softcap: float = 0.0,
-                 rope_mean: RopeMean | None = None, q_raw: torch.Tensor | None = None) -> torch.Tensor | None:
+                 rope_mean: RopeMean | None = None, q_raw: torch.Tensor | None = None,
+                 host_table: torch.Tensor | None = None) -> torch.Tensor | None:
     """One decode query per request, all requests in one call of the fused kernel (``paged_decode`` of
     :mod:`wushkv._ext`): request r's query q[r] (Hq, d) at position seq_lens[r] − 1 reads its context through its block
     table row, each token from its full-precision copy in ``windows`` where it is in the windows of a sequence of
@@ -638,17 +659,19 @@ def decode_batch(sc: SlotCodec, cache: torch.Tensor, block_table: torch.Tensor, 
     ``rope_mean`` (+rmean) with the untransformed queries ``q_raw`` (R, Hq, d): a token read from its codes gains
     Q·R_t μ (:class:`RopeMean`).
     Where :func:`wushkv.decode.triton_for` sends the cache's device (a GPU; any device under
-    ``triton_enabled(True)``), wushkv's Triton decode kernel reads the cells instead (:func:`decode_batch_triton`).
+    ``triton_enabled(True)``), wushkv's Triton decode kernel reads the cells instead (:func:`decode_batch_triton`;
+    ``seq_lens`` and ``host_table``, the block table's copy on the host, are read there for the windows' bookkeeping).
     Returns float32 (R, Hq, d), or None where the kernel is not available (no compiler) or does not cover the cells."""
     from wushkv._ext import kernels
     from wushkv.decode import triton_for
 
     tk = triton_for(cache.device) if rope_mean is None else None
     if tk is not None:
-        out = decode_batch_triton(tk, sc, cache, block_table, seq_lens, q, windows, scale, sliding_window, softcap)
+        out = decode_batch_triton(tk, sc, cache, block_table, seq_lens, q, windows, scale, sliding_window, softcap,
+                                  host_table)
         if out is not None:
             return out
-    ext, sides = kernels(), sc.sides()
+    ext, sides = kernels() if cache.device.type == "cpu" else None, sc.sides()
     if ext is None or sides is None:
         return None
     empty = torch.empty(0)
@@ -661,7 +684,7 @@ def decode_batch(sc: SlotCodec, cache: torch.Tensor, block_table: torch.Tensor, 
 
 def decode_batch_triton(tk, sc: SlotCodec, cache: torch.Tensor, block_table: torch.Tensor, seq_lens: torch.Tensor,
                         q: torch.Tensor, windows: Windows, scale: float, sliding_window: int = -1,
-                        softcap: float = 0.0) -> torch.Tensor | None:
+                        softcap: float = 0.0, host_table: torch.Tensor | None = None) -> torch.Tensor | None:
     """:func:`decode_batch` through wushkv's Triton decode kernel (``tk``: :mod:`wushkv.triton_kernels`), the GPU
     path. Request r's context is three parts, as the kernel reads them: its sink (positions below
     min(sink, n)) and its tail (:meth:`Windows.tail` on), gathered from their copies into (R, H, ·, d) tensors in the
@@ -670,21 +693,32 @@ def decode_batch_triton(tk, sc: SlotCodec, cache: torch.Tensor, block_table: tor
     from its cell in torch instead (what the rule reads). The dots run in the copies' dtype (float16/bfloat16 models;
     float32 copies: IEEE float32).
 
-    Not yet run on a GPU: the windows (pool and bookkeeping) live on the host, so each call gathers the copies there
-    and copies them over, and reads ``seq_lens`` and the block tables on the host (a wait for the device per layer).
+    ``seq_lens`` (R,) and ``host_table`` (the block table's copy on the host; None: copied here, a wait for the
+    device) are read on the host, where the windows' bookkeeping is; the copies are gathered on the pool's device.
+    Not yet run on a GPU.
 
-    Returns float32 (R, Hq, d), or None where the kernel does not apply: key tiles, a codec the kernels do not take, a
-    metadata field at an odd byte offset (it cannot be viewed as float16 in place)."""
+    Key tiles (``+ktiles``) are read as :class:`wushkv.triton_kernels.TileFormat` with their scale and zero where the
+    cells spread them. Returns float32 (R, Hq, d), or None where the kernel does not apply: a codec the kernels do
+    not take, a metadata field at an odd byte offset (it cannot be viewed as float16 in place)."""
     from wushkv.decode import read_format
 
-    if sc.tile:
-        return None
-    fmts = [read_format(tk, c) for c in sc.codecs.values()]
     views = sc.field_views(cache)
-    if None in fmts or views is None:
+    vfmt = read_format(tk, sc.codecs["value"])
+    if views is None or vfmt is None:
         return None
-    packed = [tk.Packed(fmt, views[side, "codes"], views[side, "scale"], views.get((side, "offset")))
-              for fmt, side in zip(fmts, ("key", "value"))]
+    packed = [None, tk.Packed(vfmt, views["value", "codes"], views["value", "scale"], views.get(("value", "offset")))]
+    if sc.tile:  # KVarN key tiles: each token's codes and s_tok, the tile's scale and zero spread over its cells
+        try:
+            kfmt = tk.TileFormat(sc.codecs["key"].bits, sc.d, sc.tile, spread=sc.meta_width // 2)
+            meta = views["key", "tile_meta"].view(torch.float16)  # (num_blocks, block_size, H, spread)
+        except (ValueError, RuntimeError):  # an odd width or offset, a tile that is not a power of two
+            return None
+        packed[0] = tk.Packed(kfmt, views["key", "codes"], views["key", "s_fold"], tile_scale=meta)
+    else:
+        kfmt = read_format(tk, sc.codecs["key"])
+        if kfmt is None:
+            return None
+        packed[0] = tk.Packed(kfmt, views["key", "codes"], views["key", "scale"], views.get(("key", "offset")))
     R = len(seq_lens)
     lens = seq_lens.tolist()  # the host's: the windows' bookkeeping is there too
     sink = [min(windows.sink, n) for n in lens]
@@ -694,7 +728,8 @@ def decode_batch_triton(tk, sc: SlotCodec, cache: torch.Tensor, block_table: tor
     pos = torch.tensor([[*range(s), *[0] * (S - s), *range(t, n), *[max(n - 1, 0)] * (W - n + t)]
                         for s, t, n in zip(sink, tail, lens)], dtype=torch.long).reshape(R, S + W)
     first = torch.tensor([max(0, n - sliding_window) if sliding_window > 0 else 0 for n in lens]).reshape(R, 1)
-    kf, vf = _window_copies(sc, cache, block_table, pos, pos >= first, windows)  # (R, H, S + W, d) each
+    host_table = block_table.cpu() if host_table is None else host_table
+    kf, vf = _window_copies(sc, cache, host_table, pos, pos >= first, windows)  # (R, H, S + W, d) each
     dt = windows.dtype if windows.dtype in (torch.float16, torch.bfloat16) else torch.float32
     dev = cache.device
     kf, vf = kf.to(dev, dt), vf.to(dev, dt)
@@ -706,20 +741,21 @@ def decode_batch_triton(tk, sc: SlotCodec, cache: torch.Tensor, block_table: tor
     return out.float()
 
 
-def _window_copies(sc: SlotCodec, cache: torch.Tensor, block_table: torch.Tensor, pos: torch.Tensor,
+def _window_copies(sc: SlotCodec, cache: torch.Tensor, host_table: torch.Tensor, pos: torch.Tensor,
                    need: torch.Tensor, windows: Windows) -> tuple[torch.Tensor, torch.Tensor]:
-    """Keys and values (R, H, P, d) float32 at positions ``pos`` (R, P) of each request, on the windows' device: the
+    """Keys and values (R, H, P, d) float32 at positions ``pos`` (R, P) of each request, on the pool's device: the
     copies the windows hold, and for a position without one, its cell decoded. Positions not ``need``-ed (before a
-    sliding window: never read, their blocks perhaps freed) are zeros."""
+    sliding window: never read, their blocks perhaps freed) are zeros. ``host_table``, ``pos``, ``need``: the host's."""
     bs = cache.shape[2]
-    blocks = block_table.to(pos.device).long().gather(1, pos // bs)  # (R, P)
+    blocks = host_table.long().gather(1, pos // bs)  # (R, P)
     rows, held = windows.copies(blocks, pos)
     held &= need
-    kv = windows.pool[rows.clamp_min(0), pos % windows.unit].float()  # (R, P, H, 2, d)
-    kv[~held] = 0
+    dev = windows.pool.device
+    kv = windows.pool[to_device(rows.clamp_min(0), dev), to_device(pos % windows.unit, dev)].float()  # (R, P, H, 2, d)
+    kv.masked_fill_(to_device(~held, dev)[..., None, None, None], 0)
     dropped = ~held & need
     if bool(dropped.any()):  # copies dropped past the capacity: those positions from their codes
         cells = cache[blocks[dropped].to(cache.device), :, (pos[dropped] % bs).to(cache.device)]  # (m, H, C)
         k, v = sc.decode(cells.transpose(0, 1))  # (H, m, d)
-        kv[dropped] = torch.stack([k, v], 2).transpose(0, 1).to(kv.device)  # (m, H, 2, d)
+        kv[dropped.to(dev)] = torch.stack([k, v], 2).transpose(0, 1).to(dev)  # (m, H, 2, d)
     return kv[..., 0, :].transpose(1, 2), kv[..., 1, :].transpose(1, 2)
