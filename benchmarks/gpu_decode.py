@@ -74,6 +74,7 @@ TUNING_FIELDS = tuple(f.name for f in dataclasses.fields(tk.DecodeTuning))
 DRY_SWEEP_TILES, DRY_SWEEP_PER_SM = [(16, 4, 1), (32, 1, 3)], (1, 4)
 # session 46's path and tuning: codes unpacked to (tokens, d) tiles, 64 tokens, 4 warps, 2 stages ("triton_tiles")
 TILES = dict(class_split=False, block_n=64, num_warps=4, num_stages=2)
+KEY_TILE = 128  # tokens per KVarN key tile in the key-tiles row (auto's +ktiles at the generation presets' flush)
 
 
 def peak_tbps(name: str, override: float | None) -> float | None:
@@ -303,8 +304,9 @@ def sweep(args, device, timer) -> dict:
 
 def kernel_case(args, ctx, B, device, timer) -> dict:
     """One layer's decode at (ctx, B): the K2V2 kernel under the current tuning (``triton``) and under the library's
-    defaults (``triton_default``), bfloat16 SDPA and FlashAttention, and the same kernel over a bfloat16 context
-    (``triton_bf16``: the whole context as its full-precision sink, no packed middle)."""
+    defaults (``triton_default``), bfloat16 SDPA and FlashAttention, the same kernel over a bfloat16 context
+    (``triton_bf16``: the whole context as its full-precision sink, no packed middle), and the keys read as KVarN
+    tiles of KEY_TILE tokens (``triton_ktiles``, auto's ``+ktiles``; the same keys, so the same output)."""
     Hkv, d, SINK, RECENT = args.kv_heads, args.head_dim, args.sink, args.recent
     if ctx < SINK + RECENT:
         raise SystemExit(f"context {ctx} is shorter than --sink + --recent = {SINK + RECENT}")
@@ -333,7 +335,16 @@ def kernel_case(args, ctx, B, device, timer) -> dict:
     row["triton_vs_tiles"] = max_rel(tk.decode(*inputs), tiles_out)
     if "triton_default" in row:
         row["triton_default_vs_tiles"] = max_rel(default_out, tiles_out)
-    del inputs, tiles_out
+    # the keys as KVarN tiles of KEY_TILE tokens (auto's +ktiles) over the same codes: s_tok the per-token step, scale
+    # 1 and zero ½ − 2^(b−1) on every channel give the same keys, so the output must agree with the paths above
+    mk = inputs[4]
+    ones = torch.ones(B, Hkv, -(-n_mid // KEY_TILE), d, device=device, dtype=torch.float16)
+    kt = tk.Packed(tk.TileFormat(args.k_bits, d, KEY_TILE), mk.codes, mk.scale, tile_scale=ones, tile_zero=ones * mk.fmt.half)
+    kt_inputs = (*inputs[:4], kt, *inputs[5:])
+    row["triton_ktiles"] = timer(lambda: tk.decode(*kt_inputs), args.warmup, args.iters, gpu=True) | {
+        "bytes": nbytes + 2 * ones.numel() * 2}
+    row["triton_ktiles_vs_tiles"] = max_rel(tk.decode(*kt_inputs), tiles_out)
+    del inputs, tiles_out, kt_inputs, kt, ones
     # bfloat16 SDPA over the same context (K, V built after the packed cache is freed)
     K, V = torch.randn(B, Hkv, ctx, d, **bf), torch.randn(B, Hkv, ctx, d, **bf)
     q4 = q.unsqueeze(2)
@@ -378,7 +389,7 @@ def agrees(v: float) -> bool:
     return v <= AGREE  # False for NaN too
 
 def add_bandwidth(row: dict, peak: float | None) -> None:
-    for name in ("triton", "triton_default", "triton_tiles", "sdpa", "flash", "triton_bf16"):
+    for name in ("triton", "triton_default", "triton_tiles", "triton_ktiles", "sdpa", "flash", "triton_bf16"):
         r = row.get(name)
         if isinstance(r, dict) and "ms" in r:
             r["tb_per_s"] = r["bytes"] / (r["ms"] * 1e-3) / 1e12
@@ -387,6 +398,8 @@ def add_bandwidth(row: dict, peak: float | None) -> None:
         for name in ("sdpa", "flash", "triton_bf16", "triton_tiles"):
             if "ms" in row.get(name, {}):
                 row[f"triton_over_{name}"] = row["triton"]["ms"] / row[name]["ms"]
+    if "ms" in row.get("triton_ktiles", {}) and "ms" in row.get("sdpa", {}):
+        row["triton_ktiles_over_sdpa"] = row["triton_ktiles"]["ms"] / row["sdpa"]["ms"]
 
 
 def tiny_llama(args, device, dtype):

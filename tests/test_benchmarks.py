@@ -298,6 +298,11 @@ def test_gpu_decode_dry_run(tmp_path):
     assert "ms" in row["flash"] or "error" in row["flash"]  # FlashAttention where torch has it for this device
     # the same kernel over the bfloat16 context, and the sweep whose fastest tuning the rows ran under
     assert row["triton_bf16"]["bytes"] == row["sdpa"]["bytes"] and positive(row["triton_bf16"]["ms"])
+    # the keys as KVarN tiles over the same codes (scale 1, zero ½ − 2^(b−1)): the same keys, so the same output (its
+    # dequantized keys rounded to bfloat16 for the dot, the per-token path's codes exact: about 5e-3 apart)
+    tiles = -(-n_mid // gpu_decode.KEY_TILE)
+    assert row["triton_ktiles"]["bytes"] == row["triton"]["bytes"] + 2 * B * Hkv * tiles * d * 2
+    assert row["triton_ktiles_vs_tiles"] < gpu_decode.AGREE and positive(row["triton_ktiles_over_sdpa"])  # bfloat16 keys
     # each row checks what it timed: the kernel against the tiles' path, the bf16 run against SDPA
     assert 0 <= row["triton_vs_tiles"] < gpu_decode.AGREE and 0 <= row["triton_bf16_vs_sdpa"] < gpu_decode.AGREE
     assert gpu_decode.max_rel(torch.ones(3), torch.full((3,), 2.0)) == 0.5

@@ -480,26 +480,30 @@ def _kernels() -> dict:
         return s, z
 
     @jit
-    def _key_tile(c, st_ptr, srows, s_ptr, z_ptr, t, b, h, bt_ptr, s_bt, PAGE, m0, m1, m2, ZI, base, valid,
-                  D: tl.constexpr, TILE: tl.constexpr, MW: tl.constexpr, PAGED: tl.constexpr, PAGE_ABS: tl.constexpr):
-        """Codes (BN, D) of KVarN key tiles → keys in registers, k̂[t, c] = s_tok[t]·(scale[c]·code[t, c] + zero[c]) in
-        float32 as :func:`wushkv.quantizers.kvarn.kvarn_dequantize` computes it, with the scale and zero of the tile of
-        middle token ``t``. A tile's row holds ``MW`` halves: half i of [scale | zero] is ``i // MW`` rows on (the
-        tile's next tokens, where they are spread over its cells; zero's halves start at ``ZI``) and ``i % MW`` in."""
-        st = tl.load(st_ptr + srows, mask=valid, other=0.0).to(tl.float32)
+    def _tile_scores(q, cq, j, b, h, bt_ptr, s_bt, PAGE, s_ptr, z_ptr, m0, m1, m2, ZI, base,
+                     D: tl.constexpr, TILE: tl.constexpr, MW: tl.constexpr, OFF: tl.constexpr, PAGED: tl.constexpr,
+                     PAGE_ABS: tl.constexpr, PREC: tl.constexpr, DT: tl.constexpr, EMU: tl.constexpr):
+        """Scores (GP, BN) of queries ``q`` (GP, D) against codes ``cq`` (BN, D) (the dot's operand, c + OFF:
+        :func:`_codes_as`) of KVarN key tile ``j`` of the middle, before each token's s_tok:
+        Σ_c q[c]·(scale[c]·code[t, c] + zero[c]) = (q ⊙ scale)·code_t + q·zero, so the codes enter the dot as they are
+        and the tile's scale goes into the query (rounded to DT, as the dot reads it; OFF taken back out exactly).
+        The tile's row holds ``MW`` halves: half i of [scale | zero] is ``i // MW`` rows on (the tile's next tokens,
+        where they are spread over its cells; zero's halves start at ``ZI``) and ``i % MW`` in."""
+        jj = b * 0 + j  # int64, and a tensor where the interpreter's loop gives an int
         if PAGED:  # the row of the tile's first token, through the block table
-            first = (t // TILE) * TILE
+            first = jj * TILE
             if PAGE_ABS:
                 first = first + base
             mrow = _rows(first, b, h, bt_ptr, s_bt, PAGE, m0, m1, m2, PAGED)
         else:  # the tile's own row
-            mrow = _rows(t // TILE, b, h, bt_ptr, s_bt, PAGE, m0, m1, m2, PAGED)
+            mrow = _rows(jj, b, h, bt_ptr, s_bt, PAGE, m0, m1, m2, PAGED)
         ch = tl.arange(0, D)
-        so = (ch // MW).to(tl.int64) * m1 + ch % MW
-        zo = ((ch + ZI) // MW).to(tl.int64) * m1 + (ch + ZI) % MW
-        sc = tl.load(s_ptr + mrow[:, None] + so[None, :], mask=valid[:, None], other=0.0).to(tl.float32)
-        zr = tl.load(z_ptr + mrow[:, None] + zo[None, :], mask=valid[:, None], other=0.0).to(tl.float32)
-        return st[:, None] * (sc * c.to(tl.float32) + zr)
+        sc = tl.load(s_ptr + mrow + (ch // MW).to(tl.int64) * m1 + ch % MW).to(tl.float32)
+        zr = tl.load(z_ptr + mrow + ((ch + ZI) // MW).to(tl.int64) * m1 + (ch + ZI) % MW).to(tl.float32)
+        qf = q.to(tl.float32)
+        qs = _round_to(qf * sc[None, :], DT, EMU)
+        raw = _mma(qs, tl.trans(cq), DT, EMU, PREC)
+        return raw + tl.sum(qf * zr[None, :] - OFF * qs, 1)[:, None]
 
     @jit
     def _code_segment(q, qsum, m, l, acc, q_ptr, qrow, qmask,
@@ -515,8 +519,7 @@ def _kernels() -> dict:
                       PAGED: tl.constexpr, PAGE_ABS: tl.constexpr, HAS_MASK: tl.constexpr, SOFTCAP: tl.constexpr,
                       PREC: tl.constexpr, DT: tl.constexpr, EMU: tl.constexpr):
         """Tokens [a, e) of the packed middle, whose first token is absolute column ``base``. K_TILE > 0: the keys are
-        KVarN tiles of K_TILE tokens, dequantized in registers (:func:`_key_tile`; the scale varies along the channels,
-        so the dot cannot take the codes as they are). With one group per
+        KVarN tiles of K_TILE tokens, their scale folded into the query per tile (:func:`_tile_scores`). With one group per
         token the codes enter the dots as ``c + OFF`` (:func:`_codes_as`), and OFF comes back out: for keys
         ``q·(c + OFF) − OFF·Σq``, for values ``Σ_t w_t (c_t + OFF) − OFF·Σ_t w_t`` with the same rounded weights
         w = p ⊙ s the dot reads. K_P/V_P > 0: that side's codes are read as 16-bit words and split into P classes
@@ -535,20 +538,32 @@ def _kernels() -> dict:
         a7 = tl.zeros([GP, VK], dtype=tl.float32)
         keep = tl.full([GP], 1.0, dtype=tl.float32)  # how much of the incoming acc the online softmax keeps
         corr = tl.zeros([GP], dtype=tl.float32)  # Σ p z − OFF·Σ w, added to every channel
-        for start in range(a, e, BN):
+        first_it = a
+        if K_TILE > 0 and BN <= K_TILE:  # tiles of tokens aligned to BN lie in one key tile each (BN divides K_TILE)
+            first_it = a - a % BN
+        for start in range(first_it, e, BN):
             t = start + tl.arange(0, BN)
             valid = t < e
+            if K_TILE > 0 and BN <= K_TILE:
+                valid = valid & (t >= a)
             tt = tl.where(valid, t, 0)  # masked lanes still compute an address (block table reads stay in range)
             if PAGE_ABS:  # the block table maps absolute positions (vLLM's cells hold every token, the sink's too)
                 tt = tt + base
             # keys: scores = s ⊙ (C q) + z·Σq (one group per token), or a tile dequantized in registers
             rows = _rows(tt, b, h, bt_ptr, s_bt, PAGE, kc0, kc1, kc2, PAGED)
             srows = _rows(tt, b, h, bt_ptr, s_bt, PAGE, ks0, ks1, ks2, PAGED)
-            if K_TILE > 0:
-                c = _unpack(kc_ptr, rows, valid, D, K_BITS, BN)
-                k = _key_tile(c, ks_ptr, srows, kts_ptr, ktz_ptr, tl.where(valid, t, 0), b, h, bt_ptr, s_bt, PAGE,
-                              kt0, kt1, kt2, KT_ZI, base, valid, D, K_TILE, KT_MW, PAGED, PAGE_ABS)
-                s = _mma(q, tl.trans(k), DT, EMU, PREC)
+            if K_TILE > 0:  # KVarN key tiles: one dot per key tile the tile of tokens lies in
+                cq = _codes_as(_unpack(kc_ptr, rows, valid, D, K_BITS, BN), K_OFF)
+                st = tl.load(ks_ptr + srows, mask=valid, other=0.0).to(tl.float32)  # s_tok
+                j0 = start // K_TILE
+                s = _tile_scores(q, cq, j0, b, h, bt_ptr, s_bt, PAGE, kts_ptr, ktz_ptr, kt0, kt1, kt2, KT_ZI, base,
+                                 D, K_TILE, KT_MW, K_OFF, PAGED, PAGE_ABS, PREC, DT, EMU)
+                if BN > K_TILE:  # key tiles shorter than the tile of tokens: the rows past its first key tile
+                    for j in range(j0 + 1, (tl.minimum(start + BN, e) - 1) // K_TILE + 1):
+                        sj = _tile_scores(q, cq, j, b, h, bt_ptr, s_bt, PAGE, kts_ptr, ktz_ptr, kt0, kt1, kt2, KT_ZI,
+                                          base, D, K_TILE, KT_MW, K_OFF, PAGED, PAGE_ABS, PREC, DT, EMU)
+                        s = tl.where((t >= j * K_TILE)[None, :], sj, s)
+                s = s * st[None, :]
             elif K_P > 0:
                 ks, kz = _token_scale_offset(ks_ptr, kz_ptr, srows, valid, K_HALF, K_Z, K_E5M3)
                 raw = _class_scores(q_ptr, qrow, qmask, _words(kc_ptr, rows, valid, D, K_P, K_BITS, BN), GP, BN, D, K_P,
@@ -1130,6 +1145,8 @@ def decode(query, lengths, sink_k, sink_v, mid_k: Packed, mid_v: Packed, recent_
     lengths = _to_device(lengths, query.device, torch.int32).contiguous()
     tuning = current_tuning()
     k_p, v_p, tile_n, num_warps = tuning.launch(query.dtype, mid_k, mid_v)
+    if isinstance(mid_k.fmt, TileFormat) and mid_k.fmt.tile >= 16:
+        tile_n = min(tile_n, mid_k.fmt.tile)  # tiles of tokens aligned to it then lie in one key tile: one dot each
     block_n = block_n or tile_n
     if splits is None:
         visible = min([longest] + ([window] if window else []) + ([allowed.shape[-1]] if allowed is not None else []))

@@ -204,7 +204,9 @@ class ServedImpl:
         st = self._layer(layer, kv_cache)
         n = slot_mapping.shape[0]
         k = st.keys(key[:n])
-        if st.rope_mean is None:  # +rmean: stored by the forward, which knows the tokens' positions
+        # stored here on CPU; on a device by the forward, which has the step's slots on the host (the padding told
+        # without a wait), as for +rmean, whose codes need the tokens' positions
+        if st.rope_mean is None and kv_cache.device.type == "cpu":
             st.codec.store(kv_cache.view(torch.uint8), k, value[:n], slot_mapping)
         # this step's forward of the layer attends with the same transformed keys: handed over, not computed again
         # (taken by the next forward, so a step never sees another step's keys; vLLM runs a layer's update and then
@@ -233,7 +235,9 @@ class ServedImpl:
         in_sink = any(n - (b - a) < st.windows.sink for n, a, b in zip(seq_lens, starts, starts[1:]) if b > a)
         pos = step_positions(torch.tensor(starts), torch.tensor(seq_lens)) if rm is not None or in_sink else None
         if rm is not None:  # the codes of K' − c'_t
-            st.codec.store(cache, k_new - rm.center(pos.to(dev)), value[:T], attn_metadata.slot_mapping[:T])
+            st.codec.store(cache, k_new - rm.center(to_device(pos, dev)), value[:T], attn_metadata.slot_mapping[:T], host_slots)
+        elif dev.type != "cpu":  # the update left the store to the forward (there the padding is known on the host)
+            st.codec.store(cache, k_new, value[:T], attn_metadata.slot_mapping[:T], host_slots)
         st.windows.write(k_new, v_new, host_slots, pos)
         if st.codec.tile:  # the key tiles this step completes: written from their tokens' copies, before anything reads them
             st.unwritten += store_tiles(st.codec, cache, st.windows, host_slots, rm, pos)

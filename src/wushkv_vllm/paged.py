@@ -115,11 +115,13 @@ class SlotCodec:
                 out[..., off:off + width] = t.view(torch.uint8)
         return out
 
-    def store(self, cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slot_mapping: torch.Tensor) -> None:
+    def store(self, cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slot_mapping: torch.Tensor,
+              host_slots: torch.Tensor | None = None) -> None:
         """Write the cells of keys and values (T, H, d) (already transformed) into ``cache`` (num_blocks, H, block_size,
         ≥ slot_bytes) uint8 at vLLM's slots (T,) (< 0: padding, skipped): :meth:`encode` then :func:`store`, in one
         call of the fused ``paged_store`` of :mod:`wushkv._ext` where it covers the cells (the same bytes: the grid is
-        the quantizer's own, computed here; the kernel stores it, rounds and packs the codes)."""
+        the quantizer's own, computed here; the kernel stores it, rounds and packs the codes). ``host_slots``: the
+        slots' copy on the host, which tells the padding without a wait for the device."""
         from wushkv._ext import kernels
 
         if self._store_triton(cache, k, v, slot_mapping):
@@ -127,7 +129,7 @@ class SlotCodec:
         ext = kernels() if self._fused_store and cache.device.type == "cpu" else None
         lo = self.value_offset if self.tile else 0  # key tiles: their fields wait for the tile (store_tiles)
         if ext is None or not hasattr(ext, "paged_store"):
-            return store(cache, self.encode(k, v), slot_mapping, lo)
+            return store(cache, self.encode(k, v), slot_mapping, lo, host_slots)
         xs, steps, offsets, fbs = [], [], [], []
         empty = torch.empty(0)
         for c, x in zip(self.codecs.values(), (k, v)):
@@ -207,7 +209,7 @@ class SlotCodec:
             if side == "key":
                 cells[..., off:off + width] = fields[name]
         slots = (first_slots.long()[:, None] + torch.arange(G, device=first_slots.device)).reshape(-1)  # (n·G,)
-        store(cache, cells.permute(0, 2, 1, 3).reshape(n * G, H, key_bytes), slots)
+        store(cache, cells.permute(0, 2, 1, 3).reshape(n * G, H, key_bytes), slots, valid=True)
 
     def decode(self, cells: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(k, v) float32 (H, N, d) of uint8 cells (H, N, ≥ payload_bytes); with key tiles, N whole tiles starting on
@@ -325,13 +327,23 @@ def step_positions(query_start_loc: torch.Tensor, seq_lens: torch.Tensor) -> tor
     return first + torch.arange(int(qsl[-1])) - torch.repeat_interleave(qsl[:-1], q_lens)
 
 
-def store(cache: torch.Tensor, cells: torch.Tensor, slot_mapping: torch.Tensor, lo: int = 0) -> None:
+def store(cache: torch.Tensor, cells: torch.Tensor, slot_mapping: torch.Tensor, lo: int = 0,
+          host_slots: torch.Tensor | None = None, valid: bool = False) -> None:
     """Write bytes lo.. of cells (T, H, C) into ``cache`` (num_blocks, H, block_size, ≥ C) uint8 at vLLM's slots (T,) =
-    block·block_size + offset; slots < 0 (padding) are skipped."""
+    block·block_size + offset; slots < 0 (padding) are skipped (told by ``host_slots``, their copy on the host, where
+    given: the device's would make the host wait; ``valid``: none is)."""
     bs = cache.shape[2]
-    keep = slot_mapping >= 0
-    if not bool(keep.all()):
-        cells, slot_mapping = cells[keep], slot_mapping[keep]
+    if valid:
+        pass
+    elif host_slots is not None:
+        keep = host_slots >= 0
+        if not bool(keep.all()):
+            sel = keep.nonzero().flatten()
+            cells, slot_mapping = cells[to_device(sel, cells.device)], slot_mapping[to_device(sel, slot_mapping.device)]
+    else:
+        keep = slot_mapping >= 0
+        if not bool(keep.all()):
+            cells, slot_mapping = cells[keep], slot_mapping[keep]
     slot_mapping = slot_mapping.long()
     cache[slot_mapping // bs, :, slot_mapping % bs, lo:cells.shape[-1]] = cells[..., lo:]
 
@@ -359,11 +371,11 @@ def store_tiles(sc: SlotCodec, cache: torch.Tensor, windows: "Windows", slot_map
     windows.close((first // G).tolist())
     if bool(held.any()):
         dev = windows.pool.device
-        k = windows.pool[rows[held].to(dev), (idx[held] % u).to(dev)][..., 0, :].float()  # (n, G, H, d)
+        k = windows.pool[to_device(rows[held], dev), to_device(idx[held] % u, dev)][..., 0, :].float()  # (n, G, H, d)
         if rope_mean is not None:
             p0 = positions.cpu()[keep][last][held].long() - (G - 1)
             k = k - rope_mean.center((p0[:, None] + torch.arange(G)).reshape(-1).to(dev)).reshape(k.shape)
-        sc.store_tiles(cache, k.to(cache.device).transpose(1, 2), first[held].to(cache.device))
+        sc.store_tiles(cache, k.to(cache.device).transpose(1, 2), to_device(first[held], cache.device))
     return int((~held).sum())
 
 
@@ -532,8 +544,8 @@ class Windows:
         rows, held = self.copies(block_ids[p // self.bs], p)
         h = p[held]
         dev = self.pool.device
-        kv = self.pool[rows[held].to(dev), (h % self.unit).to(dev)].float().to(kf.device)  # (m, H, 2, d)
-        at = (h - start).to(kf.device)
+        kv = self.pool[to_device(rows[held], dev), to_device(h % self.unit, dev)].float().to(kf.device)  # (m, H, 2, d)
+        at = to_device(h - start, kf.device)
         kf[:, at] = kv[:, :, 0].transpose(0, 1)
         vf[:, at] = kv[:, :, 1].transpose(0, 1)
         known[at.to(known.device)] = True
