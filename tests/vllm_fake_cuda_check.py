@@ -6,7 +6,8 @@ tensors, over the same steps of a served folder (exported by tests/test_vllm_plu
 Each step is laid out as vLLM lays it out on a GPU: the kv cache, queries, keys, values, output, block table, sequence
 lengths, query start locations and slot mapping on the device (the slot mapping padded with -1 past the step's
 tokens, the batch's tensors with a row past its requests), their host copies as real CPU tensors
-(``CommonAttentionMetadata``'s ``*_cpu``), the metadata made by :func:`wushkv_vllm.cuda.served_metadata`. Triton's
+(``CommonAttentionMetadata``'s ``*_cpu``), the metadata made by the backend's builder
+(:func:`wushkv_vllm.cuda.served_metadata`), whose declarations for a served folder are checked first. Triton's
 kernels run under its interpreter on the CPU data, after :func:`fake_cuda.launch` has checked that their tensors are
 on the device.
 
@@ -35,14 +36,15 @@ os.environ.setdefault("WUSHKV_NO_EXT", "1")
 
 import torch  # noqa: E402
 from vllm.config import ModelConfig, VllmConfig, set_current_vllm_config  # noqa: E402
-from vllm.v1.attention.backend import CommonAttentionMetadata  # noqa: E402
+from vllm.v1.attention.backend import AttentionCGSupport, CommonAttentionMetadata  # noqa: E402
 from vllm.v1.kv_cache_interface import FullAttentionSpec  # noqa: E402
+from vllm.v1.kv_cache_layout import KVCacheLayout  # noqa: E402
 
 import fake_cuda  # noqa: E402
 from wushkv import triton_kernels as tk  # noqa: E402
 from wushkv.decode import triton_enabled  # noqa: E402
 from wushkv_vllm.backend import WushKVCPUImpl  # noqa: E402
-from wushkv_vllm.cuda import WushKVTritonBackend, WushKVTritonImpl, served_metadata  # noqa: E402
+from wushkv_vllm.cuda import WushKVFlashAttnBackend, WushKVMetadata, WushKVTritonBackend, WushKVTritonImpl  # noqa: E402
 
 TOLERANCE = 1e-5  # relative to the largest output: the Triton decode sums in another order than torch's attention
 
@@ -108,10 +110,19 @@ def check(folder: str) -> dict:
     with set_current_vllm_config(cfg), mock.patch("vllm.distributed.get_tensor_model_parallel_rank", return_value=0), \
             mock.patch("vllm.distributed.get_tensor_model_parallel_world_size", return_value=1):
         spec = FullAttentionSpec(block_size=BLOCK, num_kv_heads=H, head_size=d, dtype=torch.float32)
+        # what both CUDA backends declare for a served folder: the cell size, the (block, head, token, byte) layout,
+        # no CUDA graphs; and the builder's metadata (host copies)
+        for backend in (WushKVTritonBackend, WushKVFlashAttnBackend):
+            served_spec = backend.customize_spec(spec)
+            assert served_spec.state_content_bytes is not None, backend
+            assert backend.supported_kv_cache_layouts() == (KVCacheLayout.LBHNC,), backend
+            assert backend.get_builder_cls().get_cudagraph_support(cfg, served_spec) == AttentionCGSupport.NEVER, backend
         C = WushKVTritonBackend.customize_spec(spec).state_content_bytes
         args = dict(num_heads=Hq, head_size=d, scale=d ** -0.5, num_kv_heads=H, alibi_slopes=None,
                     sliding_window=window, kv_cache_dtype="auto", logits_soft_cap=hf.get("attn_logit_softcapping"))
         cpu, gpu = WushKVCPUImpl(**args), WushKVTritonImpl(**args)
+        assert not gpu.fused_rope_kvcache_supported()
+        builder = WushKVTritonBackend.get_builder_cls()(served_spec, [layer_name], cfg, torch.device("cpu"))
         layer = _Md(layer_name=layer_name)
         R = 3
         blocks = R * BLOCKS_PER_REQUEST + 2  # block 0 unused, one spare
@@ -151,11 +162,12 @@ def check(folder: str) -> dict:
             dev = [fake_cuda.on_device(x.clone()) for x in (q, k, v, padded)]
             with triton_enabled(True), fake_cuda.active():
                 s0 = fake_cuda.syncs()
-                md_gpu = served_metadata(cam)
+                md_gpu = builder.build(0, cam)
                 s1 = fake_cuda.syncs()
                 gpu.do_kv_cache_update(layer, dev[1], dev[2], cache_gpu, dev[3])
                 gpu.forward(layer, dev[0], dev[1], dev[2], cache_gpu, md_gpu, out_gpu)
                 s2 = fake_cuda.syncs()
+            assert isinstance(md_gpu, WushKVMetadata) and md_gpu.host[1] == lens.tolist(), md_gpu
             metadata_syncs = sum(_diff(s1, s0).values())
             per_layer.append(sum(_diff(s2, s1).values()))
             got = fake_cuda.host(out_gpu)
