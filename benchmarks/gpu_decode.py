@@ -18,11 +18,13 @@
    host's Python and Triton's launcher included, as session 46 timed), ``host_ms`` the host's time to issue it;
    the bytes each reads (codes, metadata, windows; bfloat16 K and V) and the
    achieved bandwidth as a fraction of the device's peak (``PEAK_TBPS`` by device name, or ``--peak-tbps``); and the
-   same kernel over the bfloat16 context (``triton_bf16``: what the packing saves, apart from how good the kernel is).
+   same kernel over the bfloat16 context (``triton_bf16``: what the packing saves, apart from how good the kernel is),
+   and over the same codes read as KVarN key tiles (``triton_ktiles``: ``auto``'s ``+ktiles`` keys).
    Combinations whose tensors would not fit in ``--memory-fraction`` of the free memory are skipped (listed).
 2. *End to end*: a random-weight Llama-shaped model (``--e2e-layers`` layers of the same heads, bfloat16) decodes
    one token per step over a filled cache: ``DynamicCache`` (SDPA), the wushkv K2V2 cache through the Triton kernels,
-   and the same cache on the PyTorch path; ms per token (median), the kernel launches per step (a Triton row whose
+   the same cache on the PyTorch path, and with KVarN key tiles of KEY_TILE tokens through the kernels
+   (``wushkv_ktiles``); ms per token (median), the kernel launches per step (a Triton row whose
    decode launches are not one per layer and step gets an ``error``) and the allocator's peak above the cache during a
    step (a full-precision copy of the middle would show here).
 
@@ -427,9 +429,14 @@ def e2e_case(args, model, ctx, B, device, timer) -> dict:
     wmodel = copy.deepcopy(model)  # the packed cache switches its model to the wushkv attention
     row = {"context": ctx, "batch": B}
     ids = torch.randint(3, 1000, (B, 1), device=device)
-    for name, enabled in (("dynamic", None), ("wushkv_triton", True), ("wushkv_pytorch", False)):
+    configs = {"wushkv_triton": QuantConfig(args.k_bits, args.v_bits, "quest", windows=windows),
+               "wushkv_pytorch": QuantConfig(args.k_bits, args.v_bits, "quest", windows=windows),
+               # auto's +ktiles: KVarN key tiles of KEY_TILE tokens (flushed a tile at a time), values per token
+               "wushkv_ktiles": QuantConfig(args.k_bits, args.v_bits, "quest", key_quantizer="kvarn",
+                                            windows=WindowConfig(args.sink, args.recent, KEY_TILE))}
+    for name, enabled in (("dynamic", None), ("wushkv_triton", True), ("wushkv_pytorch", False), ("wushkv_ktiles", True)):
         m = model if name == "dynamic" else wmodel
-        cache = DynamicCache(config=m.config) if name == "dynamic" else WushKVCache(m, QuantConfig(args.k_bits, args.v_bits, "quest", windows=windows))
+        cache = DynamicCache(config=m.config) if name == "dynamic" else WushKVCache(m, configs[name])
         for i in range(L):  # fill each layer with random keys and values (chunks: no second full copy)
             for a in range(0, ctx, 8192):
                 n = min(8192, ctx - a)
@@ -448,13 +455,13 @@ def e2e_case(args, model, ctx, B, device, timer) -> dict:
             row[name]["triton_launches"] = calls.get("decode", 0)
             row[name]["triton_store_launches"] = calls.get("store", 0)
             steps = args.warmup + max(1, args.e2e_steps)
-            if name == "wushkv_triton" and calls.get("decode", 0) != L * steps:
+            if name in ("wushkv_triton", "wushkv_ktiles") and calls.get("decode", 0) != L * steps:
                 row[name]["error"] = (f"{calls.get('decode', 0)} Triton decode launches in {steps} steps of {L} layers: "
                                       "the step did not run the kernels (is transformers the version wushkv requires?)")
             if device.type == "cuda":
                 row[name]["step_peak_bytes_above_cache"] = torch.cuda.max_memory_allocated(device) - held
         del cache
-    for name in ("wushkv_triton", "wushkv_pytorch"):
+    for name in ("wushkv_triton", "wushkv_pytorch", "wushkv_ktiles"):
         row[f"{name}_over_dynamic"] = row[name]["ms"] / row["dynamic"]["ms"]
     return row
 

@@ -318,9 +318,10 @@ def test_gpu_decode_dry_run(tmp_path):
     (e2e,) = res["e2e"]
     steps = a["warmup"] + a["e2e_steps"]
     assert (e2e["context"], e2e["batch"]) == (48, 1)
-    for name in ("dynamic", "wushkv_triton", "wushkv_pytorch"):
+    for name in ("dynamic", "wushkv_triton", "wushkv_pytorch", "wushkv_ktiles"):
         assert positive(e2e[name]["ms"]) and "error" not in e2e[name], e2e[name]
-    assert e2e["wushkv_triton"]["triton_launches"] == a["e2e_layers"] * steps
+    # the per-token cache and auto's key tiles (KVarN keys) through the decode kernel, one launch per layer and step
+    assert e2e["wushkv_triton"]["triton_launches"] == e2e["wushkv_ktiles"]["triton_launches"] == a["e2e_layers"] * steps
     assert e2e["wushkv_triton"]["triton_store_launches"] >= 2  # a flush during the steps wrote keys and values
     assert e2e["wushkv_pytorch"]["triton_launches"] == e2e["wushkv_pytorch"]["triton_store_launches"] == 0
     assert e2e["wushkv_triton_over_dynamic"] == e2e["wushkv_triton"]["ms"] / e2e["dynamic"]["ms"]
