@@ -359,15 +359,18 @@ def _tile_packed(codec, store):
                      tile_scale=store["scale"], tile_zero=store["zero"])
 
 
-@pytest.mark.parametrize("dtype,bits,d,G,block_n,splits", [(torch.float32, 2, 64, 3, 16, 3), (torch.float32, 3, 128, 1, 32, 2),
-                                                           (torch.bfloat16, 2, 64, 8, 64, 1), (torch.float16, 4, 64, 3, 32, 5)])
-def test_decode_reads_key_tiles(dtype, bits, d, G, block_n, splits):
-    """KVarN key tiles (``auto``'s key tiles, :class:`wushkv.codecs.KVarNCodec`) dequantized in registers: tiles of 16
-    tokens read by tiles of 16-64 (one or several key tiles each) and splits that start inside a key tile, beside
-    per-token values; equal to dequantize-then-attend (1e-3 in float32, 2e-2 in a 16-bit dtype)."""
+@pytest.mark.parametrize("dtype,bits,d,G,block_n,splits,tile", [
+    (torch.float32, 2, 64, 3, 16, 3, 16), (torch.float32, 3, 128, 1, 32, 2, 16), (torch.bfloat16, 2, 64, 8, 64, 1, 16),
+    (torch.float16, 4, 64, 3, 32, 5, 16), (torch.bfloat16, 2, 128, 3, None, 3, 32), (torch.float16, 4, 64, 8, None, 2, 16),
+    (torch.bfloat16, 3, 128, 3, None, 3, 32), (torch.bfloat16, 1, 128, 1, None, 2, 64)])
+def test_decode_reads_key_tiles(dtype, bits, d, G, block_n, splits, tile):
+    """KVarN key tiles (``auto``'s key tiles, :class:`wushkv.codecs.KVarNCodec`), their scale folded into the query:
+    tiles of tokens of one key tile (the default, codes in classes in a 16-bit dtype) or of several (16-64 tokens over
+    key tiles of 16, codes unpacked), splits that start inside a key tile, beside per-token values; equal to
+    dequantize-then-attend (1e-3 in float32, 2e-2 in a 16-bit dtype)."""
     from wushkv.codecs import KVarNCodec
 
-    B, Hkv, tile = 2, 2, 16
+    B, Hkv = 2, 2
     g = torch.Generator().manual_seed(7)
     x = lambda n: (torch.randn(B, Hkv, n, d, generator=g) * torch.linspace(0.3, 2.5, d)).to(DEVICE)
     kc, vc = KVarNCodec(bits, d, tile, "key"), _codec(QuestQuantizer(2), d)
@@ -376,8 +379,11 @@ def test_decode_reads_key_tiles(dtype, bits, d, G, block_n, splits):
     pv = [x(n_s), (vc, vc.encode(x(n_m)), n_m), x(n_r)]
     q = (torch.randn(B, Hkv * G, 1, d, generator=g) * 1.5).to(DEVICE)
     ref = dequantize_then_attend(q, pk, pv, None, d**-0.5)[:, 0]
+    keys = _tile_packed(kc, pk[1][1])
+    if block_n is None:  # the default: tiles of tokens of one key tile, the codes in classes
+        assert tk.code_classes(keys.fmt, dtype, keys.codes) > 0
     out = tk.decode(q[:, :, 0].to(dtype), torch.tensor([[n_s, n_m, n_r]] * B), *(t.to(dtype) for t in (pk[0], pv[0])),
-                    _tile_packed(kc, pk[1][1]), _packed(vc, pv[1][1]), pk[2].to(dtype), pv[2].to(dtype), d**-0.5,
+                    keys, _packed(vc, pv[1][1]), pk[2].to(dtype), pv[2].to(dtype), d**-0.5,
                     splits=splits, block_n=block_n)
     assert _rel(out, ref) < (1e-3 if dtype == torch.float32 else 2e-2), _rel(out, ref)
     with pytest.raises(ValueError, match="tiles are read for the keys only"):
@@ -775,9 +781,10 @@ for dt, off, kv, warps in ((tl.bfloat16, 128, (2, 8, 4, 4), 1), (tl.float16, 102
                        target=GPUTarget("cuda", 90, 32), options={"num_warps": warps, "num_stages": 2})
     assert "lop3.b32" in k.asm["ptx"] and "cubin" in k.asm
     assert ("prmt.b32" in k.asm["ptx"]) == (kv[0] * kv[1] != 16 or kv[2] * kv[3] != 16)
-# KVarN key tiles of 16 tokens: spread over paged cells (16 halves a token), then rows of their own
-for paged, mw in ((True, 16), (False, 128)):
-    consts.update(K_TILE=16, KT_MW=mw, K_P=0, K_BITS=2, PAGED=paged, PAGE_ABS=paged, BN=32)
+# KVarN key tiles of 16 tokens: spread over paged cells (16 halves a token), then rows of their own; unpacked (BN 32
+# over two key tiles), then in classes (the scale folded into the query's classes)
+for paged, mw, kp, bn in ((True, 16, 0, 32), (False, 128, 0, 32), (True, 16, 8, 16), (False, 128, 8, 16)):
+    consts.update(K_TILE=16, KT_MW=mw, K_P=kp, K_BITS=2, PAGED=paged, PAGE_ABS=paged, BN=bn)
     triton.compile(ASTSource(K["decode"], sig("decode", p, ("sm_scale", "softcap", "K_HALF", "V_HALF"), consts), consts),
                    target=GPUTarget("cuda", 90, 32), options={"num_warps": 4, "num_stages": 2})
 consts = dict(D=128, SP=16, HAS_SINKS=True, OUT_BF16=True)

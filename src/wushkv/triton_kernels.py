@@ -1,12 +1,12 @@
 """Triton kernels of the packed cache: *store* (transform, quantize, pack, write) and split-KV *decode*.
 
 Which codecs: per-token groups, i.e. :class:`~wushkv.codecs.TokenCodec` over QuEST and the affine quantizer
-(every ``quest``/``affine`` cache, and the values of ``kivi`` and of the ``+ktiles`` methods). KIVI's per-channel keys
-and KVarN's tiles (the key tiles ``auto`` may pick) stay on the PyTorch path of :mod:`wushkv.decode`: a tile's codes
-only mean something after its tile-wide rotation and per-channel grid, so a program would have to dequantize the
-whole tile anyway, and they are a minority of the caches served. Store does not cover error-feedback rounding
-(``+ldlq``: a sequential pass over channels) or the per-token clip search (``clip_search``); decode reads what those
-store, so it covers them.
+(every ``quest``/``affine`` cache, and the values of ``kivi`` and of the ``+ktiles`` methods), and for decode the
+keys of KVarN tiles (:class:`TileFormat`: the key tiles ``auto`` picks), whose per-channel scale is folded into the
+query tile by tile, so their codes enter the dots as per-token codes do. KIVI's per-channel keys and KVarN's tiles of
+values stay on the PyTorch path of :mod:`wushkv.decode`. Store does not cover error-feedback rounding (``+ldlq``: a
+sequential pass over channels), the per-token clip search (``clip_search``) or KVarN's tile quantizer; decode reads
+what those store, so it covers them.
 
 Layouts (``nb`` = ⌈d·b/8⌉ packed bytes, ``ng`` = d/G groups, codes as :func:`wushkv.quantizers.pack` lays them out):
 
@@ -480,30 +480,66 @@ def _kernels() -> dict:
         return s, z
 
     @jit
-    def _tile_scores(q, cq, j, b, h, bt_ptr, s_bt, PAGE, s_ptr, z_ptr, m0, m1, m2, ZI, base,
-                     D: tl.constexpr, TILE: tl.constexpr, MW: tl.constexpr, OFF: tl.constexpr, PAGED: tl.constexpr,
-                     PAGE_ABS: tl.constexpr, PREC: tl.constexpr, DT: tl.constexpr, EMU: tl.constexpr):
-        """Scores (GP, BN) of queries ``q`` (GP, D) against codes ``cq`` (BN, D) (the dot's operand, c + OFF:
-        :func:`_codes_as`) of KVarN key tile ``j`` of the middle, before each token's s_tok:
-        Σ_c q[c]·(scale[c]·code[t, c] + zero[c]) = (q ⊙ scale)·code_t + q·zero, so the codes enter the dot as they are
-        and the tile's scale goes into the query (rounded to DT, as the dot reads it; OFF taken back out exactly).
-        The tile's row holds ``MW`` halves: half i of [scale | zero] is ``i // MW`` rows on (the tile's next tokens,
-        where they are spread over its cells; zero's halves start at ``ZI``) and ``i % MW`` in."""
+    def _tile_row(j, b, h, bt_ptr, s_bt, PAGE, m0, m1, m2, base, TILE: tl.constexpr, PAGED: tl.constexpr,
+                  PAGE_ABS: tl.constexpr):
+        """Offset of KVarN key tile ``j``'s row of scale and zero halves: the row of its first token, through the
+        block table (paged), or the tile's own row."""
         jj = b * 0 + j  # int64, and a tensor where the interpreter's loop gives an int
-        if PAGED:  # the row of the tile's first token, through the block table
+        if PAGED:
             first = jj * TILE
             if PAGE_ABS:
                 first = first + base
-            mrow = _rows(first, b, h, bt_ptr, s_bt, PAGE, m0, m1, m2, PAGED)
-        else:  # the tile's own row
-            mrow = _rows(jj, b, h, bt_ptr, s_bt, PAGE, m0, m1, m2, PAGED)
+            return _rows(first, b, h, bt_ptr, s_bt, PAGE, m0, m1, m2, PAGED)
+        return _rows(jj, b, h, bt_ptr, s_bt, PAGE, m0, m1, m2, PAGED)
+
+    @jit
+    def _tile_halves(ptr, mrow, ch, m1, MW: tl.constexpr):
+        """Halves ``ch`` of a tile's row at ``mrow``: half i is ``i // MW`` rows on (the tile's next tokens, where its
+        halves are spread over its cells) and ``i % MW`` in."""
+        return tl.load(ptr + mrow + (ch // MW).to(tl.int64) * m1 + ch % MW).to(tl.float32)
+
+    @jit
+    def _tile_scores(q, cq, mrow, s_ptr, z_ptr, m1, ZI, D: tl.constexpr, MW: tl.constexpr, OFF: tl.constexpr,
+                     PREC: tl.constexpr, DT: tl.constexpr, EMU: tl.constexpr):
+        """Scores (GP, BN) of queries ``q`` (GP, D) against codes ``cq`` (BN, D) (the dot's operand, c + OFF:
+        :func:`_codes_as`) of the KVarN key tile whose row is ``mrow``, before each token's s_tok:
+        Σ_c q[c]·(scale[c]·code[t, c] + zero[c]) = (q ⊙ scale)·code_t + q·zero, so the codes enter the dot as they are
+        and the tile's scale goes into the query (rounded to DT, as the dot reads it; OFF taken back out exactly).
+        Zero's halves start at ``ZI`` in the row."""
         ch = tl.arange(0, D)
-        sc = tl.load(s_ptr + mrow + (ch // MW).to(tl.int64) * m1 + ch % MW).to(tl.float32)
-        zr = tl.load(z_ptr + mrow + ((ch + ZI) // MW).to(tl.int64) * m1 + (ch + ZI) % MW).to(tl.float32)
+        sc = _tile_halves(s_ptr, mrow, ch, m1, MW)
+        zr = _tile_halves(z_ptr, mrow, ch + ZI, m1, MW)
         qf = q.to(tl.float32)
         qs = _round_to(qf * sc[None, :], DT, EMU)
         raw = _mma(qs, tl.trans(cq), DT, EMU, PREC)
         return raw + tl.sum(qf * zr[None, :] - OFF * qs, 1)[:, None]
+
+    @jit
+    def _class_tile_scores(q_ptr, qrow, qmask, w, mrow, s_ptr, m1, GP: tl.constexpr, BN: tl.constexpr,
+                           D: tl.constexpr, P: tl.constexpr, BITS: tl.constexpr, MW: tl.constexpr, OFF: tl.constexpr,
+                           PREC: tl.constexpr, DT: tl.constexpr, EMU: tl.constexpr):
+        """(q ⊙ scale)·(C + OFF)ᵀ of the KVarN key tile at ``mrow`` over code words ``w`` (BN, D/P) split into classes
+        (:func:`_class_scores`): per class S, the query's channels P·k + S (from ``q_ptr + qrow``) scaled by the
+        tile's scale on those channels, so neither the codes nor a scaled (GP, D) query change layout. What
+        :func:`_tile_scores` adds, q·zero − OFF·Σ(q ⊙ scale), is the tile's alone: :func:`_class_tile_offset`."""
+        k = tl.arange(0, D // P)
+        s = tl.zeros([GP, BN], dtype=tl.float32)
+        for S in tl.static_range(P):
+            ch = k * P + S
+            qS = tl.load(q_ptr + qrow[:, None] + ch[None, :], mask=qmask[:, None], other=0.0).to(tl.float32)
+            qs = _round_to(qS * _tile_halves(s_ptr, mrow, ch, m1, MW)[None, :], DT, EMU)
+            s += _mma(qs, tl.trans(_class_codes(w, S, P, BITS, OFF, EMU)), DT, EMU, PREC)
+        return s
+
+    @jit
+    def _class_tile_offset(q_ptr, qrow, qmask, mrow, s_ptr, z_ptr, m1, ZI, GP: tl.constexpr, D: tl.constexpr,
+                           MW: tl.constexpr, OFF: tl.constexpr, DT: tl.constexpr, EMU: tl.constexpr):
+        """(GP,) q·zero − OFF·Σ(q ⊙ scale) of the KVarN key tile at ``mrow``, the scaled query rounded to DT as
+        :func:`_class_tile_scores` rounds it (the same values, summed in another order)."""
+        ch = tl.arange(0, D)
+        q = tl.load(q_ptr + qrow[:, None] + ch[None, :], mask=qmask[:, None], other=0.0).to(tl.float32)
+        qs = _round_to(q * _tile_halves(s_ptr, mrow, ch, m1, MW)[None, :], DT, EMU)
+        return tl.sum(q * _tile_halves(z_ptr, mrow, ch + ZI, m1, MW)[None, :] - OFF * qs, 1)
 
     @jit
     def _code_segment(q, qsum, m, l, acc, q_ptr, qrow, qmask,
@@ -538,6 +574,8 @@ def _kernels() -> dict:
         a7 = tl.zeros([GP, VK], dtype=tl.float32)
         keep = tl.full([GP], 1.0, dtype=tl.float32)  # how much of the incoming acc the online softmax keeps
         corr = tl.zeros([GP], dtype=tl.float32)  # Σ p z − OFF·Σ w, added to every channel
+        t_tile = b * 0 - 1  # the KVarN key tile whose offset term t_off holds (classes); int64, as j0 below
+        t_off = tl.zeros([GP], dtype=tl.float32)
         first_it = a
         if K_TILE > 0 and BN <= K_TILE:  # tiles of tokens aligned to BN lie in one key tile each (BN divides K_TILE)
             first_it = a - a % BN
@@ -553,16 +591,25 @@ def _kernels() -> dict:
             rows = _rows(tt, b, h, bt_ptr, s_bt, PAGE, kc0, kc1, kc2, PAGED)
             srows = _rows(tt, b, h, bt_ptr, s_bt, PAGE, ks0, ks1, ks2, PAGED)
             if K_TILE > 0:  # KVarN key tiles: one dot per key tile the tile of tokens lies in
-                cq = _codes_as(_unpack(kc_ptr, rows, valid, D, K_BITS, BN), K_OFF)
                 st = tl.load(ks_ptr + srows, mask=valid, other=0.0).to(tl.float32)  # s_tok
-                j0 = start // K_TILE
-                s = _tile_scores(q, cq, j0, b, h, bt_ptr, s_bt, PAGE, kts_ptr, ktz_ptr, kt0, kt1, kt2, KT_ZI, base,
-                                 D, K_TILE, KT_MW, K_OFF, PAGED, PAGE_ABS, PREC, DT, EMU)
-                if BN > K_TILE:  # key tiles shorter than the tile of tokens: the rows past its first key tile
-                    for j in range(j0 + 1, (tl.minimum(start + BN, e) - 1) // K_TILE + 1):
-                        sj = _tile_scores(q, cq, j, b, h, bt_ptr, s_bt, PAGE, kts_ptr, ktz_ptr, kt0, kt1, kt2, KT_ZI,
-                                          base, D, K_TILE, KT_MW, K_OFF, PAGED, PAGE_ABS, PREC, DT, EMU)
-                        s = tl.where((t >= j * K_TILE)[None, :], sj, s)
+                j0 = b * 0 + start // K_TILE  # int64 (and a tensor where the interpreter's loop gives an int)
+                mrow = _tile_row(j0, b, h, bt_ptr, s_bt, PAGE, kt0, kt1, kt2, base, K_TILE, PAGED, PAGE_ABS)
+                if K_P > 0 and BN <= K_TILE:  # the codes in classes, the tile's scale into the query's classes
+                    if j0 != t_tile:  # a new key tile: its offset term, kept for the tiles of tokens in it
+                        t_off = _class_tile_offset(q_ptr, qrow, qmask, mrow, kts_ptr, ktz_ptr, kt1, KT_ZI, GP, D, KT_MW,
+                                                   K_OFF, DT, EMU)
+                        t_tile = j0
+                    s = _class_tile_scores(q_ptr, qrow, qmask, _words(kc_ptr, rows, valid, D, K_P, K_BITS, BN), mrow,
+                                           kts_ptr, kt1, GP, BN, D, K_P, K_BITS, KT_MW, K_OFF, PREC, DT, EMU)
+                    s = s + t_off[:, None]
+                else:
+                    cq = _codes_as(_unpack(kc_ptr, rows, valid, D, K_BITS, BN), K_OFF)
+                    s = _tile_scores(q, cq, mrow, kts_ptr, ktz_ptr, kt1, KT_ZI, D, KT_MW, K_OFF, PREC, DT, EMU)
+                    if BN > K_TILE:  # key tiles shorter than the tile of tokens: the rows past its first key tile
+                        for j in range(j0 + 1, (tl.minimum(start + BN, e) - 1) // K_TILE + 1):
+                            mj = _tile_row(j, b, h, bt_ptr, s_bt, PAGE, kt0, kt1, kt2, base, K_TILE, PAGED, PAGE_ABS)
+                            sj = _tile_scores(q, cq, mj, kts_ptr, ktz_ptr, kt1, KT_ZI, D, KT_MW, K_OFF, PREC, DT, EMU)
+                            s = tl.where((t >= j * K_TILE)[None, :], sj, s)
                 s = s * st[None, :]
             elif K_P > 0:
                 ks, kz = _token_scale_offset(ks_ptr, kz_ptr, srows, valid, K_HALF, K_Z, K_E5M3)
@@ -865,10 +912,8 @@ def code_classes(fmt: TokenFormat | TileFormat, dtype: torch.dtype, codes: torch
     (P 8, from head_dim 128) and 4 bits (P 4, from 64), one byte at 1 bit (P 8, from 128) and at 2 bits below
     head_dim 128 (P 4, from 64), three bytes at 3 bits (P 8, from 128). ``codes`` given: 16-bit words need code rows
     at even byte offsets (2-bit rows at odd ones are read in bytes, 4-bit ones in tiles), and a middle of no tokens
-    keeps the tiles (a full-precision context keeps the tiles' launch parameters). Key tiles (:class:`TileFormat`)
-    are dequantized in (BN, d) tiles: 0."""
-    if isinstance(fmt, TileFormat):
-        return 0
+    keeps the tiles (a full-precision context keeps the tiles' launch parameters). KVarN key tiles
+    (:class:`TileFormat`) take the same classes, their tile's scale folded into the query's."""
     P = _classes(fmt.bits, fmt.d, fmt.G, dtype)
     if not P or codes is None:
         return P
