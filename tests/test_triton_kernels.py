@@ -627,6 +627,25 @@ def test_decode_tuning_changes_launches_not_results():
             tk.DecodeTuning(**bad)
 
 
+def test_launches_go_through_a_hook():
+    """launches_through(hook): every launch of the block reaches the hook with its name, grid, arguments and
+    constexprs, and runs when the hook runs it (a test's stand-in tensors are checked there); outside it, as before."""
+    d = 64
+    q, pk, pv = _case(QuestQuantizer(2), QuestQuantizer(2), B=1, Hkv=2, G=2, d=d, n_s=2, n_m=20, n_r=3)
+    ref = _triton(q, pk, pv)
+    seen = []
+
+    def hook(name, grid, args, meta, run):
+        seen.append((name, grid[0], meta["D"] if name == "decode" else None))
+        run(name, grid, args, meta)
+
+    with tk.launches_through(hook):
+        out = _triton(q, pk, pv)
+    assert [s[0] for s in seen] == ["decode", "merge"] and seen[0][1:] == (1, d) and torch.equal(out, ref)
+    _triton(q, pk, pv)
+    assert len(seen) == 2
+
+
 def test_decode_attention_dispatches_to_triton():
     """decode_attention runs the Triton kernel under triton_enabled(True) (the launches are counted) and gives what
     the PyTorch path gives, for per-token codes and for KVarN key tiles; a full-precision middle stays on the PyTorch

@@ -19,7 +19,6 @@ seconds taken. Exits non-zero (an AssertionError with the list) on any error, on
 ``TOLERANCE`` or on cells whose bytes differ.
 """
 
-import functools
 import json
 import os
 import sys
@@ -56,12 +55,9 @@ PAD = 3  # slot mapping entries of -1 past the step's tokens (vLLM pads the step
 # 2's chunk of 230 another; with (4, 8, 4) most of every context is read from codes
 STEPS = [{0: 254, 1: 60}, {0: 1, 1: 140, 2: 40}, {0: 1, 1: 1, 2: 230}, {0: 1, 1: 1, 2: 1}, {0: 1, 1: 1, 2: 1}]
 
-_launch = tk._launch
-
-
-def _launch_on_device(name, grid, *args, **meta):
-    """Every Triton launch (wushkv.triton_kernels._launch is the one place they start from) through
-    :func:`fake_cuda.launch`: its tensors must be on the device. The kernels then run under Triton's interpreter,
+def _launch_on_device(name, grid, args, meta, run):
+    """Every Triton launch (:func:`wushkv.triton_kernels.launches_through`) through :func:`fake_cuda.launch`: its
+    tensors must be on the device. The kernels then run under Triton's interpreter,
     with two launch parameters set as for CPU tensors, which they were chosen from the query's device for (a GPU's
     here): ``EMU`` on (the interpreter has no inline PTX), and the store's rows per program ``BR`` at least 64 (the
     stored bytes do not depend on it; the GPU's 1, for a transform or the affine clip, would run one interpreted
@@ -71,10 +67,7 @@ def _launch_on_device(name, grid, *args, **meta):
     if name == "store" and meta["BR"] < 64:
         grid = (-(-grid[0] * meta["BR"] // 64), *grid[1:])
         meta["BR"] = 64
-    return fake_cuda.launch(f"triton {name}", functools.partial(_launch, name, grid), *args, **meta)
-
-
-tk._launch = _launch_on_device
+    return fake_cuda.launch(f"triton {name}", lambda *a, **m: run(name, grid, a, m), *args, **meta)
 
 
 class _Md:  # CPU_ATTN's metadata and the layer: the fields the plugin reads
@@ -160,7 +153,7 @@ def check(folder: str) -> dict:
 
             out_gpu = fake_cuda.on_device(torch.zeros(T + PAD, Hq, d))
             dev = [fake_cuda.on_device(x.clone()) for x in (q, k, v, padded)]
-            with triton_enabled(True), fake_cuda.active():
+            with triton_enabled(True), tk.launches_through(_launch_on_device), fake_cuda.active():
                 s0 = fake_cuda.syncs()
                 md_gpu = builder.build(0, cam)
                 s1 = fake_cuda.syncs()

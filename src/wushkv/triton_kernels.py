@@ -940,12 +940,34 @@ def recorded_launches():
         _RECORDING.pop()
 
 
+_THROUGH: list = []
+
+
+@contextlib.contextmanager
+def launches_through(hook):
+    """Within the block every kernel launch goes through ``hook(name, grid, args, constexprs, run)``, which may check
+    or change them and runs the kernel with ``run(name, grid, args, constexprs)``. What a test that runs the kernels
+    on stand-in tensors uses (``tests/vllm_fake_cuda_check.py``: tensors that say cuda:0 are checked, then run under
+    the interpreter)."""
+    _THROUGH.append(hook)
+    try:
+        yield
+    finally:
+        _THROUGH.pop()
+
+
+def _run(name: str, grid, args, meta) -> None:
+    _CALLS[name] += 1
+    _kernels()[name][grid](*args, **meta)
+
+
 def _launch(name: str, grid, *args, **meta) -> None:
     if _RECORDING:
         _RECORDING[-1].append((name, grid, args, meta))
         return
-    _CALLS[name] += 1
-    _kernels()[name][grid](*args, **meta)
+    if _THROUGH:
+        return _THROUGH[-1](name, grid, args, meta, _run)
+    _run(name, grid, args, meta)
 
 
 # -- store ---------------------------------------------------------------------------------------------------------
@@ -1267,5 +1289,5 @@ def decode(query, lengths, sink_k, sink_v, mid_k: Packed, mid_v: Packed, recent_
 
 
 __all__ = ["DecodeTuning", "Packed", "TileFormat", "TokenFormat", "available", "calls", "code_classes", "current_tuning", "decode", "decode_tuning",
-           "default_splits", "interpreting", "recorded_launches", "reset_calls",
+           "default_splits", "interpreting", "launches_through", "recorded_launches", "reset_calls",
            "store_contiguous", "store_paged"]

@@ -1,6 +1,7 @@
 """vLLM's CUDA attention backends (``FLASH_ATTN``, ``TRITON_ATTN``), serving WUSH-KV when the model folder holds a
-wushkv side file (vLLM 0.32.0). Written for vLLM's CUDA build and tested here, on CPU, through the same code under
-Triton's interpreter: not yet run on a GPU (docs/reference/serving.md, "Not done yet").
+wushkv side file (vLLM 0.32.0). Written for vLLM's CUDA build and tested here, on CPU: vLLM's own classes on fake
+CUDA tensors (tests/fake_cuda.py: PyTorch's device rules enforced, the host's waits for the device counted), the
+kernels under Triton's interpreter. Not yet run on a GPU (docs/reference/serving.md, "Not done yet").
 
 :func:`wushkv_vllm.register` puts :class:`WushKVFlashAttnBackend` and :class:`WushKVTritonBackend` in place of
 ``FLASH_ATTN`` and ``TRITON_ATTN`` on a CUDA platform (vLLM's ``register_backend``). For a folder without a side file
@@ -9,9 +10,10 @@ backend (:class:`wushkv_vllm.backend.ServedImpl`), on the cache's device:
 
 * ``customize_spec`` gives vLLM the cell size and ``supported_kv_cache_layouts`` the (block, head, token, byte)
   layout the plugin's stores, gathers and field views are written for;
-* decode rows go through wushkv's Triton decode kernel over the cells in place, the new tokens through its store
-  kernel where it covers the codec (:func:`wushkv_vllm.paged.decode_batch_triton`, ``SlotCodec.store``); prefill
-  chunks, key tiles and the rotating key mean through the plugin's torch paths;
+* decode rows go through wushkv's Triton decode kernel over the cells in place (key tiles too), the new tokens
+  through its store kernel where it covers the codec (:func:`wushkv_vllm.paged.decode_batch_triton`,
+  ``SlotCodec.store``, called by the forward, which knows the step's padding on the host); prefill chunks, the key
+  tiles' quantizer and the rotating key mean through the plugin's torch paths;
 * the windows' copies live on the device; their bookkeeping runs on the host, from copies of the step's slot mapping,
   sequence lengths and block table that :class:`WushKVBuilderMixin` makes once a step for every layer
   (:class:`WushKVMetadata`). The forward is host-driven Python, so it declares no CUDA graph support
