@@ -333,14 +333,12 @@ def store(cache: torch.Tensor, cells: torch.Tensor, slot_mapping: torch.Tensor, 
     block·block_size + offset; slots < 0 (padding) are skipped (told by ``host_slots``, their copy on the host, where
     given: the device's would make the host wait; ``valid``: none is)."""
     bs = cache.shape[2]
-    if valid:
-        pass
-    elif host_slots is not None:
+    if not valid and host_slots is not None:
         keep = host_slots >= 0
         if not bool(keep.all()):
             sel = keep.nonzero().flatten()
             cells, slot_mapping = cells[to_device(sel, cells.device)], slot_mapping[to_device(sel, slot_mapping.device)]
-    else:
+    elif not valid:
         keep = slot_mapping >= 0
         if not bool(keep.all()):
             cells, slot_mapping = cells[keep], slot_mapping[keep]
@@ -374,7 +372,7 @@ def store_tiles(sc: SlotCodec, cache: torch.Tensor, windows: "Windows", slot_map
         k = windows.pool[to_device(rows[held], dev), to_device(idx[held] % u, dev)][..., 0, :].float()  # (n, G, H, d)
         if rope_mean is not None:
             p0 = positions.cpu()[keep][last][held].long() - (G - 1)
-            k = k - rope_mean.center((p0[:, None] + torch.arange(G)).reshape(-1).to(dev)).reshape(k.shape)
+            k = k - to_device(rope_mean.center((p0[:, None] + torch.arange(G)).reshape(-1)), dev).reshape(k.shape)
         sc.store_tiles(cache, k.to(cache.device).transpose(1, 2), to_device(first[held], cache.device))
     return int((~held).sum())
 
