@@ -40,6 +40,7 @@ from vllm.v1.kv_cache_layout import KVCacheLayout
 from .backend import ServedImpl, served_model
 from .served import UnsupportedFolder
 
+
 @dataclass
 class WushKVMetadata:
     """A step's batch for a served folder's layers: vLLM's tensors on the device, and ``host`` = (query start
