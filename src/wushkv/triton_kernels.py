@@ -862,12 +862,13 @@ def _check_device(*tensors) -> None:
                            "in the environment before triton is first imported")
 
 
-def _to_device(t: torch.Tensor, device: torch.device, dtype: torch.dtype) -> torch.Tensor:
-    """``t`` as ``dtype`` on ``device`` without making the host wait for the device. A plain copy from the host's
+def to_device(t: torch.Tensor, device: torch.device, dtype: torch.dtype | None = None) -> torch.Tensor:
+    """``t`` as ``dtype`` (default: its own) on ``device`` without making the host wait for the device. A plain copy from the host's
     pageable memory synchronizes the stream (torch waits for the copy, so for every kernel queued before it): at
     each layer and step the host could not run ahead of the GPU. From pinned memory the copy is asynchronous, and
     torch's pinned-memory cache keeps the buffer until the copy has run. The buffer is a fresh contiguous one in
     ``dtype`` (torch would stage a non-contiguous source, an expanded ``lengths``, in pageable memory again)."""
+    dtype = t.dtype if dtype is None else dtype
     if t.device.type != "cpu" or device.type != "cuda":
         return t.to(device=device, dtype=dtype)
     if torch.cuda.is_current_stream_capturing():
@@ -1023,7 +1024,7 @@ def store_paged(x, slot_mapping, codes, scale, offset, fmt: TokenFormat, transfo
         raise ValueError(f"x must be (T, Hkv, d) and codes (blocks, block_size, Hkv, bytes), got {tuple(x.shape)}, "
                          f"{tuple(codes.shape)}")
     strides = tuple((t.stride(0), t.stride(1), t.stride(2)) if t is not None else (0, 0, 0) for t in (codes, scale, offset))
-    slots = _to_device(slot_mapping, x.device, torch.int64).contiguous()
+    slots = to_device(slot_mapping, x.device, torch.int64).contiguous()
     _store(x, slots, codes.shape[1], codes, scale, offset, fmt, transform, strides, rows_per_program)
 
 
@@ -1059,7 +1060,7 @@ def store_contiguous(x, codes, scale, offset, start, fmt: TokenFormat, transform
             raise ValueError(f"start must be >= 0, got {start.tolist()}")
         if T and start.device.type == "cpu" and int((start + T).max()) > cap:
             raise ValueError(f"{T} tokens from {start.tolist()} overflow the capacity {cap}")
-        first = _to_device(start, x.device, torch.int64).expand(B)[:, None]
+        first = to_device(start, x.device, torch.int64).expand(B)[:, None]
     slots = (torch.arange(B, device=x.device)[:, None] * cap + first + torch.arange(T, device=x.device)).flatten()
     rows = x.transpose(1, 2).reshape(B * T, H, d)
     strides = tuple((t.stride(0), t.stride(2), t.stride(1)) if t is not None else (0, 0, 0) for t in (codes, scale, offset))
@@ -1209,7 +1210,7 @@ def decode(query, lengths, sink_k, sink_v, mid_k: Packed, mid_v: Packed, recent_
         raise ValueError(f"query dtype must be float16, bfloat16 or float32, got {query.dtype}")
     _check_device(query, mid_k.codes)
     longest = _longest(lengths, sink_k, mid_k, recent_k, block_table) if splits is None else 0
-    lengths = _to_device(lengths, query.device, torch.int32).contiguous()
+    lengths = to_device(lengths, query.device, torch.int32).contiguous()
     tuning = current_tuning()
     k_p, v_p, tile_n, num_warps = tuning.launch(query.dtype, mid_k, mid_v)
     if isinstance(mid_k.fmt, TileFormat) and mid_k.fmt.tile >= 16:
@@ -1244,7 +1245,7 @@ def decode(query, lengths, sink_k, sink_v, mid_k: Packed, mid_v: Packed, recent_
         S = mask.shape[1]
     else:
         mask, S = lengths, 0
-    bt = _to_device(block_table, query.device, torch.int32) if paged else lengths
+    bt = to_device(block_table, query.device, torch.int32) if paged else lengths
     page = mid_k.codes.shape[1] if paged else 1
     if paged and mid_v.codes.shape[1] != page:
         raise ValueError("keys and values must use the same block size")
@@ -1289,5 +1290,5 @@ def decode(query, lengths, sink_k, sink_v, mid_k: Packed, mid_v: Packed, recent_
 
 
 __all__ = ["DecodeTuning", "Packed", "TileFormat", "TokenFormat", "available", "calls", "code_classes", "current_tuning", "decode", "decode_tuning",
-           "default_splits", "interpreting", "launches_through", "recorded_launches", "reset_calls",
+           "default_splits", "interpreting", "launches_through", "to_device", "recorded_launches", "reset_calls",
            "store_contiguous", "store_paged"]

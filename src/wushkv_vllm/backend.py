@@ -37,8 +37,9 @@ from vllm.config import get_current_vllm_config
 from vllm.logger import init_logger
 from vllm.v1.attention.backends.cpu_attn import CPUAttentionBackend, CPUAttentionBackendImpl
 
-from .paged import (RopeMean, SlotCodec, Windows, attend, decode_batch, decode_context, step_positions, store_tiles,
-                    to_device)
+from wushkv.triton_kernels import to_device
+
+from .paged import RopeMean, SlotCodec, Windows, attend, decode_batch, decode_context, step_positions, store_tiles
 from .served import Served, UnsupportedFolder, has_side_file, load_served
 
 logger = init_logger("vllm.wushkv")  # under vLLM's logger: shown with its own lines

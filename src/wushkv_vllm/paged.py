@@ -46,16 +46,9 @@ from wushkv.config import QuantConfig, WindowConfig
 from wushkv.transforms.rope import rope_rotate
 from wushkv.quantizers import unpack
 from wushkv.quantizers.kvarn import KVarNTiles, kvarn_dequantize
+from wushkv.triton_kernels import to_device
 
 SLOT_ALIGN = 2  # bytes: vLLM allocates the cache in the model's dtype and views it as cells (even sizes, as its TurboQuant's)
-
-
-def to_device(t: torch.Tensor, device: torch.device) -> torch.Tensor:
-    """A host tensor (indices, masks) on ``device`` without making the host wait: a pageable copy to a GPU waits for the
-    device, a pinned one does not (as :mod:`wushkv.triton_kernels` copies its host lengths and tables)."""
-    if t.device == device or device.type == "cpu":
-        return t.to(device)
-    return t.pin_memory().to(device, non_blocking=True)
 
 
 class SlotCodec:
