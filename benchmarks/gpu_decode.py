@@ -19,12 +19,14 @@
    the bytes each reads (codes, metadata, windows; bfloat16 K and V) and the
    achieved bandwidth as a fraction of the device's peak (``PEAK_TBPS`` by device name, or ``--peak-tbps``); and the
    same kernel over the bfloat16 context (``triton_bf16``: what the packing saves, apart from how good the kernel is),
-   and over the same codes read as KVarN key tiles (``triton_ktiles``: ``auto``'s ``+ktiles`` keys).
+   and over the same codes read as KVarN key tiles (``triton_ktiles``: ``auto``'s ``+ktiles`` keys) and as keys centered on
+   their rotating mean (``triton_rmean``: ``auto``'s ``+rmean``).
    Combinations whose tensors would not fit in ``--memory-fraction`` of the free memory are skipped (listed).
 2. *End to end*: a random-weight Llama-shaped model (``--e2e-layers`` layers of the same heads, bfloat16) decodes
    one token per step over a filled cache: ``DynamicCache`` (SDPA), the wushkv K2V2 cache through the Triton kernels,
-   the same cache on the PyTorch path, and with KVarN key tiles of KEY_TILE tokens through the kernels
-   (``wushkv_ktiles``); ms per token (median), the kernel launches per step (a Triton row whose
+   the same cache on the PyTorch path, and the kind of cache ``auto`` picks (SmolLM2's K2V2 recipe's: KVarN key tiles
+   of KEY_TILE tokens centered on a rotating mean, affine values) through the kernels (``wushkv_auto``); ms per token
+   (median), the kernel launches per step (a Triton row whose
    decode launches are not one per layer and step gets an ``error``) and the allocator's peak above the cache during a
    step (a full-precision copy of the middle would show here).
 
@@ -346,7 +348,16 @@ def kernel_case(args, ctx, B, device, timer) -> dict:
     row["triton_ktiles"] = timer(lambda: tk.decode(*kt_inputs), args.warmup, args.iters, gpu=True) | {
         "bytes": nbytes + 2 * ones.numel() * 2}
     row["triton_ktiles_vs_tiles"] = max_rel(tk.decode(*kt_inputs), tiles_out)
-    del inputs, tiles_out, kt_inputs, kt, ones
+    # keys centered on their rotating mean (auto's +rmean): the same codes, each tile's scores gaining Σ A cos pθ +
+    # B sin pθ; checked against the tiles' path with the same bias (the bias itself against a reference: the CUDA tests)
+    theta = 10000.0 ** (-torch.arange(d // 2, dtype=torch.float32) / (d // 2))
+    terms = torch.randn(B, args.q_heads, d, device=device, generator=torch.Generator(device).manual_seed(0)) * 0.05
+    bias = tk.KeyBias(terms, torch.full((B,), SINK), theta)
+    row["triton_rmean"] = timer(lambda: tk.decode(*inputs, key_bias=bias), args.warmup, args.iters, gpu=True) | {"bytes": nbytes}
+    with tk.decode_tuning(**TILES):
+        rmean_tiles = tk.decode(*inputs, key_bias=bias)
+    row["triton_rmean_vs_tiles"] = max_rel(tk.decode(*inputs, key_bias=bias), rmean_tiles)
+    del inputs, tiles_out, kt_inputs, kt, ones, rmean_tiles
     # bfloat16 SDPA over the same context (K, V built after the packed cache is freed)
     K, V = torch.randn(B, Hkv, ctx, d, **bf), torch.randn(B, Hkv, ctx, d, **bf)
     q4 = q.unsqueeze(2)
@@ -391,7 +402,7 @@ def agrees(v: float) -> bool:
     return v <= AGREE  # False for NaN too
 
 def add_bandwidth(row: dict, peak: float | None) -> None:
-    for name in ("triton", "triton_default", "triton_tiles", "triton_ktiles", "sdpa", "flash", "triton_bf16"):
+    for name in ("triton", "triton_default", "triton_tiles", "triton_ktiles", "triton_rmean", "sdpa", "flash", "triton_bf16"):
         r = row.get(name)
         if isinstance(r, dict) and "ms" in r:
             r["tb_per_s"] = r["bytes"] / (r["ms"] * 1e-3) / 1e12
@@ -400,8 +411,9 @@ def add_bandwidth(row: dict, peak: float | None) -> None:
         for name in ("sdpa", "flash", "triton_bf16", "triton_tiles"):
             if "ms" in row.get(name, {}):
                 row[f"triton_over_{name}"] = row["triton"]["ms"] / row[name]["ms"]
-    if "ms" in row.get("triton_ktiles", {}) and "ms" in row.get("sdpa", {}):
-        row["triton_ktiles_over_sdpa"] = row["triton_ktiles"]["ms"] / row["sdpa"]["ms"]
+    for name in ("triton_ktiles", "triton_rmean"):
+        if "ms" in row.get(name, {}) and "ms" in row.get("sdpa", {}):
+            row[f"{name}_over_sdpa"] = row[name]["ms"] / row["sdpa"]["ms"]
 
 
 def tiny_llama(args, device, dtype):
@@ -420,6 +432,7 @@ def e2e_case(args, model, ctx, B, device, timer) -> dict:
 
     from wushkv.cache import WushKVCache
     from wushkv.config import QuantConfig, WindowConfig
+    from wushkv.layer import CacheInputs, RotatingKeyMean
 
     Hkv, d, L = args.kv_heads, args.head_dim, args.e2e_layers
     need = 2 * L * B * Hkv * ctx * d * 2 * 2  # a bfloat16 cache, and room for the packed one's fill
@@ -431,12 +444,20 @@ def e2e_case(args, model, ctx, B, device, timer) -> dict:
     ids = torch.randint(3, 1000, (B, 1), device=device)
     configs = {"wushkv_triton": QuantConfig(args.k_bits, args.v_bits, "quest", windows=windows),
                "wushkv_pytorch": QuantConfig(args.k_bits, args.v_bits, "quest", windows=windows),
-               # auto's +ktiles: KVarN key tiles of KEY_TILE tokens (flushed a tile at a time), values per token
-               "wushkv_ktiles": QuantConfig(args.k_bits, args.v_bits, "quest", key_quantizer="kvarn",
-                                            windows=WindowConfig(args.sink, args.recent, KEY_TILE))}
-    for name, enabled in (("dynamic", None), ("wushkv_triton", True), ("wushkv_pytorch", False), ("wushkv_ktiles", True)):
+               # auto's kind of pick (SmolLM2's +rmean+ktiles): KVarN key tiles of KEY_TILE tokens (flushed a tile
+               # at a time) centered on a rotating mean, affine values per token
+               "wushkv_auto": QuantConfig(args.k_bits, args.v_bits, "affine", key_quantizer="kvarn",
+                                          windows=WindowConfig(args.sink, args.recent, KEY_TILE))}
+    rope = wmodel.model.rotary_emb
+    g = torch.Generator().manual_seed(0)
+    centered = [CacheInputs(key_mean=RotatingKeyMean(torch.randn(Hkv, d, generator=g) * 2,
+                                                     torch.eye(d, device=device).expand(Hkv, d, d),
+                                                     (rope.inv_freq.float().cpu(), float(rope.attention_scaling))))
+                for _ in range(L)]
+    for name, enabled in (("dynamic", None), ("wushkv_triton", True), ("wushkv_pytorch", False), ("wushkv_auto", True)):
         m = model if name == "dynamic" else wmodel
-        cache = DynamicCache(config=m.config) if name == "dynamic" else WushKVCache(m, configs[name])
+        cache = (DynamicCache(config=m.config) if name == "dynamic" else
+                 WushKVCache(m, configs[name], inputs=centered if name == "wushkv_auto" else None))
         for i in range(L):  # fill each layer with random keys and values (chunks: no second full copy)
             for a in range(0, ctx, 8192):
                 n = min(8192, ctx - a)
@@ -455,13 +476,13 @@ def e2e_case(args, model, ctx, B, device, timer) -> dict:
             row[name]["triton_launches"] = calls.get("decode", 0)
             row[name]["triton_store_launches"] = calls.get("store", 0)
             steps = args.warmup + max(1, args.e2e_steps)
-            if name in ("wushkv_triton", "wushkv_ktiles") and calls.get("decode", 0) != L * steps:
+            if name in ("wushkv_triton", "wushkv_auto") and calls.get("decode", 0) != L * steps:
                 row[name]["error"] = (f"{calls.get('decode', 0)} Triton decode launches in {steps} steps of {L} layers: "
                                       "the step did not run the kernels (is transformers the version wushkv requires?)")
             if device.type == "cuda":
                 row[name]["step_peak_bytes_above_cache"] = torch.cuda.max_memory_allocated(device) - held
         del cache
-    for name in ("wushkv_triton", "wushkv_pytorch", "wushkv_ktiles"):
+    for name in ("wushkv_triton", "wushkv_pytorch", "wushkv_auto"):
         row[f"{name}_over_dynamic"] = row[name]["ms"] / row["dynamic"]["ms"]
     return row
 

@@ -14,10 +14,10 @@ Baseline in the same run: the path session 46 timed (codes unpacked to (tokens, 
 instructions is not a ratio of times (latency, occupancy and memory are not in it), so these figures choose what to
 time on a GPU; ``benchmarks/gpu_decode.py`` times it.
 
-    python benchmarks/kernel_sass.py [--widths 2,4,3,8] [--head-dims 128] [--key-tiles 128] [--json out.json]
+    python benchmarks/kernel_sass.py [--widths 2,4,3,8] [--head-dims 128] [--key-tiles 128] [--rmean] [--json out.json]
 
-``--key-tiles N``: the keys as KVarN tiles of N tokens (``auto``'s ``+ktiles``, dequantized per program), the values
-per-token codes as before.
+``--key-tiles N``: the keys as KVarN tiles of N tokens (``auto``'s ``+ktiles``), the values per-token codes as before.
+``--rmean``: the keys centered on their rotating mean (``+rmean``, :class:`wushkv.triton_kernels.KeyBias`).
 """
 
 from __future__ import annotations
@@ -58,6 +58,7 @@ def parse_args(argv=None):
     p.add_argument("--kv-heads", type=int, default=8)
     p.add_argument("--configs", default="", help="labels of CONFIGS to run (comma-separated prefixes); default all")
     p.add_argument("--key-tiles", type=int, default=0, help="keys as KVarN tiles of this many tokens (0: per-token codes)")
+    p.add_argument("--rmean", action="store_true", help="keys centered on their rotating mean (+rmean)")
     p.add_argument("--json", default=None)
     return p.parse_args(argv)
 
@@ -73,10 +74,11 @@ def _tools():
     return tools
 
 
-def recorded_decode(bits: int, d: int, q_heads: int, kv_heads: int, n_mid: int = 1024, key_tile: int = 0):
+def recorded_decode(bits: int, d: int, q_heads: int, kv_heads: int, n_mid: int = 1024, key_tile: int = 0,
+                    rmean: bool = False):
     """The decode launch of one bfloat16 layer over a K{bits}V{bits} middle (sink 64, recent 256; CPU tensors standing
     in for the GPU's: only their dtypes, strides and alignment reach the compiler); ``key_tile`` > 0: the keys in
-    KVarN tiles of that many tokens."""
+    KVarN tiles of that many tokens; ``rmean``: centered on their rotating mean."""
     bf = dict(dtype=torch.bfloat16)
     q = torch.zeros(1, q_heads, d, **bf)
     sink, recent = torch.zeros(1, kv_heads, 64, d, **bf), torch.zeros(1, kv_heads, 256, d, **bf)
@@ -91,8 +93,9 @@ def recorded_decode(bits: int, d: int, q_heads: int, kv_heads: int, n_mid: int =
         meta = torch.ones(1, kv_heads, n_mid // key_tile, d, dtype=torch.float16)
         keys = tk.Packed(tk.TileFormat(bits, d, key_tile), keys.codes, keys.scale, tile_scale=meta, tile_zero=meta.clone())
     lengths = torch.tensor([[64, n_mid, 256]], dtype=torch.int32)
+    bias = tk.KeyBias(torch.zeros(1, q_heads, d), torch.tensor([64]), torch.ones(d // 2)) if rmean else None
     with tk.recorded_launches() as launches:
-        tk.decode(q, lengths, sink, sink, keys, side(), recent, recent, d**-0.5, splits=4)
+        tk.decode(q, lengths, sink, sink, keys, side(), recent, recent, d**-0.5, splits=4, key_bias=bias)
     return next(rec for rec in launches if rec[0] == "decode")
 
 
@@ -164,13 +167,14 @@ def run(args) -> dict:
             base = None
             for label, fields in wanted:
                 with tk.decode_tuning(**fields) as tuning:
-                    record = recorded_decode(bits, d, args.q_heads, args.kv_heads, key_tile=args.key_tiles)
+                    record = recorded_decode(bits, d, args.q_heads, args.kv_heads, key_tile=args.key_tiles, rmean=args.rmean)
                     block_n, warps = record[3]["BN"], record[3]["num_warps"]
                     classes = record[3]["K_P"] > 0 or record[3]["V_P"] > 0
                 prof = profile(compile_for_sm90(record), tools)
                 mid = prof["loops"][0]  # the middle runs first (triton_kernels.decode_kernel)
                 n = sum(mid.values())
-                row = {"config": label, "bits": bits, "head_dim": d, "key_tiles": args.key_tiles, "classes": classes, "block_n": block_n,
+                row = {"config": label, "bits": bits, "head_dim": d, "key_tiles": args.key_tiles, "rmean": args.rmean,
+                       "classes": classes, "block_n": block_n,
                        "num_warps": warps, "num_stages": tuning.num_stages, "loop_instructions": n,
                        "warp_instr_per_token": n * warps / block_n, "spill_loads": mid["LDL"],
                        "spill_stores": mid["STL"], "mma": mid["HMMA"], "registers": prof["usage"].get("reg"),

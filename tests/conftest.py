@@ -192,3 +192,26 @@ def require_kernels():
     if _ext.can_build():
         pytest.fail(f"the fused CPU kernels failed to build although a toolchain is present {_ext.toolchain()}: {_ext.BUILD_ERROR}")
     pytest.skip(f"the fused CPU kernels cannot be built here (toolchain {_ext.toolchain()}, WUSHKV_NO_EXT={os.environ.get('WUSHKV_NO_EXT')!r})")
+
+
+def centered_parts(cfg, pads=None, B=2, H=2, d=32, n_mid=300, start=7, seed=0, device="cpu"):
+    """Parts whose middle keys are quantized centered on a rotating mean (+rmean), as the cache stores them, and the
+    keys those codes stand for, built here from the codec's decode and the centers at each row's positions:
+    (parts of keys, parts of values, keys (B, H, N, d), values (B, H, N, d)) on ``device``."""
+    from wushkv.codecs import make_codec
+    from wushkv.layer import KeyCenters, RotatingKeyMean
+
+    g = torch.Generator().manual_seed(seed)
+    T = (torch.linalg.qr(torch.randn(H, d, d, generator=g, dtype=torch.float64))[0] * 1.5).to(device)
+    km = RotatingKeyMean(torch.randn(H, d, generator=g) * 6, T, (10000.0 ** (-torch.arange(d // 2) / (d / 2)), 1.25))
+    pos = torch.arange(start, start + n_mid)[None] - (0 if pads is None else pads[:, None])
+    cen = km.center(pos, torch.float32)  # (B', H, n, d); a padded row's padding at negative positions
+    x = lambda n: (torch.randn(B, H, n, d, generator=g) * torch.linspace(0.2, 3, d)).to(device)
+    kc, vc = make_codec(cfg, "key", d), make_codec(cfg, "value", d)
+    mid_k = x(n_mid) + cen
+    store = kc.encode(mid_k - cen)
+    pk = [x(3), (kc, store, n_mid, KeyCenters(km, start, pads)), x(5)]
+    pv = [x(3), (vc, vc.encode(x(n_mid)), n_mid), x(5)]
+    keys = torch.cat([pk[0], kc.decode(store, n_mid) + cen, pk[2]], dim=2)
+    values = torch.cat([pv[0], vc.decode(pv[1][1], n_mid), pv[2]], dim=2)
+    return pk, pv, keys, values

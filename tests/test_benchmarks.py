@@ -177,6 +177,17 @@ def test_paged_decode(capsys):
     assert "ktiles/float32" in capsys.readouterr().out
 
 
+def test_centered_decode(capsys):
+    centered = load_benchmark("centered_decode")
+    assert centered.parse_args([]).shapes == "smollm2,llama8b"
+    (row,) = centered.run([512], [2], ["smollm2"], repeats=1)
+    assert row["context"] == 512 and row["code_vs_dequantized"] < 1e-4  # the same attention either way
+    assert all(positive(row[k]) for k in ("plain_ms", "code_ms", "dequantized_ms", "dequantized_over_code", "code_over_plain"))
+    # the replaced path holds the middle's keys (2·3·512·64 float32 = 0.75 MB); the code domain a block of codes
+    assert row["largest_mb_dequantized"] >= 0.75 > row["largest_mb_code"]
+    assert "MISMATCH" not in capsys.readouterr().out
+
+
 def test_long_generation():
     """The long-generation benchmark on a tiny model: every checkpoint finite, the cache's bytes equal to the byte
     accounting (QuEST and affine), the report printed."""
@@ -303,6 +314,9 @@ def test_gpu_decode_dry_run(tmp_path):
     tiles = -(-n_mid // gpu_decode.KEY_TILE)
     assert row["triton_ktiles"]["bytes"] == row["triton"]["bytes"] + 2 * B * Hkv * tiles * d * 2
     assert row["triton_ktiles_vs_tiles"] < gpu_decode.AGREE and positive(row["triton_ktiles_over_sdpa"])  # bfloat16 keys
+    # keys centered on their rotating mean: the same codes plus a bias of the position, against the tiles' path
+    assert row["triton_rmean"]["bytes"] == row["triton"]["bytes"] and positive(row["triton_rmean_over_sdpa"])
+    assert 0 <= row["triton_rmean_vs_tiles"] < gpu_decode.AGREE
     # each row checks what it timed: the kernel against the tiles' path, the bf16 run against SDPA
     assert 0 <= row["triton_vs_tiles"] < gpu_decode.AGREE and 0 <= row["triton_bf16_vs_sdpa"] < gpu_decode.AGREE
     assert gpu_decode.max_rel(torch.ones(3), torch.full((3,), 2.0)) == 0.5
@@ -318,10 +332,11 @@ def test_gpu_decode_dry_run(tmp_path):
     (e2e,) = res["e2e"]
     steps = a["warmup"] + a["e2e_steps"]
     assert (e2e["context"], e2e["batch"]) == (48, 1)
-    for name in ("dynamic", "wushkv_triton", "wushkv_pytorch", "wushkv_ktiles"):
+    for name in ("dynamic", "wushkv_triton", "wushkv_pytorch", "wushkv_auto"):
         assert positive(e2e[name]["ms"]) and "error" not in e2e[name], e2e[name]
-    # the per-token cache and auto's key tiles (KVarN keys) through the decode kernel, one launch per layer and step
-    assert e2e["wushkv_triton"]["triton_launches"] == e2e["wushkv_ktiles"]["triton_launches"] == a["e2e_layers"] * steps
+    # the per-token cache and auto's kind of pick (KVarN keys centered on a rotating mean) through the decode kernel,
+    # one launch per layer and step
+    assert e2e["wushkv_triton"]["triton_launches"] == e2e["wushkv_auto"]["triton_launches"] == a["e2e_layers"] * steps
     assert e2e["wushkv_triton"]["triton_store_launches"] >= 2  # a flush during the steps wrote keys and values
     assert e2e["wushkv_pytorch"]["triton_launches"] == e2e["wushkv_pytorch"]["triton_store_launches"] == 0
     assert e2e["wushkv_triton_over_dynamic"] == e2e["wushkv_triton"]["ms"] / e2e["dynamic"]["ms"]

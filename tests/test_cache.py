@@ -374,12 +374,14 @@ def _rope_mean_transforms(model, mus, name="random"):
 
 
 @torch.no_grad()
-def test_rope_mean_keys_stream_equals_single_pass(family):
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
+def test_rope_mean_keys_stream_equals_single_pass(family, dtype):
     """Keys centered on their rotating mean (mu_K_rope): every path that stores or reads the middle (flush,
-    single-pass emulation, token-by-token decode from codes, chunks; sliding layers) uses the same centers."""
+    single-pass emulation, token-by-token decode from codes, chunks; sliding layers) uses the same centers. In
+    float32 the decode reads the codes in the code domain, the centers' share of the scores from the position."""
     from wushkv.calibration import pre_rope_key_mean
 
-    model = tiny_model(family).double()
+    model = tiny_model(family).to(dtype)
     ids = torch.randint(3, 96, (1, 45), generator=torch.Generator().manual_seed(0))
     mus = pre_rope_key_mean(model, ids, show_progress=False)
     cfg = QuantConfig(2, 2, "quest", windows=WindowConfig(4, 8, 4))

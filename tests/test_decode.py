@@ -12,7 +12,7 @@ from wushkv.config import QuantConfig, WindowConfig
 from wushkv.decode import codes_as_float, decode_attention, dequantize_then_attend
 from wushkv.quantizers import pack, unpack
 
-from conftest import require_kernels
+from conftest import centered_parts, require_kernels
 
 
 @pytest.mark.parametrize("bits", [1, 2, 3, 4, 8])
@@ -118,6 +118,44 @@ def test_mask_and_visible_columns(path):
     ref = dequantize_then_attend(q, pk, pv, allowed, 0.2)
     out = decode_attention(q, pk, pv, allowed, 0.2, block=16)
     assert ((out - ref).norm() / ref.norm()) < 1e-5
+
+
+@pytest.mark.parametrize("name", ["quest-K2V2", "affine-K4V2", "affine-groups16", "kvarn-K4V2"])
+@pytest.mark.parametrize("pads", [None, torch.tensor([0, 4])])
+def test_centered_keys_decode_in_the_code_domain(name, pads, path):
+    """Keys centered on their rotating mean (+rmean) are read from their codes with the centers' share of the scores
+    computed from the position (never forming T c_t): equal to attention over the keys they stand for (codes
+    dequantized, centers at each row's position added), for every block size."""
+    from wushkv.attention import reference_attention
+
+    cfg = CASES[name]
+    if cfg.quantizer == "kvarn":
+        cfg = QuantConfig(4, 2, "kvarn", windows=WindowConfig(8, 0, 20))  # tiles of 20 tokens
+    pk, pv, keys, values = centered_parts(cfg, pads)
+    q = torch.randn(2, 4, 1, 32, generator=torch.Generator().manual_seed(1)) * 2
+    ref = reference_attention(q, keys, values, None, 32**-0.5)
+    assert ((dequantize_then_attend(q, pk, pv, None, 32**-0.5) - ref).norm() / ref.norm()) < 1e-6
+    for block in (20, 60, 4096):
+        out = decode_attention(q, pk, pv, None, 32**-0.5, block=block)
+        assert ((out - ref).norm() / ref.norm()) < 1e-5, block
+    plain = decode_attention(q, [pk[0], pk[1][:3], pk[2]], pv, None, 32**-0.5)  # the centers matter
+    assert ((plain - ref).norm() / ref.norm()) > 1e-2
+
+
+def test_centered_keys_make_no_full_precision_copy_of_the_middle():
+    """Reading centered keys from their codes holds one block at a time: no allocation the size of the middle's
+    keys in float32 (the dequantize-and-add path made one at every step)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    pk, pv, keys, _ = centered_parts(QuantConfig(2, 2, "quest"), n_mid=4096, d=64, H=2, B=2)
+    q = torch.randn(2, 4, 1, 64, generator=torch.Generator().manual_seed(1))
+    middle = 2 * 2 * 4096 * 64 * 4
+    with decode.kernels_enabled(False):
+        decode_attention(q, pk, pv, None, 64**-0.5, block=512)  # the first call builds the code and offset tables
+        with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+            decode_attention(q, pk, pv, None, 64**-0.5, block=512)
+    largest = max(e.self_cpu_memory_usage for e in prof.events())
+    assert 0 < largest < middle / 4, (largest, middle)
 
 
 def test_bfloat16_close_to_float32():

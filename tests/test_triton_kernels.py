@@ -391,6 +391,47 @@ def test_decode_reads_key_tiles(dtype, bits, d, G, block_n, splits, tile):
                   pk[2], pv[2], d**-0.5)
 
 
+@pytest.mark.parametrize("dtype,key,d,start,pads,splits,block_n", [
+    (torch.float32, "quest", 64, 7, None, 3, 16), (torch.bfloat16, "affine", 64, 7, (0, 5), None, None),
+    (torch.float16, "quest", 128, 2000, None, 2, 32), (torch.float32, "kvarn", 64, 7, None, 2, 16),
+    (torch.bfloat16, "kvarn", 128, 5, (0, 9), None, None)])
+def test_decode_reads_keys_centered_on_their_rotating_mean(dtype, key, d, start, pads, splits, block_n):
+    """Keys stored centered on their rotating pre-RoPE mean (``+rmean``, what ``auto`` picks with the affine quantizer):
+    each tile's scores gain Σ A cos pθ + B sin pθ (:class:`wushkv.triton_kernels.KeyBias`), over per-token codes
+    (unpacked, or in classes in a 16-bit dtype) and KVarN key tiles, splits that start inside a tile of tokens, rows
+    at their own positions (left padding), a middle far from position 0; equal to attention over the keys the codes
+    stand for (1e-3 in float32, 2e-2 in a 16-bit dtype), and through ``decode_attention`` on the cache's parts."""
+    from wushkv.attention import reference_attention
+
+    from conftest import centered_parts
+
+    cfg = QuantConfig(2, 2, "affine", key_quantizer=None if key != "kvarn" else "kvarn", windows=WindowConfig(8, 0, 32))
+    if key == "quest":
+        cfg = QuantConfig(2, 2, "quest")
+    B, H, G = 2, 2, 3
+    pk, pv, keys, values = centered_parts(cfg, None if pads is None else torch.tensor(pads), B=B, H=H, d=d, n_mid=96,
+                                          start=start, device=DEVICE)
+    q = (torch.randn(B, H * G, 1, d, generator=torch.Generator().manual_seed(2)) * 1.5).to(DEVICE)
+    ref = reference_attention(q, keys, values, None, d**-0.5)[:, 0]
+    (kc, ks, n, center), (vc, vs, _) = pk[1], pv[1]
+    mk = _tile_packed(kc, ks) if key == "kvarn" else _packed(kc, ks)
+    terms, first, theta = center.kernel_inputs(q[:, :, 0].reshape(B, H, G, d))
+    bias = tk.KeyBias(terms.reshape(B, H * G, d), first, theta)
+    cast = lambda t: t.to(dtype)
+    out = tk.decode(cast(q[:, :, 0]), torch.tensor([[3, n, 5]] * B), cast(pk[0]), cast(pv[0]), mk, _packed(vc, vs),
+                    cast(pk[2]), cast(pv[2]), d**-0.5, splits=splits, block_n=block_n, key_bias=bias)
+    bound = 1e-3 if dtype == torch.float32 else 2e-2
+    assert _rel(out, ref) < bound, _rel(out, ref)
+    plain = tk.decode(cast(q[:, :, 0]), torch.tensor([[3, n, 5]] * B), cast(pk[0]), cast(pv[0]), mk, _packed(vc, vs),
+                      cast(pk[2]), cast(pv[2]), d**-0.5, splits=splits, block_n=block_n)
+    assert _rel(plain, ref) > 5 * bound  # the centers matter
+    if dtype == torch.float32:
+        tk.reset_calls()
+        with decode_mod.triton_enabled(True):
+            through = decode_attention(q, pk, pv, None, d**-0.5)[:, 0]
+        assert tk.calls()["decode"] == 1 and _rel(through, ref) < bound
+
+
 @pytest.mark.parametrize("dtype,d,absolute", [(torch.float32, 64, True), (torch.bfloat16, 128, False)])
 def test_decode_reads_key_tiles_spread_over_paged_cells(dtype, d, absolute):
     """The vLLM plugin's cells: each token's row holds its key codes and s_tok, and a tile's 2d halves of [scale | zero]
@@ -725,21 +766,32 @@ def test_cache_flush_goes_through_the_store_kernel(quantizer, dtype, meta):
     ("llama", QuantConfig(2, 2, "quest", windows=WindowConfig(4, 8, 4))),
     ("gemma3", QuantConfig(4, 2, "affine", windows=WindowConfig(2, 4, 4))),
     ("llama", QuantConfig(4, 2, "quest", metadata_dtype="e5m3", windows=WindowConfig(4, 8, 4))),
-    ("llama", QuantConfig(2, 2, "quest", key_quantizer="kvarn", windows=WindowConfig(4, 4, 8))),
+    ("llama+rmean", QuantConfig(2, 2, "affine", key_quantizer="kvarn", windows=WindowConfig(4, 4, 8))),
 ])
 def test_model_decode_through_triton_equals_pytorch(family, cfg):
     """A tiny model (gemma3: sliding-window layers and a GQA group of 2; llama also with one-byte steps, which the
-    store kernel leaves to the PyTorch path, and with KVarN key tiles of 8 tokens, ``+ktiles``' keys, stored by the
-    PyTorch path and read by the decode kernel) prefilled with 30 tokens, then decoded 3 tokens, every flush through
-    the store kernel and every decode step through the decode kernel: the packed middle
+    store kernel leaves to the PyTorch path, and with KVarN key tiles of 8 tokens centered on a rotating mean, what
+    ``auto`` picks for SmolLM2, ``+rmean+ktiles``, stored by the PyTorch path and read by the decode kernel) prefilled
+    with 30 tokens, then decoded 3 tokens, every flush through the store kernel and every decode step through the
+    decode kernel: the packed middle
     is the PyTorch path's (QuEST's step may differ in its last float32 bit where torch sums ‖x‖ in another order, so
     a few codes and steps may flip: at most 0.2% of them, 0 measured on CPU; affine bit for bit), and the logits of
     every decode step equal the PyTorch path's within 1e-4 of their scale (4e-7 measured on CPU)."""
+    family, rmean = family.removesuffix("+rmean"), family.endswith("+rmean")
     model = tiny_model(family).to(DEVICE)
     ids = torch.randint(3, 96, (2, 33), generator=torch.Generator().manual_seed(0)).to(DEVICE)
+    inputs = None
+    if rmean:  # a mean far from 0 under the model's own RoPE; no key transform (T = I)
+        from wushkv.layer import RotatingKeyMean
+
+        H, d = model.config.num_key_value_heads, model.config.head_dim
+        g = torch.Generator().manual_seed(3)
+        rope = (model.model.rotary_emb.inv_freq.cpu(), float(model.model.rotary_emb.attention_scaling))
+        inputs = [CacheInputs(key_mean=RotatingKeyMean(torch.randn(H, d, generator=g) * 3, torch.eye(d).expand(H, d, d).to(DEVICE), rope))
+                  for _ in range(model.config.num_hidden_layers)]
 
     def run(enabled):
-        cache = WushKVCache(model, cfg)
+        cache = WushKVCache(model, cfg, inputs=inputs)
         with torch.no_grad(), decode_mod.triton_enabled(enabled):
             model(ids[:, :30], cache=cache, use_cache=True)
             logits = torch.cat([model(ids[:, t : t + 1], cache=cache, use_cache=True).logits for t in range(30, 33)], 1)
@@ -780,11 +832,11 @@ for quest, clipped, has_t, br in ((True, True, False, 8), (True, False, True, 1)
     consts = dict(D=128, G=32, BITS=3, QUEST=quest, CLIPPED=clipped, HAS_T=has_t, HAS_Z=not quest, TC=32, META_BF16=True, BR=br)
     triton.compile(ASTSource(K["store"], sig("store", ptrs, ("coef", "sqrt_g"), consts), consts), target=GPUTarget("cuda", 90, 32))
 consts = dict(D=128, GQA=4, GP=16, BN=32, K_BITS=2, V_BITS=4, K_G=128, V_G=32, K_Z=False, V_Z=True, K_E5M3=True, K_OFF=128, V_OFF=0,
-              V_E5M3=False, K_P=0, V_P=0, K_TILE=0, KT_MW=128, PAGED=True, PAGE_ABS=False, HAS_MASK=True, SOFTCAP=True,
+              V_E5M3=False, K_P=0, V_P=0, K_TILE=0, KT_MW=128, RMEAN=False, PAGED=True, PAGE_ABS=False, HAS_MASK=True, SOFTCAP=True,
               PREC="tf32", DT=tl.bfloat16, EMU=False)
 ptrs = {"q_ptr": "*bf16", "sk_ptr": "*bf16", "sv_ptr": "*bf16", "rk_ptr": "*bf16", "rv_ptr": "*bf16", "kc_ptr": "*u8",
         "vc_ptr": "*u8", "mask_ptr": "*u8", "lens_ptr": "*i32", "bt_ptr": "*i32", "ks_ptr": "*u8", "vs_ptr": "*fp16",
-        "kz_ptr": "*u8", "vz_ptr": "*fp16", "kts_ptr": "*fp16", "ktz_ptr": "*fp16"}
+        "kz_ptr": "*u8", "vz_ptr": "*fp16", "kts_ptr": "*fp16", "ktz_ptr": "*fp16", "rp_ptr": "*i32"}
 for bn, warps, stages, v in ((32, 4, 3, (4, 32, True, 0)), (128, 8, 2, (2, 128, False, 128))):  # two tunings, two value codecs
     consts.update(BN=bn, V_BITS=v[0], V_G=v[1], V_Z=v[2], V_OFF=v[3])
     k = triton.compile(ASTSource(K["decode"], sig("decode", ptrs, ("sm_scale", "softcap", "K_HALF", "V_HALF"), consts), consts),
@@ -806,6 +858,11 @@ for paged, mw, kp, bn in ((True, 16, 0, 32), (False, 128, 0, 32), (True, 16, 8, 
     consts.update(K_TILE=16, KT_MW=mw, K_P=kp, K_BITS=2, PAGED=paged, PAGE_ABS=paged, BN=bn)
     triton.compile(ASTSource(K["decode"], sig("decode", p, ("sm_scale", "softcap", "K_HALF", "V_HALF"), consts), consts),
                    target=GPUTarget("cuda", 90, 32), options={"num_warps": 4, "num_stages": 2})
+# keys centered on their rotating mean (+rmean): over key tiles in classes, then per-token codes in classes
+for kt, bn in ((16, 16), (0, 32)):
+    consts.update(K_TILE=kt, KT_MW=128, K_P=8, K_BITS=2, PAGED=False, PAGE_ABS=False, BN=bn, RMEAN=True)
+    triton.compile(ASTSource(K["decode"], sig("decode", p, ("sm_scale", "softcap", "K_HALF", "V_HALF"), consts), consts),
+                   target=GPUTarget("cuda", 90, 32), options={"num_warps": 1, "num_stages": 2})
 consts = dict(D=128, SP=16, HAS_SINKS=True, OUT_BF16=True)
 triton.compile(ASTSource(K["merge"], sig("merge", {"out_ptr": "*bf16"}, (), consts), consts), target=GPUTarget("cuda", 90, 32))
 print("compiled", "ptx" in k.asm)

@@ -534,6 +534,43 @@ def test_batched_decode_of_key_tiles_through_the_triton_kernel(dtype):
         assert err < (1e-5 if dtype == torch.float32 else 2e-2), (window, err)
 
 
+@pytest.mark.parametrize("tile,dtype", [(1, torch.float32), (16, torch.bfloat16)])
+def test_batched_decode_of_centered_keys_through_the_triton_kernel(tile, dtype):
+    """Keys centered on their rotating mean (``+rmean``) through the Triton decode: the codes' keys gain their centers
+    in the kernel (``KeyBias``, the middle's first position each request's sink length), a dropped copy decoded from
+    its cell gains its own (key tiles: its whole tile decoded); per-token codes and key tiles, a sliding window; what
+    the general path gives (1e-5 in float32, 2e-2 in bfloat16)."""
+    pytest.importorskip("triton")
+    from wushkv import triton_kernels as tk
+    from wushkv.decode import triton_enabled
+
+    H, G, d, bs = 2, 3, 64, 32
+    dev = _triton_device()
+    rm = RopeMean(torch.randn(H, d, generator=_g(18)) * 3, torch.eye(d).expand(H, d, d),
+                  1.0 / 10000 ** (torch.arange(0, d, 2) / d), 1.25)
+    if tile > 1:
+        sc = SlotCodec(QuantConfig(k_bits=2, v_bits=2, quantizer="quest", key_quantizer="kvarn",
+                                   windows=WindowConfig(16, 8, 16)), d)
+        w = Windows(bs, H, d, 16, 8, capacity=10_000, dtype=dtype, flush=16)
+    else:
+        sc = SlotCodec(QuantConfig(k_bits=2, v_bits=2, quantizer="affine"), d)
+        w = Windows(bs, H, d, 4, 24, capacity=10_000, dtype=dtype)
+    lens = [1, 20, 37, 100, 131]
+    cache, tables = _filled_cells(sc, w, lens, rm)
+    w.index[int(tables[3, 0]) * (bs // w.unit)] = -1  # request 3's sink page: its copies dropped, read from the codes
+    q = torch.randn(len(lens), H * G, d, generator=_g(41))
+    for window in (-1, 50):
+        want, missing = _general_decode(sc, w, cache, tables, lens, q, window, 0.0, rm)
+        assert missing[3] > 0 or window > 0  # the dropped copies are read (a sliding window hides them)
+        tk.reset_calls()
+        with triton_enabled(True):
+            got = decode_batch(sc, cache.to(dev), tables.to(dev), torch.tensor(lens), q.to(dev), w, 0.3, window,
+                               rope_mean=rm, q_raw=q.to(dev)).cpu()
+        assert tk.calls() == {"decode": 1, "merge": 1}
+        err = float((got - want).abs().max() / want.abs().max())
+        assert err < (1e-5 if dtype == torch.float32 else 2e-2), (window, err)
+
+
 # -- the folder the plugin serves ------------------------------------------------------------------------
 def _export(tmp_path, name, method, cfg=CFG, family="llama"):
     from wushkv.calibration import calibrate
@@ -591,12 +628,13 @@ def test_cuda_backends_on_fake_cuda_tensors(tmp_path):
     and forward (its kernels under the interpreter) with the cache, queries, block table and slot mapping on fake CUDA
     tensors (tests/fake_cuda.py: CPU data that says cuda:0, checked against PyTorch's device rules), as vLLM lays a
     step out on a GPU (padded slot mapping, host copies of the metadata): no operation a GPU would refuse, the CPU
-    backend's outputs (1e-5) and cells (to the byte), over per-token codes, +ldlq key tiles after a sink of one tile,
-    and a sliding-window gemma3 layer (tests/vllm_fake_cuda_check.py). A decode step of per-token codes, stored by
-    the Triton kernel or in torch, makes the host wait for the device nowhere in a layer (the step's host copies are
-    made once, by the builder). (The tiny models' head_dim of 32 leaves key tiles of 128 tokens one byte of scale and
+    backend's outputs (1e-5) and cells (to the byte), over per-token codes of keys centered on their rotating mean
+    (+rmean: centered in the forward, their centers' share of the scores in the kernel), +ldlq key tiles after a sink
+    of one tile, and a sliding-window gemma3 layer (tests/vllm_fake_cuda_check.py). A decode step of per-token codes,
+    stored by the Triton kernel or in torch, makes the host wait for the device nowhere in a layer (the step's host
+    copies are made once, by the builder). (The tiny models' head_dim of 32 leaves key tiles of 128 tokens one byte of scale and
     zero per cell, which the Triton decode does not read: their decode takes the general path here.)"""
-    folders = [_export(tmp_path, "affine", "wush", replace(CFG, quantizer="affine")),
+    folders = [_export(tmp_path, "affine", "wush+rmean", replace(CFG, quantizer="affine")),
                _export(tmp_path, "tiles", "wush+ktiles+ldlq", replace(CFG, windows=WindowConfig(128, 64, 16))),
                _export(tmp_path, "gemma", "wush+ldlq", family="gemma3")]
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(ROOT / "src"), str(ROOT / "tests")]), TRITON_INTERPRET="1")

@@ -11,7 +11,9 @@ expanded to floats through a lookup table (one ``embedding`` gather turns a pack
 its ``16/b`` codes), used, and dropped, so no step holds a full-precision copy of the cache; the peak is
 one block. Scores of the sink, every block and the recent buffer go through one softmax; the output
 sums their parts. Codecs without per-token groups (KIVI keys, KVarN tiles) are dequantized block by
-block instead — the same memory bound, a slower inner loop.
+block instead — the same memory bound, a slower inner loop. Keys quantized centered on their rotating
+mean (``+rmean``: k̂ = decoded codes + T c_t) are read from their codes too: the centers' share of the
+scores, q·T c_t, is a function of the position evaluated per block (:class:`wushkv.layer.KeyCenters`).
 
 On CPU, the code-domain products ``C q`` and ``Cᵀ w`` run in fused C++ kernels (:mod:`wushkv._ext`,
 built on first use) that read each packed byte once through byte lookup tables and never expand the
@@ -130,8 +132,8 @@ def tile_format(tk, codec: KVarNCodec):
 
 def _triton_decode(query, parts_k, parts_v, allowed, scaling, softcap, sinks):
     """The Triton decode (B, 1, Hq, d) where it applies: [sink, packed middle, recent] with per-token codecs on
-    both sides (or KVarN tiles for the keys: ``auto``'s key tiles), a float16/bfloat16/float32 query, a head_dim the
-    kernels take; else None (the PyTorch path)."""
+    both sides (or KVarN tiles for the keys: ``auto``'s key tiles; keys centered on their rotating mean, ``+rmean``,
+    from head_dim 32), a float16/bfloat16/float32 query, a head_dim the kernels take; else None (the PyTorch path)."""
     if query.dtype not in _TRITON_DTYPES or len(parts_k) != 3 or len(parts_v) != 3:
         return None
     (sk, mk, rk), (sv, mv, rv) = parts_k, parts_v
@@ -143,7 +145,13 @@ def _triton_decode(query, parts_k, parts_v, allowed, scaling, softcap, sinks):
     B, Hq, _, d = query.shape
     packed = []
     H = sk.shape[1]
-    for side, (codec, store, n) in zip(("key", "value"), (mk, mv)):
+    key_bias = None
+    if len(mk) > 3:  # keys centered on their rotating mean (+rmean): the centers' share of the scores in the kernel
+        if d < 32:
+            return None
+        terms, first, theta = mk[3].kernel_inputs(query[:, :, 0].reshape(B, H, Hq // H, d))
+        key_bias = tk.KeyBias(terms.reshape(B, Hq, d), first, theta)
+    for side, (codec, store, n, *_) in zip(("key", "value"), (mk, mv)):
         if side == "key" and isinstance(codec, KVarNCodec):
             fmt = tile_format(tk, codec)
             if fmt is None:
@@ -167,7 +175,7 @@ def _triton_decode(query, parts_k, parts_v, allowed, scaling, softcap, sinks):
         packed.append(tk.Packed(fmt, store["codes"], store["scale"], store.get("offset")))
     lengths = torch.tensor([[sk.shape[2], mk[2], rk.shape[2]]], dtype=torch.int32).expand(B, 3)
     out = tk.decode(query[:, :, 0], lengths, sk, sv, packed[0], packed[1], rk, rv, scaling, softcap=softcap,
-                    sinks=sinks, allowed=None if allowed is None else allowed.reshape(B, -1))
+                    sinks=sinks, allowed=None if allowed is None else allowed.reshape(B, -1), key_bias=key_bias)
     return out.unsqueeze(1)
 
 
@@ -230,11 +238,27 @@ def _steps(n: int, codec, block: int):
     return [(a, min(n, a + step)) for a in range(0, n, step)]
 
 
-def _run_scores(qg, codec, store, n, dtype, block):
-    """Scores (B, H, G, n) of grouped queries (B, H, G, d) against a quantized run of n tokens."""
+def _keys(codec, store, n, a, b, dtype, center=None):
+    """The dequantized keys of tokens [a, b) of a run, their centers added back (``+rmean``) before the rounding
+    to ``dtype``, as the single-pass emulation reads them."""
+    x = codec.decode(_slices(store, n, a, b), b - a)
+    return (x if center is None else x + center.dense(a, b)).to(dtype)
+
+
+def _run_scores(qg, codec, store, n, dtype, block, center=None):
+    """Scores (B, H, G, n) of grouped queries (B, H, G, d) against a quantized run of n tokens; ``center``: the
+    run's key centers (``+rmean``), whose share of the scores is added block by block."""
     if not _fast(codec, dtype):
-        return torch.cat([torch.matmul(qg, codec.decode(_slices(store, n, a, b), b - a).to(dtype).transpose(-1, -2))
+        return torch.cat([torch.matmul(qg, _keys(codec, store, n, a, b, dtype, center).transpose(-1, -2))
                           for a, b in _steps(n, codec, block)], dim=-1)
+    scores = _code_scores(qg, codec, store, n, dtype, block)
+    if center is None:
+        return scores
+    return scores + torch.cat([center.scores(qg, a, b) for a, b in _steps(n, codec, block)], dim=-1).to(scores.dtype)
+
+
+def _code_scores(qg, codec, store, n, dtype, block):
+    """Scores (B, H, G, n) of a run of per-token codes, read in the code domain."""
     scale, offset = codec.scale_offset(store)  # (B, H, n, ng): 1/gs of the cache, read once
     scale, offset = scale.to(dtype), offset.to(dtype)
     B, H, G, d = qg.shape
@@ -298,7 +322,10 @@ def decode_attention(
 
     ``query`` (B, Hq, 1, d) (already in transformed space). ``parts_k``/``parts_v``: lists of either a
     full-precision tensor (B, Hkv, n, d) or a tuple ``(codec, store, n)`` (a quantized run of ``n``
-    tokens; ``store`` as the codec encodes it). Every part is read; ``allowed`` (B, 1, 1, S) masks the
+    tokens; ``store`` as the codec encodes it), for keys also ``(codec, store, n, center)``: keys quantized
+    centered (``+rmean``), ``center`` giving their centers back (``center.dense(a, b)``: (B', Hkv, b − a, d) of
+    tokens [a, b)) and their share of the scores (``center.scores(qg, a, b)``: (B, Hkv, G, b − a) of grouped
+    queries (B, Hkv, G, d)), so the run is still read in the code domain. Every part is read; ``allowed`` (B, 1, 1, S) masks the
     last ``S`` columns (earlier columns are not visible, e.g. outside a sliding window). ``sinks``: learned sink
     logits (Hq,) (gpt-oss), one more softmax column with a zero value.
     Returns (B, 1, Hq, d), transformers' layout.
@@ -323,9 +350,9 @@ def decode_attention(
             if pk.shape[2]:
                 scores.append(torch.matmul(qg, pk.transpose(-1, -2)).to(acc_dtype))
         else:
-            codec, store, n = pk
+            codec, store, n, *center = pk
             if n:
-                scores.append(_run_scores(qg, codec, store, n, dtype, block).to(acc_dtype))
+                scores.append(_run_scores(qg, codec, store, n, dtype, block, *center).to(acc_dtype))
     s = torch.cat(scores, dim=-1) * scaling  # (B, Hkv, G, N_all)
     if softcap is not None:
         s = torch.tanh(s / softcap) * softcap
@@ -368,7 +395,8 @@ def decode_attention(
 def dequantize_then_attend(query, parts_k, parts_v, allowed, scaling, softcap=None, sinks=None) -> torch.Tensor:
     """Reference: dequantize every part, concatenate, plain attention. Returns (B, 1, Hq, d)."""
     def full(parts):
-        xs = [p if torch.is_tensor(p) else p[0].decode(p[1], p[2]).to(query.dtype) for p in parts if torch.is_tensor(p) or p[2]]
+        xs = [p if torch.is_tensor(p) else _keys(p[0], p[1], p[2], 0, p[2], query.dtype, *p[3:])
+              for p in parts if torch.is_tensor(p) or p[2]]
         return torch.cat(xs, dim=2)
 
     K, V = full(parts_k), full(parts_v)

@@ -33,7 +33,8 @@ from transformers.cache_utils import CacheLayerMixin
 from .codecs import make_codec, storage_nbytes
 from .config import QuantConfig
 from .decode import encode_block
-from .transforms.rope import rope_rotate
+from .transforms.rope import rope_bias_terms, rope_rotate
+from .triton_kernels import rope_table, to_device
 from .views import KVView, RowsView
 
 
@@ -126,7 +127,9 @@ class RotatingKeyMean:
         self.T_t = T.detach().double().transpose(-1, -2).contiguous()  # rows: c @ Tᵀ; everything on T's device
         self.mu = mu.detach().to(self.T_t.device, torch.float64, copy=True)
         self.inv_freq = rope[0].detach().float().to(self.T_t.device)
+        self.theta = rope[0].detach().float().cpu()  # the host's copy: angles are computed there (no wait per step)
         self.scaling = float(rope[1])
+        self._T32 = self._mu32 = None  # T and μ in float32 where the queries are (score_terms)
 
     def center(self, positions: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
         """T c_t with c_t = R_t μ, in the transformed space. positions: (B', N) integer (B' = 1 or the batch).
@@ -137,6 +140,57 @@ class RotatingKeyMean:
         pos = positions.to(self.T_t.device)[:, None, :]  # (B', 1, N)
         c = rope_rotate(self.mu[None, :, None, :], pos, self.inv_freq, self.scaling)  # (B', Hkv, N, d)
         return torch.matmul(c, self.T_t).float().to(dtype)
+
+    def score_terms(self, qg: torch.Tensor) -> torch.Tensor:
+        """[A | B] (B, Hkv, G, d) float32 of grouped queries qg (B, Hkv, G, d) in the transformed space:
+        q·T c_t = (Tᵀq)·R_t μ = Σ_i A_i cos tθ_i + B_i sin tθ_i (:func:`wushkv.transforms.rope.rope_bias_terms`), so
+        the centers' share of the scores is a function of the position that never forms T c_t (:meth:`scores`)."""
+        if self._T32 is None or self._T32.device != qg.device:
+            self._T32 = self.T_t.transpose(-1, -2).float().to(qg.device)  # T: u = q T = Tᵀq as a row
+            self._mu32 = self.mu.float().to(qg.device)[:, None, :]  # (Hkv, 1, d)
+        return rope_bias_terms(torch.matmul(qg.float(), self._T32), self._mu32, self.scaling)
+
+    def scores(self, terms: torch.Tensor, first: torch.Tensor, n: int) -> torch.Tensor:
+        """q·T c_t (B, Hkv, G, n) float32 at positions first + r, r < n, of the :meth:`score_terms` [A | B];
+        ``first`` (B',) int64, each row's first position (B' = 1 or the batch). The terms are turned by each row's
+        first angle (float64, as :meth:`center`), then read against a table of the offsets' cos rθ, sin rθ
+        (:func:`wushkv.triton_kernels.rope_table`, shared by the layers): Σ_i cos rθ_i A'_i + sin rθ_i B'_i with
+        A' = A cos t₀θ + B sin t₀θ, B' = B cos t₀θ − A sin t₀θ. Equal to q·:meth:`center` up to float32 rounding."""
+        h = terms.shape[-1] // 2
+        A, B = terms[..., :h], terms[..., h:]
+        ang = first.to(torch.float64).cpu()[:, None] * self.theta.double()  # (B', d/2)
+        c0, s0 = (to_device(f(ang).float(), A.device)[:, None, None, :] for f in (torch.cos, torch.sin))
+        return torch.matmul(torch.cat([A * c0 + B * s0, B * c0 - A * s0], -1), rope_table(self.theta, n, A.device)[:n].T)
+
+
+class KeyCenters:
+    """The centers of a run of the middle's keys (``+rmean``) as :func:`wushkv.decode.decode_attention` reads them:
+    its token r sits at column ``start + r`` (minus its row's left padding ``pads`` (B,), as transformers numbers
+    positions). ``dense(a, b)`` gives T c_t of tokens [a, b) (B', Hkv, b − a, d) float32, what the codes are read
+    back with; ``scores(qg, a, b)`` gives q·T c_t (B, Hkv, G, b − a) float32 without forming them."""
+
+    def __init__(self, mean: RotatingKeyMean, start: int, pads: torch.Tensor | None):
+        self.mean, self.start, self.pads = mean, start, pads
+        self._terms = None
+
+    def _first(self, a: int) -> torch.Tensor:
+        first = torch.tensor([self.start + a], dtype=torch.int64)
+        return first if self.pads is None else first - self.pads.cpu().long()
+
+    def dense(self, a: int, b: int) -> torch.Tensor:
+        pos = self._first(a)[:, None] + torch.arange(b - a)  # a row's padding at negative positions (never visible)
+        return self.mean.center(pos, torch.float32)
+
+    def kernel_inputs(self, qg: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """What the Triton decode reads (:class:`wushkv.triton_kernels.KeyBias`): the terms [A | B] (B, Hkv, G, d)
+        float32 of grouped queries qg (B, Hkv, G, d), each row's position of token 0 (B,) int64 on the host, and the
+        RoPE frequencies (d/2,)."""
+        return self.mean.score_terms(qg), self._first(0).expand(qg.shape[0]), self.mean.theta
+
+    def scores(self, qg: torch.Tensor, a: int, b: int) -> torch.Tensor:
+        if self._terms is None or self._terms[0] is not qg:  # the terms once per query, not per block
+            self._terms = (qg, self.mean.score_terms(qg))
+        return self.mean.scores(self._terms[1], self._first(a), b - a)
 
 
 @dataclass(frozen=True)
@@ -442,14 +496,13 @@ class WushKVLayer(CacheLayerMixin):
     def _mid_parts(self, snap: dict, n: int, start: int, dtype) -> tuple:
         """The middle of a snapshot as :func:`wushkv.decode.decode_attention` parts (keys, values).
 
-        Keys centered on their RoPE mean are decoded and given their centers back here (a dense part):
-        the code-domain kernels read the codes of plain keys only."""
+        Keys centered on their RoPE mean are a run with its :class:`KeyCenters` (read by the decode in the
+        code domain, the centers' share of the scores a function of the position)."""
         out = []
-        if n and self.k_side is not None and self.inputs.key_mean is not None:
-            mk, _ = self._decode_mid(snap, n, dtype, start=start)
-            return mk, (snap["v"][:, :, :n] if self.v_side is None else (self.v_side.codec, snap["v"], n))
         for name, side in (("k", self.k_side), ("v", self.v_side)):
             out.append(snap[name][:, :, :n] if side is None else (side.codec, snap[name], n))
+        if n and self.k_side is not None and self.inputs.key_mean is not None:
+            out[0] += (KeyCenters(self.inputs.key_mean, start, self.pads),)
         return out[0], out[1]
 
     def _decode_mid(self, snap: dict, n: int, dtype, first: int | None = None, start: int = 0) -> tuple[torch.Tensor, torch.Tensor]:

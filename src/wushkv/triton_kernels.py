@@ -27,8 +27,9 @@ query heads of the GQA group. With one group per token, 1- to 4-bit codes are re
 three bytes) split into classes, one tensor-core dot per class (:func:`code_classes`); other codes are loaded as
 bytes and unpacked in registers; with one group per token the scores are ``s ⊙ (C q) + z·Σq`` and the output
 ``Cᵀ(p ⊙ s) + (Σ p z)·1``
-(:mod:`wushkv.decode`), with smaller groups a tile is dequantized in registers. Nothing is dequantized to global
-memory. Each split keeps an online softmax (running max, sum, weighted values) and writes them; a second kernel
+(:mod:`wushkv.decode`), with smaller groups a tile is dequantized in registers. KVarN key tiles fold their scale
+into the query (:class:`TileFormat`); keys stored centered on their rotating mean add a function of the position to
+their scores (:class:`KeyBias`). Nothing is dequantized to global memory. Each split keeps an online softmax (running max, sum, weighted values) and writes them; a second kernel
 merges the splits (adding the learned sink logits, gpt-oss, to the denominator) and writes the output.
 
 Triton is imported on first use, so ``import wushkv`` never needs it. On CUDA tensors the kernels compile; on CPU
@@ -542,16 +543,43 @@ def _kernels() -> dict:
         return tl.sum(q * _tile_halves(z_ptr, mrow, ch + ZI, m1, MW)[None, :] - OFF * qs, 1)
 
     @jit
+    def _rope_bias(rb_ptr, brow, qmask, rt_ptr, rr_ptr, pos, GP: tl.constexpr, BN: tl.constexpr, D: tl.constexpr,
+                   PREC: tl.constexpr, DT: tl.constexpr, EMU: tl.constexpr):
+        """(GP, BN) Σ_i A_i cos((pos + r)θ_i) + B_i sin((pos + r)θ_i), r < BN: what keys stored centered on their
+        rotating mean (``+rmean``) add to the scores of tokens at positions pos + r. The terms [A | B] (from
+        ``rb_ptr + brow``, (GP, D) float32) are turned by the tile's first angle in float32, cos(p + r) =
+        cos p cos r − sin p sin r and sin(p + r) = sin p cos r + cos p sin r, and then read against the offsets'
+        cos rθ, sin rθ in DT, as the keys' dots read their operands: two dots with K = D/2. The tables hold
+        [cos pθ | sin pθ] (D wide) per position p ≥ 0: ``rt_ptr`` float32 (a row per tile), ``rr_ptr`` in DT (the
+        same BN rows every tile, from the cache next to the multiprocessor). A negative pos (a padded row's padding,
+        never visible) reads |pos|, sin being odd."""
+        H2: tl.constexpr = D // 2
+        hh = tl.arange(0, H2)
+        row = tl.abs(pos).to(tl.int64) * D
+        sgn = tl.where(pos < 0, -1.0, 1.0)
+        c0 = tl.load(rt_ptr + row + hh)
+        s0 = tl.load(rt_ptr + row + H2 + hh) * sgn
+        A = tl.load(rb_ptr + brow[:, None] + hh[None, :], mask=qmask[:, None], other=0.0)
+        B = tl.load(rb_ptr + brow[:, None] + H2 + hh[None, :], mask=qmask[:, None], other=0.0)
+        A2 = A * c0[None, :] + B * s0[None, :]
+        B2 = B * c0[None, :] - A * s0[None, :]
+        r = tl.arange(0, BN) * D
+        cr = tl.load(rr_ptr + r[None, :] + hh[:, None])  # (D/2, BN)
+        sr = tl.load(rr_ptr + r[None, :] + H2 + hh[:, None])
+        return _mma(A2, cr, DT, EMU, PREC) + _mma(B2, sr, DT, EMU, PREC)
+
+    @jit
     def _code_segment(q, qsum, m, l, acc, q_ptr, qrow, qmask,
                       kc_ptr, ks_ptr, kz_ptr, vc_ptr, vs_ptr, vz_ptr, kts_ptr, ktz_ptr,
                       kc0, kc1, kc2, ks0, ks1, ks2, vc0, vc1, vc2, vs0, vs1, vs2, kt0, kt1, kt2, KT_ZI,
+                      rb_ptr, brow, rt_ptr, rr_ptr, p0,
                       bt_ptr, s_bt, PAGE, b, h, a, e, base, N,
                       sm_scale, softcap, mask_ptr, s_mb, S, WINDOW, K_HALF, V_HALF,
                       D: tl.constexpr, BN: tl.constexpr, K_BITS: tl.constexpr, V_BITS: tl.constexpr,
                       K_G: tl.constexpr, V_G: tl.constexpr, K_Z: tl.constexpr, V_Z: tl.constexpr,
                       K_E5M3: tl.constexpr, V_E5M3: tl.constexpr, K_OFF: tl.constexpr, V_OFF: tl.constexpr,
                       K_P: tl.constexpr, V_P: tl.constexpr, GP: tl.constexpr,
-                      K_TILE: tl.constexpr, KT_MW: tl.constexpr,
+                      K_TILE: tl.constexpr, KT_MW: tl.constexpr, RMEAN: tl.constexpr,
                       PAGED: tl.constexpr, PAGE_ABS: tl.constexpr, HAS_MASK: tl.constexpr, SOFTCAP: tl.constexpr,
                       PREC: tl.constexpr, DT: tl.constexpr, EMU: tl.constexpr):
         """Tokens [a, e) of the packed middle, whose first token is absolute column ``base``. K_TILE > 0: the keys are
@@ -562,7 +590,10 @@ def _kernels() -> dict:
         (:func:`_class_codes`), one dot each, instead of unpacked to a (BN, D) tile, whose reshape and re-layout for
         the tensor cores cost more than the bytes (session 46's H200 run). The values' classes then keep one
         accumulator each (a0..a7, (GP, D/P)) and join ``acc`` after the last tile: joined every tile, the classes'
-        results would hold as many registers again as the accumulators."""
+        results would hold as many registers again as the accumulators. RMEAN: keys stored centered on their
+        rotating mean, token i at position p0 + i, each tile's scores gain :func:`_rope_bias` (tiles of tokens
+        aligned to BN, so the offsets' table has BN rows)."""
+        ALIGN: tl.constexpr = (K_TILE > 0 and BN <= K_TILE) or RMEAN
         VK: tl.constexpr = D // V_P if V_P > 0 else 16
         a0 = tl.zeros([GP, VK], dtype=tl.float32)
         a1 = tl.zeros([GP, VK], dtype=tl.float32)
@@ -577,12 +608,12 @@ def _kernels() -> dict:
         t_tile = b * 0 - 1  # the KVarN key tile whose offset term t_off holds (classes); int64, as j0 below
         t_off = tl.zeros([GP], dtype=tl.float32)
         first_it = a
-        if K_TILE > 0 and BN <= K_TILE:  # tiles of tokens aligned to BN lie in one key tile each (BN divides K_TILE)
+        if ALIGN:  # tiles of tokens aligned to BN lie in one key tile each (BN divides K_TILE)
             first_it = a - a % BN
         for start in range(first_it, e, BN):
             t = start + tl.arange(0, BN)
             valid = t < e
-            if K_TILE > 0 and BN <= K_TILE:
+            if ALIGN:
                 valid = valid & (t >= a)
             tt = tl.where(valid, t, 0)  # masked lanes still compute an address (block table reads stay in range)
             if PAGE_ABS:  # the block table maps absolute positions (vLLM's cells hold every token, the sink's too)
@@ -627,6 +658,9 @@ def _kernels() -> dict:
                 c = _unpack(kc_ptr, rows, valid, D, K_BITS, BN)
                 k = _dequant_tile(c, ks_ptr, kz_ptr, srows, valid, K_G, D, K_HALF, K_Z, K_E5M3)
                 s = _mma(q, tl.trans(k), DT, EMU, PREC)
+            if RMEAN:  # the centers' share, a function of the position (scaled where the class path scaled s)
+                bias = _rope_bias(rb_ptr, brow, qmask, rt_ptr, rr_ptr, p0 + start, GP, BN, D, PREC, DT, EMU)
+                s = s + (bias * sm_scale if K_P > 0 and K_TILE == 0 else bias)
             s = _finish_scores(s, tl.where(valid, base + t, -1), N, 1.0 if K_P > 0 and K_TILE == 0 else sm_scale, softcap, mask_ptr,
                                s_mb, S, b, WINDOW, HAS_MASK, SOFTCAP)
             m, alpha, p, l = _online(s, m, l, EMU)
@@ -685,6 +719,7 @@ def _kernels() -> dict:
                       kc_ptr, ks_ptr, kz_ptr, vc_ptr, vs_ptr, vz_ptr,
                       kc0, kc1, kc2, ks0, ks1, ks2, vc0, vc1, vc2, vs0, vs1, vs2,
                       kts_ptr, ktz_ptr, kt0, kt1, kt2, KT_ZI,  # KVarN key tiles' scale and zero (K_TILE > 0)
+                      rb_ptr, rb_b, rb_h, rp_ptr, rt_ptr, rr_ptr,  # RMEAN: terms (B, Hq, D), token 0's position (B,), tables
                       bt_ptr, s_bt, PAGE,
                       mask_ptr, s_mb, S, WINDOW,
                       o_ptr, m_ptr, l_ptr,  # (B, Hq, SPLITS, D), (B, Hq, SPLITS) float32
@@ -693,7 +728,7 @@ def _kernels() -> dict:
                       K_BITS: tl.constexpr, V_BITS: tl.constexpr, K_G: tl.constexpr, V_G: tl.constexpr,
                       K_Z: tl.constexpr, V_Z: tl.constexpr, K_E5M3: tl.constexpr, V_E5M3: tl.constexpr,
                       K_OFF: tl.constexpr, V_OFF: tl.constexpr, K_P: tl.constexpr, V_P: tl.constexpr,
-                      K_TILE: tl.constexpr, KT_MW: tl.constexpr,
+                      K_TILE: tl.constexpr, KT_MW: tl.constexpr, RMEAN: tl.constexpr,
                       PAGED: tl.constexpr, PAGE_ABS: tl.constexpr, HAS_MASK: tl.constexpr,
                       SOFTCAP: tl.constexpr, PREC: tl.constexpr, DT: tl.constexpr, EMU: tl.constexpr):
         b = tl.program_id(0).to(tl.int64)
@@ -723,6 +758,8 @@ def _kernels() -> dict:
         qrow = b * sq_b + hq * sq_h
         q = tl.load(q_ptr + qrow[:, None] + d[None, :], mask=qmask[:, None], other=0.0)
         qsum = tl.sum(q.to(tl.float32), 1)
+        brow = b * rb_b + hq * rb_h
+        p0 = tl.load(rp_ptr + b).to(tl.int64) if RMEAN else b * 0
         m = tl.full([GP], float("-inf"), dtype=tl.float32)
         l = tl.zeros([GP], dtype=tl.float32)
         acc = tl.zeros([GP, D], dtype=tl.float32)
@@ -732,11 +769,11 @@ def _kernels() -> dict:
         # but its own (nor q, loaded again after it)
         m, l, acc = _code_segment(q, qsum, m, l, acc, q_ptr, qrow, qmask, kc_ptr, ks_ptr, kz_ptr, vc_ptr, vs_ptr, vz_ptr,
                                   kts_ptr, ktz_ptr, kc0, kc1, kc2, ks0, ks1, ks2, vc0, vc1, vc2, vs0, vs1, vs2,
-                                  kt0, kt1, kt2, KT_ZI,
+                                  kt0, kt1, kt2, KT_ZI, rb_ptr, brow, rt_ptr, rr_ptr, p0,
                                   bt_ptr, s_bt, PAGE, b, h, tl.maximum(lo - n_s, 0), tl.minimum(hi - n_s, n_m), n_s, N,
                                   sm_scale, softcap, mask_ptr, s_mb, S, WINDOW, K_HALF, V_HALF,
                                   D, BN, K_BITS, V_BITS, K_G, V_G, K_Z, V_Z, K_E5M3, V_E5M3, K_OFF, V_OFF,
-                                  K_P, V_P, GP, K_TILE, KT_MW, PAGED, PAGE_ABS, HAS_MASK, SOFTCAP, PREC, DT, EMU)
+                                  K_P, V_P, GP, K_TILE, KT_MW, RMEAN, PAGED, PAGE_ABS, HAS_MASK, SOFTCAP, PREC, DT, EMU)
         q = tl.load(q_ptr + qrow[:, None] + d[None, :], mask=qmask[:, None], other=0.0)
         m, l, acc = _fp_segment(q, m, l, acc, sk_ptr, sv_ptr, sk_b, sk_h, sk_t, sv_b, sv_h, sv_t, b, h,
                                 tl.maximum(lo, 0), tl.minimum(hi, n_s), 0, N, sm_scale, softcap, mask_ptr, s_mb, S,
@@ -1068,6 +1105,39 @@ def store_contiguous(x, codes, scale, offset, start, fmt: TokenFormat, transform
 
 
 # -- decode --------------------------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class KeyBias:
+    """Keys stored centered on their rotating mean (``+rmean``): read from its codes, the middle's token i (at position
+    ``first[b] + i`` of sequence b) stands for k̂ + T R_p μ, so its score gains q·T R_p μ = Σ_i A_i cos pθ_i +
+    B_i sin pθ_i, a function of the position p (rotate-half RoPE, θ its frequencies).
+
+    ``terms`` (B, Hq, d) float32: [A | B] of each query head (its scaling included); ``first`` (B,) integer on the
+    host: the position of each sequence's middle token 0 (negative where a row's padding comes first); ``theta``
+    (d/2,) the RoPE frequencies (:func:`rope_table` tables them)."""
+
+    terms: torch.Tensor
+    first: torch.Tensor
+    theta: torch.Tensor
+
+
+_ROPE_TABLES: dict = {}
+
+
+def rope_table(theta: torch.Tensor, n: int, device, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """(≥ n, d) [cos pθ | sin pθ] in ``dtype`` for positions p < n: computed in float64 on the host, grown by
+    doubling (a fresh table replaces a short one; a launch already queued keeps the old one alive), kept per
+    frequencies, device and dtype."""
+    device = torch.device(device)
+    key = (theta.detach().cpu().float().numpy().tobytes(), str(device), dtype)
+    tab = _ROPE_TABLES.get(key)
+    if tab is None or len(tab) < n:
+        m = max(n, 2 * (0 if tab is None else len(tab)), 1024)
+        ang = torch.arange(m, dtype=torch.float64)[:, None] * theta.detach().cpu().float().double()
+        tab = torch.cat([ang.cos(), ang.sin()], -1).to(dtype)
+        _ROPE_TABLES[key] = tab = to_device(tab, device) if device.type == "cuda" else tab.to(device)
+    return tab
+
+
 @dataclass
 class Packed:
     """One side of the packed middle: ``codes`` uint8, ``scale`` (and ``offset``, affine; None for QuEST) as laid out
@@ -1166,10 +1236,30 @@ def _longest(lengths, sink_k, mid_k: Packed, recent_k, block_table) -> int:
     return sink_k.shape[2] + mid + recent_k.shape[2]
 
 
+def _key_bias_args(kb: KeyBias, B: int, Hq: int, d: int, mid_k: Packed, page: int, paged: bool, block_table,
+                   block_n: int, device):
+    """The decode kernel's RMEAN arguments: terms (B, Hq, d) float32 on the device and their strides, the first
+    positions (B,) int32 on the device, and a table of [cos pθ | sin pθ] holding every position a tile of tokens can
+    start at (the middle's capacity past the largest first position) and the BN offsets after it."""
+    if tuple(kb.terms.shape) != (B, Hq, d) or tuple(kb.theta.shape) != (d // 2,) or kb.first.numel() not in (1, B):
+        raise ValueError(f"key_bias needs terms (B, Hq, d) = {(B, Hq, d)}, first (B,) and theta ({d // 2},); got "
+                         f"{tuple(kb.terms.shape)}, {tuple(kb.first.shape)}, {tuple(kb.theta.shape)}")
+    if kb.first.device.type != "cpu":
+        raise ValueError("key_bias.first must be on the host: it sizes the table of angles")
+    if d < 32:
+        raise ValueError(f"key_bias needs head_dim >= 32 (two dots of K = head_dim/2 >= 16), got {d}")
+    cap = block_table.shape[1] * page if paged else mid_k.codes.shape[2]
+    first = kb.first.reshape(-1).long().expand(B)
+    n = int(first.abs().max()) + cap + block_n + 1 if B else block_n
+    terms = kb.terms.to(device=device, dtype=torch.float32)
+    terms = terms if terms.stride(-1) == 1 else terms.contiguous()
+    return terms, to_device(first, device, torch.int32), rope_table(kb.theta, n, device), terms.stride()[:2]
+
+
 def decode(query, lengths, sink_k, sink_v, mid_k: Packed, mid_v: Packed, recent_k, recent_v, scaling: float, *,
            softcap: float | None = None, sinks=None, allowed=None, window: int | None = None,
            block_table=None, absolute_pages: bool = False, splits: int | None = None,
-           block_n: int | None = None) -> torch.Tensor:
+           block_n: int | None = None, key_bias: KeyBias | None = None) -> torch.Tensor:
     """Attention of one query token per sequence over [sink; packed middle; recent], split-KV.
 
     Args:
@@ -1187,6 +1277,7 @@ def decode(query, lengths, sink_k, sink_v, mid_k: Packed, mid_v: Packed, recent_
         splits: programs per (sequence, KV head) (default :func:`default_splits`); ``block_n``: tokens per tile
             (default: the current :class:`DecodeTuning`'s for the path, :meth:`DecodeTuning.launch`, which also gives
             the warps and pipeline stages).
+        key_bias: the middle's keys stored centered on their rotating mean (:class:`KeyBias`), or None.
 
     Returns:
         (B, Hq, d) in the query's dtype.
@@ -1265,20 +1356,24 @@ def decode(query, lengths, sink_k, sink_v, mid_k: Packed, mid_v: Packed, recent_
         if paged and page % kt_tile:
             raise ValueError(f"paged key tiles lie within a block: block size {page} is not a multiple of the tile {kt_tile}")
         kt_strides, kt_zi, kt_mw = strides(kts), d if spread else 0, spread or d
+    rb, rb_s, rp, rt, rr = query, (0, 0), lengths, query, query  # placeholders, never read without RMEAN
+    if key_bias is not None:
+        rb, rp, rt, rb_s = _key_bias_args(key_bias, B, Hq, d, mid_k, page, paged, block_table, block_n, query.device)
+        rr = rope_table(key_bias.theta, block_n, query.device, query.dtype)
     if B and Hq:
         _launch("decode", (B, Hkv, splits), query, *query.stride()[:2], lengths,
                 sink_k, sink_v, *sink_k.stride()[:3], *sink_v.stride()[:3],
                 recent_k, recent_v, *recent_k.stride()[:3], *recent_v.stride()[:3],
                 mid_k.codes, mid_k.scale, kz, mid_v.codes, mid_v.scale, vz,
                 *strides(mid_k.codes), *strides(mid_k.scale), *strides(mid_v.codes), *strides(mid_v.scale),
-                kts, ktz, *kt_strides, kt_zi,
+                kts, ktz, *kt_strides, kt_zi, rb, *rb_s, rp, rt, rr,
                 bt, bt.stride(0), page, mask, mask.stride(0), S, int(window or 0),
                 o, m, l, float(scaling), float(softcap or 1.0), mid_k.fmt.half, mid_v.fmt.half, splits,
                 D=d, GQA=G, GP=max(16, _next_pow2(G)), BN=block_n, K_BITS=mid_k.fmt.bits, V_BITS=mid_v.fmt.bits,
                 K_G=mid_k.fmt.G, V_G=mid_v.fmt.G, K_Z=mid_k.offset is not None, V_Z=mid_v.offset is not None,
                 K_E5M3=mid_k.fmt.step_byte, V_E5M3=mid_v.fmt.step_byte,
                 K_OFF=_code_offset(query.dtype, mid_k.fmt.bits), V_OFF=_code_offset(query.dtype, mid_v.fmt.bits),
-                K_P=k_p, V_P=v_p, K_TILE=kt_tile, KT_MW=kt_mw,
+                K_P=k_p, V_P=v_p, K_TILE=kt_tile, KT_MW=kt_mw, RMEAN=key_bias is not None,
                 PAGED=paged, PAGE_ABS=paged and absolute_pages, HAS_MASK=allowed is not None, SOFTCAP=softcap is not None,
                 PREC="ieee" if query.dtype == torch.float32 else "tf32", DT=_tl_dtype(query.dtype), EMU=emulate,
                 num_warps=num_warps, num_stages=tuning.num_stages)
@@ -1289,6 +1384,6 @@ def decode(query, lengths, sink_k, sink_v, mid_k: Packed, mid_v: Packed, recent_
     return out
 
 
-__all__ = ["DecodeTuning", "Packed", "TileFormat", "TokenFormat", "available", "calls", "code_classes", "current_tuning", "decode", "decode_tuning",
-           "default_splits", "interpreting", "launches_through", "to_device", "recorded_launches", "reset_calls",
+__all__ = ["DecodeTuning", "KeyBias", "Packed", "TileFormat", "TokenFormat", "available", "calls", "code_classes", "current_tuning", "decode", "decode_tuning",
+           "default_splits", "interpreting", "launches_through", "to_device", "recorded_launches", "reset_calls", "rope_table",
            "store_contiguous", "store_paged"]

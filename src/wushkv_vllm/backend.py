@@ -93,7 +93,8 @@ def _say_decode_path(fused: bool, st: "_LayerState", device: torch.device) -> No
     from wushkv import _ext
 
     if not cpu:
-        why = "no GPU kernel reads these cells yet (key tiles, +rmean)"
+        why = ("the Triton decode does not take these cells (triton missing, a codec or head_dim it does not take, a "
+               "metadata field at an odd byte offset, or +rmean below head_dim 32)")
     elif st.codec.sides() is None:
         why = "the cells are not per-token 1/2/4/8-bit codes"
     else:
@@ -236,7 +237,7 @@ class ServedImpl:
         in_sink = any(n - (b - a) < st.windows.sink for n, a, b in zip(seq_lens, starts, starts[1:]) if b > a)
         pos = step_positions(torch.tensor(starts), torch.tensor(seq_lens)) if rm is not None or in_sink else None
         if rm is not None:  # the codes of K' − c'_t
-            st.codec.store(cache, k_new - rm.center(to_device(pos, dev)), value[:T], attn_metadata.slot_mapping[:T], host_slots)
+            st.codec.store(cache, k_new - to_device(rm.center(pos), dev), value[:T], attn_metadata.slot_mapping[:T], host_slots)
         elif dev.type != "cpu":  # the update left the store to the forward (there the padding is known on the host)
             st.codec.store(cache, k_new, value[:T], attn_metadata.slot_mapping[:T], host_slots)
         st.windows.write(k_new, v_new, host_slots, pos)

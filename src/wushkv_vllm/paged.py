@@ -43,10 +43,10 @@ import torch
 
 from wushkv.codecs import KVarNCodec, TokenCodec, make_codec
 from wushkv.config import QuantConfig, WindowConfig
-from wushkv.transforms.rope import rope_rotate
+from wushkv.transforms.rope import rope_bias_terms, rope_rotate
 from wushkv.quantizers import unpack
 from wushkv.quantizers.kvarn import KVarNTiles, kvarn_dequantize
-from wushkv.triton_kernels import to_device
+from wushkv.triton_kernels import rope_table, to_device
 
 SLOT_ALIGN = 2  # bytes: vLLM allocates the cache in the model's dtype and views it as cells (even sizes, as its TurboQuant's)
 
@@ -277,9 +277,8 @@ class RopeMean:
                              f"{tuple(key.shape)}, {tuple(inv_freq.shape)}")
         self.mu, self.key = mu.double(), key.double()
         self.inv_freq = inv_freq.float()  # as wushkv's cache: float32 frequencies, float64 angles
-        self.theta = self.inv_freq.double()
         self.scaling = float(scaling)
-        self._table = torch.zeros(0, d)
+        self._mu: dict = {}  # query heads -> μ per query head on the queries' device
 
     def rotated(self, positions: torch.Tensor) -> torch.Tensor:
         """R_t μ (N, H, d) float64 at positions (N,) (:func:`wushkv.transforms.rope.rope_rotate`, as wushkv's cache rotates it)."""
@@ -292,23 +291,17 @@ class RopeMean:
         return c.to(positions.device)
 
     def bias_terms(self, Q: torch.Tensor) -> torch.Tensor:
-        """(R, Hq, d) float32 [A | B]·scaling of untransformed queries Q (R, Hq, d) (query head j on KV head j // G):
-        Q·R_t μ = Σ_i A_i cos tθ_i + B_i sin tθ_i, A_i = Q_i μ_i + Q_{i+h} μ_{i+h}, B_i = Q_{i+h} μ_i − Q_i μ_{i+h}."""
-        R, Hq, d = Q.shape
-        h = d // 2
-        mu = self.mu.float().repeat_interleave(Hq // self.mu.shape[0], 0)  # (Hq, d)
-        Q = Q.float()
-        A = Q[..., :h] * mu[:, :h] + Q[..., h:] * mu[:, h:]
-        B = Q[..., h:] * mu[:, :h] - Q[..., :h] * mu[:, h:]
-        return torch.cat([A, B], -1) * self.scaling
+        """(R, Hq, d) float32 [A | B] of untransformed queries Q (R, Hq, d) (query head j on KV head j // G):
+        Q·R_t μ = Σ_i A_i cos tθ_i + B_i sin tθ_i (:func:`wushkv.transforms.rope.rope_bias_terms`)."""
+        Hq = Q.shape[1]
+        if self._mu.get(Hq) is None or self._mu[Hq].device != Q.device:  # once per device, not a copy (a wait) a step
+            self._mu[Hq] = to_device(self.mu.float().repeat_interleave(Hq // self.mu.shape[0], 0), Q.device)
+        return rope_bias_terms(Q.float(), self._mu[Hq], self.scaling)
 
     def table(self, n: int) -> torch.Tensor:
-        """(≥ n, d) float32 [cos tθ | sin tθ] for positions t < n (grown by doubling, kept)."""
-        if len(self._table) < n:
-            m = max(n, 2 * len(self._table), 1024)
-            ang = torch.arange(m, dtype=torch.float64)[:, None] * self.theta
-            self._table = torch.cat([ang.cos(), ang.sin()], -1).float()
-        return self._table
+        """(≥ n, d) float32 [cos tθ | sin tθ] for positions t < n on the host (:func:`wushkv.triton_kernels.rope_table`,
+        grown by doubling, kept)."""
+        return rope_table(self.inv_freq, n, "cpu")
 
 
 def step_positions(query_start_loc: torch.Tensor, seq_lens: torch.Tensor) -> torch.Tensor:
@@ -668,10 +661,10 @@ def decode_batch(sc: SlotCodec, cache: torch.Tensor, block_table: torch.Tensor, 
     from wushkv._ext import kernels
     from wushkv.decode import triton_for
 
-    tk = triton_for(cache.device) if rope_mean is None else None
+    tk = triton_for(cache.device)
     if tk is not None:
         out = decode_batch_triton(tk, sc, cache, block_table, seq_lens, q, windows, scale, sliding_window, softcap,
-                                  host_table)
+                                  host_table, rope_mean, q_raw)
         if out is not None:
             return out
     ext, sides = kernels() if cache.device.type == "cpu" else None, sc.sides()
@@ -687,7 +680,8 @@ def decode_batch(sc: SlotCodec, cache: torch.Tensor, block_table: torch.Tensor, 
 
 def decode_batch_triton(tk, sc: SlotCodec, cache: torch.Tensor, block_table: torch.Tensor, seq_lens: torch.Tensor,
                         q: torch.Tensor, windows: Windows, scale: float, sliding_window: int = -1,
-                        softcap: float = 0.0, host_table: torch.Tensor | None = None) -> torch.Tensor | None:
+                        softcap: float = 0.0, host_table: torch.Tensor | None = None, rope_mean: RopeMean | None = None,
+                        q_raw: torch.Tensor | None = None) -> torch.Tensor | None:
     """:func:`decode_batch` through wushkv's Triton decode kernel (``tk``: :mod:`wushkv.triton_kernels`), the GPU
     path. Request r's context is three parts, as the kernel reads them: its sink (positions below
     min(sink, n)) and its tail (:meth:`Windows.tail` on), gathered from their copies into (R, H, ·, d) tensors in the
@@ -701,9 +695,14 @@ def decode_batch_triton(tk, sc: SlotCodec, cache: torch.Tensor, block_table: tor
     Not yet run on a GPU.
 
     Key tiles (``+ktiles``) are read as :class:`wushkv.triton_kernels.TileFormat` with their scale and zero where the
-    cells spread them. Returns float32 (R, Hq, d), or None where the kernel does not apply: a codec the kernels do
-    not take, a metadata field at an odd byte offset (it cannot be viewed as float16 in place)."""
+    cells spread them. ``rope_mean`` (+rmean) with the untransformed queries ``q_raw``: the codes' keys gain their
+    centers in the kernel (:class:`wushkv.triton_kernels.KeyBias`, from head_dim 32), a dropped copy decoded here
+    gains its own. Returns float32 (R, Hq, d), or None where the kernel does not apply: a codec the kernels do not
+    take, a metadata field at an odd byte offset (it cannot be viewed as float16 in place)."""
     from wushkv.decode import read_format
+
+    if rope_mean is not None and sc.d < 32:
+        return None
 
     views = sc.field_views(cache)
     vfmt = read_format(tk, sc.codecs["value"])
@@ -732,23 +731,26 @@ def decode_batch_triton(tk, sc: SlotCodec, cache: torch.Tensor, block_table: tor
                         for s, t, n in zip(sink, tail, lens)], dtype=torch.long).reshape(R, S + W)
     first = torch.tensor([max(0, n - sliding_window) if sliding_window > 0 else 0 for n in lens]).reshape(R, 1)
     host_table = block_table.cpu() if host_table is None else host_table
-    kf, vf = _window_copies(sc, cache, host_table, pos, pos >= first, windows)  # (R, H, S + W, d) each
+    kf, vf = _window_copies(sc, cache, host_table, pos, pos >= first, windows, rope_mean)  # (R, H, S + W, d) each
     dt = windows.dtype if windows.dtype in (torch.float16, torch.bfloat16) else torch.float32
     dev = cache.device
     kf, vf = kf.to(dev, dt), vf.to(dev, dt)
     lengths = torch.tensor([[s, t - s, n - t] for s, t, n in zip(sink, tail, lens)], dtype=torch.int32).reshape(R, 3)
+    # +rmean: the middle's token i sits at position sink + i
+    bias = None if rope_mean is None else tk.KeyBias(rope_mean.bias_terms(q_raw.to(dev)), torch.tensor(sink), rope_mean.inv_freq)
     out = tk.decode(q.to(dev, dt), lengths, kf[:, :, :S], vf[:, :, :S], packed[0], packed[1], kf[:, :, S:], vf[:, :, S:],
                     float(scale), softcap=float(softcap) if softcap else None,
                     window=sliding_window if sliding_window > 0 else None, block_table=block_table.to(dev, torch.int32),
-                    absolute_pages=True)
+                    absolute_pages=True, key_bias=bias)
     return out.float()
 
 
 def _window_copies(sc: SlotCodec, cache: torch.Tensor, host_table: torch.Tensor, pos: torch.Tensor,
-                   need: torch.Tensor, windows: Windows) -> tuple[torch.Tensor, torch.Tensor]:
+                   need: torch.Tensor, windows: Windows, rope_mean: RopeMean | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Keys and values (R, H, P, d) float32 at positions ``pos`` (R, P) of each request, on the pool's device: the
-    copies the windows hold, and for a position without one, its cell decoded. Positions not ``need``-ed (before a
-    sliding window: never read, their blocks perhaps freed) are zeros. ``host_table``, ``pos``, ``need``: the host's."""
+    copies the windows hold, and for a position without one, its cell decoded (its key given back its center with
+    ``rope_mean``). Positions not ``need``-ed (before a sliding window: never read, their blocks perhaps freed) are
+    zeros. ``host_table``, ``pos``, ``need``: the host's."""
     bs = cache.shape[2]
     blocks = host_table.long().gather(1, pos // bs)  # (R, P)
     rows, held = windows.copies(blocks, pos)
@@ -758,7 +760,17 @@ def _window_copies(sc: SlotCodec, cache: torch.Tensor, host_table: torch.Tensor,
     kv.masked_fill_(to_device(~held, dev)[..., None, None, None], 0)
     dropped = ~held & need
     if bool(dropped.any()):  # copies dropped past the capacity: those positions from their codes
-        cells = cache[blocks[dropped].to(cache.device), :, (pos[dropped] % bs).to(cache.device)]  # (m, H, C)
-        k, v = sc.decode(cells.transpose(0, 1))  # (H, m, d)
+        blk, at = blocks[dropped], pos[dropped]
+        if sc.tile:  # key tiles decode whole tiles: each position's own (a tile lies in one block), then the position
+            G, m = sc.tile, len(at)
+            offs = (at % bs - at % G)[:, None] + torch.arange(G)  # (m, G)
+            cells = cache[blk[:, None].to(cache.device), :, offs.to(cache.device)]  # (m, G, H, C)
+            k, v = sc.decode(cells.permute(2, 0, 1, 3).reshape(cells.shape[2], m * G, -1))  # (H, m·G, d)
+            pick = (torch.arange(m) * G + at % G).to(k.device)
+            k, v = k[:, pick], v[:, pick]
+        else:
+            k, v = sc.decode(cache[blk.to(cache.device), :, (at % bs).to(cache.device)].transpose(0, 1))  # (H, m, d)
+        if rope_mean is not None:
+            k = k + to_device(rope_mean.center(at), k.device).transpose(0, 1)
         kv[dropped.to(dev)] = torch.stack([k, v], 2).transpose(0, 1).to(dev)  # (m, H, 2, d)
     return kv[..., 0, :].transpose(1, 2), kv[..., 1, :].transpose(1, 2)
