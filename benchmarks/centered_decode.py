@@ -16,7 +16,7 @@ call is the best of ``--repeats`` means of 3 calls; ``largest_mb`` is the larges
 from __future__ import annotations
 
 import argparse
-import time
+import timeit
 
 import torch
 
@@ -35,14 +35,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 
 def _best_ms(fn, repeats: int) -> float:
+    """The best of ``repeats`` means of 3 calls, after one call (the tables built, the allocator warm)."""
     fn()
-    best = float("inf")
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        for _ in range(3):
-            fn()
-        best = min(best, (time.perf_counter() - t0) / 3)
-    return best * 1e3
+    return min(timeit.repeat(fn, repeat=repeats, number=3)) / 3 * 1e3
 
 
 def _largest_mb(fn) -> float:

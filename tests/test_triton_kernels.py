@@ -430,6 +430,14 @@ def test_decode_reads_keys_centered_on_their_rotating_mean(dtype, key, d, start,
         with decode_mod.triton_enabled(True):
             through = decode_attention(q, pk, pv, None, d**-0.5)[:, 0]
         assert tk.calls()["decode"] == 1 and _rel(through, ref) < bound
+    if key == "quest" and d == 64:  # what a KeyBias must be, said before anything launches
+        call = lambda kb: tk.decode(q[:, :, 0], torch.tensor([[3, n, 5]] * B), pk[0], pv[0], mk, _packed(vc, vs),  # noqa: E731
+                                    pk[2], pv[2], d**-0.5, key_bias=kb)
+        for bad, match in ((tk.KeyBias(bias.terms[:, :3], first, theta), r"terms \(B, Hq, d\) = \(2, 6, 64\)"),
+                           (tk.KeyBias(bias.terms, first, theta[:5]), r"theta \(32,\)"),
+                           (tk.KeyBias(bias.terms, first.to("meta"), theta), "on the host")):
+            with pytest.raises(ValueError, match=match):
+                call(bad)
 
 
 @pytest.mark.parametrize("dtype,d,absolute", [(torch.float32, 64, True), (torch.bfloat16, 128, False)])
@@ -614,7 +622,8 @@ def test_kernels_never_make_the_host_wait_for_the_device():
     """On a GPU, store and decode queue their work and return: torch's sync debug mode turns any wait of the host
     for the device into an error. Host-side lengths, block tables, slot mappings and starts (what the transformers
     cache and vLLM pass) reach the device through pinned memory; a plain copy from pageable memory would wait for
-    every kernel queued before it, at every layer and step."""
+    every kernel queued before it, at every layer and step. Keys centered on their rotating mean too: their positions
+    on the host, the tables of angles sent once."""
     fmt = tk.TokenFormat.of(QuestQuantizer(2), 128)
     B, H, d, cap = 2, 2, 128, 64
     codes = torch.zeros(B, H, cap, fmt.nbytes, dtype=torch.uint8, device=DEVICE)
@@ -627,6 +636,7 @@ def test_kernels_never_make_the_host_wait_for_the_device():
     mid = tk.Packed(fmt, codes, scale)
     paged = tk.Packed(fmt, paged_codes, paged_scale)
     lengths = torch.tensor([[8, 40, 8]], dtype=torch.int32).expand(B, 3)  # on the host, expanded: as the cache builds it
+    bias = tk.KeyBias(torch.randn(B, 4 * H, d, device=DEVICE), torch.tensor([8, 8]), torch.ones(d // 2))
 
     def step():
         tk.store_contiguous(x, codes, scale, None, 0, fmt)
@@ -635,6 +645,7 @@ def test_kernels_never_make_the_host_wait_for_the_device():
         a = tk.decode(q, lengths, part, part, mid, mid, part, part, d**-0.5)
         b = tk.decode(q, lengths, part, part, paged, paged, part, part, d**-0.5,
                       block_table=torch.tensor([[0, 1, 2], [0, 1, 2]], dtype=torch.int32))
+        tk.decode(q, lengths, part, part, mid, mid, part, part, d**-0.5, key_bias=bias)  # +rmean: host positions
         return a, b
 
     step()  # compiles outside the check

@@ -29,7 +29,8 @@ bytes and unpacked in registers; with one group per token the scores are ``s ⊙
 ``Cᵀ(p ⊙ s) + (Σ p z)·1``
 (:mod:`wushkv.decode`), with smaller groups a tile is dequantized in registers. KVarN key tiles fold their scale
 into the query (:class:`TileFormat`); keys stored centered on their rotating mean add a function of the position to
-their scores (:class:`KeyBias`). Nothing is dequantized to global memory. Each split keeps an online softmax (running max, sum, weighted values) and writes them; a second kernel
+their scores (:class:`KeyBias`). Nothing is dequantized to global memory. Each split keeps an online softmax
+(running max, sum, weighted values) and writes them; a second kernel
 merges the splits (adding the learned sink logits, gpt-oss, to the denominator) and writes the output.
 
 Triton is imported on first use, so ``import wushkv`` never needs it. On CUDA tensors the kernels compile; on CPU
@@ -1125,8 +1126,8 @@ _ROPE_TABLES: dict = {}
 
 def rope_table(theta: torch.Tensor, n: int, device, dtype: torch.dtype = torch.float32) -> torch.Tensor:
     """(≥ n, d) [cos pθ | sin pθ] in ``dtype`` for positions p < n: computed in float64 on the host, grown by
-    doubling (a fresh table replaces a short one; a launch already queued keeps the old one alive), kept per
-    frequencies, device and dtype."""
+    doubling (a fresh table replaces a short one, whose memory the allocator hands only to work queued after the
+    launches that read it), kept per frequencies, device and dtype."""
     device = torch.device(device)
     key = (theta.detach().cpu().float().numpy().tobytes(), str(device), dtype)
     tab = _ROPE_TABLES.get(key)
