@@ -237,7 +237,7 @@ class ServedImpl:
         in_sink = any(n - (b - a) < st.windows.sink for n, a, b in zip(seq_lens, starts, starts[1:]) if b > a)
         pos = step_positions(torch.tensor(starts), torch.tensor(seq_lens)) if rm is not None or in_sink else None
         if rm is not None:  # the codes of K' − c'_t
-            st.codec.store(cache, k_new - to_device(rm.center(pos), dev), value[:T], attn_metadata.slot_mapping[:T], host_slots)
+            st.codec.store(cache, k_new - rm.center(to_device(pos, dev)), value[:T], attn_metadata.slot_mapping[:T], host_slots)
         elif dev.type != "cpu":  # the update left the store to the forward (there the padding is known on the host)
             st.codec.store(cache, k_new, value[:T], attn_metadata.slot_mapping[:T], host_slots)
         st.windows.write(k_new, v_new, host_slots, pos)

@@ -279,16 +279,24 @@ class RopeMean:
         self.inv_freq = inv_freq.float()  # as wushkv's cache: float32 frequencies, float64 angles
         self.scaling = float(scaling)
         self._mu: dict = {}  # query heads -> μ per query head on the queries' device
+        self._on: dict = {}  # device -> (μ, key, inv_freq) there, for the centers
+
+    def _at(self, device: torch.device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        if str(device) not in self._on:  # once per device, not a copy (a wait) a step
+            self._on[str(device)] = tuple(to_device(t, device) for t in (self.mu, self.key, self.inv_freq))
+        return self._on[str(device)]
 
     def rotated(self, positions: torch.Tensor) -> torch.Tensor:
-        """R_t μ (N, H, d) float64 at positions (N,) (:func:`wushkv.transforms.rope.rope_rotate`, as wushkv's cache rotates it)."""
-        return rope_rotate(self.mu[None], positions[:, None], self.inv_freq, self.scaling)
+        """R_t μ (N, H, d) float64 at positions (N,) on their device (:func:`wushkv.transforms.rope.rope_rotate`, as
+        wushkv's cache rotates it)."""
+        mu, _, inv_freq = self._at(positions.device)
+        return rope_rotate(mu[None], positions[:, None], inv_freq, self.scaling)
 
     def center(self, positions: torch.Tensor) -> torch.Tensor:
-        """c'_t = (R_t μ)·key (N, H, d) float32 at positions (N,): float64, then rounded, as wushkv's cache computes it
-        (on the host; returned on the positions' device)."""
-        c = torch.einsum("nhd,hde->nhe", self.rotated(positions.cpu()), self.key).float()
-        return c.to(positions.device)
+        """c'_t = (R_t μ)·key (N, H, d) float32 at positions (N,): float64, then rounded, as wushkv's cache computes it,
+        on the positions' device (a GPU's float64 for a prefill's thousands of positions, where the host's would take
+        a good part of a second a layer; rounded to float32, the sums' order does not show)."""
+        return torch.einsum("nhd,hde->nhe", self.rotated(positions), self._at(positions.device)[1]).float()
 
     def bias_terms(self, Q: torch.Tensor) -> torch.Tensor:
         """(R, Hq, d) float32 [A | B] of untransformed queries Q (R, Hq, d) (query head j on KV head j // G):
@@ -358,7 +366,7 @@ def store_tiles(sc: SlotCodec, cache: torch.Tensor, windows: "Windows", slot_map
         k = windows.pool[to_device(rows[held], dev), to_device(idx[held] % u, dev)][..., 0, :].float()  # (n, G, H, d)
         if rope_mean is not None:
             p0 = positions.cpu()[keep][last][held].long() - (G - 1)
-            k = k - to_device(rope_mean.center((p0[:, None] + torch.arange(G)).reshape(-1)), dev).reshape(k.shape)
+            k = k - rope_mean.center(to_device((p0[:, None] + torch.arange(G)).reshape(-1), dev)).reshape(k.shape)
         sc.store_tiles(cache, k.to(cache.device).transpose(1, 2), to_device(first[held], cache.device))
     return int((~held).sum())
 
