@@ -293,6 +293,7 @@ def test_rotating_key_mean_is_the_transformers_caches_and_its_bias_the_scores():
     pos = torch.tensor([0, 1, 7, 129, 299, 4000])
     ref = RotatingKeyMean(mu, T, (inv_freq, 1.25)).center(pos[None], torch.float32)[0]  # (H, N, d)
     assert torch.equal(rm.center(pos), ref.transpose(0, 1))
+    assert torch.equal(rm.center(pos, chunk=7), ref.transpose(0, 1))  # computed a chunk of positions at a time
     Q = torch.randn(3, 2 * H, d, generator=g)  # GQA 2
     want = torch.einsum("rjd,njd->rjn", Q.double(), rm.rotated(pos).repeat_interleave(2, 1))
     got = rm.bias_terms(Q) @ rm.table(4001)[pos].T
@@ -537,7 +538,8 @@ def test_batched_decode_of_key_tiles_through_the_triton_kernel(dtype):
 @pytest.mark.parametrize("tile,dtype", [(1, torch.float32), (16, torch.bfloat16)])
 def test_batched_decode_of_centered_keys_through_the_triton_kernel(tile, dtype):
     """Keys centered on their rotating mean (``+rmean``) through the Triton decode: the codes' keys gain their centers
-    in the kernel (``KeyBias``, the middle's first position each request's sink length), a dropped copy decoded from
+    in the kernel (``KeyBias`` of the untransformed queries, the key transform not the identity; the middle's first
+    position each request's sink length), a dropped copy decoded from
     its cell gains its own (key tiles: its whole tile decoded); per-token codes and key tiles, a sliding window; what
     the general path gives (1e-5 in float32, 2e-2 in bfloat16)."""
     pytest.importorskip("triton")
@@ -546,8 +548,8 @@ def test_batched_decode_of_centered_keys_through_the_triton_kernel(tile, dtype):
 
     H, G, d, bs = 2, 3, 64, 32
     dev = _triton_device()
-    rm = RopeMean(torch.randn(H, d, generator=_g(18)) * 3, torch.eye(d).expand(H, d, d),
-                  1.0 / 10000 ** (torch.arange(0, d, 2) / d), 1.25)
+    key = torch.eye(d) + torch.randn(H, d, d, generator=_g(17)) * 0.3 / d**0.5  # a key transform other than I
+    rm = RopeMean(torch.randn(H, d, generator=_g(18)) * 3, key, 1.0 / 10000 ** (torch.arange(0, d, 2) / d), 1.25)
     if tile > 1:
         sc = SlotCodec(QuantConfig(k_bits=2, v_bits=2, quantizer="quest", key_quantizer="kvarn",
                                    windows=WindowConfig(16, 8, 16)), d)
@@ -558,17 +560,20 @@ def test_batched_decode_of_centered_keys_through_the_triton_kernel(tile, dtype):
     lens = [1, 20, 37, 100, 131]
     cache, tables = _filled_cells(sc, w, lens, rm)
     w.index[int(tables[3, 0]) * (bs // w.unit)] = -1  # request 3's sink page: its copies dropped, read from the codes
-    q = torch.randn(len(lens), H * G, d, generator=_g(41))
+    q_raw = torch.randn(len(lens), H * G, d, generator=_g(41))  # the queries before the transform: q' = Q·key⁻ᵀ
+    q = torch.einsum("rjd,jed->rje", q_raw, torch.linalg.inv(key).repeat_interleave(G, 0))
     for window in (-1, 50):
         want, missing = _general_decode(sc, w, cache, tables, lens, q, window, 0.0, rm)
         assert missing[3] > 0 or window > 0  # the dropped copies are read (a sliding window hides them)
         tk.reset_calls()
         with triton_enabled(True):
             got = decode_batch(sc, cache.to(dev), tables.to(dev), torch.tensor(lens), q.to(dev), w, 0.3, window,
-                               rope_mean=rm, q_raw=q.to(dev)).cpu()
+                               rope_mean=rm, q_raw=q_raw.to(dev)).cpu()
         assert tk.calls() == {"decode": 1, "merge": 1}
         err = float((got - want).abs().max() / want.abs().max())
         assert err < (1e-5 if dtype == torch.float32 else 2e-2), (window, err)
+    with pytest.raises(ValueError, match="needs q_raw"):
+        decode_batch(sc, cache, tables, torch.tensor(lens), q, w, 0.3, rope_mean=rm)
 
 
 # -- the folder the plugin serves ------------------------------------------------------------------------

@@ -145,12 +145,8 @@ def _triton_decode(query, parts_k, parts_v, allowed, scaling, softcap, sinks):
     B, Hq, _, d = query.shape
     packed = []
     H = sk.shape[1]
-    key_bias = None
-    if len(mk) > 3:  # keys centered on their rotating mean (+rmean): the centers' share of the scores in the kernel
-        if d < 32:
-            return None
-        terms, first, theta = mk[3].kernel_inputs(query[:, :, 0].reshape(B, H, Hq // H, d))
-        key_bias = tk.KeyBias(terms.reshape(B, Hq, d), first, theta)
+    if len(mk) > 3 and d < 32:  # keys centered on their rotating mean: the kernel's two dots need d/2 >= 16
+        return None
     for side, (codec, store, n, *_) in zip(("key", "value"), (mk, mv)):
         if side == "key" and isinstance(codec, KVarNCodec):
             fmt = tile_format(tk, codec)
@@ -174,6 +170,10 @@ def _triton_decode(query, parts_k, parts_v, allowed, scaling, softcap, sinks):
                      "scale": sk.new_empty(B, sk.shape[1], 0, fmt.ngroups, dtype=torch.uint8 if fmt.step_byte else sk.dtype)}
         packed.append(tk.Packed(fmt, store["codes"], store["scale"], store.get("offset")))
     lengths = torch.tensor([[sk.shape[2], mk[2], rk.shape[2]]], dtype=torch.int32).expand(B, 3)
+    key_bias = None
+    if len(mk) > 3:  # keys centered on their rotating mean (+rmean): the centers' share of the scores in the kernel
+        terms, first, theta = mk[3].kernel_inputs(query[:, :, 0].reshape(B, H, Hq // H, d))
+        key_bias = tk.KeyBias(terms.reshape(B, Hq, d), first, theta)
     out = tk.decode(query[:, :, 0], lengths, sk, sv, packed[0], packed[1], rk, rv, scaling, softcap=softcap,
                     sinks=sinks, allowed=None if allowed is None else allowed.reshape(B, -1), key_bias=key_bias)
     return out.unsqueeze(1)
@@ -254,7 +254,8 @@ def _run_scores(qg, codec, store, n, dtype, block, center=None):
     scores = _code_scores(qg, codec, store, n, dtype, block)
     if center is None:
         return scores
-    return scores + torch.cat([center.scores(qg, a, b) for a, b in _steps(n, codec, block)], dim=-1).to(scores.dtype)
+    # added in float32 (the scores' accumulation dtype in a 16-bit model), not rounded to the query's dtype first
+    return scores.float() + torch.cat([center.scores(qg, a, b) for a, b in _steps(n, codec, block)], dim=-1)
 
 
 def _code_scores(qg, codec, store, n, dtype, block):

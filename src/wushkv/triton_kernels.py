@@ -592,9 +592,9 @@ def _kernels() -> dict:
         the tensor cores cost more than the bytes (session 46's H200 run). The values' classes then keep one
         accumulator each (a0..a7, (GP, D/P)) and join ``acc`` after the last tile: joined every tile, the classes'
         results would hold as many registers again as the accumulators. RMEAN: keys stored centered on their
-        rotating mean, token i at position p0 + i, each tile's scores gain :func:`_rope_bias` (tiles of tokens
-        aligned to BN, so the offsets' table has BN rows)."""
-        ALIGN: tl.constexpr = (K_TILE > 0 and BN <= K_TILE) or RMEAN
+        rotating mean, token i at position p0 + i, each tile's scores gain :func:`_rope_bias` (turned by the tile's
+        first position, wherever it starts)."""
+        ALIGN: tl.constexpr = K_TILE > 0 and BN <= K_TILE
         VK: tl.constexpr = D // V_P if V_P > 0 else 16
         a0 = tl.zeros([GP, VK], dtype=tl.float32)
         a1 = tl.zeros([GP, VK], dtype=tl.float32)
@@ -1238,10 +1238,11 @@ def _longest(lengths, sink_k, mid_k: Packed, recent_k, block_table) -> int:
 
 
 def _key_bias_args(kb: KeyBias, B: int, Hq: int, d: int, mid_k: Packed, page: int, paged: bool, block_table,
-                   block_n: int, device):
+                   block_n: int, device, host_lengths: torch.Tensor | None):
     """The decode kernel's RMEAN arguments: terms (B, Hq, d) float32 on the device and their strides, the first
     positions (B,) int32 on the device, and a table of [cos pθ | sin pθ] holding every position a tile of tokens can
-    start at (the middle's capacity past the largest first position) and the BN offsets after it."""
+    start at (the longest middle past the largest first position: from ``lengths`` where they are on the host, else
+    the middle's capacity) and the BN offsets after it."""
     if tuple(kb.terms.shape) != (B, Hq, d) or tuple(kb.theta.shape) != (d // 2,) or kb.first.numel() not in (1, B):
         raise ValueError(f"key_bias needs terms (B, Hq, d) = {(B, Hq, d)}, first (B,) and theta ({d // 2},); got "
                          f"{tuple(kb.terms.shape)}, {tuple(kb.first.shape)}, {tuple(kb.theta.shape)}")
@@ -1249,7 +1250,10 @@ def _key_bias_args(kb: KeyBias, B: int, Hq: int, d: int, mid_k: Packed, page: in
         raise ValueError("key_bias.first must be on the host: it sizes the table of angles")
     if d < 32:
         raise ValueError(f"key_bias needs head_dim >= 32 (two dots of K = head_dim/2 >= 16), got {d}")
-    cap = block_table.shape[1] * page if paged else mid_k.codes.shape[2]
+    if host_lengths is not None:  # vLLM's block tables span max_model_len: the table need not
+        cap = int(host_lengths[:, 1].max()) if B else 0
+    else:
+        cap = block_table.shape[1] * page if paged else mid_k.codes.shape[2]
     first = kb.first.reshape(-1).long().expand(B)
     n = int(first.abs().max()) + cap + block_n + 1 if B else block_n
     terms = kb.terms.to(device=device, dtype=torch.float32)
@@ -1302,6 +1306,7 @@ def decode(query, lengths, sink_k, sink_v, mid_k: Packed, mid_v: Packed, recent_
         raise ValueError(f"query dtype must be float16, bfloat16 or float32, got {query.dtype}")
     _check_device(query, mid_k.codes)
     longest = _longest(lengths, sink_k, mid_k, recent_k, block_table) if splits is None else 0
+    host_lengths = lengths if lengths.device.type == "cpu" else None
     lengths = to_device(lengths, query.device, torch.int32).contiguous()
     tuning = current_tuning()
     k_p, v_p, tile_n, num_warps = tuning.launch(query.dtype, mid_k, mid_v)
@@ -1359,7 +1364,8 @@ def decode(query, lengths, sink_k, sink_v, mid_k: Packed, mid_v: Packed, recent_
         kt_strides, kt_zi, kt_mw = strides(kts), d if spread else 0, spread or d
     rb, rb_s, rp, rt, rr = query, (0, 0), lengths, query, query  # placeholders, never read without RMEAN
     if key_bias is not None:
-        rb, rp, rt, rb_s = _key_bias_args(key_bias, B, Hq, d, mid_k, page, paged, block_table, block_n, query.device)
+        rb, rp, rt, rb_s = _key_bias_args(key_bias, B, Hq, d, mid_k, page, paged, block_table, block_n, query.device,
+                                          host_lengths)
         rr = rope_table(key_bias.theta, block_n, query.device, query.dtype)
     if B and Hq:
         _launch("decode", (B, Hkv, splits), query, *query.stride()[:2], lengths,

@@ -292,11 +292,16 @@ class RopeMean:
         mu, _, inv_freq = self._at(positions.device)
         return rope_rotate(mu[None], positions[:, None], inv_freq, self.scaling)
 
-    def center(self, positions: torch.Tensor) -> torch.Tensor:
+    def center(self, positions: torch.Tensor, chunk: int = 4096) -> torch.Tensor:
         """c'_t = (R_t μ)·key (N, H, d) float32 at positions (N,): float64, then rounded, as wushkv's cache computes it,
         on the positions' device (a GPU's float64 for a prefill's thousands of positions, where the host's would take
-        a good part of a second a layer; rounded to float32, the sums' order does not show)."""
-        return torch.einsum("nhd,hde->nhe", self.rotated(positions), self._at(positions.device)[1]).float()
+        a good part of a second a layer; rounded to float32, the sums' order does not show), ``chunk`` positions at a
+        time (the float64 temporaries of a whole long context would be gigabytes)."""
+        key = self._at(positions.device)[1]
+        out = torch.empty(len(positions), *self.mu.shape, dtype=torch.float32, device=positions.device)
+        for a in range(0, len(positions), chunk):
+            out[a:a + chunk] = torch.einsum("nhd,hde->nhe", self.rotated(positions[a:a + chunk]), key)
+        return out
 
     def bias_terms(self, Q: torch.Tensor) -> torch.Tensor:
         """(R, Hq, d) float32 [A | B] of untransformed queries Q (R, Hq, d) (query head j on KV head j // G):
@@ -669,6 +674,8 @@ def decode_batch(sc: SlotCodec, cache: torch.Tensor, block_table: torch.Tensor, 
     from wushkv._ext import kernels
     from wushkv.decode import triton_for
 
+    if rope_mean is not None and q_raw is None:
+        raise ValueError("decode_batch with rope_mean (+rmean) needs q_raw, the untransformed queries (R, Hq, d)")
     tk = triton_for(cache.device)
     if tk is not None:
         out = decode_batch_triton(tk, sc, cache, block_table, seq_lens, q, windows, scale, sliding_window, softcap,
