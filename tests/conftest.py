@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 
 import pytest
@@ -115,6 +116,35 @@ def padded_prefill_then_decode(model, cache, ids: torch.Tensor, mask: torch.Tens
         pos = pos[:, -1:] + 1
         out.append(model(nxt[:, t : t + 1], attention_mask=mask, position_ids=pos, cache=cache, use_cache=True).logits)
     return torch.cat(out, 1)
+
+
+@contextlib.contextmanager
+def padded_decode_view(model, cfg, lengths, rmean: bool = False, seed: int = 5):
+    """Layer 0's view of one decode step of a left-padded batch of random rows of ``lengths`` tokens, under random
+    transforms (``rmean``: keys centered on a rotating mean measured on the first row): yields (view, query
+    (B, 2·Hkv, 1, d) in transformed space, allowed (B, 1, 1, S) bool) with the transforms installed."""
+    from wushkv.calibration import pre_rope_key_mean
+    from wushkv.folding import apply_transforms
+    from wushkv.models import describe
+    from wushkv.transforms import build_transforms
+
+    g = torch.Generator().manual_seed(seed)
+    rows = [torch.randint(3, 96, (1, n), generator=g) for n in lengths]
+    dev = next(model.parameters()).device
+    ids, mask = (t.to(dev) for t in left_padded(rows))
+    spec = describe(model)
+    transforms = [build_transforms("random", spec.num_kv_heads, spec.head_dim, seed=l) for l in range(spec.num_layers)]
+    if rmean:
+        mus = pre_rope_key_mean(model, rows[0][:, :64], show_progress=False)
+        transforms = [t.replace(mu_K_rope=m.float()) for t, m in zip(transforms, mus)]
+    with torch.no_grad(), apply_transforms(model, transforms, "random") as inst:
+        cache = inst.cache(cfg, attention_mask=mask)
+        model(ids, attention_mask=mask, position_ids=(mask.cumsum(-1) - 1).clamp(min=0), cache=cache, use_cache=True)
+        B, H, d = len(rows), spec.num_kv_heads, spec.head_dim
+        k, v, q = (torch.randn(B, h, 1, d, generator=g).to(dev) for h in (H, H, 2 * H))
+        view, _ = cache.layers[0].update(k, v)
+        allowed = torch.cat([mask, mask.new_ones(B, 1)], 1).bool().view(B, 1, 1, -1)
+        yield view, q, allowed
 
 
 FAMILIES = ["llama", "qwen3", "gemma3"]  # the families the rest of the suite runs every check on

@@ -188,6 +188,17 @@ def test_centered_decode(capsys):
     assert "MISMATCH" not in capsys.readouterr().out
 
 
+def test_padded_decode(capsys):
+    padded = load_benchmark("padded_decode")
+    assert padded.parse_args([]).batches == "4,8"
+    (row,) = padded.run([700], [3], ["smollm2"], repeats=1)
+    assert row["pads"] == [0, 88, 175] and row["codes_vs_emulation"] < 1e-4  # the same attention either way
+    assert all(positive(row[k]) for k in ("unpadded_ms", "codes_ms", "emulation_ms", "emulation_over_codes", "codes_over_unpadded"))
+    # the emulation holds the keys of every column in float32 (3·3·701·64·4 bytes = 1.5 MB); the codes path far less
+    assert row["largest_mb_emulation"] >= 1.5 > 4 * row["largest_mb_codes"]
+    assert "MISMATCH" not in capsys.readouterr().out
+
+
 def test_long_generation():
     """The long-generation benchmark on a tiny model: every checkpoint finite, the cache's bytes equal to the byte
     accounting (QuEST and affine), the report printed."""

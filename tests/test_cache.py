@@ -12,7 +12,7 @@ from wushkv.folding import apply_transforms
 from wushkv.models import describe
 from wushkv.transforms import build_transforms
 
-from conftest import left_padded, padded_prefill_then_decode, tiny_model
+from conftest import left_padded, padded_decode_view, padded_prefill_then_decode, tiny_model
 
 
 def install(model, name="random"):
@@ -443,6 +443,33 @@ def test_rope_mean_keys_left_padded_batch_equals_rows_alone():
             alone, _ = stream(model, torch.cat([r, nxt[b : b + 1]], 1), cfg, chunks=[r.shape[1]] + [1] * 4, inputs=inst.cache_inputs)
             n = r.shape[1] + 4
             assert (batch[b, -n:] - alone[0]).abs().max() < 1e-6, b
+
+
+@torch.no_grad()
+@pytest.mark.parametrize("rmean", [False, True])
+def test_left_padded_decode_reads_the_codes(rmean):
+    """A padded batch's decode step reads the middle from its codes, each row masked to the version of every column
+    it reads: no allocation the size of the middle's keys, and the attention of the emulation that builds both
+    versions of every column in full precision (its reference, float32 through the fused CPU kernels)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    model = tiny_model("llama")
+    cfg = QuantConfig(2, 2, "affine", windows=WindowConfig(4, 8, 4))
+    spec = describe(model)
+    B, H, d = 3, spec.num_kv_heads, spec.head_dim
+    with padded_decode_view(model, cfg, (480, 300, 470), rmean) as (view, q, allowed):
+        assert view.mid_len > 400 and view.sink_k.shape[2] > 150  # columns held both ways: the rows' sinks differ by 180
+        ref = view._attend_padded(q, allowed, d**-0.5, None)
+        out = view._decode_padded(q, allowed, d**-0.5, None)
+        assert ((out - ref).norm() / ref.norm()) < 1e-5
+        with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+            view._decode_padded(q, allowed, d**-0.5, None)
+        largest = max(e.self_cpu_memory_usage for e in prof.events())
+        with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+            view._attend_padded(q, allowed, d**-0.5, None)
+        copied = max(e.self_cpu_memory_usage for e in prof.events())
+    middle = B * H * view.mid_len * d * 4
+    assert copied >= middle and 0 < largest < middle / 4, (largest, copied, middle)
 
 
 def test_rope_mean_bad_inputs():

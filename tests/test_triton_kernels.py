@@ -915,3 +915,23 @@ def test_kernels_compile_for_cuda():
     if res.returncode and "ptxas" in res.stderr and "not found" in res.stderr.lower():
         pytest.skip("this triton install has no CUDA toolchain (ptxas) to compile with")
     assert res.returncode == 0 and "compiled True" in res.stdout, res.stderr[-3000:]
+
+
+@pytest.mark.parametrize("rmean", [False, True])
+def test_left_padded_decode_through_the_kernel(rmean):
+    """A left-padded batch's decode step through the decode kernel: one mask per row over [sink, packed middle,
+    recent], whose columns some rows read in full precision and others quantized (so some sit in two parts), gives the
+    emulation's attention, which builds both versions of every column in full precision."""
+    from conftest import padded_decode_view
+
+    model = tiny_model("llama").to(DEVICE)
+    cfg = QuantConfig(2, 2, "affine", windows=WindowConfig(4, 8, 4))
+    d = model.config.head_dim
+    with padded_decode_view(model, cfg, (120, 60, 100), rmean) as (view, q, allowed):
+        assert view.mid_len > 80 and view.sink_k.shape[2] > 60
+        ref = view._attend_padded(q, allowed, d**-0.5, None)
+        tk.reset_calls()
+        with decode_mod.triton_enabled(True):
+            out = view._decode_padded(q, allowed, d**-0.5, None)
+        assert tk.calls().get("decode") == 1
+        assert ((out - ref).norm() / ref.norm()) < 1e-4

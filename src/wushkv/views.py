@@ -90,9 +90,11 @@ class KVView(LayerView):
         query = query.to(self.win_k.dtype)
         if attention_mask is not None and self.n0 == 0 and not layer.is_sliding:
             layer._check_padding(attention_mask)
-        if layer.padded:
-            return self._attend_padded(query, attention_mask, scaling, softcap, sinks)
         T = query.shape[2]
+        if layer.padded:
+            if T == 1:
+                return self._decode_padded(query, attention_mask, scaling, softcap, sinks)
+            return self._attend_padded(query, attention_mask, scaling, softcap, sinks)
         dt = self.win_k.dtype
         if T == 1:  # decode: read the packed codes directly, block by block (wushkv.decode)
             S = self.n1 - self.kv_offset
@@ -146,6 +148,39 @@ class KVView(LayerView):
             return selective_attention(*args, softcap, sinks)
         return fused_selective_attention(*args)
 
+    def _decode_padded(self, query, attention_mask, scaling: float, softcap: float | None,
+                       sinks: torch.Tensor | None = None) -> torch.Tensor:
+        """Decode of a left-padded batch straight from the codes: the parts of an unpadded decode, [sink, packed
+        middle, recent], with a mask per row over all their columns.
+
+        The store holds a column in full precision where some row reads it so (the sink spans every row's
+        ``S_sink`` first real tokens, the recent buffer every row's unflushed tail) and as codes where some row reads
+        it quantized, so a column may sit in two parts. Row ``b`` sees each column in the version it reads, quantized
+        iff ``p_b + S_sink <= c < p_b + S_sink + Qc(n1 - p_b)`` (as :meth:`_attend_padded`), and masks the other:
+        the same attention, no full-precision copy of the middle.
+        """
+        layer, dt = self.layer, self.win_k.dtype
+        lo, w = self.kv_offset, layer.cfg.windows
+        mid_k, mid_v = layer._mid_parts(self.mid, self.mid_len, self.mid_start, dt)
+        rk, rv = self.win_k[:, :, self.moved :], self.win_v[:, :, self.moved :]
+        ns, nr = self.sink_k.shape[2], rk.shape[2]
+        pos = torch.cat([torch.arange(self.sink_start, self.sink_start + ns),
+                         torch.arange(self.mid_start, self.mid_start + self.mid_len), torch.arange(self.n1 - nr, self.n1)])
+        coded = torch.arange(pos.numel()) >= ns
+        coded &= torch.arange(pos.numel()) < ns + self.mid_len
+        pads = layer.pads.view(-1, 1)
+        ends = torch.tensor(layer._row_ends(self.n1)).view(-1, 1)
+        quantized = (pos >= pads + w.S_sink) & (pos < ends)  # (B, N): what each row reads quantized
+        visible = (quantized == coded) & (pos >= lo)
+        S = self.n1 - lo
+        allowed = as_allowed(attention_mask, S)  # (B | 1, 1, 1, S): columns [lo, n1)
+        visible = visible.to(query.device)
+        if allowed is not None:
+            visible = visible & allowed.reshape(allowed.shape[0], S)[:, (pos - lo).clamp(0, S - 1).to(query.device)]
+        B = query.shape[0]
+        return decode_attention(query, [self.sink_k, mid_k, rk], [self.sink_v, mid_v, rv], visible.view(B, 1, 1, -1),
+                                scaling, softcap, sinks=sinks)
+
     def _attend_padded(self, query, attention_mask, scaling: float, softcap: float | None,
                        sinks: torch.Tensor | None = None) -> torch.Tensor:
         """Left-padded batch: the same emulation, with each row's windows counted from its first real token.
@@ -153,7 +188,7 @@ class KVView(LayerView):
         Row ``b`` (``p_b`` pad tokens) sees column ``c`` quantized for query position ``i`` iff
         ``p_b + S_sink <= c < p_b + S_sink + Qc(i + 1 - p_b)``. The layer keeps every column some row still
         needs in full precision (sink ∪ recent) and codes for every column some row needs quantized, so
-        both versions exist wherever a row can read them. Also serves decode (T = 1).
+        both versions exist wherever a row can read them. The reference of :meth:`_decode_padded`.
         """
         layer, dt = self.layer, self.win_k.dtype
         lo = self.kv_offset
