@@ -12,7 +12,8 @@ K2V2 affine, float32; sink 64 and recent 256 tokens in full precision (the gener
 of B holds ``context − pad_b`` real tokens, the pads spread evenly over ``[0, context / 4]``. The cache is filled
 through the layer's own ``update`` with random keys and values (no model: the attention is what is timed). Time per
 call is the best of ``--repeats`` means of 3 calls; ``largest_mb`` is the largest single allocation of one call
-(torch's profiler), where the emulation holds the whole middle in full precision.
+(torch's profiler), where the emulation holds the whole middle in full precision; ``fp_mb_padded`` / ``_unpadded``
+what the layer holds in full precision (the rows' sinks and the recent buffer) with and without the padding.
 """
 
 from __future__ import annotations
@@ -73,7 +74,7 @@ def run(contexts: list[int], batches: list[int], shapes: list[str], repeats: int
     module = SimpleNamespace(wushkv_key=None)  # the layers hold no key transform
     rows = []
     print(f"{'shape':8s} {'context':>7s} {'batch':>5s} {'unpadded ms':>11s} {'codes':>9s} {'emulation':>10s} "
-          f"{'emul/codes':>10s} {'codes/unpad':>11s} {'largest MB codes/emul':>22s}")
+          f"{'emul/codes':>10s} {'codes/unpad':>11s} {'largest MB codes/emul':>22s} {'full-precision MB pad/unpad':>28s}")
     for shape in shapes:
         H, G, d = SHAPES[shape]
         for n in contexts:
@@ -98,13 +99,17 @@ def run(contexts: list[int], batches: list[int], shapes: list[str], repeats: int
                 row = {"shape": shape, "context": n, "batch": B, "pads": pads, "unpadded_ms": _best_ms(unpadded, repeats),
                        "codes_ms": _best_ms(codes, repeats), "emulation_ms": _best_ms(emulation, repeats),
                        "largest_mb_codes": _largest_mb(codes), "largest_mb_emulation": _largest_mb(emulation),
-                       "codes_vs_emulation": err}
+                       "codes_vs_emulation": err,
+                       # what the layers hold in full precision (sinks, recent buffers): the padding costs none of it
+                       "fp_mb_padded": padded.layer.nbytes()["full_precision"] / 2**20,
+                       "fp_mb_unpadded": plain.layer.nbytes()["full_precision"] / 2**20}
                 row["emulation_over_codes"] = row["emulation_ms"] / row["codes_ms"]
                 row["codes_over_unpadded"] = row["codes_ms"] / row["unpadded_ms"]
                 rows.append(row)
                 print(f"{shape:8s} {n:7d} {B:5d} {row['unpadded_ms']:11.2f} {row['codes_ms']:9.2f} {row['emulation_ms']:10.2f} "
                       f"{row['emulation_over_codes']:9.1f}x {row['codes_over_unpadded']:10.2f}x "
-                      f"{row['largest_mb_codes']:11.1f}/{row['largest_mb_emulation']:.1f}"
+                      f"{row['largest_mb_codes']:11.1f}/{row['largest_mb_emulation']:<10.1f} "
+                      f"{row['fp_mb_padded']:13.2f}/{row['fp_mb_unpadded']:.2f}"
                       + ("" if err < 1e-4 else f"  MISMATCH {err:.1e}"), flush=True)
     return rows
 

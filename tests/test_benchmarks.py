@@ -196,6 +196,8 @@ def test_padded_decode(capsys):
     assert all(positive(row[k]) for k in ("unpadded_ms", "codes_ms", "emulation_ms", "emulation_over_codes", "codes_over_unpadded"))
     # the emulation holds the keys of every column in float32 (3·3·701·64·4 bytes = 1.5 MB); the codes path far less
     assert row["largest_mb_emulation"] >= 1.5 > 4 * row["largest_mb_codes"]
+    # the rows' own sinks and one recent buffer, at most S_keep + S_flush − 1 columns: as much as without padding
+    assert 0 < row["fp_mb_padded"] <= 3 * 3 * 64 * 2 * 4 * (64 + 256 + 7) / 2**20 and row["fp_mb_unpadded"] > 0
     assert "MISMATCH" not in capsys.readouterr().out
 
 

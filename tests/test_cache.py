@@ -446,6 +446,26 @@ def test_rope_mean_keys_left_padded_batch_equals_rows_alone():
 
 
 @torch.no_grad()
+@pytest.mark.parametrize("sliding", [None, 40])
+def test_left_padded_batch_holds_no_more_full_precision_than_its_rows(sliding):
+    """However far apart the rows' paddings are, a padded batch holds in full precision each row's own sink and a
+    recent buffer no longer than the longest of the rows' own (under S_keep + S_flush): its padding costs codes of pad
+    columns, never full-precision columns (a shared sink spanning every row's first tokens held S_sink + max pad)."""
+    from wushkv.layer import WushKVLayer
+
+    w = WindowConfig(4, 8, 4)
+    g = torch.Generator().manual_seed(0)
+    B, H, d = 3, 2, 32
+    for pads in ([0, 150, 60], [90, 0, 200]):
+        layer = WushKVLayer(QuantConfig(2, 2, "affine", windows=w), d, sliding_window=sliding)
+        layer.set_padding(pads)
+        for T in [260] + [1] * 9 + [33, 1]:
+            layer.update(torch.randn(B, H, T, d, generator=g), torch.randn(B, H, T, d, generator=g))
+            columns = layer.nbytes()["full_precision"] / (2 * B * H * d * 4)
+            assert layer.sink_k.shape[2] <= w.S_sink and columns <= w.S_sink + w.S_keep + w.S_flush - 1, (pads, layer.n, columns)
+
+
+@torch.no_grad()
 @pytest.mark.parametrize("rmean", [False, True])
 def test_left_padded_decode_reads_the_codes(rmean):
     """A padded batch's decode step reads the middle from its codes, each row masked to the version of every column
@@ -458,7 +478,8 @@ def test_left_padded_decode_reads_the_codes(rmean):
     spec = describe(model)
     B, H, d = 3, spec.num_kv_heads, spec.head_dim
     with padded_decode_view(model, cfg, (480, 300, 470), rmean) as (view, q, allowed):
-        assert view.mid_len > 400 and view.sink_k.shape[2] > 150  # columns held both ways: the rows' sinks differ by 180
+        # each row's own sink; columns [180, 184) are row 1's sink (full precision) and quantized for rows 0 and 2
+        assert view.mid_len > 400 and view.sink_k.shape[2] == 4 and view.mid_start == 4
         ref = view._attend_padded(q, allowed, d**-0.5, None)
         out = view._decode_padded(q, allowed, d**-0.5, None)
         assert ((out - ref).norm() / ref.norm()) < 1e-5
@@ -470,6 +491,39 @@ def test_left_padded_decode_reads_the_codes(rmean):
         copied = max(e.self_cpu_memory_usage for e in prof.events())
     middle = B * H * view.mid_len * d * 4
     assert copied >= middle and 0 < largest < middle / 4, (largest, copied, middle)
+
+
+@torch.no_grad()
+@pytest.mark.skipif(torch.cuda.is_available(), reason="fake CUDA tensors stand in for a GPU on a CPU-only torch")
+@pytest.mark.parametrize("rmean", [False, True])
+def test_left_padded_decode_makes_the_host_wait_for_no_device(rmean):
+    """On a GPU the per-row mask of a padded decode is built on the device from one pinned copy of the rows' paddings
+    and ends: run on fake CUDA tensors (tests/fake_cuda.py, PyTorch path), a decode step after the first makes no
+    operation a GPU would refuse and no host-device sync, and gives the CPU's attention."""
+    import fake_cuda
+
+    from wushkv import decode, triton_kernels
+    from wushkv.decode import triton_enabled
+
+    model = tiny_model("llama")
+    with padded_decode_view(model, QuantConfig(2, 2, "affine", windows=WindowConfig(4, 8, 4)), (120, 60, 100), rmean) as (view, q, allowed):
+        ref = view._decode_padded(q, allowed, 32**-0.5, None)
+        dev = fake_cuda.on_device
+        for name in ("sink_k", "sink_v", "win_k", "win_v"):
+            setattr(view, name, dev(getattr(view, name)))
+        view.mid = {side: {k: dev(t) for k, t in store.items()} for side, store in view.mid.items()}
+        try:
+            with triton_enabled(False), fake_cuda.active():
+                view._decode_padded(dev(q), dev(allowed), 32**-0.5, None)  # the first call builds the code tables
+                fake_cuda.reset()
+                out = view._decode_padded(dev(q), dev(allowed), 32**-0.5, None)
+            assert not fake_cuda.errors() and not fake_cuda.syncs(), (fake_cuda.errors(), fake_cuda.syncs())
+        finally:
+            fake_cuda.reset()
+            for tables in (decode._TABLES, triton_kernels._ROPE_TABLES):  # no fake tensor outlives the test
+                for key in [k for k, t in tables.items() if fake_cuda.is_fake(t)]:
+                    del tables[key]
+    assert (fake_cuda.host(out) - ref).abs().max() < 1e-5
 
 
 def test_rope_mean_bad_inputs():

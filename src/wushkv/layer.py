@@ -239,6 +239,7 @@ class WushKVLayer(CacheLayerMixin):
         self.pads: torch.Tensor | None = None  # (B,) left-padding tokens per row, or None
         self.row_mode = False  # a padded batch under block quantizers: one unpadded layer per row
         self.rows: list[WushKVLayer] | None = None
+        self.row_sinks = False  # a padded batch of per-token quantizers: each row's own sink (_update_padded)
 
     def __deepcopy__(self, memo):
         """A copy that continues independently (e.g. scoring one answer while generating another) and
@@ -309,8 +310,14 @@ class WushKVLayer(CacheLayerMixin):
             # made; the attention mask of the prefill is checked against this (_check_padding).
             self.pads = self.pads.repeat_interleave(B // self.pads.numel())
         pads = self._pad_list()
-        self.sink_len = self.cfg.windows.S_sink + max(pads)  # columns kept in the full-precision sink
-        self.mid_start = self.cfg.windows.S_sink + min(pads)
+        S_sink = self.cfg.windows.S_sink
+        # A padded batch keeps each row's own sink (row_sinks): its S_sink first real tokens, (B, Hkv, S_sink, d),
+        # filled as the recent buffer lets go of them (see _update_padded); an unpadded one the columns [0, S_sink).
+        self.row_sinks = self.padded and not self.row_mode
+        if self.row_sinks:
+            self.sink_k = key_states.new_zeros(B, key_states.shape[1], S_sink, key_states.shape[-1])
+            self.sink_v = value_states.new_zeros(B, value_states.shape[1], S_sink, value_states.shape[-1])
+        self.mid_start = S_sink + min(pads)
         self._mid_len = 0  # tokens in the quantized middle (after eviction)
         self._mid_fp_store = {"k": empty.clone(), "v": value_states[:, :, :0].clone()}  # middle of a full-precision side
         if self.row_mode:
@@ -324,10 +331,12 @@ class WushKVLayer(CacheLayerMixin):
             return self._update_rows(key_states, value_states)
         if self.key_transform is not None:
             key_states = self.key_transform.keys(key_states)
+        if self.row_sinks:
+            return self._update_padded(key_states, value_states)
         n0, T = self.n, key_states.shape[2]
         n1 = n0 + T
-        # 1. the first S_sink positions (of the longest padding row) go to the full-precision sink
-        take = min(T, max(0, self.sink_len - n0))
+        # 1. the first S_sink positions go to the full-precision sink
+        take = min(T, max(0, self.cfg.windows.S_sink - n0))
         if take:
             self.sink_k = torch.cat([self.sink_k, key_states[:, :, :take]], dim=2)
             self.sink_v = torch.cat([self.sink_v, value_states[:, :, :take]], dim=2)
@@ -341,12 +350,50 @@ class WushKVLayer(CacheLayerMixin):
             k_new, v_new = self._columns(c_old, c_new, win_k, win_v, w0)
             self._append_mid(k_new, v_new, c_old)
         # 3. the recent buffer keeps what some row still reads in full precision
-        moved = max(0, min(max(self.sink_len, min(self._row_ends(n1))), n1) - w0)
+        moved = max(0, min(max(self.cfg.windows.S_sink, min(self._row_ends(n1))), n1) - w0)
         view.moved = moved
         view.mid, view.mid_len = self._snapshot_mid(), self._mid_len
         self.recent_k, self.recent_v = win_k[:, :, moved:], win_v[:, :, moved:]
         self.n = n1
         if self.is_sliding:  # the view keeps what this step reads; the layer keeps what later steps can see
+            self._evict(n1 - self.sliding_window + 1)
+        return view, view
+
+    def _update_padded(self, key_states: torch.Tensor, value_states: torch.Tensor):
+        """A left-padded batch of per-token quantizers in one store, whose middle is column-aligned across rows.
+
+        Every column enters the recent buffer. Codes hold every column some row reads quantized (row ``b`` reads
+        ``[p_b + S_sink, end_b)`` so, ``end_b`` from :meth:`_row_ends`), coded from the buffer. The buffer lets go of
+        a column once no row reads it there (below the smallest ``end_b``); a column it lets go of that is one of
+        row ``b``'s ``S_sink`` first real tokens is copied to that row's sink, whose column ``j`` is position
+        ``p_b + sink_start + j``. So the full precision held is the rows' sinks and the buffer, as for the rows
+        alone, however far apart their paddings are. Attention masks each row to its version of each column
+        (:meth:`KVView._decode_padded`)."""
+        n0, T = self.n, key_states.shape[2]
+        n1 = n0 + T
+        win_k = torch.cat([self.recent_k, key_states], dim=2)
+        win_v = torch.cat([self.recent_v, value_states], dim=2)
+        w0 = n1 - win_k.shape[2]
+        view = KVView(self, n0, n1, self.sink_k, self.sink_v, self.sink_start, self._mid_len, self.mid_start, win_k, win_v, w0, 0)
+        c_old, c_new = self.mid_start + self._mid_len, self._code_end(n1)
+        if c_new > c_old:  # the buffer holds them: it lets go of no column some row still needs coded
+            if c_old < w0:
+                raise RuntimeError(f"columns [{c_old}, {w0}) are needed for the codes but no longer held")
+            self._append_mid(win_k[:, :, c_old - w0 : c_new - w0], win_v[:, :, c_old - w0 : c_new - w0], c_old)
+        w1 = min(min(self._row_ends(n1)), n1)  # the buffer's new start
+        first, ns = self.sink_start + self.pads, self.sink_k.shape[2]
+        rows = [(b, a, e) for b, (a, e) in enumerate(zip(first.clamp(min=w0).tolist(), (first + ns).clamp(max=w1).tolist())) if e > a]
+        if rows:  # the sinks the view holds stay as they were: copy before writing
+            self.sink_k, self.sink_v = self.sink_k.clone(), self.sink_v.clone()
+            for b, a, e in rows:
+                j = a - int(first[b])
+                self.sink_k[b, :, j : j + e - a] = win_k[b, :, a - w0 : e - w0]
+                self.sink_v[b, :, j : j + e - a] = win_v[b, :, a - w0 : e - w0]
+        view.moved = w1 - w0
+        view.mid, view.mid_len = self._snapshot_mid(), self._mid_len
+        self.recent_k, self.recent_v = win_k[:, :, w1 - w0 :], win_v[:, :, w1 - w0 :]
+        self.n = n1
+        if self.is_sliding:
             self._evict(n1 - self.sliding_window + 1)
         return view, view
 
@@ -373,6 +420,7 @@ class WushKVLayer(CacheLayerMixin):
 
     def reset(self) -> None:
         self.is_initialized = False
+        self.row_sinks = False
         self.n = 0
         self.rows = None
         for side in (self.k_side, self.v_side):
@@ -543,7 +591,8 @@ class WushKVLayer(CacheLayerMixin):
         """Drop positions < ``first`` (sliding-window layers)."""
         if first <= 0:
             return
-        drop = min(max(0, first - self.sink_start), self.sink_k.shape[2])
+        last_pad = max(self._pad_list()) if self.row_sinks else 0  # a sink column goes once it is behind for every row
+        drop = min(max(0, first - self.sink_start - last_pad), self.sink_k.shape[2])
         if drop:
             self.sink_k, self.sink_v = self.sink_k[:, :, drop:], self.sink_v[:, :, drop:]
             self.sink_start += drop

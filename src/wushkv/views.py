@@ -17,6 +17,7 @@ import torch
 
 from .attention import as_allowed, fast_attention, fused_selective_attention, needs_reference, selective_attention
 from .decode import decode_attention
+from .triton_kernels import to_device
 
 
 class LayerView:
@@ -91,7 +92,7 @@ class KVView(LayerView):
         if attention_mask is not None and self.n0 == 0 and not layer.is_sliding:
             layer._check_padding(attention_mask)
         T = query.shape[2]
-        if layer.padded:
+        if layer.row_sinks:
             if T == 1:
                 return self._decode_padded(query, attention_mask, scaling, softcap, sinks)
             return self._attend_padded(query, attention_mask, scaling, softcap, sinks)
@@ -150,36 +151,37 @@ class KVView(LayerView):
 
     def _decode_padded(self, query, attention_mask, scaling: float, softcap: float | None,
                        sinks: torch.Tensor | None = None) -> torch.Tensor:
-        """Decode of a left-padded batch straight from the codes: the parts of an unpadded decode, [sink, packed
-        middle, recent], with a mask per row over all their columns.
+        """Decode of a left-padded batch straight from the codes: the parts [rows' sinks, packed middle, recent
+        buffer], with a mask per row over all their columns.
 
-        The store holds a column in full precision where some row reads it so (the sink spans every row's
-        ``S_sink`` first real tokens, the recent buffer every row's unflushed tail) and as codes where some row reads
-        it quantized, so a column may sit in two parts. Row ``b`` sees each column in the version it reads, quantized
-        iff ``p_b + S_sink <= c < p_b + S_sink + Qc(n1 - p_b)`` (as :meth:`_attend_padded`), and masks the other:
-        the same attention, no full-precision copy of the middle.
+        Row ``b`` (``p_b`` pad tokens) reads column ``c`` quantized iff ``p_b + S_sink <= c < end_b`` (as
+        :meth:`_attend_padded`), in full precision otherwise. The middle is column-aligned across rows and holds
+        every column some row reads quantized; the buffer every column from the smallest ``end_b`` on; row ``b``'s
+        sink its first real tokens that the buffer has let go of (``wushkv.layer.WushKVLayer._update_padded``). So a
+        column may sit in two parts, and each row sees it in the one it reads: the same attention as the emulation,
+        no full-precision copy of the middle.
         """
         layer, dt = self.layer, self.win_k.dtype
-        lo, w = self.kv_offset, layer.cfg.windows
+        lo, w, B = self.kv_offset, layer.cfg.windows, query.shape[0]
         mid_k, mid_v = layer._mid_parts(self.mid, self.mid_len, self.mid_start, dt)
-        rk, rv = self.win_k[:, :, self.moved :], self.win_v[:, :, self.moved :]
-        ns, nr = self.sink_k.shape[2], rk.shape[2]
-        pos = torch.cat([torch.arange(self.sink_start, self.sink_start + ns),
-                         torch.arange(self.mid_start, self.mid_start + self.mid_len), torch.arange(self.n1 - nr, self.n1)])
-        coded = torch.arange(pos.numel()) >= ns
-        coded &= torch.arange(pos.numel()) < ns + self.mid_len
-        pads = layer.pads.view(-1, 1)
-        ends = torch.tensor(layer._row_ends(self.n1)).view(-1, 1)
-        quantized = (pos >= pads + w.S_sink) & (pos < ends)  # (B, N): what each row reads quantized
-        visible = (quantized == coded) & (pos >= lo)
+        # built where the query is: one copy of 2·B ints that does not make the host wait for a GPU, no (B, N) work
+        dev = query.device
+        pads, ends = to_device(torch.stack([layer.pads, torch.tensor(layer._row_ends(self.n1))]), dev).unsqueeze(-1)
+        ns, nm, nw = self.sink_k.shape[2], self.mid_len, self.win_k.shape[2]
+        arange = lambda a, n: torch.arange(a, a + n, device=dev)
+        pos = torch.cat([pads + arange(self.sink_start, ns), arange(self.mid_start, nm).expand(B, nm),
+                         arange(self.w0, nw).expand(B, nw)], dim=1)  # (B, N): each row's columns, part by part
+        part = torch.cat([torch.zeros(ns, device=dev), torch.ones(nm, device=dev), torch.full((nw,), 2, device=dev)])
+        quantized = (pos >= pads + w.S_sink) & (pos < ends)
+        # a sink column counts once the buffer has let go of it (below the buffer's start)
+        visible = torch.where(part == 1, quantized, ~quantized & ((part == 2) | (pos < self.w0)))
+        visible &= (pos >= lo) & (pos >= pads)  # inside a sliding window, never a pad
         S = self.n1 - lo
         allowed = as_allowed(attention_mask, S)  # (B | 1, 1, 1, S): columns [lo, n1)
-        visible = visible.to(query.device)
         if allowed is not None:
-            visible = visible & allowed.reshape(allowed.shape[0], S)[:, (pos - lo).clamp(0, S - 1).to(query.device)]
-        B = query.shape[0]
-        return decode_attention(query, [self.sink_k, mid_k, rk], [self.sink_v, mid_v, rv], visible.view(B, 1, 1, -1),
-                                scaling, softcap, sinks=sinks)
+            visible &= allowed.reshape(-1, S).expand(B, S).gather(1, (pos - lo).clamp(0, S - 1))
+        return decode_attention(query, [self.sink_k, mid_k, self.win_k], [self.sink_v, mid_v, self.win_v],
+                                visible.view(B, 1, 1, -1), scaling, softcap, sinks=sinks)
 
     def _attend_padded(self, query, attention_mask, scaling: float, softcap: float | None,
                        sinks: torch.Tensor | None = None) -> torch.Tensor:
@@ -187,7 +189,7 @@ class KVView(LayerView):
 
         Row ``b`` (``p_b`` pad tokens) sees column ``c`` quantized for query position ``i`` iff
         ``p_b + S_sink <= c < p_b + S_sink + Qc(i + 1 - p_b)``. The layer keeps every column some row still
-        needs in full precision (sink ∪ recent) and codes for every column some row needs quantized, so
+        needs in full precision (the rows' sinks ∪ recent) and codes for every column some row needs quantized, so
         both versions exist wherever a row can read them. The reference of :meth:`_decode_padded`.
         """
         layer, dt = self.layer, self.win_k.dtype
@@ -204,8 +206,9 @@ class KVView(LayerView):
                 dst[:, :, a - lo : b - lo] = src[:, :, a - start : b - start]
 
         for dst, mid, sink, win in ((K, mk, self.sink_k, self.win_k), (V, mv, self.sink_v, self.win_v)):
-            put(dst, mid, self.mid_start)  # columns only the codes still hold: quantized for every row
-            put(dst, sink, self.sink_start)
+            put(dst, mid, self.mid_start)  # columns only the codes still hold: quantized for every row that reads them
+            for b, p in enumerate(layer._pad_list()):  # each row's sink (columns it still lacks come from the buffer)
+                put(dst[b : b + 1], sink[b : b + 1], p + self.sink_start)
             put(dst, win, self.w0)
         K_hat, V_hat = layer._fake("key", K, lo), layer._fake("value", V)
         put(K_hat, mk, self.mid_start)  # the stored codes, bit for bit
