@@ -97,3 +97,27 @@ def test_block_must_be_positive():
     q, k, v, kh, vh, quantized, allowed = _inputs(3)
     with pytest.raises(ValueError, match="block must be a positive number"):
         fused_selective_attention(q, k, v, kh, vh, quantized, allowed, 0.3, block=0)
+
+
+def test_mask_skipped_only_for_one_query_over_full_attention_without_padding():
+    """The registered mask function (wushkv.hf) gives a decode step over full attention without padding no mask (every
+    column visible: the decode then reads none, a host cost per layer); a chunk of several queries always gets its
+    causal mask, which the single-pass emulation reads, and so do a padded decode step and a sliding window."""
+    from transformers.masking_utils import causal_mask_function, sliding_window_causal_mask_function
+
+    from wushkv.hf import _bool_mask
+
+    kw = dict(batch_size=2, kv_offset=0, mask_function=causal_mask_function, allow_is_causal_skip=True, device="cpu")
+    ones = torch.ones(2, 9, dtype=torch.bool)
+    assert _bool_mask(q_length=1, kv_length=9, q_offset=8, attention_mask=None, **kw) is None
+    assert _bool_mask(q_length=1, kv_length=9, q_offset=8, attention_mask=ones, **kw) is None
+    chunk = _bool_mask(q_length=4, kv_length=4, q_offset=0, attention_mask=None, **kw)
+    assert chunk.shape == (2, 1, 4, 4) and torch.equal(chunk[1, 0], torch.ones(4, 4, dtype=torch.bool).tril())
+    pad = ones.clone()
+    pad[1, :3] = False
+    assert torch.equal(_bool_mask(q_length=1, kv_length=9, q_offset=8, attention_mask=pad, **kw)[:, 0, 0], pad)
+    # transformers' own refusal to skip stands
+    assert _bool_mask(q_length=1, kv_length=9, q_offset=8, attention_mask=None, **(kw | {"allow_is_causal_skip": False})) is not None
+    sliding = _bool_mask(q_length=1, kv_length=20, q_offset=19, attention_mask=None, local_size=16,
+                         **(kw | {"mask_function": sliding_window_causal_mask_function(16)}))
+    assert sliding[0, 0, 0].sum() == 16

@@ -201,6 +201,17 @@ def test_padded_decode(capsys):
     assert "MISMATCH" not in capsys.readouterr().out
 
 
+def test_host_overhead(capsys):
+    host = load_benchmark("host_overhead")
+    assert host.parse_args([]).layers == 8
+    row = host.run(layers=2, steps=8)
+    assert all(positive(row[k]) for k in ("dynamic_ms", "torch_ms", "torch_over_dynamic"))
+    from wushkv import triton_kernels
+
+    assert ("triton_ms" in row) == triton_kernels.available()  # the Triton path wherever triton imports, launches skipped
+    assert "DynamicCache" in capsys.readouterr().out
+
+
 def test_long_generation():
     """The long-generation benchmark on a tiny model: every checkpoint finite, the cache's bytes equal to the byte
     accounting (QuEST and affine), the report printed."""

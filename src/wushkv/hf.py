@@ -60,10 +60,13 @@ def wushkv_attention(
 
 
 def _bool_mask(*args, **kwargs):
+    """transformers' boolean mask (True = attend). None, no mask, only where transformers may skip it and there is one
+    query position: full attention without padding, every column visible, so a decode step reads no mask at all. A
+    chunk of several queries always gets its causal mask, which the single-pass emulation reads."""
     from transformers.masking_utils import sdpa_mask
 
-    kwargs.pop("allow_is_causal_skip", None)
-    return sdpa_mask(*args, allow_is_causal_skip=False, **kwargs)
+    skip = kwargs.pop("allow_is_causal_skip", True) and kwargs.get("q_length") == 1
+    return sdpa_mask(*args, allow_is_causal_skip=skip, **kwargs)
 
 
 def register() -> str:
