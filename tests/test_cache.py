@@ -286,7 +286,7 @@ def test_left_padded_batch_equals_rows_alone(family, name):
 
 
 @torch.no_grad()
-@pytest.mark.parametrize("name,beams", [("quest", 1), ("kvarn", 1), ("ktiles", 2)])
+@pytest.mark.parametrize("name,beams", [("quest", 1), ("quest", 3), ("kvarn", 1), ("ktiles", 2)])
 def test_left_padded_generate_equals_rows_alone(name, beams):
     """generate() on a padded batch (greedy, and beam search, which reorders and repeats rows) gives each row
     what it gets alone."""
