@@ -445,6 +445,90 @@ def test_rope_mean_keys_left_padded_batch_equals_rows_alone():
             assert (batch[b, -n:] - alone[0]).abs().max() < 1e-6, b
 
 
+class _NoKeyTransform:
+    wushkv_key = None  # what a layer's view asks of the attention module
+
+
+def _causal(pads, n0, n1, lo, sliding):
+    """transformers' boolean mask (B, 1, T, S) of queries [n0, n1) over columns [lo, n1): causal, left padding, window."""
+    cols, q = torch.arange(lo, n1).view(1, 1, -1), torch.arange(n0, n1).view(1, -1, 1)
+    m = (cols <= q) & (cols >= torch.tensor(pads).view(-1, 1, 1))
+    return (m & (cols > q - sliding) if sliding else m).unsqueeze(1)
+
+
+@torch.no_grad()
+@pytest.mark.parametrize("windows", [(3, 5, 2), (0, 4, 2)])
+@pytest.mark.parametrize("pads", [[0, 7, 3], [3, 20]])
+@pytest.mark.parametrize("sliding", [None, 12])
+def test_left_padded_layer_equals_its_rows_alone(windows, pads, sliding):
+    """One padded layer of per-token codes (rows' own sinks, a middle shared column by column) against one unpadded
+    layer per row, float64, every step: prompts longer and shorter than the paddings (a row's sink filled over several
+    updates), one-token steps with transformers' mask and without it (it gives none to a decode step without padding),
+    a chunk in between, a crop of the last tokens (without a sliding window), and sliding-window eviction near the
+    rows' sinks."""
+    from wushkv.layer import WushKVLayer
+
+    cfg = QuantConfig(2, 2, "affine", windows=WindowConfig(*windows))
+    B, H, d = len(pads), 2, 16
+    g = torch.Generator().manual_seed(0)
+    K, V = (torch.randn(B, H, 60, d, generator=g, dtype=torch.float64) for _ in range(2))
+    Q = torch.randn(B, 2 * H, 60, d, generator=g, dtype=torch.float64)
+    # (a sliding layer evicts what a crop would bring back into its window: crops only without one)
+    # a first chunk shorter than a padding (13 < 20): that row's first tokens arrive in later steps
+    for steps in ([30] + [1] * 12 + ([] if sliding else ["crop"]) + [1] * 8, [13] + [1] * 10 + [6] + [1] * 8):
+        layer = WushKVLayer(cfg, d, sliding_window=sliding)
+        layer.set_padding(pads)
+        alone = [WushKVLayer(cfg, d, sliding_window=sliding) for _ in pads]
+        n0 = 0
+        for i, T in enumerate(steps):
+            if T == "crop":  # what the padded layer can still crop: the last tokens, in every row's buffer
+                k = layer._croppable()
+                assert k > 0
+                layer.crop(-k)
+                for a in alone:
+                    a.crop(-k)
+                n0 -= k
+                continue
+            n1 = n0 + T
+            view, _ = layer.update(K[:, :, n0:n1], V[:, :, n0:n1])
+            mask = _causal(pads, n0, n1, view.kv_offset, sliding) if T > 1 or i % 2 else None
+            out = view.attend(_NoKeyTransform, Q[:, :, n0:n1], mask, d**-0.5, None)
+            assert torch.isfinite(out).all()
+            for b, p in enumerate(pads):
+                a = max(n0, p)
+                if a < n1:  # the row's real queries of this step
+                    v, _ = alone[b].update(K[b : b + 1, :, a:n1], V[b : b + 1, :, a:n1])
+                    m = _causal([0], a - p, n1 - p, v.kv_offset, sliding) if n1 - a > 1 or mask is not None else None
+                    ref = v.attend(_NoKeyTransform, Q[b : b + 1, :, a:n1], m, d**-0.5, None)
+                    assert (out[b : b + 1, T - (n1 - a) :] - ref).abs().max() < 1e-9, (steps, i, b)
+            n0 = n1
+
+
+@torch.no_grad()
+def test_left_padded_first_step_without_a_mask_is_refused_and_a_row_of_padding_stays_finite():
+    """A one-token first step gets no mask from transformers where it sees no padding: a cache told of padding then
+    refuses it, as it refuses a prompt's mask that shows other padding. A row that is all padding at a step (a prompt
+    of one token beside an empty one) gets a finite output (never read), and the row then decodes as it would alone."""
+    model = tiny_model("llama").double()
+    cfg = QuantConfig(2, 2, "affine", windows=WindowConfig(0, 4, 2))
+    with install(model):
+        with pytest.raises(ValueError, match=r"left padding of \[0, 0\].*created with \[0, 3\]"):
+            model(torch.tensor([[5], [6]]), cache=WushKVCache(model, cfg, pad_lengths=[0, 3]), use_cache=True)
+        mask = torch.tensor([[1], [0]])
+        cache = WushKVCache(model, cfg, attention_mask=mask)
+        nxt = torch.randint(3, 96, (2, 8), generator=torch.Generator().manual_seed(1))
+        out = [model(torch.tensor([[5], [0]]), attention_mask=mask, position_ids=torch.zeros(2, 1, dtype=torch.long),
+                     cache=cache, use_cache=True).logits]
+        for t in range(8):  # row 1's first real token at position 0
+            mask = torch.cat([mask, torch.ones(2, 1, dtype=torch.long)], 1)
+            out.append(model(nxt[:, t : t + 1], attention_mask=mask, position_ids=torch.tensor([[t + 1], [t]]), cache=cache,
+                             use_cache=True).logits)
+        batch = torch.cat(out, 1)
+        assert torch.isfinite(batch).all()
+        alone, _ = stream(model, nxt[1:], cfg)
+        assert (batch[1, 1:] - alone[0]).abs().max() < 1e-6
+
+
 @torch.no_grad()
 @pytest.mark.parametrize("sliding", [None, 40])
 def test_left_padded_batch_holds_no_more_full_precision_than_its_rows(sliding):

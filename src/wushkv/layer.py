@@ -276,19 +276,25 @@ class WushKVLayer(CacheLayerMixin):
     def _pad_list(self) -> list[int]:
         return self.pads.tolist() if self.pads is not None else [0]
 
-    def _code_end(self, n: int) -> int:
-        """Codes exist for columns [S_sink + min pad, this): every column some row reads quantized."""
+    def _code_end(self, n: int, ends: list[int] | None = None) -> int:
+        """Codes exist for columns [S_sink + min pad, this): every column some row reads quantized (up to ``ends``,
+        default the rows' ends at ``n`` columns)."""
         w, pads = self.cfg.windows, self._pad_list()
-        ends = [e for e, p in zip(self._row_ends(n), pads) if e > p + w.S_sink]
+        ends = [e for e, p in zip(self._row_ends(n) if ends is None else ends, pads) if e > p + w.S_sink]
         return max(ends) if ends else w.S_sink + min(pads)
 
-    def _check_padding(self, attention_mask: torch.Tensor) -> None:
-        """At the first prefill, the padding the mask shows must be the padding the cache was told of."""
-        m = attention_mask if attention_mask.dtype == torch.bool else attention_mask == 0
-        last = m[:, 0, -1, : self.n]  # what the last prompt position may attend to
-        seen = (last.int().cumsum(-1) == 0).sum(-1).cpu()
+    def _check_padding(self, attention_mask: torch.Tensor | None) -> None:
+        """At the first prefill, the padding the mask shows must be the padding the cache was told of (no mask: none;
+        transformers gives none to a single query over full attention without padding)."""
+        if attention_mask is None:
+            seen = torch.zeros_like(self.pads) if self.pads is not None else torch.zeros(1, dtype=torch.long)
+        else:
+            m = attention_mask if attention_mask.dtype == torch.bool else attention_mask == 0
+            last = m[:, 0, -1, : self.n]  # what the last prompt position may attend to
+            seen = (last.int().cumsum(-1) == 0).sum(-1).cpu()
         declared = self.pads if self.pads is not None else torch.zeros_like(seen)
-        if declared.shape != seen.shape or not torch.equal(seen, declared):
+        # a first chunk shorter than a row's padding shows only padding there
+        if declared.shape != seen.shape or not torch.equal(seen, declared.clamp(max=self.n)):
             raise ValueError(
                 f"the attention mask shows left padding of {seen.tolist()} tokens per row, but the cache was created "
                 f"with {declared.tolist()}; create it with WushKVCache(model, config, attention_mask=attention_mask) "
@@ -317,6 +323,9 @@ class WushKVLayer(CacheLayerMixin):
         if self.row_sinks:
             self.sink_k = key_states.new_zeros(B, key_states.shape[1], S_sink, key_states.shape[-1])
             self.sink_v = value_states.new_zeros(B, value_states.shape[1], S_sink, value_states.shape[-1])
+            # each row's end (the column after what it reads quantized); never decreases, as the middle never
+            # shrinks: after a crop the rows keep reading quantized what was coded and let go of
+            self.ends = torch.tensor(self._row_ends(0))
         self.mid_start = S_sink + min(pads)
         self._mid_len = 0  # tokens in the quantized middle (after eviction)
         self._mid_fp_store = {"k": empty.clone(), "v": value_states[:, :, :0].clone()}  # middle of a full-precision side
@@ -375,12 +384,14 @@ class WushKVLayer(CacheLayerMixin):
         win_v = torch.cat([self.recent_v, value_states], dim=2)
         w0 = n1 - win_k.shape[2]
         view = KVView(self, n0, n1, self.sink_k, self.sink_v, self.sink_start, self._mid_len, self.mid_start, win_k, win_v, w0, 0)
-        c_old, c_new = self.mid_start + self._mid_len, self._code_end(n1)
+        self.ends = torch.maximum(self.ends, torch.tensor(self._row_ends(n1)))
+        ends = self.ends.tolist()
+        c_old, c_new = self.mid_start + self._mid_len, self._code_end(n1, ends)
         if c_new > c_old:  # the buffer holds them: it lets go of no column some row still needs coded
             if c_old < w0:
                 raise RuntimeError(f"columns [{c_old}, {w0}) are needed for the codes but no longer held")
             self._append_mid(win_k[:, :, c_old - w0 : c_new - w0], win_v[:, :, c_old - w0 : c_new - w0], c_old)
-        w1 = min(min(self._row_ends(n1)), n1)  # the buffer's new start
+        w1 = max(w0, min(min(ends), n1))  # the buffer's new start
         first, ns = self.sink_start + self.pads, self.sink_k.shape[2]
         rows = [(b, a, e) for b, (a, e) in enumerate(zip(first.clamp(min=w0).tolist(), (first + ns).clamp(max=w1).tolist())) if e > a]
         if rows:  # the sinks the view holds stay as they were: copy before writing
@@ -389,7 +400,7 @@ class WushKVLayer(CacheLayerMixin):
                 j = a - int(first[b])
                 self.sink_k[b, :, j : j + e - a] = win_k[b, :, a - w0 : e - w0]
                 self.sink_v[b, :, j : j + e - a] = win_v[b, :, a - w0 : e - w0]
-        view.moved = w1 - w0
+        view.moved, view.ends = w1 - w0, self.ends
         view.mid, view.mid_len = self._snapshot_mid(), self._mid_len
         self.recent_k, self.recent_v = win_k[:, :, w1 - w0 :], win_v[:, :, w1 - w0 :]
         self.n = n1
@@ -455,6 +466,8 @@ class WushKVLayer(CacheLayerMixin):
     def _apply_batch(self, fn) -> None:
         if self.pads is not None:  # also before the first tokens: generate() expands rows for beams first
             self.pads = fn(self.pads)
+        if self.row_sinks:
+            self.ends = fn(self.ends)
         if not self.is_initialized:
             return
         if self.rows is not None:  # a row taken twice (beams) continues as two independent copies

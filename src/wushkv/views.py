@@ -70,6 +70,7 @@ class KVView(LayerView):
     moved: int = 0  # tokens of the window flushed into the middle by this update
     mid: dict | None = None  # snapshot of the middle after this update's flush: {"k": storage, "v": storage}
     mid_len: int = 0  # tokens in that snapshot
+    ends: torch.Tensor | None = None  # a padded batch's (B,) row ends after this update (WushKVLayer.ends)
 
     @property
     def _like(self) -> torch.Tensor:
@@ -89,7 +90,7 @@ class KVView(LayerView):
         if kt is not None:
             query = kt.queries(query)
         query = query.to(self.win_k.dtype)
-        if attention_mask is not None and self.n0 == 0 and not layer.is_sliding:
+        if self.n0 == 0 and not layer.is_sliding:
             layer._check_padding(attention_mask)
         T = query.shape[2]
         if layer.row_sinks:
@@ -155,8 +156,9 @@ class KVView(LayerView):
         buffer], with a mask per row over all their columns.
 
         Row ``b`` (``p_b`` pad tokens) reads column ``c`` quantized iff ``p_b + S_sink <= c < end_b`` (as
-        :meth:`_attend_padded`), in full precision otherwise. The middle is column-aligned across rows and holds
-        every column some row reads quantized; the buffer every column from the smallest ``end_b`` on; row ``b``'s
+        :meth:`_attend_padded`; ``end_b`` the row's end, :attr:`ends`), in full precision otherwise. The middle is
+        column-aligned across rows and holds every column some row reads quantized; the buffer every column from the
+        smallest ``end_b`` on; row ``b``'s
         sink its first real tokens that the buffer has let go of (``wushkv.layer.WushKVLayer._update_padded``). So a
         column may sit in two parts, and each row sees it in the one it reads: the same attention as the emulation,
         no full-precision copy of the middle.
@@ -166,7 +168,7 @@ class KVView(LayerView):
         mid_k, mid_v = layer._mid_parts(self.mid, self.mid_len, self.mid_start, dt)
         # built where the query is: one copy of 2·B ints that does not make the host wait for a GPU, no (B, N) work
         dev = query.device
-        pads, ends = to_device(torch.stack([layer.pads, torch.tensor(layer._row_ends(self.n1))]), dev).unsqueeze(-1)
+        pads, ends = to_device(torch.stack([layer.pads, self.ends]), dev).unsqueeze(-1)
         ns, nm, nw = self.sink_k.shape[2], self.mid_len, self.win_k.shape[2]
         arange = lambda a, n: torch.arange(a, a + n, device=dev)
         pos = torch.cat([pads + arange(self.sink_start, ns), arange(self.mid_start, nm).expand(B, nm),
@@ -180,6 +182,7 @@ class KVView(LayerView):
         allowed = as_allowed(attention_mask, S)  # (B | 1, 1, 1, S): columns [lo, n1)
         if allowed is not None:
             visible &= allowed.reshape(-1, S).expand(B, S).gather(1, (pos - lo).clamp(0, S - 1))
+        visible |= ~visible.any(-1, keepdim=True)  # a row of padding alone (its output is never read): no NaN
         return decode_attention(query, [self.sink_k, mid_k, self.win_k], [self.sink_v, mid_v, self.win_v],
                                 visible.view(B, 1, 1, -1), scaling, softcap, sinks=sinks)
 
@@ -246,7 +249,7 @@ class RowsView(LayerView):
     def attend(self, module, query, attention_mask, scaling: float, softcap: float | None,
                sinks: torch.Tensor | None = None) -> torch.Tensor:
         layer = self.layer
-        if attention_mask is not None and self.n0 == 0 and not layer.is_sliding:
+        if self.n0 == 0 and not layer.is_sliding:
             layer._check_padding(attention_mask)
         B, Hq, T, _ = query.shape
         lo = self.kv_offset
