@@ -228,6 +228,27 @@ def test_crop_only_full_precision_tail():
         cache.crop(-(recent + 5))
 
 
+@torch.no_grad()
+def test_crop_of_sliding_layers_stops_once_they_let_go_of_positions():
+    """A sliding-window layer keeps only the positions its next step reads once its window is full, so a crop would
+    leave that step short: refused, and the cache checks every layer before it crops any, so a refusal leaves it
+    whole. Before the window fills, a crop of the last token decodes as the same token fed afresh."""
+    model = tiny_model("gemma3")  # layers 0 and 1 slide over 16 positions, layer 2 attends to all
+    cfg = QuantConfig(2, 2, "quest", windows=WindowConfig(2, 4, 2))
+    ids = torch.randint(3, 96, (1, 30), generator=torch.Generator().manual_seed(0))
+    with install(model):
+        _, cache = stream(model, ids[:, :24], cfg, chunks=[20, 1, 1, 1, 1])
+        before = [(layer.n, layer.recent_k.shape[2]) for layer in cache.layers]
+        with pytest.raises(ValueError, match=r"sliding-window layer \(window 16\) holding 24: .*from 9.*from 8"):
+            cache.crop(-1)
+        assert [(layer.n, layer.recent_k.shape[2]) for layer in cache.layers] == before  # not even layer 2
+        _, cache = stream(model, ids[:, :14], cfg, chunks=[10, 1, 1, 1, 1])
+        cache.crop(-1)  # (a larger crop would leave coded what a fresh run reads in full precision: never un-coded)
+        got = model(ids[:, 13:14], cache=cache, use_cache=True).logits
+        ref, _ = stream(model, ids[:, :14], cfg, chunks=[10, 1, 1, 1, 1])
+        assert cache.get_seq_length() == 14 and (got - ref[:, -1:]).abs().max() < 1e-5
+
+
 def test_sequences_shorter_than_windows_are_an_error():
     from wushkv.eval.compare import quantized_perplexity
 

@@ -71,6 +71,13 @@ class WushKVCache(Cache):
             for layer in self.quantized_layers:
                 layer.set_padding(pad_lengths)
 
+    def crop(self, tokens_to_remove: int) -> None:
+        """Remove the last tokens from every layer (``WushKVLayer.crop``), or from none: every attention layer is
+        checked before any changes (layers differ in what they can crop: sliding windows, per-layer configurations)."""
+        for layer in self.quantized_layers:
+            layer._crop_plan(tokens_to_remove)
+        super().crop(tokens_to_remove)
+
     @property
     def quantized_layers(self) -> list[WushKVLayer]:
         """The cache's attention layers, in order (every layer but those of a hybrid's non-attention decoder layers)."""

@@ -328,6 +328,7 @@ class WushKVLayer(CacheLayerMixin):
             self.ends = torch.tensor(self._row_ends(0))
         self.mid_start = S_sink + min(pads)
         self._mid_len = 0  # tokens in the quantized middle (after eviction)
+        self._evicted_to = 0  # positions below this may have been dropped (sliding-window layers)
         self._mid_fp_store = {"k": empty.clone(), "v": value_states[:, :, :0].clone()}  # middle of a full-precision side
         if self.row_mode:
             self.rows = [WushKVLayer(self.cfg, self.head_dim, self.key_transform, self.sliding_window, self.inputs) for _ in pads]
@@ -439,12 +440,27 @@ class WushKVLayer(CacheLayerMixin):
                 side.store = type(side.store)()
 
     def crop(self, tokens_to_remove: int) -> None:
-        """Remove the last tokens; only tokens still in the full-precision recent buffer can be removed."""
+        """Remove the last tokens; only tokens still in the full-precision recent buffer can be removed, and on a
+        sliding-window layer only while the next step's window holds nothing the layer has let go of."""
+        plan = self._crop_plan(tokens_to_remove)
+        if plan is None:
+            return
+        n, layers, counts = plan
+        for layer, k in zip(layers, counts):
+            if k:
+                layer.recent_k, layer.recent_v = layer.recent_k[:, :, :-k], layer.recent_v[:, :, :-k]
+                layer.n -= k
+        if self.rows is not None:
+            self.n -= n
+
+    def _crop_plan(self, tokens_to_remove: int):
+        """(tokens, layers, tokens each) that ``crop(tokens_to_remove)`` removes (the layer, or each row's layer), or
+        None for nothing; a ValueError, before anything changes, where it cannot."""
         if tokens_to_remove > 0:
             tokens_to_remove = self.n - tokens_to_remove
         n = abs(tokens_to_remove)
         if n == 0 or not self.is_initialized:
-            return
+            return None
         layers = self.rows if self.rows is not None else [self]
         counts = [min(n, layer.n) for layer in layers]  # a row's real tokens among the last n
         for layer, k in zip(layers, counts):
@@ -453,12 +469,14 @@ class WushKVLayer(CacheLayerMixin):
                     f"cannot crop {n} tokens: only the {layer._croppable()} most recent tokens are in full precision and "
                     "not yet coded (quantized tokens are never re-quantized or un-appended)"
                 )
-        for layer, k in zip(layers, counts):
-            if k:
-                layer.recent_k, layer.recent_v = layer.recent_k[:, :, :-k], layer.recent_v[:, :, :-k]
-                layer.n -= k
-        if self.rows is not None:
-            self.n -= n
+            if k and layer.is_sliding and layer._first_visible(layer.n - k) < layer._evicted_to:
+                # (the next step after the crop sees positions from _first_visible(n - k))
+                raise ValueError(
+                    f"cannot crop {n} tokens of a sliding-window layer (window {layer.sliding_window}) holding {layer.n}: "
+                    f"it keeps only the positions its next step reads (from {layer._evicted_to}), and after the crop that "
+                    f"step would read from {layer._first_visible(layer.n - k)}; crop before its window fills"
+                )
+        return n, layers, counts
 
     def _croppable(self) -> int:
         return max(0, self.n - max(self.mid_start + self._mid_len, self.n - self.recent_k.shape[2])) if self.is_initialized else 0
@@ -604,6 +622,7 @@ class WushKVLayer(CacheLayerMixin):
         """Drop positions < ``first`` (sliding-window layers)."""
         if first <= 0:
             return
+        self._evicted_to = max(self._evicted_to, first)  # positions below may be gone (crop checks it)
         last_pad = max(self._pad_list()) if self.row_sinks else 0  # a sink column goes once it is behind for every row
         drop = min(max(0, first - self.sink_start - last_pad), self.sink_k.shape[2])
         if drop:
