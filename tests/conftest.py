@@ -135,7 +135,7 @@ def padded_decode_view(model, cfg, lengths, rmean: bool = False, seed: int = 5):
     spec = describe(model)
     transforms = [build_transforms("random", spec.num_kv_heads, spec.head_dim, seed=l) for l in range(spec.num_layers)]
     if rmean:
-        mus = pre_rope_key_mean(model, rows[0][:, :64], show_progress=False)
+        mus = pre_rope_key_mean(model, rows[0][:, :64].to(dev), show_progress=False)
         transforms = [t.replace(mu_K_rope=m.float()) for t, m in zip(transforms, mus)]
     with torch.no_grad(), apply_transforms(model, transforms, "random") as inst:
         cache = inst.cache(cfg, attention_mask=mask)

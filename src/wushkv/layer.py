@@ -373,7 +373,7 @@ class WushKVLayer(CacheLayerMixin):
         """A left-padded batch of per-token quantizers in one store, whose middle is column-aligned across rows.
 
         Every column enters the recent buffer. Codes hold every column some row reads quantized (row ``b`` reads
-        ``[p_b + S_sink, end_b)`` so, ``end_b`` from :meth:`_row_ends`), coded from the buffer. The buffer lets go of
+        ``[p_b + S_sink, end_b)`` so, ``end_b`` in :attr:`ends`), coded from the buffer. The buffer lets go of
         a column once no row reads it there (below the smallest ``end_b``); a column it lets go of that is one of
         row ``b``'s ``S_sink`` first real tokens is copied to that row's sink, whose column ``j`` is position
         ``p_b + sink_start + j``. So the full precision held is the rows' sinks and the buffer, as for the rows

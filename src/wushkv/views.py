@@ -158,10 +158,9 @@ class KVView(LayerView):
         Row ``b`` (``p_b`` pad tokens) reads column ``c`` quantized iff ``p_b + S_sink <= c < end_b`` (as
         :meth:`_attend_padded`; ``end_b`` the row's end, :attr:`ends`), in full precision otherwise. The middle is
         column-aligned across rows and holds every column some row reads quantized; the buffer every column from the
-        smallest ``end_b`` on; row ``b``'s
-        sink its first real tokens that the buffer has let go of (``wushkv.layer.WushKVLayer._update_padded``). So a
-        column may sit in two parts, and each row sees it in the one it reads: the same attention as the emulation,
-        no full-precision copy of the middle.
+        smallest ``end_b`` on; row ``b``'s sink its first real tokens that the buffer has let go of
+        (``wushkv.layer.WushKVLayer._update_padded``). So a column may sit in two parts, and each row sees it in the
+        one it reads: the same attention as the emulation, no full-precision copy of the middle.
         """
         layer, dt = self.layer, self.win_k.dtype
         lo, w, B = self.kv_offset, layer.cfg.windows, query.shape[0]
