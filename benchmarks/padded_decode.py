@@ -14,15 +14,28 @@ through the layer's own ``update`` with random keys and values (no model: the at
 call is the best of ``--repeats`` means of 3 calls; ``largest_mb`` is the largest single allocation of one call
 (torch's profiler), where the emulation holds the whole middle in full precision; ``fp_mb_padded`` / ``_unpadded``
 what the layer holds in full precision (the rows' sinks and the recent buffer) with and without the padding.
+
+Key tiles (``--tiles``, on by default; ``auto``'s cells on SmolLM2: KVarN tiles of 16 tokens for the keys, QuEST
+values, windows 64/256/16): a padded batch keeps each row's tokens from column 0 (ragged rows). One decode step, update
+and attention, of the whole batch at once against the replaced path, one unpadded layer per row stepped and attended
+in turn, in the same run: ``tiles_rows_ms`` / ``tiles_ragged_ms`` on the PyTorch path (the median of ``--steps``
+steps), and ``host_rows_ms`` / ``host_ragged_ms`` on the Triton path with its launches skipped (what a GPU's host
+issues; ``launches_rows`` / ``launches_ragged`` per step: two per decode call).
 """
 
 from __future__ import annotations
 
 import argparse
+import copy
+import os
+import statistics
+import time
 import timeit
 from types import SimpleNamespace
 
-import torch
+os.environ.setdefault("TRITON_INTERPRET", "1")  # before triton is imported: the host path skips its launches anyway
+
+import torch  # noqa: E402
 
 SHAPES = {"smollm2": (3, 3, 64), "llama8b": (8, 4, 128)}  # KV heads, GQA group, head_dim
 
@@ -34,6 +47,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--shapes", default="smollm2,llama8b")
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--tiles", action=argparse.BooleanOptionalAction, default=True)
+    ap.add_argument("--steps", type=int, default=24)
     ap.add_argument("--json", default=None)
     return ap.parse_args(argv)
 
@@ -114,16 +129,101 @@ def run(contexts: list[int], batches: list[int], shapes: list[str], repeats: int
     return rows
 
 
-def main(argv: list[str] | None = None) -> list[dict]:
+def _tiles_layer(H: int, d: int, B: int, n: int, pads: list[int]):
+    """One layer of key tiles (auto's cells) holding a padded batch of n columns per row (``pads[b]`` padding)."""
+    from wushkv.config import GENERATION_WINDOWS, QuantConfig, WindowConfig
+    from wushkv.layer import WushKVLayer
+
+    w = GENERATION_WINDOWS
+    cfg = QuantConfig(2, 2, "quest", key_quantizer="kvarn", windows=WindowConfig(w.S_sink, w.S_keep, 16))
+    g = torch.Generator().manual_seed(0)
+    layer = WushKVLayer(cfg, d)
+    layer.set_padding(pads)
+    for a in range(0, n, 4096):
+        m = min(4096, n - a)
+        layer.update(torch.randn(B, H, m, d, generator=g), torch.randn(B, H, m, d, generator=g))
+    return layer
+
+
+def run_tiles(contexts: list[int], batches: list[int], shapes: list[str], steps: int = 24) -> list[dict]:
+    """Decode steps of a padded batch of key tiles: ragged rows (one batched update, one decode call) against one
+    unpadded layer per row (the replaced path), alternated step by step on copies of one filled layer."""
+    import contextlib
+
+    from wushkv import decode, triton_kernels
+    from wushkv.views import RowsView
+
+    module = SimpleNamespace(wushkv_key=None)
+    out = []
+    print(f"{'shape':8s} {'context':>7s} {'batch':>5s} {'rows ms':>8s} {'ragged ms':>9s} {'rows/ragged':>11s} "
+          f"{'host rows/ragged ms':>20s} {'launches rows/ragged':>21s}")
+    for shape in shapes:
+        H, G, d = SHAPES[shape]
+        for n in contexts:
+            for B in batches:
+                pads = [round(b * n / 4 / max(B - 1, 1)) for b in range(B)]
+                filled = _tiles_layer(H, d, B, n, pads)
+                g = torch.Generator().manual_seed(1)
+                inputs = [tuple(torch.randn(B, h, 1, d, generator=g) for h in (H, H, H * G)) for _ in range(steps)]
+
+                def ragged_step(layer, k, v, q):
+                    view, _ = layer.update(k, v)
+                    return view.attend(module, q, None, d**-0.5, None)
+
+                def rows_step(state, k, v, q):  # the replaced path: each row's own layer, stepped and attended
+                    parent, rows = state
+                    views = [row.update(k[b : b + 1], v[b : b + 1])[0] for b, row in enumerate(rows)]
+                    parent.n += 1
+                    return RowsView(parent, parent.n - 1, parent.n, views, k[:, :, :0]).attend(module, q, None, d**-0.5, None)
+
+                times = {}
+                for path in ("torch", "host") if triton_kernels.available() else ("torch",):
+                    layer = copy.deepcopy(filled)
+                    state = (copy.deepcopy(filled), filled.row_layers())
+                    launches = {"ragged": 0, "rows": 0}
+                    ts = {"ragged": [], "rows": []}
+                    for i, (k, v, q) in enumerate(inputs):
+                        outs = {}
+                        for name, fn, st in (("ragged", ragged_step, layer), ("rows", rows_step, state)):
+                            with contextlib.ExitStack() as stack:
+                                if path == "host":  # the Triton path, its launches counted and skipped
+                                    stack.enter_context(decode.triton_enabled(True))
+                                    stack.enter_context(triton_kernels.launches_through(
+                                        lambda nm, grid, args, meta, run, name=name: launches.__setitem__(name, launches[name] + 1)))
+                                t0 = time.perf_counter()
+                                outs[name] = fn(st, k, v, q)
+                                ts[name].append(time.perf_counter() - t0)
+                        if path == "torch":  # (the host path's outputs are never computed)
+                            err = float((outs["ragged"] - outs["rows"]).abs().max())
+                            assert err < 1e-4, f"ragged and row-by-row decode differ by {err} at step {i}"
+                    times[path] = {name: statistics.median(t) * 1e3 for name, t in ts.items()}
+                    times[path + "_launches"] = {name: c / steps for name, c in launches.items()}
+                times.setdefault("host", {"rows": float("nan"), "ragged": float("nan")})  # no triton: no host path
+                times.setdefault("host_launches", {"rows": float("nan"), "ragged": float("nan")})
+                row = {"shape": shape, "context": n, "batch": B, "pads": pads,
+                       "tiles_rows_ms": times["torch"]["rows"], "tiles_ragged_ms": times["torch"]["ragged"],
+                       "host_rows_ms": times["host"]["rows"], "host_ragged_ms": times["host"]["ragged"],
+                       "launches_rows": times["host_launches"]["rows"], "launches_ragged": times["host_launches"]["ragged"]}
+                row["tiles_rows_over_ragged"] = row["tiles_rows_ms"] / row["tiles_ragged_ms"]
+                row["host_rows_over_ragged"] = row["host_rows_ms"] / row["host_ragged_ms"]
+                out.append(row)
+                print(f"{shape:8s} {n:7d} {B:5d} {row['tiles_rows_ms']:8.2f} {row['tiles_ragged_ms']:9.2f} "
+                      f"{row['tiles_rows_over_ragged']:10.2f}x {row['host_rows_ms']:9.2f}/{row['host_ragged_ms']:<9.2f} "
+                      f"{row['launches_rows']:10.0f}/{row['launches_ragged']:<9.0f}", flush=True)
+    return out
+
+
+def main(argv: list[str] | None = None) -> dict:
     args = parse_args(argv)
     torch.set_num_threads(args.threads)
-    rows = run([int(x) for x in args.contexts.split(",")], [int(x) for x in args.batches.split(",")],
-               args.shapes.split(","), args.repeats)
+    contexts, batches = [int(x) for x in args.contexts.split(",")], [int(x) for x in args.batches.split(",")]
+    rows = run(contexts, batches, args.shapes.split(","), args.repeats)
+    tiles = run_tiles(contexts, batches, args.shapes.split(","), args.steps) if args.tiles else []
     if args.json:
         from wushkv.io import write_json
 
-        write_json(args.json, {"threads": args.threads, "rows": rows})
-    return rows
+        write_json(args.json, {"threads": args.threads, "rows": rows, "tiles": tiles})
+    return {"rows": rows, "tiles": tiles}
 
 
 if __name__ == "__main__":

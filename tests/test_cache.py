@@ -331,8 +331,9 @@ def test_left_padded_generate_equals_rows_alone(name, beams):
 
 @torch.no_grad()
 def test_left_padded_tiles_crop_and_reorder():
-    """Row mode (a layer per row): crop removes each row's last real tokens or refuses before changing any row;
-    a beam reorder that takes a row twice gives two copies that continue independently."""
+    """Ragged rows (key tiles): crop removes each row's last real tokens or refuses before changing any row;
+    a beam reorder that takes a row twice gives two equal rows (that they continue independently:
+    test_left_padded_generate_equals_rows_alone with beams)."""
     model = tiny_model("llama").double()
     cfg = QuantConfig(2, 2, "kvarn", windows=WindowConfig(4, 0, 4))
     ids = torch.randint(3, 96, (2, 14), generator=torch.Generator().manual_seed(5))
@@ -342,15 +343,16 @@ def test_left_padded_tiles_crop_and_reorder():
         cache = WushKVCache(model, cfg, attention_mask=mask)
         model(ids, attention_mask=mask, position_ids=(mask.cumsum(-1) - 1).clamp(min=0), cache=cache, use_cache=True)
         layer = cache.layers[0]
-        assert [r.n for r in layer.rows] == [14, 9] and [r._croppable() for r in layer.rows] == [2, 1]  # tails 14-12, 9-8
+        rows = layer.row_layers()
+        assert [r.n for r in rows] == [14, 9] and [r._croppable() for r in rows] == [2, 1]  # tails 14-12, 9-8
         with pytest.raises(ValueError, match="cannot crop 2 tokens: only the 1 most recent"):
             cache.crop(-2)
-        assert [r.n for r in layer.rows] == [14, 9] and cache.get_seq_length() == 14  # nothing half-cropped
+        assert [r.n for r in layer.row_layers()] == [14, 9] and cache.get_seq_length() == 14  # nothing half-cropped
         cache.crop(-1)
-        assert [r.n for r in layer.rows] == [13, 8] and cache.get_seq_length() == 13
+        assert [r.n for r in layer.row_layers()] == [13, 8] and cache.get_seq_length() == 13
         cache.reorder_cache(torch.tensor([1, 1]))
-        a, b = cache.layers[0].rows
-        assert a is not b and torch.equal(a.recent_k, b.recent_k) and cache.layers[0].pads.tolist() == [5, 5]
+        a, b = cache.layers[0].row_layers()
+        assert torch.equal(a.recent_k, b.recent_k) and cache.layers[0].pads.tolist() == [5, 5]
 
 
 def test_padding_errors():
@@ -446,23 +448,26 @@ def test_rope_mean_keys_are_exact_when_keys_are_their_mean(family):
 
 
 @torch.no_grad()
-def test_rope_mean_keys_left_padded_batch_equals_rows_alone():
-    """Centers follow each row's rotary positions (column minus its left padding), as transformers numbers them."""
+@pytest.mark.parametrize("keys", ["quest", "kvarn"])
+def test_rope_mean_keys_left_padded_batch_equals_rows_alone(keys):
+    """Centers follow each row's rotary positions (column minus its left padding, as transformers numbers them; under
+    key tiles, ragged rows: a row's middle from its own first position)."""
     from wushkv.calibration import pre_rope_key_mean
 
     model = tiny_model("llama").double()
-    cfg = QuantConfig(2, 2, "quest", windows=WindowConfig(3, 5, 2))
+    cfg = QuantConfig(2, 2, "quest", windows=WindowConfig(3, 5, 2)) if keys == "quest" else \
+        QuantConfig(2, 2, "quest", key_quantizer="kvarn", windows=WindowConfig(3, 2, 4))
     g = torch.Generator().manual_seed(3)
     rows = [torch.randint(3, 96, (1, n), generator=g) for n in (30, 23)]
     ids, mask = left_padded(rows)
     mus = pre_rope_key_mean(model, rows[0], show_progress=False)
     with apply_transforms(model, _rope_mean_transforms(model, mus), "random") as inst:
         cache = inst.cache(cfg, attention_mask=mask)
-        nxt = torch.randint(3, 96, (2, 4), generator=g)
+        nxt = torch.randint(3, 96, (2, 6), generator=g)
         batch = padded_prefill_then_decode(model, cache, ids, mask, nxt)
         for b, r in enumerate(rows):
-            alone, _ = stream(model, torch.cat([r, nxt[b : b + 1]], 1), cfg, chunks=[r.shape[1]] + [1] * 4, inputs=inst.cache_inputs)
-            n = r.shape[1] + 4
+            alone, _ = stream(model, torch.cat([r, nxt[b : b + 1]], 1), cfg, chunks=[r.shape[1]] + [1] * 6, inputs=inst.cache_inputs)
+            n = r.shape[1] + 6
             assert (batch[b, -n:] - alone[0]).abs().max() < 1e-6, b
 
 
@@ -481,25 +486,37 @@ def _causal(pads, n0, n1, lo, sliding):
 @pytest.mark.parametrize("windows", [(3, 5, 2), (0, 4, 2)])
 @pytest.mark.parametrize("pads", [[0, 7, 3], [3, 20]])
 @pytest.mark.parametrize("sliding", [None, 12])
-def test_left_padded_layer_equals_its_rows_alone(windows, pads, sliding):
-    """One padded layer of per-token codes (rows' own sinks, a middle shared column by column) against one unpadded
-    layer per row, float64, every step: prompts longer and shorter than the paddings (a row's sink filled over several
-    updates), one-token steps with transformers' mask and without it (it gives none to a decode step without padding),
-    a chunk in between, a crop of the last tokens (without a sliding window), and sliding-window eviction near the
-    rows' sinks."""
-    from wushkv.layer import WushKVLayer
+@pytest.mark.parametrize("quantizer", ["affine", "kvarn", "kivi", "kvarn+rmean"])
+def test_left_padded_layer_equals_its_rows_alone(windows, pads, sliding, quantizer):
+    """One padded layer against one unpadded layer per row, float64, every step: per-token codes (rows' own sinks, a
+    middle shared column by column) and codes of token blocks (KVarN tiles, KIVI: ragged rows, each from column 0;
+    a one-token step of all rows in one batched update and one decode). Prompts longer and shorter than the paddings
+    (a row's sink filled over several updates), one-token steps with transformers' mask and without it (it gives none
+    to a decode step without padding), a chunk in between, a crop of the last tokens (without a sliding window), and
+    sliding-window eviction near the rows' sinks. Keys centered on their rotating mean (``+rmean``) follow each row's
+    positions; a mask with holes (two real columns of row 0 hidden at some steps) is honoured as the rows alone do."""
+    from wushkv.layer import CacheInputs, RotatingKeyMean, WushKVLayer
+    from wushkv.views import RaggedView
 
-    cfg = QuantConfig(2, 2, "affine", windows=WindowConfig(*windows))
+    if quantizer == "affine":
+        cfg = QuantConfig(2, 2, "affine", windows=WindowConfig(*windows))
+    else:  # blocks of S_flush = 4 tokens
+        cfg = QuantConfig(3 if quantizer == "kivi" else 2, 2, quantizer.split("+")[0], windows=WindowConfig(windows[0], windows[1], 4))
     B, H, d = len(pads), 2, 16
     g = torch.Generator().manual_seed(0)
+    inputs = CacheInputs()
+    if quantizer.endswith("+rmean"):
+        T_K = torch.linalg.qr(torch.randn(H, d, d, generator=g, dtype=torch.float64))[0]
+        mu = 3 * torch.randn(H, d, generator=g, dtype=torch.float64)
+        inputs = CacheInputs(key_mean=RotatingKeyMean(mu, T_K, (1e4 ** -(torch.arange(0, d, 2) / d), 1.0)))
     K, V = (torch.randn(B, H, 60, d, generator=g, dtype=torch.float64) for _ in range(2))
     Q = torch.randn(B, 2 * H, 60, d, generator=g, dtype=torch.float64)
     # (a sliding layer evicts what a crop would bring back into its window: crops only without one)
     # a first chunk shorter than a padding (13 < 20): that row's first tokens arrive in later steps
     for steps in ([30] + [1] * 12 + ([] if sliding else ["crop"]) + [1] * 8, [13] + [1] * 10 + [6] + [1] * 8):
-        layer = WushKVLayer(cfg, d, sliding_window=sliding)
+        layer = WushKVLayer(cfg, d, sliding_window=sliding, inputs=inputs)
         layer.set_padding(pads)
-        alone = [WushKVLayer(cfg, d, sliding_window=sliding) for _ in pads]
+        alone = [WushKVLayer(cfg, d, sliding_window=sliding, inputs=inputs) for _ in pads]
         n0 = 0
         for i, T in enumerate(steps):
             if T == "crop":  # what the padded layer can still crop: the last tokens, in every row's buffer
@@ -512,7 +529,12 @@ def test_left_padded_layer_equals_its_rows_alone(windows, pads, sliding):
                 continue
             n1 = n0 + T
             view, _ = layer.update(K[:, :, n0:n1], V[:, :, n0:n1])
+            batched = T == 1 and n0 - max(pads) >= cfg.windows.S_sink  # every row holds its sink: one batched step
+            assert isinstance(view, RaggedView) == (quantizer != "affine" and batched)
             mask = _causal(pads, n0, n1, view.kv_offset, sliding) if T > 1 or i % 2 else None
+            holes = [c for c in (n1 - 3, max(view.kv_offset, pads[0]) + 1) if T == 1 and i % 4 == 3 and pads[0] <= c < n1 - 1]
+            for c in holes:
+                mask[0, 0, -1, c - view.kv_offset] = False
             out = view.attend(_NoKeyTransform, Q[:, :, n0:n1], mask, d**-0.5, None)
             assert torch.isfinite(out).all()
             for b, p in enumerate(pads):
@@ -520,6 +542,8 @@ def test_left_padded_layer_equals_its_rows_alone(windows, pads, sliding):
                 if a < n1:  # the row's real queries of this step
                     v, _ = alone[b].update(K[b : b + 1, :, a:n1], V[b : b + 1, :, a:n1])
                     m = _causal([0], a - p, n1 - p, v.kv_offset, sliding) if n1 - a > 1 or mask is not None else None
+                    for c in holes if b == 0 else ():
+                        m[0, 0, -1, c - p - v.kv_offset] = False
                     ref = v.attend(_NoKeyTransform, Q[b : b + 1, :, a:n1], m, d**-0.5, None)
                     assert (out[b : b + 1, T - (n1 - a) :] - ref).abs().max() < 1e-9, (steps, i, b)
             n0 = n1

@@ -935,3 +935,28 @@ def test_left_padded_decode_through_the_kernel(rmean):
             out = view._decode_padded(q, allowed, d**-0.5, None)
         assert tk.calls().get("decode") == 1
         assert ((out - ref).norm() / ref.norm()) < 1e-4
+
+
+@pytest.mark.parametrize("rmean", [False, True])
+def test_ragged_rows_of_key_tiles_decode_in_one_kernel_call(rmean):
+    """A left-padded batch under key tiles (``auto``'s cells: KVarN tiles for the keys, QuEST values; ``+rmean``) keeps
+    each row's tokens from column 0 (ragged rows, middles of different lengths): its decode step is one kernel call
+    over the whole batch (row by row it was one per row), equal to the PyTorch path of the same step (itself checked
+    against the rows alone: tests/test_cache.py::test_left_padded_layer_equals_its_rows_alone)."""
+    from conftest import padded_decode_view
+
+    from wushkv.views import RaggedView
+
+    model = tiny_model("llama").to(DEVICE)
+    cfg = QuantConfig(2, 2, "quest", key_quantizer="kvarn", windows=WindowConfig(4, 8, 16))
+    d = model.config.head_dim
+    attn = model.model.layers[0].self_attn
+    with padded_decode_view(model, cfg, (120, 60, 100), rmean) as (view, q, allowed):
+        assert isinstance(view, RaggedView) and view.rs[:, 4].tolist() == [96, 48, 80]  # each row's own middle
+        with decode_mod.triton_enabled(False):
+            ref = view.attend(attn, q, allowed, d**-0.5, None)
+        tk.reset_calls()
+        with decode_mod.triton_enabled(True):
+            out = view.attend(attn, q, allowed, d**-0.5, None)
+        assert tk.calls().get("decode") == 1
+        assert ((out - ref).norm() / ref.norm()) < 1e-4

@@ -19,7 +19,9 @@ Sliding-window layers keep only the last ``W-1`` positions (as ``DynamicSlidingW
 quantize them the same way. Left-padded batches (``attention_mask=`` at creation) count each row's
 windows from its first real token: with per-token quantizers in one shared store (see
 :mod:`wushkv.views`); with quantizers of token blocks (KVarN's tiles, KIVI), whose blocks start at a
-different column in each row, each row keeps its own unpadded layer (:class:`RowsView`).
+different column in each row, the rows are ragged: each row's tokens from column 0 of batched storage, as the row
+alone stores them (a one-token step batched, :class:`RaggedView`; anything else through the rows as unpadded
+layers, :class:`RowsView`).
 """
 
 from __future__ import annotations
@@ -35,7 +37,7 @@ from .config import QuantConfig
 from .decode import encode_block
 from .transforms.rope import rope_bias_terms, rope_rotate
 from .triton_kernels import rope_table, to_device
-from .views import KVView, RowsView
+from .views import KVView, RaggedView, RowsView
 
 
 def left_padding(attention_mask: torch.Tensor) -> torch.Tensor:
@@ -237,8 +239,7 @@ class WushKVLayer(CacheLayerMixin):
             )
         self.n = 0
         self.pads: torch.Tensor | None = None  # (B,) left-padding tokens per row, or None
-        self.row_mode = False  # a padded batch under block quantizers: one unpadded layer per row
-        self.rows: list[WushKVLayer] | None = None
+        self.row_mode = False  # a padded batch under block quantizers: ragged rows (_update_ragged)
         self.row_sinks = False  # a padded batch of per-token quantizers: each row's own sink (_update_padded)
 
     def __deepcopy__(self, memo):
@@ -331,14 +332,14 @@ class WushKVLayer(CacheLayerMixin):
         self._evicted_to = 0  # positions below this may have been dropped (sliding-window layers)
         self._mid_fp_store = {"k": empty.clone(), "v": value_states[:, :, :0].clone()}  # middle of a full-precision side
         if self.row_mode:
-            self.rows = [WushKVLayer(self.cfg, self.head_dim, self.key_transform, self.sliding_window, self.inputs) for _ in pads]
+            self._init_ragged(key_states, value_states)
         self.is_initialized = True
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
         if not self.is_initialized:
             self.lazy_initialization(key_states, value_states)
-        if self.rows is not None:
-            return self._update_rows(key_states, value_states)
+        if self.row_mode:
+            return self._update_ragged(key_states, value_states)
         if self.key_transform is not None:
             key_states = self.key_transform.keys(key_states)
         if self.row_sinks:
@@ -409,16 +410,199 @@ class WushKVLayer(CacheLayerMixin):
             self._evict(n1 - self.sliding_window + 1)
         return view, view
 
-    def _update_rows(self, key_states: torch.Tensor, value_states: torch.Tensor):
-        """Row mode: each row's real tokens of this update go to its own layer (padding never enters)."""
+    # -- a left-padded batch of block quantizers: ragged rows ------------------------------------
+    # Row b's real tokens are stored from column 0, as the row alone would store them (its blocks start at its
+    # own first real token), in batched tensors: sink (B, Hkv, S_sink, d), column = position; the middle's storage
+    # per key (B, Hkv, cap, ·), its first held token at column 0; the recent buffer (B, Hkv, R, d) from column 0.
+    # What differs between rows is held on the host, one row of _RAGGED each (self.rs, int64 (B, 7)).
+    _RAGGED = ("n", "sink_start", "sink_n", "mid_start", "mid_n", "rec_n", "evicted_to")
+
+    def _init_ragged(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
+        B, H = key_states.shape[:2]
+        w = self.cfg.windows
+        self.rs = torch.zeros(B, len(self._RAGGED), dtype=torch.long)
+        self.rs[:, 3] = w.S_sink
+        self.sink_k = key_states.new_zeros(B, H, w.S_sink, key_states.shape[-1])
+        self.sink_v = value_states.new_zeros(B, H, w.S_sink, value_states.shape[-1])
+        self.recent_k = key_states.new_zeros(B, H, w.S_keep + w.S_flush, key_states.shape[-1])
+        self.recent_v = value_states.new_zeros(B, H, w.S_keep + w.S_flush, value_states.shape[-1])
+        self.rmid: dict[str, dict[str, torch.Tensor] | None] = {"k": None, "v": None}  # per key (B, Hkv, cap, ·)
+        self.rcols: dict[str, dict[str, int]] = {}  # columns of each key per block of S_flush tokens
+
+    def centers_from(self, firsts: torch.Tensor) -> KeyCenters:
+        """The :class:`KeyCenters` of a ragged middle whose row ``b`` starts at position ``firsts[b]`` (B,)."""
+        return KeyCenters(self.inputs.key_mean, 0, -firsts)  # first = start + a − pads
+
+    def row_layers(self) -> list[WushKVLayer]:
+        """Each row of a padded batch of block quantizers as the unpadded layer it equals (views of the batch's
+        storage: read them, or update them and hand them back to ``_set_rows``)."""
+        return [self._row_layer(b) for b in range(self.rs.shape[0])]
+
+    def _row_layer(self, b: int) -> WushKVLayer:
+        n, sink_start, sink_n, mid_start, mid_n, rec_n, evicted = self.rs[b].tolist()
+        row = WushKVLayer(self.cfg, self.head_dim, self.key_transform, self.sliding_window, self.inputs)
+        row.lazy_initialization(self.sink_k[b : b + 1, :, :0], self.sink_v[b : b + 1, :, :0])
+        row.n, row.sink_start, row.mid_start, row._mid_len, row._evicted_to = n, sink_start, mid_start, mid_n, evicted
+        row.sink_k = self.sink_k[b : b + 1, :, sink_start : sink_start + sink_n]
+        row.sink_v = self.sink_v[b : b + 1, :, sink_start : sink_start + sink_n]
+        row.recent_k, row.recent_v = self.recent_k[b : b + 1, :, :rec_n], self.recent_v[b : b + 1, :, :rec_n]
+        for name, side in (("k", self.k_side), ("v", self.v_side)):
+            mid = self.rmid[name]
+            if mid is None:
+                continue
+            cols = {key: mid_n // self.block * c for key, c in self.rcols[name].items()}
+            if side is None:
+                row._mid_fp_store[name] = mid["fp"][b : b + 1, :, : cols["fp"]]
+            else:  # a view of the row's storage: its appends write there, past what anything live reads
+                store = getattr(row, f"{name}_side").store
+                store.buf = {key: t[b : b + 1] for key, t in mid.items()}
+                store.start, store.end = dict.fromkeys(mid, 0), cols
+        return row
+
+    def _set_rows(self, rows: list[WushKVLayer]) -> None:
+        """The batch's storage rebuilt from its rows (unpadded layers): fresh tensors, so that the views handed out
+        by the rows' updates keep what they read."""
+        w, blk = self.cfg.windows, self.block
+        self.rs = torch.tensor([[r.n, r.sink_start, r.sink_k.shape[2], r.mid_start, r._mid_len, r.recent_k.shape[2],
+                                 r._evicted_to] for r in rows], dtype=torch.long)
+        B = len(rows)
+        rec = max([w.S_keep + w.S_flush, *self.rs[:, 5].tolist()])
+        sink_k, sink_v = torch.zeros_like(self.sink_k), torch.zeros_like(self.sink_v)
+        recent_k = self.recent_k.new_zeros(B, self.recent_k.shape[1], rec, self.recent_k.shape[-1])
+        recent_v = self.recent_v.new_zeros(B, self.recent_v.shape[1], rec, self.recent_v.shape[-1])
+        for b, r in enumerate(rows):
+            a, e = r.sink_start, r.sink_start + r.sink_k.shape[2]
+            sink_k[b, :, a:e], sink_v[b, :, a:e] = r.sink_k[0], r.sink_v[0]
+            recent_k[b, :, : r.recent_k.shape[2]], recent_v[b, :, : r.recent_v.shape[2]] = r.recent_k[0], r.recent_v[0]
+        self.sink_k, self.sink_v, self.recent_k, self.recent_v = sink_k, sink_v, recent_k, recent_v
+        longest = max(r._mid_len for r in rows)
+        for name, side in (("k", self.k_side), ("v", self.v_side)):
+            stores = [{"fp": r._mid_fp_store[name]} if side is None else r._snapshot_mid()[name] for r in rows]
+            if longest == 0 and self.rmid[name] is None:
+                continue
+            for r, st in zip(rows, stores):
+                if r._mid_len and name not in self.rcols:
+                    self.rcols[name] = {key: t.shape[2] * blk // r._mid_len for key, t in st.items()}
+            like = self.rmid[name] or next(st for r, st in zip(rows, stores) if r._mid_len)
+            cap = max(2 * longest, blk) // blk  # blocks
+            mid = {key: t.new_zeros(B, t.shape[1], cap * self.rcols[name][key], *t.shape[3:]) for key, t in like.items()}
+            for b, (r, st) in enumerate(zip(rows, stores)):
+                for key, t in st.items():
+                    mid[key][b, :, : t.shape[2]] = t[0]
+            self.rmid[name] = mid
+
+    def _update_ragged(self, key_states: torch.Tensor, value_states: torch.Tensor):
+        """A padded batch of block quantizers: each row's real tokens of this update go to its rows' storage, as its
+        own unpadded layer would store them (padding never enters). A step of one token where every row has its sink
+        is done for the whole batch at once and attended from the codes in one call (:class:`RaggedView`); anything
+        else goes row by row through the rows as unpadded layers (:class:`RowsView`)."""
         n0, T = self.n, key_states.shape[2]
-        views = []
-        for b, (row, p) in enumerate(zip(self.rows, self._pad_list())):
+        n1 = n0 + T
+        w = self.cfg.windows
+        pads = self._pad_list()
+        if T == 1 and n0 > 0 and all(n0 - p >= w.S_sink for p in pads):
+            return self._step_ragged(key_states, value_states)
+        rows, views = self.row_layers(), []
+        for b, (row, p) in enumerate(zip(rows, pads)):
             skip = min(T, max(0, p - n0))  # padding columns of this update in row b
             views.append(row.update(key_states[b : b + 1, :, skip:], value_states[b : b + 1, :, skip:])[0] if skip < T else None)
-        self.n = n0 + T
-        view = RowsView(self, n0, self.n, views, key_states[:, :, :0])
+        self._set_rows(rows)
+        self.n = n1
+        view = RowsView(self, n0, n1, views, key_states[:, :, :0])
         return view, view
+
+    def _step_ragged(self, key_states: torch.Tensor, value_states: torch.Tensor):
+        """One token for every row of a ragged batch whose rows all hold their sinks: written at each row's end of
+        the recent buffer; a row whose buffer is full flushes its oldest S_flush tokens into its middle (those rows'
+        blocks coded in one call); sliding layers let go of what falls behind each row's window."""
+        if self.key_transform is not None:
+            key_states = self.key_transform.keys(key_states)
+        w, blk = self.cfg.windows, self.block
+        B = key_states.shape[0]
+        rs = self.rs
+        rs[:, 0] += 1
+        n_new, rec_old = rs[:, 0].tolist(), rs[:, 5].tolist()
+        dev = key_states.device
+        if max(rec_old) >= self.recent_k.shape[2]:  # not after _set_rows or a flush; kept general
+            grow = lambda t: torch.cat([t, torch.zeros_like(t)], dim=2)  # noqa: E731
+            self.recent_k, self.recent_v = grow(self.recent_k), grow(self.recent_v)
+        at = to_device(torch.stack([torch.arange(B), rs[:, 5]]), dev)
+        self.recent_k[at[0], :, at[1]] = key_states[:, :, 0]
+        self.recent_v[at[0], :, at[1]] = value_states[:, :, 0]
+        rs[:, 5] += 1
+        # a row codes a block once its end S_sink + Qc(n) passes its middle's (after a crop it may not yet)
+        ends = (rs[:, 3] + rs[:, 4]).tolist()
+        flush = [b for b, (n, e) in enumerate(zip(n_new, ends)) if w.S_sink + w.quantized_count(n) > e]
+        if flush:
+            self._flush_ragged(flush)
+        n0 = self.n
+        self.n = n0 + 1
+        R = int(rs[:, 5].max())
+        view = RaggedView(self, n0, self.n, rs.clone(), self.sink_k, self.sink_v, dict(self.rmid), int(rs[:, 4].max()),
+                          self.recent_k[:, :, :R], self.recent_v[:, :, :R])
+        if self.is_sliding:  # the view keeps what this step reads; the layer keeps what later steps can see
+            self._evict_ragged([n - self.sliding_window + 1 for n in n_new])
+        return view, view
+
+    def _flush_ragged(self, rows: list[int]) -> None:
+        """Rows ``rows`` move the first S_flush tokens of their recent buffers to the ends of their middles."""
+        blk, rs = self.block, self.rs
+        idx = torch.tensor(rows)
+        at = to_device(idx, self.recent_k.device)
+        k, v = self.recent_k[at, :, :blk], self.recent_v[at, :, :blk]  # (F, Hkv, S_flush, d)
+        first = rs[idx, 3] + rs[idx, 4]  # each row's first position of the block
+        km = self.inputs.key_mean
+        if self.k_side is not None and km is not None:
+            k = self._minus_center(k, km.center(first[:, None] + torch.arange(blk), torch.float32))
+        longest = int((rs[idx, 4] + blk).max())
+        for name, side, x in (("k", self.k_side, k), ("v", self.v_side, v)):
+            store = {"fp": x} if side is None else encode_block(side.codec, x)
+            if name not in self.rcols:
+                self.rcols[name] = {key: t.shape[2] for key, t in store.items()}
+            mid = self.rmid[name]
+            cap = 0 if mid is None else next(iter(mid.values())).shape[2] // next(iter(self.rcols[name].values()))
+            if longest > cap * blk:  # grow by doubling (the rows' live columns copied once)
+                cap2 = max(2 * cap, longest // blk)
+                new = {key: t.new_zeros(self.rs.shape[0], t.shape[1], cap2 * self.rcols[name][key], *t.shape[3:])
+                       for key, t in store.items()}
+                if mid is not None:
+                    for key, t in mid.items():
+                        new[key][:, :, : t.shape[2]] = t
+                self.rmid[name] = mid = new
+            for i, b in enumerate(rows):
+                m = int(rs[b, 4]) // blk
+                for key, t in store.items():
+                    c = self.rcols[name][key]
+                    mid[key][b, :, m * c : (m + 1) * c] = t[i]
+        for b in rows:  # the buffer's rest to its front
+            r = int(rs[b, 5])
+            self.recent_k[b, :, : r - blk] = self.recent_k[b, :, blk:r].clone()
+            self.recent_v[b, :, : r - blk] = self.recent_v[b, :, blk:r].clone()
+        rs[idx, 4] += blk
+        rs[idx, 5] -= blk
+
+    def _evict_ragged(self, firsts: list[int]) -> None:
+        """Each row lets go of its positions below ``firsts[b]`` (sliding-window layers), as ``_evict``: sink columns
+        one by one, the middle by whole blocks, its rest moved to the front of the row's storage."""
+        rs, blk = self.rs, self.block
+        first = torch.tensor(firsts)
+        on = first > 0
+        rs[:, 6] = torch.where(on, torch.maximum(rs[:, 6], first), rs[:, 6])
+        drop = torch.minimum((first - rs[:, 1]).clamp(min=0), rs[:, 2]) * on
+        rs[:, 1] += drop
+        rs[:, 2] -= drop
+        drop = torch.minimum((first - rs[:, 3]).clamp(min=0), rs[:, 4]) // blk * blk * on
+        moving = torch.nonzero(drop).flatten().tolist()
+        if moving:  # into fresh tensors: this step's view reads the ones it holds
+            self.rmid = {name: None if mid is None else {key: t.clone() for key, t in mid.items()} for name, mid in self.rmid.items()}
+        for b in moving:
+            d, m = int(drop[b]) // blk, int(rs[b, 4]) // blk
+            for name, mid in self.rmid.items():
+                for key, t in (mid or {}).items():
+                    c = self.rcols[name][key]
+                    t[b, :, : (m - d) * c] = t[b, :, d * c : m * c].clone()
+        rs[:, 3] += drop
+        rs[:, 4] -= drop
 
     def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
         kv_offset = self._first_visible(self.n)
@@ -434,7 +618,6 @@ class WushKVLayer(CacheLayerMixin):
         self.is_initialized = False
         self.row_sinks = False
         self.n = 0
-        self.rows = None
         for side in (self.k_side, self.v_side):
             if side is not None:
                 side.store = type(side.store)()
@@ -450,7 +633,8 @@ class WushKVLayer(CacheLayerMixin):
             if k:
                 layer.recent_k, layer.recent_v = layer.recent_k[:, :, :-k], layer.recent_v[:, :, :-k]
                 layer.n -= k
-        if self.rows is not None:
+        if self.row_mode:
+            self._set_rows(layers)
             self.n -= n
 
     def _crop_plan(self, tokens_to_remove: int):
@@ -461,7 +645,7 @@ class WushKVLayer(CacheLayerMixin):
         n = abs(tokens_to_remove)
         if n == 0 or not self.is_initialized:
             return None
-        layers = self.rows if self.rows is not None else [self]
+        layers = self.row_layers() if self.row_mode else [self]
         counts = [min(n, layer.n) for layer in layers]  # a row's real tokens among the last n
         for layer, k in zip(layers, counts):
             if k > layer._croppable():
@@ -479,6 +663,9 @@ class WushKVLayer(CacheLayerMixin):
         return n, layers, counts
 
     def _croppable(self) -> int:
+        if self.row_mode and self.is_initialized:  # the most tokens every row can give up (a row holds no more than n)
+            rows = self.row_layers()
+            return min([r._croppable() for r in rows if r._croppable() < r.n], default=self.n)
         return max(0, self.n - max(self.mid_start + self._mid_len, self.n - self.recent_k.shape[2])) if self.is_initialized else 0
 
     def _apply_batch(self, fn) -> None:
@@ -488,13 +675,9 @@ class WushKVLayer(CacheLayerMixin):
             self.ends = fn(self.ends)
         if not self.is_initialized:
             return
-        if self.rows is not None:  # a row taken twice (beams) continues as two independent copies
-            taken: set[int] = set()
-            rows = []
-            for i in fn(torch.arange(len(self.rows))).tolist():
-                rows.append(copy.deepcopy(self.rows[i]) if i in taken else self.rows[i])
-                taken.add(i)
-            self.rows = rows
+        if self.row_mode:  # a row taken twice (beams) continues as two independent copies
+            self.rs = fn(self.rs)
+            self.rmid = {name: None if mid is None else {key: fn(t) for key, t in mid.items()} for name, mid in self.rmid.items()}
         self.sink_k, self.sink_v = fn(self.sink_k), fn(self.sink_v)
         self.recent_k, self.recent_v = fn(self.recent_k), fn(self.recent_v)
         self._mid_fp_store = {k: fn(v) for k, v in self._mid_fp_store.items()}
@@ -643,8 +826,8 @@ class WushKVLayer(CacheLayerMixin):
     def nbytes(self) -> dict[str, int]:
         if not self.is_initialized:
             return {"codes": 0, "metadata": 0, "full_precision": 0}
-        if self.rows is not None:
-            parts = [row.nbytes() for row in self.rows]
+        if self.row_mode:  # what each row holds (the storage's spare columns are not counted, as _Growable's)
+            parts = [row.nbytes() for row in self.row_layers()]
             return {k: sum(p[k] for p in parts) for k in ("codes", "metadata", "full_precision")}
         codes = meta = 0
         for side in (self.k_side, self.v_side):

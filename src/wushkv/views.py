@@ -4,7 +4,9 @@
 * :class:`KVView`: one layer's snapshot (sink, packed middle, recent buffer) for a batch; in decode it attends
   straight from the codes (:mod:`wushkv.decode`), for a multi-token chunk it runs the exact single-pass emulation
   (query ``i`` sees token ``t`` quantized iff ``S_sink <= t < S_sink + Qc(i+1)``); left-padded rows are masked.
-* :class:`RowsView`: a padded batch under quantizers of token blocks, one unpadded layer per row, attended row by row.
+* :class:`RaggedView`: a one-token step of a padded batch under quantizers of token blocks (ragged rows, each row's
+  tokens from column 0), attended from the codes in one call with a mask per row.
+* :class:`RowsView`: any other update of such a batch, each row an unpadded layer, attended row by row.
 
 The layer's storage and its quantization live in :mod:`wushkv.layer`; this module only reads them.
 """
@@ -18,6 +20,17 @@ import torch
 from .attention import as_allowed, fast_attention, fused_selective_attention, needs_reference, selective_attention
 from .decode import decode_attention
 from .triton_kernels import to_device
+
+
+def _queries(layer, module, query: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """``query`` in the layer's transformed key space, as ``dtype``; refuses a module whose key transform changed."""
+    kt = getattr(module, "wushkv_key", None)
+    if kt is not layer.key_transform:
+        raise RuntimeError(
+            "the key transform of this attention module changed after the WushKVCache was created; "
+            "create the cache after apply_transforms()/restore()"
+        )
+    return (kt.queries(query) if kt is not None else query).to(dtype)
 
 
 class LayerView:
@@ -81,15 +94,7 @@ class KVView(LayerView):
         """Attention of ``query`` (B, Hq, T, d) over this layer; returns (B, T, Hq, d) in transformed V space.
         ``softcap``: the logit softcap or None; ``sinks``: learned sink logits (Hq,) or None."""
         layer = self.layer
-        kt = getattr(module, "wushkv_key", None)
-        if kt is not layer.key_transform:
-            raise RuntimeError(
-                "the key transform of this attention module changed after the WushKVCache was created; "
-                "create the cache after apply_transforms()/restore()"
-            )
-        if kt is not None:
-            query = kt.queries(query)
-        query = query.to(self.win_k.dtype)
+        query = _queries(layer, module, query, self.win_k.dtype)
         if self.n0 == 0 and not layer.is_sliding:
             layer._check_padding(attention_mask)
         T = query.shape[2]
@@ -233,9 +238,9 @@ class KVView(LayerView):
 class RowsView(LayerView):
     """What ``update`` hands to attention for a left-padded batch whose quantizers code blocks of tokens.
 
-    Each row keeps its own unpadded :class:`WushKVLayer` (its blocks start at its first real token, as
-    they would for the row alone); ``rows[b]`` is that layer's :class:`KVView` for this update, or None
-    while row ``b`` has seen only padding. Attention runs row by row over the real columns, so every
+    Each row is an unpadded :class:`WushKVLayer` over the batch's ragged storage (its blocks start at its first
+    real token, as they would for the row alone: ``WushKVLayer.row_layers``); ``rows[b]`` is that layer's
+    :class:`KVView` for this update, or None while row ``b`` has seen only padding. Attention runs row by row over the real columns, so every
     row gets exactly what it gets alone; outputs at padding positions are zero (never read).
     """
 
@@ -268,3 +273,67 @@ class RowsView(LayerView):
                 out = o.new_zeros(B, T, *o.shape[2:])
             out[b, T - tq :] = o[0]
         return out if out is not None else query.new_zeros(B, T, Hq, self._like.shape[-1])
+
+
+@dataclass
+class RaggedView(LayerView):
+    """What a one-token step hands to attention for a left-padded batch whose quantizers code blocks of tokens
+    (:meth:`wushkv.layer.WushKVLayer._step_ragged`): every row's real tokens from column 0 of batched parts, as the
+    row alone would hold them, attended in one call from the codes with a mask per row.
+
+    Attributes (B, Hkv, *, d): ``rs`` (B, 7) int64 on the host, each row's ``WushKVLayer._RAGGED`` after this step;
+    ``sink_k/v`` the sinks (column = position); ``mid`` {"k", "v"}: the middles' storage per key (B, Hkv, cap, ·),
+    or None where nothing is coded yet; ``mid_n`` the longest middle (tokens); ``rec_k/v`` the recent buffers.
+    """
+
+    layer: WushKVLayer
+    n0: int
+    n1: int
+    rs: torch.Tensor
+    sink_k: torch.Tensor
+    sink_v: torch.Tensor
+    mid: dict
+    mid_n: int
+    rec_k: torch.Tensor
+    rec_v: torch.Tensor
+
+    @property
+    def _like(self) -> torch.Tensor:
+        return self.rec_k
+
+    def attend(self, module, query, attention_mask, scaling: float, softcap: float | None,
+               sinks: torch.Tensor | None = None) -> torch.Tensor:
+        """Row ``b`` reads its sink columns ``[sink_start, sink_start + sink_n)``, its middle's first ``mid_n`` and its
+        buffer's first ``rec_n`` (positions ``n - rec_n`` on): parts as wide as the longest row's, the rest masked,
+        and each column's position (plus the row's padding) looked up in transformers' mask and window."""
+        layer, dt = self.layer, self.rec_k.dtype
+        query = _queries(layer, module, query, dt)
+        B, M, R, S_sink = query.shape[0], self.mid_n, self.rec_k.shape[2], self.sink_k.shape[2]
+        dev = query.device
+        # one copy of 8·B ints to where the query is, no wait for a GPU
+        p, n, sink_start, sink_n, mid_start, mid_n, rec_n, _ = to_device(
+            torch.cat([layer.pads[:, None], self.rs], 1).T.contiguous(), dev).unsqueeze(-1)
+        ar = lambda k: torch.arange(k, device=dev)  # noqa: E731
+        j_sink, j_mid, j_rec = ar(S_sink), ar(M), ar(R)
+        pos = torch.cat([j_sink.expand(B, S_sink), mid_start + j_mid, n - rec_n + j_rec], dim=1)  # (B, N)
+        visible = torch.cat([(j_sink >= sink_start) & (j_sink < sink_start + sink_n), j_mid < mid_n, j_rec < rec_n], 1)
+        lo = self.kv_offset  # (padded columns)
+        S = self.n1 - lo
+        visible &= p + pos >= lo  # inside a sliding window
+        allowed = as_allowed(attention_mask, S)
+        if allowed is not None:
+            visible &= allowed.reshape(-1, S).expand(B, S).gather(1, (p + pos - lo).clamp(0, S - 1))
+        parts = []
+        for name in ("k", "v"):
+            side = layer.k_side if name == "k" else layer.v_side
+            store, cols = self.mid[name], layer.rcols.get(name, {})
+            full = self.sink_k if name == "k" else self.sink_v
+            if side is None:
+                parts.append(full[:, :, :0] if store is None else store["fp"][:, :, : M // layer.block * cols["fp"]])
+                continue
+            run = (side.codec, {} if store is None else {key: t[:, :, : M // layer.block * cols[key]] for key, t in store.items()}, M)
+            if name == "k" and M and layer.inputs.key_mean is not None:  # each row's token 0 at its mid_start
+                run += (layer.centers_from(self.rs[:, 3]),)
+            parts.append(run)
+        return decode_attention(query, [self.sink_k, parts[0], self.rec_k], [self.sink_v, parts[1], self.rec_v],
+                                visible.view(B, 1, 1, -1), scaling, softcap, sinks=sinks)
