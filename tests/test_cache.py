@@ -655,6 +655,52 @@ def test_left_padded_decode_makes_the_host_wait_for_no_device(rmean):
     assert (fake_cuda.host(out) - ref).abs().max() < 1e-5
 
 
+@torch.no_grad()
+@pytest.mark.parametrize("sliding", [None, 40])
+def test_ragged_step_makes_the_host_wait_for_no_device(sliding):
+    """A one-token step of ragged rows (key tiles, a padded batch) on fake CUDA tensors (tests/fake_cuda.py, PyTorch
+    path): the batched update (token written at each row's end, a row's block flushed, sliding eviction) and its
+    decode make no operation a GPU would refuse and no host-device sync, and give the CPU's attention."""
+    import copy
+
+    import fake_cuda
+
+    from wushkv import decode, triton_kernels
+    from wushkv.decode import triton_enabled
+    from wushkv.layer import WushKVLayer
+    from wushkv.views import RaggedView
+
+    cfg = QuantConfig(2, 2, "quest", key_quantizer="kvarn", windows=WindowConfig(4, 8, 16))
+    B, H, d, pads = 3, 2, 32, [0, 34, 15]
+    g = torch.Generator().manual_seed(0)
+    layer = WushKVLayer(cfg, d, sliding_window=sliding)
+    layer.set_padding(pads)
+    layer.update(*(torch.randn(B, H, 90, d, generator=g) for _ in range(2)))
+    dev = fake_cuda.on_device
+    moved = copy.deepcopy(layer)
+    for name in ("sink_k", "sink_v", "recent_k", "recent_v"):
+        setattr(moved, name, dev(getattr(moved, name)))
+    moved.rmid = {side: {k: dev(t) for k, t in mid.items()} for side, mid in moved.rmid.items()}
+    try:
+        for step in range(5):  # rows 90, 56 and 75 tokens long flush a 16-token block at steps 1, 3 and 0
+            k, v, q = (torch.randn(B, h, 1, d, generator=g) for h in (H, H, 2 * H))
+            view, _ = layer.update(k, v)
+            ref = view.attend(_NoKeyTransform, q, None, d**-0.5, None)
+            with triton_enabled(False), fake_cuda.active():
+                fake_cuda.reset()
+                view, _ = moved.update(dev(k), dev(v))
+                out = view.attend(_NoKeyTransform, dev(q), None, d**-0.5, None)
+                assert isinstance(view, RaggedView)
+            if step:  # (the first decode builds the code tables on the device once)
+                assert not fake_cuda.errors() and not fake_cuda.syncs(), (step, fake_cuda.errors(), fake_cuda.syncs())
+            assert (fake_cuda.host(out) - ref).abs().max() < 1e-5
+    finally:
+        fake_cuda.reset()
+        for tables in (decode._TABLES, triton_kernels._ROPE_TABLES):  # no fake tensor outlives the test
+            for key in [k for k, t in tables.items() if fake_cuda.is_fake(t)]:
+                del tables[key]
+
+
 def test_rope_mean_bad_inputs():
     from wushkv.layer import RotatingKeyMean
 
