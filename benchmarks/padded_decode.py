@@ -5,7 +5,7 @@ and quantized, ``KVView._attend_padded``) and against the same batch without pad
 run.
 
     python benchmarks/padded_decode.py [--contexts 4096,16384] [--batches 4,8] [--shapes smollm2,llama8b]
-                                        [--threads 2] [--json out.json]
+                                        [--threads 2] [--steps 24] [--no-per-token] [--no-tiles] [--json out.json]
 
 Shapes: ``smollm2`` (3 KV heads, GQA 3, head_dim 64), ``llama8b`` (8 KV heads, GQA 4, head_dim 128); keys and values
 K2V2 affine, float32; sink 64 and recent 256 tokens in full precision (the generation windows). Row ``b`` of a batch
@@ -47,7 +47,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--shapes", default="smollm2,llama8b")
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--repeats", type=int, default=3)
-    ap.add_argument("--tiles", action=argparse.BooleanOptionalAction, default=True)
+    ap.add_argument("--per-token", action=argparse.BooleanOptionalAction, default=True, help="the affine rows")
+    ap.add_argument("--tiles", action=argparse.BooleanOptionalAction, default=True, help="the key tiles' rows")
     ap.add_argument("--steps", type=int, default=24)
     ap.add_argument("--json", default=None)
     return ap.parse_args(argv)
@@ -217,7 +218,7 @@ def main(argv: list[str] | None = None) -> dict:
     args = parse_args(argv)
     torch.set_num_threads(args.threads)
     contexts, batches = [int(x) for x in args.contexts.split(",")], [int(x) for x in args.batches.split(",")]
-    rows = run(contexts, batches, args.shapes.split(","), args.repeats)
+    rows = run(contexts, batches, args.shapes.split(","), args.repeats) if args.per_token else []
     tiles = run_tiles(contexts, batches, args.shapes.split(","), args.steps) if args.tiles else []
     if args.json:
         from wushkv.io import write_json

@@ -486,22 +486,30 @@ def _causal(pads, n0, n1, lo, sliding):
 @pytest.mark.parametrize("windows", [(3, 5, 2), (0, 4, 2)])
 @pytest.mark.parametrize("pads", [[0, 7, 3], [3, 20]])
 @pytest.mark.parametrize("sliding", [None, 12])
-@pytest.mark.parametrize("quantizer", ["affine", "kvarn", "kivi", "kvarn+rmean"])
+@pytest.mark.parametrize("quantizer", ["affine", "kvarn", "kivi", "kvarn+rmean", "kvarn, keys unquantized", "kivi, values unquantized"])
 def test_left_padded_layer_equals_its_rows_alone(windows, pads, sliding, quantizer):
     """One padded layer against one unpadded layer per row, float64, every step: per-token codes (rows' own sinks, a
-    middle shared column by column) and codes of token blocks (KVarN tiles, KIVI: ragged rows, each from column 0;
-    a one-token step of all rows in one batched update and one decode). Prompts longer and shorter than the paddings
-    (a row's sink filled over several updates), one-token steps with transformers' mask and without it (it gives none
-    to a decode step without padding), a chunk in between, a crop of the last tokens (without a sliding window), and
-    sliding-window eviction near the rows' sinks. Keys centered on their rotating mean (``+rmean``) follow each row's
-    positions; a mask with holes (two real columns of row 0 hidden at some steps) is honoured as the rows alone do."""
+    middle shared column by column) and codes of token blocks (KVarN tiles, KIVI: ragged rows, each from its own
+    column; a one-token step of all rows in one batched update and one decode), also with one side in full precision.
+    Prompts longer and shorter than the paddings (a row's sink filled over several updates), one-token steps with
+    transformers' mask and without it (it gives none to a decode step without padding), a chunk in between, a beam
+    reorder that takes a row twice (after the rows' middles differ), a crop of the last tokens, and on sliding-window
+    layers eviction near the rows' sinks and a crop refused exactly where a row alone refuses it. Keys centered on
+    their rotating mean (``+rmean``) follow each row's positions; a mask with holes (two real columns of row 0 hidden
+    at some steps) is honoured as the rows alone do. A view handed out keeps what it read: attended again after the
+    next step's update, it gives the same output."""
+    import copy
+
     from wushkv.layer import CacheInputs, RotatingKeyMean, WushKVLayer
     from wushkv.views import RaggedView
 
+    name = quantizer.split("+")[0].split(",")[0]
+    k_bits = None if "keys unquantized" in quantizer else 3 if name == "kivi" else 2
+    v_bits = None if "values unquantized" in quantizer else 2
     if quantizer == "affine":
         cfg = QuantConfig(2, 2, "affine", windows=WindowConfig(*windows))
     else:  # blocks of S_flush = 4 tokens
-        cfg = QuantConfig(3 if quantizer == "kivi" else 2, 2, quantizer.split("+")[0], windows=WindowConfig(windows[0], windows[1], 4))
+        cfg = QuantConfig(k_bits, v_bits, name, windows=WindowConfig(windows[0], windows[1], 4))
     B, H, d = len(pads), 2, 16
     g = torch.Generator().manual_seed(0)
     inputs = CacheInputs()
@@ -511,17 +519,34 @@ def test_left_padded_layer_equals_its_rows_alone(windows, pads, sliding, quantiz
         inputs = CacheInputs(key_mean=RotatingKeyMean(mu, T_K, (1e4 ** -(torch.arange(0, d, 2) / d), 1.0)))
     K, V = (torch.randn(B, H, 60, d, generator=g, dtype=torch.float64) for _ in range(2))
     Q = torch.randn(B, 2 * H, 60, d, generator=g, dtype=torch.float64)
-    # (a sliding layer evicts what a crop would bring back into its window: crops only without one)
+    order = [1, 1, 0][:B] if B == 3 else [1, 1]  # a row taken twice, then continuing independently
+    # (a sliding layer evicts what a crop would bring back into its window: there a crop is tried, and refused)
     # a first chunk shorter than a padding (13 < 20): that row's first tokens arrive in later steps
-    for steps in ([30] + [1] * 12 + ([] if sliding else ["crop"]) + [1] * 8, [13] + [1] * 10 + [6] + [1] * 8):
+    for steps in ([30] + [1] * 6 + ["reorder"] + [1] * 6 + ["crop"] + [1] * 8, [13] + [1] * 10 + [6, "crop"] + [1] * 8):
         layer = WushKVLayer(cfg, d, sliding_window=sliding, inputs=inputs)
         layer.set_padding(pads)
         alone = [WushKVLayer(cfg, d, sliding_window=sliding, inputs=inputs) for _ in pads]
-        n0 = 0
+        rows, n0, held = list(pads), 0, None
         for i, T in enumerate(steps):
+            if T == "reorder":
+                layer.reorder_cache(torch.tensor(order))
+                alone, rows = [copy.deepcopy(alone[j]) for j in order], [rows[j] for j in order]
+                K, V, Q = (x[order] for x in (K, V, Q))
+                held = None  # (a view is of the batch in the order it was made in)
+                continue
             if T == "crop":  # what the padded layer can still crop: the last tokens, in every row's buffer
-                k = layer._croppable()
-                assert k > 0
+                k = max(1, layer._croppable())
+                refused = []  # a row alone refuses where its crop would cut into what it let go of or coded
+                for a in alone:
+                    try:
+                        a._crop_plan(-min(k, a.n))
+                    except ValueError:
+                        refused.append(a)
+                if refused:
+                    with pytest.raises(ValueError, match="cannot crop"):
+                        layer.crop(-k)
+                    assert sliding  # (without a window, _croppable's count is always allowed)
+                    continue
                 layer.crop(-k)
                 for a in alone:
                     a.crop(-k)
@@ -529,15 +554,18 @@ def test_left_padded_layer_equals_its_rows_alone(windows, pads, sliding, quantiz
                 continue
             n1 = n0 + T
             view, _ = layer.update(K[:, :, n0:n1], V[:, :, n0:n1])
-            batched = T == 1 and n0 - max(pads) >= cfg.windows.S_sink  # every row holds its sink: one batched step
+            if held is not None:  # the previous step's view, attended again: nothing it reads was written
+                assert torch.equal(held[0].attend(_NoKeyTransform, *held[1:3], d**-0.5, None), held[3]), (steps, i)
+            batched = T == 1 and n0 - max(rows) >= cfg.windows.S_sink  # every row holds its sink: one batched step
             assert isinstance(view, RaggedView) == (quantizer != "affine" and batched)
-            mask = _causal(pads, n0, n1, view.kv_offset, sliding) if T > 1 or i % 2 else None
-            holes = [c for c in (n1 - 3, max(view.kv_offset, pads[0]) + 1) if T == 1 and i % 4 == 3 and pads[0] <= c < n1 - 1]
+            mask = _causal(rows, n0, n1, view.kv_offset, sliding) if T > 1 or i % 2 else None
+            holes = [c for c in (n1 - 3, max(view.kv_offset, rows[0]) + 1) if T == 1 and i % 4 == 3 and rows[0] <= c < n1 - 1]
             for c in holes:
                 mask[0, 0, -1, c - view.kv_offset] = False
             out = view.attend(_NoKeyTransform, Q[:, :, n0:n1], mask, d**-0.5, None)
+            held = (view, Q[:, :, n0:n1], mask, out) if n0 else None  # (a first step's view checks the padding)
             assert torch.isfinite(out).all()
-            for b, p in enumerate(pads):
+            for b, p in enumerate(rows):
                 a = max(n0, p)
                 if a < n1:  # the row's real queries of this step
                     v, _ = alone[b].update(K[b : b + 1, :, a:n1], V[b : b + 1, :, a:n1])
@@ -547,6 +575,9 @@ def test_left_padded_layer_equals_its_rows_alone(windows, pads, sliding, quantiz
                     ref = v.attend(_NoKeyTransform, Q[b : b + 1, :, a:n1], m, d**-0.5, None)
                     assert (out[b : b + 1, T - (n1 - a) :] - ref).abs().max() < 1e-9, (steps, i, b)
             n0 = n1
+        if quantizer != "affine":  # ragged rows hold what the rows hold alone (per-token codes also code pad columns)
+            want = [a.nbytes() for a in alone]
+            assert layer.nbytes() == {k: sum(w[k] for w in want) for k in want[0]}, (steps, [a.nbytes() for a in layer.row_layers()], want)
 
 
 @torch.no_grad()

@@ -238,3 +238,18 @@ def test_each_environment_builds_in_its_own_folder(monkeypatch):
     # and one per source: another checkout of wushkv in the same environment builds beside, not over, this one
     assert ext.kernel_directory().parent == ext.build_directory(f"wushkv_codes_{ext._cpu_tag()}")
     assert ext.kernel_directory().name == hashlib.sha256(ext.SOURCE.read_bytes()).hexdigest()[:10]
+
+
+def test_dequantized_blocks_shrink_with_the_batch():
+    """A run dequantized block by block (KVarN tiles, KIVI) is read in blocks of at most ``block`` tokens, fewer for a
+    large batch, so one block's floats stay near _DEQUANT_FLOATS whatever B·Hkv (blocks of 4096 tokens over 16 rows of
+    3 heads ran at a third of the speed); the blocks tile the run in whole codec blocks."""
+    from wushkv.decode import _DEQUANT_FLOATS, _dequant_steps
+
+    codec = make_codec(QuantConfig(2, 2, "kvarn", windows=WindowConfig(8, 0, 16)), "key", 64)
+    for rows, want in ((1, 1000), (12, 1000), (48, 256), (10**6, codec.block)):
+        steps = _dequant_steps(1000, codec, 4096, rows)
+        assert steps[0][0] == 0 and steps[-1][1] == 1000 and all(b == c for (_, b), (c, _) in zip(steps, steps[1:]))
+        size = steps[0][1] - steps[0][0]
+        assert size == want and size % codec.block == 0 or size == 1000
+        assert size * rows * 64 <= max(_DEQUANT_FLOATS, codec.block * rows * 64)

@@ -411,26 +411,34 @@ class WushKVLayer(CacheLayerMixin):
         return view, view
 
     # -- a left-padded batch of block quantizers: ragged rows ------------------------------------
-    # Row b's real tokens are stored from column 0, as the row alone would store them (its blocks start at its
-    # own first real token), in batched tensors: sink (B, Hkv, S_sink, d), column = position; the middle's storage
-    # per key (B, Hkv, cap, ·), its first held token at column 0; the recent buffer (B, Hkv, R, d) from column 0.
-    # What differs between rows is held on the host, one row of _RAGGED each (self.rs, int64 (B, 7)).
-    _RAGGED = ("n", "sink_start", "sink_n", "mid_start", "mid_n", "rec_n", "evicted_to")
+    # Row b's real tokens are stored as the row alone stores them (its blocks start at its own first real token), in
+    # batched tensors: the sink (B, Hkv, S_sink, d), column = position; the middle's storage per key (B, Hkv, cap, ·)
+    # and the recent buffer (B, Hkv, R, d), row b's tokens from its column mid_lo / rec_lo on. What differs between
+    # rows is a host table, self.rs (B, 9) int64, one column per name of _RAGGED. A view handed out never sees a
+    # write to what it reads: a step writes past each row's held columns and moves the row's lo; a storage that fills
+    # up is rebuilt, each row from column 0, in fresh tensors.
+    _RAGGED = ("n", "sink_start", "sink_n", "mid_start", "mid_n", "rec_n", "evicted_to", "mid_lo", "rec_lo")
+    N, SINK_START, SINK_N, MID_START, MID_N, REC_N, EVICTED, MID_LO, REC_LO = range(9)
 
     def _init_ragged(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
         B, H = key_states.shape[:2]
-        w = self.cfg.windows
         self.rs = torch.zeros(B, len(self._RAGGED), dtype=torch.long)
-        self.rs[:, 3] = w.S_sink
-        self.sink_k = key_states.new_zeros(B, H, w.S_sink, key_states.shape[-1])
-        self.sink_v = value_states.new_zeros(B, H, w.S_sink, value_states.shape[-1])
-        self.recent_k = key_states.new_zeros(B, H, w.S_keep + w.S_flush, key_states.shape[-1])
-        self.recent_v = value_states.new_zeros(B, H, w.S_keep + w.S_flush, value_states.shape[-1])
+        self.rs[:, self.MID_START] = self.cfg.windows.S_sink
+        self.sink_k = key_states.new_zeros(B, H, self.cfg.windows.S_sink, key_states.shape[-1])
+        self.sink_v = value_states.new_zeros(B, H, self.cfg.windows.S_sink, value_states.shape[-1])
+        self.recent_k = key_states.new_zeros(B, H, self._recent_cap(0), key_states.shape[-1])
+        self.recent_v = value_states.new_zeros(B, H, self._recent_cap(0), value_states.shape[-1])
         self.rmid: dict[str, dict[str, torch.Tensor] | None] = {"k": None, "v": None}  # per key (B, Hkv, cap, ·)
         self.rcols: dict[str, dict[str, int]] = {}  # columns of each key per block of S_flush tokens
 
+    def _recent_cap(self, longest: int) -> int:
+        """Columns of a fresh recent buffer whose longest row holds ``longest``: S_flush more than a row ever holds
+        after an update (S_keep + S_flush − 1), so it is rebuilt about once in S_flush steps."""
+        w = self.cfg.windows
+        return max(w.S_keep + 2 * w.S_flush, longest + w.S_flush)
+
     def centers_from(self, firsts: torch.Tensor) -> KeyCenters:
-        """The :class:`KeyCenters` of a ragged middle whose row ``b`` starts at position ``firsts[b]`` (B,)."""
+        """The :class:`KeyCenters` of a ragged middle whose storage column 0 is row ``b``'s position ``firsts[b]``."""
         return KeyCenters(self.inputs.key_mean, 0, -firsts)  # first = start + a − pads
 
     def row_layers(self) -> list[WushKVLayer]:
@@ -439,34 +447,37 @@ class WushKVLayer(CacheLayerMixin):
         return [self._row_layer(b) for b in range(self.rs.shape[0])]
 
     def _row_layer(self, b: int) -> WushKVLayer:
-        n, sink_start, sink_n, mid_start, mid_n, rec_n, evicted = self.rs[b].tolist()
+        n, sink_start, sink_n, mid_start, mid_n, rec_n, evicted, mid_lo, rec_lo = self.rs[b].tolist()
         row = WushKVLayer(self.cfg, self.head_dim, self.key_transform, self.sliding_window, self.inputs)
         row.lazy_initialization(self.sink_k[b : b + 1, :, :0], self.sink_v[b : b + 1, :, :0])
         row.n, row.sink_start, row.mid_start, row._mid_len, row._evicted_to = n, sink_start, mid_start, mid_n, evicted
         row.sink_k = self.sink_k[b : b + 1, :, sink_start : sink_start + sink_n]
         row.sink_v = self.sink_v[b : b + 1, :, sink_start : sink_start + sink_n]
-        row.recent_k, row.recent_v = self.recent_k[b : b + 1, :, :rec_n], self.recent_v[b : b + 1, :, :rec_n]
+        row.recent_k = self.recent_k[b : b + 1, :, rec_lo : rec_lo + rec_n]
+        row.recent_v = self.recent_v[b : b + 1, :, rec_lo : rec_lo + rec_n]
         for name, side in (("k", self.k_side), ("v", self.v_side)):
             mid = self.rmid[name]
             if mid is None:
                 continue
-            cols = {key: mid_n // self.block * c for key, c in self.rcols[name].items()}
+            cols = lambda t, c: t // self.block * c  # noqa: E731
             if side is None:
-                row._mid_fp_store[name] = mid["fp"][b : b + 1, :, : cols["fp"]]
+                c = self.rcols[name]["fp"]
+                row._mid_fp_store[name] = mid["fp"][b : b + 1, :, cols(mid_lo, c) : cols(mid_lo + mid_n, c)]
             else:  # a view of the row's storage: its appends write there, past what anything live reads
                 store = getattr(row, f"{name}_side").store
                 store.buf = {key: t[b : b + 1] for key, t in mid.items()}
-                store.start, store.end = dict.fromkeys(mid, 0), cols
+                store.start = {key: cols(mid_lo, c) for key, c in self.rcols[name].items()}
+                store.end = {key: cols(mid_lo + mid_n, c) for key, c in self.rcols[name].items()}
         return row
 
     def _set_rows(self, rows: list[WushKVLayer]) -> None:
-        """The batch's storage rebuilt from its rows (unpadded layers): fresh tensors, so that the views handed out
-        by the rows' updates keep what they read."""
-        w, blk = self.cfg.windows, self.block
+        """The batch's storage rebuilt from its rows (unpadded layers), each row from column 0: fresh tensors, so that
+        the views handed out by the rows' updates keep what they read."""
+        blk = self.block
         self.rs = torch.tensor([[r.n, r.sink_start, r.sink_k.shape[2], r.mid_start, r._mid_len, r.recent_k.shape[2],
-                                 r._evicted_to] for r in rows], dtype=torch.long)
+                                 r._evicted_to, 0, 0] for r in rows], dtype=torch.long)
         B = len(rows)
-        rec = max([w.S_keep + w.S_flush, *self.rs[:, 5].tolist()])
+        rec = self._recent_cap(int(self.rs[:, self.REC_N].max()))
         sink_k, sink_v = torch.zeros_like(self.sink_k), torch.zeros_like(self.sink_v)
         recent_k = self.recent_k.new_zeros(B, self.recent_k.shape[1], rec, self.recent_k.shape[-1])
         recent_v = self.recent_v.new_zeros(B, self.recent_v.shape[1], rec, self.recent_v.shape[-1])
@@ -486,7 +497,7 @@ class WushKVLayer(CacheLayerMixin):
             like = self.rmid[name] or next(st for r, st in zip(rows, stores) if r._mid_len)
             cap = max(2 * longest, blk) // blk  # blocks
             mid = {key: t.new_zeros(B, t.shape[1], cap * self.rcols[name][key], *t.shape[3:]) for key, t in like.items()}
-            for b, (r, st) in enumerate(zip(rows, stores)):
+            for b, st in enumerate(stores):
                 for key, t in st.items():
                     mid[key][b, :, : t.shape[2]] = t[0]
             self.rmid[name] = mid
@@ -498,9 +509,8 @@ class WushKVLayer(CacheLayerMixin):
         else goes row by row through the rows as unpadded layers (:class:`RowsView`)."""
         n0, T = self.n, key_states.shape[2]
         n1 = n0 + T
-        w = self.cfg.windows
         pads = self._pad_list()
-        if T == 1 and n0 > 0 and all(n0 - p >= w.S_sink for p in pads):
+        if T == 1 and n0 > 0 and all(n0 - p >= self.cfg.windows.S_sink for p in pads):
             return self._step_ragged(key_states, value_states)
         rows, views = self.row_layers(), []
         for b, (row, p) in enumerate(zip(rows, pads)):
@@ -512,97 +522,120 @@ class WushKVLayer(CacheLayerMixin):
         return view, view
 
     def _step_ragged(self, key_states: torch.Tensor, value_states: torch.Tensor):
-        """One token for every row of a ragged batch whose rows all hold their sinks: written at each row's end of
+        """One token for every row of a ragged batch whose rows all hold their sinks: written past each row's end of
         the recent buffer; a row whose buffer is full flushes its oldest S_flush tokens into its middle (those rows'
-        blocks coded in one call); sliding layers let go of what falls behind each row's window."""
+        blocks coded in one call); sliding layers let go of what falls behind each row's window. The view keeps what
+        this step reads (the rows' extents before the eviction)."""
         if self.key_transform is not None:
             key_states = self.key_transform.keys(key_states)
-        w, blk = self.cfg.windows, self.block
-        B = key_states.shape[0]
-        rs = self.rs
-        rs[:, 0] += 1
-        n_new, rec_old = rs[:, 0].tolist(), rs[:, 5].tolist()
-        dev = key_states.device
-        if max(rec_old) >= self.recent_k.shape[2]:  # not after _set_rows or a flush; kept general
-            grow = lambda t: torch.cat([t, torch.zeros_like(t)], dim=2)  # noqa: E731
-            self.recent_k, self.recent_v = grow(self.recent_k), grow(self.recent_v)
-        at = to_device(torch.stack([torch.arange(B), rs[:, 5]]), dev)
+        w, rs, B = self.cfg.windows, self.rs, key_states.shape[0]
+        rs[:, self.N] += 1
+        n_new = rs[:, self.N].tolist()
+        if int((rs[:, self.REC_LO] + rs[:, self.REC_N]).max()) >= self.recent_k.shape[2]:
+            self._compact_recent()
+        # each row's token at its buffer's end: one pinned copy of 2·B ints, one indexed write per side
+        at = to_device(torch.stack([torch.arange(B), rs[:, self.REC_LO] + rs[:, self.REC_N]]), key_states.device)
         self.recent_k[at[0], :, at[1]] = key_states[:, :, 0]
         self.recent_v[at[0], :, at[1]] = value_states[:, :, 0]
-        rs[:, 5] += 1
+        rs[:, self.REC_N] += 1
         # a row codes a block once its end S_sink + Qc(n) passes its middle's (after a crop it may not yet)
-        ends = (rs[:, 3] + rs[:, 4]).tolist()
+        ends = (rs[:, self.MID_START] + rs[:, self.MID_N]).tolist()
         flush = [b for b, (n, e) in enumerate(zip(n_new, ends)) if w.S_sink + w.quantized_count(n) > e]
         if flush:
             self._flush_ragged(flush)
         n0 = self.n
         self.n = n0 + 1
-        R = int(rs[:, 5].max())
-        view = RaggedView(self, n0, self.n, rs.clone(), self.sink_k, self.sink_v, dict(self.rmid), int(rs[:, 4].max()),
-                          self.recent_k[:, :, :R], self.recent_v[:, :, :R])
+        R = int((rs[:, self.REC_LO] + rs[:, self.REC_N]).max())
+        view = RaggedView(self, n0, self.n, rs.clone(), self.sink_k, self.sink_v, dict(self.rmid),
+                          int((rs[:, self.MID_LO] + rs[:, self.MID_N]).max()), self.recent_k[:, :, :R], self.recent_v[:, :, :R])
         if self.is_sliding:  # the view keeps what this step reads; the layer keeps what later steps can see
             self._evict_ragged([n - self.sliding_window + 1 for n in n_new])
         return view, view
 
+    def _gather_rows(self, t: torch.Tensor, lo: torch.Tensor, n: int) -> torch.Tensor:
+        """(B', Hkv, n, ·) of ``t`` (B', Hkv, *, ·): row b's columns [lo[b], lo[b] + n) (past its end: any columns, never
+        read), in one gather; ``lo`` (B',) int64 on the host."""
+        cols = (lo[:, None] + torch.arange(n)).clamp(max=max(t.shape[2] - 1, 0))
+        return torch.take_along_dim(t, to_device(cols, t.device)[:, None, :, None], dim=2)
+
+    def _compact_recent(self) -> None:
+        """A fresh recent buffer, each row's tokens from column 0 (its rec_lo back to 0)."""
+        rs = self.rs
+        longest = int(rs[:, self.REC_N].max())
+        cap = self._recent_cap(longest)
+        for name in ("recent_k", "recent_v"):
+            t = getattr(self, name)
+            new = t.new_zeros(*t.shape[:2], cap, t.shape[-1])
+            new[:, :, :longest] = self._gather_rows(t, rs[:, self.REC_LO], longest)
+            setattr(self, name, new)
+        rs[:, self.REC_LO] = 0
+
+    def _compact_mid(self, blocks: int) -> None:
+        """Fresh middle storage of ``blocks`` blocks a row, each row's tokens from column 0 (its mid_lo back to 0)."""
+        rs, blk = self.rs, self.block
+        longest = int(rs[:, self.MID_N].max()) // blk
+        for name, mid in self.rmid.items():
+            if mid is None:
+                continue
+            new = {}
+            for key, t in mid.items():
+                c = self.rcols[name][key]
+                new[key] = t.new_zeros(*t.shape[:2], blocks * c, *t.shape[3:])
+                if longest:
+                    new[key][:, :, : longest * c] = self._gather_rows(t, rs[:, self.MID_LO] // blk * c, longest * c)
+            self.rmid[name] = new
+        rs[:, self.MID_LO] = 0
+
     def _flush_ragged(self, rows: list[int]) -> None:
-        """Rows ``rows`` move the first S_flush tokens of their recent buffers to the ends of their middles."""
+        """Rows ``rows`` move the oldest S_flush tokens of their recent buffers to the ends of their middles, coded in
+        one call; written past what any view reads (a full storage rebuilt in fresh tensors first)."""
         blk, rs = self.block, self.rs
         idx = torch.tensor(rows)
         at = to_device(idx, self.recent_k.device)
-        k, v = self.recent_k[at, :, :blk], self.recent_v[at, :, :blk]  # (F, Hkv, S_flush, d)
-        first = rs[idx, 3] + rs[idx, 4]  # each row's first position of the block
+        lo = rs[idx, self.REC_LO]
+        k = self._gather_rows(self.recent_k[at], lo, blk)  # (F, Hkv, S_flush, d)
+        v = self._gather_rows(self.recent_v[at], lo, blk)
+        first = rs[idx, self.MID_START] + rs[idx, self.MID_N]  # each row's first position of its block
         km = self.inputs.key_mean
         if self.k_side is not None and km is not None:
             k = self._minus_center(k, km.center(first[:, None] + torch.arange(blk), torch.float32))
-        longest = int((rs[idx, 4] + blk).max())
+        stores = {}
         for name, side, x in (("k", self.k_side, k), ("v", self.v_side, v)):
-            store = {"fp": x} if side is None else encode_block(side.codec, x)
+            stores[name] = {"fp": x} if side is None else encode_block(side.codec, x)
             if name not in self.rcols:
-                self.rcols[name] = {key: t.shape[2] for key, t in store.items()}
+                self.rcols[name] = {key: t.shape[2] for key, t in stores[name].items()}
+            if self.rmid[name] is None:  # room for the rows' first blocks
+                self.rmid[name] = {key: t.new_zeros(rs.shape[0], t.shape[1], 0, *t.shape[3:]) for key, t in stores[name].items()}
+        held = next(iter(self.rmid["k"].values()))
+        cap = held.shape[2] // next(iter(self.rcols["k"].values()))  # blocks
+        need = int((rs[idx, self.MID_LO] + rs[idx, self.MID_N]).max()) // blk + 1
+        if need > cap:  # fresh storage, doubled past what the rows hold
+            self._compact_mid(max(cap, 2 * (int(rs[:, self.MID_N].max()) // blk + 1)))
+        for name, store in stores.items():
             mid = self.rmid[name]
-            cap = 0 if mid is None else next(iter(mid.values())).shape[2] // next(iter(self.rcols[name].values()))
-            if longest > cap * blk:  # grow by doubling (the rows' live columns copied once)
-                cap2 = max(2 * cap, longest // blk)
-                new = {key: t.new_zeros(self.rs.shape[0], t.shape[1], cap2 * self.rcols[name][key], *t.shape[3:])
-                       for key, t in store.items()}
-                if mid is not None:
-                    for key, t in mid.items():
-                        new[key][:, :, : t.shape[2]] = t
-                self.rmid[name] = mid = new
             for i, b in enumerate(rows):
-                m = int(rs[b, 4]) // blk
+                m = int(rs[b, self.MID_LO] + rs[b, self.MID_N]) // blk
                 for key, t in store.items():
                     c = self.rcols[name][key]
                     mid[key][b, :, m * c : (m + 1) * c] = t[i]
-        for b in rows:  # the buffer's rest to its front
-            r = int(rs[b, 5])
-            self.recent_k[b, :, : r - blk] = self.recent_k[b, :, blk:r].clone()
-            self.recent_v[b, :, : r - blk] = self.recent_v[b, :, blk:r].clone()
-        rs[idx, 4] += blk
-        rs[idx, 5] -= blk
+        rs[idx, self.REC_LO] += blk
+        rs[idx, self.REC_N] -= blk
+        rs[idx, self.MID_N] += blk
 
     def _evict_ragged(self, firsts: list[int]) -> None:
         """Each row lets go of its positions below ``firsts[b]`` (sliding-window layers), as ``_evict``: sink columns
-        one by one, the middle by whole blocks, its rest moved to the front of the row's storage."""
+        one by one, the middle by whole blocks. Only the extents move (the storage is compacted when it fills)."""
         rs, blk = self.rs, self.block
         first = torch.tensor(firsts)
         on = first > 0
-        rs[:, 6] = torch.where(on, torch.maximum(rs[:, 6], first), rs[:, 6])
-        drop = torch.minimum((first - rs[:, 1]).clamp(min=0), rs[:, 2]) * on
-        rs[:, 1] += drop
-        rs[:, 2] -= drop
-        drop = torch.minimum((first - rs[:, 3]).clamp(min=0), rs[:, 4]) // blk * blk * on
-        moving = torch.nonzero(drop).flatten().tolist()
-        if moving:  # into fresh tensors: this step's view reads the ones it holds
-            self.rmid = {name: None if mid is None else {key: t.clone() for key, t in mid.items()} for name, mid in self.rmid.items()}
-        for b in moving:
-            d, m = int(drop[b]) // blk, int(rs[b, 4]) // blk
-            for name, mid in self.rmid.items():
-                for key, t in (mid or {}).items():
-                    c = self.rcols[name][key]
-                    t[b, :, : (m - d) * c] = t[b, :, d * c : m * c].clone()
-        rs[:, 3] += drop
-        rs[:, 4] -= drop
+        rs[:, self.EVICTED] = torch.where(on, torch.maximum(rs[:, self.EVICTED], first), rs[:, self.EVICTED])
+        drop = torch.minimum((first - rs[:, self.SINK_START]).clamp(min=0), rs[:, self.SINK_N]) * on
+        rs[:, self.SINK_START] += drop
+        rs[:, self.SINK_N] -= drop
+        drop = torch.minimum((first - rs[:, self.MID_START]).clamp(min=0), rs[:, self.MID_N]) // blk * blk * on
+        rs[:, self.MID_START] += drop
+        rs[:, self.MID_N] -= drop
+        rs[:, self.MID_LO] += drop
 
     def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
         kv_offset = self._first_visible(self.n)

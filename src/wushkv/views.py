@@ -281,9 +281,10 @@ class RaggedView(LayerView):
     (:meth:`wushkv.layer.WushKVLayer._step_ragged`): every row's real tokens from column 0 of batched parts, as the
     row alone would hold them, attended in one call from the codes with a mask per row.
 
-    Attributes (B, Hkv, *, d): ``rs`` (B, 7) int64 on the host, each row's ``WushKVLayer._RAGGED`` after this step;
+    Attributes (B, Hkv, *, d): ``rs`` (B, 9) int64 on the host, each row's ``WushKVLayer._RAGGED`` after this step;
     ``sink_k/v`` the sinks (column = position); ``mid`` {"k", "v"}: the middles' storage per key (B, Hkv, cap, ·),
-    or None where nothing is coded yet; ``mid_n`` the longest middle (tokens); ``rec_k/v`` the recent buffers.
+    or None where nothing is coded yet; ``mid_n`` the widest row's middle columns (tokens, ``mid_lo + mid_n``);
+    ``rec_k/v`` the recent buffers, as wide as the widest row's ``rec_lo + rec_n``.
     """
 
     layer: WushKVLayer
@@ -303,26 +304,29 @@ class RaggedView(LayerView):
 
     def attend(self, module, query, attention_mask, scaling: float, softcap: float | None,
                sinks: torch.Tensor | None = None) -> torch.Tensor:
-        """Row ``b`` reads its sink columns ``[sink_start, sink_start + sink_n)``, its middle's first ``mid_n`` and its
-        buffer's first ``rec_n`` (positions ``n - rec_n`` on): parts as wide as the longest row's, the rest masked,
-        and each column's position (plus the row's padding) looked up in transformers' mask and window."""
+        """Row ``b`` reads its sink columns ``[sink_start, sink_start + sink_n)``, its middle's ``[mid_lo, mid_lo +
+        mid_n)`` and its buffer's ``[rec_lo, rec_lo + rec_n)`` (positions ``n - rec_n`` on): parts as wide as the
+        widest row's, the rest masked, and each column's position (plus the row's padding) looked up in transformers'
+        mask and window."""
         layer, dt = self.layer, self.rec_k.dtype
         query = _queries(layer, module, query, dt)
         B, M, R, S_sink = query.shape[0], self.mid_n, self.rec_k.shape[2], self.sink_k.shape[2]
         dev = query.device
-        # one copy of 8·B ints to where the query is, no wait for a GPU
-        p, n, sink_start, sink_n, mid_start, mid_n, rec_n, _ = to_device(
+        # one copy of 10·B ints to where the query is, no wait for a GPU
+        p, n, sink_start, sink_n, mid_start, mid_n, rec_n, _, mid_lo, rec_lo = to_device(
             torch.cat([layer.pads[:, None], self.rs], 1).T.contiguous(), dev).unsqueeze(-1)
         ar = lambda k: torch.arange(k, device=dev)  # noqa: E731
         j_sink, j_mid, j_rec = ar(S_sink), ar(M), ar(R)
-        pos = torch.cat([j_sink.expand(B, S_sink), mid_start + j_mid, n - rec_n + j_rec], dim=1)  # (B, N)
-        visible = torch.cat([(j_sink >= sink_start) & (j_sink < sink_start + sink_n), j_mid < mid_n, j_rec < rec_n], 1)
+        pos = torch.cat([j_sink.expand(B, S_sink), mid_start - mid_lo + j_mid, n - rec_n - rec_lo + j_rec], dim=1)  # (B, N)
+        visible = torch.cat([(j_sink >= sink_start) & (j_sink < sink_start + sink_n),
+                             (j_mid >= mid_lo) & (j_mid < mid_lo + mid_n), (j_rec >= rec_lo) & (j_rec < rec_lo + rec_n)], 1)
         lo = self.kv_offset  # (padded columns)
         S = self.n1 - lo
         visible &= p + pos >= lo  # inside a sliding window
         allowed = as_allowed(attention_mask, S)
         if allowed is not None:
             visible &= allowed.reshape(-1, S).expand(B, S).gather(1, (p + pos - lo).clamp(0, S - 1))
+        visible |= ~visible.any(-1, keepdim=True)  # a row whose mask hides all (its output is never read): no NaN
         parts = []
         for name in ("k", "v"):
             side = layer.k_side if name == "k" else layer.v_side
@@ -332,8 +336,8 @@ class RaggedView(LayerView):
                 parts.append(full[:, :, :0] if store is None else store["fp"][:, :, : M // layer.block * cols["fp"]])
                 continue
             run = (side.codec, {} if store is None else {key: t[:, :, : M // layer.block * cols[key]] for key, t in store.items()}, M)
-            if name == "k" and M and layer.inputs.key_mean is not None:  # each row's token 0 at its mid_start
-                run += (layer.centers_from(self.rs[:, 3]),)
+            if name == "k" and M and layer.inputs.key_mean is not None:  # storage column 0 at mid_start − mid_lo
+                run += (layer.centers_from(self.rs[:, layer.MID_START] - self.rs[:, layer.MID_LO]),)
             parts.append(run)
         return decode_attention(query, [self.sink_k, parts[0], self.rec_k], [self.sink_v, parts[1], self.rec_v],
                                 visible.view(B, 1, 1, -1), scaling, softcap, sinks=sinks)
