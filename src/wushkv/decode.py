@@ -320,6 +320,21 @@ def _run_output(p, codec, store, n, dtype, block):
     return out
 
 
+def _held_row(parts_k: list, parts_v: list, allowed: torch.Tensor, spans: list, b: int) -> tuple[list, list, torch.Tensor]:
+    """Row ``b`` of ragged parts: each part's columns [a, e) of ``spans``, and ``allowed``'s columns for them."""
+    def cut(part, a, e):
+        if torch.is_tensor(part):
+            return part[b : b + 1, :, a:e]
+        codec, store, n, *center = part
+        return (codec, _slices({k: t[b : b + 1] for k, t in store.items()}, n, a, e), e - a, *(c.row(b, a) for c in center))
+
+    widths = [p.shape[2] if torch.is_tensor(p) else p[2] for p in parts_k]
+    starts = [sum(widths[:i]) for i in range(len(widths))]
+    mask = torch.cat([allowed.reshape(allowed.shape[0], -1)[b : b + 1, s0 + a : s0 + e] for s0, (a, e) in zip(starts, spans)], 1)
+    return ([cut(p, a, e) for p, (a, e) in zip(parts_k, spans)], [cut(p, a, e) for p, (a, e) in zip(parts_v, spans)],
+            mask.view(1, 1, 1, -1))
+
+
 def decode_attention(
     query: torch.Tensor,
     parts_k: list,
@@ -329,6 +344,7 @@ def decode_attention(
     softcap: float | None = None,
     block: int = DEFAULT_BLOCK,
     sinks: torch.Tensor | None = None,
+    held: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Attention of one new query per row over a cache given as parts, in position order.
 
@@ -340,6 +356,10 @@ def decode_attention(
     queries (B, Hkv, G, d)), so the run is still read in the code domain. Every part is read; ``allowed`` (B, 1, 1, S) masks the
     last ``S`` columns (earlier columns are not visible, e.g. outside a sliding window). ``sinks``: learned sink
     logits (Hq,) (gpt-oss), one more softmax column with a zero value.
+    ``held``: ragged rows (B, parts, 2) int64 on the host, row b holding only columns [held[b, i, 0], held[b, i, 1]) of
+    part i (``allowed``, over all the parts' columns, hides the others): the Triton kernel reads the batch in one call
+    through ``allowed``; the PyTorch path reads each row over its held columns alone (a run's centers give a row's
+    with ``center.row(b, a)``) where they are under 80% of the batch's columns, which it would otherwise all read.
     Returns (B, 1, Hq, d), transformers' layout.
     """
     B, Hq, T, d = query.shape
@@ -348,6 +368,10 @@ def decode_attention(
     out = _triton_decode(query, parts_k, parts_v, allowed, scaling, softcap, sinks)
     if out is not None:
         return out
+    widths = [p.shape[2] if torch.is_tensor(p) else p[2] for p in parts_k]
+    if held is not None and int((held[:, :, 1] - held[:, :, 0]).sum()) < 0.8 * B * sum(widths):  # rows far apart
+        return torch.cat([decode_attention(query[b : b + 1], *_held_row(parts_k, parts_v, allowed, held[b].tolist(), b),
+                                           scaling, softcap, block, sinks) for b in range(B)], 0)
     first = parts_k[0]
     Hkv = first.shape[1] if torch.is_tensor(first) else first[1]["codes"].shape[1]
     G = Hq // Hkv

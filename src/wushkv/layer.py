@@ -175,6 +175,10 @@ class KeyCenters:
         self.mean, self.start, self.pads = mean, start, pads
         self._terms = None
 
+    def row(self, b: int, a: int) -> KeyCenters:
+        """The centers of row ``b``'s tokens from ``a`` on (a run cut to one row)."""
+        return KeyCenters(self.mean, self.start + a, None if self.pads is None else self.pads[b : b + 1])
+
     def _first(self, a: int) -> torch.Tensor:
         first = torch.tensor([self.start + a], dtype=torch.int64)
         return first if self.pads is None else first - self.pads.cpu().long()
@@ -504,13 +508,14 @@ class WushKVLayer(CacheLayerMixin):
 
     def _update_ragged(self, key_states: torch.Tensor, value_states: torch.Tensor):
         """A padded batch of block quantizers: each row's real tokens of this update go to its rows' storage, as its
-        own unpadded layer would store them (padding never enters). A step of one token where every row has its sink
-        is done for the whole batch at once and attended from the codes in one call (:class:`RaggedView`); anything
-        else goes row by row through the rows as unpadded layers (:class:`RowsView`)."""
+        own unpadded layer would store them (padding never enters). A step of one token for every row is done for the
+        whole batch at once and attended from the codes in one call (:class:`RaggedView`); anything else (a prompt, a
+        chunk, a step where a row still sees padding) goes row by row through the rows as unpadded layers
+        (:class:`RowsView`)."""
         n0, T = self.n, key_states.shape[2]
         n1 = n0 + T
         pads = self._pad_list()
-        if T == 1 and n0 > 0 and all(n0 - p >= self.cfg.windows.S_sink for p in pads):
+        if T == 1 and n0 > 0 and all(p <= n0 for p in pads):  # every row gets a token: one batched step
             return self._step_ragged(key_states, value_states)
         rows, views = self.row_layers(), []
         for b, (row, p) in enumerate(zip(rows, pads)):
@@ -522,22 +527,32 @@ class WushKVLayer(CacheLayerMixin):
         return view, view
 
     def _step_ragged(self, key_states: torch.Tensor, value_states: torch.Tensor):
-        """One token for every row of a ragged batch whose rows all hold their sinks: written past each row's end of
-        the recent buffer; a row whose buffer is full flushes its oldest S_flush tokens into its middle (those rows'
-        blocks coded in one call); sliding layers let go of what falls behind each row's window. The view keeps what
-        this step reads (the rows' extents before the eviction)."""
+        """One token for every row of a ragged batch: written past each row's end of the recent buffer (or, while a
+        row's sink is not full, into its sink); a row whose buffer is full flushes its oldest S_flush tokens into its
+        middle (those rows' blocks coded in one call); sliding layers let go of what falls behind each row's window.
+        The view keeps what this step reads (the rows' extents before the eviction)."""
         if self.key_transform is not None:
             key_states = self.key_transform.keys(key_states)
         w, rs, B = self.cfg.windows, self.rs, key_states.shape[0]
+        sinking = rs[:, self.N] < w.S_sink  # rows whose token is one of their first S_sink
         rs[:, self.N] += 1
         n_new = rs[:, self.N].tolist()
         if int((rs[:, self.REC_LO] + rs[:, self.REC_N]).max()) >= self.recent_k.shape[2]:
             self._compact_recent()
-        # each row's token at its buffer's end: one pinned copy of 2·B ints, one indexed write per side
-        at = to_device(torch.stack([torch.arange(B), rs[:, self.REC_LO] + rs[:, self.REC_N]]), key_states.device)
-        self.recent_k[at[0], :, at[1]] = key_states[:, :, 0]
-        self.recent_v[at[0], :, at[1]] = value_states[:, :, 0]
-        rs[:, self.REC_N] += 1
+        if not bool(sinking.any()):  # each row's token at its buffer's end: one pinned copy of 2·B ints, one write a side
+            at = to_device(torch.stack([torch.arange(B), rs[:, self.REC_LO] + rs[:, self.REC_N]]), key_states.device)
+            self.recent_k[at[0], :, at[1]] = key_states[:, :, 0]
+            self.recent_v[at[0], :, at[1]] = value_states[:, :, 0]
+        else:  # the first steps after a prompt shorter than S_sink: that row's token into its sink (column = position)
+            for rows, col, dst in ((~sinking, rs[:, self.REC_LO] + rs[:, self.REC_N], ("recent_k", "recent_v")),
+                                   (sinking, rs[:, self.N] - 1, ("sink_k", "sink_v"))):
+                idx = torch.nonzero(rows).flatten()
+                if idx.numel():
+                    at = to_device(torch.stack([idx, col[idx]]), key_states.device)
+                    getattr(self, dst[0])[at[0], :, at[1]] = key_states[at[0], :, 0]
+                    getattr(self, dst[1])[at[0], :, at[1]] = value_states[at[0], :, 0]
+        rs[:, self.REC_N] += ~sinking
+        rs[:, self.SINK_N] += sinking
         # a row codes a block once its end S_sink + Qc(n) passes its middle's (after a crop it may not yet)
         ends = (rs[:, self.MID_START] + rs[:, self.MID_N]).tolist()
         flush = [b for b, (n, e) in enumerate(zip(n_new, ends)) if w.S_sink + w.quantized_count(n) > e]

@@ -339,5 +339,8 @@ class RaggedView(LayerView):
             if name == "k" and M and layer.inputs.key_mean is not None:  # storage column 0 at mid_start − mid_lo
                 run += (layer.centers_from(self.rs[:, layer.MID_START] - self.rs[:, layer.MID_LO]),)
             parts.append(run)
+        rs, L = self.rs, layer
+        held = torch.stack([rs[:, L.SINK_START], rs[:, L.SINK_START] + rs[:, L.SINK_N], rs[:, L.MID_LO],
+                            rs[:, L.MID_LO] + rs[:, L.MID_N], rs[:, L.REC_LO], rs[:, L.REC_LO] + rs[:, L.REC_N]], 1).view(B, 3, 2)
         return decode_attention(query, [self.sink_k, parts[0], self.rec_k], [self.sink_v, parts[1], self.rec_v],
-                                visible.view(B, 1, 1, -1), scaling, softcap, sinks=sinks)
+                                visible.view(B, 1, 1, -1), scaling, softcap, sinks=sinks, held=held)
