@@ -84,6 +84,14 @@ def _view(H: int, d: int, B: int, n: int, pads: list[int] | None):
     return view
 
 
+def _cases(shapes: list[str], contexts: list[int], batches: list[int]):
+    """(shape, (KV heads, GQA group, head_dim), context n, batch B, pads): row b padded by b·n/4/(B − 1)."""
+    for shape in shapes:
+        for n in contexts:
+            for B in batches:
+                yield shape, SHAPES[shape], n, B, [round(b * n / 4 / max(B - 1, 1)) for b in range(B)]
+
+
 def run(contexts: list[int], batches: list[int], shapes: list[str], repeats: int = 3) -> list[dict]:
     from wushkv.attention import as_allowed
 
@@ -91,42 +99,38 @@ def run(contexts: list[int], batches: list[int], shapes: list[str], repeats: int
     rows = []
     print(f"{'shape':8s} {'context':>7s} {'batch':>5s} {'unpadded ms':>11s} {'codes':>9s} {'emulation':>10s} "
           f"{'emul/codes':>10s} {'codes/unpad':>11s} {'largest MB codes/emul':>22s} {'full-precision MB pad/unpad':>28s}")
-    for shape in shapes:
-        H, G, d = SHAPES[shape]
-        for n in contexts:
-            for B in batches:
-                pads = [round(b * n / 4 / max(B - 1, 1)) for b in range(B)]
-                padded, plain = _view(H, d, B, n, pads), _view(H, d, B, n, None)
-                q = torch.randn(B, H * G, 1, d, generator=torch.Generator().manual_seed(1))
-                mask = (torch.arange(n + 1).view(1, -1) >= torch.tensor(pads).view(-1, 1)).view(B, 1, 1, n + 1)
-                allowed = as_allowed(mask, n + 1)
+    for shape, (H, G, d), n, B, pads in _cases(shapes, contexts, batches):
+        padded, plain = _view(H, d, B, n, pads), _view(H, d, B, n, None)
+        q = torch.randn(B, H * G, 1, d, generator=torch.Generator().manual_seed(1))
+        mask = (torch.arange(n + 1).view(1, -1) >= torch.tensor(pads).view(-1, 1)).view(B, 1, 1, n + 1)
+        allowed = as_allowed(mask, n + 1)
 
-                def codes():
-                    return padded.attend(module, q, mask, d**-0.5, None)
+        def codes():
+            return padded.attend(module, q, mask, d**-0.5, None)
 
-                def emulation():  # the replaced path: both versions of every column in full precision
-                    return padded._attend_padded(q, allowed, d**-0.5, None)
+        def emulation():  # the replaced path: both versions of every column in full precision
+            return padded._attend_padded(q, allowed, d**-0.5, None)
 
-                def unpadded():
-                    return plain.attend(module, q, None, d**-0.5, None)
+        def unpadded():
+            return plain.attend(module, q, None, d**-0.5, None)
 
-                ref = emulation()
-                err = float((codes() - ref).abs().max() / ref.abs().max())
-                row = {"shape": shape, "context": n, "batch": B, "pads": pads, "unpadded_ms": _best_ms(unpadded, repeats),
-                       "codes_ms": _best_ms(codes, repeats), "emulation_ms": _best_ms(emulation, repeats),
-                       "largest_mb_codes": _largest_mb(codes), "largest_mb_emulation": _largest_mb(emulation),
-                       "codes_vs_emulation": err,
-                       # what the layers hold in full precision (sinks, recent buffers): the padding costs none of it
-                       "fp_mb_padded": padded.layer.nbytes()["full_precision"] / 2**20,
-                       "fp_mb_unpadded": plain.layer.nbytes()["full_precision"] / 2**20}
-                row["emulation_over_codes"] = row["emulation_ms"] / row["codes_ms"]
-                row["codes_over_unpadded"] = row["codes_ms"] / row["unpadded_ms"]
-                rows.append(row)
-                print(f"{shape:8s} {n:7d} {B:5d} {row['unpadded_ms']:11.2f} {row['codes_ms']:9.2f} {row['emulation_ms']:10.2f} "
-                      f"{row['emulation_over_codes']:9.1f}x {row['codes_over_unpadded']:10.2f}x "
-                      f"{row['largest_mb_codes']:11.1f}/{row['largest_mb_emulation']:<10.1f} "
-                      f"{row['fp_mb_padded']:13.2f}/{row['fp_mb_unpadded']:.2f}"
-                      + ("" if err < 1e-4 else f"  MISMATCH {err:.1e}"), flush=True)
+        ref = emulation()
+        err = float((codes() - ref).abs().max() / ref.abs().max())
+        row = {"shape": shape, "context": n, "batch": B, "pads": pads, "unpadded_ms": _best_ms(unpadded, repeats),
+               "codes_ms": _best_ms(codes, repeats), "emulation_ms": _best_ms(emulation, repeats),
+               "largest_mb_codes": _largest_mb(codes), "largest_mb_emulation": _largest_mb(emulation),
+               "codes_vs_emulation": err,
+               # what the layers hold in full precision (sinks, recent buffers): the padding costs none of it
+               "fp_mb_padded": padded.layer.nbytes()["full_precision"] / 2**20,
+               "fp_mb_unpadded": plain.layer.nbytes()["full_precision"] / 2**20}
+        row["emulation_over_codes"] = row["emulation_ms"] / row["codes_ms"]
+        row["codes_over_unpadded"] = row["codes_ms"] / row["unpadded_ms"]
+        rows.append(row)
+        print(f"{shape:8s} {n:7d} {B:5d} {row['unpadded_ms']:11.2f} {row['codes_ms']:9.2f} {row['emulation_ms']:10.2f} "
+              f"{row['emulation_over_codes']:9.1f}x {row['codes_over_unpadded']:10.2f}x "
+              f"{row['largest_mb_codes']:11.1f}/{row['largest_mb_emulation']:<10.1f} "
+              f"{row['fp_mb_padded']:13.2f}/{row['fp_mb_unpadded']:.2f}"
+              + ("" if err < 1e-4 else f"  MISMATCH {err:.1e}"), flush=True)
     return rows
 
 
@@ -158,59 +162,55 @@ def run_tiles(contexts: list[int], batches: list[int], shapes: list[str], steps:
     out = []
     print(f"{'shape':8s} {'context':>7s} {'batch':>5s} {'rows ms':>8s} {'ragged ms':>9s} {'rows/ragged':>11s} "
           f"{'host rows/ragged ms':>20s} {'launches rows/ragged':>21s}")
-    for shape in shapes:
-        H, G, d = SHAPES[shape]
-        for n in contexts:
-            for B in batches:
-                pads = [round(b * n / 4 / max(B - 1, 1)) for b in range(B)]
-                filled = _tiles_layer(H, d, B, n, pads)
-                g = torch.Generator().manual_seed(1)
-                inputs = [tuple(torch.randn(B, h, 1, d, generator=g) for h in (H, H, H * G)) for _ in range(steps)]
+    for shape, (H, G, d), n, B, pads in _cases(shapes, contexts, batches):
+        filled = _tiles_layer(H, d, B, n, pads)
+        g = torch.Generator().manual_seed(1)
+        inputs = [tuple(torch.randn(B, h, 1, d, generator=g) for h in (H, H, H * G)) for _ in range(steps)]
 
-                def ragged_step(layer, k, v, q):
-                    view, _ = layer.update(k, v)
-                    return view.attend(module, q, None, d**-0.5, None)
+        def ragged_step(layer, k, v, q):
+            view, _ = layer.update(k, v)
+            return view.attend(module, q, None, d**-0.5, None)
 
-                def rows_step(state, k, v, q):  # the replaced path: each row's own layer, stepped and attended
-                    parent, rows = state
-                    views = [row.update(k[b : b + 1], v[b : b + 1])[0] for b, row in enumerate(rows)]
-                    parent.n += 1
-                    return RowsView(parent, parent.n - 1, parent.n, views, k[:, :, :0]).attend(module, q, None, d**-0.5, None)
+        def rows_step(state, k, v, q):  # the replaced path: each row's own layer, stepped and attended
+            parent, rows = state
+            views = [row.update(k[b : b + 1], v[b : b + 1])[0] for b, row in enumerate(rows)]
+            parent.n += 1
+            return RowsView(parent, parent.n - 1, parent.n, views, k[:, :, :0]).attend(module, q, None, d**-0.5, None)
 
-                times = {}
-                for path in ("torch", "host") if triton_kernels.available() else ("torch",):
-                    layer = copy.deepcopy(filled)
-                    state = (copy.deepcopy(filled), filled.row_layers())
-                    launches = {"ragged": 0, "rows": 0}
-                    ts = {"ragged": [], "rows": []}
-                    for i, (k, v, q) in enumerate(inputs):
-                        outs = {}
-                        for name, fn, st in (("ragged", ragged_step, layer), ("rows", rows_step, state)):
-                            with contextlib.ExitStack() as stack:
-                                if path == "host":  # the Triton path, its launches counted and skipped
-                                    stack.enter_context(decode.triton_enabled(True))
-                                    stack.enter_context(triton_kernels.launches_through(
-                                        lambda nm, grid, args, meta, run, name=name: launches.__setitem__(name, launches[name] + 1)))
-                                t0 = time.perf_counter()
-                                outs[name] = fn(st, k, v, q)
-                                ts[name].append(time.perf_counter() - t0)
-                        if path == "torch":  # (the host path's outputs are never computed)
-                            err = float((outs["ragged"] - outs["rows"]).abs().max())
-                            assert err < 1e-4, f"ragged and row-by-row decode differ by {err} at step {i}"
-                    times[path] = {name: statistics.median(t) * 1e3 for name, t in ts.items()}
-                    times[path + "_launches"] = {name: c / steps for name, c in launches.items()}
-                times.setdefault("host", {"rows": float("nan"), "ragged": float("nan")})  # no triton: no host path
-                times.setdefault("host_launches", {"rows": float("nan"), "ragged": float("nan")})
-                row = {"shape": shape, "context": n, "batch": B, "pads": pads,
-                       "tiles_rows_ms": times["torch"]["rows"], "tiles_ragged_ms": times["torch"]["ragged"],
-                       "host_rows_ms": times["host"]["rows"], "host_ragged_ms": times["host"]["ragged"],
-                       "launches_rows": times["host_launches"]["rows"], "launches_ragged": times["host_launches"]["ragged"]}
-                row["tiles_rows_over_ragged"] = row["tiles_rows_ms"] / row["tiles_ragged_ms"]
-                row["host_rows_over_ragged"] = row["host_rows_ms"] / row["host_ragged_ms"]
-                out.append(row)
-                print(f"{shape:8s} {n:7d} {B:5d} {row['tiles_rows_ms']:8.2f} {row['tiles_ragged_ms']:9.2f} "
-                      f"{row['tiles_rows_over_ragged']:10.2f}x {row['host_rows_ms']:9.2f}/{row['host_ragged_ms']:<9.2f} "
-                      f"{row['launches_rows']:10.0f}/{row['launches_ragged']:<9.0f}", flush=True)
+        times = {}
+        for path in ("torch", "host") if triton_kernels.available() else ("torch",):
+            layer = copy.deepcopy(filled)
+            state = (copy.deepcopy(filled), filled.row_layers())
+            launches = {"ragged": 0, "rows": 0}
+            ts = {"ragged": [], "rows": []}
+            for i, (k, v, q) in enumerate(inputs):
+                outs = {}
+                for name, fn, st in (("ragged", ragged_step, layer), ("rows", rows_step, state)):
+                    with contextlib.ExitStack() as stack:
+                        if path == "host":  # the Triton path, its launches counted and skipped
+                            stack.enter_context(decode.triton_enabled(True))
+                            stack.enter_context(triton_kernels.launches_through(
+                                lambda nm, grid, args, meta, run, name=name: launches.__setitem__(name, launches[name] + 1)))
+                        t0 = time.perf_counter()
+                        outs[name] = fn(st, k, v, q)
+                        ts[name].append(time.perf_counter() - t0)
+                if path == "torch":  # (the host path's outputs are never computed)
+                    err = float((outs["ragged"] - outs["rows"]).abs().max())
+                    assert err < 1e-4, f"ragged and row-by-row decode differ by {err} at step {i}"
+            times[path] = {name: statistics.median(t) * 1e3 for name, t in ts.items()}
+            times[path + "_launches"] = {name: c / steps for name, c in launches.items()}
+        times.setdefault("host", {"rows": float("nan"), "ragged": float("nan")})  # no triton: no host path
+        times.setdefault("host_launches", {"rows": float("nan"), "ragged": float("nan")})
+        row = {"shape": shape, "context": n, "batch": B, "pads": pads,
+               "tiles_rows_ms": times["torch"]["rows"], "tiles_ragged_ms": times["torch"]["ragged"],
+               "host_rows_ms": times["host"]["rows"], "host_ragged_ms": times["host"]["ragged"],
+               "launches_rows": times["host_launches"]["rows"], "launches_ragged": times["host_launches"]["ragged"]}
+        row["tiles_rows_over_ragged"] = row["tiles_rows_ms"] / row["tiles_ragged_ms"]
+        row["host_rows_over_ragged"] = row["host_rows_ms"] / row["host_ragged_ms"]
+        out.append(row)
+        print(f"{shape:8s} {n:7d} {B:5d} {row['tiles_rows_ms']:8.2f} {row['tiles_ragged_ms']:9.2f} "
+              f"{row['tiles_rows_over_ragged']:10.2f}x {row['host_rows_ms']:9.2f}/{row['host_ragged_ms']:<9.2f} "
+              f"{row['launches_rows']:10.0f}/{row['launches_ragged']:<9.0f}", flush=True)
     return out
 
 
