@@ -31,7 +31,7 @@ class WushKVCache(Cache):
     Left-padded batches: pass the prompt's 2-D ``attention_mask`` (or ``pad_lengths``, one per row) so
     that each row's sink and windows start at its first real token; every row then gets what it would
     get alone. Per-token quantizers (quest, affine) share one store across rows; quantizers of token
-    blocks (KVarN's tiles, ``+ktiles``, KIVI) keep ragged rows (each row's tokens from column 0), a decode step
+    blocks (KVarN's tiles, ``+ktiles``, KIVI) keep ragged rows (each row's tokens from its own column), a decode step
     of the whole batch in one call, prompts and chunks row by row.
 
     Hybrid models (LFM2): ``config`` and ``inputs`` have one entry per *attention* layer (``describe(model).num_layers``);

@@ -19,7 +19,7 @@ Sliding-window layers keep only the last ``W-1`` positions (as ``DynamicSlidingW
 quantize them the same way. Left-padded batches (``attention_mask=`` at creation) count each row's
 windows from its first real token: with per-token quantizers in one shared store (see
 :mod:`wushkv.views`); with quantizers of token blocks (KVarN's tiles, KIVI), whose blocks start at a
-different column in each row, the rows are ragged: each row's tokens from column 0 of batched storage, as the row
+different column in each row, the rows are ragged: each row's tokens from its own column of batched storage, as the row
 alone stores them (a one-token step batched, :class:`RaggedView`; anything else through the rows as unpadded
 layers, :class:`RowsView`).
 """

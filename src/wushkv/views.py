@@ -5,7 +5,7 @@
   straight from the codes (:mod:`wushkv.decode`), for a multi-token chunk it runs the exact single-pass emulation
   (query ``i`` sees token ``t`` quantized iff ``S_sink <= t < S_sink + Qc(i+1)``); left-padded rows are masked.
 * :class:`RaggedView`: a one-token step of a padded batch under quantizers of token blocks (ragged rows, each row's
-  tokens from column 0), attended from the codes in one call with a mask per row.
+  tokens from its own column of batched storage), attended from the codes in one call with a mask per row.
 * :class:`RowsView`: any other update of such a batch, each row an unpadded layer, attended row by row.
 
 The layer's storage and its quantization live in :mod:`wushkv.layer`; this module only reads them.
@@ -240,8 +240,8 @@ class RowsView(LayerView):
 
     Each row is an unpadded :class:`WushKVLayer` over the batch's ragged storage (its blocks start at its first
     real token, as they would for the row alone: ``WushKVLayer.row_layers``); ``rows[b]`` is that layer's
-    :class:`KVView` for this update, or None while row ``b`` has seen only padding. Attention runs row by row over the real columns, so every
-    row gets exactly what it gets alone; outputs at padding positions are zero (never read).
+    :class:`KVView` for this update, or None while row ``b`` has seen only padding. Attention runs row by row over
+    the real columns, so every row gets exactly what it gets alone; outputs at padding positions are zero (never read).
     """
 
     layer: WushKVLayer
@@ -278,8 +278,8 @@ class RowsView(LayerView):
 @dataclass
 class RaggedView(LayerView):
     """What a one-token step hands to attention for a left-padded batch whose quantizers code blocks of tokens
-    (:meth:`wushkv.layer.WushKVLayer._step_ragged`): every row's real tokens from column 0 of batched parts, as the
-    row alone would hold them, attended in one call from the codes with a mask per row.
+    (:meth:`wushkv.layer.WushKVLayer._step_ragged`): every row's real tokens in batched parts, each from the row's own
+    column, as the row alone would hold them, attended in one call from the codes with a mask per row.
 
     Attributes (B, Hkv, *, d): ``rs`` (B, 9) int64 on the host, each row's ``WushKVLayer._RAGGED`` after this step;
     ``sink_k/v`` the sinks (column = position); ``mid`` {"k", "v"}: the middles' storage per key (B, Hkv, cap, ·),
