@@ -690,8 +690,9 @@ def test_left_padded_decode_makes_the_host_wait_for_no_device(rmean):
 @pytest.mark.parametrize("sliding", [None, 40])
 def test_ragged_step_makes_the_host_wait_for_no_device(sliding):
     """A one-token step of ragged rows (key tiles, a padded batch) on fake CUDA tensors (tests/fake_cuda.py, PyTorch
-    path): the batched update (token written at each row's end, a row's block flushed, sliding eviction) and its
-    decode make no operation a GPU would refuse and no host-device sync, and give the CPU's attention."""
+    path): the batched update (token written at each row's end or into a short row's sink, a row's block flushed,
+    sliding eviction) and its decode make no operation a GPU would refuse and no host-device sync, and give the CPU's
+    attention."""
     import copy
 
     import fake_cuda
@@ -702,7 +703,7 @@ def test_ragged_step_makes_the_host_wait_for_no_device(sliding):
     from wushkv.views import RaggedView
 
     cfg = QuantConfig(2, 2, "quest", key_quantizer="kvarn", windows=WindowConfig(4, 8, 16))
-    B, H, d, pads = 3, 2, 32, [0, 34, 15]
+    B, H, d, pads = 4, 2, 32, [0, 34, 15, 88]
     g = torch.Generator().manual_seed(0)
     layer = WushKVLayer(cfg, d, sliding_window=sliding)
     layer.set_padding(pads)
@@ -713,7 +714,8 @@ def test_ragged_step_makes_the_host_wait_for_no_device(sliding):
         setattr(moved, name, dev(getattr(moved, name)))
     moved.rmid = {side: {k: dev(t) for k, t in mid.items()} for side, mid in moved.rmid.items()}
     try:
-        for step in range(5):  # rows 90, 56 and 75 tokens long flush a 16-token block at steps 1, 3 and 0
+        for step in range(5):  # rows 90, 56 and 75 tokens long flush a 16-token block at steps 1, 3 and 0; the row
+            # of 2 tokens fills its sink (S_sink 4) at steps 0 and 1
             k, v, q = (torch.randn(B, h, 1, d, generator=g) for h in (H, H, 2 * H))
             view, _ = layer.update(k, v)
             ref = view.attend(_NoKeyTransform, q, None, d**-0.5, None)
