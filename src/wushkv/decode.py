@@ -320,16 +320,15 @@ def _run_output(p, codec, store, n, dtype, block):
     return out
 
 
-def _held_row(parts_k: list, parts_v: list, allowed: torch.Tensor, spans: list, b: int) -> tuple[list, list, torch.Tensor]:
-    """Row ``b`` of ragged parts: each part's columns [a, e) of ``spans``, and ``allowed``'s columns for them."""
+def _held_row(parts_k: list, parts_v: list, allowed: torch.Tensor, starts: list, spans: list, b: int) -> tuple[list, list, torch.Tensor]:
+    """Row ``b`` of ragged parts: each part's columns [a, e) of ``spans``, and ``allowed``'s columns for them (part i's
+    columns start at ``starts[i]`` of ``allowed``)."""
     def cut(part, a, e):
         if torch.is_tensor(part):
             return part[b : b + 1, :, a:e]
         codec, store, n, *center = part
         return (codec, _slices({k: t[b : b + 1] for k, t in store.items()}, n, a, e), e - a, *(c.row(b, a) for c in center))
 
-    widths = [p.shape[2] if torch.is_tensor(p) else p[2] for p in parts_k]
-    starts = [sum(widths[:i]) for i in range(len(widths))]
     mask = torch.cat([allowed.reshape(allowed.shape[0], -1)[b : b + 1, s0 + a : s0 + e] for s0, (a, e) in zip(starts, spans)], 1)
     return ([cut(p, a, e) for p, (a, e) in zip(parts_k, spans)], [cut(p, a, e) for p, (a, e) in zip(parts_v, spans)],
             mask.view(1, 1, 1, -1))
@@ -370,7 +369,8 @@ def decode_attention(
         return out
     widths = [p.shape[2] if torch.is_tensor(p) else p[2] for p in parts_k]
     if held is not None and int((held[:, :, 1] - held[:, :, 0]).sum()) < 0.8 * B * sum(widths):  # rows far apart
-        return torch.cat([decode_attention(query[b : b + 1], *_held_row(parts_k, parts_v, allowed, held[b].tolist(), b),
+        starts = [sum(widths[:i]) for i in range(len(widths))]
+        return torch.cat([decode_attention(query[b : b + 1], *_held_row(parts_k, parts_v, allowed, starts, held[b].tolist(), b),
                                            scaling, softcap, block, sinks) for b in range(B)], 0)
     first = parts_k[0]
     Hkv = first.shape[1] if torch.is_tensor(first) else first[1]["codes"].shape[1]

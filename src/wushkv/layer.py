@@ -712,8 +712,8 @@ class WushKVLayer(CacheLayerMixin):
 
     def _croppable(self) -> int:
         if self.row_mode and self.is_initialized:  # the most tokens every row can give up (a row holds no more than n)
-            rows = self.row_layers()
-            return min([r._croppable() for r in rows if r._croppable() < r.n], default=self.n)
+            each = [(r._croppable(), r.n) for r in self.row_layers()]
+            return min([c for c, n in each if c < n], default=self.n)
         return max(0, self.n - max(self.mid_start + self._mid_len, self.n - self.recent_k.shape[2])) if self.is_initialized else 0
 
     def _apply_batch(self, fn) -> None:
