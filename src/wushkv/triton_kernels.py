@@ -258,16 +258,22 @@ def _kernels() -> dict:
         return ok
 
     @jit
-    def _finish_scores(s, c, N, sm_scale, softcap, mask_ptr, s_mb, S, b, WINDOW, HAS_MASK: tl.constexpr,
+    def _finish_scores(s, valid, c, N, sm_scale, softcap, mask_ptr, s_mb, S, b, WINDOW, HAS_MASK: tl.constexpr,
                        SOFTCAP: tl.constexpr):
-        """Scaled, soft-capped, masked scores (GP, BN); ``c`` the tile's absolute columns."""
+        """Scaled, soft-capped, masked scores (GP, BN); ``valid`` the tile's lanes inside its part's columns [a, e),
+        ``c`` their absolute columns (−1 past the end). A part's [a, e) lies inside the split's columns, which lie
+        inside the sliding window (decode_kernel), so without a mask ``valid`` is all there is to check: one
+        comparison a token, not three."""
         s = s * sm_scale
         if SOFTCAP:  # tanh through exp: exact to float32 rounding, and the same in the interpreter
             x = s / softcap
             e = tl.exp(-2.0 * tl.abs(x))
             t = (1.0 - e) / (1.0 + e)
             s = tl.where(x < 0, -t, t) * (softcap * 1.4426950408889634)  # capped, then in base 2 (see decode_kernel)
-        ok = _visible(c, N, mask_ptr, s_mb, S, b, WINDOW, HAS_MASK)
+        if HAS_MASK:
+            ok = _visible(c, N, mask_ptr, s_mb, S, b, WINDOW, HAS_MASK)
+        else:
+            ok = valid
         return tl.where(ok[None, :], s, float("-inf"))
 
     @jit
@@ -321,7 +327,7 @@ def _kernels() -> dict:
             valid = t < e
             k = tl.load(k_ptr + b * sk_b + h * sk_h + t[:, None].to(tl.int64) * sk_t + d[None, :], mask=valid[:, None], other=0.0)
             s = _mma(q, tl.trans(k), DT, EMU, PREC)
-            s = _finish_scores(s, tl.where(valid, base + t, -1), N, sm_scale, softcap, mask_ptr, s_mb, S, b, WINDOW, HAS_MASK, SOFTCAP)
+            s = _finish_scores(s, valid, tl.where(valid, base + t, -1), N, sm_scale, softcap, mask_ptr, s_mb, S, b, WINDOW, HAS_MASK, SOFTCAP)
             m, alpha, p, l = _online(s, m, l, EMU)
             v = tl.load(v_ptr + b * sv_b + h * sv_h + t[:, None].to(tl.int64) * sv_t + d[None, :], mask=valid[:, None], other=0.0)
             acc = acc * alpha[:, None] + _mma(p, v, DT, EMU, PREC)
@@ -344,22 +350,30 @@ def _kernels() -> dict:
     def _class_codes(w, S: tl.constexpr, P: tl.constexpr, BITS: tl.constexpr, OFF: tl.constexpr, EMU: tl.constexpr):
         """Class ``S`` of code words ``w`` (BN, D/P) of P codes each (:func:`_words`): the code at bits
         [S·BITS, (S+1)·BITS) of word k, i.e. channel P·k + S (little-endian bytes of
-        :func:`wushkv.quantizers.pack`), as the dot's operand ``c + OFF`` (bfloat16 OFF 128, float16 OFF 1024;
-        :func:`_codes_as`). On a GPU, inline PTX builds two codes per ``lop3`` (``& mask | 0x4300`` on both halves
-        of a 32-bit register: each half keeps its own bits, what a shift carries over from the other is masked off),
-        already the tensor cores' bf16x2 operand: 16-bit words (``w`` int16, two per register) take one shift first;
-        3-byte words (``w`` int32) one ``prmt`` of the two bytes holding the code from each of two words, and a
-        shift; bytes (``w`` uint8, four per register) one shift for four and a ``prmt`` per two. The result is
-        elementwise whatever pairs Triton hands the assembly. Under the interpreter, the same bits in plain Triton."""
+        :func:`wushkv.quantizers.pack`), as the dot's operand ``c + OFF_S`` (:func:`_class_offsets`). On a GPU, inline
+        PTX builds two codes per ``lop3`` (``& mask | base`` on both halves of a 32-bit register: each half keeps its
+        own bits, what a shift carries over from the other is masked off), already the tensor cores' bf16x2 operand.
+        16-bit words (``w`` int16, two per register): the code need not sit at the mantissa's bottom. Left at bit
+        SHL of the 16, it reads as 2^SHL·c over a base of 2^SHL·OFF_S; the base's exponent taken SHL lower makes
+        that c + OFF_S with OFF_S = OFF / 2^SHL, exactly. So a shift is needed only where the code would leave the
+        mantissa (7 bits in bfloat16, 10 in float16): 2-bit codes in bfloat16 take shifts of 0, 6 and 12 for their
+        8 classes (two shifts a word, shared by the classes, against seven), 4-bit codes in float16 0 and 8.
+        3-byte words (``w`` int32) take one ``prmt`` of the two bytes holding the code from each of two words, and a
+        shift; bytes (``w`` uint8, four per register) one shift for four and a ``prmt`` per two (OFF_S = OFF). The
+        result is elementwise whatever pairs Triton hands the assembly. Under the interpreter, the same bits in plain
+        Triton."""
         MASK: tl.constexpr = (1 << BITS) - 1
-        BASE: tl.constexpr = 0x4300 if OFF == 128 else 0x6400
-        LO: tl.constexpr = MASK * 0x10001
-        HI: tl.constexpr = BASE * 0x10001
+        MANT: tl.constexpr = 7 if OFF == 128 else 10  # the mantissa's bits (bfloat16, float16)
+        EXP1: tl.constexpr = 0x80 if OFF == 128 else 0x400  # one step of the exponent
         SH: tl.constexpr = S * BITS
+        SHL: tl.constexpr = SH % ((MANT // BITS) * BITS) if P * BITS == 16 else 0  # where the code stays
+        R: tl.constexpr = SH - SHL  # the shift
+        BASE: tl.constexpr = (0x4300 if OFF == 128 else 0x6400) - SHL * EXP1  # OFF_S = OFF / 2^SHL
+        LO: tl.constexpr = (MASK << SHL) * 0x10001
+        HI: tl.constexpr = BASE * 0x10001
         WIDE: tl.constexpr = SH + BITS > 16  # 3-byte words: the code is in bytes 1-2, not 0-1
         if P * BITS == 16:
-            ASM: tl.constexpr = (f"lop3.b32 $0, $1, {LO}, {HI}, 0xea;" if S == 0 else
-                                 f"{{.reg .b32 t; shr.b32 t, $1, {SH}; lop3.b32 $0, t, {LO}, {HI}, 0xea;}}")
+            ASM: tl.constexpr = f"lop3.b32 $0, $1, {LO}, {HI}, 0xea;"
         elif P * BITS == 24:
             ASM: tl.constexpr = (f"{{.reg .b32 t; prmt.b32 t, $1, $2, {0x6521 if WIDE else 0x5410}; "
                                  f"shr.b32 t, t, {SH - 8 if WIDE else SH}; lop3.b32 $0, t, {LO}, {HI}, 0xea;}}")
@@ -368,12 +382,15 @@ def _kernels() -> dict:
                                  f"lop3.b32 $0, u, {LO}, {HI}, 0xea; prmt.b32 u, t, t, 0x3322; "
                                  f"lop3.b32 $1, u, {LO}, {HI}, 0xea;}}")
         if EMU:  # the interpreter runs no PTX: the same bits, one code at a time
-            c = (((w.to(tl.int32) >> SH) & MASK) | BASE).to(tl.int16)
+            c = (((w.to(tl.int32) >> R) & (MASK << SHL)) | BASE).to(tl.int16)
             if OFF == 128:
                 out = c.to(tl.bfloat16, bitcast=True)
             else:
                 out = c.to(tl.float16, bitcast=True)
         elif P * BITS == 16:
+            if R > 0:  # one shift a register, the same for the classes it serves (ptxas merges the copies)
+                w = tl.inline_asm_elementwise(f"shr.b32 $0, $1, {R};", "=r,r", [w], dtype=tl.int16, is_pure=True,
+                                              pack=2)
             if OFF == 128:
                 out = tl.inline_asm_elementwise(ASM, "=r,r", [w], dtype=tl.bfloat16, is_pure=True, pack=2)
             else:
@@ -390,13 +407,25 @@ def _kernels() -> dict:
         return out
 
     @jit
-    def _class_scores(q_ptr, qrow, qmask, w, GP: tl.constexpr, BN: tl.constexpr, D: tl.constexpr, P: tl.constexpr,
+    def _class_offsets(D: tl.constexpr, P: tl.constexpr, BITS: tl.constexpr, OFF: tl.constexpr):
+        """(D,) float32: OFF_S of each channel's class as :func:`_class_codes` builds it (channel c is class c mod P),
+        what the dots' results take back out: OFF / 2^SHL on 16-bit words, OFF elsewhere."""
+        MANT: tl.constexpr = 7 if OFF == 128 else 10
+        c = tl.arange(0, D)
+        if P * BITS == 16:
+            shl = ((c % P) * BITS) % ((MANT // BITS) * BITS)
+        else:
+            shl = c * 0
+        return (OFF >> shl).to(tl.float32)
+
+    @jit
+    def _class_scores(q_ptr, qrow, qmask, qoff, w, GP: tl.constexpr, BN: tl.constexpr, D: tl.constexpr, P: tl.constexpr,
                       BITS: tl.constexpr, OFF: tl.constexpr, PREC: tl.constexpr, DT: tl.constexpr,
                       EMU: tl.constexpr):
         """q (GP, D) · (C + OFF)ᵀ over code words ``w`` (BN, D/P): one dot per class S with the query's channels
         P·k + S (loaded from ``q_ptr + qrow``, L1-resident), so the codes never change layout."""
         k = tl.arange(0, D // P)
-        s = tl.zeros([GP, BN], dtype=tl.float32)
+        s = tl.zeros([GP, BN], dtype=tl.float32) - qoff[:, None]
         for S in tl.static_range(P):
             qS = tl.load(q_ptr + qrow[:, None] + k[None, :] * P + S, mask=qmask[:, None], other=0.0)
             s += _mma(qS, tl.trans(_class_codes(w, S, P, BITS, OFF, EMU)), DT, EMU, PREC)
@@ -523,7 +552,8 @@ def _kernels() -> dict:
         """(q ⊙ scale)·(C + OFF)ᵀ of the KVarN key tile at ``mrow`` over code words ``w`` (BN, D/P) split into classes
         (:func:`_class_scores`): per class S, the query's channels P·k + S (from ``q_ptr + qrow``) scaled by the
         tile's scale on those channels, so neither the codes nor a scaled (GP, D) query change layout. What
-        :func:`_tile_scores` adds, q·zero − OFF·Σ(q ⊙ scale), is the tile's alone: :func:`_class_tile_offset`."""
+        :func:`_tile_scores` adds, q·zero − OFF·Σ(q ⊙ scale) (per class OFF_S here), is the tile's alone:
+        :func:`_class_tile_offset`."""
         k = tl.arange(0, D // P)
         s = tl.zeros([GP, BN], dtype=tl.float32)
         for S in tl.static_range(P):
@@ -535,13 +565,16 @@ def _kernels() -> dict:
 
     @jit
     def _class_tile_offset(q_ptr, qrow, qmask, mrow, s_ptr, z_ptr, m1, ZI, GP: tl.constexpr, D: tl.constexpr,
-                           MW: tl.constexpr, OFF: tl.constexpr, DT: tl.constexpr, EMU: tl.constexpr):
-        """(GP,) q·zero − OFF·Σ(q ⊙ scale) of the KVarN key tile at ``mrow``, the scaled query rounded to DT as
-        :func:`_class_tile_scores` rounds it (the same values, summed in another order)."""
+                           P: tl.constexpr, BITS: tl.constexpr, MW: tl.constexpr, OFF: tl.constexpr, DT: tl.constexpr,
+                           EMU: tl.constexpr):
+        """(GP,) q·zero − Σ_c OFF_c·(q ⊙ scale)_c of the KVarN key tile at ``mrow`` (OFF_c: channel c's
+        :func:`_class_offsets`), the scaled query rounded to DT as :func:`_class_tile_scores` rounds it (the same
+        values, summed in another order)."""
         ch = tl.arange(0, D)
         q = tl.load(q_ptr + qrow[:, None] + ch[None, :], mask=qmask[:, None], other=0.0).to(tl.float32)
         qs = _round_to(q * _tile_halves(s_ptr, mrow, ch, m1, MW)[None, :], DT, EMU)
-        return tl.sum(q * _tile_halves(z_ptr, mrow, ch + ZI, m1, MW)[None, :] - OFF * qs, 1)
+        off = _class_offsets(D, P, BITS, OFF)
+        return tl.sum(q * _tile_halves(z_ptr, mrow, ch + ZI, m1, MW)[None, :] - qs * off[None, :], 1)
 
     @jit
     def _rope_bias(rb_ptr, brow, qmask, rt_ptr, rr_ptr, pos, GP: tl.constexpr, BN: tl.constexpr, D: tl.constexpr,
@@ -570,7 +603,7 @@ def _kernels() -> dict:
         return _mma(A2, cr, DT, EMU, PREC) + _mma(B2, sr, DT, EMU, PREC)
 
     @jit
-    def _code_segment(q, qsum, m, l, acc, q_ptr, qrow, qmask,
+    def _code_segment(q, qsum, qoff, m, l, acc, q_ptr, qrow, qmask,
                       kc_ptr, ks_ptr, kz_ptr, vc_ptr, vs_ptr, vz_ptr, kts_ptr, ktz_ptr,
                       kc0, kc1, kc2, ks0, ks1, ks2, vc0, vc1, vc2, vs0, vs1, vs2, kt0, kt1, kt2, KT_ZI,
                       rb_ptr, brow, rt_ptr, rr_ptr, p0,
@@ -605,7 +638,12 @@ def _kernels() -> dict:
         a6 = tl.zeros([GP, VK], dtype=tl.float32)
         a7 = tl.zeros([GP, VK], dtype=tl.float32)
         keep = tl.full([GP], 1.0, dtype=tl.float32)  # how much of the incoming acc the online softmax keeps
-        corr = tl.zeros([GP], dtype=tl.float32)  # Σ p z − OFF·Σ w, added to every channel
+        # every value channel's code has the same offset (OFF_c = V_OFF) but on 16-bit words where codes stay above
+        # the mantissa's bottom (_class_codes): then Σ w is kept apart, to take OFF_c·Σ w from each channel
+        V_MANT: tl.constexpr = 7 if V_OFF == 128 else 10
+        V_UNI: tl.constexpr = V_P * V_BITS != 16 or V_MANT // V_BITS == 1
+        corr = tl.zeros([GP], dtype=tl.float32)  # Σ p z (− V_OFF·Σ w where uniform), added to every channel
+        wsum = tl.zeros([GP], dtype=tl.float32)  # Σ w (not uniform)
         t_tile = b * 0 - 1  # the KVarN key tile whose offset term t_off holds (classes); int64, as j0 below
         t_off = tl.zeros([GP], dtype=tl.float32)
         first_it = a
@@ -628,8 +666,8 @@ def _kernels() -> dict:
                 mrow = _tile_row(j0, b, h, bt_ptr, s_bt, PAGE, kt0, kt1, kt2, base, K_TILE, PAGED, PAGE_ABS)
                 if K_P > 0 and BN <= K_TILE:  # the codes in classes, the tile's scale into the query's classes
                     if j0 != t_tile:  # a new key tile: its offset term, kept for the tiles of tokens in it
-                        t_off = _class_tile_offset(q_ptr, qrow, qmask, mrow, kts_ptr, ktz_ptr, kt1, KT_ZI, GP, D, KT_MW,
-                                                   K_OFF, DT, EMU)
+                        t_off = _class_tile_offset(q_ptr, qrow, qmask, mrow, kts_ptr, ktz_ptr, kt1, KT_ZI, GP, D, K_P,
+                                                   K_BITS, KT_MW, K_OFF, DT, EMU)
                         t_tile = j0
                     s = _class_tile_scores(q_ptr, qrow, qmask, _words(kc_ptr, rows, valid, D, K_P, K_BITS, BN), mrow,
                                            kts_ptr, kt1, GP, BN, D, K_P, K_BITS, KT_MW, K_OFF, PREC, DT, EMU)
@@ -645,11 +683,11 @@ def _kernels() -> dict:
                 s = s * st[None, :]
             elif K_P > 0:
                 ks, kz = _token_scale_offset(ks_ptr, kz_ptr, srows, valid, K_HALF, K_Z, K_E5M3)
-                raw = _class_scores(q_ptr, qrow, qmask, _words(kc_ptr, rows, valid, D, K_P, K_BITS, BN), GP, BN, D, K_P,
+                raw = _class_scores(q_ptr, qrow, qmask, qoff, _words(kc_ptr, rows, valid, D, K_P, K_BITS, BN), GP, BN, D, K_P,
                                     K_BITS, K_OFF, PREC, DT, EMU)
-                # (raw − OFF·Σq)·s + Σq·z, scaled: the scale and the offset folded into per-token vectors
+                # (raw − Σ_c OFF_c q_c)·s + Σq·z, scaled: the scale and the zero folded into per-token vectors
                 ks = ks * sm_scale
-                s = raw * ks[None, :] + qsum[:, None] * (kz * sm_scale - K_OFF * ks)[None, :]
+                s = raw * ks[None, :] + qsum[:, None] * (kz * sm_scale)[None, :]
             elif K_G == D:
                 c = _unpack(kc_ptr, rows, valid, D, K_BITS, BN)
                 ks, kz = _token_scale_offset(ks_ptr, kz_ptr, srows, valid, K_HALF, K_Z, K_E5M3)
@@ -662,7 +700,7 @@ def _kernels() -> dict:
             if RMEAN:  # the centers' share, a function of the position (scaled where the class path scaled s)
                 bias = _rope_bias(rb_ptr, brow, qmask, rt_ptr, rr_ptr, p0 + start, GP, BN, D, PREC, DT, EMU)
                 s = s + (bias * sm_scale if K_P > 0 and K_TILE == 0 else bias)
-            s = _finish_scores(s, tl.where(valid, base + t, -1), N, 1.0 if K_P > 0 and K_TILE == 0 else sm_scale, softcap, mask_ptr,
+            s = _finish_scores(s, valid, tl.where(valid, base + t, -1), N, 1.0 if K_P > 0 and K_TILE == 0 else sm_scale, softcap, mask_ptr,
                                s_mb, S, b, WINDOW, HAS_MASK, SOFTCAP)
             m, alpha, p, l = _online(s, m, l, EMU)
             # values: Cᵀ(p ⊙ s) + (Σ p z)·1, or the dequantized tile
@@ -685,7 +723,11 @@ def _kernels() -> dict:
                     a5 = _class_pv(w, words, 5, a5, V_P, V_BITS, V_OFF, PREC, DT, EMU)
                     a6 = _class_pv(w, words, 6, a6, V_P, V_BITS, V_OFF, PREC, DT, EMU)
                     a7 = _class_pv(w, words, 7, a7, V_P, V_BITS, V_OFF, PREC, DT, EMU)
-                corr = corr * alpha + tl.sum(p * vz[None, :] - V_OFF * w, 1)
+                if V_UNI:
+                    corr = corr * alpha + tl.sum(p * vz[None, :] - V_OFF * w, 1)
+                else:
+                    corr = corr * alpha + tl.sum(p * vz[None, :], 1)
+                    wsum = wsum * alpha + tl.sum(w, 1)
                 keep = keep * alpha
             elif V_G == D:
                 c = _unpack(vc_ptr, rows, valid, D, V_BITS, BN)
@@ -701,6 +743,8 @@ def _kernels() -> dict:
                 acc = acc * alpha[:, None] + o
         if V_P > 0:
             acc = acc * keep[:, None] + _join_classes(a0, a1, a2, a3, a4, a5, a6, a7, GP, D, V_P) + corr[:, None]
+            if not V_UNI:
+                acc = acc - wsum[:, None] * _class_offsets(D, V_P, V_BITS, V_OFF)[None, :]
         return m, l, acc
 
     @jit
@@ -759,6 +803,9 @@ def _kernels() -> dict:
         qrow = b * sq_b + hq * sq_h
         q = tl.load(q_ptr + qrow[:, None] + d[None, :], mask=qmask[:, None], other=0.0)
         qsum = tl.sum(q.to(tl.float32), 1)
+        qoff = qsum  # Σ_c OFF_c q_c, what the keys' codes in classes add (_class_offsets)
+        if K_P > 0:
+            qoff = tl.sum(q.to(tl.float32) * _class_offsets(D, K_P, K_BITS, K_OFF)[None, :], 1)
         brow = b * rb_b + hq * rb_h
         p0 = tl.load(rp_ptr + b).to(tl.int64) if RMEAN else b * 0
         m = tl.full([GP], float("-inf"), dtype=tl.float32)
@@ -768,7 +815,7 @@ def _kernels() -> dict:
         # middle [n_s, n_s + n_m), sink [0, n_s), recent [n_s + n_m, N), each intersected with [lo, hi): one online
         # softmax over the three, in any order; the middle first, so that no accumulator is live through its loop
         # but its own (nor q, loaded again after it)
-        m, l, acc = _code_segment(q, qsum, m, l, acc, q_ptr, qrow, qmask, kc_ptr, ks_ptr, kz_ptr, vc_ptr, vs_ptr, vz_ptr,
+        m, l, acc = _code_segment(q, qsum, qoff, m, l, acc, q_ptr, qrow, qmask, kc_ptr, ks_ptr, kz_ptr, vc_ptr, vs_ptr, vz_ptr,
                                   kts_ptr, ktz_ptr, kc0, kc1, kc2, ks0, ks1, ks2, vc0, vc1, vc2, vs0, vs1, vs2,
                                   kt0, kt1, kt2, KT_ZI, rb_ptr, brow, rt_ptr, rr_ptr, p0,
                                   bt_ptr, s_bt, PAGE, b, h, tl.maximum(lo - n_s, 0), tl.minimum(hi - n_s, n_m), n_s, N,
