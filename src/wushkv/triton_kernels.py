@@ -639,7 +639,9 @@ def _kernels() -> dict:
         a7 = tl.zeros([GP, VK], dtype=tl.float32)
         keep = tl.full([GP], 1.0, dtype=tl.float32)  # how much of the incoming acc the online softmax keeps
         # every value channel's code has the same offset (OFF_c = V_OFF) but on 16-bit words where codes stay above
-        # the mantissa's bottom (_class_codes): then Σ w is kept apart, to take OFF_c·Σ w from each channel
+        # the mantissa's bottom (_class_codes): then Σ w is kept apart, to take OFF_c·Σ w from each channel. Without
+        # a zero (x̂ = s·(c + HALF)) the weights w = p ⊙ s, rounded for the dot, carry the HALF too: Σ w (c + HALF)
+        # (the rounded weights against c + HALF, which is smaller than c: no less exact than Σ w c + HALF·Σ p s)
         V_MANT: tl.constexpr = 7 if V_OFF == 128 else 10
         V_UNI: tl.constexpr = V_P * V_BITS != 16 or V_MANT // V_BITS == 1
         corr = tl.zeros([GP], dtype=tl.float32)  # Σ p z (− V_OFF·Σ w where uniform), added to every channel
@@ -682,12 +684,15 @@ def _kernels() -> dict:
                             s = tl.where((t >= j * K_TILE)[None, :], sj, s)
                 s = s * st[None, :]
             elif K_P > 0:
-                ks, kz = _token_scale_offset(ks_ptr, kz_ptr, srows, valid, K_HALF, K_Z, K_E5M3)
+                # raw = q·(c + OFF) − qoff, its accumulator started at −qoff (decode_kernel), scaled per token:
+                # (raw)·s + Σq·z with a zero; without one (z = HALF·s) qoff holds HALF·Σq too, and it is raw·s
                 raw = _class_scores(q_ptr, qrow, qmask, qoff, _words(kc_ptr, rows, valid, D, K_P, K_BITS, BN), GP, BN, D, K_P,
                                     K_BITS, K_OFF, PREC, DT, EMU)
-                # (raw − Σ_c OFF_c q_c)·s + Σq·z, scaled: the scale and the zero folded into per-token vectors
-                ks = ks * sm_scale
-                s = raw * ks[None, :] + qsum[:, None] * (kz * sm_scale)[None, :]
+                if K_Z:
+                    ks, kz = _token_scale_offset(ks_ptr, kz_ptr, srows, valid, K_HALF, K_Z, K_E5M3)
+                    s = raw * (ks * sm_scale)[None, :] + qsum[:, None] * (kz * sm_scale)[None, :]
+                else:
+                    s = raw * (_step(tl.load(ks_ptr + srows, mask=valid, other=0), K_E5M3) * sm_scale)[None, :]
             elif K_G == D:
                 c = _unpack(kc_ptr, rows, valid, D, K_BITS, BN)
                 ks, kz = _token_scale_offset(ks_ptr, kz_ptr, srows, valid, K_HALF, K_Z, K_E5M3)
@@ -707,7 +712,10 @@ def _kernels() -> dict:
             rows = _rows(tt, b, h, bt_ptr, s_bt, PAGE, vc0, vc1, vc2, PAGED)
             srows = _rows(tt, b, h, bt_ptr, s_bt, PAGE, vs0, vs1, vs2, PAGED)
             if V_P > 0:
-                vs, vz = _token_scale_offset(vs_ptr, vz_ptr, srows, valid, V_HALF, V_Z, V_E5M3)
+                if V_Z:
+                    vs, vz = _token_scale_offset(vs_ptr, vz_ptr, srows, valid, V_HALF, V_Z, V_E5M3)
+                else:
+                    vs = _step(tl.load(vs_ptr + srows, mask=valid, other=0), V_E5M3)
                 w = _round_to(p * vs[None, :], DT, EMU)
                 words = _words(vc_ptr, rows, valid, D, V_P, V_BITS, BN)
                 if tl.min(alpha, 0) < 1.0:  # a row's max rose; else alpha is exactly 1 and rescaling is a no-op
@@ -723,10 +731,12 @@ def _kernels() -> dict:
                     a5 = _class_pv(w, words, 5, a5, V_P, V_BITS, V_OFF, PREC, DT, EMU)
                     a6 = _class_pv(w, words, 6, a6, V_P, V_BITS, V_OFF, PREC, DT, EMU)
                     a7 = _class_pv(w, words, 7, a7, V_P, V_BITS, V_OFF, PREC, DT, EMU)
-                if V_UNI:
+                if V_Z and V_UNI:
                     corr = corr * alpha + tl.sum(p * vz[None, :] - V_OFF * w, 1)
-                else:
+                elif V_Z:
                     corr = corr * alpha + tl.sum(p * vz[None, :], 1)
+                    wsum = wsum * alpha + tl.sum(w, 1)
+                else:  # z = HALF·s: Σ w (c + HALF) is the values' sum, so only Σ w is kept
                     wsum = wsum * alpha + tl.sum(w, 1)
                 keep = keep * alpha
             elif V_G == D:
@@ -734,7 +744,10 @@ def _kernels() -> dict:
                 vs, vz = _token_scale_offset(vs_ptr, vz_ptr, srows, valid, V_HALF, V_Z, V_E5M3)
                 w = _round_to(p * vs[None, :], DT, EMU)
                 o = _mma(w, _codes_as(c, V_OFF), DT, EMU, PREC)
-                o = o + tl.sum(p * vz[None, :] - V_OFF * w, 1)[:, None]
+                if V_Z:
+                    o = o + tl.sum(p * vz[None, :] - V_OFF * w, 1)[:, None]
+                else:  # Σ w (c + HALF), as the classes read it (V_UNI above)
+                    o = o + ((V_HALF - V_OFF) * tl.sum(w, 1))[:, None]
             else:
                 c = _unpack(vc_ptr, rows, valid, D, V_BITS, BN)
                 v = _dequant_tile(c, vs_ptr, vz_ptr, srows, valid, V_G, D, V_HALF, V_Z, V_E5M3)
@@ -743,7 +756,9 @@ def _kernels() -> dict:
                 acc = acc * alpha[:, None] + o
         if V_P > 0:
             acc = acc * keep[:, None] + _join_classes(a0, a1, a2, a3, a4, a5, a6, a7, GP, D, V_P) + corr[:, None]
-            if not V_UNI:
+            if not V_Z:
+                acc = acc + wsum[:, None] * (V_HALF - _class_offsets(D, V_P, V_BITS, V_OFF))[None, :]
+            elif not V_UNI:
                 acc = acc - wsum[:, None] * _class_offsets(D, V_P, V_BITS, V_OFF)[None, :]
         return m, l, acc
 
@@ -803,9 +818,11 @@ def _kernels() -> dict:
         qrow = b * sq_b + hq * sq_h
         q = tl.load(q_ptr + qrow[:, None] + d[None, :], mask=qmask[:, None], other=0.0)
         qsum = tl.sum(q.to(tl.float32), 1)
-        qoff = qsum  # Σ_c OFF_c q_c, what the keys' codes in classes add (_class_offsets)
+        qoff = qsum  # Σ_c OFF_c q_c, what the keys' codes in classes add (_class_offsets), − HALF·Σq without a zero
         if K_P > 0:
             qoff = tl.sum(q.to(tl.float32) * _class_offsets(D, K_P, K_BITS, K_OFF)[None, :], 1)
+            if not K_Z:
+                qoff = qoff - K_HALF * qsum
         brow = b * rb_b + hq * rb_h
         p0 = tl.load(rp_ptr + b).to(tl.int64) if RMEAN else b * 0
         m = tl.full([GP], float("-inf"), dtype=tl.float32)
