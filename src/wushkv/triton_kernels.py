@@ -546,21 +546,35 @@ def _kernels() -> dict:
         return raw + tl.sum(qf * zr[None, :] - OFF * qs, 1)[:, None]
 
     @jit
-    def _class_tile_scores(q_ptr, qrow, qmask, w, mrow, s_ptr, m1, GP: tl.constexpr, BN: tl.constexpr,
-                           D: tl.constexpr, P: tl.constexpr, BITS: tl.constexpr, MW: tl.constexpr, OFF: tl.constexpr,
-                           PREC: tl.constexpr, DT: tl.constexpr, EMU: tl.constexpr):
-        """(q ⊙ scale)·(C + OFF)ᵀ of the KVarN key tile at ``mrow`` over code words ``w`` (BN, D/P) split into classes
-        (:func:`_class_scores`): per class S, the query's channels P·k + S (from ``q_ptr + qrow``) scaled by the
-        tile's scale on those channels, so neither the codes nor a scaled (GP, D) query change layout. What
-        :func:`_tile_scores` adds, q·zero − OFF·Σ(q ⊙ scale) (per class OFF_S here), is the tile's alone:
-        :func:`_class_tile_offset`."""
-        k = tl.arange(0, D // P)
-        s = tl.zeros([GP, BN], dtype=tl.float32)
-        for S in tl.static_range(P):
-            ch = k * P + S
-            qS = tl.load(q_ptr + qrow[:, None] + ch[None, :], mask=qmask[:, None], other=0.0).to(tl.float32)
-            qs = _round_to(qS * _tile_halves(s_ptr, mrow, ch, m1, MW)[None, :], DT, EMU)
-            s += _mma(qs, tl.trans(_class_codes(w, S, P, BITS, OFF, EMU)), DT, EMU, PREC)
+    def _class_tile_query(q_ptr, qrow, qmask, mrow, s_ptr, m1, S: tl.constexpr, D: tl.constexpr, P: tl.constexpr,
+                          MW: tl.constexpr, DT: tl.constexpr, EMU: tl.constexpr):
+        """(GP, D/P) the query's channels P·k + S (from ``q_ptr + qrow``) times the scale of the KVarN key tile at
+        ``mrow`` on those channels, rounded to DT as the dot reads it (held in DT; in float32 under the interpreter,
+        whose dot takes no bfloat16): class S of the query :func:`_class_tile_dots` reads."""
+        ch = tl.arange(0, D // P) * P + S
+        qS = tl.load(q_ptr + qrow[:, None] + ch[None, :], mask=qmask[:, None], other=0.0).to(tl.float32)
+        qs = _round_to(qS * _tile_halves(s_ptr, mrow, ch, m1, MW)[None, :], DT, EMU)
+        if not EMU:
+            qs = qs.to(DT)
+        return qs
+
+    @jit
+    def _class_tile_dots(init, q0, q1, q2, q3, q4, q5, q6, q7, w, P: tl.constexpr, BITS: tl.constexpr,
+                         OFF: tl.constexpr, PREC: tl.constexpr, DT: tl.constexpr, EMU: tl.constexpr):
+        """init + (q ⊙ scale)·(C + OFF)ᵀ (GP, BN) of a KVarN key tile over code words ``w`` (BN, D/P) split into
+        classes (:func:`_class_scores`), from the query's scaled classes q0..q7 (:func:`_class_tile_query`, q4..q7
+        unused at P = 4): neither the codes nor a scaled (GP, D) query change layout, and the query is scaled once a
+        key tile, not once a tile of tokens. What :func:`_tile_scores` adds, q·zero − Σ_c OFF_c (q ⊙ scale)_c, is the
+        tile's alone (:func:`_class_tile_offset`): the caller passes it as ``init``."""
+        s = _mma(q0, tl.trans(_class_codes(w, 0, P, BITS, OFF, EMU)), DT, EMU, PREC) + init
+        s += _mma(q1, tl.trans(_class_codes(w, 1, P, BITS, OFF, EMU)), DT, EMU, PREC)
+        s += _mma(q2, tl.trans(_class_codes(w, 2, P, BITS, OFF, EMU)), DT, EMU, PREC)
+        s += _mma(q3, tl.trans(_class_codes(w, 3, P, BITS, OFF, EMU)), DT, EMU, PREC)
+        if P == 8:
+            s += _mma(q4, tl.trans(_class_codes(w, 4, P, BITS, OFF, EMU)), DT, EMU, PREC)
+            s += _mma(q5, tl.trans(_class_codes(w, 5, P, BITS, OFF, EMU)), DT, EMU, PREC)
+            s += _mma(q6, tl.trans(_class_codes(w, 6, P, BITS, OFF, EMU)), DT, EMU, PREC)
+            s += _mma(q7, tl.trans(_class_codes(w, 7, P, BITS, OFF, EMU)), DT, EMU, PREC)
         return s
 
     @jit
@@ -568,7 +582,7 @@ def _kernels() -> dict:
                            P: tl.constexpr, BITS: tl.constexpr, MW: tl.constexpr, OFF: tl.constexpr, DT: tl.constexpr,
                            EMU: tl.constexpr):
         """(GP,) q·zero − Σ_c OFF_c·(q ⊙ scale)_c of the KVarN key tile at ``mrow`` (OFF_c: channel c's
-        :func:`_class_offsets`), the scaled query rounded to DT as :func:`_class_tile_scores` rounds it (the same
+        :func:`_class_offsets`), the scaled query rounded to DT as :func:`_class_tile_query` rounds it (the same
         values, summed in another order)."""
         ch = tl.arange(0, D)
         q = tl.load(q_ptr + qrow[:, None] + ch[None, :], mask=qmask[:, None], other=0.0).to(tl.float32)
@@ -646,8 +660,20 @@ def _kernels() -> dict:
         V_UNI: tl.constexpr = V_P * V_BITS != 16 or V_MANT // V_BITS == 1
         corr = tl.zeros([GP], dtype=tl.float32)  # Σ p z (− V_OFF·Σ w where uniform), added to every channel
         wsum = tl.zeros([GP], dtype=tl.float32)  # Σ w (not uniform)
-        t_tile = b * 0 - 1  # the KVarN key tile whose offset term t_off holds (classes); int64, as j0 below
+        t_tile = b * 0 - 1  # the KVarN key tile whose offset term t_off and scaled query kq0..kq7 are held; int64
         t_off = tl.zeros([GP], dtype=tl.float32)
+        KQ: tl.constexpr = D // K_P if K_P > 0 else 16
+        QDT: tl.constexpr = tl.float32 if EMU else DT
+        kq0 = tl.zeros([GP, KQ], dtype=QDT)
+        kq1 = tl.zeros([GP, KQ], dtype=QDT)
+        kq2 = tl.zeros([GP, KQ], dtype=QDT)
+        kq3 = tl.zeros([GP, KQ], dtype=QDT)
+        kq4 = tl.zeros([GP, KQ], dtype=QDT)
+        kq5 = tl.zeros([GP, KQ], dtype=QDT)
+        kq6 = tl.zeros([GP, KQ], dtype=QDT)
+        kq7 = tl.zeros([GP, KQ], dtype=QDT)
+        # the scores come out of the class paths scaled (by sm_scale and log2 e): folded into per-token vectors
+        SCALED: tl.constexpr = K_P > 0 and (K_TILE == 0 or BN <= K_TILE)
         first_it = a
         if ALIGN:  # tiles of tokens aligned to BN lie in one key tile each (BN divides K_TILE)
             first_it = a - a % BN
@@ -667,13 +693,22 @@ def _kernels() -> dict:
                 j0 = b * 0 + start // K_TILE  # int64 (and a tensor where the interpreter's loop gives an int)
                 mrow = _tile_row(j0, b, h, bt_ptr, s_bt, PAGE, kt0, kt1, kt2, base, K_TILE, PAGED, PAGE_ABS)
                 if K_P > 0 and BN <= K_TILE:  # the codes in classes, the tile's scale into the query's classes
-                    if j0 != t_tile:  # a new key tile: its offset term, kept for the tiles of tokens in it
+                    if j0 != t_tile:  # a new key tile: its offset term and scaled query, kept for its tiles of tokens
                         t_off = _class_tile_offset(q_ptr, qrow, qmask, mrow, kts_ptr, ktz_ptr, kt1, KT_ZI, GP, D, K_P,
                                                    K_BITS, KT_MW, K_OFF, DT, EMU)
+                        kq0 = _class_tile_query(q_ptr, qrow, qmask, mrow, kts_ptr, kt1, 0, D, K_P, KT_MW, DT, EMU)
+                        kq1 = _class_tile_query(q_ptr, qrow, qmask, mrow, kts_ptr, kt1, 1, D, K_P, KT_MW, DT, EMU)
+                        kq2 = _class_tile_query(q_ptr, qrow, qmask, mrow, kts_ptr, kt1, 2, D, K_P, KT_MW, DT, EMU)
+                        kq3 = _class_tile_query(q_ptr, qrow, qmask, mrow, kts_ptr, kt1, 3, D, K_P, KT_MW, DT, EMU)
+                        if K_P == 8:
+                            kq4 = _class_tile_query(q_ptr, qrow, qmask, mrow, kts_ptr, kt1, 4, D, K_P, KT_MW, DT, EMU)
+                            kq5 = _class_tile_query(q_ptr, qrow, qmask, mrow, kts_ptr, kt1, 5, D, K_P, KT_MW, DT, EMU)
+                            kq6 = _class_tile_query(q_ptr, qrow, qmask, mrow, kts_ptr, kt1, 6, D, K_P, KT_MW, DT, EMU)
+                            kq7 = _class_tile_query(q_ptr, qrow, qmask, mrow, kts_ptr, kt1, 7, D, K_P, KT_MW, DT, EMU)
                         t_tile = j0
-                    s = _class_tile_scores(q_ptr, qrow, qmask, _words(kc_ptr, rows, valid, D, K_P, K_BITS, BN), mrow,
-                                           kts_ptr, kt1, GP, BN, D, K_P, K_BITS, KT_MW, K_OFF, PREC, DT, EMU)
-                    s = s + t_off[:, None]
+                    s = _class_tile_dots(t_off[:, None], kq0, kq1, kq2, kq3, kq4, kq5, kq6, kq7,
+                                         _words(kc_ptr, rows, valid, D, K_P, K_BITS, BN), K_P, K_BITS, K_OFF, PREC, DT, EMU)
+                    st = st * sm_scale
                 else:
                     cq = _codes_as(_unpack(kc_ptr, rows, valid, D, K_BITS, BN), K_OFF)
                     s = _tile_scores(q, cq, mrow, kts_ptr, ktz_ptr, kt1, KT_ZI, D, KT_MW, K_OFF, PREC, DT, EMU)
@@ -704,8 +739,8 @@ def _kernels() -> dict:
                 s = _mma(q, tl.trans(k), DT, EMU, PREC)
             if RMEAN:  # the centers' share, a function of the position (scaled where the class path scaled s)
                 bias = _rope_bias(rb_ptr, brow, qmask, rt_ptr, rr_ptr, p0 + start, GP, BN, D, PREC, DT, EMU)
-                s = s + (bias * sm_scale if K_P > 0 and K_TILE == 0 else bias)
-            s = _finish_scores(s, valid, tl.where(valid, base + t, -1), N, 1.0 if K_P > 0 and K_TILE == 0 else sm_scale, softcap, mask_ptr,
+                s = s + (bias * sm_scale if SCALED else bias)
+            s = _finish_scores(s, valid, tl.where(valid, base + t, -1), N, 1.0 if SCALED else sm_scale, softcap, mask_ptr,
                                s_mb, S, b, WINDOW, HAS_MASK, SOFTCAP)
             m, alpha, p, l = _online(s, m, l, EMU)
             # values: Cᵀ(p ⊙ s) + (Σ p z)·1, or the dequantized tile
