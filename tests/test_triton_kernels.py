@@ -367,7 +367,8 @@ def test_decode_reads_key_tiles(dtype, bits, d, G, block_n, splits, tile):
     """KVarN key tiles (``auto``'s key tiles, :class:`wushkv.codecs.KVarNCodec`), their scale folded into the query:
     tiles of tokens of one key tile (the default, codes in classes in a 16-bit dtype) or of several (16-64 tokens over
     key tiles of 16, codes unpacked), splits that start inside a key tile, beside per-token values; equal to
-    dequantize-then-attend (1e-3 in float32, 2e-2 in a 16-bit dtype)."""
+    dequantize-then-attend (1e-3 in float32, 2e-2 in a 16-bit dtype), and the classes to the codes unpacked in
+    the same tiles of tokens within 2e-3."""
     from wushkv.codecs import KVarNCodec
 
     B, Hkv = 2, 2
@@ -386,6 +387,12 @@ def test_decode_reads_key_tiles(dtype, bits, d, G, block_n, splits, tile):
                     keys, _packed(vc, pv[1][1]), pk[2].to(dtype), pv[2].to(dtype), d**-0.5,
                     splits=splits, block_n=block_n)
     assert _rel(out, ref) < (1e-3 if dtype == torch.float32 else 2e-2), _rel(out, ref)
+    if block_n is None:  # the classes against the codes unpacked, which round the same operands: much nearer
+        with tk.decode_tuning(class_split=False):
+            tiles = tk.decode(q[:, :, 0].to(dtype), torch.tensor([[n_s, n_m, n_r]] * B), *(t.to(dtype) for t in (pk[0], pv[0])),
+                              keys, _packed(vc, pv[1][1]), pk[2].to(dtype), pv[2].to(dtype), d**-0.5,
+                              splits=splits, block_n=32)
+        assert _rel(out, tiles) < 2e-3, _rel(out, tiles)
     with pytest.raises(ValueError, match="tiles are read for the keys only"):
         tk.decode(q[:, :, 0], torch.tensor([[n_s, n_m, n_r]] * B), pk[0], pv[0], _packed(vc, pv[1][1]), _tile_packed(kc, pk[1][1]),
                   pk[2], pv[2], d**-0.5)

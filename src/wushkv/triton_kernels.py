@@ -740,8 +740,12 @@ def _kernels() -> dict:
             if RMEAN:  # the centers' share, a function of the position (scaled where the class path scaled s)
                 bias = _rope_bias(rb_ptr, brow, qmask, rt_ptr, rr_ptr, p0 + start, GP, BN, D, PREC, DT, EMU)
                 s = s + (bias * sm_scale if SCALED else bias)
-            s = _finish_scores(s, valid, tl.where(valid, base + t, -1), N, 1.0 if SCALED else sm_scale, softcap, mask_ptr,
-                               s_mb, S, b, WINDOW, HAS_MASK, SOFTCAP)
+            if SCALED and not HAS_MASK and not SOFTCAP:
+                if (start < a) | (start + BN > e):
+                    s = s + tl.where(valid, 0.0, float("-inf"))[None, :]
+            else:
+                s = _finish_scores(s, valid, tl.where(valid, base + t, -1), N, 1.0 if SCALED else sm_scale, softcap,
+                                   mask_ptr, s_mb, S, b, WINDOW, HAS_MASK, SOFTCAP)
             m, alpha, p, l = _online(s, m, l, EMU)
             # values: Cᵀ(p ⊙ s) + (Σ p z)·1, or the dequantized tile
             rows = _rows(tt, b, h, bt_ptr, s_bt, PAGE, vc0, vc1, vc2, PAGED)
