@@ -434,8 +434,16 @@ def _kernels() -> dict:
     @jit
     def _class_pv(wt, w, S: tl.constexpr, acc, P: tl.constexpr, BITS: tl.constexpr, OFF: tl.constexpr,
                   PREC: tl.constexpr, DT: tl.constexpr, EMU: tl.constexpr):
-        """acc + wt (GP, BN) · (C_S + OFF), C_S class S of code words ``w``: channels P·k + S of the values."""
-        c = _class_codes(w, S, P, BITS, OFF, EMU)
+        """acc + wt (GP, BN) · (C_S + OFF_S), C_S class S of code words ``w``: channels P·k + S of the values; S = −1:
+        acc + wt · ones (BN, 16), each column Σ_t wt (exact: wt is in DT already, the dot accumulates in float32)."""
+        if S < 0:
+            if EMU:
+                ones = tl.full([w.shape[0], 16], 1.0, tl.float32)
+            else:
+                ones = tl.full([w.shape[0], 16], 1.0, DT)
+            c = ones
+        else:
+            c = _class_codes(w, S, P, BITS, OFF, EMU)
         if EMU:
             return tl.dot(_round_to(wt.to(tl.float32), DT, EMU), c.to(tl.float32), acc, input_precision="ieee")
         return tl.dot(wt.to(DT), c, acc, input_precision=PREC)
@@ -652,14 +660,14 @@ def _kernels() -> dict:
         a6 = tl.zeros([GP, VK], dtype=tl.float32)
         a7 = tl.zeros([GP, VK], dtype=tl.float32)
         keep = tl.full([GP], 1.0, dtype=tl.float32)  # how much of the incoming acc the online softmax keeps
-        # every value channel's code has the same offset (OFF_c = V_OFF) but on 16-bit words where codes stay above
-        # the mantissa's bottom (_class_codes): then Σ w is kept apart, to take OFF_c·Σ w from each channel. Without
-        # a zero (x̂ = s·(c + HALF)) the weights w = p ⊙ s, rounded for the dot, carry the HALF too: Σ w (c + HALF)
-        # (the rounded weights against c + HALF, which is smaller than c: no less exact than Σ w c + HALF·Σ p s)
-        V_MANT: tl.constexpr = 7 if V_OFF == 128 else 10
-        V_UNI: tl.constexpr = V_P * V_BITS != 16 or V_MANT // V_BITS == 1
-        corr = tl.zeros([GP], dtype=tl.float32)  # Σ p z (− V_OFF·Σ w where uniform), added to every channel
-        wsum = tl.zeros([GP], dtype=tl.float32)  # Σ w (not uniform)
+        # the values' classes read Σ_t w_t (c_t + OFF_c) with w = p ⊙ s rounded for the dot; channel c's OFF_c
+        # (_class_offsets) comes back out as OFF_c·Σ w, and Σ w is a dot too, of the same rounded w with ones (16
+        # columns: what a dot's tile holds): exact, and a few tensor-core instructions a tile where a sum across the
+        # lanes of the weights converted back to float32 took dozens. Without a zero (x̂ = s·(c + HALF)) the weights
+        # carry the HALF too: Σ w (c + HALF), nearer the float32 result than Σ w c + HALF·Σ p s (c + HALF is the
+        # smaller); with one, Σ p z is summed in float32.
+        corr = tl.zeros([GP], dtype=tl.float32)  # Σ p z (a zero), added to every channel
+        wacc = tl.zeros([GP, 16], dtype=tl.float32)  # Σ w in each column (codes in classes)
         t_tile = b * 0 - 1  # the KVarN key tile whose offset term t_off and scaled query kq0..kq7 are held; int64
         t_off = tl.zeros([GP], dtype=tl.float32)
         KQ: tl.constexpr = D // K_P if K_P > 0 else 16
@@ -761,6 +769,7 @@ def _kernels() -> dict:
                     a0, a1, a2, a3 = a0 * alpha[:, None], a1 * alpha[:, None], a2 * alpha[:, None], a3 * alpha[:, None]
                     if V_P == 8:
                         a4, a5, a6, a7 = a4 * alpha[:, None], a5 * alpha[:, None], a6 * alpha[:, None], a7 * alpha[:, None]
+                    wacc = wacc * alpha[:, None]
                 a0 = _class_pv(w, words, 0, a0, V_P, V_BITS, V_OFF, PREC, DT, EMU)
                 a1 = _class_pv(w, words, 1, a1, V_P, V_BITS, V_OFF, PREC, DT, EMU)
                 a2 = _class_pv(w, words, 2, a2, V_P, V_BITS, V_OFF, PREC, DT, EMU)
@@ -770,13 +779,9 @@ def _kernels() -> dict:
                     a5 = _class_pv(w, words, 5, a5, V_P, V_BITS, V_OFF, PREC, DT, EMU)
                     a6 = _class_pv(w, words, 6, a6, V_P, V_BITS, V_OFF, PREC, DT, EMU)
                     a7 = _class_pv(w, words, 7, a7, V_P, V_BITS, V_OFF, PREC, DT, EMU)
-                if V_Z and V_UNI:
-                    corr = corr * alpha + tl.sum(p * vz[None, :] - V_OFF * w, 1)
-                elif V_Z:
+                wacc = _class_pv(w, words, -1, wacc, V_P, V_BITS, V_OFF, PREC, DT, EMU)  # Σ w: S = −1, ones
+                if V_Z:
                     corr = corr * alpha + tl.sum(p * vz[None, :], 1)
-                    wsum = wsum * alpha + tl.sum(w, 1)
-                else:  # z = HALF·s: Σ w (c + HALF) is the values' sum, so only Σ w is kept
-                    wsum = wsum * alpha + tl.sum(w, 1)
                 keep = keep * alpha
             elif V_G == D:
                 c = _unpack(vc_ptr, rows, valid, D, V_BITS, BN)
@@ -785,7 +790,7 @@ def _kernels() -> dict:
                 o = _mma(w, _codes_as(c, V_OFF), DT, EMU, PREC)
                 if V_Z:
                     o = o + tl.sum(p * vz[None, :] - V_OFF * w, 1)[:, None]
-                else:  # Σ w (c + HALF), as the classes read it (V_UNI above)
+                else:  # Σ w (c + HALF), as the classes read it (see corr above)
                     o = o + ((V_HALF - V_OFF) * tl.sum(w, 1))[:, None]
             else:
                 c = _unpack(vc_ptr, rows, valid, D, V_BITS, BN)
@@ -794,11 +799,10 @@ def _kernels() -> dict:
             if V_P == 0:
                 acc = acc * alpha[:, None] + o
         if V_P > 0:
-            acc = acc * keep[:, None] + _join_classes(a0, a1, a2, a3, a4, a5, a6, a7, GP, D, V_P) + corr[:, None]
-            if not V_Z:
-                acc = acc + wsum[:, None] * (V_HALF - _class_offsets(D, V_P, V_BITS, V_OFF))[None, :]
-            elif not V_UNI:
-                acc = acc - wsum[:, None] * _class_offsets(D, V_P, V_BITS, V_OFF)[None, :]
+            wsum = tl.max(wacc, 1)  # its 16 columns are equal: max, not a sum, keeps it exact
+            half = 0.0 if V_Z else V_HALF
+            acc = acc * keep[:, None] + _join_classes(a0, a1, a2, a3, a4, a5, a6, a7, GP, D, V_P) + corr[:, None] \
+                + wsum[:, None] * (half - _class_offsets(D, V_P, V_BITS, V_OFF))[None, :]
         return m, l, acc
 
     @jit
