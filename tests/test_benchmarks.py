@@ -376,7 +376,7 @@ def test_kernel_sass_compiles_both_paths(tmp_path):
     """The compile-only profile of the decode kernel for sm_90 (no GPU): the launch it records is the one decode
     makes (K2V2 and K3V3 bfloat16 head_dim 128 read their codes in classes of 8 under the default tuning, session
     46's tiles otherwise), and the class path's loop over the middle issues fewer instructions per token than the
-    tiles' on its steady path (without the blocks it runs now and then: 0.24× at 2 bits, 0.35× at 3 on triton 3.9;
+    tiles' on its steady path (without the blocks it runs now and then: 0.22× at 2 bits, 0.35× at 3 on triton 3.9;
     bounds 0.45× and 0.5×) with at most a handful of spilled registers reloaded there; its guarded blocks (the
     rescaling of the value accumulators, a partial tile's mask) are found. Cannot run where triton ships no CUDA
     toolchain."""
@@ -397,7 +397,7 @@ def test_kernel_sass_compiles_both_paths(tmp_path):
                            str(tmp_path / "k.json")], env=env, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
     res = json.loads((tmp_path / "k.json").read_text())
-    for bits, bound in ((2, 0.45), (3, 0.5)):  # 0.24x and 0.35x on triton 3.9
+    for bits, bound in ((2, 0.45), (3, 0.5)):  # 0.22x and 0.35x on triton 3.9
         tiles, classes = (r for r in res["rows"] if r["bits"] == bits)
         assert (tiles["classes"], tiles["block_n"], tiles["num_warps"]) == (False, 64, 4)
         assert (classes["classes"], classes["block_n"], classes["num_warps"]) == (True, 32, 1)
