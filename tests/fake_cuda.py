@@ -62,6 +62,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import sys
 import traceback
 from collections import Counter
 from types import SimpleNamespace
@@ -110,12 +111,22 @@ def active(scope: str = "/src/"):
     torch.cuda.get_device_properties = lambda device=None: SimpleNamespace(
         name="fake H100", multi_processor_count=H100_SMS, total_memory=80 << 30, major=9, minor=0)
     torch.cuda.synchronize = lambda device=None: _sync("torch.cuda.synchronize")
+    _forget_devices()
     try:
         with _Mode():
             yield
     finally:
         (_state.scope, torch.cuda.is_current_stream_capturing, torch.cuda.get_device_properties,
          torch.cuda.synchronize) = saved
+        _forget_devices()
+
+
+def _forget_devices():
+    """What wushkv keeps of a device's properties (its multiprocessors) is the fake one's inside the block: forgotten on
+    the way in and out."""
+    tk = sys.modules.get("wushkv.triton_kernels")
+    if tk is not None:
+        tk._multiprocessors.cache_clear()
 
 
 def launch(name: str, kernel, *args, **kwargs):

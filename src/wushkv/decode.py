@@ -27,6 +27,7 @@ through its store kernel (:func:`triton_enabled` forces both on or off).
 from __future__ import annotations
 
 import contextlib
+import functools
 import sys
 
 import torch
@@ -113,8 +114,15 @@ def read_format(tk, codec: TokenCodec):
     """The :class:`wushkv.triton_kernels.TokenFormat` the decode kernel reads ``codec``'s storage in, or None where the
     kernels do not take its head_dim or group size."""
     G = codec.d if codec.quantizer.group_size is None else codec.quantizer.group_size
+    return _token_format(tk, codec.bits, codec.d, G, codec.symmetric, codec.step_byte)
+
+
+@functools.lru_cache(maxsize=64)
+def _token_format(tk, bits: int, d: int, G: int, quest: bool, step_byte: bool):
+    """:func:`read_format`'s format, made (and checked) once per kind of codec: it is asked at every layer's decode.
+    TokenFormat is frozen, so every caller may share it."""
     try:
-        return tk.TokenFormat(codec.bits, codec.d, G, codec.symmetric, step_byte=codec.step_byte)
+        return tk.TokenFormat(bits, d, G, quest, step_byte=step_byte)
     except ValueError:
         return None
 

@@ -68,9 +68,10 @@ def available() -> bool:
     return True
 
 
+@functools.cache
 def interpreting() -> bool:
     """Whether triton was imported under its interpreter (``TRITON_INTERPRET=1``): the kernels then run on CPU
-    tensors. Decided once, when triton is first imported."""
+    tensors. Decided once, when triton is first imported (so kept: it is asked at every decode call)."""
     import triton.language as tl
     from triton.runtime.interpreter import InterpretedFunction
 
@@ -1329,9 +1330,15 @@ def default_splits(batch: int, kv_heads: int, longest: int, block_n: int, device
     programs run per streaming multiprocessor (one per CPU core under the interpreter), never more than there are
     tiles."""
     per_sm = programs_per_sm or current_tuning().programs_per_sm
-    sms = torch.cuda.get_device_properties(device).multi_processor_count * per_sm if device.type == "cuda" else 1
+    sms = _multiprocessors(torch.device(device).index or 0) * per_sm if device.type == "cuda" else 1
     want = max(1, -(-sms // max(1, batch * kv_heads)))
     return max(1, min(want, -(-max(longest, 1) // block_n), 256))
+
+
+@functools.cache
+def _multiprocessors(index: int) -> int:
+    """The streaming multiprocessors of CUDA device ``index`` (asked at every decode call: kept)."""
+    return torch.cuda.get_device_properties(index).multi_processor_count
 
 
 def _longest(lengths, sink_k, mid_k: Packed, recent_k, block_table) -> int:
