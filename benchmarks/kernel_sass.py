@@ -12,8 +12,8 @@ the ``nvdisasm`` that triton ships, and counts per configuration:
   the blocks it guards by a branch, which run only now and then. Those are, where the kernel has them, the rescaling
   of the value accumulators when a row's max rises (a few times a split), the mask of a split's first or last,
   partial, tile of tokens, and with key tiles the block that takes up a new key tile (scaling the query), once
-  per key tile: the largest guarded block, counted in the steady path at BN/key-tile tokens' share. The static count
-  pays for every block at every tile.
+  per key tile: the largest guarded block that loads from memory (the tile's scale), counted in the steady path at
+  BN/key-tile tokens' share. The static count pays for every block at every tile.
 
 Baseline in the same run: the path session 46 timed (codes unpacked to (tokens, d) tiles, 64 tokens per tile,
 4 warps), whose loop the H200 ran at 0.88 ms for 32k tokens × batch 16 (bf16 SDPA: 0.49 ms). A ratio of issued
@@ -191,10 +191,13 @@ def run(args) -> dict:
                 n = sum(mid.values())
                 blocks = sorted(prof["guarded"][0], key=lambda c: -sum(c.values()))
                 steady = mid - sum(blocks, collections.Counter())
-                if args.key_tiles and blocks:  # the new key tile's block, once a key tile
+                # the new key tile's block, once a key tile: the largest that loads from memory (the tile's scale;
+                # the rescale and a partial tile's mask load nothing)
+                tile_block = next((c for c in blocks if c["LDG"]), None) if args.key_tiles else None
+                if tile_block is not None:
                     share = block_n / args.key_tiles
-                    steady_n = sum(steady.values()) + share * sum(blocks[0].values())
-                    steady_ldl = steady["LDL"] + share * blocks[0]["LDL"]
+                    steady_n = sum(steady.values()) + share * sum(tile_block.values())
+                    steady_ldl = steady["LDL"] + share * tile_block["LDL"]
                 else:
                     steady_n, steady_ldl = sum(steady.values()), steady["LDL"]
                 row = {"config": label, "bits": bits, "head_dim": d, "key_tiles": args.key_tiles, "rmean": args.rmean,

@@ -362,7 +362,8 @@ def _tile_packed(codec, store):
 @pytest.mark.parametrize("dtype,bits,d,G,block_n,splits,tile", [
     (torch.float32, 2, 64, 3, 16, 3, 16), (torch.float32, 3, 128, 1, 32, 2, 16), (torch.bfloat16, 2, 64, 8, 64, 1, 16),
     (torch.float16, 4, 64, 3, 32, 5, 16), (torch.bfloat16, 2, 128, 3, None, 3, 32), (torch.float16, 4, 64, 8, None, 2, 16),
-    (torch.bfloat16, 3, 128, 3, None, 3, 32), (torch.bfloat16, 1, 128, 1, None, 2, 64)])
+    (torch.bfloat16, 3, 128, 3, None, 3, 32), (torch.bfloat16, 1, 128, 1, None, 2, 64),
+    (torch.bfloat16, 2, 128, 3, None, 2, 64)])  # 16-bit words, the scaled query held across two tiles of tokens
 def test_decode_reads_key_tiles(dtype, bits, d, G, block_n, splits, tile):
     """KVarN key tiles (``auto``'s key tiles, :class:`wushkv.codecs.KVarNCodec`), their scale folded into the query:
     tiles of tokens of one key tile (the default, codes in classes in a 16-bit dtype) or of several (16-64 tokens over
@@ -533,6 +534,7 @@ def _classes(parts, dtype):
     (torch.bfloat16, QuestQuantizer(2), QuestQuantizer(2), 64, {"mask": 25}, (4, 4)),
     (torch.bfloat16, AffineQuantizer(2), QuestQuantizer(1), 256, {"window": 30}, (8, 8)),
     (torch.bfloat16, QuestQuantizer(2), QuestQuantizer(2), 128, {"odd": True}, (4, 8)),  # keys' rows at odd offsets
+    (torch.float16, QuestQuantizer(2), AffineQuantizer(4), 128, {}, (8, 4)),  # 4-bit values' offsets differ by class
 ])
 def test_decode_code_classes_equal_unpacked_tiles(dtype, kq, vq, d, kw, classes):
     """Codes read as words split into classes (one dot per class, the query's channels P·k + S against class S, the
@@ -870,10 +872,17 @@ for dt, off, kv, warps in ((tl.bfloat16, 128, (2, 8, 4, 4), 1), (tl.float16, 102
                        target=GPUTarget("cuda", 90, 32), options={"num_warps": warps, "num_stages": 2})
     assert "lop3.b32" in k.asm["ptx"] and "cubin" in k.asm
     assert ("prmt.b32" in k.asm["ptx"]) == (kv[0] * kv[1] != 16 or kv[2] * kv[3] != 16)
+# no mask, no softcap (a split's partial tiles masked behind a branch); zeros on both sides in classes: keys' Σq·z,
+# values' per-class offsets (float16 4 bits) against Σ w from the dot with ones
+z = dict(consts, HAS_MASK=False, SOFTCAP=False, K_Z=True, V_Z=True, DT=tl.float16, K_OFF=1024, V_OFF=1024, K_BITS=2, K_P=8,
+         V_BITS=4, V_P=4, PAGE_ABS=False)
+triton.compile(ASTSource(K["decode"], sig("decode", dict(p, q_ptr="*fp16"), ("sm_scale", "softcap", "K_HALF", "V_HALF"), z), z),
+               target=GPUTarget("cuda", 90, 32), options={"num_warps": 1, "num_stages": 2})
 # KVarN key tiles of 16 tokens: spread over paged cells (16 halves a token), then rows of their own; unpacked (BN 32
 # over two key tiles), then in classes (the scale folded into the query's classes)
-for paged, mw, kp, bn in ((True, 16, 0, 32), (False, 128, 0, 32), (True, 16, 8, 16), (False, 128, 8, 16)):
-    consts.update(K_TILE=16, KT_MW=mw, K_P=kp, K_BITS=2, PAGED=paged, PAGE_ABS=paged, BN=bn)
+for paged, mw, kp, bn, tile in ((True, 16, 0, 32, 16), (False, 128, 0, 32, 16), (True, 16, 8, 16, 16), (False, 128, 8, 16, 16),
+                                 (False, 128, 8, 32, 128)):  # the last: the scaled query held across 4 tiles of tokens
+    consts.update(K_TILE=tile, KT_MW=mw, K_P=kp, K_BITS=2, PAGED=paged, PAGE_ABS=paged, BN=bn)
     triton.compile(ASTSource(K["decode"], sig("decode", p, ("sm_scale", "softcap", "K_HALF", "V_HALF"), consts), consts),
                    target=GPUTarget("cuda", 90, 32), options={"num_warps": 4, "num_stages": 2})
 # keys centered on their rotating mean (+rmean): over key tiles in classes, then per-token codes in classes

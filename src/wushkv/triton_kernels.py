@@ -751,7 +751,7 @@ def _kernels() -> dict:
                 s = s + (bias * sm_scale if SCALED else bias)
             if SCALED and not HAS_MASK and not SOFTCAP:
                 if (start < a) | (start + BN > e):
-                    s = s + tl.where(valid, 0.0, float("-inf"))[None, :]
+                    s = tl.where(valid[None, :], s, float("-inf"))
             else:
                 s = _finish_scores(s, valid, tl.where(valid, base + t, -1), N, 1.0 if SCALED else sm_scale, softcap,
                                    mask_ptr, s_mb, S, b, WINDOW, HAS_MASK, SOFTCAP)
