@@ -423,8 +423,9 @@ def _kernels() -> dict:
     def _class_scores(q_ptr, qrow, qmask, qoff, w, GP: tl.constexpr, BN: tl.constexpr, D: tl.constexpr, P: tl.constexpr,
                       BITS: tl.constexpr, OFF: tl.constexpr, PREC: tl.constexpr, DT: tl.constexpr,
                       EMU: tl.constexpr):
-        """q (GP, D) · (C + OFF)ᵀ over code words ``w`` (BN, D/P): one dot per class S with the query's channels
-        P·k + S (loaded from ``q_ptr + qrow``, L1-resident), so the codes never change layout."""
+        """q (GP, D) · (C + OFF_S)ᵀ − qoff (GP,) over code words ``w`` (BN, D/P): one dot per class S with the
+        query's channels P·k + S (loaded from ``q_ptr + qrow``, L1-resident), so the codes never change layout; the
+        first dot starts at −qoff, which costs nothing (a dot's accumulator)."""
         k = tl.arange(0, D // P)
         s = tl.zeros([GP, BN], dtype=tl.float32) - qoff[:, None]
         for S in tl.static_range(P):
@@ -645,8 +646,10 @@ def _kernels() -> dict:
         ``q·(c + OFF) − OFF·Σq``, for values ``Σ_t w_t (c_t + OFF) − OFF·Σ_t w_t`` with the same rounded weights
         w = p ⊙ s the dot reads. K_P/V_P > 0: that side's codes are read as 16-bit words and split into P classes
         (:func:`_class_codes`), one dot each, instead of unpacked to a (BN, D) tile, whose reshape and re-layout for
-        the tensor cores cost more than the bytes (session 46's H200 run). The values' classes then keep one
-        accumulator each (a0..a7, (GP, D/P)) and join ``acc`` after the last tile: joined every tile, the classes'
+        the tensor cores cost more than the bytes (session 46's H200 run). Each class then has its own offset OFF_c
+        (:func:`_class_offsets`): the keys' dots start at −``qoff`` (Σ_c OFF_c q_c, and − HALF·Σq without a zero:
+        decode_kernel), the values' take OFF_c·Σ w out of each channel after the last tile. The values' classes keep
+        one accumulator each (a0..a7, (GP, D/P)) and join ``acc`` after the last tile: joined every tile, the classes'
         results would hold as many registers again as the accumulators. RMEAN: keys stored centered on their
         rotating mean, token i at position p0 + i, each tile's scores gain :func:`_rope_bias` (turned by the tile's
         first position, wherever it starts)."""
