@@ -686,6 +686,43 @@ def test_left_padded_decode_makes_the_host_wait_for_no_device(rmean):
     assert (fake_cuda.host(out) - ref).abs().max() < 1e-5
 
 
+def test_ragged_mask_made_once_for_the_layers_of_a_step():
+    """A ragged step's mask (``RaggedView._visible``, ~30 operations on B × N entries a layer) is made once for the
+    views that hold the same rows and get the same mask tensor (a step's layers of one kind), again for another mask
+    tensor even of equal values, for other rows, and where the mask it was made for is gone (held weakly: an address
+    reused by a new tensor is not the same key); each time it equals a mask made afresh."""
+    import dataclasses
+    import weakref
+
+    from wushkv import views
+
+    model = tiny_model("llama")
+    cfg = QuantConfig(2, 2, "quest", key_quantizer="kvarn", windows=WindowConfig(4, 8, 16))
+    with padded_decode_view(model, cfg, (120, 60, 100)) as (view, q, allowed):
+        assert isinstance(view, views.RaggedView)
+        B, dev = q.shape[0], q.device
+        views._VISIBLE.clear()
+        first = view._visible(allowed, B, dev)
+        assert view._visible(allowed, B, dev) is first
+        assert dataclasses.replace(view)._visible(allowed, B, dev) is first  # another layer's view of the same rows
+        equal = allowed.clone()
+        again = view._visible(equal, B, dev)
+        assert again is not first and torch.equal(again, first)
+        rs = view.rs.clone()
+        rs[1, view.layer.MID_N] -= 16  # row 1 holds a block less
+        other = dataclasses.replace(view, rs=rs)._visible(allowed, B, dev)
+        assert other is not first and not torch.equal(other, first)
+        for key, (ref, mask) in list(views._VISIBLE.items()):  # the mask made for `allowed` gone, its address reused
+            if mask is first:
+                gone = torch.zeros(1)
+                views._VISIBLE[key] = (weakref.ref(gone), mask)
+                del gone
+        fresh = view._visible(allowed, B, dev)
+        assert fresh is not first and torch.equal(fresh, first)
+        views._VISIBLE.clear()
+        assert torch.equal(view._visible(allowed, B, dev), first)
+
+
 @torch.no_grad()
 @pytest.mark.parametrize("sliding", [None, 40])
 def test_ragged_step_makes_the_host_wait_for_no_device(sliding):

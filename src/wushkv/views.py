@@ -13,6 +13,7 @@ The layer's storage and its quantization live in :mod:`wushkv.layer`; this modul
 
 from __future__ import annotations
 
+import weakref
 from dataclasses import dataclass
 
 import torch
@@ -310,23 +311,8 @@ class RaggedView(LayerView):
         mask and window."""
         layer, dt = self.layer, self.rec_k.dtype
         query = _queries(layer, module, query, dt)
-        B, M, R, S_sink = query.shape[0], self.mid_n, self.rec_k.shape[2], self.sink_k.shape[2]
-        dev = query.device
-        # one copy of 10·B ints to where the query is, no wait for a GPU
-        p, n, sink_start, sink_n, mid_start, mid_n, rec_n, _, mid_lo, rec_lo = to_device(
-            torch.cat([layer.pads[:, None], self.rs], 1).T.contiguous(), dev).unsqueeze(-1)
-        ar = lambda k: torch.arange(k, device=dev)  # noqa: E731
-        j_sink, j_mid, j_rec = ar(S_sink), ar(M), ar(R)
-        pos = torch.cat([j_sink.expand(B, S_sink), mid_start - mid_lo + j_mid, n - rec_n - rec_lo + j_rec], dim=1)  # (B, N)
-        visible = torch.cat([(j_sink >= sink_start) & (j_sink < sink_start + sink_n),
-                             (j_mid >= mid_lo) & (j_mid < mid_lo + mid_n), (j_rec >= rec_lo) & (j_rec < rec_lo + rec_n)], 1)
-        lo = self.kv_offset  # (padded columns)
-        S = self.n1 - lo
-        visible &= p + pos >= lo  # inside a sliding window
-        allowed = as_allowed(attention_mask, S)
-        if allowed is not None:
-            visible &= allowed.reshape(-1, S).expand(B, S).gather(1, (p + pos - lo).clamp(0, S - 1))
-        visible |= ~visible.any(-1, keepdim=True)  # a row whose mask hides all (its output is never read): no NaN
+        B, M = query.shape[0], self.mid_n
+        visible = self._visible(attention_mask, B, query.device)
         parts = []
         for name in ("k", "v"):
             side = layer.k_side if name == "k" else layer.v_side
@@ -344,3 +330,43 @@ class RaggedView(LayerView):
                             rs[:, L.MID_LO] + rs[:, L.MID_N], rs[:, L.REC_LO], rs[:, L.REC_LO] + rs[:, L.REC_N]], 1).view(B, 3, 2)
         return decode_attention(query, [self.sink_k, parts[0], self.rec_k], [self.sink_v, parts[1], self.rec_v],
                                 visible.view(B, 1, 1, -1), scaling, softcap, sinks=sinks, held=held)
+
+    def _visible(self, attention_mask, B: int, dev) -> torch.Tensor:
+        """(B, N) bool, which of the parts' columns each row sees: its own (the rest of each part's width is other
+        rows'), inside the sliding window and allowed by transformers' mask, each column at its position plus the
+        row's padding. About thirty operations on B × N entries, and every layer of a step with the same rows, parts
+        and mask needs the same: a padded batch's layers of one kind (full attention; sliding) hold the same rows
+        and transformers hands them one mask tensor. So it is made once and kept (:data:`_VISIBLE`), keyed by the
+        rows' table and paddings, the parts' widths, the first visible column, and that very mask tensor (held
+        weakly: a mask freed and another made at its address is another key). Nothing writes to it."""
+        layer = self.layer
+        S_sink, M, R = self.sink_k.shape[2], self.mid_n, self.rec_k.shape[2]
+        lo = self.kv_offset  # (padded columns)
+        S = self.n1 - lo
+        key = (layer.pads.numpy().tobytes(), self.rs.numpy().tobytes(), B, S_sink, M, R, lo, S, str(dev),
+               None if attention_mask is None else (id(attention_mask), tuple(attention_mask.shape)))
+        hit = _VISIBLE.get(key)
+        if hit is not None and (hit[0] is None or hit[0]() is attention_mask):
+            return hit[1]
+        # one copy of 10·B ints to where the query is, no wait for a GPU
+        p, n, sink_start, sink_n, mid_start, mid_n, rec_n, _, mid_lo, rec_lo = to_device(
+            torch.cat([layer.pads[:, None], self.rs], 1).T.contiguous(), dev).unsqueeze(-1)
+        ar = lambda k: torch.arange(k, device=dev)  # noqa: E731
+        j_sink, j_mid, j_rec = ar(S_sink), ar(M), ar(R)
+        pos = torch.cat([j_sink.expand(B, S_sink), mid_start - mid_lo + j_mid, n - rec_n - rec_lo + j_rec], dim=1)  # (B, N)
+        visible = torch.cat([(j_sink >= sink_start) & (j_sink < sink_start + sink_n),
+                             (j_mid >= mid_lo) & (j_mid < mid_lo + mid_n), (j_rec >= rec_lo) & (j_rec < rec_lo + rec_n)], 1)
+        visible &= p + pos >= lo  # inside a sliding window
+        allowed = as_allowed(attention_mask, S)
+        if allowed is not None:
+            visible &= allowed.reshape(-1, S).expand(B, S).gather(1, (p + pos - lo).clamp(0, S - 1))
+        visible |= ~visible.any(-1, keepdim=True)  # a row whose mask hides all (its output is never read): no NaN
+        if len(_VISIBLE) >= 4:  # a step's kinds of layers; older steps' are never asked again
+            _VISIBLE.clear()
+        _VISIBLE[key] = (None if attention_mask is None else weakref.ref(attention_mask), visible)
+        return visible
+
+
+# RaggedView._visible's masks of the last few layers, by what makes them: {key: (weakref to the mask tensor or None,
+# (B, N) bool)}
+_VISIBLE: dict = {}
