@@ -122,11 +122,14 @@ def active(scope: str = "/src/"):
 
 
 def _forget_devices():
-    """What wushkv keeps of a device's properties (its multiprocessors) is the fake one's inside the block: forgotten on
-    the way in and out."""
-    tk = sys.modules.get("wushkv.triton_kernels")
+    """What wushkv keeps of a device (its multiprocessors, uploads kept for the next layers, a ragged step's mask) is
+    the fake one's inside the block: forgotten on the way in and out, so that no fake tensor outlives it there."""
+    tk, views = sys.modules.get("wushkv.triton_kernels"), sys.modules.get("wushkv.views")
     if tk is not None:
         tk._multiprocessors.cache_clear()
+        tk._KEPT.clear()
+    if views is not None:
+        views._VISIBLE.clear()
 
 
 def launch(name: str, kernel, *args, **kwargs):

@@ -933,6 +933,28 @@ def test_kernels_compile_for_cuda():
     assert res.returncode == 0 and "compiled True" in res.stdout, res.stderr[-3000:]
 
 
+def test_equal_lengths_are_uploaded_once():
+    """A decode call's host ``lengths`` are the same at every layer of a step: on a GPU they are uploaded once and
+    the upload kept (``kept_on``, by device, dtype, shape and values), not staged and copied at every layer; other
+    values get their own, and nothing waits for the device (fake CUDA tensors: tests/fake_cuda.py)."""
+    import fake_cuda
+
+    try:
+        with fake_cuda.active():
+            a = tk.kept_on(torch.tensor([[3, 40, 5]]).expand(4, 3), "cuda", torch.int32)
+            b = tk.kept_on(torch.tensor([[3, 40, 5]] * 4), torch.device("cuda"), torch.int32)
+            c = tk.kept_on(torch.tensor([[3, 41, 5]] * 4), "cuda", torch.int32)
+            assert a is b and c is not a and fake_cuda.is_fake(a) and a.dtype == torch.int32 and a.is_contiguous()
+            assert fake_cuda.host(c).tolist() == [[3, 41, 5]] * 4 and fake_cuda.host(a).tolist() == [[3, 40, 5]] * 4
+            assert tk.kept_on(torch.tensor([[3, 40, 5]] * 4), "cuda", torch.int64) is not a  # another dtype
+            assert not fake_cuda.errors() and not fake_cuda.syncs(), (fake_cuda.errors(), fake_cuda.syncs())
+        assert not tk._KEPT  # the fake uploads are forgotten with the fake device
+    finally:
+        fake_cuda.reset()
+    cpu = torch.tensor([[3, 40, 5]])
+    assert tk.kept_on(cpu, "cpu", torch.int32).tolist() == [[3, 40, 5]] and not tk._KEPT  # off a GPU: a plain copy
+
+
 @pytest.mark.parametrize("rmean", [False, True])
 def test_left_padded_decode_through_the_kernel(rmean):
     """A left-padded batch's decode step through the decode kernel: one mask per row over [sink, packed middle,

@@ -1029,6 +1029,29 @@ def to_device(t: torch.Tensor, device: torch.device, dtype: torch.dtype | None =
     return staged.to(device, non_blocking=True)
 
 
+_KEPT: collections.OrderedDict = collections.OrderedDict()  # kept_on's uploads, by device, dtype, shape and values
+
+
+def kept_on(t: torch.Tensor, device, dtype: torch.dtype) -> torch.Tensor:
+    """:func:`to_device` of a small host tensor asked for again and again with the same values: a decode call's
+    ``lengths`` (and ``+rmean``'s first positions), the same at every layer of a step, where each copy is a pinned
+    staging buffer and an upload queued on the stream. Kept by device, dtype, shape and values (the last 32); the
+    kernels only read it. Off a GPU, and while a CUDA graph is captured (where :func:`to_device` refuses a host
+    tensor), it is :func:`to_device`'s."""
+    device = torch.device(device)
+    if t.device.type != "cpu" or device.type != "cuda" or torch.cuda.is_current_stream_capturing():
+        return to_device(t, device, dtype).contiguous()
+    key = (str(device), dtype, tuple(t.shape), t.to(dtype).contiguous().numpy().tobytes())
+    hit = _KEPT.get(key)
+    if hit is None:
+        hit = _KEPT[key] = to_device(t, device, dtype).contiguous()
+        if len(_KEPT) > 32:
+            _KEPT.popitem(last=False)
+    else:
+        _KEPT.move_to_end(key)
+    return hit
+
+
 def _tl_dtype(dtype: torch.dtype):
     import triton.language as tl
 
@@ -1375,7 +1398,7 @@ def _key_bias_args(kb: KeyBias, B: int, Hq: int, d: int, mid_k: Packed, page: in
     n = int(first.abs().max()) + cap + block_n + 1 if B else block_n
     terms = kb.terms.to(device=device, dtype=torch.float32)
     terms = terms if terms.stride(-1) == 1 else terms.contiguous()
-    return terms, to_device(first, device, torch.int32), rope_table(kb.theta, n, device), terms.stride()[:2]
+    return terms, kept_on(first, device, torch.int32), rope_table(kb.theta, n, device), terms.stride()[:2]
 
 
 def decode(query, lengths, sink_k, sink_v, mid_k: Packed, mid_v: Packed, recent_k, recent_v, scaling: float, *,
@@ -1424,7 +1447,7 @@ def decode(query, lengths, sink_k, sink_v, mid_k: Packed, mid_v: Packed, recent_
     _check_device(query, mid_k.codes)
     longest = _longest(lengths, sink_k, mid_k, recent_k, block_table) if splits is None else 0
     host_lengths = lengths if lengths.device.type == "cpu" else None
-    lengths = to_device(lengths, query.device, torch.int32).contiguous()
+    lengths = kept_on(lengths, query.device, torch.int32)
     tuning = current_tuning()
     k_p, v_p, tile_n, num_warps = tuning.launch(query.dtype, mid_k, mid_v)
     if isinstance(mid_k.fmt, TileFormat) and mid_k.fmt.tile >= 16:
