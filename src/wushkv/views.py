@@ -343,9 +343,11 @@ class RaggedView(LayerView):
         S_sink, M, R = self.sink_k.shape[2], self.mid_n, self.rec_k.shape[2]
         lo = self.kv_offset  # (padded columns)
         S = self.n1 - lo
-        key = (layer.pads.numpy().tobytes(), self.rs.numpy().tobytes(), B, S_sink, M, R, lo, S, str(dev),
-               None if attention_mask is None else (id(attention_mask), tuple(attention_mask.shape)))
-        hit = _VISIBLE.get(key)
+        kept = attention_mask is None or torch.is_tensor(attention_mask)  # (a tensor can be held weakly)
+        key = None if not kept else (
+            layer.pads.numpy().tobytes(), self.rs.numpy().tobytes(), B, S_sink, M, R, lo, S, str(dev),
+            None if attention_mask is None else (id(attention_mask), tuple(attention_mask.shape)))
+        hit = _VISIBLE.get(key) if kept else None
         if hit is not None and (hit[0] is None or hit[0]() is attention_mask):
             return hit[1]
         # one copy of 10·B ints to where the query is, no wait for a GPU
@@ -361,9 +363,10 @@ class RaggedView(LayerView):
         if allowed is not None:
             visible &= allowed.reshape(-1, S).expand(B, S).gather(1, (p + pos - lo).clamp(0, S - 1))
         visible |= ~visible.any(-1, keepdim=True)  # a row whose mask hides all (its output is never read): no NaN
-        if len(_VISIBLE) >= 4:  # a step's kinds of layers; older steps' are never asked again
-            _VISIBLE.clear()
-        _VISIBLE[key] = (None if attention_mask is None else weakref.ref(attention_mask), visible)
+        if kept:
+            if len(_VISIBLE) >= 4:  # a step's kinds of layers; older steps' are never asked again
+                _VISIBLE.clear()
+            _VISIBLE[key] = (None if attention_mask is None else weakref.ref(attention_mask), visible)
         return visible
 
 
