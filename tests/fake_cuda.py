@@ -43,8 +43,9 @@ runs is handled on the Python calls (a ``TorchFunctionMode``): allocations and c
 and the hand-written bindings that enter a CUDA device guard (indexing, ``int()``, ``copy_``, ``contiguous``, ...),
 which are emulated or sent on to the same operator through ``torch.ops.aten``; one not covered raises
 NotImplementedError naming it. While active, ``torch.cuda.is_current_stream_capturing`` says False,
-``torch.cuda.get_device_properties`` gives an H100 SXM's 132 multiprocessors, and ``torch.cuda.synchronize`` records
-a sync; ``torch.cuda.is_available()`` stays False. A CUDA device is recognized as a ``device=`` keyword, a
+``torch.cuda.get_device_properties`` gives an H100 SXM's 132 multiprocessors, ``torch.cuda.current_stream`` the
+default stream (``cuda_stream`` 0), and ``torch.cuda.synchronize`` records a sync; ``torch.cuda.is_available()`` stays
+False. A CUDA device is recognized as a ``device=`` keyword, a
 ``.to``/``.cuda`` argument, or a tensor's.
 
 Not emulated: streams, events and asynchrony (every operator runs when called: a pinned buffer reused before its copy
@@ -104,20 +105,21 @@ def active(scope: str = "/src/"):
     ``device="cuda"`` allocates fake CUDA tensors. A record names the innermost frames whose file path contains
     ``scope`` (the code under test), relative to it."""
     saved = (_state.scope, torch.cuda.is_current_stream_capturing, torch.cuda.get_device_properties,
-             torch.cuda.synchronize)
+             torch.cuda.synchronize, torch.cuda.current_stream)
     _state.scope = scope
     # the CPU build's torch.cuda raises on these: what a GPU would answer
     torch.cuda.is_current_stream_capturing = lambda: False
     torch.cuda.get_device_properties = lambda device=None: SimpleNamespace(
         name="fake H100", multi_processor_count=H100_SMS, total_memory=80 << 30, major=9, minor=0)
     torch.cuda.synchronize = lambda device=None: _sync("torch.cuda.synchronize")
+    torch.cuda.current_stream = lambda device=None: SimpleNamespace(cuda_stream=0)  # the default stream
     _forget_devices()
     try:
         with _Mode():
             yield
     finally:
         (_state.scope, torch.cuda.is_current_stream_capturing, torch.cuda.get_device_properties,
-         torch.cuda.synchronize) = saved
+         torch.cuda.synchronize, torch.cuda.current_stream) = saved
         _forget_devices()
 
 

@@ -935,8 +935,11 @@ def test_kernels_compile_for_cuda():
 
 def test_equal_lengths_are_uploaded_once():
     """A decode call's host ``lengths`` are the same at every layer of a step: on a GPU they are uploaded once and
-    the upload kept (``kept_on``, by device, dtype, shape and values), not staged and copied at every layer; other
-    values get their own, and nothing waits for the device (fake CUDA tensors: tests/fake_cuda.py)."""
+    the upload kept (``kept_on``, by device, stream, dtype, shape and values), not staged and copied at every layer;
+    other values, dtypes and streams get their own, and nothing waits for the device (fake CUDA tensors:
+    tests/fake_cuda.py)."""
+    from types import SimpleNamespace
+
     import fake_cuda
 
     try:
@@ -947,6 +950,8 @@ def test_equal_lengths_are_uploaded_once():
             assert a is b and c is not a and fake_cuda.is_fake(a) and a.dtype == torch.int32 and a.is_contiguous()
             assert fake_cuda.host(c).tolist() == [[3, 41, 5]] * 4 and fake_cuda.host(a).tolist() == [[3, 40, 5]] * 4
             assert tk.kept_on(torch.tensor([[3, 40, 5]] * 4), "cuda", torch.int64) is not a  # another dtype
+            torch.cuda.current_stream = lambda device=None: SimpleNamespace(cuda_stream=7)  # (fake_cuda restores it)
+            assert tk.kept_on(torch.tensor([[3, 40, 5]] * 4), "cuda", torch.int32) is not a  # another stream's own
             assert not fake_cuda.errors() and not fake_cuda.syncs(), (fake_cuda.errors(), fake_cuda.syncs())
         assert not tk._KEPT  # the fake uploads are forgotten with the fake device
     finally:

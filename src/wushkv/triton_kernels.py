@@ -1035,13 +1035,15 @@ _KEPT: collections.OrderedDict = collections.OrderedDict()  # kept_on's uploads,
 def kept_on(t: torch.Tensor, device, dtype: torch.dtype) -> torch.Tensor:
     """:func:`to_device` of a small host tensor asked for again and again with the same values: a decode call's
     ``lengths`` (and ``+rmean``'s first positions), the same at every layer of a step, where each copy is a pinned
-    staging buffer and an upload queued on the stream. Kept by device, dtype, shape and values (the last 32); the
-    kernels only read it. Off a GPU, and while a CUDA graph is captured (where :func:`to_device` refuses a host
-    tensor), it is :func:`to_device`'s."""
+    staging buffer and an upload queued on the stream. Kept by device, stream, dtype, shape and values (the last 32):
+    only work queued after the upload on its own stream reads it, so no other stream reads it before it lands (nor
+    after the allocator hands its memory on); the kernels only read it. Off a GPU, and while a CUDA graph is captured
+    (where :func:`to_device` refuses a host tensor), it is :func:`to_device`'s."""
     device = torch.device(device)
     if t.device.type != "cpu" or device.type != "cuda" or torch.cuda.is_current_stream_capturing():
         return to_device(t, device, dtype).contiguous()
-    key = (str(device), dtype, tuple(t.shape), t.to(dtype).contiguous().numpy().tobytes())
+    key = (str(device), torch.cuda.current_stream(device).cuda_stream, dtype, tuple(t.shape),
+           t.to(dtype).contiguous().numpy().tobytes())
     hit = _KEPT.get(key)
     if hit is None:
         hit = _KEPT[key] = to_device(t, device, dtype).contiguous()

@@ -337,15 +337,18 @@ class RaggedView(LayerView):
         row's padding. About thirty operations on B × N entries, and every layer of a step with the same rows, parts
         and mask needs the same: a padded batch's layers of one kind (full attention; sliding) hold the same rows
         and transformers hands them one mask tensor. So it is made once and kept (:data:`_VISIBLE`), keyed by the
-        rows' table and paddings, the parts' widths, the first visible column, and that very mask tensor (held
-        weakly: a mask freed and another made at its address is another key). Nothing writes to it."""
+        rows' table and paddings, the parts' widths, the first visible column, the device's stream, and that very
+        mask tensor (held weakly: a mask freed and another made at its address is another key). Nothing writes to
+        it."""
         layer = self.layer
         S_sink, M, R = self.sink_k.shape[2], self.mid_n, self.rec_k.shape[2]
         lo = self.kv_offset  # (padded columns)
         S = self.n1 - lo
         kept = attention_mask is None or torch.is_tensor(attention_mask)  # (a tensor can be held weakly)
+        # on a GPU, by stream too: only work queued after it on its own stream reads it
+        stream = torch.cuda.current_stream(dev).cuda_stream if dev.type == "cuda" else None
         key = None if not kept else (
-            layer.pads.numpy().tobytes(), self.rs.numpy().tobytes(), B, S_sink, M, R, lo, S, str(dev),
+            layer.pads.numpy().tobytes(), self.rs.numpy().tobytes(), B, S_sink, M, R, lo, S, str(dev), stream,
             None if attention_mask is None else (id(attention_mask), tuple(attention_mask.shape)))
         hit = _VISIBLE.get(key) if kept else None
         if hit is not None and (hit[0] is None or hit[0]() is attention_mask):
