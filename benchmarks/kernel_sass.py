@@ -152,26 +152,24 @@ def profile(compiled, tools) -> dict:
             labels.update(dict.fromkeys(pending, addr))
             pending = []
             ops.append((addr, m.group(2).split(".")[0], line))
-    spans = []
+    branches = []  # (from, to) of every branch to a label
     for addr, op, line in ops:
         m = re.search(r"\.L_x_(\d+)", line) if op == "BRA" else None
-        if m and labels.get(m.group(1), addr) < addr:
-            spans.append((labels[m.group(1)], addr))
-    # outermost loops only, in address order (a loop nested in another, e.g. over the key tiles a tile of tokens
-    # touches, is counted in its enclosing loop's body)
-    outer = sorted(sp for sp in spans if not any(o != sp and o[0] <= sp[0] and sp[1] <= o[1] for o in spans))
+        if m and m.group(1) in labels:
+            branches.append((addr, labels[m.group(1)]))
+    # outermost loops only (backward branches), in address order (a loop nested in another, e.g. over the key tiles
+    # a tile of tokens touches, is counted in its enclosing loop's body)
+    outer = sorted(_outermost([(to, fr) for fr, to in branches if to < fr]))
     loops = [collections.Counter(o for a, o, _ in ops if lo <= a <= hi) for lo, hi in outer]
     # the blocks a loop guards: a forward branch inside it, over what it skips (outermost blocks only)
-    guarded = []
-    for lo, hi in outer:
-        jumps = []
-        for addr, op, line in ops:
-            m = re.search(r"\.L_x_(\d+)", line) if op == "BRA" else None
-            if m and lo <= addr <= hi and addr < labels.get(m.group(1), addr) <= hi:
-                jumps.append((addr, labels[m.group(1)]))
-        jumps = [j for j in jumps if not any(o != j and o[0] <= j[0] and j[1] <= o[1] for o in jumps)]
-        guarded.append([collections.Counter(o for a, o, _ in ops if j0 < a < j1) for j0, j1 in jumps])
+    guarded = [[collections.Counter(o for a, o, _ in ops if j0 < a < j1)
+                for j0, j1 in _outermost([(fr, to) for fr, to in branches if lo <= fr < to <= hi])] for lo, hi in outer]
     return {"usage": usage, "instructions": len(ops), "loops": loops, "guarded": guarded}
+
+
+def _outermost(spans: list) -> list:
+    """The (start, end) spans not inside another one."""
+    return [sp for sp in spans if not any(o != sp and o[0] <= sp[0] and sp[1] <= o[1] for o in spans)]
 
 
 def run(args) -> dict:

@@ -436,16 +436,22 @@ def _kernels() -> dict:
     @jit
     def _class_pv(wt, w, S: tl.constexpr, acc, P: tl.constexpr, BITS: tl.constexpr, OFF: tl.constexpr,
                   PREC: tl.constexpr, DT: tl.constexpr, EMU: tl.constexpr):
-        """acc + wt (GP, BN) · (C_S + OFF_S), C_S class S of code words ``w``: channels P·k + S of the values; S = −1:
-        acc + wt · ones (BN, 16), each column Σ_t wt (exact: wt is in DT already, the dot accumulates in float32)."""
-        if S < 0:
-            if EMU:
-                ones = tl.full([w.shape[0], 16], 1.0, tl.float32)
-            else:
-                ones = tl.full([w.shape[0], 16], 1.0, DT)
-            c = ones
+        """acc + wt (GP, BN) · (C_S + OFF_S), C_S class S of code words ``w``: channels P·k + S of the values."""
+        return _mma_acc(wt, _class_codes(w, S, P, BITS, OFF, EMU), acc, PREC, DT, EMU)
+
+    @jit
+    def _weight_sum(wt, acc, BN: tl.constexpr, PREC: tl.constexpr, DT: tl.constexpr, EMU: tl.constexpr):
+        """acc + wt (GP, BN) · ones (BN, 16): each column Σ_t wt, exact (wt is rounded to DT already, the dot
+        accumulates in float32); 16 columns, what a dot's tile holds."""
+        if EMU:
+            ones = tl.full([BN, 16], 1.0, tl.float32)
         else:
-            c = _class_codes(w, S, P, BITS, OFF, EMU)
+            ones = tl.full([BN, 16], 1.0, DT)
+        return _mma_acc(wt, ones, acc, PREC, DT, EMU)
+
+    @jit
+    def _mma_acc(wt, c, acc, PREC: tl.constexpr, DT: tl.constexpr, EMU: tl.constexpr):
+        """acc + wt · c, wt rounded to DT (the interpreter's dot takes no bfloat16: rounded, multiplied in float32)."""
         if EMU:
             return tl.dot(_round_to(wt.to(tl.float32), DT, EMU), c.to(tl.float32), acc, input_precision="ieee")
         return tl.dot(wt.to(DT), c, acc, input_precision=PREC)
@@ -783,7 +789,7 @@ def _kernels() -> dict:
                     a5 = _class_pv(w, words, 5, a5, V_P, V_BITS, V_OFF, PREC, DT, EMU)
                     a6 = _class_pv(w, words, 6, a6, V_P, V_BITS, V_OFF, PREC, DT, EMU)
                     a7 = _class_pv(w, words, 7, a7, V_P, V_BITS, V_OFF, PREC, DT, EMU)
-                wacc = _class_pv(w, words, -1, wacc, V_P, V_BITS, V_OFF, PREC, DT, EMU)  # Σ w: S = −1, ones
+                wacc = _weight_sum(w, wacc, BN, PREC, DT, EMU)
                 if V_Z:
                     corr = corr * alpha + tl.sum(p * vz[None, :], 1)
                 keep = keep * alpha
