@@ -5,11 +5,12 @@ and quantized, ``KVView._attend_padded``) and against the same batch without pad
 run.
 
     python benchmarks/padded_decode.py [--contexts 4096,16384] [--batches 4,8] [--shapes smollm2,llama8b]
-                                        [--threads 2] [--steps 24] [--no-per-token] [--no-tiles] [--json out.json]
+                                        [--threads 2] [--steps 24] [--pad-spread 0.25] [--no-per-token] [--no-tiles]
+                                        [--json out.json]
 
 Shapes: ``smollm2`` (3 KV heads, GQA 3, head_dim 64), ``llama8b`` (8 KV heads, GQA 4, head_dim 128); keys and values
 K2V2 affine, float32; sink 64 and recent 256 tokens in full precision (the generation windows). Row ``b`` of a batch
-of B holds ``context − pad_b`` real tokens, the pads spread evenly over ``[0, context / 4]``. The cache is filled
+of B holds ``context − pad_b`` real tokens, the pads spread evenly over ``[0, context · pad_spread]``. The cache is filled
 through the layer's own ``update`` with random keys and values (no model: the attention is what is timed). Time per
 call is the best of ``--repeats`` means of 3 calls; ``largest_mb`` is the largest single allocation of one call
 (torch's profiler), where the emulation holds the whole middle in full precision; ``fp_mb_padded`` / ``_unpadded``
@@ -21,6 +22,10 @@ and attention, of the whole batch at once against the replaced path, one unpadde
 in turn, in the same run: ``tiles_rows_ms`` / ``tiles_ragged_ms`` on the PyTorch path (the median of ``--steps``
 steps), and ``host_rows_ms`` / ``host_ragged_ms`` on the Triton path with its launches skipped (what a GPU's host
 issues; ``launches_rows`` / ``launches_ragged`` per step: two per decode call).
+
+Both sections also count what the GPU's decode kernel reads of a step, per KV head: ``kernel_columns_own``, each row's
+own columns (the kernel's ``starts``: no padding, no other row's columns), against ``kernel_columns_widest``, every
+row as wide as the parts (what it read before). A count, not a timing: the kernel's tests hold it to reading no more.
 """
 
 from __future__ import annotations
@@ -50,6 +55,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--per-token", action=argparse.BooleanOptionalAction, default=True, help="the affine rows")
     ap.add_argument("--tiles", action=argparse.BooleanOptionalAction, default=True, help="the key tiles' rows")
     ap.add_argument("--steps", type=int, default=24)
+    ap.add_argument("--pad-spread", type=float, default=0.25, help="the last row's padding, a fraction of the context")
     ap.add_argument("--json", default=None)
     return ap.parse_args(argv)
 
@@ -84,22 +90,33 @@ def _view(H: int, d: int, B: int, n: int, pads: list[int] | None):
     return view
 
 
-def _cases(shapes: list[str], contexts: list[int], batches: list[int]):
-    """(shape, (KV heads, GQA group, head_dim), context n, batch B, pads): row b padded by b·n/4/(B − 1)."""
+def _cases(shapes: list[str], contexts: list[int], batches: list[int], spread: float):
+    """(shape, (KV heads, GQA group, head_dim), context n, batch B, pads): row b padded by b·n·spread/(B − 1)."""
+    if not 0 <= spread < 1:
+        raise ValueError(f"--pad-spread must be in [0, 1), got {spread}")
     for shape in shapes:
         for n in contexts:
             for B in batches:
-                yield shape, SHAPES[shape], n, B, [round(b * n / 4 / max(B - 1, 1)) for b in range(B)]
+                yield shape, SHAPES[shape], n, B, [round(b * n * spread / max(B - 1, 1)) for b in range(B)]
 
 
-def run(contexts: list[int], batches: list[int], shapes: list[str], repeats: int = 3) -> list[dict]:
+def _kernel_columns(view) -> tuple[int, int]:
+    """Columns per KV head the decode kernel reads in this step's view: each row's own (``view._held()``, what
+    decode_attention hands the kernel as its starts), and every row as wide as the parts [sink, middle, recent]."""
+    held = view._held()
+    recent, middle = (view.win_k, view.mid_len) if hasattr(view, "win_k") else (view.rec_k, view.mid_n)
+    return int((held[:, :, 1] - held[:, :, 0]).sum()), held.shape[0] * (view.sink_k.shape[2] + middle + recent.shape[2])
+
+
+def run(contexts: list[int], batches: list[int], shapes: list[str], repeats: int = 3, spread: float = 0.25) -> list[dict]:
     from wushkv.attention import as_allowed
 
     module = SimpleNamespace(wushkv_key=None)  # the layers hold no key transform
     rows = []
     print(f"{'shape':8s} {'context':>7s} {'batch':>5s} {'unpadded ms':>11s} {'codes':>9s} {'emulation':>10s} "
-          f"{'emul/codes':>10s} {'codes/unpad':>11s} {'largest MB codes/emul':>22s} {'full-precision MB pad/unpad':>28s}")
-    for shape, (H, G, d), n, B, pads in _cases(shapes, contexts, batches):
+          f"{'emul/codes':>10s} {'codes/unpad':>11s} {'largest MB codes/emul':>22s} {'full-precision MB pad/unpad':>28s} "
+          f"{'kernel cols own/widest':>22s}")
+    for shape, (H, G, d), n, B, pads in _cases(shapes, contexts, batches, spread):
         padded, plain = _view(H, d, B, n, pads), _view(H, d, B, n, None)
         q = torch.randn(B, H * G, 1, d, generator=torch.Generator().manual_seed(1))
         mask = (torch.arange(n + 1).view(1, -1) >= torch.tensor(pads).view(-1, 1)).view(B, 1, 1, n + 1)
@@ -123,13 +140,15 @@ def run(contexts: list[int], batches: list[int], shapes: list[str], repeats: int
                # what the layers hold in full precision (sinks, recent buffers): the padding costs none of it
                "fp_mb_padded": padded.layer.nbytes()["full_precision"] / 2**20,
                "fp_mb_unpadded": plain.layer.nbytes()["full_precision"] / 2**20}
+        row["kernel_columns_own"], row["kernel_columns_widest"] = _kernel_columns(padded)
+        row["kernel_own_over_widest"] = row["kernel_columns_own"] / row["kernel_columns_widest"]
         row["emulation_over_codes"] = row["emulation_ms"] / row["codes_ms"]
         row["codes_over_unpadded"] = row["codes_ms"] / row["unpadded_ms"]
         rows.append(row)
         print(f"{shape:8s} {n:7d} {B:5d} {row['unpadded_ms']:11.2f} {row['codes_ms']:9.2f} {row['emulation_ms']:10.2f} "
               f"{row['emulation_over_codes']:9.1f}x {row['codes_over_unpadded']:10.2f}x "
               f"{row['largest_mb_codes']:11.1f}/{row['largest_mb_emulation']:<10.1f} "
-              f"{row['fp_mb_padded']:13.2f}/{row['fp_mb_unpadded']:.2f}"
+              f"{row['fp_mb_padded']:13.2f}/{row['fp_mb_unpadded']:<14.2f} {row['kernel_own_over_widest']:21.2f}x"
               + ("" if err < 1e-4 else f"  MISMATCH {err:.1e}"), flush=True)
     return rows
 
@@ -150,7 +169,7 @@ def _tiles_layer(H: int, d: int, B: int, n: int, pads: list[int]):
     return layer
 
 
-def run_tiles(contexts: list[int], batches: list[int], shapes: list[str], steps: int = 24) -> list[dict]:
+def run_tiles(contexts: list[int], batches: list[int], shapes: list[str], steps: int = 24, spread: float = 0.25) -> list[dict]:
     """Decode steps of a padded batch of key tiles: ragged rows (one batched update, one decode call) against one
     unpadded layer per row (the replaced path), alternated step by step on copies of one filled layer."""
     import contextlib
@@ -161,8 +180,8 @@ def run_tiles(contexts: list[int], batches: list[int], shapes: list[str], steps:
     module = SimpleNamespace(wushkv_key=None)
     out = []
     print(f"{'shape':8s} {'context':>7s} {'batch':>5s} {'rows ms':>8s} {'ragged ms':>9s} {'rows/ragged':>11s} "
-          f"{'host rows/ragged ms':>20s} {'launches rows/ragged':>21s}")
-    for shape, (H, G, d), n, B, pads in _cases(shapes, contexts, batches):
+          f"{'host rows/ragged ms':>20s} {'launches rows/ragged':>21s} {'kernel cols own/widest':>22s}")
+    for shape, (H, G, d), n, B, pads in _cases(shapes, contexts, batches, spread):
         filled = _tiles_layer(H, d, B, n, pads)
         g = torch.Generator().manual_seed(1)
         inputs = [tuple(torch.randn(B, h, 1, d, generator=g) for h in (H, H, H * G)) for _ in range(steps)]
@@ -205,12 +224,14 @@ def run_tiles(contexts: list[int], batches: list[int], shapes: list[str], steps:
                "tiles_rows_ms": times["torch"]["rows"], "tiles_ragged_ms": times["torch"]["ragged"],
                "host_rows_ms": times["host"]["rows"], "host_ragged_ms": times["host"]["ragged"],
                "launches_rows": times["host_launches"]["rows"], "launches_ragged": times["host_launches"]["ragged"]}
+        row["kernel_columns_own"], row["kernel_columns_widest"] = _kernel_columns(copy.deepcopy(filled).update(*inputs[0][:2])[0])
+        row["kernel_own_over_widest"] = row["kernel_columns_own"] / row["kernel_columns_widest"]
         row["tiles_rows_over_ragged"] = row["tiles_rows_ms"] / row["tiles_ragged_ms"]
         row["host_rows_over_ragged"] = row["host_rows_ms"] / row["host_ragged_ms"]
         out.append(row)
         print(f"{shape:8s} {n:7d} {B:5d} {row['tiles_rows_ms']:8.2f} {row['tiles_ragged_ms']:9.2f} "
               f"{row['tiles_rows_over_ragged']:10.2f}x {row['host_rows_ms']:9.2f}/{row['host_ragged_ms']:<9.2f} "
-              f"{row['launches_rows']:10.0f}/{row['launches_ragged']:<9.0f}", flush=True)
+              f"{row['launches_rows']:10.0f}/{row['launches_ragged']:<9.0f} {row['kernel_own_over_widest']:21.2f}x", flush=True)
     return out
 
 
@@ -218,12 +239,12 @@ def main(argv: list[str] | None = None) -> dict:
     args = parse_args(argv)
     torch.set_num_threads(args.threads)
     contexts, batches = [int(x) for x in args.contexts.split(",")], [int(x) for x in args.batches.split(",")]
-    rows = run(contexts, batches, args.shapes.split(","), args.repeats) if args.per_token else []
-    tiles = run_tiles(contexts, batches, args.shapes.split(","), args.steps) if args.tiles else []
+    rows = run(contexts, batches, args.shapes.split(","), args.repeats, args.pad_spread) if args.per_token else []
+    tiles = run_tiles(contexts, batches, args.shapes.split(","), args.steps, args.pad_spread) if args.tiles else []
     if args.json:
         from wushkv.io import write_json
 
-        write_json(args.json, {"threads": args.threads, "rows": rows, "tiles": tiles})
+        write_json(args.json, {"threads": args.threads, "pad_spread": args.pad_spread, "rows": rows, "tiles": tiles})
     return {"rows": rows, "tiles": tiles}
 
 

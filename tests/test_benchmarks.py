@@ -198,11 +198,15 @@ def test_padded_decode(capsys):
     assert row["largest_mb_emulation"] >= 1.5 > 4 * row["largest_mb_codes"]
     # the rows' own sinks and one recent buffer, at most S_keep + S_flush − 1 columns: as much as without padding
     assert 0 < row["fp_mb_padded"] <= 3 * 3 * 64 * 2 * 4 * (64 + 256 + 7) / 2**20 and row["fp_mb_unpadded"] > 0
+    # the decode kernel reads each row's real columns once, of 701 a row before
+    real = sum(701 - p for p in row["pads"])
+    assert row["kernel_columns_own"] == real and row["kernel_columns_widest"] >= 3 * 701, row
     assert "MISMATCH" not in capsys.readouterr().out
     # key tiles: ragged rows decode a step in one call (two launches, and a store's on the steps a row flushes),
     # row by row took two per row; the two paths' outputs are compared at every step inside run_tiles
     (tiles,) = padded.run_tiles([700], [3], ["smollm2"], steps=4)  # middles of 368, 288 and 192 tokens
     assert all(positive(tiles[k]) for k in ("tiles_rows_ms", "tiles_ragged_ms", "tiles_rows_over_ragged"))
+    assert tiles["kernel_columns_own"] == real < tiles["kernel_columns_widest"], tiles
     if tiles["launches_ragged"] == tiles["launches_ragged"]:  # (NaN where triton is not installed)
         assert tiles["launches_rows"] >= 6 > tiles["launches_ragged"] >= 2 and positive(tiles["host_rows_over_ragged"])
 

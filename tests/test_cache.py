@@ -482,12 +482,27 @@ def _causal(pads, n0, n1, lo, sliding):
     return (m & (cols > q - sliding) if sliding else m).unsqueeze(1)
 
 
+def _assert_held_spans_visible(view, pads, n1):
+    """A padded decode step's held columns (what the kernel reads of each row) run from the row's first to its last
+    visible column of each part: none is missed, none read for nothing at either end."""
+    visible = view._padded_visible(None, len(pads), torch.device("cpu"))
+    held = view._held()
+    widths = [view.sink_k.shape[2], view.mid_len, view.win_k.shape[2]]
+    for b, p in enumerate(pads):
+        if n1 <= p:  # padding alone: it sees every column (its output is never read)
+            continue
+        for i, w in enumerate(widths):
+            cols = visible[b, sum(widths[:i]) : sum(widths[:i]) + w].nonzero().flatten().tolist()
+            a, e = held[b, i].tolist()
+            assert [a, e] == ([cols[0], cols[-1] + 1] if cols else [a, a]), (b, i, [a, e], cols)
+
+
 @torch.no_grad()
 @pytest.mark.parametrize("windows", [(3, 5, 2), (0, 4, 2)])
 @pytest.mark.parametrize("pads", [[0, 7, 3], [3, 20]])
 @pytest.mark.parametrize("sliding", [None, 12])
 @pytest.mark.parametrize("quantizer", ["affine", "kvarn", "kivi", "kvarn+rmean", "kvarn, keys unquantized", "kivi, values unquantized"])
-def test_left_padded_layer_equals_its_rows_alone(windows, pads, sliding, quantizer):
+def test_left_padded_layer_equals_its_rows_alone(windows, pads, sliding, quantizer, request):
     """One padded layer against one unpadded layer per row, float64, every step: per-token codes (rows' own sinks, a
     middle shared column by column) and codes of token blocks (KVarN tiles, KIVI: ragged rows, each from its own
     column; a one-token step of all rows in one batched update and one decode), also with one side in full precision.
@@ -498,11 +513,17 @@ def test_left_padded_layer_equals_its_rows_alone(windows, pads, sliding, quantiz
     their rotating mean (``+rmean``) follow each row's positions; a mask with holes (two real columns of row 0 hidden
     at some steps) is honoured as the rows alone do. A view handed out keeps what it read: attended again after the
     next step's update, it gives the same output."""
+    import contextlib
     import copy
 
+    from wushkv import decode
     from wushkv.layer import CacheInputs, RotatingKeyMean, WushKVLayer
     from wushkv.views import RaggedView
 
+    if pads == [3, 20]:  # rows this far apart read alone (decode.ROW_COLUMNS: the columns that pays for at full size)
+        stack = contextlib.ExitStack()
+        request.addfinalizer(stack.close)
+        stack.enter_context(decode.rows_alone_over(0))
     name = quantizer.split("+")[0].split(",")[0]
     k_bits = None if "keys unquantized" in quantizer else 3 if name == "kivi" else 2
     v_bits = None if "values unquantized" in quantizer else 2
@@ -563,6 +584,8 @@ def test_left_padded_layer_equals_its_rows_alone(windows, pads, sliding, quantiz
             for c in holes:
                 mask[0, 0, -1, c - view.kv_offset] = False
             out = view.attend(_NoKeyTransform, Q[:, :, n0:n1], mask, d**-0.5, None)
+            if quantizer == "affine" and T == 1:
+                _assert_held_spans_visible(view, rows, n1)
             held = (view, Q[:, :, n0:n1], mask, out) if n0 else None  # (a first step's view checks the padding)
             assert torch.isfinite(out).all()
             for b, p in enumerate(rows):

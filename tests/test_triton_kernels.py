@@ -293,6 +293,56 @@ def test_decode_never_reads_what_the_window_hides(dtype):
     assert torch.isfinite(_triton(q, pk, pv, allowed=mask, splits=6, block_n=16)).all()
 
 
+@pytest.mark.parametrize("dtype,d,masked", [(torch.float32, 64, False), (torch.float32, 64, True), (torch.bfloat16, 128, True)])
+def test_decode_reads_each_row_from_its_own_columns(dtype, d, masked):
+    """``starts``: ragged rows in batched parts (the transformers cache's left-padded batches), row b reading part
+    i's columns [starts[b, i], starts[b, i] + lengths[b, i]) alone: NaN in every other column (full precision; the
+    middle's steps, and codes of all ones) changes nothing, and each row equals its columns attended alone, with and
+    without a mask over the parts' columns side by side (hiding some of a row's own; bfloat16: codes in classes)."""
+    B, Hkv, G = 3, 2, 3
+    widths = (5, 50, 8)
+    spans = [[(1, 4), (7, 50), (0, 6)], [(0, 0), (20, 37), (2, 8)], [(0, 5), (0, 0), (5, 8)]]  # [a, e) per part
+    q, pk, pv = _case(QuestQuantizer(2), AffineQuantizer(4), B, Hkv, G, d, *widths, seed=11, dtype=dtype)
+    allowed = torch.rand(B, sum(widths), generator=torch.Generator().manual_seed(3)) > 0.3 if masked else None
+    refs = []
+    for b, row in enumerate(spans):
+        cut = lambda parts: [parts[0][b : b + 1, :, row[0][0] : row[0][1]],
+                             (parts[1][0], {k: t[b : b + 1, :, row[1][0] : row[1][1]] for k, t in parts[1][1].items()},
+                              row[1][1] - row[1][0]), parts[2][b : b + 1, :, row[2][0] : row[2][1]]]
+        keep = None
+        if masked:  # the row's own columns of the side-by-side mask, in order
+            cols = [c + sum(widths[:i]) for i, (a, e) in enumerate(row) for c in range(a, e)]
+            keep = allowed[b, cols].view(1, 1, 1, -1).to(DEVICE)
+        refs.append(dequantize_then_attend(q[b : b + 1], cut(pk), cut(pv), keep, d**-0.5)[0, 0])
+    ref = torch.stack(refs).cpu()
+    for parts in (pk, pv):
+        for b, row in enumerate(spans):
+            for i in (0, 2):
+                (a, e), t = row[i], parts[i]
+                t[b, :, :a], t[b, :, e:] = float("nan"), float("nan")
+            (a, e), store = row[1], parts[1][1]
+            for key, t in store.items():
+                t[b, :, :a], t[b, :, e:] = (0xFF, 0xFF) if key == "codes" else (float("nan"), float("nan"))
+    held = torch.tensor(spans)
+    starts, lengths = held[:, :, 0], held[:, :, 1] - held[:, :, 0]
+    (sk, (kc, ks, _), rk), (sv, (vc, vs, _), rv) = pk, pv
+    mk, mv = _packed(kc, ks), _packed(vc, vs)
+    kw = dict(allowed=None if allowed is None else allowed.to(DEVICE), splits=4, block_n=16, starts=starts)
+    out = tk.decode(q[:, :, 0], lengths, sk, sv, mk, mv, rk, rv, d**-0.5, **kw).cpu()
+    assert torch.isfinite(out).all()
+    assert _rel(out, ref) < (1e-3 if dtype == torch.float32 else 2e-2), _rel(out, ref)
+    if dtype == torch.bfloat16:
+        assert tk.code_classes(mk.fmt, dtype, mk.codes) > 0
+    with pytest.raises(ValueError, match="row 1 reads columns"):
+        wrong = lengths.clone()
+        wrong[1, 1] = 31
+        tk.decode(q[:, :, 0], wrong, sk, sv, mk, mv, rk, rv, 1.0, **kw)
+    with pytest.raises(ValueError, match="block_table"):
+        tk.decode(q[:, :, 0], lengths, sk, sv, mk, mv, rk, rv, 1.0, **kw, block_table=torch.zeros(B, 1, dtype=torch.int32))
+    with pytest.raises(ValueError, match=r"starts must be \(B, 3\)"):
+        tk.decode(q[:, :, 0], lengths, sk, sv, mk, mv, rk, rv, 1.0, **{**kw, "starts": starts[:, :2]})
+
+
 @pytest.mark.parametrize("dtype,kbits,vbits,d,absolute", [(torch.float32, 3, 2, 64, False), (torch.bfloat16, 2, 4, 128, False),
                                                             (torch.float32, 2, 3, 64, True), (torch.bfloat16, 3, 2, 128, True)])
 def test_decode_paged_ragged(dtype, kbits, vbits, d, absolute):
@@ -852,11 +902,11 @@ for quest, clipped, has_t, br in ((True, True, False, 8), (True, False, True, 1)
     consts = dict(D=128, G=32, BITS=3, QUEST=quest, CLIPPED=clipped, HAS_T=has_t, HAS_Z=not quest, TC=32, META_BF16=True, BR=br)
     triton.compile(ASTSource(K["store"], sig("store", ptrs, ("coef", "sqrt_g"), consts), consts), target=GPUTarget("cuda", 90, 32))
 consts = dict(D=128, GQA=4, GP=16, BN=32, K_BITS=2, V_BITS=4, K_G=128, V_G=32, K_Z=False, V_Z=True, K_E5M3=True, K_OFF=128, V_OFF=0,
-              V_E5M3=False, K_P=0, V_P=0, K_TILE=0, KT_MW=128, RMEAN=False, PAGED=True, PAGE_ABS=False, HAS_MASK=True, SOFTCAP=True,
+              V_E5M3=False, K_P=0, V_P=0, K_TILE=0, KT_MW=128, RMEAN=False, PAGED=True, PAGE_ABS=False, STARTS=False, HAS_MASK=True, SOFTCAP=True,
               PREC="tf32", DT=tl.bfloat16, EMU=False)
 ptrs = {"q_ptr": "*bf16", "sk_ptr": "*bf16", "sv_ptr": "*bf16", "rk_ptr": "*bf16", "rv_ptr": "*bf16", "kc_ptr": "*u8",
         "vc_ptr": "*u8", "mask_ptr": "*u8", "lens_ptr": "*i32", "bt_ptr": "*i32", "ks_ptr": "*u8", "vs_ptr": "*fp16",
-        "kz_ptr": "*u8", "vz_ptr": "*fp16", "kts_ptr": "*fp16", "ktz_ptr": "*fp16", "rp_ptr": "*i32"}
+        "kz_ptr": "*u8", "vz_ptr": "*fp16", "kts_ptr": "*fp16", "ktz_ptr": "*fp16", "rp_ptr": "*i32", "st_ptr": "*i32"}
 for bn, warps, stages, v in ((32, 4, 3, (4, 32, True, 0)), (128, 8, 2, (2, 128, False, 128))):  # two tunings, two value codecs
     consts.update(BN=bn, V_BITS=v[0], V_G=v[1], V_Z=v[2], V_OFF=v[3])
     k = triton.compile(ASTSource(K["decode"], sig("decode", ptrs, ("sm_scale", "softcap", "K_HALF", "V_HALF"), consts), consts),
@@ -885,9 +935,10 @@ for paged, mw, kp, bn, tile in ((True, 16, 0, 32, 16), (False, 128, 0, 32, 16), 
     consts.update(K_TILE=tile, KT_MW=mw, K_P=kp, K_BITS=2, PAGED=paged, PAGE_ABS=paged, BN=bn)
     triton.compile(ASTSource(K["decode"], sig("decode", p, ("sm_scale", "softcap", "K_HALF", "V_HALF"), consts), consts),
                    target=GPUTarget("cuda", 90, 32), options={"num_warps": 4, "num_stages": 2})
-# keys centered on their rotating mean (+rmean): over key tiles in classes, then per-token codes in classes
+# keys centered on their rotating mean (+rmean): over key tiles in classes, then per-token codes in classes; each row
+# from its own columns (a left-padded batch's ragged rows), under a mask over the parts side by side
 for kt, bn in ((16, 16), (0, 32)):
-    consts.update(K_TILE=kt, KT_MW=128, K_P=8, K_BITS=2, PAGED=False, PAGE_ABS=False, BN=bn, RMEAN=True)
+    consts.update(K_TILE=kt, KT_MW=128, K_P=8, K_BITS=2, PAGED=False, PAGE_ABS=False, BN=bn, RMEAN=True, STARTS=True)
     triton.compile(ASTSource(K["decode"], sig("decode", p, ("sm_scale", "softcap", "K_HALF", "V_HALF"), consts), consts),
                    target=GPUTarget("cuda", 90, 32), options={"num_warps": 1, "num_stages": 2})
 consts = dict(D=128, SP=16, HAS_SINKS=True, OUT_BF16=True)
@@ -918,8 +969,8 @@ def test_launcher_sees_the_constexpr_parameters():
 def test_kernels_compile_for_cuda():
     """The compiled path, which the interpreter does not exercise (Triton's front end, shapes the tensor-core dot
     accepts, name resolution), without a GPU: the store, decode (two tunings, one-byte key steps; codes in classes,
-    in words of 16 bits, three bytes and one, whose inline PTX ptxas assembles) and merge kernels compile for
-    sm_90."""
+    in words of 16 bits, three bytes and one, whose inline PTX ptxas assembles; rows from their own columns) and
+    merge kernels compile for sm_90."""
     import os
     import subprocess
     import sys
@@ -978,6 +1029,23 @@ def test_left_padded_decode_through_the_kernel(rmean):
             out = view._decode_padded(q, allowed, d**-0.5, None)
         assert tk.calls().get("decode") == 1
         assert ((out - ref).norm() / ref.norm()) < 1e-4
+        held = view._held()
+        assert view.mid_start == 4 and held[:, 1, 0].tolist() == [0, 60, 20]  # each row's middle from its own p + S_sink
+        _poison_unheld(view, [(view.sink_k, view.sink_v), (view.mid["k"], view.mid["v"]), (view.win_k, view.win_v)], held)
+        with decode_mod.triton_enabled(True):
+            assert torch.equal(view._decode_padded(q, allowed, d**-0.5, None), out)
+
+
+def _poison_unheld(view, parts, held):
+    """NaN in every column of ``parts`` (full precision, or a middle's storage: its float tensors per token) that a
+    row does not hold: a step that reads only what its rows hold gives the same output."""
+    for b in range(held.shape[0]):
+        for (a, e), pair in zip(held[b].tolist(), parts):
+            for part in pair:
+                tensors = [t.flatten(2, 3) if k == "s_fold" else t for k, t in part.items() if t.is_floating_point()
+                           and k in ("scale", "offset", "s_fold")] if isinstance(part, dict) else [part]
+                for t in tensors:
+                    t[b, :, :a], t[b, :, e:] = float("nan"), float("nan")
 
 
 @pytest.mark.parametrize("rmean", [False, True])
@@ -1003,3 +1071,7 @@ def test_ragged_rows_of_key_tiles_decode_in_one_kernel_call(rmean):
             out = view.attend(attn, q, allowed, d**-0.5, None)
         assert tk.calls().get("decode") == 1
         assert ((out - ref).norm() / ref.norm()) < 1e-4
+        _poison_unheld(view, [(view.sink_k, view.sink_v), (view.mid["k"], view.mid["v"]), (view.rec_k, view.rec_v)],
+                       view._held())
+        with decode_mod.triton_enabled(True):
+            assert torch.equal(view.attend(attn, q, allowed, d**-0.5, None), out)

@@ -40,7 +40,26 @@ DEFAULT_BLOCK = 4096
 _EXT = None  # the compiled kernels once looked up (False: unavailable)
 USE_KERNELS = True  # the fused CPU kernels of wushkv._ext where available (kernels_enabled(False) switches them off)
 USE_TRITON: bool | None = None  # None: the Triton decode on CUDA tensors; True: on any device; False: never
+# decode_attention's PyTorch path reads ragged rows one by one where that saves more than this many columns a row: a
+# row's own call costs about as much as reading 2-3k more columns in the batch (SmolLM2's shape, 2 CPU threads: at
+# 4096 tokens, rows padded over 3/4 of it read alone took 1.2x the batched time, at 16384 0.77x; performance.md)
+ROW_COLUMNS = 2048
 _TABLES: dict = {}
+
+
+@contextlib.contextmanager
+def rows_alone_over(columns: int):
+    """Within the block, :func:`decode_attention`'s PyTorch path reads ragged rows one by one where that saves more
+    than ``columns`` a row (and 20% of the batch's), instead of :data:`ROW_COLUMNS`: 0 reads them alone wherever 20%
+    is saved (tests of that path on small shapes); the previous value comes back afterwards, also on error."""
+    global ROW_COLUMNS
+    if columns < 0:
+        raise ValueError(f"columns must be >= 0, got {columns}")
+    previous, ROW_COLUMNS = ROW_COLUMNS, int(columns)
+    try:
+        yield
+    finally:
+        ROW_COLUMNS = previous
 
 
 @contextlib.contextmanager
@@ -138,10 +157,11 @@ def tile_format(tk, codec: KVarNCodec):
         return None
 
 
-def _triton_decode(query, parts_k, parts_v, allowed, scaling, softcap, sinks):
+def _triton_decode(query, parts_k, parts_v, allowed, scaling, softcap, sinks, held=None):
     """The Triton decode (B, 1, Hq, d) where it applies: [sink, packed middle, recent] with per-token codecs on
     both sides (or KVarN tiles for the keys: ``auto``'s key tiles; keys centered on their rotating mean, ``+rmean``,
-    from head_dim 32), a float16/bfloat16/float32 query, a head_dim the kernels take; else None (the PyTorch path)."""
+    from head_dim 32), a float16/bfloat16/float32 query, a head_dim the kernels take; else None (the PyTorch path).
+    ``held`` (:func:`decode_attention`): each row reads its own columns of each part (the kernel's ``starts``)."""
     if query.dtype not in _TRITON_DTYPES or len(parts_k) != 3 or len(parts_v) != 3:
         return None
     (sk, mk, rk), (sv, mv, rv) = parts_k, parts_v
@@ -177,13 +197,21 @@ def _triton_decode(query, parts_k, parts_v, allowed, scaling, softcap, sinks):
             store = {"codes": sk.new_empty(B, sk.shape[1], 0, fmt.nbytes, dtype=torch.uint8),
                      "scale": sk.new_empty(B, sk.shape[1], 0, fmt.ngroups, dtype=torch.uint8 if fmt.step_byte else sk.dtype)}
         packed.append(tk.Packed(fmt, store["codes"], store["scale"], store.get("offset")))
-    lengths = torch.tensor([[sk.shape[2], mk[2], rk.shape[2]]], dtype=torch.int32).expand(B, 3)
+    starts = None
+    if held is None:
+        lengths = torch.tensor([[sk.shape[2], mk[2], rk.shape[2]]], dtype=torch.int32).expand(B, 3)
+    else:  # ragged rows: row b's columns [held[b, i, 0], held[b, i, 1]) of part i, the mask over all the parts' columns
+        starts, lengths = held[:, :, 0], held[:, :, 1] - held[:, :, 0]
+        n_all = sk.shape[2] + mk[2] + rk.shape[2]
+        if allowed is not None and allowed.shape[-1] < n_all:  # it masks the last S columns: the earlier are hidden
+            allowed = torch.cat([allowed.new_zeros(*allowed.shape[:-1], n_all - allowed.shape[-1]), allowed], -1)
     key_bias = None
     if len(mk) > 3:  # keys centered on their rotating mean (+rmean): the centers' share of the scores in the kernel
         terms, first, theta = mk[3].kernel_inputs(query[:, :, 0].reshape(B, H, Hq // H, d))
         key_bias = tk.KeyBias(terms.reshape(B, Hq, d), first, theta)
     out = tk.decode(query[:, :, 0], lengths, sk, sv, packed[0], packed[1], rk, rv, scaling, softcap=softcap,
-                    sinks=sinks, allowed=None if allowed is None else allowed.reshape(B, -1), key_bias=key_bias)
+                    sinks=sinks, allowed=None if allowed is None else allowed.reshape(B, -1), key_bias=key_bias,
+                    starts=starts)
     return out.unsqueeze(1)
 
 
@@ -364,19 +392,25 @@ def decode_attention(
     last ``S`` columns (earlier columns are not visible, e.g. outside a sliding window). ``sinks``: learned sink
     logits (Hq,) (gpt-oss), one more softmax column with a zero value.
     ``held``: ragged rows (B, parts, 2) int64 on the host, row b holding only columns [held[b, i, 0], held[b, i, 1]) of
-    part i (``allowed``, over all the parts' columns, hides the others): the Triton kernel reads the batch in one call
-    through ``allowed``; the PyTorch path reads each row over its held columns alone (a run's centers give a row's
-    with ``center.row(b, a)``) where they are under 80% of the batch's columns, which it would otherwise all read.
+    part i (``allowed``, over all the parts' columns, hides the rest, and may hide held ones): the Triton kernel
+    reads the batch in one call, each row over its held columns; the PyTorch path reads each row alone over its held
+    columns (a run's centers give a row's with ``center.row(b, a)``) where that leaves out over 20% of the batch's
+    columns, and over :data:`ROW_COLUMNS` a row (:func:`rows_alone_over`), which it would otherwise all read.
     Returns (B, 1, Hq, d), transformers' layout.
     """
     B, Hq, T, d = query.shape
     if T != 1:
         raise ValueError(f"decode_attention takes one query position, got {T}")
-    out = _triton_decode(query, parts_k, parts_v, allowed, scaling, softcap, sinks)
+    widths = [p.shape[2] if torch.is_tensor(p) else p[2] for p in parts_k]
+    if held is not None and not (held[:, :, 1] > held[:, :, 0]).any(1).all():
+        # a row holding nothing (padding alone: its output is never read) reads every column, as its mask lets it
+        held = torch.where((held[:, :, 1] > held[:, :, 0]).any(1).view(-1, 1, 1), held,
+                           torch.stack([torch.zeros(len(widths), dtype=held.dtype), torch.tensor(widths, dtype=held.dtype)], 1))
+    out = _triton_decode(query, parts_k, parts_v, allowed, scaling, softcap, sinks, held)
     if out is not None:
         return out
-    widths = [p.shape[2] if torch.is_tensor(p) else p[2] for p in parts_k]
-    if held is not None and int((held[:, :, 1] - held[:, :, 0]).sum()) < 0.8 * B * sum(widths):  # rows far apart
+    saved = B * sum(widths) - int((held[:, :, 1] - held[:, :, 0]).sum()) if held is not None else 0
+    if saved > max(0.2 * B * sum(widths), B * ROW_COLUMNS):  # rows far apart: each alone, over its own columns
         starts = [sum(widths[:i]) for i in range(len(widths))]
         return torch.cat([decode_attention(query[b : b + 1], *_held_row(parts_k, parts_v, allowed, starts, held[b].tolist(), b),
                                            scaling, softcap, block, sinks) for b in range(B)], 0)
@@ -450,5 +484,5 @@ def dequantize_then_attend(query, parts_k, parts_v, allowed, scaling, softcap=No
     return reference_attention(query, K, V, allowed, scaling, softcap, sinks)
 
 
-__all__ = ["decode_attention", "dequantize_then_attend", "codes_as_float", "encode_block", "kernels_enabled", "triton_enabled", "triton_for", "read_format",
-           "DEFAULT_BLOCK"]
+__all__ = ["decode_attention", "dequantize_then_attend", "codes_as_float", "encode_block", "kernels_enabled", "rows_alone_over",
+           "triton_enabled", "triton_for", "read_format", "DEFAULT_BLOCK", "ROW_COLUMNS"]

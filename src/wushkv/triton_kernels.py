@@ -15,6 +15,10 @@ Layouts (``nb`` = ⌈d·b/8⌉ packed bytes, ``ng`` = d/G groups, codes as :func
   slot is ``block · block_size + row``, and decode finds sequence ``b``'s token ``t`` in block
   ``block_table[b, t // block_size]``.
 
+A left-padded batch of the transformers cache holds its rows side by side in contiguous parts, each row's tokens in
+columns of its own (:func:`decode`'s ``starts``): decode reads each row's columns alone, none of its padding nor of
+the other rows'.
+
 *Store* runs one program per (BR tokens, KV head) (BR = 8 on a GPU, 1 where a row's work is d², 64 under the
 interpreter): it loads each token's d values of the head, applies the head's transform
 ``k' = T k`` when given, computes each group's grid exactly as :mod:`wushkv.quantizers` does (IEEE division and
@@ -246,35 +250,19 @@ def _kernels() -> dict:
             return tl.reshape(c, [BN, D])
 
     @jit
-    def _visible(c, N, mask_ptr, s_mb, S, b, WINDOW, HAS_MASK: tl.constexpr):
-        """Which absolute columns ``c`` (of N; −1 marks a lane past the end of its part) the query sees: inside the sliding window (WINDOW > 0: the last
-        WINDOW columns) and, with a mask over the last S columns, allowed by it (earlier columns are not)."""
-        first = tl.where(WINDOW > 0, N - WINDOW, 0)  # block comparisons only: the interpreter takes no scalar masks
-        if HAS_MASK:
-            first = tl.maximum(first, N - S)
-        ok = (c >= 0) & (c >= first) & (c < N)
-        if HAS_MASK:
-            m = tl.load(mask_ptr + b * s_mb + (c - (N - S)), mask=ok, other=0)
-            ok = ok & (m != 0)
-        return ok
-
-    @jit
-    def _finish_scores(s, valid, c, N, sm_scale, softcap, mask_ptr, s_mb, S, b, WINDOW, HAS_MASK: tl.constexpr,
-                       SOFTCAP: tl.constexpr):
+    def _finish_scores(s, valid, mc, sm_scale, softcap, mask_ptr, s_mb, b, HAS_MASK: tl.constexpr, SOFTCAP: tl.constexpr):
         """Scaled, soft-capped, masked scores (GP, BN); ``valid`` the tile's lanes inside its part's columns [a, e),
-        ``c`` their absolute columns (−1 past the end). A part's [a, e) lies inside the split's columns, which lie
-        inside the sliding window (decode_kernel), so without a mask ``valid`` is all there is to check: one
-        comparison a token, not three."""
+        ``mc`` their columns of the mask (HAS_MASK). A part's [a, e) lies inside the split's columns, which lie inside
+        the sliding window and the mask's columns (decode_kernel): ``valid`` and the mask are all there is to check."""
         s = s * sm_scale
         if SOFTCAP:  # tanh through exp: exact to float32 rounding, and the same in the interpreter
             x = s / softcap
             e = tl.exp(-2.0 * tl.abs(x))
             t = (1.0 - e) / (1.0 + e)
             s = tl.where(x < 0, -t, t) * (softcap * 1.4426950408889634)  # capped, then in base 2 (see decode_kernel)
+        ok = valid
         if HAS_MASK:
-            ok = _visible(c, N, mask_ptr, s_mb, S, b, WINDOW, HAS_MASK)
-        else:
-            ok = valid
+            ok = ok & (tl.load(mask_ptr + b * s_mb + tl.where(valid, mc, 0), mask=valid, other=0) != 0)
         return tl.where(ok[None, :], s, float("-inf"))
 
     @jit
@@ -317,18 +305,18 @@ def _kernels() -> dict:
         return tl.dot(a.to(DT), b.to(DT), input_precision=PREC)
 
     @jit
-    def _fp_segment(q, m, l, acc, k_ptr, v_ptr, sk_b, sk_h, sk_t, sv_b, sv_h, sv_t, b, h, a, e, base, N,
-                    sm_scale, softcap, mask_ptr, s_mb, S, WINDOW,
+    def _fp_segment(q, m, l, acc, k_ptr, v_ptr, sk_b, sk_h, sk_t, sv_b, sv_h, sv_t, b, h, a, e, mbase,
+                    sm_scale, softcap, mask_ptr, s_mb,
                     D: tl.constexpr, BN: tl.constexpr, HAS_MASK: tl.constexpr, SOFTCAP: tl.constexpr,
                     PREC: tl.constexpr, DT: tl.constexpr, EMU: tl.constexpr):
-        """Columns [a, e) of a full-precision part (B, Hkv, n, D) whose first column is absolute ``base``."""
+        """Columns [a, e) of a full-precision part (B, Hkv, n, D) whose column t is the mask's column mbase + t."""
         d = tl.arange(0, D)
         for start in range(a, e, BN):
             t = start + tl.arange(0, BN)
             valid = t < e
             k = tl.load(k_ptr + b * sk_b + h * sk_h + t[:, None].to(tl.int64) * sk_t + d[None, :], mask=valid[:, None], other=0.0)
             s = _mma(q, tl.trans(k), DT, EMU, PREC)
-            s = _finish_scores(s, valid, tl.where(valid, base + t, -1), N, sm_scale, softcap, mask_ptr, s_mb, S, b, WINDOW, HAS_MASK, SOFTCAP)
+            s = _finish_scores(s, valid, mbase + t, sm_scale, softcap, mask_ptr, s_mb, b, HAS_MASK, SOFTCAP)
             m, alpha, p, l = _online(s, m, l, EMU)
             v = tl.load(v_ptr + b * sv_b + h * sv_h + t[:, None].to(tl.int64) * sv_t + d[None, :], mask=valid[:, None], other=0.0)
             acc = acc * alpha[:, None] + _mma(p, v, DT, EMU, PREC)
@@ -637,8 +625,8 @@ def _kernels() -> dict:
                       kc_ptr, ks_ptr, kz_ptr, vc_ptr, vs_ptr, vz_ptr, kts_ptr, ktz_ptr,
                       kc0, kc1, kc2, ks0, ks1, ks2, vc0, vc1, vc2, vs0, vs1, vs2, kt0, kt1, kt2, KT_ZI,
                       rb_ptr, brow, rt_ptr, rr_ptr, p0,
-                      bt_ptr, s_bt, PAGE, b, h, a, e, base, N,
-                      sm_scale, softcap, mask_ptr, s_mb, S, WINDOW, K_HALF, V_HALF,
+                      bt_ptr, s_bt, PAGE, b, h, a, e, base, mbase,
+                      sm_scale, softcap, mask_ptr, s_mb, K_HALF, V_HALF,
                       D: tl.constexpr, BN: tl.constexpr, K_BITS: tl.constexpr, V_BITS: tl.constexpr,
                       K_G: tl.constexpr, V_G: tl.constexpr, K_Z: tl.constexpr, V_Z: tl.constexpr,
                       K_E5M3: tl.constexpr, V_E5M3: tl.constexpr, K_OFF: tl.constexpr, V_OFF: tl.constexpr,
@@ -646,7 +634,8 @@ def _kernels() -> dict:
                       K_TILE: tl.constexpr, KT_MW: tl.constexpr, RMEAN: tl.constexpr,
                       PAGED: tl.constexpr, PAGE_ABS: tl.constexpr, HAS_MASK: tl.constexpr, SOFTCAP: tl.constexpr,
                       PREC: tl.constexpr, DT: tl.constexpr, EMU: tl.constexpr):
-        """Tokens [a, e) of the packed middle, whose first token is absolute column ``base``. K_TILE > 0: the keys are
+        """Tokens [a, e) of the packed middle, token t the sequence's column ``base`` + t (where PAGE_ABS looks it up
+        in the block table) and the mask's column ``mbase`` + t. K_TILE > 0: the keys are
         KVarN tiles of K_TILE tokens, their scale folded into the query per tile (:func:`_tile_scores`). With one group per
         token the codes enter the dots as ``c + OFF`` (:func:`_codes_as`), and OFF comes back out: for keys
         ``q·(c + OFF) − OFF·Σq``, for values ``Σ_t w_t (c_t + OFF) − OFF·Σ_t w_t`` with the same rounded weights
@@ -762,8 +751,8 @@ def _kernels() -> dict:
                 if (start < a) | (start + BN > e):
                     s = tl.where(valid[None, :], s, float("-inf"))
             else:
-                s = _finish_scores(s, valid, tl.where(valid, base + t, -1), N, 1.0 if SCALED else sm_scale, softcap,
-                                   mask_ptr, s_mb, S, b, WINDOW, HAS_MASK, SOFTCAP)
+                s = _finish_scores(s, valid, mbase + t, 1.0 if SCALED else sm_scale, softcap, mask_ptr, s_mb, b,
+                                   HAS_MASK, SOFTCAP)
             m, alpha, p, l = _online(s, m, l, EMU)
             # values: Cᵀ(p ⊙ s) + (Σ p z)·1, or the dequantized tile
             rows = _rows(tt, b, h, bt_ptr, s_bt, PAGE, vc0, vc1, vc2, PAGED)
@@ -827,6 +816,7 @@ def _kernels() -> dict:
     @jit
     def decode_kernel(q_ptr, sq_b, sq_h,
                       lens_ptr,  # int32 (B, 3): sink, middle, recent tokens of each sequence
+                      st_ptr, MB_MID, MB_REC,  # STARTS: int32 (B, 3), the parts' first columns; mask columns of parts
                       sk_ptr, sv_ptr, sk_b, sk_h, sk_t, sv_b, sv_h, sv_t,
                       rk_ptr, rv_ptr, rk_b, rk_h, rk_t, rv_b, rv_h, rv_t,
                       kc_ptr, ks_ptr, kz_ptr, vc_ptr, vs_ptr, vz_ptr,
@@ -842,7 +832,7 @@ def _kernels() -> dict:
                       K_Z: tl.constexpr, V_Z: tl.constexpr, K_E5M3: tl.constexpr, V_E5M3: tl.constexpr,
                       K_OFF: tl.constexpr, V_OFF: tl.constexpr, K_P: tl.constexpr, V_P: tl.constexpr,
                       K_TILE: tl.constexpr, KT_MW: tl.constexpr, RMEAN: tl.constexpr,
-                      PAGED: tl.constexpr, PAGE_ABS: tl.constexpr, HAS_MASK: tl.constexpr,
+                      PAGED: tl.constexpr, PAGE_ABS: tl.constexpr, STARTS: tl.constexpr, HAS_MASK: tl.constexpr,
                       SOFTCAP: tl.constexpr, PREC: tl.constexpr, DT: tl.constexpr, EMU: tl.constexpr):
         b = tl.program_id(0).to(tl.int64)
         h = tl.program_id(1).to(tl.int64)
@@ -854,8 +844,23 @@ def _kernels() -> dict:
         # the splits share the columns the query can see: a sliding window's (and a mask's) earlier ones are never
         # read, which is O(window) work, and their rows may hold anything (vLLM frees them: 0·NaN would be NaN)
         first = tl.where(WINDOW > 0, tl.maximum(N - WINDOW, 0), 0)
-        if HAS_MASK:
-            first = tl.maximum(first, N - S)
+        if STARTS:  # ragged rows in batched parts: row b's tokens of part i from its column starts[b, i]; the mask
+            # covers the parts' columns side by side (sink from 0, middle from MB_MID, recent from MB_REC)
+            o_s = tl.load(st_ptr + b * 3)
+            o_m = tl.load(st_ptr + b * 3 + 1)
+            o_r = tl.load(st_ptr + b * 3 + 2)
+            mb_s = o_s * 0
+            mb_m = mb_s + MB_MID
+            mb_r = mb_s + MB_REC
+        else:  # each part from its column 0; the mask covers each sequence's last S columns
+            o_s = n_s * 0
+            o_m = o_s
+            o_r = o_s
+            if HAS_MASK:
+                first = tl.maximum(first, N - S)
+            mb_s = S - N
+            mb_m = mb_s + n_s
+            mb_r = mb_m + n_m
         chunk = (N - first + SPLITS - 1) // SPLITS
         # the softmax runs in base 2: the scale carries log2 e (folded into per-token vectors on the class path, so
         # exp2 needs no multiply); with a softcap the cap needs natural units, and _finish_scores converts after it
@@ -888,18 +893,18 @@ def _kernels() -> dict:
         m, l, acc = _code_segment(q, qsum, qoff, m, l, acc, q_ptr, qrow, qmask, kc_ptr, ks_ptr, kz_ptr, vc_ptr, vs_ptr, vz_ptr,
                                   kts_ptr, ktz_ptr, kc0, kc1, kc2, ks0, ks1, ks2, vc0, vc1, vc2, vs0, vs1, vs2,
                                   kt0, kt1, kt2, KT_ZI, rb_ptr, brow, rt_ptr, rr_ptr, p0,
-                                  bt_ptr, s_bt, PAGE, b, h, tl.maximum(lo - n_s, 0), tl.minimum(hi - n_s, n_m), n_s, N,
-                                  sm_scale, softcap, mask_ptr, s_mb, S, WINDOW, K_HALF, V_HALF,
+                                  bt_ptr, s_bt, PAGE, b, h, tl.maximum(lo - n_s, 0) + o_m, tl.minimum(hi - n_s, n_m) + o_m,
+                                  n_s - o_m, mb_m, sm_scale, softcap, mask_ptr, s_mb, K_HALF, V_HALF,
                                   D, BN, K_BITS, V_BITS, K_G, V_G, K_Z, V_Z, K_E5M3, V_E5M3, K_OFF, V_OFF,
                                   K_P, V_P, GP, K_TILE, KT_MW, RMEAN, PAGED, PAGE_ABS, HAS_MASK, SOFTCAP, PREC, DT, EMU)
         q = tl.load(q_ptr + qrow[:, None] + d[None, :], mask=qmask[:, None], other=0.0)
         m, l, acc = _fp_segment(q, m, l, acc, sk_ptr, sv_ptr, sk_b, sk_h, sk_t, sv_b, sv_h, sv_t, b, h,
-                                tl.maximum(lo, 0), tl.minimum(hi, n_s), 0, N, sm_scale, softcap, mask_ptr, s_mb, S,
-                                WINDOW, D, BN, HAS_MASK, SOFTCAP, PREC, DT, EMU)
+                                tl.maximum(lo, 0) + o_s, tl.minimum(hi, n_s) + o_s, mb_s, sm_scale, softcap, mask_ptr,
+                                s_mb, D, BN, HAS_MASK, SOFTCAP, PREC, DT, EMU)
         w0 = n_s + n_m
         m, l, acc = _fp_segment(q, m, l, acc, rk_ptr, rv_ptr, rk_b, rk_h, rk_t, rv_b, rv_h, rv_t, b, h,
-                                tl.maximum(lo - w0, 0), tl.minimum(hi - w0, n_r), w0, N, sm_scale, softcap, mask_ptr,
-                                s_mb, S, WINDOW, D, BN, HAS_MASK, SOFTCAP, PREC, DT, EMU)
+                                tl.maximum(lo - w0, 0) + o_r, tl.minimum(hi - w0, n_r) + o_r, mb_r, sm_scale, softcap,
+                                mask_ptr, s_mb, D, BN, HAS_MASK, SOFTCAP, PREC, DT, EMU)
 
         Hq = tl.num_programs(1) * GQA
         row = (b * Hq + hq) * SPLITS + sp  # (GP,)
@@ -1385,12 +1390,32 @@ def _longest(lengths, sink_k, mid_k: Packed, recent_k, block_table) -> int:
     return sink_k.shape[2] + mid + recent_k.shape[2]
 
 
+def _check_starts(starts, lengths, allowed, sink_k, mid_k: Packed, recent_k, block_table) -> None:
+    """:func:`decode`'s ``starts``: (B, 3), contiguous parts, a mask over the parts side by side; each row's columns
+    inside its parts where both are on the host (on a GPU, reading them would make the host wait)."""
+    B = lengths.shape[0]
+    if block_table is not None:
+        raise ValueError("starts describe rows of contiguous parts; a paged middle (block_table) starts at its table")
+    if tuple(starts.shape) != (B, 3):
+        raise ValueError(f"starts must be (B, 3) = ({B}, 3) like lengths, got {tuple(starts.shape)}")
+    widths = (sink_k.shape[2], mid_k.codes.shape[2], recent_k.shape[2])
+    if allowed is not None and allowed.reshape(B, -1).shape[1] < widths[0] + widths[2]:
+        raise ValueError(f"with starts, allowed covers the parts side by side: at least sink {widths[0]} + recent "
+                         f"{widths[2]} columns, got {allowed.reshape(B, -1).shape[1]}")
+    if starts.device.type == "cpu" and lengths.device.type == "cpu":
+        ends = starts.long() + lengths.long()
+        bad = (starts < 0).any(1) | (ends > torch.tensor(widths)).any(1)
+        if bad.any():
+            b = int(bad.nonzero()[0])
+            raise ValueError(f"row {b} reads columns {starts[b].tolist()} + {lengths[b].tolist()} of parts {widths} wide")
+
+
 def _key_bias_args(kb: KeyBias, B: int, Hq: int, d: int, mid_k: Packed, page: int, paged: bool, block_table,
-                   block_n: int, device, host_lengths: torch.Tensor | None):
+                   block_n: int, device, host_ends: torch.Tensor | None):
     """The decode kernel's RMEAN arguments: terms (B, Hq, d) float32 on the device and their strides, the first
     positions (B,) int32 on the device, and a table of [cos pθ | sin pθ] holding every position a tile of tokens can
-    start at (the longest middle past the largest first position: from ``lengths`` where they are on the host, else
-    the middle's capacity) and the BN offsets after it."""
+    start at (the middle's last column read past the largest first position: from ``host_ends``, the parts' end
+    columns, where the host has them, else the middle's capacity) and the BN offsets after it."""
     if tuple(kb.terms.shape) != (B, Hq, d) or tuple(kb.theta.shape) != (d // 2,) or kb.first.numel() not in (1, B):
         raise ValueError(f"key_bias needs terms (B, Hq, d) = {(B, Hq, d)}, first (B,) and theta ({d // 2},); got "
                          f"{tuple(kb.terms.shape)}, {tuple(kb.first.shape)}, {tuple(kb.theta.shape)}")
@@ -1398,8 +1423,8 @@ def _key_bias_args(kb: KeyBias, B: int, Hq: int, d: int, mid_k: Packed, page: in
         raise ValueError("key_bias.first must be on the host: it sizes the table of angles")
     if d < 32:
         raise ValueError(f"key_bias needs head_dim >= 32 (two dots of K = head_dim/2 >= 16), got {d}")
-    if host_lengths is not None:  # vLLM's block tables span max_model_len: the table need not
-        cap = int(host_lengths[:, 1].max()) if B else 0
+    if host_ends is not None:  # vLLM's block tables span max_model_len: the table need not
+        cap = int(host_ends[:, 1].max()) if B else 0
     else:
         cap = block_table.shape[1] * page if paged else mid_k.codes.shape[2]
     first = kb.first.reshape(-1).long().expand(B)
@@ -1412,7 +1437,7 @@ def _key_bias_args(kb: KeyBias, B: int, Hq: int, d: int, mid_k: Packed, page: in
 def decode(query, lengths, sink_k, sink_v, mid_k: Packed, mid_v: Packed, recent_k, recent_v, scaling: float, *,
            softcap: float | None = None, sinks=None, allowed=None, window: int | None = None,
            block_table=None, absolute_pages: bool = False, splits: int | None = None,
-           block_n: int | None = None, key_bias: KeyBias | None = None) -> torch.Tensor:
+           block_n: int | None = None, key_bias: KeyBias | None = None, starts=None) -> torch.Tensor:
     """Attention of one query token per sequence over [sink; packed middle; recent], split-KV.
 
     Args:
@@ -1431,6 +1456,11 @@ def decode(query, lengths, sink_k, sink_v, mid_k: Packed, mid_v: Packed, recent_
             (default: the current :class:`DecodeTuning`'s for the path, :meth:`DecodeTuning.launch`, which also gives
             the warps and pipeline stages).
         key_bias: the middle's keys stored centered on their rotating mean (:class:`KeyBias`), or None.
+        starts: int (B, 3) or None: ragged rows in batched contiguous parts (the transformers cache's left-padded
+            batches), sequence b's tokens of each part from its column ``starts[b, i]`` on (its ``lengths[b, i]``
+            of them), so each row reads its own columns, not the widest row's. ``allowed`` then covers the parts'
+            columns side by side, (B, sink_k's + the middle's + recent_k's columns): the sink's first, the recent
+            part's last ``recent_k.shape[2]``; ``key_bias.first`` is the position of the middle's column 0.
 
     Returns:
         (B, Hq, d) in the query's dtype.
@@ -1453,8 +1483,12 @@ def decode(query, lengths, sink_k, sink_v, mid_k: Packed, mid_v: Packed, recent_
     if query.dtype not in (torch.float16, torch.bfloat16, torch.float32):
         raise ValueError(f"query dtype must be float16, bfloat16 or float32, got {query.dtype}")
     _check_device(query, mid_k.codes)
+    if starts is not None:
+        _check_starts(starts, lengths, allowed, sink_k, mid_k, recent_k, block_table)
     longest = _longest(lengths, sink_k, mid_k, recent_k, block_table) if splits is None else 0
-    host_lengths = lengths if lengths.device.type == "cpu" else None
+    host_ends = lengths if lengths.device.type == "cpu" else None  # each part's end column, where the host has it
+    if host_ends is not None and starts is not None:
+        host_ends = host_ends + starts if starts.device.type == "cpu" else None
     lengths = kept_on(lengths, query.device, torch.int32)
     tuning = current_tuning()
     k_p, v_p, tile_n, num_warps = tuning.launch(query.dtype, mid_k, mid_v)
@@ -1513,10 +1547,12 @@ def decode(query, lengths, sink_k, sink_v, mid_k: Packed, mid_v: Packed, recent_
     rb, rb_s, rp, rt, rr = query, (0, 0), lengths, query, query  # placeholders, never read without RMEAN
     if key_bias is not None:
         rb, rp, rt, rb_s = _key_bias_args(key_bias, B, Hq, d, mid_k, page, paged, block_table, block_n, query.device,
-                                          host_lengths)
+                                          host_ends)
         rr = rope_table(key_bias.theta, block_n, query.device, query.dtype)
     if B and Hq:
+        st = lengths if starts is None else kept_on(starts, query.device, torch.int32)
         _launch("decode", (B, Hkv, splits), query, *query.stride()[:2], lengths,
+                st, sink_k.shape[2], S - recent_k.shape[2],
                 sink_k, sink_v, *sink_k.stride()[:3], *sink_v.stride()[:3],
                 recent_k, recent_v, *recent_k.stride()[:3], *recent_v.stride()[:3],
                 mid_k.codes, mid_k.scale, kz, mid_v.codes, mid_v.scale, vz,
@@ -1529,7 +1565,7 @@ def decode(query, lengths, sink_k, sink_v, mid_k: Packed, mid_v: Packed, recent_
                 K_E5M3=mid_k.fmt.step_byte, V_E5M3=mid_v.fmt.step_byte,
                 K_OFF=_code_offset(query.dtype, mid_k.fmt.bits), V_OFF=_code_offset(query.dtype, mid_v.fmt.bits),
                 K_P=k_p, V_P=v_p, K_TILE=kt_tile, KT_MW=kt_mw, RMEAN=key_bias is not None,
-                PAGED=paged, PAGE_ABS=paged and absolute_pages, HAS_MASK=allowed is not None, SOFTCAP=softcap is not None,
+                PAGED=paged, PAGE_ABS=paged and absolute_pages, STARTS=starts is not None, HAS_MASK=allowed is not None, SOFTCAP=softcap is not None,
                 PREC="ieee" if query.dtype == torch.float32 else "tf32", DT=_tl_dtype(query.dtype), EMU=emulate,
                 num_warps=num_warps, num_stages=tuning.num_stages)
     out = torch.empty(B, Hq, d, dtype=query.dtype, device=query.device)

@@ -169,10 +169,17 @@ class KVView(LayerView):
         one it reads: the same attention as the emulation, no full-precision copy of the middle.
         """
         layer, dt = self.layer, self.win_k.dtype
-        lo, w, B = self.kv_offset, layer.cfg.windows, query.shape[0]
         mid_k, mid_v = layer._mid_parts(self.mid, self.mid_len, self.mid_start, dt)
+        visible = self._padded_visible(attention_mask, query.shape[0], query.device)
+        return decode_attention(query, [self.sink_k, mid_k, self.win_k], [self.sink_v, mid_v, self.win_v],
+                                visible.view(query.shape[0], 1, 1, -1), scaling, softcap, sinks=sinks,
+                                held=self._held())
+
+    def _padded_visible(self, attention_mask, B: int, dev) -> torch.Tensor:
+        """(B, N) bool: which of the parts' columns [sink, middle, buffer] each row of :meth:`_decode_padded` sees."""
+        layer = self.layer
+        lo, w = self.kv_offset, layer.cfg.windows
         # built where the query is: one copy of 2·B ints that does not make the host wait for a GPU, no (B, N) work
-        dev = query.device
         pads, ends = to_device(torch.stack([layer.pads, self.ends]), dev).unsqueeze(-1)
         ns, nm, nw = self.sink_k.shape[2], self.mid_len, self.win_k.shape[2]
         arange = lambda a, n: torch.arange(a, a + n, device=dev)
@@ -188,8 +195,25 @@ class KVView(LayerView):
         if allowed is not None:
             visible &= allowed.reshape(-1, S).expand(B, S).gather(1, (pos - lo).clamp(0, S - 1))
         visible |= ~visible.any(-1, keepdim=True)  # a row of padding alone (its output is never read): no NaN
-        return decode_attention(query, [self.sink_k, mid_k, self.win_k], [self.sink_v, mid_v, self.win_v],
-                                visible.view(B, 1, 1, -1), scaling, softcap, sinks=sinks)
+        return visible
+
+    def _held(self) -> torch.Tensor:
+        """(B, 3, 2) int64 on the host: for each part [sink, middle, buffer], the columns [a, e) from row ``b``'s first
+        to its last visible one (as :meth:`_decode_padded`'s mask sees them, before the mask of transformers, which
+        may hide more): the sink's below the buffer's start; the middle's from ``p_b + S_sink`` to ``end_b``; the
+        buffer's from the first of the row's sink tokens it still holds, else from ``end_b``. All from ``lo`` on and
+        none a pad: a row reads neither its padding nor the other rows' columns."""
+        layer, lo = self.layer, self.kv_offset
+        p, ends, S_sink = layer.pads, self.ends, layer.cfg.windows.S_sink
+        width = torch.tensor([self.sink_k.shape[2], self.mid_len, self.win_k.shape[2]])
+        s0 = p + self.sink_start  # each row's sink column 0
+        first = p.clamp(min=lo)  # the row's first real column inside the window
+        in_buffer = first.clamp(min=self.w0)  # its first sink token the buffer holds, where p + S_sink is past it
+        rec = torch.where(p + S_sink > in_buffer, in_buffer, ends.clamp(min=first).clamp(min=self.w0))
+        a = torch.stack([first - s0, first.clamp(min=p + S_sink) - self.mid_start, rec - self.w0], 1)
+        e = torch.stack([self.w0 - s0, ends - self.mid_start, width[2].expand_as(p)], 1)
+        a = torch.minimum(a.clamp(min=0), width)
+        return torch.stack([a, torch.maximum(torch.minimum(e, width), a)], 2)
 
     def _attend_padded(self, query, attention_mask, scaling: float, softcap: float | None,
                        sinks: torch.Tensor | None = None) -> torch.Tensor:
@@ -306,9 +330,9 @@ class RaggedView(LayerView):
     def attend(self, module, query, attention_mask, scaling: float, softcap: float | None,
                sinks: torch.Tensor | None = None) -> torch.Tensor:
         """Row ``b`` reads its sink columns ``[sink_start, sink_start + sink_n)``, its middle's ``[mid_lo, mid_lo +
-        mid_n)`` and its buffer's ``[rec_lo, rec_lo + rec_n)`` (positions ``n - rec_n`` on): parts as wide as the
-        widest row's, the rest masked, and each column's position (plus the row's padding) looked up in transformers'
-        mask and window."""
+        mid_n)`` and its buffer's ``[rec_lo, rec_lo + rec_n)`` (positions ``n - rec_n`` on), of parts as wide as the
+        widest row's (:meth:`_held`: the Triton kernel reads those columns alone), under a mask over all the parts'
+        columns: each column's position (plus the row's padding) looked up in transformers' mask and window."""
         layer, dt = self.layer, self.rec_k.dtype
         query = _queries(layer, module, query, dt)
         B, M = query.shape[0], self.mid_n
@@ -325,11 +349,15 @@ class RaggedView(LayerView):
             if name == "k" and M and layer.inputs.key_mean is not None:  # storage column 0 at mid_start − mid_lo
                 run += (layer.centers_from(self.rs[:, layer.MID_START] - self.rs[:, layer.MID_LO]),)
             parts.append(run)
-        rs, L = self.rs, layer
-        held = torch.stack([rs[:, L.SINK_START], rs[:, L.SINK_START] + rs[:, L.SINK_N], rs[:, L.MID_LO],
-                            rs[:, L.MID_LO] + rs[:, L.MID_N], rs[:, L.REC_LO], rs[:, L.REC_LO] + rs[:, L.REC_N]], 1).view(B, 3, 2)
         return decode_attention(query, [self.sink_k, parts[0], self.rec_k], [self.sink_v, parts[1], self.rec_v],
-                                visible.view(B, 1, 1, -1), scaling, softcap, sinks=sinks, held=held)
+                                visible.view(B, 1, 1, -1), scaling, softcap, sinks=sinks, held=self._held())
+
+    def _held(self) -> torch.Tensor:
+        """(B, 3, 2) int64 on the host: each row's columns [a, e) of the parts [sink, middle, buffer]."""
+        rs, L = self.rs, self.layer
+        return torch.stack([rs[:, L.SINK_START], rs[:, L.SINK_START] + rs[:, L.SINK_N], rs[:, L.MID_LO],
+                            rs[:, L.MID_LO] + rs[:, L.MID_N], rs[:, L.REC_LO], rs[:, L.REC_LO] + rs[:, L.REC_N]],
+                           1).view(-1, 3, 2)
 
     def _visible(self, attention_mask, B: int, dev) -> torch.Tensor:
         """(B, N) bool, which of the parts' columns each row sees: its own (the rest of each part's width is other
