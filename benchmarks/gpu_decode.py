@@ -20,7 +20,8 @@
    achieved bandwidth as a fraction of the device's peak (``PEAK_TBPS`` by device name, or ``--peak-tbps``); and the
    same kernel over the bfloat16 context (``triton_bf16``: what the packing saves, apart from how good the kernel is),
    and over the same codes read as KVarN key tiles (``triton_ktiles``: ``auto``'s ``+ktiles`` keys) and as keys centered on
-   their rotating mean (``triton_rmean``: ``auto``'s ``+rmean``).
+   their rotating mean (``triton_rmean``: ``auto``'s ``+rmean``); with batch > 1, a left-padded batch's rows
+   (``triton_ragged``, each row over its own columns, against ``triton_ragged_widest``, as wide as the widest).
    Combinations whose tensors would not fit in ``--memory-fraction`` of the free memory are skipped (listed).
 2. *End to end*: a random-weight Llama-shaped model (``--e2e-layers`` layers of the same heads, bfloat16) decodes
    one token per step over a filled cache: ``DynamicCache`` (SDPA), the wushkv K2V2 cache through the Triton kernels,
@@ -357,6 +358,8 @@ def kernel_case(args, ctx, B, device, timer) -> dict:
     with tk.decode_tuning(**TILES):
         rmean_tiles = tk.decode(*inputs, key_bias=bias)
     row["triton_rmean_vs_tiles"] = max_rel(tk.decode(*inputs, key_bias=bias), rmean_tiles)
+    if B > 1:
+        ragged_case(args, row, inputs, timer)
     del inputs, tiles_out, kt_inputs, kt, ones, rmean_tiles
     # bfloat16 SDPA over the same context (K, V built after the packed cache is freed)
     K, V = torch.randn(B, Hkv, ctx, d, **bf), torch.randn(B, Hkv, ctx, d, **bf)
@@ -385,6 +388,29 @@ def kernel_case(args, ctx, B, device, timer) -> dict:
     row["triton_bf16_vs_sdpa"] = max_rel(bf16_call(), sdpa()[:, :, 0])
     del K, V
     return row
+
+
+def ragged_case(args, row: dict, inputs: tuple, timer) -> None:
+    """A left-padded batch's rows (the transformers cache): row b's middle holds n_mid − pad_b tokens, the pads spread
+    evenly over [0, 3/4 n_mid]. ``triton_ragged``: each row read over its own columns (``starts``); against
+    ``triton_ragged_widest``, every row read as wide as the widest, its pad columns masked (before session 57)."""
+    q, lengths, sk, sv, mk, mv, rk, rv, scaling = inputs
+    B, n_mid, dev = q.shape[0], mk.codes.shape[2], q.device
+    pads = torch.tensor([round(b * 3 * n_mid / 4 / (B - 1)) for b in range(B)])
+    own = torch.tensor([[args.sink, 0, args.recent]] * B) + torch.stack([0 * pads, n_mid - pads, 0 * pads], 1)
+    starts = torch.stack([0 * pads, pads, 0 * pads], 1).to(dev, torch.int32)
+    own = own.to(dev, torch.int32)
+    ctx = args.sink + n_mid + args.recent
+    col = torch.arange(ctx, device=dev)
+    allowed = (col < args.sink) | (col >= args.sink + pads.to(dev)[:, None])  # (B, ctx): the pad columns hidden
+    ragged = lambda: tk.decode(q, own, sk, sv, mk, mv, rk, rv, scaling, starts=starts)  # noqa: E731
+    widest = lambda: tk.decode(q, lengths, sk, sv, mk, mv, rk, rv, scaling, allowed=allowed)  # noqa: E731
+    row["ragged_own_columns"] = float(own.sum() / lengths.sum())
+    row["triton_ragged"] = timer(ragged, args.warmup, args.iters, gpu=True)
+    row["triton_ragged_widest"] = timer(widest, args.warmup, args.iters, gpu=True)
+    row["triton_ragged_vs_widest"] = max_rel(ragged(), widest())
+    if "ms" in row["triton_ragged"] and "ms" in row["triton_ragged_widest"]:
+        row["triton_ragged_over_widest"] = row["triton_ragged"]["ms"] / row["triton_ragged_widest"]["ms"]
 
 
 # Outputs further apart than this (largest difference over the largest magnitude) mark a row MISMATCH: bfloat16
@@ -571,9 +597,10 @@ def summary(row: dict) -> str:
             parts.append(f"{k} {v['ms']:.3f} ms" + (f" ({100 * frac:.0f}% of peak{lat})" if frac else f" ({lat[2:]})" if lat else ""))
         if isinstance(v, dict) and "error" in v:
             parts.append(f"{k} ERROR {v['error']}")
-        elif k.endswith(("_over_sdpa", "_over_flash", "_over_triton_bf16", "_over_triton_tiles", "_over_dynamic")):
+        elif k.endswith(("_over_sdpa", "_over_flash", "_over_triton_bf16", "_over_triton_tiles", "_over_dynamic",
+                         "_over_widest")):
             parts.append(f"{k} {v:.2f}x")
-        elif k.endswith(("_vs_tiles", "_vs_sdpa")):
+        elif k.endswith(("_vs_tiles", "_vs_sdpa", "_vs_widest")):
             parts.append(f"{k} {v:.1e}" + (" MISMATCH" if not agrees(v) else ""))
     return f"{head}: " + ", ".join(parts)
 

@@ -351,6 +351,9 @@ def test_gpu_decode_dry_run(tmp_path):
     # keys centered on their rotating mean: the same codes plus a bias of the position, against the tiles' path
     assert row["triton_rmean"]["bytes"] == row["triton"]["bytes"] and positive(row["triton_rmean_over_sdpa"])
     assert 0 <= row["triton_rmean_vs_tiles"] < gpu_decode.AGREE
+    # a left-padded batch (pads 0 and 27 of the 36-token middle): each row over its own columns, as the widest computes
+    assert row["ragged_own_columns"] == (2 * ctx - 27) / (2 * ctx) and positive(row["triton_ragged_over_widest"])
+    assert 0 <= row["triton_ragged_vs_widest"] < gpu_decode.AGREE
     # each row checks what it timed: the kernel against the tiles' path, the bf16 run against SDPA
     assert 0 <= row["triton_vs_tiles"] < gpu_decode.AGREE and 0 <= row["triton_bf16_vs_sdpa"] < gpu_decode.AGREE
     assert gpu_decode.max_rel(torch.ones(3), torch.full((3,), 2.0)) == 0.5
