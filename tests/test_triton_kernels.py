@@ -577,8 +577,11 @@ def _classes(parts, dtype):
     (torch.bfloat16, QuestQuantizer(2), QuestQuantizer(2), 128, {}, (8, 8)),
     (torch.float16, AffineQuantizer(4, clip_ratio=0.96), QuestQuantizer(2), 128, {"softcap": 3.0}, (4, 8)),
     (torch.bfloat16, QuestQuantizer(2), AffineQuantizer(4), 256, {"window": 30}, (8, 4)),
-    (torch.bfloat16, QuestQuantizer(4), QuestQuantizer(3), 64, {"mask": 25}, (4, 0)),  # 3 bits at d 64: tiles
-    # words of bytes: three at 3 bits, one at 1 bit and at 2 bits below head_dim 128
+    # words of bytes: three at 3 bits, one at 1 bit and at 2 bits below head_dim 128; below 128 at 1 and 3 bits, two
+    # codes a word in each of 4 classes
+    (torch.bfloat16, QuestQuantizer(4), QuestQuantizer(3), 64, {"mask": 25}, (4, 4)),
+    (torch.float16, AffineQuantizer(3, clip_ratio=0.96), QuestQuantizer(1), 64, {}, (4, 4)),
+    (torch.bfloat16, QuestQuantizer(1), AffineQuantizer(3), 64, {"softcap": 3.0}, (4, 4)),
     (torch.bfloat16, QuestQuantizer(3), QuestQuantizer(3), 128, {}, (8, 8)),
     (torch.float16, QuestQuantizer(1), AffineQuantizer(3), 128, {"softcap": 3.0}, (8, 8)),
     (torch.bfloat16, QuestQuantizer(2), QuestQuantizer(2), 64, {"mask": 25}, (4, 4)),
@@ -617,14 +620,15 @@ def test_decode_code_classes_equal_unpacked_tiles(dtype, kq, vq, d, kw, classes)
 
 def test_code_classes_cover_what_they_can():
     """Which sides decode reads in classes: one group per token, 1 to 4 bits, float16/bfloat16 dots, d/P ≥ 16 (16-bit
-    words at 2 and 4 bits, bytes at 1 bit and at 2 bits below head_dim 128, three bytes at 3 bits), 16-bit words at
-    even offsets; everything else unpacks to tiles."""
+    words at 2 and 4 bits, bytes at 1 bit and at 2 bits below head_dim 128, three bytes at 3 bits; at 1 and 3 bits
+    below head_dim 128 two codes a word in each of 4 classes), 16-bit words at even offsets; everything else unpacks
+    to tiles."""
     fmt = lambda bits, d, G=None: tk.TokenFormat(bits, d, G or d, True)
     bf = torch.bfloat16
     assert [tk.code_classes(fmt(b, 128), bf) for b in (1, 2, 3, 4, 8)] == [8, 8, 8, 4, 0]
-    assert [tk.code_classes(fmt(b, 64), bf) for b in (1, 2, 3, 4, 8)] == [0, 4, 0, 4, 0]
+    assert [tk.code_classes(fmt(b, 64), bf) for b in (1, 2, 3, 4, 8)] == [4, 4, 4, 4, 0]
     assert [tk.code_classes(fmt(b, 256), torch.float16) for b in (1, 2, 3, 4)] == [8, 8, 8, 4]
-    assert tk.code_classes(fmt(4, 32), bf) == 0 and tk.code_classes(fmt(2, 32), bf) == 0
+    assert [tk.code_classes(fmt(b, 32), bf) for b in (1, 2, 3, 4)] == [0, 0, 0, 0]
     assert tk.code_classes(fmt(2, 128), torch.float32) == 0 and tk.code_classes(fmt(2, 128, 32), bf) == 0
     codes = torch.zeros(4, 49, dtype=torch.uint8)  # rows at odd offsets: 2-bit rows of 32 bytes, 3-bit of 48
     assert tk.code_classes(fmt(2, 128), bf, codes[:, 1:33]) == 4  # odd rows: bytes of 4 codes instead of words
@@ -922,6 +926,10 @@ for dt, off, kv, warps in ((tl.bfloat16, 128, (2, 8, 4, 4), 1), (tl.float16, 102
                        target=GPUTarget("cuda", 90, 32), options={"num_warps": warps, "num_stages": 2})
     assert "lop3.b32" in k.asm["ptx"] and "cubin" in k.asm
     assert ("prmt.b32" in k.asm["ptx"]) == (kv[0] * kv[1] != 16 or kv[2] * kv[3] != 16)
+# head_dim 64 at 3 and 1 bits: words of 8 codes, two in each of 4 classes
+d64 = dict(consts, D=64, K_BITS=3, K_P=4, V_BITS=1, V_P=4, V_G=64, K_G=64, PAGE_ABS=False)
+triton.compile(ASTSource(K["decode"], sig("decode", p, ("sm_scale", "softcap", "K_HALF", "V_HALF"), d64), d64),
+               target=GPUTarget("cuda", 90, 32), options={"num_warps": 1, "num_stages": 2})
 # no mask, no softcap (a split's partial tiles masked behind a branch); zeros on both sides in classes: keys' Σq·z,
 # values' per-class offsets (float16 4 bits) against Σ w from the dot with ones
 z = dict(consts, HAS_MASK=False, SOFTCAP=False, K_Z=True, V_Z=True, DT=tl.float16, K_OFF=1024, V_OFF=1024, K_BITS=2, K_P=8,
@@ -969,8 +977,8 @@ def test_launcher_sees_the_constexpr_parameters():
 def test_kernels_compile_for_cuda():
     """The compiled path, which the interpreter does not exercise (Triton's front end, shapes the tensor-core dot
     accepts, name resolution), without a GPU: the store, decode (two tunings, one-byte key steps; codes in classes,
-    in words of 16 bits, three bytes and one, whose inline PTX ptxas assembles; rows from their own columns) and
-    merge kernels compile for sm_90."""
+    in words of 16 bits, three bytes and one, whose inline PTX ptxas assembles, two codes a word a class at head_dim
+    64; rows from their own columns) and merge kernels compile for sm_90."""
     import os
     import subprocess
     import sys

@@ -337,7 +337,22 @@ def _kernels() -> dict:
 
     @jit
     def _class_codes(w, S: tl.constexpr, P: tl.constexpr, BITS: tl.constexpr, OFF: tl.constexpr, EMU: tl.constexpr):
-        """Class ``S`` of code words ``w`` (BN, D/P) of P codes each (:func:`_words`): the code at bits
+        """Class ``S`` of P (channels P·k + S, k < D/P) of code words ``w`` (:func:`_words`), as the dot's operand
+        ``c + OFF_S``. A word of P codes gives one of each class (:func:`_word_codes`). Words of 8 codes in 4
+        classes (1 and 3 bits below head_dim 128, where a class of one code a word would hold d/8 < 16 channels, less
+        than a dot takes) give two: codes S and S + 4 of word m are channels 8m + S and 8m + 4 + S, i.e. P·k + S for
+        k = 2m and 2m + 1, side by side."""
+        if (BITS % 2 == 1) and (P == 4):  # words of 8 codes, two in each class
+            c0 = _word_codes(w, S, 8, BITS, OFF, EMU)
+            c1 = _word_codes(w, S + 4, 8, BITS, OFF, EMU)
+            out = tl.reshape(tl.join(c0, c1), [c0.shape[0], 2 * c0.shape[1]])
+        else:
+            out = _word_codes(w, S, P, BITS, OFF, EMU)
+        return out
+
+    @jit
+    def _word_codes(w, S: tl.constexpr, P: tl.constexpr, BITS: tl.constexpr, OFF: tl.constexpr, EMU: tl.constexpr):
+        """Code ``S`` of each of the code words ``w`` (BN, D/P) of P codes each (:func:`_words`): the code at bits
         [S·BITS, (S+1)·BITS) of word k, i.e. channel P·k + S (little-endian bytes of
         :func:`wushkv.quantizers.pack`), as the dot's operand ``c + OFF_S`` (:func:`_class_offsets`). On a GPU, inline
         PTX builds two codes per ``lop3`` (``& mask | base`` on both halves of a 32-bit register: each half keeps its
@@ -456,11 +471,13 @@ def _kernels() -> dict:
 
     @jit
     def _words(ptr, rows, valid, D: tl.constexpr, P: tl.constexpr, BITS: tl.constexpr, BN: tl.constexpr):
-        """The code words (BN, D/P) of packed rows at byte offsets ``rows``: P codes of BITS bits, WB = P·BITS/8
-        bytes each. 16-bit words are loaded as int16 (rows at even offsets: checked on the host), bytes as uint8,
-        3-byte words assembled from their bytes (little-endian) in int32."""
-        k = tl.arange(0, D // P)
-        WB: tl.constexpr = P * BITS // 8
+        """The code words (BN, D/WC) of packed rows at byte offsets ``rows`` read in P classes: WC codes of BITS bits,
+        WB = WC·BITS/8 bytes each (WC = 8 at 1 and 3 bits, else P). 16-bit words are loaded as int16 (rows at even
+        offsets: checked on the host), bytes as uint8, 3-byte words assembled from their bytes (little-endian) in
+        int32."""
+        WC: tl.constexpr = 8 if (BITS % 2 == 1) else P
+        k = tl.arange(0, D // WC)
+        WB: tl.constexpr = WC * BITS // 8
         if WB == 2:
             w = tl.load(ptr.to(tl.pointer_type(tl.int16)) + (rows // 2)[:, None] + k[None, :], mask=valid[:, None],
                         other=0)
@@ -1079,9 +1096,10 @@ def _code_offset(dtype: torch.dtype, bits: int) -> int:
     return 1024 if dtype == torch.float16 else 0
 
 
-# Codes per word by width (bits: P): 16-bit words at 2 and 4 bits, words of one byte at 1 bit (and 2 bits where
-# head_dim / 8 < 16), of three bytes at 3 bits. 8-bit codes are bytes already (the tiles read them as such).
-_CLASSES = {1: (8,), 2: (8, 4), 3: (8,), 4: (4,)}
+# Classes by width (bits: P, the first whose d/P ≥ 16): 16-bit words of P codes at 2 and 4 bits, bytes of 4 codes at 2
+# bits where head_dim / 8 < 16; words of 8 codes at 1 bit (a byte) and 3 bits (three bytes), read in 4 classes of two
+# codes a word where head_dim / 8 < 16. 8-bit codes are bytes already (the tiles read them as such).
+_CLASSES = {1: (8, 4), 2: (8, 4), 3: (8, 4), 4: (4,)}
 
 
 @functools.cache
@@ -1096,7 +1114,8 @@ def code_classes(fmt: TokenFormat | TileFormat, dtype: torch.dtype, codes: torch
     (BN, d) tile instead: one group per token, 1 to 4 bits, float16/bfloat16 dots (codes built on the bits as
     ``c + 128``/``c + 1024``), d/P ≥ 16 (a tensor-core dot needs K ≥ 16). A word holds P codes: 16 bits at 2 bits
     (P 8, from head_dim 128) and 4 bits (P 4, from 64), one byte at 1 bit (P 8, from 128) and at 2 bits below
-    head_dim 128 (P 4, from 64), three bytes at 3 bits (P 8, from 128). ``codes`` given: 16-bit words need code rows
+    head_dim 128 (P 4, from 64), three bytes at 3 bits (P 8, from 128); at 1 and 3 bits below head_dim 128 a word's
+    8 codes go to 4 classes, two each (P 4, from 64). ``codes`` given: 16-bit words need code rows
     at even byte offsets (2-bit rows at odd ones are read in bytes, 4-bit ones in tiles), and a middle of no tokens
     keeps the tiles (a full-precision context keeps the tiles' launch parameters). KVarN key tiles
     (:class:`TileFormat`) take the same classes, their tile's scale folded into the query's."""
