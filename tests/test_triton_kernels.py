@@ -582,6 +582,7 @@ def _classes(parts, dtype):
     (torch.bfloat16, QuestQuantizer(4), QuestQuantizer(3), 64, {"mask": 25}, (4, 4)),
     (torch.float16, AffineQuantizer(3, clip_ratio=0.96), QuestQuantizer(1), 64, {}, (4, 4)),
     (torch.bfloat16, QuestQuantizer(1), AffineQuantizer(3), 64, {"softcap": 3.0}, (4, 4)),
+    (torch.bfloat16, QuestQuantizer(3), QuestQuantizer(3), 128, {"odd": True}, (8, 8)),  # keys' words from bytes
     (torch.bfloat16, QuestQuantizer(3), QuestQuantizer(3), 128, {}, (8, 8)),
     (torch.float16, QuestQuantizer(1), AffineQuantizer(3), 128, {"softcap": 3.0}, (8, 8)),
     (torch.bfloat16, QuestQuantizer(2), QuestQuantizer(2), 64, {"mask": 25}, (4, 4)),
@@ -596,12 +597,15 @@ def test_decode_code_classes_equal_unpacked_tiles(dtype, kq, vq, d, kw, classes)
     the float32 result as the bound of ``test_decode_bfloat16``. ``code_classes`` says which side took which path."""
     B, Hkv, G, kw = 2, 2, 3, dict(kw)
     q, pk, pv = _case(kq, vq, B, Hkv, G, d, n_s=3, n_m=47, n_r=5, seed=3, dtype=dtype)
-    if kw.pop("odd", False):  # the keys' code rows at odd byte offsets: no 16-bit words there
+    odd = kw.pop("odd", False)
+    if odd:  # the keys' code rows at odd byte offsets: no 16-bit words there, 3-byte words from their bytes
         codes = pk[1][1]["codes"]
         wide = torch.zeros(*codes.shape[:-1], codes.shape[-1] + 1, dtype=codes.dtype, device=codes.device)
         wide[..., 1:] = codes
         pk[1][1]["codes"] = wide[..., 1:]
     assert (_classes(pk, dtype), _classes(pv, dtype)) == classes
+    int32_words = [tk._int32_words(_packed(*p[1][:2]), c) for p, c in zip((pk, pv), classes)]  # 3 bits: four words
+    assert int32_words == [p[1][0].bits == 3 and not (odd and p is pk) for p in (pk, pv)]  # from three int32
     allowed = None
     if "mask" in kw:
         allowed = (torch.rand(B, 1, 1, kw.pop("mask"), generator=torch.Generator().manual_seed(5)) > 0.4).to(DEVICE)
@@ -906,7 +910,7 @@ for quest, clipped, has_t, br in ((True, True, False, 8), (True, False, True, 1)
     consts = dict(D=128, G=32, BITS=3, QUEST=quest, CLIPPED=clipped, HAS_T=has_t, HAS_Z=not quest, TC=32, META_BF16=True, BR=br)
     triton.compile(ASTSource(K["store"], sig("store", ptrs, ("coef", "sqrt_g"), consts), consts), target=GPUTarget("cuda", 90, 32))
 consts = dict(D=128, GQA=4, GP=16, BN=32, K_BITS=2, V_BITS=4, K_G=128, V_G=32, K_Z=False, V_Z=True, K_E5M3=True, K_OFF=128, V_OFF=0,
-              V_E5M3=False, K_P=0, V_P=0, K_TILE=0, KT_MW=128, RMEAN=False, PAGED=True, PAGE_ABS=False, STARTS=False, HAS_MASK=True, SOFTCAP=True,
+              V_E5M3=False, K_P=0, V_P=0, K_W4=False, V_W4=False, K_TILE=0, KT_MW=128, RMEAN=False, PAGED=True, PAGE_ABS=False, STARTS=False, HAS_MASK=True, SOFTCAP=True,
               PREC="tf32", DT=tl.bfloat16, EMU=False)
 ptrs = {"q_ptr": "*bf16", "sk_ptr": "*bf16", "sv_ptr": "*bf16", "rk_ptr": "*bf16", "rv_ptr": "*bf16", "kc_ptr": "*u8",
         "vc_ptr": "*u8", "mask_ptr": "*u8", "lens_ptr": "*i32", "bt_ptr": "*i32", "ks_ptr": "*u8", "vs_ptr": "*fp16",
@@ -927,7 +931,7 @@ for dt, off, kv, warps in ((tl.bfloat16, 128, (2, 8, 4, 4), 1), (tl.float16, 102
     assert "lop3.b32" in k.asm["ptx"] and "cubin" in k.asm
     assert ("prmt.b32" in k.asm["ptx"]) == (kv[0] * kv[1] != 16 or kv[2] * kv[3] != 16)
 # head_dim 64 at 3 and 1 bits: words of 8 codes, two in each of 4 classes
-d64 = dict(consts, D=64, K_BITS=3, K_P=4, V_BITS=1, V_P=4, V_G=64, K_G=64, PAGE_ABS=False)
+d64 = dict(consts, D=64, K_BITS=3, K_P=4, K_W4=True, V_BITS=1, V_P=4, V_G=64, K_G=64, PAGE_ABS=False)
 triton.compile(ASTSource(K["decode"], sig("decode", p, ("sm_scale", "softcap", "K_HALF", "V_HALF"), d64), d64),
                target=GPUTarget("cuda", 90, 32), options={"num_warps": 1, "num_stages": 2})
 # no mask, no softcap (a split's partial tiles masked behind a branch); zeros on both sides in classes: keys' Σq·z,

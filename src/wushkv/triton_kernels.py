@@ -470,17 +470,30 @@ def _kernels() -> dict:
         return tl.reshape(o, [GP, D])
 
     @jit
-    def _words(ptr, rows, valid, D: tl.constexpr, P: tl.constexpr, BITS: tl.constexpr, BN: tl.constexpr):
+    def _words(ptr, rows, valid, D: tl.constexpr, P: tl.constexpr, BITS: tl.constexpr, BN: tl.constexpr,
+               W4: tl.constexpr):
         """The code words (BN, D/WC) of packed rows at byte offsets ``rows`` read in P classes: WC codes of BITS bits,
         WB = WC·BITS/8 bytes each (WC = 8 at 1 and 3 bits, else P). 16-bit words are loaded as int16 (rows at even
-        offsets: checked on the host), bytes as uint8, 3-byte words assembled from their bytes (little-endian) in
-        int32."""
+        offsets: checked on the host), bytes as uint8, 3-byte words assembled (little-endian) in int32: W4 (rows at
+        4-byte offsets, checked on the host) four of them from three int32 loads, else from their bytes (three loads a
+        word, each with its own address and mask: on the H100's SASS the loop's largest share at 3 bits)."""
         WC: tl.constexpr = 8 if (BITS % 2 == 1) else P
         k = tl.arange(0, D // WC)
         WB: tl.constexpr = WC * BITS // 8
         if WB == 2:
             w = tl.load(ptr.to(tl.pointer_type(tl.int16)) + (rows // 2)[:, None] + k[None, :], mask=valid[:, None],
                         other=0)
+        elif WB == 3 and W4:  # bytes 3j..3j+2 of a group of 12: four words from three int32
+            g = tl.arange(0, D // 32)
+            at = ptr.to(tl.pointer_type(tl.int32)) + (rows // 4)[:, None] + g[None, :] * 3
+            i0 = tl.load(at, mask=valid[:, None], other=0)
+            i1 = tl.load(at + 1, mask=valid[:, None], other=0)
+            i2 = tl.load(at + 2, mask=valid[:, None], other=0)
+            w0 = i0 & 0xFFFFFF
+            w1 = ((i0 >> 24) & 0xFF) | ((i1 & 0xFFFF) << 8)
+            w2 = ((i1 >> 16) & 0xFFFF) | ((i2 & 0xFF) << 16)
+            w3 = (i2 >> 8) & 0xFFFFFF
+            w = tl.reshape(tl.join(tl.join(w0, w2), tl.join(w1, w3)), [rows.shape[0], D // 8])
         else:
             at = ptr + rows[:, None] + k[None, :] * WB
             w = tl.load(at, mask=valid[:, None], other=0)
@@ -647,7 +660,7 @@ def _kernels() -> dict:
                       D: tl.constexpr, BN: tl.constexpr, K_BITS: tl.constexpr, V_BITS: tl.constexpr,
                       K_G: tl.constexpr, V_G: tl.constexpr, K_Z: tl.constexpr, V_Z: tl.constexpr,
                       K_E5M3: tl.constexpr, V_E5M3: tl.constexpr, K_OFF: tl.constexpr, V_OFF: tl.constexpr,
-                      K_P: tl.constexpr, V_P: tl.constexpr, GP: tl.constexpr,
+                      K_P: tl.constexpr, V_P: tl.constexpr, K_W4: tl.constexpr, V_W4: tl.constexpr, GP: tl.constexpr,
                       K_TILE: tl.constexpr, KT_MW: tl.constexpr, RMEAN: tl.constexpr,
                       PAGED: tl.constexpr, PAGE_ABS: tl.constexpr, HAS_MASK: tl.constexpr, SOFTCAP: tl.constexpr,
                       PREC: tl.constexpr, DT: tl.constexpr, EMU: tl.constexpr):
@@ -731,7 +744,8 @@ def _kernels() -> dict:
                             kq7 = _class_tile_query(q_ptr, qrow, qmask, mrow, kts_ptr, kt1, 7, D, K_P, KT_MW, DT, EMU)
                         t_tile = j0
                     s = _class_tile_dots(t_off[:, None], kq0, kq1, kq2, kq3, kq4, kq5, kq6, kq7,
-                                         _words(kc_ptr, rows, valid, D, K_P, K_BITS, BN), K_P, K_BITS, K_OFF, PREC, DT, EMU)
+                                         _words(kc_ptr, rows, valid, D, K_P, K_BITS, BN, K_W4), K_P, K_BITS, K_OFF, PREC,
+                                         DT, EMU)
                     st = st * sm_scale
                 else:
                     cq = _codes_as(_unpack(kc_ptr, rows, valid, D, K_BITS, BN), K_OFF)
@@ -745,7 +759,7 @@ def _kernels() -> dict:
             elif K_P > 0:
                 # raw = q·(c + OFF) − qoff, its accumulator started at −qoff (decode_kernel), scaled per token:
                 # (raw)·s + Σq·z with a zero; without one (z = HALF·s) qoff holds HALF·Σq too, and it is raw·s
-                raw = _class_scores(q_ptr, qrow, qmask, qoff, _words(kc_ptr, rows, valid, D, K_P, K_BITS, BN), GP, BN, D, K_P,
+                raw = _class_scores(q_ptr, qrow, qmask, qoff, _words(kc_ptr, rows, valid, D, K_P, K_BITS, BN, K_W4), GP, BN, D, K_P,
                                     K_BITS, K_OFF, PREC, DT, EMU)
                 if K_Z:
                     ks, kz = _token_scale_offset(ks_ptr, kz_ptr, srows, valid, K_HALF, K_Z, K_E5M3)
@@ -780,7 +794,7 @@ def _kernels() -> dict:
                 else:
                     vs = _step(tl.load(vs_ptr + srows, mask=valid, other=0), V_E5M3)
                 w = _round_to(p * vs[None, :], DT, EMU)
-                words = _words(vc_ptr, rows, valid, D, V_P, V_BITS, BN)
+                words = _words(vc_ptr, rows, valid, D, V_P, V_BITS, BN, V_W4)
                 if tl.min(alpha, 0) < 1.0:  # a row's max rose; else alpha is exactly 1 and rescaling is a no-op
                     a0, a1, a2, a3 = a0 * alpha[:, None], a1 * alpha[:, None], a2 * alpha[:, None], a3 * alpha[:, None]
                     if V_P == 8:
@@ -848,6 +862,7 @@ def _kernels() -> dict:
                       K_BITS: tl.constexpr, V_BITS: tl.constexpr, K_G: tl.constexpr, V_G: tl.constexpr,
                       K_Z: tl.constexpr, V_Z: tl.constexpr, K_E5M3: tl.constexpr, V_E5M3: tl.constexpr,
                       K_OFF: tl.constexpr, V_OFF: tl.constexpr, K_P: tl.constexpr, V_P: tl.constexpr,
+                      K_W4: tl.constexpr, V_W4: tl.constexpr,
                       K_TILE: tl.constexpr, KT_MW: tl.constexpr, RMEAN: tl.constexpr,
                       PAGED: tl.constexpr, PAGE_ABS: tl.constexpr, STARTS: tl.constexpr, HAS_MASK: tl.constexpr,
                       SOFTCAP: tl.constexpr, PREC: tl.constexpr, DT: tl.constexpr, EMU: tl.constexpr):
@@ -913,7 +928,8 @@ def _kernels() -> dict:
                                   bt_ptr, s_bt, PAGE, b, h, tl.maximum(lo - n_s, 0) + o_m, tl.minimum(hi - n_s, n_m) + o_m,
                                   n_s - o_m, mb_m, sm_scale, softcap, mask_ptr, s_mb, K_HALF, V_HALF,
                                   D, BN, K_BITS, V_BITS, K_G, V_G, K_Z, V_Z, K_E5M3, V_E5M3, K_OFF, V_OFF,
-                                  K_P, V_P, GP, K_TILE, KT_MW, RMEAN, PAGED, PAGE_ABS, HAS_MASK, SOFTCAP, PREC, DT, EMU)
+                                  K_P, V_P, K_W4, V_W4, GP, K_TILE, KT_MW, RMEAN, PAGED, PAGE_ABS, HAS_MASK, SOFTCAP, PREC,
+                                  DT, EMU)
         q = tl.load(q_ptr + qrow[:, None] + d[None, :], mask=qmask[:, None], other=0.0)
         m, l, acc = _fp_segment(q, m, l, acc, sk_ptr, sv_ptr, sk_b, sk_h, sk_t, sv_b, sv_h, sv_t, b, h,
                                 tl.maximum(lo, 0) + o_s, tl.minimum(hi, n_s) + o_s, mb_s, sm_scale, softcap, mask_ptr,
@@ -1127,6 +1143,14 @@ def code_classes(fmt: TokenFormat | TileFormat, dtype: torch.dtype, codes: torch
     if P * fmt.bits == 16 and (codes.data_ptr() % 2 or any(st % 2 for st in codes.stride()[:-1])):
         return 4 if fmt.bits == 2 else 0  # 2-bit rows at odd offsets: bytes of 4 codes (d/4 ≥ 32 here)
     return P
+
+
+def _int32_words(side: Packed, P: int) -> bool:
+    """3-bit codes read in classes from int32 loads (four 3-byte words from three): every code row at a 4-byte
+    boundary (the transformers cache's rows are; a vLLM cell's fields may sit at any byte offset, whose rows are read
+    a byte at a time)."""
+    codes = side.codes
+    return P > 0 and side.fmt.bits == 3 and codes.data_ptr() % 4 == 0 and all(st % 4 == 0 for st in codes.stride()[:-1])
 
 
 _RECORDING: list[list] = []
@@ -1583,7 +1607,8 @@ def decode(query, lengths, sink_k, sink_v, mid_k: Packed, mid_v: Packed, recent_
                 K_G=mid_k.fmt.G, V_G=mid_v.fmt.G, K_Z=mid_k.offset is not None, V_Z=mid_v.offset is not None,
                 K_E5M3=mid_k.fmt.step_byte, V_E5M3=mid_v.fmt.step_byte,
                 K_OFF=_code_offset(query.dtype, mid_k.fmt.bits), V_OFF=_code_offset(query.dtype, mid_v.fmt.bits),
-                K_P=k_p, V_P=v_p, K_TILE=kt_tile, KT_MW=kt_mw, RMEAN=key_bias is not None,
+                K_P=k_p, V_P=v_p, K_W4=_int32_words(mid_k, k_p), V_W4=_int32_words(mid_v, v_p),
+                K_TILE=kt_tile, KT_MW=kt_mw, RMEAN=key_bias is not None,
                 PAGED=paged, PAGE_ABS=paged and absolute_pages, STARTS=starts is not None, HAS_MASK=allowed is not None, SOFTCAP=softcap is not None,
                 PREC="ieee" if query.dtype == torch.float32 else "tf32", DT=_tl_dtype(query.dtype), EMU=emulate,
                 num_warps=num_warps, num_stages=tuning.num_stages)
