@@ -585,7 +585,8 @@ def _classes(parts, dtype):
     (torch.bfloat16, QuestQuantizer(3), QuestQuantizer(3), 128, {"odd": True}, (8, 8)),  # keys' words from bytes
     (torch.bfloat16, QuestQuantizer(3), QuestQuantizer(3), 128, {}, (8, 8)),
     (torch.float16, QuestQuantizer(1), AffineQuantizer(3), 128, {"softcap": 3.0}, (8, 8)),
-    (torch.bfloat16, QuestQuantizer(2), QuestQuantizer(2), 64, {"mask": 25}, (4, 4)),
+    (torch.bfloat16, QuestQuantizer(2), QuestQuantizer(2), 64, {"mask": 25}, (4, 4)),  # 16-bit words, two codes a class
+    (torch.float16, AffineQuantizer(2), QuestQuantizer(2), 64, {"odd": True}, (4, 4)),  # keys in bytes of 4 codes
     (torch.bfloat16, AffineQuantizer(2), QuestQuantizer(1), 256, {"window": 30}, (8, 8)),
     (torch.bfloat16, QuestQuantizer(2), QuestQuantizer(2), 128, {"odd": True}, (4, 8)),  # keys' rows at odd offsets
     (torch.float16, QuestQuantizer(2), AffineQuantizer(4), 128, {}, (8, 4)),  # 4-bit values' offsets differ by class
@@ -606,6 +607,8 @@ def test_decode_code_classes_equal_unpacked_tiles(dtype, kq, vq, d, kw, classes)
     assert (_classes(pk, dtype), _classes(pv, dtype)) == classes
     int32_words = [tk._int32_words(_packed(*p[1][:2]), c) for p, c in zip((pk, pv), classes)]  # 3 bits: four words
     assert int32_words == [p[1][0].bits == 3 and not (odd and p is pk) for p in (pk, pv)]  # from three int32
+    words = [tk.code_words(_packed(*p[1][:2]).fmt, c, p[1][1]["codes"]) for p, c in zip((pk, pv), classes)]
+    assert words == [4 if p[1][0].bits == 4 or (p[1][0].bits == 2 and odd and p is pk) else 8 for p in (pk, pv)]
     allowed = None
     if "mask" in kw:
         allowed = (torch.rand(B, 1, 1, kw.pop("mask"), generator=torch.Generator().manual_seed(5)) > 0.4).to(DEVICE)
@@ -642,6 +645,11 @@ def test_code_classes_cover_what_they_can():
     assert tk.code_classes(fmt(2, 64), bf, codes[:, 1:17]) == 4
     assert tk.code_classes(fmt(2, 128), bf, torch.zeros(4, 32, dtype=torch.uint8)) == 8
     assert tk.code_classes(fmt(3, 128), bf, torch.zeros(4, 0, 48, dtype=torch.uint8)) == 0  # no middle
+    # codes a word: two in each class below head_dim 128; 2-bit rows at odd offsets in bytes of 4
+    assert [tk.code_words(fmt(b, 64), 4) for b in (1, 2, 3, 4)] == [8, 8, 8, 4]
+    assert [tk.code_words(fmt(b, 128), 8) for b in (1, 2, 3)] == [8, 8, 8] and tk.code_words(fmt(2, 64), 0) == 0
+    assert tk.code_words(fmt(2, 64), 4, codes[:, 1:17]) == 4 and tk.code_words(fmt(2, 64), 4, codes[:, :16]) == 4
+    assert tk.code_words(fmt(2, 64), 4, torch.zeros(4, 16, dtype=torch.uint8)) == 8
     with pytest.raises(ValueError, match="class_split must be True or False"):
         tk.DecodeTuning(class_split=1)
 
@@ -910,7 +918,7 @@ for quest, clipped, has_t, br in ((True, True, False, 8), (True, False, True, 1)
     consts = dict(D=128, G=32, BITS=3, QUEST=quest, CLIPPED=clipped, HAS_T=has_t, HAS_Z=not quest, TC=32, META_BF16=True, BR=br)
     triton.compile(ASTSource(K["store"], sig("store", ptrs, ("coef", "sqrt_g"), consts), consts), target=GPUTarget("cuda", 90, 32))
 consts = dict(D=128, GQA=4, GP=16, BN=32, K_BITS=2, V_BITS=4, K_G=128, V_G=32, K_Z=False, V_Z=True, K_E5M3=True, K_OFF=128, V_OFF=0,
-              V_E5M3=False, K_P=0, V_P=0, K_W4=False, V_W4=False, K_TILE=0, KT_MW=128, RMEAN=False, PAGED=True, PAGE_ABS=False, STARTS=False, HAS_MASK=True, SOFTCAP=True,
+              V_E5M3=False, K_P=0, V_P=0, K_WC=0, V_WC=0, K_W4=False, V_W4=False, K_TILE=0, KT_MW=128, RMEAN=False, PAGED=True, PAGE_ABS=False, STARTS=False, HAS_MASK=True, SOFTCAP=True,
               PREC="tf32", DT=tl.bfloat16, EMU=False)
 ptrs = {"q_ptr": "*bf16", "sk_ptr": "*bf16", "sv_ptr": "*bf16", "rk_ptr": "*bf16", "rv_ptr": "*bf16", "kc_ptr": "*u8",
         "vc_ptr": "*u8", "mask_ptr": "*u8", "lens_ptr": "*i32", "bt_ptr": "*i32", "ks_ptr": "*u8", "vs_ptr": "*fp16",
@@ -923,34 +931,37 @@ for bn, warps, stages, v in ((32, 4, 3, (4, 32, True, 0)), (128, 8, 2, (2, 128, 
 for dt, off, kv, warps in ((tl.bfloat16, 128, (2, 8, 4, 4), 1), (tl.float16, 1024, (4, 4, 2, 8), 4),
                            (tl.bfloat16, 128, (3, 8, 1, 8), 1), (tl.float16, 1024, (2, 4, 3, 8), 1)):
     consts.update(BN=64, DT=dt, K_OFF=off, V_OFF=off, K_BITS=kv[0], K_P=kv[1], V_BITS=kv[2], V_P=kv[3], V_G=128, V_Z=False, K_E5M3=False,
-                  PAGE_ABS=warps == 1)
+                  PAGE_ABS=warps == 1, K_WC=kv[1], V_WC=kv[3])
     p = dict(ptrs, q_ptr="*bf16" if dt == tl.bfloat16 else "*fp16", sk_ptr="*fp16", sv_ptr="*fp16", rk_ptr="*fp16", rv_ptr="*fp16",
              ks_ptr="*fp16", kz_ptr="*fp16", vz_ptr="*fp16")
     k = triton.compile(ASTSource(K["decode"], sig("decode", p, ("sm_scale", "softcap", "K_HALF", "V_HALF"), consts), consts),
                        target=GPUTarget("cuda", 90, 32), options={"num_warps": warps, "num_stages": 2})
     assert "lop3.b32" in k.asm["ptx"] and "cubin" in k.asm
     assert ("prmt.b32" in k.asm["ptx"]) == (kv[0] * kv[1] != 16 or kv[2] * kv[3] != 16)
-# head_dim 64 at 3 and 1 bits: words of 8 codes, two in each of 4 classes
-d64 = dict(consts, D=64, K_BITS=3, K_P=4, K_W4=True, V_BITS=1, V_P=4, V_G=64, K_G=64, PAGE_ABS=False)
-triton.compile(ASTSource(K["decode"], sig("decode", p, ("sm_scale", "softcap", "K_HALF", "V_HALF"), d64), d64),
-               target=GPUTarget("cuda", 90, 32), options={"num_warps": 1, "num_stages": 2})
+# head_dim 64: words of 8 codes, two in each of 4 classes (3 bits from int32 loads, 1 bit, 2 bits in 16-bit words),
+# and 2-bit bytes of 4 codes (rows at odd offsets)
+for kb, kwc, vb, vwc in ((3, 8, 1, 8), (2, 8, 2, 4)):
+    d64 = dict(consts, D=64, K_BITS=kb, K_P=4, K_WC=kwc, K_W4=kb == 3, V_BITS=vb, V_P=4, V_WC=vwc, V_W4=False, V_G=64,
+               K_G=64, PAGE_ABS=False)
+    triton.compile(ASTSource(K["decode"], sig("decode", p, ("sm_scale", "softcap", "K_HALF", "V_HALF"), d64), d64),
+                   target=GPUTarget("cuda", 90, 32), options={"num_warps": 1, "num_stages": 2})
 # no mask, no softcap (a split's partial tiles masked behind a branch); zeros on both sides in classes: keys' Σq·z,
 # values' per-class offsets (float16 4 bits) against Σ w from the dot with ones
 z = dict(consts, HAS_MASK=False, SOFTCAP=False, K_Z=True, V_Z=True, DT=tl.float16, K_OFF=1024, V_OFF=1024, K_BITS=2, K_P=8,
-         V_BITS=4, V_P=4, PAGE_ABS=False)
+         V_BITS=4, V_P=4, K_WC=8, V_WC=4, PAGE_ABS=False)
 triton.compile(ASTSource(K["decode"], sig("decode", dict(p, q_ptr="*fp16"), ("sm_scale", "softcap", "K_HALF", "V_HALF"), z), z),
                target=GPUTarget("cuda", 90, 32), options={"num_warps": 1, "num_stages": 2})
 # KVarN key tiles of 16 tokens: spread over paged cells (16 halves a token), then rows of their own; unpacked (BN 32
 # over two key tiles), then in classes (the scale folded into the query's classes)
 for paged, mw, kp, bn, tile in ((True, 16, 0, 32, 16), (False, 128, 0, 32, 16), (True, 16, 8, 16, 16), (False, 128, 8, 16, 16),
                                  (False, 128, 8, 32, 128)):  # the last: the scaled query held across 4 tiles of tokens
-    consts.update(K_TILE=tile, KT_MW=mw, K_P=kp, K_BITS=2, PAGED=paged, PAGE_ABS=paged, BN=bn)
+    consts.update(K_TILE=tile, KT_MW=mw, K_P=kp, K_WC=kp, K_BITS=2, PAGED=paged, PAGE_ABS=paged, BN=bn)
     triton.compile(ASTSource(K["decode"], sig("decode", p, ("sm_scale", "softcap", "K_HALF", "V_HALF"), consts), consts),
                    target=GPUTarget("cuda", 90, 32), options={"num_warps": 4, "num_stages": 2})
 # keys centered on their rotating mean (+rmean): over key tiles in classes, then per-token codes in classes; each row
 # from its own columns (a left-padded batch's ragged rows), under a mask over the parts side by side
 for kt, bn in ((16, 16), (0, 32)):
-    consts.update(K_TILE=kt, KT_MW=128, K_P=8, K_BITS=2, PAGED=False, PAGE_ABS=False, BN=bn, RMEAN=True, STARTS=True)
+    consts.update(K_TILE=kt, KT_MW=128, K_P=8, K_WC=8, K_BITS=2, PAGED=False, PAGE_ABS=False, BN=bn, RMEAN=True, STARTS=True)
     triton.compile(ASTSource(K["decode"], sig("decode", p, ("sm_scale", "softcap", "K_HALF", "V_HALF"), consts), consts),
                    target=GPUTarget("cuda", 90, 32), options={"num_warps": 1, "num_stages": 2})
 consts = dict(D=128, SP=16, HAS_SINKS=True, OUT_BF16=True)

@@ -336,15 +336,16 @@ def _kernels() -> dict:
             return (c | 0x4B000000).to(tl.float32, bitcast=True) - 8388608.0
 
     @jit
-    def _class_codes(w, S: tl.constexpr, P: tl.constexpr, BITS: tl.constexpr, OFF: tl.constexpr, EMU: tl.constexpr):
+    def _class_codes(w, S: tl.constexpr, P: tl.constexpr, WC: tl.constexpr, BITS: tl.constexpr, OFF: tl.constexpr,
+                     EMU: tl.constexpr):
         """Class ``S`` of P (channels P·k + S, k < D/P) of code words ``w`` (:func:`_words`), as the dot's operand
-        ``c + OFF_S``. A word of P codes gives one of each class (:func:`_word_codes`). Words of 8 codes in 4
-        classes (1 and 3 bits below head_dim 128, where a class of one code a word would hold d/8 < 16 channels, less
-        than a dot takes) give two: codes S and S + 4 of word m are channels 8m + S and 8m + 4 + S, i.e. P·k + S for
-        k = 2m and 2m + 1, side by side."""
-        if (BITS % 2 == 1) and (P == 4):  # words of 8 codes, two in each class
-            c0 = _word_codes(w, S, 8, BITS, OFF, EMU)
-            c1 = _word_codes(w, S + 4, 8, BITS, OFF, EMU)
+        ``c + OFF_S``. A word of WC = P codes gives one of each class (:func:`_word_codes`). Words of WC = 8 codes
+        in 4 classes (below head_dim 128, where a class of one code a word would hold d/8 < 16 channels, less than a
+        dot takes) give two: codes S and S + 4 of word m are channels 8m + S and 8m + 4 + S, i.e. P·k + S for k = 2m
+        and 2m + 1, side by side."""
+        if WC == 2 * P:  # two codes a word in each class
+            c0 = _word_codes(w, S, WC, BITS, OFF, EMU)
+            c1 = _word_codes(w, S + P, WC, BITS, OFF, EMU)
             out = tl.reshape(tl.join(c0, c1), [c0.shape[0], 2 * c0.shape[1]])
         else:
             out = _word_codes(w, S, P, BITS, OFF, EMU)
@@ -411,20 +412,21 @@ def _kernels() -> dict:
         return out
 
     @jit
-    def _class_offsets(D: tl.constexpr, P: tl.constexpr, BITS: tl.constexpr, OFF: tl.constexpr):
-        """(D,) float32: OFF_S of each channel's class as :func:`_class_codes` builds it (channel c is class c mod P),
-        what the dots' results take back out: OFF / 2^SHL on 16-bit words, OFF elsewhere."""
+    def _class_offsets(D: tl.constexpr, WC: tl.constexpr, BITS: tl.constexpr, OFF: tl.constexpr):
+        """(D,) float32: the offset OFF_S with which :func:`_class_codes` builds each channel's code (channel c is
+        code c mod WC of its word of WC codes), what the dots' results take back out: OFF / 2^SHL on 16-bit words,
+        OFF elsewhere."""
         MANT: tl.constexpr = 7 if OFF == 128 else 10
         c = tl.arange(0, D)
-        if P * BITS == 16:
-            shl = ((c % P) * BITS) % ((MANT // BITS) * BITS)
+        if WC * BITS == 16:
+            shl = ((c % WC) * BITS) % ((MANT // BITS) * BITS)
         else:
             shl = c * 0
         return (OFF >> shl).to(tl.float32)
 
     @jit
     def _class_scores(q_ptr, qrow, qmask, qoff, w, GP: tl.constexpr, BN: tl.constexpr, D: tl.constexpr, P: tl.constexpr,
-                      BITS: tl.constexpr, OFF: tl.constexpr, PREC: tl.constexpr, DT: tl.constexpr,
+                      WC: tl.constexpr, BITS: tl.constexpr, OFF: tl.constexpr, PREC: tl.constexpr, DT: tl.constexpr,
                       EMU: tl.constexpr):
         """q (GP, D) · (C + OFF_S)ᵀ − qoff (GP,) over code words ``w`` (BN, D/P): one dot per class S with the
         query's channels P·k + S (loaded from ``q_ptr + qrow``, L1-resident), so the codes never change layout; the
@@ -433,14 +435,14 @@ def _kernels() -> dict:
         s = tl.zeros([GP, BN], dtype=tl.float32) - qoff[:, None]
         for S in tl.static_range(P):
             qS = tl.load(q_ptr + qrow[:, None] + k[None, :] * P + S, mask=qmask[:, None], other=0.0)
-            s += _mma(qS, tl.trans(_class_codes(w, S, P, BITS, OFF, EMU)), DT, EMU, PREC)
+            s += _mma(qS, tl.trans(_class_codes(w, S, P, WC, BITS, OFF, EMU)), DT, EMU, PREC)
         return s
 
     @jit
-    def _class_pv(wt, w, S: tl.constexpr, acc, P: tl.constexpr, BITS: tl.constexpr, OFF: tl.constexpr,
+    def _class_pv(wt, w, S: tl.constexpr, acc, P: tl.constexpr, WC: tl.constexpr, BITS: tl.constexpr, OFF: tl.constexpr,
                   PREC: tl.constexpr, DT: tl.constexpr, EMU: tl.constexpr):
         """acc + wt (GP, BN) · (C_S + OFF_S), C_S class S of code words ``w``: channels P·k + S of the values."""
-        return _mma_acc(wt, _class_codes(w, S, P, BITS, OFF, EMU), acc, PREC, DT, EMU)
+        return _mma_acc(wt, _class_codes(w, S, P, WC, BITS, OFF, EMU), acc, PREC, DT, EMU)
 
     @jit
     def _weight_sum(wt, acc, BN: tl.constexpr, PREC: tl.constexpr, DT: tl.constexpr, EMU: tl.constexpr):
@@ -470,14 +472,13 @@ def _kernels() -> dict:
         return tl.reshape(o, [GP, D])
 
     @jit
-    def _words(ptr, rows, valid, D: tl.constexpr, P: tl.constexpr, BITS: tl.constexpr, BN: tl.constexpr,
+    def _words(ptr, rows, valid, D: tl.constexpr, WC: tl.constexpr, BITS: tl.constexpr, BN: tl.constexpr,
                W4: tl.constexpr):
-        """The code words (BN, D/WC) of packed rows at byte offsets ``rows`` read in P classes: WC codes of BITS bits,
-        WB = WC·BITS/8 bytes each (WC = 8 at 1 and 3 bits, else P). 16-bit words are loaded as int16 (rows at even
+        """The code words (BN, D/WC) of packed rows at byte offsets ``rows``: WC codes of BITS bits, WB = WC·BITS/8
+        bytes each. 16-bit words are loaded as int16 (rows at even
         offsets: checked on the host), bytes as uint8, 3-byte words assembled (little-endian) in int32: W4 (rows at
         4-byte offsets, checked on the host) four of them from three int32 loads, else from their bytes (three loads a
         word, each with its own address and mask: on the H100's SASS the loop's largest share at 3 bits)."""
-        WC: tl.constexpr = 8 if (BITS % 2 == 1) else P
         k = tl.arange(0, D // WC)
         WB: tl.constexpr = WC * BITS // 8
         if WB == 2:
@@ -593,27 +594,27 @@ def _kernels() -> dict:
         return qs
 
     @jit
-    def _class_tile_dots(init, q0, q1, q2, q3, q4, q5, q6, q7, w, P: tl.constexpr, BITS: tl.constexpr,
+    def _class_tile_dots(init, q0, q1, q2, q3, q4, q5, q6, q7, w, P: tl.constexpr, WC: tl.constexpr, BITS: tl.constexpr,
                          OFF: tl.constexpr, PREC: tl.constexpr, DT: tl.constexpr, EMU: tl.constexpr):
         """init + (q ⊙ scale)·(C + OFF)ᵀ (GP, BN) of a KVarN key tile over code words ``w`` (BN, D/P) split into
         classes (:func:`_class_scores`), from the query's scaled classes q0..q7 (:func:`_class_tile_query`, q4..q7
         unused at P = 4): neither the codes nor a scaled (GP, D) query change layout, and the query is scaled once a
         key tile, not once a tile of tokens. What :func:`_tile_scores` adds, q·zero − Σ_c OFF_c (q ⊙ scale)_c, is the
         tile's alone (:func:`_class_tile_offset`): the caller passes it as ``init``."""
-        s = _mma(q0, tl.trans(_class_codes(w, 0, P, BITS, OFF, EMU)), DT, EMU, PREC) + init
-        s += _mma(q1, tl.trans(_class_codes(w, 1, P, BITS, OFF, EMU)), DT, EMU, PREC)
-        s += _mma(q2, tl.trans(_class_codes(w, 2, P, BITS, OFF, EMU)), DT, EMU, PREC)
-        s += _mma(q3, tl.trans(_class_codes(w, 3, P, BITS, OFF, EMU)), DT, EMU, PREC)
+        s = _mma(q0, tl.trans(_class_codes(w, 0, P, WC, BITS, OFF, EMU)), DT, EMU, PREC) + init
+        s += _mma(q1, tl.trans(_class_codes(w, 1, P, WC, BITS, OFF, EMU)), DT, EMU, PREC)
+        s += _mma(q2, tl.trans(_class_codes(w, 2, P, WC, BITS, OFF, EMU)), DT, EMU, PREC)
+        s += _mma(q3, tl.trans(_class_codes(w, 3, P, WC, BITS, OFF, EMU)), DT, EMU, PREC)
         if P == 8:
-            s += _mma(q4, tl.trans(_class_codes(w, 4, P, BITS, OFF, EMU)), DT, EMU, PREC)
-            s += _mma(q5, tl.trans(_class_codes(w, 5, P, BITS, OFF, EMU)), DT, EMU, PREC)
-            s += _mma(q6, tl.trans(_class_codes(w, 6, P, BITS, OFF, EMU)), DT, EMU, PREC)
-            s += _mma(q7, tl.trans(_class_codes(w, 7, P, BITS, OFF, EMU)), DT, EMU, PREC)
+            s += _mma(q4, tl.trans(_class_codes(w, 4, P, WC, BITS, OFF, EMU)), DT, EMU, PREC)
+            s += _mma(q5, tl.trans(_class_codes(w, 5, P, WC, BITS, OFF, EMU)), DT, EMU, PREC)
+            s += _mma(q6, tl.trans(_class_codes(w, 6, P, WC, BITS, OFF, EMU)), DT, EMU, PREC)
+            s += _mma(q7, tl.trans(_class_codes(w, 7, P, WC, BITS, OFF, EMU)), DT, EMU, PREC)
         return s
 
     @jit
     def _class_tile_offset(q_ptr, qrow, qmask, mrow, s_ptr, z_ptr, m1, ZI, GP: tl.constexpr, D: tl.constexpr,
-                           P: tl.constexpr, BITS: tl.constexpr, MW: tl.constexpr, OFF: tl.constexpr, DT: tl.constexpr,
+                           WC: tl.constexpr, BITS: tl.constexpr, MW: tl.constexpr, OFF: tl.constexpr, DT: tl.constexpr,
                            EMU: tl.constexpr):
         """(GP,) q·zero − Σ_c OFF_c·(q ⊙ scale)_c of the KVarN key tile at ``mrow`` (OFF_c: channel c's
         :func:`_class_offsets`), the scaled query rounded to DT as :func:`_class_tile_query` rounds it (the same
@@ -621,7 +622,7 @@ def _kernels() -> dict:
         ch = tl.arange(0, D)
         q = tl.load(q_ptr + qrow[:, None] + ch[None, :], mask=qmask[:, None], other=0.0).to(tl.float32)
         qs = _round_to(q * _tile_halves(s_ptr, mrow, ch, m1, MW)[None, :], DT, EMU)
-        off = _class_offsets(D, P, BITS, OFF)
+        off = _class_offsets(D, WC, BITS, OFF)
         return tl.sum(q * _tile_halves(z_ptr, mrow, ch + ZI, m1, MW)[None, :] - qs * off[None, :], 1)
 
     @jit
@@ -660,7 +661,8 @@ def _kernels() -> dict:
                       D: tl.constexpr, BN: tl.constexpr, K_BITS: tl.constexpr, V_BITS: tl.constexpr,
                       K_G: tl.constexpr, V_G: tl.constexpr, K_Z: tl.constexpr, V_Z: tl.constexpr,
                       K_E5M3: tl.constexpr, V_E5M3: tl.constexpr, K_OFF: tl.constexpr, V_OFF: tl.constexpr,
-                      K_P: tl.constexpr, V_P: tl.constexpr, K_W4: tl.constexpr, V_W4: tl.constexpr, GP: tl.constexpr,
+                      K_P: tl.constexpr, V_P: tl.constexpr, K_WC: tl.constexpr, V_WC: tl.constexpr,
+                      K_W4: tl.constexpr, V_W4: tl.constexpr, GP: tl.constexpr,
                       K_TILE: tl.constexpr, KT_MW: tl.constexpr, RMEAN: tl.constexpr,
                       PAGED: tl.constexpr, PAGE_ABS: tl.constexpr, HAS_MASK: tl.constexpr, SOFTCAP: tl.constexpr,
                       PREC: tl.constexpr, DT: tl.constexpr, EMU: tl.constexpr):
@@ -731,7 +733,7 @@ def _kernels() -> dict:
                 mrow = _tile_row(j0, b, h, bt_ptr, s_bt, PAGE, kt0, kt1, kt2, base, K_TILE, PAGED, PAGE_ABS)
                 if K_P > 0 and BN <= K_TILE:  # the codes in classes, the tile's scale into the query's classes
                     if j0 != t_tile:  # a new key tile: its offset term and scaled query, kept for its tiles of tokens
-                        t_off = _class_tile_offset(q_ptr, qrow, qmask, mrow, kts_ptr, ktz_ptr, kt1, KT_ZI, GP, D, K_P,
+                        t_off = _class_tile_offset(q_ptr, qrow, qmask, mrow, kts_ptr, ktz_ptr, kt1, KT_ZI, GP, D, K_WC,
                                                    K_BITS, KT_MW, K_OFF, DT, EMU)
                         kq0 = _class_tile_query(q_ptr, qrow, qmask, mrow, kts_ptr, kt1, 0, D, K_P, KT_MW, DT, EMU)
                         kq1 = _class_tile_query(q_ptr, qrow, qmask, mrow, kts_ptr, kt1, 1, D, K_P, KT_MW, DT, EMU)
@@ -744,8 +746,8 @@ def _kernels() -> dict:
                             kq7 = _class_tile_query(q_ptr, qrow, qmask, mrow, kts_ptr, kt1, 7, D, K_P, KT_MW, DT, EMU)
                         t_tile = j0
                     s = _class_tile_dots(t_off[:, None], kq0, kq1, kq2, kq3, kq4, kq5, kq6, kq7,
-                                         _words(kc_ptr, rows, valid, D, K_P, K_BITS, BN, K_W4), K_P, K_BITS, K_OFF, PREC,
-                                         DT, EMU)
+                                         _words(kc_ptr, rows, valid, D, K_WC, K_BITS, BN, K_W4), K_P, K_WC, K_BITS, K_OFF,
+                                         PREC, DT, EMU)
                     st = st * sm_scale
                 else:
                     cq = _codes_as(_unpack(kc_ptr, rows, valid, D, K_BITS, BN), K_OFF)
@@ -759,8 +761,8 @@ def _kernels() -> dict:
             elif K_P > 0:
                 # raw = q·(c + OFF) − qoff, its accumulator started at −qoff (decode_kernel), scaled per token:
                 # (raw)·s + Σq·z with a zero; without one (z = HALF·s) qoff holds HALF·Σq too, and it is raw·s
-                raw = _class_scores(q_ptr, qrow, qmask, qoff, _words(kc_ptr, rows, valid, D, K_P, K_BITS, BN, K_W4), GP, BN, D, K_P,
-                                    K_BITS, K_OFF, PREC, DT, EMU)
+                raw = _class_scores(q_ptr, qrow, qmask, qoff, _words(kc_ptr, rows, valid, D, K_WC, K_BITS, BN, K_W4), GP, BN,
+                                    D, K_P, K_WC, K_BITS, K_OFF, PREC, DT, EMU)
                 if K_Z:
                     ks, kz = _token_scale_offset(ks_ptr, kz_ptr, srows, valid, K_HALF, K_Z, K_E5M3)
                     s = raw * (ks * sm_scale)[None, :] + qsum[:, None] * (kz * sm_scale)[None, :]
@@ -794,21 +796,21 @@ def _kernels() -> dict:
                 else:
                     vs = _step(tl.load(vs_ptr + srows, mask=valid, other=0), V_E5M3)
                 w = _round_to(p * vs[None, :], DT, EMU)
-                words = _words(vc_ptr, rows, valid, D, V_P, V_BITS, BN, V_W4)
+                words = _words(vc_ptr, rows, valid, D, V_WC, V_BITS, BN, V_W4)
                 if tl.min(alpha, 0) < 1.0:  # a row's max rose; else alpha is exactly 1 and rescaling is a no-op
                     a0, a1, a2, a3 = a0 * alpha[:, None], a1 * alpha[:, None], a2 * alpha[:, None], a3 * alpha[:, None]
                     if V_P == 8:
                         a4, a5, a6, a7 = a4 * alpha[:, None], a5 * alpha[:, None], a6 * alpha[:, None], a7 * alpha[:, None]
                     wacc = wacc * alpha[:, None]
-                a0 = _class_pv(w, words, 0, a0, V_P, V_BITS, V_OFF, PREC, DT, EMU)
-                a1 = _class_pv(w, words, 1, a1, V_P, V_BITS, V_OFF, PREC, DT, EMU)
-                a2 = _class_pv(w, words, 2, a2, V_P, V_BITS, V_OFF, PREC, DT, EMU)
-                a3 = _class_pv(w, words, 3, a3, V_P, V_BITS, V_OFF, PREC, DT, EMU)
+                a0 = _class_pv(w, words, 0, a0, V_P, V_WC, V_BITS, V_OFF, PREC, DT, EMU)
+                a1 = _class_pv(w, words, 1, a1, V_P, V_WC, V_BITS, V_OFF, PREC, DT, EMU)
+                a2 = _class_pv(w, words, 2, a2, V_P, V_WC, V_BITS, V_OFF, PREC, DT, EMU)
+                a3 = _class_pv(w, words, 3, a3, V_P, V_WC, V_BITS, V_OFF, PREC, DT, EMU)
                 if V_P == 8:
-                    a4 = _class_pv(w, words, 4, a4, V_P, V_BITS, V_OFF, PREC, DT, EMU)
-                    a5 = _class_pv(w, words, 5, a5, V_P, V_BITS, V_OFF, PREC, DT, EMU)
-                    a6 = _class_pv(w, words, 6, a6, V_P, V_BITS, V_OFF, PREC, DT, EMU)
-                    a7 = _class_pv(w, words, 7, a7, V_P, V_BITS, V_OFF, PREC, DT, EMU)
+                    a4 = _class_pv(w, words, 4, a4, V_P, V_WC, V_BITS, V_OFF, PREC, DT, EMU)
+                    a5 = _class_pv(w, words, 5, a5, V_P, V_WC, V_BITS, V_OFF, PREC, DT, EMU)
+                    a6 = _class_pv(w, words, 6, a6, V_P, V_WC, V_BITS, V_OFF, PREC, DT, EMU)
+                    a7 = _class_pv(w, words, 7, a7, V_P, V_WC, V_BITS, V_OFF, PREC, DT, EMU)
                 wacc = _weight_sum(w, wacc, BN, PREC, DT, EMU)
                 if V_Z:
                     corr = corr * alpha + tl.sum(p * vz[None, :], 1)
@@ -832,7 +834,7 @@ def _kernels() -> dict:
             wsum = tl.max(wacc, 1)  # its 16 columns are equal: max, not a sum, keeps it exact
             half = 0.0 if V_Z else V_HALF
             acc = acc * keep[:, None] + _join_classes(a0, a1, a2, a3, a4, a5, a6, a7, GP, D, V_P) + corr[:, None] \
-                + wsum[:, None] * (half - _class_offsets(D, V_P, V_BITS, V_OFF))[None, :]
+                + wsum[:, None] * (half - _class_offsets(D, V_WC, V_BITS, V_OFF))[None, :]
         return m, l, acc
 
     @jit
@@ -862,7 +864,7 @@ def _kernels() -> dict:
                       K_BITS: tl.constexpr, V_BITS: tl.constexpr, K_G: tl.constexpr, V_G: tl.constexpr,
                       K_Z: tl.constexpr, V_Z: tl.constexpr, K_E5M3: tl.constexpr, V_E5M3: tl.constexpr,
                       K_OFF: tl.constexpr, V_OFF: tl.constexpr, K_P: tl.constexpr, V_P: tl.constexpr,
-                      K_W4: tl.constexpr, V_W4: tl.constexpr,
+                      K_WC: tl.constexpr, V_WC: tl.constexpr, K_W4: tl.constexpr, V_W4: tl.constexpr,
                       K_TILE: tl.constexpr, KT_MW: tl.constexpr, RMEAN: tl.constexpr,
                       PAGED: tl.constexpr, PAGE_ABS: tl.constexpr, STARTS: tl.constexpr, HAS_MASK: tl.constexpr,
                       SOFTCAP: tl.constexpr, PREC: tl.constexpr, DT: tl.constexpr, EMU: tl.constexpr):
@@ -910,7 +912,7 @@ def _kernels() -> dict:
         qsum = tl.sum(q.to(tl.float32), 1)
         qoff = qsum  # Σ_c OFF_c q_c, what the keys' codes in classes add (_class_offsets), − HALF·Σq without a zero
         if K_P > 0:
-            qoff = tl.sum(q.to(tl.float32) * _class_offsets(D, K_P, K_BITS, K_OFF)[None, :], 1)
+            qoff = tl.sum(q.to(tl.float32) * _class_offsets(D, K_WC, K_BITS, K_OFF)[None, :], 1)
             if not K_Z:
                 qoff = qoff - K_HALF * qsum
         brow = b * rb_b + hq * rb_h
@@ -928,7 +930,7 @@ def _kernels() -> dict:
                                   bt_ptr, s_bt, PAGE, b, h, tl.maximum(lo - n_s, 0) + o_m, tl.minimum(hi - n_s, n_m) + o_m,
                                   n_s - o_m, mb_m, sm_scale, softcap, mask_ptr, s_mb, K_HALF, V_HALF,
                                   D, BN, K_BITS, V_BITS, K_G, V_G, K_Z, V_Z, K_E5M3, V_E5M3, K_OFF, V_OFF,
-                                  K_P, V_P, K_W4, V_W4, GP, K_TILE, KT_MW, RMEAN, PAGED, PAGE_ABS, HAS_MASK, SOFTCAP, PREC,
+                                  K_P, V_P, K_WC, V_WC, K_W4, V_W4, GP, K_TILE, KT_MW, RMEAN, PAGED, PAGE_ABS, HAS_MASK, SOFTCAP, PREC,
                                   DT, EMU)
         q = tl.load(q_ptr + qrow[:, None] + d[None, :], mask=qmask[:, None], other=0.0)
         m, l, acc = _fp_segment(q, m, l, acc, sk_ptr, sv_ptr, sk_b, sk_h, sk_t, sv_b, sv_h, sv_t, b, h,
@@ -1112,9 +1114,10 @@ def _code_offset(dtype: torch.dtype, bits: int) -> int:
     return 1024 if dtype == torch.float16 else 0
 
 
-# Classes by width (bits: P, the first whose d/P ≥ 16): 16-bit words of P codes at 2 and 4 bits, bytes of 4 codes at 2
-# bits where head_dim / 8 < 16; words of 8 codes at 1 bit (a byte) and 3 bits (three bytes), read in 4 classes of two
-# codes a word where head_dim / 8 < 16. 8-bit codes are bytes already (the tiles read them as such).
+# Classes by width (bits: P, the first whose d/P ≥ 16): words of 8 codes at 1 bit (a byte), 2 bits (16 bits; a byte of
+# 4 in 4 classes where the rows sit at odd offsets) and 3 bits (three bytes), of 4 codes at 4 bits (16 bits); below
+# head_dim 128 words of 8 codes go to 4 classes, two codes each (code_words). 8-bit codes are bytes already (the
+# tiles read them as such).
 _CLASSES = {1: (8, 4), 2: (8, 4), 3: (8, 4), 4: (4,)}
 
 
@@ -1128,11 +1131,10 @@ def _classes(bits: int, d: int, G: int, dtype: torch.dtype) -> int:
 def code_classes(fmt: TokenFormat | TileFormat, dtype: torch.dtype, codes: torch.Tensor | None = None) -> int:
     """P, the classes decode splits one side's code words into (:func:`_class_codes`), or 0 where it unpacks to a
     (BN, d) tile instead: one group per token, 1 to 4 bits, float16/bfloat16 dots (codes built on the bits as
-    ``c + 128``/``c + 1024``), d/P ≥ 16 (a tensor-core dot needs K ≥ 16). A word holds P codes: 16 bits at 2 bits
-    (P 8, from head_dim 128) and 4 bits (P 4, from 64), one byte at 1 bit (P 8, from 128) and at 2 bits below
-    head_dim 128 (P 4, from 64), three bytes at 3 bits (P 8, from 128); at 1 and 3 bits below head_dim 128 a word's
-    8 codes go to 4 classes, two each (P 4, from 64). ``codes`` given: 16-bit words need code rows
-    at even byte offsets (2-bit rows at odd ones are read in bytes, 4-bit ones in tiles), and a middle of no tokens
+    ``c + 128``/``c + 1024``), d/P ≥ 16 (a tensor-core dot needs K ≥ 16): P 8 from head_dim 128, else P 4 (from
+    64), one code a word in each class or, below 128, two (:func:`code_words`). ``codes`` given: 16-bit words need
+    code rows at even byte offsets (2-bit rows at odd ones are read in bytes of 4 codes, 4-bit ones in tiles), and a
+    middle of no tokens
     keeps the tiles (a full-precision context keeps the tiles' launch parameters). KVarN key tiles
     (:class:`TileFormat`) take the same classes, their tile's scale folded into the query's."""
     P = _classes(fmt.bits, fmt.d, fmt.G, dtype)
@@ -1140,17 +1142,33 @@ def code_classes(fmt: TokenFormat | TileFormat, dtype: torch.dtype, codes: torch
         return P
     if codes.numel() == 0:
         return 0
-    if P * fmt.bits == 16 and (codes.data_ptr() % 2 or any(st % 2 for st in codes.stride()[:-1])):
+    if P * fmt.bits == 16 and not _aligned(codes, 2):
         return 4 if fmt.bits == 2 else 0  # 2-bit rows at odd offsets: bytes of 4 codes (d/4 ≥ 32 here)
     return P
+
+
+def _aligned(codes: torch.Tensor, n: int) -> bool:
+    """Every row of ``codes`` (…, nbytes) uint8 at an n-byte boundary."""
+    return codes.data_ptr() % n == 0 and all(st % n == 0 for st in codes.stride()[:-1])
+
+
+def code_words(fmt: TokenFormat | TileFormat, P: int, codes: torch.Tensor | None = None) -> int:
+    """WC, the codes a word holds where decode reads a side's codes in P classes (:func:`code_classes`; 0 where P
+    is): 8 at 1 bit (a byte) and 3 bits (three bytes), 4 at 4 bits (16 bits); at 2 bits 8 (16 bits) where the code
+    rows sit at even byte offsets (assumed without ``codes``), else 4 (a byte). WC = 2P: two codes a word in each
+    class (below head_dim 128)."""
+    if not P:
+        return 0
+    if fmt.bits == 2:
+        return 8 if codes is None or _aligned(codes, 2) else 4
+    return 4 if fmt.bits == 4 else 8
 
 
 def _int32_words(side: Packed, P: int) -> bool:
     """3-bit codes read in classes from int32 loads (four 3-byte words from three): every code row at a 4-byte
     boundary (the transformers cache's rows are; a vLLM cell's fields may sit at any byte offset, whose rows are read
     a byte at a time)."""
-    codes = side.codes
-    return P > 0 and side.fmt.bits == 3 and codes.data_ptr() % 4 == 0 and all(st % 4 == 0 for st in codes.stride()[:-1])
+    return P > 0 and side.fmt.bits == 3 and _aligned(side.codes, 4)
 
 
 _RECORDING: list[list] = []
@@ -1607,7 +1625,8 @@ def decode(query, lengths, sink_k, sink_v, mid_k: Packed, mid_v: Packed, recent_
                 K_G=mid_k.fmt.G, V_G=mid_v.fmt.G, K_Z=mid_k.offset is not None, V_Z=mid_v.offset is not None,
                 K_E5M3=mid_k.fmt.step_byte, V_E5M3=mid_v.fmt.step_byte,
                 K_OFF=_code_offset(query.dtype, mid_k.fmt.bits), V_OFF=_code_offset(query.dtype, mid_v.fmt.bits),
-                K_P=k_p, V_P=v_p, K_W4=_int32_words(mid_k, k_p), V_W4=_int32_words(mid_v, v_p),
+                K_P=k_p, V_P=v_p, K_WC=code_words(mid_k.fmt, k_p, mid_k.codes), V_WC=code_words(mid_v.fmt, v_p, mid_v.codes),
+                K_W4=_int32_words(mid_k, k_p), V_W4=_int32_words(mid_v, v_p),
                 K_TILE=kt_tile, KT_MW=kt_mw, RMEAN=key_bias is not None,
                 PAGED=paged, PAGE_ABS=paged and absolute_pages, STARTS=starts is not None, HAS_MASK=allowed is not None, SOFTCAP=softcap is not None,
                 PREC="ieee" if query.dtype == torch.float32 else "tf32", DT=_tl_dtype(query.dtype), EMU=emulate,
@@ -1619,6 +1638,6 @@ def decode(query, lengths, sink_k, sink_v, mid_k: Packed, mid_v: Packed, recent_
     return out
 
 
-__all__ = ["DecodeTuning", "KeyBias", "Packed", "TileFormat", "TokenFormat", "available", "calls", "code_classes", "current_tuning", "decode", "decode_tuning",
-           "default_splits", "interpreting", "launches_through", "to_device", "recorded_launches", "reset_calls", "rope_table",
+__all__ = ["DecodeTuning", "KeyBias", "Packed", "TileFormat", "TokenFormat", "available", "calls", "code_classes", "code_words",
+           "current_tuning", "decode", "decode_tuning", "default_splits", "interpreting", "launches_through", "to_device", "recorded_launches", "reset_calls", "rope_table",
            "store_contiguous", "store_paged"]
