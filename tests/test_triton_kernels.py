@@ -587,6 +587,7 @@ def _classes(parts, dtype):
     (torch.float16, QuestQuantizer(1), AffineQuantizer(3), 128, {"softcap": 3.0}, (8, 8)),
     (torch.bfloat16, QuestQuantizer(2), QuestQuantizer(2), 64, {"mask": 25}, (4, 4)),  # 16-bit words, two codes a class
     (torch.float16, AffineQuantizer(2), QuestQuantizer(2), 64, {"odd": True}, (4, 4)),  # keys in bytes of 4 codes
+    (torch.bfloat16, QuestQuantizer(1), AffineQuantizer(1), 128, {"odd": True}, (8, 8)),  # keys in bytes, values 16 bits
     (torch.bfloat16, AffineQuantizer(2), QuestQuantizer(1), 256, {"window": 30}, (8, 8)),
     (torch.bfloat16, QuestQuantizer(2), QuestQuantizer(2), 128, {"odd": True}, (4, 8)),  # keys' rows at odd offsets
     (torch.float16, QuestQuantizer(2), AffineQuantizer(4), 128, {}, (8, 4)),  # 4-bit values' offsets differ by class
@@ -608,7 +609,9 @@ def test_decode_code_classes_equal_unpacked_tiles(dtype, kq, vq, d, kw, classes)
     int32_words = [tk._int32_words(_packed(*p[1][:2]), c) for p, c in zip((pk, pv), classes)]  # 3 bits: four words
     assert int32_words == [p[1][0].bits == 3 and not (odd and p is pk) for p in (pk, pv)]  # from three int32
     words = [tk.code_words(_packed(*p[1][:2]).fmt, c, p[1][1]["codes"]) for p, c in zip((pk, pv), classes)]
-    assert words == [4 if p[1][0].bits == 4 or (p[1][0].bits == 2 and odd and p is pk) else 8 for p in (pk, pv)]
+    bits = [p[1][0].bits for p in (pk, pv)]  # 16-bit words at 1 bit from head_dim 128 (two codes a class), 2 and 4 bits
+    assert words == [4 if b == 4 or (b == 2 and odd and i == 0) else 8 if b != 1 or c < 8 or (odd and i == 0) else 16
+                     for i, (b, c) in enumerate(zip(bits, classes))]
     allowed = None
     if "mask" in kw:
         allowed = (torch.rand(B, 1, 1, kw.pop("mask"), generator=torch.Generator().manual_seed(5)) > 0.4).to(DEVICE)
@@ -647,7 +650,8 @@ def test_code_classes_cover_what_they_can():
     assert tk.code_classes(fmt(3, 128), bf, torch.zeros(4, 0, 48, dtype=torch.uint8)) == 0  # no middle
     # codes a word: two in each class below head_dim 128; 2-bit rows at odd offsets in bytes of 4
     assert [tk.code_words(fmt(b, 64), 4) for b in (1, 2, 3, 4)] == [8, 8, 8, 4]
-    assert [tk.code_words(fmt(b, 128), 8) for b in (1, 2, 3)] == [8, 8, 8] and tk.code_words(fmt(2, 64), 0) == 0
+    assert [tk.code_words(fmt(b, 128), 8) for b in (1, 2, 3)] == [16, 8, 8] and tk.code_words(fmt(2, 64), 0) == 0
+    assert tk.code_words(fmt(1, 128), 8, codes[:, 1:17]) == 8  # 1-bit rows at odd offsets: bytes
     assert tk.code_words(fmt(2, 64), 4, codes[:, 1:17]) == 4 and tk.code_words(fmt(2, 64), 4, codes[:, :16]) == 4
     assert tk.code_words(fmt(2, 64), 4, torch.zeros(4, 16, dtype=torch.uint8)) == 8
     with pytest.raises(ValueError, match="class_split must be True or False"):
@@ -938,12 +942,12 @@ for dt, off, kv, warps in ((tl.bfloat16, 128, (2, 8, 4, 4), 1), (tl.float16, 102
                        target=GPUTarget("cuda", 90, 32), options={"num_warps": warps, "num_stages": 2})
     assert "lop3.b32" in k.asm["ptx"] and "cubin" in k.asm
     assert ("prmt.b32" in k.asm["ptx"]) == (kv[0] * kv[1] != 16 or kv[2] * kv[3] != 16)
-# head_dim 64: words of 8 codes, two in each of 4 classes (3 bits from int32 loads, 1 bit, 2 bits in 16-bit words),
-# and 2-bit bytes of 4 codes (rows at odd offsets)
-for kb, kwc, vb, vwc in ((3, 8, 1, 8), (2, 8, 2, 4)):
-    d64 = dict(consts, D=64, K_BITS=kb, K_P=4, K_WC=kwc, K_W4=kb == 3, V_BITS=vb, V_P=4, V_WC=vwc, V_W4=False, V_G=64,
-               K_G=64, PAGE_ABS=False)
-    triton.compile(ASTSource(K["decode"], sig("decode", p, ("sm_scale", "softcap", "K_HALF", "V_HALF"), d64), d64),
+# two codes a word in each class: at head_dim 64 words of 8 codes in 4 classes (3 bits from int32 loads, 1 bit, 2 bits
+# in 16-bit words; 2-bit bytes of 4 codes where rows sit at odd offsets), at 128 1-bit 16-bit words of 16 in 8
+for dd, kb, kp, kwc, vb, vp, vwc in ((64, 3, 4, 8, 1, 4, 8), (64, 2, 4, 8, 2, 4, 4), (128, 1, 8, 16, 2, 8, 8)):
+    two = dict(consts, D=dd, K_BITS=kb, K_P=kp, K_WC=kwc, K_W4=kb == 3, V_BITS=vb, V_P=vp, V_WC=vwc, V_W4=False, V_G=dd,
+               K_G=dd, PAGE_ABS=False)
+    triton.compile(ASTSource(K["decode"], sig("decode", p, ("sm_scale", "softcap", "K_HALF", "V_HALF"), two), two),
                    target=GPUTarget("cuda", 90, 32), options={"num_warps": 1, "num_stages": 2})
 # no mask, no softcap (a split's partial tiles masked behind a branch); zeros on both sides in classes: keys' Σq·z,
 # values' per-class offsets (float16 4 bits) against Σ w from the dot with ones

@@ -1161,6 +1161,8 @@ def code_words(fmt: TokenFormat | TileFormat, P: int, codes: torch.Tensor | None
         return 0
     if fmt.bits == 2:
         return 8 if codes is None or _aligned(codes, 2) else 4
+    if fmt.bits == 1 and P == 8:
+        return 16 if codes is None or _aligned(codes, 2) else 8
     return 4 if fmt.bits == 4 else 8
 
 
