@@ -323,6 +323,10 @@ def test_decode_reads_each_row_from_its_own_columns(dtype, d, masked):
             (a, e), store = row[1], parts[1][1]
             for key, t in store.items():
                 t[b, :, :a], t[b, :, e:] = (0xFF, 0xFF) if key == "codes" else (float("nan"), float("nan"))
+    for parts in (pk, pv):  # room past the middle's columns (a store's capacity), which neither it nor the mask reads
+        store = parts[1][1]
+        for key, t in store.items():
+            store[key] = torch.cat([t, torch.full_like(t[:, :, :6], 0xFF if key == "codes" else float("nan"))], 2)
     held = torch.tensor(spans)
     starts, lengths = held[:, :, 0], held[:, :, 1] - held[:, :, 0]
     (sk, (kc, ks, _), rk), (sv, (vc, vs, _), rv) = pk, pv
@@ -335,10 +339,13 @@ def test_decode_reads_each_row_from_its_own_columns(dtype, d, masked):
         assert tk.code_classes(mk.fmt, dtype, mk.codes) > 0
     with pytest.raises(ValueError, match="row 1 reads columns"):
         wrong = lengths.clone()
-        wrong[1, 1] = 31
+        wrong[1, 1] = 37  # columns 20..57 of a middle 56 wide
         tk.decode(q[:, :, 0], wrong, sk, sv, mk, mv, rk, rv, 1.0, **kw)
     with pytest.raises(ValueError, match="block_table"):
         tk.decode(q[:, :, 0], lengths, sk, sv, mk, mv, rk, rv, 1.0, **kw, block_table=torch.zeros(B, 1, dtype=torch.int32))
+    if masked:  # the mask covers the middle's columns the rows read (its sink part first, recent part last)
+        with pytest.raises(ValueError, match="allowed covers the parts side by side"):
+            tk.decode(q[:, :, 0], lengths, sk, sv, mk, mv, rk, rv, 1.0, **{**kw, "allowed": kw["allowed"][:, :-14]})
     with pytest.raises(ValueError, match=r"starts must be \(B, 3\)"):
         tk.decode(q[:, :, 0], lengths, sk, sv, mk, mv, rk, rv, 1.0, **{**kw, "starts": starts[:, :2]})
 
@@ -588,6 +595,7 @@ def _classes(parts, dtype):
     (torch.bfloat16, QuestQuantizer(2), QuestQuantizer(2), 64, {"mask": 25}, (4, 4)),  # 16-bit words, two codes a class
     (torch.float16, AffineQuantizer(2), QuestQuantizer(2), 64, {"odd": True}, (4, 4)),  # keys in bytes of 4 codes
     (torch.bfloat16, QuestQuantizer(1), AffineQuantizer(1), 128, {"odd": True}, (8, 8)),  # keys in bytes, values 16 bits
+    (torch.bfloat16, AffineQuantizer(3), QuestQuantizer(3), 64, {"odd": 2}, (4, 4)),  # keys' rows at 2 mod 4: bytes
     (torch.bfloat16, AffineQuantizer(2), QuestQuantizer(1), 256, {"window": 30}, (8, 8)),
     (torch.bfloat16, QuestQuantizer(2), QuestQuantizer(2), 128, {"odd": True}, (4, 8)),  # keys' rows at odd offsets
     (torch.float16, QuestQuantizer(2), AffineQuantizer(4), 128, {}, (8, 4)),  # 4-bit values' offsets differ by class
@@ -599,18 +607,18 @@ def test_decode_code_classes_equal_unpacked_tiles(dtype, kq, vq, d, kw, classes)
     the float32 result as the bound of ``test_decode_bfloat16``. ``code_classes`` says which side took which path."""
     B, Hkv, G, kw = 2, 2, 3, dict(kw)
     q, pk, pv = _case(kq, vq, B, Hkv, G, d, n_s=3, n_m=47, n_r=5, seed=3, dtype=dtype)
-    odd = kw.pop("odd", False)
-    if odd:  # the keys' code rows at odd byte offsets: no 16-bit words there, 3-byte words from their bytes
+    odd = kw.pop("odd", 0)
+    if odd:  # the keys' code rows at odd (or 2 mod 4) byte offsets: no 16-bit words (int32 words) there, but bytes
         codes = pk[1][1]["codes"]
-        wide = torch.zeros(*codes.shape[:-1], codes.shape[-1] + 1, dtype=codes.dtype, device=codes.device)
-        wide[..., 1:] = codes
-        pk[1][1]["codes"] = wide[..., 1:]
+        wide = torch.zeros(*codes.shape[:-1], codes.shape[-1] + odd, dtype=codes.dtype, device=codes.device)
+        wide[..., odd:] = codes
+        pk[1][1]["codes"] = wide[..., odd:]
     assert (_classes(pk, dtype), _classes(pv, dtype)) == classes
     int32_words = [tk._int32_words(_packed(*p[1][:2]), c) for p, c in zip((pk, pv), classes)]  # 3 bits: four words
     assert int32_words == [p[1][0].bits == 3 and not (odd and p is pk) for p in (pk, pv)]  # from three int32
     words = [tk.code_words(_packed(*p[1][:2]).fmt, c, p[1][1]["codes"]) for p, c in zip((pk, pv), classes)]
     bits = [p[1][0].bits for p in (pk, pv)]  # 16-bit words at 1 bit from head_dim 128 (two codes a class), 2 and 4 bits
-    assert words == [4 if b == 4 or (b == 2 and odd and i == 0) else 8 if b != 1 or c < 8 or (odd and i == 0) else 16
+    assert words == [4 if b == 4 or (b == 2 and odd % 2 and i == 0) else 8 if b != 1 or c < 8 or (odd and i == 0) else 16
                      for i, (b, c) in enumerate(zip(bits, classes))]
     allowed = None
     if "mask" in kw:

@@ -1462,15 +1462,18 @@ def _check_starts(starts, lengths, allowed, sink_k, mid_k: Packed, recent_k, blo
     if tuple(starts.shape) != (B, 3):
         raise ValueError(f"starts must be (B, 3) = ({B}, 3) like lengths, got {tuple(starts.shape)}")
     widths = (sink_k.shape[2], mid_k.codes.shape[2], recent_k.shape[2])
-    if allowed is not None and allowed.reshape(B, -1).shape[1] < widths[0] + widths[2]:
-        raise ValueError(f"with starts, allowed covers the parts side by side: at least sink {widths[0]} + recent "
-                         f"{widths[2]} columns, got {allowed.reshape(B, -1).shape[1]}")
+    # the mask's middle columns: what the rows read of it where the host knows, else none (its sink and recent parts)
+    middle = 0
     if starts.device.type == "cpu" and lengths.device.type == "cpu":
         ends = starts.long() + lengths.long()
         bad = (starts < 0).any(1) | (ends > torch.tensor(widths)).any(1)
         if bad.any():
             b = int(bad.nonzero()[0])
             raise ValueError(f"row {b} reads columns {starts[b].tolist()} + {lengths[b].tolist()} of parts {widths} wide")
+        middle = int(ends[:, 1].max()) if B else 0
+    if allowed is not None and allowed.reshape(B, -1).shape[1] < widths[0] + middle + widths[2]:
+        raise ValueError(f"with starts, allowed covers the parts side by side: sink {widths[0]} + the middle's columns "
+                         f"read ({middle}) + recent {widths[2]} at least, got {allowed.reshape(B, -1).shape[1]}")
 
 
 def _key_bias_args(kb: KeyBias, B: int, Hq: int, d: int, mid_k: Packed, page: int, paged: bool, block_table,
