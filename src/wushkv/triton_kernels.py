@@ -343,12 +343,10 @@ def _kernels() -> dict:
         in 4 classes (below head_dim 128, where a class of one code a word would hold d/8 < 16 channels, less than a
         dot takes) give two: codes S and S + 4 of word m are channels 8m + S and 8m + 4 + S, i.e. P·k + S for k = 2m
         and 2m + 1, side by side."""
+        out = _word_codes(w, S, WC, BITS, OFF, EMU)
         if WC == 2 * P:  # two codes a word in each class
-            c0 = _word_codes(w, S, WC, BITS, OFF, EMU)
             c1 = _word_codes(w, S + P, WC, BITS, OFF, EMU)
-            out = tl.reshape(tl.join(c0, c1), [c0.shape[0], 2 * c0.shape[1]])
-        else:
-            out = _word_codes(w, S, P, BITS, OFF, EMU)
+            out = tl.reshape(tl.join(out, c1), [out.shape[0], 2 * out.shape[1]])
         return out
 
     @jit
