@@ -5,8 +5,8 @@
     python benchmarks/gpu_decode.py --dry-run --out /tmp/gpu_decode   # CPU, Triton's interpreter, tiny shapes
 
 0. *Sweep* (``--sweep``, default 32768x16 then 1024x16): the decode kernel's launch parameters
-   (:class:`wushkv.triton_kernels.DecodeTuning`: tokens per tile, warps, pipeline stages, programs per multiprocessor)
-   timed at each shape within ``--sweep-budget`` seconds; the fastest at the first shape is the tuning every row below
+   (:class:`wushkv.triton_kernels.DecodeTuning`: tokens per tile, warps, pipeline stages, programs per multiprocessor,
+   and for a few a cap on a thread's registers: more resident warps for some spills) timed at each shape within ``--sweep-budget`` seconds; the fastest at the first shape is the tuning every row below
    runs under (through ``decode_tuning``, the cache's decode steps too), and each kernel row also times the library's
    defaults (``triton_default``).
 1. *Kernel*: for each context and batch, one attention layer (``--q-heads`` query heads over ``--kv-heads`` KV heads of
@@ -20,7 +20,8 @@
    achieved bandwidth as a fraction of the device's peak (``PEAK_TBPS`` by device name, or ``--peak-tbps``); and the
    same kernel over the bfloat16 context (``triton_bf16``: what the packing saves, apart from how good the kernel is),
    and over the same codes read as KVarN key tiles (``triton_ktiles``: ``auto``'s ``+ktiles`` keys) and as keys centered on
-   their rotating mean (``triton_rmean``: ``auto``'s ``+rmean``); with batch > 1, a left-padded batch's rows
+   their rotating mean (``triton_rmean``: ``auto``'s ``+rmean``; these two without the sweep's register cap, under
+   which they spill); with batch > 1, a left-padded batch's rows
    (``triton_ragged``, each row over its own columns, against ``triton_ragged_widest``, as wide as the widest).
    Combinations whose tensors would not fit in ``--memory-fraction`` of the free memory are skipped (listed).
 2. *End to end*: a random-weight Llama-shaped model (``--e2e-layers`` layers of the same heads, bfloat16) decodes
@@ -69,16 +70,19 @@ PEAK_TBPS = {
 DRY_RUN = dict(contexts=[48], batches=[1, 2], q_heads=4, kv_heads=2, head_dim=32, sink=4, recent=8, flush=4, warmup=0,
                iters=1, e2e_contexts=[48], e2e_batches=[1], e2e_layers=1, e2e_steps=4, sweep="48x2")
 # The decode kernel's launch parameters the sweep tries, most promising first (it stops at --sweep-budget): tiles of
-# block_n tokens, warps, software-pipeline stages; each compiled once, then timed at each programs_per_sm.
-SWEEP_TILES = [(32, 1, 2), (64, 1, 2), (16, 1, 2), (32, 1, 3), (64, 1, 3), (32, 1, 1), (64, 1, 1), (32, 2, 2),
+# block_n tokens, warps, software-pipeline stages, and a cap on a thread's registers where the tuple has a fourth
+# field (max_registers: 8 one-warp programs a multiprocessor hold at 255 registers, 16 at 128, for a few spills,
+# kernel_sass.py); each compiled once, then timed at each programs_per_sm.
+SWEEP_TILES = [(32, 1, 2), (32, 1, 2, 128), (64, 1, 2), (32, 1, 2, 168), (16, 1, 2), (32, 1, 3), (32, 1, 3, 128),
+               (64, 1, 3), (32, 1, 1), (64, 1, 1), (32, 2, 2),
                (64, 4, 3), (128, 8, 3), (64, 8, 3), (128, 4, 3), (32, 4, 3), (64, 4, 2), (128, 8, 2), (32, 4, 2),
                (64, 4, 4), (128, 8, 4), (256, 8, 3), (32, 8, 3), (64, 4, 1), (128, 8, 1), (16, 4, 3), (256, 8, 2),
                (32, 4, 1), (64, 8, 2), (128, 4, 2), (16, 4, 1)]
 SWEEP_PER_SM = (4, 8, 16, 2)
 TUNING_FIELDS = tuple(f.name for f in dataclasses.fields(tk.DecodeTuning))
-DRY_SWEEP_TILES, DRY_SWEEP_PER_SM = [(16, 4, 1), (32, 1, 3)], (1, 4)
+DRY_SWEEP_TILES, DRY_SWEEP_PER_SM = [(16, 4, 1), (32, 1, 3, 128)], (1, 4)
 # session 46's path and tuning: codes unpacked to (tokens, d) tiles, 64 tokens, 4 warps, 2 stages ("triton_tiles")
-TILES = dict(class_split=False, block_n=64, num_warps=4, num_stages=2)
+TILES = dict(class_split=False, block_n=64, num_warps=4, num_stages=2, fp_stages=2)
 KEY_TILE = 128  # tokens per KVarN key tile in the key-tiles row (auto's +ktiles at the generation presets' flush)
 
 
@@ -272,7 +276,7 @@ def sweep(args, device, timer) -> dict:
             out["rows"].append({"context": ctx, "batch": B, "skipped": "does not fit"})
             continue
         inputs, nbytes, _ = kernel_inputs(args, ctx, B, device)
-        for ti, (bn, w, st) in enumerate(tiles):
+        for ti, (bn, w, st, *cap) in enumerate(tiles):
             # the budget bounds the first shape's compiles; later shapes time the tunings the first one reached
             if (si == 0 and time.perf_counter() - t0 > args.sweep_budget) or (si > 0 and ti >= out["reached"]):
                 out["cut_short"] = out.get("cut_short", False) or si == 0
@@ -280,7 +284,8 @@ def sweep(args, device, timer) -> dict:
             if si == 0:
                 out["reached"] = ti + 1
             for ppsm in per_sm:
-                tune = dict(block_n=bn, num_warps=w, num_stages=st, programs_per_sm=ppsm, class_split=True)
+                tune = dict(block_n=bn, num_warps=w, num_stages=st, programs_per_sm=ppsm, class_split=True,
+                            max_registers=cap[0] if cap else None, fp_stages=tk.DecodeTuning.fp_stages)
                 row = {"context": ctx, "batch": B, **tune}
                 try:
                     with tk.decode_tuning(**tune):
@@ -346,15 +351,20 @@ def kernel_case(args, ctx, B, device, timer) -> dict:
     ones = torch.ones(B, Hkv, -(-n_mid // KEY_TILE), d, device=device, dtype=torch.float16)
     kt = tk.Packed(tk.TileFormat(args.k_bits, d, KEY_TILE), mk.codes, mk.scale, tile_scale=ones, tile_zero=ones * mk.fmt.half)
     kt_inputs = (*inputs[:4], kt, *inputs[5:])
-    row["triton_ktiles"] = timer(lambda: tk.decode(*kt_inputs), args.warmup, args.iters, gpu=True) | {
-        "bytes": nbytes + 2 * ones.numel() * 2}
+    # the sweep picks its tuning on per-token codes; a register cap it may pick spills here (kernel_sass.py: 1.2-1.5x
+    # the instructions a token at 128-168 registers with key tiles and +rmean), so these two rows run without one
+    uncapped = dict(max_registers=None)
+    with tk.decode_tuning(**uncapped):
+        row["triton_ktiles"] = timer(lambda: tk.decode(*kt_inputs), args.warmup, args.iters, gpu=True) | {
+            "bytes": nbytes + 2 * ones.numel() * 2}
     row["triton_ktiles_vs_tiles"] = max_rel(tk.decode(*kt_inputs), tiles_out)
     # keys centered on their rotating mean (auto's +rmean): the same codes, each tile's scores gaining Σ A cos pθ +
     # B sin pθ; checked against the tiles' path with the same bias (the bias itself against a reference: the CUDA tests)
     theta = 10000.0 ** (-torch.arange(d // 2, dtype=torch.float32) / (d // 2))
     terms = torch.randn(B, args.q_heads, d, device=device, generator=torch.Generator(device).manual_seed(0)) * 0.05
     bias = tk.KeyBias(terms, torch.full((B,), SINK), theta)
-    row["triton_rmean"] = timer(lambda: tk.decode(*inputs, key_bias=bias), args.warmup, args.iters, gpu=True) | {"bytes": nbytes}
+    with tk.decode_tuning(**uncapped):
+        row["triton_rmean"] = timer(lambda: tk.decode(*inputs, key_bias=bias), args.warmup, args.iters, gpu=True) | {"bytes": nbytes}
     with tk.decode_tuning(**TILES):
         rmean_tiles = tk.decode(*inputs, key_bias=bias)
     row["triton_rmean_vs_tiles"] = max_rel(tk.decode(*inputs, key_bias=bias), rmean_tiles)
@@ -384,7 +394,8 @@ def kernel_case(args, ctx, B, device, timer) -> dict:
     lengths = torch.tensor([[ctx, 0, 0]] * B, dtype=torch.int32, device=device)
     none = K[:, :, :0]
     bf16_call = lambda: tk.decode(q, lengths, K, V, empty, empty, none, none, scaling)  # noqa: E731
-    row["triton_bf16"] = timer(bf16_call, args.warmup, args.iters, gpu=True) | {"bytes": bf16_kv + 2 * q.numel() * 2}
+    with tk.decode_tuning(fp_stages=tuning.num_stages):  # the whole context in that loop: pipelined, as session 46 ran it
+        row["triton_bf16"] = timer(bf16_call, args.warmup, args.iters, gpu=True) | {"bytes": bf16_kv + 2 * q.numel() * 2}
     row["triton_bf16_vs_sdpa"] = max_rel(bf16_call(), sdpa()[:, :, 0])
     del K, V
     return row

@@ -7,7 +7,9 @@ the ``nvdisasm`` that triton ships, and counts per configuration:
 
 * the instructions of the loop over the packed middle, per token of the middle and warp (``warp_instr_per_token``:
   instructions a thread runs per tile × warps / tokens per tile): what the issue slots of the device pay;
-* register spills in that loop (``LDL``/``STL``), registers and stack per thread;
+* register spills in that loop (``LDL``/``STL``), registers and stack per thread, and the warps an sm_90
+  multiprocessor holds of the kernel at once (``resident_warps``, from its registers and shared memory): the warps
+  its four schedulers can switch between to hide each other's latency;
 * the same for the loop's steady path (``steady_warp_instr_per_token``, ``steady_spill_loads``): the loop without
   the blocks it guards by a branch, which run only now and then. Those are, where the kernel has them, the rescaling
   of the value accumulators when a row's max rises (a few times a split), the mask of a split's first or last,
@@ -24,6 +26,9 @@ time on a GPU; ``benchmarks/gpu_decode.py`` times it.
 
 ``--key-tiles N``: the keys as KVarN tiles of N tokens (``auto``'s ``+ktiles``), the values per-token codes as before.
 ``--rmean``: the keys centered on their rotating mean (``+rmean``, :class:`wushkv.triton_kernels.KeyBias`).
+``--max-registers none,168,128``: each configuration also compiled under each cap on a thread's registers
+(``DecodeTuning.max_registers``): fewer registers, more resident warps, and the spills that costs. ``--fp-stages 2``:
+the loop over the full-precision windows pipelined (``DecodeTuning.fp_stages``; before session 58).
 """
 
 from __future__ import annotations
@@ -48,7 +53,7 @@ from wushkv.quantizers import QuestQuantizer  # noqa: E402
 
 # (label, DecodeTuning fields): the baseline first
 CONFIGS = [
-    ("tiles 64/4 (session 46)", dict(class_split=False, block_n=64, num_warps=4)),
+    ("tiles 64/4 (session 46)", dict(class_split=False, block_n=64, num_warps=4, fp_stages=2)),
     ("classes 32/1 (default)", dict(class_split=True)),
     ("classes 64/1", dict(class_split=True, block_n=64, num_warps=1)),
     ("classes 64/2", dict(class_split=True, block_n=64, num_warps=2)),
@@ -65,8 +70,32 @@ def parse_args(argv=None):
     p.add_argument("--configs", default="", help="labels of CONFIGS to run (comma-separated prefixes); default all")
     p.add_argument("--key-tiles", type=int, default=0, help="keys as KVarN tiles of this many tokens (0: per-token codes)")
     p.add_argument("--rmean", action="store_true", help="keys centered on their rotating mean (+rmean)")
+    p.add_argument("--max-registers", default="none",
+                   help="caps on a thread's registers to compile each configuration under (comma-separated; none: the "
+                        "compiler's choice)")
+    p.add_argument("--fp-stages", type=int, default=None,
+                   help="DecodeTuning.fp_stages for every configuration (the windows' loop pipeline; default: each's)")
     p.add_argument("--json", default=None)
-    return p.parse_args(argv)
+    args = p.parse_args(argv)
+    try:
+        args.max_registers = [None if v.strip().lower() == "none" else int(v) for v in args.max_registers.split(",")]
+    except ValueError:
+        p.error(f"--max-registers takes 'none' or ints, comma-separated, got {args.max_registers!r}")
+    return args
+
+
+# sm_90's multiprocessor (CUDA C++ Programming Guide, compute capability 9.0): what bounds its resident warps
+SM90 = dict(registers=65536, warps=64, blocks=32, shared=233472, shared_reserved=1024, register_unit=256)
+
+
+def resident_warps(registers: int, shared: int, num_warps: int, sm: dict = SM90) -> int:
+    """Warps of a kernel resident at once on one multiprocessor: its blocks (programs) of ``num_warps`` warps, each
+    thread holding ``registers`` (allocated per warp in units of ``register_unit``) and each block ``shared`` bytes
+    of shared memory (plus the system's reserve)."""
+    per_warp = -(-registers * 32 // sm["register_unit"]) * sm["register_unit"]
+    blocks = min(sm["blocks"], sm["warps"] // num_warps, sm["registers"] // (per_warp * num_warps),
+                 sm["shared"] // (shared + sm["shared_reserved"]))
+    return blocks * num_warps
 
 
 def _tools():
@@ -114,7 +143,7 @@ def compile_for_sm90(record):
 
     name, _grid, args, meta = record
     meta = dict(meta)
-    options = {k: meta.pop(k) for k in ("num_warps", "num_stages")}
+    options = {k: meta.pop(k) for k in ("num_warps", "num_stages", "maxnreg") if k in meta}
     kernel = tk._kernels()[name]
     names = kernel.arg_names
     free = [n for n in names if n not in meta]
@@ -164,7 +193,8 @@ def profile(compiled, tools) -> dict:
     # the blocks a loop guards: a forward branch inside it, over what it skips (outermost blocks only)
     guarded = [[collections.Counter(o for a, o, _ in ops if j0 < a < j1)
                 for j0, j1 in _outermost([(fr, to) for fr, to in branches if lo <= fr < to <= hi])] for lo, hi in outer]
-    return {"usage": usage, "instructions": len(ops), "loops": loops, "guarded": guarded}
+    return {"usage": usage, "shared": compiled.metadata.shared, "instructions": len(ops), "loops": loops,
+            "guarded": guarded}
 
 
 def _outermost(spans: list) -> list:
@@ -179,7 +209,11 @@ def run(args) -> dict:
     for d in (int(x) for x in args.head_dims.split(",")):
         for bits in (int(x) for x in args.widths.split(",")):
             base = None
-            for label, fields in wanted:
+            for (label, fields), cap in ((c, r) for c in wanted for r in args.max_registers):
+                if cap is not None:
+                    label, fields = f"{label} maxnreg {cap}", fields | {"max_registers": cap}
+                if args.fp_stages is not None:
+                    fields = fields | {"fp_stages": args.fp_stages}
                 with tk.decode_tuning(**fields) as tuning:
                     record = recorded_decode(bits, d, args.q_heads, args.kv_heads, key_tile=args.key_tiles, rmean=args.rmean)
                     block_n, warps = record[3]["BN"], record[3]["num_warps"]
@@ -205,14 +239,16 @@ def run(args) -> dict:
                        "steady_warp_instr_per_token": steady_n * warps / block_n, "steady_spill_loads": steady_ldl,
                        "guarded_blocks": [sum(c.values()) for c in blocks],
                        "spill_stores": mid["STL"], "mma": mid["HMMA"], "registers": prof["usage"].get("reg"),
-                       "stack": prof["usage"].get("stack"), "top": dict(mid.most_common(8))}
+                       "max_registers": cap, "stack": prof["usage"].get("stack"), "shared": prof["shared"],
+                       "resident_warps": resident_warps(prof["usage"].get("reg", 255), prof["shared"], warps),
+                       "top": dict(mid.most_common(8))}
                 base = base or row
                 row["over_baseline"] = row["warp_instr_per_token"] / base["warp_instr_per_token"]
                 row["steady_over_baseline"] = row["steady_warp_instr_per_token"] / base["steady_warp_instr_per_token"]
                 rows.append(row)
                 print(f"d {d} K{bits}V{bits} {label:26s} {row['warp_instr_per_token']:6.1f} warp-instr/token "
                       f"({row['over_baseline']:.2f}x), spills {row['spill_loads']}/{row['spill_stores']}, "
-                      f"{row['registers']} regs, stack {row['stack']}; steady {row['steady_warp_instr_per_token']:.1f} "
+                      f"{row['registers']} regs, stack {row['stack']}, {row['resident_warps']} warps/SM; steady {row['steady_warp_instr_per_token']:.1f} "
                       f"({row['steady_over_baseline']:.2f}x), spills {row['steady_spill_loads']:g}; guarded blocks "
                       f"{row['guarded_blocks']}", flush=True)
     return {"target": "sm_90", "rows": rows}

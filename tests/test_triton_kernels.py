@@ -758,10 +758,21 @@ def test_decode_tuning_changes_launches_not_results():
     with tk.decode_tuning(block_n=16, num_warps=8, num_stages=1, programs_per_sm=2) as t:
         assert tk.current_tuning() == t and t.block_n == 16 and t.programs_per_sm == 2
         assert _rel(_triton(q, pk, pv), ref) < 1e-5
+    with tk.decode_tuning(max_registers=128, fp_stages=3), tk.recorded_launches() as rec:
+        _triton(q, pk, pv)
+    meta = next(m for name, _, _, m in rec if name == "decode")
+    assert meta["maxnreg"] == 128 and meta["FP_STAGES"] == 3 and meta["num_stages"] == before.num_stages
+    with tk.recorded_launches() as rec:
+        _triton(q, pk, pv)
+    meta = next(m for name, _, _, m in rec if name == "decode")
+    assert "maxnreg" not in meta and meta["FP_STAGES"] == 1  # the compiler's choice; the windows' loop unpipelined
     with pytest.raises(RuntimeError), tk.decode_tuning(block_n=128):
         raise RuntimeError("inside")
     assert tk.current_tuning() == before
-    for bad, match in ((dict(block_n=48), "block_n"), (dict(num_warps=0), "num_warps"), (dict(programs_per_sm=1.5), "programs_per_sm")):
+    for bad, match in ((dict(block_n=48), "block_n"), (dict(num_warps=0), "num_warps"), (dict(programs_per_sm=1.5), "programs_per_sm"),
+                       (dict(max_registers=16), r"max_registers must be an int in \[24, 255\].*got 16"),
+                       (dict(max_registers=256), "max_registers"), (dict(max_registers=True), "max_registers"),
+                       (dict(max_registers=128.0), "max_registers"), (dict(fp_stages=0), "fp_stages")):
         with pytest.raises(ValueError, match=match):
             tk.DecodeTuning(**bad)
 
@@ -931,14 +942,15 @@ for quest, clipped, has_t, br in ((True, True, False, 8), (True, False, True, 1)
     triton.compile(ASTSource(K["store"], sig("store", ptrs, ("coef", "sqrt_g"), consts), consts), target=GPUTarget("cuda", 90, 32))
 consts = dict(D=128, GQA=4, GP=16, BN=32, K_BITS=2, V_BITS=4, K_G=128, V_G=32, K_Z=False, V_Z=True, K_E5M3=True, K_OFF=128, V_OFF=0,
               V_E5M3=False, K_P=0, V_P=0, K_WC=0, V_WC=0, K_W4=False, V_W4=False, K_TILE=0, KT_MW=128, RMEAN=False, PAGED=True, PAGE_ABS=False, STARTS=False, HAS_MASK=True, SOFTCAP=True,
-              PREC="tf32", DT=tl.bfloat16, EMU=False)
+              PREC="tf32", DT=tl.bfloat16, EMU=False, FP_STAGES=1)
 ptrs = {"q_ptr": "*bf16", "sk_ptr": "*bf16", "sv_ptr": "*bf16", "rk_ptr": "*bf16", "rv_ptr": "*bf16", "kc_ptr": "*u8",
         "vc_ptr": "*u8", "mask_ptr": "*u8", "lens_ptr": "*i32", "bt_ptr": "*i32", "ks_ptr": "*u8", "vs_ptr": "*fp16",
         "kz_ptr": "*u8", "vz_ptr": "*fp16", "kts_ptr": "*fp16", "ktz_ptr": "*fp16", "rp_ptr": "*i32", "st_ptr": "*i32"}
 for bn, warps, stages, v in ((32, 4, 3, (4, 32, True, 0)), (128, 8, 2, (2, 128, False, 128))):  # two tunings, two value codecs
-    consts.update(BN=bn, V_BITS=v[0], V_G=v[1], V_Z=v[2], V_OFF=v[3])
+    consts.update(BN=bn, V_BITS=v[0], V_G=v[1], V_Z=v[2], V_OFF=v[3], FP_STAGES=stages)  # the windows' loop pipelined
     k = triton.compile(ASTSource(K["decode"], sig("decode", ptrs, ("sm_scale", "softcap", "K_HALF", "V_HALF"), consts), consts),
                        target=GPUTarget("cuda", 90, 32), options={"num_warps": warps, "num_stages": stages})
+consts["FP_STAGES"] = 1
 # codes in classes, inline PTX: 16-bit words (2 and 4 bits), then words of three bytes and of one (3, 1 and 2 bits)
 for dt, off, kv, warps in ((tl.bfloat16, 128, (2, 8, 4, 4), 1), (tl.float16, 1024, (4, 4, 2, 8), 4),
                            (tl.bfloat16, 128, (3, 8, 1, 8), 1), (tl.float16, 1024, (2, 4, 3, 8), 1)):
@@ -955,8 +967,9 @@ for dt, off, kv, warps in ((tl.bfloat16, 128, (2, 8, 4, 4), 1), (tl.float16, 102
 for dd, kb, kp, kwc, vb, vp, vwc in ((64, 3, 4, 8, 1, 4, 8), (64, 2, 4, 8, 2, 4, 4), (128, 1, 8, 16, 2, 8, 8)):
     two = dict(consts, D=dd, K_BITS=kb, K_P=kp, K_WC=kwc, K_W4=kb == 3, V_BITS=vb, V_P=vp, V_WC=vwc, V_W4=False, V_G=dd,
                K_G=dd, PAGE_ABS=False)
-    triton.compile(ASTSource(K["decode"], sig("decode", p, ("sm_scale", "softcap", "K_HALF", "V_HALF"), two), two),
-                   target=GPUTarget("cuda", 90, 32), options={"num_warps": 1, "num_stages": 2})
+    k = triton.compile(ASTSource(K["decode"], sig("decode", p, ("sm_scale", "softcap", "K_HALF", "V_HALF"), two), two),
+                       target=GPUTarget("cuda", 90, 32), options={"num_warps": 1, "num_stages": 2, "maxnreg": 128})
+    assert ".maxnreg 128" in k.asm["ptx"]  # DecodeTuning.max_registers reaches ptxas
 # no mask, no softcap (a split's partial tiles masked behind a branch); zeros on both sides in classes: keys' Σq·z,
 # values' per-class offsets (float16 4 bits) against Σ w from the dot with ones
 z = dict(consts, HAS_MASK=False, SOFTCAP=False, K_Z=True, V_Z=True, DT=tl.float16, K_OFF=1024, V_OFF=1024, K_BITS=2, K_P=8,

@@ -308,10 +308,14 @@ def _kernels() -> dict:
     def _fp_segment(q, m, l, acc, k_ptr, v_ptr, sk_b, sk_h, sk_t, sv_b, sv_h, sv_t, b, h, a, e, mbase,
                     sm_scale, softcap, mask_ptr, s_mb,
                     D: tl.constexpr, BN: tl.constexpr, HAS_MASK: tl.constexpr, SOFTCAP: tl.constexpr,
-                    PREC: tl.constexpr, DT: tl.constexpr, EMU: tl.constexpr):
-        """Columns [a, e) of a full-precision part (B, Hkv, n, D) whose column t is the mask's column mbase + t."""
+                    PREC: tl.constexpr, DT: tl.constexpr, EMU: tl.constexpr, STAGES: tl.constexpr):
+        """Columns [a, e) of a full-precision part (B, Hkv, n, D) whose column t is the mask's column mbase + t.
+        ``STAGES``: the loop's software pipeline (DecodeTuning.fp_stages). A kernel holds the shared memory of its
+        largest loop for its whole run, and this loop's stages of (BN, D) tiles are the kernel's largest (20 KB of
+        one-warp programs' 12 KB at d 128 with 2 stages): unpipelined, an sm_90 multiprocessor holds more programs
+        through the packed middle, which is most of the columns."""
         d = tl.arange(0, D)
-        for start in range(a, e, BN):
+        for start in tl.range(a, e, BN, num_stages=STAGES):
             t = start + tl.arange(0, BN)
             valid = t < e
             k = tl.load(k_ptr + b * sk_b + h * sk_h + t[:, None].to(tl.int64) * sk_t + d[None, :], mask=valid[:, None], other=0.0)
@@ -865,7 +869,8 @@ def _kernels() -> dict:
                       K_WC: tl.constexpr, V_WC: tl.constexpr, K_W4: tl.constexpr, V_W4: tl.constexpr,
                       K_TILE: tl.constexpr, KT_MW: tl.constexpr, RMEAN: tl.constexpr,
                       PAGED: tl.constexpr, PAGE_ABS: tl.constexpr, STARTS: tl.constexpr, HAS_MASK: tl.constexpr,
-                      SOFTCAP: tl.constexpr, PREC: tl.constexpr, DT: tl.constexpr, EMU: tl.constexpr):
+                      SOFTCAP: tl.constexpr, PREC: tl.constexpr, DT: tl.constexpr, EMU: tl.constexpr,
+                      FP_STAGES: tl.constexpr):
         b = tl.program_id(0).to(tl.int64)
         h = tl.program_id(1).to(tl.int64)
         sp = tl.program_id(2)
@@ -933,11 +938,11 @@ def _kernels() -> dict:
         q = tl.load(q_ptr + qrow[:, None] + d[None, :], mask=qmask[:, None], other=0.0)
         m, l, acc = _fp_segment(q, m, l, acc, sk_ptr, sv_ptr, sk_b, sk_h, sk_t, sv_b, sv_h, sv_t, b, h,
                                 tl.maximum(lo, 0) + o_s, tl.minimum(hi, n_s) + o_s, mb_s, sm_scale, softcap, mask_ptr,
-                                s_mb, D, BN, HAS_MASK, SOFTCAP, PREC, DT, EMU)
+                                s_mb, D, BN, HAS_MASK, SOFTCAP, PREC, DT, EMU, FP_STAGES)
         w0 = n_s + n_m
         m, l, acc = _fp_segment(q, m, l, acc, rk_ptr, rv_ptr, rk_b, rk_h, rk_t, rv_b, rv_h, rv_t, b, h,
                                 tl.maximum(lo - w0, 0) + o_r, tl.minimum(hi - w0, n_r) + o_r, mb_r, sm_scale, softcap,
-                                mask_ptr, s_mb, D, BN, HAS_MASK, SOFTCAP, PREC, DT, EMU)
+                                mask_ptr, s_mb, D, BN, HAS_MASK, SOFTCAP, PREC, DT, EMU, FP_STAGES)
 
         Hq = tl.num_programs(1) * GQA
         row = (b * Hq + hq) * SPLITS + sp  # (GP,)
@@ -1177,7 +1182,7 @@ _RECORDING: list[list] = []
 @contextlib.contextmanager
 def recorded_launches():
     """Within the block no kernel runs: each launch the calls would make is appended to the list this yields as
-    ``(name, grid, args, constexprs)`` (launch options ``num_warps``/``num_stages`` among the constexprs), and CPU
+    ``(name, grid, args, constexprs)`` (launch options ``num_warps``/``num_stages``/``maxnreg`` among the constexprs), and CPU
     tensors pass for a GPU's. What a compile-only study (``benchmarks/kernel_sass.py``) compiles for a device it does
     not have; the outputs of the calls are left unwritten."""
     _RECORDING.append([])
@@ -1371,8 +1376,17 @@ class DecodeTuning:
     ``num_stages`` (Triton's; the interpreter ignores them), ``programs_per_sm``: splits are chosen so that about
     that many programs run per streaming multiprocessor (:func:`default_splits`), and ``class_split``: read 1- to
     4-bit codes as words split into classes (:func:`code_classes`) where they allow it, else unpack them to
-    (tokens, d) tiles (session 46's kernel). None of them changes what is computed beyond float32 summation order;
-    :func:`decode_tuning` swaps them for a block of code.
+    (tokens, d) tiles (session 46's kernel), and ``max_registers``: a cap on each thread's registers (Triton's
+    ``maxnreg``, the PTX ``.maxnreg``; None: ptxas's choice), and ``fp_stages``: the software pipeline of the loop over
+    the full-precision sink and recent tokens (``num_stages`` is the middle's). None of them changes what is computed
+    beyond float32 summation order; :func:`decode_tuning` swaps them for a block of code.
+
+    ``max_registers`` trades spills for resident warps: the classes kernel at K2V2 d 128 takes 255 registers, so an
+    sm_90 multiprocessor holds 8 of its one-warp programs (2 warps per scheduler to hide each other's latency); at 168
+    it holds 12, at 128 16, for a few spilled registers a tile (``benchmarks/kernel_sass.py --max-registers``).
+    Which is faster only a GPU can say: ``benchmarks/gpu_decode.py``'s sweep times both. Shared memory bounds them
+    too, and ``fp_stages`` = 1 keeps it at 12 KB a one-warp program at d 128 (20 KB when that loop is pipelined,
+    which holds an sm_90 multiprocessor to 10 programs whatever their registers).
 
     ``block_n``/``num_warps`` None: by the path (:meth:`launch`). Unpacking to tiles, 64 tokens and 4 warps, the
     fastest of ``benchmarks/gpu_decode.py``'s sweep on an H200 (K2V2, 32k tokens, batch 16, 32 query / 8 KV heads
@@ -1386,17 +1400,23 @@ class DecodeTuning:
     num_stages: int = 2
     programs_per_sm: int = 8
     class_split: bool = True
+    max_registers: int | None = None
+    fp_stages: int = 1
 
     def __post_init__(self):
         if self.block_n is not None and (not isinstance(self.block_n, int) or self.block_n < 16
                                          or self.block_n & (self.block_n - 1)):
             raise ValueError(f"block_n must be a power of two >= 16 (or None: by the path), got {self.block_n!r}")
-        for name in ("num_warps", "num_stages", "programs_per_sm"):
+        for name in ("num_warps", "num_stages", "programs_per_sm", "fp_stages"):
             v = getattr(self, name)
             if not (v is None and name == "num_warps") and (not isinstance(v, int) or v < 1):
                 raise ValueError(f"{name} must be a positive int, got {v!r}")
         if not isinstance(self.class_split, bool):
             raise ValueError(f"class_split must be True or False, got {self.class_split!r}")
+        if self.max_registers is not None and (not isinstance(self.max_registers, int) or isinstance(self.max_registers, bool)
+                                               or not 24 <= self.max_registers <= 255):
+            raise ValueError(f"max_registers must be an int in [24, 255] (registers a thread; None: the compiler's "
+                             f"choice), got {self.max_registers!r}")
 
     def launch(self, dtype: torch.dtype, mid_k: Packed, mid_v: Packed) -> tuple[int, int, int, int]:
         """(K_P, V_P, block_n, num_warps) of a decode over this middle with ``dtype`` queries: each side's classes
@@ -1633,7 +1653,8 @@ def decode(query, lengths, sink_k, sink_v, mid_k: Packed, mid_v: Packed, recent_
                 K_TILE=kt_tile, KT_MW=kt_mw, RMEAN=key_bias is not None,
                 PAGED=paged, PAGE_ABS=paged and absolute_pages, STARTS=starts is not None, HAS_MASK=allowed is not None, SOFTCAP=softcap is not None,
                 PREC="ieee" if query.dtype == torch.float32 else "tf32", DT=_tl_dtype(query.dtype), EMU=emulate,
-                num_warps=num_warps, num_stages=tuning.num_stages)
+                FP_STAGES=tuning.fp_stages, num_warps=num_warps, num_stages=tuning.num_stages,
+                **({"maxnreg": tuning.max_registers} if tuning.max_registers is not None else {}))
     out = torch.empty(B, Hq, d, dtype=query.dtype, device=query.device)
     if B and Hq:
         _launch("merge", (B, Hq), o, m, l, sinks if sinks is not None else m, out, out.stride(0), out.stride(1), splits, Hq,
