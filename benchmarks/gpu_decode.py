@@ -72,7 +72,8 @@ DRY_RUN = dict(contexts=[48], batches=[1, 2], q_heads=4, kv_heads=2, head_dim=32
 # The decode kernel's launch parameters the sweep tries, most promising first (it stops at --sweep-budget): tiles of
 # block_n tokens, warps, software-pipeline stages, and a cap on a thread's registers where the tuple has a fourth
 # field (max_registers: 8 one-warp programs a multiprocessor hold at 255 registers, 16 at 128, for a few spills,
-# kernel_sass.py); each compiled once, then timed at each programs_per_sm.
+# kernel_sass.py; with the windows' loop unpipelined, fp_stages=1, without which shared memory allows 10); each
+# compiled once, then timed at each programs_per_sm.
 SWEEP_TILES = [(32, 1, 2), (32, 1, 2, 128), (64, 1, 2), (32, 1, 2, 168), (16, 1, 2), (32, 1, 3), (32, 1, 3, 128),
                (64, 1, 3), (32, 1, 1), (64, 1, 1), (32, 2, 2),
                (64, 4, 3), (128, 8, 3), (64, 8, 3), (128, 4, 3), (32, 4, 3), (64, 4, 2), (128, 8, 2), (32, 4, 2),
@@ -82,7 +83,7 @@ SWEEP_PER_SM = (4, 8, 16, 2)
 TUNING_FIELDS = tuple(f.name for f in dataclasses.fields(tk.DecodeTuning))
 DRY_SWEEP_TILES, DRY_SWEEP_PER_SM = [(16, 4, 1), (32, 1, 3, 128)], (1, 4)
 # session 46's path and tuning: codes unpacked to (tokens, d) tiles, 64 tokens, 4 warps, 2 stages ("triton_tiles")
-TILES = dict(class_split=False, block_n=64, num_warps=4, num_stages=2, fp_stages=2)
+TILES = dict(class_split=False, block_n=64, num_warps=4, num_stages=2, fp_stages=None)
 KEY_TILE = 128  # tokens per KVarN key tile in the key-tiles row (auto's +ktiles at the generation presets' flush)
 
 
@@ -285,7 +286,7 @@ def sweep(args, device, timer) -> dict:
                 out["reached"] = ti + 1
             for ppsm in per_sm:
                 tune = dict(block_n=bn, num_warps=w, num_stages=st, programs_per_sm=ppsm, class_split=True,
-                            max_registers=cap[0] if cap else None, fp_stages=tk.DecodeTuning.fp_stages)
+                            max_registers=cap[0] if cap else None, fp_stages=1 if cap else None)
                 row = {"context": ctx, "batch": B, **tune}
                 try:
                     with tk.decode_tuning(**tune):
@@ -394,7 +395,7 @@ def kernel_case(args, ctx, B, device, timer) -> dict:
     lengths = torch.tensor([[ctx, 0, 0]] * B, dtype=torch.int32, device=device)
     none = K[:, :, :0]
     bf16_call = lambda: tk.decode(q, lengths, K, V, empty, empty, none, none, scaling)  # noqa: E731
-    with tk.decode_tuning(fp_stages=tuning.num_stages):  # the whole context in that loop: pipelined, as session 46 ran it
+    with tk.decode_tuning(fp_stages=None):  # the whole context in that loop: pipelined, as session 46 ran it
         row["triton_bf16"] = timer(bf16_call, args.warmup, args.iters, gpu=True) | {"bytes": bf16_kv + 2 * q.numel() * 2}
     row["triton_bf16_vs_sdpa"] = max_rel(bf16_call(), sdpa()[:, :, 0])
     del K, V

@@ -28,7 +28,8 @@ time on a GPU; ``benchmarks/gpu_decode.py`` times it.
 ``--rmean``: the keys centered on their rotating mean (``+rmean``, :class:`wushkv.triton_kernels.KeyBias`).
 ``--max-registers none,168,128``: each configuration also compiled under each cap on a thread's registers
 (``DecodeTuning.max_registers``): fewer registers, more resident warps, and the spills that costs. ``--fp-stages 2``:
-the loop over the full-precision windows pipelined (``DecodeTuning.fp_stages``; before session 58).
+the loop over the full-precision windows' software pipeline (``DecodeTuning.fp_stages``; 1: unpipelined, less shared
+memory, which is what a register cap needs to hold more programs).
 """
 
 from __future__ import annotations
@@ -53,7 +54,7 @@ from wushkv.quantizers import QuestQuantizer  # noqa: E402
 
 # (label, DecodeTuning fields): the baseline first
 CONFIGS = [
-    ("tiles 64/4 (session 46)", dict(class_split=False, block_n=64, num_warps=4, fp_stages=2)),
+    ("tiles 64/4 (session 46)", dict(class_split=False, block_n=64, num_warps=4)),
     ("classes 32/1 (default)", dict(class_split=True)),
     ("classes 64/1", dict(class_split=True, block_n=64, num_warps=1)),
     ("classes 64/2", dict(class_split=True, block_n=64, num_warps=2)),

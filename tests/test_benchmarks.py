@@ -401,7 +401,8 @@ def test_kernel_sass_compiles_both_paths(tmp_path):
     env["PYTHONPATH"] = str(Path(__file__).resolve().parents[1] / "src") + os.pathsep + env.get("PYTHONPATH", "")
     script = Path(__file__).resolve().parents[1] / "benchmarks" / "kernel_sass.py"
     proc = subprocess.run([sys.executable, str(script), "--widths", "2,3", "--configs", "tiles,classes 32", "--json",
-                           str(tmp_path / "k.json"), "--max-registers", "none,128"], env=env, capture_output=True,
+                           str(tmp_path / "k.json"), "--max-registers", "none,128", "--fp-stages", "1"], env=env,
+                          capture_output=True,
                           text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
     res = json.loads((tmp_path / "k.json").read_text())

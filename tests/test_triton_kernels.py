@@ -758,14 +758,15 @@ def test_decode_tuning_changes_launches_not_results():
     with tk.decode_tuning(block_n=16, num_warps=8, num_stages=1, programs_per_sm=2) as t:
         assert tk.current_tuning() == t and t.block_n == 16 and t.programs_per_sm == 2
         assert _rel(_triton(q, pk, pv), ref) < 1e-5
-    with tk.decode_tuning(max_registers=128, fp_stages=3), tk.recorded_launches() as rec:
+    with tk.decode_tuning(max_registers=128, fp_stages=1, num_stages=3), tk.recorded_launches() as rec:
         _triton(q, pk, pv)
     meta = next(m for name, _, _, m in rec if name == "decode")
-    assert meta["maxnreg"] == 128 and meta["FP_STAGES"] == 3 and meta["num_stages"] == before.num_stages
+    assert meta["maxnreg"] == 128 and meta["FP_STAGES"] == 1 and meta["num_stages"] == 3
     with tk.recorded_launches() as rec:
         _triton(q, pk, pv)
     meta = next(m for name, _, _, m in rec if name == "decode")
-    assert "maxnreg" not in meta and meta["FP_STAGES"] == 1  # the compiler's choice; the windows' loop unpipelined
+    # by default the compiler's registers, and the windows' loop pipelined as the middle's
+    assert "maxnreg" not in meta and meta["FP_STAGES"] == meta["num_stages"] == before.num_stages
     with pytest.raises(RuntimeError), tk.decode_tuning(block_n=128):
         raise RuntimeError("inside")
     assert tk.current_tuning() == before

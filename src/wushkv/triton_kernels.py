@@ -311,9 +311,9 @@ def _kernels() -> dict:
                     PREC: tl.constexpr, DT: tl.constexpr, EMU: tl.constexpr, STAGES: tl.constexpr):
         """Columns [a, e) of a full-precision part (B, Hkv, n, D) whose column t is the mask's column mbase + t.
         ``STAGES``: the loop's software pipeline (DecodeTuning.fp_stages). A kernel holds the shared memory of its
-        largest loop for its whole run, and this loop's stages of (BN, D) tiles are the kernel's largest (20 KB of
-        one-warp programs' 12 KB at d 128 with 2 stages): unpipelined, an sm_90 multiprocessor holds more programs
-        through the packed middle, which is most of the columns."""
+        largest loop for its whole run, and this loop's stages of (BN, D) tiles are the kernel's largest (20 KB a
+        one-warp program at d 128 with 2 stages, 12 KB with 1): unpipelined, an sm_90 multiprocessor has room for
+        more programs through the packed middle, which is most of the columns, where their registers allow it."""
         d = tl.arange(0, D)
         for start in tl.range(a, e, BN, num_stages=STAGES):
             t = start + tl.arange(0, BN)
@@ -1378,15 +1378,16 @@ class DecodeTuning:
     4-bit codes as words split into classes (:func:`code_classes`) where they allow it, else unpack them to
     (tokens, d) tiles (session 46's kernel), and ``max_registers``: a cap on each thread's registers (Triton's
     ``maxnreg``, the PTX ``.maxnreg``; None: ptxas's choice), and ``fp_stages``: the software pipeline of the loop over
-    the full-precision sink and recent tokens (``num_stages`` is the middle's). None of them changes what is computed
+    the full-precision sink and recent tokens (None: ``num_stages``, the middle's). None of them changes what is computed
     beyond float32 summation order; :func:`decode_tuning` swaps them for a block of code.
 
     ``max_registers`` trades spills for resident warps: the classes kernel at K2V2 d 128 takes 255 registers, so an
     sm_90 multiprocessor holds 8 of its one-warp programs (2 warps per scheduler to hide each other's latency); at 168
     it holds 12, at 128 16, for a few spilled registers a tile (``benchmarks/kernel_sass.py --max-registers``).
     Which is faster only a GPU can say: ``benchmarks/gpu_decode.py``'s sweep times both. Shared memory bounds them
-    too, and ``fp_stages`` = 1 keeps it at 12 KB a one-warp program at d 128 (20 KB when that loop is pipelined,
-    which holds an sm_90 multiprocessor to 10 programs whatever their registers).
+    too: 20 KB a one-warp program at d 128 holds a multiprocessor to 10 whatever their registers, and ``fp_stages``
+    = 1 (the windows' loop unpipelined) takes it to 12 KB, room for 17; a cap pays only with it, which is how the
+    sweep pairs them. Uncapped, registers bind first, and the defaults pipeline both loops as timed on the H200.
 
     ``block_n``/``num_warps`` None: by the path (:meth:`launch`). Unpacking to tiles, 64 tokens and 4 warps, the
     fastest of ``benchmarks/gpu_decode.py``'s sweep on an H200 (K2V2, 32k tokens, batch 16, 32 query / 8 KV heads
@@ -1401,7 +1402,7 @@ class DecodeTuning:
     programs_per_sm: int = 8
     class_split: bool = True
     max_registers: int | None = None
-    fp_stages: int = 1
+    fp_stages: int | None = None
 
     def __post_init__(self):
         if self.block_n is not None and (not isinstance(self.block_n, int) or self.block_n < 16
@@ -1409,7 +1410,7 @@ class DecodeTuning:
             raise ValueError(f"block_n must be a power of two >= 16 (or None: by the path), got {self.block_n!r}")
         for name in ("num_warps", "num_stages", "programs_per_sm", "fp_stages"):
             v = getattr(self, name)
-            if not (v is None and name == "num_warps") and (not isinstance(v, int) or v < 1):
+            if not (v is None and name in ("num_warps", "fp_stages")) and (not isinstance(v, int) or v < 1):
                 raise ValueError(f"{name} must be a positive int, got {v!r}")
         if not isinstance(self.class_split, bool):
             raise ValueError(f"class_split must be True or False, got {self.class_split!r}")
@@ -1653,7 +1654,7 @@ def decode(query, lengths, sink_k, sink_v, mid_k: Packed, mid_v: Packed, recent_
                 K_TILE=kt_tile, KT_MW=kt_mw, RMEAN=key_bias is not None,
                 PAGED=paged, PAGE_ABS=paged and absolute_pages, STARTS=starts is not None, HAS_MASK=allowed is not None, SOFTCAP=softcap is not None,
                 PREC="ieee" if query.dtype == torch.float32 else "tf32", DT=_tl_dtype(query.dtype), EMU=emulate,
-                FP_STAGES=tuning.fp_stages, num_warps=num_warps, num_stages=tuning.num_stages,
+                FP_STAGES=tuning.fp_stages or tuning.num_stages, num_warps=num_warps, num_stages=tuning.num_stages,
                 **({"maxnreg": tuning.max_registers} if tuning.max_registers is not None else {}))
     out = torch.empty(B, Hq, d, dtype=query.dtype, device=query.device)
     if B and Hq:
