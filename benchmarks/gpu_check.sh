@@ -69,14 +69,14 @@ timeout "${BENCH_S:-180}" "$PY" benchmarks/gpu_decode.py --out "$OUT_DIR" ${PEAK
 EXTRA=()
 "$PY" -c "import xdist" 2>/dev/null && EXTRA+=(-n 8)
 "$PY" -c "import pytest_timeout" 2>/dev/null && EXTRA+=(--timeout 170)
-timeout "${TESTS_S:-170}" "$PY" -m pytest -q -p no:cacheprovider ${EXTRA[@]+"${EXTRA[@]}"} tests/test_triton_kernels.py \
+timeout "${TESTS_S:-170}" "$PY" -m pytest -q -p no:cacheprovider --durations 15 ${EXTRA[@]+"${EXTRA[@]}"} tests/test_triton_kernels.py \
     --deselect tests/test_triton_kernels.py::test_kernels_compile_for_cuda --junitxml "$OUT_DIR/test_triton_kernels.xml" \
     tests/test_vllm_plugin.py -k "not test_vllm_plugin.py or triton" \
     2>&1 | tee "$OUT_DIR/test_triton_kernels.txt"
 [ "${PIPESTATUS[0]}" -eq 0 ] || status=1
 
 # 4. the whole library on CUDA against CPU (tests/test_cuda.py), in what time is left
-timeout "${CUDA_TESTS_S:-130}" "$PY" -m pytest -q -p no:cacheprovider ${EXTRA[@]+"${EXTRA[@]}"} tests/test_cuda.py \
+timeout "${CUDA_TESTS_S:-130}" "$PY" -m pytest -q -p no:cacheprovider --durations 15 ${EXTRA[@]+"${EXTRA[@]}"} tests/test_cuda.py \
     2>&1 | tee "$OUT_DIR/test_cuda.txt"
 [ "${PIPESTATUS[0]}" -eq 0 ] || status=1
 

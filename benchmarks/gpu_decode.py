@@ -22,7 +22,9 @@
    and over the same codes read as KVarN key tiles (``triton_ktiles``: ``auto``'s ``+ktiles`` keys) and as keys centered on
    their rotating mean (``triton_rmean``: ``auto``'s ``+rmean``; these two without the sweep's register cap, under
    which they spill); with batch > 1, a left-padded batch's rows
-   (``triton_ragged``, each row over its own columns, against ``triton_ragged_widest``, as wide as the widest).
+   (``triton_ragged``, each row over its own columns, against ``triton_ragged_widest``, as wide as the widest);
+   ``triton_compiled`` (and each sweep tuning's ``compiled``): the decode kernel's registers, spills and shared
+   memory as the device's compiler built it.
    Combinations whose tensors would not fit in ``--memory-fraction`` of the free memory are skipped (listed).
 2. *End to end*: a random-weight Llama-shaped model (``--e2e-layers`` layers of the same heads, bfloat16) decodes
    one token per step over a filled cache: ``DynamicCache`` (SDPA), the wushkv K2V2 cache through the Triton kernels,
@@ -292,6 +294,8 @@ def sweep(args, device, timer) -> dict:
                     with tk.decode_tuning(**tune):
                         row["splits"] = tk.default_splits(B, args.kv_heads, ctx, bn, device)
                         row |= timer(lambda: tk.decode(*inputs), min(args.warmup, 3), max(1, args.iters // 2), gpu=True)
+                        if ppsm == per_sm[0]:  # the same kernel at every programs_per_sm
+                            row["compiled"] = compiled_decode(lambda: tk.decode(*inputs))
                     row["tb_per_s"] = nbytes / (row["ms"] * 1e-3) / 1e12
                 except Exception as e:  # a tuning this device cannot compile (shared memory, registers)
                     row["error"] = f"{type(e).__name__}: {str(e).splitlines()[0][:160] if str(e) else ''}"
@@ -334,6 +338,7 @@ def kernel_case(args, ctx, B, device, timer) -> dict:
     row = {"context": ctx, "batch": B, "store_tokens_per_s": B * n_mid / store_s if store_s else None,
            "tuning": vars(tuning) | {}, "classes": [k_p, v_p], "splits": tk.default_splits(B, Hkv, ctx, block_n, device)}
     row["triton"] = timer(lambda: tk.decode(*inputs), args.warmup, args.iters, gpu=True) | {"bytes": nbytes}
+    row["triton_compiled"] = compiled_decode(lambda: tk.decode(*inputs))
     if tuning != tk.DecodeTuning():
         with tk.decode_tuning(**vars(tk.DecodeTuning())):
             row["triton_default"] = timer(lambda: tk.decode(*inputs), args.warmup, args.iters, gpu=True) | {"bytes": nbytes}
@@ -400,6 +405,26 @@ def kernel_case(args, ctx, B, device, timer) -> dict:
     row["triton_bf16_vs_sdpa"] = max_rel(bf16_call(), sdpa()[:, :, 0])
     del K, V
     return row
+
+
+def compiled_decode(fn) -> dict | None:
+    """What the device's compiler built of the decode kernel ``fn`` launches (one more call): registers and spilled
+    bytes a thread, shared memory and warps a program. The occupancy they allow is ``kernel_sass.resident_warps``'s
+    arithmetic; the compiler here may differ from the one kernel_sass.py ran. None under the interpreter."""
+    seen = {}
+
+    def hook(name, grid, args, meta, run):
+        k = run(name, grid, args, meta)
+        if name == "decode" and k is not None:
+            md = getattr(k, "metadata", None)
+            seen.update(registers=getattr(k, "n_regs", None), spills=getattr(k, "n_spills", None),
+                        shared=getattr(md, "shared", None), num_warps=getattr(md, "num_warps", None),
+                        max_registers=meta.get("maxnreg"))
+        return k
+
+    with tk.launches_through(hook):
+        fn()
+    return seen or None
 
 
 def ragged_case(args, row: dict, inputs: tuple, timer) -> None:
@@ -614,6 +639,10 @@ def summary(row: dict) -> str:
             parts.append(f"{k} {v:.2f}x")
         elif k.endswith(("_vs_tiles", "_vs_sdpa", "_vs_widest")):
             parts.append(f"{k} {v:.1e}" + (" MISMATCH" if not agrees(v) else ""))
+    c = row.get("triton_compiled")
+    if c:
+        parts.append(f"decode kernel: {c['registers']} registers, {c['spills']} spilled, {c['shared']} B shared, "
+                     f"{c['num_warps']} warps")
     return f"{head}: " + ", ".join(parts)
 
 

@@ -358,8 +358,12 @@ def test_gpu_decode_dry_run(tmp_path):
     assert 0 <= row["triton_vs_tiles"] < gpu_decode.AGREE and 0 <= row["triton_bf16_vs_sdpa"] < gpu_decode.AGREE
     assert gpu_decode.max_rel(torch.ones(3), torch.full((3,), 2.0)) == 0.5
     assert not gpu_decode.agrees(gpu_decode.max_rel(torch.tensor([1.0, float("nan")]), torch.ones(2)))  # NaN: MISMATCH
+    # what the device's compiler built: nothing under the interpreter (its launches return no compiled kernel)
+    assert "triton_compiled" in row and row["triton_compiled"] is None
     sw = res["sweep"]
     assert sw["shapes"] == [[48, 2]] and res["tuning"] == row["tuning"] == sw["best"]
+    assert [r["max_registers"] for r in sw["rows"] if "compiled" in r] == [t[3] if len(t) > 3 else None
+                                                                          for t in gpu_decode.DRY_SWEEP_TILES]
     timed = [r for r in sw["rows"] if "ms" in r]
     assert len(timed) == len(gpu_decode.DRY_SWEEP_TILES) * len(gpu_decode.DRY_SWEEP_PER_SM)
     fastest = min(timed, key=lambda r: r["ms"])

@@ -1198,9 +1198,11 @@ _THROUGH: list = []
 @contextlib.contextmanager
 def launches_through(hook):
     """Within the block every kernel launch goes through ``hook(name, grid, args, constexprs, run)``, which may check
-    or change them and runs the kernel with ``run(name, grid, args, constexprs)``. What a test that runs the kernels
-    on stand-in tensors uses (``tests/vllm_fake_cuda_check.py``: tensors that say cuda:0 are checked, then run under
-    the interpreter)."""
+    or change them and runs the kernel with ``run(name, grid, args, constexprs)``, which returns what Triton's launch
+    does (on a GPU the compiled kernel, with its registers, spills and shared memory; None under the interpreter).
+    What a test that runs the kernels on stand-in tensors uses (``tests/vllm_fake_cuda_check.py``: tensors that say
+    cuda:0 are checked, then run under the interpreter), and ``benchmarks/gpu_decode.py`` to read what the device's
+    compiler built."""
     _THROUGH.append(hook)
     try:
         yield
@@ -1208,9 +1210,9 @@ def launches_through(hook):
         _THROUGH.pop()
 
 
-def _run(name: str, grid, args, meta) -> None:
+def _run(name: str, grid, args, meta):
     _CALLS[name] += 1
-    _kernels()[name][grid](*args, **meta)
+    return _kernels()[name][grid](*args, **meta)
 
 
 def _launch(name: str, grid, *args, **meta) -> None:
