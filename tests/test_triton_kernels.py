@@ -1124,3 +1124,101 @@ def test_ragged_rows_of_key_tiles_decode_in_one_kernel_call(rmean):
                        view._held())
         with decode_mod.triton_enabled(True):
             assert torch.equal(view.attend(attn, q, allowed, d**-0.5, None), out)
+
+
+# Every (bits, codes a word) the decode kernel reads in classes (16-bit words: 1/16, 2/8, 4/4; three-byte words: 3/8;
+# bytes: 1/8, 2/4), each code S of the word, as bfloat16 (OFF 128) and float16 (OFF 1024) operands: 96 cases
+WORD_CASES = [(bits, wc, s, off) for bits, wc in ((1, 16), (2, 8), (4, 4), (3, 8), (1, 8), (2, 4))
+              for s in range(wc) for off in (128, 1024)]
+WORD_TYPES = {8: ("*u8", torch.uint8, np.uint8), 16: ("*i16", torch.int16, np.int16), 24: ("*i32", torch.int32, np.int32)}
+WORD_PTX = """
+import json, sys
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+from wushkv import triton_kernels as tk
+kernel, out = tk._kernels()["word_codes"], {}
+for bits, wc, s, off in json.loads(sys.argv[1]):
+    consts = dict(S=s, P=wc, BITS=bits, OFF=off, EMU=False, BN=32, K=16)
+    sig = {"w_ptr": {8: "*u8", 16: "*i16", 24: "*i32"}[wc * bits], "o_ptr": "*i16"} | dict.fromkeys(consts, "constexpr")
+    attrs = {(0,): [["tt.divisibility", 16]], (1,): [["tt.divisibility", 16]]}
+    k = triton.compile(ASTSource(kernel, sig, consts, attrs), target=GPUTarget("cuda", 90, 32), options={"num_warps": 1})
+    out[f"{bits} {wc} {s} {off}"] = k.asm["ptx"]
+json.dump(out, open(sys.argv[2], "w"))
+"""
+
+
+def _code_words(bits: int, wc: int) -> np.ndarray:
+    """(T, 512) words: every 16-bit value; every byte twice, then random bytes; random 32-bit values for three-byte
+    words (their top byte, which holds no code, random too) after edge patterns."""
+    rng = np.random.default_rng(bits * 100 + wc)
+    if wc * bits == 16:
+        return rng.permutation(np.arange(65536, dtype=np.uint32)).astype(np.uint16).view(np.int16).reshape(128, 512)
+    if wc * bits == 8:
+        return np.concatenate([rng.permutation(np.tile(np.arange(256), 2))[None], rng.integers(0, 256, (31, 512))]).astype(np.uint8)
+    w = rng.integers(0, 1 << 32, (128, 512), dtype=np.uint64)
+    w[0, :8] = [0, 0xFFFFFF, 0x555555, 0xAAAAAA, 0xFFFFFFFF, 0xFF000000, 0x00FFFF00, 0x0000FF]
+    return w.astype(np.uint32).view(np.int32)
+
+
+def _operand_bits(w: np.ndarray, bits: int, wc: int, s: int, off: int) -> np.ndarray:
+    """What _word_codes documents, per word: code s (bits [s·bits, (s+1)·bits)) left at bit SHL of a 16-bit float
+    whose exponent makes it c + OFF/2^SHL, SHL > 0 only in 16-bit words where the code would leave the mantissa."""
+    sh, mant = s * bits, 7 if off == 128 else 10
+    shl = sh % ((mant // bits) * bits) if wc * bits == 16 else 0
+    base = (0x4300 if off == 128 else 0x6400) - shl * (0x80 if off == 128 else 0x400)
+    return ((((w.astype(np.int64) & 0xFFFFFFFF) >> (sh - shl)) & (((1 << bits) - 1) << shl)) | base).astype(np.uint16)
+
+
+def test_inline_ptx_builds_the_operands_the_interpreter_does(tmp_path):
+    """The decode kernel builds its tensor-core operands from code words with inline PTX (``_word_codes``), which the
+    interpreter never runs (it builds the same bits in plain Triton). Each of the 96 cases the kernel reads in classes,
+    compiled for sm_90 (``word_codes``, EMU off) and run lane by lane through tests/ptx_emu.py over every 16-bit word,
+    every byte and 65k random three-byte words, gives bit for bit the documented operand (code + OFF/2^SHL) and what
+    the interpreter's branch gives on the same words (on a GPU: the compiled kernel on the device). Triton's order
+    of a thread's values in a packed register (the first in the low bits) is part of what this checks; a wrong byte
+    selector in the PTX fails it (checked below: the emulator catches one)."""
+    import json
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    import ptx_emu
+
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["PYTHONPATH"] = str(Path(tk.__file__).resolve().parents[1]) + os.pathsep + env.get("PYTHONPATH", "")
+    res = subprocess.run([sys.executable, "-c", WORD_PTX, json.dumps(WORD_CASES), str(tmp_path / "ptx.json")], env=env,
+                         capture_output=True, text=True, timeout=300)
+    if res.returncode and "ptxas" in res.stderr and "not found" in res.stderr.lower():
+        pytest.skip("this triton install has no CUDA toolchain (ptxas) to compile with")
+    assert res.returncode == 0, res.stderr[-3000:]
+    ptx = json.loads((tmp_path / "ptx.json").read_text())
+    kernel = tk._kernels()["word_codes"]
+
+    def emulate(text: str, w: np.ndarray) -> np.ndarray:
+        T, n = w.shape  # each row one program of 32 × 16 words
+        mem = {0x10000: np.ascontiguousarray(w).view(np.uint8).reshape(T, -1).copy(), 0x100000: np.zeros((T, 2 * n), np.uint8)}
+        ops = ptx_emu.Warp(text, [0x10000, 0x100000], mem).run()
+        assert "lop3.b32" in ops  # the inline assembly ran, not something else
+        return mem[0x100000].view(np.uint16).reshape(T, n)
+
+    for bits, wc, s, off in WORD_CASES:
+        w = _code_words(bits, wc)
+        want = _operand_bits(w, bits, wc, s, off)
+        got = emulate(ptx[f"{bits} {wc} {s} {off}"], w)
+        x = torch.from_numpy(w.reshape(-1).copy()).to(DEVICE)
+        o = torch.empty(x.numel(), dtype=torch.int16, device=DEVICE)
+        BN = x.numel() // 16 if DEVICE == "cpu" else 32  # the interpreter: one program (each costs ~ms); a GPU: many
+        kernel[(x.numel() // (16 * BN),)](x, o, S=s, P=wc, BITS=bits, OFF=off, EMU=DEVICE == "cpu", BN=BN, K=16)
+        ran = o.cpu().numpy().view(np.uint16).reshape(w.shape)
+        case = f"{bits} bits, {wc} codes a word, code {s}, OFF {off}"
+        assert (ran == want).all(), f"{'the interpreter' if DEVICE == 'cpu' else 'the GPU'}: {case}"
+        bad = np.argwhere(got != want)
+        assert not len(bad), f"inline PTX: {case}, word {w[tuple(bad[0])]:#x}: {got[tuple(bad[0])]:#06x} != {want[tuple(bad[0])]:#06x}"
+    # the check has teeth: the first code of a three-byte word from the wrong half of the pair fails it
+    text = ptx["3 8 0 128"]
+    assert "0x5410" in text or "21520" in text
+    swapped = text.replace("0x5410", "0x1054").replace(", 21520;", ", 4180;")
+    w = _code_words(3, 8)
+    assert (emulate(swapped, w) != _operand_bits(w, 3, 8, 0, 128)).mean() > 0.5

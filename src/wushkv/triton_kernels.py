@@ -1048,7 +1048,20 @@ def _kernels() -> dict:
             tl.store(z_ptr + (blk * sz0 + tok * sz1 + h * sz2)[:, None] + g[None, :],
                      _rne_out(offset, META_BF16).to(z_ptr.dtype.element_ty), mask=ok[:, None])
 
-    return {"decode": decode_kernel, "merge": merge_kernel, "store": store_kernel}
+    # -- the code words' operand bits alone: what checks the GPU's inline PTX without a GPU -------------------------
+    @jit
+    def word_codes_kernel(w_ptr, o_ptr, S: tl.constexpr, P: tl.constexpr, BITS: tl.constexpr, OFF: tl.constexpr,
+                          EMU: tl.constexpr, BN: tl.constexpr, K: tl.constexpr):
+        """Program i: the (BN, K) code words at ``w_ptr + i·BN·K`` (int16: 16-bit words; int32: three-byte words, the top byte ignored;
+        uint8: bytes), each of P codes of BITS → the 16 bits of code S of each as the dots' operand
+        (:func:`_word_codes`), int16 at ``o_ptr``. On a GPU (EMU False) they come from inline PTX, which the
+        interpreter never runs (EMU True builds the same bits in plain Triton): compiled for sm_90 and run through a
+        PTX emulator, the two are checked against each other without a GPU (``tests/test_triton_kernels.py``)."""
+        r = tl.program_id(0) * BN * K + tl.arange(0, BN)[:, None] * K + tl.arange(0, K)[None, :]
+        out = _word_codes(tl.load(w_ptr + r), S, P, BITS, OFF, EMU)
+        tl.store(o_ptr + r, out.to(tl.int16, bitcast=True))
+
+    return {"decode": decode_kernel, "merge": merge_kernel, "store": store_kernel, "word_codes": word_codes_kernel}
 
 
 def _check_device(*tensors) -> None:
