@@ -72,20 +72,25 @@ PEAK_TBPS = {
 DRY_RUN = dict(contexts=[48], batches=[1, 2], q_heads=4, kv_heads=2, head_dim=32, sink=4, recent=8, flush=4, warmup=0,
                iters=1, e2e_contexts=[48], e2e_batches=[1], e2e_layers=1, e2e_steps=4, sweep="48x2")
 # The decode kernel's launch parameters the sweep tries, most promising first (it stops at --sweep-budget): tiles of
-# block_n tokens, warps, software-pipeline stages, and a cap on a thread's registers where the tuple has a fourth
-# field (max_registers: 8 one-warp programs a multiprocessor hold at 255 registers, 16 at 128, for a few spills,
-# kernel_sass.py; with the windows' loop unpipelined, fp_stages=1, without which shared memory allows 10); each
-# compiled once, then timed at each programs_per_sm.
-SWEEP_TILES = [(32, 1, 2), (32, 1, 2, 128), (64, 1, 2), (32, 1, 2, 168), (16, 1, 2), (32, 1, 3), (32, 1, 3, 128),
-               (64, 1, 3), (32, 1, 1), (64, 1, 1), (32, 2, 2),
+# block_n tokens, warps, software-pipeline stages, and where the tuple has a fourth field, more DecodeTuning fields:
+# a cap on a thread's registers (8 one-warp programs a multiprocessor hold at 255 registers, 16 at 128, for a few
+# spills; kernel_sass.py) with the windows' loop unpipelined (fp_stages=1: 12 KB of shared memory a program at d 128,
+# without which 20 KB allows 10); each compiled once, then timed at each programs_per_sm.
+CAP = lambda registers: dict(max_registers=registers, fp_stages=1)  # noqa: E731
+SWEEP_TILES = [(32, 1, 2), (32, 1, 2, CAP(128)), (64, 1, 2), (32, 1, 2, CAP(168)), (16, 1, 2), (32, 1, 3),
+               (32, 1, 3, CAP(128)), (64, 1, 3), (32, 1, 1), (64, 1, 1), (32, 1, 2, dict(fp_stages=1)), (32, 2, 2),
                (64, 4, 3), (128, 8, 3), (64, 8, 3), (128, 4, 3), (32, 4, 3), (64, 4, 2), (128, 8, 2), (32, 4, 2),
                (64, 4, 4), (128, 8, 4), (256, 8, 3), (32, 8, 3), (64, 4, 1), (128, 8, 1), (16, 4, 3), (256, 8, 2),
                (32, 4, 1), (64, 8, 2), (128, 4, 2), (16, 4, 1)]
 SWEEP_PER_SM = (4, 8, 16, 2)
 TUNING_FIELDS = tuple(f.name for f in dataclasses.fields(tk.DecodeTuning))
-DRY_SWEEP_TILES, DRY_SWEEP_PER_SM = [(16, 4, 1), (32, 1, 3, 128)], (1, 4)
+DRY_SWEEP_TILES, DRY_SWEEP_PER_SM = [(16, 4, 1), (32, 1, 3, CAP(128))], (1, 4)
 # session 46's path and tuning: codes unpacked to (tokens, d) tiles, 64 tokens, 4 warps, 2 stages ("triton_tiles")
-TILES = dict(class_split=False, block_n=64, num_warps=4, num_stages=2, fp_stages=None)
+TILES = dict(class_split=False, block_n=64, num_warps=4, num_stages=2, fp_stages=None, max_registers=None)
+# the rows whose kernels a register cap makes spill (key tiles, +rmean; kernel_sass.py: 1.2-1.5x the instructions a
+# token at 128-168 registers) or that stand for an earlier kernel (the bf16 context's, as session 46 ran it) run
+# without the sweep's cap
+UNCAPPED = dict(max_registers=None, fp_stages=None)
 KEY_TILE = 128  # tokens per KVarN key tile in the key-tiles row (auto's +ktiles at the generation presets' flush)
 
 
@@ -279,7 +284,7 @@ def sweep(args, device, timer) -> dict:
             out["rows"].append({"context": ctx, "batch": B, "skipped": "does not fit"})
             continue
         inputs, nbytes, _ = kernel_inputs(args, ctx, B, device)
-        for ti, (bn, w, st, *cap) in enumerate(tiles):
+        for ti, (bn, w, st, *more) in enumerate(tiles):
             # the budget bounds the first shape's compiles; later shapes time the tunings the first one reached
             if (si == 0 and time.perf_counter() - t0 > args.sweep_budget) or (si > 0 and ti >= out["reached"]):
                 out["cut_short"] = out.get("cut_short", False) or si == 0
@@ -288,19 +293,20 @@ def sweep(args, device, timer) -> dict:
                 out["reached"] = ti + 1
             for ppsm in per_sm:
                 tune = dict(block_n=bn, num_warps=w, num_stages=st, programs_per_sm=ppsm, class_split=True,
-                            max_registers=cap[0] if cap else None, fp_stages=1 if cap else None)
+                            max_registers=None, fp_stages=None) | (more[0] if more else {})
                 row = {"context": ctx, "batch": B, **tune}
                 try:
                     with tk.decode_tuning(**tune):
                         row["splits"] = tk.default_splits(B, args.kv_heads, ctx, bn, device)
                         row |= timer(lambda: tk.decode(*inputs), min(args.warmup, 3), max(1, args.iters // 2), gpu=True)
-                        if ppsm == per_sm[0]:  # the same kernel at every programs_per_sm
-                            row["compiled"] = compiled_decode(lambda: tk.decode(*inputs))
                     row["tb_per_s"] = nbytes / (row["ms"] * 1e-3) / 1e12
                 except Exception as e:  # a tuning this device cannot compile (shared memory, registers)
                     row["error"] = f"{type(e).__name__}: {str(e).splitlines()[0][:160] if str(e) else ''}"
                     out["rows"].append(row)
                     break  # the other programs_per_sm compile the same kernel
+                if ppsm == per_sm[0]:  # the same kernel at every programs_per_sm
+                    with tk.decode_tuning(**tune):
+                        row["compiled"] = compiled_decode(lambda: tk.decode(*inputs))
                 row.pop("ms_all", None), row.pop("latency_ms_all", None)
                 out["rows"].append(row)
         del inputs
@@ -357,23 +363,20 @@ def kernel_case(args, ctx, B, device, timer) -> dict:
     ones = torch.ones(B, Hkv, -(-n_mid // KEY_TILE), d, device=device, dtype=torch.float16)
     kt = tk.Packed(tk.TileFormat(args.k_bits, d, KEY_TILE), mk.codes, mk.scale, tile_scale=ones, tile_zero=ones * mk.fmt.half)
     kt_inputs = (*inputs[:4], kt, *inputs[5:])
-    # the sweep picks its tuning on per-token codes; a register cap it may pick spills here (kernel_sass.py: 1.2-1.5x
-    # the instructions a token at 128-168 registers with key tiles and +rmean), so these two rows run without one
-    uncapped = dict(max_registers=None)
-    with tk.decode_tuning(**uncapped):
+    with tk.decode_tuning(**UNCAPPED):  # the sweep's register cap would make these spill
         row["triton_ktiles"] = timer(lambda: tk.decode(*kt_inputs), args.warmup, args.iters, gpu=True) | {
             "bytes": nbytes + 2 * ones.numel() * 2}
-    row["triton_ktiles_vs_tiles"] = max_rel(tk.decode(*kt_inputs), tiles_out)
+        row["triton_ktiles_vs_tiles"] = max_rel(tk.decode(*kt_inputs), tiles_out)
     # keys centered on their rotating mean (auto's +rmean): the same codes, each tile's scores gaining Σ A cos pθ +
     # B sin pθ; checked against the tiles' path with the same bias (the bias itself against a reference: the CUDA tests)
     theta = 10000.0 ** (-torch.arange(d // 2, dtype=torch.float32) / (d // 2))
     terms = torch.randn(B, args.q_heads, d, device=device, generator=torch.Generator(device).manual_seed(0)) * 0.05
     bias = tk.KeyBias(terms, torch.full((B,), SINK), theta)
-    with tk.decode_tuning(**uncapped):
-        row["triton_rmean"] = timer(lambda: tk.decode(*inputs, key_bias=bias), args.warmup, args.iters, gpu=True) | {"bytes": nbytes}
     with tk.decode_tuning(**TILES):
         rmean_tiles = tk.decode(*inputs, key_bias=bias)
-    row["triton_rmean_vs_tiles"] = max_rel(tk.decode(*inputs, key_bias=bias), rmean_tiles)
+    with tk.decode_tuning(**UNCAPPED):
+        row["triton_rmean"] = timer(lambda: tk.decode(*inputs, key_bias=bias), args.warmup, args.iters, gpu=True) | {"bytes": nbytes}
+        row["triton_rmean_vs_tiles"] = max_rel(tk.decode(*inputs, key_bias=bias), rmean_tiles)
     if B > 1:
         ragged_case(args, row, inputs, timer)
     del inputs, tiles_out, kt_inputs, kt, ones, rmean_tiles
@@ -400,7 +403,7 @@ def kernel_case(args, ctx, B, device, timer) -> dict:
     lengths = torch.tensor([[ctx, 0, 0]] * B, dtype=torch.int32, device=device)
     none = K[:, :, :0]
     bf16_call = lambda: tk.decode(q, lengths, K, V, empty, empty, none, none, scaling)  # noqa: E731
-    with tk.decode_tuning(fp_stages=None):  # the whole context in that loop: pipelined, as session 46 ran it
+    with tk.decode_tuning(**UNCAPPED):  # the whole context in that loop: pipelined and uncapped, as session 46 ran it
         row["triton_bf16"] = timer(bf16_call, args.warmup, args.iters, gpu=True) | {"bytes": bf16_kv + 2 * q.numel() * 2}
     row["triton_bf16_vs_sdpa"] = max_rel(bf16_call(), sdpa()[:, :, 0])
     del K, V
@@ -408,22 +411,27 @@ def kernel_case(args, ctx, B, device, timer) -> dict:
 
 
 def compiled_decode(fn) -> dict | None:
-    """What the device's compiler built of the decode kernel ``fn`` launches (one more call): registers and spilled
-    bytes a thread, shared memory and warps a program. The occupancy they allow is ``kernel_sass.resident_warps``'s
-    arithmetic; the compiler here may differ from the one kernel_sass.py ran. None under the interpreter."""
+    """What the device's compiler built of the decode kernel ``fn`` launches (one more call): registers and local
+    memory (spills and stack; Triton's ``n_spills`` counts its 4-byte words) a thread, shared memory and warps a
+    program. The occupancy they allow is ``kernel_sass.resident_warps``'s arithmetic; the compiler here may differ
+    from the one kernel_sass.py ran. None under the interpreter, or with the reason where reading it failed (the
+    timings around it stand)."""
     seen = {}
 
     def hook(name, grid, args, meta, run):
         k = run(name, grid, args, meta)
         if name == "decode" and k is not None:
-            md = getattr(k, "metadata", None)
-            seen.update(registers=getattr(k, "n_regs", None), spills=getattr(k, "n_spills", None),
+            md, words = getattr(k, "metadata", None), getattr(k, "n_spills", None)
+            seen.update(registers=getattr(k, "n_regs", None), local_bytes=None if words is None else 4 * words,
                         shared=getattr(md, "shared", None), num_warps=getattr(md, "num_warps", None),
                         max_registers=meta.get("maxnreg"))
         return k
 
-    with tk.launches_through(hook):
-        fn()
+    try:
+        with tk.launches_through(hook):
+            fn()
+    except Exception as e:  # noqa: BLE001  a diagnostic: never the reason a row's timings are lost
+        return {"error": f"{type(e).__name__}: {str(e)[:160]}"}
     return seen or None
 
 
@@ -527,7 +535,9 @@ def e2e_case(args, model, ctx, B, device, timer) -> dict:
                 k = torch.randn(B, Hkv, n, d, device=device, dtype=model.dtype)
                 v = torch.randn_like(k)
                 cache.layers[i].update(k, v) if name != "dynamic" else cache.update(k, v, i)
-        with torch.no_grad(), decode_mod.triton_enabled(enabled if name != "dynamic" else None):
+        # auto's key tiles and +rmean without the sweep's register cap, as their kernel row (they spill under one)
+        uncapped = UNCAPPED if name == "wushkv_auto" else {}
+        with torch.no_grad(), decode_mod.triton_enabled(enabled if name != "dynamic" else None), tk.decode_tuning(**uncapped):
             step = lambda: m(ids, cache=cache, use_cache=True)  # noqa: E731
             if device.type == "cuda":
                 torch.cuda.synchronize(device)
@@ -640,8 +650,8 @@ def summary(row: dict) -> str:
         elif k.endswith(("_vs_tiles", "_vs_sdpa", "_vs_widest")):
             parts.append(f"{k} {v:.1e}" + (" MISMATCH" if not agrees(v) else ""))
     c = row.get("triton_compiled")
-    if c:
-        parts.append(f"decode kernel: {c['registers']} registers, {c['spills']} spilled, {c['shared']} B shared, "
+    if c and "error" not in c:
+        parts.append(f"decode kernel: {c['registers']} registers, {c['local_bytes']} B local, {c['shared']} B shared, "
                      f"{c['num_warps']} warps")
     return f"{head}: " + ", ".join(parts)
 

@@ -773,7 +773,8 @@ def test_decode_tuning_changes_launches_not_results():
     for bad, match in ((dict(block_n=48), "block_n"), (dict(num_warps=0), "num_warps"), (dict(programs_per_sm=1.5), "programs_per_sm"),
                        (dict(max_registers=16), r"max_registers must be an int in \[24, 255\].*got 16"),
                        (dict(max_registers=256), "max_registers"), (dict(max_registers=True), "max_registers"),
-                       (dict(max_registers=128.0), "max_registers"), (dict(fp_stages=0), "fp_stages")):
+                       (dict(max_registers=128.0), "max_registers"), (dict(fp_stages=0), "fp_stages"),
+                       (dict(fp_stages=True), r"fp_stages must be a positive int \(or None\), got True")):
         with pytest.raises(ValueError, match=match):
             tk.DecodeTuning(**bad)
 

@@ -1425,8 +1425,9 @@ class DecodeTuning:
             raise ValueError(f"block_n must be a power of two >= 16 (or None: by the path), got {self.block_n!r}")
         for name in ("num_warps", "num_stages", "programs_per_sm", "fp_stages"):
             v = getattr(self, name)
-            if not (v is None and name in ("num_warps", "fp_stages")) and (not isinstance(v, int) or v < 1):
-                raise ValueError(f"{name} must be a positive int, got {v!r}")
+            if not (v is None and name in ("num_warps", "fp_stages")) and (not isinstance(v, int) or isinstance(v, bool) or v < 1):
+                raise ValueError(f"{name} must be a positive int{' (or None)' if name in ('num_warps', 'fp_stages') else ''}, "
+                                 f"got {v!r}")
         if not isinstance(self.class_split, bool):
             raise ValueError(f"class_split must be True or False, got {self.class_split!r}")
         if self.max_registers is not None and (not isinstance(self.max_registers, int) or isinstance(self.max_registers, bool)
