@@ -32,7 +32,8 @@ def lop3(a, b, c, lut: int):
     out = np.zeros_like(a)
     for bit in range(32):
         sh = np.uint64(bit)
-        idx = (((a >> sh) & np.uint64(1)) << np.uint64(2)) | (((b >> sh) & np.uint64(1)) << np.uint64(1)) | ((c >> sh) & np.uint64(1))
+        one = np.uint64(1)
+        idx = (((a >> sh) & one) << np.uint64(2)) | (((b >> sh) & one) << one) | ((c >> sh) & one)
         out |= ((np.uint64(lut) >> idx) & np.uint64(1)) << sh
     return out
 

@@ -1052,8 +1052,8 @@ def _kernels() -> dict:
     @jit
     def word_codes_kernel(w_ptr, o_ptr, S: tl.constexpr, P: tl.constexpr, BITS: tl.constexpr, OFF: tl.constexpr,
                           EMU: tl.constexpr, BN: tl.constexpr, K: tl.constexpr):
-        """Program i: the (BN, K) code words at ``w_ptr + i·BN·K`` (int16: 16-bit words; int32: three-byte words, the top byte ignored;
-        uint8: bytes), each of P codes of BITS → the 16 bits of code S of each as the dots' operand
+        """Program i: the (BN, K) code words at ``w_ptr + i·BN·K`` (int16: 16-bit words; int32: three-byte words,
+        the top byte ignored; uint8: bytes), each of P codes of BITS → the 16 bits of code S of each as the dots' operand
         (:func:`_word_codes`), int16 at ``o_ptr``. On a GPU (EMU False) they come from inline PTX, which the
         interpreter never runs (EMU True builds the same bits in plain Triton): compiled for sm_90 and run through a
         PTX emulator, the two are checked against each other without a GPU (``tests/test_triton_kernels.py``)."""
@@ -1391,8 +1391,8 @@ class DecodeTuning:
     ``num_stages`` (Triton's; the interpreter ignores them), ``programs_per_sm``: splits are chosen so that about
     that many programs run per streaming multiprocessor (:func:`default_splits`), and ``class_split``: read 1- to
     4-bit codes as words split into classes (:func:`code_classes`) where they allow it, else unpack them to
-    (tokens, d) tiles (session 46's kernel), and ``max_registers``: a cap on each thread's registers (Triton's
-    ``maxnreg``, the PTX ``.maxnreg``; None: ptxas's choice), and ``fp_stages``: the software pipeline of the loop over
+    (tokens, d) tiles (session 46's kernel); ``max_registers``: a cap on each thread's registers (Triton's
+    ``maxnreg``, the PTX ``.maxnreg``; None: ptxas's choice); and ``fp_stages``: the software pipeline of the loop over
     the full-precision sink and recent tokens (None: ``num_stages``, the middle's). None of them changes what is computed
     beyond float32 summation order; :func:`decode_tuning` swaps them for a block of code.
 
@@ -1425,9 +1425,9 @@ class DecodeTuning:
             raise ValueError(f"block_n must be a power of two >= 16 (or None: by the path), got {self.block_n!r}")
         for name in ("num_warps", "num_stages", "programs_per_sm", "fp_stages"):
             v = getattr(self, name)
-            if not (v is None and name in ("num_warps", "fp_stages")) and (not isinstance(v, int) or isinstance(v, bool) or v < 1):
-                raise ValueError(f"{name} must be a positive int{' (or None)' if name in ('num_warps', 'fp_stages') else ''}, "
-                                 f"got {v!r}")
+            optional = name in ("num_warps", "fp_stages")
+            if not (v is None and optional) and (not isinstance(v, int) or isinstance(v, bool) or v < 1):
+                raise ValueError(f"{name} must be a positive int{' (or None)' if optional else ''}, got {v!r}")
         if not isinstance(self.class_split, bool):
             raise ValueError(f"class_split must be True or False, got {self.class_split!r}")
         if self.max_registers is not None and (not isinstance(self.max_registers, int) or isinstance(self.max_registers, bool)
