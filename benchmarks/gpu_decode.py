@@ -6,8 +6,9 @@
 
 0. *Sweep* (``--sweep``, default 32768x16 then 1024x16): the decode kernel's launch parameters
    (:class:`wushkv.triton_kernels.DecodeTuning`: tokens per tile, warps, pipeline stages, programs per multiprocessor,
-   and for a few a cap on a thread's registers: more resident warps for some spills) timed at each shape within ``--sweep-budget`` seconds; the fastest at the first shape is the tuning every row below
-   runs under (through ``decode_tuning``, the cache's decode steps too), and each kernel row also times the library's
+   and for a few a cap on a thread's registers: more resident warps for some spills) timed at each shape within
+   ``--sweep-budget`` seconds; the fastest at the first shape is the tuning every row below runs under (through
+   ``decode_tuning``, the cache's decode steps too), and each kernel row also times the library's
    defaults (``triton_default``).
 1. *Kernel*: for each context and batch, one attention layer (``--q-heads`` query heads over ``--kv-heads`` KV heads of
    ``--head-dim``) decodes one token: the Triton K2V2 kernel over a cache of a full-precision sink (``--sink``, 64), a
@@ -20,11 +21,11 @@
    achieved bandwidth as a fraction of the device's peak (``PEAK_TBPS`` by device name, or ``--peak-tbps``); and the
    same kernel over the bfloat16 context (``triton_bf16``: what the packing saves, apart from how good the kernel is),
    and over the same codes read as KVarN key tiles (``triton_ktiles``: ``auto``'s ``+ktiles`` keys) and as keys centered on
-   their rotating mean (``triton_rmean``: ``auto``'s ``+rmean``; these two without the sweep's register cap, under
-   which they spill); with batch > 1, a left-padded batch's rows
-   (``triton_ragged``, each row over its own columns, against ``triton_ragged_widest``, as wide as the widest);
-   ``triton_compiled`` (and each sweep tuning's ``compiled``): the decode kernel's registers, spills and shared
-   memory as the device's compiler built it.
+   their rotating mean (``triton_rmean``: ``auto``'s ``+rmean``; these two, ``triton_bf16`` and ``triton_tiles``
+   without the sweep's register cap: UNCAPPED); with batch > 1, a left-padded batch's rows (``triton_ragged``, each
+   row over its own columns, against ``triton_ragged_widest``, as wide as the widest); ``triton_compiled`` (and each
+   sweep tuning's ``compiled``): the decode kernel's registers, local and shared memory as the device's compiler
+   built it.
    Combinations whose tensors would not fit in ``--memory-fraction`` of the free memory are skipped (listed).
 2. *End to end*: a random-weight Llama-shaped model (``--e2e-layers`` layers of the same heads, bfloat16) decodes
    one token per step over a filled cache: ``DynamicCache`` (SDPA), the wushkv K2V2 cache through the Triton kernels,
