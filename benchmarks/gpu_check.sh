@@ -12,6 +12,11 @@
 #   PYTHON=/path/to/python benchmarks/gpu_check.sh
 #   PEAK_TBPS=4.8 benchmarks/gpu_check.sh      # override the device's peak bandwidth
 #
+# The sweep runs at Llama-3-8B's heads (d 128). Where device time is left, SmolLM2's shape (d 64, 9/3 heads), whose
+# register and pipeline choices differ (docs/reference/performance.md, session 58), in a second call:
+#   PYTHONPATH=src python benchmarks/gpu_decode.py --out "$OUT/d64" --head-dim 64 --q-heads 9 --kv-heads 3 \
+#       --sweep 32768x16 --contexts 32768 --batches 16 --e2e-contexts ""
+#
 # Nothing is installed from the network (the lent GPU machines reach none): the package runs from src/ and uses the
 # machine's torch, triton, transformers and pytest. Wheels in .whl/ (for a version the machine lacks) are installed
 # into a private folder first, without dependencies. The lent H200's image had transformers 5.17, older than the
