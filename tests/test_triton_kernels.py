@@ -1021,6 +1021,13 @@ def test_kernels_compile_for_cuda():
     accepts, name resolution), without a GPU: the store, decode (two tunings, one-byte key steps; codes in classes,
     in words of 16 bits, three bytes and one, whose inline PTX ptxas assembles, two codes a word a class at head_dim
     64; rows from their own columns) and merge kernels compile for sm_90."""
+    res = _compiling(COMPILE)
+    assert res.returncode == 0 and "compiled True" in res.stdout, res.stderr[-3000:]
+
+
+def _compiling(script: str, *args: str):
+    """``script`` run in its own process with ``args``, where triton compiles instead of interpreting (this one
+    imported it under the interpreter: tests/conftest.py); skips where triton ships no CUDA toolchain."""
     import os
     import subprocess
     import sys
@@ -1028,10 +1035,10 @@ def test_kernels_compile_for_cuda():
 
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     env["PYTHONPATH"] = str(Path(tk.__file__).resolve().parents[1]) + os.pathsep + env.get("PYTHONPATH", "")
-    res = subprocess.run([sys.executable, "-c", COMPILE], env=env, capture_output=True, text=True, timeout=300)
+    res = subprocess.run([sys.executable, "-c", script, *args], env=env, capture_output=True, text=True, timeout=300)
     if res.returncode and "ptxas" in res.stderr and "not found" in res.stderr.lower():
         pytest.skip("this triton install has no CUDA toolchain (ptxas) to compile with")
-    assert res.returncode == 0 and "compiled True" in res.stdout, res.stderr[-3000:]
+    return res
 
 
 def test_equal_lengths_are_uploaded_once():
@@ -1180,19 +1187,10 @@ def test_inline_ptx_builds_the_operands_the_interpreter_does(tmp_path):
     of a thread's values in a packed register (the first in the low bits) is part of what this checks; a wrong byte
     selector in the PTX fails it (checked below: the emulator catches one)."""
     import json
-    import os
-    import subprocess
-    import sys
-    from pathlib import Path
 
     import ptx_emu
 
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    env["PYTHONPATH"] = str(Path(tk.__file__).resolve().parents[1]) + os.pathsep + env.get("PYTHONPATH", "")
-    res = subprocess.run([sys.executable, "-c", WORD_PTX, json.dumps(WORD_CASES), str(tmp_path / "ptx.json")], env=env,
-                         capture_output=True, text=True, timeout=300)
-    if res.returncode and "ptxas" in res.stderr and "not found" in res.stderr.lower():
-        pytest.skip("this triton install has no CUDA toolchain (ptxas) to compile with")
+    res = _compiling(WORD_PTX, json.dumps(WORD_CASES), str(tmp_path / "ptx.json"))
     assert res.returncode == 0, res.stderr[-3000:]
     ptx = json.loads((tmp_path / "ptx.json").read_text())
     kernel = tk._kernels()["word_codes"]
