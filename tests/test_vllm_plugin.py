@@ -705,7 +705,10 @@ def engines(tmp_path_factory):
     ]
     jp, op = tmp / "jobs.json", tmp / "out.json"
     jp.write_text(json.dumps(jobs))
-    env = dict(os.environ, VLLM_CPU_KVCACHE_SPACE="1", PYTHONPATH=str(ROOT / "src"))
+    # Every engine in this one process (vLLM's engine core in-process: 2-3 s an engine against 15 s for a process of its
+    # own), one after another as a notebook builds them: the plugin's state is per engine, not per process. The tensor
+    # parallel job's ranks still run in processes vLLM starts, and the OpenAI server test runs vLLM as deployed.
+    env = dict(os.environ, VLLM_CPU_KVCACHE_SPACE="1", VLLM_ENABLE_V1_MULTIPROCESSING="0", PYTHONPATH=str(ROOT / "src"))
     r = subprocess.run([str(VLLM_PY), "-m", "wushkv_vllm.jobs", str(jp), str(op)], env=env, capture_output=True,
                        text=True, timeout=1500)
     assert r.returncode == 0, r.stderr[-4000:]
@@ -773,6 +776,7 @@ def _agrees_with_wushkv(engines, j: int, folder: str) -> tuple[int, int, float]:
 def test_bfloat16_cells_are_padded_to_two_bytes(engines):
     """Served in bfloat16, one-byte steps make an 18-byte cell (8 + 1 + 8 + 1 at head_dim 32, 2-bit), against 2 × 32
     bfloat16 = 128 bytes: vLLM's cache holds 128/18 = 7.1× stock's tokens (float32's 4-byte padding would give 20)."""
+    # the folder served in float32 first, by an engine of this same process: the second engine says its own cells
     wush, stock = engines["out"][9], engines["out"][10]
     assert "18-byte cells per token and KV head (128 in torch.bfloat16)" in engines["log"]
     ratio = wush["num_blocks"] / stock["num_blocks"]
@@ -818,7 +822,9 @@ def test_prefix_caching_gives_each_request_what_it_gets_alone(engines):
 def test_a_method_the_plugin_lacks_is_refused_by_name(engines):
     err = engines["out"][4].get("error", "")
     assert engines["out"][4].get("batches") is None
-    assert "wush+tiles" in engines["log"] and "KVarN value tiles are written per tile" in engines["log"], err
+    # the engine's error (in-process) or its log (an engine core process says it there): what the user reads
+    seen = err + engines["log"]
+    assert "wush+tiles" in seen and "KVarN value tiles are written per tile" in seen, err
 
 
 @needs_vllm

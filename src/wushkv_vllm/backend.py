@@ -30,6 +30,7 @@ mixed batches.
 
 from __future__ import annotations
 
+import weakref
 from dataclasses import replace
 
 import torch
@@ -43,48 +44,57 @@ from .paged import RopeMean, SlotCodec, Windows, attend, decode_batch, decode_co
 from .served import Served, UnsupportedFolder, has_side_file, load_served
 
 logger = init_logger("vllm.wushkv")  # under vLLM's logger: shown with its own lines
-_SERVED: dict[str, Served] = {}  # folder -> what is served from it, read once per process
-# What this process's model serves, set when its attention layers are built (vLLM's config is current then): vLLM asks
-# the backend for its cell size later, outside that context (Worker.get_kv_cache_spec).
-_BUILT: list[Served | None] = []
+# What each engine of this process serves, by its vLLM config: read once per engine (served_model() is asked once per
+# attention layer). Per engine, not per process: one Python process may build several (``vllm.LLM`` twice, or
+# VLLM_ENABLE_V1_MULTIPROCESSING=0), each with its own dtype, log lines and decode path. Weak: a dropped engine's goes.
+_SERVING: list[tuple[weakref.ref, Served | None]] = []
+# What the last model built in this process serves, set when its attention layers are built (vLLM's config is current
+# then): vLLM asks the backend for its cell size later, outside that context (Worker.get_kv_cache_spec).
+_BUILT: list[Served | None] = [None]
 
 
 def served_model() -> Served | None:
     """What the model vLLM is loading in this process serves (None: a folder without a side file, stock vLLM)."""
     try:
-        mc = get_current_vllm_config().model_config
+        cfg = get_current_vllm_config()
+        mc = cfg.model_config
     except Exception:  # no current config (vLLM raises): the model this process built
         mc = None
     if mc is None:
-        return _BUILT[-1] if _BUILT else None
+        return _BUILT[-1]
+    _SERVING[:] = [(r, s) for r, s in _SERVING if r() is not None]
+    for r, s in _SERVING:
+        if r() is cfg:
+            return s
+    served = _load(mc)
+    _SERVING.append((weakref.ref(cfg), served))
+    return served
+
+
+def _load(mc) -> Served | None:
     folder = mc.model
     if not has_side_file(folder):
         return None
-    if folder not in _SERVED:
-        hf = mc.hf_text_config
-        served = load_served(folder, num_kv_heads=mc.get_total_num_kv_heads(), head_dim=mc.get_head_size())
-        n_attn = len(served.meta.get("attention_layers") or ())
-        if n_attn and getattr(hf, "num_hidden_layers", n_attn) < max(served.meta["attention_layers"]) + 1:
-            raise UnsupportedFolder(f"{folder}: the side file names decoder layer {max(served.meta['attention_layers'])}, "
-                                    f"the model has {hf.num_hidden_layers} layers; export the folder again")
-        q, w = served.cfg, served.cfg.windows
-        tail = (f"last {w.S_keep}" if served.flush == 1 else
-                f"last {w.S_keep} to {w.S_keep + served.flush - 1} (key tiles of {served.flush}, written whole)")
-        logger.info("wushkv: serving %s (K%sV%s %s) from %s: %d-byte cells per token and KV head (%d in %s), windows: "
-                    "first %d and %s tokens in full precision", served.meta["method"], q.k_bits, q.v_bits, q.quantizer,
-                    folder, served.slot_bytes(mc.dtype.itemsize), 2 * served.head_dim * mc.dtype.itemsize, mc.dtype, w.S_sink, tail)
-        _SERVED[folder] = served
-    return _SERVED[folder]
-
-
-_SAID: list[bool] = []
+    hf = mc.hf_text_config
+    served = load_served(folder, num_kv_heads=mc.get_total_num_kv_heads(), head_dim=mc.get_head_size())
+    n_attn = len(served.meta.get("attention_layers") or ())
+    if n_attn and getattr(hf, "num_hidden_layers", n_attn) < max(served.meta["attention_layers"]) + 1:
+        raise UnsupportedFolder(f"{folder}: the side file names decoder layer {max(served.meta['attention_layers'])}, "
+                                f"the model has {hf.num_hidden_layers} layers; export the folder again")
+    q, w = served.cfg, served.cfg.windows
+    tail = (f"last {w.S_keep}" if served.flush == 1 else
+            f"last {w.S_keep} to {w.S_keep + served.flush - 1} (key tiles of {served.flush}, written whole)")
+    logger.info("wushkv: serving %s (K%sV%s %s) from %s: %d-byte cells per token and KV head (%d in %s), windows: "
+                "first %d and %s tokens in full precision", served.meta["method"], q.k_bits, q.v_bits, q.quantizer,
+                folder, served.slot_bytes(mc.dtype.itemsize), 2 * served.head_dim * mc.dtype.itemsize, mc.dtype, w.S_sink, tail)
+    return served
 
 
 def _say_decode_path(fused: bool, st: "_LayerState", device: torch.device) -> None:
-    """Once per process: which path decode steps take (the fused kernel, or the general one and why)."""
-    if _SAID:
+    """Once per engine (its :class:`Served`): which path decode steps take (the fused kernel, or the general one and why)."""
+    if "decode path" in st.served.said:
         return
-    _SAID.append(fused)
+    st.served.said.add("decode path")
     cpu = device.type == "cpu"
     if fused:
         logger.info("wushkv: decode steps read the paged cells through the fused kernel (%s)",
@@ -124,6 +134,7 @@ class _LayerState:
                  dtype: torch.dtype, device: torch.device | None = None):
         from vllm.distributed import get_tensor_model_parallel_rank, get_tensor_model_parallel_world_size
 
+        self.served = served
         self.l = served.attention_layer(layer_name)
         heads = served.heads(num_kv_heads, get_tensor_model_parallel_rank(), get_tensor_model_parallel_world_size())
         t = served.layer(self.l, heads)
@@ -183,7 +194,7 @@ class ServedImpl:
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
         self.served = served_model()
-        _BUILT.append(self.served)
+        _BUILT[-1] = self.served
         if self.served is not None:
             if self.alibi_slopes is not None or self.sinks is not None:
                 raise UnsupportedFolder("the wushkv plugin serves models without ALiBi and without learned attention sinks")

@@ -7,7 +7,7 @@ No vLLM import: the checks run (and are tested) in wushkv's own environment too.
 from __future__ import annotations
 
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
@@ -48,6 +48,7 @@ class Served:
     meta: dict
     tensors: dict[str, torch.Tensor]
     cfg: QuantConfig
+    said: set[str] = field(default_factory=set, repr=False, compare=False)  # log lines said once per engine (one Served each)
 
     @property
     def sink(self) -> int:
