@@ -23,7 +23,9 @@
    and over the same codes read as KVarN key tiles (``triton_ktiles``: ``auto``'s ``+ktiles`` keys) and as keys centered on
    their rotating mean (``triton_rmean``: ``auto``'s ``+rmean``; these two, ``triton_bf16`` and ``triton_tiles``
    without the sweep's register cap: UNCAPPED); with batch > 1, a left-padded batch's rows (``triton_ragged``, each
-   row over its own columns, against ``triton_ragged_widest``, as wide as the widest); ``triton_compiled`` (and each
+   row over its own columns, against ``triton_ragged_widest``, as wide as the widest); ``triton_ceil_splits``, where
+   it differs, the same call with the split count before session 59 (each pair's share of the slots rounded up,
+   against :func:`wushkv.triton_kernels.wave_splits`' whole waves); ``triton_compiled`` (and each
    sweep tuning's ``compiled``): the decode kernel's registers, local and shared memory as the device's compiler
    built it.
    Combinations whose tensors would not fit in ``--memory-fraction`` of the free memory are skipped (listed).
@@ -346,6 +348,12 @@ def kernel_case(args, ctx, B, device, timer) -> dict:
            "tuning": vars(tuning) | {}, "classes": [k_p, v_p], "splits": tk.default_splits(B, Hkv, ctx, block_n, device)}
     row["triton"] = timer(lambda: tk.decode(*inputs), args.warmup, args.iters, gpu=True) | {"bytes": nbytes}
     row["triton_compiled"] = compiled_decode(lambda: tk.decode(*inputs))
+    # the split count before session 59's wave rule (tk.wave_splits): each pair's share of the device's slots rounded
+    # up, ⌈slots / pairs⌉, which at 32k x 16 made 9 splits and a second wave of 96 programs (the rule: 8, one wave)
+    ceil_splits = ceil_share_splits(B, Hkv, ctx, block_n, device)
+    if ceil_splits != row["splits"] or args.dry_run:  # the dry run takes the path (both are 1 there)
+        row["triton_ceil_splits"] = timer(lambda: tk.decode(*inputs, splits=ceil_splits), args.warmup, args.iters,
+                                          gpu=True) | {"bytes": nbytes, "splits": ceil_splits}
     if tuning != tk.DecodeTuning():
         with tk.decode_tuning(**vars(tk.DecodeTuning())):
             row["triton_default"] = timer(lambda: tk.decode(*inputs), args.warmup, args.iters, gpu=True) | {"bytes": nbytes}
@@ -411,6 +419,15 @@ def kernel_case(args, ctx, B, device, timer) -> dict:
     return row
 
 
+def ceil_share_splits(B: int, Hkv: int, ctx: int, block_n: int, device) -> int:
+    """default_splits as it was until session 59: ⌈multiprocessors × programs_per_sm / (B·Hkv)⌉, at most the tiles
+    and 256 (1 off a GPU)."""
+    if device.type != "cuda":
+        return 1
+    slots = torch.cuda.get_device_properties(device).multi_processor_count * tk.current_tuning().programs_per_sm
+    return max(1, min(-(-slots // max(1, B * Hkv)), -(-max(ctx, 1) // block_n), 256))
+
+
 def compiled_decode(fn) -> dict | None:
     """What the device's compiler built of the decode kernel ``fn`` launches (one more call): registers and local
     memory (spills and stack; Triton's ``n_spills`` counts its 4-byte words) a thread, shared memory and warps a
@@ -474,13 +491,14 @@ def agrees(v: float) -> bool:
     return v <= AGREE  # False for NaN too
 
 def add_bandwidth(row: dict, peak: float | None) -> None:
-    for name in ("triton", "triton_default", "triton_tiles", "triton_ktiles", "triton_rmean", "sdpa", "flash", "triton_bf16"):
+    for name in ("triton", "triton_default", "triton_tiles", "triton_ktiles", "triton_rmean", "sdpa", "flash", "triton_bf16",
+                 "triton_ceil_splits"):
         r = row.get(name)
         if isinstance(r, dict) and "ms" in r:
             r["tb_per_s"] = r["bytes"] / (r["ms"] * 1e-3) / 1e12
             r["peak_fraction"] = r["tb_per_s"] / peak if peak else None
     if "ms" in row.get("triton", {}):
-        for name in ("sdpa", "flash", "triton_bf16", "triton_tiles"):
+        for name in ("sdpa", "flash", "triton_bf16", "triton_tiles", "triton_ceil_splits"):
             if "ms" in row.get(name, {}):
                 row[f"triton_over_{name}"] = row["triton"]["ms"] / row[name]["ms"]
     for name in ("triton_ktiles", "triton_rmean"):
@@ -646,7 +664,7 @@ def summary(row: dict) -> str:
         if isinstance(v, dict) and "error" in v:
             parts.append(f"{k} ERROR {v['error']}")
         elif k.endswith(("_over_sdpa", "_over_flash", "_over_triton_bf16", "_over_triton_tiles", "_over_dynamic",
-                         "_over_widest")):
+                         "_over_widest", "_over_triton_ceil_splits")):
             parts.append(f"{k} {v:.2f}x")
         elif k.endswith(("_vs_tiles", "_vs_sdpa", "_vs_widest")):
             parts.append(f"{k} {v:.1e}" + (" MISMATCH" if not agrees(v) else ""))

@@ -340,6 +340,8 @@ def test_gpu_decode_dry_run(tmp_path):
         assert "latency_ms" not in r  # on CPU: wall clock, one time per call
         assert r["tb_per_s"] == r["bytes"] / (r["ms"] * 1e-3) / 1e12
     assert row["triton_over_sdpa"] == row["triton"]["ms"] / row["sdpa"]["ms"]
+    # the split count before the wave rule, in the same run (1 split either way off a GPU: the dry run takes the path)
+    assert row["triton_ceil_splits"]["splits"] == 1 and positive(row["triton_over_triton_ceil_splits"])
     assert "ms" in row["flash"] or "error" in row["flash"]  # FlashAttention where torch has it for this device
     # the same kernel over the bfloat16 context, and the sweep whose fastest tuning the rows ran under
     assert row["triton_bf16"]["bytes"] == row["sdpa"]["bytes"] and positive(row["triton_bf16"]["ms"])

@@ -8,6 +8,8 @@ On a machine without CUDA they run on CPU tensors under Triton's interpreter (te
 
 from __future__ import annotations
 
+import math
+
 import numpy as np
 import pytest
 import torch
@@ -777,6 +779,33 @@ def test_decode_tuning_changes_launches_not_results():
                        (dict(fp_stages=True), r"fp_stages must be a positive int \(or None\), got True")):
         with pytest.raises(ValueError, match=match):
             tk.DecodeTuning(**bad)
+
+
+def test_splits_fill_whole_waves():
+    """wave_splits: the fewest splits whose cost, waves x (tiles a program + 1), is within 2% of the least over every
+    allowed count (a brute force over a grid of shapes); at the shapes the issue times, whole waves where the
+    rounded-up share of the slots (the rule before) made a second wave of a few programs."""
+    def cost(pairs, slots, tiles, s):
+        return math.ceil(pairs * s / slots) * (math.ceil(tiles / s) + 1)
+
+    for pairs in (1, 3, 8, 24, 100, 128, 192, 512, 1024, 5000):
+        for slots in (1, 16, 264, 1056, 2112):
+            for tiles in (1, 2, 7, 32, 1024, 4096):
+                s = tk.wave_splits(pairs, slots, tiles)
+                allowed = range(1, min(tiles, 256) + 1)
+                least = min(cost(pairs, slots, tiles, t) for t in allowed)
+                assert s in allowed and cost(pairs, slots, tiles, s) <= 1.02 * least
+                assert all(cost(pairs, slots, tiles, t) > 1.02 * least for t in range(1, s)), (pairs, slots, tiles, s)
+    # 132 multiprocessors of 8 programs: 16 sequences x 8 KV heads at 32k tokens (1,024 tiles of 32) and at 1k, one
+    # sequence, 64 sequences, 128
+    slots = 132 * 8
+    for pairs, tiles, want, before in ((128, 1024, 8, 9), (128, 32, 8, 9), (8, 32, 32, 32), (512, 1024, 2, 3),
+                                       (1024, 1024, 1, 2)):
+        assert tk.wave_splits(pairs, slots, tiles) == want
+        assert min(-(-slots // pairs), tiles) == before  # what the share rounded up gave
+        assert pairs * want <= slots  # one wave
+    assert tk.wave_splits(8, slots, 5000) == 132 and tk.wave_splits(1, slots, 8192) == 256  # one wave; at most 256
+    assert tk.default_splits(16, 8, 32768, 32, torch.device("cpu")) == 1  # the interpreter: one program a pair
 
 
 def test_launches_go_through_a_hook():
