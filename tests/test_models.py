@@ -62,6 +62,42 @@ def test_missing_model_is_clear(tmp_path):
         load(str(tmp_path / "x.txt"))
 
 
+def test_a_hub_whose_host_does_not_resolve_is_asked_of_its_cache_alone(tmp_path, monkeypatch):
+    """A hub id where the hub's host does not resolve (a machine without a network): the hub client would retry it
+    for 48 s; only its cache is read instead, at once, and the error says why. A local folder, the hub's offline mode
+    and a proxy leave the hub client alone. Through the command line in a fresh process (the hub client reads its
+    offline mode when imported, and this suite runs offline): a clear error in seconds."""
+    import os
+    import subprocess
+    import sys
+    import time
+
+    from wushkv import models
+
+    for v in ("HF_HUB_OFFLINE", *models._PROXIES):
+        monkeypatch.delenv(v, raising=False)
+    monkeypatch.setenv("HF_ENDPOINT", "https://hub.wushkv-test.invalid")  # .invalid never resolves (RFC 2606)
+    kw, why = models._hub_kwargs("no-such-org/no-such-model")
+    assert kw == {"local_files_only": True} and "hub.wushkv-test.invalid does not resolve here" in why
+    assert models._hub_kwargs(str(tmp_path)) == ({}, "")
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    assert models._hub_kwargs("no-such-org/no-such-model") == ({}, "")
+    monkeypatch.setenv("HF_HUB_OFFLINE", "0")
+    monkeypatch.setenv("https_proxy", "http://proxy.wushkv-test.invalid:3128")
+    assert models._hub_kwargs("no-such-org/no-such-model") == ({}, "")
+    monkeypatch.delenv("https_proxy")
+
+    (tmp_path / "t.txt").write_text("hello world\n")
+    env = {k: v for k, v in os.environ.items() if k not in ("HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE")}
+    t = time.perf_counter()
+    r = subprocess.run([sys.executable, "-m", "wushkv.cli", "ppl", "--model", "no-such-org/no-such-model", "--text-file",
+                        str(tmp_path / "t.txt")], env=env, capture_output=True, text=True, timeout=120)
+    seconds = time.perf_counter() - t
+    assert r.returncode == 2 and "hub.wushkv-test.invalid does not resolve here" in r.stderr, r.stderr[-2000:]
+    assert "Traceback" not in r.stderr and ".. " not in r.stderr
+    assert seconds < 20, seconds  # measured: 2.3 s (48 s of the hub client's retries before)
+
+
 def test_bad_dtype():
     from wushkv.models import parse_dtype
 

@@ -11,9 +11,12 @@ from __future__ import annotations
 import hashlib
 import importlib.util
 import inspect
+import os
+import socket
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
+from urllib.parse import urlparse
 
 import torch
 from torch import nn
@@ -402,6 +405,26 @@ def _resolve(name_or_path: str) -> tuple[str, str | None]:
     return name_or_path, None
 
 
+_PROXIES = ("HTTPS_PROXY", "https_proxy", "HTTP_PROXY", "http_proxy", "ALL_PROXY", "all_proxy")
+
+
+def _hub_kwargs(where: str) -> tuple[dict, str]:
+    """(``from_pretrained`` keywords, what to add to an error) for ``where``: ``local_files_only=True`` for a hub id
+    whose hub's host does not resolve here, where the hub client would retry it for tens of seconds (48 s for a model
+    id on a machine without a network) before failing; so only the hub's cache is read, at once. Nothing for a local
+    folder, under the hub's offline mode (its own), or behind a proxy (which resolves names itself)."""
+    if Path(where).exists() or os.environ.get("HF_HUB_OFFLINE", "0").lower() not in ("", "0", "false", "no", "off"):
+        return {}, ""
+    if any(os.environ.get(v) for v in _PROXIES):
+        return {}, ""
+    host = urlparse(os.environ.get("HF_ENDPOINT") or "https://huggingface.co").hostname or "huggingface.co"
+    try:
+        socket.getaddrinfo(host, 443)
+    except OSError:
+        return {"local_files_only": True}, f" (the hub's host {host} does not resolve here: only the hub's cache was read)"
+    return {}, ""
+
+
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
@@ -418,11 +441,12 @@ def load_config(name_or_path: str = DEFAULT_MODEL):
     from transformers import AutoConfig
 
     where, gguf = _resolve(name_or_path)
-    kw = {"gguf_file": gguf} if gguf else {}
+    hub, why = _hub_kwargs(where)
+    kw = ({"gguf_file": gguf} if gguf else {}) | hub
     try:
         return AutoConfig.from_pretrained(where, **kw)
     except OSError as e:
-        raise FileNotFoundError(f"could not read the config of {name_or_path!r} from {where!r}: {e}") from e
+        raise FileNotFoundError(f"could not read the config of {name_or_path!r} from {where!r}{why}: {e}") from e
 
 
 def load(name_or_path: str = DEFAULT_MODEL, dtype: str | torch.dtype = "float32", device: str = "cpu", device_map=None):
@@ -436,13 +460,14 @@ def load(name_or_path: str = DEFAULT_MODEL, dtype: str | torch.dtype = "float32"
 
     torch_dtype = parse_dtype(dtype)
     where, gguf = _resolve(name_or_path)
-    kw = {"gguf_file": gguf} if gguf else {}
+    hub, why = _hub_kwargs(where)
+    kw = ({"gguf_file": gguf} if gguf else {}) | hub
     try:
         tokenizer = AutoTokenizer.from_pretrained(where, **kw)
         model = AutoModelForCausalLM.from_pretrained(where, dtype=torch_dtype, device_map=device_map, **kw)
     except OSError as e:
         raise FileNotFoundError(
-            f"could not load model {name_or_path!r} from {where!r}: {e}. Use one of {sorted(REAL_MODELS)}, "
+            f"could not load model {name_or_path!r} from {where!r}{why}: {str(e).rstrip('.')}. Use one of {sorted(REAL_MODELS)}, "
             "a local folder or .gguf file, or a hub id when the hub is reachable."
         ) from e
     if device_map is None:
