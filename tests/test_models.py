@@ -79,10 +79,16 @@ def test_a_hub_whose_host_does_not_resolve_is_asked_of_its_cache_alone(tmp_path,
     monkeypatch.setenv("HF_ENDPOINT", "https://hub.wushkv-test.invalid")  # .invalid never resolves (RFC 2606)
     kw, why = models._hub_kwargs("no-such-org/no-such-model")
     assert kw == {"local_files_only": True} and "hub.wushkv-test.invalid does not resolve here" in why
-    assert models._hub_kwargs(str(tmp_path)) == ({}, "")
-    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
-    assert models._hub_kwargs("no-such-org/no-such-model") == ({}, "")
+    for local in (str(tmp_path), "/data/not-there-yet", "./not-there-yet"):  # paths, there or not: no hub ids
+        assert models._hub_kwargs(local) == ({}, "")
+    monkeypatch.setenv("HF_ENDPOINT", "hub.wushkv-test.invalid")  # no scheme: the host still
+    assert "hub.wushkv-test.invalid does not resolve" in models._hub_kwargs("gpt2")[1]
+    for offline in (("HF_HUB_OFFLINE", "1"), ("HF_HUB_OFFLINE", "yes"), ("TRANSFORMERS_OFFLINE", "TRUE")):
+        monkeypatch.setenv(*offline)
+        assert models._hub_kwargs("no-such-org/no-such-model") == ({}, "")
+        monkeypatch.delenv(offline[0])
     monkeypatch.setenv("HF_HUB_OFFLINE", "0")
+    assert models._hub_kwargs("no-such-org/no-such-model")[0] == {"local_files_only": True}
     monkeypatch.setenv("https_proxy", "http://proxy.wushkv-test.invalid:3128")
     assert models._hub_kwargs("no-such-org/no-such-model") == ({}, "")
     monkeypatch.delenv("https_proxy")

@@ -411,13 +411,23 @@ _PROXIES = ("HTTPS_PROXY", "https_proxy", "HTTP_PROXY", "http_proxy", "ALL_PROXY
 def _hub_kwargs(where: str) -> tuple[dict, str]:
     """(``from_pretrained`` keywords, what to add to an error) for ``where``: ``local_files_only=True`` for a hub id
     whose hub's host does not resolve here, where the hub client would retry it for tens of seconds (48 s for a model
-    id on a machine without a network) before failing; so only the hub's cache is read, at once. Nothing for a local
-    folder, under the hub's offline mode (its own), or behind a proxy (which resolves names itself)."""
-    if Path(where).exists() or os.environ.get("HF_HUB_OFFLINE", "0").lower() not in ("", "0", "false", "no", "off"):
+    id on a machine without a network) before failing; so only the hub's cache is read, at once. Nothing for what is
+    not a hub id (a local path, there or not), under the hub's offline mode (HF_HUB_OFFLINE or TRANSFORMERS_OFFLINE,
+    as huggingface_hub reads them: its own), or behind a proxy (which resolves names itself). A resolver that hangs
+    still takes its own timeout."""
+    from huggingface_hub.utils import HFValidationError, validate_repo_id
+
+    try:
+        validate_repo_id(where)
+    except HFValidationError:
+        return {}, ""
+    if Path(where).exists() or any(os.environ.get(v, "").upper() in ("1", "ON", "YES", "TRUE")
+                                   for v in ("HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE")):
         return {}, ""
     if any(os.environ.get(v) for v in _PROXIES):
         return {}, ""
-    host = urlparse(os.environ.get("HF_ENDPOINT") or "https://huggingface.co").hostname or "huggingface.co"
+    endpoint = os.environ.get("HF_ENDPOINT") or "https://huggingface.co"
+    host = urlparse(endpoint if "://" in endpoint else f"https://{endpoint}").hostname or "huggingface.co"
     try:
         socket.getaddrinfo(host, 443)
     except OSError:

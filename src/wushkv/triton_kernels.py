@@ -1474,19 +1474,24 @@ def default_splits(batch: int, kv_heads: int, longest: int, block_n: int, device
     return wave_splits(batch * kv_heads, slots, -(-max(longest, 1) // block_n))
 
 
+@functools.lru_cache(maxsize=4096)  # asked at every layer's decode; its arguments change every block_n tokens at most
 def wave_splits(pairs: int, slots: int, tiles: int, most: int = 256) -> int:
-    """Splits s (1 ≤ s ≤ min(tiles, most)) of each of ``pairs`` (sequence, KV head) pairs' ``tiles`` tiles over
-    ``slots`` programs that run at once. Programs of like work run in waves, and the last wave, however empty, takes
-    as long as a full one; so the cost of s is its waves times a program's work, ⌈pairs·s / slots⌉ · (⌈tiles / s⌉ +
-    1), the 1 standing for what a program does besides its tiles (its query, its share of the merge). The fewest
-    splits within 2% of the least cost win.
+    """Splits s of each of ``pairs`` (sequence, KV head) pairs' ``tiles`` tiles over ``slots`` programs that run at
+    once. Programs of like work run in waves, and the last wave, however empty, takes about as long as a full one;
+    so the cost of s is its waves times a program's work, ⌈pairs·s / slots⌉ · (⌈tiles / s⌉ + 1), the 1 standing for
+    what a program does besides its tiles (its query, its share of the merge). The fewest splits within 2% of the
+    least cost win, among 1 ≤ s ≤ min(tiles, most) making at most two waves (or, where the pairs alone fill more,
+    twice their programs): past that the model gains a few percent where what it leaves out (the merge's state,
+    how many programs a multiprocessor really holds) grows.
 
     At 16 sequences of 8 KV heads and 1,024 tiles over 132 multiprocessors of 8 programs (1,056 slots): 8 splits,
     one wave of 1,024 programs of 128 tiles, where the rounded-up share ⌈1056 / 128⌉ = 9 made 1,152 programs of 114,
     a full wave and then 96 programs in a second (cost 230 against 129). Within one wave it is the fewest splits
-    with the fewest tiles a program: 32 tiles of 8 pairs, 32 splits (not 31, with one program of two tiles).
-    FlashAttention's ``num_splits_heuristic`` weighs waves the same way."""
-    pairs, slots, top = max(1, pairs), max(1, slots), max(1, min(tiles, most))
+    with the fewest tiles a program: 32 tiles of 8 pairs, 32 splits of one tile each. FlashAttention's
+    ``num_splits_heuristic`` weighs the waves' efficiency too, with looser bounds (85%, and no splits where the
+    pairs fill 80% of the device)."""
+    pairs, slots = max(1, pairs), max(1, slots)
+    top = max(1, min(tiles, most, max(2 * slots // pairs, 2)))
     cost = [-(-pairs * s // slots) * (-(-max(1, tiles) // s) + 1) for s in range(1, top + 1)]
     least = min(cost)
     return next(s for s, c in enumerate(cost, 1) if c <= 1.02 * least)

@@ -44,30 +44,34 @@ from .paged import RopeMean, SlotCodec, Windows, attend, decode_batch, decode_co
 from .served import Served, UnsupportedFolder, has_side_file, load_served
 
 logger = init_logger("vllm.wushkv")  # under vLLM's logger: shown with its own lines
-# What each engine of this process serves, by its vLLM config: read once per engine (served_model() is asked once per
-# attention layer). Per engine, not per process: one Python process may build several (``vllm.LLM`` twice, or
-# VLLM_ENABLE_V1_MULTIPROCESSING=0), each with its own dtype, log lines and decode path. Weak: a dropped engine's goes.
-_SERVING: list[tuple[weakref.ref, Served | None]] = []
+# What each engine of this process serves, by its vLLM config and model folder: read once per engine (served_model()
+# is asked once per attention layer). Per engine, not per process: one Python process may build several (``vllm.LLM``
+# twice with VLLM_ENABLE_V1_MULTIPROCESSING=0), each with its own dtype, log lines and decode path. Weak: a dropped
+# engine's goes.
+_SERVING: list[tuple[weakref.ref, str, Served | None]] = []
 # What the last model built in this process serves, set when its attention layers are built (vLLM's config is current
 # then): vLLM asks the backend for its cell size later, outside that context (Worker.get_kv_cache_spec).
 _BUILT: list[Served | None] = [None]
 
 
-def served_model() -> Served | None:
-    """What the model vLLM is loading in this process serves (None: a folder without a side file, stock vLLM)."""
-    try:
-        cfg = get_current_vllm_config()
-        mc = cfg.model_config
-    except Exception:  # no current config (vLLM raises): the model this process built
-        mc = None
+def served_model(vllm_config=None) -> Served | None:
+    """What the model of ``vllm_config`` (default: vLLM's current config, else the model this process built last)
+    serves (None: a folder without a side file, stock vLLM)."""
+    cfg = vllm_config
+    if cfg is None:
+        try:
+            cfg = get_current_vllm_config()
+        except Exception:  # no current config (vLLM raises): the model this process built
+            cfg = None
+    mc = None if cfg is None else cfg.model_config
     if mc is None:
         return _BUILT[-1]
-    _SERVING[:] = [(r, s) for r, s in _SERVING if r() is not None]
-    for r, s in _SERVING:
-        if r() is cfg:
-            return s
+    _SERVING[:] = [e for e in _SERVING if e[0]() is not None]
+    for r, folder, served in _SERVING:
+        if r() is cfg and folder == mc.model:
+            return served
     served = _load(mc)
-    _SERVING.append((weakref.ref(cfg), served))
+    _SERVING.append((weakref.ref(cfg), mc.model, served))
     return served
 
 

@@ -74,12 +74,13 @@ class WushKVBuilderMixin:
 
     @classmethod
     def get_cudagraph_support(cls, vllm_config, kv_cache_spec) -> AttentionCGSupport:
-        if served_model() is not None:
+        if served_model(vllm_config) is not None:
             return AttentionCGSupport.NEVER
         return super().get_cudagraph_support(vllm_config, kv_cache_spec)
 
     def build(self, common_prefix_len, common_attn_metadata, fast_build: bool = False):
-        if served_model() is None:
+        # at every step, where no vLLM config is current: this builder's engine's, not the process's last
+        if served_model(self.vllm_config) is None:
             return super().build(common_prefix_len, common_attn_metadata, fast_build)
         return served_metadata(common_attn_metadata, self.vllm_config.speculative_config is not None)
 
