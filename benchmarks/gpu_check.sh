@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The GPU check of issue #33, prepared in advance: on a machine with a CUDA device, run the Triton kernel tests on CUDA
-# and the decode benchmark, and write everything under OUT_DIR (6 files: device.txt, gpu_decode.txt/.json,
-# test_triton_kernels.txt/.xml, test_cuda.txt). Bounded by its timeouts to 8 minutes (benchmark <= 180 s,
+# and the decode benchmark, and write everything under OUT_DIR (7 files: device.txt, gpu_decode.txt/.json,
+# test_triton_kernels.txt/.xml, test_cuda.txt, acceptance.txt: the issue's bars, also the output's last lines). Bounded by its timeouts to 8 minutes (benchmark <= 180 s,
 # kernel tests and the vLLM plugin's Triton paths <= 170 s, library tests on CUDA <= 130 s; BENCH_S, TESTS_S and
 # CUDA_TESTS_S override them). On the H200 of session 46: benchmark ~90 s, kernel tests 122 s, tests/test_cuda.py
 # 119 s: about 6 minutes (since then the benchmark times key tiles too, and the plugin's Triton tests run with the
@@ -85,5 +85,12 @@ timeout "${CUDA_TESTS_S:-130}" "$PY" -m pytest -q -p no:cacheprovider --duration
     2>&1 | tee "$OUT_DIR/test_cuda.txt"
 [ "${PIPESTATUS[0]}" -eq 0 ] || status=1
 
+# 5. what to read first, at the end of the output: the issue's bars off the benchmark's rows (a run cut short by its
+#    timeout included) and each test run's last line
+[ -f "$OUT_DIR/gpu_decode.json" ] && "$PY" benchmarks/gpu_decode.py --plot-from "$OUT_DIR/gpu_decode.json" 2>&1 \
+    | tee "$OUT_DIR/acceptance.txt"
+for f in test_triton_kernels test_cuda; do
+    [ -f "$OUT_DIR/$f.txt" ] && echo "$f: $(tail -n 1 "$OUT_DIR/$f.txt")"
+done
 echo "gpu_check: status $status in ${SECONDS}s, results in $OUT_DIR"
 exit $status

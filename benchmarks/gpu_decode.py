@@ -37,6 +37,10 @@
    decode launches are not one per layer and step gets an ``error``) and the allocator's peak above the cache during a
    step (a full-precision copy of the middle would show here).
 
+3. *Acceptance*: issue #33's bars read off those rows (:func:`acceptance`), met, missed or not measured, in the JSON
+   (``acceptance``) and as the output's last lines; ``--plot-from gpu_decode.json`` says them again for a saved run
+   (one cut short too).
+
 Ratios mean something only within one run. The JSON is rewritten after every row, so a run cut short keeps what it
 measured. ``--dry-run`` runs every code path on CPU tensors under Triton's interpreter with tiny shapes (timings
 meaningless; a few seconds), so the script does not crash on its first GPU run; size flags given with it still apply.
@@ -137,7 +141,8 @@ def parse_args(argv=None):
                    help="also time the kernel at the first --contexts/--batches shape with K and V at each of these widths "
                         "(where the time goes: unpacking grows with the codes per byte, bytes with the width)")
     p.add_argument("--plot", default="", help="also write a PNG of the kernel rows here")
-    p.add_argument("--plot-from", default="", help="with --plot: draw it from this saved gpu_decode.json, run nothing")
+    p.add_argument("--plot-from", default="", help="a saved gpu_decode.json: print its acceptance (and with --plot draw "
+                   "its figure), run nothing")
     p.add_argument("--dry-run", action="store_true", help="CPU, Triton's interpreter, tiny shapes: checks the code paths")
     if p.parse_known_args(argv)[0].dry_run:  # tiny defaults; flags given explicitly still win
         p.set_defaults(**DRY_RUN)
@@ -610,7 +615,21 @@ def run(args, save=None) -> dict:
         out["tuning"] = vars(tk.current_tuning()) | {}
         print(f"rows under {out['tuning']}", flush=True)
         _rows(args, out, device, timer, peak, save)
+    out["acceptance"] = acceptance(out)
+    save(out)
+    print(verdict(out["acceptance"], out["device"]), flush=True)
     return out
+
+
+def verdict(acc: dict, device: str) -> str:
+    """The acceptance bars as lines to read at the end of a run."""
+    lines = [f"issue #33 acceptance on {device}: {'ALL MET' if acc['all'] else 'not all met'}"]
+    for k, v in acc.items():
+        if k != "all":
+            val = "not measured" if v["value"] is None else f"{v['value']:.3g}"  # nan prints as nan
+            state = "-" if v["pass"] is None else "PASS" if v["pass"] else "FAIL"
+            lines.append(f"  {state:4} {v['what']}: {val} (bar {v['bar']})")
+    return "\n".join(lines)
 
 
 def _rows(args, out, device, timer, peak, save) -> None:
@@ -649,6 +668,47 @@ def _rows(args, out, device, timer, peak, save) -> None:
             print(summary(row), flush=True)
             if device.type == "cuda":
                 torch.cuda.empty_cache()
+
+
+def _bar(value, op: str, bar: float, what: str) -> dict:
+    """One bar: ``pass`` None where not measured (``value`` None), False for NaN (a kernel that wrote NaN)."""
+    met = None if value is None else (value <= bar if op == "<=" else value >= bar)  # NaN compares False
+    return {"what": what, "bar": f"{op} {bar}", "value": value, "pass": met}
+
+
+def acceptance(result: dict) -> dict:
+    """Issue #33's bars read off a run's rows (None where its shape was not measured): decode attention over the K2V2
+    cache at 32k tokens x 16 sequences at most 0.5x bfloat16 SDPA's device time and at least 50% of the device's peak
+    bandwidth; at 1k tokens at most 1.2x SDPA at every batch timed; end to end at 32k x 16 at most 0.8x
+    DynamicCache's time a token; no full-precision copy of the middle in a step (the allocator's peak above the
+    cache below one layer's middle keys in bfloat16); and every row's output agreeing with the tiles' path (or
+    SDPA), since a fast kernel counts only if it computes the same. ``all``: True only when every bar was measured
+    and met."""
+    kern = {(r["context"], r["batch"]): r for r in result.get("kernel", []) if "skipped" not in r}
+    e2e = {(r["context"], r["batch"]): r for r in result.get("e2e", []) if "skipped" not in r}
+    r = kern.get((32768, 16), {})
+    ones = [k.get("triton_over_sdpa") for (c, _), k in kern.items() if c == 1024]
+    e = e2e.get((32768, 16), {})
+    args = result.get("args", {})
+    middle_keys = 16 * args.get("kv_heads", 8) * (32768 - args.get("sink", 64) - args.get("recent", 256)) * args.get("head_dim", 128) * 2
+    peak = e.get("wushkv_triton", {}).get("step_peak_bytes_above_cache")
+    checks = [v for row in (*result.get("kernel", []), *result.get("widths", [])) for k, v in row.items()
+              if k.endswith(("_vs_tiles", "_vs_sdpa", "_vs_widest"))]
+    out = {
+        "kernel_32k_b16_over_sdpa": _bar(r.get("triton_over_sdpa"), "<=", 0.5, "decode attention / bf16 SDPA, 32k x 16"),
+        "kernel_32k_b16_peak_fraction": _bar(r.get("triton", {}).get("peak_fraction"), ">=", 0.5,
+                                             "achieved bandwidth / peak, 32k x 16"),
+        "kernel_1k_over_sdpa": _bar(max(ones) if ones and None not in ones else None, "<=", 1.2,
+                                    "decode attention / bf16 SDPA at 1k, worst batch"),
+        "e2e_32k_b16_over_dynamic": _bar(e.get("wushkv_triton_over_dynamic"), "<=", 0.8,
+                                         "time a token / DynamicCache's, 32k x 16"),
+        "e2e_step_peak_over_middle_keys": _bar(None if peak is None else peak / middle_keys, "<=", 1.0,
+                                               "a step's allocator peak above the cache / one layer's middle keys in bf16"),
+        "outputs_agree": _bar(max(checks, key=lambda v: math.inf if math.isnan(v) else v) if checks else None, "<=", AGREE,
+                              "largest disagreement of a timed kernel's output"),
+    }
+    out["all"] = all(v["pass"] for v in out.values())
+    return out
 
 
 def summary(row: dict) -> str:
@@ -696,10 +756,12 @@ def plot(result: dict, path) -> str:
 
 def main(argv=None) -> dict:
     args = parse_args(argv)
-    if args.plot_from:  # redraw a saved run's figure
+    if args.plot_from:  # redraw a saved run's figure, and say its acceptance
         with open(args.plot_from) as f:
             res = json.load(f)
-        print(f"wrote {plot(res, args.plot)}")
+        print(verdict(acceptance(res), res.get("device", "?")))
+        if args.plot:
+            print(f"wrote {plot(res, args.plot)}")
         return res
     os.makedirs(args.out, exist_ok=True)
     path = os.path.join(args.out, "gpu_decode.json")

@@ -4,6 +4,7 @@ positive, byte counts equal to what the cache reports)."""
 
 from __future__ import annotations
 
+import copy
 import importlib.util
 import math
 from pathlib import Path
@@ -383,6 +384,48 @@ def test_gpu_decode_dry_run(tmp_path):
     assert e2e["wushkv_triton"]["triton_store_launches"] >= 2  # a flush during the steps wrote keys and values
     assert e2e["wushkv_pytorch"]["triton_launches"] == e2e["wushkv_pytorch"]["triton_store_launches"] == 0
     assert e2e["wushkv_triton_over_dynamic"] == e2e["wushkv_triton"]["ms"] / e2e["dynamic"]["ms"]
+    # the issue's bars at the end: the dry run's tiny shapes measure none but the outputs' agreement
+    acc = res["acceptance"]
+    assert acc == gpu_decode.acceptance(res) and acc["all"] is False and acc["outputs_agree"]["pass"] is True
+    assert all(v["value"] is None and v["pass"] is None for k, v in acc.items() if k not in ("all", "outputs_agree"))
+    assert gpu_decode.main(["--plot-from", str(tmp_path / "gpu_decode.json")]) == saved
+
+
+def test_gpu_decode_acceptance_reads_the_issues_bars():
+    """acceptance(): each of issue #33's bars off a run's rows, met, missed, or not measured (None), and ``all`` only
+    when every one was measured and met."""
+    gpu_decode = load_benchmark("gpu_decode")
+    args = {"kv_heads": 8, "sink": 64, "recent": 256, "head_dim": 128}
+    keys = 16 * 8 * (32768 - 64 - 256) * 128 * 2  # one layer's middle keys in bfloat16 (1.06 GB)
+    good = {"args": args,
+            "kernel": [{"context": 32768, "batch": 16, "triton_over_sdpa": 0.4, "triton": {"peak_fraction": 0.6},
+                        "triton_vs_tiles": 1e-3},
+                       {"context": 1024, "batch": 1, "triton_over_sdpa": 1.1}, {"context": 1024, "batch": 16, "triton_over_sdpa": 0.9},
+                       {"context": 131072, "batch": 64, "skipped": "needs ~90 GiB"}],
+            "e2e": [{"context": 32768, "batch": 16, "wushkv_triton_over_dynamic": 0.2,
+                     "wushkv_triton": {"step_peak_bytes_above_cache": 16_500_000}}]}
+    acc = gpu_decode.acceptance(good)
+    assert acc["all"] is True and all(v["pass"] for k, v in acc.items() if k != "all")
+    assert acc["kernel_1k_over_sdpa"]["value"] == 1.1  # the worst batch
+    assert acc["e2e_step_peak_over_middle_keys"]["value"] == 16_500_000 / keys
+    for path, value, name in ((("kernel", 0, "triton_over_sdpa"), 0.6, "kernel_32k_b16_over_sdpa"),
+                              (("kernel", 0, "triton", "peak_fraction"), 0.3, "kernel_32k_b16_peak_fraction"),
+                              (("kernel", 1, "triton_over_sdpa"), 1.3, "kernel_1k_over_sdpa"),
+                              (("e2e", 0, "wushkv_triton_over_dynamic"), 0.9, "e2e_32k_b16_over_dynamic"),
+                              (("e2e", 0, "wushkv_triton", "step_peak_bytes_above_cache"), 2 * keys, "e2e_step_peak_over_middle_keys"),
+                              (("kernel", 0, "triton_vs_tiles"), float("nan"), "outputs_agree")):
+        bad = copy.deepcopy(good)
+        node = bad
+        for k in path[:-1]:
+            node = node[k]
+        node[path[-1]] = value
+        acc = gpu_decode.acceptance(bad)
+        assert acc[name]["pass"] is False and acc["all"] is False, name
+        assert sum(v["pass"] is False for k, v in acc.items() if k != "all") == 1, name
+        assert ("FAIL " + acc[name]["what"]) in gpu_decode.verdict(acc, "H100")
+    acc = gpu_decode.acceptance(good | {"e2e": []})  # not measured: not met
+    assert acc["e2e_32k_b16_over_dynamic"]["pass"] is None and acc["all"] is False
+    assert "not measured" in gpu_decode.verdict(acc, "H100")
 
 
 def test_kernel_sass_compiles_both_paths(tmp_path):
