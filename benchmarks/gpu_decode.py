@@ -89,7 +89,9 @@ SWEEP_TILES = [(32, 1, 2), (32, 1, 2, CAP(128)), (64, 1, 2), (32, 1, 2, CAP(168)
                (64, 4, 3), (128, 8, 3), (64, 8, 3), (128, 4, 3), (32, 4, 3), (64, 4, 2), (128, 8, 2), (32, 4, 2),
                (64, 4, 4), (128, 8, 4), (256, 8, 3), (32, 8, 3), (64, 4, 1), (128, 8, 1), (16, 4, 3), (256, 8, 2),
                (32, 4, 1), (64, 8, 2), (128, 4, 2), (16, 4, 1)]
-SWEEP_PER_SM = (4, 8, 16, 2)
+# programs a multiprocessor holds, which the splits fill in whole waves (tk.wave_splits): 8 the default kernel's, 16 a
+# cap of 128 registers', 12 a cap of 168's, 3 the 4-warp tiles' at d 128 (kernel_sass.py); 2 and 4 fewer, longer programs
+SWEEP_PER_SM = (4, 8, 16, 2, 12, 3)
 TUNING_FIELDS = tuple(f.name for f in dataclasses.fields(tk.DecodeTuning))
 DRY_SWEEP_TILES, DRY_SWEEP_PER_SM = [(16, 4, 1), (32, 1, 3, CAP(128))], (1, 4)
 # session 46's path and tuning: codes unpacked to (tokens, d) tiles, 64 tokens, 4 warps, 2 stages ("triton_tiles")
