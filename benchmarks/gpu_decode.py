@@ -355,6 +355,10 @@ def kernel_case(args, ctx, B, device, timer) -> dict:
            "tuning": vars(tuning) | {}, "classes": [k_p, v_p], "splits": tk.default_splits(B, Hkv, ctx, block_n, device)}
     row["triton"] = timer(lambda: tk.decode(*inputs), args.warmup, args.iters, gpu=True) | {"bytes": nbytes}
     row["triton_compiled"] = compiled_decode(lambda: tk.decode(*inputs))
+    held = (row["triton_compiled"] or {}).get("resident_programs")
+    if held and device.type == "cuda":  # the waves the split count makes of what the device holds, not what it assumed
+        sms = torch.cuda.get_device_properties(device).multi_processor_count
+        row["waves"] = B * Hkv * row["splits"] / (sms * held)
     # the split count before session 59's wave rule (tk.wave_splits): each pair's share of the device's slots rounded
     # up, ⌈slots / pairs⌉, which at 32k x 16 made 9 splits and a second wave of 96 programs (the rule: 8, one wave)
     ceil_splits = ceil_share_splits(B, Hkv, ctx, block_n, device)
@@ -438,18 +442,16 @@ def ceil_share_splits(B: int, Hkv: int, ctx: int, block_n: int, device) -> int:
 def compiled_decode(fn) -> dict | None:
     """What the device's compiler built of the decode kernel ``fn`` launches (one more call): registers and local
     memory (spills and stack; Triton's ``n_spills`` counts its 4-byte words) a thread, shared memory and warps a
-    program. The occupancy they allow is ``kernel_sass.resident_warps``'s arithmetic; the compiler here may differ
-    from the one kernel_sass.py ran. None under the interpreter, or with the reason where reading it failed (the
+    program, and the programs a multiprocessor holds of it by sm_90's rule (``resident_programs``,
+    :func:`wushkv.triton_kernels.resident_warps`: what ``programs_per_sm`` should be; the compiler here may differ
+    from the one kernel_sass.py ran). None under the interpreter, or with the reason where reading it failed (the
     timings around it stand)."""
     seen = {}
 
     def hook(name, grid, args, meta, run):
         k = run(name, grid, args, meta)
         if name == "decode" and k is not None:
-            md, words = getattr(k, "metadata", None), getattr(k, "n_spills", None)
-            seen.update(registers=getattr(k, "n_regs", None), local_bytes=None if words is None else 4 * words,
-                        shared=getattr(md, "shared", None), num_warps=getattr(md, "num_warps", None),
-                        max_registers=meta.get("maxnreg"))
+            seen.update(compile_readout(k, meta))
         return k
 
     try:
@@ -458,6 +460,17 @@ def compiled_decode(fn) -> dict | None:
     except Exception as e:  # noqa: BLE001  a diagnostic: never the reason a row's timings are lost
         return {"error": f"{type(e).__name__}: {str(e)[:160]}"}
     return seen or None
+
+
+def compile_readout(k, meta: dict) -> dict:
+    """:func:`compiled_decode`'s readout of a compiled kernel ``k`` (Triton's: ``n_regs``, ``n_spills`` in 4-byte
+    words, ``metadata.shared`` and ``.num_warps``) launched with constexprs ``meta``."""
+    md, words = getattr(k, "metadata", None), getattr(k, "n_spills", None)
+    out = dict(registers=getattr(k, "n_regs", None), local_bytes=None if words is None else 4 * words,
+               shared=getattr(md, "shared", None), num_warps=getattr(md, "num_warps", None), max_registers=meta.get("maxnreg"))
+    if None not in (out["registers"], out["shared"], out["num_warps"]):
+        out["resident_programs"] = tk.resident_warps(out["registers"], out["shared"], out["num_warps"]) // out["num_warps"]
+    return out
 
 
 def ragged_case(args, row: dict, inputs: tuple, timer) -> None:
@@ -733,7 +746,10 @@ def summary(row: dict) -> str:
     c = row.get("triton_compiled")
     if c and "error" not in c:
         parts.append(f"decode kernel: {c['registers']} registers, {c['local_bytes']} B local, {c['shared']} B shared, "
-                     f"{c['num_warps']} warps")
+                     f"{c['num_warps']} warps" + (f", {c['resident_programs']} programs a multiprocessor" if
+                                                  "resident_programs" in c else ""))
+    if "waves" in row:
+        parts.append(f"{row['splits']} splits: {row['waves']:.2f} waves")
     return f"{head}: " + ", ".join(parts)
 
 

@@ -87,24 +87,7 @@ def parse_args(argv=None):
     return args
 
 
-# sm_90's multiprocessor (CUDA C++ Programming Guide, compute capability 9.0): what bounds its resident warps. Its
-# registers are four sub-partitions' (one per scheduler), and a warp's live in one (CUDA's cuda_occupancy.h)
-SM90 = dict(registers=65536, partitions=4, warps=64, blocks=32, shared=233472, shared_reserved=1024,
-            shared_unit=128, register_unit=256)
-
-
-def resident_warps(registers: int, shared: int, num_warps: int, sm: dict = SM90) -> int:
-    """Warps of a kernel resident at once on one multiprocessor: its blocks (programs) of ``num_warps`` warps, each
-    thread holding ``registers`` (allocated per warp in units of ``register_unit``, a warp's in one of the
-    ``partitions``) and each block ``shared`` bytes of shared memory (plus the system's reserve, in units of
-    ``shared_unit``). At one warp a program: 8 at 255 registers (and at 180: the 16,384 of a partition hold two
-    warps of 5,888), 12 at 168, 16 at 128."""
-    per_warp = -(-registers * 32 // sm["register_unit"]) * sm["register_unit"]
-    by_registers = (sm["registers"] // sm["partitions"] // per_warp) * sm["partitions"]
-    unit = sm["shared_unit"]
-    per_block = -(-(shared + sm["shared_reserved"]) // unit) * unit
-    blocks = min(sm["blocks"], sm["warps"] // num_warps, by_registers // num_warps, sm["shared"] // per_block)
-    return blocks * num_warps
+resident_warps = tk.resident_warps  # sm_90's occupancy rule (the library's: gpu_decode reads compiled kernels with it)
 
 
 def _tools():

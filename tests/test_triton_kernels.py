@@ -809,6 +809,16 @@ def test_splits_fill_whole_waves():
     assert tk.default_splits(16, 8, 32768, 32, torch.device("cpu")) == 1  # the interpreter: one program a pair
 
 
+def test_resident_warps_as_cudas_occupancy_calculator_counts_them():
+    """sm_90's resident warps of a kernel (what programs_per_sm stands for, and what kernel_sass.py and gpu_decode.py
+    report): registers in four sub-partitions of 16,384 (a warp's in one, 256 at a time), shared memory in 128-byte
+    units plus 1 KB a block, at most 64 warps and 32 blocks. The default one-warp decode program (255 registers, 20
+    KB) holds 8; 180 registers too; a cap of 168 holds 12, 128 holds 16."""
+    cases = [(255, 20480, 1), (180, 10240, 1), (144, 10240, 1), (168, 12288, 1), (128, 12288, 1), (128, 20480, 1),
+             (167, 0, 4), (64, 0, 8), (32, 0, 8), (32, 60000, 4)]
+    assert [tk.resident_warps(*c) for c in cases] == [8, 8, 12, 12, 16, 10, 12, 32, 64, 12]
+
+
 def test_launches_go_through_a_hook():
     """launches_through(hook): every launch of the block reaches the hook with its name, grid, arguments and
     constexprs, and runs when the hook runs it (a test's stand-in tensors are checked there); outside it, as before."""

@@ -1497,6 +1497,27 @@ def wave_splits(pairs: int, slots: int, tiles: int, most: int = 256) -> int:
     return next(s for s, c in enumerate(cost, 1) if c <= 1.02 * least)
 
 
+# sm_90's multiprocessor (CUDA C++ Programming Guide, compute capability 9.0): what bounds its resident warps. Its
+# registers are four sub-partitions' (one per scheduler), and a warp's live in one (CUDA's cuda_occupancy.h). What
+# DecodeTuning.programs_per_sm stands for: 8 of the default one-warp decode programs (benchmarks/kernel_sass.py)
+SM90 = dict(registers=65536, partitions=4, warps=64, blocks=32, shared=233472, shared_reserved=1024,
+            shared_unit=128, register_unit=256)
+
+
+def resident_warps(registers: int, shared: int, num_warps: int, sm: dict = SM90) -> int:
+    """Warps of a kernel resident at once on one multiprocessor: its blocks (programs) of ``num_warps`` warps, each
+    thread holding ``registers`` (allocated per warp in units of ``register_unit``, a warp's in one of the
+    ``partitions``) and each block ``shared`` bytes of shared memory (plus the system's reserve, in units of
+    ``shared_unit``). At one warp a program: 8 at 255 registers (and at 180: the 16,384 of a partition hold two
+    warps of 5,888), 12 at 168, 16 at 128."""
+    per_warp = -(-registers * 32 // sm["register_unit"]) * sm["register_unit"]
+    by_registers = (sm["registers"] // sm["partitions"] // per_warp) * sm["partitions"]
+    unit = sm["shared_unit"]
+    per_block = -(-(shared + sm["shared_reserved"]) // unit) * unit
+    blocks = min(sm["blocks"], sm["warps"] // num_warps, by_registers // num_warps, sm["shared"] // per_block)
+    return blocks * num_warps
+
+
 @functools.cache
 def _multiprocessors(index: int) -> int:
     """The streaming multiprocessors of CUDA device ``index`` (asked at every decode call: kept)."""
@@ -1705,5 +1726,5 @@ def decode(query, lengths, sink_k, sink_v, mid_k: Packed, mid_v: Packed, recent_
 
 
 __all__ = ["DecodeTuning", "KeyBias", "Packed", "TileFormat", "TokenFormat", "available", "calls", "code_classes", "code_words",
-           "current_tuning", "decode", "decode_tuning", "default_splits", "wave_splits", "interpreting", "launches_through", "to_device", "recorded_launches", "reset_calls", "rope_table",
+           "current_tuning", "decode", "decode_tuning", "default_splits", "resident_warps", "wave_splits", "interpreting", "launches_through", "to_device", "recorded_launches", "reset_calls", "rope_table",
            "store_contiguous", "store_paged"]
