@@ -87,9 +87,6 @@ def parse_args(argv=None):
     return args
 
 
-resident_warps = tk.resident_warps  # sm_90's occupancy rule (the library's: gpu_decode reads compiled kernels with it)
-
-
 def _tools():
     import triton
 
@@ -232,7 +229,7 @@ def run(args) -> dict:
                        "guarded_blocks": [sum(c.values()) for c in blocks],
                        "spill_stores": mid["STL"], "mma": mid["HMMA"], "registers": prof["usage"].get("reg"),
                        "max_registers": cap, "stack": prof["usage"].get("stack"), "shared": prof["shared"],
-                       "resident_warps": resident_warps(prof["usage"].get("reg", 255), prof["shared"], warps),
+                       "resident_warps": tk.resident_warps(prof["usage"].get("reg", 255), prof["shared"], warps),
                        "top": dict(mid.most_common(8))}
                 base = base or row
                 row["over_baseline"] = row["warp_instr_per_token"] / base["warp_instr_per_token"]

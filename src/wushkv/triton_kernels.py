@@ -1467,10 +1467,10 @@ def default_splits(batch: int, kv_heads: int, longest: int, block_n: int, device
     """Splits of each sequence: on a GPU, :func:`wave_splits` of its (sequence, KV head) pairs over the device's
     slots, ``programs_per_sm`` (default: the current :class:`DecodeTuning`'s) programs on each streaming
     multiprocessor, never more than there are tiles; under the interpreter one."""
-    if torch.device(device).type != "cuda":
+    device = torch.device(device)
+    if device.type != "cuda":
         return 1
-    per_sm = programs_per_sm or current_tuning().programs_per_sm
-    slots = _multiprocessors(torch.device(device).index or 0) * per_sm
+    slots = _multiprocessors(device.index or 0) * (programs_per_sm or current_tuning().programs_per_sm)
     return wave_splits(batch * kv_heads, slots, -(-max(longest, 1) // block_n))
 
 

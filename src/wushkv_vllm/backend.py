@@ -66,12 +66,11 @@ def served_model(vllm_config=None) -> Served | None:
     mc = None if cfg is None else cfg.model_config
     if mc is None:
         return _BUILT[-1]
-    _SERVING[:] = [e for e in _SERVING if e[0]() is not None]
     for r, folder, served in _SERVING:
         if r() is cfg and folder == mc.model:
             return served
     served = _load(mc)
-    _SERVING.append((weakref.ref(cfg), mc.model, served))
+    _SERVING[:] = [e for e in _SERVING if e[0]() is not None] + [(weakref.ref(cfg), mc.model, served)]  # dropped engines go
     return served
 
 
