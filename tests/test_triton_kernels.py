@@ -238,7 +238,7 @@ def test_decode_reads_one_byte_steps():
     tk.reset_calls()
     with decode_mod.triton_enabled(True):
         out = decode_attention(q, pk, pv, None, d**-0.5)[:, 0]
-    assert tk.calls() == {"decode": 1, "merge": 1} and _rel(out, ref) < 1e-3
+    assert tk.calls() == {"decode": 1} and _rel(out, ref) < 1e-3  # one split on CPU: no merge
     with pytest.raises(ValueError, match="e5m3"):
         fmt = tk.TokenFormat(2, d, d, True, step_byte=True)
         tk.store_paged(q[:, :2, 0], torch.arange(1), pk[1][1]["codes"], pk[1][1]["scale"], None, fmt)
@@ -274,6 +274,40 @@ def test_decode_options(feature):
     if feature != "splits>tokens":  # the option changed the result, so it was not silently ignored
         assert _rel(plain, ref) > 1e-2
     assert N == 4 + 20 + 6
+
+
+@pytest.mark.filterwarnings("ignore:invalid value encountered in divide")  # the row that sees nothing: 0/0 (numpy)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_one_split_writes_its_output_itself(dtype):
+    """With one split a sequence, the decode kernel's program writes the output (merge_kernel's arithmetic, in its
+    order) and no merge is launched: bit for bit what the merge of that one split gives (DecodeTuning.merge_always),
+    with learned sink logits, a softcap, a mask that hides a whole row; with more splits the merge runs as before."""
+    d, B, Hkv, G = 64, 3, 2, 3
+    q, pk, pv = _case(QuestQuantizer(2), AffineQuantizer(3), B, Hkv, G, d, n_s=4, n_m=40, n_r=6, seed=5, dtype=dtype)
+    sinks = torch.linspace(-1.0, 3.0, Hkv * G, device=DEVICE)
+    allowed = (torch.rand(B, 30, generator=torch.Generator().manual_seed(6)) > 0.3).to(DEVICE)
+    allowed[2] = False  # a row that sees nothing: whatever the merge gives (0/0), the same
+    def launched(**kw):  # (output, [(kernel, its constexprs)]) of a decode that runs
+        rec = []
+        with tk.launches_through(lambda name, grid, args, meta, run: (rec.append((name, meta)), run(name, grid, args, meta))):
+            return _triton(q, pk, pv, **kw), rec
+
+    for kw in ({}, {"sinks": sinks}, {"softcap": 2.0, "sinks": sinks}, {"allowed": allowed}):
+        out, rec = launched(splits=1, **kw)
+        assert [name for name, _ in rec] == ["decode"] and rec[0][1]["FINAL"]
+        assert rec[0][1]["HAS_SINKS"] == ("sinks" in kw)
+        with tk.decode_tuning(merge_always=True):
+            merged, rec = launched(splits=1, **kw)
+        assert [name for name, _ in rec] == ["decode", "merge"] and not rec[0][1]["FINAL"]
+        assert out.dtype == dtype and torch.equal(out.isnan(), merged.isnan()), kw
+        assert torch.equal(out.nan_to_num(), merged.nan_to_num()), (kw, (out - merged).abs().max())
+        if "allowed" not in kw:
+            ref = dequantize_then_attend(q, pk, pv, None, d**-0.5, **kw)[:, 0]
+            assert _rel(out, ref) < (1e-3 if dtype == torch.float32 else 1e-2), (kw, _rel(out, ref))
+    _, rec = launched(splits=2, sinks=sinks)
+    assert [name for name, _ in rec] == ["decode", "merge"] and not rec[0][1]["FINAL"] and not rec[0][1]["HAS_SINKS"]
+    with pytest.raises(ValueError, match="merge_always must be True or False, got 1"):
+        tk.DecodeTuning(merge_always=1)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -833,9 +867,12 @@ def test_launches_go_through_a_hook():
 
     with tk.launches_through(hook):
         out = _triton(q, pk, pv)
-    assert [s[0] for s in seen] == ["decode", "merge"] and seen[0][1:] == (1, d) and torch.equal(out, ref)
+    assert [s[0] for s in seen] == ["decode"] and seen[0][1:] == (1, d) and torch.equal(out, ref)
+    with tk.launches_through(hook):
+        _triton(q, pk, pv, splits=2)
+    assert [s[0] for s in seen] == ["decode", "decode", "merge"]
     _triton(q, pk, pv)
-    assert len(seen) == 2
+    assert len(seen) == 3
 
 
 def test_decode_attention_dispatches_to_triton():
@@ -849,11 +886,11 @@ def test_decode_attention_dispatches_to_triton():
     tk.reset_calls()
     with decode_mod.triton_enabled(True):
         out = decode_attention(q, pk, pv, None, d**-0.5)
-    assert tk.calls() == {"decode": 1, "merge": 1}
+    assert tk.calls() == {"decode": 1}  # one split on CPU: its program writes the output, no merge
     assert _rel(out, ref) < 1e-4
     with decode_mod.triton_enabled(True):  # a full-precision middle (K-only caches): not the kernel's
         decode_attention(q, [pk[0], pk[1][0].decode(pk[1][1], 12).to(q.dtype), pk[2]], pv, None, d**-0.5)
-    assert tk.calls() == {"decode": 1, "merge": 1}
+    assert tk.calls() == {"decode": 1}
     from wushkv.codecs import KVarNCodec
 
     kc = KVarNCodec(2, d, 4, "key")  # tiles of 4 tokens: the 12 of the middle
@@ -863,7 +900,7 @@ def test_decode_attention_dispatches_to_triton():
         ref = decode_attention(q, tiles, pv, None, d**-0.5)
     with decode_mod.triton_enabled(True):
         out = decode_attention(q, tiles, pv, None, d**-0.5)
-    assert tk.calls() == {"decode": 2, "merge": 2} and _rel(out, ref) < 1e-4
+    assert tk.calls() == {"decode": 2} and _rel(out, ref) < 1e-4
 
 
 # -- the cache's flush through the store kernel ------------------------------------------------------------------------
@@ -984,8 +1021,8 @@ for quest, clipped, has_t, br in ((True, True, False, 8), (True, False, True, 1)
     triton.compile(ASTSource(K["store"], sig("store", ptrs, ("coef", "sqrt_g"), consts), consts), target=GPUTarget("cuda", 90, 32))
 consts = dict(D=128, GQA=4, GP=16, BN=32, K_BITS=2, V_BITS=4, K_G=128, V_G=32, K_Z=False, V_Z=True, K_E5M3=True, K_OFF=128, V_OFF=0,
               V_E5M3=False, K_P=0, V_P=0, K_WC=0, V_WC=0, K_W4=False, V_W4=False, K_TILE=0, KT_MW=128, RMEAN=False, PAGED=True, PAGE_ABS=False, STARTS=False, HAS_MASK=True, SOFTCAP=True,
-              PREC="tf32", DT=tl.bfloat16, EMU=False, FP_STAGES=1)
-ptrs = {"q_ptr": "*bf16", "sk_ptr": "*bf16", "sv_ptr": "*bf16", "rk_ptr": "*bf16", "rv_ptr": "*bf16", "kc_ptr": "*u8",
+              PREC="tf32", DT=tl.bfloat16, EMU=False, FP_STAGES=1, FINAL=False, HAS_SINKS=False, OUT_BF16=True)
+ptrs = {"out_ptr": "*bf16", "q_ptr": "*bf16", "sk_ptr": "*bf16", "sv_ptr": "*bf16", "rk_ptr": "*bf16", "rv_ptr": "*bf16", "kc_ptr": "*u8",
         "vc_ptr": "*u8", "mask_ptr": "*u8", "lens_ptr": "*i32", "bt_ptr": "*i32", "ks_ptr": "*u8", "vs_ptr": "*fp16",
         "kz_ptr": "*u8", "vz_ptr": "*fp16", "kts_ptr": "*fp16", "ktz_ptr": "*fp16", "rp_ptr": "*i32", "st_ptr": "*i32"}
 for bn, warps, stages, v in ((32, 4, 3, (4, 32, True, 0)), (128, 8, 2, (2, 128, False, 128))):  # two tunings, two value codecs
@@ -1004,6 +1041,10 @@ for dt, off, kv, warps in ((tl.bfloat16, 128, (2, 8, 4, 4), 1), (tl.float16, 102
                        target=GPUTarget("cuda", 90, 32), options={"num_warps": warps, "num_stages": 2})
     assert "lop3.b32" in k.asm["ptx"] and "cubin" in k.asm
     assert ("prmt.b32" in k.asm["ptx"]) == (kv[0] * kv[1] != 16 or kv[2] * kv[3] != 16)
+# one split: the program writes the output itself (learned sink logits, float16 out)
+one = dict(consts, FINAL=True, HAS_SINKS=True, OUT_BF16=False)
+triton.compile(ASTSource(K["decode"], sig("decode", dict(p, out_ptr="*fp16"), ("sm_scale", "softcap", "K_HALF", "V_HALF"), one), one),
+               target=GPUTarget("cuda", 90, 32), options={"num_warps": 1, "num_stages": 2})
 # two codes a word in each class: at head_dim 64 words of 8 codes in 4 classes (3 bits from int32 loads, 1 bit, 2 bits
 # in 16-bit words; 2-bit bytes of 4 codes where rows sit at odd offsets), at 128 1-bit 16-bit words of 16 in 8
 for dd, kb, kp, kwc, vb, vp, vwc in ((64, 3, 4, 8, 1, 4, 8), (64, 2, 4, 8, 2, 4, 4), (128, 1, 8, 16, 2, 8, 8)):

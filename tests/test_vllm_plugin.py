@@ -502,7 +502,8 @@ def test_batched_decode_through_the_triton_kernel(quantizer, bits, dtype, meta):
         tk.reset_calls()
         with triton_enabled(True):
             got = decode_batch(sc, cache.to(dev), tables.to(dev), torch.tensor(lens), q.to(dev), w, 0.3, window, softcap).cpu()
-        assert tk.calls() == {"decode": 1, "merge": 1}  # the whole batch in one launch, not the CPU kernel
+        # the whole batch in one launch, not the CPU kernel (and a merge where it has several splits: on a GPU)
+        assert tk.calls()["decode"] == 1 and set(tk.calls()) <= {"decode", "merge"}
         err = float((got - want).abs().max() / want.abs().max())
         assert err < (1e-5 if dtype == torch.float32 else 2e-2), (window, softcap, err)
 
@@ -530,7 +531,7 @@ def test_batched_decode_of_key_tiles_through_the_triton_kernel(dtype):
         tk.reset_calls()
         with triton_enabled(True):
             got = decode_batch(sc, cache.to(dev), tables.to(dev), torch.tensor(lens), q.to(dev), w, 0.3, window).cpu()
-        assert tk.calls() == {"decode": 1, "merge": 1}
+        assert tk.calls()["decode"] == 1 and set(tk.calls()) <= {"decode", "merge"}
         err = float((got - want).abs().max() / want.abs().max())
         assert err < (1e-5 if dtype == torch.float32 else 2e-2), (window, err)
 
@@ -569,7 +570,7 @@ def test_batched_decode_of_centered_keys_through_the_triton_kernel(tile, dtype):
         with triton_enabled(True):
             got = decode_batch(sc, cache.to(dev), tables.to(dev), torch.tensor(lens), q.to(dev), w, 0.3, window,
                                rope_mean=rm, q_raw=q_raw.to(dev)).cpu()
-        assert tk.calls() == {"decode": 1, "merge": 1}
+        assert tk.calls()["decode"] == 1 and set(tk.calls()) <= {"decode", "merge"}
         err = float((got - want).abs().max() / want.abs().max())
         assert err < (1e-5 if dtype == torch.float32 else 2e-2), (window, err)
     with pytest.raises(ValueError, match="needs q_raw"):

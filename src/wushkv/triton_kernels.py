@@ -861,6 +861,7 @@ def _kernels() -> dict:
                       bt_ptr, s_bt, PAGE,
                       mask_ptr, s_mb, S, WINDOW,
                       o_ptr, m_ptr, l_ptr,  # (B, Hq, SPLITS, D), (B, Hq, SPLITS) float32
+                      sinks_ptr, out_ptr, s_ob, s_oh,  # FINAL: (Hq,) sink logits (HAS_SINKS), the output (B, Hq, D)
                       sm_scale, softcap, K_HALF, V_HALF, SPLITS,
                       D: tl.constexpr, GQA: tl.constexpr, GP: tl.constexpr, BN: tl.constexpr,
                       K_BITS: tl.constexpr, V_BITS: tl.constexpr, K_G: tl.constexpr, V_G: tl.constexpr,
@@ -870,7 +871,7 @@ def _kernels() -> dict:
                       K_TILE: tl.constexpr, KT_MW: tl.constexpr, RMEAN: tl.constexpr,
                       PAGED: tl.constexpr, PAGE_ABS: tl.constexpr, STARTS: tl.constexpr, HAS_MASK: tl.constexpr,
                       SOFTCAP: tl.constexpr, PREC: tl.constexpr, DT: tl.constexpr, EMU: tl.constexpr,
-                      FP_STAGES: tl.constexpr):
+                      FP_STAGES: tl.constexpr, FINAL: tl.constexpr, HAS_SINKS: tl.constexpr, OUT_BF16: tl.constexpr):
         b = tl.program_id(0).to(tl.int64)
         h = tl.program_id(1).to(tl.int64)
         sp = tl.program_id(2)
@@ -944,11 +945,26 @@ def _kernels() -> dict:
                                 tl.maximum(lo - w0, 0) + o_r, tl.minimum(hi - w0, n_r) + o_r, mb_r, sm_scale, softcap,
                                 mask_ptr, s_mb, D, BN, HAS_MASK, SOFTCAP, PREC, DT, EMU, FP_STAGES)
 
-        Hq = tl.num_programs(1) * GQA
-        row = (b * Hq + hq) * SPLITS + sp  # (GP,)
-        tl.store(m_ptr + row, m, mask=qmask)
-        tl.store(l_ptr + row, l, mask=qmask)
-        tl.store(o_ptr + row[:, None] * D + d[None, :], acc, mask=qmask[:, None])
+        if FINAL:  # one split: merge_kernel's arithmetic on its one split here, in the same order (the same bits),
+            # and no second launch nor the splits' state in global memory
+            M = m
+            if HAS_SINKS:
+                sink = tl.load(sinks_ptr + hq, mask=qmask, other=0.0).to(tl.float32) * 1.4426950408889634
+                M = tl.maximum(M, sink)
+            M = tl.where(M == float("-inf"), 0.0, M)
+            w = tl.exp2(m - M)
+            L = l * w
+            if HAS_SINKS:
+                L = L + tl.exp2(sink - M)
+            out = acc * w[:, None] / L[:, None]
+            tl.store(out_ptr + b * s_ob + hq[:, None] * s_oh + d[None, :],
+                     _rne_out(out, OUT_BF16).to(out_ptr.dtype.element_ty), mask=qmask[:, None])
+        else:
+            Hq = tl.num_programs(1) * GQA
+            row = (b * Hq + hq) * SPLITS + sp  # (GP,)
+            tl.store(m_ptr + row, m, mask=qmask)
+            tl.store(l_ptr + row, l, mask=qmask)
+            tl.store(o_ptr + row[:, None] * D + d[None, :], acc, mask=qmask[:, None])
 
     # -- merge the splits: one program per (sequence, query head) -------------------------------------------------
     @jit
@@ -1394,8 +1410,10 @@ class DecodeTuning:
     4-bit codes as words split into classes (:func:`code_classes`) where they allow it, else unpack them to
     (tokens, d) tiles (session 46's kernel); ``max_registers``: a cap on each thread's registers (Triton's
     ``maxnreg``, the PTX ``.maxnreg``; None: ptxas's choice); and ``fp_stages``: the software pipeline of the loop over
-    the full-precision sink and recent tokens (None: ``num_stages``, the middle's). None of them changes what is computed
-    beyond float32 summation order; :func:`decode_tuning` swaps them for a block of code.
+    the full-precision sink and recent tokens (None: ``num_stages``, the middle's); ``merge_always``: launch the
+    merge kernel even where each sequence has one split, as before session 60 (by default that split's program
+    writes the output itself: the same bits, one launch and the splits' state fewer). None of them changes what is
+    computed beyond float32 summation order; :func:`decode_tuning` swaps them for a block of code.
 
     ``max_registers`` trades spills for resident warps: the classes kernel at K2V2 d 128 takes 255 registers, so an
     sm_90 multiprocessor holds 8 of its one-warp programs (2 warps per scheduler to hide each other's latency); at 168
@@ -1419,6 +1437,7 @@ class DecodeTuning:
     class_split: bool = True
     max_registers: int | None = None
     fp_stages: int | None = None
+    merge_always: bool = False
 
     def __post_init__(self):
         if self.block_n is not None and (not isinstance(self.block_n, int) or self.block_n < 16
@@ -1429,8 +1448,9 @@ class DecodeTuning:
             optional = name in ("num_warps", "fp_stages")
             if not (v is None and optional) and (not isinstance(v, int) or isinstance(v, bool) or v < 1):
                 raise ValueError(f"{name} must be a positive int{' (or None)' if optional else ''}, got {v!r}")
-        if not isinstance(self.class_split, bool):
-            raise ValueError(f"class_split must be True or False, got {self.class_split!r}")
+        for name in ("class_split", "merge_always"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"{name} must be True or False, got {getattr(self, name)!r}")
         if self.max_registers is not None and (not isinstance(self.max_registers, int) or isinstance(self.max_registers, bool)
                                                or not 24 <= self.max_registers <= 255):
             raise ValueError(f"max_registers must be an int in [24, 255] (registers a thread; None: the compiler's "
@@ -1660,12 +1680,18 @@ def decode(query, lengths, sink_k, sink_v, mid_k: Packed, mid_v: Packed, recent_
         st = t.stride()
         return st[:3] if paged else (st[0], st[2], st[1])
 
-    # the splits' state in one allocation (the host's time per call counts where a step is short): o (B, Hq, splits,
-    # d), then m and l (B, Hq, splits), float32, each at a 16-byte boundary (the launcher specializes on alignment)
-    n, n4 = B * Hq * splits, -(-B * Hq * splits // 4) * 4
-    state = torch.empty(n * d + 2 * n4, dtype=torch.float32, device=query.device)
-    o = state[: n * d].view(B, Hq, splits, d)
-    m, l = (state[n * d + i * n4: n * d + i * n4 + n].view(B, Hq, splits) for i in (0, 1))
+    out = torch.empty(B, Hq, d, dtype=query.dtype, device=query.device)
+    final = splits == 1 and not tuning.merge_always  # the decode kernel writes the output: no merge launched
+    if final:
+        o = m = l = out  # never read
+    else:
+        # the splits' state in one allocation (the host's time per call counts where a step is short): o (B, Hq,
+        # splits, d), then m and l (B, Hq, splits), float32, each at a 16-byte boundary (the launcher specializes on
+        # alignment)
+        n, n4 = B * Hq * splits, -(-B * Hq * splits // 4) * 4
+        state = torch.empty(n * d + 2 * n4, dtype=torch.float32, device=query.device)
+        o = state[: n * d].view(B, Hq, splits, d)
+        m, l = (state[n * d + i * n4: n * d + i * n4 + n].view(B, Hq, splits) for i in (0, 1))
     if allowed is not None:
         mask = allowed.reshape(B, -1).to(torch.uint8).contiguous()
         S = mask.shape[1]
@@ -1706,7 +1732,8 @@ def decode(query, lengths, sink_k, sink_v, mid_k: Packed, mid_v: Packed, recent_
                 *strides(mid_k.codes), *strides(mid_k.scale), *strides(mid_v.codes), *strides(mid_v.scale),
                 kts, ktz, *kt_strides, kt_zi, rb, *rb_s, rp, rt, rr,
                 bt, bt.stride(0), page, mask, mask.stride(0), S, int(window or 0),
-                o, m, l, float(scaling), float(softcap or 1.0), mid_k.fmt.half, mid_v.fmt.half, splits,
+                o, m, l, sinks if sinks is not None else out, out, out.stride(0), out.stride(1),
+                float(scaling), float(softcap or 1.0), mid_k.fmt.half, mid_v.fmt.half, splits,
                 D=d, GQA=G, GP=max(16, _next_pow2(G)), BN=block_n, K_BITS=mid_k.fmt.bits, V_BITS=mid_v.fmt.bits,
                 K_G=mid_k.fmt.G, V_G=mid_v.fmt.G, K_Z=mid_k.offset is not None, V_Z=mid_v.offset is not None,
                 K_E5M3=mid_k.fmt.step_byte, V_E5M3=mid_v.fmt.step_byte,
@@ -1716,10 +1743,10 @@ def decode(query, lengths, sink_k, sink_v, mid_k: Packed, mid_v: Packed, recent_
                 K_TILE=kt_tile, KT_MW=kt_mw, RMEAN=key_bias is not None,
                 PAGED=paged, PAGE_ABS=paged and absolute_pages, STARTS=starts is not None, HAS_MASK=allowed is not None, SOFTCAP=softcap is not None,
                 PREC="ieee" if query.dtype == torch.float32 else "tf32", DT=_tl_dtype(query.dtype), EMU=emulate,
-                FP_STAGES=tuning.fp_stages or tuning.num_stages, num_warps=num_warps, num_stages=tuning.num_stages,
+                FP_STAGES=tuning.fp_stages or tuning.num_stages, FINAL=final, HAS_SINKS=final and sinks is not None,
+                OUT_BF16=query.dtype == torch.bfloat16, num_warps=num_warps, num_stages=tuning.num_stages,
                 **({"maxnreg": tuning.max_registers} if tuning.max_registers is not None else {}))
-    out = torch.empty(B, Hq, d, dtype=query.dtype, device=query.device)
-    if B and Hq:
+    if B and Hq and not final:
         _launch("merge", (B, Hq), o, m, l, sinks if sinks is not None else m, out, out.stride(0), out.stride(1), splits, Hq,
                 D=d, SP=_next_pow2(splits), HAS_SINKS=sinks is not None, OUT_BF16=query.dtype == torch.bfloat16)
     return out
