@@ -249,6 +249,134 @@ def test_crop_of_sliding_layers_stops_once_they_let_go_of_positions():
         assert cache.get_seq_length() == 14 and (got - ref[:, -1:]).abs().max() < 1e-5
 
 
+@torch.no_grad()
+@pytest.mark.parametrize("name", ["quest", "quest-keep16", "kvarn", "ktiles-ldlq"])
+def test_assisted_decoding_decodes_as_greedy_decoding(name):
+    """transformers' assisted decoding (here prompt lookup: drafts copied from the prompt's n-grams) verifies its drafts
+    in one chunk and crops those it rejects. A chunk's flush codes columns a token-by-token decode would still hold in
+    full precision (and with blocks of tokens, S_keep 0, codes the very drafts), so the cache takes the chunk back and
+    appends the tokens it keeps again (WushKVCache.crop -> take_back): the same tokens as greedy decoding through the
+    same cache, and the same cache after, code for code. Before, the crop refused mid-generation, or (a recent
+    buffer wider than the drafts) left the chunk's flush in place: other tokens."""
+    cfg = PADDED.get(name) or QuantConfig(2, 2, "quest", windows=WindowConfig(3, 16, 2))
+    model = tiny_model("llama").double()
+    ids = torch.randint(3, 40, (1, 40), generator=torch.Generator().manual_seed(7))  # few tokens: n-grams repeat
+    kw = dict(max_new_tokens=40, do_sample=False, pad_token_id=0)
+    with install(model):
+        greedy_cache, assisted_cache = WushKVCache(model, cfg), WushKVCache(model, cfg)
+        greedy = model.generate(ids, cache=greedy_cache, **kw)
+        crops = []
+        crop = assisted_cache.crop
+        assisted_cache.crop = lambda t: (crops.append((assisted_cache.get_seq_length(), t)), crop(t))[1]
+        assisted = model.generate(ids, cache=assisted_cache, prompt_lookup_num_tokens=6, **kw)
+    assert torch.equal(assisted, greedy), (assisted[0, 40:].tolist(), greedy[0, 40:].tolist())
+    rejected = [(n, t) for n, t in crops if t != 0 and (t < 0 or t < n)]
+    assert len(rejected) >= 5, crops  # drafts were rejected (and some accepted: fewer verifications than tokens)
+    assert len(crops) < 40
+    # (a chunk's projections differ from a token's by float64 rounding: the buffers to 1e-12, the codes exactly)
+    close = lambda x, y: x.shape == y.shape and torch.allclose(x.double(), y.double(), rtol=0, atol=1e-12)  # noqa: E731
+    for a, g in zip(assisted_cache.quantized_layers, greedy_cache.quantized_layers):
+        assert a.n == g.n and a._mid_len == g._mid_len and close(a.recent_k, g.recent_k) and close(a.sink_v, g.sink_v)
+        for side in ("k_side", "v_side"):
+            va, vg = getattr(a, side).store.view(), getattr(g, side).store.view()
+            assert va.keys() == vg.keys() and all(torch.equal(va[k], vg[k]) if va[k].dtype == torch.uint8
+                                                  else close(va[k], vg[k]) for k in va), (name, side)
+
+
+@pytest.mark.parametrize("name", ["quest", "quest-keep16", "kvarn", "ktiles-ldlq", "kivi"])
+def test_take_back_leaves_what_appending_the_rest_makes(name):
+    """WushKVLayer.take_back after chunks and single tokens, of every count it allows (into the sink, across the last
+    update's flush): the layer equals one that took only the tokens kept, one by one (buffers, sink, codes), and goes
+    on equal; what it cannot bring back (columns coded by an earlier update) it refuses by name, and the cache's crop
+    then removes the full-precision tail as before. Keys centered on their rotating mean too."""
+    from wushkv.layer import CacheInputs, RotatingKeyMean, WushKVLayer
+
+    cfg = PADDED.get(name) or QuantConfig(2, 2, "quest", windows=WindowConfig(3, 16, 2))
+    d, H = 16, 2
+    g = torch.Generator().manual_seed(3)
+    inputs = CacheInputs()
+    if name == "quest":
+        mu, T_K = torch.randn(H, d, generator=g, dtype=torch.float64), torch.eye(d, dtype=torch.float64).expand(H, d, d)
+        inputs = CacheInputs(key_mean=RotatingKeyMean(mu, T_K, (1e4 ** -(torch.arange(0, d, 2) / d), 1.0)))
+    K, V = (torch.randn(1, H, 80, d, generator=g, dtype=torch.float64) for _ in range(2))
+
+    def state(layer):
+        mid = {side: {k: t.clone() for k, t in getattr(layer, side).store.view().items() if t.shape[2]}  # (none yet: none)
+               for side in ("k_side", "v_side")}
+        return layer.n, layer._mid_len, layer.sink_k.clone(), layer.recent_k.clone(), layer.recent_v.clone(), mid
+
+    def same(a, b):
+        assert a[:2] == b[:2] and all(torch.equal(x, y) for x, y in zip(a[2:5], b[2:5])), (a[:2], b[:2])
+        assert all(a[5][s].keys() == b[5][s].keys() and all(torch.equal(a[5][s][k], b[5][s][k]) for k in a[5][s]) for s in a[5])
+
+    def alone(n):  # the first n tokens, one at a time
+        layer = WushKVLayer(cfg, d, inputs=inputs)
+        for t in range(n):
+            layer.update(K[:, :, t : t + 1], V[:, :, t : t + 1])
+        return layer
+
+    took, refused = 0, 0
+    for steps in ([20, 9], [2, 7], [30, 1, 1, 1, 12], [40, 1], [36, 1, 1, 1, 1, 1]):
+        n = sum(steps)
+        for k in range(1, min(steps[-1] + 9, n)):  # past the last update too
+            layer, n0 = WushKVLayer(cfg, d, inputs=inputs), 0
+            for T in steps:
+                layer.update(K[:, :, n0 : n0 + T], V[:, :, n0 : n0 + T])
+                n0 += T
+            if not layer.can_take_back(-k):
+                with pytest.raises(ValueError, match=f"cannot take back -{k} tokens of {n}"):
+                    layer.take_back(-k)
+                refused += 1
+                continue
+            layer.take_back(-k if k % 2 else n - k)  # (a positive count is the length kept, as transformers' crop)
+            took += 1
+            ref = alone(n - k)
+            same(state(layer), state(ref))
+            layer.update(K[:, :, n - k : n - k + 5], V[:, :, n - k : n - k + 5])  # and they go on alike
+            ref.update(K[:, :, n - k : n - k + 5], V[:, :, n - k : n - k + 5])
+            same(state(layer), state(ref))
+    assert took >= 30 and refused >= 5, (took, refused)
+
+
+@torch.no_grad()
+def test_a_cache_used_after_its_block_exits_says_so():
+    """The cache's views are read by wushkv's attention only: used after the `with apply_transforms(...)` block it was
+    made in (the model back on SDPA or eager), generate and a forward fail with what happened, not with SDPA's or
+    repeat_kv's TypeError about a KVView."""
+    model = tiny_model("llama")
+    ids = torch.randint(3, 96, (1, 12), generator=torch.Generator().manual_seed(1))
+    cfg = QuantConfig(2, 2, "quest", windows=WindowConfig(3, 5, 2))
+    for implementation in ("sdpa", "eager"):
+        model.set_attn_implementation(implementation)
+        with install(model):
+            cache = WushKVCache(model, cfg)
+            model.generate(ids, cache=cache, max_new_tokens=3, do_sample=False, pad_token_id=0)
+        assert model.config._attn_implementation == implementation
+        with pytest.raises(RuntimeError, match=r"another attention implementation than wushkv's.*inside the block"):
+            model.generate(ids, cache=cache, max_new_tokens=3, do_sample=False, pad_token_id=0)
+        with pytest.raises(RuntimeError, match="another attention implementation"):
+            model(ids[:, :1], cache=cache, use_cache=True)
+
+
+@torch.no_grad()
+def test_assisted_decoding_refused_at_once_where_a_crop_leaves_a_trace():
+    """A sliding-window layer lets go of positions as its window moves, and a padded batch's rows are not replayed:
+    there the cache is not croppable (transformers' meaning: a crop puts it back as it was), so assisted decoding is
+    refused before its first draft, not part-way through when a window fills."""
+    model = tiny_model("gemma3")  # layers 0 and 1 slide over 16 positions
+    cfg = PADDED["quest"]
+    ids = torch.randint(3, 12, (1, 30), generator=torch.Generator().manual_seed(7))
+    with install(model):
+        cache = WushKVCache(model, cfg)
+        assert not cache.is_croppable and [layer.is_croppable for layer in cache.quantized_layers] == [False, False, True]
+        with pytest.raises(ValueError, match="requires a cache that can be cropped"):
+            model.generate(ids, cache=cache, prompt_lookup_num_tokens=6, max_new_tokens=20, do_sample=False, pad_token_id=0)
+    llama = tiny_model("llama")
+    with install(llama):
+        assert WushKVCache(llama, cfg).is_croppable
+        assert not WushKVCache(llama, cfg, pad_lengths=[0, 3]).is_croppable
+
+
 def test_sequences_shorter_than_windows_are_an_error():
     from wushkv.eval.compare import quantized_perplexity
 

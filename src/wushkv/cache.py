@@ -73,9 +73,21 @@ class WushKVCache(Cache):
                 layer.set_padding(pad_lengths)
 
     def crop(self, tokens_to_remove: int) -> None:
-        """Remove the last tokens from every layer (``WushKVLayer.crop``), or from none: every attention layer is
-        checked before any changes (layers differ in what they can crop: sliding windows, per-layer configurations)."""
-        for layer in self.quantized_layers:
+        """Remove the last tokens from every layer, or from none. Where every attention layer can take them back
+        from its last update with no trace (``WushKVLayer.take_back``: a chunk of 2 to ``UNDO_TOKENS`` tokens, no
+        sliding window, no padding), the cache is then what appending the tokens kept would have made: assisted
+        decoding's crop of the drafts it rejects, after which it decodes as decoding alone does. Else each layer
+        removes its full-precision tail (``WushKVLayer.crop``; what was coded stays coded), all of them checked
+        before any changes (layers differ in what they can crop: sliding windows, per-layer configurations)."""
+        layers = self.quantized_layers
+        if layers and all(layer.can_take_back(tokens_to_remove) for layer in layers):
+            for layer in self.layers:
+                if isinstance(layer, WushKVLayer):
+                    layer.take_back(tokens_to_remove)
+                else:  # a hybrid's convolution or recurrent state: transformers' own
+                    layer.crop(tokens_to_remove)
+            return
+        for layer in layers:
             layer._crop_plan(tokens_to_remove)
         super().crop(tokens_to_remove)
 

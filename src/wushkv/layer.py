@@ -218,7 +218,10 @@ class WushKVLayer(CacheLayerMixin):
     """One layer of the quantized cache. See the module docstring for the layout."""
 
     is_compileable = False
-    is_croppable = True
+    # at most this many of the last tokens can be taken back with no trace (:meth:`take_back`), as assisted decoding
+    # crops the drafts it rejects: full-precision copies of up to this many (plus a flush) of the columns an update
+    # codes are held until the next update, views of what the recent buffer holds on to anyway
+    UNDO_TOKENS = 256
 
     def __init__(self, cfg: QuantConfig, head_dim: int, key_transform=None, sliding_window: int | None = None,
                  inputs: CacheInputs = NO_INPUTS):
@@ -228,6 +231,7 @@ class WushKVLayer(CacheLayerMixin):
         self.key_transform = key_transform  # the attention module's KeyTransform (T_K online), or None
         self.inputs = inputs
         self.sliding_window = sliding_window
+        self._undo = None  # (c, keys, values): the last update's full-precision copies of columns [c, ...) it coded
         self.is_sliding = sliding_window is not None
         k_codec, v_codec = make_codec(cfg, "key", head_dim, inputs.feedback_K), make_codec(cfg, "value", head_dim, inputs.feedback_V)
         self.k_side = _Side(k_codec) if k_codec else None
@@ -256,6 +260,15 @@ class WushKVLayer(CacheLayerMixin):
         for name, value in self.__dict__.items():
             setattr(new, name, copy.deepcopy(value, memo))
         return new
+
+    @property
+    def is_croppable(self) -> bool:
+        """Whether the cache's crop puts this layer back as it was, leaving no trace (transformers' meaning: its
+        assisted decoding refuses a cache where not, at once). An unpadded full-attention layer takes back up to
+        :data:`UNDO_TOKENS` of its last tokens (:meth:`take_back`). A sliding-window layer lets go of positions as its
+        window moves, and a padded batch's rows keep no copies (transformers' assisted decoding runs one sequence
+        anyway); :meth:`crop` still removes their full-precision tail where it can."""
+        return not self.is_sliding and not self.padded
 
     @property
     def padded(self) -> bool:
@@ -342,6 +355,7 @@ class WushKVLayer(CacheLayerMixin):
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
         if not self.is_initialized:
             self.lazy_initialization(key_states, value_states)
+        self._undo = None
         if self.row_mode:
             return self._update_ragged(key_states, value_states)
         if self.key_transform is not None:
@@ -361,9 +375,14 @@ class WushKVLayer(CacheLayerMixin):
         view = KVView(self, n0, n1, self.sink_k, self.sink_v, self.sink_start, self._mid_len, self.mid_start, win_k, win_v, w0, 0)
         # 2. flush whole blocks of S_flush into the quantized middle (appended, never re-quantized)
         c_old, c_new = self.mid_start + self._mid_len, self._code_end(n1)
+        held = (c_new, None, None)  # the full-precision columns [c, c_new) this flush coded, for take_back: none
         if c_new > c_old:
             k_new, v_new = self._columns(c_old, c_new, win_k, win_v, w0)
             self._append_mid(k_new, v_new, c_old)
+            # the last of them, as far back as a crop of UNDO_TOKENS reaches: views of what the recent buffer holds
+            # on to anyway (win_k) until the next update
+            c = max(c_old, self._code_end(max(n1 - self.UNDO_TOKENS, 0)))
+            held = (c, k_new[:, :, c - c_old:], v_new[:, :, c - c_old:])
         # 3. the recent buffer keeps what some row still reads in full precision
         moved = max(0, min(max(self.cfg.windows.S_sink, min(self._row_ends(n1))), n1) - w0)
         view.moved = moved
@@ -372,6 +391,8 @@ class WushKVLayer(CacheLayerMixin):
         self.n = n1
         if self.is_sliding:  # the view keeps what this step reads; the layer keeps what later steps can see
             self._evict(n1 - self.sliding_window + 1)
+        else:
+            self._undo = held
         return view, view
 
     def _update_padded(self, key_states: torch.Tensor, value_states: torch.Tensor):
@@ -663,6 +684,7 @@ class WushKVLayer(CacheLayerMixin):
         return self.sliding_window if self.is_sliding else -1
 
     def reset(self) -> None:
+        self._undo = None
         self.is_initialized = False
         self.row_sinks = False
         self.n = 0
@@ -670,12 +692,57 @@ class WushKVLayer(CacheLayerMixin):
             if side is not None:
                 side.store = type(side.store)()
 
+    def can_take_back(self, tokens_to_remove: int) -> bool:
+        """Whether :meth:`take_back` can remove these tokens (transformers' ``crop`` argument: negative, how many;
+        positive, the length to keep): at most :data:`UNDO_TOKENS`, from an unpadded full-attention layer, where every
+        column to be held in full precision after it still is, or was coded by the last update."""
+        n = tokens_to_remove if tokens_to_remove > 0 else self.n + tokens_to_remove
+        if self._undo is None or not 0 <= n < self.n or self.n - n > self.UNDO_TOKENS:
+            return False
+        return self._code_end(n) >= self._undo[0]
+
+    def take_back(self, tokens_to_remove: int) -> None:
+        """Remove the last tokens with no trace: the layer then holds what appending only the tokens before them
+        would have made, which columns are coded and their codes, as decoding them token by token makes it. The
+        middle is cut back to the columns coded at that length (codes are a token's, or a whole block's, whenever
+        they are made), and the columns the cut brings back into the recent buffer come from the last update's
+        full-precision copies of what it coded (held until the next update). A crop of the drafts a model got wrong
+        thus leaves the cache as if they had never been there: assisted decoding gives what decoding alone gives.
+        :meth:`crop` removes the full-precision tail only, and what an update coded stays coded."""
+        if not self.can_take_back(tokens_to_remove):
+            raise ValueError(f"cannot take back {tokens_to_remove} tokens of {self.n}: only up to {self.UNDO_TOKENS}, from an "
+                             "unpadded full-attention layer, back to what its last update coded")
+        n1, n = self.n, (tokens_to_remove if tokens_to_remove > 0 else self.n + tokens_to_remove)
+        lo, held_k, held_v = self._undo
+        c = self._code_end(n)  # the columns coded at length n end here (>= S_sink); [min(c, n), n) in the buffer
+        m = c - self.mid_start
+        if m < self._mid_len:
+            for name, side in (("k", self.k_side), ("v", self.v_side)):
+                if side is not None:
+                    side.store.truncate({key: t.shape[2] * m // self._mid_len for key, t in side.store.view().items()})
+                else:
+                    self._mid_fp_store[name] = self._mid_fp_store[name][:, :, :m]
+            self._mid_len = m
+        # full precision from column f on: the held columns [lo, c_new) the last update coded, then the buffer
+        f = n1 - self.recent_k.shape[2]
+        span_k, span_v = self.recent_k, self.recent_v
+        if held_k is not None:
+            f -= held_k.shape[2]
+            span_k, span_v = torch.cat([held_k, span_k], dim=2), torch.cat([held_v, span_v], dim=2)
+        a, e = max(min(c, n) - f, 0), max(n - f, 0)  # (a sink not yet full holds all: the buffer empty)
+        self.recent_k, self.recent_v = span_k[:, :, a:e], span_v[:, :, a:e]
+        self.sink_k, self.sink_v = self.sink_k[:, :, :n], self.sink_v[:, :, :n]
+        self.n = n
+        self._undo = (c, None, None)  # what a later take_back can still reach: the buffer alone
+
     def crop(self, tokens_to_remove: int) -> None:
         """Remove the last tokens; only tokens still in the full-precision recent buffer can be removed, and on a
-        sliding-window layer only while the next step's window holds nothing the layer has let go of."""
+        sliding-window layer only while the next step's window holds nothing the layer has let go of. What an update
+        coded stays coded: the cache's crop takes the last update back exactly where it can (:meth:`take_back`)."""
         plan = self._crop_plan(tokens_to_remove)
         if plan is None:
             return
+        self._undo = None
         n, layers, counts = plan
         for layer, k in zip(layers, counts):
             if k:
@@ -717,6 +784,7 @@ class WushKVLayer(CacheLayerMixin):
         return max(0, self.n - max(self.mid_start + self._mid_len, self.n - self.recent_k.shape[2])) if self.is_initialized else 0
 
     def _apply_batch(self, fn) -> None:
+        self._undo = None  # (the rows change: the last update is not taken back)
         if self.pads is not None:  # also before the first tokens: generate() expands rows for beams first
             self.pads = fn(self.pads)
         if self.row_sinks:

@@ -29,7 +29,8 @@ def _queries(layer, module, query: torch.Tensor, dtype: torch.dtype) -> torch.Te
     if kt is not layer.key_transform:
         raise RuntimeError(
             "the key transform of this attention module changed after the WushKVCache was created; "
-            "create the cache after apply_transforms()/restore()"
+            "create the cache after apply_transforms()/restore() (a cache saved and loaded again holds copies of the "
+            "transforms, not the model's: such a cache cannot be continued)"
         )
     return (kt.queries(query) if kt is not None else query).to(dtype)
 
@@ -40,6 +41,18 @@ class LayerView:
 
     The registered attention (:func:`wushkv.hf.wushkv_attention`) hands every ``LayerView`` it is given
     as ``key`` to the view's ``attend(module, query, attention_mask, scaling, softcap, sinks)``."""
+
+    _FOREIGN = ("a WushKVCache's layer view reached another attention implementation than wushkv's: the model's "
+                "attention was switched back after the cache was created (the `with apply_transforms(...)` block or "
+                "`Installed` context it was made in has exited, or set_attn_implementation was called); create the "
+                "cache, and run the model with it, inside the block")
+
+    def __getitem__(self, index):  # what eager/SDPA attention does first with its keys (repeat_kv)
+        raise RuntimeError(self._FOREIGN)
+
+    @classmethod
+    def __torch_function__(cls, func, types, args=(), kwargs=None):  # a torch function handed a view (SDPA's kernel)
+        raise RuntimeError(cls._FOREIGN)
 
     @property
     def shape(self):
