@@ -27,6 +27,37 @@ def test_missing_wikitext_names_places(tmp_path):
         wikitext2_test(search=[tmp_path])
 
 
+def test_data_without_a_network_or_a_cached_copy_fails_at_once(tmp_path, monkeypatch):
+    """A data file not found, the hub's host not resolving here, and datasets' cache holding no copy: the error comes at
+    once and says so, instead of after ~25 s of datasets' hub retries. A cached copy (its folder in datasets' cache)
+    is still asked for; offline mode (HF_DATASETS_OFFLINE too) asks no network and needs no probe."""
+    import os
+    import subprocess
+    import sys
+    import time
+
+    import datasets.config
+
+    from wushkv import data
+
+    monkeypatch.setattr(datasets.config, "HF_DATASETS_CACHE", str(tmp_path / "ds"))
+    (tmp_path / "ds" / "allenai___c4").mkdir(parents=True)
+    assert data._datasets_cached("allenai/c4") and not data._datasets_cached("wikitext")
+    env = {k: v for k, v in os.environ.items() if k not in ("HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE", "TRANSFORMERS_OFFLINE")}
+    env.update(HF_ENDPOINT="https://hub.wushkv-test.invalid", HF_DATASETS_CACHE=str(tmp_path / "ds"))  # never resolves
+    for v in ("HTTPS_PROXY", "https_proxy", "HTTP_PROXY", "http_proxy", "ALL_PROXY", "all_proxy"):
+        env.pop(v, None)
+    code = f"from pathlib import Path; from wushkv.data import wikitext2_test; wikitext2_test(search=[Path({str(tmp_path)!r})])"
+    t = time.perf_counter()
+    r = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
+    seconds = time.perf_counter() - t
+    assert r.returncode != 0 and "hub.wushkv-test.invalid does not resolve here and datasets' cache holds no copy of " \
+        "'wikitext'" in r.stderr, r.stderr[-2000:]
+    assert seconds < 15, seconds  # measured: 2.7 s (26 s of retries before)
+    monkeypatch.setenv("HF_DATASETS_OFFLINE", "1")
+    assert data.hub_unresolved(offline=("HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE")) is None
+
+
 def test_c4_jsonl(tmp_path):
     p = tmp_path / "c4.jsonl.gz"
     with gzip.open(p, "wt", encoding="utf-8") as f:

@@ -14,6 +14,8 @@ from pathlib import Path
 
 import torch
 
+from .models import hub_unresolved
+
 WIKITEXT_REL = "wikitext-2-raw/wiki.test.raw"
 C4_REL = "c4/c4-validation-2k.jsonl.gz"
 
@@ -82,14 +84,32 @@ def read_text_file(path: str | Path) -> str:
     return text.replace("\r\n", "\n")
 
 
-def _hub_fallback(what: str, loader, dirs: list[Path] | None = None):
+def _datasets_cached(name: str) -> bool:
+    """Whether ``datasets``' cache holds a copy of the hub dataset ``name`` ("wikitext", "allenai/c4"): where its
+    ``load_dataset`` falls back to when the hub cannot be asked (``CachedDatasetModuleFactory``'s folder)."""
+    try:
+        from datasets import config
+        from datasets.naming import camelcase_to_snakecase
+    except ImportError:
+        return False
+    *org, last = name.split("/")
+    return (Path(config.HF_DATASETS_CACHE) / "___".join([*org, camelcase_to_snakecase(last)])).is_dir()
+
+
+def _hub_fallback(what: str, loader, dirs: list[Path] | None = None, name: str | None = None):
+    looked = ", ".join(str(d) for d in (data_dirs() if dirs is None else dirs))
+    advice = "Put the file under one of these folders, set WUSHKV_DATA to a folder holding it, or pass --text-file."
+    # without a network, datasets would retry the hub for ~25 s before reading its cache: where that holds no copy,
+    # say so at once
+    host = hub_unresolved(offline=("HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE"))
+    if host is not None and name is not None and not _datasets_cached(name):
+        raise DataNotFoundError(f"{what} not found: looked in {looked}; the hub's host {host} does not resolve here "
+                                f"and datasets' cache holds no copy of {name!r}. {advice}")
     try:
         return loader()
     except Exception as e:  # noqa: BLE001 - any hub failure means "not available"
-        looked = ", ".join(str(d) for d in (data_dirs() if dirs is None else dirs))
         raise DataNotFoundError(
-            f"{what} not found: looked in {looked} and the hub was not reachable ({type(e).__name__}). "
-            f"Put the file under one of these folders, set WUSHKV_DATA to a folder holding it, or pass --text-file."
+            f"{what} not found: looked in {looked} and the hub was not reachable ({type(e).__name__}). {advice}"
         ) from None
 
 
@@ -108,7 +128,7 @@ def wikitext2_test(path: str | Path | None = None, search: list[Path] | None = N
         ds = load_dataset("wikitext", "wikitext-2-raw-v1", split="test")
         return "".join(ds["text"])
 
-    return _hub_fallback(f"WikiText-2 test ({WIKITEXT_REL})", hub, search)
+    return _hub_fallback(f"WikiText-2 test ({WIKITEXT_REL})", hub, search, "wikitext")
 
 
 def c4_documents(path: str | Path | None = None, limit: int | None = None) -> list[str]:
@@ -122,7 +142,7 @@ def c4_documents(path: str | Path | None = None, limit: int | None = None) -> li
             ds = load_dataset("allenai/c4", data_files="en/c4-validation.00000-of-00008.json.gz", split="train")
             return list(ds["text"][: limit or 2000])
 
-        return _hub_fallback(f"C4 calibration sample ({C4_REL})", hub)
+        return _hub_fallback(f"C4 calibration sample ({C4_REL})", hub, name="allenai/c4")
     if not p.is_file():
         raise DataNotFoundError(f"calibration file {str(p)!r} does not exist")
     opener = gzip.open if p.suffix == ".gz" else open

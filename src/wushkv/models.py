@@ -408,31 +408,41 @@ def _resolve(name_or_path: str) -> tuple[str, str | None]:
 _PROXIES = ("HTTPS_PROXY", "https_proxy", "HTTP_PROXY", "http_proxy", "ALL_PROXY", "all_proxy")
 
 
-def _hub_kwargs(where: str) -> tuple[dict, str]:
-    """(``from_pretrained`` keywords, what to add to an error) for ``where``: ``local_files_only=True`` for a hub id
-    whose hub's host does not resolve here, where the hub client would retry it for tens of seconds (48 s for a model
-    id on a machine without a network) before failing; so only the hub's cache is read, at once. Nothing for what is
-    not a hub id (a local path, there or not), under the hub's offline mode (HF_HUB_OFFLINE or TRANSFORMERS_OFFLINE,
-    as huggingface_hub reads them: its own), or behind a proxy (which resolves names itself). A resolver that hangs
-    still takes its own timeout."""
+def hub_unresolved(where: str | None = None, offline: tuple[str, ...] = ("HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE")) -> str | None:
+    """The hub's host, where a request for ``where`` (a hub id; None: any) would go to a hub whose host does not
+    resolve here, so the hub client would retry it for tens of seconds (48 s for a model id on a machine without a
+    network) before failing; else None. None for what is not a hub id (a local path, there or not), under offline
+    mode (the ``offline`` variables, read as huggingface_hub reads them: then the client asks nothing of the network),
+    or behind a proxy (which resolves names itself). A resolver that hangs still takes its own timeout."""
     from huggingface_hub.utils import HFValidationError, validate_repo_id
 
-    try:
-        validate_repo_id(where)
-    except HFValidationError:
-        return {}, ""
-    if Path(where).exists() or any(os.environ.get(v, "").upper() in ("1", "ON", "YES", "TRUE")
-                                   for v in ("HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE")):
-        return {}, ""
+    if where is not None:
+        try:
+            validate_repo_id(where)
+        except HFValidationError:
+            return None
+        if Path(where).exists():
+            return None
+    if any(os.environ.get(v, "").upper() in ("1", "ON", "YES", "TRUE") for v in offline):
+        return None
     if any(os.environ.get(v) for v in _PROXIES):
-        return {}, ""
+        return None
     endpoint = os.environ.get("HF_ENDPOINT") or "https://huggingface.co"
     host = urlparse(endpoint if "://" in endpoint else f"https://{endpoint}").hostname or "huggingface.co"
     try:
         socket.getaddrinfo(host, 443)
     except OSError:
-        return {"local_files_only": True}, f" (the hub's host {host} does not resolve here: only the hub's cache was read)"
-    return {}, ""
+        return host
+    return None
+
+
+def _hub_kwargs(where: str) -> tuple[dict, str]:
+    """(``from_pretrained`` keywords, what to add to an error) for ``where``: ``local_files_only=True`` for a hub id
+    whose hub's host does not resolve here (:func:`hub_unresolved`), so only the hub's cache is read, at once."""
+    host = hub_unresolved(where)
+    if host is None:
+        return {}, ""
+    return {"local_files_only": True}, f" (the hub's host {host} does not resolve here: only the hub's cache was read)"
 
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
