@@ -44,6 +44,8 @@ FILES = {
     "EDITED_JSON": "a `compare --json` file with one digit of a result changed",
     "OTHER_JSON": "a JSON file no wushkv run wrote",
     "RUN_JSON": "a whole `compare --json` run file",
+    "PASSKEY_JSON": "a `passkey --json` run file",
+    "AGREE_JSON": "an `agree --json` run file",
     "TYPO_TOML": "a sweep configuration with a misspelled key",
     "missing…": "a path that does not exist",
 }
@@ -66,6 +68,28 @@ CASES: list[Case] = [
          "--seq-len 300 is past the 256 positions MODEL was trained for"),
     Case("text", "calibration longer than the model's maximum positions", [*CALIB, "--samples", "1", "--seq-len", "300"],
          "--seq-len 300 is past the 256 positions MODEL was trained for"),
+    Case("text", "passkey contexts longer than the model's maximum positions",
+         ["passkey", *M, "--contexts", "1k", "--transforms", "hadamard", "--trials", "1"],
+         "--contexts 1024 is past the 256 positions MODEL was trained for"),
+    Case("text", "agreement prompts and tokens longer than the model's maximum positions",
+         ["agree", *TXT, "--prompt-len", "200", "--new-tokens", "100", "--transforms", "hadamard"],
+         "--prompt-len + --new-tokens 300 is past the 256 positions MODEL was trained for"),
+    Case("text", "reconstruction longer than the model's maximum positions",
+         ["recon", *TXT, "--seq-len", "300", "--calibration", "CAL", "--transforms", "wush"],
+         "--seq-len 300 is past the 256 positions MODEL was trained for"),
+    Case("text", "clip tuning longer than the model's maximum positions",
+         ["tune-clip", *TXT, "--seq-len", "300", "--transforms", "hadamard", "--out", "OUT.json"],
+         "--seq-len 300 is past the 256 positions MODEL was trained for"),
+    Case("text", "a covered context longer than the model's maximum positions",
+         ["calibration", "cover", "--calibration", "CAL", "--serve-len", "4096", "--out", "OUT.safetensors", "--model", "MODEL"],
+         "--serve-len 4096 is past the 256 positions"),
+    Case("text", "no passkey trials", ["passkey", "--trials", "0"], "argument --trials: expected an integer >= 1, got 0"),
+    Case("text", "no agreement tokens", ["agree", "--new-tokens", "0"], "argument --new-tokens: expected an integer >= 1, got 0"),
+    Case("text", "no held-out documents", ["data", "heldout", "--source", "c4", "--documents", "0", "--out", "OUT.txt"],
+         "argument --documents: expected an integer >= 1, got 0"),
+    Case("text", "a prompt file that is a folder", ["generate", *M, "--prompt-file", ".", "--transform", "hadamard"], "is a folder, not a file"),
+    Case("text", "a prompt file not UTF-8", ["generate", *M, "--prompt-file", "LATIN1", "--transform", "hadamard"],
+         "text file 'LATIN1' is not valid UTF-8"),
     Case("text", "calibration text too short for the samples", [*CALIB, "--samples", "200", "--seq-len", "64"], "fewer than samples=200"),
     Case("text", "calibration on an empty file", ["calibrate", *M, "--calib-text-file", "EMPTY", "--out", "OUT.safetensors", "--samples", "2",
                                                   "--seq-len", "64"], "the text has 0 tokens, fewer than one chunk of seq_len=64"),
@@ -97,6 +121,7 @@ CASES: list[Case] = [
     # -- methods
     Case("methods", "unknown method", ["ppl", "--transform", "foo"], "unknown transform 'foo'"),
     Case("methods", "unknown method in a list", ["compare", "--transforms", "identity,bogus"], "unknown transform 'bogus'"),
+    Case("methods", "an empty method list", ["compare", "--transforms", ""], "no methods given"),
     Case("methods", "misspelled suffix", ["compare", "--transforms", "wush+tile"], "+tiles (both sides in KVarN's tiles"),
     Case("methods", "suffixes that cannot combine", ["compare", "--transforms", "wush+ldlq+tiles"], "cannot be combined"),
     Case("methods", "+coverN on a method that reads no calibration", ["compare", "--transforms", "hadamard+cover4096"],
@@ -111,6 +136,8 @@ CASES: list[Case] = [
          "unknown transform 'wush+tiles'"),
     Case("methods", "export of a transform the calibration lacks", ["export", "--calibration", "CAL", "--out", "OUT.safetensors", "--transform", "wush-a"],
          "needs statistics ['H_K_A', 'H_V_A'], not in this calibration (recalibrate with --wush-a)"),
+    Case("methods", "export tolerance below 0", ["export", "--calibration", "CAL", "--out", "OUT.safetensors", "--tolerance", "-1"],
+         "argument --tolerance: expected a finite number >= 0, got '-1'"),
     Case("methods", "export dtype not offered", ["export", "--calibration", "CAL", "--out", "OUT.safetensors", "--dtype", "int8"],
          "argument --dtype: invalid choice: 'int8'"),
     # -- calibration files
@@ -138,6 +165,10 @@ CASES: list[Case] = [
          "is damaged or was edited: its contents do not match the sha256"),
     Case("runs", "merge of a file no run wrote", ["merge", "compare", "OTHER_JSON"], "run file OTHER_JSON is not a file a wushkv run wrote"),
     Case("runs", "merge of a missing file", ["merge", "compare", "missing.json"], "run file missing.json does not exist"),
+    Case("runs", "merge compare of a passkey run", ["merge", "compare", "PASSKEY_JSON"],
+         "PASSKEY_JSON: not a file `wushkv compare --json` wrote (no perplexities by method and width)"),
+    Case("runs", "merge passkey of an agree run", ["merge", "passkey", "AGREE_JSON", "--out", "OUT.json"],
+         "AGREE_JSON: not a file `wushkv passkey --json` wrote"),
     Case("runs", "clip table missing", ["compare", "--clips", "missing.json"], "does not exist"),
     Case("runs", "sweep configuration missing", ["sweep", "--config", "missing.toml"], "missing.toml"),
     Case("runs", "sweep configuration with a misspelled key", ["sweep", "--config", "TYPO_TOML"], "chunk"),
@@ -155,6 +186,7 @@ CASES: list[Case] = [
     Case("generation", "empty prompt", ["generate", *M, "--prompt", " ", "--transform", "hadamard"], "a prompt is empty"),
     Case("generation", "no new tokens", ["generate", *M, "--prompt", "hi", "--transform", "hadamard", "--max-new-tokens", "0"],
          "`max_new_tokens` must be greater than 0, but is 0"),
+    Case("models", "a device torch does not know", ["ppl", "--device", "bogus"], "'bogus' is not a torch device; expected cpu, cuda, cuda:N or mps"),
     Case("models", "model folder missing", ["ppl", "--model", "missing-model", "--text-file", "TEXT"], "missing-model"),
     Case("models", "model on the meta device", "WushKVCache(meta_model, QuantConfig())", "a WushKVCache needs a model with weights; 'tiny-llama' is on the meta device"),
     Case("models", "calibrating a model on the meta device", "calibrate(meta_model, CharTokenizer(), samples=1, seq_len=32, text_file='TEXT')",
@@ -202,6 +234,9 @@ def files(tmp_path_factory):
     (d / "DAMAGED_JSON").write_text(text[: len(text) // 2])
     (d / "EDITED_JSON").write_text(text.replace("13.25", "13.26"))
     (d / "OTHER_JSON").write_text(json.dumps({"hello": "world"}))
+    write_json(d / "PASSKEY_JSON", {"settings": {"model": "m"}, "state": {"wush": {"1024/0.5/0": {"found": True}}},
+                                    "results": {"wush": {"accuracy": 1.0}}})
+    write_json(d / "AGREE_JSON", {"settings": {"model": "m"}, "state": {"continuations": [[1, 2]], "rows": {}}, "results": {}})
     (d / "TYPO_TOML").write_text('[grid]\nmodels=["a"]\ntransforms=["wush"]\nbits=[2]\n[eval]\nchunk = 3\n')
     return d
 

@@ -371,3 +371,17 @@ def test_context_list():
     assert context_list("1k, 2k,4096,1.5k") == [1024, 2048, 4096, 1536]
     with pytest.raises(argparse.ArgumentTypeError, match="contexts such as"):
         context_list("1k,x")
+
+
+def test_a_device_this_machine_lacks_is_refused_before_anything_loads(capsys):
+    """--device cuda on a torch that sees no CUDA device (a CPU build), cuda:N past the devices there are: the flag's
+    error, naming the device, not torch's AssertionError after the model has loaded."""
+    import torch
+
+    n = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    bad = "cuda" if n == 0 else f"cuda:{n}"
+    with pytest.raises(SystemExit) as e:
+        main(["ppl", "--device", bad, "--text-file", "missing.txt"])
+    assert e.value.code == 2
+    said = capsys.readouterr().err
+    assert f"argument --device: {bad!r}" in said and ("sees no CUDA device" if n == 0 else f"has {n} CUDA device") in said

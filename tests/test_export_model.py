@@ -105,6 +105,23 @@ def test_bfloat16_export_reloads_bit_for_bit(tmp_path):
     assert AutoModelForCausalLM.from_pretrained(tmp_path / "bf16").dtype == torch.bfloat16
 
 
+def test_the_folder_is_readable_as_the_umask_allows(tmp_path):
+    """The folder is written in a temporary folder (mkdtemp: 0700) renamed into place: it and every file in it get
+    the permissions new ones get under the umask (0755 and 0644 under 022), so a serving engine running as another
+    user can read the checkpoint."""
+    import os
+
+    old = os.umask(0o022)
+    try:
+        export_model(_model("llama"), hf_char_tokenizer(), tmp_path / "served", method="hadamard", cfg=CFG)
+    finally:
+        os.umask(old)
+    served = tmp_path / "served"
+    modes = {str(p.relative_to(tmp_path)): (p.is_dir(), p.stat().st_mode & 0o777) for p in (served, *served.rglob("*"))}
+    assert "served/model.safetensors" in modes, modes
+    assert all(m == (0o755 if is_dir else 0o644) for is_dir, m in modes.values()), modes
+
+
 def test_side_file_read_from_disk_holds_inverse_key_transforms(llama, tmp_path):
     model, cal = llama
     out = tmp_path / "served"

@@ -75,6 +75,8 @@ def _find(rel: str, dirs: list[Path] | None = None) -> Path | None:
 def read_text_file(path: str | Path) -> str:
     """A UTF-8 text file with CRLF turned into LF."""
     p = Path(path)
+    if p.is_dir():
+        raise DataNotFoundError(f"text file {str(p)!r} is a folder, not a file")
     if not p.is_file():
         raise DataNotFoundError(f"text file {str(p)!r} does not exist")
     try:
@@ -204,9 +206,12 @@ def heldout_c4_text(first: int = HELDOUT_C4_FIRST, documents: int = HELDOUT_C4_D
 
     Text of the calibration's domain that no calibration reads: settings are chosen on it, never on the
     evaluation text (``wushkv data heldout`` writes it to a file)."""
-    docs = c4_documents(limit=first + documents)[first:]
+    if first < 0 or documents < 1:
+        raise ValueError(f"expected a first document >= 0 and at least 1 document, got first={first}, documents={documents}")
+    held = c4_documents(limit=first + documents)  # all of them where the sample has fewer
+    docs = held[first:]
     if len(docs) < documents:
-        raise ValueError(f"the C4 sample has {first + len(docs)} documents; asked for {first}..{first + documents - 1}")
+        raise ValueError(f"the C4 sample has {len(held)} documents; asked for {first}..{first + documents - 1}")
     return "\n\n".join(docs), f"{len(docs)} C4 documents ({first}..{first + len(docs) - 1})"
 
 

@@ -181,6 +181,15 @@ def _temporary_folder(out: Path) -> Path:
     return Path(tempfile.mkdtemp(prefix=f".{out.name}.", suffix=".tmp", dir=out.parent))
 
 
+def _usual_permissions(folder: Path) -> None:
+    """The folder and what it holds as the umask gives new ones (0755 and 0644 under 022): mkdtemp makes the folder
+    0700, and a serving engine running as another user must read the checkpoint."""
+    umask = os.umask(0)
+    os.umask(umask)
+    for path in (folder, *folder.rglob("*")):
+        os.chmod(path, (0o777 if path.is_dir() else 0o666) & ~umask)
+
+
 def _check_destination(out: Path) -> None:
     if out.exists() and not (out.is_dir() and not any(out.iterdir())):
         raise ValueError(f"--out {str(out)!r} exists and is not an empty folder; remove it or give another --out "
@@ -280,6 +289,7 @@ def export_model(model, tokenizer, out, method: str = "auto", cfg: QuantConfig |
         write_checked_safetensors(tmp / SIDE_FILE, tensors, header)
         write_json(tmp / SIDE_JSON, meta)
         read_side_file(tmp)  # what was written reads back, checked
+        _usual_permissions(tmp)
         try:
             if out.exists():
                 out.rmdir()  # an empty folder (checked above): rename cannot replace one that holds files

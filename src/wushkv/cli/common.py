@@ -63,6 +63,52 @@ def context_list(s: str) -> list[int]:
     return out
 
 
+def at_least(minimum: int):
+    """An argparse type: an integer >= ``minimum`` (a count of prompts, trials, documents), else the flag's error."""
+
+    def parse(s: str) -> int:
+        try:
+            v = int(s)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected an integer >= {minimum}, got {s!r}") from None
+        if v < minimum:
+            raise argparse.ArgumentTypeError(f"expected an integer >= {minimum}, got {v}")
+        return v
+
+    return parse
+
+
+def non_negative(s: str) -> float:
+    """An argparse type: a finite float >= 0 (a tolerance)."""
+    try:
+        v = float(s)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number >= 0, got {s!r}") from None
+    if not 0 <= v < float("inf"):
+        raise argparse.ArgumentTypeError(f"expected a finite number >= 0, got {s!r}")
+    return v
+
+
+def device_name(s: str) -> str:
+    """An argparse type: a torch device this machine has (``cpu``, ``cuda``, ``cuda:1``, ``mps``), as given."""
+    import torch
+
+    try:
+        d = torch.device(s)
+    except (RuntimeError, ValueError):
+        raise argparse.ArgumentTypeError(f"{s!r} is not a torch device; expected cpu, cuda, cuda:N or mps") from None
+    if d.type == "cuda":
+        n = torch.cuda.device_count() if torch.cuda.is_available() else 0
+        if n == 0:
+            raise argparse.ArgumentTypeError(f"{s!r}: this torch ({torch.__version__}) sees no CUDA device (a CPU build, or "
+                                             "none visible); use --device cpu, or install a CUDA build of torch")
+        if d.index is not None and d.index >= n:
+            raise argparse.ArgumentTypeError(f"{s!r}: this machine has {n} CUDA device(s), cuda:0..cuda:{n - 1}")
+    elif d.type == "mps" and not torch.backends.mps.is_available():
+        raise argparse.ArgumentTypeError(f"{s!r}: no MPS device here; use --device cpu")
+    return s
+
+
 def names(s: str) -> list[str]:
     """The non-empty comma-separated names of ``s``."""
     return [t.strip() for t in s.split(",") if t.strip()]
@@ -124,7 +170,7 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
 
     p.add_argument("--model", default=DEFAULT_MODEL, help="smollm2-135m | gemma3-270m | a .gguf file, model folder or hub id (default: %(default)s)")
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"], help="weights dtype (default: %(default)s)")
-    p.add_argument("--device", default="cpu", help="torch device (default: %(default)s)")
+    p.add_argument("--device", default="cpu", type=device_name, help="torch device: cpu, cuda, cuda:N, mps (default: %(default)s)")
     p.add_argument("--device-map", default=None,
                    help="accelerate device map ('auto', 'balanced', ...): split a model too large for one device over several; "
                         "every layer must stay resident (no cpu/disk offload)")

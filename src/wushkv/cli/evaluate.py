@@ -63,6 +63,7 @@ def cmd_recon(args) -> int:
     cfgs = [QuantConfig(k_bits=b, v_bits=b, quantizer=args.quantizer) for b in args.bits]
     text, label = load_eval_text(args.text_file)
     model, tok = load_model(args)
+    check_positions(model, args.seq_len, "--seq-len", args.model)
     cal = load_calibration(args.calibration, model)
     trs = {n: transforms_for(model, cal, n) for n in transforms}
     seqs = tokenize_chunks(tok, text, args.seq_len, args.samples)
@@ -151,6 +152,7 @@ def cmd_tune_clip(args) -> int:
     grid = _grid(args.grid)
     text, label = (read_text_file(args.text_file), str(args.text_file)) if args.text_file else heldout_c4_text()
     model, tok = load_model(args)
+    check_positions(model, args.seq_len, "--seq-len", args.model)
     cal = calibration(args, model, tok, transforms)
     if not args.text_file:
         check_heldout_calibration(cal)

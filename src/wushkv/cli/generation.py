@@ -8,14 +8,15 @@ from pathlib import Path
 
 from ..config import GENERATION_WINDOWS
 from ..io import read_json
-from .common import (add_calibration_args, add_model_args, add_quant_args, calibration, context_list, err, load_model,
-                     quant_config)
+from .common import (add_calibration_args, add_model_args, add_quant_args, at_least, calibration, check_positions, context_list, err,
+                     load_model, quant_config)
 
 GENERATE_PROMPT = "The history of the KV cache begins"
 AGREE_METHODS = "identity,hadamard,random,oscar,kvarn,wush,auto"  # `agree`'s default --transforms
 
 
 def cmd_generate(args) -> int:
+    from ..data import read_text_file
     from ..eval.generation import cache_summary, generate
     from ..eval.prepare import check_transforms
     from ..methods.auto import resolve_auto
@@ -26,17 +27,17 @@ def cmd_generate(args) -> int:
     check_transforms([method])
     method = canonical_name(method)
     cfg = method_config(method, quant_config(args))
+    prompts = [read_text_file(f) for f in args.prompt_file or []] + list(args.prompt or [])  # before the model loads
+    if not prompts:
+        prompts = [GENERATE_PROMPT]
+    if not all(p.strip() for p in prompts):
+        raise ValueError("a prompt is empty: give each --prompt (or --prompt-file) some text to continue")
     model, tok = load_model(args)
     cal = calibration(args, model, tok, [method])
     if auto:
         r = resolve_auto(args.model, cal, cfg)
         method, cfg = r.method.name, r.config
         err(f"--transform auto: {r.describe()} ({r.why})")
-    prompts = [open(f, encoding="utf-8").read() for f in args.prompt_file or []] + list(args.prompt or [])
-    if not prompts:
-        prompts = [GENERATE_PROMPT]
-    if not all(p.strip() for p in prompts):
-        raise ValueError("a prompt is empty: give each --prompt (or --prompt-file) some text to continue")
     out, cache, enc = generate(model, tok, prompts, method, cfg, cal, args.max_new_tokens, device=args.device)
     if len(prompts) > 1:
         L = enc["input_ids"].shape[1]
@@ -93,6 +94,7 @@ def cmd_agree(args) -> int:
     cfg = quant_config(args)
     text, label = load_eval_text(args.text_file)
     model, tok = load_model(args)
+    check_positions(model, args.prompt_len + args.new_tokens, "--prompt-len + --new-tokens", args.model)
     cal = calibration(args, model, tok, methods)
     resolved, auto_settings = resolve_auto(args.model, methods, model, cal, cfg, log=err)
     chunks = tokenize_chunks(tok, text, args.prompt_len, args.prompts * args.stride)[:: args.stride]
@@ -124,6 +126,7 @@ def cmd_passkey(args) -> int:
     depths = [float(x) for x in args.depths.split(",")]
     cfg = quant_config(args)
     model, tok = load_model(args)
+    check_positions(model, max(args.contexts), "--contexts", args.model)
     cal = calibration(args, model, tok, methods)
     resolved, auto_settings = resolve_auto(args.model, methods, model, cal, cfg, log=err)
     state, save, settings = resumable(args.json, {
@@ -173,10 +176,10 @@ def register(sub) -> None:
                         "settings (e.g. its tile clip); with --report-only and no --transforms, every method the file holds "
                         "(default: %(default)s)")
     add_calibration_args(p)
-    p.add_argument("--prompts", type=int, default=16, help="prompts from the evaluation text (default: %(default)s)")
+    p.add_argument("--prompts", type=at_least(1), default=16, help="prompts from the evaluation text (default: %(default)s)")
     p.add_argument("--prompt-len", type=int, default=512, help="tokens per prompt (default: %(default)s)")
-    p.add_argument("--stride", type=int, default=4, help="take every N-th chunk of the text as a prompt (default: %(default)s)")
-    p.add_argument("--new-tokens", type=int, default=1024, help="generated tokens per prompt (default: %(default)s)")
+    p.add_argument("--stride", type=at_least(1), default=4, help="take every N-th chunk of the text as a prompt (default: %(default)s)")
+    p.add_argument("--new-tokens", type=at_least(1), default=1024, help="generated tokens per prompt (default: %(default)s)")
     p.add_argument("--report-only", action="store_true",
                    help="print (and plot) what --json holds, running nothing: a partial run is reported over the prompts "
                         "every listed method has")
@@ -200,7 +203,7 @@ def register(sub) -> None:
     add_calibration_args(p, help=None)
     p.add_argument("--contexts", type=context_list, default=[1024, 2048, 4096, 8192], help="prompt lengths, e.g. 1k,2k,4k,8k")
     p.add_argument("--depths", default="0.1,0.5,0.9", help="needle depths in [0, 1] (default: %(default)s)")
-    p.add_argument("--trials", type=int, default=10, help="prompts per (context, depth) (default: %(default)s)")
+    p.add_argument("--trials", type=at_least(1), default=10, help="prompts per (context, depth) (default: %(default)s)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--json", default=None)
     p.add_argument("--plot", default=None, help="PNG heatmaps of accuracy; beside it, NAME_pkey.png: the geometric-mean probability of the key")

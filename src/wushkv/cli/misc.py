@@ -6,7 +6,8 @@ from __future__ import annotations
 import json
 
 from ..config import PERPLEXITY_WINDOWS
-from .common import add_model_args, add_quant_args, check_positions, err, load_model, quant_config, refuse_overwriting_a_run, windows_pair
+from .common import (add_model_args, add_quant_args, check_positions, err, load_model, non_negative, quant_config,
+                     refuse_overwriting_a_run, windows_pair)
 
 
 def cmd_info(args) -> int:
@@ -157,7 +158,7 @@ def register(sub) -> None:
     p.add_argument("--calibration", required=True, help="calibration file from `wushkv calibrate`")
     p.add_argument("--transform", default="wush", help="transform to export (default: %(default)s)")
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
-    p.add_argument("--tolerance", type=float, default=None, help="largest |T·T⁻¹ − I| accepted after the cast (default: by dtype)")
+    p.add_argument("--tolerance", type=non_negative, default=None, help="largest |T·T⁻¹ − I| accepted after the cast (default: by dtype)")
     p.add_argument("--out", required=True, help="output .safetensors")
     p.set_defaults(func=cmd_export)
 

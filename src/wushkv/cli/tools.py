@@ -11,19 +11,31 @@ import argparse
 import sys
 
 from ..data import HELDOUT_C4_DOCUMENTS, HELDOUT_C4_FIRST
+from .common import at_least
+
+
+def _model_of(args):
+    """(model, tokenizer) of ``--model``, or (None, None): the tool loads the model the file names."""
+    if args.model is None:
+        return None, None
+    from ..models import load
+
+    return load(args.model)
 
 
 def cmd_calibration_upgrade(args) -> int:
     from ..tools.upgrade import upgrade_file
 
-    print(f"wrote {upgrade_file(args.calibration, args.out, seqs=args.seqs, text_file=args.text_file)}")
+    model, tok = _model_of(args)
+    print(f"wrote {upgrade_file(args.calibration, args.out, seqs=args.seqs, text_file=args.text_file, model=model, tokenizer=tok)}")
     return 0
 
 
 def cmd_calibration_cover(args) -> int:
     from ..tools.cover import cover_file
 
-    print(f"wrote {cover_file(args.calibration, args.out, args.serve_len)}")
+    model, _ = _model_of(args)
+    print(f"wrote {cover_file(args.calibration, args.out, args.serve_len, model=model)}")
     return 0
 
 
@@ -95,6 +107,7 @@ def register(subparsers) -> None:
     q.add_argument("--calibration", required=True, help="the calibration file to upgrade (kept as it is)")
     q.add_argument("--out", required=True, help="where to write the upgraded file (must differ from --calibration)")
     q.add_argument("--seqs", type=int, default=4, help="calibration sequences to average over (default 4)")
+    q.add_argument("--model", default=None, help="the model the file was made for, where the name it records does not load from here (a relative path made elsewhere); checked against the file (default: the recorded name)")
     q.add_argument("--text-file", default=None, help="UTF-8 text instead of C4")
     q.set_defaults(func=cmd_calibration_upgrade, outputs=lambda a: [a.out, a.out + ".json"])  # Calibration.save writes both
 
@@ -108,6 +121,7 @@ def register(subparsers) -> None:
                            "      --out out/smollm2-c16x1024-4k.safetensors"))
     q.add_argument("--calibration", required=True, help="the calibration file to cover (kept as it is)")
     q.add_argument("--serve-len", type=int, required=True, help="the context length you will serve, longer than the calibration's sequences")
+    q.add_argument("--model", default=None, help="the model the file was made for, where the name it records does not load from here (a relative path made elsewhere); checked against the file (default: the recorded name)")
     q.add_argument("--out", required=True, help="where to write the covered file (must differ from --calibration)")
     q.set_defaults(func=cmd_calibration_cover, outputs=lambda a: [a.out, a.out + ".json"])
 
@@ -124,7 +138,7 @@ def register(subparsers) -> None:
     q.add_argument("--out", required=True)
     q.add_argument("--source", choices=("c4", "python"), default="c4", help="which text (default: %(default)s)")
     q.add_argument("--first", type=int, default=HELDOUT_C4_FIRST, help="c4: first document (default: %(default)s)")
-    q.add_argument("--documents", type=int, default=HELDOUT_C4_DOCUMENTS, help="c4: how many documents (default: %(default)s)")
+    q.add_argument("--documents", type=at_least(1), default=HELDOUT_C4_DOCUMENTS, help="c4: how many documents (default: %(default)s)")
     q.set_defaults(func=cmd_data_heldout)
 
     p = subparsers.add_parser("merge", help="put together runs made in parallel (compare, agree, passkey)",

@@ -17,6 +17,8 @@ def check_transforms(transforms: Sequence[str], tiles: bool = True, auto: bool =
     from ..methods.spec import AUTO, UnknownMethodError, grammar_help, parse, spec_of
     from ..transforms import TRANSFORMS
 
+    if not transforms:
+        raise ValueError("no methods given; give comma-separated method names such as hadamard,wush")
     for t in transforms:
         if not tiles:
             if t not in TRANSFORMS:
@@ -36,6 +38,8 @@ def check_methods_list(s: str, auto: bool = False) -> list[str]:
     from ..methods.spec import AUTO, canonical_name, parse, spec_of
 
     names = [canonical_name(t.strip()) for t in s.split(",") if t.strip()]
+    if not names:
+        raise ValueError(f"no methods in {s!r}; give comma-separated method names such as hadamard,wush")
     for n in names:
         if parse(n) is AUTO and not auto:
             spec_of(n)  # raises, saying which commands resolve auto

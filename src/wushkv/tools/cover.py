@@ -32,6 +32,10 @@ def cover_file(calibration: str | Path, out: str | Path, serve_len: int, model=N
     if isinstance(serve_len, bool) or not isinstance(serve_len, int) or serve_len <= L:
         raise ValueError(f"--serve-len {serve_len!r}: the context to cover must be longer than the calibration's "
                          f"sequences ({L} tokens); at {L} or fewer the statistics already cover it")
+    limit = getattr(model.config, "max_position_embeddings", None)
+    if isinstance(limit, int) and serve_len > limit:
+        raise ValueError(f"--serve-len {serve_len} is past the {limit} positions {cal.meta['model']} was trained for "
+                         f"(max_position_embeddings); give --serve-len <= {limit}")
     spec = describe(model)
     covered = cover_positions(cal, [rope_parameters(model, l, spec) for l in range(spec.num_layers)], serve_len)
     return covered.save(out)

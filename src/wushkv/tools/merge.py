@@ -31,6 +31,10 @@ def merge_compare(runs: list[tuple[str, dict]]) -> tuple[dict, dict]:
     first, rows = None, {}
     for p, d in runs:
         s = d["settings"]
+        fp, results = d.get("fp"), d.get("results")
+        if not (isinstance(fp, dict) and "ppl" in fp and isinstance(results, dict)
+                and all(isinstance(r, dict) and all(str(b).isdigit() for b in r) for r in results.values())):
+            raise ValueError(f"{p}: not a file `wushkv compare --json` wrote (no perplexities by method and width)")
         if first is None:
             first = d
         else:
@@ -125,8 +129,11 @@ def merge_passkey(runs: list[tuple[str, dict]]) -> dict:
     ``wushkv passkey --json`` resumes from."""
     settings, state = None, {}
     for path, run in runs:
-        if not isinstance(run.get("settings"), dict) or not isinstance(run.get("state"), dict):
-            raise ValueError(f"{path}: not a file `wushkv passkey --json` wrote (no settings/state)")
+        cases_of = run.get("state")
+        if (not isinstance(run.get("settings"), dict) or not isinstance(cases_of, dict)
+                or not all(isinstance(c, dict) and all(str(k).count("/") == 2 for k in c) for c in cases_of.values())):
+            raise ValueError(f"{path}: not a file `wushkv passkey --json` wrote (no settings, or no cases by method and "
+                             "context/depth/trial)")
         if settings is None:
             settings = dict(run["settings"])
         else:
