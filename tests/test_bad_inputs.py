@@ -31,6 +31,8 @@ class Case(NamedTuple):
 FILES = {
     "MODEL": "a tiny llama saved with save_pretrained (max_position_embeddings 256)",
     "TEXT": "1,800 characters of UTF-8 text",
+    "CUT_MODEL": "MODEL with its model.safetensors cut in half",
+    "BIN_MODEL": "MODEL with pickled weights (pytorch_model.bin) instead of model.safetensors",
     "EMPTY": "an empty text file",
     "SHORT": "11 characters of text",
     "LATIN1": "Latin-1 text (not UTF-8)",
@@ -187,6 +189,10 @@ CASES: list[Case] = [
     Case("generation", "no new tokens", ["generate", *M, "--prompt", "hi", "--transform", "hadamard", "--max-new-tokens", "0"],
          "`max_new_tokens` must be greater than 0, but is 0"),
     Case("models", "a device torch does not know", ["ppl", "--device", "bogus"], "'bogus' is not a torch device; expected cpu, cuda, cuda:N or mps"),
+    Case("models", "model weights cut short", ["ppl", "--model", "CUT_MODEL", "--text-file", "TEXT"],
+         "could not load model 'CUT_MODEL' from 'CUT_MODEL': its weights file is damaged or cut short"),
+    Case("models", "pickled model weights", ["ppl", "--model", "BIN_MODEL", "--text-file", "TEXT"],
+         "wushkv loads safetensors weights only and never unpickles a checkpoint"),
     Case("models", "model folder missing", ["ppl", "--model", "missing-model", "--text-file", "TEXT"], "missing-model"),
     Case("models", "model on the meta device", "WushKVCache(meta_model, QuantConfig())", "a WushKVCache needs a model with weights; 'tiny-llama' is on the meta device"),
     Case("models", "calibrating a model on the meta device", "calibrate(meta_model, CharTokenizer(), samples=1, seq_len=32, text_file='TEXT')",
@@ -211,6 +217,16 @@ def files(tmp_path_factory):
     model = tiny_model("llama", vocab_size=128, max_position_embeddings=256)
     model.save_pretrained(d / "MODEL")
     hf_char_tokenizer().save_pretrained(d / "MODEL")
+    import shutil
+
+    import torch
+
+    for name in ("CUT_MODEL", "BIN_MODEL"):
+        shutil.copytree(d / "MODEL", d / name)
+    weights = (d / "MODEL" / "model.safetensors").read_bytes()
+    (d / "CUT_MODEL" / "model.safetensors").write_bytes(weights[: len(weights) // 2])
+    (d / "BIN_MODEL" / "model.safetensors").unlink()
+    torch.save(model.state_dict(), d / "BIN_MODEL" / "pytorch_model.bin")
     (d / "TEXT").write_text("the quick brown fox jumps over the lazy dog. " * 40)
     (d / "EMPTY").write_text("")
     (d / "SHORT").write_text("short text\n")

@@ -482,14 +482,24 @@ def load(name_or_path: str = DEFAULT_MODEL, dtype: str | torch.dtype = "float32"
     where, gguf = _resolve(name_or_path)
     hub, why = _hub_kwargs(where)
     kw = ({"gguf_file": gguf} if gguf else {}) | hub
+    from safetensors import SafetensorError
+
     try:
         tokenizer = AutoTokenizer.from_pretrained(where, **kw)
-        model = AutoModelForCausalLM.from_pretrained(where, dtype=torch_dtype, device_map=device_map, **kw)
+        # safetensors weights only: a pickled checkpoint (pytorch_model.bin) is never unpickled, even restricted
+        model = AutoModelForCausalLM.from_pretrained(where, dtype=torch_dtype, device_map=device_map,
+                                                     **kw | ({} if gguf else {"use_safetensors": True}))
     except OSError as e:
+        pickled = "" if gguf or not Path(where, "pytorch_model.bin").is_file() else (
+            " (wushkv loads safetensors weights only and never unpickles a checkpoint: convert pytorch_model.bin with "
+            "transformers' save_pretrained where you trust it)")
         raise FileNotFoundError(
-            f"could not load model {name_or_path!r} from {where!r}{why}: {str(e).rstrip('.')}. Use one of {sorted(REAL_MODELS)}, "
-            "a local folder or .gguf file, or a hub id when the hub is reachable."
+            f"could not load model {name_or_path!r} from {where!r}{why}: {str(e).rstrip('.')}{pickled}. Use one of "
+            f"{sorted(REAL_MODELS)}, a local folder or .gguf file, or a hub id when the hub is reachable."
         ) from e
+    except SafetensorError as e:
+        raise ValueError(f"could not load model {name_or_path!r} from {where!r}: its weights file is damaged or cut short "
+                         f"({e})") from None
     if device_map is None:
         model.to(device)
     model.eval()
