@@ -123,6 +123,8 @@ CASES: list[Case] = [
     # -- methods
     Case("methods", "unknown method", ["ppl", "--transform", "foo"], "unknown transform 'foo'"),
     Case("methods", "unknown method in a list", ["compare", "--transforms", "identity,bogus"], "unknown transform 'bogus'"),
+    Case("methods", "quantizer flags without a method", [*PPL, "--k-bits", "3", "--quantizer", "kivi"],
+         "quantizer flags given without --transform: ppl measures full precision without one"),
     Case("methods", "an empty method list", ["compare", "--transforms", ""], "no methods given"),
     Case("methods", "misspelled suffix", ["compare", "--transforms", "wush+tile"], "+tiles (both sides in KVarN's tiles"),
     Case("methods", "suffixes that cannot combine", ["compare", "--transforms", "wush+ldlq+tiles"], "cannot be combined"),
@@ -179,6 +181,8 @@ CASES: list[Case] = [
     Case("runs", "an output that is the text read", [*PPL, "--json", "TEXT"], "--json TEXT is also the --text-file the run reads"),
     Case("runs", "export written over the calibration it reads", ["export", "--calibration", "CAL", "--out", "CAL"],
          "--out CAL is also the --calibration the run reads: an output must differ from the run's inputs"),
+    Case("runs", "an output that is a folder", [*PPL, "--json", "."], "--json . is a folder: give a file path"),
+    Case("runs", "an empty output path", [*CALIB[:-1], ""], "--out is empty (''): give a file path"),
     Case("runs", "an output whose folder is a file", [*PPL, "--json", "TEXT/r.json"], "cannot write TEXT/r.json: TEXT is a file, not a folder"),
     Case("runs", "a one-shot result written over a resumable run", [*PPL, "--json", "RUN_JSON"],
          "--json RUN_JSON holds a resumable run (compare, agree, passkey, tune-clip or merge results) that this command would overwrite"),

@@ -137,7 +137,10 @@ def exclusive_output(path: str | Path | None) -> Iterator[None]:
         return
     make_parent(path)
     lp = lock_path(path)
-    fd = os.open(lp, os.O_RDWR | os.O_CREAT, 0o644)
+    try:
+        fd = os.open(lp, os.O_RDWR | os.O_CREAT, 0o644)
+    except PermissionError:  # (the lock file's name would say nothing to the user)
+        raise PermissionError(f"cannot write {path}: no permission to create files in {Path(path).resolve().parent}") from None
     try:
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)

@@ -132,8 +132,14 @@ def output_files(args) -> list[str]:
     flagged = [(f, v) for f in OUTPUT_FLAGS if isinstance(v := getattr(args, f, None), str)]
     named = flagged if declared is None else [(next((f for f, v in flagged if v == p), None), p) for p in declared(args)]
     seen: dict[Path, str] = {}
+    folders = getattr(args, "folder_outputs", ())  # flags whose value is a folder the command writes (export-model --out)
     for flag, path in named:
-        key, what = Path(path).resolve(), f"--{flag} {path}" if flag else path
+        what = f"--{flag} {path}" if flag else path
+        if not path.strip():
+            raise ValueError(f"{'--' + flag if flag else 'an output'} is empty ({path!r}): give a file path")
+        if Path(path).is_dir() and flag not in folders:  # found before the work, not when its result is written
+            raise ValueError(f"{what} is a folder: give a file path (inside it, for instance)")
+        key = Path(path).resolve()
         if key in seen:
             raise ValueError(f"{seen[key]} and {what} are one file: give each output its own path")
         seen[key] = what

@@ -11,6 +11,7 @@ from .common import (add_calibration_args, add_model_args, add_quant_args, bits_
 
 
 def cmd_ppl(args) -> int:
+    from ..config import QuantConfig
     from ..data import load_eval_text, tokenize_chunks
     from ..eval.clips import ClipTable
     from ..eval.compare import quantized_perplexity
@@ -20,6 +21,9 @@ def cmd_ppl(args) -> int:
     from ..methods.spec import method_config
 
     refuse_overwriting_a_run(args.json)
+    if not args.transform and quant_config(args) != QuantConfig(windows=PERPLEXITY_WINDOWS):
+        raise ValueError("quantizer flags given without --transform: ppl measures full precision without one; add "
+                         "--transform METHOD (identity: the quantizer alone)")
     cfg = quant_config(args) if args.transform else None
     if args.transform:
         check_transforms([args.transform])

@@ -83,4 +83,4 @@ def register(sub) -> None:
             action.help = (f"S_sink full-precision first tokens (default: {GENERATION_WINDOWS.S_sink}; for a method with key "
                            "tiles, whole tiles, which the vLLM plugin needs, the recent window shortened by as much)")
     p.add_argument("--out", required=True, help="the folder to create (must not exist, or be empty)")
-    p.set_defaults(func=cmd_export_model, quantizer="affine")
+    p.set_defaults(func=cmd_export_model, quantizer="affine", folder_outputs=("out",))
