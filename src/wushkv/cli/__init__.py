@@ -56,6 +56,6 @@ def main(argv: list[str] | None = None) -> int:
         print(f"wushkv {args.command}: error: {e}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:  # every write is atomic: what is on disk is whole, and a --json run resumes from it
-        print(f"wushkv {args.command}: interrupted; the files it wrote are whole (a run with --json resumes from its "
-              "file when run again)", file=sys.stderr)
+        resumes = " (run again with the same --json, it resumes from its file)" if isinstance(getattr(args, "json", None), str) else ""
+        print(f"wushkv {args.command}: interrupted; the files it wrote are whole{resumes}", file=sys.stderr)
         return 130

@@ -37,6 +37,9 @@ def bits_list(s: str) -> list[int]:
         raise argparse.ArgumentTypeError(f"expected comma-separated bit widths such as 2,3,4, got {s!r}") from None
     if not out:
         raise argparse.ArgumentTypeError(f"no widths in {s!r}; give comma-separated bit widths such as 2,3,4")
+    twice = sorted({b for b in out if out.count(b) > 1})
+    if twice:
+        raise argparse.ArgumentTypeError(f"width {twice[0]} given twice in {s!r}; give each width once")
     return out
 
 

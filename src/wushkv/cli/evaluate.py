@@ -97,6 +97,9 @@ def cmd_compare(args) -> int:
     transforms = names(args.transforms)
     check_transforms(transforms, auto=True)
     transforms = [canonical_name(t) for t in transforms]  # results are keyed by the canonical name
+    twice = [t for i, t in enumerate(transforms) if t in transforms[:i]]
+    if twice:
+        raise ValueError(f"--transforms names {twice[0]} twice ({args.transforms!r}); give each method once")
     base = quant_config(args, k_bits=2, v_bits=2)
     for b in args.bits:
         replace(base, k_bits=b, v_bits=b)  # validates the widths before anything long runs

@@ -49,7 +49,9 @@ def cmd_generate(args) -> int:
 
 def _saved_agreement(path) -> dict:
     """``--report-only``: the run ``agree --json`` saved at ``path``."""
-    if not path or not Path(path).is_file():
+    if not path:
+        raise ValueError("--report-only reads the results of an earlier run: give its file with --json")
+    if not Path(path).is_file():
         raise ValueError(f"--report-only reads the results of an earlier run: --json {path!r} is not a file")
     saved = read_json(path, "--json")
     if not isinstance(saved, dict) or "state" not in saved or "settings" not in saved:
