@@ -385,3 +385,27 @@ def test_a_device_this_machine_lacks_is_refused_before_anything_loads(capsys):
     assert e.value.code == 2
     said = capsys.readouterr().err
     assert f"argument --device: {bad!r}" in said and ("sees no CUDA device" if n == 0 else f"has {n} CUDA device") in said
+
+
+def test_every_option_says_its_default_in_help():
+    """Every option of every command with a default to say (not None, not a switch's False) says it in --help."""
+    import argparse
+
+    from wushkv.cli import build_parser
+
+    missing, seen = [], 0
+
+    def walk(parser, name):
+        nonlocal seen
+        for a in parser._actions:
+            if isinstance(a, argparse._SubParsersAction):
+                for sub_name, sub in a.choices.items():
+                    walk(sub, f"{name} {sub_name}")
+            elif a.option_strings and not a.required and a.default not in (None, False, argparse.SUPPRESS):
+                seen += 1
+                if "default" not in (a.help or "").lower():
+                    missing.append(f"{name} {a.option_strings[-1]}")
+        parser.format_help()  # and every help renders (a stray % would raise here)
+
+    walk(build_parser(), "wushkv")
+    assert seen > 100 and not missing, missing

@@ -29,7 +29,22 @@ def build_parser() -> argparse.ArgumentParser:
     for name in COMMAND_MODULES:
         importlib.import_module(f"{__name__}.{name}").register(sub)
     _order(sub, HELP_ORDER)
+    _show_defaults(parser)
     return parser
+
+
+def _show_defaults(parser: argparse.ArgumentParser) -> None:
+    """Every option of every (sub)command says its default in ``--help`` where its help does not already speak of one
+    and there is one to say (not None, not a switch's False)."""
+    for action in parser._actions:  # (argparse keeps no public handle on them)
+        if isinstance(action, argparse._SubParsersAction):
+            for sub in dict.fromkeys(action.choices.values()):
+                _show_defaults(sub)
+            continue
+        if (not action.option_strings or action.required or action.default in (None, False, argparse.SUPPRESS)
+                or action.help == argparse.SUPPRESS or "default" in (action.help or "").lower()):
+            continue
+        action.help = f"{action.help} (default: %(default)s)" if action.help else "default: %(default)s"
 
 
 def _order(sub, order) -> None:
