@@ -38,6 +38,7 @@ FILES = {
     "LATIN1": "Latin-1 text (not UTF-8)",
     "CAL": "a calibration of MODEL",
     "OTHER_CAL": "a calibration of another model of the same shape",
+    "SELECTED_CAL": "CAL holding a selection `wushkv select` made",
     "OLD_CAL": "CAL with `format_version` 0",
     "NEW_CAL": "CAL with `format_version` 99 (from a later wushkv)",
     "NOT_ST": "a text file named `.safetensors`",
@@ -160,6 +161,9 @@ CASES: list[Case] = [
     Case("calibration", "calibration damaged on disk", [*PPL, "--transform", "wush", "--calibration", "DAMAGED_CAL"],
          "calibration file 'DAMAGED_CAL' is damaged: its contents do not match the sha256"),
     Case("calibration", "calibration written over itself by upgrade", ["calibration", "upgrade", "--calibration", "CAL", "--out", "CAL"], "must differ"),
+    Case("calibration", "calibrating over a file holding selections", ["calibrate", *M, "--calib-text-file", "TEXT", "--out", "SELECTED_CAL",
+                                                                     "--samples", "2", "--seq-len", "64"],
+         "--out SELECTED_CAL holds 1 selection(s) `wushkv select` made for auto, which a new calibration would drop"),
     Case("calibration", "damping below 0", [*CALIB, "--samples", "2", "--seq-len", "64", "--damping", "-1"], "damping must be a finite float >= 0, got -1.0"),
     Case("calibration", "skip more positions than a sequence has", [*CALIB, "--samples", "2", "--seq-len", "64", "--skip-first", "100"],
          "skip_first = 100: expected an integer in [0, 63]"),
@@ -241,6 +245,8 @@ def files(tmp_path_factory):
     (d / "NOT_ST").write_text("not a safetensors file")
     cal = calibrate(model, CharTokenizer(), samples=2, seq_len=64, text_file=str(d / "TEXT"), show_progress=False)
     cal.save(d / "CAL")
+    cal.set_selection({"setting": {"quantizer": "quest", "k_bits": 2}, "choice": "wush"})
+    cal.save(d / "SELECTED_CAL")
     other = tiny_model("llama", seed=1, vocab_size=128, max_position_embeddings=256)
     calibrate(other, CharTokenizer(), samples=2, seq_len=64, text_file=str(d / "TEXT"), show_progress=False).save(d / "OTHER_CAL")
     with safe_open(str(d / "CAL"), framework="pt") as f:

@@ -52,6 +52,10 @@ def cmd_calibrate(args) -> int:
 
     if args.samples < 1:
         raise ValueError(f"--samples {args.samples}: expected at least 1 calibration sequence")
+    held = _selections_in(args.out)
+    if held:
+        raise ValueError(f"--out {args.out} holds {held} selection(s) `wushkv select` made for auto, which a new calibration "
+                         "would drop: give another --out, or delete the file first")
     model, tok = load_model(args)
     check_positions(model, args.seq_len, "--seq-len", args.model)
     cal = calibrate(model, tok, samples=args.samples, seq_len=args.seq_len, text_file=args.calib_text_file,
@@ -61,6 +65,24 @@ def cmd_calibrate(args) -> int:
     print(f"calibration of {args.model}: {cal.meta['samples']} x {cal.meta['seq_len']} tokens, transforms {sorted(cal.solved)}, "
           f"{cal.meta['seconds']:.1f}s -> {path} (+ {path}.json)")
     return 0
+
+
+def _selections_in(path: str) -> int:
+    """How many selections a calibration file at ``path`` holds (its header alone is read); 0 for none, no file, or a
+    file that is not one (it is replaced as before)."""
+    import json
+    from pathlib import Path
+
+    if not Path(path).is_file():
+        return 0
+    try:
+        from safetensors import safe_open
+
+        with safe_open(path, framework="pt") as f:
+            held = json.loads((f.metadata() or {}).get("selections", "[]"))
+    except Exception:  # noqa: BLE001 - not a calibration: nothing to keep
+        return 0
+    return len(held) if isinstance(held, list) else 0
 
 
 def cmd_export(args) -> int:
