@@ -338,6 +338,30 @@ def test_take_back_leaves_what_appending_the_rest_makes(name):
     assert took >= 30 and refused >= 5, (took, refused)
 
 
+@pytest.mark.parametrize("pads", [None, [0, 300]])
+def test_a_prompt_leaves_no_full_precision_behind(pads):
+    """After a prompt of 4096 tokens in one update (what generate's prefill does), a layer holds in full precision its
+    sink, its recent buffer and take_back's copies (at most UNDO_TOKENS plus a flush), not the prompt: the buffer was a
+    view of the whole chunk's keys and values, so every layer kept all of them until its next update (after a
+    prefill, a full-precision cache's memory at once). Unpadded and left-padded (one shared store) batches."""
+    from wushkv.layer import WushKVLayer
+
+    cfg, d = QuantConfig(2, 2, "quest", windows=WindowConfig(16, 128, 16)), 64
+    layer = WushKVLayer(cfg, d)
+    if pads is not None:
+        layer.set_padding(torch.tensor(pads))
+    B = 1 if pads is None else len(pads)
+    K, V = (torch.randn(B, 2, 4096, d) for _ in range(2))
+    layer.update(K, V)
+    held = [layer.sink_k, layer.sink_v, layer.recent_k, layer.recent_v]
+    if layer._undo is not None and layer._undo[1] is not None:
+        held += list(layer._undo[1:])
+    storages = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in held}
+    token = B * 2 * d * 4  # one token of one side, float32
+    bound = 2 * (16 + 128 + 16 + 300 + WushKVLayer.UNDO_TOKENS + 16) * token  # keys and values
+    assert sum(storages.values()) <= bound < 4096 * 2 * token, (sum(storages.values()), bound)
+
+
 @torch.no_grad()
 def test_a_cache_used_after_its_block_exits_says_so():
     """The cache's views are read by wushkv's attention only: used after the `with apply_transforms(...)` block it was

@@ -53,6 +53,14 @@ def left_padding(attention_mask: torch.Tensor) -> torch.Tensor:
     return lead
 
 
+def _compact(t: torch.Tensor) -> torch.Tensor:
+    """``t``, or a copy of it where it is a view of a much larger tensor: what a layer keeps of a chunk's window (the
+    recent buffer, take_back's copies) must not hold the whole chunk's full precision until the next update. A prompt
+    of N tokens in one update would otherwise leave every layer holding N tokens of keys and values at once after the
+    prefill: a full-precision cache's memory. A decode step's window (the buffer and one token) is kept as it is."""
+    return t.clone() if t.untyped_storage().nbytes() > 2 * t.numel() * t.element_size() + 65536 else t
+
+
 class _Growable:
     """A dict of tensors that grow along dim 2 with amortized doubling (no O(n²) concatenation)."""
 
@@ -219,9 +227,10 @@ class WushKVLayer(CacheLayerMixin):
 
     is_compileable = False
     # at most this many of the last tokens can be taken back with no trace (:meth:`take_back`), as assisted decoding
-    # crops the drafts it rejects: full-precision copies of up to this many (plus a flush) of the columns an update
-    # codes are held until the next update, views of what the recent buffer holds on to anyway
-    UNDO_TOKENS = 256
+    # crops the drafts it rejects (transformers drafts 20 tokens by default, prompt lookup 10): full-precision copies
+    # of up to this many (plus a flush) of the columns an update codes are held until the next update. A decode step's
+    # are views of what its window holds anyway; a prompt's a copy, a recent buffer's worth per layer after a prefill
+    UNDO_TOKENS = 128
 
     def __init__(self, cfg: QuantConfig, head_dim: int, key_transform=None, sliding_window: int | None = None,
                  inputs: CacheInputs = NO_INPUTS):
@@ -379,15 +388,14 @@ class WushKVLayer(CacheLayerMixin):
         if c_new > c_old:
             k_new, v_new = self._columns(c_old, c_new, win_k, win_v, w0)
             self._append_mid(k_new, v_new, c_old)
-            # the last of them, as far back as a crop of UNDO_TOKENS reaches: views of what the recent buffer holds
-            # on to anyway (win_k) until the next update
+            # the last of them, as far back as a crop of UNDO_TOKENS reaches, until the next update
             c = max(c_old, self._code_end(max(n1 - self.UNDO_TOKENS, 0)))
-            held = (c, k_new[:, :, c - c_old:], v_new[:, :, c - c_old:])
+            held = (c, _compact(k_new[:, :, c - c_old:]), _compact(v_new[:, :, c - c_old:]))
         # 3. the recent buffer keeps what some row still reads in full precision
         moved = max(0, min(max(self.cfg.windows.S_sink, min(self._row_ends(n1))), n1) - w0)
         view.moved = moved
         view.mid, view.mid_len = self._snapshot_mid(), self._mid_len
-        self.recent_k, self.recent_v = win_k[:, :, moved:], win_v[:, :, moved:]
+        self.recent_k, self.recent_v = _compact(win_k[:, :, moved:]), _compact(win_v[:, :, moved:])
         self.n = n1
         if self.is_sliding:  # the view keeps what this step reads; the layer keeps what later steps can see
             self._evict(n1 - self.sliding_window + 1)
@@ -429,7 +437,7 @@ class WushKVLayer(CacheLayerMixin):
                 self.sink_v[b, :, j : j + e - a] = win_v[b, :, a - w0 : e - w0]
         view.moved, view.ends = w1 - w0, self.ends
         view.mid, view.mid_len = self._snapshot_mid(), self._mid_len
-        self.recent_k, self.recent_v = win_k[:, :, w1 - w0 :], win_v[:, :, w1 - w0 :]
+        self.recent_k, self.recent_v = _compact(win_k[:, :, w1 - w0 :]), _compact(win_v[:, :, w1 - w0 :])
         self.n = n1
         if self.is_sliding:
             self._evict(n1 - self.sliding_window + 1)
