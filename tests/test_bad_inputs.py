@@ -129,7 +129,7 @@ CASES: list[Case] = [
     Case("methods", "a method listed twice", ["compare", "--transforms", "hadamard,wush,hadamard"],
          "--transforms names hadamard twice ('hadamard,wush,hadamard'); give each method once"),
     Case("quantizer", "a width listed twice", ["compare", "--bits", "2,3,2"], "width 2 given twice in '2,3,2'; give each width once"),
-    Case("methods", "an empty method list", ["compare", "--transforms", ""], "no methods given"),
+    Case("methods", "an empty method list", ["compare", "--transforms", ""], "no methods in --transforms ''"),
     Case("methods", "misspelled suffix", ["compare", "--transforms", "wush+tile"], "+tiles (both sides in KVarN's tiles"),
     Case("methods", "suffixes that cannot combine", ["compare", "--transforms", "wush+ldlq+tiles"], "cannot be combined"),
     Case("methods", "+coverN on a method that reads no calibration", ["compare", "--transforms", "hadamard+cover4096"],

@@ -409,3 +409,13 @@ def test_every_option_says_its_default_in_help():
 
     walk(build_parser(), "wushkv")
     assert seen > 100 and not missing, missing
+
+
+def test_method_lists_without_a_wush_method_need_no_calibration():
+    """Full precision alone, or auto alone, lists no method of wushkv's own: nothing to check, no calibration asked
+    for (a regression of session 60 refused the empty list left once those are set aside)."""
+    from wushkv.eval.prepare import calibration_for
+
+    assert calibration_for(None, None, ["full-precision"]) is None
+    with pytest.raises(ValueError, match="unknown method 'bogus'"):
+        calibration_for(None, None, ["full-precision", "bogus"])

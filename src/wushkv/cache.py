@@ -74,7 +74,7 @@ class WushKVCache(Cache):
 
     def crop(self, tokens_to_remove: int) -> None:
         """Remove the last tokens from every layer, or from none. Where every attention layer can take them back
-        from its last update with no trace (``WushKVLayer.take_back``: a chunk of 2 to ``UNDO_TOKENS`` tokens, no
+        with no trace (``WushKVLayer.take_back``: up to ``UNDO_TOKENS`` tokens, back to what the last update coded, no
         sliding window, no padding), the cache is then what appending the tokens kept would have made: assisted
         decoding's crop of the drafts it rejects, after which it decodes as decoding alone does. Else each layer
         removes its full-precision tail (``WushKVLayer.crop``; what was coded stays coded), all of them checked

@@ -95,6 +95,8 @@ def cmd_compare(args) -> int:
     from ..methods.spec import canonical_name, method_config
 
     transforms = names(args.transforms)
+    if not transforms:
+        raise ValueError(f"no methods in --transforms {args.transforms!r}; give comma-separated method names such as hadamard,wush")
     check_transforms(transforms, auto=True)
     transforms = [canonical_name(t) for t in transforms]  # results are keyed by the canonical name
     twice = [t for i, t in enumerate(transforms) if t in transforms[:i]]

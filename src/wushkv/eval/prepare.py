@@ -17,8 +17,6 @@ def check_transforms(transforms: Sequence[str], tiles: bool = True, auto: bool =
     from ..methods.spec import AUTO, UnknownMethodError, grammar_help, parse, spec_of
     from ..transforms import TRANSFORMS
 
-    if not transforms:
-        raise ValueError("no methods given; give comma-separated method names such as hadamard,wush")
     for t in transforms:
         if not tiles:
             if t not in TRANSFORMS:
