@@ -5,7 +5,8 @@ bytes: QuEST stores one fp16 step per token and head (per group with ``group_siz
 add per-channel scales per tile and keep their first tile and a tail of up to 127 tokens in full
 precision. This prefills one sequence of ``--tokens`` tokens of the evaluation text through a
 ``WushKVCache`` for each layout and prints ``cache.nbytes()`` (codes, metadata, full-precision windows),
-summed over layers, per token, and against the QuEST layout of the same width.
+summed over layers, per token, and against the QuEST layout of the same width; and the full-precision bytes the
+layers really keep alive (:func:`held_full_precision`: the windows, and the copies a crop takes back from).
 
     python benchmarks/cache_bytes.py --model smollm2-135m --tokens 2048 --bits 2,3,4 \\
         --layouts "quest g64 16/128/16,quest g32 16/128/16,kvarn tiles,ktiles 16/128/16"
@@ -43,7 +44,8 @@ def layout_config(name: str, bits: int) -> QuantConfig:
     return QuantConfig(bits, bits, quantizer=parts[0], group_size=int(parts[1][1:]), windows=WindowConfig(s, k, f))
 
 
-HEADERS = ["bits", "layout", "codes", "metadata", "full precision (bf16)", "total", "bytes/token", "× first layout"]
+HEADERS = ["bits", "layout", "codes", "metadata", "full precision (bf16)", "total", "bytes/token", "× first layout",
+           "full precision held (bf16)"]
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -71,8 +73,21 @@ def measure(model, ids: torch.Tensor, bits: list[int], layouts: list[str]) -> li
             n["full_precision"] = n["full_precision"] * 2 // elem  # counted as bf16, as deployed (this run is float32)
             total = n["codes"] + n["metadata"] + n["full_precision"]
             ref = ref or total
-            rows.append([b, name, n["codes"], n["metadata"], n["full_precision"], total, round(total / ids.shape[1], 1), round(total / ref, 3)])
+            rows.append([b, name, n["codes"], n["metadata"], n["full_precision"], total, round(total / ids.shape[1], 1), round(total / ref, 3),
+                         held_full_precision(cache) * 2 // elem])
     return rows
+
+
+def held_full_precision(cache) -> int:
+    """Bytes of every storage the layers' full-precision tensors keep alive after the prefill (sink, recent buffer,
+    the copies ``take_back`` keeps of what the last update coded), each storage once: what the accounting's windows
+    really cost, which a buffer kept as a view of the prompt's whole window once multiplied by the prompt's length."""
+    seen = {}
+    for layer in cache.quantized_layers:
+        for t in (layer.sink_k, layer.sink_v, layer.recent_k, layer.recent_v, *(layer._undo or ())[1:]):
+            if torch.is_tensor(t):
+                seen[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+    return sum(seen.values())
 
 
 def main(argv: list[str] | None = None) -> list[list]:

@@ -125,6 +125,8 @@ def test_wush_a_cost():
 
 
 def test_cache_bytes(capsys):
+    from wushkv.layer import WushKVLayer
+
     cache_bytes = load_benchmark("cache_bytes")
     model = tiny_model("llama")
     ids = torch.randint(3, 96, (1, 160))
@@ -142,6 +144,10 @@ def test_cache_bytes(capsys):
         assert r["total"] == r["codes"] + r["metadata"] + r["full precision (bf16)"] > 0
         assert r["bytes/token"] == round(r["total"] / 160, 1)
         assert r["× first layout"] == round(r["total"] / by[(b, layouts[0])]["total"], 3)
+        # what the layers keep alive: their windows, and at most UNDO_TOKENS plus a flush of copies a layer, not the
+        # prompt (before session 60 each layer's buffer held the whole 160-token window)
+        copies = 3 * 2 * 2 * 32 * 2 * (WushKVLayer.UNDO_TOKENS + 16)  # layers, K and V, heads, d, bf16
+        assert r["full precision (bf16)"] <= r["full precision held (bf16)"] <= r["full precision (bf16)"] + copies
     for b in (2, 4):
         assert by[(b, layouts[0])]["× first layout"] == 1.0
         assert by[(b, "quest g16 4/16/4")]["metadata"] == 2 * by[(b, "quest g32 4/16/4")]["metadata"]  # a step per group

@@ -58,7 +58,7 @@ def _compact(t: torch.Tensor) -> torch.Tensor:
     recent buffer, take_back's copies) must not hold the whole chunk's full precision until the next update. A prompt
     of N tokens in one update would otherwise leave every layer holding N tokens of keys and values at once after the
     prefill: a full-precision cache's memory. A decode step's window (the buffer and one token) is kept as it is."""
-    return t.clone() if t.untyped_storage().nbytes() > 2 * t.numel() * t.element_size() + 65536 else t
+    return t.clone() if t.untyped_storage().nbytes() > 2 * t.numel() * t.element_size() else t
 
 
 class _Growable:
