@@ -303,7 +303,7 @@ def sweep(args, device, timer) -> dict:
                 out["reached"] = ti + 1
             for ppsm in per_sm:
                 tune = dict(block_n=bn, num_warps=w, num_stages=st, programs_per_sm=ppsm, class_split=True,
-                            max_registers=None, fp_stages=None) | (more[0] if more else {})
+                            max_registers=None, fp_stages=None, merge_always=False) | (more[0] if more else {})
                 row = {"context": ctx, "batch": B, **tune}
                 try:
                     with tk.decode_tuning(**tune):

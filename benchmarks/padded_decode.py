@@ -21,7 +21,8 @@ values, windows 64/256/16): a padded batch keeps each row's tokens from column 0
 and attention, of the whole batch at once against the replaced path, one unpadded layer per row stepped and attended
 in turn, in the same run: ``tiles_rows_ms`` / ``tiles_ragged_ms`` on the PyTorch path (the median of ``--steps``
 steps), and ``host_rows_ms`` / ``host_ragged_ms`` on the Triton path with its launches skipped (what a GPU's host
-issues; ``launches_rows`` / ``launches_ragged`` per step: two per decode call).
+issues; ``launches_rows`` / ``launches_ragged`` per step: one per decode call here, one split a sequence; a GPU's
+splits add a merge's).
 
 Both sections also count what the GPU's decode kernel reads of a step, per KV head: ``kernel_columns_own``, each row's
 own columns (the kernel's ``starts``: no padding, no other row's columns), against ``kernel_columns_widest``, every

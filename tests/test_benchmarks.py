@@ -209,13 +209,14 @@ def test_padded_decode(capsys):
     real = sum(701 - p for p in row["pads"])
     assert row["kernel_columns_own"] == real and row["kernel_columns_widest"] >= 3 * 701, row
     assert "MISMATCH" not in capsys.readouterr().out
-    # key tiles: ragged rows decode a step in one call (two launches, and a store's on the steps a row flushes),
-    # row by row took two per row; the two paths' outputs are compared at every step inside run_tiles
+    # key tiles: ragged rows decode a step in one call (one launch here, one split a sequence, and a store's on the
+    # steps a row flushes), row by row took one per row; the two paths' outputs are compared at every step inside
+    # run_tiles
     (tiles,) = padded.run_tiles([700], [3], ["smollm2"], steps=4)  # middles of 368, 288 and 192 tokens
     assert all(positive(tiles[k]) for k in ("tiles_rows_ms", "tiles_ragged_ms", "tiles_rows_over_ragged"))
     assert tiles["kernel_columns_own"] == real < tiles["kernel_columns_widest"], tiles
     if tiles["launches_ragged"] == tiles["launches_ragged"]:  # (NaN where triton is not installed)
-        assert tiles["launches_rows"] >= 6 > tiles["launches_ragged"] >= 2 and positive(tiles["host_rows_over_ragged"])
+        assert tiles["launches_rows"] >= 3 > tiles["launches_ragged"] >= 1 and positive(tiles["host_rows_over_ragged"])
 
 
 def test_host_overhead(capsys):
