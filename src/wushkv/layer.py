@@ -228,8 +228,8 @@ class WushKVLayer(CacheLayerMixin):
     is_compileable = False
     # at most this many of the last tokens can be taken back with no trace (:meth:`take_back`), as assisted decoding
     # crops the drafts it rejects (transformers drafts 20 tokens by default, prompt lookup 10): full-precision copies
-    # of up to this many (plus a flush) of the columns an update codes are held until the next update. A decode step's
-    # are views of what its window holds anyway; a prompt's a copy, a recent buffer's worth per layer after a prefill
+    # of up to this many (plus a flush) of the columns an update codes are held until the next update: a decode step's
+    # flush's worth, a prompt's about a recent buffer's worth per layer after a prefill
     UNDO_TOKENS = 128
 
     def __init__(self, cfg: QuantConfig, head_dim: int, key_transform=None, sliding_window: int | None = None,
