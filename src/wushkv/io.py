@@ -40,6 +40,16 @@ def make_parent(path: str | Path) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
 
 
+def usual_permissions(path: str | Path) -> None:
+    """``path`` (and, a folder, everything in it) as the umask gives new ones (0644 and 0755 under 022): what mkstemp
+    (0600) and mkdtemp (0700) withhold from other users, such as a serving engine reading a checkpoint."""
+    umask = os.umask(0)
+    os.umask(umask)
+    path = Path(path)
+    for p in (path, *(path.rglob("*") if path.is_dir() else ())):
+        os.chmod(p, (0o777 if p.is_dir() else 0o666) & ~umask)
+
+
 def atomic_write(path: str | Path, write: Callable[[str], None]) -> Path:
     """Call ``write(tmp_path)`` then rename onto ``path``: no half-written file survives an interrupt. A write that
     fails (a full disk: ENOSPC) leaves the previous file under ``path`` and no temporary; the ``OSError`` raised names
@@ -50,9 +60,7 @@ def atomic_write(path: str | Path, write: Callable[[str], None]) -> Path:
     os.close(fd)
     try:
         write(tmp)
-        umask = os.umask(0)
-        os.umask(umask)
-        os.chmod(tmp, 0o666 & ~umask)  # mkstemp makes 0600; give the file the usual permissions
+        usual_permissions(tmp)  # mkstemp makes 0600
         os.replace(tmp, path)
     except BaseException as e:
         if os.path.exists(tmp):

@@ -41,7 +41,7 @@ from .config import QuantConfig
 from .export import DEFAULT_TOLERANCE
 from .folding import apply_transforms
 from .hf import restore_attention
-from .io import write_checked_safetensors, write_json
+from .io import usual_permissions, write_checked_safetensors, write_json
 from .methods.auto import resolve_auto
 from .methods.install import transforms_for
 from .methods.spec import AUTO, CENTERED_TRANSFORMS, MethodSpec, parse, spec_of
@@ -181,15 +181,6 @@ def _temporary_folder(out: Path) -> Path:
     return Path(tempfile.mkdtemp(prefix=f".{out.name}.", suffix=".tmp", dir=out.parent))
 
 
-def _usual_permissions(folder: Path) -> None:
-    """The folder and what it holds as the umask gives new ones (0755 and 0644 under 022): mkdtemp makes the folder
-    0700, and a serving engine running as another user must read the checkpoint."""
-    umask = os.umask(0)
-    os.umask(umask)
-    for path in (folder, *folder.rglob("*")):
-        os.chmod(path, (0o777 if path.is_dir() else 0o666) & ~umask)
-
-
 def _check_destination(out: Path) -> None:
     if out.exists() and not (out.is_dir() and not any(out.iterdir())):
         raise ValueError(f"--out {str(out)!r} exists and is not an empty folder; remove it or give another --out "
@@ -289,7 +280,7 @@ def export_model(model, tokenizer, out, method: str = "auto", cfg: QuantConfig |
         write_checked_safetensors(tmp / SIDE_FILE, tensors, header)
         write_json(tmp / SIDE_JSON, meta)
         read_side_file(tmp)  # what was written reads back, checked
-        _usual_permissions(tmp)
+        usual_permissions(tmp)  # mkdtemp makes it 0700: an engine running as another user reads it
         try:
             if out.exists():
                 out.rmdir()  # an empty folder (checked above): rename cannot replace one that holds files
