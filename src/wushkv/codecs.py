@@ -21,6 +21,7 @@ from .quantizers import AffineQuantizer, QuestQuantizer, pack, packed_nbytes, un
 from .quantizers.base import QTensor, dequantize
 from .quantizers.feedback import feedback_round
 from .quantizers.kvarn import KVarNTiles, kvarn_dequantize, kvarn_quantize
+from .quantizers.quest import UNCLIPPED_FROM
 
 _DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16, "float32": torch.float32, "e5m3": torch.float16}
 E5M3_MAX = 0xF7  # the largest E5M3 byte: 61440 (0xF8 << 7 is float16's infinity)
@@ -203,6 +204,36 @@ def make_codec(cfg: QuantConfig, side: str, head_dim: int, feedback: torch.Tenso
     raise ValueError(f"unknown quantizer {quantizer!r}")
 
 
+# what each quantizer reads of QuantConfig, per side (the key side's clip fields start with k_, the value side's with
+# v_): the fields make_codec hands it. The affine clip only below UNCLIPPED_FROM bits (plain min-max from there on)
+_READ_BY = {
+    "quest": ("{s}_alpha", "group_size", "clip_search", "metadata_dtype"),
+    "affine": ("{s}_clip", "group_size", "clip_search", "metadata_dtype"),
+    "kivi": {"key": ("metadata_dtype",), "value": ("group_size", "metadata_dtype")},
+    "kvarn": ("tile_clip",),
+}
+
+
+def settings_read(cfg: QuantConfig) -> frozenset[str]:
+    """The settings a cache configured by ``cfg`` reads: the names of :class:`~wushkv.config.QuantConfig`'s fields,
+    and of :class:`~wushkv.config.WindowConfig`'s for its windows, that change what it stores. The rest change
+    nothing: the affine clips under QuEST, QuEST's α under affine, the tile clip without KVarN tiles, a full-precision
+    side's everything. What lets a command refuse a setting it would silently ignore (``wushkv.cli``), and what
+    ``tests/test_codecs.py`` holds to :func:`make_codec`'s output."""
+    read = {"k_bits", "v_bits"}
+    for side, bits in (("key", cfg.k_bits), ("value", cfg.v_bits)):
+        if bits is None:
+            continue
+        read |= {"S_sink", "S_keep", "S_flush"}
+        read.add("key_quantizer" if side == "key" and cfg.key_quantizer is not None else "quantizer")
+        if side == "key":
+            read.add("key_quantizer")  # given, it decides the keys' quantizer even where it names --quantizer's
+        q = cfg.side_quantizer(side)
+        fields = _READ_BY[q][side] if isinstance(_READ_BY[q], dict) else _READ_BY[q]
+        read |= {f.format(s=side[0]) for f in fields if not (q == "affine" and f.startswith("{s}_clip") and bits >= UNCLIPPED_FROM)}
+    return frozenset(read)
+
+
 def storage_nbytes(s: dict[str, torch.Tensor]) -> tuple[int, int]:
     """(code bytes, metadata bytes) of a codec storage dict."""
     codes = s["codes"].numel() * s["codes"].element_size()
@@ -210,4 +241,4 @@ def storage_nbytes(s: dict[str, torch.Tensor]) -> tuple[int, int]:
     return codes, meta
 
 
-__all__ = ["ChannelCodec", "KVarNCodec", "TokenCodec", "e5m3_decode", "e5m3_encode", "e5m3_round", "make_codec", "packed_nbytes", "storage_nbytes"]
+__all__ = ["ChannelCodec", "KVarNCodec", "TokenCodec", "e5m3_decode", "e5m3_encode", "e5m3_round", "make_codec", "packed_nbytes", "settings_read", "storage_nbytes"]

@@ -265,6 +265,22 @@ def _dest(field: str, flag: str | None) -> str:
     return (flag or "--" + field.replace("_", "-")).lstrip("-").replace("-", "_")
 
 
+GIVEN = "given_settings"  # the Namespace attribute: {setting: (flag, value)} of the quantizer flags on the command line
+
+
+class _Given(argparse.Action):
+    """Stores the value as ``store`` does, and notes the setting as given on the command line: a default value given
+    explicitly is given too, which comparing values cannot tell (:func:`refuse_unread_settings`)."""
+
+    def __init__(self, *args, setting: str, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.setting = setting
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        setattr(namespace, self.dest, values)
+        setattr(namespace, GIVEN, {**(getattr(namespace, GIVEN, None) or {}), self.setting: (option_string, values)})
+
+
 def add_quant_args(p: argparse.ArgumentParser, windows: WindowConfig) -> None:
     """One flag per quantizer field of QuantConfig (default: the dataclass's) and per window (default: ``windows``)."""
     defaults, hints = QuantConfig(), typing.get_type_hints(QuantConfig)
@@ -273,10 +289,69 @@ def add_quant_args(p: argparse.ArgumentParser, windows: WindowConfig) -> None:
         kw = {"type": _flag_type(f, hints)} | kw
         if kw["type"] is str:
             del kw["type"]  # argparse's own
-        p.add_argument(flag or "--" + f.name.replace("_", "-"), default=getattr(defaults, f.name), **kw)
+        p.add_argument(flag or "--" + f.name.replace("_", "-"), default=getattr(defaults, f.name), action=_Given,
+                       setting=f.name, **kw)
     for f in dataclasses.fields(WindowConfig):
         flag, help = WINDOW_HELP[f.name]
-        p.add_argument(flag, type=int, default=getattr(windows, f.name), help=help)
+        p.add_argument(flag, type=int, default=getattr(windows, f.name), help=help, action=_Given, setting=f.name)
+
+
+def given_settings(args) -> dict[str, tuple[str, object]]:
+    """{setting: (flag, value)} of the quantizer and window flags given on the command line (:func:`add_quant_args`)."""
+    return dict(getattr(args, GIVEN, None) or {})
+
+
+# what each setting does, for the refusal of one that changes nothing (names of QuantConfig's and WindowConfig's fields)
+SETTING_SETS = {
+    "k_bits": "the keys' width", "v_bits": "the values' width", "quantizer": "the quantizer",
+    "key_quantizer": "the keys' quantizer",
+    "k_clip": "the affine quantizer's key clip (below 5 bits)", "v_clip": "the affine quantizer's value clip (below 5 bits)",
+    "k_alpha": "QuEST's key clip multiplier", "v_alpha": "QuEST's value clip multiplier",
+    "clip_search": "the clip search of the per-token quantizers (quest, affine)",
+    "tile_clip": "the clip of KVarN's tiles (kvarn, +tiles, +ktiles, --key-quantizer kvarn)",
+    "group_size": "the channels per group of the per-token quantizers (quest, affine, kivi's values)",
+    "metadata_dtype": "the stored scales of quest, affine and kivi (KVarN's tiles keep float16)",
+    "S_sink": "the full-precision sink (kvarn and +tiles keep KVarN's windows)",
+    "S_keep": "the full-precision recent window (kvarn and +tiles keep KVarN's windows)",
+    "S_flush": "the tokens quantized per flush (kvarn and +tiles keep KVarN's windows)",
+}
+
+
+def bits_set_by(command: str, flag: str = "--bits") -> dict[str, str]:
+    """``set_here`` of :func:`refuse_unread_settings` for a command whose ``flag`` sets both widths."""
+    why = f"{command} runs each width of {flag} on keys and values alike"
+    return {"k_bits": why, "v_bits": why}
+
+
+def refuse_unread_settings(args, runs, set_here: dict[str, str] | None = None, none_read: str | None = None) -> None:
+    """Refuse each quantizer or window flag given on the command line that changes nothing this command runs: a
+    silently ignored setting would pass for a result (``--k-clip`` under QuEST, ``--flush`` with ``+tiles``).
+
+    ``runs``: (method, configured QuantConfig) pairs the command will run (:func:`wushkv.methods.spec.settings_read`
+    says what each reads); ``set_here``: {setting: the flag that sets it in this command} (``compare``'s ``--bits``
+    sets both widths); ``none_read``: the message where no run reads any setting (e.g. ``ppl`` without
+    ``--transform``)."""
+    from ..methods.spec import settings_read
+
+    given = given_settings(args)
+    if not given:
+        return
+    runs = list(runs)
+    read = frozenset().union(*(settings_read(m, cfg) for m, cfg in runs))
+    for setting, (flag, value) in given.items():
+        shown = 16 if value is None and setting in ("k_bits", "v_bits") else value
+        if set_here and setting in set_here:
+            raise ValueError(f"{flag} {shown} changes nothing here: {set_here[setting]}")
+        if setting in read:
+            continue
+        if not read and none_read:
+            raise ValueError(f"{flag} {shown}: {none_read}")
+        methods = ", ".join(dict.fromkeys(str(getattr(m, "name", m)) for m, _ in runs))
+        quantized = [c for m, c in runs if settings_read(m, c)]
+        quantizers = ", ".join(dict.fromkeys(c.quantizer + (f" (keys: {c.key_quantizer})" if c.key_quantizer else "") for c in quantized))
+        ran = f"{methods}; --quantizer {quantizers}" if quantized else f"{methods}: none quantizes the cache"
+        raise ValueError(f"{flag} {shown} changes nothing here: it sets {SETTING_SETS.get(setting, setting)}, which no method "
+                         f"of this run reads ({ran}); drop it, or name a method or quantizer that reads it")
 
 
 def quant_config(args, **override) -> QuantConfig:

@@ -6,12 +6,11 @@ from dataclasses import replace
 from pathlib import Path
 
 from ..config import CLIP_GRID, PERPLEXITY_WINDOWS
-from .common import (add_calibration_args, add_model_args, add_quant_args, bits_list, calibration, check_positions, err, load_model, names,
-                     quant_config, refuse_overwriting_a_run)
+from .common import (add_calibration_args, add_model_args, add_quant_args, bits_list, bits_set_by, calibration, check_positions, err,
+                     load_model, names, quant_config, refuse_overwriting_a_run, refuse_unread_settings)
 
 
 def cmd_ppl(args) -> int:
-    from ..config import QuantConfig
     from ..data import load_eval_text, tokenize_chunks
     from ..eval.clips import ClipTable
     from ..eval.compare import quantized_perplexity
@@ -21,13 +20,14 @@ def cmd_ppl(args) -> int:
     from ..methods.spec import method_config
 
     refuse_overwriting_a_run(args.json)
-    if not args.transform and quant_config(args) != QuantConfig(windows=PERPLEXITY_WINDOWS):
-        raise ValueError("quantizer flags given without --transform: ppl measures full precision without one; add "
-                         "--transform METHOD (identity: the quantizer alone)")
     cfg = quant_config(args) if args.transform else None
     if args.transform:
         check_transforms([args.transform])
-        cfg = method_config(args.transform, cfg)
+        base, cfg = cfg, method_config(args.transform, cfg)  # which refuses a method the quantizer cannot run, first
+        refuse_unread_settings(args, [(args.transform, base)])
+    else:
+        refuse_unread_settings(args, [], none_read="a quantizer flag without --transform: ppl measures full precision "
+                                                   "without one; add --transform METHOD (identity: the quantizer alone)")
     clips = check_clips(args.clips, cfg)
     text, label = load_eval_text(args.text_file)
     model, tok = load_model(args)
@@ -107,6 +107,8 @@ def cmd_compare(args) -> int:
         replace(base, k_bits=b, v_bits=b)  # validates the widths before anything long runs
     for t in transforms:
         method_config(t, base)  # and each method against the quantizer
+    refuse_unread_settings(args, [(t, replace(base, k_bits=b, v_bits=b)) for t in transforms for b in args.bits],
+                           set_here=bits_set_by("compare"))
     clips = check_clips(args.clips, base)
     text, label = load_eval_text(args.text_file)
     model, tok = load_model(args)
@@ -158,6 +160,9 @@ def cmd_tune_clip(args) -> int:
     base = quant_config(args, k_bits=2, v_bits=2)
     sides = names(args.sides)
     check_tunable(transforms, base, sides)
+    searched = "tune-clip searches QuEST's clip multipliers itself, from α_b over --grid"
+    refuse_unread_settings(args, [(t, replace(base, k_bits=b, v_bits=b)) for t in transforms for b in args.bits],
+                           set_here=bits_set_by("tune-clip") | {"k_alpha": searched, "v_alpha": searched})
     grid = _grid(args.grid)
     text, label = (read_text_file(args.text_file), str(args.text_file)) if args.text_file else heldout_c4_text()
     model, tok = load_model(args)

@@ -9,7 +9,7 @@ from pathlib import Path
 from ..config import GENERATION_WINDOWS
 from ..io import read_json
 from .common import (add_calibration_args, add_model_args, add_quant_args, at_least, calibration, check_positions, context_list, err,
-                     load_model, quant_config)
+                     load_model, quant_config, refuse_unread_settings)
 
 GENERATE_PROMPT = "The history of the KV cache begins"
 AGREE_METHODS = "identity,hadamard,random,oscar,kvarn,wush,auto"  # `agree`'s default --transforms
@@ -27,6 +27,7 @@ def cmd_generate(args) -> int:
     check_transforms([method])
     method = canonical_name(method)
     cfg = method_config(method, quant_config(args))
+    refuse_unread_settings(args, [(args.transform, quant_config(args))])
     prompts = [read_text_file(f) for f in args.prompt_file or []] + list(args.prompt or [])  # before the model loads
     if not prompts:
         prompts = [GENERATE_PROMPT]
@@ -88,12 +89,14 @@ def cmd_agree(args) -> int:
         raise ValueError(f"--growth-reference compares quarters of the generation: needs --new-tokens >= {MIN_GROWTH_TOKENS}, "
                          f"got {args.new_tokens}")
     if args.report_only:
+        refuse_unread_settings(args, [], none_read="--report-only prints the saved run, at the settings it was run with")
         saved = _saved_agreement(args.json)
         if args.transforms == AGREE_METHODS:  # --transforms not given: every method the file holds
             methods = [m for m, r in saved["state"].get("rows", {}).items() if r] or methods
         _print_agreement(args, saved["settings"], saved["state"], report(saved["state"], methods))
         return 0
     cfg = quant_config(args)
+    refuse_unread_settings(args, [(m, cfg) for m in methods])
     text, label = load_eval_text(args.text_file)
     model, tok = load_model(args)
     check_positions(model, args.prompt_len + args.new_tokens, "--prompt-len + --new-tokens", args.model)
@@ -127,6 +130,7 @@ def cmd_passkey(args) -> int:
     methods = check_methods_list(args.transforms, auto=True)
     depths = [float(x) for x in args.depths.split(",")]
     cfg = quant_config(args)
+    refuse_unread_settings(args, [(m, cfg) for m in methods])
     model, tok = load_model(args)
     check_positions(model, max(args.contexts), "--contexts", args.model)
     cal = calibration(args, model, tok, methods)

@@ -7,7 +7,7 @@ import json
 
 from ..config import PERPLEXITY_WINDOWS
 from .common import (add_model_args, add_quant_args, check_positions, err, load_model, non_negative, quant_config,
-                     refuse_overwriting_a_run, windows_pair)
+                     refuse_overwriting_a_run, refuse_unread_settings, windows_pair)
 
 
 def cmd_info(args) -> int:
@@ -127,6 +127,11 @@ def cmd_lm_eval(args) -> int:
 
     method = args.transform or "full-precision"
     cfg = quant_config(args)
+    if args.transform:
+        refuse_unread_settings(args, [(method, cfg)])
+    else:
+        refuse_unread_settings(args, [], none_read="a quantizer flag without --transform: lm-eval runs full precision "
+                                                   "without one; add --transform METHOD (identity: the quantizer alone)")
     lm = WushLM(args.model, method=method, calibration=args.calibration, k_bits=cfg.k_bits or 16, v_bits=cfg.v_bits or 16,
                 quantizer=cfg.quantizer, k_clip=cfg.k_clip, v_clip=cfg.v_clip, k_alpha=cfg.k_alpha, v_alpha=cfg.v_alpha,
                 clip_search=cfg.clip_search, group_size=cfg.group_size, tile_clip=cfg.tile_clip, key_quantizer=cfg.key_quantizer,

@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
 from pathlib import Path
 
 from ..config import PERPLEXITY_WINDOWS
-from .common import add_model_args, add_quant_args, bits_list, check_positions, err, load_model, names, quant_config
+from .common import (add_model_args, add_quant_args, bits_list, bits_set_by, check_positions, err, load_model, names, quant_config,
+                     refuse_unread_settings)
 
 
 def default_runs_path(calibration: str, settings_key: str) -> str:
@@ -55,6 +57,9 @@ def cmd_select(args) -> int:
     if args.budget is not None and not (0 < args.budget < float("inf")):
         raise ValueError(f"--budget {args.budget:g}: bits per element (keys and values, metadata included), a positive number such as 2.5")
     base = quant_config(args, k_bits=2, v_bits=2)
+    recipes = [parse_recipe(c) for c in ["wush", *candidates]]  # the paper recipe is always evaluated
+    refuse_unread_settings(args, [(r.method, r.base(replace(base, k_bits=b, v_bits=b))) for r in recipes for b in args.bits],
+                           set_here=bits_set_by("select"))
     if not Path(args.calibration).is_file():
         raise FileNotFoundError(f"--calibration {args.calibration} does not exist; make one with `wushkv calibrate --out {args.calibration}`")
     out_path = args.out or args.calibration

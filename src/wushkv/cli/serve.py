@@ -7,7 +7,7 @@ import argparse
 from dataclasses import replace
 
 from ..config import GENERATION_WINDOWS
-from .common import add_model_args, add_quant_args, bits, err, load_model, quant_config
+from .common import add_model_args, add_quant_args, bits, err, load_model, quant_config, refuse_unread_settings
 
 
 def cmd_export_model(args) -> int:
@@ -20,6 +20,8 @@ def cmd_export_model(args) -> int:
     cfg = quant_config(args)
     if hasattr(args, "bits"):  # given (16 parses to None: full precision)
         cfg = replace(cfg, k_bits=args.bits, v_bits=args.bits)
+    refuse_unread_settings(args, [(args.method, cfg)], set_here={
+        "k_bits": "--bits sets both widths", "v_bits": "--bits sets both widths"} if hasattr(args, "bits") else None)
     model, tok = load_model(args)
     cal = Calibration.load(args.calibration, model=model) if args.calibration else None
     if not sink_given:

@@ -185,6 +185,15 @@ class MethodSpec:
             return replace(base, key_quantizer="kvarn", windows=key_tile_windows(base.windows))
         return base
 
+    @property
+    def overrides(self) -> frozenset[str]:
+        """The settings :meth:`quant_config` sets whatever they were configured to (names of QuantConfig's and
+        WindowConfig's fields): both sides in tiles bring KVarN's quantizer, windows and no clip search; keys in tiles
+        their quantizer (the windows of :func:`key_tile_windows` are computed from the configured ones)."""
+        if self.tiles:
+            return frozenset({"quantizer", "key_quantizer", "clip_search", "S_sink", "S_keep", "S_flush"})
+        return frozenset({"key_quantizer"}) if self.key_tiles else frozenset()
+
 
 def key_tile_windows(w: WindowConfig, tile: int = KVARN_TILE) -> WindowConfig:
     """The windows of a ``+ktiles`` method: flushes of one ``tile``, the same sink, and a recent window shortened
@@ -331,6 +340,26 @@ def method_config(method: str | Method, base: QuantConfig) -> QuantConfig:
     any other (full precision, stock caches and an unresolved ``auto`` quantize nothing of ours)."""
     m = parse(method)
     return m.quant_config(base) if isinstance(m, MethodSpec) else base
+
+
+def settings_read(method: str | Method, base: QuantConfig) -> frozenset[str]:
+    """The configured settings (names of QuantConfig's and WindowConfig's fields) that change what ``method`` runs at
+    ``base``: what its cache reads (:func:`wushkv.codecs.settings_read`) less what the method sets itself
+    (:attr:`MethodSpec.overrides`). Full precision and stock caches read none; ``auto``, not yet resolved, whatever
+    the recipes it may stand for read (plain, ``+ktiles`` or ``+tiles``: a recipe's clips multiply the configured
+    ones). A method that refuses ``base`` reads none (its own check says why)."""
+    from ..codecs import settings_read as cache_reads
+
+    m = parse(method)
+    if m is AUTO:
+        return frozenset().union(*(settings_read(f"wush{s}", base) for s in ("", "+ktiles", "+tiles")))
+    if not isinstance(m, MethodSpec):
+        return frozenset()
+    try:
+        cfg = m.quant_config(base)
+    except ValueError:
+        return frozenset()
+    return cache_reads(cfg) - m.overrides
 
 
 def spec_of(method: str | Method, what: str = "this command") -> MethodSpec:
