@@ -113,9 +113,45 @@ def test_bad_dtype():
 
 @pytest.mark.slow
 def test_real_smollm2_config():
-    spec = describe(load_config("smollm2-135m"))
+    from wushkv.models import max_positions
+
+    config = load_config("smollm2-135m")
+    spec = describe(config)
     assert (spec.family, spec.num_layers, spec.num_heads, spec.num_kv_heads, spec.head_dim) == ("llama", 30, 9, 3, 64)
     assert not spec.qk_norm and spec.sliding_layers == ()
+    assert max_positions("smollm2-135m") == config.max_position_embeddings == 8192  # the header alone, as transformers maps it
+
+
+def test_a_ggufs_positions_come_from_its_header_alone(tmp_path):
+    """max_positions reads ``{arch}.context_length`` and stops there: the vocabulary after it is never parsed (an array
+    cut short after the key goes unnoticed), while a file cut before it, or not GGUF, is refused by name."""
+    gguf = pytest.importorskip("gguf")
+    from wushkv.models import gguf_metadata, max_positions
+
+    path = tmp_path / "m.gguf"
+    w = gguf.GGUFWriter(str(path), "llama")
+    w.add_context_length(4096)
+    w.add_block_count(2)
+    w.add_token_list([f"token{i}" for i in range(5000)])
+    w.add_token_scores([0.0] * 5000)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.close()
+    assert max_positions(str(path)) == 4096
+    meta = gguf_metadata(path, lambda m: {"nothing.stops.here"})  # every field, arrays skipped
+    assert meta["general.architecture"] == "llama" and meta["llama.block_count"] == 2 and meta["llama.context_length"] == 4096
+    assert meta["tokenizer.ggml.tokens"] is None and meta["tokenizer.ggml.scores"] is None
+    data = path.read_bytes()
+    cut = tmp_path / "cut.gguf"
+    at = data.index(b"tokenizer.ggml.tokens")
+    cut.write_bytes(data[: at + 100])  # the vocabulary cut short: not read, not noticed
+    assert max_positions(str(cut)) == 4096
+    cut.write_bytes(data[: data.index(b"llama.context_length") + 8])
+    with pytest.raises(ValueError, match="cut short in its metadata"):
+        max_positions(str(cut))
+    cut.write_bytes(b"PK" + data)
+    with pytest.raises(ValueError, match="is not a GGUF file of version 2 or 3"):
+        max_positions(str(cut))
 
 
 def test_only_an_absent_model_package_reads_as_not_installed(tmp_path):

@@ -469,6 +469,72 @@ def load_config(name_or_path: str = DEFAULT_MODEL):
         raise FileNotFoundError(f"could not read the config of {name_or_path!r} from {where!r}{why}: {e}") from e
 
 
+# GGUF metadata value types (ggml's gguf.h: GGUF_TYPE_*) -> struct format; 8 is a string, 9 an array
+_GGUF_SCALARS = {0: "<B", 1: "<b", 2: "<H", 3: "<h", 4: "<I", 5: "<i", 6: "<f", 7: "<?", 10: "<Q", 11: "<q", 12: "<d"}
+
+
+def gguf_metadata(path: str | Path, keys: Callable[[dict], set[str]]) -> dict:
+    """Metadata of a GGUF file, read from its header until every key ``keys(found so far)`` names is found (or the
+    metadata ends): the few scalars a check needs, without parsing the tokenizer's arrays that follow them. gguf's
+    own reader parses every field (~12 s over SmolLM2's 49k-token vocabulary; transformers reads a config that way).
+    Arrays are skipped unread and come back as None. A file that is not GGUF (v2 or v3) is refused."""
+    import struct
+
+    out: dict = {}
+    with open(path, "rb") as f:
+        def take(fmt):
+            n = struct.calcsize(fmt)
+            b = f.read(n)
+            if len(b) != n:
+                raise ValueError(f"{path}: a GGUF file cut short in its metadata")
+            return struct.unpack(fmt, b)[0]
+
+        def string():
+            n = take("<Q")
+            b = f.read(n)
+            if len(b) != n:
+                raise ValueError(f"{path}: a GGUF file cut short in its metadata")
+            return b.decode("utf-8", errors="replace")
+
+        def value(t):
+            if t in _GGUF_SCALARS:
+                return take(_GGUF_SCALARS[t])
+            if t == 8:
+                return string()
+            if t == 9:
+                item, n = take("<I"), take("<Q")
+                if item in _GGUF_SCALARS:  # fixed width: skipped at once
+                    f.seek(n * struct.calcsize(_GGUF_SCALARS[item]), 1)
+                else:
+                    for _ in range(n):
+                        value(item)
+                return None
+            raise ValueError(f"{path}: unknown GGUF metadata type {t}")
+
+        if f.read(4) != b"GGUF" or take("<I") not in (2, 3):
+            raise ValueError(f"{path} is not a GGUF file of version 2 or 3")
+        take("<Q")  # tensors
+        for _ in range(take("<Q")):
+            key = string()
+            out[key] = value(take("<I"))
+            if keys(out) <= out.keys():
+                break
+    return out
+
+
+def max_positions(name_or_path: str = DEFAULT_MODEL) -> int | None:
+    """``max_position_embeddings`` of the model, as :func:`load` will configure it: from a GGUF's header (its
+    ``{architecture}.context_length``, which transformers maps to it) without reading the rest, else from the
+    config (:func:`load_config`). None where the model states none."""
+    where, gguf = _resolve(name_or_path)
+    if gguf:
+        meta = gguf_metadata(Path(where) / gguf, lambda m: {"general.architecture", f"{m.get('general.architecture')}.context_length"})
+        n = meta.get(f"{meta.get('general.architecture')}.context_length")
+        return int(n) if isinstance(n, int) else None
+    n = getattr(load_config(name_or_path), "max_position_embeddings", None)
+    return n if isinstance(n, int) else None
+
+
 def load(name_or_path: str = DEFAULT_MODEL, dtype: str | torch.dtype = "float32", device: str = "cpu", device_map=None):
     """Load ``(model, tokenizer)`` offline.
 

@@ -185,20 +185,26 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
                         "every layer must stay resident (no cpu/disk offload)")
 
 
-def load_model(args):
-    """(model, tokenizer) of ``--model``, saying how long loading took."""
-    from ..models import load
+def load_model(args, positions: dict[str, int] | None = None):
+    """(model, tokenizer) of ``--model``, saying how long loading took. ``positions``: {flag: tokens} the run will
+    reach, refused past the model's positions (:func:`refuse_past_positions`) before the weights load: from a GGUF's
+    header or the config (:func:`wushkv.models.max_positions`, a second or two)."""
+    from ..models import load, max_positions
 
+    if positions:
+        limit = max_positions(args.model)
+        for flag, n in positions.items():
+            refuse_past_positions(limit, n, flag, args.model)
     t0 = time.perf_counter()
     model, tok = load(args.model, dtype=args.dtype, device=args.device, device_map=getattr(args, "device_map", None))
     err(f"loaded {args.model} in {time.perf_counter() - t0:.1f}s")
     return model, tok
 
 
-def check_positions(model, n: int, flag: str, name: str) -> None:
-    """Refuse sequences of ``n`` tokens past the positions the model was trained for (``max_position_embeddings``):
-    its rotary embedding and attention are untested there, so a result would say nothing about the cache."""
-    limit = getattr(getattr(model, "config", None), "max_position_embeddings", None)
+def refuse_past_positions(limit: int | None, n: int, flag: str, name: str) -> None:
+    """Refuse sequences of ``n`` tokens past the ``limit`` positions the model was trained for
+    (``max_position_embeddings``; None: no limit stated): its rotary embedding and attention are untested there, so a
+    result would say nothing about the cache."""
     if isinstance(limit, int) and n > limit:
         raise ValueError(f"{flag} {n} is past the {limit} positions {name} was trained for (max_position_embeddings); "
                          f"give {flag} <= {limit}")

@@ -6,8 +6,19 @@ from dataclasses import replace
 from pathlib import Path
 
 from ..config import CLIP_GRID, PERPLEXITY_WINDOWS
-from .common import (add_calibration_args, add_model_args, add_quant_args, bits_list, bits_set_by, calibration, check_positions, err,
+from .common import (add_calibration_args, add_model_args, add_quant_args, bits_list, bits_set_by, calibration, err,
                      load_model, names, quant_config, refuse_overwriting_a_run, refuse_unread_settings)
+
+
+def refuse_short_sequences(seq_len: int, transforms, base) -> None:
+    """Before the model loads: sequences in which a method's windows would never quantize a token are refused
+    (:func:`wushkv.eval.compare.check_quantizes`; ``auto`` is asked when it is resolved)."""
+    from ..eval.compare import check_quantizes
+    from ..methods.spec import MethodSpec, parse
+
+    for t in transforms:
+        if isinstance(m := parse(t), MethodSpec):
+            check_quantizes(seq_len, m.quant_config(base))
 
 
 def cmd_ppl(args) -> int:
@@ -25,13 +36,13 @@ def cmd_ppl(args) -> int:
         check_transforms([args.transform])
         base, cfg = cfg, method_config(args.transform, cfg)  # which refuses a method the quantizer cannot run, first
         refuse_unread_settings(args, [(args.transform, base)])
+        refuse_short_sequences(args.seq_len, [args.transform], base)
     else:
         refuse_unread_settings(args, [], none_read="a quantizer flag without --transform: ppl measures full precision "
                                                    "without one; add --transform METHOD (identity: the quantizer alone)")
     clips = check_clips(args.clips, cfg)
     text, label = load_eval_text(args.text_file)
-    model, tok = load_model(args)
-    check_positions(model, args.seq_len, "--seq-len", args.model)
+    model, tok = load_model(args, positions={"--seq-len": args.seq_len})
     chunks = tokenize_chunks(tok, text, args.seq_len, args.chunks, first=args.first_chunk)
     if cfg is None:
         res = perplexity(model, chunks, desc=f"ppl {args.model}")
@@ -66,8 +77,7 @@ def cmd_recon(args) -> int:
     check_recon_transforms(transforms)
     cfgs = [QuantConfig(k_bits=b, v_bits=b, quantizer=args.quantizer) for b in args.bits]
     text, label = load_eval_text(args.text_file)
-    model, tok = load_model(args)
-    check_positions(model, args.seq_len, "--seq-len", args.model)
+    model, tok = load_model(args, positions={"--seq-len": args.seq_len})
     cal = load_calibration(args.calibration, model)
     trs = {n: transforms_for(model, cal, n) for n in transforms}
     seqs = tokenize_chunks(tok, text, args.seq_len, args.samples)
@@ -109,10 +119,10 @@ def cmd_compare(args) -> int:
         method_config(t, base)  # and each method against the quantizer
     refuse_unread_settings(args, [(t, replace(base, k_bits=b, v_bits=b)) for t in transforms for b in args.bits],
                            set_here=bits_set_by("compare"))
+    refuse_short_sequences(args.seq_len, transforms, base)
     clips = check_clips(args.clips, base)
     text, label = load_eval_text(args.text_file)
-    model, tok = load_model(args)
-    check_positions(model, args.seq_len, "--seq-len", args.model)
+    model, tok = load_model(args, positions={"--seq-len": args.seq_len})
     clips = ClipTable.load(args.clips, model) if clips else None
     cal = calibration(args, model, tok, transforms)
     chunks = tokenize_chunks(tok, text, args.seq_len, args.chunks, first=args.first_chunk)
@@ -163,10 +173,10 @@ def cmd_tune_clip(args) -> int:
     searched = "tune-clip searches QuEST's clip multipliers itself, from α_b over --grid"
     refuse_unread_settings(args, [(t, replace(base, k_bits=b, v_bits=b)) for t in transforms for b in args.bits],
                            set_here=bits_set_by("tune-clip") | {"k_alpha": searched, "v_alpha": searched})
+    refuse_short_sequences(args.seq_len, transforms, base)
     grid = _grid(args.grid)
     text, label = (read_text_file(args.text_file), str(args.text_file)) if args.text_file else heldout_c4_text()
-    model, tok = load_model(args)
-    check_positions(model, args.seq_len, "--seq-len", args.model)
+    model, tok = load_model(args, positions={"--seq-len": args.seq_len})
     cal = calibration(args, model, tok, transforms)
     if not args.text_file:
         check_heldout_calibration(cal)

@@ -8,7 +8,7 @@ from pathlib import Path
 
 from ..config import GENERATION_WINDOWS
 from ..io import read_json
-from .common import (add_calibration_args, add_model_args, add_quant_args, at_least, calibration, check_positions, context_list, err,
+from .common import (add_calibration_args, add_model_args, add_quant_args, at_least, calibration, context_list, err,
                      load_model, quant_config, refuse_unread_settings)
 
 GENERATE_PROMPT = "The history of the KV cache begins"
@@ -98,8 +98,7 @@ def cmd_agree(args) -> int:
     cfg = quant_config(args)
     refuse_unread_settings(args, [(m, cfg) for m in methods])
     text, label = load_eval_text(args.text_file)
-    model, tok = load_model(args)
-    check_positions(model, args.prompt_len + args.new_tokens, "--prompt-len + --new-tokens", args.model)
+    model, tok = load_model(args, positions={"--prompt-len + --new-tokens": args.prompt_len + args.new_tokens})
     cal = calibration(args, model, tok, methods)
     resolved, auto_settings = resolve_auto(args.model, methods, model, cal, cfg, log=err)
     chunks = tokenize_chunks(tok, text, args.prompt_len, args.prompts * args.stride)[:: args.stride]
@@ -131,8 +130,7 @@ def cmd_passkey(args) -> int:
     depths = [float(x) for x in args.depths.split(",")]
     cfg = quant_config(args)
     refuse_unread_settings(args, [(m, cfg) for m in methods])
-    model, tok = load_model(args)
-    check_positions(model, max(args.contexts), "--contexts", args.model)
+    model, tok = load_model(args, positions={"--contexts": max(args.contexts)})
     cal = calibration(args, model, tok, methods)
     resolved, auto_settings = resolve_auto(args.model, methods, model, cal, cfg, log=err)
     state, save, settings = resumable(args.json, {

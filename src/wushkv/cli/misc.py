@@ -6,7 +6,7 @@ from __future__ import annotations
 import json
 
 from ..config import PERPLEXITY_WINDOWS
-from .common import (add_model_args, add_quant_args, check_positions, err, load_model, non_negative, quant_config,
+from .common import (add_model_args, add_quant_args, err, load_model, non_negative, quant_config,
                      refuse_overwriting_a_run, refuse_unread_settings, windows_pair)
 
 
@@ -56,8 +56,7 @@ def cmd_calibrate(args) -> int:
     if held:
         raise ValueError(f"--out {args.out} holds {held} selection(s) `wushkv select` made for auto, which a new calibration "
                          "would drop: give another --out, or delete the file first")
-    model, tok = load_model(args)
-    check_positions(model, args.seq_len, "--seq-len", args.model)
+    model, tok = load_model(args, positions={"--seq-len": args.seq_len})
     cal = calibrate(model, tok, samples=args.samples, seq_len=args.seq_len, text_file=args.calib_text_file,
                     damping=args.damping, wush_a=args.wush_a, skip_first=args.skip_first,
                     skip_first_queries=args.skip_first_queries, attention_weights=args.attention_weights)

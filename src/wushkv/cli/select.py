@@ -6,7 +6,7 @@ from dataclasses import replace
 from pathlib import Path
 
 from ..config import PERPLEXITY_WINDOWS
-from .common import (add_model_args, add_quant_args, bits_list, bits_set_by, check_positions, err, load_model, names, quant_config,
+from .common import (add_model_args, add_quant_args, bits_list, bits_set_by, err, load_model, names, quant_config,
                      refuse_unread_settings)
 
 
@@ -73,11 +73,10 @@ def cmd_select(args) -> int:
             pass
     else:
         text, label = heldout_c4_text()
-    model, tok = load_model(args)
-    check_positions(model, args.serve_len, "--serve-len", args.model)
+    positions = {"--serve-len": args.serve_len}
     if "agreement" in gates:
-        check_positions(model, args.agreement_prompt_len + args.agreement_new_tokens, "--agreement-prompt-len + --agreement-new-tokens",
-                        args.model)
+        positions["--agreement-prompt-len + --agreement-new-tokens"] = args.agreement_prompt_len + args.agreement_new_tokens
+    model, tok = load_model(args, positions=positions)
     cal = load_calibration(args.calibration, model)
     if not args.text_file:
         check_heldout_calibration(cal)

@@ -43,18 +43,24 @@ def cached_calibration(model, tokenizer, samples: int, seq_len: int, damping: fl
     return cal
 
 
+def check_quantizes(seq_len: int, cfg: QuantConfig) -> None:
+    """Refuse sequences of ``seq_len`` tokens in which ``cfg``'s windows would never quantize a token (a perplexity
+    through the cache that measured full precision); the CLI asks before the model loads."""
+    w = cfg.windows
+    if seq_len <= w.S_sink + w.S_keep + w.S_flush - 1:
+        raise ValueError(
+            f"sequences of {seq_len} tokens are too short for windows {w.S_sink}/{w.S_keep}/{w.S_flush}: no token "
+            f"would ever be quantized; use --seq-len > {w.S_sink + w.S_keep + w.S_flush - 1} or smaller windows"
+        )
+
+
 def quantized_perplexity(model, chunks: torch.Tensor, calibration: Calibration | None, transform: str | MethodSpec,
                          cfg: QuantConfig, show_progress: bool = True, desc: str = "ppl", reference=None) -> dict:
     """Install the method ``transform`` (a name or a :class:`~wushkv.methods.MethodSpec`), evaluate ``chunks`` (N, L)
     through a fresh quantized cache per chunk at ``cfg`` (the method's own settings,
     :meth:`~wushkv.methods.MethodSpec.quant_config`), restore the model. ``reference``: full precision's
     :class:`~wushkv.eval.perplexity.Reference` per chunk, for the KL to it (:func:`~wushkv.eval.perplexity.perplexity`)."""
-    w = cfg.windows
-    if chunks.shape[1] <= w.S_sink + w.S_keep + w.S_flush - 1:
-        raise ValueError(
-            f"sequences of {chunks.shape[1]} tokens are too short for windows {w.S_sink}/{w.S_keep}/{w.S_flush}: no token "
-            f"would ever be quantized; use --seq-len > {w.S_sink + w.S_keep + w.S_flush - 1} or smaller windows"
-        )
+    check_quantizes(chunks.shape[1], cfg)
     m = spec_of(transform, "quantized_perplexity")
     trs = transforms_for(model, calibration, m)
     with apply_transforms(model, trs, m.name) as installed:
