@@ -7,9 +7,10 @@
 0. *Sweep* (``--sweep``, default 32768x16 then 1024x16): the decode kernel's launch parameters
    (:class:`wushkv.triton_kernels.DecodeTuning`: tokens per tile, warps, pipeline stages, programs per multiprocessor,
    and for a few a cap on a thread's registers: more resident warps for some spills) timed at each shape within
-   ``--sweep-budget`` seconds; the fastest at the first shape is the tuning every row below runs under (through
-   ``decode_tuning``, the cache's decode steps too), and each kernel row also times the library's
-   defaults (``triton_default``).
+   ``--sweep-budget`` seconds, and at each shape its fastest once more with each pair's last program merging the
+   splits (``last_split_merges``: no merge launch; its output checked against the two launches'); the fastest at the
+   first shape is the tuning every row below runs under (through ``decode_tuning``, the cache's decode steps too),
+   and each kernel row also times the library's defaults (``triton_default``).
 1. *Kernel*: for each context and batch, one attention layer (``--q-heads`` query heads over ``--kv-heads`` KV heads of
    ``--head-dim``) decodes one token: the Triton K2V2 kernel over a cache of a full-precision sink (``--sink``, 64), a
    packed middle written by the store kernel, and a full-precision recent buffer (``--recent``, 256), against bfloat16 ``scaled_dot_product_attention`` over the same
@@ -25,7 +26,9 @@
    without the sweep's register cap: UNCAPPED); with batch > 1, a left-padded batch's rows (``triton_ragged``, each
    row over its own columns, against ``triton_ragged_widest``, as wide as the widest); ``triton_ceil_splits``, where
    it differs, the same call with the split count before session 59 (each pair's share of the slots rounded up,
-   against :func:`wushkv.triton_kernels.wave_splits`' whole waves); ``triton_compiled`` (and each
+   against :func:`wushkv.triton_kernels.wave_splits`' whole waves); ``triton_last_merges``, where a pair has several
+   splits and the tuning launches the merge, the same call with the splits merged in the decode kernel (one launch;
+   ``triton_over_triton_last_merges`` above 1 where that wins); ``triton_compiled`` (and each
    sweep tuning's ``compiled``): the decode kernel's registers, local and shared memory as the device's compiler
    built it.
    Combinations whose tensors would not fit in ``--memory-fraction`` of the free memory are skipped (listed).
@@ -95,7 +98,8 @@ SWEEP_PER_SM = (4, 8, 16, 2, 12, 3)
 TUNING_FIELDS = tuple(f.name for f in dataclasses.fields(tk.DecodeTuning))
 DRY_SWEEP_TILES, DRY_SWEEP_PER_SM = [(16, 4, 1), (32, 1, 3, CAP(128))], (1, 4)
 # session 46's path and tuning: codes unpacked to (tokens, d) tiles, 64 tokens, 4 warps, 2 stages ("triton_tiles")
-TILES = dict(class_split=False, block_n=64, num_warps=4, num_stages=2, fp_stages=None, max_registers=None)
+TILES = dict(class_split=False, block_n=64, num_warps=4, num_stages=2, fp_stages=None, max_registers=None,
+             last_split_merges=False)  # the merge kernel's own launch: the reference the in-kernel merge is held to
 # the rows whose kernels a register cap makes spill (key tiles, +rmean; kernel_sass.py: 1.2-1.5x the instructions a
 # token at 128-168 registers) or that stand for an earlier kernel (the bf16 context's, as session 46 ran it) run
 # without the sweep's cap
@@ -284,7 +288,8 @@ def kernel_inputs(args, ctx, B, device):
 
 def sweep(args, device, timer) -> dict:
     """Time the decode kernel at each --sweep shape under each DecodeTuning of SWEEP_TILES x SWEEP_PER_SM (within
-    --sweep-budget seconds): {"rows": [...], "best": the fastest tuning at the first shape, "default": ...}."""
+    --sweep-budget seconds), then at each shape its fastest once more with ``last_split_merges`` (:func:`last_merges_row`):
+    {"rows": [...], "best": the fastest tuning at the first shape, "default": ...}."""
     shapes = [[int(v) for v in s.split("x")] for s in args.sweep.split(",") if s]
     tiles, per_sm = (DRY_SWEEP_TILES, DRY_SWEEP_PER_SM) if args.dry_run else (SWEEP_TILES, SWEEP_PER_SM)
     out = {"shapes": shapes, "rows": [], "default": vars(tk.DecodeTuning()) | {}}
@@ -303,7 +308,8 @@ def sweep(args, device, timer) -> dict:
                 out["reached"] = ti + 1
             for ppsm in per_sm:
                 tune = dict(block_n=bn, num_warps=w, num_stages=st, programs_per_sm=ppsm, class_split=True,
-                            max_registers=None, fp_stages=None, merge_always=False) | (more[0] if more else {})
+                            max_registers=None, fp_stages=None, merge_always=False,
+                            last_split_merges=False) | (more[0] if more else {})
                 row = {"context": ctx, "batch": B, **tune}
                 try:
                     with tk.decode_tuning(**tune):
@@ -319,10 +325,15 @@ def sweep(args, device, timer) -> dict:
                         row["compiled"] = compiled_decode(lambda: tk.decode(*inputs))
                 row.pop("ms_all", None), row.pop("latency_ms_all", None)
                 out["rows"].append(row)
+        timed = [r for r in out["rows"] if "ms" in r and (r["context"], r["batch"]) == (ctx, B)]
+        fastest = min(timed, key=lambda r: r["ms"]) if timed else None
+        if fastest and (fastest["splits"] > 1 or args.dry_run):  # one more timing a shape: the fastest tuning, its
+            # splits merged by each pair's last program (one split has nothing to merge: the same kernel)
+            out["rows"].append(last_merges_row(args, fastest, inputs, nbytes, timer))
+            timed += [out["rows"][-1]] if "ms" in out["rows"][-1] else []
         del inputs
         if device.type == "cuda":
             torch.cuda.empty_cache()
-        timed = [r for r in out["rows"] if "ms" in r and (r["context"], r["batch"]) == (ctx, B)]
         if timed:
             best = min(timed, key=lambda r: r["ms"])
             out.setdefault("best_by_shape", {})[f"{ctx}x{B}"] = {k: best[k] for k in (*TUNING_FIELDS, "ms")}
@@ -331,6 +342,34 @@ def sweep(args, device, timer) -> dict:
         print(f"sweep {ctx}x{B}: {len(timed)} tunings timed" + (f", best {out['best_by_shape'][f'{ctx}x{B}']}" if timed else ""), flush=True)
     out["seconds"] = time.perf_counter() - t0
     return out
+
+
+def last_merges_row(args, fastest: dict, inputs: tuple, nbytes: int, timer) -> dict:
+    """The sweep's ``fastest`` row's tuning with ``last_split_merges`` (session 61: each (sequence, KV head) pair's
+    last program merges its splits, no merge launch), timed at its shape: whether sparing the launch wins, and
+    whether the result stands (``vs_two_launches``: its output against the same tuning's two launches; a fault in
+    the counting or the memory ordering lands far apart). A row that disagrees keeps its time as ``ms_unchecked``
+    and an ``error``, so it is never the best. The dry run has one split a pair, which merges nothing: 2 there."""
+    tune = {k: fastest[k] for k in TUNING_FIELDS} | dict(last_split_merges=True, merge_always=False)
+    row = {"context": fastest["context"], "batch": fastest["batch"], **tune}
+    kw = {"splits": 2} if args.dry_run else {}
+    try:
+        with tk.decode_tuning(**tune):
+            row["splits"] = kw.get("splits") or fastest["splits"]
+            row |= timer(lambda: tk.decode(*inputs, **kw), min(args.warmup, 3), max(1, args.iters // 2), gpu=True)
+            row["compiled"] = compiled_decode(lambda: tk.decode(*inputs, **kw))
+            out = tk.decode(*inputs, **kw)
+        with tk.decode_tuning(**(tune | dict(last_split_merges=False))):
+            row["vs_two_launches"] = max_rel(out, tk.decode(*inputs, **kw))
+    except Exception as e:  # a kernel this device cannot compile
+        row["error"] = f"{type(e).__name__}: {str(e).splitlines()[0][:160] if str(e) else ''}"
+        return row
+    row["tb_per_s"] = nbytes / (row["ms"] * 1e-3) / 1e12
+    row.pop("ms_all", None), row.pop("latency_ms_all", None)
+    if not agrees(row["vs_two_launches"]):
+        row["ms_unchecked"] = row.pop("ms")
+        row["error"] = f"output differs from the two launches' by {row['vs_two_launches']:.1e}"
+    return row
 
 
 def kernel_case(args, ctx, B, device, timer) -> dict:
@@ -375,6 +414,16 @@ def kernel_case(args, ctx, B, device, timer) -> dict:
     # a fast kernel counts only if it computes the same: the timed path's output against the tiles' (another way to
     # read the same codes; bfloat16 dots, so about 1e-3 apart)
     row["triton_vs_tiles"] = max_rel(tk.decode(*inputs), tiles_out)
+    # the splits merged by each pair's last program (session 61), where the tuning launches the merge: what the
+    # launch spared is worth (most at 1k tokens), and its output against the tiles' path, which merges in a launch
+    # of its own (a fault in the counting or the memory ordering shows as a MISMATCH). One split a pair has nothing
+    # to merge; the dry run has one: 2 there
+    if (row["splits"] > 1 or args.dry_run) and not tuning.last_split_merges:
+        kw = {"splits": 2} if args.dry_run else {}
+        with tk.decode_tuning(last_split_merges=True, merge_always=False):
+            row["triton_last_merges"] = timer(lambda: tk.decode(*inputs, **kw), args.warmup, args.iters, gpu=True) | {
+                "bytes": nbytes, "splits": kw.get("splits", row["splits"])}
+            row["triton_last_merges_vs_tiles"] = max_rel(tk.decode(*inputs, **kw), tiles_out)
     if "triton_default" in row:
         row["triton_default_vs_tiles"] = max_rel(default_out, tiles_out)
     # the keys as KVarN tiles of KEY_TILE tokens (auto's +ktiles) over the same codes: s_tok the per-token step, scale
@@ -512,13 +561,13 @@ def agrees(v: float) -> bool:
 
 def add_bandwidth(row: dict, peak: float | None) -> None:
     for name in ("triton", "triton_default", "triton_tiles", "triton_ktiles", "triton_rmean", "sdpa", "flash", "triton_bf16",
-                 "triton_ceil_splits"):
+                 "triton_ceil_splits", "triton_last_merges"):
         r = row.get(name)
         if isinstance(r, dict) and "ms" in r:
             r["tb_per_s"] = r["bytes"] / (r["ms"] * 1e-3) / 1e12
             r["peak_fraction"] = r["tb_per_s"] / peak if peak else None
     if "ms" in row.get("triton", {}):
-        for name in ("sdpa", "flash", "triton_bf16", "triton_tiles", "triton_ceil_splits"):
+        for name in ("sdpa", "flash", "triton_bf16", "triton_tiles", "triton_ceil_splits", "triton_last_merges"):
             if "ms" in row.get(name, {}):
                 row[f"triton_over_{name}"] = row["triton"]["ms"] / row[name]["ms"]
     for name in ("triton_ktiles", "triton_rmean"):
@@ -739,7 +788,7 @@ def summary(row: dict) -> str:
         if isinstance(v, dict) and "error" in v:
             parts.append(f"{k} ERROR {v['error']}")
         elif k.endswith(("_over_sdpa", "_over_flash", "_over_triton_bf16", "_over_triton_tiles", "_over_dynamic",
-                         "_over_widest", "_over_triton_ceil_splits")):
+                         "_over_widest", "_over_triton_ceil_splits", "_over_triton_last_merges")):
             parts.append(f"{k} {v:.2f}x")
         elif k.endswith(("_vs_tiles", "_vs_sdpa", "_vs_widest")):
             parts.append(f"{k} {v:.1e}" + (" MISMATCH" if not agrees(v) else ""))

@@ -350,6 +350,9 @@ def test_gpu_decode_dry_run(tmp_path):
     assert row["triton_over_sdpa"] == row["triton"]["ms"] / row["sdpa"]["ms"]
     # the split count before the wave rule, in the same run (1 split either way off a GPU: the dry run takes the path)
     assert row["triton_ceil_splits"]["splits"] == 1 and positive(row["triton_over_triton_ceil_splits"])
+    # the splits merged by each pair's last program, one launch (2 splits in the dry run), as the tiles' path computes
+    assert (row["triton_last_merges"]["splits"], row["triton_last_merges"]["bytes"]) == (2, row["triton"]["bytes"])
+    assert positive(row["triton_over_triton_last_merges"]) and 0 <= row["triton_last_merges_vs_tiles"] < gpu_decode.AGREE
     assert "ms" in row["flash"] or "error" in row["flash"]  # FlashAttention where torch has it for this device
     # the same kernel over the bfloat16 context, and the sweep whose fastest tuning the rows ran under
     assert row["triton_bf16"]["bytes"] == row["sdpa"]["bytes"] and positive(row["triton_bf16"]["ms"])
@@ -372,10 +375,18 @@ def test_gpu_decode_dry_run(tmp_path):
     assert "triton_compiled" in row and row["triton_compiled"] is None
     sw = res["sweep"]
     assert sw["shapes"] == [[48, 2]] and res["tuning"] == row["tuning"] == sw["best"]
-    capped = [(r["max_registers"], r["fp_stages"]) for r in sw["rows"] if "compiled" in r]  # once a tuning
+    capped = [(r["max_registers"], r["fp_stages"]) for r in sw["rows"] if "compiled" in r and not r["last_split_merges"]]
     assert capped == [(t[3]["max_registers"], 1) if len(t) > 3 else (None, None) for t in gpu_decode.DRY_SWEEP_TILES]
     timed = [r for r in sw["rows"] if "ms" in r]
-    assert len(timed) == len(gpu_decode.DRY_SWEEP_TILES) * len(gpu_decode.DRY_SWEEP_PER_SM)
+    # each tuning, then the shape's fastest once more with each pair's last program merging its splits (2 of them
+    # in the dry run), as the two launches compute it
+    *tunings, last = timed
+    assert len(tunings) == len(gpu_decode.DRY_SWEEP_TILES) * len(gpu_decode.DRY_SWEEP_PER_SM)
+    assert not any(r["last_split_merges"] for r in tunings) and last["last_split_merges"] and last["splits"] == 2
+    before = min(tunings, key=lambda r: r["ms"])
+    assert {k: last[k] for k in gpu_decode.TUNING_FIELDS if k != "last_split_merges"} == {
+        k: before[k] for k in gpu_decode.TUNING_FIELDS if k != "last_split_merges"}
+    assert 0 <= last["vs_two_launches"] < 1e-5 and "error" not in last
     fastest = min(timed, key=lambda r: r["ms"])
     assert sw["best"] == {k: fastest[k] for k in gpu_decode.TUNING_FIELDS}
     assert ("triton_default" in row) == (res["tuning"] != sw["default"])

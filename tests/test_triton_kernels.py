@@ -310,6 +310,60 @@ def test_one_split_writes_its_output_itself(dtype):
         tk.DecodeTuning(merge_always=1)
 
 
+@pytest.mark.filterwarnings("ignore:invalid value encountered in divide")  # the row that sees nothing: 0/0 (numpy)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_last_split_merges_its_pairs_splits(dtype):
+    """DecodeTuning(last_split_merges=True): with several splits, the last program of each (sequence, KV head) pair
+    to finish merges the pair's splits and writes the output, and no merge is launched. Its arithmetic is the merge
+    kernel's but for the order of the sums over the splits (in turn, where merge_kernel's tl.sum runs a tree), so it
+    equals the two launches to within that reordering's float32 error, 4·splits·2^-24·max|v| (first order, for any
+    two orders; bfloat16 also one rounding of the output apart), over ragged lengths, with learned sink logits, a
+    softcap, a mask that hides a whole row, 3, 7 and 12 splits (more than the 4 tiles: empty splits). The counters are
+    0 again after every call, so the next call merges too."""
+    d, B, Hkv, G = 64, 3, 2, 3
+    q, pk, pv = _case(QuestQuantizer(2), AffineQuantizer(3), B, Hkv, G, d, n_s=4, n_m=40, n_r=6, seed=8, dtype=dtype)
+    (sk, (kc, ks, _), rk), (sv, (vc, vs, _), rv) = pk, pv
+    lengths = torch.tensor([[4, 40, 6], [2, 17, 3], [4, 33, 1]])  # ragged: 50, 22 and 38 columns
+    vmax = max(sv.float().abs().max(), rv.float().abs().max(), vc.decode(vs, 40).float().abs().max()).item()
+    sinks = torch.linspace(-1.0, 3.0, Hkv * G, device=DEVICE)
+    allowed = (torch.rand(B, 20, generator=torch.Generator().manual_seed(9)) > 0.3).to(DEVICE)
+    allowed[2] = False  # a row that sees nothing: whatever the merge gives (0/0), the same
+    kept = []  # every output stays alive: a merge that wrote nothing must not find an equal output's freed memory
+
+    def launched(splits, **kw):  # (output, [(kernel, its constexprs)]) of a decode that runs
+        rec = []
+        with tk.launches_through(lambda name, grid, args, meta, run: (rec.append((name, meta)), run(name, grid, args, meta))):
+            out = tk.decode(q[:, :, 0], lengths, sk, sv, _packed(kc, ks), _packed(vc, vs), rk, rv, d**-0.5,
+                            splits=splits, block_n=16, **kw)
+        kept.append(out)
+        return out, rec
+
+    for splits, kw in ((3, {"sinks": sinks}), (7, {"softcap": 2.0, "sinks": sinks, "allowed": allowed}),
+                       (12, {"allowed": allowed})):
+        merged, rec = launched(splits, **kw)
+        assert [name for name, _ in rec] == ["decode", "merge"] and not rec[0][1]["LAST_MERGES"]
+        with tk.decode_tuning(last_split_merges=True):
+            for call in range(2 if splits == 7 else 1):  # a second call finds the counters as the first left them
+                out, rec = launched(splits, **kw)
+                assert [name for name, _ in rec] == ["decode"] and rec[0][1]["LAST_MERGES"] and not rec[0][1]["FINAL"]
+                assert rec[0][1]["HAS_SINKS"] == ("sinks" in kw)
+                assert not tk._COUNTERS[torch.device(DEVICE)].any(), (splits, kw, call)
+                assert out.dtype == dtype and torch.equal(out.isnan(), merged.isnan()), (splits, kw)
+                assert out.isnan().any() == ("allowed" in kw and "sinks" not in kw)  # the hidden row, without a sink
+                gap = (out.float() - merged.float()).nan_to_num().abs()
+                bound = 4 * splits * 2**-24 * vmax
+                if dtype == torch.bfloat16:  # float32 results that close may round to neighbouring bfloat16 values
+                    bound = bound + torch.finfo(dtype).eps * merged.float().nan_to_num().abs()
+                assert (gap <= bound).all(), (splits, kw, gap.max())
+    with tk.decode_tuning(last_split_merges=True):  # one split: its program writes the output (FINAL), no counting
+        _, rec = launched(1, sinks=sinks)
+    assert [name for name, _ in rec] == ["decode"] and rec[0][1]["FINAL"] and not rec[0][1]["LAST_MERGES"]
+    with pytest.raises(ValueError, match="last_split_merges must be True or False, got 1"):
+        tk.DecodeTuning(last_split_merges=1)
+    with pytest.raises(ValueError, match="merge_always=True .* and last_split_merges=True .* set at most one"):
+        tk.DecodeTuning(merge_always=True, last_split_merges=True)
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_decode_never_reads_what_the_window_hides(dtype):
     """A sliding window's earlier columns (and a mask's) are not read at all: the splits share the visible columns
@@ -1021,8 +1075,9 @@ for quest, clipped, has_t, br in ((True, True, False, 8), (True, False, True, 1)
     triton.compile(ASTSource(K["store"], sig("store", ptrs, ("coef", "sqrt_g"), consts), consts), target=GPUTarget("cuda", 90, 32))
 consts = dict(D=128, GQA=4, GP=16, BN=32, K_BITS=2, V_BITS=4, K_G=128, V_G=32, K_Z=False, V_Z=True, K_E5M3=True, K_OFF=128, V_OFF=0,
               V_E5M3=False, K_P=0, V_P=0, K_WC=0, V_WC=0, K_W4=False, V_W4=False, K_TILE=0, KT_MW=128, RMEAN=False, PAGED=True, PAGE_ABS=False, STARTS=False, HAS_MASK=True, SOFTCAP=True,
-              PREC="tf32", DT=tl.bfloat16, EMU=False, FP_STAGES=1, FINAL=False, HAS_SINKS=False, OUT_BF16=True)
-ptrs = {"out_ptr": "*bf16", "q_ptr": "*bf16", "sk_ptr": "*bf16", "sv_ptr": "*bf16", "rk_ptr": "*bf16", "rv_ptr": "*bf16", "kc_ptr": "*u8",
+              PREC="tf32", DT=tl.bfloat16, EMU=False, FP_STAGES=1, FINAL=False, HAS_SINKS=False, OUT_BF16=True,
+              LAST_MERGES=False)
+ptrs = {"cnt_ptr": "*i32", "out_ptr": "*bf16", "q_ptr": "*bf16", "sk_ptr": "*bf16", "sv_ptr": "*bf16", "rk_ptr": "*bf16", "rv_ptr": "*bf16", "kc_ptr": "*u8",
         "vc_ptr": "*u8", "mask_ptr": "*u8", "lens_ptr": "*i32", "bt_ptr": "*i32", "ks_ptr": "*u8", "vs_ptr": "*fp16",
         "kz_ptr": "*u8", "vz_ptr": "*fp16", "kts_ptr": "*fp16", "ktz_ptr": "*fp16", "rp_ptr": "*i32", "st_ptr": "*i32"}
 for bn, warps, stages, v in ((32, 4, 3, (4, 32, True, 0)), (128, 8, 2, (2, 128, False, 128))):  # two tunings, two value codecs
@@ -1045,6 +1100,19 @@ for dt, off, kv, warps in ((tl.bfloat16, 128, (2, 8, 4, 4), 1), (tl.float16, 102
 one = dict(consts, FINAL=True, HAS_SINKS=True, OUT_BF16=False)
 triton.compile(ASTSource(K["decode"], sig("decode", dict(p, out_ptr="*fp16"), ("sm_scale", "softcap", "K_HALF", "V_HALF"), one), one),
                target=GPUTarget("cuda", 90, 32), options={"num_warps": 1, "num_stages": 2})
+# several splits, the last program of a pair merging them (sink logits): one warp in classes (the count broadcast by a
+# shuffle), 4 warps over unpacked tiles (through shared memory). Every thread's stores of the split's state, a barrier,
+# then one thread's atomic add that releases them and acquires the others' (gpu scope), the splits' state read past L1
+for warps, kp, vp in ((1, 8, 4), (4, 0, 0)):  # K2V4, bfloat16
+    last = dict(consts, LAST_MERGES=True, HAS_SINKS=True, DT=tl.bfloat16, K_OFF=128, V_OFF=128, K_BITS=2, V_BITS=4,
+                K_P=kp, K_WC=kp, V_P=vp, V_WC=vp, K_W4=False, V_W4=False, PAGE_ABS=False)
+    k = triton.compile(ASTSource(K["decode"], sig("decode", dict(p, q_ptr="*bf16"), ("sm_scale", "softcap", "K_HALF", "V_HALF"),
+                                                  last), last),
+                       target=GPUTarget("cuda", 90, 32), options={"num_warps": warps, "num_stages": 2})
+    ptx = k.asm["ptx"]
+    atom = ptx.index("atom.global.gpu.acq_rel.add.u32")
+    assert ptx.count("atom.global") == 1 and "bar.sync" in ptx[ptx.rindex("st.global", 0, atom):atom]
+    assert "ld.global.cg" in ptx[atom:] and "cubin" in k.asm
 # two codes a word in each class: at head_dim 64 words of 8 codes in 4 classes (3 bits from int32 loads, 1 bit, 2 bits
 # in 16-bit words; 2-bit bytes of 4 codes where rows sit at odd offsets), at 128 1-bit 16-bit words of 16 in 8
 for dd, kb, kp, kwc, vb, vp, vwc in ((64, 3, 4, 8, 1, 4, 8), (64, 2, 4, 8, 2, 4, 4), (128, 1, 8, 16, 2, 8, 8)):
@@ -1101,7 +1169,8 @@ def test_kernels_compile_for_cuda():
     """The compiled path, which the interpreter does not exercise (Triton's front end, shapes the tensor-core dot
     accepts, name resolution), without a GPU: the store, decode (two tunings, one-byte key steps; codes in classes,
     in words of 16 bits, three bytes and one, whose inline PTX ptxas assembles, two codes a word a class at head_dim
-    64; rows from their own columns) and merge kernels compile for sm_90."""
+    64; rows from their own columns; the last split merging its pair's, its atomic after a barrier that follows the
+    state's stores) and merge kernels compile for sm_90."""
     res = _compiling(COMPILE)
     assert res.returncode == 0 and "compiled True" in res.stdout, res.stderr[-3000:]
 

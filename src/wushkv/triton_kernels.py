@@ -847,6 +847,38 @@ def _kernels() -> dict:
             x = _rne_bf16(x)
         return x
 
+    @jit
+    def _merge_splits(o_ptr, m_ptr, l_ptr, sinks_ptr, out_ptr, s_ob, s_oh, b, hq, qmask, base, SPLITS,
+                      D: tl.constexpr, GP: tl.constexpr, HAS_SINKS: tl.constexpr, OUT_BF16: tl.constexpr):
+        """merge_kernel's merge of the GP query heads ``hq`` (GP,) (``qmask`` the real ones) of sequence ``b``, whose
+        splits' state starts at row ``base`` (GP,) of m, l (rows,) and o (rows, D), written out: by the last
+        program of a (sequence, KV head) pair to finish (decode_kernel's LAST_MERGES). One split at a time, so any
+        number of them takes the registers of one: two passes, the max first (exact in any order), so each split's
+        weight exp2(m - M) is merge_kernel's to the bit; only the sums over the splits run in order 0, 1, ... where
+        merge_kernel's tl.sum runs a tree, so the output may differ from the two launches' in float32's last bits.
+        The loads bypass L1 (``.cg``): the other programs wrote these rows from other multiprocessors."""
+        d = tl.arange(0, D)
+        M = tl.full([GP], float("-inf"), dtype=tl.float32)
+        for i in range(0, SPLITS):
+            M = tl.maximum(M, tl.load(m_ptr + base + i, mask=qmask, other=float("-inf"), cache_modifier=".cg"))
+        if HAS_SINKS:  # the learned sink logit: one more softmax column with a zero value
+            sink = tl.load(sinks_ptr + hq, mask=qmask, other=0.0).to(tl.float32) * 1.4426950408889634
+            M = tl.maximum(M, sink)
+        M = tl.where(M == float("-inf"), 0.0, M)
+        L = tl.zeros([GP], dtype=tl.float32)
+        acc = tl.zeros([GP, D], dtype=tl.float32)
+        for i in range(0, SPLITS):
+            w = tl.exp2(tl.load(m_ptr + base + i, mask=qmask, other=float("-inf"), cache_modifier=".cg") - M)
+            L = L + tl.load(l_ptr + base + i, mask=qmask, other=0.0, cache_modifier=".cg") * w
+            o = tl.load(o_ptr + (base + i)[:, None] * D + d[None, :], mask=qmask[:, None], other=0.0, cache_modifier=".cg")
+            acc = acc + o * w[:, None]
+        if HAS_SINKS:
+            L = L + tl.exp2(sink - M)
+        L = tl.where(qmask, L, 1.0)  # the padding rows (never stored) saw nothing: no 0/0 there
+        out = acc / L[:, None]
+        tl.store(out_ptr + b * s_ob + hq[:, None] * s_oh + d[None, :],
+                 _rne_out(out, OUT_BF16).to(out_ptr.dtype.element_ty), mask=qmask[:, None])
+
     # -- decode: one program per (sequence, KV head, split) -------------------------------------------------------
     @jit
     def decode_kernel(q_ptr, sq_b, sq_h,
@@ -862,6 +894,7 @@ def _kernels() -> dict:
                       mask_ptr, s_mb, S, WINDOW,
                       o_ptr, m_ptr, l_ptr,  # (B, Hq, SPLITS, D), (B, Hq, SPLITS) float32
                       sinks_ptr, out_ptr, s_ob, s_oh,  # FINAL: (Hq,) sink logits (HAS_SINKS), the output (B, Hq, D)
+                      cnt_ptr,  # LAST_MERGES: int32 (B, Hkv) splits done of each pair, 0 between calls
                       sm_scale, softcap, K_HALF, V_HALF, SPLITS,
                       D: tl.constexpr, GQA: tl.constexpr, GP: tl.constexpr, BN: tl.constexpr,
                       K_BITS: tl.constexpr, V_BITS: tl.constexpr, K_G: tl.constexpr, V_G: tl.constexpr,
@@ -871,7 +904,8 @@ def _kernels() -> dict:
                       K_TILE: tl.constexpr, KT_MW: tl.constexpr, RMEAN: tl.constexpr,
                       PAGED: tl.constexpr, PAGE_ABS: tl.constexpr, STARTS: tl.constexpr, HAS_MASK: tl.constexpr,
                       SOFTCAP: tl.constexpr, PREC: tl.constexpr, DT: tl.constexpr, EMU: tl.constexpr,
-                      FP_STAGES: tl.constexpr, FINAL: tl.constexpr, HAS_SINKS: tl.constexpr, OUT_BF16: tl.constexpr):
+                      FP_STAGES: tl.constexpr, FINAL: tl.constexpr, HAS_SINKS: tl.constexpr, OUT_BF16: tl.constexpr,
+                      LAST_MERGES: tl.constexpr):
         b = tl.program_id(0).to(tl.int64)
         h = tl.program_id(1).to(tl.int64)
         sp = tl.program_id(2)
@@ -965,6 +999,21 @@ def _kernels() -> dict:
             tl.store(m_ptr + row, m, mask=qmask)
             tl.store(l_ptr + row, l, mask=qmask)
             tl.store(o_ptr + row[:, None] * D + d[None, :], acc, mask=qmask[:, None])
+            if LAST_MERGES:  # the pair's last program to finish merges its splits: no merge launch
+                # One thread issues the atomic (Triton's scalar atomics), after every thread's stores above: the
+                # barrier orders them before it within the program, and its release at gpu scope (cumulative in
+                # PTX's memory model) makes them visible to whichever program's acquire reads the count it leaves.
+                # (Triton's lowering puts a bar.sync of its own before this atomic today, for the shared memory its
+                # result passes through; the order must not rest on that.)
+                tl.debug_barrier()
+                cnt_ptr = cnt_ptr + b * tl.num_programs(1) + h
+                done = tl.atomic_add(cnt_ptr, 1, sem="acq_rel", scope="gpu")
+                if done == SPLITS - 1:  # every other split's state is written, and acquired by the thread that added
+                    tl.debug_barrier()  # every thread's loads below after that acquire (not left to how Triton
+                    # broadcasts the count: a shuffle, or shared memory, each followed by a barrier today)
+                    tl.store(cnt_ptr, 0)  # no other program touches it again this call: 0 for the next call
+                    _merge_splits(o_ptr, m_ptr, l_ptr, sinks_ptr, out_ptr, s_ob, s_oh, b, hq, qmask, (b * Hq + hq) * SPLITS,
+                                  SPLITS, D, GP, HAS_SINKS, OUT_BF16)
 
     # -- merge the splits: one program per (sequence, query head) -------------------------------------------------
     @jit
@@ -1412,8 +1461,11 @@ class DecodeTuning:
     ``maxnreg``, the PTX ``.maxnreg``; None: ptxas's choice); and ``fp_stages``: the software pipeline of the loop over
     the full-precision sink and recent tokens (None: ``num_stages``, the middle's); ``merge_always``: launch the
     merge kernel even where each sequence has one split, as before session 60 (by default that split's program
-    writes the output itself: the same bits, one launch and the splits' state fewer). None of them changes what is
-    computed beyond float32 summation order; :func:`decode_tuning` swaps them for a block of code.
+    writes the output itself: the same bits, one launch and the splits' state fewer); ``last_split_merges``: with
+    several splits, the last program of each (sequence, KV head) pair to finish (counted with an atomic) merges the
+    pair's splits and writes the output, and no merge kernel is launched (session 61; off by default until a GPU has
+    checked its memory ordering and timed it; not with ``merge_always``, which asks for the merge launch). None of
+    them changes what is computed beyond float32 summation order; :func:`decode_tuning` swaps them for a block of code.
 
     ``max_registers`` trades spills for resident warps: the classes kernel at K2V2 d 128 takes 255 registers, so an
     sm_90 multiprocessor holds 8 of its one-warp programs (2 warps per scheduler to hide each other's latency); at 168
@@ -1438,6 +1490,7 @@ class DecodeTuning:
     max_registers: int | None = None
     fp_stages: int | None = None
     merge_always: bool = False
+    last_split_merges: bool = False
 
     def __post_init__(self):
         if self.block_n is not None and (not isinstance(self.block_n, int) or self.block_n < 16
@@ -1448,9 +1501,12 @@ class DecodeTuning:
             optional = name in ("num_warps", "fp_stages")
             if not (v is None and optional) and (not isinstance(v, int) or isinstance(v, bool) or v < 1):
                 raise ValueError(f"{name} must be a positive int{' (or None)' if optional else ''}, got {v!r}")
-        for name in ("class_split", "merge_always"):
+        for name in ("class_split", "merge_always", "last_split_merges"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be True or False, got {getattr(self, name)!r}")
+        if self.merge_always and self.last_split_merges:
+            raise ValueError("merge_always=True (launch the merge kernel) and last_split_merges=True (merge in the decode "
+                             "kernel, no merge launch) contradict each other: set at most one")
         if self.max_registers is not None and (not isinstance(self.max_registers, int) or isinstance(self.max_registers, bool)
                                                or not 24 <= self.max_registers <= 255):
             raise ValueError(f"max_registers must be an int in [24, 255] (registers a thread; None: the compiler's "
@@ -1542,6 +1598,29 @@ def resident_warps(registers: int, shared: int, num_warps: int, sm: dict = SM90)
 def _multiprocessors(index: int) -> int:
     """The streaming multiprocessors of CUDA device ``index`` (asked at every decode call: kept)."""
     return torch.cuda.get_device_properties(index).multi_processor_count
+
+
+_COUNTERS: dict[torch.device, torch.Tensor] = {}  # device -> int32 split counters of LAST_MERGES, all 0 between calls
+_OUTGROWN: list[torch.Tensor] = []  # counter buffers replaced by larger ones, kept alive (see _split_counters)
+
+
+def _split_counters(device: torch.device, n: int) -> torch.Tensor:
+    """At least ``n`` int32 counters on ``device``, all 0: the splits of each (sequence, KV head) pair done so far,
+    which decode_kernel's LAST_MERGES counts up and the merging program sets back to 0. One buffer a device, zeroed
+    once when made (no memset launch a call), grown when a call needs more.
+
+    Shared by every call on the device, so calls must run one after another, as on one CUDA stream (a model's decode
+    steps): two decodes on different streams at once would count each other's programs, and a pair could merge
+    before its splits are written. A call that fails before its kernel runs leaves the counts at 0; one that fails
+    while it runs has them zeroed again by :func:`decode` (a kernel that faults on a GPU leaves the CUDA context
+    unusable anyway). A buffer grown out of is kept, not freed: a CUDA graph captured before holds its address."""
+    buf = _COUNTERS.get(device)
+    if buf is None or buf.numel() < n:
+        if buf is not None:
+            _OUTGROWN.append(buf)
+        buf = _COUNTERS[device] = torch.zeros(max(n, 4096, 2 * (buf.numel() if buf is not None else 0)),
+                                              dtype=torch.int32, device=device)
+    return buf
 
 
 def _longest(lengths, sink_k, mid_k: Packed, recent_k, block_table) -> int:
@@ -1682,6 +1761,8 @@ def decode(query, lengths, sink_k, sink_v, mid_k: Packed, mid_v: Packed, recent_
 
     out = torch.empty(B, Hq, d, dtype=query.dtype, device=query.device)
     final = splits == 1 and not tuning.merge_always  # the decode kernel writes the output: no merge launched
+    last_merges = splits > 1 and tuning.last_split_merges  # each pair's last program merges: no merge launched
+    counters = _split_counters(query.device, B * Hkv) if last_merges else lengths  # (lengths: never read)
     if final:
         o = m = l = out  # never read
     else:
@@ -1724,29 +1805,35 @@ def decode(query, lengths, sink_k, sink_v, mid_k: Packed, mid_v: Packed, recent_
         rr = rope_table(key_bias.theta, block_n, query.device, query.dtype)
     if B and Hq:
         st = lengths if starts is None else kept_on(starts, query.device, torch.int32)
-        _launch("decode", (B, Hkv, splits), query, *query.stride()[:2], lengths,
-                st, sink_k.shape[2], S - recent_k.shape[2],
-                sink_k, sink_v, *sink_k.stride()[:3], *sink_v.stride()[:3],
-                recent_k, recent_v, *recent_k.stride()[:3], *recent_v.stride()[:3],
-                mid_k.codes, mid_k.scale, kz, mid_v.codes, mid_v.scale, vz,
-                *strides(mid_k.codes), *strides(mid_k.scale), *strides(mid_v.codes), *strides(mid_v.scale),
-                kts, ktz, *kt_strides, kt_zi, rb, *rb_s, rp, rt, rr,
-                bt, bt.stride(0), page, mask, mask.stride(0), S, int(window or 0),
-                o, m, l, sinks if sinks is not None else out, out, out.stride(0), out.stride(1),
-                float(scaling), float(softcap or 1.0), mid_k.fmt.half, mid_v.fmt.half, splits,
-                D=d, GQA=G, GP=max(16, _next_pow2(G)), BN=block_n, K_BITS=mid_k.fmt.bits, V_BITS=mid_v.fmt.bits,
-                K_G=mid_k.fmt.G, V_G=mid_v.fmt.G, K_Z=mid_k.offset is not None, V_Z=mid_v.offset is not None,
-                K_E5M3=mid_k.fmt.step_byte, V_E5M3=mid_v.fmt.step_byte,
-                K_OFF=_code_offset(query.dtype, mid_k.fmt.bits), V_OFF=_code_offset(query.dtype, mid_v.fmt.bits),
-                K_P=k_p, V_P=v_p, K_WC=code_words(mid_k.fmt, k_p, mid_k.codes), V_WC=code_words(mid_v.fmt, v_p, mid_v.codes),
-                K_W4=_int32_words(mid_k, k_p), V_W4=_int32_words(mid_v, v_p),
-                K_TILE=kt_tile, KT_MW=kt_mw, RMEAN=key_bias is not None,
-                PAGED=paged, PAGE_ABS=paged and absolute_pages, STARTS=starts is not None, HAS_MASK=allowed is not None, SOFTCAP=softcap is not None,
-                PREC="ieee" if query.dtype == torch.float32 else "tf32", DT=_tl_dtype(query.dtype), EMU=emulate,
-                FP_STAGES=tuning.fp_stages or tuning.num_stages, FINAL=final, HAS_SINKS=final and sinks is not None,
-                OUT_BF16=query.dtype == torch.bfloat16, num_warps=num_warps, num_stages=tuning.num_stages,
-                **({"maxnreg": tuning.max_registers} if tuning.max_registers is not None else {}))
-    if B and Hq and not final:
+        try:
+            _launch("decode", (B, Hkv, splits), query, *query.stride()[:2], lengths,
+                    st, sink_k.shape[2], S - recent_k.shape[2],
+                    sink_k, sink_v, *sink_k.stride()[:3], *sink_v.stride()[:3],
+                    recent_k, recent_v, *recent_k.stride()[:3], *recent_v.stride()[:3],
+                    mid_k.codes, mid_k.scale, kz, mid_v.codes, mid_v.scale, vz,
+                    *strides(mid_k.codes), *strides(mid_k.scale), *strides(mid_v.codes), *strides(mid_v.scale),
+                    kts, ktz, *kt_strides, kt_zi, rb, *rb_s, rp, rt, rr,
+                    bt, bt.stride(0), page, mask, mask.stride(0), S, int(window or 0),
+                    o, m, l, sinks if sinks is not None else out, out, out.stride(0), out.stride(1), counters,
+                    float(scaling), float(softcap or 1.0), mid_k.fmt.half, mid_v.fmt.half, splits,
+                    D=d, GQA=G, GP=max(16, _next_pow2(G)), BN=block_n, K_BITS=mid_k.fmt.bits, V_BITS=mid_v.fmt.bits,
+                    K_G=mid_k.fmt.G, V_G=mid_v.fmt.G, K_Z=mid_k.offset is not None, V_Z=mid_v.offset is not None,
+                    K_E5M3=mid_k.fmt.step_byte, V_E5M3=mid_v.fmt.step_byte,
+                    K_OFF=_code_offset(query.dtype, mid_k.fmt.bits), V_OFF=_code_offset(query.dtype, mid_v.fmt.bits),
+                    K_P=k_p, V_P=v_p, K_WC=code_words(mid_k.fmt, k_p, mid_k.codes), V_WC=code_words(mid_v.fmt, v_p, mid_v.codes),
+                    K_W4=_int32_words(mid_k, k_p), V_W4=_int32_words(mid_v, v_p),
+                    K_TILE=kt_tile, KT_MW=kt_mw, RMEAN=key_bias is not None,
+                    PAGED=paged, PAGE_ABS=paged and absolute_pages, STARTS=starts is not None, HAS_MASK=allowed is not None, SOFTCAP=softcap is not None,
+                    PREC="ieee" if query.dtype == torch.float32 else "tf32", DT=_tl_dtype(query.dtype), EMU=emulate,
+                    FP_STAGES=tuning.fp_stages or tuning.num_stages, FINAL=final,
+                    HAS_SINKS=(final or last_merges) and sinks is not None, LAST_MERGES=last_merges,
+                    OUT_BF16=query.dtype == torch.bfloat16, num_warps=num_warps, num_stages=tuning.num_stages,
+                    **({"maxnreg": tuning.max_registers} if tuning.max_registers is not None else {}))
+        except BaseException:
+            if last_merges:  # programs that ran before the failure left their counts (the interpreter's, a hook's)
+                counters.zero_()
+            raise
+    if B and Hq and not final and not last_merges:
         _launch("merge", (B, Hq), o, m, l, sinks if sinks is not None else m, out, out.stride(0), out.stride(1), splits, Hq,
                 D=d, SP=_next_pow2(splits), HAS_SINKS=sinks is not None, OUT_BF16=query.dtype == torch.bfloat16)
     return out
