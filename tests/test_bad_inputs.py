@@ -47,8 +47,8 @@ FILES = {
     "EDITED_JSON": "a `compare --json` file with one digit of a result changed",
     "OTHER_JSON": "a JSON file no wushkv run wrote",
     "RUN_JSON": "a whole `compare --json` run file",
-    "PASSKEY_JSON": "a `passkey --json` run file",
-    "AGREE_JSON": "an `agree --json` run file",
+    "PASSKEY_JSON": "a `passkey --json` run file (recording its command, as files since session 61 do)",
+    "AGREE_JSON": "an `agree --json` run file from before session 61 (no command recorded)",
     "TYPO_TOML": "a sweep configuration with a misspelled key",
     "missing…": "a path that does not exist",
 }
@@ -205,7 +205,14 @@ CASES: list[Case] = [
     Case("runs", "merge of a file no run wrote", ["merge", "compare", "OTHER_JSON"], "run file OTHER_JSON is not a file a wushkv run wrote"),
     Case("runs", "merge of a missing file", ["merge", "compare", "missing.json"], "run file missing.json does not exist"),
     Case("runs", "merge compare of a passkey run", ["merge", "compare", "PASSKEY_JSON"],
-         "PASSKEY_JSON: not a file `wushkv compare --json` wrote (no perplexities by method and width)"),
+         "run file PASSKEY_JSON holds a run of `wushkv passkey`, not of `wushkv compare`"),
+    Case("runs", "merge compare of an agree run from before commands were recorded", ["merge", "compare", "AGREE_JSON"],
+         "AGREE_JSON: not a file `wushkv compare --json` wrote (no perplexities by method and width)"),
+    Case("runs", "an agreement resumed from a passkey run", ["agree", *TXT, "--prompt-len", "32", "--new-tokens", "8", "--prompts", "1",
+                                                            "--transforms", "hadamard", "--json", "PASSKEY_JSON"],
+         "--json PASSKEY_JSON holds a run of `wushkv passkey`, not of `wushkv agree`; give another path or delete it"),
+    Case("runs", "an agreement report of a passkey run", ["agree", "--report-only", "--json", "PASSKEY_JSON"],
+         "--json PASSKEY_JSON holds a run of `wushkv passkey`, not of `wushkv agree`"),
     Case("runs", "merge passkey of an agree run", ["merge", "passkey", "AGREE_JSON", "--out", "OUT.json"],
          "AGREE_JSON: not a file `wushkv passkey --json` wrote"),
     Case("runs", "clip table missing", ["compare", "--clips", "missing.json"], "does not exist"),
@@ -291,7 +298,7 @@ def files(tmp_path_factory):
     (d / "DAMAGED_JSON").write_text(text[: len(text) // 2])
     (d / "EDITED_JSON").write_text(text.replace("13.25", "13.26"))
     (d / "OTHER_JSON").write_text(json.dumps({"hello": "world"}))
-    write_json(d / "PASSKEY_JSON", {"settings": {"model": "m"}, "state": {"wush": {"1024/0.5/0": {"found": True}}},
+    write_json(d / "PASSKEY_JSON", {"command": "passkey", "settings": {"model": "m"}, "state": {"wush": {"1024/0.5/0": {"found": True}}},
                                     "results": {"wush": {"accuracy": 1.0}}})
     write_json(d / "AGREE_JSON", {"settings": {"model": "m"}, "state": {"continuations": [[1, 2]], "rows": {}}, "results": {}})
     (d / "TYPO_TOML").write_text('[grid]\nmodels=["a"]\ntransforms=["wush"]\nbits=[2]\n[eval]\nchunk = 3\n')

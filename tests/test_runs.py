@@ -57,3 +57,17 @@ def test_settings_key_is_order_free_and_stable():
     assert settings_key(a) == settings_key(b) and len(settings_key(a)) == 16
     assert settings_key(a) != settings_key({**a, "eval": [1, 3]})
     assert settings_key(a) == hashlib.sha256(json.dumps(a, sort_keys=True).encode()).hexdigest()[:16]
+
+
+def test_a_run_records_its_command_and_another_commands_is_refused_by_name(tmp_path):
+    path = tmp_path / "run.json"
+    state, save, settings = resumable(str(path), {"model": "m"}, command="agree")
+    save({"rows": {"wush": [1]}})
+    assert json.loads(path.read_text())["command"] == "agree"
+    assert resumable(str(path), {"model": "m"}, command="agree")[0] == {"rows": {"wush": [1]}}
+    with pytest.raises(ValueError, match=r"holds a run of `wushkv agree`, not of `wushkv passkey`; give another path"):
+        resumable(str(path), {"model": "m"}, command="passkey")
+    # a file from before commands were recorded resumes as before, under the settings' check alone
+    path.write_text(json.dumps({"settings": {"model": "m"}, "state": {"x": 1}}))
+    assert resumable(str(path), {"model": "m"}, command="passkey")[0] == {"x": 1}
+    assert read_run(str(path), command="compare", parts=("settings",)) is not None

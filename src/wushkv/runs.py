@@ -36,11 +36,15 @@ def differing(old: dict, new: dict) -> list[str]:
     return sorted(k for k in set(old) | set(new) if old.get(k) != new.get(k))
 
 
+COMMAND = "command"  # a run file's key: the wushkv command that wrote it (files from before session 61 lack it)
+
+
 def read_run(path: str | Path | None, parts: Sequence[str] = ("settings", "state"), writer: str = "this command",
-             flag: str = "--json") -> dict | None:
+             flag: str = "--json", command: str | None = None) -> dict | None:
     """The JSON object a run saved at ``path``; None if there is no file (or no path). A file that cannot be read,
     or is not an object holding each of ``parts`` as an object, is refused (``writer``: who writes such files, for
-    the message; ``flag``: the option that named the path)."""
+    the message; ``flag``: the option that named the path); so is one another ``command`` wrote (by its record,
+    :data:`COMMAND`, where it has one)."""
     if not path or not Path(path).exists():
         return None
     try:
@@ -49,6 +53,9 @@ def read_run(path: str | Path | None, parts: Sequence[str] = ("settings", "state
         raise ValueError(f"{flag} {path}: cannot resume from it ({e}); give another path or delete it") from None
     if not isinstance(prev, dict) or not all(isinstance(prev.get(p), dict) for p in parts):
         raise ValueError(f"{flag} {path}: not a file {writer} wrote (no {'/'.join(parts)}); give another path or delete it")
+    if command is not None and prev.get(COMMAND, command) != command:
+        raise ValueError(f"{flag} {path} holds a run of `wushkv {prev[COMMAND]}`, not of `wushkv {command}`; give another "
+                         "path or delete it")
     return prev
 
 
@@ -100,19 +107,21 @@ def resume_settings(path, old: dict, new: dict, key: Callable[[dict], dict] | No
     return merged
 
 
-def resumable(path: str | None, settings: dict):
-    """(state, save, settings) for a long run that resumes from its ``--json``.
+def resumable(path: str | None, settings: dict, command: str | None = None):
+    """(state, save, settings) for a long run of ``command`` that resumes from its ``--json``.
 
     A file holding a run with the same settings gives back its state; a missing file starts afresh.
     A file from other settings is refused rather than overwritten (so is one whose ``auto`` rows were run as
     another method than ``auto`` stands for now). ``settings["calibration"]`` None
-    (no listed method is calibrated) is compatible with any calibration, and keeps the stored one.
+    (no listed method is calibrated) is compatible with any calibration, and keeps the stored one. A file another
+    command wrote is refused by name (:func:`read_run`), and ``command`` is recorded in the file.
     """
     settings = as_json(settings)
     state = {}
-    if (prev := read_run(path)) is not None:
+    if (prev := read_run(path, command=command)) is not None:
         settings = resume_settings(path, prev["settings"], settings)
         state = prev["state"]
         print(f"resuming from {path}", file=sys.stderr)
-    save = (lambda st: write_json(path, {"settings": settings, "state": st})) if path else None
+    head = {COMMAND: command} if command else {}
+    save = (lambda st: write_json(path, head | {"settings": settings, "state": st})) if path else None
     return state, save, settings

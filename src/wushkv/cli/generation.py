@@ -57,6 +57,8 @@ def _saved_agreement(path) -> dict:
     saved = read_json(path, "--json")
     if not isinstance(saved, dict) or "state" not in saved or "settings" not in saved:
         raise ValueError(f"--json {path}: not a file `wushkv agree` wrote")
+    if saved.get("command", "agree") != "agree":
+        raise ValueError(f"--json {path} holds a run of `wushkv {saved['command']}`, not of `wushkv agree`")
     return saved
 
 
@@ -105,11 +107,11 @@ def cmd_agree(args) -> int:
     state, save, settings = resumable(args.json, {
         "model": args.model, "dtype": args.dtype, "text": label, "prompts": int(chunks.shape[0]), "prompt_len": args.prompt_len,
         "stride": args.stride, "prompt_sha256": hashlib.sha256(chunks.numpy().tobytes()).hexdigest(), "new_tokens": args.new_tokens,
-        "single_pass": args.single_pass, "quantization": cfg.to_dict(), "calibration": calibration_recipe_of(cal)} | auto_settings)
+        "single_pass": args.single_pass, "quantization": cfg.to_dict(), "calibration": calibration_recipe_of(cal)} | auto_settings, command="agree")
     res = run_agreement(model, chunks, methods, cal, cfg, args.new_tokens, single_pass=args.single_pass, batch=args.batch,
                         log=err, state=state, save=save, resolved=resolved)
     growth = _print_agreement(args, settings, state, res)
-    out = {"model": args.model, "text": label, "prompts": int(chunks.shape[0]), "prompt_len": args.prompt_len,
+    out = {"command": "agree", "model": args.model, "text": label, "prompts": int(chunks.shape[0]), "prompt_len": args.prompt_len,
            "new_tokens": args.new_tokens, "single_pass": args.single_pass, "batch": args.batch, "quantization": cfg.to_dict(),
            "calibration": cal.meta if cal is not None else None, "results": res, "settings": settings, "state": state}
     if growth:
@@ -135,11 +137,11 @@ def cmd_passkey(args) -> int:
     resolved, auto_settings = resolve_auto(args.model, methods, model, cal, cfg, log=err)
     state, save, settings = resumable(args.json, {
         "model": args.model, "dtype": args.dtype, "trials": args.trials, "seed": args.seed, "quantization": cfg.to_dict(),
-        "calibration": calibration_recipe_of(cal)} | auto_settings)
+        "calibration": calibration_recipe_of(cal)} | auto_settings, command="passkey")
     res = run_passkey(model, tok, methods, cal, cfg, args.contexts, depths, args.trials, seed=args.seed,
                       log=err, state=state, save=save, resolved=resolved)
     print(passkey_tables(res, settings, args.model, args.contexts, depths, args.trials, cfg))
-    out = {"model": args.model, "contexts": args.contexts, "depths": depths, "trials": args.trials, "seed": args.seed,
+    out = {"command": "passkey", "model": args.model, "contexts": args.contexts, "depths": depths, "trials": args.trials, "seed": args.seed,
            "quantization": cfg.to_dict(), "calibration": cal.meta if cal is not None else None, "results": res,
            "settings": settings, "state": state}
     if args.json:

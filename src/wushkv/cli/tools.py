@@ -50,7 +50,7 @@ def cmd_data_heldout(args) -> int:
 def cmd_merge_compare(args) -> int:
     from ..tools.merge import compare_report, merge_compare, read_runs
 
-    first, rows = merge_compare(read_runs(args.files))
+    first, rows = merge_compare(read_runs(args.files, "compare"))
     print(compare_report(first, rows, versus=args.versus, plot=args.plot))
     return 0
 
@@ -59,7 +59,7 @@ def cmd_merge_agree(args) -> int:
     from ..io import write_json
     from ..tools.merge import merge_agree, read_runs
 
-    out = merge_agree(read_runs(args.files))
+    out = merge_agree(read_runs(args.files, "agree"))
     write_json(args.out, out)
     for method, done in out["state"]["rows"].items():
         print(f"{method:>16}: {len(done)} prompts")
@@ -70,7 +70,7 @@ def cmd_merge_passkey(args) -> int:
     from ..io import write_json
     from ..tools.merge import merge_passkey, read_runs
 
-    out = merge_passkey(read_runs(args.files))
+    out = merge_passkey(read_runs(args.files, "passkey"))
     write_json(args.out, out)
     for method, cases in out["state"].items():
         print(f"{method:>16}: {len(cases)} cases")

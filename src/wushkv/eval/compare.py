@@ -91,7 +91,7 @@ def _resume(json_path, settings: dict) -> dict | None:
     from ..runs import read_run, resume_settings
 
     path = Path(json_path)
-    prev = read_run(path, ("settings", "results"), "compare")
+    prev = read_run(path, ("settings", "results"), "compare", command="compare")
     if prev is None:
         return None
     prev.setdefault("fp", None)
@@ -125,9 +125,9 @@ def run_compare(model, tokenizer, chunks: torch.Tensor, calibration: Calibration
             if missing:
                 log(f"clip table has no entry for {t} at {', '.join(map(str, missing))} bits: those run at the base clip")
     settings["calibration"] = calibration.meta if calibration is not None else None  # what the results were made with
-    out = {"settings": settings, "fp": None, "results": {}}
+    out = {"command": "compare", "settings": settings, "fp": None, "results": {}}
     if json_path and (prev := _resume(json_path, settings)) is not None:
-        out, settings = prev, prev["settings"]
+        out, settings = {"command": "compare"} | prev, prev["settings"]
         write_json(json_path, out)  # the settings as they are now (e.g. the calibration a run without one kept)
         log(f"resuming from {json_path}")
     if out["fp"] is None:

@@ -364,8 +364,8 @@ def run_selection(model, chunks: torch.Tensor, calibration, candidates: list[str
                             gate_settings={g.name: getattr(g, "settings", None) for g in gates}, refine=refine, cover=cover,
                             text_sha256=hashlib.sha256(chunks.cpu().numpy().tobytes()).hexdigest(),
                             calibration=calibration_recipe(calibration.meta)))
-    out = {"settings": settings, "fp": None, "results": {}}
-    if json_path and (prev := read_run(json_path, ("settings", "results"), "wushkv select")) is not None:
+    out = {"command": "select", "settings": settings, "fp": None, "results": {}}
+    if json_path and (prev := read_run(json_path, ("settings", "results"), "wushkv select", command="select")) is not None:
         # what the evaluations depend on: not the candidates, widths, rule, budget or gates (choosing again is free)
         key = lambda s: {k: v for k, v in s.items()  # noqa: E731
                          if k not in ("candidates", "bits", "rule", "metric", "budget", "gates", "gate_settings", "refine", "cover")}
@@ -378,7 +378,7 @@ def run_selection(model, chunks: torch.Tensor, calibration, candidates: list[str
                 raise ValueError(f"--json {json_path} holds {name} gate results of other settings (differing: {', '.join(differ)}); "
                                  f"give the same {name} gate settings, another path to start afresh, or delete it")
         settings["gate_settings"] = before | settings["gate_settings"]  # a gate not run now keeps its results and settings
-        out = {"settings": settings, "fp": prev.get("fp"), "results": prev["results"], "gates": prev.get("gates", {})}
+        out = {"command": "select", "settings": settings, "fp": prev.get("fp"), "results": prev["results"], "gates": prev.get("gates", {})}
         if out["fp"] is not None and len(out["fp"].get("chunk_nll", [])) != chunks.shape[0]:
             raise ValueError(f"--json {json_path}: its evaluations cover {len(out['fp']['chunk_nll'])} chunks, not {chunks.shape[0]}")
         log(f"resuming from {json_path}")

@@ -11,13 +11,16 @@ from ..io import read_json
 from ..runs import reconcile_settings
 
 
-def read_runs(paths: list[str]) -> list[tuple[str, dict]]:
-    """[(path, parsed JSON)] in the order given."""
+def read_runs(paths: list[str], command: str | None = None) -> list[tuple[str, dict]]:
+    """[(path, parsed JSON)] in the order given; a file another wushkv ``command`` wrote is refused by name (files from
+    before session 61 record none: their structure is checked by each merge)."""
     out = []
     for p in paths:
         d = read_json(p, "run file")
         if not isinstance(d, dict) or not isinstance(d.get("settings"), dict):
             raise ValueError(f"run file {p} is not a file a wushkv run wrote (no settings)")
+        if command is not None and d.get("command", command) != command:
+            raise ValueError(f"run file {p} holds a run of `wushkv {d['command']}`, not of `wushkv {command}`")
         out.append((str(p), d))
     return out
 
@@ -115,7 +118,7 @@ def merge_agree(runs: list[tuple[str, dict]]) -> dict:
             if have[:n] != done[:n]:
                 raise ValueError(f"{path}: {method}'s results differ from an earlier file's over their common prompts")
             rows[method] = done if len(done) > len(have) else have
-    return {"settings": settings, "state": {"continuations": conts, "rows": rows}}
+    return {"command": "agree", "settings": settings, "state": {"continuations": conts, "rows": rows}}
 
 
 # -- passkey --------------------------------------------------------------------------------------------------------
@@ -146,4 +149,4 @@ def merge_passkey(runs: list[tuple[str, dict]]) -> dict:
                 if key in into and into[key] != result:
                     raise ValueError(f"{path}: {method} case {key} differs from an earlier file ({result} vs {into[key]})")
                 into[key] = result
-    return {"settings": settings, "state": state}
+    return {"command": "passkey", "settings": settings, "state": state}
