@@ -135,19 +135,29 @@ CASES: list[Case] = [
          "--quantizer quest: a quantizer flag without --transform"),
     Case("methods", "the affine clip under QuEST", [*PPL, "--transform", "hadamard", "--k-clip", "0.9"],
          "--k-clip 0.9 changes nothing here: it sets the affine quantizer's key clip (below 5 bits), which no method of this "
-         "run reads (hadamard; --quantizer quest)"),
+         "run reads (hadamard at K2V2 quest 16/128/16)"),
     Case("methods", "the affine clip at 8 bits", [*PPL, "--transform", "hadamard", "--quantizer", "affine", "--v-bits", "8",
                                                   "--v-clip", "0.9"], "--v-clip 0.9 changes nothing here"),
     Case("methods", "QuEST's clip under affine", ["agree", "--transforms", "hadamard,wush", "--k-alpha", "1.2"],
          "--k-alpha 1.2 changes nothing here: it sets QuEST's key clip multiplier, which no method of this run reads "
-         "(hadamard, wush; --quantizer affine)"),
+         "(hadamard at K2V2 affine 64/256/8; wush at K2V2 affine 64/256/8)"),
     Case("methods", "windows with KVarN's tiles", ["compare", "--transforms", "kvarn,wush+tiles", "--flush", "32"],
-         "--flush 32 changes nothing here: it sets the tokens quantized per flush (kvarn and +tiles keep KVarN's windows)"),
+         "--flush 32 changes nothing here: it sets the tokens quantized per flush, which no method of this run reads "
+         "(kvarn at K2V2/K3V3/K4V4 kvarn 128/0/128; wush+tiles at K2V2/K3V3/K4V4 kvarn 128/0/128)"),
     Case("methods", "a tile clip without tiles", ["compare", "--transforms", "hadamard,wush", "--tile-clip", "1.5"],
          "--tile-clip 1.5 changes nothing here: it sets the clip of KVarN's tiles"),
     Case("methods", "quantizer flags for full precision alone", ["passkey", "--transforms", "full-precision", "--quantizer", "kivi"],
          "--quantizer kivi changes nothing here: it sets the quantizer, which no method of this run reads (full-precision: "
-         "none quantizes the cache)"),
+         "not a wushkv cache)"),
+    Case("methods", "a quantizer a listed method cannot run", ["passkey", "--transforms", "hadamard,wush+ldlq", "--quantizer", "kivi"],
+         "method 'wush+ldlq': error-feedback rounding (+ldlq) needs a per-token quantizer (quest, affine), got --quantizer 'kivi'"),
+    Case("methods", "a flush for the per-token keys of a served model", ["export-model", *M, "--method", "hadamard", "--quantizer", "quest",
+                                                                         "--flush", "16", "--out", "OUT_DIR"],
+         "--flush 16 changes nothing here: a serving engine stores per-token keys as they come"),
+    Case("methods", "a tile clip where auto stands for a method without tiles",
+         ["generate", *M, "--calibration", "CAL", "--transform", "auto", "--k-bits", "4", "--v-bits", "2", "--tile-clip", "1.7"],
+         "--tile-clip 1.7 changes nothing here: it sets the clip of KVarN's tiles (kvarn, +tiles, +ktiles, --key-quantizer kvarn), "
+         "which no method of this run reads (wush"),
     Case("methods", "a width where --bits sets both", ["compare", "--k-bits", "4"],
          "--k-bits 4 changes nothing here: compare runs each width of --bits on keys and values alike"),
     Case("methods", "a clip multiplier tune-clip searches", ["tune-clip", "--out", "OUT.json", "--v-alpha", "1"],

@@ -193,3 +193,16 @@ def test_cli(model_and_tok, tmp_path, capsys):
     assert 0.0 <= res["results"]["wushkv_toy_mc"]["acc,none"] <= 1.0
     assert "wushkv_toy_mc" in capsys.readouterr().out
     assert main(["lm-eval", "--model", str(tmp_path / "m"), "--tasks", "x", "--transform", "nope"]) == 2
+
+
+def test_wushlm_takes_every_quantizer_setting_the_cli_has():
+    """`wushkv lm-eval` hands each quantizer flag to WushLM by name: a setting WushLM lacks would be dropped (as
+    --metadata-dtype was before session 61), and the CLI refuses only settings no method reads."""
+    import inspect
+
+    from wushkv.cli.common import quant_fields
+    from wushkv.lm_eval import WushLM
+
+    params = inspect.signature(WushLM.__init__).parameters
+    assert {f.name for f in quant_fields()} <= set(params), sorted({f.name for f in quant_fields()} - set(params))
+    assert {"sink", "keep", "flush"} <= set(params)

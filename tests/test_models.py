@@ -150,7 +150,17 @@ def test_a_ggufs_positions_come_from_its_header_alone(tmp_path):
     with pytest.raises(ValueError, match="cut short in its metadata"):
         max_positions(str(cut))
     cut.write_bytes(b"PK" + data)
-    with pytest.raises(ValueError, match="is not a GGUF file of version 2 or 3"):
+    with pytest.raises(ValueError, match="is not a GGUF file"):
+        max_positions(str(cut))
+    cut.write_bytes(data[:4] + (3).to_bytes(4, "big") + data[8:])
+    with pytest.raises(ValueError, match="is a big-endian GGUF file, which transformers does not read"):
+        max_positions(str(cut))
+    cut.write_bytes(data[:4] + (1).to_bytes(4, "little") + data[8:])
+    with pytest.raises(ValueError, match="is a GGUF file of version 1; transformers reads versions 2 and 3"):
+        max_positions(str(cut))
+    at = data.index(b"general.architecture") - 8  # the key's length: a damaged one, past the file's end
+    cut.write_bytes(data[:at] + (2**62).to_bytes(8, "little") + data[at + 8:])
+    with pytest.raises(ValueError, match="cut short in its metadata .or a damaged length."):
         max_positions(str(cut))
 
 

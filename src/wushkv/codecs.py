@@ -219,7 +219,7 @@ def settings_read(cfg: QuantConfig) -> frozenset[str]:
     and of :class:`~wushkv.config.WindowConfig`'s for its windows, that change what it stores. The rest change
     nothing: the affine clips under QuEST, QuEST's α under affine, the tile clip without KVarN tiles, a full-precision
     side's everything. What lets a command refuse a setting it would silently ignore (``wushkv.cli``), and what
-    ``tests/test_codecs.py`` holds to :func:`make_codec`'s output."""
+    ``tests/quantizers/test_settings_read.py`` holds to :func:`make_codec`'s output."""
     read = {"k_bits", "v_bits"}
     for side, bits in (("key", cfg.k_bits), ("value", cfg.v_bits)):
         if bits is None:

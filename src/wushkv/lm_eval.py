@@ -57,7 +57,8 @@ class WushLM(HFLM):
             :func:`wushkv.models.load`), or an already loaded ``PreTrainedModel`` (then pass ``tokenizer``).
         method: a wushkv transform (``wush``, ``hadamard``, ...) or ``full-precision``.
         calibration: calibration file (needed by calibrated transforms).
-        k_bits, v_bits, quantizer, key_quantizer, k_clip, v_clip, k_alpha, v_alpha, clip_search, tile_clip, group_size: see
+        k_bits, v_bits, quantizer, key_quantizer, k_clip, v_clip, k_alpha, v_alpha, clip_search, tile_clip, group_size,
+            metadata_dtype: see
             :class:`~wushkv.config.QuantConfig` (its defaults); ``16`` = that side stays full precision.
         sink, keep, flush: full-precision windows (default: the perplexity windows 16/128/16).
         dtype, device, device_map: for loading by name.
@@ -80,6 +81,7 @@ class WushLM(HFLM):
         group_size: int | None = _DEFAULT.group_size,
         tile_clip: float = _DEFAULT.tile_clip,
         key_quantizer: str | None = _DEFAULT.key_quantizer,
+        metadata_dtype: str = _DEFAULT.metadata_dtype,
         sink: int = PERPLEXITY_WINDOWS.S_sink,
         keep: int = PERPLEXITY_WINDOWS.S_keep,
         flush: int = PERPLEXITY_WINDOWS.S_flush,
@@ -119,7 +121,7 @@ class WushLM(HFLM):
             base = QuantConfig(
                 k_bits=bits[0], v_bits=bits[1], quantizer=quantizer, k_clip=float(k_clip), v_clip=float(v_clip),
                 k_alpha=float(k_alpha), v_alpha=float(v_alpha), clip_search=int(clip_search), group_size=None if group_size in (None, "") else int(group_size),
-                tile_clip=float(tile_clip), key_quantizer=key_quantizer or None,
+                tile_clip=float(tile_clip), key_quantizer=key_quantizer or None, metadata_dtype=str(metadata_dtype),
                 windows=WindowConfig(int(sink), int(keep), int(flush)),
             )
             self.quant_config = m.quant_config(base)

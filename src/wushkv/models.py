@@ -482,6 +482,12 @@ def gguf_metadata(path: str | Path, keys: Callable[[dict], set[str]]) -> dict:
 
     out: dict = {}
     with open(path, "rb") as f:
+        size = os.fstat(f.fileno()).st_size
+
+        def need(n):  # a length read from the file past its end: cut short, or not what it says
+            if n > size - f.tell():
+                raise ValueError(f"{path}: a GGUF file cut short in its metadata (or a damaged length)")
+
         def take(fmt):
             n = struct.calcsize(fmt)
             b = f.read(n)
@@ -491,6 +497,7 @@ def gguf_metadata(path: str | Path, keys: Callable[[dict], set[str]]) -> dict:
 
         def string():
             n = take("<Q")
+            need(n)
             b = f.read(n)
             if len(b) != n:
                 raise ValueError(f"{path}: a GGUF file cut short in its metadata")
@@ -504,6 +511,7 @@ def gguf_metadata(path: str | Path, keys: Callable[[dict], set[str]]) -> dict:
             if t == 9:
                 item, n = take("<I"), take("<Q")
                 if item in _GGUF_SCALARS:  # fixed width: skipped at once
+                    need(n * struct.calcsize(_GGUF_SCALARS[item]))
                     f.seek(n * struct.calcsize(_GGUF_SCALARS[item]), 1)
                 else:
                     for _ in range(n):
@@ -511,8 +519,13 @@ def gguf_metadata(path: str | Path, keys: Callable[[dict], set[str]]) -> dict:
                 return None
             raise ValueError(f"{path}: unknown GGUF metadata type {t}")
 
-        if f.read(4) != b"GGUF" or take("<I") not in (2, 3):
-            raise ValueError(f"{path} is not a GGUF file of version 2 or 3")
+        if f.read(4) != b"GGUF":
+            raise ValueError(f"{path} is not a GGUF file")
+        version = take("<I")
+        if version not in (2, 3):
+            swapped = int.from_bytes(version.to_bytes(4, "little"), "big")
+            raise ValueError(f"{path} is a big-endian GGUF file, which transformers does not read" if swapped in (2, 3)
+                             else f"{path} is a GGUF file of version {version}; transformers reads versions 2 and 3")
         take("<Q")  # tensors
         for _ in range(take("<Q")):
             key = string()

@@ -188,7 +188,7 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
 def load_model(args, positions: dict[str, int] | None = None):
     """(model, tokenizer) of ``--model``, saying how long loading took. ``positions``: {flag: tokens} the run will
     reach, refused past the model's positions (:func:`refuse_past_positions`) before the weights load: from a GGUF's
-    header or the config (:func:`wushkv.models.max_positions`, a second or two)."""
+    header or the config (:func:`wushkv.models.max_positions`, a second or two); and after, from the loaded config."""
     from ..models import load, max_positions
 
     if positions:
@@ -198,6 +198,8 @@ def load_model(args, positions: dict[str, int] | None = None):
     t0 = time.perf_counter()
     model, tok = load(args.model, dtype=args.dtype, device=args.device, device_map=getattr(args, "device_map", None))
     err(f"loaded {args.model} in {time.perf_counter() - t0:.1f}s")
+    for flag, n in (positions or {}).items():  # a GGUF that states no context length gets its class's default here
+        refuse_past_positions(getattr(model.config, "max_position_embeddings", None), n, flag, args.model)
     return model, tok
 
 
@@ -317,9 +319,8 @@ SETTING_SETS = {
     "tile_clip": "the clip of KVarN's tiles (kvarn, +tiles, +ktiles, --key-quantizer kvarn)",
     "group_size": "the channels per group of the per-token quantizers (quest, affine, kivi's values)",
     "metadata_dtype": "the stored scales of quest, affine and kivi (KVarN's tiles keep float16)",
-    "S_sink": "the full-precision sink (kvarn and +tiles keep KVarN's windows)",
-    "S_keep": "the full-precision recent window (kvarn and +tiles keep KVarN's windows)",
-    "S_flush": "the tokens quantized per flush (kvarn and +tiles keep KVarN's windows)",
+    "S_sink": "the full-precision sink", "S_keep": "the full-precision recent window",
+    "S_flush": "the tokens quantized per flush",
 }
 
 
@@ -334,15 +335,16 @@ def refuse_unread_settings(args, runs, set_here: dict[str, str] | None = None, n
     silently ignored setting would pass for a result (``--k-clip`` under QuEST, ``--flush`` with ``+tiles``).
 
     ``runs``: (method, configured QuantConfig) pairs the command will run (:func:`wushkv.methods.spec.settings_read`
-    says what each reads); ``set_here``: {setting: the flag that sets it in this command} (``compare``'s ``--bits``
-    sets both widths); ``none_read``: the message where no run reads any setting (e.g. ``ppl`` without
-    ``--transform``)."""
-    from ..methods.spec import settings_read
+    says what each reads; a method the configuration cannot run is refused first, by its own check); ``set_here``:
+    {setting: why this command sets it itself} (``compare``'s ``--bits`` sets both widths); ``none_read``: the message
+    where no run reads any setting (e.g. ``ppl`` without ``--transform``)."""
+    from ..methods.spec import AUTO, MethodSpec, method_config, parse, settings_read
 
     given = given_settings(args)
     if not given:
         return
     runs = list(runs)
+    ran = [(m, method_config(m, c)) for m, c in runs]  # raises where a method cannot run at its configuration
     read = frozenset().union(*(settings_read(m, cfg) for m, cfg in runs))
     for setting, (flag, value) in given.items():
         shown = 16 if value is None and setting in ("k_bits", "v_bits") else value
@@ -352,12 +354,31 @@ def refuse_unread_settings(args, runs, set_here: dict[str, str] | None = None, n
             continue
         if not read and none_read:
             raise ValueError(f"{flag} {shown}: {none_read}")
-        methods = ", ".join(dict.fromkeys(str(getattr(m, "name", m)) for m, _ in runs))
-        quantized = [c for m, c in runs if settings_read(m, c)]
-        quantizers = ", ".join(dict.fromkeys(c.quantizer + (f" (keys: {c.key_quantizer})" if c.key_quantizer else "") for c in quantized))
-        ran = f"{methods}; --quantizer {quantizers}" if quantized else f"{methods}: none quantizes the cache"
+        # what each method runs at (its quantizers, widths and windows), or why it reads none of these settings
+        what: dict[tuple[str, str], list[str]] = {}  # (method, quantizers and windows) -> widths
+        for m, c in ran:
+            if isinstance(parse(m), MethodSpec) or parse(m) is AUTO:
+                widths, rest = c.label().split(" ", 1)
+                what.setdefault((parse(m).name, rest), []).append(widths)
+            else:
+                what.setdefault((parse(m).name, ""), [])
+        ran_as = "; ".join(f"{name} at {'/'.join(dict.fromkeys(w))} {rest}" if rest else f"{name}: not a wushkv cache"
+                           for (name, rest), w in what.items())
         raise ValueError(f"{flag} {shown} changes nothing here: it sets {SETTING_SETS.get(setting, setting)}, which no method "
-                         f"of this run reads ({ran}); drop it, or name a method or quantizer that reads it")
+                         f"of this run reads ({ran_as}); drop it, or name a method or quantizer that reads it")
+
+
+def refuse_unread_by_auto(args, cfg: QuantConfig, resolved, others=()) -> None:
+    """:func:`refuse_unread_settings` again once ``auto`` is resolved (``resolved``: its (method, the configured
+    settings with the recipe's, ``cfg`` the configured ones), with the command's ``others`` runs: what the recipe's
+    method does not read, and a tile clip its recipe sets itself (``@tc=``), which replaces the configured one."""
+    method, base = resolved
+    given = given_settings(args)
+    if "tile_clip" in given and base.tile_clip != cfg.tile_clip:
+        flag, value = given["tile_clip"]
+        raise ValueError(f"{flag} {value} changes nothing here: auto stands for {getattr(method, 'name', method)} with its "
+                         f"recipe's own tile clip ({base.tile_clip:g}); name that method to run it at another clip")
+    refuse_unread_settings(args, [(method, base), *others])
 
 
 def quant_config(args, **override) -> QuantConfig:

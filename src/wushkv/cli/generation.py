@@ -9,7 +9,7 @@ from pathlib import Path
 from ..config import GENERATION_WINDOWS
 from ..io import read_json
 from .common import (add_calibration_args, add_model_args, add_quant_args, at_least, calibration, context_list, err,
-                     load_model, quant_config, refuse_unread_settings)
+                     load_model, quant_config, refuse_unread_by_auto, refuse_unread_settings)
 
 GENERATE_PROMPT = "The history of the KV cache begins"
 AGREE_METHODS = "identity,hadamard,random,oscar,kvarn,wush,auto"  # `agree`'s default --transforms
@@ -37,6 +37,7 @@ def cmd_generate(args) -> int:
     cal = calibration(args, model, tok, [method])
     if auto:
         r = resolve_auto(args.model, cal, cfg)
+        refuse_unread_by_auto(args, cfg, (r.method, r.base))
         method, cfg = r.method.name, r.config
         err(f"--transform auto: {r.describe()} ({r.why})")
     out, cache, enc = generate(model, tok, prompts, method, cfg, cal, args.max_new_tokens, device=args.device)
@@ -81,6 +82,7 @@ def cmd_agree(args) -> int:
     from ..data import load_eval_text, tokenize_chunks
     from ..eval.agreement import MIN_GROWTH_TOKENS, report, run_agreement
     from ..eval.prepare import calibration_recipe_of, check_methods_list, resolve_auto
+    from ..methods.spec import AUTO_NAME
     from ..io import write_json
     from ..runs import resumable
 
@@ -103,6 +105,8 @@ def cmd_agree(args) -> int:
     model, tok = load_model(args, positions={"--prompt-len + --new-tokens": args.prompt_len + args.new_tokens})
     cal = calibration(args, model, tok, methods)
     resolved, auto_settings = resolve_auto(args.model, methods, model, cal, cfg, log=err)
+    if AUTO_NAME in resolved:
+        refuse_unread_by_auto(args, cfg, resolved[AUTO_NAME], [(m, cfg) for m in methods if m != AUTO_NAME])
     chunks = tokenize_chunks(tok, text, args.prompt_len, args.prompts * args.stride)[:: args.stride]
     state, save, settings = resumable(args.json, {
         "model": args.model, "dtype": args.dtype, "text": label, "prompts": int(chunks.shape[0]), "prompt_len": args.prompt_len,
@@ -124,6 +128,7 @@ def cmd_agree(args) -> int:
 def cmd_passkey(args) -> int:
     from ..eval.passkey import run_passkey
     from ..eval.prepare import calibration_recipe_of, check_methods_list, resolve_auto
+    from ..methods.spec import AUTO_NAME
     from ..eval.report import passkey_tables, plot_passkey
     from ..io import write_json
     from ..runs import resumable
@@ -135,6 +140,8 @@ def cmd_passkey(args) -> int:
     model, tok = load_model(args, positions={"--contexts": max(args.contexts)})
     cal = calibration(args, model, tok, methods)
     resolved, auto_settings = resolve_auto(args.model, methods, model, cal, cfg, log=err)
+    if AUTO_NAME in resolved:
+        refuse_unread_by_auto(args, cfg, resolved[AUTO_NAME], [(m, cfg) for m in methods if m != AUTO_NAME])
     state, save, settings = resumable(args.json, {
         "model": args.model, "dtype": args.dtype, "trials": args.trials, "seed": args.seed, "quantization": cfg.to_dict(),
         "calibration": calibration_recipe_of(cal)} | auto_settings, command="passkey")

@@ -134,6 +134,7 @@ def cmd_lm_eval(args) -> int:
     lm = WushLM(args.model, method=method, calibration=args.calibration, k_bits=cfg.k_bits or 16, v_bits=cfg.v_bits or 16,
                 quantizer=cfg.quantizer, k_clip=cfg.k_clip, v_clip=cfg.v_clip, k_alpha=cfg.k_alpha, v_alpha=cfg.v_alpha,
                 clip_search=cfg.clip_search, group_size=cfg.group_size, tile_clip=cfg.tile_clip, key_quantizer=cfg.key_quantizer,
+                metadata_dtype=cfg.metadata_dtype,
                 sink=cfg.windows.S_sink, keep=cfg.windows.S_keep, flush=cfg.windows.S_flush,
                 dtype=args.dtype, device=args.device, device_map=args.device_map, batch_size=args.batch_size)
     tm = TaskManager(include_path=args.include_path) if args.include_path else None

@@ -12,6 +12,7 @@ from .common import add_model_args, add_quant_args, bits, err, load_model, quant
 
 def cmd_export_model(args) -> int:
     from ..calibration import Calibration
+    from ..methods.spec import MethodSpec, method_config, parse
     from ..serving import export_model
 
     sink_given = args.sink is not None
@@ -20,8 +21,11 @@ def cmd_export_model(args) -> int:
     cfg = quant_config(args)
     if hasattr(args, "bits"):  # given (16 parses to None: full precision)
         cfg = replace(cfg, k_bits=args.bits, v_bits=args.bits)
-    refuse_unread_settings(args, [(args.method, cfg)], set_here={
-        "k_bits": "--bits sets both widths", "v_bits": "--bits sets both widths"} if hasattr(args, "bits") else None)
+    set_here = {"k_bits": "--bits sets both widths", "v_bits": "--bits sets both widths"} if hasattr(args, "bits") else {}
+    if isinstance(m := parse(args.method), MethodSpec) and method_config(m, cfg).side_quantizer("key") != "kvarn":
+        set_here["S_flush"] = ("a serving engine stores per-token keys as they come (it serves the windows "
+                               f"{cfg.windows.S_sink}/{cfg.windows.S_keep}/1); --flush sizes key tiles (+ktiles, kvarn)")
+    refuse_unread_settings(args, [(args.method, cfg)], set_here=set_here)
     model, tok = load_model(args)
     cal = Calibration.load(args.calibration, model=model) if args.calibration else None
     if not sink_given:
