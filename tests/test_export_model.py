@@ -273,9 +273,9 @@ def test_cli_export_model(llama, tmp_path, capsys):
     hf_char_tokenizer().save_pretrained(src)
     cal.save(tmp_path / "cal.safetensors")
     rc = main(["export-model", "--model", str(src), "--calibration", str(tmp_path / "cal.safetensors"), "--method", "wush",
-               "--bits", "4", "--sink", "4", "--keep", "8", "--flush", "4", "--out", str(tmp_path / "served")])
+               "--bits", "4", "--sink", "4", "--keep", "8", "--out", str(tmp_path / "served")])
     printed = capsys.readouterr().out
-    assert rc == 0 and "wush, K4V4 affine windows 4/8/4" in printed and "logits 0.00e+00 from the folded model" in printed
+    assert rc == 0 and "wush, K4V4 affine windows 4/8/8" in printed and "logits 0.00e+00 from the folded model" in printed
     assert read_side_file(tmp_path / "served")[0]["quantization"]["k_bits"] == 4
     assert "note:" not in capsys.readouterr().err
     # key tiles after a sink of 4 tokens: exported (the folder is engine-agnostic), with a note of what vLLM needs
