@@ -39,6 +39,15 @@ def differing(old: dict, new: dict) -> list[str]:
 COMMAND = "command"  # a run file's key: the wushkv command that wrote it (files from before session 61 lack it)
 
 
+def refuse_other_command(run: dict, command: str, where: str) -> None:
+    """Refuse a run file (parsed, ``run``) that another wushkv command wrote than ``command``, by its record
+    (:data:`COMMAND`); a file without one (before session 61) passes, to be checked by its structure and settings.
+    ``where``: how the message names the file."""
+    if run.get(COMMAND, command) != command:
+        raise ValueError(f"{where} holds a run of `wushkv {run[COMMAND]}`, not of `wushkv {command}`; give another path "
+                         "or delete it")
+
+
 def read_run(path: str | Path | None, parts: Sequence[str] = ("settings", "state"), writer: str = "this command",
              flag: str = "--json", command: str | None = None) -> dict | None:
     """The JSON object a run saved at ``path``; None if there is no file (or no path). A file that cannot be read,
@@ -53,9 +62,8 @@ def read_run(path: str | Path | None, parts: Sequence[str] = ("settings", "state
         raise ValueError(f"{flag} {path}: cannot resume from it ({e}); give another path or delete it") from None
     if not isinstance(prev, dict) or not all(isinstance(prev.get(p), dict) for p in parts):
         raise ValueError(f"{flag} {path}: not a file {writer} wrote (no {'/'.join(parts)}); give another path or delete it")
-    if command is not None and prev.get(COMMAND, command) != command:
-        raise ValueError(f"{flag} {path} holds a run of `wushkv {prev[COMMAND]}`, not of `wushkv {command}`; give another "
-                         "path or delete it")
+    if command is not None:
+        refuse_other_command(prev, command, f"{flag} {path}")
     return prev
 
 

@@ -8,6 +8,7 @@ from pathlib import Path
 
 from ..config import GENERATION_WINDOWS
 from ..io import read_json
+from ..runs import refuse_other_command
 from .common import (add_calibration_args, add_model_args, add_quant_args, at_least, calibration, context_list, err,
                      load_model, quant_config, refuse_unread_by_auto, refuse_unread_settings)
 
@@ -58,8 +59,7 @@ def _saved_agreement(path) -> dict:
     saved = read_json(path, "--json")
     if not isinstance(saved, dict) or "state" not in saved or "settings" not in saved:
         raise ValueError(f"--json {path}: not a file `wushkv agree` wrote")
-    if saved.get("command", "agree") != "agree":
-        raise ValueError(f"--json {path} holds a run of `wushkv {saved['command']}`, not of `wushkv agree`")
+    refuse_other_command(saved, "agree", f"--json {path}")
     return saved
 
 

@@ -8,7 +8,7 @@ same case, raise :class:`ValueError` naming the file and what differs.
 from __future__ import annotations
 
 from ..io import read_json
-from ..runs import reconcile_settings
+from ..runs import reconcile_settings, refuse_other_command
 
 
 def read_runs(paths: list[str], command: str | None = None) -> list[tuple[str, dict]]:
@@ -19,8 +19,8 @@ def read_runs(paths: list[str], command: str | None = None) -> list[tuple[str, d
         d = read_json(p, "run file")
         if not isinstance(d, dict) or not isinstance(d.get("settings"), dict):
             raise ValueError(f"run file {p} is not a file a wushkv run wrote (no settings)")
-        if command is not None and d.get("command", command) != command:
-            raise ValueError(f"run file {p} holds a run of `wushkv {d['command']}`, not of `wushkv {command}`")
+        if command is not None:
+            refuse_other_command(d, command, f"run file {p}")
         out.append((str(p), d))
     return out
 
