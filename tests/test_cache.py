@@ -338,6 +338,42 @@ def test_take_back_leaves_what_appending_the_rest_makes(name):
     assert took >= 30 and refused >= 5, (took, refused)
 
 
+def test_drafts_longer_than_a_prompts_reach_are_taken_back():
+    """A verification of drafts after the prompt holds copies of all it codes, so any of its tokens can be taken back:
+    drafts of 150 tokens (transformers' "heuristic" schedule lengthens them by 2 after each round accepted whole), 140
+    of them rejected, leave the layer what the 11 tokens kept, one by one, make. Before, copies stopped at
+    UNDO_TOKENS and such a crop failed mid-generation. A prompt's own copies still stop there (its full precision is
+    not held), and a crop past them says so."""
+    from wushkv.layer import WushKVLayer
+
+    cfg, d = QuantConfig(2, 2, "quest", windows=WindowConfig(4, 16, 4)), 16
+    K, V = (torch.randn(1, 2, 400, d, generator=torch.Generator().manual_seed(s), dtype=torch.float64) for s in (1, 2))
+
+    def layer_after(steps):
+        layer, n0 = WushKVLayer(cfg, d), 0
+        for T in steps:
+            layer.update(K[:, :, n0 : n0 + T], V[:, :, n0 : n0 + T])
+            n0 += T
+        return layer
+
+    def state(layer):
+        mid = {s: {k: t.clone() for k, t in getattr(layer, s).store.view().items()} for s in ("k_side", "v_side")}
+        return layer.n, layer._mid_len, [layer.sink_k, layer.recent_k, layer.recent_v], mid
+
+    for k in (140, 150):  # (150: all the drafts, back to the token before them)
+        layer = layer_after([100, 151])
+        assert layer.can_take_back(-k)
+        layer.take_back(-k)
+        ref = layer_after([100] + [1] * (151 - k))
+        a, b = state(layer), state(ref)
+        assert a[:2] == b[:2] and all(torch.equal(x, y) for x, y in zip(a[2], b[2]))
+        assert all(a[3][s].keys() == b[3][s].keys() and all(torch.equal(a[3][s][c], b[3][s][c]) for c in a[3][s]) for s in a[3])
+    first = layer_after([251])  # the prompt and its drafts in one update: copies of its last UNDO_TOKENS only
+    assert first.can_take_back(-WushKVLayer.UNDO_TOKENS) and not first.can_take_back(-140)
+    with pytest.raises(ValueError, match="cannot crop 140 tokens: .* only its last 128: draft at most 128 tokens in the first round"):
+        first.crop(-140)
+
+
 @pytest.mark.parametrize("pads", [None, [0, 300]])
 def test_a_prompt_leaves_no_full_precision_behind(pads):
     """After a prompt of 4096 tokens in one update (what generate's prefill does), a layer holds in full precision its

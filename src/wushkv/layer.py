@@ -226,10 +226,12 @@ class WushKVLayer(CacheLayerMixin):
     """One layer of the quantized cache. See the module docstring for the layout."""
 
     is_compileable = False
-    # at most this many of the last tokens can be taken back with no trace (:meth:`take_back`), as assisted decoding
-    # crops the drafts it rejects (transformers drafts 20 tokens by default, prompt lookup 10): full-precision copies
-    # of up to this many (plus a flush) of the columns an update codes are held until the next update: a decode step's
-    # flush's worth, a prompt's about a recent buffer's worth per layer after a prefill
+    # how many of the last tokens of the cache's first update (a prompt, with assisted decoding's first drafts) can be
+    # taken back with no trace (:meth:`take_back`): full-precision copies of the columns an update codes are held
+    # until the next update, of a prompt only as far back as this reaches (about a recent buffer's worth per layer
+    # after a prefill, not the prompt's full precision); a later update (a verification of drafts, transformers' first
+    # 20 by default, prompt lookup's 10, growing by 2 a round under the "heuristic" schedule) holds all it codes, so
+    # any of its tokens can be taken back (at most its own length of copies, until the next update)
     UNDO_TOKENS = 128
 
     def __init__(self, cfg: QuantConfig, head_dim: int, key_transform=None, sliding_window: int | None = None,
@@ -273,8 +275,8 @@ class WushKVLayer(CacheLayerMixin):
     @property
     def is_croppable(self) -> bool:
         """Whether the cache's crop puts this layer back as it was, leaving no trace (transformers' meaning: its
-        assisted decoding refuses a cache where not, at once). An unpadded full-attention layer takes back up to
-        :data:`UNDO_TOKENS` of its last tokens (:meth:`take_back`). A sliding-window layer lets go of positions as its
+        assisted decoding refuses a cache where not, at once). An unpadded full-attention layer takes back any of its
+        last update's tokens (of a first update, a prompt, up to :data:`UNDO_TOKENS`; :meth:`take_back`). A sliding-window layer lets go of positions as its
         window moves, and a padded batch's rows keep no copies (transformers' assisted decoding runs one sequence
         anyway); :meth:`crop` still removes their full-precision tail where it can."""
         return not self.is_sliding and not self.padded
@@ -388,8 +390,8 @@ class WushKVLayer(CacheLayerMixin):
         if c_new > c_old:
             k_new, v_new = self._columns(c_old, c_new, win_k, win_v, w0)
             self._append_mid(k_new, v_new, c_old)
-            # the last of them, as far back as a crop of UNDO_TOKENS reaches, until the next update
-            c = max(c_old, self._code_end(max(n1 - self.UNDO_TOKENS, 0)))
+            # until the next update: all of them, or of a first update (a prompt) as far back as UNDO_TOKENS reach
+            c = c_old if n0 else max(c_old, self._code_end(max(n1 - self.UNDO_TOKENS, 0)))
             held = (c, _compact(k_new[:, :, c - c_old:]), _compact(v_new[:, :, c - c_old:]))
         # 3. the recent buffer keeps what some row still reads in full precision
         moved = max(0, min(max(self.cfg.windows.S_sink, min(self._row_ends(n1))), n1) - w0)
@@ -702,10 +704,11 @@ class WushKVLayer(CacheLayerMixin):
 
     def can_take_back(self, tokens_to_remove: int) -> bool:
         """Whether :meth:`take_back` can remove these tokens (transformers' ``crop`` argument: negative, how many;
-        positive, the length to keep): at most :data:`UNDO_TOKENS`, from an unpadded full-attention layer, where every
-        column to be held in full precision after it still is, or was coded by the last update."""
+        positive, the length to keep): from an unpadded full-attention layer, where every column to be held in full
+        precision after it still is, or was coded by the last update (of a first update, the copies of what its last
+        :data:`UNDO_TOKENS` tokens coded; of a later one, all)."""
         n = tokens_to_remove if tokens_to_remove > 0 else self.n + tokens_to_remove
-        if self._undo is None or not 0 <= n < self.n or self.n - n > self.UNDO_TOKENS:
+        if self._undo is None or not 0 <= n < self.n:
             return False
         return self._code_end(n) >= self._undo[0]
 
@@ -718,8 +721,8 @@ class WushKVLayer(CacheLayerMixin):
         thus leaves the cache as if they had never been there: assisted decoding gives what decoding alone gives.
         :meth:`crop` removes the full-precision tail only, and what an update coded stays coded."""
         if not self.can_take_back(tokens_to_remove):
-            raise ValueError(f"cannot take back {tokens_to_remove} tokens of {self.n}: only up to {self.UNDO_TOKENS}, from an "
-                             "unpadded full-attention layer, back to what its last update coded")
+            raise ValueError(f"cannot take back {tokens_to_remove} tokens of {self.n}: only from an unpadded full-attention layer, "
+                             f"back to what its last update coded (of a first update, up to its last {self.UNDO_TOKENS} tokens)")
         n1, n = self.n, (tokens_to_remove if tokens_to_remove > 0 else self.n + tokens_to_remove)
         lo, held_k, held_v = self._undo
         c = self._code_end(n)  # the columns coded at length n end here (>= S_sink); [min(c, n), n) in the buffer
@@ -772,9 +775,14 @@ class WushKVLayer(CacheLayerMixin):
         counts = [min(n, layer.n) for layer in layers]  # a row's real tokens among the last n
         for layer, k in zip(layers, counts):
             if k > layer._croppable():
+                # (an unpadded full-attention layer got here only past what take_back reaches: a prompt's copies)
+                reach = ("" if layer.is_sliding or self.padded else
+                         f"; a crop takes back any of the last update's tokens, but of the cache's first update (a prompt, "
+                         f"verified with assisted decoding's first drafts) only its last {self.UNDO_TOKENS}: draft at most "
+                         f"{self.UNDO_TOKENS} tokens in the first round")
                 raise ValueError(
                     f"cannot crop {n} tokens: only the {layer._croppable()} most recent tokens are in full precision and "
-                    "not yet coded (quantized tokens are never re-quantized or un-appended)"
+                    f"not yet coded (quantized tokens are never re-quantized or un-appended){reach}"
                 )
             if k and layer.is_sliding and layer._first_visible(layer.n - k) < layer._evicted_to:
                 # (the next step after the crop sees positions from _first_visible(n - k))
