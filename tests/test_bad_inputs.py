@@ -158,6 +158,14 @@ CASES: list[Case] = [
          ["generate", *M, "--calibration", "CAL", "--transform", "auto", "--k-bits", "4", "--v-bits", "2", "--tile-clip", "1.7"],
          "--tile-clip 1.7 changes nothing here: it sets the clip of KVarN's tiles (kvarn, +tiles, +ktiles, --key-quantizer kvarn), "
          "which no method of this run reads (wush"),
+    Case("methods", "a tile clip where auto stands for a method without tiles, in compare",
+         ["compare", *TXT, "--calibration", "CAL", "--transforms", "auto", "--bits", "2", "--seq-len", "200", "--chunks", "1",
+          "--tile-clip", "1.5"],
+         "--tile-clip 1.5 changes nothing here: it sets the clip of KVarN's tiles (kvarn, +tiles, +ktiles, --key-quantizer kvarn), "
+         "which no method of this run reads (wush at K2V2 quest 16/128/16)"),
+    Case("methods", "a flush where auto stands for per-token keys, in export-model",
+         ["export-model", *M, "--calibration", "CAL", "--method", "auto", "--flush", "16", "--out", "OUT_DIR"],
+         "--flush 16 changes nothing here: a serving engine stores per-token keys as they come"),
     Case("methods", "a width where --bits sets both", ["compare", "--k-bits", "4"],
          "--k-bits 4 changes nothing here: compare runs each width of --bits on keys and values alike"),
     Case("methods", "a clip multiplier tune-clip searches", ["tune-clip", "--out", "OUT.json", "--v-alpha", "1"],

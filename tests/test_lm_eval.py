@@ -175,6 +175,14 @@ def test_bad_inputs(model_and_tok):
         WushLM(model, method="wush", tokenizer=tok)
     with pytest.raises(ValueError, match="k_bits=5"):
         WushLM(model, method="hadamard", tokenizer=tok, k_bits=5)
+    # a setting the method does not read is refused, before anything loads (the CLI checks its flags too; lm-eval's
+    # own `--model_args method=hadamard,k_clip=0.9` reaches WushLM alone)
+    with pytest.raises(ValueError, match=r"k_clip=0.9 changes nothing here: .*affine.*\(hadamard at K2V2 quest 16/128/16\)"):
+        WushLM(object(), method="hadamard", k_clip=0.9)
+    with pytest.raises(ValueError, match=r"flush=32 changes nothing here: .*kvarn at K2V2 kvarn 128/0/128"):
+        WushLM(object(), method="kvarn", flush=32)
+    with pytest.raises(ValueError, match=r"k_bits=4: method='full-precision' quantizes nothing"):
+        WushLM(object(), method="full-precision", k_bits=4)
 
 
 def test_cli(model_and_tok, tmp_path, capsys):

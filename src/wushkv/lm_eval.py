@@ -30,6 +30,7 @@ see few quantized tokens unless the windows are made smaller.
 from __future__ import annotations
 
 from contextlib import ExitStack
+from dataclasses import fields, replace
 
 import torch
 
@@ -41,11 +42,26 @@ except ImportError as e:  # pragma: no cover - exercised only without the extra
 
 from .config import PERPLEXITY_WINDOWS, QuantConfig, WindowConfig
 from .methods.install import transforms_for
-from .methods.spec import FULL_PRECISION, MethodSpec, StockCache, parse, spec_of
+from .methods.spec import FULL_PRECISION, MethodSpec, StockCache, parse, refuse_unread, spec_of
 
 __all__ = ["WushLM"]
 
 _DEFAULT = QuantConfig()  # the quantizer defaults live in QuantConfig only
+
+
+def _given(base: QuantConfig) -> dict[str, str]:
+    """{setting: ``name=value``} of ``base``'s settings that differ from :class:`WushLM`'s defaults (lm-eval's
+    ``--model_args`` cannot tell a default given explicitly from one left alone, so neither does this)."""
+    default = replace(_DEFAULT, windows=PERPLEXITY_WINDOWS)
+    out = {}
+    for f in fields(QuantConfig):
+        if f.name not in ("windows", "version") and getattr(base, f.name) != getattr(default, f.name):
+            value = getattr(base, f.name)
+            out[f.name] = f"{f.name}={16 if value is None and f.name in ('k_bits', 'v_bits') else value}"
+    for name, param in (("S_sink", "sink"), ("S_keep", "keep"), ("S_flush", "flush")):
+        if getattr(base.windows, name) != getattr(default.windows, name):
+            out[name] = f"{param}={getattr(base.windows, name)}"
+    return out
 
 
 @register_model("wushkv")
@@ -103,6 +119,15 @@ class WushLM(HFLM):
                 f"method {method!r}: the stock QuantizedCache attends to full-precision keys and values in prefill, so "
                 "loglikelihood tasks would not see its quantization; WushLM accepts wushkv transforms and 'full-precision'"
             )
+        # the settings, checked before the model loads: one the method does not read is refused, not ignored
+        bits = [None if str(b).lower() in ("16", "fp", "none") else int(b) for b in (k_bits, v_bits)]
+        base = QuantConfig(
+            k_bits=bits[0], v_bits=bits[1], quantizer=quantizer, k_clip=float(k_clip), v_clip=float(v_clip),
+            k_alpha=float(k_alpha), v_alpha=float(v_alpha), clip_search=int(clip_search), group_size=None if group_size in (None, "") else int(group_size),
+            tile_clip=float(tile_clip), key_quantizer=key_quantizer or None, metadata_dtype=str(metadata_dtype),
+            windows=WindowConfig(int(sink), int(keep), int(flush)),
+        )
+        refuse_unread([(m, base)], _given(base), none_read=f"method={method!r} quantizes nothing; drop the setting")
         if isinstance(pretrained, str):
             model, tok = load(pretrained, dtype=dtype, device=device, device_map=device_map)
             tokenizer = tokenizer if tokenizer is not None else tok
@@ -117,13 +142,6 @@ class WushLM(HFLM):
         self.quant_config = None
         self._stack = ExitStack()
         if m is not FULL_PRECISION:
-            bits = [None if str(b).lower() in ("16", "fp", "none") else int(b) for b in (k_bits, v_bits)]
-            base = QuantConfig(
-                k_bits=bits[0], v_bits=bits[1], quantizer=quantizer, k_clip=float(k_clip), v_clip=float(v_clip),
-                k_alpha=float(k_alpha), v_alpha=float(v_alpha), clip_search=int(clip_search), group_size=None if group_size in (None, "") else int(group_size),
-                tile_clip=float(tile_clip), key_quantizer=key_quantizer or None, metadata_dtype=str(metadata_dtype),
-                windows=WindowConfig(int(sink), int(keep), int(flush)),
-            )
             self.quant_config = m.quant_config(base)
             cal = Calibration.load(calibration, self.model) if calibration else None
             self._installed = self._stack.enter_context(apply_transforms(self.model, transforms_for(self.model, cal, m), m.name))

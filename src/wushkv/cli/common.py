@@ -309,21 +309,6 @@ def given_settings(args) -> dict[str, tuple[str, object]]:
     return dict(getattr(args, GIVEN, None) or {})
 
 
-# what each setting does, for the refusal of one that changes nothing (names of QuantConfig's and WindowConfig's fields)
-SETTING_SETS = {
-    "k_bits": "the keys' width", "v_bits": "the values' width", "quantizer": "the quantizer",
-    "key_quantizer": "the keys' quantizer",
-    "k_clip": "the affine quantizer's key clip (below 5 bits)", "v_clip": "the affine quantizer's value clip (below 5 bits)",
-    "k_alpha": "QuEST's key clip multiplier", "v_alpha": "QuEST's value clip multiplier",
-    "clip_search": "the clip search of the per-token quantizers (quest, affine)",
-    "tile_clip": "the clip of KVarN's tiles (kvarn, +tiles, +ktiles, --key-quantizer kvarn)",
-    "group_size": "the channels per group of the per-token quantizers (quest, affine, kivi's values)",
-    "metadata_dtype": "the stored scales of quest, affine and kivi (KVarN's tiles keep float16)",
-    "S_sink": "the full-precision sink", "S_keep": "the full-precision recent window",
-    "S_flush": "the tokens quantized per flush",
-}
-
-
 def bits_set_by(command: str, flag: str = "--bits") -> dict[str, str]:
     """``set_here`` of :func:`refuse_unread_settings` for a command whose ``flag`` sets both widths."""
     why = f"{command} runs each width of {flag} on keys and values alike"
@@ -331,54 +316,28 @@ def bits_set_by(command: str, flag: str = "--bits") -> dict[str, str]:
 
 
 def refuse_unread_settings(args, runs, set_here: dict[str, str] | None = None, none_read: str | None = None) -> None:
-    """Refuse each quantizer or window flag given on the command line that changes nothing this command runs: a
-    silently ignored setting would pass for a result (``--k-clip`` under QuEST, ``--flush`` with ``+tiles``).
+    """Refuse each quantizer or window flag given on the command line that changes nothing this command runs
+    (:func:`wushkv.methods.spec.refuse_unread`, whose arguments these are but for ``args``, the parsed command line)."""
+    from ..methods.spec import refuse_unread
 
-    ``runs``: (method, configured QuantConfig) pairs the command will run (:func:`wushkv.methods.spec.settings_read`
-    says what each reads; a method the configuration cannot run is refused first, by its own check); ``set_here``:
-    {setting: why this command sets it itself} (``compare``'s ``--bits`` sets both widths); ``none_read``: the message
-    where no run reads any setting (e.g. ``ppl`` without ``--transform``)."""
-    from ..methods.spec import AUTO, MethodSpec, method_config, parse, settings_read
+    given = {setting: f"{flag} {16 if value is None and setting in ('k_bits', 'v_bits') else value}"
+             for setting, (flag, value) in given_settings(args).items()}
+    refuse_unread(runs, given, set_here, none_read)
 
+
+def refuse_unread_by_auto(args, autos, others=(), set_here: dict[str, str] | None = None) -> None:
+    """:func:`refuse_unread_settings` again once ``auto`` is resolved, with the command's ``others`` runs. ``autos``:
+    per setting auto runs at, (the configured QuantConfig, (the method it resolved to, the configured settings with
+    the recipe's)). What the recipes' methods do not read is refused, and so is a tile clip a recipe sets itself
+    (``@tc=``), which replaces the configured one."""
     given = given_settings(args)
-    if not given:
-        return
-    runs = list(runs)
-    ran = [(m, method_config(m, c)) for m, c in runs]  # raises where a method cannot run at its configuration
-    read = frozenset().union(*(settings_read(m, cfg) for m, cfg in runs))
-    for setting, (flag, value) in given.items():
-        shown = 16 if value is None and setting in ("k_bits", "v_bits") else value
-        if set_here and setting in set_here:
-            raise ValueError(f"{flag} {shown} changes nothing here: {set_here[setting]}")
-        if setting in read:
-            continue
-        if not read and none_read:
-            raise ValueError(f"{flag} {shown}: {none_read}")
-        # what each method runs at (its quantizers, widths and windows), or why it reads none of these settings
-        what: dict[tuple[str, str], list[str]] = {}  # (method, quantizers and windows) -> widths
-        for m, c in ran:
-            if isinstance(parse(m), MethodSpec) or parse(m) is AUTO:
-                widths, rest = c.label().split(" ", 1)
-                what.setdefault((parse(m).name, rest), []).append(widths)
-            else:
-                what.setdefault((parse(m).name, ""), [])
-        ran_as = "; ".join(f"{name} at {'/'.join(dict.fromkeys(w))} {rest}" if rest else f"{name}: not a wushkv cache"
-                           for (name, rest), w in what.items())
-        raise ValueError(f"{flag} {shown} changes nothing here: it sets {SETTING_SETS.get(setting, setting)}, which no method "
-                         f"of this run reads ({ran_as}); drop it, or name a method or quantizer that reads it")
-
-
-def refuse_unread_by_auto(args, cfg: QuantConfig, resolved, others=()) -> None:
-    """:func:`refuse_unread_settings` again once ``auto`` is resolved (``resolved``: its (method, the configured
-    settings with the recipe's, ``cfg`` the configured ones), with the command's ``others`` runs: what the recipe's
-    method does not read, and a tile clip its recipe sets itself (``@tc=``), which replaces the configured one."""
-    method, base = resolved
-    given = given_settings(args)
-    if "tile_clip" in given and base.tile_clip != cfg.tile_clip:
-        flag, value = given["tile_clip"]
-        raise ValueError(f"{flag} {value} changes nothing here: auto stands for {getattr(method, 'name', method)} with its "
-                         f"recipe's own tile clip ({base.tile_clip:g}); name that method to run it at another clip")
-    refuse_unread_settings(args, [(method, base), *others])
+    for cfg, (method, base) in autos:
+        if "tile_clip" in given and base.tile_clip != cfg.tile_clip:
+            flag, value = given["tile_clip"]
+            raise ValueError(f"{flag} {value} changes nothing here: auto stands for {getattr(method, 'name', method)} with "
+                             f"its recipe's own tile clip ({base.tile_clip:g}) at {cfg.label()}; name that method to run it "
+                             "at another clip")
+    refuse_unread_settings(args, [resolved for _, resolved in autos] + list(others), set_here)
 
 
 def quant_config(args, **override) -> QuantConfig:

@@ -7,7 +7,8 @@ from pathlib import Path
 
 from ..config import CLIP_GRID, PERPLEXITY_WINDOWS
 from .common import (add_calibration_args, add_model_args, add_quant_args, bits_list, bits_set_by, calibration, err,
-                     load_model, names, quant_config, refuse_overwriting_a_run, refuse_unread_settings)
+                     load_model, names, quant_config, refuse_overwriting_a_run, refuse_unread_by_auto,
+                     refuse_unread_settings)
 
 
 def refuse_short_sequences(seq_len: int, transforms, base) -> None:
@@ -100,7 +101,7 @@ def cmd_compare(args) -> int:
     from ..eval.prepare import check_clips, check_transforms
     from ..eval.report import compare_markdown, compare_report, plot_compare
     from ..io import atomic_write, write_json
-    from ..methods.auto import auto_calibration_note
+    from ..methods.auto import auto_calibration_note, resolve_auto
     from ..methods.spec import AUTO_NAME as AUTO
     from ..methods.spec import canonical_name, method_config
 
@@ -126,8 +127,14 @@ def cmd_compare(args) -> int:
     clips = ClipTable.load(args.clips, model) if clips else None
     cal = calibration(args, model, tok, transforms)
     chunks = tokenize_chunks(tok, text, args.seq_len, args.chunks, first=args.first_chunk)
-    if AUTO in transforms and (note := auto_calibration_note(args.model, cal, base)):
-        err(note)
+    if AUTO in transforms:
+        if note := auto_calibration_note(args.model, cal, base):
+            err(note)
+        # what auto stands for at each width (as run_compare resolves it): the flags checked again against those
+        widths = [method_config(AUTO, replace(base, k_bits=b, v_bits=b)) for b in args.bits]
+        autos = [(cfg, ((r := resolve_auto(args.model, cal, cfg)).method, r.base)) for cfg in widths]
+        refuse_unread_by_auto(args, autos, [(t, replace(base, k_bits=b, v_bits=b)) for t in transforms if t != AUTO
+                                            for b in args.bits], set_here=bits_set_by("compare"))
     meta = {"model": args.model, "dtype": args.dtype, "text": label, "transforms": transforms, "bits": args.bits}
     if args.first_chunk:
         meta["first_chunk"] = args.first_chunk

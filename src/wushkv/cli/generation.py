@@ -38,7 +38,7 @@ def cmd_generate(args) -> int:
     cal = calibration(args, model, tok, [method])
     if auto:
         r = resolve_auto(args.model, cal, cfg)
-        refuse_unread_by_auto(args, cfg, (r.method, r.base))
+        refuse_unread_by_auto(args, [(cfg, (r.method, r.base))])
         method, cfg = r.method.name, r.config
         err(f"--transform auto: {r.describe()} ({r.why})")
     out, cache, enc = generate(model, tok, prompts, method, cfg, cal, args.max_new_tokens, device=args.device)
@@ -106,7 +106,7 @@ def cmd_agree(args) -> int:
     cal = calibration(args, model, tok, methods)
     resolved, auto_settings = resolve_auto(args.model, methods, model, cal, cfg, log=err)
     if AUTO_NAME in resolved:
-        refuse_unread_by_auto(args, cfg, resolved[AUTO_NAME], [(m, cfg) for m in methods if m != AUTO_NAME])
+        refuse_unread_by_auto(args, [(cfg, resolved[AUTO_NAME])], [(m, cfg) for m in methods if m != AUTO_NAME])
     chunks = tokenize_chunks(tok, text, args.prompt_len, args.prompts * args.stride)[:: args.stride]
     state, save, settings = resumable(args.json, {
         "model": args.model, "dtype": args.dtype, "text": label, "prompts": int(chunks.shape[0]), "prompt_len": args.prompt_len,
@@ -141,7 +141,7 @@ def cmd_passkey(args) -> int:
     cal = calibration(args, model, tok, methods)
     resolved, auto_settings = resolve_auto(args.model, methods, model, cal, cfg, log=err)
     if AUTO_NAME in resolved:
-        refuse_unread_by_auto(args, cfg, resolved[AUTO_NAME], [(m, cfg) for m in methods if m != AUTO_NAME])
+        refuse_unread_by_auto(args, [(cfg, resolved[AUTO_NAME])], [(m, cfg) for m in methods if m != AUTO_NAME])
     state, save, settings = resumable(args.json, {
         "model": args.model, "dtype": args.dtype, "trials": args.trials, "seed": args.seed, "quantization": cfg.to_dict(),
         "calibration": calibration_recipe_of(cal)} | auto_settings, command="passkey")

@@ -7,12 +7,14 @@ import argparse
 from dataclasses import replace
 
 from ..config import GENERATION_WINDOWS
-from .common import add_model_args, add_quant_args, bits, err, load_model, quant_config, refuse_unread_settings
+from .common import (add_model_args, add_quant_args, bits, err, load_model, quant_config, refuse_unread_by_auto,
+                     refuse_unread_settings)
 
 
 def cmd_export_model(args) -> int:
     from ..calibration import Calibration
-    from ..methods.spec import MethodSpec, method_config, parse
+    from ..methods.auto import resolve_auto
+    from ..methods.spec import AUTO, parse
     from ..serving import export_model
 
     sink_given = args.sink is not None
@@ -21,15 +23,14 @@ def cmd_export_model(args) -> int:
     cfg = quant_config(args)
     if hasattr(args, "bits"):  # given (16 parses to None: full precision)
         cfg = replace(cfg, k_bits=args.bits, v_bits=args.bits)
-    set_here = {"k_bits": "--bits sets both widths", "v_bits": "--bits sets both widths"} if hasattr(args, "bits") else {}
-    if isinstance(m := parse(args.method), MethodSpec) and method_config(m, cfg).side_quantizer("key") != "kvarn":
-        set_here["S_flush"] = ("a serving engine stores per-token keys as they come (it serves the windows "
-                               f"{cfg.windows.S_sink}/{cfg.windows.S_keep}/1); --flush sizes key tiles (+ktiles, kvarn)")
-    refuse_unread_settings(args, [(args.method, cfg)], set_here=set_here)
+    refuse_unread_settings(args, [(args.method, cfg)], set_here=_set_here(args, parse(args.method), cfg))
     model, tok = load_model(args)
     cal = Calibration.load(args.calibration, model=model) if args.calibration else None
     if not sink_given:
         cfg = _servable_sink(cfg, cal, args)
+    if parse(args.method) is AUTO:  # the flags checked again against what auto stands for (as export_model resolves it)
+        r = resolve_auto(args.model, cal, cfg)
+        refuse_unread_by_auto(args, [(cfg, (r.method, r.base))], set_here=_set_here(args, r.method, r.base))
     meta = export_model(model, tok, args.out, method=args.method, cfg=cfg, calibration=cal, model_key=args.model, log=err)
     c = meta["checks"]
     choice = meta["choice"]
@@ -52,6 +53,18 @@ def cmd_export_model(args) -> int:
           f"{c['reload_vs_original']:.2e} from the original (relative to max |logit| {c['max_abs_logit']:.1f}; tolerances "
           f"{c['reload_tolerance']:g}, {c['original_tolerance']:g}); key transforms inverse to {meta['max_inverse_error']:.1e}")
     return 0
+
+
+def _set_here(args, method, cfg) -> dict[str, str]:
+    """The settings export-model sets itself, for ``method`` at ``cfg``: both widths where ``--bits`` is given, and
+    the flush for per-token keys (an engine stores them as they come)."""
+    from ..methods.spec import MethodSpec, method_config
+
+    set_here = {"k_bits": "--bits sets both widths", "v_bits": "--bits sets both widths"} if hasattr(args, "bits") else {}
+    if isinstance(method, MethodSpec) and method_config(method, cfg).side_quantizer("key") != "kvarn":
+        set_here["S_flush"] = ("a serving engine stores per-token keys as they come (it serves the windows "
+                               f"{cfg.windows.S_sink}/{cfg.windows.S_keep}/1); --flush sizes key tiles (+ktiles, kvarn)")
+    return set_here
 
 
 def _servable_sink(cfg, cal, args):

@@ -362,6 +362,56 @@ def settings_read(method: str | Method, base: QuantConfig) -> frozenset[str]:
     return cache_reads(cfg) - m.overrides
 
 
+# what each setting sets, for the refusal of one that changes nothing (names of QuantConfig's and WindowConfig's fields)
+SETTING_SETS = {
+    "k_bits": "the keys' width", "v_bits": "the values' width", "quantizer": "the quantizer",
+    "key_quantizer": "the keys' quantizer",
+    "k_clip": "the affine quantizer's key clip (below 5 bits)", "v_clip": "the affine quantizer's value clip (below 5 bits)",
+    "k_alpha": "QuEST's key clip multiplier", "v_alpha": "QuEST's value clip multiplier",
+    "clip_search": "the clip search of the per-token quantizers (quest, affine)",
+    "tile_clip": "the clip of KVarN's tiles (kvarn, +tiles, +ktiles, --key-quantizer kvarn)",
+    "group_size": "the channels per group of the per-token quantizers (quest, affine, kivi's values)",
+    "metadata_dtype": "the stored scales of quest, affine and kivi (KVarN's tiles keep float16)",
+    "S_sink": "the full-precision sink", "S_keep": "the full-precision recent window",
+    "S_flush": "the tokens quantized per flush",
+}
+
+
+def refuse_unread(runs, given: dict[str, str], set_here: dict[str, str] | None = None, none_read: str | None = None) -> None:
+    """A ValueError for the first setting of ``given`` that changes nothing ``runs`` run: a silently ignored setting
+    would pass for a result (``--k-clip`` under QuEST, ``--flush`` with ``+tiles``).
+
+    ``runs``: (method, configured QuantConfig) pairs (:func:`settings_read` says what each reads; a method the
+    configuration cannot run is refused first, by its own check); ``given``: {setting: how it was given, e.g.
+    ``--k-clip 0.9`` or ``k_clip=0.9``} (names of QuantConfig's and WindowConfig's fields); ``set_here``: {setting: why
+    the caller sets it itself} (``compare``'s ``--bits`` sets both widths); ``none_read``: the message where no run
+    reads any setting (e.g. ``ppl`` without ``--transform``)."""
+    if not given:
+        return
+    runs = list(runs)
+    ran = [(m, method_config(m, c)) for m, c in runs]  # raises where a method cannot run at its configuration
+    read = frozenset().union(*(settings_read(m, cfg) for m, cfg in runs))
+    for setting, shown in given.items():
+        if set_here and setting in set_here:
+            raise ValueError(f"{shown} changes nothing here: {set_here[setting]}")
+        if setting in read:
+            continue
+        if not read and none_read:
+            raise ValueError(f"{shown}: {none_read}")
+        # what each method runs at (its quantizers, widths and windows), or why it reads none of these settings
+        what: dict[tuple[str, str], list[str]] = {}  # (method, quantizers and windows) -> widths
+        for m, c in ran:
+            if isinstance(parse(m), MethodSpec) or parse(m) is AUTO:
+                widths, rest = c.label().split(" ", 1)
+                what.setdefault((parse(m).name, rest), []).append(widths)
+            else:
+                what.setdefault((parse(m).name, ""), [])
+        ran_as = "; ".join(f"{name} at {'/'.join(dict.fromkeys(w))} {rest}" if rest else f"{name}: not a wushkv cache"
+                           for (name, rest), w in what.items())
+        raise ValueError(f"{shown} changes nothing here: it sets {SETTING_SETS.get(setting, setting)}, which no method "
+                         f"of this run reads ({ran_as}); drop it, or name a method or quantizer that reads it")
+
+
 def spec_of(method: str | Method, what: str = "this command") -> MethodSpec:
     """``method`` as a :class:`MethodSpec`; a clear error for full precision, stock caches and an unresolved ``auto``."""
     m = parse(method)
