@@ -391,6 +391,12 @@ def test_gpu_decode_dry_run(tmp_path):
     assert sw["best"] == {k: fastest[k] for k in gpu_decode.TUNING_FIELDS}
     assert ("triton_default" in row) == (res["tuning"] != sw["default"])
 
+    # a flush with error feedback (+ldlq, auto's values): the store kernel against the PyTorch path, the same codes
+    (fb,) = res["feedback_store"]
+    assert (fb["batch"], fb["tokens"], fb["head_dim"]) == (1, gpu_decode.FEEDBACK_TOKENS, d)
+    assert positive(fb["triton"]["ms"]) and positive(fb["pytorch"]["ms"]) and fb["codes_apart"] < 2e-2
+    assert fb["pytorch_over_triton"] == fb["pytorch"]["ms"] / fb["triton"]["ms"]
+
     (e2e,) = res["e2e"]
     steps = a["warmup"] + a["e2e_steps"]
     assert (e2e["context"], e2e["batch"]) == (48, 1)

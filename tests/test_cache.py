@@ -1018,3 +1018,72 @@ def test_unsupported_rope_leaves_no_layer_folded():
         apply_transforms(model, trs, "random")
     assert all(torch.equal(a.self_attn.v_proj.weight, w) for a, w in zip(model.model.layers, before))
     assert not any(hasattr(a.self_attn, "wushkv_key") for a in model.model.layers)
+
+
+def _hadamard(model):
+    s = describe(model)
+    return apply_transforms(model, [build_transforms("hadamard", s.num_kv_heads, s.head_dim, seed=l) for l in range(s.num_layers)],
+                            "hadamard")
+
+
+@torch.no_grad()
+@pytest.mark.parametrize("family", ["phi3", "mistral"])
+def test_undeclared_padding_is_refused_where_every_layer_slides(family):
+    """A left-padded batch the cache was not told of is refused on a model whose every layer slides (Mistral,
+    Phi-3 with a sliding window) as on one with full attention: the check read full-attention layers only, and
+    such a batch was accepted and generated other tokens than each row alone (a sliding layer's last prompt
+    position hides more than the padding; it reads the last position whose window reaches column 0). Declared, the
+    rows generate what each row alone does (prompts longer than the window of 16)."""
+    model = tiny_model(family, sliding_window=16)
+    assert set(describe(model).layer_types) == {"sliding_attention"}
+    rows = [torch.randint(3, 96, (1, n), generator=torch.Generator().manual_seed(n)) for n in (30, 21)]
+    ids, mask = left_padded(rows)
+    cfg = QuantConfig(2, 2, windows=WindowConfig(2, 4, 2))
+    kw = dict(max_new_tokens=4, do_sample=False, pad_token_id=0)
+    with _hadamard(model):
+        with pytest.raises(ValueError, match=r"the attention mask shows left padding of \[0, 9\] tokens per row, but the cache "
+                                             r"was created with \[0, 0\]"):
+            model.generate(ids, attention_mask=mask, cache=WushKVCache(model, cfg), **kw)
+        both = model.generate(ids, attention_mask=mask, cache=WushKVCache(model, cfg, attention_mask=mask), **kw)
+        for b, r in enumerate(rows):
+            alone = model.generate(r, cache=WushKVCache(model, cfg), **kw)
+            assert torch.equal(both[b, -4:], alone[0, -4:]), b
+
+
+@torch.no_grad()
+def test_a_step_stopped_part_way_leaves_the_cache_refusing():
+    """A step refused at a layer's attention (here a mask whose padding is not the declared one) has already stored
+    its tokens in the layers before: the cache then holds layers of different lengths. Used again it refuses by name
+    (before, a retry was accepted and attended over a layer holding the prompt twice: other tokens, silently);
+    reset() makes it new, and it then generates what a fresh cache does. Also: reset() brings back the declared
+    padding after beams expanded the rows (before, the next generate was refused: "pad lengths for 4 rows, but the
+    batch has 2"); a crop to a length at or past the cache's removes nothing (it removed the difference), and one of
+    more tokens than the cache holds is refused by name."""
+    model = tiny_model("llama")
+    rows = [torch.randint(3, 96, (1, n), generator=torch.Generator().manual_seed(n)) for n in (30, 21)]
+    ids, mask = left_padded(rows)
+    cfg = QuantConfig(2, 2, windows=WindowConfig(4, 8, 4))
+    kw = dict(max_new_tokens=5, do_sample=False, pad_token_id=0)
+    with _hadamard(model):
+        fresh = model.generate(ids, attention_mask=mask, cache=WushKVCache(model, cfg, attention_mask=mask), **kw)
+        cache = WushKVCache(model, cfg, attention_mask=mask)
+        with pytest.raises(ValueError, match="the attention mask shows left padding"):
+            model.generate(ids, attention_mask=torch.ones_like(mask), cache=cache, **kw)
+        assert [layer.n for layer in cache.quantized_layers] == [30, 0, 0]
+        with pytest.raises(RuntimeError, match=r"attention layers hold \[30, 0, 0\] tokens: a step stopped part-way"):
+            model.generate(ids, attention_mask=mask, cache=cache, **kw)
+        cache.reset()
+        assert torch.equal(model.generate(ids, attention_mask=mask, cache=cache, **kw), fresh)
+        cache.reset()
+        model.generate(ids, attention_mask=mask, cache=cache, num_beams=2, max_new_tokens=3, pad_token_id=0)
+        assert cache.quantized_layers[0].pads.tolist() == [0, 0, 9, 9]  # the rows beams made
+        cache.reset()
+        assert torch.equal(model.generate(ids, attention_mask=mask, cache=cache, **kw), fresh)
+        cache = WushKVCache(model, cfg)
+        model(ids[:1], cache=cache, use_cache=True)
+        for keep in (30, 40):
+            cache.crop(keep)
+            assert cache.get_seq_length() == 30
+        with pytest.raises(ValueError, match="cannot crop 100 tokens: the layer holds 30"):
+            cache.crop(-100)
+        assert [layer.n for layer in cache.quantized_layers] == [30, 30, 30]

@@ -148,6 +148,50 @@ def test_store_rows_per_program(name):
                        offset, fmt, rows_per_program=3)
 
 
+def _unit_upper(H, d, seed):
+    """(H, d, d) unit upper-triangular error feedback of the size ``+ldlq``'s matrices have (entries ~0.1-0.3)."""
+    g = torch.Generator().manual_seed(seed)
+    return (torch.randn(H, d, d, generator=g) * 0.2).triu(1) + torch.eye(d)
+
+
+@pytest.mark.parametrize("name,meta", [("quest2", torch.float16), ("quest4-g16", torch.bfloat16), ("affine1-g16", torch.float32)])
+def test_store_rounds_with_error_feedback(name, meta):
+    """With error feedback F (``+ldlq``) the store writes what ``TokenCodec(feedback=F).encode`` writes: the
+    quantizer's grid, stored, and codes rounded channel by channel on it, each error pushed onto the later channels,
+    in programs of 1 and 8 rows (slot < 0 skipped; the cache's flush test has the interpreter's 64). Bit for bit where the arithmetic is exact (the interpreter:
+    the float32 steps of feedback_round one by one); on a GPU QuEST's step may differ in its last bit, and a code
+    with it, now and then. The feedback changes codes (a kernel that ignored it would fail), and a matrix of
+    another shape is refused."""
+    from wushkv.codecs import TokenCodec
+
+    q, d, H = QUANTIZERS[name], 64, 2
+    fmt = tk.TokenFormat.of(q, d)
+    F = _unit_upper(H, d, seed=3)
+    g = torch.Generator().manual_seed(4)
+    x = torch.randn(11, H, d, generator=g) * torch.linspace(0.2, 3, d)
+    ref = TokenCodec(q, d, meta, feedback=F).encode(x.transpose(0, 1)[None])  # (1, H, 11, ·)
+    plain = TokenCodec(q, d, meta).encode(x.transpose(0, 1)[None])
+    assert (ref["codes"] != plain["codes"]).float().mean() > 0.2
+    slots = torch.tensor([3, 0, 6, -1, 1, 5, 2, 8, 11, 10, 9])
+    for br in (1, 8):
+        codes, scale, offset = _buffers((3, 4, H), fmt, meta)
+        tk.store_paged(x.to(DEVICE), slots, codes, scale, offset, fmt, feedback=F.to(DEVICE), rows_per_program=br)
+        codes, scale = codes.view(12, H, -1).cpu(), scale.view(12, H, -1).cpu()
+        got = codes[slots.clamp(min=0)].transpose(0, 1)[:, slots >= 0]  # (H, 10, nb) of the rows written
+        want = ref["codes"][0][:, slots >= 0]
+        if EXACT_ON_ANY_DATA or not fmt.quest:
+            assert torch.equal(got, want), (name, br, (got != want).float().mean())
+            assert torch.equal(scale[slots.clamp(min=0)].transpose(0, 1)[:, slots >= 0], ref["scale"][0][:, slots >= 0])
+        else:
+            assert (got != want).float().mean() < 2e-2, (name, br)
+        if offset is not None:
+            assert torch.equal(offset.view(12, H, -1).cpu()[slots.clamp(min=0)].transpose(0, 1)[:, slots >= 0],
+                               ref["offset"][0][:, slots >= 0])
+        assert (codes[[4, 7]] == 0xAB).all(), br  # slot 4 is nobody's, 7 the padding row's: untouched
+    with pytest.raises(ValueError, match=r"feedback must be \(Hkv, d, d\) = \(2, 64, 64\)"):
+        tk.store_paged(x.to(DEVICE), slots, *_buffers((3, 4, H), fmt, meta), fmt, feedback=F[0].to(DEVICE))
+
+
 def test_store_applies_the_head_transform():
     """With a per-head transform T the stored rows are those of T k: exactly so for signed permutations scaled by
     ½ (exact arithmetic), and to float32 rounding for a random rotation."""
@@ -986,8 +1030,8 @@ def test_cache_flush_goes_through_the_store_kernel(quantizer, dtype, meta):
     """Under triton_enabled(True) the layer's flush (decode.encode_block) writes the packed middle with the Triton
     store kernel, one launch per side and flush, and stores what the PyTorch codec stores on CPU, bit for bit (codes,
     scale, offset; exact data; on CUDA torch divides by a constant through its reciprocal, the kernel as the CPU does).
-    Codecs the kernel does not cover stay on the PyTorch path: error feedback (that side only), the clip search,
-    KVarN tiles."""
+    So does a side with error feedback (``+ldlq``, since session 62; before, that side stayed on the PyTorch path).
+    Codecs the kernel does not cover stay on the PyTorch path: the clip search, one-byte steps, KVarN tiles."""
     cfg = QuantConfig(2, 3, quantizer, group_size=16, metadata_dtype=meta, windows=WindowConfig(2, 4, 4))
     ref, launches, flushes = _stream(cfg, False, dtype, device="cpu")
     assert launches == 0 and flushes >= 2  # the prefill's flush and at least one during decode
@@ -998,8 +1042,13 @@ def test_cache_flush_goes_through_the_store_kernel(quantizer, dtype, meta):
         assert set(got) == set(store) == ({"codes", "scale"} | ({"offset"} if quantizer == "affine" else set()))
         for k in store:
             assert got[k].dtype == store[k].dtype and torch.equal(got[k], store[k]), (side, k)
-    eye = torch.eye(32).expand(2, 32, 32).contiguous().to(DEVICE)
-    assert _stream(cfg, True, dtype, CacheInputs(feedback_K=eye))[1] == flushes  # the values only
+    F = _unit_upper(2, 32, seed=5)
+    ref, _, flushes = _stream(cfg, False, dtype, CacheInputs(feedback_K=F, feedback_V=F.flip(0)), device="cpu")
+    out, launches, _ = _stream(cfg, True, dtype, CacheInputs(feedback_K=F.to(DEVICE), feedback_V=F.flip(0).to(DEVICE)))
+    assert launches == 2 * flushes
+    for side, store in _middle(ref).items():
+        for k, t in store.items():
+            assert torch.equal(_middle(out)[side][k], t), ("feedback", side, k)
     for other in (QuantConfig(2, 3, quantizer, clip_search=2, windows=WindowConfig(2, 4, 4)),
                   QuantConfig(2, 2, "kvarn", windows=WindowConfig(2, 4, 4)),
                   QuantConfig(2, 3, "quest", metadata_dtype="e5m3", windows=WindowConfig(2, 4, 4))):
@@ -1073,9 +1122,13 @@ def sig(name, ptrs, floats, consts):
     s = {n: ptrs.get(n, "*fp32") if n.endswith("_ptr") else ("fp32" if n in floats else "i64") for n in K[name].arg_names}
     return s | {c: "constexpr" for c in consts}
 ptrs = {"x_ptr": "*bf16", "c_ptr": "*u8", "s_ptr": "*bf16", "z_ptr": "*bf16", "slot_ptr": "*i64"}
-for quest, clipped, has_t, br in ((True, True, False, 8), (True, False, True, 1), (False, True, False, 1), (False, False, False, 8)):
-    consts = dict(D=128, G=32, BITS=3, QUEST=quest, CLIPPED=clipped, HAS_T=has_t, HAS_Z=not quest, TC=32, META_BF16=True, BR=br)
-    triton.compile(ASTSource(K["store"], sig("store", ptrs, ("coef", "sqrt_g"), consts), consts), target=GPUTarget("cuda", 90, 32))
+for quest, clipped, has_t, br, fb, G in ((True, True, False, 8, False, 32), (True, False, True, 1, False, 32),
+                                        (False, True, False, 1, False, 32), (False, False, False, 8, False, 32),
+                                        (True, True, False, 1, True, 128), (False, True, False, 1, True, 32)):
+    consts = dict(D=128, G=G, BITS=3, QUEST=quest, CLIPPED=clipped, HAS_T=has_t, HAS_Z=not quest, TC=32, META_BF16=True,
+                  FEEDBACK=fb, BR=br)
+    triton.compile(ASTSource(K["store"], sig("store", ptrs, ("coef", "sqrt_g"), consts), consts), target=GPUTarget("cuda", 90, 32),
+                   options={"enable_fp_fusion": False} if fb else None)
 consts = dict(D=128, GQA=4, GP=16, BN=32, K_BITS=2, V_BITS=4, K_G=128, V_G=32, K_Z=False, V_Z=True, K_E5M3=True, K_OFF=128, V_OFF=0,
               V_E5M3=False, K_P=0, V_P=0, K_WC=0, V_WC=0, K_W4=False, V_W4=False, K_TILE=0, KT_MW=128, RMEAN=False, PAGED=True, PAGE_ABS=False, STARTS=False, HAS_MASK=True, SOFTCAP=True,
               PREC="tf32", DT=tl.bfloat16, EMU=False, FP_STAGES=1, FINAL=False, HAS_SINKS=False, OUT_BF16=True,
@@ -1170,7 +1223,7 @@ def test_launcher_sees_the_constexpr_parameters():
 @pytest.mark.slow
 def test_kernels_compile_for_cuda():
     """The compiled path, which the interpreter does not exercise (Triton's front end, shapes the tensor-core dot
-    accepts, name resolution), without a GPU: the store, decode (two tunings, one-byte key steps; codes in classes,
+    accepts, name resolution), without a GPU: the store (with error feedback too, fused multiply-adds off), decode (two tunings, one-byte key steps; codes in classes,
     in words of 16 bits, three bytes and one, whose inline PTX ptxas assembles, two codes a word a class at head_dim
     64; rows from their own columns; the last split merging its pair's, its atomic after a barrier that follows the
     state's stores) and merge kernels compile for sm_90."""

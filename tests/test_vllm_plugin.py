@@ -120,13 +120,15 @@ def test_fused_store_writes_the_bytes_of_encode(quantizer, k_bits, v_bits, feedb
     sc.store(got, k, v, slots)
     assert torch.equal(got, ref)
 
-@pytest.mark.parametrize("quantizer,k_bits,v_bits,meta", [("quest", 2, 2, "float16"), ("affine", 3, 4, "float16"),
-                                                          ("quest", 4, 3, "bfloat16"), ("quest", 8, 2, "float32")])
-def test_store_through_the_triton_kernel_writes_the_bytes_of_encode(quantizer, k_bits, v_bits, meta):
+@pytest.mark.parametrize("quantizer,k_bits,v_bits,meta,feedback", [
+    ("quest", 2, 2, "float16", False), ("affine", 3, 4, "float16", False), ("affine", 2, 3, "bfloat16", True),
+    ("quest", 4, 3, "bfloat16", True), ("quest", 8, 2, "float32", False)])
+def test_store_through_the_triton_kernel_writes_the_bytes_of_encode(quantizer, k_bits, v_bits, meta, feedback):
     """The GPU path of ``SlotCodec.store`` (wushkv's Triton store kernel, here under Triton's interpreter, one launch
     per side into strided views of the cells) writes every payload byte ``encode`` writes, padding slots skipped, and
-    leaves the cells' padding and everything around them as it was. Error feedback and one-byte steps keep the other
-    paths (their codes are rounded on what the kernel does not compute)."""
+    leaves the cells' padding and everything around them as it was; with error feedback (``+ldlq``) on both sides too
+    (since session 62: before, the PyTorch loop over channels ran at every step on a GPU). The clip search and
+    one-byte steps keep the other paths (their codes are rounded on what the kernel does not compute)."""
     pytest.importorskip("triton")
     from wushkv import triton_kernels as tk
     from wushkv.decode import triton_enabled
@@ -134,7 +136,8 @@ def test_store_through_the_triton_kernel_writes_the_bytes_of_encode(quantizer, k
     H, d, T, bs = 3, 64, 120, 16
     dev = _triton_device()
     cfg = QuantConfig(k_bits=k_bits, v_bits=v_bits, quantizer=quantizer, metadata_dtype=meta, k_alpha=1.15)
-    sc = SlotCodec(cfg, d)
+    F = torch.eye(d).expand(H, d, d) + torch.triu(torch.randn(H, d, d, generator=_g(13)) * 0.1, 1) if feedback else None
+    sc = SlotCodec(cfg, d, F, None if F is None else F.flip(0))
     g = _g(12)
     k, v, slots = _tokens_to_store(g, T, H, d, 20 * bs)
     base = torch.randint(0, 256, (20, H, bs, sc.slot_bytes + 8), dtype=torch.uint8, generator=g)

@@ -64,6 +64,8 @@ class WushKVCache(Cache):
             layers[spec.attention_layers[i]] = WushKVLayer(configs[i], spec.head_dim, kt, sliding, inputs[i])
         super().__init__(layers=layers)
         self.configs = configs
+        order = spec.attention_layers  # each attention layer's predecessor in a step (the first's: the last), for update
+        self._before = {i: (k, order[k - 1]) for k, i in enumerate(order)}
         if attention_mask is not None:
             if pad_lengths is not None:
                 raise ValueError("give attention_mask or pad_lengths, not both")
@@ -90,6 +92,24 @@ class WushKVCache(Cache):
         for layer in layers:
             layer._crop_plan(tokens_to_remove)
         super().crop(tokens_to_remove)
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args, **kwargs):
+        """transformers' ``Cache.update``, once the layer's length is checked against the step: a step updates every
+        attention layer in order with the same tokens, so a layer whose length does not follow from the one before it
+        (the first: from the last's) was left behind by a step that stopped part-way (an error raised in an earlier
+        forward, after some layers took its tokens). That cannot be undone, and going on would attend over layers of
+        different lengths, so it is refused."""
+        layer = self.layers[layer_idx]
+        if isinstance(layer, WushKVLayer):
+            k, before = self._before[layer_idx]  # the attention layer before it in a step (the first's: the last)
+            if layer.n != (self.layers[before].n - (key_states.shape[-2] if k else 0)):
+                lengths = [layer.n for layer in self.quantized_layers]
+                raise RuntimeError(
+                    f"this WushKVCache's attention layers hold {lengths} tokens: a step stopped part-way (an error in "
+                    "an earlier forward, after some layers had taken its tokens), which cannot be undone; create a new "
+                    "WushKVCache, or reset() this one"
+                )
+        return super().update(key_states, value_states, layer_idx, *args, **kwargs)
 
     @property
     def quantized_layers(self) -> list[WushKVLayer]:

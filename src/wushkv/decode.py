@@ -80,7 +80,7 @@ def triton_enabled(enabled: bool | None):
     CPU tensors under Triton's interpreter, which needs ``TRITON_INTERPRET=1`` before triton is imported; an error
     where triton is missing), never (False), or on CUDA tensors where triton imports (None, the default); the
     previous choice comes back afterwards, also on error. Caches the kernels do not cover (KIVI keys, KVarN tiles
-    of values, float64; for store also error feedback, the clip search, one-byte E5M3 steps and KVarN's key tiles)
+    of values, float64; for store also the clip search, one-byte E5M3 steps and KVarN's key tiles)
     keep the PyTorch path."""
     global USE_TRITON
     previous, USE_TRITON = USE_TRITON, enabled
@@ -109,11 +109,11 @@ _TRITON_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
 def encode_block(codec, x: torch.Tensor) -> dict[str, torch.Tensor]:
     """``codec.encode(x)`` of a block x (B, Hkv, N, d) entering the packed middle: through the Triton store kernel
-    where the switch sends x's device there and the kernel covers the codec (a :class:`TokenCodec` without error
-    feedback, clip search or one-byte steps, a head_dim and group size the kernels take, x in
+    where the switch sends x's device there and the kernel covers the codec (a :class:`TokenCodec`, with or without
+    error feedback, without clip search or one-byte steps, a head_dim and group size the kernels take, x in
     float16/bfloat16/float32), else through the codec's PyTorch path. The same storage either way: codes uint8 (B, Hkv, N, ⌈d·b/8⌉), scale (and offset,
     affine) (B, Hkv, N, d/G) in the codec's metadata dtype."""
-    covered = isinstance(codec, TokenCodec) and codec.feedback is None and not codec.step_byte and x.dtype in _TRITON_DTYPES
+    covered = isinstance(codec, TokenCodec) and not codec.step_byte and x.dtype in _TRITON_DTYPES
     tk = triton_for(x.device) if covered else None
     if tk is None:
         return codec.encode(x)
@@ -125,7 +125,7 @@ def encode_block(codec, x: torch.Tensor) -> dict[str, torch.Tensor]:
     codes = torch.empty(B, H, N, fmt.nbytes, dtype=torch.uint8, device=x.device)
     scale = torch.empty(B, H, N, fmt.ngroups, dtype=codec.meta_dtype, device=x.device)
     offset = None if fmt.quest else torch.empty_like(scale)
-    tk.store_contiguous(x, codes, scale, offset, 0, fmt)
+    tk.store_contiguous(x, codes, scale, offset, 0, fmt, feedback=codec.feedback)
     return {"codes": codes, "scale": scale} | ({} if offset is None else {"offset": offset})
 
 

@@ -258,6 +258,7 @@ class WushKVLayer(CacheLayerMixin):
             )
         self.n = 0
         self.pads: torch.Tensor | None = None  # (B,) left-padding tokens per row, or None
+        self._declared_pads: torch.Tensor | None = None  # as set_padding was given them (pads follow beams' rows)
         self.row_mode = False  # a padded batch under block quantizers: ragged rows (_update_ragged)
         self.row_sinks = False  # a padded batch of per-token quantizers: each row's own sink (_update_padded)
 
@@ -295,7 +296,7 @@ class WushKVLayer(CacheLayerMixin):
                 raise ValueError(f"pad lengths must be >= 0, got {pads.tolist()}")
         # Blocks of tokens (tiles) start at a different column in each row: give each row its own layer.
         self.row_mode = pads is not None and bool((pads > 0).any()) and self.block > 1
-        self.pads = pads
+        self.pads = self._declared_pads = pads
 
     def _row_ends(self, n: int) -> list[int]:
         """Per row: the column after its quantized middle when the cache holds ``n`` columns."""
@@ -315,15 +316,17 @@ class WushKVLayer(CacheLayerMixin):
     def _check_padding(self, attention_mask: torch.Tensor | None) -> None:
         """At the first prefill, the padding the mask shows must be the padding the cache was told of (no mask: none;
         transformers gives none to a single query over full attention without padding)."""
+        # the last prompt position's row of the mask: what it may attend to. A sliding window hides more than the
+        # padding there, so a sliding layer reads the last position whose window still reaches back to column 0
+        i = self.n - 1 if not self.is_sliding else min(self.n, self.sliding_window) - 1
         if attention_mask is None:
             seen = torch.zeros_like(self.pads) if self.pads is not None else torch.zeros(1, dtype=torch.long)
         else:
             m = attention_mask if attention_mask.dtype == torch.bool else attention_mask == 0
-            last = m[:, 0, -1, : self.n]  # what the last prompt position may attend to
-            seen = (last.int().cumsum(-1) == 0).sum(-1).cpu()
+            seen = (m[:, 0, i, : i + 1].int().cumsum(-1) == 0).sum(-1).cpu()
         declared = self.pads if self.pads is not None else torch.zeros_like(seen)
         # a first chunk shorter than a row's padding shows only padding there
-        if declared.shape != seen.shape or not torch.equal(seen, declared.clamp(max=self.n)):
+        if declared.shape != seen.shape or not torch.equal(seen, declared.clamp(max=i + 1)):
             raise ValueError(
                 f"the attention mask shows left padding of {seen.tolist()} tokens per row, but the cache was created "
                 f"with {declared.tolist()}; create it with WushKVCache(model, config, attention_mask=attention_mask) "
@@ -694,6 +697,8 @@ class WushKVLayer(CacheLayerMixin):
         return self.sliding_window if self.is_sliding else -1
 
     def reset(self) -> None:
+        """Empty, as made: the padding as declared (not as beams, ``num_return_sequences`` or a selection of rows
+        left it), no tokens."""
         self._undo = None
         self.is_initialized = False
         self.row_sinks = False
@@ -701,6 +706,7 @@ class WushKVLayer(CacheLayerMixin):
         for side in (self.k_side, self.v_side):
             if side is not None:
                 side.store = type(side.store)()
+        self.set_padding(self._declared_pads)
 
     def can_take_back(self, tokens_to_remove: int) -> bool:
         """Whether :meth:`take_back` can remove these tokens (transformers' ``crop`` argument: negative, how many;
@@ -766,11 +772,13 @@ class WushKVLayer(CacheLayerMixin):
     def _crop_plan(self, tokens_to_remove: int):
         """(tokens, layers, tokens each) that ``crop(tokens_to_remove)`` removes (the layer, or each row's layer), or
         None for nothing; a ValueError, before anything changes, where it cannot."""
-        if tokens_to_remove > 0:
-            tokens_to_remove = self.n - tokens_to_remove
+        if tokens_to_remove > 0:  # the length to keep: at or past the layer's, nothing to remove
+            tokens_to_remove = max(self.n - tokens_to_remove, 0)
         n = abs(tokens_to_remove)
         if n == 0 or not self.is_initialized:
             return None
+        if n > self.n:
+            raise ValueError(f"cannot crop {n} tokens: the layer holds {self.n}")
         layers = self.row_layers() if self.row_mode else [self]
         counts = [min(n, layer.n) for layer in layers]  # a row's real tokens among the last n
         for layer, k in zip(layers, counts):

@@ -4,9 +4,9 @@ Which codecs: per-token groups, i.e. :class:`~wushkv.codecs.TokenCodec` over QuE
 (every ``quest``/``affine`` cache, and the values of ``kivi`` and of the ``+ktiles`` methods), and for decode the
 keys of KVarN tiles (:class:`TileFormat`: the key tiles ``auto`` picks), whose per-channel scale is folded into the
 query tile by tile, so their codes enter the dots as per-token codes do. KIVI's per-channel keys and KVarN's tiles of
-values stay on the PyTorch path of :mod:`wushkv.decode`. Store does not cover error-feedback rounding (``+ldlq``: a
-sequential pass over channels), the per-token clip search (``clip_search``) or KVarN's tile quantizer; decode reads
-what those store, so it covers them.
+values stay on the PyTorch path of :mod:`wushkv.decode`. Store covers error-feedback rounding of per-token codes
+(``+ldlq``: a pass over the channels, one program's rows at a time), not the per-token clip search
+(``clip_search``) nor KVarN's tile quantizer; decode reads what those store, so it covers them.
 
 Layouts (``nb`` = ⌈d·b/8⌉ packed bytes, ``ng`` = d/G groups, codes as :func:`wushkv.quantizers.pack` lays them out):
 
@@ -23,7 +23,10 @@ the other rows'.
 interpreter): it loads each token's d values of the head, applies the head's transform
 ``k' = T k`` when given, computes each group's grid exactly as :mod:`wushkv.quantizers` does (IEEE division and
 square root, the same float32 constants), packs 8 codes into ``b`` bytes and writes them with the metadata;
-``slot < 0`` (vLLM's padding) writes nothing.
+``slot < 0`` (vLLM's padding) writes nothing. With error feedback (``+ldlq``) the codes are rounded channel by channel
+on the grid as stored, each code's error pushed onto the later channels (``F`` row by row, shared by the program's
+rows), in the float32 steps of :func:`wushkv.quantizers.feedback.feedback_round` (compiled without fused
+multiply-adds).
 
 *Decode* runs one program per (sequence, KV head, split): the program reads its split's columns of the packed
 middle, then of the full-precision sink and recent buffer (one online softmax over all three), once for all the
@@ -1042,12 +1045,12 @@ def _kernels() -> dict:
 
     # -- store: one program per (BR tokens, KV head) ---------------------------------------------------------------
     @jit
-    def store_kernel(x_ptr, sx_r, sx_h, sx_d, t_ptr, st_h, st_i, st_j, slot_ptr, R, PAGE,
+    def store_kernel(x_ptr, sx_r, sx_h, sx_d, t_ptr, st_h, st_i, st_j, f_ptr, sf_h, sf_i, sf_j, slot_ptr, R, PAGE,
                      c_ptr, sc0, sc1, sc2, s_ptr, ss0, ss1, ss2, z_ptr, sz0, sz1, sz2,
                      coef, kth, sqrt_g,
                      D: tl.constexpr, G: tl.constexpr, BITS: tl.constexpr, QUEST: tl.constexpr,
                      CLIPPED: tl.constexpr, HAS_T: tl.constexpr, HAS_Z: tl.constexpr, TC: tl.constexpr,
-                     META_BF16: tl.constexpr, BR: tl.constexpr):
+                     META_BF16: tl.constexpr, FEEDBACK: tl.constexpr, BR: tl.constexpr):
         r = tl.program_id(0).to(tl.int64) * BR + tl.arange(0, BR)  # (BR,) rows
         h = tl.program_id(1).to(tl.int64)
         raw = tl.load(slot_ptr + r, mask=r < R, other=-1).to(tl.int64)  # vLLM pads with slot -1: nothing is written
@@ -1082,6 +1085,7 @@ def _kernels() -> dict:
             scale = step
             offset = step  # unused: QuEST stores only the step
         else:  # affine: percentile clip over the row, then per group min–max
+            x0 = x  # (error feedback rounds the row itself on the clipped row's grid)
             if CLIPPED:  # τ = the kth smallest |x| of the row (0-based), by counting, no sort
                 a = tl.abs(x)
                 less = tl.sum((a[:, None, :] < a[:, :, None]).to(tl.int32), 2)
@@ -1097,6 +1101,25 @@ def _kernels() -> dict:
             q = tl.minimum(tl.maximum(q, 0.0), QMAX * 1.0)
             scale = s
             offset = -z * s
+            x = x0
+        if FEEDBACK:  # the codes rounded with error feedback F (H, D, D) on the grid as stored (feedback_round)
+            s_st = _rne_out(scale, META_BF16).to(s_ptr.dtype.element_ty).to(tl.float32)  # (BR, NG)
+            if QUEST:
+                o_st = s_st * (0.5 - (1 << (BITS - 1)))  # (TokenCodec.scale_offset: offset = (½ − 2^{b−1})·Δ)
+            else:
+                o_st = _rne_out(offset, META_BF16).to(z_ptr.dtype.element_ty).to(tl.float32)
+            gi = tl.arange(0, NG)
+            q = tl.zeros([BR, D], dtype=tl.float32)
+            for j in range(D):  # channel by channel: its code, then its error pushed onto the later channels
+                at = d[None, :] == j
+                wj = tl.sum(tl.where(at, x, 0.0), 1)  # (BR,)
+                sj = tl.sum(tl.where(gi[None, :] == j // G, s_st, 0.0), 1)
+                oj = tl.sum(tl.where(gi[None, :] == j // G, o_st, 0.0), 1)
+                c = tl.minimum(tl.maximum(tl.floor(tl.math.div_rn(wj - oj, sj) + 0.5), 0.0), QMAX * 1.0)
+                q = tl.where(at, c[:, None], q)
+                e = wj - (c * sj + oj)  # (fp fusion off: the float32 steps of feedback_round, one by one)
+                f = tl.load(f_ptr + h * sf_h + j * sf_i + d * sf_j, mask=d > j, other=0.0).to(tl.float32)  # (D,)
+                x = x - e[:, None] * f[None, :]
         # pack: 8 codes → BITS bytes, code i at bits [i·BITS, (i+1)·BITS) (wushkv.quantizers.packing)
         codes = tl.reshape(q.to(tl.int64), [BR, D // 8, 8])
         i = tl.arange(0, 8)
@@ -1303,7 +1326,7 @@ def _launch(name: str, grid, *args, **meta) -> None:
 
 
 # -- store ---------------------------------------------------------------------------------------------------------
-def _store(x, slots, page, codes, scale, offset, fmt: TokenFormat, transform, strides, rows_per_program):
+def _store(x, slots, page, codes, scale, offset, fmt: TokenFormat, transform, strides, rows_per_program, feedback=None):
     """x (R, Hkv, d) rows, slots (R,) int64: codes/scale/offset at (slot // page, slot % page, head) through
     ``strides`` = ((block, token, head) of codes, of scale, of offset)."""
     R, H, d = x.shape
@@ -1319,27 +1342,38 @@ def _store(x, slots, page, codes, scale, offset, fmt: TokenFormat, transform, st
                          f"{tuple(codes.shape)}")
     if transform is not None and tuple(transform.shape) != (H, d, d):
         raise ValueError(f"transform must be (Hkv, d, d) = {(H, d, d)}, got {tuple(transform.shape)}")
+    if feedback is not None and tuple(feedback.shape) != (H, d, d):
+        raise ValueError(f"feedback must be (Hkv, d, d) = {(H, d, d)}, got {tuple(feedback.shape)}")
     _check_device(x, codes)
     if R == 0:
         return
     t = transform if transform is not None else x  # a placeholder pointer when there is none
+    f = to_device(feedback, x.device, torch.float32) if feedback is not None else x
     z = offset if offset is not None else scale
     (c0, c1, c2), (s0, s1, s2), (z0, z1, z2) = strides
     clipped = fmt.clipped if fmt.quest else fmt.kth >= 0
-    # rows per program: a handful on the GPU (the affine percentile compares a row with itself, d² per row, and
-    # the transform multiplies d² per row: one row there), many under the interpreter, which runs programs one by one
-    BR = rows_per_program or (64 if x.device.type == "cpu" else 1 if transform is not None or (clipped and not fmt.quest) else 8)
+    # rows per program: a handful on the GPU (the affine percentile compares a row with itself, d² per row, the
+    # transform multiplies d² per row, and error feedback updates d² per row: one row there; 8 rows of feedback at
+    # head_dim 128 took ptxas 4 minutes to compile, one row 2 s), many under the interpreter, which runs programs one
+    # by one
+    BR = rows_per_program or (64 if x.device.type == "cpu" else 1 if transform is not None or feedback is not None
+                              or (clipped and not fmt.quest) else 8)
     if BR & (BR - 1):
         raise ValueError(f"rows_per_program must be a power of two, got {BR}")
+    # error feedback: each code's error feeds the next channel's value, so the float32 steps are those of
+    # feedback_round one by one (no fused multiply-adds, which round once where it rounds twice)
+    fusion = {} if feedback is None else {"enable_fp_fusion": False}
     _launch("store", (-(-R // BR), H), x, *x.stride(), t, *(transform.stride() if transform is not None else (0, 0, 0)),
+            f, *(f.stride() if feedback is not None else (0, 0, 0)),
             slots, R, page, codes, c0, c1, c2, scale, s0, s1, s2, z, z0, z1, z2,
             float(fmt.coef), int(fmt.kth), float(math.sqrt(fmt.G)),
             D=d, G=fmt.G, BITS=fmt.bits, QUEST=fmt.quest, CLIPPED=clipped, HAS_T=transform is not None,
-            HAS_Z=offset is not None, TC=min(d, 32), META_BF16=scale.dtype == torch.bfloat16, BR=BR)
+            HAS_Z=offset is not None, TC=min(d, 32), META_BF16=scale.dtype == torch.bfloat16, FEEDBACK=feedback is not None,
+            BR=BR, **fusion)
 
 
 def store_paged(x, slot_mapping, codes, scale, offset, fmt: TokenFormat, transform=None, *,
-                rows_per_program: int | None = None) -> None:
+                rows_per_program: int | None = None, feedback: torch.Tensor | None = None) -> None:
     """Quantize and write new tokens into vLLM-style paged blocks.
 
     Args:
@@ -1348,19 +1382,22 @@ def store_paged(x, slot_mapping, codes, scale, offset, fmt: TokenFormat, transfo
         codes: uint8 (num_blocks, block_size, Hkv, nb); scale (and offset, affine only; None for QuEST):
             (num_blocks, block_size, Hkv, ng) in the metadata dtype.
         transform: (Hkv, d, d) float or None: each head's rows are stored as ``T k`` (float32 in the kernel).
-        rows_per_program: tokens per program, a power of two (default: 8 on a GPU, 1 for the transform and the
-            affine percentile clip, 64 under the interpreter); the stored bytes do not depend on it.
+        rows_per_program: tokens per program, a power of two (default: 8 on a GPU, 1 for the transform, the
+            affine percentile clip and error feedback, 64 under the interpreter); the stored bytes do not depend on it.
+        feedback: (Hkv, d, d) unit upper-triangular or None: the codes are rounded with error feedback on the grid
+            as stored (``+ldlq``; :func:`wushkv.quantizers.feedback.feedback_round`, channel by channel), the
+            grid itself the quantizer's as without it.
     """
     if x.dim() != 3 or codes.dim() != 4:
         raise ValueError(f"x must be (T, Hkv, d) and codes (blocks, block_size, Hkv, bytes), got {tuple(x.shape)}, "
                          f"{tuple(codes.shape)}")
     strides = tuple((t.stride(0), t.stride(1), t.stride(2)) if t is not None else (0, 0, 0) for t in (codes, scale, offset))
     slots = to_device(slot_mapping, x.device, torch.int64).contiguous()
-    _store(x, slots, codes.shape[1], codes, scale, offset, fmt, transform, strides, rows_per_program)
+    _store(x, slots, codes.shape[1], codes, scale, offset, fmt, transform, strides, rows_per_program, feedback)
 
 
 def store_contiguous(x, codes, scale, offset, start, fmt: TokenFormat, transform=None, *,
-                     rows_per_program: int | None = None) -> None:
+                     rows_per_program: int | None = None, feedback: torch.Tensor | None = None) -> None:
     """Quantize and write new tokens of every sequence into the contiguous layout of the transformers cache.
 
     Args:
@@ -1368,7 +1405,7 @@ def store_contiguous(x, codes, scale, offset, start, fmt: TokenFormat, transform
         codes: uint8 (B, Hkv, cap, nb); scale/offset (B, Hkv, cap, ng) (offset None for QuEST).
         start: int or (B,) integer tensor: each sequence's first free token (overflow is checked where it is on
             the host).
-        transform, rows_per_program: as :func:`store_paged`.
+        transform, rows_per_program, feedback: as :func:`store_paged`.
     """
     if x.dim() != 4 or codes.dim() != 4:
         raise ValueError(f"x must be (B, Hkv, T, d) and codes (B, Hkv, cap, bytes), got {tuple(x.shape)}, {tuple(codes.shape)}")
@@ -1395,7 +1432,7 @@ def store_contiguous(x, codes, scale, offset, start, fmt: TokenFormat, transform
     slots = (torch.arange(B, device=x.device)[:, None] * cap + first + torch.arange(T, device=x.device)).flatten()
     rows = x.transpose(1, 2).reshape(B * T, H, d)
     strides = tuple((t.stride(0), t.stride(2), t.stride(1)) if t is not None else (0, 0, 0) for t in (codes, scale, offset))
-    _store(rows, slots, cap, codes, scale, offset, fmt, transform, strides, rows_per_program)
+    _store(rows, slots, cap, codes, scale, offset, fmt, transform, strides, rows_per_program, feedback)
 
 
 # -- decode --------------------------------------------------------------------------------------------------------

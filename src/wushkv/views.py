@@ -109,7 +109,7 @@ class KVView(LayerView):
         ``softcap``: the logit softcap or None; ``sinks``: learned sink logits (Hq,) or None."""
         layer = self.layer
         query = _queries(layer, module, query, self.win_k.dtype)
-        if self.n0 == 0 and not layer.is_sliding:
+        if self.n0 == 0:
             layer._check_padding(attention_mask)
         T = query.shape[2]
         if layer.row_sinks:
@@ -291,7 +291,7 @@ class RowsView(LayerView):
     def attend(self, module, query, attention_mask, scaling: float, softcap: float | None,
                sinks: torch.Tensor | None = None) -> torch.Tensor:
         layer = self.layer
-        if self.n0 == 0 and not layer.is_sliding:
+        if self.n0 == 0:
             layer._check_padding(attention_mask)
         B, Hq, T, _ = query.shape
         lo = self.kv_offset

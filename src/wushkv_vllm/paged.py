@@ -159,8 +159,8 @@ class SlotCodec:
         """:meth:`store` through wushkv's Triton store kernel (:func:`wushkv.triton_kernels.store_paged`, one launch
         per side) into strided views of the cells, where :func:`wushkv.decode.triton_for` sends the cache's device
         (a GPU; any device under ``triton_enabled(True)``) and the kernel covers both sides: per-token QuEST or affine
-        codes without error feedback, clip search or one-byte steps (their codes are rounded on what the kernel does
-        not compute). The bytes of :meth:`encode`: the affine grid bit for bit, QuEST's step to its dtype's rounding
+        codes, with or without error feedback (``+ldlq``), without clip search or one-byte steps (their codes are
+        rounded on what the kernel does not compute). The bytes of :meth:`encode`: the affine grid bit for bit, QuEST's step to its dtype's rounding
         (the kernel sums ‖x‖ in another order: a last bit apart now and then, a code with it rarely); the padding is
         left as it was. False where it does not apply: the caller stores as before."""
         from wushkv.decode import triton_for
@@ -170,7 +170,7 @@ class SlotCodec:
             return False
         fmts = []
         for c in self.codecs.values():
-            if not isinstance(c, TokenCodec) or c.feedback is not None or c.step_byte:
+            if not isinstance(c, TokenCodec) or c.step_byte:
                 return False
             try:
                 fmts.append(tk.TokenFormat.of(c.quantizer, c.d))
@@ -179,9 +179,9 @@ class SlotCodec:
         views = self.field_views(cache)
         if views is None:
             return False
-        for side, x, fmt in zip(("key", "value"), (k, v), fmts):
+        for (side, c), x, fmt in zip(self.codecs.items(), (k, v), fmts):
             tk.store_paged(x.to(cache.device), slot_mapping, views[side, "codes"], views[side, "scale"],
-                           views.get((side, "offset")), fmt)
+                           views.get((side, "offset")), fmt, feedback=c.feedback)
         return True
 
     def store_tiles(self, cache: torch.Tensor, keys: torch.Tensor, first_slots: torch.Tensor) -> None:
