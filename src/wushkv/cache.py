@@ -48,9 +48,14 @@ class WushKVCache(Cache):
         pad_lengths=None,
         inputs: list[CacheInputs] | None = None,
     ):
+        bad = next((c for c in (config if isinstance(config, (list, tuple)) else [config])
+                    if c is not None and not isinstance(c, QuantConfig)), None)
+        if bad is not None:
+            raise ValueError(f"config must be a QuantConfig, or a list of one per attention layer; got {type(bad).__name__} "
+                             f"{bad!r:.80}")
         require_materialized(model, "a WushKVCache")
         spec = describe(model)
-        configs = config if isinstance(config, list) else [config or QuantConfig()] * spec.num_layers
+        configs = list(config) if isinstance(config, (list, tuple)) else [config or QuantConfig()] * spec.num_layers
         if len(configs) != spec.num_layers:
             raise ValueError(f"got {len(configs)} per-layer configs for a model with {spec.num_layers} layers")
         inputs = [NO_INPUTS] * spec.num_layers if inputs is None else list(inputs)

@@ -573,9 +573,24 @@ def calibrate(
     skip_first_queries: int = 0,
     attention_weights: tuple[int, int] | None = None,
 ) -> Calibration:
-    """Collect statistics on calibration text and solve every calibrated transform."""
+    """Collect statistics on calibration text and solve every calibrated transform (``methods``: these only, names
+    of calibrated transforms)."""
     import time
 
+    for name, v, low in (("samples", samples, 1), ("seq_len", seq_len, 2), ("skip_first", skip_first, 0),
+                         ("skip_first_queries", skip_first_queries, 0)):
+        if isinstance(v, bool) or not isinstance(v, int) or v < low:
+            raise ValueError(f"{name} must be an integer >= {low}, got {v!r}")
+    limit = getattr(getattr(model, "config", None), "max_position_embeddings", None)
+    if isinstance(limit, int) and seq_len > limit:
+        raise ValueError(f"seq_len={seq_len} is past the model's {limit} positions (max_position_embeddings); calibrate on "
+                         f"sequences of at most {limit} tokens")
+    if methods is not None:
+        if isinstance(methods, str) or not all(isinstance(m, str) for m in methods):
+            raise ValueError(f"methods must be a sequence of calibrated transform names, e.g. ('wush',), got {methods!r}")
+        unknown = [m for m in methods if m not in CALIBRATED]
+        if unknown:
+            raise ValueError(f"methods {unknown} are not calibrated transforms; known: {list(CALIBRATED)}")
     require_materialized(model, "calibration")
     t0 = time.perf_counter()
     seqs = calibration_sequences(tokenizer, samples, seq_len, text_file)

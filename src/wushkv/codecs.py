@@ -27,13 +27,14 @@ _DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16, "float32": torc
 E5M3_MAX = 0xF7  # the largest E5M3 byte: 61440 (0xF8 << 7 is float16's infinity)
 
 
-def e5m3_round(x: torch.Tensor) -> torch.Tensor:
+def e5m3_round(x: torch.Tensor, up: bool = False) -> torch.Tensor:
     """float16 of positive steps ``x`` rounded to E5M3 (metadata dtype ``e5m3``): a float16 without its sign bit
     (steps are positive) and its 7 low mantissa bits, so one byte; 5 exponent bits keep float16's range (2^-24 to
     61440), 3 mantissa bits put neighbours 6-12% apart. Rounded half up on float16's bit pattern (monotone across its
-    subnormals), as :func:`wushkv._ext`'s paged store rounds it."""
+    subnormals), as :func:`wushkv._ext`'s paged store rounds it; ``up``: to the next byte at or above instead (a step
+    that must span each token's largest |x|, QuEST's from ``UNCLIPPED_FROM`` bits: rounded down, it clamped them)."""
     h = x.to(torch.float16).view(torch.int16).to(torch.int32)
-    return e5m3_decode(((h + 64) >> 7).clamp_(0, E5M3_MAX).to(torch.uint8))
+    return e5m3_decode(((h + (127 if up else 64)) >> 7).clamp_(0, E5M3_MAX).to(torch.uint8))
 
 
 def e5m3_encode(x: torch.Tensor) -> torch.Tensor:
@@ -77,7 +78,8 @@ class TokenCodec:
         """The grid tokens x [..., d] are stored on: (scale, offset or None (symmetric)) in the metadata dtype
         (float16 for ``e5m3``), [..., d/G], and G."""
         scale, offset, G = self.quantizer.grid(x.float())
-        scale = e5m3_round(scale) if self.step_byte else scale.to(self.meta_dtype)
+        # from UNCLIPPED_FROM bits QuEST's step spans each token's max |x| exactly: one byte rounded down would clamp it
+        scale = e5m3_round(scale, up=self.bits >= UNCLIPPED_FROM) if self.step_byte else scale.to(self.meta_dtype)
         return scale, None if self.symmetric else offset.to(self.meta_dtype), G
 
     def _quant(self, x):

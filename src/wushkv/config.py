@@ -29,9 +29,9 @@ class WindowConfig:
     def __post_init__(self):
         for name in ("S_sink", "S_keep"):
             v = getattr(self, name)
-            if not isinstance(v, int) or v < 0:
+            if isinstance(v, bool) or not isinstance(v, int) or v < 0:
                 raise ValueError(f"{name} must be an integer >= 0, got {v!r}")
-        if not isinstance(self.S_flush, int) or self.S_flush < 1:
+        if isinstance(self.S_flush, bool) or not isinstance(self.S_flush, int) or self.S_flush < 1:
             raise ValueError(f"S_flush must be an integer >= 1, got {self.S_flush!r}")
 
     def quantized_count(self, n: int) -> int:
@@ -88,10 +88,24 @@ class QuantConfig:
     version: int = CONFIG_VERSION
 
     def __post_init__(self):
+        if self.version != CONFIG_VERSION:
+            raise ValueError(f"QuantConfig version {self.version!r} is not supported (this wushkv writes and reads {CONFIG_VERSION})")
+        if not isinstance(self.windows, WindowConfig):
+            raise ValueError(f"windows must be a WindowConfig (e.g. WindowConfig(S_sink=16, S_keep=128, S_flush=16)), got "
+                             f"{self.windows!r}")
         for name in ("k_bits", "v_bits"):
             b = getattr(self, name)
-            if b is not None and b not in CACHE_BITS:
-                raise ValueError(f"{name}={b!r} is not supported; the cache stores {list(CACHE_BITS)} bits (or None for full precision)")
+            if b is not None and (isinstance(b, bool) or not isinstance(b, int) or b not in CACHE_BITS):
+                raise ValueError(f"{name}={b!r} is not supported; the cache stores {list(CACHE_BITS)} bits (an int; or None for "
+                                 "full precision)")
+        for name in ("k_clip", "v_clip"):
+            c = getattr(self, name)
+            if isinstance(c, bool) or not isinstance(c, (int, float)) or not (-float("inf") < c <= 1.0):
+                raise ValueError(f"{name}={c!r}: the affine quantizer's clip ratio must be a number <= 1 (the kept share of "
+                                 "each token's |x|; <= 0: plain min-max)")
+        g = self.group_size
+        if g is not None and (isinstance(g, bool) or not isinstance(g, int) or g < 1):
+            raise ValueError(f"group_size={g!r}: must be an integer >= 1 that divides head_dim (or None: head_dim)")
         if self.quantizer not in QUANTIZER_NAMES:
             raise ValueError(f"unknown quantizer {self.quantizer!r}; known: {list(QUANTIZER_NAMES)}")
         if self.key_quantizer is not None and self.key_quantizer not in QUANTIZER_NAMES:

@@ -148,6 +148,7 @@ def apply_transforms(model: nn.Module, transforms: list[LayerTransforms], method
     :func:`wushkv.methods.install.transforms_for`). Its error-feedback matrices and rotating key mean are not
     installed in the model: they become the handle's :attr:`Installed.cache_inputs`. Folding runs in float64.
     """
+    transforms = list(transforms)  # (a generator would be spent by the check below)
     bad = next((i for i, tr in enumerate(transforms) if not isinstance(tr, LayerTransforms)), None)
     if bad is not None:
         raise TypeError(f"transforms[{bad}] is a {type(transforms[bad]).__name__}; apply_transforms takes LayerTransforms "

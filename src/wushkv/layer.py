@@ -291,7 +291,10 @@ class WushKVLayer(CacheLayerMixin):
         if self.is_initialized and self.n > 0:
             raise RuntimeError("set the padding before the first tokens enter the cache")
         if pads is not None:
-            pads = torch.as_tensor(pads, dtype=torch.long).flatten().cpu()
+            given = torch.as_tensor(pads).flatten().cpu()
+            if given.is_floating_point() and not torch.equal(given, given.round()):
+                raise ValueError(f"pad lengths must be whole numbers of tokens, got {given.tolist()}")
+            pads = given.to(torch.long)
             if (pads < 0).any():
                 raise ValueError(f"pad lengths must be >= 0, got {pads.tolist()}")
         # Blocks of tokens (tiles) start at a different column in each row: give each row its own layer.

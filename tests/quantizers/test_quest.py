@@ -209,6 +209,27 @@ def test_e5m3_steps_round_to_one_byte_and_back():
     assert float(e5m3_round(torch.tensor([1e30]))) == 61440.0 and float(e5m3_round(torch.tensor([0.0]))) == 0.0
 
 
+def test_e5m3_steps_of_unclipped_widths_round_up():
+    """From UNCLIPPED_FROM bits QuEST's step spans each token's max |x| (no clip), so its byte is rounded up: 8-bit
+    codes with one-byte steps then clamp nothing, every value within half a stored step of its own (rounded to the
+    nearest byte, a step ~6% short clamped each token's largest values: twice float16 metadata's error, 8x its
+    largest). Rounding up keeps a step already on the grid, and never lands below the step."""
+    from wushkv.codecs import TokenCodec, e5m3_decode, e5m3_round
+    from wushkv.quantizers.quest import UNCLIPPED_FROM
+
+    assert UNCLIPPED_FROM <= 8
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(2, 3, 64, 32, generator=g) * torch.logspace(-2, 2, 64)[:, None]
+    codec = TokenCodec(QuestQuantizer(8), 32, torch.float16, step_byte=True)
+    s = codec.encode(x)
+    step = e5m3_decode(s["scale"]).float()  # (2, 3, 64, 1)
+    err = (codec.decode(s, 64) - x).abs()
+    assert bool((err <= 0.5 * step * (1 + 1e-5)).all()), float((err / step).max())
+    steps = torch.logspace(-3, 3, 999)
+    up = e5m3_round(steps, up=True).float()
+    assert bool((up >= steps.half().float()).all()) and torch.equal(e5m3_round(up, up=True), up.half())
+
+
 @pytest.mark.parametrize("bits", [2, 4])
 def test_e5m3_codec_codes_are_made_on_the_stored_step(bits):
     """With one-byte steps the codes are rounded on the rounded step, so decode(encode(x)) is QuEST on that step:
