@@ -80,7 +80,8 @@ PEAK_TBPS = {
 }
 # --dry-run: every code path (a packed middle, the recent buffer, a flush during the timed steps) at the smallest sizes
 DRY_RUN = dict(contexts=[48], batches=[1, 2], q_heads=4, kv_heads=2, head_dim=32, sink=4, recent=8, flush=4, warmup=0,
-               iters=1, e2e_contexts=[48], e2e_batches=[1], e2e_layers=1, e2e_steps=4, sweep="48x2", feedback_batches=[1])
+               iters=1, e2e_contexts=[48], e2e_batches=[1], e2e_layers=1, e2e_steps=4, sweep="48x2", feedback_batches=[1],
+               feedback_tokens=16)
 # The decode kernel's launch parameters the sweep tries, most promising first (it stops at --sweep-budget): tiles of
 # block_n tokens, warps, software-pipeline stages, and where the tuple has a fourth field, more DecodeTuning fields:
 # a cap on a thread's registers (8 one-warp programs a multiprocessor hold at 255 registers, 16 at 128, for a few
@@ -105,7 +106,6 @@ TILES = dict(class_split=False, block_n=64, num_warps=4, num_stages=2, fp_stages
 # without the sweep's cap
 UNCAPPED = dict(max_registers=None, fp_stages=None)
 KEY_TILE = 128  # tokens per KVarN key tile in the key-tiles row (auto's +ktiles at the generation presets' flush)
-FEEDBACK_TOKENS = 128  # tokens of the flush timed with error feedback (auto's +ktiles flushes 128 at a time)
 
 
 def peak_tbps(name: str, override: float | None) -> float | None:
@@ -149,6 +149,8 @@ def parse_args(argv=None):
                         "(where the time goes: unpacking grows with the codes per byte, bytes with the width)")
     p.add_argument("--feedback-batches", type=ints, default=[16],
                    help="time one flush with +ldlq error feedback at these batches: the store kernel against the PyTorch loop")
+    p.add_argument("--feedback-tokens", type=int, default=128,
+                   help="tokens of that flush, and of its key tile (auto's +ktiles flush 128 at a time)")
     p.add_argument("--plot", default="", help="also write a PNG of the kernel rows here")
     p.add_argument("--plot-from", default="", help="a saved gpu_decode.json: print its acceptance (and with --plot draw "
                    "its figure), run nothing")
@@ -652,20 +654,22 @@ def e2e_case(args, model, ctx, B, device, timer) -> dict:
 
 
 def feedback_store_row(args, B, device, timer) -> dict:
-    """One flush of FEEDBACK_TOKENS bfloat16 tokens of B sequences with ``+ldlq`` error feedback (a QuEST
+    """One flush of --feedback-tokens bfloat16 tokens of B sequences with ``+ldlq`` error feedback (a QuEST
     :class:`~wushkv.codecs.TokenCodec` at --v-bits with a random unit upper-triangular F, what ``auto``'s values store)
     through :func:`wushkv.decode.encode_block`: the Triton store kernel (one launch) against the PyTorch path
     (``feedback_round``'s loop over the d channels, a few launches each), and the share of codes the two write apart
-    (QuEST's step sums ‖x‖ in another order: a last bit, and a code with it, now and then)."""
-    from wushkv.codecs import TokenCodec
+    (QuEST's step sums ‖x‖ in another order: a last bit, and a code with it, now and then). Then the same tokens as
+    KVarN key tiles at --k-bits (``ktiles_*``: auto's keys, tile clip 1.7, the same F along the channels): the tile
+    kernel against KVarN's balance and rows in PyTorch."""
+    from wushkv.codecs import KVarNCodec, TokenCodec
     from wushkv.decode import encode_block, triton_enabled
 
     d, H = args.head_dim, args.kv_heads
     g = torch.Generator().manual_seed(0)
     F = ((torch.randn(H, d, d, generator=g) * 0.1).triu(1) + torch.eye(d)).to(device)
     codec = TokenCodec(QuestQuantizer(args.v_bits), d, torch.float16, feedback=F)
-    x = torch.randn(B, H, FEEDBACK_TOKENS, d, device=device, dtype=torch.bfloat16)
-    row = {"batch": B, "tokens": FEEDBACK_TOKENS, "head_dim": d, "kv_heads": H, "bits": args.v_bits}
+    x = torch.randn(B, H, args.feedback_tokens, d, device=device, dtype=torch.bfloat16)
+    row = {"batch": B, "tokens": args.feedback_tokens, "head_dim": d, "kv_heads": H, "bits": args.v_bits}
     stored = {}
     for name, on in (("triton", True), ("pytorch", False)):
         with triton_enabled(on):
@@ -673,6 +677,15 @@ def feedback_store_row(args, B, device, timer) -> dict:
             row[name] = timer(lambda: encode_block(codec, x), args.warmup, args.iters, gpu=True)
     row["pytorch_over_triton"] = row["pytorch"]["ms"] / row["triton"]["ms"]
     row["codes_apart"] = (stored["triton"]["codes"] != stored["pytorch"]["codes"]).float().mean().item()
+    # the keys of the same flush as one KVarN tile each (+ktiles, tile clip 1.7, feedback along the channels):
+    # the tile kernel against KVarN's balance and rows in PyTorch
+    tiles = KVarNCodec(args.k_bits, d, args.feedback_tokens, "key", clip=1.7, feedback=F)
+    for name, on in (("ktiles_triton", True), ("ktiles_pytorch", False)):
+        with triton_enabled(on):
+            stored[name] = encode_block(tiles, x)
+            row[name] = timer(lambda: encode_block(tiles, x), args.warmup, args.iters, gpu=True)
+    row["ktiles_pytorch_over_triton"] = row["ktiles_pytorch"]["ms"] / row["ktiles_triton"]["ms"]
+    row["ktiles_codes_apart"] = (stored["ktiles_triton"]["codes"] != stored["ktiles_pytorch"]["codes"]).float().mean().item()
     return row
 
 
@@ -757,7 +770,9 @@ def _rows(args, out, device, timer, peak, save) -> None:
         out["feedback_store"].append(row)
         save(out)
         print(f"flush of {row['tokens']} tokens x {B} with error feedback: Triton {row['triton']['ms']:.3f} ms, PyTorch "
-              f"{row['pytorch']['ms']:.3f} ms ({row['pytorch_over_triton']:.1f}x), codes apart {row['codes_apart']:.1e}", flush=True)
+              f"{row['pytorch']['ms']:.3f} ms ({row['pytorch_over_triton']:.1f}x), codes apart {row['codes_apart']:.1e}; "
+              f"key tiles: Triton {row['ktiles_triton']['ms']:.3f} ms, PyTorch {row['ktiles_pytorch']['ms']:.3f} ms "
+              f"({row['ktiles_pytorch_over_triton']:.1f}x), codes apart {row['ktiles_codes_apart']:.1e}", flush=True)
     model = tiny_llama(args, device, torch.bfloat16 if device.type == "cuda" else torch.float32)
     for ctx in args.e2e_contexts:
         for B in args.e2e_batches:

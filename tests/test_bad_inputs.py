@@ -114,7 +114,7 @@ CASES: list[Case] = [
     Case("quantizer", "windows of one method that never quantize a token, before the weights load",
          ["compare", "--model", "CUT_MODEL", "--text-file", "TEXT", "--seq-len", "200", "--transforms", "hadamard,kvarn", "--sink", "4",
           "--keep", "8", "--flush", "4"], "sequences of 200 tokens are too short for windows 128/0/128"),
-    Case("quantizer", "group size 0", [*PPL, "--transform", "hadamard", "--group-size", "0"], "group_size must be None or an integer >= 1, got 0"),
+    Case("quantizer", "group size 0", [*PPL, "--transform", "hadamard", "--group-size", "0"], "group_size=0: must be an integer >= 1 that divides head_dim (or None: head_dim)"),
     Case("quantizer", "group size not dividing head_dim", [*PPL, "--transform", "hadamard", "--group-size", "7", "--sink", "4", "--keep", "8",
                                                            "--flush", "4"], "group_size 7 must divide the last dim, got last dim 32"),
     Case("quantizer", "unknown quantizer", ["ppl", "--transform", "hadamard", "--quantizer", "nf4"], "unknown quantizer 'nf4'"),

@@ -393,9 +393,10 @@ def test_gpu_decode_dry_run(tmp_path):
 
     # a flush with error feedback (+ldlq, auto's values): the store kernel against the PyTorch path, the same codes
     (fb,) = res["feedback_store"]
-    assert (fb["batch"], fb["tokens"], fb["head_dim"]) == (1, gpu_decode.FEEDBACK_TOKENS, d)
+    assert (fb["batch"], fb["tokens"], fb["head_dim"]) == (1, a["feedback_tokens"], d)
     assert positive(fb["triton"]["ms"]) and positive(fb["pytorch"]["ms"]) and fb["codes_apart"] < 2e-2
     assert fb["pytorch_over_triton"] == fb["pytorch"]["ms"] / fb["triton"]["ms"]
+    assert positive(fb["ktiles_triton"]["ms"]) and positive(fb["ktiles_pytorch"]["ms"]) and fb["ktiles_codes_apart"] < 2e-2
 
     (e2e,) = res["e2e"]
     steps = a["warmup"] + a["e2e_steps"]

@@ -402,20 +402,24 @@ def test_a_prompt_leaves_no_full_precision_behind(pads):
 def test_a_cache_used_after_its_block_exits_says_so():
     """The cache's views are read by wushkv's attention only: used after the `with apply_transforms(...)` block it was
     made in (the model back on SDPA or eager), generate and a forward fail with what happened, not with SDPA's or
-    repeat_kv's TypeError about a KVView."""
+    repeat_kv's TypeError about a KVView. The first layer took the refused step's tokens, so that cache's next use
+    says the step stopped part-way."""
     model = tiny_model("llama")
     ids = torch.randint(3, 96, (1, 12), generator=torch.Generator().manual_seed(1))
     cfg = QuantConfig(2, 2, "quest", windows=WindowConfig(3, 5, 2))
     for implementation in ("sdpa", "eager"):
         model.set_attn_implementation(implementation)
         with install(model):
-            cache = WushKVCache(model, cfg)
-            model.generate(ids, cache=cache, max_new_tokens=3, do_sample=False, pad_token_id=0)
+            caches = [WushKVCache(model, cfg), WushKVCache(model, cfg)]
+            for cache in caches:
+                model.generate(ids, cache=cache, max_new_tokens=3, do_sample=False, pad_token_id=0)
         assert model.config._attn_implementation == implementation
         with pytest.raises(RuntimeError, match=r"another attention implementation than wushkv's.*inside the block"):
-            model.generate(ids, cache=cache, max_new_tokens=3, do_sample=False, pad_token_id=0)
+            model.generate(ids, cache=caches[0], max_new_tokens=3, do_sample=False, pad_token_id=0)
         with pytest.raises(RuntimeError, match="another attention implementation"):
-            model(ids[:, :1], cache=cache, use_cache=True)
+            model(ids[:, :1], cache=caches[1], use_cache=True)
+        with pytest.raises(RuntimeError, match="a step stopped part-way"):
+            model(ids[:, :1], cache=caches[1], use_cache=True)
 
 
 @torch.no_grad()

@@ -19,7 +19,7 @@ pytest.importorskip("triton")
 from wushkv import decode as decode_mod  # noqa: E402
 from wushkv import triton_kernels as tk  # noqa: E402
 from wushkv.cache import WushKVCache  # noqa: E402
-from wushkv.codecs import TokenCodec  # noqa: E402
+from wushkv.codecs import KVarNCodec, TokenCodec  # noqa: E402
 from wushkv.config import QuantConfig, WindowConfig  # noqa: E402
 from wushkv.decode import decode_attention, dequantize_then_attend  # noqa: E402
 from wushkv.layer import CacheInputs, WushKVLayer  # noqa: E402
@@ -190,6 +190,46 @@ def test_store_rounds_with_error_feedback(name, meta):
         assert (codes[[4, 7]] == 0xAB).all(), br  # slot 4 is nobody's, 7 the padding row's: untouched
     with pytest.raises(ValueError, match=r"feedback must be \(Hkv, d, d\) = \(2, 64, 64\)"):
         tk.store_paged(x.to(DEVICE), slots, *_buffers((3, 4, H), fmt, meta), fmt, feedback=F[0].to(DEVICE))
+
+
+@pytest.mark.parametrize("bits,clip,feedback", [(2, 0.0, False), (3, 1.7, True)])
+def test_kvarn_key_tiles_equal_the_tile_quantizer(bits, clip, feedback):
+    """The KVarN key-tile kernel (one program a tile: 16 rounds of balance, the round of least imbalance, each
+    channel row over its own grid, in order with ``+ldlq`` feedback, the codes packed per token) stores what
+    ``kvarn_quantize`` (kind "key") makes: under the interpreter bit for bit (the same float32 steps: codes, scale,
+    zero and s_fold); on a GPU, with float32 sums in another order, the same codes but where a value sits on a
+    rounding boundary, and the same dequantized keys to float16 rounding where the codes agree. The feedback and
+    the clip change the codes (a kernel that ignored either would fail)."""
+    from wushkv.quantizers import unpack
+    from wushkv.quantizers.feedback import feedback_matrix
+    from wushkv.quantizers.kvarn import KVarNTiles, kvarn_dequantize, kvarn_quantize
+
+    d, tile, H = 16, 8, 2
+    g = torch.Generator().manual_seed(bits)
+    x = (torch.randn(1, H, 2 * tile, d, generator=g) @ torch.randn(d, d, generator=g) * torch.rand(d, generator=g) * 3
+         + torch.randn(d, generator=g))
+    F = None
+    if feedback:
+        Q = torch.randn(H, d, d, generator=g)
+        F = feedback_matrix(Q @ Q.mT + 0.1 * torch.eye(d))
+    ref = kvarn_quantize(x, bits, "key", tile=tile, clip=clip, feedback=F, fused=False)
+    plain = kvarn_quantize(x, bits, "key", tile=tile, fused=False)
+    if feedback or clip:
+        assert (plain.codes != ref.codes).float().mean() > 0.1
+    got = tk.kvarn_key_tiles(x.to(DEVICE), bits, tile, clip, None if F is None else F.to(DEVICE))
+    got = {k: t.cpu() for k, t in got.items()}
+    codes = unpack(got["codes"], bits, d)
+    if EXACT_ON_ANY_DATA:
+        assert torch.equal(codes, ref.codes)
+        assert all(torch.equal(got[k], getattr(ref, k)) for k in ("scale", "zero", "s_fold"))
+    else:
+        same = codes == ref.codes
+        assert same.float().mean() >= 0.99
+        xg = kvarn_dequantize(KVarNTiles(codes, got["scale"], got["zero"], got["s_fold"], bits, "key", tile))
+        size = kvarn_dequantize(KVarNTiles(ref.codes, ref.scale.abs(), ref.zero.abs(), ref.s_fold.abs(), bits, "key", tile))
+        assert ((xg - kvarn_dequantize(ref)).abs()[same] <= (8 * 2**-10 * size + 1e-6)[same]).all()
+    with pytest.raises(ValueError, match="are not whole tiles of 8"):
+        tk.kvarn_key_tiles(x[:, :, :12].to(DEVICE), bits, tile)
 
 
 def test_store_applies_the_head_transform():
@@ -1055,6 +1095,28 @@ def test_cache_flush_goes_through_the_store_kernel(quantizer, dtype, meta):
         assert _stream(other, True, dtype)[1] == 0, other
 
 
+@pytest.mark.parametrize("feedback", [False, True])
+def test_key_tile_flush_goes_through_the_tile_kernel(feedback):
+    """``+ktiles``' keys (KVarN tiles of S_flush tokens, in every recipe ``auto`` records) flush through the tile
+    kernel, one launch a flush, and their values through the store kernel (with ``+ldlq`` feedback on both sides,
+    as auto's recipes have it): the packed middle is the PyTorch path's. Before, a GPU ran KVarN's balance and
+    rows in PyTorch, about 400 small operations a flush and 13 more a channel with feedback."""
+    cfg = QuantConfig(2, 2, "quest", key_quantizer="kvarn", windows=WindowConfig(2, 0, 8))
+    F = _unit_upper(2, 32, seed=6) if feedback else None
+    ref, _, flushes = _stream(cfg, False, torch.float32, CacheInputs(feedback_K=F, feedback_V=F), device="cpu")
+    on = None if F is None else F.to(DEVICE)
+    out, launches, _ = _stream(cfg, True, torch.float32, CacheInputs(feedback_K=on, feedback_V=on))
+    assert flushes >= 2 and launches == flushes and tk.calls().get("kvarn_keys") == flushes
+    for side, store in _middle(ref).items():
+        got = _middle(out)[side]
+        assert set(got) == set(store)
+        for k, t in store.items():
+            if EXACT_ON_ANY_DATA:
+                assert torch.equal(got[k], t), (side, k)
+            else:  # (float32 sums in another order: a code may flip where a value sits on a boundary)
+                assert (got[k] != t).float().mean() < 0.02, (side, k)
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("family,cfg", [
     ("llama", QuantConfig(2, 2, "quest", windows=WindowConfig(4, 8, 4))),
@@ -1065,7 +1127,7 @@ def test_cache_flush_goes_through_the_store_kernel(quantizer, dtype, meta):
 def test_model_decode_through_triton_equals_pytorch(family, cfg):
     """A tiny model (gemma3: sliding-window layers and a GQA group of 2; llama also with one-byte steps, which the
     store kernel leaves to the PyTorch path, and with KVarN key tiles of 8 tokens centered on a rotating mean, what
-    ``auto`` picks for SmolLM2, ``+rmean+ktiles``, stored by the PyTorch path and read by the decode kernel) prefilled
+    ``auto`` picks for SmolLM2, ``+rmean+ktiles``, stored by the tile kernel and read by the decode kernel) prefilled
     with 30 tokens, then decoded 3 tokens, every flush through the store kernel and every decode step through the
     decode kernel: the packed middle
     is the PyTorch path's (QuEST's step may differ in its last float32 bit where torch sums ‖x‖ in another order, so
@@ -1096,12 +1158,21 @@ def test_model_decode_through_triton_equals_pytorch(family, cfg):
     out, out_mid = run(True)
     L = model.config.num_hidden_layers
     stores = tk.calls().get("store", 0)  # every layer flushed at least once; one-byte steps on the PyTorch path
-    # (key tiles: values through the store kernel, keys through KVarN's quantizer)
+    # (key tiles: values through the store kernel, keys through the tile kernel)
     assert tk.calls()["decode"] == 3 * L and (stores == 0 if cfg.metadata_dtype == "e5m3" else
                                               stores >= (L if cfg.key_quantizer == "kvarn" else 2 * L))
+    assert tk.calls().get("kvarn_keys", 0) >= (L if cfg.key_quantizer == "kvarn" else 0)
     flips = total = 0
     for a, b in zip(ref_mid, out_mid):
         for side in a:
+            if side == "k_side" and cfg.key_quantizer == "kvarn":
+                # key tiles: the tile kernel follows kvarn_quantize's PyTorch loop, the CPU path its C++ kernel, whose
+                # balance may keep the other of two rounds that tie to float32 rounding: scale and s_fold then split
+                # e^±s between rows and columns with the same product. The keys they decode to agree.
+                codec = KVarNCodec(cfg.k_bits, model.config.head_dim, cfg.windows.S_flush, "key")
+                ka, kb = (codec.decode(m[side], 0) for m in (a, b))
+                assert torch.allclose(ka, kb, rtol=4e-3, atol=4e-3 * float(ka.abs().max())), float((ka - kb).abs().max())
+                continue
             for k in a[side]:
                 assert a[side][k].shape == b[side][k].shape and a[side][k].dtype == b[side][k].dtype
                 if cfg.quantizer == "affine" and EXACT_ON_ANY_DATA:
@@ -1129,6 +1200,11 @@ for quest, clipped, has_t, br, fb, G in ((True, True, False, 8, False, 32), (Tru
                   FEEDBACK=fb, BR=br)
     triton.compile(ASTSource(K["store"], sig("store", ptrs, ("coef", "sqrt_g"), consts), consts), target=GPUTarget("cuda", 90, 32),
                    options={"enable_fp_fusion": False} if fb else None)
+# KVarN key tiles of 128 tokens at head_dim 64 (SmolLM2's auto), clipped, with error feedback along the channels
+consts = dict(D=64, G=128, BITS=2, ITERS=16, CLIPPED=True, FEEDBACK=True)
+triton.compile(ASTSource(K["kvarn_keys"], sig("kvarn_keys", {"x_ptr": "*bf16", "c_ptr": "*u8", "s_ptr": "*fp16", "z_ptr": "*fp16",
+                                                             "o_ptr": "*fp16"}, ("clip_half",), consts), consts),
+               target=GPUTarget("cuda", 90, 32), options={"enable_fp_fusion": False, "num_warps": 4})
 consts = dict(D=128, GQA=4, GP=16, BN=32, K_BITS=2, V_BITS=4, K_G=128, V_G=32, K_Z=False, V_Z=True, K_E5M3=True, K_OFF=128, V_OFF=0,
               V_E5M3=False, K_P=0, V_P=0, K_WC=0, V_WC=0, K_W4=False, V_W4=False, K_TILE=0, KT_MW=128, RMEAN=False, PAGED=True, PAGE_ABS=False, STARTS=False, HAS_MASK=True, SOFTCAP=True,
               PREC="tf32", DT=tl.bfloat16, EMU=False, FP_STAGES=1, FINAL=False, HAS_SINKS=False, OUT_BF16=True,
@@ -1223,7 +1299,8 @@ def test_launcher_sees_the_constexpr_parameters():
 @pytest.mark.slow
 def test_kernels_compile_for_cuda():
     """The compiled path, which the interpreter does not exercise (Triton's front end, shapes the tensor-core dot
-    accepts, name resolution), without a GPU: the store (with error feedback too, fused multiply-adds off), decode (two tunings, one-byte key steps; codes in classes,
+    accepts, name resolution), without a GPU: the store (with error feedback too, fused multiply-adds off), the KVarN
+    key tiles', decode (two tunings, one-byte key steps; codes in classes,
     in words of 16 bits, three bytes and one, whose inline PTX ptxas assembles, two codes a word a class at head_dim
     64; rows from their own columns; the last split merging its pair's, its atomic after a barrier that follows the
     state's stores) and merge kernels compile for sm_90."""

@@ -174,6 +174,35 @@ def test_store_through_the_triton_kernel_writes_the_bytes_of_encode(quantizer, k
         assert tk.calls() == {}
 
 
+def test_key_tiles_through_the_triton_kernel_write_the_bytes_of_the_codec():
+    """On a GPU (here the interpreter) ``SlotCodec.store_tiles`` quantizes whole key tiles with the KVarN tile
+    kernel (one launch for every tile of the step, ``+ldlq`` feedback along the channels, a tile clip): the key
+    fields of every tile's cells are the bytes the codec's PyTorch path writes, everything else as it was."""
+    pytest.importorskip("triton")
+    from wushkv import triton_kernels as tk
+    from wushkv.decode import triton_enabled
+
+    H, d, tile = 2, 16, 8
+    cfg = QuantConfig(k_bits=2, v_bits=2, quantizer="quest", key_quantizer="kvarn", tile_clip=1.7, windows=WindowConfig(8, 8, tile))
+    F = torch.eye(d).expand(H, d, d) + torch.triu(torch.randn(H, d, d, generator=_g(60)) * 0.1, 1)
+    sc = SlotCodec(cfg, d, F, F)
+    keys = torch.randn(2, H, tile, d, generator=_g(61)) * torch.rand(1, H, 1, d, generator=_g(62)) * 3
+    base = torch.randint(0, 256, (4, H, 16, sc.slot_bytes), dtype=torch.uint8, generator=_g(63))
+    first = torch.tensor([16, 40])  # each tile within its block of 16 slots
+    ref = base.clone()
+    sc.store_tiles(ref, keys, first)
+    tk.reset_calls()
+    dev = _triton_device()
+    with triton_enabled(True):
+        got = base.clone().to(dev)
+        sc.store_tiles(got, keys.to(dev), first.to(dev))
+    assert tk.calls() == {"kvarn_keys": 1} and not torch.equal(ref, base)
+    if dev == "cpu":  # the same float32 steps
+        assert torch.equal(got.cpu(), ref)
+    else:  # float32 sums in another order: a code or a metadata bit apart now and then
+        assert (got.cpu() != ref).float().mean() < 0.02
+
+
 @pytest.mark.parametrize("bits,feedback,meta", [(2, True, "float16"), (4, False, "bfloat16"), (3, True, "float16"), (2, True, "e5m3")])
 def test_key_tile_cells_hold_what_the_tile_codec_stores(bits, feedback, meta):
     """Keys in KVarN tiles (+ktiles): values are written when a token is stored (the fused store where it applies, the

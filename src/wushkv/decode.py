@@ -80,7 +80,7 @@ def triton_enabled(enabled: bool | None):
     CPU tensors under Triton's interpreter, which needs ``TRITON_INTERPRET=1`` before triton is imported; an error
     where triton is missing), never (False), or on CUDA tensors where triton imports (None, the default); the
     previous choice comes back afterwards, also on error. Caches the kernels do not cover (KIVI keys, KVarN tiles
-    of values, float64; for store also the clip search, one-byte E5M3 steps and KVarN's key tiles)
+    of values, float64; for store also the clip search, one-byte E5M3 steps and KVarN's tiles of values)
     keep the PyTorch path."""
     global USE_TRITON
     previous, USE_TRITON = USE_TRITON, enabled
@@ -112,7 +112,17 @@ def encode_block(codec, x: torch.Tensor) -> dict[str, torch.Tensor]:
     where the switch sends x's device there and the kernel covers the codec (a :class:`TokenCodec`, with or without
     error feedback, without clip search or one-byte steps, a head_dim and group size the kernels take, x in
     float16/bfloat16/float32), else through the codec's PyTorch path. The same storage either way: codes uint8 (B, Hkv, N, ⌈d·b/8⌉), scale (and offset,
-    affine) (B, Hkv, N, d/G) in the codec's metadata dtype."""
+    affine) (B, Hkv, N, d/G) in the codec's metadata dtype. KVarN key tiles (:class:`KVarNCodec`, kind "key", with
+    or without error feedback; a power-of-two head_dim and tile) go through the tile kernel
+    (:func:`wushkv.triton_kernels.kvarn_key_tiles`, one program a tile): codes, scale, zero and s_fold as the codec
+    stores them."""
+    if isinstance(codec, KVarNCodec):
+        tk = triton_for(x.device) if codec.kind == "key" and x.dtype in _TRITON_DTYPES else None
+        d, G, H = codec.d, codec.block, x.shape[1]
+        if (tk is None or d < 8 or d & (d - 1) or G & (G - 1)
+                or (codec.feedback is not None and tuple(codec.feedback.shape) != (H, d, d))):
+            return codec.encode(x)
+        return tk.kvarn_key_tiles(x, codec.bits, G, codec.clip, codec.feedback)
     covered = isinstance(codec, TokenCodec) and not codec.step_byte and x.dtype in _TRITON_DTYPES
     tk = triton_for(x.device) if covered else None
     if tk is None:

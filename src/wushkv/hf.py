@@ -22,6 +22,7 @@ The math is :mod:`wushkv.attention`'s. Shapes: queries ``(B, Hq, T, d)``, keys/v
 from __future__ import annotations
 
 import torch
+from transformers.utils import logging
 
 from .attention import as_allowed, fast_attention
 from .views import LayerView
@@ -29,6 +30,7 @@ from .models import attention_modules
 from .progress import progress
 
 ATTN_IMPLEMENTATION = "wushkv"
+_log = logging.get_logger(__name__)
 
 
 def wushkv_attention(
@@ -45,6 +47,9 @@ def wushkv_attention(
 ):
     """The registered attention function (signature of transformers' ``AttentionInterface``)."""
     scaling = scaling if scaling is not None else query.shape[-1] ** -0.5
+    if kwargs.get("output_attentions", False):  # (as transformers' sdpa says it: an empty tuple is no answer)
+        _log.warning_once("wushkv attention computes no attention weights (output_attentions=True gets None for each "
+                          "layer); it attends over packed codes, block by block, and never forms the full matrix")
     if softcap is None:
         softcap = getattr(module, "attn_logit_softcapping", None)
     sinks = kwargs.get("s_aux")  # learned per-query-head sink logits (gpt-oss): one more softmax column, zero value

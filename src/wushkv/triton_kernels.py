@@ -6,7 +6,9 @@ keys of KVarN tiles (:class:`TileFormat`: the key tiles ``auto`` picks), whose p
 query tile by tile, so their codes enter the dots as per-token codes do. KIVI's per-channel keys and KVarN's tiles of
 values stay on the PyTorch path of :mod:`wushkv.decode`. Store covers error-feedback rounding of per-token codes
 (``+ldlq``: a pass over the channels, one program's rows at a time), not the per-token clip search
-(``clip_search``) nor KVarN's tile quantizer; decode reads what those store, so it covers them.
+(``clip_search``); decode reads what that stores, so it covers it. KVarN's key tiles (``+ktiles``, every recipe
+``auto`` records) have a kernel of their own (:func:`kvarn_key_tiles`: a tile a program, balance, rows, with
+``+ldlq`` along the channels); KVarN's tiles of values stay on the PyTorch path.
 
 Layouts (``nb`` = ⌈d·b/8⌉ packed bytes, ``ng`` = d/G groups, codes as :func:`wushkv.quantizers.pack` lays them out):
 
@@ -1136,6 +1138,121 @@ def _kernels() -> dict:
             tl.store(z_ptr + (blk * sz0 + tok * sz1 + h * sz2)[:, None] + g[None, :],
                      _rne_out(offset, META_BF16).to(z_ptr.dtype.element_ty), mask=ok[:, None])
 
+    # -- KVarN key tiles: balance, rows (with error feedback), pack -------------------------------------------------
+    @jit
+    def _std(B, AXIS: tl.constexpr, N: tl.constexpr, CORRECTION: tl.constexpr):
+        """torch's ``B.std(dim=AXIS, correction=CORRECTION)`` of a 2-D tile over its N entries along AXIS: the
+        mean, then the squared deviations' sum over N − CORRECTION, IEEE division and square root."""
+        mean = tl.math.div_rn(tl.sum(B, AXIS), tl.zeros_like(tl.sum(B, AXIS)) + N)
+        dev = B - tl.expand_dims(mean, AXIS)
+        ss = tl.sum(dev * dev, AXIS)
+        return tl.math.sqrt_rn(tl.math.div_rn(ss, tl.zeros_like(ss) + (N - CORRECTION)))
+
+    @jit
+    def _imbalance(B, R: tl.constexpr, C: tl.constexpr):
+        """:func:`wushkv.quantizers.kvarn.imbalance` of one (R, C) tile (a scalar)."""
+        sc = _std(B, 0, R, 1)  # (C,) each column's std
+        sr = _std(B, 1, C, 1)  # (R,) each row's
+        return (tl.math.div_rn(tl.max(sc, 0), tl.maximum(tl.min(sc, 0), 1e-8))
+                + tl.math.div_rn(tl.max(sr, 0), tl.maximum(tl.min(sr, 0), 1e-8)))
+
+    @jit
+    def _round_even(x):
+        """torch.round: to nearest, ties to even (the interpreter has no rint)."""
+        fl = tl.floor(x)
+        fr = x - fl
+        odd = fl - 2.0 * tl.floor(fl * 0.5)
+        return tl.where(fr > 0.5, fl + 1.0, tl.where(fr < 0.5, fl, fl + odd))
+
+    @jit
+    def _tile_grid(b, N: tl.constexpr, QMAX: tl.constexpr, clip_half, CLIPPED: tl.constexpr, AXIS: tl.constexpr):
+        """(lo, step) of balanced rows ``b`` along AXIS (kvarn._row_grid): min-max, or within mean ± clip·α_b·σ."""
+        lo = tl.min(b, AXIS)
+        hi = tl.max(b, AXIS)
+        if CLIPPED:
+            mu = tl.math.div_rn(tl.sum(b, AXIS), tl.zeros_like(lo) + N)
+            half = clip_half * _std(b, AXIS, N, 0)
+            lo = tl.maximum(lo, mu - half)
+            hi = tl.minimum(hi, mu + half)
+        return lo, tl.maximum(tl.math.div_rn(hi - lo, tl.zeros_like(lo) + QMAX), 1e-10)
+
+    @jit
+    def kvarn_key_kernel(x_ptr, sx_b, sx_h, sx_t, sx_d, f_ptr, sf_h, sf_i, sf_j,
+                         c_ptr, sc_b, sc_h, sc_t, s_ptr, z_ptr, sm_b, sm_h, sm_n, o_ptr, so_b, so_h, so_n,
+                         clip_half,
+                         D: tl.constexpr, G: tl.constexpr, BITS: tl.constexpr, ITERS: tl.constexpr,
+                         CLIPPED: tl.constexpr, FEEDBACK: tl.constexpr):
+        """Program (tile j, head h, sequence b): the keys' KVarN tile of tokens [j·G, (j+1)·G) as
+        :func:`wushkv.quantizers.kvarn.kvarn_quantize` (kind "key") stores it: A = Xᵀ (D channels × G tokens),
+        balanced in ITERS rounds (the round of least imbalance kept), each channel row quantized over its own grid
+        (in order, each row's error pushed onto the later rows through F with FEEDBACK), the codes packed per token
+        at x's rows, scale and zero (D,) and s_fold (G,) in float16."""
+        j = tl.program_id(0).to(tl.int64)
+        h = tl.program_id(1).to(tl.int64)
+        b = tl.program_id(2).to(tl.int64)
+        r = tl.arange(0, D)
+        c = tl.arange(0, G)
+        A = tl.load(x_ptr + b * sx_b + h * sx_h + (j * G + c[None, :]) * sx_t + r[:, None] * sx_d).to(tl.float32)  # (D, G)
+        QMAX: tl.constexpr = (1 << BITS) - 1
+        # 2. balance in the log domain: A = B ⊙ (exp ℓ_r · exp ℓ_cᵀ), the round of least imbalance (the start counts)
+        log_r = tl.zeros([D], dtype=tl.float32)
+        log_c = tl.zeros([G], dtype=tl.float32)
+        best_r = log_r
+        best_c = log_c
+        best = _imbalance(A, D, G)
+        for _ in range(ITERS):
+            B = A / (tl.exp(log_r)[:, None] * tl.exp(log_c)[None, :])
+            log_c = tl.minimum(tl.maximum(log_c + tl.log(tl.minimum(tl.maximum(_std(B, 0, D, 1), 1e-3), 1e3)), -0.3), 10.0)
+            B = A / (tl.exp(log_r)[:, None] * tl.exp(log_c)[None, :])
+            log_r = tl.minimum(tl.maximum(log_r + tl.log(tl.minimum(tl.maximum(_std(B, 1, G, 1), 1e-3), 1e3)), -0.3), 10.0)
+            B = A / (tl.exp(log_r)[:, None] * tl.exp(log_c)[None, :])
+            imb = _imbalance(B, D, G)
+            better = imb < best  # strictly: a NaN never replaces the incumbent
+            best = tl.where(better, imb, best)
+            best_r = tl.where(better, log_r, best_r)
+            best_c = tl.where(better, log_c, best_c)
+        row_exp = tl.exp(best_r)  # (D,)
+        fold = tl.exp(best_c)  # (G,)
+        # 3. each channel row over its own grid
+        if FEEDBACK:  # rows in order; the error as the decoder reads it (float16 metadata) feeds the later rows
+            fold16 = fold.to(tl.float16).to(tl.float32)
+            W = A
+            q = tl.zeros([D, G], dtype=tl.float32)
+            lo = tl.zeros([D], dtype=tl.float32)
+            step = tl.zeros([D], dtype=tl.float32)
+            for i in range(D):
+                at = r == i
+                w = tl.sum(tl.where(at[:, None], W, 0.0), 0)  # (G,) row i as updated so far
+                e_r = tl.sum(tl.where(at, row_exp, 0.0), 0)
+                bi = w / (e_r * fold)
+                lo_i, step_i = _tile_grid(bi[None, :], G, QMAX, clip_half, CLIPPED, 1)  # (1,)
+                qi = tl.minimum(tl.maximum(_round_even(tl.math.div_rn(bi[None, :] - lo_i[:, None], step_i[:, None])), 0.0), QMAX * 1.0)
+                q = tl.where(at[:, None], qi, q)
+                lo = tl.where(at, tl.sum(lo_i, 0), lo)
+                step = tl.where(at, tl.sum(step_i, 0), step)
+                s16 = (e_r * step_i).to(tl.float16).to(tl.float32)  # (1,)
+                z16 = (e_r * lo_i).to(tl.float16).to(tl.float32)
+                e = w[None, :] - fold16[None, :] * (s16[:, None] * qi + z16[:, None])  # (1, G)
+                f = tl.load(f_ptr + h * sf_h + i * sf_i + r * sf_j, mask=r > i, other=0.0).to(tl.float32)  # (D,)
+                W = W - f[:, None] * e
+        else:
+            B = A / (row_exp[:, None] * fold[None, :])
+            lo, step = _tile_grid(B, G, QMAX, clip_half, CLIPPED, 1)
+            q = tl.minimum(tl.maximum(_round_even(tl.math.div_rn(B - lo[:, None], step[:, None])), 0.0), QMAX * 1.0)
+        # 4. metadata, float16: scale' = exp ℓ_r · step, zero' = exp ℓ_r · lo (per channel), s_fold = exp ℓ_c (per token)
+        n = b * sm_b + h * sm_h + j * sm_n
+        tl.store(s_ptr + n + r, (row_exp * step).to(tl.float16))
+        tl.store(z_ptr + n + r, (row_exp * lo).to(tl.float16))
+        tl.store(o_ptr + b * so_b + h * so_h + j * so_n + c, fold.to(tl.float16))
+        # codes per token (x's rows), 8 codes → BITS bytes along the channels (wushkv.quantizers.packing)
+        codes = tl.reshape(tl.trans(q.to(tl.int64)), [G, D // 8, 8])
+        k = tl.arange(0, 8)
+        word = tl.sum(codes << (k[None, None, :] * BITS), 2)  # (G, D/8)
+        wi = tl.arange(0, D // 8)
+        base = b * sc_b + h * sc_h + (j * G + c) * sc_t
+        for m in tl.static_range(BITS):
+            tl.store(c_ptr + base[:, None] + wi[None, :] * BITS + m, ((word >> (8 * m)) & 255).to(tl.uint8))
+
     # -- the code words' operand bits alone: what checks the GPU's inline PTX without a GPU -------------------------
     @jit
     def word_codes_kernel(w_ptr, o_ptr, S: tl.constexpr, P: tl.constexpr, BITS: tl.constexpr, OFF: tl.constexpr,
@@ -1149,7 +1266,8 @@ def _kernels() -> dict:
         out = _word_codes(tl.load(w_ptr + r), S, P, BITS, OFF, EMU)
         tl.store(o_ptr + r, out.to(tl.int16, bitcast=True))
 
-    return {"decode": decode_kernel, "merge": merge_kernel, "store": store_kernel, "word_codes": word_codes_kernel}
+    return {"decode": decode_kernel, "merge": merge_kernel, "store": store_kernel, "word_codes": word_codes_kernel,
+            "kvarn_keys": kvarn_key_kernel}
 
 
 def _check_device(*tensors) -> None:
@@ -1433,6 +1551,43 @@ def store_contiguous(x, codes, scale, offset, start, fmt: TokenFormat, transform
     rows = x.transpose(1, 2).reshape(B * T, H, d)
     strides = tuple((t.stride(0), t.stride(2), t.stride(1)) if t is not None else (0, 0, 0) for t in (codes, scale, offset))
     _store(rows, slots, cap, codes, scale, offset, fmt, transform, strides, rows_per_program, feedback)
+
+
+def kvarn_key_tiles(x: torch.Tensor, bits: int, tile: int, clip: float = 0.0, feedback: torch.Tensor | None = None,
+                    iters: int = 16) -> dict[str, torch.Tensor]:
+    """Keys x (B, Hkv, T, d) (transformed; T a multiple of ``tile``) quantized in KVarN tiles, one program per
+    (tile, head, sequence): the storage :class:`wushkv.codecs.KVarNCodec` (kind "key") encodes, codes uint8
+    (B, Hkv, T, ⌈d·b/8⌉) packed per token, scale and zero float16 (B, Hkv, T/tile, d) per channel, s_fold float16
+    (B, Hkv, T/tile, tile) per token. ``feedback`` (Hkv, d, d): the ``+ldlq`` rows in order. The same arithmetic as
+    :func:`wushkv.quantizers.kvarn.kvarn_quantize` (its balance's ``iters`` rounds, ties and NaNs, its rounding),
+    with float32 sums in another order: codes equal but where a value sits on a rounding boundary to that rounding, or
+    where two rounds' imbalances tie (the scales then split e^±s between rows and columns, with the same product)."""
+    from .quantizers.quest import QUEST_ALPHA
+
+    B, H, T, d = x.shape
+    if T % tile:
+        raise ValueError(f"{T} tokens are not whole tiles of {tile}")
+    if d < 8 or d & (d - 1) or tile < 2 or tile & (tile - 1):
+        raise ValueError(f"the KVarN tile kernel takes a power-of-two head_dim >= 8 and tile >= 2, got {d} and {tile}")
+    if feedback is not None and tuple(feedback.shape) != (H, d, d):
+        raise ValueError(f"feedback must be (Hkv, d, d) = {(H, d, d)}, got {tuple(feedback.shape)}")
+    _check_device(x)
+    n = T // tile
+    codes = torch.empty(B, H, T, -(-d * bits // 8), dtype=torch.uint8, device=x.device)
+    scale = torch.empty(B, H, n, d, dtype=torch.float16, device=x.device)
+    zero = torch.empty_like(scale)
+    s_fold = torch.empty(B, H, n, tile, dtype=torch.float16, device=x.device)
+    if B * H * n == 0:
+        return {"codes": codes, "scale": scale, "zero": zero, "s_fold": s_fold}
+    f = to_device(feedback, x.device, torch.float32) if feedback is not None else x
+    # a (d, tile) float32 tile a program: warps enough to hold it in registers (16 at d 256)
+    warps = max(4, min(16, d * tile // 2048))
+    _launch("kvarn_keys", (n, H, B), x, *x.stride(), f, *(f.stride() if feedback is not None else (0, 0, 0)),
+            codes, codes.stride(0), codes.stride(1), codes.stride(2), scale, zero, scale.stride(0), scale.stride(1),
+            scale.stride(2), s_fold, s_fold.stride(0), s_fold.stride(1), s_fold.stride(2), float(clip * QUEST_ALPHA[bits]),
+            D=d, G=tile, BITS=bits, ITERS=iters, CLIPPED=clip > 0, FEEDBACK=feedback is not None, num_warps=warps,
+            enable_fp_fusion=False)  # (the float32 steps of the PyTorch reference one by one: no fused multiply-adds)
+    return {"codes": codes, "scale": scale, "zero": zero, "s_fold": s_fold}
 
 
 # -- decode --------------------------------------------------------------------------------------------------------

@@ -192,7 +192,10 @@ class SlotCodec:
         n, H, G, d = keys.shape
         if G != self.tile:
             raise ValueError(f"tiles of {self.tile} tokens, got {G}")
-        s = self.codecs["key"].encode(keys.float())  # codes (n, H, G, nb), scale/zero (n, H, 1, d), s_fold (n, H, 1, G)
+        from wushkv.decode import encode_block
+
+        # codes (n, H, G, nb), scale/zero (n, H, 1, d), s_fold (n, H, 1, G); on a GPU through the tile kernel
+        s = encode_block(self.codecs["key"], keys.float())
         meta = torch.cat([s["scale"], s["zero"]], -1).reshape(n, H, 2 * d).view(torch.uint8)  # (n, H, 4d)
         meta = torch.nn.functional.pad(meta, (0, G * self.meta_width - 4 * d)).reshape(n, H, G, self.meta_width)
         fields = {"codes": s["codes"], "s_fold": s["s_fold"].reshape(n, H, G, 1).view(torch.uint8), "tile_meta": meta}
