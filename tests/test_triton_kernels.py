@@ -164,20 +164,20 @@ def test_store_rounds_with_error_feedback(name, meta):
     another shape is refused."""
     from wushkv.codecs import TokenCodec
 
-    q, d, H = QUANTIZERS[name], 64, 2
+    q, d, H = QUANTIZERS[name], 32, 2
     fmt = tk.TokenFormat.of(q, d)
     F = _unit_upper(H, d, seed=3)
     g = torch.Generator().manual_seed(4)
-    x = torch.randn(11, H, d, generator=g) * torch.linspace(0.2, 3, d)
-    ref = TokenCodec(q, d, meta, feedback=F).encode(x.transpose(0, 1)[None])  # (1, H, 11, ·)
+    x = torch.randn(7, H, d, generator=g) * torch.linspace(0.2, 3, d)
+    ref = TokenCodec(q, d, meta, feedback=F).encode(x.transpose(0, 1)[None])  # (1, H, 7, ·)
     plain = TokenCodec(q, d, meta).encode(x.transpose(0, 1)[None])
     assert (ref["codes"] != plain["codes"]).float().mean() > 0.2
-    slots = torch.tensor([3, 0, 6, -1, 1, 5, 2, 8, 11, 10, 9])
+    slots = torch.tensor([3, 0, 6, -1, 1, 5, 2])
     for br in (1, 8):
-        codes, scale, offset = _buffers((3, 4, H), fmt, meta)
+        codes, scale, offset = _buffers((2, 4, H), fmt, meta)
         tk.store_paged(x.to(DEVICE), slots, codes, scale, offset, fmt, feedback=F.to(DEVICE), rows_per_program=br)
-        codes, scale = codes.view(12, H, -1).cpu(), scale.view(12, H, -1).cpu()
-        got = codes[slots.clamp(min=0)].transpose(0, 1)[:, slots >= 0]  # (H, 10, nb) of the rows written
+        codes, scale = codes.view(8, H, -1).cpu(), scale.view(8, H, -1).cpu()
+        got = codes[slots.clamp(min=0)].transpose(0, 1)[:, slots >= 0]  # (H, 6, nb) of the rows written
         want = ref["codes"][0][:, slots >= 0]
         if EXACT_ON_ANY_DATA or not fmt.quest:
             assert torch.equal(got, want), (name, br, (got != want).float().mean())
@@ -185,11 +185,11 @@ def test_store_rounds_with_error_feedback(name, meta):
         else:
             assert (got != want).float().mean() < 2e-2, (name, br)
         if offset is not None:
-            assert torch.equal(offset.view(12, H, -1).cpu()[slots.clamp(min=0)].transpose(0, 1)[:, slots >= 0],
+            assert torch.equal(offset.view(8, H, -1).cpu()[slots.clamp(min=0)].transpose(0, 1)[:, slots >= 0],
                                ref["offset"][0][:, slots >= 0])
-        assert (codes[[4, 7]] == 0xAB).all(), br  # slot 4 is nobody's, 7 the padding row's: untouched
-    with pytest.raises(ValueError, match=r"feedback must be \(Hkv, d, d\) = \(2, 64, 64\)"):
-        tk.store_paged(x.to(DEVICE), slots, *_buffers((3, 4, H), fmt, meta), fmt, feedback=F[0].to(DEVICE))
+        assert (codes[[4, 7]] == 0xAB).all(), br  # slots 4 and 7 are nobody's (row 3 is padding): untouched
+    with pytest.raises(ValueError, match=r"feedback must be \(Hkv, d, d\) = \(2, 32, 32\)"):
+        tk.store_paged(x.to(DEVICE), slots, *_buffers((2, 4, H), fmt, meta), fmt, feedback=F[0].to(DEVICE))
 
 
 @pytest.mark.parametrize("bits,clip,feedback", [(2, 0.0, False), (3, 1.7, True)])
@@ -1095,7 +1095,7 @@ def test_cache_flush_goes_through_the_store_kernel(quantizer, dtype, meta):
         assert _stream(other, True, dtype)[1] == 0, other
 
 
-@pytest.mark.parametrize("feedback", [False, True])
+@pytest.mark.parametrize("feedback", [True])  # (without: test_kvarn_key_tiles_equal_the_tile_quantizer)
 def test_key_tile_flush_goes_through_the_tile_kernel(feedback):
     """``+ktiles``' keys (KVarN tiles of S_flush tokens, in every recipe ``auto`` records) flush through the tile
     kernel, one launch a flush, and their values through the store kernel (with ``+ldlq`` feedback on both sides,
