@@ -667,25 +667,20 @@ def feedback_store_row(args, B, device, timer) -> dict:
     d, H = args.head_dim, args.kv_heads
     g = torch.Generator().manual_seed(0)
     F = ((torch.randn(H, d, d, generator=g) * 0.1).triu(1) + torch.eye(d)).to(device)
-    codec = TokenCodec(QuestQuantizer(args.v_bits), d, torch.float16, feedback=F)
     x = torch.randn(B, H, args.feedback_tokens, d, device=device, dtype=torch.bfloat16)
     row = {"batch": B, "tokens": args.feedback_tokens, "head_dim": d, "kv_heads": H, "bits": args.v_bits}
-    stored = {}
-    for name, on in (("triton", True), ("pytorch", False)):
-        with triton_enabled(on):
-            stored[name] = encode_block(codec, x)
-            row[name] = timer(lambda: encode_block(codec, x), args.warmup, args.iters, gpu=True)
-    row["pytorch_over_triton"] = row["pytorch"]["ms"] / row["triton"]["ms"]
-    row["codes_apart"] = (stored["triton"]["codes"] != stored["pytorch"]["codes"]).float().mean().item()
-    # the keys of the same flush as one KVarN tile each (+ktiles, tile clip 1.7, feedback along the channels):
-    # the tile kernel against KVarN's balance and rows in PyTorch
-    tiles = KVarNCodec(args.k_bits, d, args.feedback_tokens, "key", clip=1.7, feedback=F)
-    for name, on in (("ktiles_triton", True), ("ktiles_pytorch", False)):
-        with triton_enabled(on):
-            stored[name] = encode_block(tiles, x)
-            row[name] = timer(lambda: encode_block(tiles, x), args.warmup, args.iters, gpu=True)
-    row["ktiles_pytorch_over_triton"] = row["ktiles_pytorch"]["ms"] / row["ktiles_triton"]["ms"]
-    row["ktiles_codes_apart"] = (stored["ktiles_triton"]["codes"] != stored["ktiles_pytorch"]["codes"]).float().mean().item()
+    # the values' per-token codes, then the same tokens as the keys' KVarN tile (+ktiles, tile clip 1.7, F along
+    # the channels): each through its kernel and through PyTorch
+    codecs = {"": TokenCodec(QuestQuantizer(args.v_bits), d, torch.float16, feedback=F),
+              "ktiles_": KVarNCodec(args.k_bits, d, args.feedback_tokens, "key", clip=1.7, feedback=F)}
+    for prefix, codec in codecs.items():
+        stored = {}
+        for name, on in (("triton", True), ("pytorch", False)):
+            with triton_enabled(on):
+                stored[name] = encode_block(codec, x)
+                row[prefix + name] = timer(lambda: encode_block(codec, x), args.warmup, args.iters, gpu=True)
+        row[prefix + "pytorch_over_triton"] = row[prefix + "pytorch"]["ms"] / row[prefix + "triton"]["ms"]
+        row[prefix + "codes_apart"] = (stored["triton"]["codes"] != stored["pytorch"]["codes"]).float().mean().item()
     return row
 
 

@@ -666,7 +666,8 @@ def test_cuda_backends_on_fake_cuda_tensors(tmp_path):
     and forward (its kernels under the interpreter) with the cache, queries, block table and slot mapping on fake CUDA
     tensors (tests/fake_cuda.py: CPU data that says cuda:0, checked against PyTorch's device rules), as vLLM lays a
     step out on a GPU (padded slot mapping, host copies of the metadata): no operation a GPU would refuse, the CPU
-    backend's outputs (1e-5) and cells (to the byte), over per-token codes of keys centered on their rotating mean
+    backend's outputs (1e-5) and cells (to the byte; key tiles stored by the tile kernel on both sides, whose balance
+    keeps the other of two near-tied rounds where its sums' order differs from torch's), over per-token codes of keys centered on their rotating mean
     (+rmean: centered in the forward, their centers' share of the scores in the kernel), +ldlq key tiles after a sink
     of one tile, and a sliding-window gemma3 layer (tests/vllm_fake_cuda_check.py). A decode step of per-token codes,
     stored by the Triton kernel or in torch, makes the host wait for the device nowhere in a layer (the step's host

@@ -32,6 +32,11 @@ os.environ.setdefault("TRITON_INTERPRET", "1")  # before triton is imported
 # same code on both sides the outputs agree to float32 rounding (below 1e-6 on the folders tried) and the cells to
 # the byte.
 os.environ.setdefault("WUSHKV_NO_EXT", "1")
+# For the same reason the CPU side stores KVarN key tiles through the same tile kernel as the device side (under the
+# interpreter, triton_enabled(True) for its forward where the folder has key tiles): the kernel follows the PyTorch
+# balance step for step, but its float32 sums run in numpy's order, and on a near tie it keeps the other round. That
+# the kernel writes the bytes of the PyTorch path is held elsewhere, on data without such ties
+# (tests/test_vllm_plugin.py::test_key_tiles_through_the_triton_kernel_write_the_bytes_of_the_codec).
 
 import torch  # noqa: E402
 from vllm.config import ModelConfig, VllmConfig, set_current_vllm_config  # noqa: E402
@@ -44,6 +49,7 @@ from wushkv import triton_kernels as tk  # noqa: E402
 from wushkv.decode import triton_enabled  # noqa: E402
 from wushkv_vllm.backend import WushKVCPUImpl  # noqa: E402
 from wushkv_vllm.cuda import WushKVFlashAttnBackend, WushKVMetadata, WushKVTritonBackend, WushKVTritonImpl  # noqa: E402
+from wushkv_vllm.served import load_served  # noqa: E402
 
 TOLERANCE = 1e-5  # relative to the largest output: the Triton decode sums in another order than torch's attention
 
@@ -95,6 +101,7 @@ def check(folder: str) -> dict:
     Hq, H = hf["num_attention_heads"], hf["num_key_value_heads"]
     d = hf.get("head_dim") or hf["hidden_size"] // Hq
     layer_name, window = _layer(hf)
+    key_tiles = load_served(folder).cfg.side_quantizer("key") == "kvarn"  # (the CPU side's tiles: the kernel too)
     cfg = VllmConfig(model_config=ModelConfig(model=folder, dtype="float32", max_model_len=BLOCK * BLOCKS_PER_REQUEST))
     g = torch.Generator().manual_seed(0)
     fake_cuda.reset()
@@ -149,6 +156,7 @@ def check(folder: str) -> dict:
             out_cpu = torch.zeros(T + PAD, Hq, d)
             with triton_enabled(False):
                 cpu.do_kv_cache_update(layer, k, v, cache_cpu, padded)
+            with triton_enabled(key_tiles):  # (the forward stores the tiles; their decode takes the general path)
                 cpu.forward(layer, q, k, v, cache_cpu, md_cpu, out_cpu)
 
             out_gpu = fake_cuda.on_device(torch.zeros(T + PAD, Hq, d))

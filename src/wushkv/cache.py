@@ -108,7 +108,7 @@ class WushKVCache(Cache):
         if isinstance(layer, WushKVLayer):
             k, before = self._before[layer_idx]  # the attention layer before it in a step (the first's: the last)
             if layer.n != (self.layers[before].n - (key_states.shape[-2] if k else 0)):
-                lengths = [layer.n for layer in self.quantized_layers]
+                lengths = [other.n for other in self.quantized_layers]
                 raise RuntimeError(
                     f"this WushKVCache's attention layers hold {lengths} tokens: a step stopped part-way (an error in "
                     "an earlier forward, after some layers had taken its tokens), which cannot be undone; create a new "
