@@ -1047,6 +1047,19 @@ def _kernels() -> dict:
 
     # -- store: one program per (BR tokens, KV head) ---------------------------------------------------------------
     @jit
+    def _store_packed(c_ptr, base, q, ok, N: tl.constexpr, D: tl.constexpr, BITS: tl.constexpr):
+        """Rows of codes ``q`` (N, D) (float, 0..2^BITS−1) packed as :mod:`wushkv.quantizers.packing` lays them out
+        (8 codes → BITS bytes, code i at bits [i·BITS, (i+1)·BITS)) and stored from ``c_ptr + base`` (N,), rows
+        where ``ok`` (N,)."""
+        codes = tl.reshape(q.to(tl.int64), [N, D // 8, 8])
+        i = tl.arange(0, 8)
+        word = tl.sum(codes << (i[None, None, :] * BITS), 2)  # (N, D/8): disjoint bits, so the sum is an or
+        w = tl.arange(0, D // 8)
+        for m in tl.static_range(BITS):
+            tl.store(c_ptr + base[:, None] + w[None, :] * BITS + m, ((word >> (8 * m)) & 255).to(tl.uint8),
+                     mask=ok[:, None])
+
+    @jit
     def store_kernel(x_ptr, sx_r, sx_h, sx_d, t_ptr, st_h, st_i, st_j, f_ptr, sf_h, sf_i, sf_j, slot_ptr, R, PAGE,
                      c_ptr, sc0, sc1, sc2, s_ptr, ss0, ss1, ss2, z_ptr, sz0, sz1, sz2,
                      coef, kth, sqrt_g,
@@ -1122,15 +1135,7 @@ def _kernels() -> dict:
                 e = wj - (c * sj + oj)  # (fp fusion off: the float32 steps of feedback_round, one by one)
                 f = tl.load(f_ptr + h * sf_h + j * sf_i + d * sf_j, mask=d > j, other=0.0).to(tl.float32)  # (D,)
                 x = x - e[:, None] * f[None, :]
-        # pack: 8 codes → BITS bytes, code i at bits [i·BITS, (i+1)·BITS) (wushkv.quantizers.packing)
-        codes = tl.reshape(q.to(tl.int64), [BR, D // 8, 8])
-        i = tl.arange(0, 8)
-        word = tl.sum(codes << (i[None, None, :] * BITS), 2)  # (BR, D/8): disjoint bits, so the sum is an or
-        w = tl.arange(0, D // 8)
-        base = blk * sc0 + tok * sc1 + h * sc2
-        for m in tl.static_range(BITS):
-            tl.store(c_ptr + base[:, None] + w[None, :] * BITS + m, ((word >> (8 * m)) & 255).to(tl.uint8),
-                     mask=ok[:, None])
+        _store_packed(c_ptr, blk * sc0 + tok * sc1 + h * sc2, q, ok, BR, D, BITS)
         g = tl.arange(0, NG)
         tl.store(s_ptr + (blk * ss0 + tok * ss1 + h * ss2)[:, None] + g[None, :],
                  _rne_out(scale, META_BF16).to(s_ptr.dtype.element_ty), mask=ok[:, None])
@@ -1200,8 +1205,8 @@ def _kernels() -> dict:
         best_r = log_r
         best_c = log_c
         best = _imbalance(A, D, G)
+        B = A
         for _ in range(ITERS):
-            B = A / (tl.exp(log_r)[:, None] * tl.exp(log_c)[None, :])
             log_c = tl.minimum(tl.maximum(log_c + tl.log(tl.minimum(tl.maximum(_std(B, 0, D, 1), 1e-3), 1e3)), -0.3), 10.0)
             B = A / (tl.exp(log_r)[:, None] * tl.exp(log_c)[None, :])
             log_r = tl.minimum(tl.maximum(log_r + tl.log(tl.minimum(tl.maximum(_std(B, 1, G, 1), 1e-3), 1e3)), -0.3), 10.0)
@@ -1244,14 +1249,8 @@ def _kernels() -> dict:
         tl.store(s_ptr + n + r, (row_exp * step).to(tl.float16))
         tl.store(z_ptr + n + r, (row_exp * lo).to(tl.float16))
         tl.store(o_ptr + b * so_b + h * so_h + j * so_n + c, fold.to(tl.float16))
-        # codes per token (x's rows), 8 codes → BITS bytes along the channels (wushkv.quantizers.packing)
-        codes = tl.reshape(tl.trans(q.to(tl.int64)), [G, D // 8, 8])
-        k = tl.arange(0, 8)
-        word = tl.sum(codes << (k[None, None, :] * BITS), 2)  # (G, D/8)
-        wi = tl.arange(0, D // 8)
-        base = b * sc_b + h * sc_h + (j * G + c) * sc_t
-        for m in tl.static_range(BITS):
-            tl.store(c_ptr + base[:, None] + wi[None, :] * BITS + m, ((word >> (8 * m)) & 255).to(tl.uint8))
+        # codes per token (x's rows), packed along the channels
+        _store_packed(c_ptr, b * sc_b + h * sc_h + (j * G + c) * sc_t, tl.trans(q), c >= 0, G, D, BITS)
 
     # -- the code words' operand bits alone: what checks the GPU's inline PTX without a GPU -------------------------
     @jit
