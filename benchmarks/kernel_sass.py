@@ -26,6 +26,11 @@ time on a GPU; ``benchmarks/gpu_decode.py`` times it.
 
 ``--key-tiles N``: the keys as KVarN tiles of N tokens (``auto``'s ``+ktiles``), the values per-token codes as before.
 ``--rmean``: the keys centered on their rotating mean (``+rmean``, :class:`wushkv.triton_kernels.KeyBias`).
+``--stores``: instead of the decode kernel, the store kernels ``auto``'s cache writes with (per-token codes, with and
+without ``+ldlq``'s error feedback, and KVarN key tiles with and without it), compiled as a GPU launches them: their
+registers, stack and spilled loads and stores, and the instructions of their loops (the balance's rounds, the
+channels of error feedback).
+
 ``--max-registers none,168,128``: each configuration also compiled under each cap on a thread's registers
 (``DecodeTuning.max_registers``): fewer registers, more resident warps, and the spills that costs. ``--fp-stages 2``:
 the loop over the full-precision windows' software pipeline (``DecodeTuning.fp_stages``; 1: unpipelined, less shared
@@ -76,6 +81,7 @@ def parse_args(argv=None):
                         "compiler's choice)")
     p.add_argument("--fp-stages", type=int, default=None,
                    help="DecodeTuning.fp_stages for every configuration (the windows' loop pipeline; default: each's)")
+    p.add_argument("--stores", action="store_true", help="profile the store kernels instead of the decode kernel")
     p.add_argument("--json", default=None)
     args = p.parse_args(argv)
     try:
@@ -123,6 +129,48 @@ def recorded_decode(bits: int, d: int, q_heads: int, kv_heads: int, n_mid: int =
     return next(rec for rec in launches if rec[0] == "decode")
 
 
+def recorded_stores(bits: int, d: int, kv_heads: int, key_tile: int = 128) -> list:
+    """The store launches of one layer as a GPU makes them (CPU tensors standing in for its): (label, launch) of
+    per-token QuEST codes from bfloat16 rows, plain and with error feedback, and of the keys' KVarN tiles of
+    ``key_tile`` tokens, plain and with error feedback."""
+    x = torch.zeros(1, kv_heads, key_tile, d, dtype=torch.bfloat16)
+    F = torch.eye(d).expand(kv_heads, d, d).contiguous()
+    fmt = tk.TokenFormat.of(QuestQuantizer(bits), d)
+    codes = torch.zeros(1, kv_heads, key_tile, fmt.nbytes, dtype=torch.uint8)
+    scale = torch.zeros(1, kv_heads, key_tile, fmt.ngroups, dtype=torch.bfloat16)
+    out = []
+    for label, fb in (("token", None), ("token +ldlq", F)):
+        with tk.recorded_launches() as launches:
+            tk.store_contiguous(x, codes, scale, None, 0, fmt, feedback=fb)
+        out.append((label, launches[0]))
+    for label, fb in (("key tiles", None), ("key tiles +ldlq", F)):
+        with tk.recorded_launches() as launches:
+            tk.kvarn_key_tiles(x.float(), bits, key_tile, feedback=fb)
+        out.append((label, launches[0]))
+    return out
+
+
+def run_stores(args, tools) -> dict:
+    rows = []
+    for d in (int(x) for x in args.head_dims.split(",")):
+        for bits in (int(x) for x in args.widths.split(",")):
+            for label, record in recorded_stores(bits, d, args.kv_heads, args.key_tiles or 128):
+                prof = profile(compile_for_sm90(record), tools)
+                every = collections.Counter()
+                for op in ("LDL", "STL"):  # the whole kernel's, loops or not
+                    every[op] = sum(1 for line in prof["sass"] if re.search(rf"\b{op}\b", line))
+                meta = record[3]
+                row = {"kernel": label, "bits": bits, "head_dim": d, "rows_per_program": meta.get("BR"),
+                       "num_warps": meta.get("num_warps", 4), "registers": prof["usage"].get("reg"),
+                       "stack": prof["usage"].get("stack"), "spill_loads": every["LDL"], "spill_stores": every["STL"],
+                       "instructions": prof["instructions"], "loop_instructions": [sum(c.values()) for c in prof["loops"]]}
+                rows.append(row)
+                print(f"d {d} {bits}-bit {label:16s} {row['registers']} regs, stack {row['stack']}, spills "
+                      f"{row['spill_loads']}/{row['spill_stores']}, {row['instructions']} instructions, loops "
+                      f"{row['loop_instructions']}", flush=True)
+    return {"target": "sm_90", "stores": rows}
+
+
 def compile_for_sm90(record):
     """triton.compile of a recorded launch with the launcher's specializations."""
     import triton
@@ -132,7 +180,7 @@ def compile_for_sm90(record):
 
     name, _grid, args, meta = record
     meta = dict(meta)
-    options = {k: meta.pop(k) for k in ("num_warps", "num_stages", "maxnreg") if k in meta}
+    options = {k: meta.pop(k) for k in ("num_warps", "num_stages", "maxnreg", "enable_fp_fusion") if k in meta}
     kernel = tk._kernels()[name]
     names = kernel.arg_names
     free = [n for n in names if n not in meta]
@@ -183,7 +231,7 @@ def profile(compiled, tools) -> dict:
     guarded = [[collections.Counter(o for a, o, _ in ops if j0 < a < j1)
                 for j0, j1 in _outermost([(fr, to) for fr, to in branches if lo <= fr < to <= hi])] for lo, hi in outer]
     return {"usage": usage, "shared": compiled.metadata.shared, "instructions": len(ops), "loops": loops,
-            "guarded": guarded}
+            "guarded": guarded, "sass": [line for _a, _o, line in ops]}
 
 
 def _outermost(spans: list) -> list:
@@ -193,6 +241,8 @@ def _outermost(spans: list) -> list:
 
 def run(args) -> dict:
     tools = _tools()
+    if args.stores:
+        return run_stores(args, tools)
     wanted = [c for c in CONFIGS if not args.configs or any(c[0].startswith(p) for p in args.configs.split(","))]
     rows = []
     for d in (int(x) for x in args.head_dims.split(",")):

@@ -470,6 +470,39 @@ def test_gpu_decode_acceptance_reads_the_issues_bars():
     assert "not measured" in gpu_decode.verdict(acc, "H100")
 
 
+def test_kernel_sass_stores_hold_their_rows_in_registers(tmp_path):
+    """The store kernels compiled for sm_90 as a GPU launches them (``kernel_sass.py --stores``, head_dim 128): the
+    per-token store with error feedback keeps each thread's share of the row (one row, 4 warps) in registers: no
+    spills, no stack, and its loop over the channels stays short (162 instructions on triton 3.9; bound 400). Before
+    its codes went straight into packed words, the codes' tile took a layout holding all 128 in every thread: 1,134
+    instructions a channel, 255 registers and spills. The KVarN key tiles (8 warps, 128 × 128 float32 a program) do not
+    spill either. Cannot run where triton ships no CUDA toolchain."""
+    import json
+    import os
+
+    triton = pytest.importorskip("triton")
+    if not os.path.exists(os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "nvdisasm")):
+        pytest.skip("this triton install has no CUDA toolchain (nvdisasm) to compile and disassemble with")
+    import subprocess
+    import sys
+
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}  # (compiled, not interpreted)
+    env["PYTHONPATH"] = str(Path(__file__).resolve().parents[1] / "src") + os.pathsep + env.get("PYTHONPATH", "")
+    script = Path(__file__).resolve().parents[1] / "benchmarks" / "kernel_sass.py"
+    proc = subprocess.run([sys.executable, str(script), "--stores", "--widths", "2", "--head-dims", "128", "--json",
+                           str(tmp_path / "s.json")], env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    rows = {r["kernel"]: r for r in json.loads((tmp_path / "s.json").read_text())["stores"]}
+    assert set(rows) == {"token", "token +ldlq", "key tiles", "key tiles +ldlq"}
+    fb = rows["token +ldlq"]
+    assert fb["rows_per_program"] == 1 and rows["token"]["rows_per_program"] == 8  # a GPU's rows, not the interpreter's
+    assert fb["stack"] == 0 and fb["spill_loads"] == 0 and fb["registers"] <= 128, fb
+    assert len(fb["loop_instructions"]) == 1 and fb["loop_instructions"][0] < 400, fb
+    for name in ("key tiles", "key tiles +ldlq"):
+        assert rows[name]["stack"] == 0 and rows[name]["spill_loads"] == 0 and rows[name]["num_warps"] == 8, rows[name]
+    assert len(rows["key tiles +ldlq"]["loop_instructions"]) == 2  # the balance's rounds, then the rows in order
+
+
 def test_kernel_sass_compiles_both_paths(tmp_path):
     """The compile-only profile of the decode kernel for sm_90 (no GPU): the launch it records is the one decode
     makes (K2V2 and K3V3 bfloat16 head_dim 128 read their codes in classes of 8 under the default tuning, session

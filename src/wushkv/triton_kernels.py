@@ -1054,6 +1054,12 @@ def _kernels() -> dict:
         codes = tl.reshape(q.to(tl.int64), [N, D // 8, 8])
         i = tl.arange(0, 8)
         word = tl.sum(codes << (i[None, None, :] * BITS), 2)  # (N, D/8): disjoint bits, so the sum is an or
+        _store_words(c_ptr, base, word, ok, N, D, BITS)
+
+    @jit
+    def _store_words(c_ptr, base, word, ok, N: tl.constexpr, D: tl.constexpr, BITS: tl.constexpr):
+        """Rows of packed words (N, D/8) int64 (8 codes each, code i at bits [i·BITS, (i+1)·BITS)) stored as their
+        BITS low bytes from ``c_ptr + base`` (N,), rows where ``ok`` (N,)."""
         w = tl.arange(0, D // 8)
         for m in tl.static_range(BITS):
             tl.store(c_ptr + base[:, None] + w[None, :] * BITS + m, ((word >> (8 * m)) & 255).to(tl.uint8),
@@ -1124,18 +1130,24 @@ def _kernels() -> dict:
             else:
                 o_st = _rne_out(offset, META_BF16).to(z_ptr.dtype.element_ty).to(tl.float32)
             gi = tl.arange(0, NG)
-            q = tl.zeros([BR, D], dtype=tl.float32)
+            wi = tl.arange(0, D // 8)
+            # the codes go straight into their packed words: a (BR, D) tile of codes set a channel at a time takes,
+            # for _store_packed's reshape, a layout that holds all D in every thread (567 LOP3 a channel, 255
+            # registers and spills at head_dim 128, one row, sm_90)
+            words = tl.zeros([BR, D // 8], dtype=tl.int64)
             for j in range(D):  # channel by channel: its code, then its error pushed onto the later channels
                 at = d[None, :] == j
                 wj = tl.sum(tl.where(at, x, 0.0), 1)  # (BR,)
                 sj = tl.sum(tl.where(gi[None, :] == j // G, s_st, 0.0), 1)
                 oj = tl.sum(tl.where(gi[None, :] == j // G, o_st, 0.0), 1)
                 c = tl.minimum(tl.maximum(tl.floor(tl.math.div_rn(wj - oj, sj) + 0.5), 0.0), QMAX * 1.0)
-                q = tl.where(at, c[:, None], q)
+                words = tl.where(wi[None, :] == j // 8, words | (c.to(tl.int64)[:, None] << ((j % 8) * BITS)), words)
                 e = wj - (c * sj + oj)  # (fp fusion off: the float32 steps of feedback_round, one by one)
                 f = tl.load(f_ptr + h * sf_h + j * sf_i + d * sf_j, mask=d > j, other=0.0).to(tl.float32)  # (D,)
                 x = x - e[:, None] * f[None, :]
-        _store_packed(c_ptr, blk * sc0 + tok * sc1 + h * sc2, q, ok, BR, D, BITS)
+            _store_words(c_ptr, blk * sc0 + tok * sc1 + h * sc2, words, ok, BR, D, BITS)
+        else:
+            _store_packed(c_ptr, blk * sc0 + tok * sc1 + h * sc2, q, ok, BR, D, BITS)
         g = tl.arange(0, NG)
         tl.store(s_ptr + (blk * ss0 + tok * ss1 + h * ss2)[:, None] + g[None, :],
                  _rne_out(scale, META_BF16).to(s_ptr.dtype.element_ty), mask=ok[:, None])
@@ -1472,9 +1484,9 @@ def _store(x, slots, page, codes, scale, offset, fmt: TokenFormat, transform, st
     # rows per program: a handful on the GPU (the affine percentile compares a row with itself, d² per row, the
     # transform multiplies d² per row, and error feedback updates d² per row: one row there; 8 rows of feedback at
     # head_dim 128 took ptxas 4 minutes to compile, one row 2 s), many under the interpreter, which runs programs one
-    # by one
-    BR = rows_per_program or (64 if x.device.type == "cpu" else 1 if transform is not None or feedback is not None
-                              or (clipped and not fmt.quest) else 8)
+    # by one (recorded launches stand for a GPU's, on CPU tensors)
+    one_row = transform is not None or feedback is not None or (clipped and not fmt.quest)
+    BR = rows_per_program or (64 if x.device.type == "cpu" and not _RECORDING else 1 if one_row else 8)
     if BR & (BR - 1):
         raise ValueError(f"rows_per_program must be a power of two, got {BR}")
     # error feedback: each code's error feeds the next channel's value, so the float32 steps are those of
