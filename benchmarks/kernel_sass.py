@@ -163,11 +163,12 @@ def run_stores(args, tools) -> dict:
                 row = {"kernel": label, "bits": bits, "head_dim": d, "rows_per_program": meta.get("BR"),
                        "num_warps": meta.get("num_warps", 4), "registers": prof["usage"].get("reg"),
                        "stack": prof["usage"].get("stack"), "spill_loads": every["LDL"], "spill_stores": every["STL"],
-                       "instructions": prof["instructions"], "loop_instructions": [sum(c.values()) for c in prof["loops"]]}
+                       "instructions": prof["instructions"], "loop_instructions": [sum(c.values()) for c in prof["loops"]],
+                       "loop_spill_loads": [c["LDL"] for c in prof["loops"]]}
                 rows.append(row)
                 print(f"d {d} {bits}-bit {label:16s} {row['registers']} regs, stack {row['stack']}, spills "
                       f"{row['spill_loads']}/{row['spill_stores']}, {row['instructions']} instructions, loops "
-                      f"{row['loop_instructions']}", flush=True)
+                      f"{row['loop_instructions']} with {row['loop_spill_loads']} spilled loads", flush=True)
     return {"target": "sm_90", "stores": rows}
 
 

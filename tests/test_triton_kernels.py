@@ -192,21 +192,26 @@ def test_store_rounds_with_error_feedback(name, meta):
         tk.store_paged(x.to(DEVICE), slots, *_buffers((2, 4, H), fmt, meta), fmt, feedback=F[0].to(DEVICE))
 
 
-@pytest.mark.parametrize("bits,clip,feedback", [(2, 0.0, False), (3, 1.7, True)])
-def test_kvarn_key_tiles_equal_the_tile_quantizer(bits, clip, feedback):
+@pytest.mark.parametrize("bits,clip,feedback,d,tile", [(2, 0.0, False, 16, 8), (3, 1.7, True, 16, 8),
+                                                      (2, 1.3, True, 256, 128)])
+def test_kvarn_key_tiles_equal_the_tile_quantizer(bits, clip, feedback, d, tile):
     """The KVarN key-tile kernel (one program a tile: 16 rounds of balance, the round of least imbalance, each
     channel row over its own grid, in order with ``+ldlq`` feedback, the codes packed per token) stores what
     ``kvarn_quantize`` (kind "key") makes: under the interpreter bit for bit (the same float32 steps: codes, scale,
     zero and s_fold); on a GPU, with float32 sums in another order, the same codes but where a value sits on a
     rounding boundary, and the same dequantized keys to float16 rounding where the codes agree. The feedback and
-    the clip change the codes (a kernel that ignored either would fail)."""
+    the clip change the codes (a kernel that ignored either would fail). At head_dim 256 × 128 tokens (Gemma-3's
+    ``auto``) the kernel reads the keys again at each round of the balance instead of holding them (RELOAD)."""
     from wushkv.quantizers import unpack
     from wushkv.quantizers.feedback import feedback_matrix
     from wushkv.quantizers.kvarn import KVarNTiles, kvarn_dequantize, kvarn_quantize
 
-    d, tile, H = 16, 8, 2
+    H, n = (2, 2) if d < 256 else (1, 1)  # (tiles a head: the interpreter's row loop takes 6 s a tile at d 256)
+    with tk.recorded_launches() as launches:
+        tk.kvarn_key_tiles(torch.zeros(1, H, tile, d), bits, tile)
+    assert launches[0][3]["RELOAD"] == (d == 256)
     g = torch.Generator().manual_seed(bits)
-    x = (torch.randn(1, H, 2 * tile, d, generator=g) @ torch.randn(d, d, generator=g) * torch.rand(d, generator=g) * 3
+    x = (torch.randn(1, H, n * tile, d, generator=g) @ torch.randn(d, d, generator=g) * torch.rand(d, generator=g) * 3
          + torch.randn(d, generator=g))
     F = None
     if feedback:
@@ -228,8 +233,8 @@ def test_kvarn_key_tiles_equal_the_tile_quantizer(bits, clip, feedback):
         xg = kvarn_dequantize(KVarNTiles(codes, got["scale"], got["zero"], got["s_fold"], bits, "key", tile))
         size = kvarn_dequantize(KVarNTiles(ref.codes, ref.scale.abs(), ref.zero.abs(), ref.s_fold.abs(), bits, "key", tile))
         assert ((xg - kvarn_dequantize(ref)).abs()[same] <= (8 * 2**-10 * size + 1e-6)[same]).all()
-    with pytest.raises(ValueError, match="are not whole tiles of 8"):
-        tk.kvarn_key_tiles(x[:, :, :12].to(DEVICE), bits, tile)
+    with pytest.raises(ValueError, match=f"are not whole tiles of {tile}"):
+        tk.kvarn_key_tiles(x[:, :, :tile // 2].to(DEVICE), bits, tile)
 
 
 def test_store_applies_the_head_transform():

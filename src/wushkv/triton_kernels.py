@@ -1198,7 +1198,7 @@ def _kernels() -> dict:
                          c_ptr, sc_b, sc_h, sc_t, s_ptr, z_ptr, sm_b, sm_h, sm_n, o_ptr, so_b, so_h, so_n,
                          clip_half,
                          D: tl.constexpr, G: tl.constexpr, BITS: tl.constexpr, ITERS: tl.constexpr,
-                         CLIPPED: tl.constexpr, FEEDBACK: tl.constexpr):
+                         CLIPPED: tl.constexpr, FEEDBACK: tl.constexpr, RELOAD: tl.constexpr):
         """Program (tile j, head h, sequence b): the keys' KVarN tile of tokens [j·G, (j+1)·G) as
         :func:`wushkv.quantizers.kvarn.kvarn_quantize` (kind "key") stores it: A = Xᵀ (D channels × G tokens),
         balanced in ITERS rounds (the round of least imbalance kept), each channel row quantized over its own grid
@@ -1209,7 +1209,8 @@ def _kernels() -> dict:
         b = tl.program_id(2).to(tl.int64)
         r = tl.arange(0, D)
         c = tl.arange(0, G)
-        A = tl.load(x_ptr + b * sx_b + h * sx_h + (j * G + c[None, :]) * sx_t + r[:, None] * sx_d).to(tl.float32)  # (D, G)
+        a_ptr = x_ptr + b * sx_b + h * sx_h + (j * G + c[None, :]) * sx_t + r[:, None] * sx_d
+        A = tl.load(a_ptr).to(tl.float32)  # (D, G)  (RELOAD: read again where used; volatile, or it is CSE'd away)
         QMAX: tl.constexpr = (1 << BITS) - 1
         # 2. balance in the log domain: A = B ⊙ (exp ℓ_r · exp ℓ_cᵀ), the round of least imbalance (the start counts)
         log_r = tl.zeros([D], dtype=tl.float32)
@@ -1220,8 +1221,12 @@ def _kernels() -> dict:
         B = A
         for _ in range(ITERS):
             log_c = tl.minimum(tl.maximum(log_c + tl.log(tl.minimum(tl.maximum(_std(B, 0, D, 1), 1e-3), 1e3)), -0.3), 10.0)
+            if RELOAD:
+                A = tl.load(a_ptr, volatile=True).to(tl.float32)
             B = A / (tl.exp(log_r)[:, None] * tl.exp(log_c)[None, :])
             log_r = tl.minimum(tl.maximum(log_r + tl.log(tl.minimum(tl.maximum(_std(B, 1, G, 1), 1e-3), 1e3)), -0.3), 10.0)
+            if RELOAD:
+                A = tl.load(a_ptr, volatile=True).to(tl.float32)
             B = A / (tl.exp(log_r)[:, None] * tl.exp(log_c)[None, :])
             imb = _imbalance(B, D, G)
             better = imb < best  # strictly: a NaN never replaces the incumbent
@@ -1231,6 +1236,8 @@ def _kernels() -> dict:
         row_exp = tl.exp(best_r)  # (D,)
         fold = tl.exp(best_c)  # (G,)
         # 3. each channel row over its own grid
+        if RELOAD:
+            A = tl.load(a_ptr, volatile=True).to(tl.float32)
         if FEEDBACK:  # rows in order; the error as the decoder reads it (float16 metadata) feeds the later rows
             fold16 = fold.to(tl.float16).to(tl.float32)
             W = A
@@ -1593,10 +1600,16 @@ def kvarn_key_tiles(x: torch.Tensor, bits: int, tile: int, clip: float = 0.0, fe
     f = to_device(feedback, x.device, torch.float32) if feedback is not None else x
     # a (d, tile) float32 tile a program: warps enough to hold it in registers (16 at d 256)
     warps = max(4, min(16, d * tile // 2048))
+    # where a thread's registers (65,536 a multiprocessor over the program's threads, at most 255) do not hold the
+    # keys' tile and the balanced tile beside it (at d 256 × 128 tokens: 2 × 64 floats in 128 registers), the keys are
+    # read again from memory (cached) at each of the balance's rounds instead of spilled: compiled for sm_90, 348 spilled
+    # loads a round → 56 (benchmarks/kernel_sass.py --stores)
+    reload = 2 * (d * tile // (32 * warps)) + 32 > min(255, 65536 // (32 * warps))
     _launch("kvarn_keys", (n, H, B), x, *x.stride(), f, *(f.stride() if feedback is not None else (0, 0, 0)),
             codes, codes.stride(0), codes.stride(1), codes.stride(2), scale, zero, scale.stride(0), scale.stride(1),
             scale.stride(2), s_fold, s_fold.stride(0), s_fold.stride(1), s_fold.stride(2), float(clip * QUEST_ALPHA[bits]),
             D=d, G=tile, BITS=bits, ITERS=iters, CLIPPED=clip > 0, FEEDBACK=feedback is not None, num_warps=warps,
+            RELOAD=reload,
             enable_fp_fusion=False)  # (the float32 steps of the PyTorch reference one by one: no fused multiply-adds)
     return {"codes": codes, "scale": scale, "zero": zero, "s_fold": s_fold}
 
