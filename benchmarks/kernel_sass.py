@@ -164,7 +164,8 @@ def run_stores(args, tools) -> dict:
                        "num_warps": meta.get("num_warps", 4), "registers": prof["usage"].get("reg"),
                        "stack": prof["usage"].get("stack"), "spill_loads": every["LDL"], "spill_stores": every["STL"],
                        "instructions": prof["instructions"], "loop_instructions": [sum(c.values()) for c in prof["loops"]],
-                       "loop_spill_loads": [c["LDL"] for c in prof["loops"]]}
+                       "loop_spill_loads": [c["LDL"] for c in prof["loops"]],
+                       "loop_barriers": [c["BAR"] for c in prof["loops"]]}
                 rows.append(row)
                 print(f"d {d} {bits}-bit {label:16s} {row['registers']} regs, stack {row['stack']}, spills "
                       f"{row['spill_loads']}/{row['spill_stores']}, {row['instructions']} instructions, loops "

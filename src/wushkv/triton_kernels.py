@@ -1130,22 +1130,25 @@ def _kernels() -> dict:
             else:
                 o_st = _rne_out(offset, META_BF16).to(z_ptr.dtype.element_ty).to(tl.float32)
             gi = tl.arange(0, NG)
-            wi = tl.arange(0, D // 8)
-            # the codes go straight into their packed words: a (BR, D) tile of codes set a channel at a time takes,
-            # for _store_packed's reshape, a layout that holds all D in every thread (567 LOP3 a channel, 255
-            # registers and spills at head_dim 128, one row, sm_90)
-            words = tl.zeros([BR, D // 8], dtype=tl.int64)
+            # the codes go straight into packed words, each stored once its 8 codes are in: a (BR, D) tile of codes set
+            # a channel at a time takes, for _store_packed's reshape, a layout that holds all D in every thread (567
+            # LOP3 a channel, 255 registers and spills at head_dim 128, one row, sm_90)
+            word = tl.zeros([BR], dtype=tl.int64)
+            cbase = blk * sc0 + tok * sc1 + h * sc2  # (BR,)
             for j in range(D):  # channel by channel: its code, then its error pushed onto the later channels
                 at = d[None, :] == j
                 wj = tl.sum(tl.where(at, x, 0.0), 1)  # (BR,)
                 sj = tl.sum(tl.where(gi[None, :] == j // G, s_st, 0.0), 1)
                 oj = tl.sum(tl.where(gi[None, :] == j // G, o_st, 0.0), 1)
                 c = tl.minimum(tl.maximum(tl.floor(tl.math.div_rn(wj - oj, sj) + 0.5), 0.0), QMAX * 1.0)
-                words = tl.where(wi[None, :] == j // 8, words | (c.to(tl.int64)[:, None] << ((j % 8) * BITS)), words)
+                word = word | (c.to(tl.int64) << ((j % 8) * BITS))
+                if j % 8 == 7:
+                    for m in tl.static_range(BITS):
+                        tl.store(c_ptr + cbase + (j // 8) * BITS + m, ((word >> (8 * m)) & 255).to(tl.uint8), mask=ok)
+                    word = tl.zeros([BR], dtype=tl.int64)
                 e = wj - (c * sj + oj)  # (fp fusion off: the float32 steps of feedback_round, one by one)
                 f = tl.load(f_ptr + h * sf_h + j * sf_i + d * sf_j, mask=d > j, other=0.0).to(tl.float32)  # (D,)
                 x = x - e[:, None] * f[None, :]
-            _store_words(c_ptr, blk * sc0 + tok * sc1 + h * sc2, words, ok, BR, D, BITS)
         else:
             _store_packed(c_ptr, blk * sc0 + tok * sc1 + h * sc2, q, ok, BR, D, BITS)
         g = tl.arange(0, NG)
@@ -1498,7 +1501,9 @@ def _store(x, slots, page, codes, scale, offset, fmt: TokenFormat, transform, st
         raise ValueError(f"rows_per_program must be a power of two, got {BR}")
     # error feedback: each code's error feeds the next channel's value, so the float32 steps are those of
     # feedback_round one by one (no fused multiply-adds, which round once where it rounds twice)
-    fusion = {} if feedback is None else {"enable_fp_fusion": False}
+    # one warp a row with feedback: the channel loop is a chain of d dependent steps, each reading one channel of the
+    # row; in one warp that read is shuffles alone, in four it also goes through shared memory and two barriers
+    fusion = {} if feedback is None else {"enable_fp_fusion": False, "num_warps": 1}
     _launch("store", (-(-R // BR), H), x, *x.stride(), t, *(transform.stride() if transform is not None else (0, 0, 0)),
             f, *(f.stride() if feedback is not None else (0, 0, 0)),
             slots, R, page, codes, c0, c1, c2, scale, s0, s1, s2, z, z0, z1, z2,
