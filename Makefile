@@ -46,11 +46,16 @@ models: $(VENV)/.models
 demo: $(VENV)/.models
 	$(VENV)/bin/wushkv demo $(DEMO_ARGS)
 
+# The suite in TEST_WORKERS processes (pytest-xdist; CI has 2 cores): tests sharing a module's fixture (a vLLM
+# process, an exported model) stay in one worker (tests/conftest.py), the rest are spread test by test.
+TEST_WORKERS ?= 2
+PYTEST := $(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadgroup
+
 test: $(VENV)/.models $(VLLM_VENV)/.installed
-	$(PY) -m pytest -q
+	$(PYTEST)
 
 test-fast: $(VENV)/.installed
-	$(PY) -m pytest -q -m "not slow"
+	$(PYTEST) -m "not slow"
 
 # Export SmolLM2 with WUSH-KV (auto at K2V2 QuEST: its recorded pick, keys in 128-token tiles, with a sink of one
 # 128-token block, which the vLLM plugin needs for tiles: windows 128/72/128) and serve it with vLLM's OpenAI-compatible

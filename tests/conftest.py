@@ -19,6 +19,24 @@ os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
+# `make test` runs the suite in pytest-xdist workers (one a core on CI's two): each takes its share of the cores, and
+# so do the processes it starts, instead of every worker's OpenMP threads spinning on every core (oversubscribed).
+if os.environ.get("PYTEST_XDIST_WORKER_COUNT"):
+    _threads = max(1, (os.cpu_count() or 1) // int(os.environ["PYTEST_XDIST_WORKER_COUNT"]))
+    os.environ.setdefault("OMP_NUM_THREADS", str(_threads))
+    torch.set_num_threads(_threads)
+
+
+def pytest_collection_modifyitems(config, items):
+    """Tests that share a module- or class-scoped fixture (a vLLM process, an exported model, a calibration) run in one
+    xdist worker (``--dist loadgroup``: the group is their module), so the fixture is built once; the rest are spread
+    test by test. Without xdist the marker does nothing."""
+    for item in items:
+        info = getattr(item, "_fixtureinfo", None)
+        scopes = {d.scope for defs in (info.name2fixturedefs.values() if info else ()) for d in defs}
+        if scopes & {"module", "class", "package"}:
+            item.add_marker(pytest.mark.xdist_group(item.module.__name__))
+
 
 # Every family the adapter supports (wushkv.models.FAMILIES), as a tiny random config: (config class, overrides of
 # COMMON). Keys are the test names of the families (model_type, but "gemma3" for gemma3_text). A family added to
