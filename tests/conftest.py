@@ -27,15 +27,7 @@ if os.environ.get("PYTEST_XDIST_WORKER_COUNT"):
     torch.set_num_threads(_threads)
 
 
-def pytest_collection_modifyitems(config, items):
-    """Tests that share a module- or class-scoped fixture (a vLLM process, an exported model, a calibration) run in one
-    xdist worker (``--dist loadgroup``: the group is their module), so the fixture is built once; the rest are spread
-    test by test. Without xdist the marker does nothing."""
-    for item in items:
-        info = getattr(item, "_fixtureinfo", None)
-        scopes = {d.scope for defs in (info.name2fixturedefs.values() if info else ()) for d in defs}
-        if scopes & {"module", "class", "package"}:
-            item.add_marker(pytest.mark.xdist_group(item.module.__name__))
+from xdist_groups import pytest_itemcollected  # noqa: E402,F401  (a hook: make test's workers, tests/xdist_groups.py)
 
 
 # Every family the adapter supports (wushkv.models.FAMILIES), as a tiny random config: (config class, overrides of
