@@ -493,10 +493,10 @@ def ceil_share_splits(B: int, Hkv: int, ctx: int, block_n: int, device) -> int:
     return max(1, min(-(-slots // max(1, B * Hkv)), -(-max(ctx, 1) // block_n), 256))
 
 
-def compiled_decode(fn) -> dict | None:
-    """What the device's compiler built of the decode kernel ``fn`` launches (one more call): registers and local
-    memory (spills and stack; Triton's ``n_spills`` counts its 4-byte words) a thread, shared memory and warps a
-    program, and the programs a multiprocessor holds of it by sm_90's rule (``resident_programs``,
+def compiled_decode(fn, kernel: str = "decode") -> dict | None:
+    """What the device's compiler built of the decode kernel (or ``kernel``) ``fn`` launches (one more call): registers
+    and local memory (spills and stack; Triton's ``n_spills`` counts its 4-byte words) a thread, shared memory and
+    warps a program, and the programs a multiprocessor holds of it by sm_90's rule (``resident_programs``,
     :func:`wushkv.triton_kernels.resident_warps`: what ``programs_per_sm`` should be; the compiler here may differ
     from the one kernel_sass.py ran). None under the interpreter, or with the reason where reading it failed (the
     timings around it stand)."""
@@ -504,7 +504,7 @@ def compiled_decode(fn) -> dict | None:
 
     def hook(name, grid, args, meta, run):
         k = run(name, grid, args, meta)
-        if name == "decode" and k is not None:
+        if name == kernel and k is not None:
             seen.update(compile_readout(k, meta))
         return k
 
@@ -660,7 +660,8 @@ def feedback_store_row(args, B, device, timer) -> dict:
     (``feedback_round``'s loop over the d channels, a few launches each), and the share of codes the two write apart
     (QuEST's step sums ‖x‖ in another order: a last bit, and a code with it, now and then). Then the same tokens as
     KVarN key tiles at --k-bits (``ktiles_*``: auto's keys, tile clip 1.7, the same F along the channels): the tile
-    kernel against KVarN's balance and rows in PyTorch."""
+    kernel against KVarN's balance and rows in PyTorch. ``compiled`` / ``ktiles_compiled``: what the device's compiler
+    built of each kernel (registers, spills; ``kernel_sass.py --stores`` counts them for sm_90 without a GPU)."""
     from wushkv.codecs import KVarNCodec, TokenCodec
     from wushkv.decode import encode_block, triton_enabled
 
@@ -679,6 +680,9 @@ def feedback_store_row(args, B, device, timer) -> dict:
             with triton_enabled(on):
                 stored[name] = encode_block(codec, x)
                 row[prefix + name] = timer(lambda: encode_block(codec, x), args.warmup, args.iters, gpu=True)
+                if on:
+                    row[prefix + "compiled"] = compiled_decode(lambda: encode_block(codec, x),
+                                                               "kvarn_keys" if prefix else "store")
         row[prefix + "pytorch_over_triton"] = row[prefix + "pytorch"]["ms"] / row[prefix + "triton"]["ms"]
         row[prefix + "codes_apart"] = (stored["triton"]["codes"] != stored["pytorch"]["codes"]).float().mean().item()
     return row

@@ -397,6 +397,7 @@ def test_gpu_decode_dry_run(tmp_path):
     assert positive(fb["triton"]["ms"]) and positive(fb["pytorch"]["ms"]) and fb["codes_apart"] < 2e-2
     assert fb["pytorch_over_triton"] == fb["pytorch"]["ms"] / fb["triton"]["ms"]
     assert positive(fb["ktiles_triton"]["ms"]) and positive(fb["ktiles_pytorch"]["ms"]) and fb["ktiles_codes_apart"] < 2e-2
+    assert fb["compiled"] is None and fb["ktiles_compiled"] is None  # (the interpreter compiles nothing to read)
 
     (e2e,) = res["e2e"]
     steps = a["warmup"] + a["e2e_steps"]
