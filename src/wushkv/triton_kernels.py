@@ -1163,10 +1163,11 @@ def _kernels() -> dict:
     def _std(B, AXIS: tl.constexpr, N: tl.constexpr, CORRECTION: tl.constexpr):
         """torch's ``B.std(dim=AXIS, correction=CORRECTION)`` of a 2-D tile over its N entries along AXIS: the
         mean, then the squared deviations' sum over N − CORRECTION, IEEE division and square root."""
-        mean = tl.math.div_rn(tl.sum(B, AXIS), tl.zeros_like(tl.sum(B, AXIS)) + N)
+        total = tl.sum(B, AXIS)
+        mean = tl.math.div_rn(total, tl.full(total.shape, N, tl.float32))
         dev = B - tl.expand_dims(mean, AXIS)
         ss = tl.sum(dev * dev, AXIS)
-        return tl.math.sqrt_rn(tl.math.div_rn(ss, tl.zeros_like(ss) + (N - CORRECTION)))
+        return tl.math.sqrt_rn(tl.math.div_rn(ss, tl.full(ss.shape, N - CORRECTION, tl.float32)))
 
     @jit
     def _imbalance(B, R: tl.constexpr, C: tl.constexpr):
@@ -1190,11 +1191,11 @@ def _kernels() -> dict:
         lo = tl.min(b, AXIS)
         hi = tl.max(b, AXIS)
         if CLIPPED:
-            mu = tl.math.div_rn(tl.sum(b, AXIS), tl.zeros_like(lo) + N)
+            mu = tl.math.div_rn(tl.sum(b, AXIS), tl.full(lo.shape, N, tl.float32))
             half = clip_half * _std(b, AXIS, N, 0)
             lo = tl.maximum(lo, mu - half)
             hi = tl.minimum(hi, mu + half)
-        return lo, tl.maximum(tl.math.div_rn(hi - lo, tl.zeros_like(lo) + QMAX), 1e-10)
+        return lo, tl.maximum(tl.math.div_rn(hi - lo, tl.full(lo.shape, QMAX, tl.float32)), 1e-10)
 
     @jit
     def kvarn_key_kernel(x_ptr, sx_b, sx_h, sx_t, sx_d, f_ptr, sf_h, sf_i, sf_j,
