@@ -47,7 +47,7 @@ demo: $(VENV)/.models
 	$(VENV)/bin/wushkv demo $(DEMO_ARGS)
 
 # The suite in TEST_WORKERS processes (pytest-xdist; CI has 2 cores): tests sharing a module's fixture (a vLLM
-# process, an exported model) stay in one worker (tests/conftest.py), the rest are spread test by test.
+# process, an exported model) stay in one worker (tests/xdist_groups.py), the rest are spread test by test.
 TEST_WORKERS ?= 2
 PYTEST := $(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadgroup
 

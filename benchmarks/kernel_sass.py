@@ -156,9 +156,7 @@ def run_stores(args, tools) -> dict:
         for bits in (int(x) for x in args.widths.split(",")):
             for label, record in recorded_stores(bits, d, args.kv_heads, args.key_tiles or 128):
                 prof = profile(compile_for_sm90(record), tools)
-                every = collections.Counter()
-                for op in ("LDL", "STL"):  # the whole kernel's, loops or not
-                    every[op] = sum(1 for line in prof["sass"] if re.search(rf"\b{op}\b", line))
+                every = prof["ops"]  # the whole kernel's, loops or not
                 meta = record[3]
                 row = {"kernel": label, "bits": bits, "head_dim": d, "rows_per_program": meta.get("BR"),
                        "num_warps": meta.get("num_warps", 4), "registers": prof["usage"].get("reg"),
@@ -233,7 +231,7 @@ def profile(compiled, tools) -> dict:
     guarded = [[collections.Counter(o for a, o, _ in ops if j0 < a < j1)
                 for j0, j1 in _outermost([(fr, to) for fr, to in branches if lo <= fr < to <= hi])] for lo, hi in outer]
     return {"usage": usage, "shared": compiled.metadata.shared, "instructions": len(ops), "loops": loops,
-            "guarded": guarded, "sass": [line for _a, _o, line in ops]}
+            "guarded": guarded, "ops": collections.Counter(o for _a, o, _ in ops)}
 
 
 def _outermost(spans: list) -> list:

@@ -1054,12 +1054,6 @@ def _kernels() -> dict:
         codes = tl.reshape(q.to(tl.int64), [N, D // 8, 8])
         i = tl.arange(0, 8)
         word = tl.sum(codes << (i[None, None, :] * BITS), 2)  # (N, D/8): disjoint bits, so the sum is an or
-        _store_words(c_ptr, base, word, ok, N, D, BITS)
-
-    @jit
-    def _store_words(c_ptr, base, word, ok, N: tl.constexpr, D: tl.constexpr, BITS: tl.constexpr):
-        """Rows of packed words (N, D/8) int64 (8 codes each, code i at bits [i·BITS, (i+1)·BITS)) stored as their
-        BITS low bytes from ``c_ptr + base`` (N,), rows where ``ok`` (N,)."""
         w = tl.arange(0, D // 8)
         for m in tl.static_range(BITS):
             tl.store(c_ptr + base[:, None] + w[None, :] * BITS + m, ((word >> (8 * m)) & 255).to(tl.uint8),
