@@ -184,6 +184,17 @@ def test_paged_decode(capsys):
     assert "ktiles/float32" in capsys.readouterr().out
 
 
+def test_paged_prefill(capsys):
+    paged_prefill = load_benchmark("paged_prefill")
+    assert paged_prefill.parse_args([]).threads == 1
+    for chunk in (0, 100):  # a whole prompt (its early blocks over their own span) and a chunk after context
+        (row,) = paged_prefill.run([300], chunk, [64, 512], 1)
+        assert row["queries"] == (chunk or 300) and positive(row["sdpa_f32_ms"]) and positive(row["sdpa_bf16_ms"])
+        for b in (64, 512):  # copies equal to the codes' values: the plugin's attention is plain causal attention
+            assert row[f"attend_{b}_max_diff"] < 1e-5 and positive(row[f"attend_{b}_over_f32"]), row
+    assert "attend block 64" in capsys.readouterr().out
+
+
 def test_centered_decode(capsys):
     centered = load_benchmark("centered_decode")
     assert centered.parse_args([]).shapes == "smollm2,llama8b"

@@ -366,20 +366,22 @@ def test_windows_with_a_flush_keep_the_unflushed_tail_and_every_open_tile():
         Windows(bs, H, d, sink=2, recent=2, capacity=1, flush=4)
 
 
-def _reference(q, kq, vq, kf, vf, q_pos, sink, recent, scale, known=None, flush=1):
+def _reference(q, kq, vq, kf, vf, q_pos, sink, recent, scale, known=None, flush=1, window=-1):
     """Query by query, the keys a token-by-token decode would read (a window token without a ``known`` copy: its codes):
-    wushkv's cache of windows (sink, recent, flush) after p + 1 tokens holds S_sink + Qc(p + 1) tokens in codes."""
+    wushkv's cache of windows (sink, recent, flush) after p + 1 tokens holds S_sink + Qc(p + 1) tokens in codes;
+    ``window`` > 0: only the keys at p − window < t ≤ p."""
     T, Hq, d = q.shape
     H, n, _ = kq.shape
     known = torch.ones(n, dtype=torch.bool) if known is None else known
     out = torch.zeros(T, Hq, d)
     for i, p in enumerate(q_pos.tolist()):
         tail = sink + WindowConfig(sink, recent, flush).quantized_count(p + 1)
+        ts = range(max(0, p - window + 1) if window > 0 else 0, p + 1)
         for hq in range(Hq):
             h = hq // (Hq // H)
-            full = [(t < sink or t >= tail) and bool(known[t]) for t in range(p + 1)]
-            ks = torch.stack([kf[h, t] if full[t] else kq[h, t] for t in range(p + 1)])
-            vs = torch.stack([vf[h, t] if full[t] else vq[h, t] for t in range(p + 1)])
+            full = {t: (t < sink or t >= tail) and bool(known[t]) for t in ts}
+            ks = torch.stack([kf[h, t] if full[t] else kq[h, t] for t in ts])
+            vs = torch.stack([vf[h, t] if full[t] else vq[h, t] for t in ts])
             out[i, hq] = ((ks @ q[i, hq]) * scale).softmax(0) @ vs
     return out
 
@@ -406,6 +408,13 @@ def test_attention_reads_what_token_by_token_decode_reads():
     for known_ in (known, some):
         got = attend(q, q_pos, kq, vq, kf, vf, known_, torch.arange(n), 2, 1, 0.5, block=4, flush=4)
         assert torch.allclose(got, _reference(q, kq, vq, kf, vf, q_pos, 2, 1, 0.5, known_, flush=4), atol=1e-5)
+    # a whole prompt in blocks of 3 queries (each block over the columns it may read: the first over 3 of 13) and a
+    # sliding window of 4 (later blocks start past column 0), with and without a dropped copy
+    qa = torch.randn(n, H * G, d, generator=_g(11))
+    for window, known_ in ((-1, known), (-1, some), (4, known), (4, some)):
+        got = attend(qa, torch.arange(n), kq, vq, kf, vf, known_, torch.arange(n), 2, 3, 0.5, window, block=3)
+        want = _reference(qa, kq, vq, kf, vf, torch.arange(n), 2, 3, 0.5, known_, window=window)
+        assert torch.allclose(got, want, atol=1e-5), (window, float((got - want).abs().max()))
 
 
 @pytest.mark.parametrize("quantizer, bits, dtype", [("quest", 2, torch.float32), ("affine", 4, torch.bfloat16),

@@ -593,7 +593,7 @@ class Windows:
 
 def attend(q: torch.Tensor, q_pos: torch.Tensor, kq: torch.Tensor, vq: torch.Tensor, kf: torch.Tensor, vf: torch.Tensor,
            known: torch.Tensor, k_pos: torch.Tensor, sink: int, recent: int, scale: float, sliding_window: int = -1,
-           softcap: float = 0.0, block: int = 1024, flush: int = 1) -> torch.Tensor:
+           softcap: float = 0.0, block: int = 256, flush: int = 1) -> torch.Tensor:
     """Causal attention as WUSH-KV's cache gives it: a query at position p reads the key and value at position t in
     full precision when t is in the windows of a sequence of p + 1 tokens (t < ``sink`` or t ≥ sink + Qc(p + 1),
     Qc(n) = flush·⌊max(0, n − sink − recent)/flush⌋; with flush 1, t > p − ``recent``) and its full-precision copy is
@@ -606,8 +606,9 @@ def attend(q: torch.Tensor, q_pos: torch.Tensor, kq: torch.Tensor, vq: torch.Ten
 
     One masked attention (torch's fused ``scaled_dot_product_attention``) over the codes' keys and, appended, the
     full-precision copies of the columns J some query reads in full precision (the sink, and from the first query's
-    recent window on): a query is allowed a code column or its copy, never both. Queries go ``block`` at a time
-    (memory: the mask is block × (n + |J|)). Returns float32 (T, Hq, d)."""
+    recent window on): a query is allowed a code column or its copy, never both. Queries go ``block`` at a time, each
+    block over the span of columns its queries may read (causal; the sliding window): memory, the mask of block ×
+    (span + |J|); time, about half of every query over all n for a prompt. Returns float32 (T, Hq, d)."""
     T, Hq, d = q.shape
     H = kq.shape[0]
     G = Hq // H
@@ -615,17 +616,26 @@ def attend(q: torch.Tensor, q_pos: torch.Tensor, kq: torch.Tensor, vq: torch.Ten
     out = torch.empty(T, Hq, d, device=kq.device)
     for a in range(0, T, block):
         qp = q_pos[a:a + block, None]
-        tail = sink + flush * torch.div((qp + 1 - sink - recent).clamp(min=0), flush, rounding_mode="floor")  # (t, 1)
-        J = (known & ((k_pos < sink) | (k_pos >= int(tail.min())))).nonzero().flatten()
-        full = (k_pos[J][None, :] < sink) | (k_pos[J][None, :] >= tail)  # (t, |J|): reads the copy
-        allowed = k_pos[None, :] <= qp
+        # the span of columns some query of the block may read (causal, and the sliding window): the others are
+        # left out of the products rather than masked, so a prompt's early blocks cost their own length, not n
+        live = k_pos <= qp.max()
         if sliding_window > 0:
-            allowed &= k_pos[None, :] > qp - sliding_window
+            live &= k_pos > qp.min() - sliding_window
+        idx = live.nonzero()
+        c0, c1 = (int(idx[0]), int(idx[-1]) + 1) if len(idx) else (0, 0)
+        kp = k_pos[c0:c1]
+        tail = sink + flush * torch.div((qp + 1 - sink - recent).clamp(min=0), flush, rounding_mode="floor")  # (t, 1)
+        J = (known[c0:c1] & ((kp < sink) | (kp >= int(tail.min())))).nonzero().flatten()
+        full = (kp[J][None, :] < sink) | (kp[J][None, :] >= tail)  # (t, |J|): reads the copy
+        allowed = kp[None, :] <= qp
+        if sliding_window > 0:
+            allowed &= kp[None, :] > qp - sliding_window
         full &= allowed[:, J]
         codes = allowed.clone()
         codes[:, J] &= ~full
-        K, V = torch.cat([kq, kf[:, J]], 1), torch.cat([vq, vf[:, J]], 1)  # (H, n + |J|, d)
-        mask = torch.cat([codes, full], 1)  # (t, n + |J|)
+        K = torch.cat([kq[:, c0:c1], kf[:, c0:c1][:, J]], 1)  # (H, c1 − c0 + |J|, d)
+        V = torch.cat([vq[:, c0:c1], vf[:, c0:c1][:, J]], 1)
+        mask = torch.cat([codes, full], 1)  # (t, c1 − c0 + |J|)
         qg = q[a:a + block].float().transpose(0, 1)  # (Hq, t, d)
         if softcap > 0:  # the fused kernel has no softcap: scores, capped, by hand
             s = torch.einsum("hgtd,hnd->hgtn", qg.reshape(H, G, -1, d), K) * scale
