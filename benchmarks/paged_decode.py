@@ -1,7 +1,8 @@
 """The vLLM plugin's fused decode (``wushkv._ext.paged_decode``) alone, against dense float32 attention over the same
 context in the same run: one decode query per request over paged cells of SmolLM2's shape (3 KV heads, GQA 3,
 head_dim 64, 128-token blocks), per-token 2-bit keys and values (``wush+ldlq`` served) and 2-bit key tiles
-(``auto``'s ``wush+ktiles+ldlq``), every token read from its codes.
+(``auto``'s ``wush+ktiles+ldlq``), every token read from its codes. It prints which vector path the kernels were
+built with for this CPU (``avx512``, ``avx2`` or ``scalar``: ``wushkv._ext`` compiles with ``-march=native``).
 
     python benchmarks/paged_decode.py [--contexts 1024,4096,8192] [--requests 4] [--threads 1] [--json out.json]
 
@@ -74,7 +75,8 @@ def run(contexts: list[int], requests: int, repeats: int) -> list[dict]:
     if kernels() is None:
         raise SystemExit("the fused CPU kernels are not available here (no compiler, or WUSHKV_NO_EXT): nothing to time")
     rows = []
-    print(f"threads {torch.get_num_threads()}, {requests} requests, {H} KV heads x GQA {G}, head_dim {D}")
+    simd = kernels().simd_path()  # avx512, avx2 or scalar: the vector path this CPU's build took
+    print(f"threads {torch.get_num_threads()}, {requests} requests, {H} KV heads x GQA {G}, head_dim {D}, kernels: {simd}")
     print(f"{'context':>8s} {'float32 ms':>11s} {'per-token ms':>13s} {'ktiles ms':>10s} {'per-token/float32':>18s} "
           f"{'ktiles/float32':>15s} {'ktiles ns/tok-head':>19s}")
     for n in contexts:
@@ -87,7 +89,7 @@ def run(contexts: list[int], requests: int, repeats: int) -> list[dict]:
         def dense():  # the GQA group against its KV head: two batched matmuls and a softmax
             return torch.softmax(qg @ k.transpose(-1, -2) * 0.125, -1) @ v
 
-        row = {"context": n, "requests": requests, "dense_ms": _best_ms(dense, repeats)}
+        row = {"context": n, "requests": requests, "simd": simd, "dense_ms": _best_ms(dense, repeats)}
         lens = torch.full((requests,), n)
         for layout in ("per_token", "ktiles"):
             sc, cache, tables, w = _cells(layout, n, requests)

@@ -92,6 +92,22 @@ def test_packed_decode_with_sink_logits(name, path):
     torch.testing.assert_close(ref, manual, rtol=1e-4, atol=1e-5)
 
 
+def test_kernels_take_the_vector_path_this_cpu_has():
+    """The fused kernels are built for this CPU (-march=native) and take the widest vector path it offers: AVX-512
+    where /proc/cpuinfo lists avx512f, bw and vl, else AVX2 where it lists avx2 and fma, else scalar loops (20-30x
+    slower per token on the paged decode: a build that lost its flags would pass every equality test and still be
+    that slow)."""
+    from pathlib import Path
+
+    ext = require_kernels()
+    info = Path("/proc/cpuinfo")
+    if not info.is_file():
+        pytest.skip("no /proc/cpuinfo to read this CPU's flags from")
+    flags = set(next((ln.split(":", 1)[1].split() for ln in info.read_text().splitlines() if ln.startswith("flags")), []))
+    want = ("avx512" if {"avx512f", "avx512bw", "avx512vl"} <= flags else "avx2" if {"avx2", "fma"} <= flags else "scalar")
+    assert ext.simd_path() == want, (ext.simd_path(), want)
+
+
 @pytest.mark.parametrize("bits", [1, 2, 4, 8])
 @pytest.mark.parametrize("d", [64, 40])
 def test_fused_kernels_equal_float_codes(bits, d):

@@ -421,7 +421,9 @@ def test_attention_reads_what_token_by_token_decode_reads():
                                                      ("quest", 8, torch.float32), ("quest", 4, torch.float16),
                                                      ("quest", 3, torch.float32), ("tiles", 2, torch.float32),
                                                      ("tiles", 4, torch.bfloat16), ("quest+rmean", 2, torch.float32),
-                                                     ("tiles+rmean", 2, torch.float32), ("tiles128", 2, torch.float32)])
+                                                     ("tiles+rmean", 2, torch.float32), ("tiles128", 2, torch.float32),
+                                                     ("quest@d40", 2, torch.float32), ("affine@d40", 4, torch.bfloat16),
+                                                     ("tiles@d40", 2, torch.float32)])
 def test_batched_decode_kernel_equals_the_general_attention(quantizer, bits, dtype):
     """The fused decode of a whole batch (one call, through the block tables, window tokens from the pool, the rest
     from the codes) gives what the general path gives each request's query at its last position: ragged lengths
@@ -430,9 +432,12 @@ def test_batched_decode_kernel_equals_the_general_attention(quantizer, bits, dty
     with error feedback), their unflushed tail of 4 to 11 tokens in full precision. ``+rmean``: the codes hold keys
     centered on a rotating mean, which a token read from them gets back (in the kernel, from a cos/sin table).
     ``tiles128``: tiles of 128 tokens in blocks of 128, whose scale and zero take 1 byte a cell at d = 32 (a float16
-    then spans two cells: the kernel's gathering path; 8-token tiles read theirs in place)."""
+    then spans two cells: the kernel's gathering path; 8-token tiles read theirs in place). ``@d40``: head_dim 40, rows
+    of 10 or 20 bytes, which the vector paths end with a partial group of lanes."""
     require_kernels()
     H, G, d, bs, S, R = 2, 3, 32, 16, 4, 24
+    if "@d" in quantizer:
+        quantizer, d = quantizer.split("@d")[0], int(quantizer.split("@d")[1])
     quantizer, rmean = quantizer.removesuffix("+rmean"), quantizer.endswith("+rmean")
     tile = {"tiles": 8, "tiles128": 128}.get(quantizer, 1)
     if tile == 128:

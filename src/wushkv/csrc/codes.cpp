@@ -226,7 +226,25 @@ static inline float meta_at(const uint8_t* p, int64_t kind) {
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__)
 #include <immintrin.h>
 #define WUSHKV_AVX512 1
+#define WUSHKV_SIMD 1
+#elif defined(__AVX2__) && defined(__FMA__)
+// CPUs without AVX-512 (AMD before Zen 4, most client CPUs): the same kernels over 8 lanes. Without them the decode
+// fell back to scalar loops the compiler did not vectorize, 20-30x slower per token (docs/reference/performance.md)
+#include <immintrin.h>
+#define WUSHKV_AVX2 1
+#define WUSHKV_SIMD 1
 #endif
+
+// which of the paths above this build took: "avx512", "avx2" or "scalar"
+static const char* simd_path() {
+#if defined(WUSHKV_AVX512)
+  return "avx512";
+#elif defined(WUSHKV_AVX2)
+  return "avx2";
+#else
+  return "scalar";
+#endif
+}
 
 #ifdef WUSHKV_AVX512
 // GN queries (≤ 4) at BITS bits: accumulators in registers, the loops over code runs and queries unrolled
@@ -253,17 +271,6 @@ static inline void dot_codes_t(const uint8_t* __restrict row, int64_t nb, const 
   for (int g = 0; g < GN; ++g) s[g] = _mm512_reduce_add_ps(acc[g]);
 }
 
-template <int BITS>
-static inline void dot_codes_b(const uint8_t* row, int64_t nb, const float* q, int64_t stride, int64_t G, float* s) {
-  int64_t g = 0;
-  for (; g + 4 <= G; g += 4) dot_codes_t<BITS, 4>(row, nb, q + g * stride, stride, s + g);
-  switch (G - g) {
-    case 3: dot_codes_t<BITS, 3>(row, nb, q + g * stride, stride, s + g); break;
-    case 2: dot_codes_t<BITS, 2>(row, nb, q + g * stride, stride, s + g); break;
-    case 1: dot_codes_t<BITS, 1>(row, nb, q + g * stride, stride, s + g); break;
-    default: break;
-  }
-}
 
 template <int BITS>
 static inline void axpy_codes_t(const uint8_t* __restrict row, int64_t nb, const float* __restrict w, int64_t G,
@@ -285,10 +292,99 @@ static inline void axpy_codes_t(const uint8_t* __restrict row, int64_t nb, const
 }
 #endif
 
+#ifdef WUSHKV_AVX2
+// 8 bytes of a row from p as 8 int32 lanes; fewer than 8 left (a row's end): the rest zero, nothing read past it
+static inline __m256i load8_u8(const uint8_t* p, int64_t left) {
+  if (left >= 8) return _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p)));
+  uint64_t x = 0;
+  std::memcpy(&x, p, left);
+  return _mm256_cvtepu8_epi32(_mm_cvtsi64_si128(static_cast<long long>(x)));
+}
+
+// the first `left` of 8 lanes (a mask for _mm256_maskload_ps / _mm256_maskstore_ps)
+static inline __m256i lanes8(int64_t left) {
+  return _mm256_cmpgt_epi32(_mm256_set1_epi32(static_cast<int>(std::min<int64_t>(left, 8))), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
+}
+
+static inline float hsum8(__m256 v) {
+  __m128 x = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  x = _mm_add_ps(x, _mm_movehl_ps(x, x));
+  return _mm_cvtss_f32(_mm_add_ss(x, _mm_movehdup_ps(x)));
+}
+
+// code t of the 8 bytes in x, as floats
+template <int BITS>
+static inline __m256 code8(__m256i x, int t) {
+  return _mm256_cvtepi32_ps(_mm256_and_si256(_mm256_srli_epi32(x, t * BITS), _mm256_set1_epi32((1 << BITS) - 1)));
+}
+
+// GN queries (≤ 4), their accumulators in registers; queries read from L1 (16 registers do not hold them)
+template <int BITS, int GN>
+static inline void dot_codes_t(const uint8_t* __restrict row, int64_t nb, const float* __restrict q, int64_t stride,
+                               float* __restrict s) {
+  constexpr int PER = 8 / BITS;
+  __m256 acc[GN];
+  for (int g = 0; g < GN; ++g) acc[g] = _mm256_setzero_ps();
+  int64_t m = 0;
+  for (; m + 8 <= nb; m += 8) {
+    const __m256i x = load8_u8(row + m, 8);
+#pragma GCC unroll 8
+    for (int t = 0; t < PER; ++t) {
+      const __m256 c = code8<BITS>(x, t);
+#pragma GCC unroll 4
+      for (int g = 0; g < GN; ++g) acc[g] = _mm256_fmadd_ps(c, _mm256_loadu_ps(q + g * stride + t * nb + m), acc[g]);
+    }
+  }
+  if (m < nb) {  // the row's last bytes: masked query loads (the permuted queries end at t·nb + nb)
+    const __m256i x = load8_u8(row + m, nb - m), lm = lanes8(nb - m);
+    for (int t = 0; t < PER; ++t) {
+      const __m256 c = code8<BITS>(x, t);
+      for (int g = 0; g < GN; ++g) acc[g] = _mm256_fmadd_ps(c, _mm256_maskload_ps(q + g * stride + t * nb + m, lm), acc[g]);
+    }
+  }
+  for (int g = 0; g < GN; ++g) s[g] = hsum8(acc[g]);
+}
+
+template <int BITS>
+static inline void axpy_codes_t(const uint8_t* __restrict row, int64_t nb, const float* __restrict w, int64_t G,
+                                float* __restrict acc, int64_t stride) {
+  constexpr int PER = 8 / BITS;
+  for (int64_t m = 0; m < nb; m += 8) {
+    const int64_t left = nb - m;
+    const __m256i x = load8_u8(row + m, left), lm = lanes8(left);
+#pragma GCC unroll 8
+    for (int t = 0; t < PER; ++t) {
+      const __m256 c = code8<BITS>(x, t);
+      for (int64_t g = 0; g < G; ++g) {
+        float* a = acc + g * stride + t * nb + m;
+        if (left >= 8)
+          _mm256_storeu_ps(a, _mm256_fmadd_ps(_mm256_set1_ps(w[g]), c, _mm256_loadu_ps(a)));
+        else
+          _mm256_maskstore_ps(a, lm, _mm256_fmadd_ps(_mm256_set1_ps(w[g]), c, _mm256_maskload_ps(a, lm)));
+      }
+    }
+  }
+}
+#endif
+
+#ifdef WUSHKV_SIMD
+template <int BITS>
+static inline void dot_codes_b(const uint8_t* row, int64_t nb, const float* q, int64_t stride, int64_t G, float* s) {
+  int64_t g = 0;
+  for (; g + 4 <= G; g += 4) dot_codes_t<BITS, 4>(row, nb, q + g * stride, stride, s + g);
+  switch (G - g) {
+    case 3: dot_codes_t<BITS, 3>(row, nb, q + g * stride, stride, s + g); break;
+    case 2: dot_codes_t<BITS, 2>(row, nb, q + g * stride, stride, s + g); break;
+    case 1: dot_codes_t<BITS, 1>(row, nb, q + g * stride, stride, s + g); break;
+    default: break;
+  }
+}
+#endif
+
 // s[g] = Σ_i cf_i · q[g*stride + i] over the permuted codes of one row, for g < G
 static inline void dot_codes(const uint8_t* __restrict row, int64_t nb, int64_t bits, const float* __restrict q,
                              int64_t stride, int64_t G, float* __restrict s) {
-#ifdef WUSHKV_AVX512
+#ifdef WUSHKV_SIMD
   switch (bits) {
     case 1: return dot_codes_b<1>(row, nb, q, stride, G, s);
     case 2: return dot_codes_b<2>(row, nb, q, stride, G, s);
@@ -313,7 +409,7 @@ static inline void dot_codes(const uint8_t* __restrict row, int64_t nb, int64_t 
 // acc[g*stride + i] += w[g] · cf_i over the permuted codes of one row, for g < G
 static inline void axpy_codes(const uint8_t* __restrict row, int64_t nb, int64_t bits, const float* __restrict w,
                               int64_t G, float* __restrict acc, int64_t stride) {
-#ifdef WUSHKV_AVX512
+#ifdef WUSHKV_SIMD
   switch (bits) {
     case 1: return axpy_codes_t<1>(row, nb, w, G, acc, stride);
     case 2: return axpy_codes_t<2>(row, nb, w, G, acc, stride);
@@ -333,7 +429,7 @@ static inline void axpy_codes(const uint8_t* __restrict row, int64_t nb, int64_t
 #endif
 }
 
-// x[j] <- exp(x[j] - m) for j < n; returns Σ_j of the new x[j]. With AVX-512: exp(y) = 2^k·p(r), y = k·ln2 + r,
+// x[j] <- exp(x[j] - m) for j < n; returns Σ_j of the new x[j]. With AVX-512 or AVX2: exp(y) = 2^k·p(r), y = k·ln2 + r,
 // |r| ≤ ln2/2, p the degree-6 Taylor polynomial (relative error below 2e-7, float32's own rounding); scalar
 // std::exp otherwise (a call per element, which would cost more than the codes' dot products)
 static inline float exp_shifted_sum(float* __restrict x, int64_t n, float m) {
@@ -362,6 +458,33 @@ static inline float exp_shifted_sum(float* __restrict x, int64_t n, float m) {
     sum = _mm512_mask_add_ps(sum, lanes, sum, e);
   }
   l = _mm512_reduce_add_ps(sum);
+#elif defined(WUSHKV_AVX2)  // the same polynomial; 2^k built in the exponent bits (k ≥ −126 after the clamp at −87.3)
+  const __m256 vm = _mm256_set1_ps(m), lo = _mm256_set1_ps(-87.3f), log2e = _mm256_set1_ps(1.44269504088896341f);
+  const __m256 ln2hi = _mm256_set1_ps(0.693359375f), ln2lo = _mm256_set1_ps(-2.12194440e-4f);
+  const __m256 c2 = _mm256_set1_ps(1.f / 2), c3 = _mm256_set1_ps(1.f / 6), c4 = _mm256_set1_ps(1.f / 24),
+               c5 = _mm256_set1_ps(1.f / 120), c6 = _mm256_set1_ps(1.f / 720), one = _mm256_set1_ps(1.f);
+  __m256 sum = _mm256_setzero_ps();
+  for (; j + 8 <= n; j += 8) {
+    const __m256 y = _mm256_max_ps(_mm256_sub_ps(_mm256_loadu_ps(x + j), vm), lo);
+    const __m256 k = _mm256_round_ps(_mm256_mul_ps(y, log2e), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    __m256 r = _mm256_fnmadd_ps(k, ln2hi, y);
+    r = _mm256_fnmadd_ps(k, ln2lo, r);
+    __m256 p = _mm256_fmadd_ps(c6, r, c5);
+    p = _mm256_fmadd_ps(p, r, c4);
+    p = _mm256_fmadd_ps(p, r, c3);
+    p = _mm256_fmadd_ps(p, r, c2);
+    p = _mm256_fmadd_ps(p, r, one);
+    p = _mm256_fmadd_ps(p, r, one);
+    const __m256i two_k = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(k), _mm256_set1_epi32(127)), 23);
+    const __m256 e = _mm256_mul_ps(p, _mm256_castsi256_ps(two_k));
+    _mm256_storeu_ps(x + j, e);
+    sum = _mm256_add_ps(sum, e);
+  }
+  l = hsum8(sum);
+  for (; j < n; ++j) {  // the last n % 8
+    x[j] = std::exp(x[j] - m);
+    l += x[j];
+  }
 #else
   for (; j < n; ++j) {
     x[j] = std::exp(x[j] - m);
@@ -524,19 +647,124 @@ static DotRun dot_run_m(int64_t bits, int64_t G, int64_t M) {
 }
 #endif
 
+#ifdef WUSHKV_AVX2
+// AVX2's 16 registers do not hold a run's queries or value sums whole, so its runs go otherwise than AVX-512's.
+// Keys: token by token, the G dot products (dot_codes_t, queries from L1) and the cell's scaling in one call.
+template <int BITS, int GN, bool TILE>
+static void dot_run_t(const uint8_t* base, int64_t cstride, int64_t count, const CellSide& K, int64_t nb, const float* q,
+                      int64_t qstride, const float* add, float* s, int64_t sstride) {
+  for (int64_t j = 0; j < count; ++j, base += cstride) {
+    float dots[GN];
+    dot_codes_t<BITS, GN>(base + K.codes, nb, q, qstride, dots);
+    if constexpr (TILE) {
+      const float st = meta_at(base + K.scale, 0);
+      for (int g = 0; g < GN; ++g) s[g * sstride + j] = st * (dots[g] + add[g]);
+    } else {
+      const float sc = meta_at(base + K.scale, K.meta);
+      const float of = K.offset >= 0 ? meta_at(base + K.offset, K.meta) : sc * K.half;
+      for (int g = 0; g < GN; ++g) s[g * sstride + j] = sc * dots[g] + of * add[g];
+    }
+  }
+}
+
+template <int BITS, bool TILE>
+static DotRun dot_run_g(int64_t G) {
+  switch (G) {
+    case 1: return dot_run_t<BITS, 1, TILE>;
+    case 2: return dot_run_t<BITS, 2, TILE>;
+    case 3: return dot_run_t<BITS, 3, TILE>;
+    case 4: return dot_run_t<BITS, 4, TILE>;
+    default: return nullptr;
+  }
+}
+
+// Values: 8 bytes of every cell of the run at a time, the G × (8/BITS) sums of those lanes in registers over the run's
+// tokens (TC codes a byte a pass where they would not fit: 1 bit, or 4 queries), then added to acc once.
+static constexpr int64_t AXPY_RUN_MAX = 512;  // a run lies in one split (PAGED_CHUNK tokens)
+
+template <int BITS, int GN>
+static void axpy_run_t(const uint8_t* base, int64_t cstride, int64_t count, const CellSide& V, int64_t nb, const float* p,
+                       int64_t pstride, float* acc, int64_t astride, float* osum) {
+  constexpr int PER = 8 / BITS;
+  constexpr int TC = GN * PER <= 12 ? PER : (12 / GN >= 4 ? 4 : (12 / GN >= 2 ? 2 : 1));
+  for (; count > AXPY_RUN_MAX; count -= AXPY_RUN_MAX, base += AXPY_RUN_MAX * cstride, p += AXPY_RUN_MAX)  // (not reached)
+    axpy_run_t<BITS, GN>(base, cstride, AXPY_RUN_MAX, V, nb, p, pstride, acc, astride, osum);
+  float w[GN][AXPY_RUN_MAX];
+  float os[GN] = {};
+  const uint8_t* cell = base;
+  for (int64_t j = 0; j < count; ++j, cell += cstride) {  // each cell's weights p·step, and its offsets' share
+    const float sc = meta_at(cell + V.scale, V.meta);
+    const float of = V.offset >= 0 ? meta_at(cell + V.offset, V.meta) : sc * V.half;
+    for (int g = 0; g < GN; ++g) {
+      w[g][j] = p[g * pstride + j] * sc;
+      os[g] += p[g * pstride + j] * of;
+    }
+  }
+  for (int g = 0; g < GN; ++g) osum[g] += os[g];
+  for (int64_t m = 0; m < nb; m += 8) {
+    const int64_t left = nb - m;
+    const __m256i lm = lanes8(left);
+    for (int t0 = 0; t0 < PER; t0 += TC) {
+      __m256 a[GN][TC];
+      for (int g = 0; g < GN; ++g)
+        for (int t = 0; t < TC; ++t) a[g][t] = _mm256_setzero_ps();
+      const uint8_t* row = base + V.codes + m;
+      for (int64_t j = 0; j < count; ++j, row += cstride) {
+        const __m256i x = load8_u8(row, left);
+        __m256 wg[GN];
+        for (int g = 0; g < GN; ++g) wg[g] = _mm256_broadcast_ss(&w[g][j]);
+#pragma GCC unroll 8
+        for (int t = 0; t < TC; ++t) {
+          const __m256 c = code8<BITS>(x, t0 + t);
+#pragma GCC unroll 4
+          for (int g = 0; g < GN; ++g) a[g][t] = _mm256_fmadd_ps(wg[g], c, a[g][t]);
+        }
+      }
+      for (int g = 0; g < GN; ++g)
+        for (int t = 0; t < TC; ++t) {
+          float* dst = acc + g * astride + (t0 + t) * nb + m;
+          if (left >= 8)
+            _mm256_storeu_ps(dst, _mm256_add_ps(_mm256_loadu_ps(dst), a[g][t]));
+          else
+            _mm256_maskstore_ps(dst, lm, _mm256_add_ps(_mm256_maskload_ps(dst, lm), a[g][t]));
+        }
+    }
+  }
+}
+
+template <int BITS>
+static AxpyRun axpy_run_g(int64_t G) {
+  switch (G) {
+    case 1: return axpy_run_t<BITS, 1>;
+    case 2: return axpy_run_t<BITS, 2>;
+    case 3: return axpy_run_t<BITS, 3>;
+    case 4: return axpy_run_t<BITS, 4>;
+    default: return nullptr;
+  }
+}
+#endif
+
 // the register-resident key run for (bits, G, nb, tiles or not), or nullptr (then each token goes through dot_codes)
 static DotRun dot_run_for(int64_t bits, int64_t G, int64_t nb, bool tile) {
 #ifdef WUSHKV_AVX512
   const int64_t M = (nb + 15) / 16, per = 8 / bits;
   if (G < 1 || G > 4 || G * M * per > 16) return nullptr;  // the queries in at most 16 registers
   return tile ? dot_run_m<true>(bits, G, M) : dot_run_m<false>(bits, G, M);
+#elif defined(WUSHKV_AVX2)
+  (void)nb;
+  switch (bits) {
+    case 1: return tile ? dot_run_g<1, true>(G) : dot_run_g<1, false>(G);
+    case 2: return tile ? dot_run_g<2, true>(G) : dot_run_g<2, false>(G);
+    case 4: return tile ? dot_run_g<4, true>(G) : dot_run_g<4, false>(G);
+    default: return tile ? dot_run_g<8, true>(G) : dot_run_g<8, false>(G);
+  }
 #else
   (void)bits, (void)G, (void)nb, (void)tile;
   return nullptr;
 #endif
 }
 
-// the register-resident run for (bits, G, nb), or nullptr (no AVX-512, or more accumulators than registers hold):
+// the register-resident run for (bits, G, nb), or nullptr (no SIMD path, or more accumulators than registers hold):
 // then each token goes through axpy_codes
 static AxpyRun axpy_run_for(int64_t bits, int64_t G, int64_t nb) {
 #ifdef WUSHKV_AVX512
@@ -553,6 +781,14 @@ static AxpyRun axpy_run_for(int64_t bits, int64_t G, int64_t nb) {
     case 82: return axpy_run_g<8, 2>(G);
     case 84: return axpy_run_g<8, 4>(G);
     default: return nullptr;
+  }
+#elif defined(WUSHKV_AVX2)
+  (void)nb;
+  switch (bits) {
+    case 1: return axpy_run_g<1>(G);
+    case 2: return axpy_run_g<2>(G);
+    case 4: return axpy_run_g<4>(G);
+    default: return axpy_run_g<8>(G);
   }
 #else
   (void)bits, (void)G, (void)nb;
@@ -1200,6 +1436,7 @@ std::vector<torch::Tensor> kvarn_rows(torch::Tensor A, torch::Tensor log_r, torc
 }
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("simd_path", &simd_path, "the vector instructions this build's kernels use: avx512, avx2 or scalar");
   m.def("feedback_round", &feedback_round, "codes rounded with error feedback");
   m.def("code_dot", &code_dot, "Σ_i c_ji q_gi over packed codes");
   m.def("paged_decode", &paged_decode, "decode attention over paged cells");
