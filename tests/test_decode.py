@@ -125,6 +125,59 @@ def test_fused_kernels_equal_float_codes(bits, d):
     assert ((ext.code_weighted_sum(view, w, bits, d).double() - ref_w).norm() / ref_w.norm()) < 1e-6
 
 
+@pytest.mark.parametrize("bits", [1, 2, 4, 8])
+@pytest.mark.parametrize("d, G, tile", [(64, 3, 128), (40, 4, 20), (32, 1, 300)])
+def test_code_dot_tiles_reads_each_token_with_its_tiles_queries(bits, d, G, tile):
+    """code_dot_tiles: token j against query set j // tile (KVarN's key tiles: each tile's channel-scaled queries), on
+    a strided view of a larger buffer; 1500 tokens end on a partial tile, tiles of 300 and 20 straddle the kernel's
+    1024-token work items, head_dim 40 ends rows on a partial group of vector lanes."""
+    ext = require_kernels()
+    g = torch.Generator().manual_seed(bits * d + tile)
+    N = 1500
+    c = torch.randint(0, 2**bits, (2, 3, N, d), generator=g, dtype=torch.uint8)
+    packed = pack(c, bits)
+    big = torch.zeros(2, 3, N + 70, packed.shape[-1], dtype=torch.uint8)
+    big[:, :, 50 : 50 + N] = packed
+    tiles = -(-N // tile)
+    q = torch.randn(2, 3, tiles, G, d, generator=g)
+    ref = torch.einsum("bhngd,bhnd->bhgn", q.repeat_interleave(tile, 2)[:, :, :N].double(), c.double())
+    out = ext.code_dot_tiles(big[:, :, 50 : 50 + N], q, bits, tile)
+    assert out.shape == (2, 3, G, N)
+    assert ((out.double() - ref).norm() / ref.norm()) < 1e-6
+    with pytest.raises(RuntimeError, match="do not cover"):
+        ext.code_dot_tiles(packed, q[:, :, :-1], bits, tile)
+
+
+@pytest.mark.parametrize("centered", [False, True])
+def test_key_tiles_decode_from_their_codes_without_a_float_copy(centered):
+    """KVarN's key tiles (``auto``'s keys) are read by the fused kernel from their codes, one set of channel-scaled
+    queries per tile, with the centers' share of the scores (``+rmean``) from the position: equal to attention over
+    the dequantized keys, and holding nothing the size of the middle's keys in float32 (the dequantizing path held
+    blocks of up to a million floats)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    from wushkv import _ext
+
+    require_kernels()
+    cfg = QuantConfig(2, 2, "quest", key_quantizer="kvarn", windows=WindowConfig(8, 0, 128))
+    if centered:
+        pk, pv, _, _ = centered_parts(cfg, None, n_mid=4096, d=64, H=2, B=2)
+    else:
+        pk, pv = _parts(cfg, B=2, H=2, d=64, n_mid=4096)
+    q = torch.randn(2, 4, 1, 64, generator=torch.Generator().manual_seed(1)) * 2
+    ref = dequantize_then_attend(q, pk, pv, None, 64**-0.5)
+    _ext.reset_calls()
+    out = decode_attention(q, pk, pv, None, 64**-0.5, block=512)
+    assert _ext.calls().get("code_dot_tiles") == 1, _ext.calls()
+    # float32 over 4096 scores up to ±19: this path and the dequantizing one are both ~1.6e-5 from float64
+    assert ((out - ref).norm() / ref.norm()) < 5e-5
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        decode_attention(q, pk, pv, None, 64**-0.5, block=512)
+    largest = max(e.self_cpu_memory_usage for e in prof.events())
+    middle = 2 * 2 * 4096 * 64 * 4
+    assert 0 < largest < middle / 16, (largest, middle)
+
+
 def test_mask_and_visible_columns(path):
     """``allowed`` covers the last S columns; earlier ones (outside a sliding window) are invisible."""
     pk, pv = _parts(CASES["quest-K2V2"])

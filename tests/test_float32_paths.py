@@ -7,8 +7,9 @@ of a rounding boundary can be stored differently: a quantization code one level 
 half-ulp over (a *flip*). A flip changes every later position that sees it; everything else agrees to float32
 rounding. So each check here
 
-1. asserts which path ran: the prefill read no packed codes, and streaming called ``code_dot`` (keys) and
-   ``code_weighted_sum`` (values) exactly once per layer and decode step with a quantized middle
+1. asserts which path ran: the prefill read no packed codes, and streaming called ``code_dot`` (keys;
+   ``code_dot_tiles`` for KVarN's key tiles) and ``code_weighted_sum`` (values) exactly once per layer and decode
+   step with a quantized middle
    (:func:`wushkv._ext.calls`);
 2. compares every stored value of the two caches (codes unpacked, metadata in its stored dtype) and bounds the
    flips up to the first layer that has one (later layers see its effect, not rounding): codes to 1 in 1000, float16
@@ -38,9 +39,9 @@ METADATA_FLIP = 2e-4  # behind float16 metadata flips only (each moves one scale
 # flips measured on these runs: codes ≤ 1 in 2e4 (2 of 18 runs), float16 metadata ≤ 2.6% (KVarN tiles: statistics of
 # 8 tokens × 32 channels, each an ulp from its neighbour in float16)
 
-DECODE_KERNELS = ("code_dot", "code_weighted_sum")  # the kernels that read packed codes (the quantizers have their own)
+DECODE_KERNELS = ("code_dot", "code_dot_tiles", "code_weighted_sum")  # the kernels that read packed codes (the quantizers have their own)
 
-CONFIGS = {  # kernels read 1/2/4/8-bit per-token codes: every side quantized per token uses them here
+CONFIGS = {  # kernels read 1/2/4/8-bit per-token codes and KVarN's key tiles: every side here uses them
     "quest": QuantConfig(2, 2, "quest", windows=WindowConfig(4, 8, 4)),
     "affine": QuantConfig(4, 2, "affine", windows=WindowConfig(3, 5, 2)),
     "ktiles": QuantConfig(2, 4, "quest", key_quantizer="kvarn", tile_clip=1.3, windows=WindowConfig(4, 4, 8)),
@@ -129,8 +130,7 @@ def check_paths(model, ids, cfg, max_code_flips: float = 1e-3, max_metadata_flip
     steps = sum(1 for n in range(1, T + 1) if w.quantized_count(n) > 0)
     want = {}
     if kernels_expected():
-        if cfg.side_quantizer("key") != "kvarn":
-            want["code_dot"] = layers * steps
+        want["code_dot_tiles" if cfg.side_quantizer("key") == "kvarn" else "code_dot"] = layers * steps
         want["code_weighted_sum"] = layers * steps
     decode1, decode2 = ({k: n for k, n in c.items() if k in DECODE_KERNELS} for c in (calls1, calls2))
     assert decode1 == {}, "the single pass reads no packed codes"

@@ -44,7 +44,7 @@ class _Counted:
 
 
 def kernels():
-    """The compiled kernels (``code_dot``, ``code_weighted_sum``, ``feedback_round``, and ``paged_decode``,
+    """The compiled kernels (``code_dot``, ``code_dot_tiles``, ``code_weighted_sum``, ``feedback_round``, and ``paged_decode``,
     ``paged_dequantize``, ``paged_store`` for the vLLM plugin's paged cells; each call counted, see
     :func:`calls`), or None where they cannot be built."""
     global _EXT

@@ -10,14 +10,17 @@ The quantized middle is read block by block (``block`` tokens at a time): each b
 expanded to floats through a lookup table (one ``embedding`` gather turns a packed 16-bit word into
 its ``16/b`` codes), used, and dropped, so no step holds a full-precision copy of the cache; the peak is
 one block. Scores of the sink, every block and the recent buffer go through one softmax; the output
-sums their parts. Codecs without per-token groups (KIVI keys, KVarN tiles) are dequantized block by
-block instead — the same memory bound, a slower inner loop. Keys quantized centered on their rotating
-mean (``+rmean``: k̂ = decoded codes + T c_t) are read from their codes too: the centers' share of the
-scores, q·T c_t, is a function of the position evaluated per block (:class:`wushkv.layer.KeyCenters`).
+sums their parts. Codecs without per-token groups (KIVI keys, KVarN tiles of values; KVarN key tiles
+off the CPU kernels) are dequantized block by block instead — the same memory bound, a slower inner
+loop. Keys quantized centered on their rotating mean (``+rmean``: k̂ = decoded codes + T c_t) are read
+from their codes too: the centers' share of the scores, q·T c_t, is a function of the position evaluated
+per block (:class:`wushkv.layer.KeyCenters`).
 
 On CPU, the code-domain products ``C q`` and ``Cᵀ w`` run in fused C++ kernels (:mod:`wushkv._ext`,
-built on first use) that read each packed byte once through byte lookup tables and never expand the
-codes; elsewhere, or where they cannot be built, the pure-PyTorch path above runs (same results).
+built on first use) that read each packed byte once, unpack it in vector registers and never expand the
+codes; KVarN's key tiles (``auto``'s keys) go through them too, with one set of channel-scaled queries per tile
+(``k̂[t, c] = s_t·(scale_c·code + zero_c)``, so ``q·k̂_t = s_t·((q ⊙ scale)·code_t + q·zero)``); elsewhere,
+or where they cannot be built, the pure-PyTorch path above runs (same results).
 On CUDA, where triton imports, a cache of per-token codecs (sink, packed middle, recent) is read by the split-KV
 Triton kernel of :mod:`wushkv.triton_kernels` instead, and :func:`encode_block` writes the cache's flushed blocks
 through its store kernel (:func:`triton_enabled` forces both on or off).
@@ -271,6 +274,11 @@ def _kernels(codec, store, ng: int):
         return None
     if store["codes"].stride(-1) != 1:
         return None
+    return _kernels_loaded()
+
+
+def _kernels_loaded():
+    """:func:`wushkv._ext.kernels`, looked up once, or None where they cannot be built."""
     global _EXT
     if _EXT is None:
         from ._ext import kernels
@@ -302,9 +310,38 @@ def _keys(codec, store, n, a, b, dtype, center=None):
     return (x if center is None else x + center.dense(a, b)).to(dtype)
 
 
+def _tile_kernels(codec, store, dtype):
+    """The fused CPU kernels where KVarN's key tiles can be read from their codes (CPU, 1/2/4/8 bits, not float64,
+    which dequantizes exactly as the emulation does), else None."""
+    if not (isinstance(codec, KVarNCodec) and codec.kind == "key" and dtype != torch.float64):
+        return None
+    if not USE_KERNELS or codec.bits not in (1, 2, 4, 8) or store["codes"].device.type != "cpu" or store["codes"].stride(-1) != 1:
+        return None
+    return _kernels_loaded()
+
+
+def _tile_scores(ext, qg, codec, store, n):
+    """Scores (B, H, G, n) float32 of a run of KVarN key tiles, from their codes: a tile's key is
+    k̂[t, c] = s_fold[t]·(scale[c]·q[t, c] + zero[c]), so q·k̂_t = s_fold[t]·((q ⊙ scale)·q_t + q·zero), one set of
+    channel-scaled queries per tile (``code_dot_tiles``) and no float keys."""
+    qf = qg.float()
+    scale, zero = store["scale"].float(), store["zero"].float()  # (B, H, tiles, d)
+    qt = qf.unsqueeze(2) * scale.unsqueeze(3)  # (B, H, tiles, G, d)
+    z = torch.einsum("bhgd,bhnd->bhgn", qf, zero)  # (B, H, G, tiles)
+    cq = ext.code_dot_tiles(store["codes"], qt, codec.bits, codec.block)  # (B, H, G, n)
+    s_tok = store["s_fold"].float().flatten(2, 3)[:, :, None, :n]  # (B, H, 1, n)
+    return (cq + z.repeat_interleave(codec.block, -1)[..., :n]) * s_tok
+
+
 def _run_scores(qg, codec, store, n, dtype, block, center=None):
     """Scores (B, H, G, n) of grouped queries (B, H, G, d) against a quantized run of n tokens; ``center``: the
     run's key centers (``+rmean``), whose share of the scores is added block by block."""
+    ext = _tile_kernels(codec, store, dtype)
+    if ext is not None:  # KVarN's key tiles from their codes; the centers' share added in float32, as below
+        scores = _tile_scores(ext, qg, codec, store, n)
+        if center is None:
+            return scores.to(dtype)
+        return scores + torch.cat([center.scores(qg, a, b) for a, b in _steps(n, codec, block)], dim=-1)
     if not _fast(codec, dtype):
         return torch.cat([torch.matmul(qg, _keys(codec, store, n, a, b, dtype, center).transpose(-1, -2))
                           for a, b in _dequant_steps(n, codec, block, qg.shape[0] * qg.shape[1])], dim=-1)

@@ -1,9 +1,11 @@
 // Fused CPU kernels over packed b-bit codes (b in {1, 2, 4, 8}; layout of wushkv.quantizers.pack:
 // code t of byte m sits at bits [t*b, (t+1)*b), low bits first). They read the packed bytes once and
-// never expand them into a float copy: each token's codes are unpacked into registers/L1 through a
-// byte table (8/b codes per load) and used at once by vectorized dot products / accumulations.
+// never expand them into a float copy: each token's codes are unpacked in registers (shift, mask, convert; AVX-512
+// or AVX2) and used at once by vectorized dot products / accumulations.
 //
 //   code_dot(codes (B,H,N,nb) uint8, q (B,H,G,d) f32, bits)           -> (B,H,G,N): Σ_i c_ji q_gi
+//   code_dot_tiles(codes, q (B,H,Q,G,d) f32, bits, tile)              -> (B,H,G,N): Σ_i c_ji q[j/tile]_gi (KVarN's
+//       key tiles: each tile's queries scaled by its channel scales)
 //   code_weighted_sum(codes (B,H,N,nb) uint8, w (B,H,G,N) f32, bits, d) -> (B,H,G,d): Σ_j w_gj c_j
 //   feedback_round(x (B,H,N,d) f32, scale/offset (B,H,N,g) f32, F (H,d,d) f32, bits) -> (B,H,N,d) uint8:
 //       codes on each group's grid, rounded coordinate by coordinate with error feedback
@@ -65,85 +67,6 @@ static inline void unpack_any(const uint8_t* row, int64_t nb, int64_t per, const
 static void check(const torch::Tensor& codes, int64_t bits) {
   TORCH_CHECK(codes.scalar_type() == torch::kUInt8 && codes.dim() == 4 && codes.stride(3) == 1, "codes: uint8 (B,H,N,nb), dense last dim");
   TORCH_CHECK(bits == 1 || bits == 2 || bits == 4 || bits == 8, "bits must be 1, 2, 4 or 8");
-}
-
-torch::Tensor code_dot(torch::Tensor codes, torch::Tensor q, int64_t bits) {
-  check(codes, bits);
-  TORCH_CHECK(q.scalar_type() == torch::kFloat && q.dim() == 4, "q: float32 (B,H,G,d)");
-  q = q.contiguous();
-  const int64_t B = codes.size(0), H = codes.size(1), N = codes.size(2), nb = codes.size(3);
-  const int64_t G = q.size(2), d = q.size(3), per = 8 / bits;
-  TORCH_CHECK(q.size(0) == B && q.size(1) == H && nb * per >= d, "shapes of codes and q do not match");
-  auto out = torch::empty({B, H, G, N}, q.options());
-  const int64_t nchunks = (N + CHUNK - 1) / CHUNK;
-  const uint8_t* cp = codes.data_ptr<uint8_t>();
-  const float* qp = q.data_ptr<float>();
-  float* op = out.data_ptr<float>();
-  const int64_t sb = codes.stride(0), sh = codes.stride(1), sn = codes.stride(2);
-  const std::vector<float> tab = byte_table(bits);
-  at::parallel_for(0, B * H * nchunks, 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> cf(nb * per), qz(G * nb * per, 0.f);  // queries zero-padded to nb*per
-    const int64_t D = nb * per;
-    int64_t loaded = -1;
-    for (int64_t it = begin; it < end; ++it) {
-      const int64_t bh = it / nchunks, c = it % nchunks, b = bh / H, h = bh % H;
-      if (loaded != bh) {
-        for (int64_t g = 0; g < G; ++g)
-          for (int64_t i = 0; i < d; ++i) qz[g * D + i] = qp[(bh * G + g) * d + i];
-        loaded = bh;
-      }
-      const uint8_t* base = cp + b * sb + h * sh;
-      float* ob = op + bh * G * N;
-      const int64_t j1 = std::min(N, (c + 1) * CHUNK);
-      for (int64_t j = c * CHUNK; j < j1; ++j) {
-        unpack_any(base + j * sn, nb, per, tab.data(), cf.data());
-        for (int64_t g = 0; g < G; ++g) {
-          const float* qg = qz.data() + g * D;
-          float acc = 0.f;
-#pragma omp simd reduction(+ : acc)
-          for (int64_t i = 0; i < D; ++i) acc += cf[i] * qg[i];
-          ob[g * N + j] = acc;
-        }
-      }
-    }
-  });
-  return out;
-}
-
-torch::Tensor code_weighted_sum(torch::Tensor codes, torch::Tensor w, int64_t bits, int64_t d) {
-  check(codes, bits);
-  TORCH_CHECK(w.scalar_type() == torch::kFloat && w.dim() == 4, "w: float32 (B,H,G,N)");
-  w = w.contiguous();
-  const int64_t B = codes.size(0), H = codes.size(1), N = codes.size(2), nb = codes.size(3);
-  const int64_t G = w.size(2), per = 8 / bits, D = nb * per;
-  TORCH_CHECK(w.size(0) == B && w.size(1) == H && w.size(3) == N && D >= d, "shapes of codes and w do not match");
-  const int64_t nchunks = (N + CHUNK - 1) / CHUNK;
-  auto partial = torch::zeros({B * H, nchunks, G, D}, w.options());
-  const uint8_t* cp = codes.data_ptr<uint8_t>();
-  const float* wp = w.data_ptr<float>();
-  float* pp = partial.data_ptr<float>();
-  const int64_t sb = codes.stride(0), sh = codes.stride(1), sn = codes.stride(2);
-  const std::vector<float> tab = byte_table(bits);
-  at::parallel_for(0, B * H * nchunks, 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> cf(D);
-    for (int64_t it = begin; it < end; ++it) {
-      const int64_t bh = it / nchunks, c = it % nchunks, b = bh / H, h = bh % H;
-      const uint8_t* base = cp + b * sb + h * sh;
-      const float* wb = wp + bh * G * N;
-      float* acc = pp + (bh * nchunks + c) * G * D;
-      const int64_t j1 = std::min(N, (c + 1) * CHUNK);
-      for (int64_t j = c * CHUNK; j < j1; ++j) {
-        unpack_any(base + j * sn, nb, per, tab.data(), cf.data());
-        for (int64_t g = 0; g < G; ++g) {
-          const float wj = wb[g * N + j];
-          float* ag = acc + g * D;
-#pragma omp simd
-          for (int64_t i = 0; i < D; ++i) ag[i] += wj * cf[i];
-        }
-      }
-    }
-  });
-  return partial.sum(1).narrow(-1, 0, d).reshape({B, H, G, d});
 }
 
 // codes of one vector w (d; overwritten) on its groups' grids (scale s, offset o per group of gs channels), rounded
@@ -427,6 +350,92 @@ static inline void axpy_codes(const uint8_t* __restrict row, int64_t nb, int64_t
       for (int64_t m = 0; m < nb; ++m) a[m] += wg * static_cast<float>((row[m] >> (t * bits)) & mask);
     }
 #endif
+}
+
+// Each (b, h) row's codes are read in the permuted order of dot_codes / axpy_codes: a query is permuted once per
+// work item (channel i = m·(8/b) + t of byte m goes to t·nb + m), a value sum back once at the end; no byte tables.
+static inline void permute_query(const float* q, int64_t d, int64_t nb, int64_t per, float* qz) {
+  for (int64_t i = 0; i < d; ++i) qz[(i % per) * nb + i / per] = q[i];  // channels d..D-1 stay 0 (padding codes)
+}
+
+// out[b, h, g, j] = Σ_i c_ji q[b, h, j / span, g, i]: token j against the query set of its span (span ≥ N: one set;
+// KVarN's key tiles: one set of channel-scaled queries per tile of `span` tokens)
+static torch::Tensor code_dot_spans(const torch::Tensor& codes, torch::Tensor q, int64_t bits, int64_t span) {
+  check(codes, bits);
+  TORCH_CHECK(q.scalar_type() == torch::kFloat && q.dim() == 5, "q: float32 (B,H,Q,G,d)");
+  q = q.contiguous();
+  const int64_t B = codes.size(0), H = codes.size(1), N = codes.size(2), nb = codes.size(3);
+  const int64_t Q = q.size(2), G = q.size(3), d = q.size(4), per = 8 / bits, D = nb * per;
+  TORCH_CHECK(q.size(0) == B && q.size(1) == H && D >= d, "shapes of codes and q do not match");
+  TORCH_CHECK(span >= 1 && Q * span >= N, "the query sets (", Q, " of ", span, " tokens) do not cover the ", N, " tokens");
+  auto out = torch::empty({B, H, G, N}, q.options());
+  const int64_t nchunks = (N + CHUNK - 1) / CHUNK;
+  const uint8_t* cp = codes.data_ptr<uint8_t>();
+  const float* qp = q.data_ptr<float>();
+  float* op = out.data_ptr<float>();
+  const int64_t sb = codes.stride(0), sh = codes.stride(1), sn = codes.stride(2);
+  at::parallel_for(0, B * H * nchunks, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> qz(G * D, 0.f), s(G);
+    int64_t loaded = -1;  // bh·Q + the query set in qz
+    for (int64_t it = begin; it < end; ++it) {
+      const int64_t bh = it / nchunks, c = it % nchunks, b = bh / H, h = bh % H;
+      const uint8_t* base = cp + b * sb + h * sh;
+      float* ob = op + bh * G * N;
+      const int64_t j1 = std::min(N, (c + 1) * CHUNK);
+      for (int64_t j = c * CHUNK; j < j1; ++j) {
+        const int64_t set = bh * Q + j / span;
+        if (set != loaded) {
+          for (int64_t g = 0; g < G; ++g) permute_query(qp + (set * G + g) * d, d, nb, per, qz.data() + g * D);
+          loaded = set;
+        }
+        dot_codes(base + j * sn, nb, bits, qz.data(), D, G, s.data());
+        for (int64_t g = 0; g < G; ++g) ob[g * N + j] = s[g];
+      }
+    }
+  });
+  return out;
+}
+
+torch::Tensor code_dot(torch::Tensor codes, torch::Tensor q, int64_t bits) {
+  TORCH_CHECK(q.dim() == 4, "q: float32 (B,H,G,d)");
+  return code_dot_spans(codes, q.unsqueeze(2), bits, std::max<int64_t>(codes.size(2), 1));
+}
+
+torch::Tensor code_dot_tiles(torch::Tensor codes, torch::Tensor q, int64_t bits, int64_t tile) {
+  return code_dot_spans(codes, q, bits, tile);
+}
+
+torch::Tensor code_weighted_sum(torch::Tensor codes, torch::Tensor w, int64_t bits, int64_t d) {
+  check(codes, bits);
+  TORCH_CHECK(w.scalar_type() == torch::kFloat && w.dim() == 4, "w: float32 (B,H,G,N)");
+  w = w.contiguous();
+  const int64_t B = codes.size(0), H = codes.size(1), N = codes.size(2), nb = codes.size(3);
+  const int64_t G = w.size(2), per = 8 / bits, D = nb * per;
+  TORCH_CHECK(w.size(0) == B && w.size(1) == H && w.size(3) == N && D >= d, "shapes of codes and w do not match");
+  const int64_t nchunks = (N + CHUNK - 1) / CHUNK;
+  auto partial = torch::zeros({B * H, nchunks, G, D}, w.options());  // sums in the permuted order
+  const uint8_t* cp = codes.data_ptr<uint8_t>();
+  const float* wp = w.data_ptr<float>();
+  float* pp = partial.data_ptr<float>();
+  const int64_t sb = codes.stride(0), sh = codes.stride(1), sn = codes.stride(2);
+  at::parallel_for(0, B * H * nchunks, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> wj(G);
+    for (int64_t it = begin; it < end; ++it) {
+      const int64_t bh = it / nchunks, c = it % nchunks, b = bh / H, h = bh % H;
+      const uint8_t* base = cp + b * sb + h * sh;
+      const float* wb = wp + bh * G * N;
+      float* acc = pp + (bh * nchunks + c) * G * D;
+      const int64_t j1 = std::min(N, (c + 1) * CHUNK);
+      for (int64_t j = c * CHUNK; j < j1; ++j) {
+        for (int64_t g = 0; g < G; ++g) wj[g] = wb[g * N + j];
+        axpy_codes(base + j * sn, nb, bits, wj.data(), G, acc, D);
+      }
+    }
+  });
+  std::vector<int64_t> place(d);  // channel i's place in the permuted order
+  for (int64_t i = 0; i < d; ++i) place[i] = (i % per) * nb + i / per;
+  auto idx = torch::tensor(place, torch::kLong);
+  return partial.sum(1).index_select(-1, idx).reshape({B, H, G, d});
 }
 
 // x[j] <- exp(x[j] - m) for j < n; returns Σ_j of the new x[j]. With AVX-512 or AVX2: exp(y) = 2^k·p(r), y = k·ln2 + r,
@@ -1439,6 +1448,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("simd_path", &simd_path, "the vector instructions this build's kernels use: avx512, avx2 or scalar");
   m.def("feedback_round", &feedback_round, "codes rounded with error feedback");
   m.def("code_dot", &code_dot, "Σ_i c_ji q_gi over packed codes");
+  m.def("code_dot_tiles", &code_dot_tiles, "Σ_i c_ji q_gi over packed codes, one query set per tile of tokens");
   m.def("paged_decode", &paged_decode, "decode attention over paged cells");
   m.def("paged_dequantize", &paged_dequantize, "keys and values of a request's cells");
   m.def("paged_store", &paged_store, "write the cells of new tokens at their slots");
