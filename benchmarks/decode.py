@@ -19,11 +19,16 @@ rows are copies). This is exactly the state a prefill through that cache would l
 transforms, flushes and packs them; the stock cache quantizes them), without running a long prefill
 once per cache. The stock ``QuantizedCache`` needs the optional extra ``pip install 'wushkv[stock]'``
 (optimum-quanto, hqq); missing backends are skipped with a note.
+
+A kind ``METHOD@K<k>V<v>`` (``auto@K2V2``, ``wush+rmean+ktiles+ldlq@K2V2``) is a calibrated method installed as the
+CLI installs it, on a model copy of its own with its own prefill: ``auto`` resolves as ``wushkv generate`` resolves it
+for ``--model``, and methods with key tiles take their windows from ``--windows`` as the CLI does.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import gc
 import statistics
 import threading
@@ -118,6 +123,34 @@ def make_cache(kind: str, model, windows: WindowConfig):
     _, kv = kind.split("-")
     kb, vb = int(kv[1]), int(kv[3])
     return WushKVCache(model, QuantConfig(kb, vb, "quest", windows=windows))
+
+
+def is_method(kind: str) -> bool:
+    """A cache kind named ``METHOD@K<k>V<v>``: a wushkv method (``auto``, ``wush+ktiles+ldlq``, ...) installed as the
+    CLI installs it (:func:`wushkv.methods.install.method_cache`)."""
+    return "@" in kind
+
+
+def method_factory(stack: contextlib.ExitStack, kind: str, model, args, windows: WindowConfig):
+    """(a factory of fresh caches, what ran) for a ``METHOD@K<k>V<v>`` kind on ``model`` (a copy of its own: the
+    method stays installed until ``stack`` closes). ``auto`` resolves as ``wushkv generate`` resolves it for
+    ``args.model``; methods whose keys go into tiles take their windows from ``windows`` as the CLI does."""
+    from wushkv.calibration import Calibration
+    from wushkv.methods.auto import resolve_auto
+    from wushkv.methods.install import method_cache
+
+    name, widths = kind.split("@")
+    if len(widths) != 4 or widths[0] != "K" or widths[2] != "V" or not (widths[1] + widths[3]).isdigit():
+        raise SystemExit(f"--caches: {kind!r} must be METHOD@K<bits>V<bits>, e.g. auto@K2V2 or wush+ktiles+ldlq@K2V2")
+    if not args.calibration:
+        raise SystemExit(f"--caches: {kind!r} is a calibrated method; give --calibration FILE")
+    cal = Calibration.load(args.calibration, model)
+    cfg = QuantConfig(int(widths[1]), int(widths[3]), "quest", windows=windows)
+    method, chosen = name, name
+    if name == "auto":
+        r = resolve_auto(args.model, cal, cfg)
+        method, cfg, chosen = r.method, r.base, f"auto = {r.method.name} ({r.why})"
+    return stack.enter_context(method_cache(model, cal, method, cfg)), chosen
 
 
 def cache_bytes(cache, dtype_size: int) -> dict:
@@ -217,7 +250,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--contexts", default="1024,4096,8192")
     ap.add_argument("--batches", default="1,8")
     ap.add_argument("--dtypes", default="float32,bfloat16")
-    ap.add_argument("--caches", default="dynamic,quanto-2,quanto-4,hqq-2,hqq-4,identity-K2V2,identity-K4V2,wush-K2V2,wush-K4V2")
+    ap.add_argument("--caches", default="dynamic,quanto-2,quanto-4,hqq-2,hqq-4,identity-K2V2,identity-K4V2,wush-K2V2,wush-K4V2",
+                    help="dynamic, quanto-B, hqq-B, identity-KxVy, wush-KxVy (QuEST), or METHOD@KxVy: a calibrated method as "
+                         "the CLI installs it, e.g. auto@K2V2, wush+ktiles+ldlq@K2V2 (needs --calibration)")
     ap.add_argument("--windows", default="64,256,8", help="S_sink,S_keep,S_flush of the wushkv caches")
     ap.add_argument("--warmup", type=int, default=2)
     ap.add_argument("--steps", type=int, default=8)
@@ -260,15 +295,21 @@ def run(args, model, text: torch.Tensor) -> dict:
     # DynamicCache and the stock cache, one switched to the wushkv attention, one with WUSH installed.
     import copy
 
-    which = lambda kind: "wush" if kind.startswith("wush") else "identity"  # noqa: E731
+    which = lambda kind: kind if is_method(kind) else "wush" if kind.startswith("wush") else "identity"  # noqa: E731
     m_id = copy.deepcopy(model)
     m_wush = copy.deepcopy(model) if transforms else None
     if m_wush is not None:
         apply_transforms(m_wush, transforms["wush"], "wush")
     models = {k: (m_wush if which(k) == "wush" else m_id if k.startswith("identity") else model) for k in kinds}
+    stack = contextlib.ExitStack()  # the methods stay installed on their own copies for the whole run
+    factories = {}
+    for kind in filter(is_method, kinds):
+        models[kind] = copy.deepcopy(model)
+        factories[kind], chosen = method_factory(stack, kind, models[kind], args, windows)
+        print(f"{kind}: {chosen}", flush=True)
     rows, results = [], []
-    kv32 = {}  # one float32 prefill per transform; every dtype's caches are filled from it (cast)
-    for name, m in (("identity", model), ("wush", m_wush)):
+    kv32 = {}  # one float32 prefill per transform (and method); every dtype's caches are filled from it (cast)
+    for name, m in (("identity", model), ("wush", m_wush), *((k, models[k]) for k in factories)):
         if m is None:
             continue
         t0 = time.perf_counter()
@@ -285,7 +326,7 @@ def run(args, model, text: torch.Tensor) -> dict:
                 caches = {}
                 for kind in kinds:
                     try:
-                        cache = make_cache(kind, models[kind], windows)
+                        cache = factories[kind]() if kind in factories else make_cache(kind, models[kind], windows)
                         fill(cache, kv[which(kind)], ctx, B, dtype)
                         caches[kind] = cache
                     except (ImportError, ValueError) as e:  # backend missing, or a model the stock cache refuses
@@ -313,7 +354,7 @@ def run(args, model, text: torch.Tensor) -> dict:
     summary = []
     for r in results:
         b = r["bytes"]
-        if r["cache"].startswith(("identity", "wush")) and r["dtype"] == "float32":
+        if (r["cache"].startswith(("identity", "wush")) or is_method(r["cache"])) and r["dtype"] == "float32":
             n_tok = r["batch"] * (r["context"] + steps)
             win16 = b["windows"] // b["windows_elem"] * 2
             q = b["total"] - b["windows"]
@@ -334,6 +375,7 @@ def run(args, model, text: torch.Tensor) -> dict:
         for k, v in share.items():
             print(f"key transform (keys + queries, {spec.num_layers} layers), batch {k}: {v['ms']:.2f} ms per step = "
                   f"{100 * v['share']:.1f}% of the WUSH K2V2 step at context {v['context']}")
+    stack.close()
     device = torch.cuda.get_device_name() if text.device.type == "cuda" else "cpu"
     return {"key_transform_share": share, "model": args.model, "device": device,
             "torch": torch.__version__, "threads": torch.get_num_threads(), "windows": args.windows,

@@ -61,6 +61,39 @@ def test_decode(capsys):
     assert "x dynamic" in capsys.readouterr().out
 
 
+def test_decode_times_calibrated_methods_as_the_cli_installs_them(tiny_cal, tmp_path, capsys):
+    """``METHOD@KxVy`` kinds: a calibrated method (``auto``, key tiles with error feedback and centered keys) on a model
+    copy of its own, its cache from :func:`wushkv.methods.install.method_cache`; the key tiles' rows hold KVarN's tile
+    metadata, decode reads them through the fused tile kernel where the kernels build, and a malformed kind or a
+    missing calibration is refused by name."""
+    from wushkv import _ext
+
+    decode = load_benchmark("decode")
+    model = tiny_model("llama")
+    cal = tmp_path / "cal.safetensors"
+    tiny_cal(model).save(cal)
+    kinds = ["dynamic", "auto@K2V2", "wush+ktiles+ldlq@K2V2", "wush+rmean+ktiles+ldlq@K2V2"]
+    args = decode.parse_args(["--model", "tiny", "--contexts", "300", "--batches", "1", "--dtypes", "float32",
+                              "--caches", ",".join(kinds), "--windows", "4,16,4", "--warmup", "0", "--steps", "1",
+                              "--calibration", str(cal)])
+    _ext.reset_calls()
+    res = decode.run(args, model, torch.randint(3, 96, (1, decode.text_tokens(args))))
+    rows = {r["cache"]: r for r in res["results"]}
+    assert set(rows) == set(kinds)
+    dyn = rows["dynamic"]["bytes"]["total"]
+    for kind in kinds[1:]:
+        assert positive(rows[kind]["ms"]) and 0 < rows[kind]["bytes"]["total"] < dyn / 2, kind
+    # key tiles of 128 tokens: their metadata per tile, not per token, so they hold fewer bytes than QuEST keys
+    assert rows["wush+ktiles+ldlq@K2V2"]["bytes"]["total"] == rows["wush+rmean+ktiles+ldlq@K2V2"]["bytes"]["total"]
+    assert "auto@K2V2: auto = wush" in capsys.readouterr().out  # no selection recorded for a tiny model: the paper recipe
+    if _ext.kernels() is not None:
+        assert _ext.calls().get("code_dot_tiles", 0) > 0, _ext.calls()
+    for bad, why in (("wush@K2", "METHOD@K<bits>V<bits>"), ("wush+ldlq@K2V2", "give --calibration")):
+        a = decode.parse_args(["--model", "tiny", "--caches", bad] + (["--calibration", str(cal)] if "K2V2" not in bad else []))
+        with pytest.raises(SystemExit, match=why):
+            decode.run(a, model, torch.randint(3, 96, (1, decode.text_tokens(a))))
+
+
 def test_decode_bytes_match_the_cache(tmp_path):
     """The byte count of a wushkv cache is its ``nbytes()`` after the same fill, and that fill is the state a
     prefill through the cache leaves (same codes and windows, so the same bytes)."""
