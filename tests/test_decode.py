@@ -128,9 +128,10 @@ def test_fused_kernels_equal_float_codes(bits, d):
 @pytest.mark.parametrize("bits", [1, 2, 4, 8])
 @pytest.mark.parametrize("d, G, tile", [(64, 3, 128), (40, 4, 20), (32, 1, 300)])
 def test_code_dot_tiles_reads_each_token_with_its_tiles_queries(bits, d, G, tile):
-    """code_dot_tiles: token j against query set j // tile (KVarN's key tiles: each tile's channel-scaled queries), on
-    a strided view of a larger buffer; 1500 tokens end on a partial tile, tiles of 300 and 20 straddle the kernel's
-    1024-token work items, head_dim 40 ends rows on a partial group of vector lanes."""
+    """code_dot_tiles: token j against query set j // tile (KVarN's key tiles: each tile's channel-scaled queries),
+    plus the set's bias, times the token's scale (the tile's q·zero and s_tok), on a strided view of a larger buffer;
+    1500 tokens end on a partial tile, tiles of 300 and 20 straddle the kernel's 1024-token work items, head_dim 40
+    ends rows on a partial group of vector lanes."""
     ext = require_kernels()
     g = torch.Generator().manual_seed(bits * d + tile)
     N = 1500
@@ -139,13 +140,18 @@ def test_code_dot_tiles_reads_each_token_with_its_tiles_queries(bits, d, G, tile
     big = torch.zeros(2, 3, N + 70, packed.shape[-1], dtype=torch.uint8)
     big[:, :, 50 : 50 + N] = packed
     tiles = -(-N // tile)
-    q = torch.randn(2, 3, tiles, G, d, generator=g)
-    ref = torch.einsum("bhngd,bhnd->bhgn", q.repeat_interleave(tile, 2)[:, :, :N].double(), c.double())
-    out = ext.code_dot_tiles(big[:, :, 50 : 50 + N], q, bits, tile)
+    q, bias = torch.randn(2, 3, tiles, G, d, generator=g), torch.randn(2, 3, tiles, G, generator=g) * 10
+    s_tok = torch.rand(2, 3, N, generator=g) + 0.5
+    per_token = lambda t: t.repeat_interleave(tile, 2)[:, :, :N].double()  # noqa: E731
+    ref = torch.einsum("bhngd,bhnd->bhgn", per_token(q), c.double())
+    ref = (ref + per_token(bias).transpose(-1, -2)) * s_tok.double()[:, :, None]
+    out = ext.code_dot_tiles(big[:, :, 50 : 50 + N], q, bits, tile, bias, s_tok)
     assert out.shape == (2, 3, G, N)
     assert ((out.double() - ref).norm() / ref.norm()) < 1e-6
     with pytest.raises(RuntimeError, match="do not cover"):
-        ext.code_dot_tiles(packed, q[:, :, :-1], bits, tile)
+        ext.code_dot_tiles(packed, q[:, :, :-1], bits, tile, bias[:, :, :-1], s_tok)
+    with pytest.raises(RuntimeError, match="bias: float32"):
+        ext.code_dot_tiles(packed, q, bits, tile, bias[..., :-1], s_tok)
 
 
 @pytest.mark.parametrize("centered", [False, True])

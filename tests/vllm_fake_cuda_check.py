@@ -45,6 +45,7 @@ from vllm.v1.kv_cache_interface import FullAttentionSpec  # noqa: E402
 from vllm.v1.kv_cache_layout import KVCacheLayout  # noqa: E402
 
 import fake_cuda  # noqa: E402
+from wushkv import _ext  # noqa: E402
 from wushkv import triton_kernels as tk  # noqa: E402
 from wushkv.decode import triton_enabled  # noqa: E402
 from wushkv_vllm.backend import WushKVCPUImpl  # noqa: E402
@@ -120,7 +121,9 @@ def check(folder: str) -> dict:
         C = WushKVTritonBackend.customize_spec(spec).state_content_bytes
         args = dict(num_heads=Hq, head_size=d, scale=d ** -0.5, num_kv_heads=H, alibi_slopes=None,
                     sliding_window=window, kv_cache_dtype="auto", logits_soft_cap=hf.get("attn_logit_softcapping"))
+        looked_up = _ext.looked_up()  # before the CPU impl (False in this process's first check)
         cpu, gpu = WushKVCPUImpl(**args), WushKVTritonImpl(**args)
+        kernels_at_start = (looked_up, _ext.looked_up())
         assert not gpu.fused_rope_kvcache_supported()
         builder = WushKVTritonBackend.get_builder_cls()(served_spec, [layer_name], cfg, torch.device("cpu"))
         layer = _Md(layer_name=layer_name)
@@ -180,7 +183,8 @@ def check(folder: str) -> dict:
     return {"folder": folder, "errors": fake_cuda.errors(), "worst": worst, "syncs_per_step_metadata": metadata_syncs,
             "syncs_per_layer_decode_step": per_layer[-1], "syncs_per_layer_max": max(per_layer),
             "syncs": fake_cuda.syncs(), "calls": calls, "cells_differing": differing,
-            "cells": cache_cpu[..., 0].numel(), "seconds": round(time.perf_counter() - t0, 1)}
+            "cells": cache_cpu[..., 0].numel(), "seconds": round(time.perf_counter() - t0, 1),
+            "kernels_at_start": kernels_at_start}
 
 
 if __name__ == "__main__":

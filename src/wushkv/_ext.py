@@ -56,6 +56,12 @@ def kernels():
     return _EXT or None
 
 
+def looked_up() -> bool:
+    """Whether :func:`kernels` has run in this process (built, loaded from its cache, or found unavailable): an engine
+    that must not pay for the build in its first request checks it was done at start."""
+    return _EXT is not None
+
+
 def calls() -> dict[str, int]:
     """How many times each fused kernel ran since the last :func:`reset_calls` (e.g. ``{"code_dot": 60,
     "code_weighted_sum": 60}``; empty where none ran): which path decoding actually took."""

@@ -327,10 +327,9 @@ def _tile_scores(ext, qg, codec, store, n):
     qf = qg.float()
     scale, zero = store["scale"].float(), store["zero"].float()  # (B, H, tiles, d)
     qt = qf.unsqueeze(2) * scale.unsqueeze(3)  # (B, H, tiles, G, d)
-    z = torch.einsum("bhgd,bhnd->bhgn", qf, zero)  # (B, H, G, tiles)
-    cq = ext.code_dot_tiles(store["codes"], qt, codec.bits, codec.block)  # (B, H, G, n)
-    s_tok = store["s_fold"].float().flatten(2, 3)[:, :, None, :n]  # (B, H, 1, n)
-    return (cq + z.repeat_interleave(codec.block, -1)[..., :n]) * s_tok
+    z = torch.einsum("bhgd,bhnd->bhng", qf, zero)  # (B, H, tiles, G)
+    s_tok = store["s_fold"].float().flatten(2, 3)[:, :, :n]  # (B, H, n)
+    return ext.code_dot_tiles(store["codes"], qt, codec.bits, codec.block, z, s_tok)  # (B, H, G, n)
 
 
 def _run_scores(qg, codec, store, n, dtype, block, center=None):

@@ -30,6 +30,7 @@ mixed batches.
 
 from __future__ import annotations
 
+import time
 import weakref
 from dataclasses import replace
 
@@ -306,3 +307,23 @@ class ServedImpl:
 
 class WushKVCPUImpl(ServedImpl, CPUAttentionBackendImpl):
     """CPU attention over WUSH-KV cells (module docstring); stock ``CPU_ATTN`` for a folder without a side file."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        if self.served is not None:
+            _kernels_at_start()
+
+
+def _kernels_at_start() -> None:
+    """The C++ kernels built (or loaded from their cache) while the engine builds its model, once per process: left to
+    the first request's first step, a new source version's build (about a minute) would stall that request and
+    every request batched with it."""
+    from wushkv import _ext
+
+    if _ext.looked_up():
+        return
+    t0 = time.perf_counter()
+    ext = _ext.kernels()
+    seconds = time.perf_counter() - t0
+    if ext is not None and seconds > 1:
+        logger.info("wushkv: built the CPU kernels in %.0f s (once per source version and environment)", seconds)

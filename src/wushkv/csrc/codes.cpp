@@ -4,8 +4,9 @@
 // or AVX2) and used at once by vectorized dot products / accumulations.
 //
 //   code_dot(codes (B,H,N,nb) uint8, q (B,H,G,d) f32, bits)           -> (B,H,G,N): Σ_i c_ji q_gi
-//   code_dot_tiles(codes, q (B,H,Q,G,d) f32, bits, tile)              -> (B,H,G,N): Σ_i c_ji q[j/tile]_gi (KVarN's
-//       key tiles: each tile's queries scaled by its channel scales)
+//   code_dot_tiles(codes, q (B,H,Q,G,d) f32, bits, tile, bias (B,H,Q,G) f32, s (B,H,N) f32) -> (B,H,G,N):
+//       s_j·(Σ_i c_ji q[j/tile]_gi + bias[j/tile]_g) (KVarN's key tiles: each tile's queries scaled by its channel
+//       scales, its q·zero, each token's s_tok)
 //   code_weighted_sum(codes (B,H,N,nb) uint8, w (B,H,G,N) f32, bits, d) -> (B,H,G,d): Σ_j w_gj c_j
 //   feedback_round(x (B,H,N,d) f32, scale/offset (B,H,N,g) f32, F (H,d,d) f32, bits) -> (B,H,N,d) uint8:
 //       codes on each group's grid, rounded coordinate by coordinate with error feedback
@@ -352,92 +353,6 @@ static inline void axpy_codes(const uint8_t* __restrict row, int64_t nb, int64_t
 #endif
 }
 
-// Each (b, h) row's codes are read in the permuted order of dot_codes / axpy_codes: a query is permuted once per
-// work item (channel i = m·(8/b) + t of byte m goes to t·nb + m), a value sum back once at the end; no byte tables.
-static inline void permute_query(const float* q, int64_t d, int64_t nb, int64_t per, float* qz) {
-  for (int64_t i = 0; i < d; ++i) qz[(i % per) * nb + i / per] = q[i];  // channels d..D-1 stay 0 (padding codes)
-}
-
-// out[b, h, g, j] = Σ_i c_ji q[b, h, j / span, g, i]: token j against the query set of its span (span ≥ N: one set;
-// KVarN's key tiles: one set of channel-scaled queries per tile of `span` tokens)
-static torch::Tensor code_dot_spans(const torch::Tensor& codes, torch::Tensor q, int64_t bits, int64_t span) {
-  check(codes, bits);
-  TORCH_CHECK(q.scalar_type() == torch::kFloat && q.dim() == 5, "q: float32 (B,H,Q,G,d)");
-  q = q.contiguous();
-  const int64_t B = codes.size(0), H = codes.size(1), N = codes.size(2), nb = codes.size(3);
-  const int64_t Q = q.size(2), G = q.size(3), d = q.size(4), per = 8 / bits, D = nb * per;
-  TORCH_CHECK(q.size(0) == B && q.size(1) == H && D >= d, "shapes of codes and q do not match");
-  TORCH_CHECK(span >= 1 && Q * span >= N, "the query sets (", Q, " of ", span, " tokens) do not cover the ", N, " tokens");
-  auto out = torch::empty({B, H, G, N}, q.options());
-  const int64_t nchunks = (N + CHUNK - 1) / CHUNK;
-  const uint8_t* cp = codes.data_ptr<uint8_t>();
-  const float* qp = q.data_ptr<float>();
-  float* op = out.data_ptr<float>();
-  const int64_t sb = codes.stride(0), sh = codes.stride(1), sn = codes.stride(2);
-  at::parallel_for(0, B * H * nchunks, 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> qz(G * D, 0.f), s(G);
-    int64_t loaded = -1;  // bh·Q + the query set in qz
-    for (int64_t it = begin; it < end; ++it) {
-      const int64_t bh = it / nchunks, c = it % nchunks, b = bh / H, h = bh % H;
-      const uint8_t* base = cp + b * sb + h * sh;
-      float* ob = op + bh * G * N;
-      const int64_t j1 = std::min(N, (c + 1) * CHUNK);
-      for (int64_t j = c * CHUNK; j < j1; ++j) {
-        const int64_t set = bh * Q + j / span;
-        if (set != loaded) {
-          for (int64_t g = 0; g < G; ++g) permute_query(qp + (set * G + g) * d, d, nb, per, qz.data() + g * D);
-          loaded = set;
-        }
-        dot_codes(base + j * sn, nb, bits, qz.data(), D, G, s.data());
-        for (int64_t g = 0; g < G; ++g) ob[g * N + j] = s[g];
-      }
-    }
-  });
-  return out;
-}
-
-torch::Tensor code_dot(torch::Tensor codes, torch::Tensor q, int64_t bits) {
-  TORCH_CHECK(q.dim() == 4, "q: float32 (B,H,G,d)");
-  return code_dot_spans(codes, q.unsqueeze(2), bits, std::max<int64_t>(codes.size(2), 1));
-}
-
-torch::Tensor code_dot_tiles(torch::Tensor codes, torch::Tensor q, int64_t bits, int64_t tile) {
-  return code_dot_spans(codes, q, bits, tile);
-}
-
-torch::Tensor code_weighted_sum(torch::Tensor codes, torch::Tensor w, int64_t bits, int64_t d) {
-  check(codes, bits);
-  TORCH_CHECK(w.scalar_type() == torch::kFloat && w.dim() == 4, "w: float32 (B,H,G,N)");
-  w = w.contiguous();
-  const int64_t B = codes.size(0), H = codes.size(1), N = codes.size(2), nb = codes.size(3);
-  const int64_t G = w.size(2), per = 8 / bits, D = nb * per;
-  TORCH_CHECK(w.size(0) == B && w.size(1) == H && w.size(3) == N && D >= d, "shapes of codes and w do not match");
-  const int64_t nchunks = (N + CHUNK - 1) / CHUNK;
-  auto partial = torch::zeros({B * H, nchunks, G, D}, w.options());  // sums in the permuted order
-  const uint8_t* cp = codes.data_ptr<uint8_t>();
-  const float* wp = w.data_ptr<float>();
-  float* pp = partial.data_ptr<float>();
-  const int64_t sb = codes.stride(0), sh = codes.stride(1), sn = codes.stride(2);
-  at::parallel_for(0, B * H * nchunks, 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> wj(G);
-    for (int64_t it = begin; it < end; ++it) {
-      const int64_t bh = it / nchunks, c = it % nchunks, b = bh / H, h = bh % H;
-      const uint8_t* base = cp + b * sb + h * sh;
-      const float* wb = wp + bh * G * N;
-      float* acc = pp + (bh * nchunks + c) * G * D;
-      const int64_t j1 = std::min(N, (c + 1) * CHUNK);
-      for (int64_t j = c * CHUNK; j < j1; ++j) {
-        for (int64_t g = 0; g < G; ++g) wj[g] = wb[g * N + j];
-        axpy_codes(base + j * sn, nb, bits, wj.data(), G, acc, D);
-      }
-    }
-  });
-  std::vector<int64_t> place(d);  // channel i's place in the permuted order
-  for (int64_t i = 0; i < d; ++i) place[i] = (i % per) * nb + i / per;
-  auto idx = torch::tensor(place, torch::kLong);
-  return partial.sum(1).index_select(-1, idx).reshape({B, H, G, d});
-}
-
 // x[j] <- exp(x[j] - m) for j < n; returns Σ_j of the new x[j]. With AVX-512 or AVX2: exp(y) = 2^k·p(r), y = k·ln2 + r,
 // |r| ≤ ln2/2, p the degree-6 Taylor polynomial (relative error below 2e-7, float32's own rounding); scalar
 // std::exp otherwise (a call per element, which would cost more than the codes' dot products)
@@ -687,29 +602,14 @@ static DotRun dot_run_g(int64_t G) {
   }
 }
 
-// Values: 8 bytes of every cell of the run at a time, the G × (8/BITS) sums of those lanes in registers over the run's
-// tokens (TC codes a byte a pass where they would not fit: 1 bit, or 4 queries), then added to acc once.
-static constexpr int64_t AXPY_RUN_MAX = 512;  // a run lies in one split (PAGED_CHUNK tokens)
-
+// Σ_j w[g·wstride + j]·(codes of row j) for count rows cstride bytes apart, added to acc[g·astride + ...] (permuted
+// order): 8 bytes of every row at a time, the G × (8/BITS) sums of those lanes in registers over the rows (TC codes a
+// byte a pass where they would not fit: 1 bit, or 4 queries), then added to acc once
 template <int BITS, int GN>
-static void axpy_run_t(const uint8_t* base, int64_t cstride, int64_t count, const CellSide& V, int64_t nb, const float* p,
-                       int64_t pstride, float* acc, int64_t astride, float* osum) {
+static void axpy_rows_t(const uint8_t* rows, int64_t cstride, int64_t count, int64_t nb, const float* w, int64_t wstride,
+                        float* acc, int64_t astride) {
   constexpr int PER = 8 / BITS;
   constexpr int TC = GN * PER <= 12 ? PER : (12 / GN >= 4 ? 4 : (12 / GN >= 2 ? 2 : 1));
-  for (; count > AXPY_RUN_MAX; count -= AXPY_RUN_MAX, base += AXPY_RUN_MAX * cstride, p += AXPY_RUN_MAX)  // (not reached)
-    axpy_run_t<BITS, GN>(base, cstride, AXPY_RUN_MAX, V, nb, p, pstride, acc, astride, osum);
-  float w[GN][AXPY_RUN_MAX];
-  float os[GN] = {};
-  const uint8_t* cell = base;
-  for (int64_t j = 0; j < count; ++j, cell += cstride) {  // each cell's weights p·step, and its offsets' share
-    const float sc = meta_at(cell + V.scale, V.meta);
-    const float of = V.offset >= 0 ? meta_at(cell + V.offset, V.meta) : sc * V.half;
-    for (int g = 0; g < GN; ++g) {
-      w[g][j] = p[g * pstride + j] * sc;
-      os[g] += p[g * pstride + j] * of;
-    }
-  }
-  for (int g = 0; g < GN; ++g) osum[g] += os[g];
   for (int64_t m = 0; m < nb; m += 8) {
     const int64_t left = nb - m;
     const __m256i lm = lanes8(left);
@@ -717,11 +617,11 @@ static void axpy_run_t(const uint8_t* base, int64_t cstride, int64_t count, cons
       __m256 a[GN][TC];
       for (int g = 0; g < GN; ++g)
         for (int t = 0; t < TC; ++t) a[g][t] = _mm256_setzero_ps();
-      const uint8_t* row = base + V.codes + m;
+      const uint8_t* row = rows + m;
       for (int64_t j = 0; j < count; ++j, row += cstride) {
         const __m256i x = load8_u8(row, left);
         __m256 wg[GN];
-        for (int g = 0; g < GN; ++g) wg[g] = _mm256_broadcast_ss(&w[g][j]);
+        for (int g = 0; g < GN; ++g) wg[g] = _mm256_broadcast_ss(w + g * wstride + j);
 #pragma GCC unroll 8
         for (int t = 0; t < TC; ++t) {
           const __m256 c = code8<BITS>(x, t0 + t);
@@ -740,7 +640,28 @@ static void axpy_run_t(const uint8_t* base, int64_t cstride, int64_t count, cons
     }
   }
 }
+// Values: each cell's weights p·step (and its offsets' share of the sum), then axpy_rows_t over the run's codes.
+static constexpr int64_t AXPY_RUN_MAX = 512;  // a run lies in one split (PAGED_CHUNK tokens)
 
+template <int BITS, int GN>
+static void axpy_run_t(const uint8_t* base, int64_t cstride, int64_t count, const CellSide& V, int64_t nb, const float* p,
+                       int64_t pstride, float* acc, int64_t astride, float* osum) {
+  for (; count > AXPY_RUN_MAX; count -= AXPY_RUN_MAX, base += AXPY_RUN_MAX * cstride, p += AXPY_RUN_MAX)  // (not reached)
+    axpy_run_t<BITS, GN>(base, cstride, AXPY_RUN_MAX, V, nb, p, pstride, acc, astride, osum);
+  float w[GN][AXPY_RUN_MAX];
+  float os[GN] = {};
+  const uint8_t* cell = base;
+  for (int64_t j = 0; j < count; ++j, cell += cstride) {  // each cell's weights p·step, and its offsets' share
+    const float sc = meta_at(cell + V.scale, V.meta);
+    const float of = V.offset >= 0 ? meta_at(cell + V.offset, V.meta) : sc * V.half;
+    for (int g = 0; g < GN; ++g) {
+      w[g][j] = p[g * pstride + j] * sc;
+      os[g] += p[g * pstride + j] * of;
+    }
+  }
+  for (int g = 0; g < GN; ++g) osum[g] += os[g];
+  axpy_rows_t<BITS, GN>(base + V.codes, cstride, count, nb, &w[0][0], AXPY_RUN_MAX, acc, astride);
+}
 template <int BITS>
 static AxpyRun axpy_run_g(int64_t G) {
   switch (G) {
@@ -803,6 +724,143 @@ static AxpyRun axpy_run_for(int64_t bits, int64_t G, int64_t nb) {
   (void)bits, (void)G, (void)nb;
   return nullptr;
 #endif
+}
+
+#ifdef WUSHKV_AVX2
+using AxpyRows = void (*)(const uint8_t*, int64_t, int64_t, int64_t, const float*, int64_t, float*, int64_t);
+template <int BITS>
+static AxpyRows rows_g(int64_t G) {
+  switch (G) {
+    case 1: return axpy_rows_t<BITS, 1>;
+    case 2: return axpy_rows_t<BITS, 2>;
+    case 3: return axpy_rows_t<BITS, 3>;
+    default: return axpy_rows_t<BITS, 4>;
+  }
+}
+// axpy_rows_t for (bits, G ≤ 4)
+static AxpyRows rows_for(int64_t bits, int64_t G) {
+  switch (bits) {
+    case 1: return rows_g<1>(G);
+    case 2: return rows_g<2>(G);
+    case 4: return rows_g<4>(G);
+    default: return rows_g<8>(G);
+  }
+}
+#endif
+
+// Each (b, h) row's codes are read in the permuted order of dot_codes / axpy_codes: a query is permuted once per
+// work item (channel i = m·(8/b) + t of byte m goes to t·nb + m), a value sum back once at the end; no byte tables.
+static inline void permute_query(const float* q, int64_t d, int64_t nb, int64_t per, float* qz) {
+  for (int64_t i = 0; i < d; ++i) qz[(i % per) * nb + i / per] = q[i];  // channels d..D-1 stay 0 (padding codes)
+}
+
+// out[b, h, g, j] = Σ_i c_ji q[b, h, j / span, g, i]: token j against the query set of its span (span ≥ N: one set;
+// KVarN's key tiles: one set of channel-scaled queries per tile of `span` tokens). Given a bias (B,H,Q,G) and a
+// per-token scale (B,H,N) (both defined or neither): out = scale_j · (Σ_i c_ji q_i + bias[set, g]), the key tiles'
+// q·zero and s_tok applied in the same pass
+static torch::Tensor code_dot_spans(const torch::Tensor& codes, torch::Tensor q, int64_t bits, int64_t span,
+                                    torch::Tensor bias = {}, torch::Tensor tscale = {}) {
+  check(codes, bits);
+  TORCH_CHECK(q.scalar_type() == torch::kFloat && q.dim() == 5, "q: float32 (B,H,Q,G,d)");
+  q = q.contiguous();
+  const int64_t B = codes.size(0), H = codes.size(1), N = codes.size(2), nb = codes.size(3);
+  const int64_t Q = q.size(2), G = q.size(3), d = q.size(4), per = 8 / bits, D = nb * per;
+  TORCH_CHECK(q.size(0) == B && q.size(1) == H && D >= d, "shapes of codes and q do not match");
+  TORCH_CHECK(span >= 1 && Q * span >= N, "the query sets (", Q, " of ", span, " tokens) do not cover the ", N, " tokens");
+  const bool affine = bias.defined();
+  TORCH_CHECK(affine == tscale.defined(), "bias and per-token scale come together");
+  if (affine) {
+    TORCH_CHECK(bias.scalar_type() == torch::kFloat && bias.dim() == 4 && bias.size(0) == B && bias.size(1) == H &&
+                bias.size(2) == Q && bias.size(3) == G, "bias: float32 (B,H,Q,G)");
+    TORCH_CHECK(tscale.scalar_type() == torch::kFloat && tscale.dim() == 3 && tscale.size(0) == B && tscale.size(1) == H &&
+                tscale.size(2) == N, "per-token scale: float32 (B,H,N)");
+    bias = bias.contiguous();
+    tscale = tscale.contiguous();
+  }
+  const float* biasp = affine ? bias.data_ptr<float>() : nullptr;
+  const float* tsp = affine ? tscale.data_ptr<float>() : nullptr;
+  auto out = torch::empty({B, H, G, N}, q.options());
+  const int64_t nchunks = (N + CHUNK - 1) / CHUNK;
+  const uint8_t* cp = codes.data_ptr<uint8_t>();
+  const float* qp = q.data_ptr<float>();
+  float* op = out.data_ptr<float>();
+  const int64_t sb = codes.stride(0), sh = codes.stride(1), sn = codes.stride(2);
+  at::parallel_for(0, B * H * nchunks, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> qz(G * D, 0.f), s(G);
+    int64_t loaded = -1;  // bh·Q + the query set in qz
+    for (int64_t it = begin; it < end; ++it) {
+      const int64_t bh = it / nchunks, c = it % nchunks, b = bh / H, h = bh % H;
+      const uint8_t* base = cp + b * sb + h * sh;
+      float* ob = op + bh * G * N;
+      const int64_t j1 = std::min(N, (c + 1) * CHUNK);
+      for (int64_t j = c * CHUNK; j < j1; ++j) {
+        const int64_t set = bh * Q + j / span;
+        if (set != loaded) {
+          for (int64_t g = 0; g < G; ++g) permute_query(qp + (set * G + g) * d, d, nb, per, qz.data() + g * D);
+          loaded = set;
+        }
+        dot_codes(base + j * sn, nb, bits, qz.data(), D, G, s.data());
+        if (affine) {
+          const float* bs = biasp + loaded * G;
+          const float t = tsp[bh * N + j];
+          for (int64_t g = 0; g < G; ++g) ob[g * N + j] = t * (s[g] + bs[g]);
+        } else {
+          for (int64_t g = 0; g < G; ++g) ob[g * N + j] = s[g];
+        }
+      }
+    }
+  });
+  return out;
+}
+
+torch::Tensor code_dot(torch::Tensor codes, torch::Tensor q, int64_t bits) {
+  TORCH_CHECK(q.dim() == 4, "q: float32 (B,H,G,d)");
+  return code_dot_spans(codes, q.unsqueeze(2), bits, std::max<int64_t>(codes.size(2), 1));
+}
+
+torch::Tensor code_dot_tiles(torch::Tensor codes, torch::Tensor q, int64_t bits, int64_t tile, torch::Tensor bias,
+                             torch::Tensor tscale) {
+  return code_dot_spans(codes, q, bits, tile, bias, tscale);
+}
+
+torch::Tensor code_weighted_sum(torch::Tensor codes, torch::Tensor w, int64_t bits, int64_t d) {
+  check(codes, bits);
+  TORCH_CHECK(w.scalar_type() == torch::kFloat && w.dim() == 4, "w: float32 (B,H,G,N)");
+  w = w.contiguous();
+  const int64_t B = codes.size(0), H = codes.size(1), N = codes.size(2), nb = codes.size(3);
+  const int64_t G = w.size(2), per = 8 / bits, D = nb * per;
+  TORCH_CHECK(w.size(0) == B && w.size(1) == H && w.size(3) == N && D >= d, "shapes of codes and w do not match");
+  const int64_t nchunks = (N + CHUNK - 1) / CHUNK;
+  auto partial = torch::zeros({B * H, nchunks, G, D}, w.options());  // sums in the permuted order
+  const uint8_t* cp = codes.data_ptr<uint8_t>();
+  const float* wp = w.data_ptr<float>();
+  float* pp = partial.data_ptr<float>();
+  const int64_t sb = codes.stride(0), sh = codes.stride(1), sn = codes.stride(2);
+  at::parallel_for(0, B * H * nchunks, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> wj(G);
+    for (int64_t it = begin; it < end; ++it) {
+      const int64_t bh = it / nchunks, c = it % nchunks, b = bh / H, h = bh % H;
+      const uint8_t* base = cp + b * sb + h * sh;
+      const float* wb = wp + bh * G * N;
+      float* acc = pp + (bh * nchunks + c) * G * D;
+      const int64_t j1 = std::min(N, (c + 1) * CHUNK);
+#ifdef WUSHKV_AVX2
+      // the chunk's rows at once, up to 4 queries' sums of 8 lanes in registers (axpy_rows_t)
+      for (int64_t g = 0; g < G; g += 4)
+        rows_for(bits, std::min<int64_t>(4, G - g))(base + c * CHUNK * sn, sn, j1 - c * CHUNK, nb, wb + g * N + c * CHUNK, N,
+                                                    acc + g * D, D);
+      continue;
+#endif
+      for (int64_t j = c * CHUNK; j < j1; ++j) {
+        for (int64_t g = 0; g < G; ++g) wj[g] = wb[g * N + j];
+        axpy_codes(base + j * sn, nb, bits, wj.data(), G, acc, D);
+      }
+    }
+  });
+  std::vector<int64_t> place(d);  // channel i's place in the permuted order
+  for (int64_t i = 0; i < d; ++i) place[i] = (i % per) * nb + i / per;
+  auto idx = torch::tensor(place, torch::kLong);
+  return partial.sum(1).index_select(-1, idx).reshape({B, H, G, d});
 }
 
 static constexpr int64_t PAGED_CHUNK = 512;  // tokens per split: a request's context is several work items
