@@ -217,6 +217,21 @@ def test_paged_decode(capsys):
     assert "ktiles/float32" in capsys.readouterr().out
 
 
+def test_code_kernels(capsys):
+    from conftest import require_kernels
+
+    require_kernels()
+    code_kernels = load_benchmark("code_kernels")
+    assert code_kernels.parse_args([]).threads == 1
+    rows = code_kernels.run(["smollm2"], [300], [2], [2, 4], repeats=1)
+    assert [(r["context"], r["batch"], r["bits"]) for r in rows] == [(300, 2, 2), (300, 2, 4)]
+    for r in rows:
+        for name in ("code_dot", "code_dot_tiles", "code_weighted_sum"):  # timed, and equal to the float products
+            assert positive(r[f"{name}_ns_per_token_head"]) and positive(r[f"{name}_over_dense"]), (name, r)
+            assert r[f"{name}_max_rel_diff"] < 1e-5, (name, r)
+    assert "code_dot_tiles" in capsys.readouterr().out
+
+
 def test_paged_prefill(capsys):
     paged_prefill = load_benchmark("paged_prefill")
     assert paged_prefill.parse_args([]).threads == 1
