@@ -111,30 +111,33 @@ def test_kernels_take_the_vector_path_this_cpu_has():
 @pytest.mark.parametrize("bits", [1, 2, 4, 8])
 @pytest.mark.parametrize("d", [64, 40])
 def test_fused_kernels_equal_float_codes(bits, d):
-    """code_dot / code_weighted_sum on a strided view of a larger buffer (as the cache stores codes)."""
+    """code_dot / code_weighted_sum on a strided view of a larger buffer (as the cache stores codes); 1501 tokens: the
+    last work item's rows are not a multiple of the rows the kernels read at once."""
     ext = require_kernels()
     g = torch.Generator().manual_seed(bits * d)
-    c = torch.randint(0, 2**bits, (2, 3, 1500, d), generator=g, dtype=torch.uint8)
+    c = torch.randint(0, 2**bits, (2, 3, 1501, d), generator=g, dtype=torch.uint8)
     packed = pack(c, bits)
     big = torch.zeros(2, 3, 1600, packed.shape[-1], dtype=torch.uint8)
-    big[:, :, 30:1530] = packed
-    view = big[:, :, 30:1530]
-    q, w = torch.randn(2, 3, 4, d, generator=g), torch.randn(2, 3, 4, 1500, generator=g)
+    big[:, :, 30:1531] = packed
+    view = big[:, :, 30:1531]
+    q, w = torch.randn(2, 3, 4, d, generator=g), torch.randn(2, 3, 4, 1501, generator=g)
     ref_q, ref_w = q.double() @ c.double().transpose(-1, -2), w.double() @ c.double()
     assert ((ext.code_dot(view, q, bits).double() - ref_q).norm() / ref_q.norm()) < 1e-6
     assert ((ext.code_weighted_sum(view, w, bits, d).double() - ref_w).norm() / ref_w.norm()) < 1e-6
 
 
 @pytest.mark.parametrize("bits", [1, 2, 4, 8])
-@pytest.mark.parametrize("d, G, tile", [(64, 3, 128), (40, 4, 20), (32, 1, 300)])
+@pytest.mark.parametrize("d, G, tile", [(64, 3, 128), (40, 4, 21), (32, 1, 300), (64, 5, 7)])
 def test_code_dot_tiles_reads_each_token_with_its_tiles_queries(bits, d, G, tile):
     """code_dot_tiles: token j against query set j // tile (KVarN's key tiles: each tile's channel-scaled queries),
     plus the set's bias, times the token's scale (the tile's q·zero and s_tok), on a strided view of a larger buffer;
-    1500 tokens end on a partial tile, tiles of 300 and 20 straddle the kernel's 1024-token work items, head_dim 40
-    ends rows on a partial group of vector lanes."""
+    1501 tokens end on a partial tile, tiles of 300 and 21 straddle the kernel's 1024-token work items, and runs of
+    a tile's tokens in a work item that are not a multiple of the rows the kernel reads at once (4, or 2 for 4
+    queries) end one row at a time; head_dim 40 ends rows on a partial group of vector lanes; 5 queries are read as
+    4 + 1."""
     ext = require_kernels()
     g = torch.Generator().manual_seed(bits * d + tile)
-    N = 1500
+    N = 1501
     c = torch.randint(0, 2**bits, (2, 3, N, d), generator=g, dtype=torch.uint8)
     packed = pack(c, bits)
     big = torch.zeros(2, 3, N + 70, packed.shape[-1], dtype=torch.uint8)

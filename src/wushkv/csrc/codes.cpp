@@ -640,6 +640,55 @@ static void axpy_rows_t(const uint8_t* rows, int64_t cstride, int64_t count, int
     }
   }
 }
+// out[g·ostride + j] = Σ_i c_ji q[g·qstride + i] (permuted order) for count rows cstride bytes apart, GN ≤ 4 queries:
+// TT rows at a time, each query's vector loaded once for all of them, and the TT × GN sums reduced together (hadd
+// trees: one horizontal sum per TT rows, not per row); the last count % TT rows one by one (dot_codes_t)
+template <int BITS, int GN>
+static void dot_rows_t(const uint8_t* rows, int64_t cstride, int64_t count, int64_t nb, const float* q, int64_t qstride,
+                       float* out, int64_t ostride) {
+  constexpr int PER = 8 / BITS;
+  constexpr int TT = GN <= 3 ? 4 : 2;  // TT × GN accumulators, a query and a code vector in 16 registers
+  int64_t j = 0;
+  for (; j + TT <= count; j += TT) {
+    __m256 a[TT][GN];
+    for (int r = 0; r < TT; ++r)
+      for (int g = 0; g < GN; ++g) a[r][g] = _mm256_setzero_ps();
+    const uint8_t* row = rows + j * cstride;
+    for (int64_t m = 0; m < nb; m += 8) {
+      const int64_t left = nb - m;
+      const __m256i lm = lanes8(left);
+#pragma GCC unroll 8
+      for (int t = 0; t < PER; ++t) {
+        __m256 c[TT];
+#pragma GCC unroll 4
+        for (int r = 0; r < TT; ++r) c[r] = code8<BITS>(load8_u8(row + r * cstride + m, left), t);
+#pragma GCC unroll 4
+        for (int g = 0; g < GN; ++g) {
+          const float* qg = q + g * qstride + t * nb + m;
+          const __m256 qv = left >= 8 ? _mm256_loadu_ps(qg) : _mm256_maskload_ps(qg, lm);
+#pragma GCC unroll 4
+          for (int r = 0; r < TT; ++r) a[r][g] = _mm256_fmadd_ps(c[r], qv, a[r][g]);
+        }
+      }
+    }
+    for (int g = 0; g < GN; ++g) {
+      float* o = out + g * ostride + j;
+      if constexpr (TT == 4) {  // [Σa0, Σa1, Σa2, Σa3]
+        const __m256 s = _mm256_hadd_ps(_mm256_hadd_ps(a[0][g], a[1][g]), _mm256_hadd_ps(a[2][g], a[3][g]));
+        _mm_storeu_ps(o, _mm_add_ps(_mm256_castps256_ps128(s), _mm256_extractf128_ps(s, 1)));
+      } else {  // [Σa0, Σa1, Σa0, Σa1]
+        const __m256 h = _mm256_hadd_ps(a[0][g], a[1][g]);
+        const __m256 s = _mm256_hadd_ps(h, h);
+        _mm_storel_pi(reinterpret_cast<__m64*>(o), _mm_add_ps(_mm256_castps256_ps128(s), _mm256_extractf128_ps(s, 1)));
+      }
+    }
+  }
+  for (; j < count; ++j) {
+    float d[GN];
+    dot_codes_t<BITS, GN>(rows + j * cstride, nb, q, qstride, d);
+    for (int g = 0; g < GN; ++g) out[g * ostride + j] = d[g];
+  }
+}
 // Values: each cell's weights p·step (and its offsets' share of the sum), then axpy_rows_t over the run's codes.
 static constexpr int64_t AXPY_RUN_MAX = 512;  // a run lies in one split (PAGED_CHUNK tokens)
 
@@ -746,6 +795,25 @@ static AxpyRows rows_for(int64_t bits, int64_t G) {
     default: return rows_g<8>(G);
   }
 }
+using DotRows = void (*)(const uint8_t*, int64_t, int64_t, int64_t, const float*, int64_t, float*, int64_t);
+template <int BITS>
+static DotRows dots_g(int64_t G) {
+  switch (G) {
+    case 1: return dot_rows_t<BITS, 1>;
+    case 2: return dot_rows_t<BITS, 2>;
+    case 3: return dot_rows_t<BITS, 3>;
+    default: return dot_rows_t<BITS, 4>;
+  }
+}
+// dot_rows_t for (bits, G ≤ 4)
+static DotRows dots_for(int64_t bits, int64_t G) {
+  switch (bits) {
+    case 1: return dots_g<1>(G);
+    case 2: return dots_g<2>(G);
+    case 4: return dots_g<4>(G);
+    default: return dots_g<8>(G);
+  }
+}
 #endif
 
 // Each (b, h) row's codes are read in the permuted order of dot_codes / axpy_codes: a query is permuted once per
@@ -793,6 +861,25 @@ static torch::Tensor code_dot_spans(const torch::Tensor& codes, torch::Tensor q,
       const uint8_t* base = cp + b * sb + h * sh;
       float* ob = op + bh * G * N;
       const int64_t j1 = std::min(N, (c + 1) * CHUNK);
+#ifdef WUSHKV_AVX2
+      // the chunk's rows of each query set at once (dot_rows_t), then the set's bias and the tokens' scales
+      for (int64_t j = c * CHUNK; j < j1;) {
+        const int64_t set = bh * Q + j / span, e = std::min(j1, (j / span + 1) * span);
+        if (set != loaded) {
+          for (int64_t g = 0; g < G; ++g) permute_query(qp + (set * G + g) * d, d, nb, per, qz.data() + g * D);
+          loaded = set;
+        }
+        for (int64_t g = 0; g < G; g += 4)
+          dots_for(bits, std::min<int64_t>(4, G - g))(base + j * sn, sn, e - j, nb, qz.data() + g * D, D, ob + g * N + j, N);
+        if (affine) {
+          const float* bs = biasp + loaded * G;
+          for (int64_t g = 0; g < G; ++g)
+            for (int64_t k = j; k < e; ++k) ob[g * N + k] = tsp[bh * N + k] * (ob[g * N + k] + bs[g]);
+        }
+        j = e;
+      }
+      continue;
+#endif
       for (int64_t j = c * CHUNK; j < j1; ++j) {
         const int64_t set = bh * Q + j / span;
         if (set != loaded) {
