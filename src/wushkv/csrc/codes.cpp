@@ -158,6 +158,11 @@ static inline float meta_at(const uint8_t* p, int64_t kind) {
 #define WUSHKV_AVX2 1
 #define WUSHKV_SIMD 1
 #endif
+#if defined(__AVX2__) && defined(__FMA__)
+// 8-lane helpers and the transformers cache's multi-row kernels (axpy_rows_t, dot_rows_t): built on AVX-512 CPUs too
+// (they all have AVX2 and FMA), so the code measured and tested on an AVX2 machine is the code that runs there
+#define WUSHKV_ROWS 1
+#endif
 
 // which of the paths above this build took: "avx512", "avx2" or "scalar"
 static const char* simd_path() {
@@ -169,6 +174,33 @@ static const char* simd_path() {
   return "scalar";
 #endif
 }
+
+#ifdef WUSHKV_ROWS
+// 8 bytes of a row from p as 8 int32 lanes; fewer than 8 left (a row's end): the rest zero, nothing read past it
+static inline __m256i load8_u8(const uint8_t* p, int64_t left) {
+  if (left >= 8) return _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p)));
+  uint64_t x = 0;
+  std::memcpy(&x, p, left);
+  return _mm256_cvtepu8_epi32(_mm_cvtsi64_si128(static_cast<long long>(x)));
+}
+
+// the first `left` of 8 lanes (a mask for _mm256_maskload_ps / _mm256_maskstore_ps)
+static inline __m256i lanes8(int64_t left) {
+  return _mm256_cmpgt_epi32(_mm256_set1_epi32(static_cast<int>(std::min<int64_t>(left, 8))), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
+}
+
+static inline float hsum8(__m256 v) {
+  __m128 x = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  x = _mm_add_ps(x, _mm_movehl_ps(x, x));
+  return _mm_cvtss_f32(_mm_add_ss(x, _mm_movehdup_ps(x)));
+}
+
+// code t of the 8 bytes in x, as floats
+template <int BITS>
+static inline __m256 code8(__m256i x, int t) {
+  return _mm256_cvtepi32_ps(_mm256_and_si256(_mm256_srli_epi32(x, t * BITS), _mm256_set1_epi32((1 << BITS) - 1)));
+}
+#endif
 
 #ifdef WUSHKV_AVX512
 // GN queries (≤ 4) at BITS bits: accumulators in registers, the loops over code runs and queries unrolled
@@ -217,31 +249,6 @@ static inline void axpy_codes_t(const uint8_t* __restrict row, int64_t nb, const
 #endif
 
 #ifdef WUSHKV_AVX2
-// 8 bytes of a row from p as 8 int32 lanes; fewer than 8 left (a row's end): the rest zero, nothing read past it
-static inline __m256i load8_u8(const uint8_t* p, int64_t left) {
-  if (left >= 8) return _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p)));
-  uint64_t x = 0;
-  std::memcpy(&x, p, left);
-  return _mm256_cvtepu8_epi32(_mm_cvtsi64_si128(static_cast<long long>(x)));
-}
-
-// the first `left` of 8 lanes (a mask for _mm256_maskload_ps / _mm256_maskstore_ps)
-static inline __m256i lanes8(int64_t left) {
-  return _mm256_cmpgt_epi32(_mm256_set1_epi32(static_cast<int>(std::min<int64_t>(left, 8))), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
-}
-
-static inline float hsum8(__m256 v) {
-  __m128 x = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-  x = _mm_add_ps(x, _mm_movehl_ps(x, x));
-  return _mm_cvtss_f32(_mm_add_ss(x, _mm_movehdup_ps(x)));
-}
-
-// code t of the 8 bytes in x, as floats
-template <int BITS>
-static inline __m256 code8(__m256i x, int t) {
-  return _mm256_cvtepi32_ps(_mm256_and_si256(_mm256_srli_epi32(x, t * BITS), _mm256_set1_epi32((1 << BITS) - 1)));
-}
-
 // GN queries (≤ 4), their accumulators in registers; queries read from L1 (16 registers do not hold them)
 template <int BITS, int GN>
 static inline void dot_codes_t(const uint8_t* __restrict row, int64_t nb, const float* __restrict q, int64_t stride,
@@ -571,37 +578,7 @@ static DotRun dot_run_m(int64_t bits, int64_t G, int64_t M) {
 }
 #endif
 
-#ifdef WUSHKV_AVX2
-// AVX2's 16 registers do not hold a run's queries or value sums whole, so its runs go otherwise than AVX-512's.
-// Keys: token by token, the G dot products (dot_codes_t, queries from L1) and the cell's scaling in one call.
-template <int BITS, int GN, bool TILE>
-static void dot_run_t(const uint8_t* base, int64_t cstride, int64_t count, const CellSide& K, int64_t nb, const float* q,
-                      int64_t qstride, const float* add, float* s, int64_t sstride) {
-  for (int64_t j = 0; j < count; ++j, base += cstride) {
-    float dots[GN];
-    dot_codes_t<BITS, GN>(base + K.codes, nb, q, qstride, dots);
-    if constexpr (TILE) {
-      const float st = meta_at(base + K.scale, 0);
-      for (int g = 0; g < GN; ++g) s[g * sstride + j] = st * (dots[g] + add[g]);
-    } else {
-      const float sc = meta_at(base + K.scale, K.meta);
-      const float of = K.offset >= 0 ? meta_at(base + K.offset, K.meta) : sc * K.half;
-      for (int g = 0; g < GN; ++g) s[g * sstride + j] = sc * dots[g] + of * add[g];
-    }
-  }
-}
-
-template <int BITS, bool TILE>
-static DotRun dot_run_g(int64_t G) {
-  switch (G) {
-    case 1: return dot_run_t<BITS, 1, TILE>;
-    case 2: return dot_run_t<BITS, 2, TILE>;
-    case 3: return dot_run_t<BITS, 3, TILE>;
-    case 4: return dot_run_t<BITS, 4, TILE>;
-    default: return nullptr;
-  }
-}
-
+#ifdef WUSHKV_ROWS
 // Σ_j w[g·wstride + j]·(codes of row j) for count rows cstride bytes apart, added to acc[g·astride + ...] (permuted
 // order): 8 bytes of every row at a time, the G × (8/BITS) sums of those lanes in registers over the rows (TC codes a
 // byte a pass where they would not fit: 1 bit, or 4 queries), then added to acc once
@@ -689,6 +666,39 @@ static void dot_rows_t(const uint8_t* rows, int64_t cstride, int64_t count, int6
     for (int g = 0; g < GN; ++g) out[g * ostride + j] = d[g];
   }
 }
+#endif
+
+#ifdef WUSHKV_AVX2
+// AVX2's 16 registers do not hold a run's queries or value sums whole, so its runs go otherwise than AVX-512's.
+// Keys: token by token, the G dot products (dot_codes_t, queries from L1) and the cell's scaling in one call.
+template <int BITS, int GN, bool TILE>
+static void dot_run_t(const uint8_t* base, int64_t cstride, int64_t count, const CellSide& K, int64_t nb, const float* q,
+                      int64_t qstride, const float* add, float* s, int64_t sstride) {
+  for (int64_t j = 0; j < count; ++j, base += cstride) {
+    float dots[GN];
+    dot_codes_t<BITS, GN>(base + K.codes, nb, q, qstride, dots);
+    if constexpr (TILE) {
+      const float st = meta_at(base + K.scale, 0);
+      for (int g = 0; g < GN; ++g) s[g * sstride + j] = st * (dots[g] + add[g]);
+    } else {
+      const float sc = meta_at(base + K.scale, K.meta);
+      const float of = K.offset >= 0 ? meta_at(base + K.offset, K.meta) : sc * K.half;
+      for (int g = 0; g < GN; ++g) s[g * sstride + j] = sc * dots[g] + of * add[g];
+    }
+  }
+}
+
+template <int BITS, bool TILE>
+static DotRun dot_run_g(int64_t G) {
+  switch (G) {
+    case 1: return dot_run_t<BITS, 1, TILE>;
+    case 2: return dot_run_t<BITS, 2, TILE>;
+    case 3: return dot_run_t<BITS, 3, TILE>;
+    case 4: return dot_run_t<BITS, 4, TILE>;
+    default: return nullptr;
+  }
+}
+
 // Values: each cell's weights p·step (and its offsets' share of the sum), then axpy_rows_t over the run's codes.
 static constexpr int64_t AXPY_RUN_MAX = 512;  // a run lies in one split (PAGED_CHUNK tokens)
 
@@ -775,7 +785,7 @@ static AxpyRun axpy_run_for(int64_t bits, int64_t G, int64_t nb) {
 #endif
 }
 
-#ifdef WUSHKV_AVX2
+#ifdef WUSHKV_ROWS
 using AxpyRows = void (*)(const uint8_t*, int64_t, int64_t, int64_t, const float*, int64_t, float*, int64_t);
 template <int BITS>
 static AxpyRows rows_g(int64_t G) {
@@ -861,7 +871,7 @@ static torch::Tensor code_dot_spans(const torch::Tensor& codes, torch::Tensor q,
       const uint8_t* base = cp + b * sb + h * sh;
       float* ob = op + bh * G * N;
       const int64_t j1 = std::min(N, (c + 1) * CHUNK);
-#ifdef WUSHKV_AVX2
+#ifdef WUSHKV_ROWS
       // the chunk's rows of each query set at once (dot_rows_t), then the set's bias and the tokens' scales
       for (int64_t j = c * CHUNK; j < j1;) {
         const int64_t set = bh * Q + j / span, e = std::min(j1, (j / span + 1) * span);
@@ -931,7 +941,7 @@ torch::Tensor code_weighted_sum(torch::Tensor codes, torch::Tensor w, int64_t bi
       const float* wb = wp + bh * G * N;
       float* acc = pp + (bh * nchunks + c) * G * D;
       const int64_t j1 = std::min(N, (c + 1) * CHUNK);
-#ifdef WUSHKV_AVX2
+#ifdef WUSHKV_ROWS
       // the chunk's rows at once, up to 4 queries' sums of 8 lanes in registers (axpy_rows_t)
       for (int64_t g = 0; g < G; g += 4)
         rows_for(bits, std::min<int64_t>(4, G - g))(base + c * CHUNK * sn, sn, j1 - c * CHUNK, nb, wb + g * N + c * CHUNK, N,
