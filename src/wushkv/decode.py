@@ -322,8 +322,8 @@ def _tile_kernels(codec, store, dtype):
 
 def _tile_scores(ext, qg, codec, store, n):
     """Scores (B, H, G, n) float32 of a run of KVarN key tiles, from their codes: a tile's key is
-    k̂[t, c] = s_fold[t]·(scale[c]·q[t, c] + zero[c]), so q·k̂_t = s_fold[t]·((q ⊙ scale)·q_t + q·zero), one set of
-    channel-scaled queries per tile (``code_dot_tiles``) and no float keys."""
+    k̂[t, c] = s_fold[t]·(scale[c]·code[t, c] + zero[c]), so q·k̂_t = s_fold[t]·((q ⊙ scale)·code_t + q·zero): one
+    set of channel-scaled queries per tile (``code_dot_tiles``, which also applies q·zero and s_fold) and no float keys."""
     qf = qg.float()
     scale, zero = store["scale"].float(), store["zero"].float()  # (B, H, tiles, d)
     qt = qf.unsqueeze(2) * scale.unsqueeze(3)  # (B, H, tiles, G, d)
