@@ -63,9 +63,8 @@ def test_decode(capsys):
 
 def test_decode_times_calibrated_methods_as_the_cli_installs_them(tiny_cal, tmp_path, capsys):
     """``METHOD@KxVy`` kinds: a calibrated method (``auto``, key tiles with error feedback and centered keys) on a model
-    copy of its own, its cache from :func:`wushkv.methods.install.method_cache`; the key tiles' rows hold KVarN's tile
-    metadata, decode reads them through the fused tile kernel where the kernels build, and a malformed kind or a
-    missing calibration is refused by name."""
+    copy of its own, its cache from :func:`wushkv.methods.install.method_cache`; decode reads the key tiles through the
+    fused tile kernel where the kernels build, and a malformed kind or a missing calibration is refused by name."""
     from wushkv import _ext
 
     decode = load_benchmark("decode")
@@ -83,7 +82,7 @@ def test_decode_times_calibrated_methods_as_the_cli_installs_them(tiny_cal, tmp_
     dyn = rows["dynamic"]["bytes"]["total"]
     for kind in kinds[1:]:
         assert positive(rows[kind]["ms"]) and 0 < rows[kind]["bytes"]["total"] < dyn / 2, kind
-    # key tiles of 128 tokens: their metadata per tile, not per token, so they hold fewer bytes than QuEST keys
+    # centering the keys (+rmean) changes no byte: the same tiles, codes and windows
     assert rows["wush+ktiles+ldlq@K2V2"]["bytes"]["total"] == rows["wush+rmean+ktiles+ldlq@K2V2"]["bytes"]["total"]
     assert "auto@K2V2: auto = wush" in capsys.readouterr().out  # no selection recorded for a tiny model: the paper recipe
     if _ext.kernels() is not None:
