@@ -268,17 +268,13 @@ def _fast(codec, dtype) -> bool:
     return isinstance(codec, TokenCodec) and dtype != torch.float64
 
 
-def _kernels(codec, store, ng: int):
-    """The fused CPU kernels where they apply (CPU, one group per token, 1/2/4/8 bits), else None."""
+def _kernels(codec, store, ng: int = 1):
+    """The fused CPU kernels where they apply (CPU, one group per token or a key tile's channel, 1/2/4/8 bits), else
+    None."""
     if not USE_KERNELS or ng != 1 or codec.bits not in (1, 2, 4, 8) or store["codes"].device.type != "cpu":
         return None
     if store["codes"].stride(-1) != 1:
         return None
-    return _kernels_loaded()
-
-
-def _kernels_loaded():
-    """:func:`wushkv._ext.kernels`, looked up once, or None where they cannot be built."""
     global _EXT
     if _EXT is None:
         from ._ext import kernels
@@ -311,13 +307,11 @@ def _keys(codec, store, n, a, b, dtype, center=None):
 
 
 def _tile_kernels(codec, store, dtype):
-    """The fused CPU kernels where KVarN's key tiles can be read from their codes (CPU, 1/2/4/8 bits, not float64,
-    which dequantizes exactly as the emulation does), else None."""
+    """The fused CPU kernels where KVarN's key tiles can be read from their codes (where :func:`_kernels` applies, not
+    in float64, which dequantizes exactly as the emulation does), else None."""
     if not (isinstance(codec, KVarNCodec) and codec.kind == "key" and dtype != torch.float64):
         return None
-    if not USE_KERNELS or codec.bits not in (1, 2, 4, 8) or store["codes"].device.type != "cpu" or store["codes"].stride(-1) != 1:
-        return None
-    return _kernels_loaded()
+    return _kernels(codec, store)
 
 
 def _tile_scores(ext, qg, codec, store, n):

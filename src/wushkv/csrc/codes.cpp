@@ -786,42 +786,33 @@ static AxpyRun axpy_run_for(int64_t bits, int64_t G, int64_t nb) {
 }
 
 #ifdef WUSHKV_ROWS
-using AxpyRows = void (*)(const uint8_t*, int64_t, int64_t, int64_t, const float*, int64_t, float*, int64_t);
-template <int BITS>
-static AxpyRows rows_g(int64_t G) {
+// axpy_rows_t and dot_rows_t take the same arguments: one dispatch serves both (rows_for<AxpyRows> / <DotRows>)
+using RowsFn = void (*)(const uint8_t*, int64_t, int64_t, int64_t, const float*, int64_t, float*, int64_t);
+template <int BITS, int GN>
+struct AxpyRows {
+  static constexpr RowsFn run = axpy_rows_t<BITS, GN>;
+};
+template <int BITS, int GN>
+struct DotRows {
+  static constexpr RowsFn run = dot_rows_t<BITS, GN>;
+};
+template <template <int, int> class K, int BITS>
+static RowsFn rows_g(int64_t G) {
   switch (G) {
-    case 1: return axpy_rows_t<BITS, 1>;
-    case 2: return axpy_rows_t<BITS, 2>;
-    case 3: return axpy_rows_t<BITS, 3>;
-    default: return axpy_rows_t<BITS, 4>;
+    case 1: return K<BITS, 1>::run;
+    case 2: return K<BITS, 2>::run;
+    case 3: return K<BITS, 3>::run;
+    default: return K<BITS, 4>::run;
   }
 }
-// axpy_rows_t for (bits, G ≤ 4)
-static AxpyRows rows_for(int64_t bits, int64_t G) {
+// kernel K for (bits, G ≤ 4)
+template <template <int, int> class K>
+static RowsFn rows_for(int64_t bits, int64_t G) {
   switch (bits) {
-    case 1: return rows_g<1>(G);
-    case 2: return rows_g<2>(G);
-    case 4: return rows_g<4>(G);
-    default: return rows_g<8>(G);
-  }
-}
-using DotRows = void (*)(const uint8_t*, int64_t, int64_t, int64_t, const float*, int64_t, float*, int64_t);
-template <int BITS>
-static DotRows dots_g(int64_t G) {
-  switch (G) {
-    case 1: return dot_rows_t<BITS, 1>;
-    case 2: return dot_rows_t<BITS, 2>;
-    case 3: return dot_rows_t<BITS, 3>;
-    default: return dot_rows_t<BITS, 4>;
-  }
-}
-// dot_rows_t for (bits, G ≤ 4)
-static DotRows dots_for(int64_t bits, int64_t G) {
-  switch (bits) {
-    case 1: return dots_g<1>(G);
-    case 2: return dots_g<2>(G);
-    case 4: return dots_g<4>(G);
-    default: return dots_g<8>(G);
+    case 1: return rows_g<K, 1>(G);
+    case 2: return rows_g<K, 2>(G);
+    case 4: return rows_g<K, 4>(G);
+    default: return rows_g<K, 8>(G);
   }
 }
 #endif
@@ -880,7 +871,7 @@ static torch::Tensor code_dot_spans(const torch::Tensor& codes, torch::Tensor q,
           loaded = set;
         }
         for (int64_t g = 0; g < G; g += 4)
-          dots_for(bits, std::min<int64_t>(4, G - g))(base + j * sn, sn, e - j, nb, qz.data() + g * D, D, ob + g * N + j, N);
+          rows_for<DotRows>(bits, std::min<int64_t>(4, G - g))(base + j * sn, sn, e - j, nb, qz.data() + g * D, D, ob + g * N + j, N);
         if (affine) {
           const float* bs = biasp + loaded * G;
           for (int64_t g = 0; g < G; ++g)
@@ -944,8 +935,8 @@ torch::Tensor code_weighted_sum(torch::Tensor codes, torch::Tensor w, int64_t bi
 #ifdef WUSHKV_ROWS
       // the chunk's rows at once, up to 4 queries' sums of 8 lanes in registers (axpy_rows_t)
       for (int64_t g = 0; g < G; g += 4)
-        rows_for(bits, std::min<int64_t>(4, G - g))(base + c * CHUNK * sn, sn, j1 - c * CHUNK, nb, wb + g * N + c * CHUNK, N,
-                                                    acc + g * D, D);
+        rows_for<AxpyRows>(bits, std::min<int64_t>(4, G - g))(base + c * CHUNK * sn, sn, j1 - c * CHUNK, nb,
+                                                              wb + g * N + c * CHUNK, N, acc + g * D, D);
       continue;
 #endif
       for (int64_t j = c * CHUNK; j < j1; ++j) {
