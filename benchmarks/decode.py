@@ -22,7 +22,10 @@ once per cache. The stock ``QuantizedCache`` needs the optional extra ``pip inst
 
 A kind ``METHOD@K<k>V<v>`` (``auto@K2V2``, ``wush+rmean+ktiles+ldlq@K2V2``) is a calibrated method installed as the
 CLI installs it, on a model copy of its own with its own prefill: ``auto`` resolves as ``wushkv generate`` resolves it
-for ``--model``, and methods with key tiles take their windows from ``--windows`` as the CLI does.
+for ``--model``, and methods with key tiles take their windows from ``--windows`` as the CLI does. Any wushkv kind with
+the suffix ``/parts`` (``auto@K2V2/parts``) is the same cache decoded on the CPU part by part, the code-domain kernels
+with PyTorch between them (:func:`wushkv.decode.fused_enabled` off), against which the fused decode (one
+``parts_decode`` call a layer) is set in the same run.
 """
 
 from __future__ import annotations
@@ -36,6 +39,7 @@ import time
 
 import torch
 
+from wushkv import decode
 from wushkv.cache import WushKVCache
 from wushkv.config import QuantConfig, WindowConfig
 from wushkv.data import tokenize_chunks, wikitext2_test
@@ -125,6 +129,20 @@ def make_cache(kind: str, model, windows: WindowConfig):
     return WushKVCache(model, QuantConfig(kb, vb, "quest", windows=windows))
 
 
+PARTS = "/parts"  # a kind's suffix: the same wushkv cache decoded part by part (decode.fused_enabled(False))
+
+
+def base_kind(kind: str) -> str:
+    """The cache a kind builds: ``KIND/parts`` is ``KIND``'s cache, decoded on the CPU part by part (the code-domain
+    kernels and PyTorch between them, the path before session 66) instead of in one ``parts_decode`` call."""
+    return kind.removesuffix(PARTS)
+
+
+def step_path(kind: str):
+    """The context a decode step of ``kind`` runs in: the per-part path for ``KIND/parts``, else the default."""
+    return decode.fused_enabled(False) if kind.endswith(PARTS) else contextlib.nullcontext()
+
+
 def is_method(kind: str) -> bool:
     """A cache kind named ``METHOD@K<k>V<v>``: a wushkv method (``auto``, ``wush+ktiles+ldlq``, ...) installed as the
     CLI installs it (:func:`wushkv.methods.install.method_cache`)."""
@@ -188,7 +206,7 @@ def time_round_robin(models: dict, caches: dict, next_ids: torch.Tensor, warmup:
         for kind, cache in caches.items():
             gc.collect()
             before = torch.cuda.memory_allocated() if cuda else rss()  # the allocator's count needs no sync
-            with PeakCUDA() if cuda else PeakRSS() as peak:
+            with PeakCUDA() if cuda else PeakRSS() as peak, step_path(kind):
                 t0 = time.perf_counter()
                 models[kind](next_ids[:, t : t + 1], cache=cache, use_cache=True)
                 if cuda:  # the step ends when its kernels do, not when the host has queued them
@@ -209,7 +227,7 @@ def time_round_robin(models: dict, caches: dict, next_ids: torch.Tensor, warmup:
     t = warmup + steps
     for kind, cache in caches.items():
         if t < next_ids.shape[1]:
-            with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+            with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof, step_path(kind):
                 models[kind](next_ids[:, t : t + 1], cache=cache, use_cache=True)
             out[kind]["largest_alloc_mb"] = max((e.self_cpu_memory_usage for e in prof.events()), default=0) / 2**20
     return out
@@ -252,7 +270,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--dtypes", default="float32,bfloat16")
     ap.add_argument("--caches", default="dynamic,quanto-2,quanto-4,hqq-2,hqq-4,identity-K2V2,identity-K4V2,wush-K2V2,wush-K4V2",
                     help="dynamic, quanto-B, hqq-B, identity-KxVy, wush-KxVy (QuEST), or METHOD@KxVy: a calibrated method as "
-                         "the CLI installs it, e.g. auto@K2V2, wush+ktiles+ldlq@K2V2 (needs --calibration)")
+                         "the CLI installs it, e.g. auto@K2V2, wush+ktiles+ldlq@K2V2 (needs --calibration); any wushkv kind "
+                         "+ /parts: decoded part by part (the path before the fused decode), e.g. auto@K2V2/parts")
     ap.add_argument("--windows", default="64,256,8", help="S_sink,S_keep,S_flush of the wushkv caches")
     ap.add_argument("--warmup", type=int, default=2)
     ap.add_argument("--steps", type=int, default=8)
@@ -295,7 +314,7 @@ def run(args, model, text: torch.Tensor) -> dict:
     # DynamicCache and the stock cache, one switched to the wushkv attention, one with WUSH installed.
     import copy
 
-    which = lambda kind: kind if is_method(kind) else "wush" if kind.startswith("wush") else "identity"  # noqa: E731
+    which = lambda kind: base_kind(kind) if is_method(kind) else "wush" if kind.startswith("wush") else "identity"  # noqa: E731
     m_id = copy.deepcopy(model)
     m_wush = copy.deepcopy(model) if transforms else None
     if m_wush is not None:
@@ -303,10 +322,12 @@ def run(args, model, text: torch.Tensor) -> dict:
     models = {k: (m_wush if which(k) == "wush" else m_id if k.startswith("identity") else model) for k in kinds}
     stack = contextlib.ExitStack()  # the methods stay installed on their own copies for the whole run
     factories = {}
-    for kind in filter(is_method, kinds):
+    for kind in dict.fromkeys(base_kind(k) for k in kinds if is_method(k)):
         models[kind] = copy.deepcopy(model)
         factories[kind], chosen = method_factory(stack, kind, models[kind], args, windows)
         print(f"{kind}: {chosen}", flush=True)
+    for kind in kinds:  # KIND/parts: KIND's model and caches
+        models[kind] = models[base_kind(kind)]
     rows, results = [], []
     kv32 = {}  # one float32 prefill per transform (and method); every dtype's caches are filled from it (cast)
     for name, m in (("identity", model), ("wush", m_wush), *((k, models[k]) for k in factories)):
@@ -326,7 +347,8 @@ def run(args, model, text: torch.Tensor) -> dict:
                 caches = {}
                 for kind in kinds:
                     try:
-                        cache = factories[kind]() if kind in factories else make_cache(kind, models[kind], windows)
+                        base = base_kind(kind)
+                        cache = factories[base]() if base in factories else make_cache(base, models[kind], windows)
                         fill(cache, kv[which(kind)], ctx, B, dtype)
                         caches[kind] = cache
                     except (ImportError, ValueError) as e:  # backend missing, or a model the stock cache refuses

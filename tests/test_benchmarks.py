@@ -63,15 +63,16 @@ def test_decode(capsys):
 
 def test_decode_times_calibrated_methods_as_the_cli_installs_them(tiny_cal, tmp_path, capsys):
     """``METHOD@KxVy`` kinds: a calibrated method (``auto``, key tiles with error feedback and centered keys) on a model
-    copy of its own, its cache from :func:`wushkv.methods.install.method_cache`; decode reads the key tiles through the
-    fused tile kernel where the kernels build, and a malformed kind or a missing calibration is refused by name."""
+    copy of its own, its cache from :func:`wushkv.methods.install.method_cache`; decode reads the key tiles in the fused
+    decode where the kernels build (``/parts``: part by part, through the tile kernel), and a malformed kind or a missing
+    calibration is refused by name."""
     from wushkv import _ext
 
     decode = load_benchmark("decode")
     model = tiny_model("llama")
     cal = tmp_path / "cal.safetensors"
     tiny_cal(model).save(cal)
-    kinds = ["dynamic", "auto@K2V2", "wush+ktiles+ldlq@K2V2", "wush+rmean+ktiles+ldlq@K2V2"]
+    kinds = ["dynamic", "auto@K2V2", "wush+ktiles+ldlq@K2V2", "wush+rmean+ktiles+ldlq@K2V2", "wush+rmean+ktiles+ldlq@K2V2/parts"]
     args = decode.parse_args(["--model", "tiny", "--contexts", "300", "--batches", "1", "--dtypes", "float32",
                               "--caches", ",".join(kinds), "--windows", "4,16,4", "--warmup", "0", "--steps", "1",
                               "--calibration", str(cal)])
@@ -85,8 +86,10 @@ def test_decode_times_calibrated_methods_as_the_cli_installs_them(tiny_cal, tmp_
     # centering the keys (+rmean) changes no byte: the same tiles, codes and windows
     assert rows["wush+ktiles+ldlq@K2V2"]["bytes"]["total"] == rows["wush+rmean+ktiles+ldlq@K2V2"]["bytes"]["total"]
     assert "auto@K2V2: auto = wush" in capsys.readouterr().out  # no selection recorded for a tiny model: the paper recipe
-    if _ext.kernels() is not None:
-        assert _ext.calls().get("code_dot_tiles", 0) > 0, _ext.calls()
+    # KIND/parts: the same cache (same bytes), decoded part by part
+    assert rows["wush+rmean+ktiles+ldlq@K2V2/parts"]["bytes"] == rows["wush+rmean+ktiles+ldlq@K2V2"]["bytes"]
+    if _ext.kernels() is not None:  # the key tiles read in the fused decode, and part by part by the tile kernel
+        assert _ext.calls().get("parts_decode", 0) > 0 and _ext.calls().get("code_dot_tiles", 0) > 0, _ext.calls()
     for bad, why in (("wush@K2", "METHOD@K<bits>V<bits>"), ("wush+ldlq@K2V2", "give --calibration")):
         a = decode.parse_args(["--model", "tiny", "--caches", bad] + (["--calibration", str(cal)] if "K2V2" not in bad else []))
         with pytest.raises(SystemExit, match=why):

@@ -47,15 +47,18 @@ CASES = {
 }
 
 
-@pytest.fixture(params=["kernels", "pytorch"])
+@pytest.fixture(params=["fused", "kernels", "pytorch"])
 def path(request):
-    """Both implementations of the code-domain products: the fused CPU kernels and pure PyTorch."""
-    if request.param == "kernels":
-        require_kernels()
-        yield request.param
-    else:
+    """Every implementation of the CPU decode: a layer in one fused kernel call (``parts_decode``, where it applies),
+    part by part with the code-domain products in the kernels (what the cases the fused call leaves out run), and pure
+    PyTorch."""
+    if request.param == "pytorch":
         with decode.kernels_enabled(False):
             yield request.param
+        return
+    require_kernels()
+    with decode.fused_enabled(request.param == "fused"):
+        yield request.param
 
 
 @pytest.mark.parametrize("name", list(CASES))
@@ -158,11 +161,12 @@ def test_code_dot_tiles_reads_each_token_with_its_tiles_queries(bits, d, G, tile
 
 
 @pytest.mark.parametrize("centered", [False, True])
-def test_key_tiles_decode_from_their_codes_without_a_float_copy(centered):
-    """KVarN's key tiles (``auto``'s keys) are read by the fused kernel from their codes, one set of channel-scaled
-    queries per tile, with the centers' share of the scores (``+rmean``) from the position: equal to attention over
-    the dequantized keys, and holding nothing the size of the middle's keys in float32 (the dequantizing path held
-    blocks of up to a million floats)."""
+@pytest.mark.parametrize("fused", [True, False])
+def test_key_tiles_decode_from_their_codes_without_a_float_copy(centered, fused):
+    """KVarN's key tiles (``auto``'s keys) are read by the kernels from their codes, one set of channel-scaled
+    queries per tile, with the centers' share of the scores (``+rmean``) from the position: in one ``parts_decode``
+    call, or part by part (``code_dot_tiles``); equal to attention over the dequantized keys, and holding nothing the
+    size of the middle's keys in float32 (the dequantizing path held blocks of up to a million floats)."""
     from torch.profiler import ProfilerActivity, profile
 
     from wushkv import _ext
@@ -175,16 +179,121 @@ def test_key_tiles_decode_from_their_codes_without_a_float_copy(centered):
         pk, pv = _parts(cfg, B=2, H=2, d=64, n_mid=4096)
     q = torch.randn(2, 4, 1, 64, generator=torch.Generator().manual_seed(1)) * 2
     ref = dequantize_then_attend(q, pk, pv, None, 64**-0.5)
-    _ext.reset_calls()
-    out = decode_attention(q, pk, pv, None, 64**-0.5, block=512)
-    assert _ext.calls().get("code_dot_tiles") == 1, _ext.calls()
-    # float32 over 4096 scores up to ±19: this path and the dequantizing one are both ~1.6e-5 from float64
-    assert ((out - ref).norm() / ref.norm()) < 5e-5
-    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
-        decode_attention(q, pk, pv, None, 64**-0.5, block=512)
+    with decode.fused_enabled(fused):
+        _ext.reset_calls()
+        out = decode_attention(q, pk, pv, None, 64**-0.5, block=512)
+        assert _ext.calls() == ({"parts_decode": 1} if fused else {"code_dot_tiles": 1, "code_weighted_sum": 1}), _ext.calls()
+        # float32 over 4096 scores up to ±19: these paths and the dequantizing one are all ~1.6e-5 from float64
+        assert ((out - ref).norm() / ref.norm()) < 5e-5
+        with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+            decode_attention(q, pk, pv, None, 64**-0.5, block=512)
     largest = max(e.self_cpu_memory_usage for e in prof.events())
     middle = 2 * 2 * 4096 * 64 * 4
     assert 0 < largest < middle / 16, (largest, middle)
+
+
+def _mixed_parts(cfg, B, H, d, n_mid, dtype, centered, pads, seed):
+    """[sink, middle, recent] parts as the cache hands them to decode in ``dtype`` (the middle coded by ``cfg``'s
+    codecs, keys centered on a rotating mean where ``centered``); a sink of 5 and a recent buffer of 37 tokens."""
+    if centered:
+        pk, pv, _, _ = centered_parts(cfg, pads, B=B, H=H, d=d, n_mid=n_mid, seed=seed)
+        pk[0], pk[2] = torch.randn(B, H, 5, d) * 2, torch.randn(B, H, 37, d) * 2
+        pv[0], pv[2] = torch.randn(B, H, 5, d), torch.randn(B, H, 37, d)
+    else:
+        pk, pv = _parts(cfg, B=B, H=H, d=d, n_sink=5, n_mid=max(n_mid, 1), n_recent=37, seed=seed)
+        if not n_mid:  # nothing coded yet (the first steps of a cache): an empty store
+            pk[1], pv[1] = (pk[1][0], {}, 0), (pv[1][0], {}, 0)
+    cast = lambda ps: [p.to(dtype) if torch.is_tensor(p) else p for p in ps]  # noqa: E731
+    return cast(pk), cast(pv)
+
+
+FUSED = {  # name: (config, GQA group, head_dim, dtype, middle tokens, ragged rows, centered keys)
+    "quest-K2V8-f32-chunks": (QuantConfig(2, 8, "quest"), 1, 64, torch.float32, 1100, False, False),
+    "quest-K2V2-e5m3-bf16-ragged": (QuantConfig(2, 2, "quest", metadata_dtype="e5m3"), 3, 64, torch.bfloat16, 300, True, False),
+    "affine-K4V2-bf16meta-d128": (QuantConfig(4, 2, "affine", metadata_dtype="bfloat16"), 4, 128, torch.float32, 260, False, False),
+    "quest-K8V4-f32meta-G7-d40-f16": (QuantConfig(8, 4, "quest", metadata_dtype="float32"), 7, 40, torch.float16, 90, True, False),
+    "ktiles-K2V4-rmean-ragged": (QuantConfig(2, 4, "quest", key_quantizer="kvarn", windows=WindowConfig(8, 0, 20)), 3, 64,
+                                 torch.float32, 200, True, True),
+    "ktiles-K4V2-G8-d128-bf16-chunks": (QuantConfig(4, 2, "quest", key_quantizer="kvarn", windows=WindowConfig(8, 0, 128)), 8,
+                                        128, torch.bfloat16, 1152, False, False),
+    "quest-K2-rmean": (QuantConfig(2, 2, "quest"), 2, 32, torch.float32, 150, False, True),
+    "K2-only": (QuantConfig(2, None, "quest"), 2, 64, torch.float32, 70, True, False),
+    "V2-only": (QuantConfig(None, 2, "quest"), 2, 64, torch.float32, 70, False, False),
+    "empty-middle": (QuantConfig(2, 2, "quest"), 3, 64, torch.float32, 0, False, False),
+}
+
+
+@pytest.mark.parametrize("name", list(FUSED))
+def test_parts_decode_equals_dequantize_then_attend(name):
+    """The fused CPU decode (one ``parts_decode`` call a layer) against dequantize-then-attend in float32 on the same
+    values: 2/4/8-bit QuEST and affine codes (the bits the cache stores that the kernels read) with float16/bfloat16/float32/E5M3 metadata, KVarN's key tiles, keys
+    centered on their rotating mean, full-precision middles, an empty one; GQA groups 1-8 (two calls of the 4-query
+    row kernels from 5 on), head_dim 32-128, middles over a work item (1,024 tokens), float32/bfloat16/float16 parts;
+    a mask over the last columns with softcapping and sink logits, or ragged rows (``held``: each row its own
+    columns of each part, the tiles' on their blocks) under a mask over all the columns. float32 agrees to float32
+    rounding; 16-bit outputs to their own rounding (the kernel computes in float32 from the same values)."""
+    from wushkv import _ext
+
+    require_kernels()
+    cfg, G, d, dtype, n_mid, ragged, centered = FUSED[name]
+    B, H = 3, 2
+    g = torch.Generator().manual_seed(len(name))
+    pads = torch.tensor([0, 3, 1]) if centered and ragged else None
+    pk, pv = _mixed_parts(cfg, B, H, d, n_mid, dtype, centered, pads, seed=len(name))
+    q = (torch.randn(B, H * G, 1, d, generator=g) * 2).to(dtype)
+    widths = [5, n_mid, 37]
+    n_all = sum(widths)
+    to64 = lambda ps: [p.double() if torch.is_tensor(p) else p for p in ps]  # noqa: E731
+    softcap, sinks, held = None, None, None
+    if ragged:  # each row its own columns of each part; the mask over all the parts' columns
+        tile = cfg.windows.S_flush if cfg.side_quantizer("key") == "kvarn" else 1
+        held = torch.zeros(B, 3, 2, dtype=torch.int64)
+        for b in range(B):
+            for i, w in enumerate(widths):
+                step = tile if i == 1 else 1
+                a = int(torch.randint(0, w // step // 2 + 1, (1,), generator=g)) * step
+                e = a + int(torch.randint(1, (w - a) // step + 1, (1,), generator=g)) * step if w else 0
+                held[b, i] = torch.tensor([a, min(e, w)])
+        allowed = (torch.rand(B, n_all, generator=g) > 0.2).view(B, 1, 1, n_all)
+        allowed[..., -1] = True
+    else:
+        S = n_all - 4  # the first 4 columns outside the window
+        allowed = (torch.rand(B, 1, 1, S, generator=g) > 0.3)
+        allowed[..., -1] = True
+        softcap, sinks = 15.0, torch.linspace(-1, 3, H * G)
+    scaling = d**-0.5
+    _ext.reset_calls()
+    out = decode_attention(q, pk, pv, allowed, scaling, softcap, sinks=sinks, held=held)
+    assert _ext.calls() == {"parts_decode": 1}, _ext.calls()
+    assert out.shape == (B, 1, H * G, d) and out.dtype == dtype
+    # the reference in float64 over the same values (the codes dequantized in float32, as the codecs do)
+    if held is None:
+        ref = dequantize_then_attend(q.double(), to64(pk), to64(pv), allowed, scaling, softcap, sinks)
+    else:
+        starts = [0, widths[0], widths[0] + widths[1]]
+        ref = torch.cat([dequantize_then_attend(q[b : b + 1].double(), *decode._held_row(to64(pk), to64(pv), allowed, starts,
+                                                                                       held[b].tolist(), b), scaling)
+                         for b in range(B)])
+    err = ((out.double() - ref).norm() / ref.norm()).item()
+    # float32: scale·(q·codes) + offset·Σq cancels more than a dot with dequantized keys (5.5e-6 at worst here, the
+    # part-by-part paths 7.5e-6 on that case); 16-bit: the output's own rounding
+    assert err < {torch.float32: 1e-5, torch.bfloat16: 4e-3, torch.float16: 5e-4}[dtype], err
+
+
+def test_parts_decode_refuses_what_it_cannot_read():
+    """Spans outside a part, a mask wider than the columns, a query not in float32: errors that name them."""
+    ext = require_kernels()
+    q, kv = torch.randn(1, 2, 32), torch.randn(1, 1, 4, 32)
+    none, z = torch.empty(0), kv[:, :, :0]
+    call = lambda q=q, spans=torch.empty(0, dtype=torch.int64), vis=torch.empty(0, dtype=torch.bool): ext.parts_decode(  # noqa: E731
+        q, spans, [4, 0, 4], [kv, z, kv], [kv, z, kv], [], 0, 0, 0.0, [], 0, 0.0, vis, 1.0, 0.0, none, none, none, none)
+    assert call().shape == (1, 2, 32)
+    with pytest.raises(RuntimeError, match=r"spans\[0, 2\] = \[0, 5\) is not within the part's 4 columns"):
+        call(spans=torch.tensor([[[0, 4], [0, 0], [0, 5]]]))
+    with pytest.raises(RuntimeError, match="visible: bool"):
+        call(vis=torch.ones(1, 9, dtype=torch.bool))
+    with pytest.raises(RuntimeError, match="q: float32"):
+        call(q=q.double())
 
 
 def test_mask_and_visible_columns(path):

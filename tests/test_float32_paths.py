@@ -7,10 +7,9 @@ of a rounding boundary can be stored differently: a quantization code one level 
 half-ulp over (a *flip*). A flip changes every later position that sees it; everything else agrees to float32
 rounding. So each check here
 
-1. asserts which path ran: the prefill read no packed codes, and streaming called ``code_dot`` (keys;
-   ``code_dot_tiles`` for KVarN's key tiles) and ``code_weighted_sum`` (values) exactly once per layer and decode
-   step with a quantized middle
-   (:func:`wushkv._ext.calls`);
+1. asserts which path ran: the prefill read no packed codes, and streaming called the fused decode ``parts_decode``
+   (per-token codes, and KVarN's key tiles, read in one call with the windows) exactly once per layer and decode
+   step, and no other kernel that reads packed codes (:func:`wushkv._ext.calls`);
 2. compares every stored value of the two caches (codes unpacked, metadata in its stored dtype) and bounds the
    flips up to the first layer that has one (later layers see its effect, not rounding): codes to 1 in 1000, float16
    metadata to 5%;
@@ -39,7 +38,8 @@ METADATA_FLIP = 2e-4  # behind float16 metadata flips only (each moves one scale
 # flips measured on these runs: codes ≤ 1 in 2e4 (2 of 18 runs), float16 metadata ≤ 2.6% (KVarN tiles: statistics of
 # 8 tokens × 32 channels, each an ulp from its neighbour in float16)
 
-DECODE_KERNELS = ("code_dot", "code_dot_tiles", "code_weighted_sum")  # the kernels that read packed codes (the quantizers have their own)
+# the kernels that read packed codes (the quantizers have their own)
+DECODE_KERNELS = ("parts_decode", "code_dot", "code_dot_tiles", "code_weighted_sum")
 
 CONFIGS = {  # kernels read 1/2/4/8-bit per-token codes and KVarN's key tiles: every side here uses them
     "quest": QuantConfig(2, 2, "quest", windows=WindowConfig(4, 8, 4)),
@@ -126,12 +126,8 @@ def check_paths(model, ids, cfg, max_code_flips: float = 1e-3, max_metadata_flip
     with torch.no_grad():
         fp = model(ids).logits
 
-    # 1. which path ran: one key and one value kernel per layer and decode step that has a quantized middle
-    steps = sum(1 for n in range(1, T + 1) if w.quantized_count(n) > 0)
-    want = {}
-    if kernels_expected():
-        want["code_dot_tiles" if cfg.side_quantizer("key") == "kvarn" else "code_dot"] = layers * steps
-        want["code_weighted_sum"] = layers * steps
+    # 1. which path ran: the fused decode once per layer and decode step (with or without a quantized middle yet)
+    want = {"parts_decode": layers * T} if kernels_expected() else {}
     decode1, decode2 = ({k: n for k, n in c.items() if k in DECODE_KERNELS} for c in (calls1, calls2))
     assert decode1 == {}, "the single pass reads no packed codes"
     assert decode2 == want, f"decode did not take the fused kernels as expected: {decode2} != {want}"

@@ -38,10 +38,12 @@ import torch
 from .attention import reference_attention
 from .codecs import KVarNCodec, TokenCodec
 from .quantizers import unpack
+from .triton_kernels import rope_table
 
 DEFAULT_BLOCK = 4096
 _EXT = None  # the compiled kernels once looked up (False: unavailable)
 USE_KERNELS = True  # the fused CPU kernels of wushkv._ext where available (kernels_enabled(False) switches them off)
+USE_FUSED = True  # a layer's CPU decode in one parts_decode call where it applies (fused_enabled(False): part by part)
 USE_TRITON: bool | None = None  # None: the Triton decode on CUDA tensors; True: on any device; False: never
 # decode_attention's PyTorch path reads ragged rows one by one where that saves more than this many columns a row: a
 # row's own call costs about as much as reading 2-3k more columns in the batch (SmolLM2's shape, 2 CPU threads: at
@@ -75,6 +77,20 @@ def kernels_enabled(enabled: bool):
         yield
     finally:
         USE_KERNELS = previous
+
+
+@contextlib.contextmanager
+def fused_enabled(enabled: bool):
+    """Within the block, decode a layer on the CPU in one fused kernel call where it applies (True, the default:
+    ``parts_decode``, :func:`decode_attention`) or part by part, the code-domain products in the kernels and the rest
+    in PyTorch (False: the path before session 66, which the cases the fused call does not take still run), e.g. to
+    time or test both on the same inputs; the previous choice comes back afterwards, also on error."""
+    global USE_FUSED
+    previous, USE_FUSED = USE_FUSED, bool(enabled)
+    try:
+        yield
+    finally:
+        USE_FUSED = previous
 
 
 @contextlib.contextmanager
@@ -275,12 +291,85 @@ def _kernels(codec, store, ng: int = 1):
         return None
     if store["codes"].stride(-1) != 1:
         return None
+    return _compiled()
+
+
+def _compiled():
+    """The compiled kernels of :mod:`wushkv._ext` (built or loaded on first use), or None where they cannot be built."""
     global _EXT
     if _EXT is None:
         from ._ext import kernels
 
         _EXT = kernels() or False
     return _EXT or None
+
+
+def _cpu_mid(codec, store, n, side: str, like: torch.Tensor):
+    """One side of the middle as ``parts_decode`` reads it: (tensors, bits, tile, half), tensors [codes, scale,
+    offset or empty] (per-token codes, one group a token) or [codes, s_tok, tile scale, tile zero] (KVarN's key
+    tiles); ([], 0, 0, 0) for an empty middle; None where the kernel does not read the codec (other quantizers, 3 bits,
+    several groups a token)."""
+    if not n:
+        return [], 0, 0, 0.0
+    if codec.bits not in (1, 2, 4, 8) or store["codes"].stride(-1) != 1:
+        return None
+    if isinstance(codec, KVarNCodec) and codec.kind == "key" and side == "key":
+        return [store["codes"], store["s_fold"].flatten(2, 3), store["scale"], store["zero"]], codec.bits, codec.block, 0.0
+    if isinstance(codec, TokenCodec) and store["scale"].shape[-1] == 1:
+        offset = store.get("offset", like.new_empty(0))
+        return [store["codes"], store["scale"], offset], codec.bits, 0, codec._half
+    return None
+
+
+# parts_decode's "not given" (float32, bool, int64; never written): a layer's decode is ~0.1 ms of Python and ATen
+# calls, of which making these at every call was a tenth
+_NONE = (torch.empty(0), torch.empty(0, dtype=torch.bool), torch.empty(0, dtype=torch.int64))
+
+
+def _cpu_decode(query, parts_k, parts_v, allowed, scaling, softcap, sinks, held=None):
+    """The fused CPU decode (B, 1, Hq, d) of [sink, middle, recent] in one kernel call (``parts_decode``: scores,
+    softmax and the values' sum per work item, an online-softmax merge, the middle read from its codes), where it
+    applies: the kernels built, a float16/bfloat16/float32 query on the CPU, each side's middle per-token codes of
+    one group (QuEST, affine; 1/2/4/8 bits), KVarN's key tiles (``auto``'s keys, with or without ``+rmean``), or full
+    precision; else None (the path below: float64, which is bit-exact with the emulation; KIVI keys; KVarN's value
+    tiles; 3 bits). ``held``: row b reads columns [held[b, i, 0], held[b, i, 1]) of part i."""
+    if not (USE_KERNELS and USE_FUSED) or query.device.type != "cpu" or query.dtype not in _TRITON_DTYPES:
+        return None
+    if len(parts_k) != 3 or len(parts_v) != 3:
+        return None
+    (sk, mk, rk), (sv, mv, rv) = parts_k, parts_v
+    if not all(torch.is_tensor(t) for t in (sk, rk, sv, rv)):
+        return None
+    B, Hq, _, d = query.shape
+    H = sk.shape[1]
+    keys, values, reads = [sk, None, rk], [sv, None, rv], []
+    for side, mid, parts in (("key", mk, keys), ("value", mv, values)):
+        if torch.is_tensor(mid):  # a full-precision middle (a side kept in full precision)
+            parts[1], read, n = mid, ([], 0, 0, 0.0), mid.shape[2]
+        else:
+            read, n = _cpu_mid(*mid[:3], side, parts[0]), mid[2]
+            if read is None:
+                return None
+            parts[1] = parts[0][:, :, :0]  # (not read: the codes are)
+        reads.append((read, n))
+    (kt, kbits, tile, khalf), n = reads[0]
+    (vt, vbits, _, vhalf), nv = reads[1]
+    ext = _compiled() if n == nv else None
+    if ext is None:
+        return None
+    widths = [sk.shape[2], n, rk.shape[2]]
+    spans = _NONE[2] if held is None else held  # (none: every row reads all of each part)
+    none = _NONE[0]
+    visible = _NONE[1] if allowed is None else allowed.reshape(allowed.shape[0], -1).bool()
+    terms = table = first = none
+    if kt and len(mk) > 3:  # keys centered on their rotating mean (+rmean): the centers' share from the position
+        terms, first, theta = mk[3].kernel_inputs(query.reshape(B, H, Hq // H, d))
+        terms, first = terms.reshape(B, Hq, d), first.to(torch.int64)
+        table = rope_table(theta, int(first.max()) + n, "cpu")
+    out = ext.parts_decode(query[:, :, 0].float(), spans, widths, keys, values, kt, kbits, tile, khalf, vt, vbits, vhalf,
+                           visible, float(scaling), float(softcap or 0.0),
+                           none if sinks is None else sinks.detach().float().cpu(), terms, table, first)
+    return out.to(query.dtype).unsqueeze(1)
 
 
 def _steps(n: int, codec, block: int):
@@ -447,6 +536,8 @@ def decode_attention(
         held = torch.where((held[:, :, 1] > held[:, :, 0]).any(1).view(-1, 1, 1), held,
                            torch.stack([torch.zeros(len(widths), dtype=held.dtype), torch.tensor(widths, dtype=held.dtype)], 1))
     out = _triton_decode(query, parts_k, parts_v, allowed, scaling, softcap, sinks, held)
+    if out is None:
+        out = _cpu_decode(query, parts_k, parts_v, allowed, scaling, softcap, sinks, held)
     if out is not None:
         return out
     saved = B * sum(widths) - int((held[:, :, 1] - held[:, :, 0]).sum()) if held is not None else 0

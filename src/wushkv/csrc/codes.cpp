@@ -20,6 +20,12 @@
 //       request over its paged context of cells (wushkv_vllm.paged.SlotCodec; per-token codes, or KVarN key tiles),
 //       the window tokens from their full-precision copies (wushkv_vllm.paged.Windows), the rest straight from the
 //       codes (+rmean: plus q·R_t μ from a table of cos/sin tθ); split-KV with an online-softmax merge
+//   parts_decode(q (B,Hq,d) f32, spans (B,3,2) i64 or empty, widths [3], keys/values [sink, middle, recent] (B,H,n,d),
+//       key middle [codes, scale, offset] or KVarN tiles [codes, s_tok, tile scale, tile zero] (or [] : full precision),
+//       bits, tile, half, value middle, bits, half, visible (B,S) bool, scaling, softcap, sinks (Hq,), +rmean terms
+//       (B,Hq,d), RoPE table (P,d), first (B,)) -> (B,Hq,d) f32: one decode query per row over a transformers-cache
+//       layer (wushkv.decode._cpu_decode), as the Triton decode reads it on a GPU: split over (row, head, part, chunk)
+//       with an online-softmax merge, the middle from its codes
 //   kvarn_balance(A (N,R,C) f32, iters) -> [B, log_r (N,R), log_c (N,C)]: KVarN's dual-axis balance of each tile
 //       (wushkv.quantizers.kvarn.balance; its PyTorch loop is the reference)
 //   kvarn_rows(A, log_r, log_c, F (N,R,R) f32 or empty, bits, clip, alpha) -> [codes (N,R,C) u8, lo (N,R), step (N,R)]:
@@ -34,6 +40,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstring>
+#include <type_traits>
 #include <vector>
 
 static constexpr int64_t CHUNK = 1024;  // tokens per parallel work item
@@ -1256,6 +1263,541 @@ torch::Tensor paged_decode(torch::Tensor cache, torch::Tensor block_table, torch
   return out;
 }
 
+// ---- decode over a layer's parts (the transformers cache) ----------------------------------------------------------
+// One decode query per row over [sink, middle, recent] of wushkv.layer.WushKVLayer in one call, as the Triton decode
+// reads them on a GPU: scores, softmax and the values' sum per work item (row, KV head, part, ≤ CHUNK tokens) with an
+// online-softmax merge, the middle straight from its codes. The calls the PyTorch path makes instead (a product per
+// part, a cat, a mask, a softmax, the codes' kernels, the metadata's conversions: about a hundred small operations)
+// cost more than the arithmetic up to several thousand tokens (0.6 ms a layer at 512 tokens, SmolLM2's shape).
+
+// per-token or per-tile metadata of the middle (f16, bf16, f32 or E5M3 bytes: meta_at's kinds), read in place
+struct Meta {
+  const uint8_t* p = nullptr;
+  int64_t sb = 0, sh = 0, sn = 0, sc = 0, kind = 2;
+  inline float at(int64_t b, int64_t h, int64_t n, int64_t c = 0) const {
+    return meta_at(p + b * sb + h * sh + n * sn + c * sc, kind);
+  }
+};
+
+// out[j] = the metadata of tokens a + j, j < len, of row b and head h (one switch on the dtype, then a plain loop)
+static void gather_meta(const Meta& m, int64_t b, int64_t h, int64_t a, int64_t len, float* out) {
+  const uint8_t* p = m.p + b * m.sb + h * m.sh + a * m.sn;
+  switch (m.kind) {
+    case 0:
+      for (int64_t j = 0; j < len; ++j, p += m.sn) out[j] = static_cast<float>(*reinterpret_cast<const c10::Half*>(p));
+      break;
+    case 1:
+      for (int64_t j = 0; j < len; ++j, p += m.sn) out[j] = static_cast<float>(*reinterpret_cast<const c10::BFloat16*>(p));
+      break;
+    case 2:
+      for (int64_t j = 0; j < len; ++j, p += m.sn) out[j] = *reinterpret_cast<const float*>(p);
+      break;
+    default:
+      for (int64_t j = 0; j < len; ++j, p += m.sn) out[j] = meta_at(p, 3);
+  }
+}
+
+static Meta meta_of(const torch::Tensor& t, const char* what) {
+  Meta m;
+  if (!t.defined() || t.numel() == 0) return m;
+  const auto st = t.scalar_type();
+  TORCH_CHECK(st == torch::kHalf || st == torch::kBFloat16 || st == torch::kFloat || st == torch::kByte, what,
+              ": float16, bfloat16, float32 or E5M3 bytes (uint8), got ", st);
+  TORCH_CHECK(t.dim() >= 3, what, ": (B, H, N, ...)");
+  const int64_t es = t.element_size();
+  m.p = static_cast<const uint8_t*>(t.data_ptr());
+  m.sb = t.stride(0) * es, m.sh = t.stride(1) * es, m.sn = t.stride(2) * es;
+  m.sc = t.dim() > 3 ? t.stride(3) * es : 0;
+  m.kind = st == torch::kHalf ? 0 : (st == torch::kBFloat16 ? 1 : (st == torch::kFloat ? 2 : 3));
+  return m;
+}
+
+// the packed middle of one side: codes (B, H, N, nb) and per-token scale/offset (offset absent: scale·half, QuEST),
+// or KVarN's key tiles (tile > 0): k[t, i] = s_tok[t]·(tscale[t / tile, i]·code + tzero[t / tile, i])
+struct MidSide {
+  const uint8_t* codes = nullptr;
+  int64_t cb = 0, ch = 0, cn = 0, nb = 0, bits = 0, tile = 0;
+  float half = 0.f;
+  Meta scale, offset, tscale, tzero;
+};
+
+static MidSide mid_side(const std::vector<torch::Tensor>& t, int64_t bits, int64_t tile, double half, int64_t B,
+                        int64_t H, int64_t n, int64_t d, const char* side) {
+  MidSide m;
+  if (t.empty()) return m;  // a full-precision middle
+  TORCH_CHECK(t.size() == (tile ? 4u : 3u), side, " middle: [codes, scale, offset]",
+              " or, tiles, [codes, s_tok, tile scale, tile zero]");
+  const auto& c = t[0];
+  check(c, bits);
+  TORCH_CHECK(c.size(0) == B && c.size(1) == H && c.size(2) >= n && c.size(3) * (8 / bits) >= d, side,
+              " codes: (B, H, >= n, nb) uint8 with nb·8/bits >= head_dim");
+  m.codes = c.data_ptr<uint8_t>();
+  m.cb = c.stride(0), m.ch = c.stride(1), m.cn = c.stride(2), m.nb = c.size(3), m.bits = bits, m.tile = tile;
+  m.half = float(half);
+  m.scale = meta_of(t[1], "scale");
+  TORCH_CHECK(m.scale.p != nullptr && t[1].size(0) == B && t[1].size(1) == H && t[1].size(2) >= n, side,
+              " scale: (B, H, >= n[, 1])");
+  if (tile) {
+    m.tscale = meta_of(t[2], "tile scale");
+    m.tzero = meta_of(t[3], "tile zero");
+    for (int k = 2; k < 4; ++k)
+      TORCH_CHECK(t[k].dim() == 4 && t[k].size(0) == B && t[k].size(1) == H && t[k].size(2) * tile >= n &&
+                  t[k].size(3) == d, side, " tiles' scale and zero: (B, H, tiles, head_dim)");
+  } else {
+    m.offset = meta_of(t[2], "offset");
+    TORCH_CHECK(m.offset.p == nullptr || (t[2].size(0) == B && t[2].size(1) == H && t[2].size(2) >= n), side,
+                " offset: (B, H, >= n[, 1]) or empty (symmetric)");
+    TORCH_CHECK(m.offset.p == nullptr || m.offset.kind != 3, "E5M3 holds steps, not offsets");
+  }
+  return m;
+}
+
+#ifdef WUSHKV_ROWS
+// 8 channels of a full-precision row as float32 lanes (float32, bfloat16; float16 where the CPU converts it: F16C)
+template <typename T>
+static inline __m256 load8f(const T* p) {
+  if constexpr (std::is_same_v<T, float>) {
+    return _mm256_loadu_ps(p);
+  } else if constexpr (std::is_same_v<T, c10::BFloat16>) {
+    const __m128i h = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+    return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
+  } else {
+    return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+  }
+}
+template <typename T>
+static constexpr bool LOAD8F = std::is_same_v<T, float> || std::is_same_v<T, c10::BFloat16>
+#ifdef __F16C__
+                               || std::is_same_v<T, c10::Half>
+#endif
+    ;
+
+// out[g·ostride + j] = q_g · row_j for count full-precision rows `stride` elements apart (d a multiple of 8), GN ≤ 4
+// queries: as dot_rows_t, TT rows at a time and one horizontal sum per TT rows (a dot per row and query, reduced
+// alone, cost 60 ns a token-head at SmolLM2's shape, a latency chain and a scalar sum)
+template <typename T, int GN>
+static void fp_dot_rows_t(const T* rows, int64_t stride, int64_t count, int64_t d, const float* q, int64_t qstride,
+                          float* out, int64_t ostride) {
+  constexpr int TT = GN <= 3 ? 4 : 2;
+  int64_t j = 0;
+  for (; j + TT <= count; j += TT) {
+    __m256 a[TT][GN];
+    for (int r = 0; r < TT; ++r)
+      for (int g = 0; g < GN; ++g) a[r][g] = _mm256_setzero_ps();
+    const T* row = rows + j * stride;
+    for (int64_t m = 0; m < d; m += 8) {
+      __m256 k[TT];
+#pragma GCC unroll 4
+      for (int r = 0; r < TT; ++r) k[r] = load8f(row + r * stride + m);
+#pragma GCC unroll 4
+      for (int g = 0; g < GN; ++g) {
+        const __m256 qv = _mm256_loadu_ps(q + g * qstride + m);
+#pragma GCC unroll 4
+        for (int r = 0; r < TT; ++r) a[r][g] = _mm256_fmadd_ps(k[r], qv, a[r][g]);
+      }
+    }
+    for (int g = 0; g < GN; ++g) {
+      float* o = out + g * ostride + j;
+      if constexpr (TT == 4) {
+        const __m256 s = _mm256_hadd_ps(_mm256_hadd_ps(a[0][g], a[1][g]), _mm256_hadd_ps(a[2][g], a[3][g]));
+        _mm_storeu_ps(o, _mm_add_ps(_mm256_castps256_ps128(s), _mm256_extractf128_ps(s, 1)));
+      } else {
+        const __m256 h = _mm256_hadd_ps(a[0][g], a[1][g]);
+        const __m256 s = _mm256_hadd_ps(h, h);
+        _mm_storel_pi(reinterpret_cast<__m64*>(o), _mm_add_ps(_mm256_castps256_ps128(s), _mm256_extractf128_ps(s, 1)));
+      }
+    }
+  }
+  for (; j < count; ++j) {
+    const T* row = rows + j * stride;
+    __m256 a[GN];
+    for (int g = 0; g < GN; ++g) a[g] = _mm256_setzero_ps();
+    for (int64_t m = 0; m < d; m += 8) {
+      const __m256 k = load8f(row + m);
+      for (int g = 0; g < GN; ++g) a[g] = _mm256_fmadd_ps(k, _mm256_loadu_ps(q + g * qstride + m), a[g]);
+    }
+    for (int g = 0; g < GN; ++g) out[g * ostride + j] = hsum8(a[g]);
+  }
+}
+
+// acc[g·astride + i] += Σ_j w[g·wstride + j]·row_j[i] over count full-precision rows (d a multiple of 8), GN ≤ 4:
+// 16 channels at a time, the GN × 2 sums in registers over the rows, added to acc once
+template <typename T, int GN>
+static void fp_axpy_rows_t(const T* rows, int64_t stride, int64_t count, int64_t d, const float* w, int64_t wstride,
+                           float* acc, int64_t astride) {
+  for (int64_t m = 0; m < d; m += 16) {
+    const bool two = m + 16 <= d;
+    __m256 a[GN][2];
+    for (int g = 0; g < GN; ++g) a[g][0] = a[g][1] = _mm256_setzero_ps();
+    const T* row = rows + m;
+    for (int64_t j = 0; j < count; ++j, row += stride) {
+      const __m256 v0 = load8f(row), v1 = two ? load8f(row + 8) : _mm256_setzero_ps();
+#pragma GCC unroll 4
+      for (int g = 0; g < GN; ++g) {
+        const __m256 wg = _mm256_broadcast_ss(w + g * wstride + j);
+        a[g][0] = _mm256_fmadd_ps(wg, v0, a[g][0]);
+        a[g][1] = _mm256_fmadd_ps(wg, v1, a[g][1]);
+      }
+    }
+    for (int g = 0; g < GN; ++g) {
+      float* dst = acc + g * astride + m;
+      _mm256_storeu_ps(dst, _mm256_add_ps(_mm256_loadu_ps(dst), a[g][0]));
+      if (two) _mm256_storeu_ps(dst + 8, _mm256_add_ps(_mm256_loadu_ps(dst + 8), a[g][1]));
+    }
+  }
+}
+
+using FpRowsFn = void (*)(const void*, int64_t, int64_t, int64_t, const float*, int64_t, float*, int64_t);
+template <typename T, int GN, bool DOT>
+static void fp_rows_erased(const void* rows, int64_t stride, int64_t count, int64_t d, const float* x, int64_t xstride,
+                           float* y, int64_t ystride) {
+  if constexpr (DOT)
+    fp_dot_rows_t<T, GN>(static_cast<const T*>(rows), stride, count, d, x, xstride, y, ystride);
+  else
+    fp_axpy_rows_t<T, GN>(static_cast<const T*>(rows), stride, count, d, x, xstride, y, ystride);
+}
+// the full-precision rows kernel for T, G ≤ 4 queries, dot products (DOT) or weighted sums; nullptr where T has no
+// vector load here (float64; float16 without F16C)
+template <typename T, bool DOT>
+static FpRowsFn fp_rows_for(int64_t G) {
+  if constexpr (!LOAD8F<T>) {
+    (void)G;
+    return nullptr;
+  } else {
+    switch (G) {
+      case 1: return fp_rows_erased<T, 1, DOT>;
+      case 2: return fp_rows_erased<T, 2, DOT>;
+      case 3: return fp_rows_erased<T, 3, DOT>;
+      default: return fp_rows_erased<T, 4, DOT>;
+    }
+  }
+}
+#endif
+
+template <typename T>
+struct FpPart {
+  const T* p = nullptr;
+  int64_t sb = 0, sh = 0, st = 0;
+};
+
+template <typename T>
+static void parts_decode_impl(const float* qp, int64_t B, int64_t Hq, int64_t H, int64_t d, const int64_t* sp,
+                              const std::vector<torch::Tensor>& keys, const std::vector<torch::Tensor>& values,
+                              const MidSide& K, const MidSide& V, const int64_t* widths, const bool* vis, int64_t vis_sb,
+                              int64_t S, float scaling, float softcap, const float* sinks, const float* terms,
+                              const float* table, int64_t P, const int64_t* first, float* op) {
+  const int64_t G = Hq / H, n_all = widths[0] + widths[1] + widths[2], lo = n_all - S;
+  auto fp_part = [](const torch::Tensor& t) {
+    FpPart<T> f;
+    if (t.defined() && t.numel() > 0) f = {t.data_ptr<T>(), t.stride(0), t.stride(1), t.stride(2)};
+    return f;
+  };
+  const FpPart<T> kp[3] = {fp_part(keys[0]), fp_part(keys[1]), fp_part(keys[2])};
+  const FpPart<T> vp[3] = {fp_part(values[0]), fp_part(values[1]), fp_part(values[2])};
+  const int64_t off[3] = {0, widths[0], widths[0] + widths[1]};
+  // work items: (row, KV head, part, tokens [a, b) of the part); a (row, head)'s items are consecutive
+  std::vector<int64_t> item_rh, item_p, item_a, item_b, firsts(B * H + 1, 0);
+  int64_t tokens = 0;
+  for (int64_t b = 0; b < B; ++b)
+    for (int64_t h = 0; h < H; ++h) {
+      firsts[b * H + h] = item_rh.size();
+      for (int64_t i = 0; i < 3; ++i)
+        for (int64_t a = sp[(b * 3 + i) * 2]; a < sp[(b * 3 + i) * 2 + 1]; a += CHUNK) {
+          item_rh.push_back(b * H + h), item_p.push_back(i), item_a.push_back(a);
+          item_b.push_back(std::min(sp[(b * 3 + i) * 2 + 1], a + CHUNK));
+          tokens += item_b.back() - a;
+        }
+    }
+  firsts[B * H] = item_rh.size();
+  const int64_t items = item_rh.size(), W = 2 * G + G * d;  // per item and query: max, sum, unnormalized output
+  std::vector<float> part(items * W);
+  const int64_t kper = K.codes ? 8 / K.bits : 1, vper = V.codes ? 8 / V.bits : 1;
+  const int64_t KD = K.nb * kper, VD = V.nb * vper;
+  // a small step on the calling thread: waking the pool costs more than its work
+  const int64_t grain = tokens < PAGED_SERIAL ? std::max<int64_t>(items, 1) : 1;
+  at::parallel_for(0, items, grain, [&](int64_t begin, int64_t end) {
+    std::vector<float> qk(G * std::max<int64_t>(KD, 1), 0.f), qt(K.tile ? G * KD : 0, 0.f), qsum(G), z(G), dots(G), kf(d);
+    std::vector<float> s(G * CHUNK), w(G * CHUNK), acc(G * std::max<int64_t>(VD, 1)), accf(G * d), osum(G), msc(CHUNK), mof(CHUNK);
+    std::vector<int64_t> kperm(d);  // channel i's place in the keys' permuted order
+    for (int64_t i = 0; i < d; ++i) kperm[i] = (i % kper) * K.nb + i / kper;
+    for (int64_t it = begin; it < end; ++it) {
+      const int64_t rh = item_rh[it], b = rh / H, h = rh % H, pi = item_p[it], a = item_a[it], len = item_b[it] - a;
+      const float* qz = qp + (b * Hq + h * G) * d;  // the G queries of this KV head, (G, d)
+      const bool coded_k = pi == 1 && K.codes != nullptr, coded_v = pi == 1 && V.codes != nullptr;
+      // 1. scores s[g·CHUNK + j] of tokens a + j
+      if (!coded_k) {
+        const FpPart<T>& f = kp[pi];
+#ifdef WUSHKV_ROWS
+        if (d % 8 == 0 && fp_rows_for<T, true>(1) != nullptr) {
+          for (int64_t g = 0; g < G; g += 4)
+            fp_rows_for<T, true>(std::min<int64_t>(4, G - g))(f.p + b * f.sb + h * f.sh + a * f.st, f.st, len, d, qz + g * d,
+                                                             d, s.data() + g * CHUNK, CHUNK);
+        } else
+#endif
+        for (int64_t j = 0; j < len; ++j) {
+          const T* kr = f.p + b * f.sb + h * f.sh + (a + j) * f.st;
+          for (int64_t i = 0; i < d; ++i) kf[i] = static_cast<float>(kr[i]);
+          for (int64_t g = 0; g < G; ++g) {
+            const float* qg = qz + g * d;
+            float x = 0.f;
+#pragma omp simd reduction(+ : x)
+            for (int64_t i = 0; i < d; ++i) x += kf[i] * qg[i];
+            s[g * CHUNK + j] = x;
+          }
+        }
+      } else {
+        const uint8_t* base = K.codes + b * K.cb + h * K.ch;
+        gather_meta(K.scale, b, h, a, len, msc.data());  // the tokens' scales (tiles: s_tok)
+        if (!K.tile) {
+          if (K.offset.p)
+            gather_meta(K.offset, b, h, a, len, mof.data());
+          else
+            for (int64_t u = 0; u < len; ++u) mof[u] = msc[u] * K.half;
+        }
+        for (int64_t g = 0; g < G; ++g) {
+          float sum = 0.f;
+          for (int64_t i = 0; i < d; ++i) {
+            qk[g * KD + kperm[i]] = qz[g * d + i];
+            sum += qz[g * d + i];
+          }
+          qsum[g] = sum;
+        }
+        for (int64_t j = 0; j < len;) {
+          // a run of tokens read against one set of queries: the item's (per token), or the tile's channel-scaled ones
+          const int64_t t = a + j, e = K.tile ? std::min(len, (t / K.tile + 1) * K.tile - a) : len;
+          const float* qs = qk.data();
+          if (K.tile) {
+            const int64_t ti = t / K.tile;
+            for (int64_t g = 0; g < G; ++g) {
+              float zz = 0.f;
+              for (int64_t i = 0; i < d; ++i) {
+                const float x = qz[g * d + i];
+                qt[g * KD + kperm[i]] = x * K.tscale.at(b, h, ti, i);
+                zz += x * K.tzero.at(b, h, ti, i);
+              }
+              z[g] = zz;
+            }
+            qs = qt.data();
+          }
+#ifdef WUSHKV_ROWS
+          for (int64_t g = 0; g < G; g += 4)
+            rows_for<DotRows>(K.bits, std::min<int64_t>(4, G - g))(base + t * K.cn, K.cn, e - j, K.nb, qs + g * KD, KD,
+                                                                   s.data() + g * CHUNK + j, CHUNK);
+#else
+          for (int64_t u = j; u < e; ++u) {
+            dot_codes(base + (a + u) * K.cn, K.nb, K.bits, qs, KD, G, dots.data());
+            for (int64_t g = 0; g < G; ++g) s[g * CHUNK + u] = dots[g];
+          }
+#endif
+          if (K.tile)
+            for (int64_t g = 0; g < G; ++g) {
+              float* sg = s.data() + g * CHUNK;
+              const float zg = z[g];
+              for (int64_t u = j; u < e; ++u) sg[u] = msc[u] * (sg[u] + zg);
+            }
+          j = e;
+        }
+        if (!K.tile)  // x̂ = scale·code + offset: q·x̂ = scale·(q·code) + offset·Σq
+          for (int64_t g = 0; g < G; ++g) {
+            float* sg = s.data() + g * CHUNK;
+            const float qs_ = qsum[g];
+            for (int64_t u = 0; u < len; ++u) sg[u] = msc[u] * sg[u] + mof[u] * qs_;
+          }
+        if (terms != nullptr) {  // +rmean: the centers' share q·T c_p = Σ_i [A | B]_i·[cos pθ | sin pθ]_i
+          for (int64_t j = 0; j < len; ++j) {
+            const int64_t pos = first[b] + a + j;
+            if (pos < 0 || pos >= P) continue;  // a row's padding (masked): no center
+            const float* tr = table + pos * d;
+            for (int64_t g = 0; g < G; ++g) {
+              const float* ab = terms + (b * Hq + h * G + g) * d;
+              float x = 0.f;
+#pragma omp simd reduction(+ : x)
+              for (int64_t i = 0; i < d; ++i) x += ab[i] * tr[i];
+              s[g * CHUNK + j] += x;
+            }
+          }
+        }
+      }
+      // 2. this item's softmax: scaled, capped, masked; its max and sum
+      float* Pi = part.data() + it * W;
+      const int64_t col = off[pi] + a;  // the item's first column among all the parts'
+      const bool* vrow = vis ? vis + b * vis_sb : nullptr;
+      const bool item_masked = vrow != nullptr || col < lo;
+      auto hidden = [&](int64_t j) { return col + j < lo || (vrow && !vrow[col + j - lo]); };
+      for (int64_t g = 0; g < G; ++g) {
+        float* sg = s.data() + g * CHUNK;
+        if (softcap > 0.f) {
+          for (int64_t j = 0; j < len; ++j) sg[j] = softcap * std::tanh(sg[j] * scaling / softcap);
+        } else {  // no call in the loop: it vectorizes
+          for (int64_t j = 0; j < len; ++j) sg[j] *= scaling;
+        }
+        if (item_masked)
+          for (int64_t j = 0; j < len; ++j)
+            if (hidden(j)) sg[j] = -INFINITY;
+        float m = -INFINITY;
+        for (int64_t j = 0; j < len; ++j) m = std::max(m, sg[j]);
+        Pi[g] = m;
+        if (m == -INFINITY) {  // nothing visible here: no weight
+          std::fill(sg, sg + len, 0.f);
+          Pi[G + g] = 0.f;
+          continue;
+        }
+        Pi[G + g] = exp_shifted_sum(sg, len, m);
+        if (item_masked)  // hidden columns: exactly zero (the vector exp clamps at e^-87)
+          for (int64_t j = 0; j < len; ++j)
+            if (hidden(j)) sg[j] = 0.f;
+      }
+      // 3. the values, weighted
+      std::fill(accf.begin(), accf.end(), 0.f);
+      std::fill(osum.begin(), osum.end(), 0.f);
+      if (!coded_v) {
+        const FpPart<T>& f = vp[pi];
+#ifdef WUSHKV_ROWS
+        if (d % 8 == 0 && fp_rows_for<T, false>(1) != nullptr) {
+          for (int64_t g = 0; g < G; g += 4)
+            fp_rows_for<T, false>(std::min<int64_t>(4, G - g))(f.p + b * f.sb + h * f.sh + a * f.st, f.st, len, d,
+                                                              s.data() + g * CHUNK, CHUNK, accf.data() + g * d, d);
+        } else
+#endif
+        for (int64_t j = 0; j < len; ++j) {
+          const T* vr = f.p + b * f.sb + h * f.sh + (a + j) * f.st;
+          for (int64_t i = 0; i < d; ++i) kf[i] = static_cast<float>(vr[i]);
+          for (int64_t g = 0; g < G; ++g) {
+            const float wg = s[g * CHUNK + j];
+            float* ag = accf.data() + g * d;
+#pragma omp simd
+            for (int64_t i = 0; i < d; ++i) ag[i] += wg * kf[i];
+          }
+        }
+      } else {
+        std::fill(acc.begin(), acc.end(), 0.f);
+        const uint8_t* base = V.codes + b * V.cb + h * V.ch + a * V.cn;
+        gather_meta(V.scale, b, h, a, len, msc.data());
+        if (V.offset.p)
+          gather_meta(V.offset, b, h, a, len, mof.data());
+        else
+          for (int64_t j = 0; j < len; ++j) mof[j] = msc[j] * V.half;
+        for (int64_t g = 0; g < G; ++g) {  // each token's weights p·scale, and the offsets' share Σ p·offset
+          const float* sg = s.data() + g * CHUNK;
+          float* wg = w.data() + g * CHUNK;
+          float os = 0.f;
+#pragma omp simd reduction(+ : os)
+          for (int64_t j = 0; j < len; ++j) {
+            wg[j] = sg[j] * msc[j];
+            os += sg[j] * mof[j];
+          }
+          osum[g] = os;
+        }
+#ifdef WUSHKV_ROWS
+        for (int64_t g = 0; g < G; g += 4)
+          rows_for<AxpyRows>(V.bits, std::min<int64_t>(4, G - g))(base, V.cn, len, V.nb, w.data() + g * CHUNK, CHUNK,
+                                                                  acc.data() + g * VD, VD);
+#else
+        for (int64_t j = 0; j < len; ++j) {
+          for (int64_t g = 0; g < G; ++g) z[g] = w[g * CHUNK + j];
+          axpy_codes(base + j * V.cn, V.nb, V.bits, z.data(), G, acc.data(), VD);
+        }
+#endif
+        for (int64_t g = 0; g < G; ++g)
+          for (int64_t i = 0; i < d; ++i) accf[g * d + i] += acc[g * VD + (i % vper) * V.nb + i / vper];
+      }
+      for (int64_t g = 0; g < G; ++g)
+        for (int64_t i = 0; i < d; ++i) Pi[2 * G + g * d + i] = accf[g * d + i] + osum[g];
+    }
+  });
+  // merge each (row, KV head)'s items, and the learned sink logit (one more column, zero value)
+  for (int64_t rh = 0; rh < B * H; ++rh) {
+    const int64_t b = rh / H, h = rh % H;
+    for (int64_t g = 0; g < G; ++g) {
+      const int64_t hq = h * G + g;
+      float m = sinks ? sinks[hq] : -INFINITY;
+      for (int64_t it = firsts[rh]; it < firsts[rh + 1]; ++it) m = std::max(m, part[it * W + g]);
+      float* o = op + (b * Hq + hq) * d;
+      std::fill(o, o + d, 0.f);
+      if (m == -INFINITY) continue;  // nothing visible (a row of padding, never read): zeros, no NaN
+      float l = sinks ? std::exp(sinks[hq] - m) : 0.f;
+      for (int64_t it = firsts[rh]; it < firsts[rh + 1]; ++it) {
+        if (part[it * W + G + g] == 0.f) continue;
+        const float c = std::exp(part[it * W + g] - m);
+        l += c * part[it * W + G + g];
+        const float* pa = part.data() + it * W + 2 * G + g * d;
+        for (int64_t i = 0; i < d; ++i) o[i] += c * pa[i];
+      }
+      for (int64_t i = 0; i < d; ++i) o[i] /= l;
+    }
+  }
+}
+
+torch::Tensor parts_decode(torch::Tensor q, torch::Tensor spans, std::vector<int64_t> widths, std::vector<torch::Tensor> keys,
+                           std::vector<torch::Tensor> values, std::vector<torch::Tensor> kmid, int64_t kbits, int64_t tile,
+                           double khalf, std::vector<torch::Tensor> vmid, int64_t vbits, double vhalf, torch::Tensor visible,
+                           double scaling, double softcap, torch::Tensor sinks, torch::Tensor terms, torch::Tensor table,
+                           torch::Tensor first) {
+  TORCH_CHECK(q.scalar_type() == torch::kFloat && q.dim() == 3, "q: float32 (B, Hq, d)");
+  TORCH_CHECK(keys.size() == 3 && values.size() == 3 && widths.size() == 3, "parts: [sink, middle, recent] of keys and values");
+  q = q.contiguous();
+  const int64_t B = q.size(0), Hq = q.size(1), d = q.size(2), H = keys[0].size(1);
+  TORCH_CHECK(H > 0 && Hq % H == 0, "query heads (", Hq, ") must be a multiple of the KV heads (", H, ")");
+  const auto dtype = keys[0].scalar_type();
+  for (auto* side : {&keys, &values})
+    for (int i = 0; i < 3; ++i) {
+      auto& t = (*side)[i];
+      const bool coded = i == 1 && !(side == &keys ? kmid : vmid).empty();
+      if (coded) continue;
+      TORCH_CHECK(t.dim() == 4 && t.size(0) == B && t.size(1) == H && t.size(2) == widths[i] && t.size(3) == d &&
+                  t.scalar_type() == dtype, "full-precision part ", i, ": (B, H, width, head_dim), one dtype");
+      if (t.stride(3) != 1) t = t.contiguous();
+    }
+  const MidSide K = mid_side(kmid, kbits, tile, khalf, B, H, widths[1], d, "key");
+  const MidSide V = mid_side(vmid, vbits, 0, vhalf, B, H, widths[1], d, "value");
+  if (spans.numel() == 0)  // every row reads all of each part
+    spans = torch::tensor({int64_t(0), widths[0], int64_t(0), widths[1], int64_t(0), widths[2]}).view({1, 3, 2}).expand({B, 3, 2});
+  spans = spans.contiguous();
+  TORCH_CHECK(spans.scalar_type() == torch::kLong && spans.dim() == 3 && spans.size(0) == B && spans.size(1) == 3 &&
+              spans.size(2) == 2, "spans: int64 (B, 3, 2), or empty (every row reads all of each part)");
+  const int64_t* sp = spans.data_ptr<int64_t>();
+  for (int64_t k = 0; k < B * 3; ++k)
+    TORCH_CHECK(0 <= sp[2 * k] && sp[2 * k] <= sp[2 * k + 1] && sp[2 * k + 1] <= widths[k % 3], "spans[", k / 3, ", ",
+                k % 3, "] = [", sp[2 * k], ", ", sp[2 * k + 1], ") is not within the part's ", widths[k % 3], " columns");
+  const int64_t n_all = widths[0] + widths[1] + widths[2];
+  const bool masked = visible.defined() && visible.numel() > 0;
+  int64_t S = n_all, vis_sb = 0;
+  if (masked) {
+    visible = visible.contiguous();
+    TORCH_CHECK(visible.scalar_type() == torch::kBool && visible.dim() == 2 && (visible.size(0) == B || visible.size(0) == 1)
+                && visible.size(1) <= n_all, "visible: bool (B or 1, S <= ", n_all, " columns)");
+    S = visible.size(1);
+    vis_sb = visible.size(0) == 1 ? 0 : S;
+  }
+  const bool has_sinks = sinks.defined() && sinks.numel() > 0;
+  if (has_sinks) {
+    sinks = sinks.contiguous();
+    TORCH_CHECK(sinks.scalar_type() == torch::kFloat && sinks.numel() == Hq, "sinks: float32 (Hq,)");
+  }
+  const bool rm = terms.defined() && terms.numel() > 0;
+  if (rm) {
+    TORCH_CHECK(K.codes != nullptr, "centers (+rmean) are the coded keys'");
+    terms = terms.contiguous(), table = table.contiguous(), first = first.contiguous();
+    TORCH_CHECK(terms.scalar_type() == torch::kFloat && terms.dim() == 3 && terms.size(0) == B && terms.size(1) == Hq &&
+                terms.size(2) == d, "terms: float32 (B, Hq, head_dim)");
+    TORCH_CHECK(table.scalar_type() == torch::kFloat && table.dim() == 2 && table.size(1) == d, "table: float32 (P, head_dim)");
+    TORCH_CHECK(first.scalar_type() == torch::kLong && first.numel() == B, "first: int64 (B,)");
+    for (int64_t b = 0; b < B; ++b)
+      TORCH_CHECK(first.data_ptr<int64_t>()[b] + widths[1] <= table.size(0), "the RoPE table holds ", table.size(0),
+                  " positions; row ", b, " reaches ", first.data_ptr<int64_t>()[b] + widths[1]);
+  }
+  auto out = torch::empty({B, Hq, d}, q.options());
+  if (B == 0) return out;
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, dtype, "parts_decode", [&] {
+    parts_decode_impl<scalar_t>(q.data_ptr<float>(), B, Hq, H, d, sp, keys, values, K, V, widths.data(),
+                                masked ? visible.data_ptr<bool>() : nullptr, vis_sb, S, float(scaling), float(softcap),
+                                has_sinks ? sinks.data_ptr<float>() : nullptr, rm ? terms.data_ptr<float>() : nullptr,
+                                rm ? table.data_ptr<float>() : nullptr, rm ? table.size(0) : 0,
+                                rm ? first.data_ptr<int64_t>() : nullptr, out.data_ptr<float>());
+  });
+  return out;
+}
+
 // keys and values (H, stop − start, d) float32 of positions start..stop−1 of one request, decoded from its cells
 // through its block table row: x = scale·code + offset per token (the codecs' formula); the prefill path's input
 std::vector<torch::Tensor> paged_dequantize(torch::Tensor cache, torch::Tensor block_ids, int64_t start, int64_t stop,
@@ -1596,6 +2138,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("code_dot", &code_dot, "Σ_i c_ji q_gi over packed codes");
   m.def("code_dot_tiles", &code_dot_tiles, "Σ_i c_ji q_gi over packed codes, one query set per tile of tokens");
   m.def("paged_decode", &paged_decode, "decode attention over paged cells");
+  m.def("parts_decode", &parts_decode, "decode attention over a layer's [sink, packed middle, recent]");
   m.def("paged_dequantize", &paged_dequantize, "keys and values of a request's cells");
   m.def("paged_store", &paged_store, "write the cells of new tokens at their slots");
   m.def("kvarn_balance", &kvarn_balance, "KVarN dual-axis balance of tiles");
