@@ -38,7 +38,6 @@ import torch
 from .attention import reference_attention
 from .codecs import KVarNCodec, TokenCodec
 from .quantizers import unpack
-from .triton_kernels import rope_table
 
 DEFAULT_BLOCK = 4096
 _EXT = None  # the compiled kernels once looked up (False: unavailable)
@@ -363,9 +362,9 @@ def _cpu_decode(query, parts_k, parts_v, allowed, scaling, softcap, sinks, held=
     visible = _NONE[1] if allowed is None else allowed.reshape(allowed.shape[0], -1).bool()
     terms = table = first = none
     if kt and len(mk) > 3:  # keys centered on their rotating mean (+rmean): the centers' share from the position
-        terms, first, theta = mk[3].kernel_inputs(query.reshape(B, H, Hq // H, d))
+        terms, first, _ = mk[3].kernel_inputs(query.reshape(B, H, Hq // H, d))
         terms, first = terms.reshape(B, Hq, d), first.to(torch.int64)
-        table = rope_table(theta, int(first.max()) + n, "cpu")
+        table = mk[3].mean.table(int(first.max()) + n, "cpu")
     out = ext.parts_decode(query[:, :, 0].float(), spans, widths, keys, values, kt, kbits, tile, khalf, vt, vbits, vhalf,
                            visible, float(scaling), float(softcap or 0.0),
                            none if sinks is None else sinks.detach().float().cpu(), terms, table, first)

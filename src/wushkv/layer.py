@@ -139,7 +139,8 @@ class RotatingKeyMean:
         self.inv_freq = rope[0].detach().float().to(self.T_t.device)
         self.theta = rope[0].detach().float().cpu()  # the host's copy: angles are computed there (no wait per step)
         self.scaling = float(rope[1])
-        self._T32 = self._mu32 = None  # T and μ in float32 where the queries are (score_terms)
+        self._TM32 = None  # T times rope_bias_terms' matrix, float32 where the queries are (score_terms)
+        self._table = None  # the last RoPE table handed out (table)
 
     def center(self, positions: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
         """T c_t with c_t = R_t μ, in the transformed space. positions: (B', N) integer (B' = 1 or the batch).
@@ -155,10 +156,22 @@ class RotatingKeyMean:
         """[A | B] (B, Hkv, G, d) float32 of grouped queries qg (B, Hkv, G, d) in the transformed space:
         q·T c_t = (Tᵀq)·R_t μ = Σ_i A_i cos tθ_i + B_i sin tθ_i (:func:`wushkv.transforms.rope.rope_bias_terms`), so
         the centers' share of the scores is a function of the position that never forms T c_t (:meth:`scores`)."""
-        if self._T32 is None or self._T32.device != qg.device:
-            self._T32 = self.T_t.transpose(-1, -2).float().to(qg.device)  # T: u = q T = Tᵀq as a row
-            self._mu32 = self.mu.float().to(qg.device)[:, None, :]  # (Hkv, 1, d)
-        return rope_bias_terms(torch.matmul(qg.float(), self._T32), self._mu32, self.scaling)
+        if self._TM32 is None or self._TM32.device != qg.device:
+            # [A | B] is linear in u = q T (Tᵀq as a row): u M, M's row k the terms of the unit vector e_k. So one
+            # product with T M (formed once, in float64) per step, not a product and the six operations of the terms
+            H, d = self.mu.shape
+            M = rope_bias_terms(torch.eye(d, dtype=torch.float64, device=self.mu.device).expand(H, d, d),
+                                self.mu[:, None, :], self.scaling)  # (Hkv, d, d)
+            self._TM32 = torch.matmul(self.T_t.transpose(-1, -2), M).float().to(qg.device)
+        return torch.matmul(qg.float(), self._TM32)
+
+    def table(self, n: int, device) -> torch.Tensor:
+        """:func:`wushkv.triton_kernels.rope_table` of this layer's frequencies for ``n`` positions on ``device``, the
+        last one kept (the shared tables are keyed by the frequencies' bytes, which a step should not hash per layer)."""
+        t = self._table
+        if t is None or len(t) < n or t.device != torch.device(device):
+            t = self._table = rope_table(self.theta, n, device)
+        return t
 
     def scores(self, terms: torch.Tensor, first: torch.Tensor, n: int) -> torch.Tensor:
         """q·T c_t (B, Hkv, G, n) float32 at positions first + r, r < n, of the :meth:`score_terms` [A | B];
@@ -170,7 +183,7 @@ class RotatingKeyMean:
         A, B = terms[..., :h], terms[..., h:]
         ang = first.to(torch.float64).cpu()[:, None] * self.theta.double()  # (B', d/2)
         c0, s0 = (to_device(f(ang).float(), A.device)[:, None, None, :] for f in (torch.cos, torch.sin))
-        return torch.matmul(torch.cat([A * c0 + B * s0, B * c0 - A * s0], -1), rope_table(self.theta, n, A.device)[:n].T)
+        return torch.matmul(torch.cat([A * c0 + B * s0, B * c0 - A * s0], -1), self.table(n, A.device)[:n].T)
 
 
 class KeyCenters:
