@@ -20,7 +20,10 @@ On CPU, the code-domain products ``C q`` and ``Cᵀ w`` run in fused C++ kernels
 built on first use) that read each packed byte once, unpack it in vector registers and never expand the
 codes; KVarN's key tiles (``auto``'s keys) go through them too, with one set of channel-scaled queries per tile
 (``k̂[t, c] = s_t·(scale_c·code + zero_c)``, so ``q·k̂_t = s_t·((q ⊙ scale)·code_t + q·zero)``); elsewhere,
-or where they cannot be built, the pure-PyTorch path above runs (same results).
+or where they cannot be built, the pure-PyTorch path above runs (same results). Where a layer's parts are
+[sink, middle, recent] with such codes (or a full-precision middle), the whole decode is one kernel call instead
+(``parts_decode``, :func:`_cpu_decode`): scores, softmax and values per work item, merged with an online softmax, as
+the Triton decode does on a GPU; the per-part path stays for the rest (:func:`fused_enabled`).
 On CUDA, where triton imports, a cache of per-token codecs (sink, packed middle, recent) is read by the split-KV
 Triton kernel of :mod:`wushkv.triton_kernels` instead, and :func:`encode_block` writes the cache's flushed blocks
 through its store kernel (:func:`triton_enabled` forces both on or off).
@@ -614,5 +617,5 @@ def dequantize_then_attend(query, parts_k, parts_v, allowed, scaling, softcap=No
     return reference_attention(query, K, V, allowed, scaling, softcap, sinks)
 
 
-__all__ = ["decode_attention", "dequantize_then_attend", "codes_as_float", "encode_block", "kernels_enabled", "rows_alone_over",
+__all__ = ["decode_attention", "dequantize_then_attend", "codes_as_float", "encode_block", "fused_enabled", "kernels_enabled", "rows_alone_over",
            "triton_enabled", "triton_for", "read_format", "DEFAULT_BLOCK", "ROW_COLUMNS"]

@@ -1480,6 +1480,8 @@ struct FpPart {
   int64_t sb = 0, sh = 0, st = 0;
 };
 
+static constexpr int64_t PARTS_SERIAL = 2048;
+
 template <typename T>
 static void parts_decode_impl(const float* qp, int64_t B, int64_t Hq, int64_t H, int64_t d, const int64_t* sp,
                               const std::vector<torch::Tensor>& keys, const std::vector<torch::Tensor>& values,
@@ -1513,8 +1515,9 @@ static void parts_decode_impl(const float* qp, int64_t B, int64_t Hq, int64_t H,
   std::vector<float> part(items * W);
   const int64_t kper = K.codes ? 8 / K.bits : 1, vper = V.codes ? 8 / V.bits : 1;
   const int64_t KD = K.nb * kper, VD = V.nb * vper;
-  // a small step on the calling thread: waking the pool costs more than its work
-  const int64_t grain = tokens < PAGED_SERIAL ? std::max<int64_t>(items, 1) : 1;
+  // a small layer on the calling thread, where waking the pool costs more than its work: below PARTS_SERIAL
+  // token-heads (~50 µs of work; the paged decode's 16,384 left SmolLM2's 4,096 × 3 on one core here)
+  const int64_t grain = tokens < PARTS_SERIAL ? std::max<int64_t>(items, 1) : 1;
   at::parallel_for(0, items, grain, [&](int64_t begin, int64_t end) {
     std::vector<float> qk(G * std::max<int64_t>(KD, 1), 0.f), qt(K.tile ? G * KD : 0, 0.f), qsum(G), z(G), dots(G), kf(d);
     std::vector<float> s(G * CHUNK), w(G * CHUNK), acc(G * std::max<int64_t>(VD, 1)), accf(G * d), osum(G), msc(CHUNK), mof(CHUNK);
