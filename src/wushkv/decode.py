@@ -306,7 +306,12 @@ def _compiled():
     return _EXT or None
 
 
-def _cpu_mid(codec, store, n, side: str, like: torch.Tensor):
+# parts_decode's "not given" (float32, bool, int64; never written): a layer's decode is ~0.1 ms of Python and ATen
+# calls, of which making these at every call was a tenth
+_NONE = (torch.empty(0), torch.empty(0, dtype=torch.bool), torch.empty(0, dtype=torch.int64))
+
+
+def _cpu_mid(codec, store, n, side: str):
     """One side of the middle as ``parts_decode`` reads it: (tensors, bits, tile, half), tensors [codes, scale,
     offset or empty] (per-token codes, one group a token) or [codes, s_tok, tile scale, tile zero] (KVarN's key
     tiles); ([], 0, 0, 0) for an empty middle; None where the kernel does not read the codec (other quantizers, 3 bits,
@@ -318,14 +323,8 @@ def _cpu_mid(codec, store, n, side: str, like: torch.Tensor):
     if isinstance(codec, KVarNCodec) and codec.kind == "key" and side == "key":
         return [store["codes"], store["s_fold"].flatten(2, 3), store["scale"], store["zero"]], codec.bits, codec.block, 0.0
     if isinstance(codec, TokenCodec) and store["scale"].shape[-1] == 1:
-        offset = store.get("offset", like.new_empty(0))
-        return [store["codes"], store["scale"], offset], codec.bits, 0, codec._half
+        return [store["codes"], store["scale"], store.get("offset", _NONE[0])], codec.bits, 0, codec._half
     return None
-
-
-# parts_decode's "not given" (float32, bool, int64; never written): a layer's decode is ~0.1 ms of Python and ATen
-# calls, of which making these at every call was a tenth
-_NONE = (torch.empty(0), torch.empty(0, dtype=torch.bool), torch.empty(0, dtype=torch.int64))
 
 
 def _cpu_decode(query, parts_k, parts_v, allowed, scaling, softcap, sinks, held=None):
@@ -349,7 +348,7 @@ def _cpu_decode(query, parts_k, parts_v, allowed, scaling, softcap, sinks, held=
         if torch.is_tensor(mid):  # a full-precision middle (a side kept in full precision)
             parts[1], read, n = mid, ([], 0, 0, 0.0), mid.shape[2]
         else:
-            read, n = _cpu_mid(*mid[:3], side, parts[0]), mid[2]
+            read, n = _cpu_mid(*mid[:3], side), mid[2]
             if read is None:
                 return None
             parts[1] = parts[0][:, :, :0]  # (not read: the codes are)
