@@ -111,11 +111,12 @@ def test_kernels_take_the_vector_path_this_cpu_has():
     assert ext.simd_path() == want, (ext.simd_path(), want)
 
 
-@pytest.mark.parametrize("bits", [1, 2, 4, 8])
+@pytest.mark.parametrize("bits", [1, 2, 3, 4, 8])
 @pytest.mark.parametrize("d", [64, 40])
 def test_fused_kernels_equal_float_codes(bits, d):
     """code_dot / code_weighted_sum on a strided view of a larger buffer (as the cache stores codes); 1501 tokens: the
-    last work item's rows are not a multiple of the rows the kernels read at once."""
+    last work item's rows are not a multiple of the rows the kernels read at once; 3 bits read 8 codes from 3 bytes,
+    head_dim 40 ends a row on 5 such units (a partial load)."""
     ext = require_kernels()
     g = torch.Generator().manual_seed(bits * d)
     c = torch.randint(0, 2**bits, (2, 3, 1501, d), generator=g, dtype=torch.uint8)
@@ -129,7 +130,7 @@ def test_fused_kernels_equal_float_codes(bits, d):
     assert ((ext.code_weighted_sum(view, w, bits, d).double() - ref_w).norm() / ref_w.norm()) < 1e-6
 
 
-@pytest.mark.parametrize("bits", [1, 2, 4, 8])
+@pytest.mark.parametrize("bits", [1, 2, 3, 4, 8])
 @pytest.mark.parametrize("d, G, tile", [(64, 3, 128), (40, 4, 21), (32, 1, 300), (64, 5, 7)])
 def test_code_dot_tiles_reads_each_token_with_its_tiles_queries(bits, d, G, tile):
     """code_dot_tiles: token j against query set j // tile (KVarN's key tiles: each tile's channel-scaled queries),
@@ -217,6 +218,10 @@ FUSED = {  # name: (config, GQA group, head_dim, dtype, middle tokens, ragged ro
     "ktiles-K4V2-G8-d128-bf16-chunks": (QuantConfig(4, 2, "quest", key_quantizer="kvarn", windows=WindowConfig(8, 0, 128)), 8,
                                         128, torch.bfloat16, 1152, False, False),
     "quest-K2-rmean": (QuantConfig(2, 2, "quest"), 2, 32, torch.float32, 150, False, True),
+    "quest-K3V3-G3-chunks": (QuantConfig(3, 3, "quest"), 3, 64, torch.float32, 1100, False, False),
+    "affine-K3V3-d40-bf16-ragged": (QuantConfig(3, 3, "affine"), 2, 40, torch.bfloat16, 120, True, False),
+    "ktiles-K3V3-rmean-d128": (QuantConfig(3, 3, "quest", key_quantizer="kvarn", windows=WindowConfig(8, 0, 64)), 4, 128,
+                               torch.float32, 320, False, True),
     "K2-only": (QuantConfig(2, None, "quest"), 2, 64, torch.float32, 70, True, False),
     "V2-only": (QuantConfig(None, 2, "quest"), 2, 64, torch.float32, 70, False, False),
     "empty-middle": (QuantConfig(2, 2, "quest"), 3, 64, torch.float32, 0, False, False),
@@ -226,7 +231,7 @@ FUSED = {  # name: (config, GQA group, head_dim, dtype, middle tokens, ragged ro
 @pytest.mark.parametrize("name", list(FUSED))
 def test_parts_decode_equals_dequantize_then_attend(name):
     """The fused CPU decode (one ``parts_decode`` call a layer) against dequantize-then-attend in float32 on the same
-    values: 2/4/8-bit QuEST and affine codes (the bits the cache stores that the kernels read) with float16/bfloat16/float32/E5M3 metadata, KVarN's key tiles, keys
+    values: 2/3/4/8-bit QuEST and affine codes (3 bits: 8 codes in 3 bytes) with float16/bfloat16/float32/E5M3 metadata, KVarN's key tiles, keys
     centered on their rotating mean, full-precision middles, an empty one; GQA groups 1-8 (two calls of the 4-query
     row kernels from 5 on), head_dim 32-128, middles over a work item (1,024 tokens), float32/bfloat16/float16 parts;
     a mask over the last columns with softcapping and sink logits, or ragged rows (``held``: each row its own

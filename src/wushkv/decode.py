@@ -287,13 +287,17 @@ def _fast(codec, dtype) -> bool:
 
 
 def _kernels(codec, store, ng: int = 1):
-    """The fused CPU kernels where they apply (CPU, one group per token or a key tile's channel, 1/2/4/8 bits), else
+    """The fused CPU kernels where they apply (CPU, one group per token or a key tile's channel, 1/2/3/4/8 bits), else
     None."""
-    if not USE_KERNELS or ng != 1 or codec.bits not in (1, 2, 4, 8) or store["codes"].device.type != "cpu":
-        return None
-    if store["codes"].stride(-1) != 1:
+    if not USE_KERNELS or ng != 1 or not _readable(codec.bits, store["codes"]) or store["codes"].device.type != "cpu":
         return None
     return _compiled()
+
+
+def _readable(bits: int, codes: torch.Tensor) -> bool:
+    """Whether the C++ kernels read these packed rows: 1/2/4/8 bits, or 3 bits in whole 3-byte units of 8 codes
+    (head_dim a multiple of 8), the last dim dense."""
+    return (bits in (1, 2, 4, 8) or (bits == 3 and codes.shape[-1] % 3 == 0)) and codes.stride(-1) == 1
 
 
 def _compiled():
@@ -314,11 +318,11 @@ _NONE = (torch.empty(0), torch.empty(0, dtype=torch.bool), torch.empty(0, dtype=
 def _cpu_mid(codec, store, n, side: str):
     """One side of the middle as ``parts_decode`` reads it: (tensors, bits, tile, half), tensors [codes, scale,
     offset or empty] (per-token codes, one group a token) or [codes, s_tok, tile scale, tile zero] (KVarN's key
-    tiles); ([], 0, 0, 0) for an empty middle; None where the kernel does not read the codec (other quantizers, 3 bits,
-    several groups a token)."""
+    tiles); ([], 0, 0, 0) for an empty middle; None where the kernel does not read the codec (other quantizers, 3 bits
+    of a head_dim not a multiple of 8, several groups a token)."""
     if not n:
         return [], 0, 0, 0.0
-    if codec.bits not in (1, 2, 4, 8) or store["codes"].stride(-1) != 1:
+    if not _readable(codec.bits, store["codes"]):
         return None
     if isinstance(codec, KVarNCodec) and codec.kind == "key" and side == "key":
         return [store["codes"], store["s_fold"].flatten(2, 3), store["scale"], store["zero"]], codec.bits, codec.block, 0.0
@@ -331,9 +335,9 @@ def _cpu_decode(query, parts_k, parts_v, allowed, scaling, softcap, sinks, held=
     """The fused CPU decode (B, 1, Hq, d) of [sink, middle, recent] in one kernel call (``parts_decode``: scores,
     softmax and the values' sum per work item, an online-softmax merge, the middle read from its codes), where it
     applies: the kernels built, a float16/bfloat16/float32 query on the CPU, each side's middle per-token codes of
-    one group (QuEST, affine; 1/2/4/8 bits), KVarN's key tiles (``auto``'s keys, with or without ``+rmean``), or full
+    one group (QuEST, affine; 1/2/3/4/8 bits), KVarN's key tiles (``auto``'s keys, with or without ``+rmean``), or full
     precision; else None (the path below: float64, which is bit-exact with the emulation; KIVI keys; KVarN's value
-    tiles; 3 bits). ``held``: row b reads columns [held[b, i, 0], held[b, i, 1]) of part i."""
+    tiles; several groups a token). ``held``: row b reads columns [held[b, i, 0], held[b, i, 1]) of part i."""
     if not (USE_KERNELS and USE_FUSED) or query.device.type != "cpu" or query.dtype not in _TRITON_DTYPES:
         return None
     if len(parts_k) != 3 or len(parts_v) != 3:

@@ -1,5 +1,6 @@
-// Fused CPU kernels over packed b-bit codes (b in {1, 2, 4, 8}; layout of wushkv.quantizers.pack:
-// code t of byte m sits at bits [t*b, (t+1)*b), low bits first). They read the packed bytes once and
+// Fused CPU kernels over packed b-bit codes (b in {1, 2, 3, 4, 8}; layout of wushkv.quantizers.pack:
+// code t of byte m sits at bits [t*b, (t+1)*b), low bits first; 3 bits: 8 codes in 3 bytes, the decode and code
+// kernels only, see Unit). They read the packed bytes once and
 // never expand them into a float copy: each token's codes are unpacked in registers (shift, mask, convert; AVX-512
 // or AVX2) and used at once by vectorized dot products / accumulations.
 //
@@ -72,9 +73,32 @@ static inline void unpack_any(const uint8_t* row, int64_t nb, int64_t per, const
   }
 }
 
+// A row of b-bit codes is read in units, the fewest whole bytes that hold whole codes: one byte of 8/b codes for
+// b in {1, 2, 4, 8}, three bytes of 8 codes for b = 3 (wushkv.quantizers.pack's bit stream: code t of a unit sits at
+// bits [t·b, (t+1)·b) of the unit read as a little-endian integer). The kernels below take a row's length in units
+// (nb) and read code t of unit m; a 3-bit row must be whole units (⌈3d/8⌉ a multiple of 3: d a multiple of 8).
+template <int BITS>
+struct Unit {
+  static constexpr int PER = BITS == 3 ? 8 : 8 / BITS;  // codes a unit
+  static constexpr int BYTES = BITS == 3 ? 3 : 1;       // bytes a unit
+};
+static inline int64_t unit_per(int64_t bits) { return bits == 3 ? 8 : 8 / bits; }
+static inline int64_t unit_bytes(int64_t bits) { return bits == 3 ? 3 : 1; }
+
+// code t of unit m of a row (the scalar paths)
+static inline int code_at(const uint8_t* row, int64_t m, int64_t t, int64_t bits) {
+  if (bits == 3) {
+    const uint8_t* u = row + 3 * m;
+    return int(((uint32_t(u[0]) | uint32_t(u[1]) << 8 | uint32_t(u[2]) << 16) >> (3 * t)) & 7u);
+  }
+  return (row[m] >> (t * bits)) & ((1 << bits) - 1);
+}
+
 static void check(const torch::Tensor& codes, int64_t bits) {
   TORCH_CHECK(codes.scalar_type() == torch::kUInt8 && codes.dim() == 4 && codes.stride(3) == 1, "codes: uint8 (B,H,N,nb), dense last dim");
-  TORCH_CHECK(bits == 1 || bits == 2 || bits == 4 || bits == 8, "bits must be 1, 2, 4 or 8");
+  TORCH_CHECK(bits == 1 || bits == 2 || bits == 3 || bits == 4 || bits == 8, "bits must be 1, 2, 3, 4 or 8");
+  TORCH_CHECK(bits != 3 || codes.size(3) % 3 == 0, "3-bit rows are read 8 codes (3 bytes) at a time: their bytes (",
+              codes.size(3), ") must be a multiple of 3 (head_dim a multiple of 8)");
 }
 
 // codes of one vector w (d; overwritten) on its groups' grids (scale s, offset o per group of gs channels), rounded
@@ -151,9 +175,9 @@ static inline float meta_at(const uint8_t* p, int64_t kind) {
 }
 
 
-// Rows of codes are read in a permuted order: position t*nb + m is code t of byte m (t < 8/bits, m < nb), so a row
-// unpacks as 8/bits runs over its bytes (shift, mask, convert: vector instructions, no table), and queries and value
-// sums are kept in that order (permuted once per work item, back at its end).
+// Rows of codes are read in a permuted order: position t*nb + m is code t of unit m (t < PER, m < nb; Unit: a byte,
+// or 3 bytes at 3 bits), so a row unpacks as PER runs over its units (shift, mask, convert: vector instructions, no
+// table), and queries and value sums are kept in that order (permuted once per work item, back at its end).
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__)
 #include <immintrin.h>
 #define WUSHKV_AVX512 1
@@ -202,10 +226,86 @@ static inline float hsum8(__m256 v) {
   return _mm_cvtss_f32(_mm_add_ss(x, _mm_movehdup_ps(x)));
 }
 
-// code t of the 8 bytes in x, as floats
+// 8 three-byte units of a row from p as 8 int32 lanes (lane m: bytes 3m, 3m+1, 3m+2, low first); fewer than 8 left:
+// the rest zero, nothing read past the row (24 bytes read as 16 + 8, each half's four units spread by a byte shuffle)
+static inline __m256i load8_u24(const uint8_t* p, int64_t left) {
+  alignas(16) uint8_t buf[32] = {};
+  if (left < 8) {
+    std::memcpy(buf, p, 3 * left);
+    p = buf;
+  }
+  const __m128i lo = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));       // bytes 0..15
+  const __m128i hi = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(p + 16));  // bytes 16..23
+  const __m128i spread = _mm_setr_epi8(0, 1, 2, -1, 3, 4, 5, -1, 6, 7, 8, -1, 9, 10, 11, -1);
+  const __m128i a = _mm_shuffle_epi8(lo, spread);                          // units 0..3: bytes 0..11
+  const __m128i b = _mm_shuffle_epi8(_mm_alignr_epi8(hi, lo, 12), spread);  // units 4..7: bytes 12..23
+  return _mm256_set_m128i(b, a);
+}
+
+// 8 units of a row (Unit<BITS>) from p as 8 int32 lanes; fewer than 8 left: the rest zero
+template <int BITS>
+static inline __m256i load8(const uint8_t* p, int64_t left) {
+  if constexpr (BITS == 3)
+    return load8_u24(p, left);
+  else
+    return load8_u8(p, left);
+}
+
+// code t of the 8 units in x, as floats
 template <int BITS>
 static inline __m256 code8(__m256i x, int t) {
   return _mm256_cvtepi32_ps(_mm256_and_si256(_mm256_srli_epi32(x, t * BITS), _mm256_set1_epi32((1 << BITS) - 1)));
+}
+
+// s[g] = Σ_i c_i q[g·stride + i] over one row's codes (permuted order), GN ≤ 4 queries, 8 units at a time: their
+// accumulators in registers, the queries read from L1 (16 registers do not hold them). The AVX2 build's kernel for
+// every width; the AVX-512 build's for 3 bits (its 16-lane kernels read whole bytes)
+template <int BITS, int GN>
+static inline void dot_codes8_t(const uint8_t* __restrict row, int64_t nb, const float* __restrict q, int64_t stride,
+                                float* __restrict s) {
+  constexpr int PER = Unit<BITS>::PER, UB = Unit<BITS>::BYTES;
+  __m256 acc[GN];
+  for (int g = 0; g < GN; ++g) acc[g] = _mm256_setzero_ps();
+  int64_t m = 0;
+  for (; m + 8 <= nb; m += 8) {
+    const __m256i x = load8<BITS>(row + m * UB, 8);
+#pragma GCC unroll 8
+    for (int t = 0; t < PER; ++t) {
+      const __m256 c = code8<BITS>(x, t);
+#pragma GCC unroll 4
+      for (int g = 0; g < GN; ++g) acc[g] = _mm256_fmadd_ps(c, _mm256_loadu_ps(q + g * stride + t * nb + m), acc[g]);
+    }
+  }
+  if (m < nb) {  // the row's last units: masked query loads (the permuted queries end at t·nb + nb)
+    const __m256i x = load8<BITS>(row + m * UB, nb - m), lm = lanes8(nb - m);
+    for (int t = 0; t < PER; ++t) {
+      const __m256 c = code8<BITS>(x, t);
+      for (int g = 0; g < GN; ++g) acc[g] = _mm256_fmadd_ps(c, _mm256_maskload_ps(q + g * stride + t * nb + m, lm), acc[g]);
+    }
+  }
+  for (int g = 0; g < GN; ++g) s[g] = hsum8(acc[g]);
+}
+
+// acc[g·stride + i] += w[g]·c_i over one row's codes (permuted order), 8 units at a time (as dot_codes8_t)
+template <int BITS>
+static inline void axpy_codes8_t(const uint8_t* __restrict row, int64_t nb, const float* __restrict w, int64_t G,
+                                 float* __restrict acc, int64_t stride) {
+  constexpr int PER = Unit<BITS>::PER, UB = Unit<BITS>::BYTES;
+  for (int64_t m = 0; m < nb; m += 8) {
+    const int64_t left = nb - m;
+    const __m256i x = load8<BITS>(row + m * UB, left), lm = lanes8(left);
+#pragma GCC unroll 8
+    for (int t = 0; t < PER; ++t) {
+      const __m256 c = code8<BITS>(x, t);
+      for (int64_t g = 0; g < G; ++g) {
+        float* a = acc + g * stride + t * nb + m;
+        if (left >= 8)
+          _mm256_storeu_ps(a, _mm256_fmadd_ps(_mm256_set1_ps(w[g]), c, _mm256_loadu_ps(a)));
+        else
+          _mm256_maskstore_ps(a, lm, _mm256_fmadd_ps(_mm256_set1_ps(w[g]), c, _mm256_maskload_ps(a, lm)));
+      }
+    }
+  }
 }
 #endif
 
@@ -214,6 +314,7 @@ static inline __m256 code8(__m256i x, int t) {
 template <int BITS, int GN>
 static inline void dot_codes_t(const uint8_t* __restrict row, int64_t nb, const float* __restrict q, int64_t stride,
                                float* __restrict s) {
+  static_assert(8 % BITS == 0, "16-lane kernels read whole bytes (3 bits: dot_codes8_t)");
   constexpr int PER = 8 / BITS;
   const __m512i mask = _mm512_set1_epi32((1 << BITS) - 1);
   __m512 acc[GN];
@@ -238,6 +339,7 @@ static inline void dot_codes_t(const uint8_t* __restrict row, int64_t nb, const 
 template <int BITS>
 static inline void axpy_codes_t(const uint8_t* __restrict row, int64_t nb, const float* __restrict w, int64_t G,
                                 float* __restrict acc, int64_t stride) {
+  static_assert(8 % BITS == 0, "16-lane kernels read whole bytes (3 bits: axpy_codes8_t)");
   constexpr int PER = 8 / BITS;
   const __m512i mask = _mm512_set1_epi32((1 << BITS) - 1);
   for (int64_t m = 0; m < nb; m += 16) {
@@ -260,110 +362,103 @@ static inline void axpy_codes_t(const uint8_t* __restrict row, int64_t nb, const
 template <int BITS, int GN>
 static inline void dot_codes_t(const uint8_t* __restrict row, int64_t nb, const float* __restrict q, int64_t stride,
                                float* __restrict s) {
-  constexpr int PER = 8 / BITS;
-  __m256 acc[GN];
-  for (int g = 0; g < GN; ++g) acc[g] = _mm256_setzero_ps();
-  int64_t m = 0;
-  for (; m + 8 <= nb; m += 8) {
-    const __m256i x = load8_u8(row + m, 8);
-#pragma GCC unroll 8
-    for (int t = 0; t < PER; ++t) {
-      const __m256 c = code8<BITS>(x, t);
-#pragma GCC unroll 4
-      for (int g = 0; g < GN; ++g) acc[g] = _mm256_fmadd_ps(c, _mm256_loadu_ps(q + g * stride + t * nb + m), acc[g]);
-    }
-  }
-  if (m < nb) {  // the row's last bytes: masked query loads (the permuted queries end at t·nb + nb)
-    const __m256i x = load8_u8(row + m, nb - m), lm = lanes8(nb - m);
-    for (int t = 0; t < PER; ++t) {
-      const __m256 c = code8<BITS>(x, t);
-      for (int g = 0; g < GN; ++g) acc[g] = _mm256_fmadd_ps(c, _mm256_maskload_ps(q + g * stride + t * nb + m, lm), acc[g]);
-    }
-  }
-  for (int g = 0; g < GN; ++g) s[g] = hsum8(acc[g]);
+  dot_codes8_t<BITS, GN>(row, nb, q, stride, s);
 }
 
 template <int BITS>
 static inline void axpy_codes_t(const uint8_t* __restrict row, int64_t nb, const float* __restrict w, int64_t G,
                                 float* __restrict acc, int64_t stride) {
-  constexpr int PER = 8 / BITS;
-  for (int64_t m = 0; m < nb; m += 8) {
-    const int64_t left = nb - m;
-    const __m256i x = load8_u8(row + m, left), lm = lanes8(left);
-#pragma GCC unroll 8
-    for (int t = 0; t < PER; ++t) {
-      const __m256 c = code8<BITS>(x, t);
-      for (int64_t g = 0; g < G; ++g) {
-        float* a = acc + g * stride + t * nb + m;
-        if (left >= 8)
-          _mm256_storeu_ps(a, _mm256_fmadd_ps(_mm256_set1_ps(w[g]), c, _mm256_loadu_ps(a)));
-        else
-          _mm256_maskstore_ps(a, lm, _mm256_fmadd_ps(_mm256_set1_ps(w[g]), c, _mm256_maskload_ps(a, lm)));
-      }
-    }
-  }
+  axpy_codes8_t<BITS>(row, nb, w, G, acc, stride);
 }
 #endif
 
 #ifdef WUSHKV_SIMD
+template <int BITS, int GN>
+static inline void dot_codes_g(const uint8_t* row, int64_t nb, const float* q, int64_t stride, float* s) {
+  if constexpr (BITS == 3)
+    dot_codes8_t<BITS, GN>(row, nb, q, stride, s);
+  else
+    dot_codes_t<BITS, GN>(row, nb, q, stride, s);
+}
+
 template <int BITS>
 static inline void dot_codes_b(const uint8_t* row, int64_t nb, const float* q, int64_t stride, int64_t G, float* s) {
   int64_t g = 0;
-  for (; g + 4 <= G; g += 4) dot_codes_t<BITS, 4>(row, nb, q + g * stride, stride, s + g);
+  for (; g + 4 <= G; g += 4) dot_codes_g<BITS, 4>(row, nb, q + g * stride, stride, s + g);
   switch (G - g) {
-    case 3: dot_codes_t<BITS, 3>(row, nb, q + g * stride, stride, s + g); break;
-    case 2: dot_codes_t<BITS, 2>(row, nb, q + g * stride, stride, s + g); break;
-    case 1: dot_codes_t<BITS, 1>(row, nb, q + g * stride, stride, s + g); break;
+    case 3: dot_codes_g<BITS, 3>(row, nb, q + g * stride, stride, s + g); break;
+    case 2: dot_codes_g<BITS, 2>(row, nb, q + g * stride, stride, s + g); break;
+    case 1: dot_codes_g<BITS, 1>(row, nb, q + g * stride, stride, s + g); break;
     default: break;
   }
 }
 #endif
 
-// s[g] = Σ_i cf_i · q[g*stride + i] over the permuted codes of one row, for g < G
-static inline void dot_codes(const uint8_t* __restrict row, int64_t nb, int64_t bits, const float* __restrict q,
-                             int64_t stride, int64_t G, float* __restrict s) {
-#ifdef WUSHKV_SIMD
-  switch (bits) {
-    case 1: return dot_codes_b<1>(row, nb, q, stride, G, s);
-    case 2: return dot_codes_b<2>(row, nb, q, stride, G, s);
-    case 4: return dot_codes_b<4>(row, nb, q, stride, G, s);
-    default: return dot_codes_b<8>(row, nb, q, stride, G, s);
-  }
-#else
-  const int64_t per = 8 / bits;
-  const int mask = (1 << bits) - 1;
+// the scalar paths of dot_codes and axpy_codes (a build without AVX2)
+static inline void dot_codes_any(const uint8_t* __restrict row, int64_t nb, int64_t bits, const float* __restrict q,
+                                 int64_t stride, int64_t G, float* __restrict s) {
+  const int64_t per = unit_per(bits);
   for (int64_t g = 0; g < G; ++g) s[g] = 0.f;
   for (int64_t t = 0; t < per; ++t)
     for (int64_t g = 0; g < G; ++g) {
       const float* qg = q + g * stride + t * nb;
       float a = 0.f;
+      if (bits == 3) {
+        for (int64_t m = 0; m < nb; ++m) a += static_cast<float>(code_at(row, m, t, 3)) * qg[m];
+      } else {
+        const int mask = (1 << bits) - 1;
 #pragma omp simd reduction(+ : a)
-      for (int64_t m = 0; m < nb; ++m) a += static_cast<float>((row[m] >> (t * bits)) & mask) * qg[m];
+        for (int64_t m = 0; m < nb; ++m) a += static_cast<float>((row[m] >> (t * bits)) & mask) * qg[m];
+      }
       s[g] += a;
     }
+}
+static inline void axpy_codes_any(const uint8_t* __restrict row, int64_t nb, int64_t bits, const float* __restrict w,
+                                  int64_t G, float* __restrict acc, int64_t stride) {
+  const int64_t per = unit_per(bits);
+  for (int64_t t = 0; t < per; ++t)
+    for (int64_t g = 0; g < G; ++g) {
+      float* a = acc + g * stride + t * nb;
+      const float wg = w[g];
+      if (bits == 3) {
+        for (int64_t m = 0; m < nb; ++m) a[m] += wg * static_cast<float>(code_at(row, m, t, 3));
+      } else {
+        const int mask = (1 << bits) - 1;
+#pragma omp simd
+        for (int64_t m = 0; m < nb; ++m) a[m] += wg * static_cast<float>((row[m] >> (t * bits)) & mask);
+      }
+    }
+}
+
+// s[g] = Σ_i cf_i · q[g*stride + i] over the permuted codes of one row, for g < G
+static inline void dot_codes(const uint8_t* __restrict row, int64_t nb, int64_t bits, const float* __restrict q,
+                             int64_t stride, int64_t G, float* __restrict s) {
+#if defined(WUSHKV_SIMD) && defined(WUSHKV_ROWS)
+  switch (bits) {
+    case 1: return dot_codes_b<1>(row, nb, q, stride, G, s);
+    case 2: return dot_codes_b<2>(row, nb, q, stride, G, s);
+    case 3: return dot_codes_b<3>(row, nb, q, stride, G, s);
+    case 4: return dot_codes_b<4>(row, nb, q, stride, G, s);
+    default: return dot_codes_b<8>(row, nb, q, stride, G, s);
+  }
+#else
+  dot_codes_any(row, nb, bits, q, stride, G, s);
 #endif
 }
 
 // acc[g*stride + i] += w[g] · cf_i over the permuted codes of one row, for g < G
 static inline void axpy_codes(const uint8_t* __restrict row, int64_t nb, int64_t bits, const float* __restrict w,
                               int64_t G, float* __restrict acc, int64_t stride) {
-#ifdef WUSHKV_SIMD
+#if defined(WUSHKV_SIMD) && defined(WUSHKV_ROWS)
   switch (bits) {
     case 1: return axpy_codes_t<1>(row, nb, w, G, acc, stride);
     case 2: return axpy_codes_t<2>(row, nb, w, G, acc, stride);
+    case 3: return axpy_codes8_t<3>(row, nb, w, G, acc, stride);
     case 4: return axpy_codes_t<4>(row, nb, w, G, acc, stride);
     default: return axpy_codes_t<8>(row, nb, w, G, acc, stride);
   }
 #else
-  const int64_t per = 8 / bits;
-  const int mask = (1 << bits) - 1;
-  for (int64_t t = 0; t < per; ++t)
-    for (int64_t g = 0; g < G; ++g) {
-      float* a = acc + g * stride + t * nb;
-      const float wg = w[g];
-#pragma omp simd
-      for (int64_t m = 0; m < nb; ++m) a[m] += wg * static_cast<float>((row[m] >> (t * bits)) & mask);
-    }
+  axpy_codes_any(row, nb, bits, w, G, acc, stride);
 #endif
 }
 
@@ -592,7 +687,7 @@ static DotRun dot_run_m(int64_t bits, int64_t G, int64_t M) {
 template <int BITS, int GN>
 static void axpy_rows_t(const uint8_t* rows, int64_t cstride, int64_t count, int64_t nb, const float* w, int64_t wstride,
                         float* acc, int64_t astride) {
-  constexpr int PER = 8 / BITS;
+  constexpr int PER = Unit<BITS>::PER, UB = Unit<BITS>::BYTES;
   constexpr int TC = GN * PER <= 12 ? PER : (12 / GN >= 4 ? 4 : (12 / GN >= 2 ? 2 : 1));
   for (int64_t m = 0; m < nb; m += 8) {
     const int64_t left = nb - m;
@@ -601,9 +696,9 @@ static void axpy_rows_t(const uint8_t* rows, int64_t cstride, int64_t count, int
       __m256 a[GN][TC];
       for (int g = 0; g < GN; ++g)
         for (int t = 0; t < TC; ++t) a[g][t] = _mm256_setzero_ps();
-      const uint8_t* row = rows + m;
+      const uint8_t* row = rows + m * UB;
       for (int64_t j = 0; j < count; ++j, row += cstride) {
-        const __m256i x = load8_u8(row, left);
+        const __m256i x = load8<BITS>(row, left);
         __m256 wg[GN];
         for (int g = 0; g < GN; ++g) wg[g] = _mm256_broadcast_ss(w + g * wstride + j);
 #pragma GCC unroll 8
@@ -630,7 +725,7 @@ static void axpy_rows_t(const uint8_t* rows, int64_t cstride, int64_t count, int
 template <int BITS, int GN>
 static void dot_rows_t(const uint8_t* rows, int64_t cstride, int64_t count, int64_t nb, const float* q, int64_t qstride,
                        float* out, int64_t ostride) {
-  constexpr int PER = 8 / BITS;
+  constexpr int PER = Unit<BITS>::PER, UB = Unit<BITS>::BYTES;
   constexpr int TT = GN <= 3 ? 4 : 2;  // TT × GN accumulators, a query and a code vector in 16 registers
   int64_t j = 0;
   for (; j + TT <= count; j += TT) {
@@ -645,7 +740,7 @@ static void dot_rows_t(const uint8_t* rows, int64_t cstride, int64_t count, int6
       for (int t = 0; t < PER; ++t) {
         __m256 c[TT];
 #pragma GCC unroll 4
-        for (int r = 0; r < TT; ++r) c[r] = code8<BITS>(load8_u8(row + r * cstride + m, left), t);
+        for (int r = 0; r < TT; ++r) c[r] = code8<BITS>(load8<BITS>(row + r * cstride + m * UB, left), t);
 #pragma GCC unroll 4
         for (int g = 0; g < GN; ++g) {
           const float* qg = q + g * qstride + t * nb + m;
@@ -669,7 +764,7 @@ static void dot_rows_t(const uint8_t* rows, int64_t cstride, int64_t count, int6
   }
   for (; j < count; ++j) {
     float d[GN];
-    dot_codes_t<BITS, GN>(rows + j * cstride, nb, q, qstride, d);
+    dot_codes_g<BITS, GN>(rows + j * cstride, nb, q, qstride, d);
     for (int g = 0; g < GN; ++g) out[g * ostride + j] = d[g];
   }
 }
@@ -743,6 +838,7 @@ static AxpyRun axpy_run_g(int64_t G) {
 // the register-resident key run for (bits, G, nb, tiles or not), or nullptr (then each token goes through dot_codes)
 static DotRun dot_run_for(int64_t bits, int64_t G, int64_t nb, bool tile) {
 #ifdef WUSHKV_AVX512
+  if (bits == 3) return nullptr;  // (16-lane runs read whole bytes)
   const int64_t M = (nb + 15) / 16, per = 8 / bits;
   if (G < 1 || G > 4 || G * M * per > 16) return nullptr;  // the queries in at most 16 registers
   return tile ? dot_run_m<true>(bits, G, M) : dot_run_m<false>(bits, G, M);
@@ -751,6 +847,7 @@ static DotRun dot_run_for(int64_t bits, int64_t G, int64_t nb, bool tile) {
   switch (bits) {
     case 1: return tile ? dot_run_g<1, true>(G) : dot_run_g<1, false>(G);
     case 2: return tile ? dot_run_g<2, true>(G) : dot_run_g<2, false>(G);
+    case 3: return tile ? dot_run_g<3, true>(G) : dot_run_g<3, false>(G);
     case 4: return tile ? dot_run_g<4, true>(G) : dot_run_g<4, false>(G);
     default: return tile ? dot_run_g<8, true>(G) : dot_run_g<8, false>(G);
   }
@@ -764,6 +861,7 @@ static DotRun dot_run_for(int64_t bits, int64_t G, int64_t nb, bool tile) {
 // then each token goes through axpy_codes
 static AxpyRun axpy_run_for(int64_t bits, int64_t G, int64_t nb) {
 #ifdef WUSHKV_AVX512
+  if (bits == 3) return nullptr;
   const int64_t M = (nb + 15) / 16, per = 8 / bits;
   if (G < 1 || G > 4 || G * M * per > 24) return nullptr;
   switch (bits * 10 + M) {
@@ -783,6 +881,7 @@ static AxpyRun axpy_run_for(int64_t bits, int64_t G, int64_t nb) {
   switch (bits) {
     case 1: return axpy_run_g<1>(G);
     case 2: return axpy_run_g<2>(G);
+    case 3: return axpy_run_g<3>(G);
     case 4: return axpy_run_g<4>(G);
     default: return axpy_run_g<8>(G);
   }
@@ -818,6 +917,7 @@ static RowsFn rows_for(int64_t bits, int64_t G) {
   switch (bits) {
     case 1: return rows_g<K, 1>(G);
     case 2: return rows_g<K, 2>(G);
+    case 3: return rows_g<K, 3>(G);
     case 4: return rows_g<K, 4>(G);
     default: return rows_g<K, 8>(G);
   }
@@ -825,7 +925,7 @@ static RowsFn rows_for(int64_t bits, int64_t G) {
 #endif
 
 // Each (b, h) row's codes are read in the permuted order of dot_codes / axpy_codes: a query is permuted once per
-// work item (channel i = m·(8/b) + t of byte m goes to t·nb + m), a value sum back once at the end; no byte tables.
+// work item (channel i = m·PER + t, code t of unit m, goes to t·nb + m), a value sum back once at the end; no byte tables.
 static inline void permute_query(const float* q, int64_t d, int64_t nb, int64_t per, float* qz) {
   for (int64_t i = 0; i < d; ++i) qz[(i % per) * nb + i / per] = q[i];  // channels d..D-1 stay 0 (padding codes)
 }
@@ -839,8 +939,8 @@ static torch::Tensor code_dot_spans(const torch::Tensor& codes, torch::Tensor q,
   check(codes, bits);
   TORCH_CHECK(q.scalar_type() == torch::kFloat && q.dim() == 5, "q: float32 (B,H,Q,G,d)");
   q = q.contiguous();
-  const int64_t B = codes.size(0), H = codes.size(1), N = codes.size(2), nb = codes.size(3);
-  const int64_t Q = q.size(2), G = q.size(3), d = q.size(4), per = 8 / bits, D = nb * per;
+  const int64_t B = codes.size(0), H = codes.size(1), N = codes.size(2), nb = codes.size(3) / unit_bytes(bits);
+  const int64_t Q = q.size(2), G = q.size(3), d = q.size(4), per = unit_per(bits), D = nb * per;
   TORCH_CHECK(q.size(0) == B && q.size(1) == H && D >= d, "shapes of codes and q do not match");
   TORCH_CHECK(span >= 1 && Q * span >= N, "the query sets (", Q, " of ", span, " tokens) do not cover the ", N, " tokens");
   const bool affine = bias.defined();
@@ -922,8 +1022,8 @@ torch::Tensor code_weighted_sum(torch::Tensor codes, torch::Tensor w, int64_t bi
   check(codes, bits);
   TORCH_CHECK(w.scalar_type() == torch::kFloat && w.dim() == 4, "w: float32 (B,H,G,N)");
   w = w.contiguous();
-  const int64_t B = codes.size(0), H = codes.size(1), N = codes.size(2), nb = codes.size(3);
-  const int64_t G = w.size(2), per = 8 / bits, D = nb * per;
+  const int64_t B = codes.size(0), H = codes.size(1), N = codes.size(2), nb = codes.size(3) / unit_bytes(bits);
+  const int64_t G = w.size(2), per = unit_per(bits), D = nb * per;
   TORCH_CHECK(w.size(0) == B && w.size(1) == H && w.size(3) == N && D >= d, "shapes of codes and w do not match");
   const int64_t nchunks = (N + CHUNK - 1) / CHUNK;
   auto partial = torch::zeros({B * H, nchunks, G, D}, w.options());  // sums in the permuted order
@@ -1329,10 +1429,11 @@ static MidSide mid_side(const std::vector<torch::Tensor>& t, int64_t bits, int64
               " or, tiles, [codes, s_tok, tile scale, tile zero]");
   const auto& c = t[0];
   check(c, bits);
-  TORCH_CHECK(c.size(0) == B && c.size(1) == H && c.size(2) >= n && c.size(3) * (8 / bits) >= d, side,
+  TORCH_CHECK(c.size(0) == B && c.size(1) == H && c.size(2) >= n && c.size(3) * 8 >= d * bits, side,
               " codes: (B, H, >= n, nb) uint8 with nb·8/bits >= head_dim");
   m.codes = c.data_ptr<uint8_t>();
-  m.cb = c.stride(0), m.ch = c.stride(1), m.cn = c.stride(2), m.nb = c.size(3), m.bits = bits, m.tile = tile;
+  m.cb = c.stride(0), m.ch = c.stride(1), m.cn = c.stride(2), m.nb = c.size(3) / unit_bytes(bits), m.bits = bits;
+  m.tile = tile;
   m.half = float(half);
   m.scale = meta_of(t[1], "scale");
   TORCH_CHECK(m.scale.p != nullptr && t[1].size(0) == B && t[1].size(1) == H && t[1].size(2) >= n, side,
@@ -1513,7 +1614,7 @@ static void parts_decode_impl(const float* qp, int64_t B, int64_t Hq, int64_t H,
   firsts[B * H] = item_rh.size();
   const int64_t items = item_rh.size(), W = 2 * G + G * d;  // per item and query: max, sum, unnormalized output
   std::vector<float> part(items * W);
-  const int64_t kper = K.codes ? 8 / K.bits : 1, vper = V.codes ? 8 / V.bits : 1;
+  const int64_t kper = K.codes ? unit_per(K.bits) : 1, vper = V.codes ? unit_per(V.bits) : 1;
   const int64_t KD = K.nb * kper, VD = V.nb * vper;
   // a small layer on the calling thread, where waking the pool costs more than its work: below PARTS_SERIAL
   // token-heads (~50 µs of work; the paged decode's 16,384 left SmolLM2's 4,096 × 3 on one core here)
