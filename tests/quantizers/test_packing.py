@@ -32,7 +32,7 @@ def test_round_trip_and_size(bits, lead, n, seed):
     assert packed.dtype == torch.uint8
     assert packed.shape == (*lead, math.ceil(n * bits / 8)) == (*lead, packed_nbytes(n, bits))
     assert torch.equal(unpack(packed, bits, n), codes)
-    # The per-byte fast path and the generic bit-stream reference agree bit for bit.
+    # The fast paths (per byte; 3 bits: per 24-bit word) and the generic bit-stream reference agree bit for bit.
     if n:
         assert torch.equal(_pack_bitstream(codes, bits), packed)
         assert torch.equal(_unpack_bitstream(packed, bits, n), codes)
