@@ -237,7 +237,7 @@ class SlotCodec:
         bits, metadata dtype (0 float16, 1 bfloat16, 2 float32, 3 E5M3), tile (0: per token), tile slice, its width] and the
         symmetric offset's factor (QuEST: offset = scale·(½ − 2^(b−1))); for key tiles the scale is the token's
         float16 s_tok and the tile slice holds its share of the tile's channel scale and zero. None where the kernel
-        does not apply (groups within a token, 3 bits)."""
+        does not apply (groups within a token; 3 bits of a head_dim not a multiple of 8, whose rows end mid-unit)."""
         return self._sides
 
     def _kernel_sides(self):
@@ -245,7 +245,7 @@ class SlotCodec:
         out, halves = [], []
         for side, c in self.codecs.items():
             f = {name: (dtype, n, off) for s, name, dtype, n, off, _w in self.fields if s == side}
-            if c.bits not in (1, 2, 4, 8):
+            if c.bits not in (1, 2, 4, 8) and not (c.bits == 3 and c.d % 8 == 0):  # 3 bits: 8 codes in 3 bytes
                 return None
             if side == "key" and self.tile:
                 out.append([f["codes"][2], f["s_fold"][2], -1, c.bits, 0, self.tile, f["tile_meta"][2], self.meta_width])

@@ -46,8 +46,9 @@
 
 static constexpr int64_t CHUNK = 1024;  // tokens per parallel work item
 
-// tab[v*per + t] = code t of byte v, as float
+// tab[v*per + t] = code t of byte v, as float (3 bits, whose codes straddle bytes: none, code_at reads them)
 static std::vector<float> byte_table(int64_t bits) {
+  if (8 % bits) return {};
   const int64_t per = 8 / bits, mask = (1 << bits) - 1;
   std::vector<float> tab(256 * per);
   for (int64_t v = 0; v < 256; ++v)
@@ -160,7 +161,8 @@ static CellSide cell_side(const std::vector<int64_t>& v, double half) {
   TORCH_CHECK(v.size() == 5 || v.size() == 8, "a side is (codes, scale, offset, bits, meta dtype[, tile, slice, width])");
   CellSide c{v[0], v[1], v[2], v[3], float(half), v[4]};
   if (v.size() == 8) { c.tile = v[5]; c.tmeta = v[6]; c.tmeta_w = v[7]; }
-  TORCH_CHECK(c.bits == 1 || c.bits == 2 || c.bits == 4 || c.bits == 8, "bits must be 1, 2, 4 or 8, got ", c.bits);
+  TORCH_CHECK(c.bits == 1 || c.bits == 2 || c.bits == 3 || c.bits == 4 || c.bits == 8, "bits must be 1, 2, 3, 4 or 8, got ",
+              c.bits);
   TORCH_CHECK(c.meta >= 0 && c.meta <= 3 && (c.meta != 3 || c.offset < 0), "metadata dtype 0-3 (3, E5M3: steps only), got ", c.meta);
   TORCH_CHECK(c.tile >= 0 && (c.tile == 0 || (c.tmeta_w > 0 && c.meta == 0)), "a tile side: f16 metadata and a slice");
   return c;
@@ -1073,8 +1075,11 @@ static void paged_decode_impl(const torch::Tensor& cache, const torch::Tensor& t
   TORCH_CHECK(K.tile == 0 || (bs % K.tile == 0 && K.tile * K.tmeta_w >= 4 * d), "key tiles must lie in blocks and hold ",
               "their scale and zero");
   const int64_t U = pool.size(1), ppb = bs / U, npages = page_index.size(0);
-  const int64_t kper = 8 / K.bits, vper = 8 / V.bits;
-  const int64_t knb = (d * K.bits + 7) / 8, vnb = (d * V.bits + 7) / 8, KD = knb * kper, VD = vnb * vper;
+  TORCH_CHECK((K.bits != 3 && V.bits != 3) || d % 8 == 0, "3-bit cells are read 8 codes (3 bytes) at a time: head_dim ",
+              d, " must be a multiple of 8");
+  const int64_t kper = unit_per(K.bits), vper = unit_per(V.bits);
+  const int64_t knb = (d * K.bits + 7) / 8 / unit_bytes(K.bits), vnb = (d * V.bits + 7) / 8 / unit_bytes(V.bits);
+  const int64_t KD = knb * kper, VD = vnb * vper;
   const uint8_t* cp = cache.data_ptr<uint8_t>();
   const int32_t* tp = table.data_ptr<int32_t>();
   const int64_t* lp = lens.data_ptr<int64_t>();
@@ -1915,6 +1920,8 @@ std::vector<torch::Tensor> paged_dequantize(torch::Tensor cache, torch::Tensor b
               " do not fit ", block_ids.size(0), " blocks");
   const CellSide sides[2] = {cell_side(key_side, key_half), cell_side(value_side, value_half)};
   TORCH_CHECK(sides[0].tile == 0 && sides[1].tile == 0, "paged_dequantize reads per-token sides (key tiles: in torch)");
+  TORCH_CHECK((sides[0].bits != 3 && sides[1].bits != 3) || d % 8 == 0, "3-bit cells are read 8 codes (3 bytes) at a ",
+              "time: head_dim ", d, " must be a multiple of 8");
   auto ids = block_ids.contiguous();
   const int32_t* ip = ids.data_ptr<int32_t>();
   for (int64_t i = start / bs; i < (stop + bs - 1) / bs; ++i)
@@ -1930,11 +1937,14 @@ std::vector<torch::Tensor> paged_dequantize(torch::Tensor cache, torch::Tensor b
     for (int64_t it = begin; it < end; ++it) {
       const int64_t side = it / (H * nchunks), h = (it / nchunks) % H, c = it % nchunks;
       const CellSide& S = sides[side];
-      const int64_t per = 8 / S.bits, nb = (d * S.bits + 7) / 8;
+      const int64_t per = unit_per(S.bits), nb = (d * S.bits + 7) / 8;
       float* o = out[side].data_ptr<float>() + h * m * d;
       for (int64_t t = start + c * CHUNK; t < std::min(stop, start + (c + 1) * CHUNK); ++t) {
         const uint8_t* cell = cp + ip[t / bs] * s0 + h * s1 + (t % bs) * s2;
-        unpack_any(cell + S.codes, nb, per, tabs[side].data(), cf.data());
+        if (S.bits == 3)  // code i is code i % 8 of unit i / 8 (the units of a row past d: never read)
+          for (int64_t i = 0; i < d; ++i) cf[i] = float(code_at(cell + S.codes, i / 8, i % 8, 3));
+        else
+          unpack_any(cell + S.codes, nb, per, tabs[side].data(), cf.data());
         const float sc = meta_at(cell + S.scale, S.meta);
         const float of = S.offset >= 0 ? meta_at(cell + S.offset, S.meta) : sc * S.half;
         float* row = o + (t - start) * d;
@@ -1962,7 +1972,16 @@ static inline void put_meta(uint8_t* p, int64_t kind, float v) {
 }
 
 static inline void pack_codes(const uint8_t* c, int64_t d, int64_t bits, uint8_t* out) {
-  const int64_t per = 8 / bits, nb = (d * bits + 7) / 8;
+  const int64_t nb = (d * bits + 7) / 8;
+  if (bits == 3) {  // 8 codes a 24-bit word, its bytes low first (the row's last word: only its ⌈3d/8⌉ bytes)
+    for (int64_t u = 0; u * 8 < d; ++u) {
+      uint32_t word = 0;
+      for (int64_t t = 0; t < 8 && u * 8 + t < d; ++t) word |= uint32_t(c[u * 8 + t]) << (3 * t);
+      for (int64_t k = 0; k < 3 && 3 * u + k < nb; ++k) out[3 * u + k] = uint8_t(word >> (8 * k));
+    }
+    return;
+  }
+  const int64_t per = 8 / bits;
   for (int64_t m = 0; m < nb; ++m) {
     uint8_t byte = 0;
     for (int64_t t = 0; t < per && m * per + t < d; ++t) byte |= uint8_t(c[m * per + t] << (t * bits));
