@@ -287,11 +287,21 @@ def _fast(codec, dtype) -> bool:
 
 
 def _kernels(codec, store, ng: int = 1):
-    """The fused CPU kernels where they apply (CPU, one group per token or a key tile's channel, 1/2/3/4/8 bits), else
-    None."""
-    if not USE_KERNELS or ng != 1 or not _readable(codec.bits, store["codes"]) or store["codes"].device.type != "cpu":
+    """The fused CPU kernels where they apply (CPU, 1/2/3/4/8 bits; ``ng`` groups a token, each a whole number of the
+    units the kernels read, :func:`_group_bytes`), else None."""
+    if not USE_KERNELS or not _readable(codec.bits, store["codes"]) or store["codes"].device.type != "cpu":
+        return None
+    if ng != 1 and _group_bytes(codec.bits, codec.d, ng) is None:
         return None
     return _compiled()
+
+
+def _group_bytes(bits: int, d: int, ng: int) -> int | None:
+    """Bytes of one of a token's ``ng`` groups in its packed row, where each group is whole units of the kernels (a
+    byte; 3 bytes at 3 bits), so that a group's codes are a slice of the row's last dim; else None."""
+    gs = d // ng
+    unit = 24 if bits == 3 else 8
+    return gs * bits // 8 if (gs * bits) % unit == 0 else None
 
 
 def _readable(bits: int, codes: torch.Tensor) -> bool:
@@ -446,9 +456,16 @@ def _code_scores(qg, codec, store, n, dtype, block):
     B, H, G, d = qg.shape
     ng = scale.shape[-1]
     ext = _kernels(codec, store, ng)
-    if ext is not None:  # fused: reads the packed bytes once, no float codes at all
+    if ext is not None and ng == 1:  # fused: reads the packed bytes once, no float codes at all
         cq = ext.code_dot(store["codes"], qg.float(), codec.bits).to(dtype)
         return cq * scale[..., 0].unsqueeze(2) + qg.sum(-1, keepdim=True) * offset[..., 0].unsqueeze(2)
+    if ext is not None:  # groups within a token: one call per group over its bytes (a slice of each row)
+        gb, gs, qf = _group_bytes(codec.bits, d, ng), d // ng, qg.float()
+        out = 0
+        for j in range(ng):
+            cq = ext.code_dot(store["codes"][..., j * gb:(j + 1) * gb], qf[..., j * gs:(j + 1) * gs], codec.bits)
+            out = out + cq * scale[..., j].float().unsqueeze(2) + qf[..., j * gs:(j + 1) * gs].sum(-1, keepdim=True) * offset[..., j].float().unsqueeze(2)
+        return out.to(dtype)
     parts = []
     for a, b in _steps(n, codec, block):  # only one block of float codes exists at a time
         c = codes_as_float(store["codes"][:, :, a:b], codec.bits, d, dtype)
@@ -484,6 +501,12 @@ def _run_output(p, codec, store, n, dtype, block):
             out = out + torch.matmul(w[..., a:b], codes_as_float(store["codes"][:, :, a:b], codec.bits, d, dtype))
         return out
     out = torch.einsum("bhqn,bhng->bhqg", p, offset).repeat_interleave(d // ng, dim=-1)
+    ext = _kernels(codec, store, ng)
+    if ext is not None:  # groups within a token: one call per group over its bytes, weights p·scale of that group
+        gb, gs, pf = _group_bytes(codec.bits, d, ng), d // ng, p.float()
+        sums = [ext.code_weighted_sum(store["codes"][..., j * gb:(j + 1) * gb], pf * scale[..., j].float().unsqueeze(2),
+                                      codec.bits, gs) for j in range(ng)]
+        return out + torch.cat(sums, dim=-1).to(dtype)
     for a, b in _steps(n, codec, block):
         c = codes_as_float(store["codes"][:, :, a:b], codec.bits, d, dtype).unflatten(-1, (ng, d // ng))
         out = out + torch.einsum("bhqn,bhng,bhngk->bhqgk", p[..., a:b], scale[:, :, a:b], c).flatten(-2)
