@@ -25,7 +25,8 @@ CLI installs it, on a model copy of its own with its own prefill: ``auto`` resol
 for ``--model``, and methods with key tiles take their windows from ``--windows`` as the CLI does. Any wushkv kind with
 the suffix ``/parts`` (``auto@K2V2/parts``) is the same cache decoded on the CPU part by part, the code-domain kernels
 with PyTorch between them (:func:`wushkv.decode.fused_enabled` off), against which the fused decode (one
-``parts_decode`` call a layer) is set in the same run.
+``parts_decode`` call a layer) is set in the same run; with ``/pytorch`` it is decoded without the C++ kernels
+(:func:`wushkv.decode.kernels_enabled` off). ``identity-K2V2g32``: groups of 32 channels a token (``group_size``).
 """
 
 from __future__ import annotations
@@ -123,24 +124,30 @@ def make_cache(kind: str, model, windows: WindowConfig):
     if kind.startswith(("quanto", "hqq")):
         backend, bits = kind.split("-")
         return QuantizedCache(backend=backend, config=model.config, nbits=int(bits))
-    # wushkv: "<transform>-K<k>V<v>"
+    # wushkv: "<transform>-K<k>V<v>", optionally "g<G>": groups of G channels a token (group_size)
     _, kv = kind.split("-")
     kb, vb = int(kv[1]), int(kv[3])
-    return WushKVCache(model, QuantConfig(kb, vb, "quest", windows=windows))
+    group = int(kv[5:]) if kv[4:5] == "g" else None
+    return WushKVCache(model, QuantConfig(kb, vb, "quest", windows=windows, group_size=group))
 
 
 PARTS = "/parts"  # a kind's suffix: the same wushkv cache decoded part by part (decode.fused_enabled(False))
+PYTORCH = "/pytorch"  # the same cache decoded without the C++ kernels (decode.kernels_enabled(False))
 
 
 def base_kind(kind: str) -> str:
     """The cache a kind builds: ``KIND/parts`` is ``KIND``'s cache, decoded on the CPU part by part (the code-domain
-    kernels and PyTorch between them, the path before session 66) instead of in one ``parts_decode`` call."""
-    return kind.removesuffix(PARTS)
+    kernels and PyTorch between them, the path before session 66) instead of in one ``parts_decode`` call;
+    ``KIND/pytorch`` the same cache decoded in PyTorch alone (float codes a block at a time)."""
+    return kind.removesuffix(PARTS).removesuffix(PYTORCH)
 
 
 def step_path(kind: str):
-    """The context a decode step of ``kind`` runs in: the per-part path for ``KIND/parts``, else the default."""
-    return decode.fused_enabled(False) if kind.endswith(PARTS) else contextlib.nullcontext()
+    """The context a decode step of ``kind`` runs in: the per-part path for ``KIND/parts``, PyTorch alone for
+    ``KIND/pytorch``, else the default."""
+    if kind.endswith(PARTS):
+        return decode.fused_enabled(False)
+    return decode.kernels_enabled(False) if kind.endswith(PYTORCH) else contextlib.nullcontext()
 
 
 def is_method(kind: str) -> bool:
@@ -269,9 +276,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--batches", default="1,8")
     ap.add_argument("--dtypes", default="float32,bfloat16")
     ap.add_argument("--caches", default="dynamic,quanto-2,quanto-4,hqq-2,hqq-4,identity-K2V2,identity-K4V2,wush-K2V2,wush-K4V2",
-                    help="dynamic, quanto-B, hqq-B, identity-KxVy, wush-KxVy (QuEST), or METHOD@KxVy: a calibrated method as "
+                    help="dynamic, quanto-B, hqq-B, identity-KxVy, wush-KxVy (QuEST; + gG: groups of G channels, "
+                         "identity-K2V2g32), or METHOD@KxVy: a calibrated method as "
                          "the CLI installs it, e.g. auto@K2V2, wush+ktiles+ldlq@K2V2 (needs --calibration); any wushkv kind "
-                         "+ /parts: decoded part by part (the path before the fused decode), e.g. auto@K2V2/parts")
+                         "+ /parts: decoded part by part (the path before the fused decode), e.g. auto@K2V2/parts; "
+                         "+ /pytorch: decoded without the C++ kernels")
     ap.add_argument("--windows", default="64,256,8", help="S_sink,S_keep,S_flush of the wushkv caches")
     ap.add_argument("--warmup", type=int, default=2)
     ap.add_argument("--steps", type=int, default=8)
@@ -326,7 +335,7 @@ def run(args, model, text: torch.Tensor) -> dict:
         models[kind] = copy.deepcopy(model)
         factories[kind], chosen = method_factory(stack, kind, models[kind], args, windows)
         print(f"{kind}: {chosen}", flush=True)
-    for kind in kinds:  # KIND/parts: KIND's model and caches
+    for kind in kinds:  # KIND/parts, KIND/pytorch: KIND's model and caches
         models[kind] = models[base_kind(kind)]
     rows, results = [], []
     kv32 = {}  # one float32 prefill per transform (and method); every dtype's caches are filled from it (cast)

@@ -34,14 +34,15 @@ def positive(x) -> bool:
 def test_decode(capsys):
     decode = load_benchmark("decode")
     args = decode.parse_args(["--model", "tiny", "--contexts", "40", "--batches", "1,2", "--dtypes", "float32",
-                              "--caches", "dynamic,identity-K2V2,wush-K2V2,wush-K4V2", "--windows", "4,16,4",
-                              "--warmup", "0", "--steps", "1"])
+                              "--caches", "dynamic,identity-K2V2,wush-K2V2,wush-K4V2,identity-K2V2g16,identity-K2V2g16/pytorch",
+                              "--windows", "4,16,4", "--warmup", "0", "--steps", "1"])
     model = tiny_model("llama")
     text = torch.randint(3, 96, (1, decode.text_tokens(args)))
     assert text.shape[1] == 40 + 0 + 1 + 1  # the longest context, the timed step, the profiled step
     res = decode.run(args, model, text)
     rows = {(r["context"], r["batch"], r["cache"]): r for r in res["results"]}
-    assert set(rows) == {(c, b, k) for c in (40,) for b in (1, 2) for k in ("dynamic", "identity-K2V2", "wush-K2V2", "wush-K4V2")}
+    kinds = ("dynamic", "identity-K2V2", "wush-K2V2", "wush-K4V2", "identity-K2V2g16", "identity-K2V2g16/pytorch")
+    assert set(rows) == {(c, b, k) for c in (40,) for b in (1, 2) for k in kinds}
     spec_kv = 2 * 2 * 32 * 4  # keys and values, 2 KV heads x 32, float32, per layer and token
     for (ctx, B, kind), r in rows.items():
         assert len(r["ms_all"]) == 1 and positive(r["ms"]) and positive(r["ratio"])
@@ -56,6 +57,10 @@ def test_decode(capsys):
         for B in (1, 2):
             assert rows[(ctx, B, "wush-K2V2")]["bytes"] == rows[(ctx, B, "identity-K2V2")]["bytes"]
             assert rows[(ctx, B, "wush-K4V2")]["bytes"]["total"] > rows[(ctx, B, "wush-K2V2")]["bytes"]["total"]
+            # groups of 16 of head_dim 32: the same windows, a scale per group more; /pytorch decodes the same cache
+            g16, one = rows[(ctx, B, "identity-K2V2g16")]["bytes"], rows[(ctx, B, "identity-K2V2")]["bytes"]
+            assert g16["windows"] == one["windows"] and g16["total"] > one["total"]
+            assert rows[(ctx, B, "identity-K2V2g16/pytorch")]["bytes"] == g16
     assert set(res["key_transform_share"]) == {1, 2}
     assert all(positive(v["share"]) and v["context"] == 40 for v in res["key_transform_share"].values())
     assert "x dynamic" in capsys.readouterr().out

@@ -327,16 +327,17 @@ _NONE = (torch.empty(0), torch.empty(0, dtype=torch.bool), torch.empty(0, dtype=
 
 def _cpu_mid(codec, store, n, side: str):
     """One side of the middle as ``parts_decode`` reads it: (tensors, bits, tile, half), tensors [codes, scale,
-    offset or empty] (per-token codes, one group a token) or [codes, s_tok, tile scale, tile zero] (KVarN's key
-    tiles); ([], 0, 0, 0) for an empty middle; None where the kernel does not read the codec (other quantizers, 3 bits
-    of a head_dim not a multiple of 8, several groups a token)."""
+    offset or empty] (per-token codes; scale and offset (B, H, N, groups)) or [codes, s_tok, tile scale, tile zero]
+    (KVarN's key tiles); ([], 0, 0, 0) for an empty middle; None where the kernel does not read the codec (other
+    quantizers, 3 bits of a head_dim not a multiple of 8, groups that are not whole units of the row)."""
     if not n:
         return [], 0, 0, 0.0
     if not _readable(codec.bits, store["codes"]):
         return None
     if isinstance(codec, KVarNCodec) and codec.kind == "key" and side == "key":
         return [store["codes"], store["s_fold"].flatten(2, 3), store["scale"], store["zero"]], codec.bits, codec.block, 0.0
-    if isinstance(codec, TokenCodec) and store["scale"].shape[-1] == 1:
+    ng = store["scale"].shape[-1]
+    if isinstance(codec, TokenCodec) and (ng == 1 or _group_bytes(codec.bits, codec.d, ng) is not None):
         return [store["codes"], store["scale"], store.get("offset", _NONE[0])], codec.bits, 0, codec._half
     return None
 
@@ -344,10 +345,11 @@ def _cpu_mid(codec, store, n, side: str):
 def _cpu_decode(query, parts_k, parts_v, allowed, scaling, softcap, sinks, held=None):
     """The fused CPU decode (B, 1, Hq, d) of [sink, middle, recent] in one kernel call (``parts_decode``: scores,
     softmax and the values' sum per work item, an online-softmax merge, the middle read from its codes), where it
-    applies: the kernels built, a float16/bfloat16/float32 query on the CPU, each side's middle per-token codes of
-    one group (QuEST, affine; 1/2/3/4/8 bits), KVarN's key tiles (``auto``'s keys, with or without ``+rmean``), or full
-    precision; else None (the path below: float64, which is bit-exact with the emulation; KIVI keys; KVarN's value
-    tiles; several groups a token). ``held``: row b reads columns [held[b, i, 0], held[b, i, 1]) of part i."""
+    applies: the kernels built, a float16/bfloat16/float32 query on the CPU, each side's middle per-token codes
+    (QuEST, affine; 1/2/3/4/8 bits; groups of whole units), KVarN's key tiles (``auto``'s keys, with or without
+    ``+rmean``), or full precision; else None (the path below: float64, which is bit-exact with the emulation; KIVI keys; KVarN's value
+    tiles; groups within a token that end mid-unit). ``held``: row b reads columns [held[b, i, 0], held[b, i, 1]) of
+    part i."""
     if not (USE_KERNELS and USE_FUSED) or query.device.type != "cpu" or query.dtype not in _TRITON_DTYPES:
         return None
     if len(parts_k) != 3 or len(parts_v) != 3:

@@ -1384,9 +1384,10 @@ struct Meta {
   }
 };
 
-// out[j] = the metadata of tokens a + j, j < len, of row b and head h (one switch on the dtype, then a plain loop)
-static void gather_meta(const Meta& m, int64_t b, int64_t h, int64_t a, int64_t len, float* out) {
-  const uint8_t* p = m.p + b * m.sb + h * m.sh + a * m.sn;
+// out[j] = the metadata of tokens a + j, j < len, of row b and head h, group c (one switch on the dtype, then a
+// plain loop)
+static void gather_meta(const Meta& m, int64_t b, int64_t h, int64_t a, int64_t len, float* out, int64_t c = 0) {
+  const uint8_t* p = m.p + b * m.sb + h * m.sh + a * m.sn + c * m.sc;
   switch (m.kind) {
     case 0:
       for (int64_t j = 0; j < len; ++j, p += m.sn) out[j] = static_cast<float>(*reinterpret_cast<const c10::Half*>(p));
@@ -1417,11 +1418,12 @@ static Meta meta_of(const torch::Tensor& t, const char* what) {
   return m;
 }
 
-// the packed middle of one side: codes (B, H, N, nb) and per-token scale/offset (offset absent: scale·half, QuEST),
-// or KVarN's key tiles (tile > 0): k[t, i] = s_tok[t]·(tscale[t / tile, i]·code + tzero[t / tile, i])
+// the packed middle of one side: codes (B, H, N, bytes) and per-token scale/offset (B, H, N, ng) (offset absent:
+// scale·half, QuEST) for ng groups of d/ng channels a token, each group nbg whole units of the row (nb = ng·nbg units),
+// or KVarN's key tiles (tile > 0, one group): k[t, i] = s_tok[t]·(tscale[t / tile, i]·code + tzero[t / tile, i])
 struct MidSide {
   const uint8_t* codes = nullptr;
-  int64_t cb = 0, ch = 0, cn = 0, nb = 0, bits = 0, tile = 0;
+  int64_t cb = 0, ch = 0, cn = 0, nb = 0, bits = 0, tile = 0, ng = 1, nbg = 0, ub = 1;
   float half = 0.f;
   Meta scale, offset, tscale, tzero;
 };
@@ -1438,11 +1440,16 @@ static MidSide mid_side(const std::vector<torch::Tensor>& t, int64_t bits, int64
               " codes: (B, H, >= n, nb) uint8 with nb·8/bits >= head_dim");
   m.codes = c.data_ptr<uint8_t>();
   m.cb = c.stride(0), m.ch = c.stride(1), m.cn = c.stride(2), m.nb = c.size(3) / unit_bytes(bits), m.bits = bits;
-  m.tile = tile;
+  m.tile = tile, m.ub = unit_bytes(bits);
   m.half = float(half);
   m.scale = meta_of(t[1], "scale");
   TORCH_CHECK(m.scale.p != nullptr && t[1].size(0) == B && t[1].size(1) == H && t[1].size(2) >= n, side,
-              " scale: (B, H, >= n[, 1])");
+              " scale: (B, H, >= n[, groups])");
+  m.ng = tile || t[1].dim() < 4 ? 1 : t[1].size(3);
+  // groups within a token: each a whole number of units, so that a group's codes are a run of the row's units
+  TORCH_CHECK(m.ng >= 1 && d % m.ng == 0 && ((d / m.ng) * bits) % (8 * m.ub) == 0 && m.nb * 8 * m.ub >= d * bits, side,
+              ": ", m.ng, " groups of head_dim ", d, " at ", bits, " bits are not whole ", 8 * m.ub, "-bit units each");
+  m.nbg = m.ng == 1 ? m.nb : (d / m.ng) * bits / (8 * m.ub);
   if (tile) {
     m.tscale = meta_of(t[2], "tile scale");
     m.tzero = meta_of(t[3], "tile zero");
@@ -1451,8 +1458,9 @@ static MidSide mid_side(const std::vector<torch::Tensor>& t, int64_t bits, int64
                   t[k].size(3) == d, side, " tiles' scale and zero: (B, H, tiles, head_dim)");
   } else {
     m.offset = meta_of(t[2], "offset");
-    TORCH_CHECK(m.offset.p == nullptr || (t[2].size(0) == B && t[2].size(1) == H && t[2].size(2) >= n), side,
-                " offset: (B, H, >= n[, 1]) or empty (symmetric)");
+    TORCH_CHECK(m.offset.p == nullptr || (t[2].size(0) == B && t[2].size(1) == H && t[2].size(2) >= n &&
+                                          (t[2].dim() < 4 ? 1 : t[2].size(3)) == m.ng),
+                side, " offset: (B, H, >= n[, groups]) as the scale, or empty (symmetric)");
     TORCH_CHECK(m.offset.p == nullptr || m.offset.kind != 3, "E5M3 holds steps, not offsets");
   }
   return m;
@@ -1627,8 +1635,14 @@ static void parts_decode_impl(const float* qp, int64_t B, int64_t Hq, int64_t H,
   at::parallel_for(0, items, grain, [&](int64_t begin, int64_t end) {
     std::vector<float> qk(G * std::max<int64_t>(KD, 1), 0.f), qt(K.tile ? G * KD : 0, 0.f), qsum(G), z(G), dots(G), kf(d);
     std::vector<float> s(G * CHUNK), w(G * CHUNK), acc(G * std::max<int64_t>(VD, 1)), accf(G * d), osum(G), msc(CHUNK), mof(CHUNK);
-    std::vector<int64_t> kperm(d);  // channel i's place in the keys' permuted order
-    for (int64_t i = 0; i < d; ++i) kperm[i] = (i % kper) * K.nb + i / kper;
+    // channel i's place in the permuted order: group i / gs's run of KDg places, code t of unit m at t·nbg + m
+    const int64_t kgs = d / K.ng, vgs = d / V.ng, KDg = K.nbg * kper, VDg = V.nbg * vper;
+    std::vector<int64_t> kperm(d), vperm(d);
+    for (int64_t i = 0; i < d; ++i) {
+      kperm[i] = (i / kgs) * KDg + (i % kgs % kper) * K.nbg + i % kgs / kper;
+      vperm[i] = (i / vgs) * VDg + (i % vgs % vper) * V.nbg + i % vgs / vper;
+    }
+    std::vector<float> tmp(K.ng > 1 ? G * CHUNK : 0), gsum(V.ng > 1 ? G * V.ng : 0);
     for (int64_t it = begin; it < end; ++it) {
       const int64_t rh = item_rh[it], b = rh / H, h = rh % H, pi = item_p[it], a = item_a[it], len = item_b[it] - a;
       const float* qz = qp + (b * Hq + h * G) * d;  // the G queries of this KV head, (G, d)
@@ -1654,64 +1668,77 @@ static void parts_decode_impl(const float* qp, int64_t B, int64_t Hq, int64_t H,
             s[g * CHUNK + j] = x;
           }
         }
-      } else {
-        const uint8_t* base = K.codes + b * K.cb + h * K.ch;
-        gather_meta(K.scale, b, h, a, len, msc.data());  // the tokens' scales (tiles: s_tok)
-        if (!K.tile) {
+      } else if (!K.tile) {  // per-token codes, group by group (one group: the whole row)
+        const uint8_t* base = K.codes + b * K.cb + h * K.ch + a * K.cn;
+        for (int64_t g = 0; g < G; ++g)
+          for (int64_t i = 0; i < d; ++i) qk[g * KD + kperm[i]] = qz[g * d + i];
+        for (int64_t j = 0; j < K.ng; ++j) {
+          gather_meta(K.scale, b, h, a, len, msc.data(), j);  // the tokens' scales and offsets in group j
           if (K.offset.p)
-            gather_meta(K.offset, b, h, a, len, mof.data());
+            gather_meta(K.offset, b, h, a, len, mof.data(), j);
           else
             for (int64_t u = 0; u < len; ++u) mof[u] = msc[u] * K.half;
-        }
-        for (int64_t g = 0; g < G; ++g) {
-          float sum = 0.f;
-          for (int64_t i = 0; i < d; ++i) {
-            qk[g * KD + kperm[i]] = qz[g * d + i];
-            sum += qz[g * d + i];
+          for (int64_t g = 0; g < G; ++g) {
+            float sum = 0.f;
+            for (int64_t i = j * kgs; i < (j + 1) * kgs; ++i) sum += qz[g * d + i];
+            qsum[g] = sum;
           }
-          qsum[g] = sum;
+          float* dot = K.ng == 1 ? s.data() : tmp.data();  // q·code of the group, (G, CHUNK)
+          const uint8_t* gbase = base + j * K.nbg * K.ub;
+#ifdef WUSHKV_ROWS
+          for (int64_t g = 0; g < G; g += 4)
+            rows_for<DotRows>(K.bits, std::min<int64_t>(4, G - g))(gbase, K.cn, len, K.nbg, qk.data() + g * KD + j * KDg, KD,
+                                                                   dot + g * CHUNK, CHUNK);
+#else
+          for (int64_t u = 0; u < len; ++u) {
+            dot_codes(gbase + u * K.cn, K.nbg, K.bits, qk.data() + j * KDg, KD, G, dots.data());
+            for (int64_t g = 0; g < G; ++g) dot[g * CHUNK + u] = dots[g];
+          }
+#endif
+          for (int64_t g = 0; g < G; ++g) {  // x̂ = scale·code + offset: q·x̂ = scale·(q·code) + offset·Σq, per group
+            float* sg = s.data() + g * CHUNK;
+            const float* dg = dot + g * CHUNK;
+            const float qs_ = qsum[g];
+            if (j == 0)
+              for (int64_t u = 0; u < len; ++u) sg[u] = msc[u] * dg[u] + mof[u] * qs_;
+            else
+              for (int64_t u = 0; u < len; ++u) sg[u] += msc[u] * dg[u] + mof[u] * qs_;
+          }
         }
+      } else {  // KVarN's key tiles: per tile, its channel-scaled queries
+        const uint8_t* base = K.codes + b * K.cb + h * K.ch;
+        gather_meta(K.scale, b, h, a, len, msc.data());  // the tokens' s_tok
         for (int64_t j = 0; j < len;) {
-          // a run of tokens read against one set of queries: the item's (per token), or the tile's channel-scaled ones
-          const int64_t t = a + j, e = K.tile ? std::min(len, (t / K.tile + 1) * K.tile - a) : len;
-          const float* qs = qk.data();
-          if (K.tile) {
-            const int64_t ti = t / K.tile;
-            for (int64_t g = 0; g < G; ++g) {
-              float zz = 0.f;
-              for (int64_t i = 0; i < d; ++i) {
-                const float x = qz[g * d + i];
-                qt[g * KD + kperm[i]] = x * K.tscale.at(b, h, ti, i);
-                zz += x * K.tzero.at(b, h, ti, i);
-              }
-              z[g] = zz;
+          // a run of the tile's tokens, read against its channel-scaled queries
+          const int64_t t = a + j, e = std::min(len, (t / K.tile + 1) * K.tile - a), ti = t / K.tile;
+          for (int64_t g = 0; g < G; ++g) {
+            float zz = 0.f;
+            for (int64_t i = 0; i < d; ++i) {
+              const float x = qz[g * d + i];
+              qt[g * KD + kperm[i]] = x * K.tscale.at(b, h, ti, i);
+              zz += x * K.tzero.at(b, h, ti, i);
             }
-            qs = qt.data();
+            z[g] = zz;
           }
 #ifdef WUSHKV_ROWS
           for (int64_t g = 0; g < G; g += 4)
-            rows_for<DotRows>(K.bits, std::min<int64_t>(4, G - g))(base + t * K.cn, K.cn, e - j, K.nb, qs + g * KD, KD,
+            rows_for<DotRows>(K.bits, std::min<int64_t>(4, G - g))(base + t * K.cn, K.cn, e - j, K.nb, qt.data() + g * KD, KD,
                                                                    s.data() + g * CHUNK + j, CHUNK);
 #else
           for (int64_t u = j; u < e; ++u) {
-            dot_codes(base + (a + u) * K.cn, K.nb, K.bits, qs, KD, G, dots.data());
+            dot_codes(base + (a + u) * K.cn, K.nb, K.bits, qt.data(), KD, G, dots.data());
             for (int64_t g = 0; g < G; ++g) s[g * CHUNK + u] = dots[g];
           }
 #endif
-          if (K.tile)
-            for (int64_t g = 0; g < G; ++g) {
-              float* sg = s.data() + g * CHUNK;
-              const float zg = z[g];
-              for (int64_t u = j; u < e; ++u) sg[u] = msc[u] * (sg[u] + zg);
-            }
-          j = e;
-        }
-        if (!K.tile)  // x̂ = scale·code + offset: q·x̂ = scale·(q·code) + offset·Σq
           for (int64_t g = 0; g < G; ++g) {
             float* sg = s.data() + g * CHUNK;
-            const float qs_ = qsum[g];
-            for (int64_t u = 0; u < len; ++u) sg[u] = msc[u] * sg[u] + mof[u] * qs_;
+            const float zg = z[g];
+            for (int64_t u = j; u < e; ++u) sg[u] = msc[u] * (sg[u] + zg);
           }
+          j = e;
+        }
+      }
+      if (coded_k) {
         if (terms != nullptr) {  // +rmean: the centers' share q·T c_p = Σ_i [A | B]_i·[cos pθ | sin pθ]_i
           for (int64_t j = 0; j < len; ++j) {
             const int64_t pos = first[b] + a + j;
@@ -1781,34 +1808,41 @@ static void parts_decode_impl(const float* qp, int64_t B, int64_t Hq, int64_t H,
       } else {
         std::fill(acc.begin(), acc.end(), 0.f);
         const uint8_t* base = V.codes + b * V.cb + h * V.ch + a * V.cn;
-        gather_meta(V.scale, b, h, a, len, msc.data());
-        if (V.offset.p)
-          gather_meta(V.offset, b, h, a, len, mof.data());
-        else
-          for (int64_t j = 0; j < len; ++j) mof[j] = msc[j] * V.half;
-        for (int64_t g = 0; g < G; ++g) {  // each token's weights p·scale, and the offsets' share Σ p·offset
-          const float* sg = s.data() + g * CHUNK;
-          float* wg = w.data() + g * CHUNK;
-          float os = 0.f;
+        for (int64_t k = 0; k < V.ng; ++k) {  // group by group (one group: the whole row)
+          gather_meta(V.scale, b, h, a, len, msc.data(), k);
+          if (V.offset.p)
+            gather_meta(V.offset, b, h, a, len, mof.data(), k);
+          else
+            for (int64_t j = 0; j < len; ++j) mof[j] = msc[j] * V.half;
+          for (int64_t g = 0; g < G; ++g) {  // each token's weights p·scale, and the offsets' share Σ p·offset
+            const float* sg = s.data() + g * CHUNK;
+            float* wg = w.data() + g * CHUNK;
+            float os = 0.f;
 #pragma omp simd reduction(+ : os)
-          for (int64_t j = 0; j < len; ++j) {
-            wg[j] = sg[j] * msc[j];
-            os += sg[j] * mof[j];
+            for (int64_t j = 0; j < len; ++j) {
+              wg[j] = sg[j] * msc[j];
+              os += sg[j] * mof[j];
+            }
+            if (V.ng == 1)
+              osum[g] = os;
+            else  // the group's channels only
+              gsum[g * V.ng + k] = os;
           }
-          osum[g] = os;
-        }
+          const uint8_t* gbase = base + k * V.nbg * V.ub;
 #ifdef WUSHKV_ROWS
-        for (int64_t g = 0; g < G; g += 4)
-          rows_for<AxpyRows>(V.bits, std::min<int64_t>(4, G - g))(base, V.cn, len, V.nb, w.data() + g * CHUNK, CHUNK,
-                                                                  acc.data() + g * VD, VD);
+          for (int64_t g = 0; g < G; g += 4)
+            rows_for<AxpyRows>(V.bits, std::min<int64_t>(4, G - g))(gbase, V.cn, len, V.nbg, w.data() + g * CHUNK, CHUNK,
+                                                                    acc.data() + g * VD + k * VDg, VD);
 #else
-        for (int64_t j = 0; j < len; ++j) {
-          for (int64_t g = 0; g < G; ++g) z[g] = w[g * CHUNK + j];
-          axpy_codes(base + j * V.cn, V.nb, V.bits, z.data(), G, acc.data(), VD);
-        }
+          for (int64_t j = 0; j < len; ++j) {
+            for (int64_t g = 0; g < G; ++g) z[g] = w[g * CHUNK + j];
+            axpy_codes(gbase + j * V.cn, V.nbg, V.bits, z.data(), G, acc.data() + k * VDg, VD);
+          }
 #endif
+        }
         for (int64_t g = 0; g < G; ++g)
-          for (int64_t i = 0; i < d; ++i) accf[g * d + i] += acc[g * VD + (i % vper) * V.nb + i / vper];
+          for (int64_t i = 0; i < d; ++i)
+            accf[g * d + i] += acc[g * VD + vperm[i]] + (V.ng == 1 ? 0.f : gsum[g * V.ng + i / vgs]);
       }
       for (int64_t g = 0; g < G; ++g)
         for (int64_t i = 0; i < d; ++i) Pi[2 * G + g * d + i] = accf[g * d + i] + osum[g];
