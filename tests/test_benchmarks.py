@@ -34,7 +34,8 @@ def positive(x) -> bool:
 def test_decode(capsys):
     decode = load_benchmark("decode")
     args = decode.parse_args(["--model", "tiny", "--contexts", "40", "--batches", "1,2", "--dtypes", "float32",
-                              "--caches", "dynamic,identity-K2V2,wush-K2V2,wush-K4V2,identity-K2V2g16,identity-K2V2g16/pytorch",
+                              "--caches",
+                              "dynamic,identity-K2V2,wush-K2V2,wush-K4V2,identity-K2V2g16,identity-K2V2g16/pytorch",
                               "--windows", "4,16,4", "--warmup", "0", "--steps", "1"])
     model = tiny_model("llama")
     text = torch.randint(3, 96, (1, decode.text_tokens(args)))

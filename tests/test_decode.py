@@ -197,17 +197,19 @@ def test_code_dot_tiles_reads_each_token_with_its_tiles_queries(bits, d, G, tile
 
 @pytest.mark.parametrize("centered", [False, True])
 @pytest.mark.parametrize("fused", [True, False])
-def test_key_tiles_decode_from_their_codes_without_a_float_copy(centered, fused):
-    """KVarN's key tiles (``auto``'s keys) are read by the kernels from their codes, one set of channel-scaled
-    queries per tile, with the centers' share of the scores (``+rmean``) from the position: in one ``parts_decode``
-    call, or part by part (``code_dot_tiles``); equal to attention over the dequantized keys, and holding nothing the
-    size of the middle's keys in float32 (the dequantizing path held blocks of up to a million floats)."""
+@pytest.mark.parametrize("tiles", ["kvarn", "kivi"])
+def test_key_tiles_decode_from_their_codes_without_a_float_copy(centered, fused, tiles):
+    """KVarN's key tiles (``auto``'s keys) and KIVI's per-channel keys (tiles whose s_tok is 1) are read by the
+    kernels from their codes, one set of channel-scaled queries per tile, with the centers' share of the scores
+    (``+rmean``) from the position: in one ``parts_decode`` call, or part by part (``code_dot_tiles``); equal to
+    attention over the dequantized keys, and holding nothing the size of the middle's keys in float32 (the
+    dequantizing path held blocks of up to a million floats)."""
     from torch.profiler import ProfilerActivity, profile
 
     from wushkv import _ext
 
     require_kernels()
-    cfg = QuantConfig(2, 2, "quest", key_quantizer="kvarn", windows=WindowConfig(8, 0, 128))
+    cfg = QuantConfig(2, 2, "quest", key_quantizer=tiles, windows=WindowConfig(8, 0, 128))
     if centered:
         pk, pv, _, _ = centered_parts(cfg, None, n_mid=4096, d=64, H=2, B=2)
     else:
@@ -253,9 +255,13 @@ FUSED = {  # name: (config, GQA group, head_dim, dtype, middle tokens, ragged ro
                                         128, torch.bfloat16, 1152, False, False),
     "quest-K2-rmean": (QuantConfig(2, 2, "quest"), 2, 32, torch.float32, 150, False, True),
     "quest-K3V3-G3-chunks": (QuantConfig(3, 3, "quest"), 3, 64, torch.float32, 1100, False, False),
-    "affine-K3V2-groups16-ragged-chunks": (QuantConfig(3, 2, "affine", group_size=16), 3, 64, torch.float32, 1100, True, False),
+    "affine-K3V2-groups16-ragged-chunks": (QuantConfig(3, 2, "affine", group_size=16), 3, 64, torch.float32, 1100, True,
+                                           False),
     "quest-K4V3-groups32-e5m3-bf16": (QuantConfig(4, 3, "quest", group_size=32, metadata_dtype="e5m3"), 2, 128,
                                       torch.bfloat16, 200, False, False),
+    "kivi-K2V2-ragged": (QuantConfig(2, 2, "kivi", windows=WindowConfig(8, 0, 16)), 3, 64, torch.float32, 160, True, False),
+    "kivi-K3-quest-V4-rmean-bf16": (QuantConfig(3, 4, "quest", key_quantizer="kivi", metadata_dtype="bfloat16",
+                                                windows=WindowConfig(8, 0, 32)), 2, 64, torch.bfloat16, 1088, False, True),
     "affine-K3V3-d40-bf16-ragged": (QuantConfig(3, 3, "affine"), 2, 40, torch.bfloat16, 120, True, False),
     "ktiles-K3V3-rmean-d128": (QuantConfig(3, 3, "quest", key_quantizer="kvarn", windows=WindowConfig(8, 0, 64)), 4, 128,
                                torch.float32, 320, False, True),
@@ -268,7 +274,8 @@ FUSED = {  # name: (config, GQA group, head_dim, dtype, middle tokens, ragged ro
 @pytest.mark.parametrize("name", list(FUSED))
 def test_parts_decode_equals_dequantize_then_attend(name):
     """The fused CPU decode (one ``parts_decode`` call a layer) against dequantize-then-attend in float32 on the same
-    values: 2/3/4/8-bit QuEST and affine codes (3 bits: 8 codes in 3 bytes; groups within a token) with float16/bfloat16/float32/E5M3 metadata, KVarN's key tiles, keys
+    values: 2/3/4/8-bit QuEST and affine codes (3 bits: 8 codes in 3 bytes; groups within a token) with
+    float16/bfloat16/float32/E5M3 metadata, KVarN's key tiles, KIVI's per-channel keys (tiles whose s_tok is 1), keys
     centered on their rotating mean, full-precision middles, an empty one; GQA groups 1-8 (two calls of the 4-query
     row kernels from 5 on), head_dim 32-128, middles over a work item (1,024 tokens), float32/bfloat16/float16 parts;
     a mask over the last columns with softcapping and sink logits, or ragged rows (``held``: each row its own
@@ -288,7 +295,7 @@ def test_parts_decode_equals_dequantize_then_attend(name):
     to64 = lambda ps: [p.double() if torch.is_tensor(p) else p for p in ps]  # noqa: E731
     softcap, sinks, held = None, None, None
     if ragged:  # each row its own columns of each part; the mask over all the parts' columns
-        tile = cfg.windows.S_flush if cfg.side_quantizer("key") == "kvarn" else 1
+        tile = cfg.windows.S_flush if cfg.side_quantizer("key") in ("kvarn", "kivi") else 1
         held = torch.zeros(B, 3, 2, dtype=torch.int64)
         for b in range(B):
             for i, w in enumerate(widths):

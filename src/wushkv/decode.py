@@ -10,7 +10,7 @@ The quantized middle is read block by block (``block`` tokens at a time): each b
 expanded to floats through a lookup table (one ``embedding`` gather turns a packed 16-bit word into
 its ``16/b`` codes), used, and dropped, so no step holds a full-precision copy of the cache; the peak is
 one block. Scores of the sink, every block and the recent buffer go through one softmax; the output
-sums their parts. Codecs without per-token groups (KIVI keys, KVarN tiles of values; KVarN key tiles
+sums their parts. Codecs without per-token groups (KVarN tiles of values; KIVI's and KVarN's key tiles
 off the CPU kernels) are dequantized block by block instead — the same memory bound, a slower inner
 loop. Keys quantized centered on their rotating mean (``+rmean``: k̂ = decoded codes + T c_t) are read
 from their codes too: the centers' share of the scores, q·T c_t, is a function of the position evaluated
@@ -18,8 +18,9 @@ per block (:class:`wushkv.layer.KeyCenters`).
 
 On CPU, the code-domain products ``C q`` and ``Cᵀ w`` run in fused C++ kernels (:mod:`wushkv._ext`,
 built on first use) that read each packed byte once, unpack it in vector registers and never expand the
-codes; KVarN's key tiles (``auto``'s keys) go through them too, with one set of channel-scaled queries per tile
-(``k̂[t, c] = s_t·(scale_c·code + zero_c)``, so ``q·k̂_t = s_t·((q ⊙ scale)·code_t + q·zero)``); elsewhere,
+codes; KVarN's key tiles (``auto``'s keys) and KIVI's per-channel keys (s_t = 1) go through them too, with one set
+of channel-scaled queries per tile (``k̂[t, c] = s_t·(scale_c·code + zero_c)``, so
+``q·k̂_t = s_t·((q ⊙ scale)·code_t + q·zero)``); elsewhere,
 or where they cannot be built, the pure-PyTorch path above runs (same results). Where a layer's parts are
 [sink, middle, recent] with such codes (or a full-precision middle), the whole decode is one kernel call instead
 (``parts_decode``, :func:`_cpu_decode`): scores, softmax and values per work item, merged with an online softmax, as
@@ -39,7 +40,7 @@ import sys
 import torch
 
 from .attention import reference_attention
-from .codecs import KVarNCodec, TokenCodec
+from .codecs import ChannelCodec, KVarNCodec, TokenCodec
 from .quantizers import unpack
 
 DEFAULT_BLOCK = 4096
@@ -334,8 +335,9 @@ def _cpu_mid(codec, store, n, side: str):
         return [], 0, 0, 0.0
     if not _readable(codec.bits, store["codes"]):
         return None
-    if isinstance(codec, KVarNCodec) and codec.kind == "key" and side == "key":
-        return [store["codes"], store["s_fold"].flatten(2, 3), store["scale"], store["zero"]], codec.bits, codec.block, 0.0
+    tiles = _key_tiles(codec, store, n) if side == "key" else None
+    if tiles is not None:  # KVarN's key tiles, KIVI's per-channel keys
+        return [store["codes"], *tiles], codec.bits, codec.block, 0.0
     ng = store["scale"].shape[-1]
     if isinstance(codec, TokenCodec) and (ng == 1 or _group_bytes(codec.bits, codec.d, ng) is not None):
         return [store["codes"], store["scale"], store.get("offset", _NONE[0])], codec.bits, 0, codec._half
@@ -347,9 +349,9 @@ def _cpu_decode(query, parts_k, parts_v, allowed, scaling, softcap, sinks, held=
     softmax and the values' sum per work item, an online-softmax merge, the middle read from its codes), where it
     applies: the kernels built, a float16/bfloat16/float32 query on the CPU, each side's middle per-token codes
     (QuEST, affine; 1/2/3/4/8 bits; groups of whole units), KVarN's key tiles (``auto``'s keys, with or without
-    ``+rmean``), or full precision; else None (the path below: float64, which is bit-exact with the emulation; KIVI keys; KVarN's value
-    tiles; groups within a token that end mid-unit). ``held``: row b reads columns [held[b, i, 0], held[b, i, 1]) of
-    part i."""
+    ``+rmean``; KIVI's per-channel keys, tiles with s_tok 1), or full precision; else None (the path below: float64,
+    which is bit-exact with the emulation; KVarN's value tiles; groups within a token that end mid-unit). ``held``:
+    row b reads columns [held[b, i, 0], held[b, i, 1]) of part i."""
     if not (USE_KERNELS and USE_FUSED) or query.device.type != "cpu" or query.dtype not in _TRITON_DTYPES:
         return None
     if len(parts_k) != 3 or len(parts_v) != 3:
@@ -412,23 +414,41 @@ def _keys(codec, store, n, a, b, dtype, center=None):
     return (x if center is None else x + center.dense(a, b)).to(dtype)
 
 
+def _key_tiles(codec, store, n: int):
+    """Keys coded in tiles of ``codec.block`` tokens as the kernels read them, k̂[t, c] = s_tok[t]·(scale[t // block, c]·
+    code[t, c] + zero[t // block, c]): (s_tok (B, H, ≥ n), scale, zero (B, H, tiles, d)) for KVarN's key tiles (s_tok:
+    their s_fold) and KIVI's per-channel keys (:class:`ChannelCodec`: s_tok 1, a stride-0 view; zero: their offset);
+    None for other codecs."""
+    if isinstance(codec, KVarNCodec) and codec.kind == "key":
+        return store["s_fold"].flatten(2, 3), store["scale"], store["zero"]
+    if isinstance(codec, ChannelCodec):
+        B, H = store["codes"].shape[:2]
+        return _ONE.expand(B, H, n), store["scale"], store["offset"]
+    return None
+
+
+_ONE = torch.ones(1)  # KIVI keys' s_tok (never written)
+
+
 def _tile_kernels(codec, store, dtype):
-    """The fused CPU kernels where KVarN's key tiles can be read from their codes (where :func:`_kernels` applies, not
-    in float64, which dequantizes exactly as the emulation does), else None."""
-    if not (isinstance(codec, KVarNCodec) and codec.kind == "key" and dtype != torch.float64):
+    """The fused CPU kernels where key tiles (KVarN's, KIVI's per-channel keys: :func:`_key_tiles`) can be read from
+    their codes (where :func:`_kernels` applies, not in float64, which dequantizes exactly as the emulation does), else
+    None."""
+    if not (isinstance(codec, ChannelCodec) or (isinstance(codec, KVarNCodec) and codec.kind == "key")):
         return None
-    return _kernels(codec, store)
+    return None if dtype == torch.float64 else _kernels(codec, store)
 
 
 def _tile_scores(ext, qg, codec, store, n):
-    """Scores (B, H, G, n) float32 of a run of KVarN key tiles, from their codes: a tile's key is
-    k̂[t, c] = s_fold[t]·(scale[c]·code[t, c] + zero[c]), so q·k̂_t = s_fold[t]·((q ⊙ scale)·code_t + q·zero): one
-    set of channel-scaled queries per tile (``code_dot_tiles``, which also applies q·zero and s_fold) and no float keys."""
+    """Scores (B, H, G, n) float32 of a run of key tiles, from their codes: a tile's key is
+    k̂[t, c] = s_tok[t]·(scale[c]·code[t, c] + zero[c]), so q·k̂_t = s_tok[t]·((q ⊙ scale)·code_t + q·zero): one
+    set of channel-scaled queries per tile (``code_dot_tiles``, which also applies q·zero and s_tok) and no float keys."""
+    s_tok, scale, zero = _key_tiles(codec, store, n)
     qf = qg.float()
-    scale, zero = store["scale"].float(), store["zero"].float()  # (B, H, tiles, d)
+    scale, zero = scale.float(), zero.float()  # (B, H, tiles, d)
     qt = qf.unsqueeze(2) * scale.unsqueeze(3)  # (B, H, tiles, G, d)
     z = torch.einsum("bhgd,bhnd->bhng", qf, zero)  # (B, H, tiles, G)
-    s_tok = store["s_fold"].float().flatten(2, 3)[:, :, :n]  # (B, H, n)
+    s_tok = s_tok.float()[:, :, :n].contiguous()  # (B, H, n)
     return ext.code_dot_tiles(store["codes"], qt, codec.bits, codec.block, z, s_tok)  # (B, H, G, n)
 
 
@@ -465,8 +485,10 @@ def _code_scores(qg, codec, store, n, dtype, block):
         gb, gs, qf = _group_bytes(codec.bits, d, ng), d // ng, qg.float()
         out = 0
         for j in range(ng):
-            cq = ext.code_dot(store["codes"][..., j * gb:(j + 1) * gb], qf[..., j * gs:(j + 1) * gs], codec.bits)
-            out = out + cq * scale[..., j].float().unsqueeze(2) + qf[..., j * gs:(j + 1) * gs].sum(-1, keepdim=True) * offset[..., j].float().unsqueeze(2)
+            qj = qf[..., j * gs:(j + 1) * gs]
+            cq = ext.code_dot(store["codes"][..., j * gb:(j + 1) * gb], qj, codec.bits)
+            sj, oj = scale[..., j].float().unsqueeze(2), offset[..., j].float().unsqueeze(2)  # (B, H, 1, n)
+            out = out + cq * sj + qj.sum(-1, keepdim=True) * oj
         return out.to(dtype)
     parts = []
     for a, b in _steps(n, codec, block):  # only one block of float codes exists at a time

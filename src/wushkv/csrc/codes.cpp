@@ -209,8 +209,9 @@ static const char* simd_path() {
 }
 
 #ifdef WUSHKV_ROWS
-// 8 bytes of a row from p as 8 int32 lanes; fewer than 8 left (a row's end): the rest zero, nothing read past it
 static inline __m128i load_upto16(const uint8_t* p, int64_t n);
+
+// 8 bytes of a row from p as 8 int32 lanes; fewer than 8 left (a row's end): the rest zero, nothing read past it
 static inline __m256i load8_u8(const uint8_t* p, int64_t left) {
   if (left >= 8) return _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p)));
   return _mm256_cvtepu8_epi32(load_upto16(p, left));
@@ -227,8 +228,6 @@ static inline float hsum8(__m256 v) {
   return _mm_cvtss_f32(_mm_add_ss(x, _mm_movehdup_ps(x)));
 }
 
-// 8 three-byte units of a row from p as 8 int32 lanes (lane m: bytes 3m, 3m+1, 3m+2, low first); fewer than 8 left:
-// the rest zero, nothing read past the row (24 bytes read as 16 + 8, each half's four units spread by a byte shuffle)
 // exactly the first n ≤ 16 bytes at p, the rest of the 16 zero: whole dwords by a masked load (which reads nothing
 // under its mask), the last 0-3 bytes one by one (a copy through memory instead, of a length known only at run time,
 // was a library call and a stalled load per row: 3-bit groups of 32 channels, 4 units a row, ran at 2x the time)
@@ -246,6 +245,8 @@ static inline __m128i load_upto16(const uint8_t* p, int64_t n) {
   return x;
 }
 
+// 8 three-byte units of a row from p as 8 int32 lanes (lane m: bytes 3m, 3m+1, 3m+2, low first); fewer than 8 left:
+// the rest zero, nothing read past the row (24 bytes read as 16 + 8, each half's four units spread by a byte shuffle)
 static inline __m256i load8_u24(const uint8_t* p, int64_t left) {
   __m128i lo, hi;
   if (left >= 8) {

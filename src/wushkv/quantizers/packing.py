@@ -84,7 +84,8 @@ def _unpack_bytewise(packed: Tensor, bits: int, n: int) -> Tensor:
 
 
 def _pack_words3(codes: Tensor) -> Tensor:
-    """Fast path for 3 bits: codes 8k..8k+7 as the 24-bit word Σ_t c_t·2^(3t), its bytes low first. uint8 [..., ⌈3n/8⌉]."""
+    """Fast path for 3 bits: codes 8k..8k+7 as the 24-bit word Σ_t c_t·2^(3t), its bytes low first.
+    uint8 [..., ⌈3n/8⌉]."""
     n = codes.shape[-1]
     c = _pad_last(codes, 8).reshape(*codes.shape[:-1], -1, 8).to(torch.int32)
     word = c[..., 0].clone()
