@@ -26,7 +26,8 @@ for ``--model``, and methods with key tiles take their windows from ``--windows`
 the suffix ``/parts`` (``auto@K2V2/parts``) is the same cache decoded on the CPU part by part, the code-domain kernels
 with PyTorch between them (:func:`wushkv.decode.fused_enabled` off), against which the fused decode (one
 ``parts_decode`` call a layer) is set in the same run; with ``/pytorch`` it is decoded without the C++ kernels
-(:func:`wushkv.decode.kernels_enabled` off). ``identity-K2V2g32``: groups of 32 channels a token (``group_size``).
+(:func:`wushkv.decode.kernels_enabled` off). ``identity-K2V2g32``: groups of 32 channels a token (``group_size``);
+``identity-K2V2-kivi``: another quantizer than QuEST (KIVI: keys per channel over blocks of S_flush tokens).
 """
 
 from __future__ import annotations
@@ -124,11 +125,12 @@ def make_cache(kind: str, model, windows: WindowConfig):
     if kind.startswith(("quanto", "hqq")):
         backend, bits = kind.split("-")
         return QuantizedCache(backend=backend, config=model.config, nbits=int(bits))
-    # wushkv: "<transform>-K<k>V<v>", optionally "g<G>": groups of G channels a token (group_size)
-    _, kv = kind.split("-")
+    # wushkv: "<transform>-K<k>V<v>", optionally "g<G>" (groups of G channels a token: group_size) and "-<quantizer>"
+    # (default quest; identity-K2V2-kivi: KIVI's per-channel keys and per-token values)
+    _, kv, *quantizer = kind.split("-")
     kb, vb = int(kv[1]), int(kv[3])
     group = int(kv[5:]) if kv[4:5] == "g" else None
-    return WushKVCache(model, QuantConfig(kb, vb, "quest", windows=windows, group_size=group))
+    return WushKVCache(model, QuantConfig(kb, vb, quantizer[0] if quantizer else "quest", windows=windows, group_size=group))
 
 
 PARTS = "/parts"  # a kind's suffix: the same wushkv cache decoded part by part (decode.fused_enabled(False))
@@ -277,7 +279,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--dtypes", default="float32,bfloat16")
     ap.add_argument("--caches", default="dynamic,quanto-2,quanto-4,hqq-2,hqq-4,identity-K2V2,identity-K4V2,wush-K2V2,wush-K4V2",
                     help="dynamic, quanto-B, hqq-B, identity-KxVy, wush-KxVy (QuEST; + gG: groups of G channels, "
-                         "identity-K2V2g32), or METHOD@KxVy: a calibrated method as "
+                         "identity-K2V2g32; + -QUANTIZER: another quantizer, identity-K2V2-kivi), or METHOD@KxVy: a calibrated method as "
                          "the CLI installs it, e.g. auto@K2V2, wush+ktiles+ldlq@K2V2 (needs --calibration); any wushkv kind "
                          "+ /parts: decoded part by part (the path before the fused decode), e.g. auto@K2V2/parts; "
                          "+ /pytorch: decoded without the C++ kernels")

@@ -35,14 +35,16 @@ def test_decode(capsys):
     decode = load_benchmark("decode")
     args = decode.parse_args(["--model", "tiny", "--contexts", "40", "--batches", "1,2", "--dtypes", "float32",
                               "--caches",
-                              "dynamic,identity-K2V2,wush-K2V2,wush-K4V2,identity-K2V2g16,identity-K2V2g16/pytorch",
+                              "dynamic,identity-K2V2,wush-K2V2,wush-K4V2,identity-K2V2g16,identity-K2V2g16/pytorch,"
+                              "identity-K2V2-kivi",
                               "--windows", "4,16,4", "--warmup", "0", "--steps", "1"])
     model = tiny_model("llama")
     text = torch.randint(3, 96, (1, decode.text_tokens(args)))
     assert text.shape[1] == 40 + 0 + 1 + 1  # the longest context, the timed step, the profiled step
     res = decode.run(args, model, text)
     rows = {(r["context"], r["batch"], r["cache"]): r for r in res["results"]}
-    kinds = ("dynamic", "identity-K2V2", "wush-K2V2", "wush-K4V2", "identity-K2V2g16", "identity-K2V2g16/pytorch")
+    kinds = ("dynamic", "identity-K2V2", "wush-K2V2", "wush-K4V2", "identity-K2V2g16", "identity-K2V2g16/pytorch",
+             "identity-K2V2-kivi")
     assert set(rows) == {(c, b, k) for c in (40,) for b in (1, 2) for k in kinds}
     spec_kv = 2 * 2 * 32 * 4  # keys and values, 2 KV heads x 32, float32, per layer and token
     for (ctx, B, kind), r in rows.items():
