@@ -1438,7 +1438,8 @@ static Meta meta_of(const torch::Tensor& t, const char* what) {
 
 // the packed middle of one side: codes (B, H, N, bytes) and per-token scale/offset (B, H, N, ng) (offset absent:
 // scale·half, QuEST) for ng groups of d/ng channels a token, each group nbg whole units of the row (nb = ng·nbg units),
-// or KVarN's key tiles (tile > 0, one group): k[t, i] = s_tok[t]·(tscale[t / tile, i]·code + tzero[t / tile, i])
+// or key tiles (tile > 0, one group; KVarN's, KIVI's with s_tok 1): k[t, i] = s_tok[t]·(tscale[t / tile, i]·code +
+// tzero[t / tile, i])
 struct MidSide {
   const uint8_t* codes = nullptr;
   int64_t cb = 0, ch = 0, cn = 0, nb = 0, bits = 0, tile = 0, ng = 1, nbg = 0, ub = 1;
@@ -1723,7 +1724,7 @@ static void parts_decode_impl(const float* qp, int64_t B, int64_t Hq, int64_t H,
               for (int64_t u = 0; u < len; ++u) sg[u] += msc[u] * dg[u] + mof[u] * qs_;
           }
         }
-      } else {  // KVarN's key tiles: per tile, its channel-scaled queries
+      } else {  // key tiles (KVarN's; KIVI's per-channel keys, s_tok 1): per tile, its channel-scaled queries
         const uint8_t* base = K.codes + b * K.cb + h * K.ch;
         gather_meta(K.scale, b, h, a, len, msc.data());  // the tokens' s_tok
         for (int64_t j = 0; j < len;) {
