@@ -638,6 +638,42 @@ def test_decode_reads_key_tiles(dtype, bits, d, G, block_n, splits, tile):
                   pk[2], pv[2], d**-0.5)
 
 
+@pytest.mark.parametrize("dtype,meta,bits,d,G,block,block_n,splits", [
+    (torch.float32, torch.float16, 2, 64, 3, 32, 16, 3),  # tiles of tokens inside a key tile, splits across them
+    (torch.bfloat16, torch.bfloat16, 3, 128, 8, 16, None, 2),  # the default tiling, bfloat16 metadata
+    (torch.float16, torch.float32, 4, 64, 1, 16, 32, 5)])  # tiles of tokens over two key tiles, float32 metadata
+def test_decode_reads_kivi_keys_as_key_tiles(dtype, meta, bits, d, G, block, block_n, splits):
+    """KIVI's per-channel keys (:class:`wushkv.codecs.ChannelCodec`: a scale and offset per channel over ``block``
+    tokens) are key tiles whose s_tok is 1: the decode kernel reads them from their codes (a stride-0 s_tok, the
+    scale and offset in the cache's metadata dtype), beside KIVI's per-token values; equal to dequantize-then-attend
+    (1e-3 in float32, 2e-2 in a 16-bit dtype), and ``decode_attention`` on the cache's parts launches the kernel once
+    (before, it took the PyTorch path: the keys dequantized block by block)."""
+    from wushkv.codecs import ChannelCodec
+
+    B, Hkv = 2, 2
+    g = torch.Generator().manual_seed(11)
+    x = lambda n: (torch.randn(B, Hkv, n, d, generator=g) * torch.linspace(0.3, 2.5, d) + 0.7).to(DEVICE)
+    kc, vc = ChannelCodec(bits, d, block, meta), _codec(AffineQuantizer(2, group_size=32), d, meta)
+    n_s, n_m, n_r = 3, 3 * block, 5
+    pk = [x(n_s), (kc, kc.encode(x(n_m)), n_m), x(n_r)]
+    pv = [x(n_s), (vc, vc.encode(x(n_m)), n_m), x(n_r)]
+    q = (torch.randn(B, Hkv * G, 1, d, generator=g) * 1.5).to(DEVICE)
+    ref = dequantize_then_attend(q, pk, pv, None, d**-0.5)[:, 0]
+    ks = pk[1][1]
+    keys = tk.Packed(tk.TileFormat(bits, d, block), ks["codes"], torch.ones(1, 1, 1, 1, dtype=torch.float16,
+                     device=DEVICE).expand(B, Hkv, n_m, 1), tile_scale=ks["scale"], tile_zero=ks["offset"])
+    cast = lambda t: t.to(dtype)
+    out = tk.decode(cast(q[:, :, 0]), torch.tensor([[n_s, n_m, n_r]] * B), cast(pk[0]), cast(pv[0]), keys,
+                    _packed(vc, pv[1][1]), cast(pk[2]), cast(pv[2]), d**-0.5, splits=splits, block_n=block_n)
+    bound = 1e-3 if dtype == torch.float32 else 2e-2
+    assert _rel(out, ref) < bound, _rel(out, ref)
+    tk.reset_calls()
+    with decode_mod.triton_enabled(True):
+        through = decode_attention(cast(q), [cast(pk[0]), pk[1], cast(pk[2])], [cast(pv[0]), pv[1], cast(pv[2])],
+                                   None, d**-0.5)[:, 0]
+    assert tk.calls().get("decode") == 1 and _rel(through, ref) < bound, (tk.calls(), _rel(through, ref))
+
+
 @pytest.mark.parametrize("dtype,key,d,start,pads,splits,block_n", [
     (torch.float32, "quest", 64, 7, None, 3, 16), (torch.bfloat16, "affine", 64, 7, (0, 5), None, None),
     (torch.float16, "quest", 128, 2000, None, 2, 32), (torch.float32, "kvarn", 64, 7, None, 2, 16),
@@ -1143,6 +1179,7 @@ def test_model_decode_through_triton_equals_pytorch(family, cfg):
     ids = torch.randint(3, 96, (2, 33), generator=torch.Generator().manual_seed(0)).to(DEVICE)
     inputs = None
     if rmean:  # a mean far from 0 under the model's own RoPE; no key transform (T = I)
+        ids = ids[:1]  # one sequence: the tile kernel's 16-round balance, a program a tile, is slow in the interpreter
         from wushkv.layer import RotatingKeyMean
 
         H, d = model.config.num_key_value_heads, model.config.head_dim

@@ -178,10 +178,11 @@ def _token_format(tk, bits: int, d: int, G: int, quest: bool, step_byte: bool):
         return None
 
 
-def tile_format(tk, codec: KVarNCodec):
-    """The :class:`wushkv.triton_kernels.TileFormat` the decode kernel reads KVarN key tiles in, or None where the
-    kernels do not take them (values' tiles; a head_dim or tile that is not a power of two)."""
-    if codec.kind != "key":
+def tile_format(tk, codec: KVarNCodec | ChannelCodec):
+    """The :class:`wushkv.triton_kernels.TileFormat` the decode kernel reads key tiles in (KVarN's; KIVI's per-channel
+    keys, :func:`_key_tiles`), or None where the kernels do not take them (values' tiles; a head_dim or tile that is
+    not a power of two)."""
+    if isinstance(codec, KVarNCodec) and codec.kind != "key":
         return None
     try:
         return tk.TileFormat(codec.bits, codec.d, codec.block)
@@ -189,9 +190,19 @@ def tile_format(tk, codec: KVarNCodec):
         return None
 
 
+_UNIT_S_TOK: dict = {}  # device -> a float16 1, KIVI keys' s_tok on the Triton path (expanded, stride 0)
+
+
+def _unit_s_tok(device) -> torch.Tensor:
+    one = _UNIT_S_TOK.get(device)
+    if one is None:
+        one = _UNIT_S_TOK[device] = torch.ones(1, 1, 1, 1, dtype=torch.float16, device=device)
+    return one
+
+
 def _triton_decode(query, parts_k, parts_v, allowed, scaling, softcap, sinks, held=None):
     """The Triton decode (B, 1, Hq, d) where it applies: [sink, packed middle, recent] with per-token codecs on
-    both sides (or KVarN tiles for the keys: ``auto``'s key tiles; keys centered on their rotating mean, ``+rmean``,
+    both sides (or key tiles: ``auto``'s KVarN tiles, KIVI's per-channel keys; keys centered on their rotating mean, ``+rmean``,
     from head_dim 32), a float16/bfloat16/float32 query, a head_dim the kernels take; else None (the PyTorch path).
     ``held`` (:func:`decode_attention`): each row reads its own columns of each part (the kernel's ``starts``)."""
     if query.dtype not in _TRITON_DTYPES or len(parts_k) != 3 or len(parts_v) != 3:
@@ -208,7 +219,7 @@ def _triton_decode(query, parts_k, parts_v, allowed, scaling, softcap, sinks, he
     if len(mk) > 3 and d < 32:  # keys centered on their rotating mean: the kernel's two dots need d/2 >= 16
         return None
     for side, (codec, store, n, *_) in zip(("key", "value"), (mk, mv)):
-        if side == "key" and isinstance(codec, KVarNCodec):
+        if side == "key" and isinstance(codec, (KVarNCodec, ChannelCodec)):  # key tiles
             fmt = tile_format(tk, codec)
             if fmt is None:
                 return None
@@ -216,9 +227,12 @@ def _triton_decode(query, parts_k, parts_v, allowed, scaling, softcap, sinks, he
                 half = dict(dtype=torch.float16, device=sk.device)
                 store = {"codes": sk.new_empty(B, H, 0, fmt.nbytes, dtype=torch.uint8), "s_fold": torch.empty(B, H, 0, fmt.tile, **half),
                          "scale": torch.empty(B, H, 0, d, **half), "zero": torch.empty(B, H, 0, d, **half)}
-            # s_fold (B, H, tiles, tile): one s_tok per token, as a per-token scale (B, H, T, 1)
-            packed.append(tk.Packed(fmt, store["codes"], store["s_fold"].flatten(2, 3)[..., None],
-                                    tile_scale=store["scale"], tile_zero=store["zero"]))
+                store["offset"] = store["zero"]
+            if isinstance(codec, KVarNCodec):  # s_fold (B, H, tiles, tile): one s_tok per token, (B, H, T, 1)
+                s_tok, zero = store["s_fold"].flatten(2, 3)[..., None], store["zero"]
+            else:  # KIVI's keys: s_tok 1 (a stride-0 view, nothing written or read but one value), zero their offset
+                s_tok, zero = _unit_s_tok(sk.device).expand(B, H, store["codes"].shape[2], 1), store["offset"]
+            packed.append(tk.Packed(fmt, store["codes"], s_tok, tile_scale=store["scale"], tile_zero=zero))
             continue
         if not isinstance(codec, TokenCodec):
             return None

@@ -3,8 +3,9 @@
 Which codecs: per-token groups, i.e. :class:`~wushkv.codecs.TokenCodec` over QuEST and the affine quantizer
 (every ``quest``/``affine`` cache, and the values of ``kivi`` and of the ``+ktiles`` methods), and for decode the
 keys of KVarN tiles (:class:`TileFormat`: the key tiles ``auto`` picks), whose per-channel scale is folded into the
-query tile by tile, so their codes enter the dots as per-token codes do. KIVI's per-channel keys and KVarN's tiles of
-values stay on the PyTorch path of :mod:`wushkv.decode`. Store covers error-feedback rounding of per-token codes
+query tile by tile, so their codes enter the dots as per-token codes do; KIVI's per-channel keys are read as such
+tiles whose per-token s_tok is 1 (a stride-0 view). KVarN's tiles of values stay on the PyTorch path of
+:mod:`wushkv.decode`. Store covers error-feedback rounding of per-token codes
 (``+ldlq``: a pass over the channels, one program's rows at a time), not the per-token clip search
 (``clip_search``); decode reads what that stores, so it covers it. KVarN's key tiles (``+ktiles``, every recipe
 ``auto`` records) have a kernel of their own (:func:`kvarn_key_tiles`: a tile a program, balance, rows, with
@@ -158,10 +159,10 @@ class TokenFormat:
 
 @dataclass(frozen=True)
 class TileFormat:
-    """KVarN key tiles as decode reads them (:class:`wushkv.codecs.KVarNCodec`, keys): ``tile`` consecutive tokens
-    share a float16 scale and zero per channel, each token has its float16 fold ``s_tok`` and ``bits``-bit codes
-    packed like a per-token codec's, and k̂[t, c] = s_tok[t]·(scale[c]·code[t, c] + zero[c])
-    (:func:`wushkv.quantizers.kvarn.kvarn_dequantize`).
+    """Key tiles as decode reads them, KVarN's (:class:`wushkv.codecs.KVarNCodec`, keys) and KIVI's per-channel keys
+    (:class:`wushkv.codecs.ChannelCodec`, s_tok 1): ``tile`` consecutive tokens share a scale and zero per channel,
+    each token has its fold ``s_tok`` and ``bits``-bit codes packed like a per-token codec's, and
+    k̂[t, c] = s_tok[t]·(scale[c]·code[t, c] + zero[c]) (:func:`wushkv.quantizers.kvarn.kvarn_dequantize`).
 
     ``spread`` (halves): 0, a tile's scale and zero are rows of their own, (·, tiles, d) each (wushkv's cache);
     else they are the 2d halves [scale | zero] spread over the tile's tokens, ``spread`` halves in each token's row
@@ -1653,8 +1654,9 @@ class Packed:
     """One side of the packed middle: ``codes`` uint8, ``scale`` (and ``offset``, affine; None for QuEST) as laid out
     contiguously (B, Hkv, cap, ·) or paged (num_blocks, block_size, Hkv, ·), and its :class:`TokenFormat`.
 
-    Key tiles (a :class:`TileFormat`): ``scale`` is each token's float16 ``s_tok`` (·, 1), and ``tile_scale``,
-    ``tile_zero`` the tiles' float16 per-channel scale and zero: contiguous (B, Hkv, tiles, d) each, or with the
+    Key tiles (a :class:`TileFormat`): ``scale`` is each token's ``s_tok`` (·, 1) (KIVI's keys: a stride-0 view of
+    1), and ``tile_scale``, ``tile_zero`` the tiles' per-channel scale and zero: contiguous (B, Hkv, tiles, d) each
+    (float16, bfloat16 or float32, alike), or with the
     format's ``spread``, one (·, spread) float16 view of the halves spread over the tiles' tokens, laid out as the codes
     (``tile_zero`` unused)."""
 
@@ -2007,8 +2009,12 @@ def decode(query, lengths, sink_k, sink_v, mid_k: Packed, mid_v: Packed, recent_
         ktz = kts if spread else mid_k.tile_zero
         if kts is None or ktz is None:
             raise ValueError("key tiles need their scale (and, not spread, their zero): Packed.tile_scale/tile_zero")
-        if kts.dtype != torch.float16 or ktz.dtype != torch.float16 or kts.stride(-1) != 1 or ktz.stride(-1) != 1:
-            raise ValueError(f"key tiles' scale and zero must be float16 with a contiguous last dim, got {kts.dtype}, {ktz.dtype}")
+        # (spread, they are float16 halves of the cells' rows; else each row is loaded in its own dtype: KIVI's keys
+        # keep the cache's metadata dtype)
+        allowed_dt = (torch.float16,) if spread else (torch.float16, torch.bfloat16, torch.float32)
+        if kts.dtype not in allowed_dt or ktz.dtype != kts.dtype or kts.stride(-1) != 1 or ktz.stride(-1) != 1:
+            raise ValueError(f"key tiles' scale and zero must be {' or '.join(map(str, allowed_dt))} alike with a contiguous "
+                             f"last dim, got {kts.dtype}, {ktz.dtype}")
         if not spread and kts.stride() != ktz.stride():
             raise ValueError("key tiles' scale and zero must be laid out alike")
         if paged and page % kt_tile:
