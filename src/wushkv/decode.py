@@ -202,8 +202,9 @@ def _unit_s_tok(device) -> torch.Tensor:
 
 def _triton_decode(query, parts_k, parts_v, allowed, scaling, softcap, sinks, held=None):
     """The Triton decode (B, 1, Hq, d) where it applies: [sink, packed middle, recent] with per-token codecs on
-    both sides (or key tiles: ``auto``'s KVarN tiles, KIVI's per-channel keys; keys centered on their rotating mean, ``+rmean``,
-    from head_dim 32), a float16/bfloat16/float32 query, a head_dim the kernels take; else None (the PyTorch path).
+    both sides (or key tiles: ``auto``'s KVarN tiles, KIVI's per-channel keys; keys centered on their rotating mean,
+    ``+rmean``, from head_dim 32), a float16/bfloat16/float32 query, a head_dim the kernels take; else None (the
+    PyTorch path).
     ``held`` (:func:`decode_attention`): each row reads its own columns of each part (the kernel's ``starts``)."""
     if query.dtype not in _TRITON_DTYPES or len(parts_k) != 3 or len(parts_v) != 3:
         return None

@@ -2013,8 +2013,8 @@ def decode(query, lengths, sink_k, sink_v, mid_k: Packed, mid_v: Packed, recent_
         # keep the cache's metadata dtype)
         allowed_dt = (torch.float16,) if spread else (torch.float16, torch.bfloat16, torch.float32)
         if kts.dtype not in allowed_dt or ktz.dtype != kts.dtype or kts.stride(-1) != 1 or ktz.stride(-1) != 1:
-            raise ValueError(f"key tiles' scale and zero must be {' or '.join(map(str, allowed_dt))} alike with a contiguous "
-                             f"last dim, got {kts.dtype}, {ktz.dtype}")
+            raise ValueError(f"key tiles' scale and zero must be {' or '.join(map(str, allowed_dt))} alike with a "
+                             f"contiguous last dim, got {kts.dtype}, {ktz.dtype}")
         if not spread and kts.stride() != ktz.stride():
             raise ValueError("key tiles' scale and zero must be laid out alike")
         if paged and page % kt_tile:
