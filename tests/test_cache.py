@@ -398,6 +398,41 @@ def test_a_prompt_leaves_no_full_precision_behind(pads):
     assert sum(storages.values()) <= bound < 4096 * 2 * token, (sum(storages.values()), bound)
 
 
+def test_decode_steps_append_to_the_recent_buffer_in_place_and_never_write_what_a_view_holds():
+    """A decode step writes its token after the recent buffer in the buffer's own storage (no copy of the window a
+    step: a fresh storage at most once in S_keep / 2 steps), and no step writes what an earlier step's view reads,
+    also after a crop, take_back and a batch reorder (each gives the buffer fresh storage); the windows read as the
+    tokens went in."""
+    from wushkv.layer import WushKVLayer
+
+    cfg, d, B = QuantConfig(2, 2, "quest", windows=WindowConfig(4, 32, 8)), 16, 2
+    layer = WushKVLayer(cfg, d)
+    g = torch.Generator().manual_seed(0)
+    toks = [torch.randn(B, 2, 40 if i == 0 else 1, d, generator=g) for i in range(121)]
+    views, storages, fed = [], [], [toks[0]]
+    for i, k in enumerate(toks):
+        if i == 60:
+            layer.crop(-2)
+            fed = [torch.cat(fed, 2)[:, :, :-2]]
+        if i == 80:
+            layer.take_back(-1)
+            fed = [torch.cat(fed, 2)[:, :, :-1]]
+        if i == 100:
+            layer.batch_select_indices(torch.tensor([1, 0]))
+            fed = [torch.cat(fed, 2)[[1, 0]]]
+        view, _ = layer.update(k, -k)
+        if i:
+            fed.append(k)
+        every = torch.cat(fed, 2)
+        assert torch.equal(view.win_k, every[:, :, view.w0 :]) and torch.equal(view.win_v, -every[:, :, view.w0 :])
+        views.append((view.win_k, view.win_k.clone(), view.win_v, view.win_v.clone()))
+        storages.append(layer.recent_k.untyped_storage().data_ptr())
+    for win_k, was_k, win_v, was_v in views:
+        assert torch.equal(win_k, was_k) and torch.equal(win_v, was_v)
+    fresh = sum(a != b for a, b in zip(storages, storages[1:]))
+    assert fresh <= 120 // (32 // 2) + 3, fresh  # (+3: the crop, take_back and reorder)
+
+
 @torch.no_grad()
 def test_a_cache_used_after_its_block_exits_says_so():
     """The cache's views are read by wushkv's attention only: used after the `with apply_transforms(...)` block it was

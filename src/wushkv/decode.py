@@ -101,9 +101,9 @@ def triton_enabled(enabled: bool | None):
     """Within the block, decode and store (:func:`encode_block`) through the Triton kernels (True: on every device,
     CPU tensors under Triton's interpreter, which needs ``TRITON_INTERPRET=1`` before triton is imported; an error
     where triton is missing), never (False), or on CUDA tensors where triton imports (None, the default); the
-    previous choice comes back afterwards, also on error. Caches the kernels do not cover (KIVI keys, KVarN tiles
-    of values, float64; for store also the clip search, one-byte E5M3 steps and KVarN's tiles of values)
-    keep the PyTorch path."""
+    previous choice comes back afterwards, also on error. Caches the kernels do not cover (KVarN tiles of values,
+    float64; for store also KIVI's per-channel keys, the clip search and one-byte E5M3 steps) keep the PyTorch
+    path."""
     global USE_TRITON
     previous, USE_TRITON = USE_TRITON, enabled
     try:
