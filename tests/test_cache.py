@@ -398,15 +398,18 @@ def test_a_prompt_leaves_no_full_precision_behind(pads):
     assert sum(storages.values()) <= bound < 4096 * 2 * token, (sum(storages.values()), bound)
 
 
-def test_decode_steps_append_to_the_recent_buffer_in_place_and_never_write_what_a_view_holds():
+@pytest.mark.parametrize("pads", [None, [0, 5]])
+def test_decode_steps_append_to_the_recent_buffer_in_place_and_never_write_what_a_view_holds(pads):
     """A decode step writes its token after the recent buffer in the buffer's own storage (no copy of the window a
     step: a fresh storage at most once in S_keep / 2 steps), and no step writes what an earlier step's view reads,
-    also after a crop, take_back and a batch reorder (each gives the buffer fresh storage); the windows read as the
-    tokens went in."""
+    also after a crop, take_back (unpadded) and a batch reorder (each gives the buffer fresh storage); the windows
+    read as the tokens went in. Unpadded and left-padded batches (one shared store)."""
     from wushkv.layer import WushKVLayer
 
     cfg, d, B = QuantConfig(2, 2, "quest", windows=WindowConfig(4, 32, 8)), 16, 2
     layer = WushKVLayer(cfg, d)
+    if pads is not None:
+        layer.set_padding(torch.tensor(pads))
     g = torch.Generator().manual_seed(0)
     toks = [torch.randn(B, 2, 40 if i == 0 else 1, d, generator=g) for i in range(121)]
     views, storages, fed = [], [], [toks[0]]
@@ -414,7 +417,7 @@ def test_decode_steps_append_to_the_recent_buffer_in_place_and_never_write_what_
         if i == 60:
             layer.crop(-2)
             fed = [torch.cat(fed, 2)[:, :, :-2]]
-        if i == 80:
+        if i == 80 and pads is None:
             layer.take_back(-1)
             fed = [torch.cat(fed, 2)[:, :, :-1]]
         if i == 100:

@@ -54,10 +54,10 @@ def left_padding(attention_mask: torch.Tensor) -> torch.Tensor:
 
 
 def _compact(t: torch.Tensor) -> torch.Tensor:
-    """``t``, or a copy of it where it is a view of a much larger tensor: what a layer keeps of a chunk's window (the
-    recent buffer, take_back's copies) must not hold the whole chunk's full precision until the next update. A prompt
-    of N tokens in one update would otherwise leave every layer holding N tokens of keys and values at once after the
-    prefill: a full-precision cache's memory. A decode step's window (the buffer and one token) is kept as it is."""
+    """``t``, or a copy of it where it is a view of a much larger tensor: what a layer keeps of a chunk (take_back's
+    copies; the recent buffer, :meth:`_Window.keep`) must not hold the whole chunk's full precision until the next
+    update. A prompt of N tokens in one update would otherwise leave every layer holding N tokens of keys and values
+    at once after the prefill: a full-precision cache's memory."""
     return t.clone() if t.untyped_storage().nbytes() > 2 * t.numel() * t.element_size() else t
 
 
@@ -76,7 +76,9 @@ class _Window:
 
     def extend(self, rk: torch.Tensor, rv: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cap: int):
         """(rk ++ k, rv ++ v) along dim 2, views of the storages: in place where (rk, rv) is the buffer kept last and
-        the storage has room, else copied into fresh storages of ``cap`` columns (more where they do not fit)."""
+        the storage has room, else copied into fresh storages of at least ``cap`` columns (with half the buffer's
+        columns to spare where the buffer is longer, a left-padded batch's; none after a prompt, :meth:`keep` lets
+        it go)."""
         n, T, e = rk.shape[2], k.shape[2], self.end
         if (rk is self.kept[0] and rv is self.kept[1] and e + T <= self.k.shape[2] and k.dtype == self.k.dtype
                 and v.dtype == self.v.dtype and k.shape[:2] == self.k.shape[:2] and v.shape[:2] == self.v.shape[:2]
@@ -85,7 +87,8 @@ class _Window:
             self.v[:, :, e : e + T] = v
             return self.k[:, :, e - n : e + T], self.v[:, :, e - n : e + T]
         self.kept = (None, None)
-        size = max(cap, n + T)
+        room = max(16, n // 2)
+        size = max(cap, n + T + (room if T <= room else 0))
         self.k = _concat_into(rk, k, size)
         self.v = _concat_into(rv, v, size)
         self.end = 0
@@ -97,7 +100,7 @@ class _Window:
         layer would hold a whole prompt's keys and values in full precision until its next step)."""
         n = rk.shape[2]
         end = (rk.storage_offset() - self.k.storage_offset()) // self.k.stride(2) + n
-        if self.k.shape[2] > max(cap, 2 * n):
+        if self.k.shape[2] > max(cap, 2 * n + 32):
             self.k, self.v = _concat_into(rk, rk[:, :, :0], max(cap, n)), _concat_into(rv, rv[:, :, :0], max(cap, n))
             rk, rv, end = self.k[:, :, :n], self.v[:, :, :n], n
         self.kept, self.end = (rk, rv), end
@@ -322,7 +325,7 @@ class WushKVLayer(CacheLayerMixin):
         self.key_transform = key_transform  # the attention module's KeyTransform (T_K online), or None
         self.inputs = inputs
         self.sliding_window = sliding_window
-        self._window = _Window()  # the recent buffer's storages (unpadded batches): a step appends in place
+        self._window = _Window()  # the recent buffer's storages (not a ragged batch's): a step appends in place
         # their columns: the buffer's most (about S_keep + S_flush, before a flush moves S_flush of them on) and half as
         # many spare, so a storage of at most that many columns is copied once in about half as many steps: two
         # columns a step, not the whole buffer
@@ -509,8 +512,7 @@ class WushKVLayer(CacheLayerMixin):
         (:meth:`KVView._decode_padded`)."""
         n0, T = self.n, key_states.shape[2]
         n1 = n0 + T
-        win_k = torch.cat([self.recent_k, key_states], dim=2)
-        win_v = torch.cat([self.recent_v, value_states], dim=2)
+        win_k, win_v = self._window.extend(self.recent_k, self.recent_v, key_states, value_states, self._window_cap)
         w0 = n1 - win_k.shape[2]
         view = KVView(self, n0, n1, self.sink_k, self.sink_v, self.sink_start, self._mid_len, self.mid_start, win_k, win_v, w0, 0)
         self.ends = torch.maximum(self.ends, torch.tensor(self._row_ends(n1)))
@@ -531,7 +533,7 @@ class WushKVLayer(CacheLayerMixin):
                 self.sink_v[b, :, j : j + e - a] = win_v[b, :, a - w0 : e - w0]
         view.moved, view.ends = w1 - w0, self.ends
         view.mid, view.mid_len = self._snapshot_mid(), self._mid_len
-        self.recent_k, self.recent_v = _compact(win_k[:, :, w1 - w0 :]), _compact(win_v[:, :, w1 - w0 :])
+        self.recent_k, self.recent_v = self._window.keep(win_k[:, :, w1 - w0 :], win_v[:, :, w1 - w0 :], self._window_cap)
         self.n = n1
         if self.is_sliding:
             self._evict(n1 - self.sliding_window + 1)
