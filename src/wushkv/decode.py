@@ -246,7 +246,7 @@ def _triton_decode(query, parts_k, parts_v, allowed, scaling, softcap, sinks, he
         packed.append(tk.Packed(fmt, store["codes"], store["scale"], store.get("offset")))
     starts = None
     if held is None:
-        lengths = torch.tensor([[sk.shape[2], mk[2], rk.shape[2]]], dtype=torch.int32).expand(B, 3)
+        lengths = _part_lengths(B, sk.shape[2], mk[2], rk.shape[2])
     else:  # ragged rows: row b's columns [held[b, i, 0], held[b, i, 1]) of part i, the mask over all the parts' columns
         starts, lengths = held[:, :, 0], held[:, :, 1] - held[:, :, 0]
         n_all = sk.shape[2] + mk[2] + rk.shape[2]
@@ -260,6 +260,14 @@ def _triton_decode(query, parts_k, parts_v, allowed, scaling, softcap, sinks, he
                     sinks=sinks, allowed=None if allowed is None else allowed.reshape(B, -1), key_bias=key_bias,
                     starts=starts)
     return out.unsqueeze(1)
+
+
+@functools.lru_cache(maxsize=64)
+def _part_lengths(B: int, sink: int, mid: int, recent: int) -> torch.Tensor:
+    """(B, 3) int32 on the host: every row's sink, middle and recent lengths, as the kernel reads them. Made once a
+    step (every full-attention layer asks for the same), not once a layer; read only (the kernel's argument, or
+    copied to the device)."""
+    return torch.tensor([[sink, mid, recent]], dtype=torch.int32).expand(B, 3).contiguous()
 
 
 def _code_table(bits: int, width: int, dtype: torch.dtype, device) -> torch.Tensor:

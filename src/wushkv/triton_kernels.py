@@ -1339,6 +1339,7 @@ def kept_on(t: torch.Tensor, device, dtype: torch.dtype) -> torch.Tensor:
     return hit
 
 
+@functools.cache  # asked at every decode call
 def _tl_dtype(dtype: torch.dtype):
     import triton.language as tl
 
