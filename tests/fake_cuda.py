@@ -131,7 +131,7 @@ def _forget_devices():
         tk._multiprocessors.cache_clear()
         tk._KEPT.clear()
     if views is not None:
-        views._VISIBLE.clear()
+        views._PER_STEP.clear()
 
 
 def launch(name: str, kernel, *args, **kwargs):

@@ -954,7 +954,7 @@ def test_ragged_mask_made_once_for_the_layers_of_a_step():
     with padded_decode_view(model, cfg, (120, 60, 100)) as (view, q, allowed):
         assert isinstance(view, views.RaggedView)
         B, dev = q.shape[0], q.device
-        views._VISIBLE.clear()
+        views._PER_STEP.clear()
         first = view._visible(allowed, B, dev)
         assert view._visible(allowed, B, dev) is first
         assert dataclasses.replace(view)._visible(allowed, B, dev) is first  # another layer's view of the same rows
@@ -965,15 +965,49 @@ def test_ragged_mask_made_once_for_the_layers_of_a_step():
         rs[1, view.layer.MID_N] -= 16  # row 1 holds a block less
         other = dataclasses.replace(view, rs=rs)._visible(allowed, B, dev)
         assert other is not first and not torch.equal(other, first)
-        for key, (ref, mask) in list(views._VISIBLE.items()):  # the mask made for `allowed` gone, its address reused
+        for key, (ref, mask) in list(views._PER_STEP.items()):  # the mask made for `allowed` gone, its address reused
             if mask is first:
                 gone = torch.zeros(1)
-                views._VISIBLE[key] = (weakref.ref(gone), mask)
+                views._PER_STEP[key] = (weakref.ref(gone), mask)
                 del gone
         fresh = view._visible(allowed, B, dev)
         assert fresh is not first and torch.equal(fresh, first)
-        views._VISIBLE.clear()
+        views._PER_STEP.clear()
         assert torch.equal(view._visible(allowed, B, dev), first)
+
+
+def test_padded_reads_made_once_for_the_layers_of_a_step():
+    """A left-padded batch of per-token codes (``KVView._decode_padded``): its mask and held columns (~40 operations a
+    layer) are made once for the views of a step with the same rows, parts and mask tensor, again for another mask
+    tensor, a mask written in place, or a view whose rows end elsewhere or whose middle is shorter; each equal to
+    what is made afresh."""
+    import dataclasses
+
+    from wushkv import views
+
+    model = tiny_model("llama")
+    cfg = QuantConfig(2, 2, "quest", windows=WindowConfig(4, 8, 16))
+    with padded_decode_view(model, cfg, (60, 23, 41)) as (view, q, allowed):
+        assert isinstance(view, views.KVView) and view.layer.row_sinks
+        B, dev = q.shape[0], q.device
+        fresh = lambda v, m: (v._padded_visible(m, B, dev), v._held())  # noqa: E731
+        views._PER_STEP.clear()
+        first = view._padded_reads(allowed, B, dev)
+        assert view._padded_reads(allowed, B, dev) is first
+        assert dataclasses.replace(view)._padded_reads(allowed, B, dev) is first  # another layer's view, the same rows
+        assert all(torch.equal(a, b) for a, b in zip(first, fresh(view, allowed)))
+        again = view._padded_reads(allowed.clone(), B, dev)
+        assert again is not first and all(torch.equal(a, b) for a, b in zip(again, first))
+        ends = view.ends.clone()
+        ends[1] -= 3
+        for other in (dataclasses.replace(view, ends=ends), dataclasses.replace(view, mid_len=view.mid_len - 16)):
+            got = other._padded_reads(allowed, B, dev)
+            assert got is not first and all(torch.equal(a, b) for a, b in zip(got, fresh(other, allowed)))
+        written = allowed.clone()
+        assert view._padded_reads(written, B, dev) is view._padded_reads(written, B, dev)
+        written[0, ..., -2] = False  # in place: another mask
+        got = view._padded_reads(written, B, dev)
+        assert torch.equal(got[0], fresh(view, written)[0]) and not torch.equal(got[0], first[0])
 
 
 @torch.no_grad()

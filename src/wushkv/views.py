@@ -183,10 +183,21 @@ class KVView(LayerView):
         """
         layer, dt = self.layer, self.win_k.dtype
         mid_k, mid_v = layer._mid_parts(self.mid, self.mid_len, self.mid_start, dt)
-        visible = self._padded_visible(attention_mask, query.shape[0], query.device)
+        visible, held = self._padded_reads(attention_mask, query.shape[0], query.device)
         return decode_attention(query, [self.sink_k, mid_k, self.win_k], [self.sink_v, mid_v, self.win_v],
-                                visible.view(query.shape[0], 1, 1, -1), scaling, softcap, sinks=sinks,
-                                held=self._held())
+                                visible.view(query.shape[0], 1, 1, -1), scaling, softcap, sinks=sinks, held=held)
+
+    def _padded_reads(self, attention_mask, B: int, dev) -> tuple[torch.Tensor, torch.Tensor]:
+        """(:meth:`_padded_visible`, :meth:`_held`), made once a step: every full-attention layer of a step asks for
+        the same (the same paddings, row ends, part widths and mask tensor), and making them is ~40 small operations,
+        about what the kernel's read of a 512-token batch of 8 costs (:func:`_per_step`). Nothing writes to them."""
+        layer, m = self.layer, attention_mask
+        if m is not None and not torch.is_tensor(m):
+            return self._padded_visible(m, B, dev), self._held()
+        key = ("padded", B, self.kv_offset, layer.cfg.windows.S_sink, self.sink_start, self.sink_k.shape[2],
+               self.mid_start, self.mid_len, self.w0, self.win_k.shape[2], self.n1, layer.pads.numpy().tobytes(),
+               self.ends.numpy().tobytes(), *_mask_key(m, dev))
+        return _per_step(key, m, lambda: (self._padded_visible(m, B, dev), self._held()))
 
     def _padded_visible(self, attention_mask, B: int, dev) -> torch.Tensor:
         """(B, N) bool: which of the parts' columns [sink, middle, buffer] each row of :meth:`_decode_padded` sees."""
@@ -377,23 +388,22 @@ class RaggedView(LayerView):
         rows'), inside the sliding window and allowed by transformers' mask, each column at its position plus the
         row's padding. About thirty operations on B × N entries, and every layer of a step with the same rows, parts
         and mask needs the same: a padded batch's layers of one kind (full attention; sliding) hold the same rows
-        and transformers hands them one mask tensor. So it is made once and kept (:data:`_VISIBLE`), keyed by the
+        and transformers hands them one mask tensor. So it is made once and kept (:func:`_per_step`), keyed by the
         rows' table and paddings, the parts' widths, the first visible column, the device's stream, and that very
         mask tensor (held weakly: a mask freed and another made at its address is another key). Nothing writes to
         it."""
-        layer = self.layer
         S_sink, M, R = self.sink_k.shape[2], self.mid_n, self.rec_k.shape[2]
         lo = self.kv_offset  # (padded columns)
         S = self.n1 - lo
-        kept = attention_mask is None or torch.is_tensor(attention_mask)  # (a tensor can be held weakly)
-        # on a GPU, by stream too: only work queued after it on its own stream reads it
-        stream = torch.cuda.current_stream(dev).cuda_stream if dev.type == "cuda" else None
-        key = None if not kept else (
-            layer.pads.numpy().tobytes(), self.rs.numpy().tobytes(), B, S_sink, M, R, lo, S, str(dev), stream,
-            None if attention_mask is None else (id(attention_mask), tuple(attention_mask.shape)))
-        hit = _VISIBLE.get(key) if kept else None
-        if hit is not None and (hit[0] is None or hit[0]() is attention_mask):
-            return hit[1]
+        make = lambda: self._make_visible(attention_mask, B, dev, S_sink, M, R, lo, S)  # noqa: E731
+        if attention_mask is not None and not torch.is_tensor(attention_mask):  # (a tensor can be held weakly)
+            return make()
+        key = ("ragged", self.layer.pads.numpy().tobytes(), self.rs.numpy().tobytes(), B, S_sink, M, R, lo, S,
+               *_mask_key(attention_mask, dev))
+        return _per_step(key, attention_mask, make)
+
+    def _make_visible(self, attention_mask, B: int, dev, S_sink: int, M: int, R: int, lo: int, S: int) -> torch.Tensor:
+        layer = self.layer
         # one copy of 10·B ints to where the query is, no wait for a GPU
         p, n, sink_start, sink_n, mid_start, mid_n, rec_n, _, mid_lo, rec_lo = to_device(
             torch.cat([layer.pads[:, None], self.rs], 1).T.contiguous(), dev).unsqueeze(-1)
@@ -407,13 +417,31 @@ class RaggedView(LayerView):
         if allowed is not None:
             visible &= allowed.reshape(-1, S).expand(B, S).gather(1, (p + pos - lo).clamp(0, S - 1))
         visible |= ~visible.any(-1, keepdim=True)  # a row whose mask hides all (its output is never read): no NaN
-        if kept:
-            if len(_VISIBLE) >= 4:  # a step's kinds of layers; older steps' are never asked again
-                _VISIBLE.clear()
-            _VISIBLE[key] = (None if attention_mask is None else weakref.ref(attention_mask), visible)
         return visible
 
 
-# RaggedView._visible's masks of the last few layers, by what makes them: {key: (weakref to the mask tensor or None,
-# (B, N) bool)}
-_VISIBLE: dict = {}
+def _mask_key(mask, dev) -> tuple:
+    """What :func:`_per_step` keys a mask and a device by: the mask's identity, shape and version (a write in place
+    is another mask), the device and, on a GPU, the current stream (only work queued after a tensor on its own stream
+    reads it)."""
+    stream = torch.cuda.current_stream(dev).cuda_stream if dev.type == "cuda" else None
+    return str(dev), stream, None if mask is None else (id(mask), tuple(mask.shape), mask._version)
+
+
+def _per_step(key: tuple, mask, make):
+    """``make()``, kept under ``key`` for the next layers of the step that ask with the same (:data:`_PER_STEP`):
+    a padded batch's layers of one kind (full attention; sliding) hold the same rows, and transformers hands them
+    one mask tensor, which the entry holds weakly (a mask freed and another made at its address is another key). A
+    step's few kinds of layers are kept; older steps' are never asked again."""
+    hit = _PER_STEP.get(key)
+    if hit is not None and (hit[0] is None or hit[0]() is mask):
+        return hit[1]
+    value = make()
+    if len(_PER_STEP) >= 4:
+        _PER_STEP.clear()
+    _PER_STEP[key] = (None if mask is None else weakref.ref(mask), value)
+    return value
+
+
+# what the layers of a step share, by what makes it (_per_step): {key: (weakref to the mask tensor or None, value)}
+_PER_STEP: dict = {}
