@@ -288,6 +288,20 @@ def test_padded_decode(capsys):
         assert tiles["launches_rows"] >= 3 > tiles["launches_ragged"] >= 1 and positive(tiles["host_rows_over_ragged"])
 
 
+def test_padded_generation(capsys):
+    gen = load_benchmark("padded_generation")
+    assert gen.parse_args([]).lengths == "512,112,300,450,200,512,380,260"
+    ids, mask = gen.padded_batch(torch.arange(100), [5, 2])
+    assert mask.tolist() == [[1] * 5, [0, 0, 0, 1, 1]] and ids[1, 3:].tolist() == [5, 6]
+    caches = {"dynamic": None, "quest-K2V2": dict(k_bits=2, v_bits=2, quantizer="quest", windows=(2, 4, 4)),
+              "ktiles-K2V2": dict(k_bits=2, v_bits=2, quantizer="quest", key_quantizer="kvarn", windows=(2, 4, 4))}
+    text = torch.randint(3, 96, (200,), generator=torch.Generator().manual_seed(0))
+    out = gen.run(tiny_model("llama"), text, [30, 12, 21], steps=3, caches=caches)  # middles of 24, 0-8 and 12 tokens
+    assert [r["cache"] for r in out["rows"]] == list(caches)
+    assert all(positive(r["ms"]) and positive(r["ratio"]) for r in out["rows"])
+    assert "x DynamicCache" in capsys.readouterr().out
+
+
 def test_host_overhead(capsys):
     host = load_benchmark("host_overhead")
     assert host.parse_args([]).layers == 8
