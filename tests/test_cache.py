@@ -402,8 +402,11 @@ def test_a_prompt_leaves_no_full_precision_behind(pads):
 def test_decode_steps_append_to_the_recent_buffer_in_place_and_never_write_what_a_view_holds(pads):
     """A decode step writes its token after the recent buffer in the buffer's own storage (no copy of the window a
     step: a fresh storage at most once in S_keep / 2 steps), and no step writes what an earlier step's view reads,
-    also after a crop, take_back (unpadded) and a batch reorder (each gives the buffer fresh storage); the windows
-    read as the tokens went in. Unpadded and left-padded batches (one shared store)."""
+    also after a crop, take_back (unpadded) and a batch reorder (each gives the buffer fresh storage), nor a deep
+    copy's step (its own storages); the windows read as the tokens went in. Unpadded and left-padded batches (one
+    shared store)."""
+    import copy
+
     from wushkv.layer import WushKVLayer
 
     cfg, d, B = QuantConfig(2, 2, "quest", windows=WindowConfig(4, 32, 8)), 16, 2
@@ -430,6 +433,11 @@ def test_decode_steps_append_to_the_recent_buffer_in_place_and_never_write_what_
         assert torch.equal(view.win_k, every[:, :, view.w0 :]) and torch.equal(view.win_v, -every[:, :, view.w0 :])
         views.append((view.win_k, view.win_k.clone(), view.win_v, view.win_v.clone()))
         storages.append(layer.recent_k.untyped_storage().data_ptr())
+    twin = copy.deepcopy(layer)  # a copy continues in storages of its own
+    k = torch.randn(B, 2, 1, d, generator=g)
+    mine, theirs = layer.update(k, k)[0], twin.update(-k, -k)[0]
+    assert torch.equal(mine.win_k[:, :, -1:], k) and torch.equal(theirs.win_k[:, :, -1:], -k)
+    assert torch.equal(mine.win_k[:, :, :-1], theirs.win_k[:, :, :-1])
     for win_k, was_k, win_v, was_v in views:
         assert torch.equal(win_k, was_k) and torch.equal(win_v, was_v)
     fresh = sum(a != b for a, b in zip(storages, storages[1:]))
