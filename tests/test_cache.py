@@ -401,10 +401,10 @@ def test_a_prompt_leaves_no_full_precision_behind(pads):
 @pytest.mark.parametrize("pads", [None, [0, 5]])
 def test_decode_steps_append_to_the_recent_buffer_in_place_and_never_write_what_a_view_holds(pads):
     """A decode step writes its token after the recent buffer in the buffer's own storage (no copy of the window a
-    step: a fresh storage at most once in S_keep / 2 steps), and no step writes what an earlier step's view reads,
-    also after a crop, take_back (unpadded) and a batch reorder (each gives the buffer fresh storage), nor a deep
-    copy's step (its own storages); the windows read as the tokens went in. Unpadded and left-padded batches (one
-    shared store)."""
+    step: a fresh storage about once in n / 2 steps, n ~ S_keep the buffer's length), and no step writes what an
+    earlier step's view reads, also after a crop, take_back (unpadded) and a batch reorder (each gives the buffer
+    fresh storage), nor a deep copy's step (its own storages); the windows read as the tokens went in. Unpadded and
+    left-padded batches (one shared store)."""
     import copy
 
     from wushkv.layer import WushKVLayer

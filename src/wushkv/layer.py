@@ -64,21 +64,21 @@ def _compact(t: torch.Tensor) -> torch.Tensor:
 class _Window:
     """The recent buffer's keys and values (B, Hkv, n, d) as views of storages with spare columns after them, so that
     a decode step appends its token in place: ``torch.cat`` of the buffer and the token copied the whole buffer at
-    every step and layer (SmolLM2, 384 tokens × 3 heads × 64 in float32: ~40 µs a side a layer on the CPU, against
-    a DynamicCache whose own cat is what a long context makes slow). A view handed out is never written: a step writes
-    past the kept buffer's end, and a buffer that is not the one kept here (a crop, take_back or a batch reorder
-    replaced it), a full storage or another dtype or shape starts fresh storages."""
+    every step and layer (2.4 MB a side a layer at batch 8 of SmolLM2 in float32). A fresh storage keeps half the
+    buffer's length spare (at least 16 columns): it is copied about once in n/2 steps, two columns a step, and holds
+    at most half as much again as the buffer. A view handed out is never written: a step writes past the kept
+    buffer's end, and a buffer that is not the one kept here (a crop, take_back or a batch reorder replaced it), a
+    full storage or another dtype or shape starts fresh storages."""
 
     def __init__(self):
         self.k = self.v = None  # the storages, (B, Hkv, cap, d)
         self.kept = (None, None)  # the recent buffer as last kept: views of k and v ending at column ``end``
         self.end = 0
 
-    def extend(self, rk: torch.Tensor, rv: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cap: int):
+    def extend(self, rk: torch.Tensor, rv: torch.Tensor, k: torch.Tensor, v: torch.Tensor):
         """(rk ++ k, rv ++ v) along dim 2, views of the storages: in place where (rk, rv) is the buffer kept last and
-        the storage has room, else copied into fresh storages of at least ``cap`` columns (with half the buffer's
-        columns to spare where the buffer is longer, a left-padded batch's; none after a prompt, :meth:`keep` lets
-        it go)."""
+        the storage has room, else copied into fresh storages with max(16, n/2) columns to spare (none for a chunk
+        longer than that, a prompt: :meth:`keep` lets its storage go)."""
         n, T, e = rk.shape[2], k.shape[2], self.end
         if (rk is self.kept[0] and rv is self.kept[1] and e + T <= self.k.shape[2] and k.dtype == self.k.dtype
                 and v.dtype == self.v.dtype and k.shape[:2] == self.k.shape[:2] and v.shape[:2] == self.v.shape[:2]
@@ -88,20 +88,21 @@ class _Window:
             return self.k[:, :, e - n : e + T], self.v[:, :, e - n : e + T]
         self.kept = (None, None)
         room = max(16, n // 2)
-        size = max(cap, n + T + (room if T <= room else 0))
+        size = n + T + (room if T <= room else 0)
         self.k = _concat_into(rk, k, size)
         self.v = _concat_into(rv, v, size)
         self.end = 0
         return self.k[:, :, : n + T], self.v[:, :, : n + T]
 
-    def keep(self, rk: torch.Tensor, rv: torch.Tensor, cap: int):
-        """The recent buffer (rk, rv): the last columns of what :meth:`extend` returned. A storage far larger than
-        ``cap`` (a prompt's window) is let go of: the buffer is copied into fresh ones of ``cap`` columns (else every
-        layer would hold a whole prompt's keys and values in full precision until its next step)."""
+    def keep(self, rk: torch.Tensor, rv: torch.Tensor):
+        """The recent buffer (rk, rv): the last columns of what :meth:`extend` returned. A storage over twice the
+        buffer's length (and 32 columns; a prompt's, or a buffer a flush shortened) is let go of: the buffer is copied
+        into storages of its own length (else every layer would hold a whole prompt's keys and values in full
+        precision until its next step)."""
         n = rk.shape[2]
         end = (rk.storage_offset() - self.k.storage_offset()) // self.k.stride(2) + n
-        if self.k.shape[2] > max(cap, 2 * n + 32):
-            self.k, self.v = _concat_into(rk, rk[:, :, :0], max(cap, n)), _concat_into(rv, rv[:, :, :0], max(cap, n))
+        if self.k.shape[2] > 2 * n + 32:
+            self.k, self.v = _concat_into(rk, rk[:, :, :0], n), _concat_into(rv, rv[:, :, :0], n)
             rk, rv, end = self.k[:, :, :n], self.v[:, :, :n], n
         self.kept, self.end = (rk, rv), end
         return rk, rv
@@ -326,11 +327,6 @@ class WushKVLayer(CacheLayerMixin):
         self.inputs = inputs
         self.sliding_window = sliding_window
         self._window = _Window()  # the recent buffer's storages (not a ragged batch's): a step appends in place
-        # their columns: the buffer's most (about S_keep + S_flush, before a flush moves S_flush of them on) and half as
-        # many spare, so a storage of at most that many columns is copied once in about half as many steps: two
-        # columns a step, not the whole buffer
-        keep = cfg.windows.S_keep + cfg.windows.S_flush
-        self._window_cap = keep + max(16, keep // 2)
         self._undo = None  # (c, keys, values): the last update's full-precision copies of columns [c, ...) it coded
         self.is_sliding = sliding_window is not None
         k_codec, v_codec = make_codec(cfg, "key", head_dim, inputs.feedback_K), make_codec(cfg, "value", head_dim, inputs.feedback_V)
@@ -476,7 +472,7 @@ class WushKVLayer(CacheLayerMixin):
             self.sink_k = torch.cat([self.sink_k, key_states[:, :, :take]], dim=2)
             self.sink_v = torch.cat([self.sink_v, value_states[:, :, :take]], dim=2)
         win_k, win_v = self._window.extend(self.recent_k, self.recent_v, key_states[:, :, take:],
-                                           value_states[:, :, take:], self._window_cap)
+                                           value_states[:, :, take:])
         w0 = n1 - win_k.shape[2]
         view = KVView(self, n0, n1, self.sink_k, self.sink_v, self.sink_start, self._mid_len, self.mid_start, win_k, win_v, w0, 0)
         # 2. flush whole blocks of S_flush into the quantized middle (appended, never re-quantized)
@@ -492,7 +488,7 @@ class WushKVLayer(CacheLayerMixin):
         moved = max(0, min(max(self.cfg.windows.S_sink, min(self._row_ends(n1))), n1) - w0)
         view.moved = moved
         view.mid, view.mid_len = self._snapshot_mid(), self._mid_len
-        self.recent_k, self.recent_v = self._window.keep(win_k[:, :, moved:], win_v[:, :, moved:], self._window_cap)
+        self.recent_k, self.recent_v = self._window.keep(win_k[:, :, moved:], win_v[:, :, moved:])
         self.n = n1
         if self.is_sliding:  # the view keeps what this step reads; the layer keeps what later steps can see
             self._evict(n1 - self.sliding_window + 1)
@@ -512,7 +508,7 @@ class WushKVLayer(CacheLayerMixin):
         (:meth:`KVView._decode_padded`)."""
         n0, T = self.n, key_states.shape[2]
         n1 = n0 + T
-        win_k, win_v = self._window.extend(self.recent_k, self.recent_v, key_states, value_states, self._window_cap)
+        win_k, win_v = self._window.extend(self.recent_k, self.recent_v, key_states, value_states)
         w0 = n1 - win_k.shape[2]
         view = KVView(self, n0, n1, self.sink_k, self.sink_v, self.sink_start, self._mid_len, self.mid_start, win_k, win_v, w0, 0)
         self.ends = torch.maximum(self.ends, torch.tensor(self._row_ends(n1)))
@@ -533,7 +529,7 @@ class WushKVLayer(CacheLayerMixin):
                 self.sink_v[b, :, j : j + e - a] = win_v[b, :, a - w0 : e - w0]
         view.moved, view.ends = w1 - w0, self.ends
         view.mid, view.mid_len = self._snapshot_mid(), self._mid_len
-        self.recent_k, self.recent_v = self._window.keep(win_k[:, :, w1 - w0 :], win_v[:, :, w1 - w0 :], self._window_cap)
+        self.recent_k, self.recent_v = self._window.keep(win_k[:, :, w1 - w0 :], win_v[:, :, w1 - w0 :])
         self.n = n1
         if self.is_sliding:
             self._evict(n1 - self.sliding_window + 1)
