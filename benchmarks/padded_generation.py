@@ -83,7 +83,8 @@ def run(model, text: torch.Tensor, lengths: list[int], steps: int, caches: dict 
                 cache, m, nxt = state[name]
                 m = torch.cat([m, m.new_ones(m.shape[0], 1)], 1)
                 t0 = time.perf_counter()
-                out = model(nxt, attention_mask=m, position_ids=m.sum(-1, keepdim=True) - 1, cache=cache, use_cache=True)
+                out = model(nxt, attention_mask=m, position_ids=m.sum(-1, keepdim=True) - 1, cache=cache,
+                            use_cache=True)
                 if dev.type == "cuda":
                     torch.cuda.synchronize()
                 times[name].append(time.perf_counter() - t0)
