@@ -190,16 +190,6 @@ def tile_format(tk, codec: KVarNCodec | ChannelCodec):
         return None
 
 
-_UNIT_S_TOK: dict = {}  # device -> a float16 1, KIVI keys' s_tok on the Triton path (expanded, stride 0)
-
-
-def _unit_s_tok(device) -> torch.Tensor:
-    one = _UNIT_S_TOK.get(device)
-    if one is None:
-        one = _UNIT_S_TOK[device] = torch.ones(1, 1, 1, 1, dtype=torch.float16, device=device)
-    return one
-
-
 def _triton_decode(query, parts_k, parts_v, allowed, scaling, softcap, sinks, held=None):
     """The Triton decode (B, 1, Hq, d) where it applies: [sink, packed middle, recent] with per-token codecs on
     both sides (or key tiles: ``auto``'s KVarN tiles, KIVI's per-channel keys; keys centered on their rotating mean,
@@ -229,11 +219,8 @@ def _triton_decode(query, parts_k, parts_v, allowed, scaling, softcap, sinks, he
                 store = {"codes": sk.new_empty(B, H, 0, fmt.nbytes, dtype=torch.uint8), "s_fold": torch.empty(B, H, 0, fmt.tile, **half),
                          "scale": torch.empty(B, H, 0, d, **half), "zero": torch.empty(B, H, 0, d, **half)}
                 store["offset"] = store["zero"]
-            if isinstance(codec, KVarNCodec):  # s_fold (B, H, tiles, tile): one s_tok per token, (B, H, T, 1)
-                s_tok, zero = store["s_fold"].flatten(2, 3)[..., None], store["zero"]
-            else:  # KIVI's keys: s_tok 1 (a stride-0 view, nothing written or read but one value), zero their offset
-                s_tok, zero = _unit_s_tok(sk.device).expand(B, H, store["codes"].shape[2], 1), store["offset"]
-            packed.append(tk.Packed(fmt, store["codes"], s_tok, tile_scale=store["scale"], tile_zero=zero))
+            s_tok, scale, zero = _key_tiles(codec, store, store["codes"].shape[2])  # s_tok as a per-token scale
+            packed.append(tk.Packed(fmt, store["codes"], s_tok[..., None], tile_scale=scale, tile_zero=zero))
             continue
         if not isinstance(codec, TokenCodec):
             return None
@@ -446,11 +433,18 @@ def _key_tiles(codec, store, n: int):
         return store["s_fold"].flatten(2, 3), store["scale"], store["zero"]
     if isinstance(codec, ChannelCodec):
         B, H = store["codes"].shape[:2]
-        return _ONE.expand(B, H, n), store["scale"], store["offset"]
+        return _unit_s_tok(store["codes"].device).expand(B, H, n), store["scale"], store["offset"]
     return None
 
 
-_ONE = torch.ones(1)  # KIVI keys' s_tok (never written)
+_UNIT_S_TOK: dict = {}  # device -> a float16 1: KIVI keys' s_tok, expanded (stride 0), never written
+
+
+def _unit_s_tok(device) -> torch.Tensor:
+    one = _UNIT_S_TOK.get(device)
+    if one is None:
+        one = _UNIT_S_TOK[device] = torch.ones(1, 1, 1, dtype=torch.float16, device=device)
+    return one
 
 
 def _tile_kernels(codec, store, dtype):

@@ -102,8 +102,9 @@ class _Window:
         n = rk.shape[2]
         end = (rk.storage_offset() - self.k.storage_offset()) // self.k.stride(2) + n
         if self.k.shape[2] > 2 * n + 32:
-            self.k, self.v = _concat_into(rk, rk[:, :, :0], n), _concat_into(rv, rv[:, :, :0], n)
-            rk, rv, end = self.k[:, :, :n], self.v[:, :, :n], n
+            self.k = rk.clone(memory_format=torch.contiguous_format)
+            self.v = rv.clone(memory_format=torch.contiguous_format)
+            rk, rv, end = self.k, self.v, n
         self.kept, self.end = (rk, rv), end
         return rk, rv
 
