@@ -124,14 +124,16 @@ def active(scope: str = "/src/"):
 
 
 def _forget_devices():
-    """What wushkv keeps of a device (its multiprocessors, uploads kept for the next layers, a ragged step's mask) is
+    """What wushkv keeps of a device (its multiprocessors, uploads kept for the next layers, a ragged step's mask and row indices) is
     the fake one's inside the block: forgotten on the way in and out, so that no fake tensor outlives it there."""
-    tk, views = sys.modules.get("wushkv.triton_kernels"), sys.modules.get("wushkv.views")
+    tk, views, layer = (sys.modules.get(f"wushkv.{name}") for name in ("triton_kernels", "views", "layer"))
     if tk is not None:
         tk._multiprocessors.cache_clear()
         tk._KEPT.clear()
     if views is not None:
         views._PER_STEP.clear()
+    if layer is not None:
+        layer._rows.cache_clear()
 
 
 def launch(name: str, kernel, *args, **kwargs):

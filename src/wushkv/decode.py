@@ -243,10 +243,10 @@ def _triton_decode(query, parts_k, parts_v, allowed, scaling, softcap, sinks, he
     if len(mk) > 3:  # keys centered on their rotating mean (+rmean): the centers' share of the scores in the kernel
         terms, first, theta = mk[3].kernel_inputs(query[:, :, 0].reshape(B, H, Hq // H, d))
         key_bias = tk.KeyBias(terms.reshape(B, Hq, d), first, theta)
-    out = tk.decode(query[:, :, 0], lengths, sk, sv, packed[0], packed[1], rk, rv, scaling, softcap=softcap,
-                    sinks=sinks, allowed=None if allowed is None else allowed.reshape(B, -1), key_bias=key_bias,
-                    starts=starts)
-    return out.unsqueeze(1)
+    out = tk.decode(query.view(B, Hq, d) if query.is_contiguous() else query[:, :, 0], lengths, sk, sv, packed[0],
+                    packed[1], rk, rv, scaling, softcap=softcap, sinks=sinks,
+                    allowed=None if allowed is None else allowed.reshape(B, -1), key_bias=key_bias, starts=starts)
+    return out.view(B, 1, Hq, d)
 
 
 @functools.lru_cache(maxsize=64)
@@ -379,7 +379,7 @@ def _cpu_decode(query, parts_k, parts_v, allowed, scaling, softcap, sinks, held=
             read, n = _cpu_mid(*mid[:3], side), mid[2]
             if read is None:
                 return None
-            parts[1] = parts[0][:, :, :0]  # (not read: the codes are)
+            parts[1] = _NONE[0] if read[0] else parts[0][:, :, :0]  # (not read where codes are; else no columns)
         reads.append((read, n))
     (kt, kbits, tile, khalf), n = reads[0]
     (vt, vbits, _, vhalf), nv = reads[1]
@@ -395,10 +395,11 @@ def _cpu_decode(query, parts_k, parts_v, allowed, scaling, softcap, sinks, held=
         terms, first, _ = mk[3].kernel_inputs(query.reshape(B, H, Hq // H, d))
         terms, first = terms.reshape(B, Hq, d), first.to(torch.int64)
         table = mk[3].mean.table(int(first.max()) + n, "cpu")
-    out = ext.parts_decode(query[:, :, 0].float(), spans, widths, keys, values, kt, kbits, tile, khalf, vt, vbits, vhalf,
-                           visible, float(scaling), float(softcap or 0.0),
+    q = query.view(B, Hq, d) if query.is_contiguous() else query[:, :, 0]  # (a view: one torch call less a layer)
+    out = ext.parts_decode(q if q.dtype == torch.float32 else q.float(), spans, widths, keys, values, kt, kbits, tile,
+                           khalf, vt, vbits, vhalf, visible, float(scaling), float(softcap or 0.0),
                            none if sinks is None else sinks.detach().float().cpu(), terms, table, first)
-    return out.to(query.dtype).unsqueeze(1)
+    return (out if query.dtype == torch.float32 else out.to(query.dtype)).view(B, 1, Hq, d)
 
 
 def _steps(n: int, codec, block: int):

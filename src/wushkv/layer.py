@@ -27,6 +27,7 @@ layers, :class:`RowsView`).
 from __future__ import annotations
 
 import copy
+import functools
 from dataclasses import dataclass
 
 import torch
@@ -59,6 +60,12 @@ def _compact(t: torch.Tensor) -> torch.Tensor:
     update. A prompt of N tokens in one update would otherwise leave every layer holding N tokens of keys and values
     at once after the prefill: a full-precision cache's memory."""
     return t.clone() if t.untyped_storage().nbytes() > 2 * t.numel() * t.element_size() else t
+
+
+@functools.lru_cache(maxsize=16)
+def _rows(B: int, device: torch.device) -> torch.Tensor:
+    """arange(B) int64 on ``device``, made once: a ragged batch's step indexes every row with it (never written)."""
+    return to_device(torch.arange(B), device)
 
 
 class _Window:
@@ -469,11 +476,11 @@ class WushKVLayer(CacheLayerMixin):
         n1 = n0 + T
         # 1. the first S_sink positions go to the full-precision sink
         take = min(T, max(0, self.cfg.windows.S_sink - n0))
-        if take:
+        if take:  # (else no slices: a decode step's slices of nothing cost a few µs of host time each, per layer)
             self.sink_k = torch.cat([self.sink_k, key_states[:, :, :take]], dim=2)
             self.sink_v = torch.cat([self.sink_v, value_states[:, :, :take]], dim=2)
-        win_k, win_v = self._window.extend(self.recent_k, self.recent_v, key_states[:, :, take:],
-                                           value_states[:, :, take:])
+            key_states, value_states = key_states[:, :, take:], value_states[:, :, take:]
+        win_k, win_v = self._window.extend(self.recent_k, self.recent_v, key_states, value_states)
         w0 = n1 - win_k.shape[2]
         view = KVView(self, n0, n1, self.sink_k, self.sink_v, self.sink_start, self._mid_len, self.mid_start, win_k, win_v, w0, 0)
         # 2. flush whole blocks of S_flush into the quantized middle (appended, never re-quantized)
@@ -489,7 +496,7 @@ class WushKVLayer(CacheLayerMixin):
         moved = max(0, min(max(self.cfg.windows.S_sink, min(self._row_ends(n1))), n1) - w0)
         view.moved = moved
         view.mid, view.mid_len = self._snapshot_mid(), self._mid_len
-        self.recent_k, self.recent_v = self._window.keep(win_k[:, :, moved:], win_v[:, :, moved:])
+        self.recent_k, self.recent_v = self._window.keep(*((win_k[:, :, moved:], win_v[:, :, moved:]) if moved else (win_k, win_v)))
         self.n = n1
         if self.is_sliding:  # the view keeps what this step reads; the layer keeps what later steps can see
             self._evict(n1 - self.sliding_window + 1)
@@ -655,45 +662,53 @@ class WushKVLayer(CacheLayerMixin):
         The view keeps what this step reads (the rows' extents before the eviction)."""
         if self.key_transform is not None:
             key_states = self.key_transform.keys(key_states)
-        w, rs, B = self.cfg.windows, self.rs, key_states.shape[0]
-        sinking = rs[:, self.N] < w.S_sink  # rows whose token is one of their first S_sink
-        rs[:, self.N] += 1
-        n_new = rs[:, self.N].tolist()
-        if int((rs[:, self.REC_LO] + rs[:, self.REC_N]).max()) >= self.recent_k.shape[2]:
+        w, B, dev = self.cfg.windows, key_states.shape[0], key_states.device
+        N, SINK_N, REC_N, REC_LO, MID_N = self.N, self.SINK_N, self.REC_N, self.REC_LO, self.MID_N
+        # The table's bookkeeping on the host's lists, back to a tensor once: as ~40 torch operations on (B,) tensors
+        # it was most of the step's host time at batch 8 (a few µs each, per layer and step).
+        table = self.rs.tolist()
+        sinking = [r[N] < w.S_sink for r in table]  # rows whose token is one of their first S_sink
+        if max(r[REC_LO] + r[REC_N] for r in table) >= self.recent_k.shape[2]:
             self._compact_recent()
-        if not bool(sinking.any()):  # each row's token at its buffer's end: one pinned copy of 2·B ints, one write a side
-            at = to_device(torch.stack([torch.arange(B), rs[:, self.REC_LO] + rs[:, self.REC_N]]), key_states.device)
-            self.recent_k[at[0], :, at[1]] = key_states[:, :, 0]
-            self.recent_v[at[0], :, at[1]] = value_states[:, :, 0]
+            table = self.rs.tolist()
+        if not any(sinking):  # each row's token at its buffer's end: one pinned copy of B ints, one write a side
+            at = to_device(torch.tensor([r[REC_LO] + r[REC_N] for r in table]), dev)
+            self.recent_k[_rows(B, dev), :, at] = key_states[:, :, 0]
+            self.recent_v[_rows(B, dev), :, at] = value_states[:, :, 0]
         else:  # the first steps after a prompt shorter than S_sink: that row's token into its sink (column = position)
-            for rows, col, dst in ((~sinking, rs[:, self.REC_LO] + rs[:, self.REC_N], ("recent_k", "recent_v")),
-                                   (sinking, rs[:, self.N] - 1, ("sink_k", "sink_v"))):
-                idx = torch.nonzero(rows).flatten()
-                if idx.numel():
-                    at = to_device(torch.stack([idx, col[idx]]), key_states.device)
+            for into_sink, dst in ((False, ("recent_k", "recent_v")), (True, ("sink_k", "sink_v"))):
+                idx = [b for b in range(B) if sinking[b] == into_sink]
+                if idx:
+                    cols = [table[b][N] if into_sink else table[b][REC_LO] + table[b][REC_N] for b in idx]
+                    at = to_device(torch.tensor([idx, cols]), dev)
                     getattr(self, dst[0])[at[0], :, at[1]] = key_states[at[0], :, 0]
                     getattr(self, dst[1])[at[0], :, at[1]] = value_states[at[0], :, 0]
-        rs[:, self.REC_N] += ~sinking
-        rs[:, self.SINK_N] += sinking
+        for r, into_sink in zip(table, sinking):
+            r[N] += 1
+            r[SINK_N if into_sink else REC_N] += 1
+        n_new = [r[N] for r in table]
+        self.rs = torch.tensor(table)  # (a fresh table: a view handed out holds its own clone)
         # a row codes a block once its end S_sink + Qc(n) passes its middle's (after a crop it may not yet)
-        ends = (rs[:, self.MID_START] + rs[:, self.MID_N]).tolist()
-        flush = [b for b, (n, e) in enumerate(zip(n_new, ends)) if w.S_sink + w.quantized_count(n) > e]
+        flush = [b for b, r in enumerate(table) if w.S_sink + w.quantized_count(r[N]) > r[self.MID_START] + r[MID_N]]
         if flush:
             self._flush_ragged(flush)
+            table = self.rs.tolist()
         n0 = self.n
         self.n = n0 + 1
-        R = int((rs[:, self.REC_LO] + rs[:, self.REC_N]).max())
-        view = RaggedView(self, n0, self.n, rs.clone(), self.sink_k, self.sink_v, dict(self.rmid),
-                          int((rs[:, self.MID_LO] + rs[:, self.MID_N]).max()), self.recent_k[:, :, :R], self.recent_v[:, :, :R])
+        R = max(r[REC_LO] + r[REC_N] for r in table)
+        view = RaggedView(self, n0, self.n, self.rs.clone(), self.sink_k, self.sink_v, dict(self.rmid),
+                          max(r[self.MID_LO] + r[MID_N] for r in table), self.recent_k[:, :, :R], self.recent_v[:, :, :R])
         if self.is_sliding:  # the view keeps what this step reads; the layer keeps what later steps can see
             self._evict_ragged([n - self.sliding_window + 1 for n in n_new])
         return view, view
 
-    def _gather_rows(self, t: torch.Tensor, lo: torch.Tensor, n: int) -> torch.Tensor:
-        """(B', Hkv, n, ·) of ``t`` (B', Hkv, *, ·): row b's columns [lo[b], lo[b] + n) (past its end: any columns, never
-        read), in one gather; ``lo`` (B',) int64 on the host."""
+    def _gather_rows(self, t: torch.Tensor, lo: torch.Tensor, n: int, rows: torch.Tensor | None = None) -> torch.Tensor:
+        """(B', Hkv, n, ·) of ``t`` (B, Hkv, *, ·)'s rows ``rows`` (int64 (B',) on the host; None: all): row b's columns
+        [lo[b], lo[b] + n) (past its end: any columns, never read), in one indexed read of just those columns (a view
+        of it, dims 1 and 2 swapped); ``lo`` (B',) int64 on the host."""
         cols = (lo[:, None] + torch.arange(n)).clamp(max=max(t.shape[2] - 1, 0))
-        return torch.take_along_dim(t, to_device(cols, t.device)[:, None, :, None], dim=2)
+        rows = torch.arange(t.shape[0]) if rows is None else rows
+        return t[to_device(rows, t.device)[:, None], :, to_device(cols, t.device)].transpose(1, 2)
 
     def _compact_recent(self) -> None:
         """A fresh recent buffer, each row's tokens from column 0 (its rec_lo back to 0)."""
@@ -728,10 +743,9 @@ class WushKVLayer(CacheLayerMixin):
         one call; written past what any view reads (a full storage rebuilt in fresh tensors first)."""
         blk, rs = self.block, self.rs
         idx = torch.tensor(rows)
-        at = to_device(idx, self.recent_k.device)
         lo = rs[idx, self.REC_LO]
-        k = self._gather_rows(self.recent_k[at], lo, blk)  # (F, Hkv, S_flush, d)
-        v = self._gather_rows(self.recent_v[at], lo, blk)
+        k = self._gather_rows(self.recent_k, lo, blk, idx).contiguous()  # (F, Hkv, S_flush, d)
+        v = self._gather_rows(self.recent_v, lo, blk, idx).contiguous()
         first = rs[idx, self.MID_START] + rs[idx, self.MID_N]  # each row's first position of its block
         km = self.inputs.key_mean
         if self.k_side is not None and km is not None:

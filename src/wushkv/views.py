@@ -123,7 +123,7 @@ class KVView(LayerView):
             if allowed is None and S < self.n1 - self.sink_start:
                 allowed = torch.ones(query.shape[0], 1, 1, S, dtype=torch.bool, device=query.device)
             mid_k, mid_v = layer._mid_parts(self.mid, self.mid_len, self.mid_start, dt)
-            rk, rv = self.win_k[:, :, self.moved :], self.win_v[:, :, self.moved :]
+            rk, rv = (self.win_k[:, :, self.moved :], self.win_v[:, :, self.moved :]) if self.moved else (self.win_k, self.win_v)
             return decode_attention(query, [self.sink_k, mid_k, rk], [self.sink_v, mid_v, rv], allowed, scaling, softcap, sinks=sinks)
 
         mid_len = self.mid_len_before  # what this update flushed is still in the window, in full precision
@@ -378,10 +378,9 @@ class RaggedView(LayerView):
 
     def _held(self) -> torch.Tensor:
         """(B, 3, 2) int64 on the host: each row's columns [a, e) of the parts [sink, middle, buffer]."""
-        rs, L = self.rs, self.layer
-        return torch.stack([rs[:, L.SINK_START], rs[:, L.SINK_START] + rs[:, L.SINK_N], rs[:, L.MID_LO],
-                            rs[:, L.MID_LO] + rs[:, L.MID_N], rs[:, L.REC_LO], rs[:, L.REC_LO] + rs[:, L.REC_N]],
-                           1).view(-1, 3, 2)
+        L = self.layer
+        return torch.tensor([[r[L.SINK_START], r[L.SINK_START] + r[L.SINK_N], r[L.MID_LO], r[L.MID_LO] + r[L.MID_N],
+                              r[L.REC_LO], r[L.REC_LO] + r[L.REC_N]] for r in self.rs.tolist()]).view(-1, 3, 2)
 
     def _visible(self, attention_mask, B: int, dev) -> torch.Tensor:
         """(B, N) bool, which of the parts' columns each row sees: its own (the rest of each part's width is other
