@@ -121,3 +121,33 @@ def test_a_bad_layer_leaves_no_layer_folded():
         apply_transforms(model, trs)
     assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())
     assert not any(hasattr(layer.self_attn, "wushkv_key") for layer in model.model.layers)
+
+
+@pytest.mark.parametrize("B,S", [(1, 1), (1, 5), (4, 1), (3, 6)])
+@pytest.mark.parametrize("centered", [False, True])
+def test_key_transform_applies_each_heads_matrix_to_each_row(B, S, centered):
+    """KeyTransform.keys/queries (one bmm over the heads at batch > 1, matmul at one row) against each row and head
+    done alone in float64: k' = T_K (k − μ), q' = T_K⁻ᵀ q for every query head of the group; inputs laid out as
+    transformers' projections leave them (heads and positions transposed)."""
+    from wushkv.folding import KeyTransform
+
+    gen = torch.Generator().manual_seed(B * 10 + S)
+    H, G, d = 3, 2, 16
+    T, T_inv = random_invertible(H, d, gen)
+    mu = torch.randn(H, d, generator=gen) if centered else None
+    kt = KeyTransform(T, T_inv, mu)
+    k = torch.randn(B, S, H, d, generator=gen).transpose(1, 2)
+    q = torch.randn(B, S, H * G, d, generator=gen).transpose(1, 2)
+    keys, queries = kt.keys(k), kt.queries(q)
+    assert keys.shape == (B, H, S, d) and queries.shape == (B, H * G, S, d)
+    for b in range(B):
+        for h in range(H):
+            x = k[b, h].double() - (mu[h].double() if centered else 0)
+            torch.testing.assert_close(keys[b, h].double(), x @ T[h].double().T, rtol=1e-5, atol=1e-5)
+            for g in range(G):
+                torch.testing.assert_close(queries[b, h * G + g].double(), q[b, h * G + g].double() @ T_inv[h].double(),
+                                           rtol=1e-5, atol=1e-5)
+    # a batch's rows each equal that row transformed alone (float32: a one-row product may round otherwise)
+    for b in range(B):
+        torch.testing.assert_close(kt.keys(k[b : b + 1]), keys[b : b + 1], rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(kt.queries(q[b : b + 1]), queries[b : b + 1], rtol=1e-5, atol=1e-5)
