@@ -124,8 +124,9 @@ def active(scope: str = "/src/"):
 
 
 def _forget_devices():
-    """What wushkv keeps of a device (its multiprocessors, uploads kept for the next layers, a ragged step's mask and row indices) is
-    the fake one's inside the block: forgotten on the way in and out, so that no fake tensor outlives it there."""
+    """What wushkv keeps of a device (its multiprocessors, uploads kept for the next layers, a ragged step's mask and
+    row indices) is the fake one's inside the block: forgotten on the way in and out, so that no fake tensor outlives it
+    there."""
     tk, views, layer = (sys.modules.get(f"wushkv.{name}") for name in ("triton_kernels", "views", "layer"))
     if tk is not None:
         tk._multiprocessors.cache_clear()

@@ -672,7 +672,7 @@ class WushKVLayer(CacheLayerMixin):
             self._compact_recent()
             table = self.rs.tolist()
         if not any(sinking):  # each row's token at its buffer's end: one pinned copy of B ints, one write a side
-            at = to_device(torch.tensor([r[REC_LO] + r[REC_N] for r in table]), dev)
+            at = to_device(torch.tensor([r[REC_LO] + r[REC_N] for r in table], dtype=torch.long), dev)
             self.recent_k[_rows(B, dev), :, at] = key_states[:, :, 0]
             self.recent_v[_rows(B, dev), :, at] = value_states[:, :, 0]
         else:  # the first steps after a prompt shorter than S_sink: that row's token into its sink (column = position)
@@ -680,14 +680,14 @@ class WushKVLayer(CacheLayerMixin):
                 idx = [b for b in range(B) if sinking[b] == into_sink]
                 if idx:
                     cols = [table[b][N] if into_sink else table[b][REC_LO] + table[b][REC_N] for b in idx]
-                    at = to_device(torch.tensor([idx, cols]), dev)
+                    at = to_device(torch.tensor([idx, cols], dtype=torch.long), dev)
                     getattr(self, dst[0])[at[0], :, at[1]] = key_states[at[0], :, 0]
                     getattr(self, dst[1])[at[0], :, at[1]] = value_states[at[0], :, 0]
         for r, into_sink in zip(table, sinking):
             r[N] += 1
             r[SINK_N if into_sink else REC_N] += 1
         n_new = [r[N] for r in table]
-        self.rs = torch.tensor(table)  # (a fresh table: a view handed out holds its own clone)
+        self.rs = torch.tensor(table, dtype=torch.long)  # (a fresh table: a view handed out holds its own clone)
         # a row codes a block once its end S_sink + Qc(n) passes its middle's (after a crop it may not yet)
         flush = [b for b, r in enumerate(table) if w.S_sink + w.quantized_count(r[N]) > r[self.MID_START] + r[MID_N]]
         if flush:

@@ -380,7 +380,7 @@ class RaggedView(LayerView):
         """(B, 3, 2) int64 on the host: each row's columns [a, e) of the parts [sink, middle, buffer]."""
         L = self.layer
         return torch.tensor([[r[L.SINK_START], r[L.SINK_START] + r[L.SINK_N], r[L.MID_LO], r[L.MID_LO] + r[L.MID_N],
-                              r[L.REC_LO], r[L.REC_LO] + r[L.REC_N]] for r in self.rs.tolist()]).view(-1, 3, 2)
+                              r[L.REC_LO], r[L.REC_LO] + r[L.REC_N]] for r in self.rs.tolist()], dtype=torch.long).view(-1, 3, 2)
 
     def _visible(self, attention_mask, B: int, dev) -> torch.Tensor:
         """(B, N) bool, which of the parts' columns each row sees: its own (the rest of each part's width is other
