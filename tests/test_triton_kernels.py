@@ -381,7 +381,9 @@ def test_one_split_writes_its_output_itself(dtype):
         with tk.launches_through(lambda name, grid, args, meta, run: (rec.append((name, meta)), run(name, grid, args, meta))):
             return _triton(q, pk, pv, **kw), rec
 
-    for kw in ({}, {"sinks": sinks}, {"softcap": 2.0, "sinks": sinks}, {"allowed": allowed}):
+    # bfloat16 (the interpreter's bfloat16 dots are slow) the two cases that take every option between them
+    cases = ({}, {"sinks": sinks}) if dtype == torch.float32 else ()
+    for kw in (*cases, {"softcap": 2.0, "sinks": sinks}, {"allowed": allowed}):
         out, rec = launched(splits=1, **kw)
         assert [name for name, _ in rec] == ["decode"] and rec[0][1]["FINAL"]
         assert rec[0][1]["HAS_SINKS"] == ("sinks" in kw)
