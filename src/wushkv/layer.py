@@ -519,25 +519,28 @@ class WushKVLayer(CacheLayerMixin):
         win_k, win_v = self._window.extend(self.recent_k, self.recent_v, key_states, value_states)
         w0 = n1 - win_k.shape[2]
         view = KVView(self, n0, n1, self.sink_k, self.sink_v, self.sink_start, self._mid_len, self.mid_start, win_k, win_v, w0, 0)
-        self.ends = torch.maximum(self.ends, torch.tensor(self._row_ends(n1)))
-        ends = self.ends.tolist()
+        # (on the host's lists: the (B,) tensor operations were a fifth of this update's host time)
+        before = self.ends.tolist()
+        ends = [max(e, r) for e, r in zip(before, self._row_ends(n1))]
+        if ends != before:  # a fresh tensor (nothing writes to one: views share it until it changes)
+            self.ends = torch.tensor(ends, dtype=torch.long)
         c_old, c_new = self.mid_start + self._mid_len, self._code_end(n1, ends)
         if c_new > c_old:  # the buffer holds them: it lets go of no column some row still needs coded
             if c_old < w0:
                 raise RuntimeError(f"columns [{c_old}, {w0}) are needed for the codes but no longer held")
             self._append_mid(win_k[:, :, c_old - w0 : c_new - w0], win_v[:, :, c_old - w0 : c_new - w0], c_old)
         w1 = max(w0, min(min(ends), n1))  # the buffer's new start
-        first, ns = self.sink_start + self.pads, self.sink_k.shape[2]
-        rows = [(b, a, e) for b, (a, e) in enumerate(zip(first.clamp(min=w0).tolist(), (first + ns).clamp(max=w1).tolist())) if e > a]
+        first, ns = [self.sink_start + p for p in self._pad_list()], self.sink_k.shape[2]
+        rows = [(b, max(f, w0), min(f + ns, w1)) for b, f in enumerate(first) if min(f + ns, w1) > max(f, w0)]
         if rows:  # the sinks the view holds stay as they were: copy before writing
             self.sink_k, self.sink_v = self.sink_k.clone(), self.sink_v.clone()
             for b, a, e in rows:
-                j = a - int(first[b])
+                j = a - first[b]
                 self.sink_k[b, :, j : j + e - a] = win_k[b, :, a - w0 : e - w0]
                 self.sink_v[b, :, j : j + e - a] = win_v[b, :, a - w0 : e - w0]
         view.moved, view.ends = w1 - w0, self.ends
         view.mid, view.mid_len = self._snapshot_mid(), self._mid_len
-        self.recent_k, self.recent_v = self._window.keep(win_k[:, :, w1 - w0 :], win_v[:, :, w1 - w0 :])
+        self.recent_k, self.recent_v = self._window.keep(*((win_k[:, :, w1 - w0 :], win_v[:, :, w1 - w0 :]) if w1 > w0 else (win_k, win_v)))
         self.n = n1
         if self.is_sliding:
             self._evict(n1 - self.sliding_window + 1)
