@@ -243,8 +243,7 @@ def _triton_decode(query, parts_k, parts_v, allowed, scaling, softcap, sinks, he
     if len(mk) > 3:  # keys centered on their rotating mean (+rmean): the centers' share of the scores in the kernel
         terms, first, theta = mk[3].kernel_inputs(query[:, :, 0].reshape(B, H, Hq // H, d))
         key_bias = tk.KeyBias(terms.reshape(B, Hq, d), first, theta)
-    out = tk.decode(query.view(B, Hq, d) if query.is_contiguous() else query[:, :, 0], lengths, sk, sv, packed[0],
-                    packed[1], rk, rv, scaling, softcap=softcap, sinks=sinks,
+    out = tk.decode(query.squeeze(2), lengths, sk, sv, packed[0], packed[1], rk, rv, scaling, softcap=softcap, sinks=sinks,
                     allowed=None if allowed is None else allowed.reshape(B, -1), key_bias=key_bias, starts=starts)
     return out.view(B, 1, Hq, d)
 
@@ -395,7 +394,7 @@ def _cpu_decode(query, parts_k, parts_v, allowed, scaling, softcap, sinks, held=
         terms, first, _ = mk[3].kernel_inputs(query.reshape(B, H, Hq // H, d))
         terms, first = terms.reshape(B, Hq, d), first.to(torch.int64)
         table = mk[3].mean.table(int(first.max()) + n, "cpu")
-    q = query.view(B, Hq, d) if query.is_contiguous() else query[:, :, 0]  # (a view: one torch call less a layer)
+    q = query.squeeze(2)
     out = ext.parts_decode(q if q.dtype == torch.float32 else q.float(), spans, widths, keys, values, kt, kbits, tile,
                            khalf, vt, vbits, vhalf, visible, float(scaling), float(softcap or 0.0),
                            none if sinks is None else sinks.detach().float().cpu(), terms, table, first)

@@ -101,11 +101,13 @@ class _Window:
         self.end = 0
         return self.k[:, :, : n + T], self.v[:, :, : n + T]
 
-    def keep(self, rk: torch.Tensor, rv: torch.Tensor):
-        """The recent buffer (rk, rv): the last columns of what :meth:`extend` returned. A storage over twice the
-        buffer's length (and 32 columns; a prompt's, or a buffer a flush shortened) is let go of: the buffer is copied
-        into storages of its own length (else every layer would hold a whole prompt's keys and values in full
-        precision until its next step)."""
+    def keep(self, wk: torch.Tensor, wv: torch.Tensor, start: int = 0):
+        """The recent buffer: columns ``start`` on of (wk, wv), what :meth:`extend` returned (sliced only where
+        ``start`` > 0: a decode step that moves nothing makes no views). A storage over twice the buffer's length
+        (and 32 columns; a prompt's, or a buffer a flush shortened) is let go of: the buffer is copied into storages
+        of its own length (else every layer would hold a whole prompt's keys and values in full precision until its
+        next step)."""
+        rk, rv = (wk[:, :, start:], wv[:, :, start:]) if start else (wk, wv)
         n = rk.shape[2]
         end = (rk.storage_offset() - self.k.storage_offset()) // self.k.stride(2) + n
         if self.k.shape[2] > 2 * n + 32:
@@ -496,7 +498,7 @@ class WushKVLayer(CacheLayerMixin):
         moved = max(0, min(max(self.cfg.windows.S_sink, min(self._row_ends(n1))), n1) - w0)
         view.moved = moved
         view.mid, view.mid_len = self._snapshot_mid(), self._mid_len
-        self.recent_k, self.recent_v = self._window.keep(*((win_k[:, :, moved:], win_v[:, :, moved:]) if moved else (win_k, win_v)))
+        self.recent_k, self.recent_v = self._window.keep(win_k, win_v, moved)
         self.n = n1
         if self.is_sliding:  # the view keeps what this step reads; the layer keeps what later steps can see
             self._evict(n1 - self.sliding_window + 1)
@@ -540,7 +542,7 @@ class WushKVLayer(CacheLayerMixin):
                 self.sink_v[b, :, j : j + e - a] = win_v[b, :, a - w0 : e - w0]
         view.moved, view.ends = w1 - w0, self.ends
         view.mid, view.mid_len = self._snapshot_mid(), self._mid_len
-        self.recent_k, self.recent_v = self._window.keep(*((win_k[:, :, w1 - w0 :], win_v[:, :, w1 - w0 :]) if w1 > w0 else (win_k, win_v)))
+        self.recent_k, self.recent_v = self._window.keep(win_k, win_v, w1 - w0)
         self.n = n1
         if self.is_sliding:
             self._evict(n1 - self.sliding_window + 1)
