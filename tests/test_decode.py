@@ -268,6 +268,10 @@ FUSED = {  # name: (config, GQA group, head_dim, dtype, middle tokens, ragged ro
     "K2-only": (QuantConfig(2, None, "quest"), 2, 64, torch.float32, 70, True, False),
     "V2-only": (QuantConfig(None, 2, "quest"), 2, 64, torch.float32, 70, False, False),
     "empty-middle": (QuantConfig(2, 2, "quest"), 3, 64, torch.float32, 0, False, False),
+    # KVarN's value tiles (the kvarn method; +tiles): each tile's channel scales over its tokens' affine rows
+    "kvarn-K2V2-ragged": (QuantConfig(2, 2, "kvarn", windows=WindowConfig(8, 0, 16)), 3, 64, torch.float32, 160, True, False),
+    "vtiles-K3V4-quest-keys-bf16-chunks": (QuantConfig(3, 4, "kvarn", key_quantizer="quest", windows=WindowConfig(8, 0, 64)), 4,
+                                           128, torch.bfloat16, 1088, False, False),
 }
 
 
@@ -295,7 +299,8 @@ def test_parts_decode_equals_dequantize_then_attend(name):
     to64 = lambda ps: [p.double() if torch.is_tensor(p) else p for p in ps]  # noqa: E731
     softcap, sinks, held = None, None, None
     if ragged:  # each row its own columns of each part; the mask over all the parts' columns
-        tile = cfg.windows.S_flush if cfg.side_quantizer("key") in ("kvarn", "kivi") else 1
+        tiles = cfg.side_quantizer("key") in ("kvarn", "kivi") or cfg.side_quantizer("value") == "kvarn"
+        tile = cfg.windows.S_flush if tiles else 1
         held = torch.zeros(B, 3, 2, dtype=torch.int64)
         for b in range(B):
             for i, w in enumerate(widths):
@@ -335,7 +340,7 @@ def test_parts_decode_refuses_what_it_cannot_read():
     q, kv = torch.randn(1, 2, 32), torch.randn(1, 1, 4, 32)
     none, z = torch.empty(0), kv[:, :, :0]
     call = lambda q=q, spans=torch.empty(0, dtype=torch.int64), vis=torch.empty(0, dtype=torch.bool): ext.parts_decode(  # noqa: E731
-        q, spans, [4, 0, 4], [kv, z, kv], [kv, z, kv], [], 0, 0, 0.0, [], 0, 0.0, vis, 1.0, 0.0, none, none, none, none)
+        q, spans, [4, 0, 4], [kv, z, kv], [kv, z, kv], [], 0, 0, 0.0, [], 0, 0, 0.0, vis, 1.0, 0.0, none, none, none, none)
     assert call().shape == (1, 2, 32)
     with pytest.raises(RuntimeError, match=r"spans\[0, 2\] = \[0, 5\) is not within the part's 4 columns"):
         call(spans=torch.tensor([[[0, 4], [0, 0], [0, 5]]]))

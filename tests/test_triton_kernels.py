@@ -237,6 +237,33 @@ def test_kvarn_key_tiles_equal_the_tile_quantizer(bits, clip, feedback, d, tile)
         tk.kvarn_key_tiles(x[:, :, :tile // 2].to(DEVICE), bits, tile)
 
 
+@pytest.mark.parametrize("bits,clip,d,tile", [(2, 0.0, 16, 8), (3, 1.7, 32, 16), (4, 0.0, 64, 32)])
+def test_kvarn_value_tiles_equal_the_tile_quantizer(bits, clip, d, tile):
+    """KVarN's value tiles (the ``kvarn`` method's values, ``+tiles``) go through the same kernel on the transposed
+    tile (rows are tokens: a scale and zero per token, s_fold per channel) and store what ``kvarn_quantize`` (kind
+    "value") makes: bit for bit under the interpreter, on a GPU the same codes but where a value sits on a rounding
+    boundary. The keys' layout on the same tokens is another storage (a kernel that ignored VALUES would fail)."""
+    from wushkv.quantizers import unpack
+    from wushkv.quantizers.kvarn import KVarNTiles, kvarn_dequantize, kvarn_quantize
+
+    g = torch.Generator().manual_seed(bits + d)
+    x = torch.randn(2, 2, 3 * tile, d, generator=g) * torch.rand(d, generator=g) * 3 + torch.randn(d, generator=g)
+    ref = kvarn_quantize(x, bits, "value", tile=tile, clip=clip, fused=False)
+    got = {k: t.cpu() for k, t in tk.kvarn_value_tiles(x.to(DEVICE), bits, tile, clip).items()}
+    assert {k: tuple(t.shape) for k, t in got.items() if k != "codes"} == {k: tuple(getattr(ref, k).shape) for k in ("scale", "zero", "s_fold")}
+    codes = unpack(got["codes"], bits, d)
+    if EXACT_ON_ANY_DATA:
+        assert torch.equal(codes, ref.codes)
+        assert all(torch.equal(got[k], getattr(ref, k)) for k in ("scale", "zero", "s_fold"))
+    else:
+        same = codes == ref.codes
+        assert same.float().mean() >= 0.99
+        xg = kvarn_dequantize(KVarNTiles(codes, got["scale"], got["zero"], got["s_fold"], bits, "value", tile))
+        assert ((xg - kvarn_dequantize(ref)).abs()[same] <= 8 * 2**-10 * x.abs().max() + 1e-6).all()
+    keys = unpack(tk.kvarn_key_tiles(x.to(DEVICE), bits, tile, clip)["codes"].cpu(), bits, d)
+    assert (keys != ref.codes).float().mean() > 0.1
+
+
 def test_store_applies_the_head_transform():
     """With a per-head transform T the stored rows are those of T k: exactly so for signed permutations scaled by
     ½ (exact arithmetic), and to float32 rounding for a random rotation."""
@@ -635,9 +662,56 @@ def test_decode_reads_key_tiles(dtype, bits, d, G, block_n, splits, tile):
                               keys, _packed(vc, pv[1][1]), pk[2].to(dtype), pv[2].to(dtype), d**-0.5,
                               splits=splits, block_n=32)
         assert _rel(out, tiles) < 2e-3, _rel(out, tiles)
-    with pytest.raises(ValueError, match="tiles are read for the keys only"):
+    with pytest.raises(ValueError, match="value tiles .KVarN's. are read from contiguous rows of their own"):  # key tiles
         tk.decode(q[:, :, 0], torch.tensor([[n_s, n_m, n_r]] * B), pk[0], pv[0], _packed(vc, pv[1][1]), _tile_packed(kc, pk[1][1]),
                   pk[2], pv[2], d**-0.5)
+
+
+def _value_tile_packed(codec, store):
+    """A KVarN value store (codes (B, H, T, ·), scale/zero (B, H, tiles, tile), s_fold (B, H, tiles, d)) as the kernel
+    reads it: each token's scale and zero, each tile's channel scales."""
+    return tk.Packed(tk.TileFormat(codec.bits, codec.d, codec.block), store["codes"], store["scale"].flatten(2, 3)[..., None],
+                     store["zero"].flatten(2, 3)[..., None], tile_scale=store["s_fold"])
+
+
+@pytest.mark.parametrize("dtype,bits,d,G,block_n,splits,tile,keys", [
+    (torch.float32, 2, 64, 3, 16, 3, 16, "quest"),  # tiles of tokens inside a value tile, splits starting inside one
+    (torch.float32, 3, 128, 1, 32, 2, 8, "quest"),  # value tiles shorter than the tiles of tokens: each token's row
+    (torch.bfloat16, 4, 64, 8, None, 2, 32, "tiles"),  # KVarN on both sides (the kvarn method), the default tiling
+    (torch.float16, 1, 128, 3, None, 1, 16, "tiles"),
+    (torch.bfloat16, 8, 64, 3, 64, 3, 16, "quest")])  # tiles of tokens over four value tiles
+def test_decode_reads_value_tiles(dtype, bits, d, G, block_n, splits, tile, keys):
+    """KVarN's value tiles (the ``kvarn`` method's values, ``+tiles``), v̂[t, c] = s_chan[c]·(s_t·code + z_t), are
+    read from their codes: beside per-token or tile keys, tiles of tokens inside one value tile (one row of channel
+    scales) or over several (each token's), splits that start inside a tile, 1-8 bits; equal to
+    dequantize-then-attend (1e-3 in float32, 2e-2 in a 16-bit dtype). A wrong channel scale (the next tile's) is far."""
+    from wushkv.codecs import KVarNCodec
+
+    B, Hkv = 2, 2
+    g = torch.Generator().manual_seed(11)
+    x = lambda n: (torch.randn(B, Hkv, n, d, generator=g) * torch.linspace(0.3, 2.5, d)).to(DEVICE)
+    n_s, n_m, n_r = 3, 4 * max(tile, 16), 5
+    kc = KVarNCodec(2, d, max(tile, 16), "key") if keys == "tiles" else _codec(QuestQuantizer(2), d)
+    vc = KVarNCodec(bits, d, tile, "value")
+    pk = [x(n_s), (kc, kc.encode(x(n_m)), n_m), x(n_r)]
+    pv = [x(n_s), (vc, vc.encode(x(n_m)), n_m), x(n_r)]
+    q = (torch.randn(B, Hkv * G, 1, d, generator=g) * 1.5).to(DEVICE)
+    ref = dequantize_then_attend(q, pk, pv, None, d**-0.5)[:, 0]
+    kpk = _tile_packed(kc, pk[1][1]) if keys == "tiles" else _packed(kc, pk[1][1])
+    run = lambda values: tk.decode(q[:, :, 0].to(dtype), torch.tensor([[n_s, n_m, n_r]] * B),  # noqa: E731
+                                   *(t.to(dtype) for t in (pk[0], pv[0])), kpk, values, pk[2].to(dtype), pv[2].to(dtype),
+                                   d**-0.5, splits=splits, block_n=block_n)
+    out = run(_value_tile_packed(vc, pv[1][1]))
+    assert _rel(out, ref) < (1e-3 if dtype == torch.float32 else 2e-2), _rel(out, ref)
+    shifted = dict(pv[1][1], s_fold=pv[1][1]["s_fold"].roll(1, dims=2))  # each tile read with another's channel scales
+    assert _rel(run(_value_tile_packed(vc, shifted)), ref) > 0.05
+    if dtype == torch.float32:  # the cache's parts through decode_attention: one launch, with a middle and without
+        for parts_k, parts_v in ((pk, pv), ([pk[0], (kc, {}, 0), pk[2]], [pv[0], (vc, {}, 0), pv[2]])):
+            tk.reset_calls()
+            with decode_mod.triton_enabled(True):
+                through = decode_attention(q, parts_k, parts_v, None, d**-0.5)[:, 0]
+            want = dequantize_then_attend(q, parts_k, parts_v, None, d**-0.5)[:, 0]
+            assert tk.calls()["decode"] == 1 and _rel(through, want) < 1e-3, (tk.calls(), _rel(through, want))
 
 
 @pytest.mark.parametrize("dtype,meta,bits,d,G,block,block_n,splits", [
@@ -1160,17 +1234,41 @@ def test_key_tile_flush_goes_through_the_tile_kernel(feedback):
                 assert (got[k] != t).float().mean() < 0.02, (side, k)
 
 
+def test_kvarn_flush_goes_through_the_tile_kernel_on_both_sides():
+    """The ``kvarn`` method's flush (KVarN tiles of keys and of values): each side one tile-kernel launch a flush, and
+    the packed middle is the PyTorch path's (before session 70 a GPU quantized the value tiles in PyTorch)."""
+    from wushkv.codecs import KVarNCodec
+
+    cfg = QuantConfig(3, 2, "kvarn", windows=WindowConfig(2, 0, 8))
+    ref, _, flushes = _stream(cfg, False, torch.float32, device="cpu")
+    out, stores, _ = _stream(cfg, True, torch.float32)
+    assert flushes >= 2 and stores == 0 and tk.calls().get("kvarn_keys") == tk.calls().get("kvarn_values") == flushes
+    for side, store in _middle(ref).items():
+        got = _middle(out)[side]
+        assert set(got) == set(store) == {"codes", "scale", "zero", "s_fold"}
+        assert (got["codes"] != store["codes"]).float().mean() < 0.02, side
+        # the tile kernel follows kvarn_quantize's PyTorch loop, the CPU path its C++ kernel, whose balance may keep the
+        # other of two rounds that tie to float32 rounding (the scales then split e^±s between rows and columns, with
+        # the same product): the tiles decode to the same keys and values
+        key = side == "k_side"
+        codec = KVarNCodec(cfg.k_bits if key else cfg.v_bits, 32, 8, "key" if key else "value")
+        a, b = codec.decode(store, 0), codec.decode(got, 0)
+        assert torch.allclose(a, b, rtol=4e-3, atol=4e-3 * float(a.abs().max())), (side, float((a - b).abs().max()))
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("family,cfg", [
     ("llama", QuantConfig(2, 2, "quest", windows=WindowConfig(4, 8, 4))),
     ("gemma3", QuantConfig(4, 2, "affine", windows=WindowConfig(2, 4, 4))),
     ("llama", QuantConfig(4, 2, "quest", metadata_dtype="e5m3", windows=WindowConfig(4, 8, 4))),
     ("llama+rmean", QuantConfig(2, 2, "affine", key_quantizer="kvarn", windows=WindowConfig(4, 4, 8))),
+    ("llama", QuantConfig(3, 2, "kvarn", windows=WindowConfig(4, 4, 16))),
 ])
 def test_model_decode_through_triton_equals_pytorch(family, cfg):
     """A tiny model (gemma3: sliding-window layers and a GQA group of 2; llama also with one-byte steps, which the
     store kernel leaves to the PyTorch path, and with KVarN key tiles of 8 tokens centered on a rotating mean, what
-    ``auto`` picks for SmolLM2, ``+rmean+ktiles``, stored by the tile kernel and read by the decode kernel) prefilled
+    ``auto`` picks for SmolLM2, ``+rmean+ktiles``, stored by the tile kernel and read by the decode kernel; and the
+    ``kvarn`` method, tiles of keys and of values) prefilled
     with 30 tokens, then decoded 3 tokens, every flush through the store kernel and every decode step through the
     decode kernel: the packed middle
     is the PyTorch path's (QuEST's step may differ in its last float32 bit where torch sums ‖x‖ in another order, so
@@ -1180,8 +1278,9 @@ def test_model_decode_through_triton_equals_pytorch(family, cfg):
     model = tiny_model(family).to(DEVICE)
     ids = torch.randint(3, 96, (2, 33), generator=torch.Generator().manual_seed(0)).to(DEVICE)
     inputs = None
+    if rmean or cfg.quantizer == "kvarn":  # one sequence: the tile kernel's 16-round balance, a program a tile, is
+        ids = ids[:1]  # slow in the interpreter
     if rmean:  # a mean far from 0 under the model's own RoPE; no key transform (T = I)
-        ids = ids[:1]  # one sequence: the tile kernel's 16-round balance, a program a tile, is slow in the interpreter
         from wushkv.layer import RotatingKeyMean
 
         H, d = model.config.num_key_value_heads, model.config.head_dim
@@ -1202,18 +1301,20 @@ def test_model_decode_through_triton_equals_pytorch(family, cfg):
     out, out_mid = run(True)
     L = model.config.num_hidden_layers
     stores = tk.calls().get("store", 0)  # every layer flushed at least once; one-byte steps on the PyTorch path
-    # (key tiles: values through the store kernel, keys through the tile kernel)
+    # (tiles: through the tile kernel, the other side through the store kernel)
+    tiles = [name for name in ("key", "value") if cfg.side_quantizer(name) == "kvarn"]
     assert tk.calls()["decode"] == 3 * L and (stores == 0 if cfg.metadata_dtype == "e5m3" else
-                                              stores >= (L if cfg.key_quantizer == "kvarn" else 2 * L))
-    assert tk.calls().get("kvarn_keys", 0) >= (L if cfg.key_quantizer == "kvarn" else 0)
+                                              stores >= (2 - len(tiles)) * L)
+    assert all(tk.calls().get(f"kvarn_{name}s", 0) >= (L if name in tiles else 0) for name in ("key", "value")), tk.calls()
     flips = total = 0
     for a, b in zip(ref_mid, out_mid):
         for side in a:
-            if side == "k_side" and cfg.key_quantizer == "kvarn":
-                # key tiles: the tile kernel follows kvarn_quantize's PyTorch loop, the CPU path its C++ kernel, whose
+            if side[0] == "k" and "key" in tiles or side[0] == "v" and "value" in tiles:
+                # tiles: the tile kernel follows kvarn_quantize's PyTorch loop, the CPU path its C++ kernel, whose
                 # balance may keep the other of two rounds that tie to float32 rounding: scale and s_fold then split
-                # e^±s between rows and columns with the same product. The keys they decode to agree.
-                codec = KVarNCodec(cfg.k_bits, model.config.head_dim, cfg.windows.S_flush, "key")
+                # e^±s between rows and columns with the same product. The keys (values) they decode to agree.
+                kind = "key" if side == "k_side" else "value"
+                codec = KVarNCodec(cfg.k_bits if kind == "key" else cfg.v_bits, model.config.head_dim, cfg.windows.S_flush, kind)
                 ka, kb = (codec.decode(m[side], 0) for m in (a, b))
                 assert torch.allclose(ka, kb, rtol=4e-3, atol=4e-3 * float(ka.abs().max())), float((ka - kb).abs().max())
                 continue
@@ -1245,17 +1346,20 @@ for quest, clipped, has_t, br, fb, G in ((True, True, False, 8, False, 32), (Tru
     triton.compile(ASTSource(K["store"], sig("store", ptrs, ("coef", "sqrt_g"), consts), consts), target=GPUTarget("cuda", 90, 32),
                    options={"enable_fp_fusion": False} if fb else None)
 # KVarN key tiles of 128 tokens at head_dim 64 (SmolLM2's auto), clipped, with error feedback along the channels
-consts = dict(D=64, G=128, BITS=2, ITERS=16, CLIPPED=True, FEEDBACK=True)
-triton.compile(ASTSource(K["kvarn_keys"], sig("kvarn_keys", {"x_ptr": "*bf16", "c_ptr": "*u8", "s_ptr": "*fp16", "z_ptr": "*fp16",
-                                                             "o_ptr": "*fp16"}, ("clip_half",), consts), consts),
-               target=GPUTarget("cuda", 90, 32), options={"enable_fp_fusion": False, "num_warps": 4})
+# (and, the same kernel on the transposed tile, KVarN value tiles of 128 tokens at head_dim 128: the kvarn method's)
+for consts in (dict(D=64, G=128, BITS=2, ITERS=16, CLIPPED=True, FEEDBACK=True, VALUES=False),
+               dict(D=128, G=128, BITS=2, ITERS=16, CLIPPED=False, FEEDBACK=False, VALUES=True)):
+    triton.compile(ASTSource(K["kvarn_keys"], sig("kvarn_keys", {"x_ptr": "*bf16", "c_ptr": "*u8", "s_ptr": "*fp16", "z_ptr": "*fp16",
+                                                                 "o_ptr": "*fp16"}, ("clip_half",), consts), consts),
+                   target=GPUTarget("cuda", 90, 32), options={"enable_fp_fusion": False, "num_warps": consts["D"] * consts["G"] // 2048})
 consts = dict(D=128, GQA=4, GP=16, BN=32, K_BITS=2, V_BITS=4, K_G=128, V_G=32, K_Z=False, V_Z=True, K_E5M3=True, K_OFF=128, V_OFF=0,
-              V_E5M3=False, K_P=0, V_P=0, K_WC=0, V_WC=0, K_W4=False, V_W4=False, K_TILE=0, KT_MW=128, RMEAN=False, PAGED=True, PAGE_ABS=False, STARTS=False, HAS_MASK=True, SOFTCAP=True,
+              V_E5M3=False, K_P=0, V_P=0, K_WC=0, V_WC=0, K_W4=False, V_W4=False, K_TILE=0, KT_MW=128, V_TILE=0, RMEAN=False, PAGED=True, PAGE_ABS=False, STARTS=False, HAS_MASK=True, SOFTCAP=True,
               PREC="tf32", DT=tl.bfloat16, EMU=False, FP_STAGES=1, FINAL=False, HAS_SINKS=False, OUT_BF16=True,
               LAST_MERGES=False)
 ptrs = {"cnt_ptr": "*i32", "out_ptr": "*bf16", "q_ptr": "*bf16", "sk_ptr": "*bf16", "sv_ptr": "*bf16", "rk_ptr": "*bf16", "rv_ptr": "*bf16", "kc_ptr": "*u8",
         "vc_ptr": "*u8", "mask_ptr": "*u8", "lens_ptr": "*i32", "bt_ptr": "*i32", "ks_ptr": "*u8", "vs_ptr": "*fp16",
-        "kz_ptr": "*u8", "vz_ptr": "*fp16", "kts_ptr": "*fp16", "ktz_ptr": "*fp16", "rp_ptr": "*i32", "st_ptr": "*i32"}
+        "kz_ptr": "*u8", "vz_ptr": "*fp16", "kts_ptr": "*fp16", "ktz_ptr": "*fp16", "vts_ptr": "*fp16", "rp_ptr": "*i32",
+        "st_ptr": "*i32"}
 for bn, warps, stages, v in ((32, 4, 3, (4, 32, True, 0)), (128, 8, 2, (2, 128, False, 128))):  # two tunings, two value codecs
     consts.update(BN=bn, V_BITS=v[0], V_G=v[1], V_Z=v[2], V_OFF=v[3], FP_STAGES=stages)  # the windows' loop pipelined
     k = triton.compile(ASTSource(K["decode"], sig("decode", ptrs, ("sm_scale", "softcap", "K_HALF", "V_HALF"), consts), consts),
@@ -1310,6 +1414,12 @@ for paged, mw, kp, bn, tile in ((True, 16, 0, 32, 16), (False, 128, 0, 32, 16), 
     consts.update(K_TILE=tile, KT_MW=mw, K_P=kp, K_WC=kp, K_BITS=2, PAGED=paged, PAGE_ABS=paged, BN=bn)
     triton.compile(ASTSource(K["decode"], sig("decode", p, ("sm_scale", "softcap", "K_HALF", "V_HALF"), consts), consts),
                    target=GPUTarget("cuda", 90, 32), options={"num_warps": 4, "num_stages": 2})
+# KVarN value tiles (the kvarn method) beside key tiles in classes, as the kvarn method launches: one row of channel
+# scales a tile of tokens
+vtc = dict(consts, V_TILE=16, V_BITS=2, V_G=128, V_Z=True, V_P=0, V_WC=0, V_OFF=0, BN=16, K_TILE=16, KT_MW=128, K_P=8, K_WC=8,
+           PAGED=False, PAGE_ABS=False)
+triton.compile(ASTSource(K["decode"], sig("decode", p, ("sm_scale", "softcap", "K_HALF", "V_HALF"), vtc), vtc),
+               target=GPUTarget("cuda", 90, 32), options={"num_warps": 1, "num_stages": 2})
 # keys centered on their rotating mean (+rmean): over key tiles in classes, then per-token codes in classes; each row
 # from its own columns (a left-padded batch's ragged rows), under a mask over the parts side by side
 for kt, bn in ((16, 16), (0, 32)):
@@ -1347,7 +1457,7 @@ def test_kernels_compile_for_cuda():
     key tiles', decode (two tunings, one-byte key steps; codes in classes,
     in words of 16 bits, three bytes and one, whose inline PTX ptxas assembles, two codes a word a class at head_dim
     64; rows from their own columns; the last split merging its pair's, its atomic after a barrier that follows the
-    state's stores) and merge kernels compile for sm_90."""
+    state's stores; KVarN's value tiles) and merge kernels compile for sm_90."""
     res = _compiling(COMPILE)
     assert res.returncode == 0 and "compiled True" in res.stdout, res.stderr[-3000:]
 

@@ -101,9 +101,8 @@ def triton_enabled(enabled: bool | None):
     """Within the block, decode and store (:func:`encode_block`) through the Triton kernels (True: on every device,
     CPU tensors under Triton's interpreter, which needs ``TRITON_INTERPRET=1`` before triton is imported; an error
     where triton is missing), never (False), or on CUDA tensors where triton imports (None, the default); the
-    previous choice comes back afterwards, also on error. Caches the kernels do not cover (KVarN tiles of values,
-    float64; for store also KIVI's per-channel keys, the clip search and one-byte E5M3 steps) keep the PyTorch
-    path."""
+    previous choice comes back afterwards, also on error. Caches the kernels do not cover (float64; for store KIVI's
+    per-channel keys, KVarN's value tiles, the clip search and one-byte E5M3 steps) keep the PyTorch path."""
     global USE_TRITON
     previous, USE_TRITON = USE_TRITON, enabled
     try:
@@ -134,16 +133,18 @@ def encode_block(codec, x: torch.Tensor) -> dict[str, torch.Tensor]:
     where the switch sends x's device there and the kernel covers the codec (a :class:`TokenCodec`, with or without
     error feedback, without clip search or one-byte steps, a head_dim and group size the kernels take, x in
     float16/bfloat16/float32), else through the codec's PyTorch path. The same storage either way: codes uint8 (B, Hkv, N, ⌈d·b/8⌉), scale (and offset,
-    affine) (B, Hkv, N, d/G) in the codec's metadata dtype. KVarN key tiles (:class:`KVarNCodec`, kind "key", with
-    or without error feedback; a power-of-two head_dim and tile) go through the tile kernel
-    (:func:`wushkv.triton_kernels.kvarn_key_tiles`, one program a tile): codes, scale, zero and s_fold as the codec
-    stores them."""
+    affine) (B, Hkv, N, d/G) in the codec's metadata dtype. KVarN tiles (:class:`KVarNCodec`: keys with or without
+    error feedback, values; a power-of-two head_dim and tile) go through the tile kernel
+    (:func:`wushkv.triton_kernels.kvarn_key_tiles`, :func:`~wushkv.triton_kernels.kvarn_value_tiles`, one program a
+    tile): codes, scale, zero and s_fold as the codec stores them."""
     if isinstance(codec, KVarNCodec):
-        tk = triton_for(x.device) if codec.kind == "key" and x.dtype in _TRITON_DTYPES else None
+        tk = triton_for(x.device) if x.dtype in _TRITON_DTYPES else None
         d, G, H = codec.d, codec.block, x.shape[1]
         if (tk is None or d < 8 or d & (d - 1) or G & (G - 1)
                 or (codec.feedback is not None and tuple(codec.feedback.shape) != (H, d, d))):
             return codec.encode(x)
+        if codec.kind == "value":
+            return tk.kvarn_value_tiles(x, codec.bits, G, codec.clip)
         return tk.kvarn_key_tiles(x, codec.bits, G, codec.clip, codec.feedback)
     covered = isinstance(codec, TokenCodec) and not codec.step_byte and x.dtype in _TRITON_DTYPES
     tk = triton_for(x.device) if covered else None
@@ -179,11 +180,9 @@ def _token_format(tk, bits: int, d: int, G: int, quest: bool, step_byte: bool):
 
 
 def tile_format(tk, codec: KVarNCodec | ChannelCodec):
-    """The :class:`wushkv.triton_kernels.TileFormat` the decode kernel reads key tiles in (KVarN's; KIVI's per-channel
-    keys, :func:`_key_tiles`), or None where the kernels do not take them (values' tiles; a head_dim or tile that is
-    not a power of two)."""
-    if isinstance(codec, KVarNCodec) and codec.kind != "key":
-        return None
+    """The :class:`wushkv.triton_kernels.TileFormat` the decode kernel reads tiles in (KVarN's key and value tiles;
+    KIVI's per-channel keys, :func:`_key_tiles`), or None where the kernels do not take them (a head_dim or tile that
+    is not a power of two)."""
     try:
         return tk.TileFormat(codec.bits, codec.d, codec.block)
     except ValueError:
@@ -192,9 +191,9 @@ def tile_format(tk, codec: KVarNCodec | ChannelCodec):
 
 def _triton_decode(query, parts_k, parts_v, allowed, scaling, softcap, sinks, held=None):
     """The Triton decode (B, 1, Hq, d) where it applies: [sink, packed middle, recent] with per-token codecs on
-    both sides (or key tiles: ``auto``'s KVarN tiles, KIVI's per-channel keys; keys centered on their rotating mean,
-    ``+rmean``, from head_dim 32), a float16/bfloat16/float32 query, a head_dim the kernels take; else None (the
-    PyTorch path).
+    both sides (or key tiles: ``auto``'s KVarN tiles, KIVI's per-channel keys; KVarN's value tiles; keys centered on
+    their rotating mean, ``+rmean``, from head_dim 32), a float16/bfloat16/float32 query, a head_dim the kernels take;
+    else None (the PyTorch path).
     ``held`` (:func:`decode_attention`): each row reads its own columns of each part (the kernel's ``starts``)."""
     if query.dtype not in _TRITON_DTYPES or len(parts_k) != 3 or len(parts_v) != 3:
         return None
@@ -221,6 +220,17 @@ def _triton_decode(query, parts_k, parts_v, allowed, scaling, softcap, sinks, he
                 store["offset"] = store["zero"]
             s_tok, scale, zero = _key_tiles(codec, store, store["codes"].shape[2])  # s_tok as a per-token scale
             packed.append(tk.Packed(fmt, store["codes"], s_tok[..., None], tile_scale=scale, tile_zero=zero))
+            continue
+        if side == "value" and isinstance(codec, KVarNCodec):  # value tiles: per-token scale and zero, channel scales
+            fmt = tile_format(tk, codec)
+            if fmt is None:
+                return None
+            if not n:  # nothing stored yet: empty tensors (never read)
+                half = dict(dtype=torch.float16, device=sk.device)
+                store = {"codes": sk.new_empty(B, H, 0, fmt.nbytes, dtype=torch.uint8), "scale": torch.empty(B, H, 0, fmt.tile, **half),
+                         "zero": torch.empty(B, H, 0, fmt.tile, **half), "s_fold": torch.empty(B, H, 0, d, **half)}
+            scale, zero, s_chan = _value_tiles(codec, store)
+            packed.append(tk.Packed(fmt, store["codes"], scale[..., None], zero[..., None], tile_scale=s_chan))
             continue
         if not isinstance(codec, TokenCodec):
             return None
@@ -337,15 +347,16 @@ _NONE = (torch.empty(0), torch.empty(0, dtype=torch.bool), torch.empty(0, dtype=
 
 def _cpu_mid(codec, store, n, side: str):
     """One side of the middle as ``parts_decode`` reads it: (tensors, bits, tile, half), tensors [codes, scale,
-    offset or empty] (per-token codes; scale and offset (B, H, N, groups)) or [codes, s_tok, tile scale, tile zero]
-    (KVarN's key tiles); ([], 0, 0, 0) for an empty middle; None where the kernel does not read the codec (other
-    quantizers, 3 bits of a head_dim not a multiple of 8, groups that are not whole units of the row)."""
+    offset or empty] (per-token codes; scale and offset (B, H, N, groups)), [codes, s_tok, tile scale, tile zero]
+    (key tiles) or [codes, scale, zero, channel scale] (KVarN's value tiles, :func:`_value_tiles`); ([], 0, 0, 0) for
+    an empty middle; None where the kernel does not read the codec (other quantizers, 3 bits of a head_dim not a
+    multiple of 8, groups that are not whole units of the row)."""
     if not n:
         return [], 0, 0, 0.0
     if not _readable(codec.bits, store["codes"]):
         return None
-    tiles = _key_tiles(codec, store, n) if side == "key" else None
-    if tiles is not None:  # KVarN's key tiles, KIVI's per-channel keys
+    tiles = _key_tiles(codec, store, n) if side == "key" else _value_tiles(codec, store)
+    if tiles is not None:  # KVarN's key or value tiles, KIVI's per-channel keys
         return [store["codes"], *tiles], codec.bits, codec.block, 0.0
     ng = store["scale"].shape[-1]
     if isinstance(codec, TokenCodec) and (ng == 1 or _group_bytes(codec.bits, codec.d, ng) is not None):
@@ -358,8 +369,8 @@ def _cpu_decode(query, parts_k, parts_v, allowed, scaling, softcap, sinks, held=
     softmax and the values' sum per work item, an online-softmax merge, the middle read from its codes), where it
     applies: the kernels built, a float16/bfloat16/float32 query on the CPU, each side's middle per-token codes
     (QuEST, affine; 1/2/3/4/8 bits; groups of whole units), KVarN's key tiles (``auto``'s keys, with or without
-    ``+rmean``; KIVI's per-channel keys, tiles with s_tok 1), or full precision; else None (the path below: float64,
-    which is bit-exact with the emulation; KVarN's value tiles; groups within a token that end mid-unit). ``held``:
+    ``+rmean``; KIVI's per-channel keys, tiles with s_tok 1), KVarN's value tiles, or full precision; else None (the
+    path below: float64, which is bit-exact with the emulation; groups within a token that end mid-unit). ``held``:
     row b reads columns [held[b, i, 0], held[b, i, 1]) of part i."""
     if not (USE_KERNELS and USE_FUSED) or query.device.type != "cpu" or query.dtype not in _TRITON_DTYPES:
         return None
@@ -381,7 +392,7 @@ def _cpu_decode(query, parts_k, parts_v, allowed, scaling, softcap, sinks, held=
             parts[1] = _NONE[0] if read[0] else parts[0][:, :, :0]  # (not read where codes are; else no columns)
         reads.append((read, n))
     (kt, kbits, tile, khalf), n = reads[0]
-    (vt, vbits, _, vhalf), nv = reads[1]
+    (vt, vbits, vtile, vhalf), nv = reads[1]
     ext = _compiled() if n == nv else None
     if ext is None:
         return None
@@ -396,7 +407,7 @@ def _cpu_decode(query, parts_k, parts_v, allowed, scaling, softcap, sinks, held=
         table = mk[3].mean.table(int(first.max()) + n, "cpu")
     q = query.squeeze(2)
     out = ext.parts_decode(q if q.dtype == torch.float32 else q.float(), spans, widths, keys, values, kt, kbits, tile,
-                           khalf, vt, vbits, vhalf, visible, float(scaling), float(softcap or 0.0),
+                           khalf, vt, vbits, vtile, vhalf, visible, float(scaling), float(softcap or 0.0),
                            none if sinks is None else sinks.detach().float().cpu(), terms, table, first)
     return (out if query.dtype == torch.float32 else out.to(query.dtype)).view(B, 1, Hq, d)
 
@@ -434,6 +445,15 @@ def _key_tiles(codec, store, n: int):
     if isinstance(codec, ChannelCodec):
         B, H = store["codes"].shape[:2]
         return _unit_s_tok(store["codes"].device).expand(B, H, n), store["scale"], store["offset"]
+    return None
+
+
+def _value_tiles(codec, store):
+    """Values coded in KVarN tiles of ``codec.block`` tokens as the kernels read them, v̂[t, c] = s_chan[t // block, c]·
+    (scale[t]·code[t, c] + zero[t]): (scale, zero (B, H, N), s_chan (B, H, tiles, d)) (views of the store: each
+    tile's per-token rows flattened, its channel scales are its s_fold); None for other codecs."""
+    if isinstance(codec, KVarNCodec) and codec.kind == "value":
+        return store["scale"].flatten(2, 3), store["zero"].flatten(2, 3), store["s_fold"]
     return None
 
 

@@ -4,12 +4,12 @@ Which codecs: per-token groups, i.e. :class:`~wushkv.codecs.TokenCodec` over QuE
 (every ``quest``/``affine`` cache, and the values of ``kivi`` and of the ``+ktiles`` methods), and for decode the
 keys of KVarN tiles (:class:`TileFormat`: the key tiles ``auto`` picks), whose per-channel scale is folded into the
 query tile by tile, so their codes enter the dots as per-token codes do; KIVI's per-channel keys are read as such
-tiles whose per-token s_tok is 1 (a stride-0 view). KVarN's tiles of values stay on the PyTorch path of
-:mod:`wushkv.decode`. Store covers error-feedback rounding of per-token codes
+tiles whose per-token s_tok is 1 (a stride-0 view); KVarN's value tiles (the ``kvarn`` method's, ``+tiles``) are
+dequantized in registers a tile of tokens at a time. Store covers error-feedback rounding of per-token codes
 (``+ldlq``: a pass over the channels, one program's rows at a time), not the per-token clip search
 (``clip_search``); decode reads what that stores, so it covers it. KVarN's key tiles (``+ktiles``, every recipe
 ``auto`` records) have a kernel of their own (:func:`kvarn_key_tiles`: a tile a program, balance, rows, with
-``+ldlq`` along the channels); KVarN's tiles of values stay on the PyTorch path.
+``+ldlq`` along the channels), which quantizes KVarN's value tiles too (:func:`kvarn_value_tiles`).
 
 Layouts (``nb`` = ⌈d·b/8⌉ packed bytes, ``ng`` = d/G groups, codes as :func:`wushkv.quantizers.pack` lays them out):
 
@@ -163,6 +163,8 @@ class TileFormat:
     (:class:`wushkv.codecs.ChannelCodec`, s_tok 1): ``tile`` consecutive tokens share a scale and zero per channel,
     each token has its fold ``s_tok`` and ``bits``-bit codes packed like a per-token codec's, and
     k̂[t, c] = s_tok[t]·(scale[c]·code[t, c] + zero[c]) (:func:`wushkv.quantizers.kvarn.kvarn_dequantize`).
+    On the values' side, KVarN's value tiles: each token has a scale and zero, each tile a scale per channel, and
+    v̂[t, c] = s_chan[c]·(scale[t]·code[t, c] + zero[t]) (:class:`Packed`).
 
     ``spread`` (halves): 0, a tile's scale and zero are rows of their own, (·, tiles, d) each (wushkv's cache);
     else they are the 2d halves [scale | zero] spread over the tile's tokens, ``spread`` halves in each token's row
@@ -663,6 +665,7 @@ def _kernels() -> dict:
     def _code_segment(q, qsum, qoff, m, l, acc, q_ptr, qrow, qmask,
                       kc_ptr, ks_ptr, kz_ptr, vc_ptr, vs_ptr, vz_ptr, kts_ptr, ktz_ptr,
                       kc0, kc1, kc2, ks0, ks1, ks2, vc0, vc1, vc2, vs0, vs1, vs2, kt0, kt1, kt2, KT_ZI,
+                      vts_ptr, vt0, vt1, vt2,
                       rb_ptr, brow, rt_ptr, rr_ptr, p0,
                       bt_ptr, s_bt, PAGE, b, h, a, e, base, mbase,
                       sm_scale, softcap, mask_ptr, s_mb, K_HALF, V_HALF,
@@ -671,7 +674,7 @@ def _kernels() -> dict:
                       K_E5M3: tl.constexpr, V_E5M3: tl.constexpr, K_OFF: tl.constexpr, V_OFF: tl.constexpr,
                       K_P: tl.constexpr, V_P: tl.constexpr, K_WC: tl.constexpr, V_WC: tl.constexpr,
                       K_W4: tl.constexpr, V_W4: tl.constexpr, GP: tl.constexpr,
-                      K_TILE: tl.constexpr, KT_MW: tl.constexpr, RMEAN: tl.constexpr,
+                      K_TILE: tl.constexpr, KT_MW: tl.constexpr, V_TILE: tl.constexpr, RMEAN: tl.constexpr,
                       PAGED: tl.constexpr, PAGE_ABS: tl.constexpr, HAS_MASK: tl.constexpr, SOFTCAP: tl.constexpr,
                       PREC: tl.constexpr, DT: tl.constexpr, EMU: tl.constexpr):
         """Tokens [a, e) of the packed middle, token t the sequence's column ``base`` + t (where PAGE_ABS looks it up
@@ -687,8 +690,11 @@ def _kernels() -> dict:
         one accumulator each (a0..a7, (GP, D/P)) and join ``acc`` after the last tile: joined every tile, the classes'
         results would hold as many registers again as the accumulators. RMEAN: keys stored centered on their
         rotating mean, token i at position p0 + i, each tile's scores gain :func:`_rope_bias` (turned by the tile's
-        first position, wherever it starts)."""
-        ALIGN: tl.constexpr = K_TILE > 0 and BN <= K_TILE
+        first position, wherever it starts). V_TILE > 0: the values are KVarN tiles of V_TILE tokens (contiguous
+        layout), v̂[t, c] = s_chan[c]·(s_t·code + z_t), dequantized in registers, a tile of tokens at a time: the
+        channel scales of its value tile, one row where the tile of tokens lies in one (BN ≤ V_TILE, aligned), each
+        token's otherwise."""
+        ALIGN: tl.constexpr = (K_TILE > 0 and BN <= K_TILE) or (V_TILE > 0 and BN <= V_TILE)
         VK: tl.constexpr = D // V_P if V_P > 0 else 16
         a0 = tl.zeros([GP, VK], dtype=tl.float32)
         a1 = tl.zeros([GP, VK], dtype=tl.float32)
@@ -798,7 +804,19 @@ def _kernels() -> dict:
             # values: Cᵀ(p ⊙ s) + (Σ p z)·1, or the dequantized tile
             rows = _rows(tt, b, h, bt_ptr, s_bt, PAGE, vc0, vc1, vc2, PAGED)
             srows = _rows(tt, b, h, bt_ptr, s_bt, PAGE, vs0, vs1, vs2, PAGED)
-            if V_P > 0:
+            if V_TILE > 0:  # KVarN value tiles: each token's affine row times its tile's channel scales (float32,
+                # in kvarn_dequantize's order), then one dot
+                x = _codes_as(_unpack(vc_ptr, rows, valid, D, V_BITS, BN), 0) * tl.load(vs_ptr + srows, mask=valid, other=0.0).to(tl.float32)[:, None] \
+                    + tl.load(vz_ptr + srows, mask=valid, other=0.0).to(tl.float32)[:, None]
+                ch = tl.arange(0, D)
+                if BN <= V_TILE:  # aligned (ALIGN): the tokens' one value tile, its row of channel scales
+                    vrow = _rows(b * 0 + start // V_TILE, b, h, bt_ptr, s_bt, PAGE, vt0, vt1, vt2, False)
+                    x = x * tl.load(vts_ptr + vrow + ch).to(tl.float32)[None, :]
+                else:  # value tiles shorter than the tile of tokens: each token's tile's row
+                    vrow = _rows(tt // V_TILE, b, h, bt_ptr, s_bt, PAGE, vt0, vt1, vt2, False)
+                    x = x * tl.load(vts_ptr + vrow[:, None] + ch[None, :], mask=valid[:, None], other=0.0).to(tl.float32)
+                o = _mma(p, x, DT, EMU, PREC)
+            elif V_P > 0:
                 if V_Z:
                     vs, vz = _token_scale_offset(vs_ptr, vz_ptr, srows, valid, V_HALF, V_Z, V_E5M3)
                 else:
@@ -895,6 +913,7 @@ def _kernels() -> dict:
                       kc_ptr, ks_ptr, kz_ptr, vc_ptr, vs_ptr, vz_ptr,
                       kc0, kc1, kc2, ks0, ks1, ks2, vc0, vc1, vc2, vs0, vs1, vs2,
                       kts_ptr, ktz_ptr, kt0, kt1, kt2, KT_ZI,  # KVarN key tiles' scale and zero (K_TILE > 0)
+                      vts_ptr, vt0, vt1, vt2,  # KVarN value tiles' channel scales (V_TILE > 0)
                       rb_ptr, rb_b, rb_h, rp_ptr, rt_ptr, rr_ptr,  # RMEAN: terms (B, Hq, D), token 0's position (B,), tables
                       bt_ptr, s_bt, PAGE,
                       mask_ptr, s_mb, S, WINDOW,
@@ -907,7 +926,7 @@ def _kernels() -> dict:
                       K_Z: tl.constexpr, V_Z: tl.constexpr, K_E5M3: tl.constexpr, V_E5M3: tl.constexpr,
                       K_OFF: tl.constexpr, V_OFF: tl.constexpr, K_P: tl.constexpr, V_P: tl.constexpr,
                       K_WC: tl.constexpr, V_WC: tl.constexpr, K_W4: tl.constexpr, V_W4: tl.constexpr,
-                      K_TILE: tl.constexpr, KT_MW: tl.constexpr, RMEAN: tl.constexpr,
+                      K_TILE: tl.constexpr, KT_MW: tl.constexpr, V_TILE: tl.constexpr, RMEAN: tl.constexpr,
                       PAGED: tl.constexpr, PAGE_ABS: tl.constexpr, STARTS: tl.constexpr, HAS_MASK: tl.constexpr,
                       SOFTCAP: tl.constexpr, PREC: tl.constexpr, DT: tl.constexpr, EMU: tl.constexpr,
                       FP_STAGES: tl.constexpr, FINAL: tl.constexpr, HAS_SINKS: tl.constexpr, OUT_BF16: tl.constexpr,
@@ -970,11 +989,12 @@ def _kernels() -> dict:
         # but its own (nor q, loaded again after it)
         m, l, acc = _code_segment(q, qsum, qoff, m, l, acc, q_ptr, qrow, qmask, kc_ptr, ks_ptr, kz_ptr, vc_ptr, vs_ptr, vz_ptr,
                                   kts_ptr, ktz_ptr, kc0, kc1, kc2, ks0, ks1, ks2, vc0, vc1, vc2, vs0, vs1, vs2,
-                                  kt0, kt1, kt2, KT_ZI, rb_ptr, brow, rt_ptr, rr_ptr, p0,
+                                  kt0, kt1, kt2, KT_ZI, vts_ptr, vt0, vt1, vt2, rb_ptr, brow, rt_ptr, rr_ptr, p0,
                                   bt_ptr, s_bt, PAGE, b, h, tl.maximum(lo - n_s, 0) + o_m, tl.minimum(hi - n_s, n_m) + o_m,
                                   n_s - o_m, mb_m, sm_scale, softcap, mask_ptr, s_mb, K_HALF, V_HALF,
                                   D, BN, K_BITS, V_BITS, K_G, V_G, K_Z, V_Z, K_E5M3, V_E5M3, K_OFF, V_OFF,
-                                  K_P, V_P, K_WC, V_WC, K_W4, V_W4, GP, K_TILE, KT_MW, RMEAN, PAGED, PAGE_ABS, HAS_MASK, SOFTCAP, PREC,
+                                  K_P, V_P, K_WC, V_WC, K_W4, V_W4, GP, K_TILE, KT_MW, V_TILE, RMEAN, PAGED, PAGE_ABS, HAS_MASK,
+                                  SOFTCAP, PREC,
                                   DT, EMU)
         q = tl.load(q_ptr + qrow[:, None] + d[None, :], mask=qmask[:, None], other=0.0)
         m, l, acc = _fp_segment(q, m, l, acc, sk_ptr, sv_ptr, sk_b, sk_h, sk_t, sv_b, sv_h, sv_t, b, h,
@@ -1153,7 +1173,7 @@ def _kernels() -> dict:
             tl.store(z_ptr + (blk * sz0 + tok * sz1 + h * sz2)[:, None] + g[None, :],
                      _rne_out(offset, META_BF16).to(z_ptr.dtype.element_ty), mask=ok[:, None])
 
-    # -- KVarN key tiles: balance, rows (with error feedback), pack -------------------------------------------------
+    # -- KVarN tiles: balance, rows (keys' with error feedback), pack ------------------------------------------------
     @jit
     def _std(B, AXIS: tl.constexpr, N: tl.constexpr, CORRECTION: tl.constexpr):
         """torch's ``B.std(dim=AXIS, correction=CORRECTION)`` of a 2-D tile over its N entries along AXIS: the
@@ -1193,51 +1213,56 @@ def _kernels() -> dict:
         return lo, tl.maximum(tl.math.div_rn(hi - lo, tl.full(lo.shape, QMAX, tl.float32)), 1e-10)
 
     @jit
-    def kvarn_key_kernel(x_ptr, sx_b, sx_h, sx_t, sx_d, f_ptr, sf_h, sf_i, sf_j,
-                         c_ptr, sc_b, sc_h, sc_t, s_ptr, z_ptr, sm_b, sm_h, sm_n, o_ptr, so_b, so_h, so_n,
-                         clip_half,
-                         D: tl.constexpr, G: tl.constexpr, BITS: tl.constexpr, ITERS: tl.constexpr,
-                         CLIPPED: tl.constexpr, FEEDBACK: tl.constexpr, RELOAD: tl.constexpr):
-        """Program (tile j, head h, sequence b): the keys' KVarN tile of tokens [j·G, (j+1)·G) as
-        :func:`wushkv.quantizers.kvarn.kvarn_quantize` (kind "key") stores it: A = Xᵀ (D channels × G tokens),
-        balanced in ITERS rounds (the round of least imbalance kept), each channel row quantized over its own grid
-        (in order, each row's error pushed onto the later rows through F with FEEDBACK), the codes packed per token
-        at x's rows, scale and zero (D,) and s_fold (G,) in float16."""
+    def kvarn_tile_kernel(x_ptr, sx_b, sx_h, sx_t, sx_d, f_ptr, sf_h, sf_i, sf_j,
+                          c_ptr, sc_b, sc_h, sc_t, s_ptr, z_ptr, sm_b, sm_h, sm_n, o_ptr, so_b, so_h, so_n,
+                          clip_half,
+                          D: tl.constexpr, G: tl.constexpr, BITS: tl.constexpr, ITERS: tl.constexpr,
+                          CLIPPED: tl.constexpr, FEEDBACK: tl.constexpr, RELOAD: tl.constexpr, VALUES: tl.constexpr):
+        """Program (tile j, head h, sequence b): the KVarN tile of tokens [j·G, (j+1)·G) as
+        :func:`wushkv.quantizers.kvarn.kvarn_quantize` stores it: A (R × C) = Xᵀ (keys: D channels × G tokens) or X
+        (VALUES: G tokens × D channels), balanced in ITERS rounds (the round of least imbalance kept), each row
+        quantized over its own grid (keys' channel rows in order, each row's error pushed onto the later rows through
+        F with FEEDBACK), the codes packed per token at x's rows, scale and zero (R,) and s_fold (C,) in float16."""
         j = tl.program_id(0).to(tl.int64)
         h = tl.program_id(1).to(tl.int64)
         b = tl.program_id(2).to(tl.int64)
-        r = tl.arange(0, D)
-        c = tl.arange(0, G)
-        a_ptr = x_ptr + b * sx_b + h * sx_h + (j * G + c[None, :]) * sx_t + r[:, None] * sx_d
-        A = tl.load(a_ptr).to(tl.float32)  # (D, G)  (RELOAD: read again where used; volatile, or it is CSE'd away)
+        R: tl.constexpr = VALUES * G + (1 - VALUES) * D  # (arithmetic: an if-expression is no constexpr when compiled)
+        C: tl.constexpr = VALUES * D + (1 - VALUES) * G
+        r = tl.arange(0, R)
+        c = tl.arange(0, C)
+        if VALUES:  # rows are tokens
+            a_ptr = x_ptr + b * sx_b + h * sx_h + (j * G + r[:, None]) * sx_t + c[None, :] * sx_d
+        else:  # rows are channels
+            a_ptr = x_ptr + b * sx_b + h * sx_h + (j * G + c[None, :]) * sx_t + r[:, None] * sx_d
+        A = tl.load(a_ptr).to(tl.float32)  # (R, C)  (RELOAD: read again where used; volatile, or it is CSE'd away)
         QMAX: tl.constexpr = (1 << BITS) - 1
         # 2. balance in the log domain: A = B ⊙ (exp ℓ_r · exp ℓ_cᵀ), the round of least imbalance (the start counts)
-        log_r = tl.zeros([D], dtype=tl.float32)
-        log_c = tl.zeros([G], dtype=tl.float32)
+        log_r = tl.zeros([R], dtype=tl.float32)
+        log_c = tl.zeros([C], dtype=tl.float32)
         best_r = log_r
         best_c = log_c
-        best = _imbalance(A, D, G)
+        best = _imbalance(A, R, C)
         B = A
         for _ in range(ITERS):
-            log_c = tl.minimum(tl.maximum(log_c + tl.log(tl.minimum(tl.maximum(_std(B, 0, D, 1), 1e-3), 1e3)), -0.3), 10.0)
+            log_c = tl.minimum(tl.maximum(log_c + tl.log(tl.minimum(tl.maximum(_std(B, 0, R, 1), 1e-3), 1e3)), -0.3), 10.0)
             if RELOAD:
                 A = tl.load(a_ptr, volatile=True).to(tl.float32)
             B = A / (tl.exp(log_r)[:, None] * tl.exp(log_c)[None, :])
-            log_r = tl.minimum(tl.maximum(log_r + tl.log(tl.minimum(tl.maximum(_std(B, 1, G, 1), 1e-3), 1e3)), -0.3), 10.0)
+            log_r = tl.minimum(tl.maximum(log_r + tl.log(tl.minimum(tl.maximum(_std(B, 1, C, 1), 1e-3), 1e3)), -0.3), 10.0)
             if RELOAD:
                 A = tl.load(a_ptr, volatile=True).to(tl.float32)
             B = A / (tl.exp(log_r)[:, None] * tl.exp(log_c)[None, :])
-            imb = _imbalance(B, D, G)
+            imb = _imbalance(B, R, C)
             better = imb < best  # strictly: a NaN never replaces the incumbent
             best = tl.where(better, imb, best)
             best_r = tl.where(better, log_r, best_r)
             best_c = tl.where(better, log_c, best_c)
-        row_exp = tl.exp(best_r)  # (D,)
-        fold = tl.exp(best_c)  # (G,)
-        # 3. each channel row over its own grid
+        row_exp = tl.exp(best_r)  # (R,)
+        fold = tl.exp(best_c)  # (C,)
+        # 3. each row over its own grid
         if RELOAD:
             A = tl.load(a_ptr, volatile=True).to(tl.float32)
-        if FEEDBACK:  # rows in order; the error as the decoder reads it (float16 metadata) feeds the later rows
+        if FEEDBACK:  # (keys: R = D, C = G) rows in order; the error as the decoder reads it (float16) feeds the later rows
             fold16 = fold.to(tl.float16).to(tl.float32)
             W = A
             q = tl.zeros([D, G], dtype=tl.float32)
@@ -1260,15 +1285,18 @@ def _kernels() -> dict:
                 W = W - f[:, None] * e
         else:
             B = A / (row_exp[:, None] * fold[None, :])
-            lo, step = _tile_grid(B, G, QMAX, clip_half, CLIPPED, 1)
+            lo, step = _tile_grid(B, C, QMAX, clip_half, CLIPPED, 1)
             q = tl.minimum(tl.maximum(_round_even(tl.math.div_rn(B - lo[:, None], step[:, None])), 0.0), QMAX * 1.0)
-        # 4. metadata, float16: scale' = exp ℓ_r · step, zero' = exp ℓ_r · lo (per channel), s_fold = exp ℓ_c (per token)
+        # 4. metadata, float16: scale' = exp ℓ_r · step, zero' = exp ℓ_r · lo (per row), s_fold = exp ℓ_c (per column)
         n = b * sm_b + h * sm_h + j * sm_n
         tl.store(s_ptr + n + r, (row_exp * step).to(tl.float16))
         tl.store(z_ptr + n + r, (row_exp * lo).to(tl.float16))
         tl.store(o_ptr + b * so_b + h * so_h + j * so_n + c, fold.to(tl.float16))
         # codes per token (x's rows), packed along the channels
-        _store_packed(c_ptr, b * sc_b + h * sc_h + (j * G + c) * sc_t, tl.trans(q), c >= 0, G, D, BITS)
+        if VALUES:
+            _store_packed(c_ptr, b * sc_b + h * sc_h + (j * G + r) * sc_t, q, r >= 0, G, D, BITS)
+        else:
+            _store_packed(c_ptr, b * sc_b + h * sc_h + (j * G + c) * sc_t, tl.trans(q), c >= 0, G, D, BITS)
 
     # -- the code words' operand bits alone: what checks the GPU's inline PTX without a GPU -------------------------
     @jit
@@ -1284,7 +1312,7 @@ def _kernels() -> dict:
         tl.store(o_ptr + r, out.to(tl.int16, bitcast=True))
 
     return {"decode": decode_kernel, "merge": merge_kernel, "store": store_kernel, "word_codes": word_codes_kernel,
-            "kvarn_keys": kvarn_key_kernel}
+            "kvarn_keys": kvarn_tile_kernel, "kvarn_values": kvarn_tile_kernel}
 
 
 def _check_device(*tensors) -> None:
@@ -1582,6 +1610,18 @@ def kvarn_key_tiles(x: torch.Tensor, bits: int, tile: int, clip: float = 0.0, fe
     :func:`wushkv.quantizers.kvarn.kvarn_quantize` (its balance's ``iters`` rounds, ties and NaNs, its rounding),
     with float32 sums in another order: codes equal but where a value sits on a rounding boundary to that rounding, or
     where two rounds' imbalances tie (the scales then split e^±s between rows and columns, with the same product)."""
+    return _kvarn_tiles(x, bits, tile, clip, feedback, iters, values=False)
+
+
+def kvarn_value_tiles(x: torch.Tensor, bits: int, tile: int, clip: float = 0.0, iters: int = 16) -> dict[str, torch.Tensor]:
+    """Values x (B, Hkv, T, d) quantized in KVarN tiles as :func:`kvarn_key_tiles` quantizes keys, by the same kernel
+    on the transposed tile (rows are tokens): the storage :class:`wushkv.codecs.KVarNCodec` (kind "value") encodes,
+    codes uint8 (B, Hkv, T, ⌈d·b/8⌉), scale and zero float16 (B, Hkv, T/tile, tile) per token, s_fold float16
+    (B, Hkv, T/tile, d) per channel. No error feedback (KVarN's is along key channels)."""
+    return _kvarn_tiles(x, bits, tile, clip, None, iters, values=True)
+
+
+def _kvarn_tiles(x, bits: int, tile: int, clip: float, feedback, iters: int, values: bool) -> dict[str, torch.Tensor]:
     from .quantizers.quest import QUEST_ALPHA
 
     B, H, T, d = x.shape
@@ -1593,10 +1633,11 @@ def kvarn_key_tiles(x: torch.Tensor, bits: int, tile: int, clip: float = 0.0, fe
         raise ValueError(f"feedback must be (Hkv, d, d) = {(H, d, d)}, got {tuple(feedback.shape)}")
     _check_device(x)
     n = T // tile
+    rows, cols = (tile, d) if values else (d, tile)  # the tile matrix A (R × C): values X, keys Xᵀ
     codes = torch.empty(B, H, T, -(-d * bits // 8), dtype=torch.uint8, device=x.device)
-    scale = torch.empty(B, H, n, d, dtype=torch.float16, device=x.device)
+    scale = torch.empty(B, H, n, rows, dtype=torch.float16, device=x.device)
     zero = torch.empty_like(scale)
-    s_fold = torch.empty(B, H, n, tile, dtype=torch.float16, device=x.device)
+    s_fold = torch.empty(B, H, n, cols, dtype=torch.float16, device=x.device)
     if B * H * n == 0:
         return {"codes": codes, "scale": scale, "zero": zero, "s_fold": s_fold}
     f = to_device(feedback, x.device, torch.float32) if feedback is not None else x
@@ -1607,11 +1648,12 @@ def kvarn_key_tiles(x: torch.Tensor, bits: int, tile: int, clip: float = 0.0, fe
     # read again from memory (cached) at each of the balance's rounds instead of spilled: compiled for sm_90, 348 spilled
     # loads a round → 56 (benchmarks/kernel_sass.py --stores)
     reload = 2 * (d * tile // (32 * warps)) + 32 > min(255, 65536 // (32 * warps))
-    _launch("kvarn_keys", (n, H, B), x, *x.stride(), f, *(f.stride() if feedback is not None else (0, 0, 0)),
+    _launch("kvarn_values" if values else "kvarn_keys", (n, H, B), x, *x.stride(), f,
+            *(f.stride() if feedback is not None else (0, 0, 0)),
             codes, codes.stride(0), codes.stride(1), codes.stride(2), scale, zero, scale.stride(0), scale.stride(1),
             scale.stride(2), s_fold, s_fold.stride(0), s_fold.stride(1), s_fold.stride(2), float(clip * QUEST_ALPHA[bits]),
             D=d, G=tile, BITS=bits, ITERS=iters, CLIPPED=clip > 0, FEEDBACK=feedback is not None, num_warps=warps,
-            RELOAD=reload,
+            RELOAD=reload, VALUES=values,
             enable_fp_fusion=False)  # (the float32 steps of the PyTorch reference one by one: no fused multiply-adds)
     return {"codes": codes, "scale": scale, "zero": zero, "s_fold": s_fold}
 
@@ -1659,7 +1701,10 @@ class Packed:
     1), and ``tile_scale``, ``tile_zero`` the tiles' per-channel scale and zero: contiguous (B, Hkv, tiles, d) each
     (float16, bfloat16 or float32, alike), or with the
     format's ``spread``, one (·, spread) float16 view of the halves spread over the tiles' tokens, laid out as the codes
-    (``tile_zero`` unused)."""
+    (``tile_zero`` unused).
+
+    Value tiles (a :class:`TileFormat` on the values' side; KVarN's, contiguous only): ``scale`` and ``offset`` are
+    each token's scale and zero (·, 1), ``tile_scale`` the tiles' channel scales s_chan (B, Hkv, tiles, d)."""
 
     fmt: TokenFormat | TileFormat
     codes: torch.Tensor
@@ -1735,6 +1780,7 @@ class DecodeTuning:
         """(K_P, V_P, block_n, num_warps) of a decode over this middle with ``dtype`` queries: each side's classes
         (:func:`code_classes`, 0 with ``class_split`` off) and the tile and warps in effect for that path."""
         k_p, v_p = (code_classes(side.fmt, dtype, side.codes) if self.class_split else 0 for side in (mid_k, mid_v))
+        v_p = 0 if isinstance(mid_v.fmt, TileFormat) else v_p  # value tiles: dequantized in registers (one dot)
         auto = (32, 1) if k_p or v_p else (64, 4)
         return k_p, v_p, self.block_n or auto[0], self.num_warps or auto[1]
 
@@ -1937,8 +1983,11 @@ def decode(query, lengths, sink_k, sink_v, mid_k: Packed, mid_v: Packed, recent_
     if Hq % Hkv:
         raise ValueError(f"query heads {Hq} are not a multiple of KV heads {Hkv}")
     G = Hq // Hkv
-    if isinstance(mid_v.fmt, TileFormat):
-        raise ValueError("KVarN tiles are read for the keys only: the values' middle needs a TokenFormat")
+    if isinstance(mid_v.fmt, TileFormat) and (mid_v.fmt.spread or block_table is not None or mid_v.offset is None
+                                              or mid_v.tile_scale is None or mid_v.fmt.step_byte):
+        raise ValueError("value tiles (KVarN's) are read from contiguous rows of their own: each token's scale and zero "
+                         "(Packed.scale, Packed.offset) and each tile's channel scales (Packed.tile_scale, (B, Hkv, tiles, d)), "
+                         "no block table, not spread")
     for side in (mid_k, mid_v):
         if side.fmt.d != d:
             raise ValueError(f"the packed middle has head_dim {side.fmt.d}, the query {d}")
@@ -1957,8 +2006,9 @@ def decode(query, lengths, sink_k, sink_v, mid_k: Packed, mid_v: Packed, recent_
     lengths = kept_on(lengths, query.device, torch.int32)
     tuning = current_tuning()
     k_p, v_p, tile_n, num_warps = tuning.launch(query.dtype, mid_k, mid_v)
-    if isinstance(mid_k.fmt, TileFormat) and mid_k.fmt.tile >= 16:
-        tile_n = min(tile_n, mid_k.fmt.tile)  # tiles of tokens aligned to it then lie in one key tile: one dot each
+    for side in (mid_k, mid_v):
+        if isinstance(side.fmt, TileFormat) and side.fmt.tile >= 16:
+            tile_n = min(tile_n, side.fmt.tile)  # tiles of tokens aligned to it then lie in one key (value) tile
     block_n = block_n or tile_n
     if splits is None:
         visible = min([longest] + ([window] if window else []) + ([allowed.shape[-1]] if allowed is not None else []))
@@ -2021,6 +2071,16 @@ def decode(query, lengths, sink_k, sink_v, mid_k: Packed, mid_v: Packed, recent_
         if paged and page % kt_tile:
             raise ValueError(f"paged key tiles lie within a block: block size {page} is not a multiple of the tile {kt_tile}")
         kt_strides, kt_zi, kt_mw = strides(kts), d if spread else 0, spread or d
+    vts, vt_strides, vt_tile = mid_v.scale, (0, 0, 0), 0  # (placeholders, never read without value tiles)
+    if isinstance(mid_v.fmt, TileFormat):
+        vt_tile, vts = mid_v.fmt.tile, mid_v.tile_scale
+        if (vts.dim() != 4 or tuple(vts.shape[:2]) != tuple(mid_v.codes.shape[:2]) or vts.shape[3] != d
+                or vts.shape[2] * vt_tile < mid_v.codes.shape[2] or vts.stride(-1) != 1
+                or vts.dtype not in (torch.float16, torch.bfloat16, torch.float32)):
+            raise ValueError(f"value tiles' channel scales must be (B, Hkv, tiles, {d}) covering the middle's "
+                             f"{mid_v.codes.shape[2]} tokens in tiles of {vt_tile}, float16/bfloat16/float32 with a "
+                             f"contiguous last dim; got {tuple(vts.shape)} {vts.dtype}")
+        vt_strides = strides(vts)
     rb, rb_s, rp, rt, rr = query, (0, 0), lengths, query, query  # placeholders, never read without RMEAN
     if key_bias is not None:
         rb, rp, rt, rb_s = _key_bias_args(key_bias, B, Hq, d, mid_k, page, paged, block_table, block_n, query.device,
@@ -2035,7 +2095,7 @@ def decode(query, lengths, sink_k, sink_v, mid_k: Packed, mid_v: Packed, recent_
                     recent_k, recent_v, *recent_k.stride()[:3], *recent_v.stride()[:3],
                     mid_k.codes, mid_k.scale, kz, mid_v.codes, mid_v.scale, vz,
                     *strides(mid_k.codes), *strides(mid_k.scale), *strides(mid_v.codes), *strides(mid_v.scale),
-                    kts, ktz, *kt_strides, kt_zi, rb, *rb_s, rp, rt, rr,
+                    kts, ktz, *kt_strides, kt_zi, vts, *vt_strides, rb, *rb_s, rp, rt, rr,
                     bt, bt.stride(0), page, mask, mask.stride(0), S, int(window or 0),
                     o, m, l, sinks if sinks is not None else out, out, out.stride(0), out.stride(1), counters,
                     float(scaling), float(softcap or 1.0), mid_k.fmt.half, mid_v.fmt.half, splits,
@@ -2045,7 +2105,7 @@ def decode(query, lengths, sink_k, sink_v, mid_k: Packed, mid_v: Packed, recent_
                     K_OFF=_code_offset(query.dtype, mid_k.fmt.bits), V_OFF=_code_offset(query.dtype, mid_v.fmt.bits),
                     K_P=k_p, V_P=v_p, K_WC=code_words(mid_k.fmt, k_p, mid_k.codes), V_WC=code_words(mid_v.fmt, v_p, mid_v.codes),
                     K_W4=_int32_words(mid_k, k_p), V_W4=_int32_words(mid_v, v_p),
-                    K_TILE=kt_tile, KT_MW=kt_mw, RMEAN=key_bias is not None,
+                    K_TILE=kt_tile, KT_MW=kt_mw, V_TILE=vt_tile, RMEAN=key_bias is not None,
                     PAGED=paged, PAGE_ABS=paged and absolute_pages, STARTS=starts is not None, HAS_MASK=allowed is not None, SOFTCAP=softcap is not None,
                     PREC="ieee" if query.dtype == torch.float32 else "tf32", DT=_tl_dtype(query.dtype), EMU=emulate,
                     FP_STAGES=tuning.fp_stages or tuning.num_stages, FINAL=final,
@@ -2064,4 +2124,4 @@ def decode(query, lengths, sink_k, sink_v, mid_k: Packed, mid_v: Packed, recent_
 
 __all__ = ["DecodeTuning", "KeyBias", "Packed", "TileFormat", "TokenFormat", "available", "calls", "code_classes", "code_words",
            "current_tuning", "decode", "decode_tuning", "default_splits", "resident_warps", "wave_splits", "interpreting", "launches_through", "to_device", "recorded_launches", "reset_calls", "rope_table",
-           "store_contiguous", "store_paged"]
+           "store_contiguous", "store_paged", "kvarn_key_tiles", "kvarn_value_tiles"]

@@ -23,7 +23,8 @@
 //       codes (+rmean: plus q·R_t μ from a table of cos/sin tθ); split-KV with an online-softmax merge
 //   parts_decode(q (B,Hq,d) f32, spans (B,3,2) i64 or empty, widths [3], keys/values [sink, middle, recent] (B,H,n,d),
 //       key middle [codes, scale, offset] or KVarN tiles [codes, s_tok, tile scale, tile zero] (or [] : full precision),
-//       bits, tile, half, value middle, bits, half, visible (B,S) bool, scaling, softcap, sinks (Hq,), +rmean terms
+//       bits, tile, half, value middle [codes, scale, offset] or KVarN tiles [codes, scale, zero, channel scale],
+//       bits, tile, half, visible (B,S) bool, scaling, softcap, sinks (Hq,), +rmean terms
 //       (B,Hq,d), RoPE table (P,d), first (B,)) -> (B,Hq,d) f32: one decode query per row over a transformers-cache
 //       layer (wushkv.decode._cpu_decode), as the Triton decode reads it on a GPU: split over (row, head, part, chunk)
 //       with an online-softmax merge, the middle from its codes
@@ -1439,7 +1440,8 @@ static Meta meta_of(const torch::Tensor& t, const char* what) {
 // the packed middle of one side: codes (B, H, N, bytes) and per-token scale/offset (B, H, N, ng) (offset absent:
 // scale·half, QuEST) for ng groups of d/ng channels a token, each group nbg whole units of the row (nb = ng·nbg units),
 // or key tiles (tile > 0, one group; KVarN's, KIVI's with s_tok 1): k[t, i] = s_tok[t]·(tscale[t / tile, i]·code +
-// tzero[t / tile, i])
+// tzero[t / tile, i]), or KVarN's value tiles (tile > 0, values; wushkv.quantizers.kvarn): v[t, i] =
+// tscale[t / tile, i]·(scale[t]·code + offset[t]), a per-token affine row times its tile's channel scales
 struct MidSide {
   const uint8_t* codes = nullptr;
   int64_t cb = 0, ch = 0, cn = 0, nb = 0, bits = 0, tile = 0, ng = 1, nbg = 0, ub = 1;
@@ -1448,11 +1450,12 @@ struct MidSide {
 };
 
 static MidSide mid_side(const std::vector<torch::Tensor>& t, int64_t bits, int64_t tile, double half, int64_t B,
-                        int64_t H, int64_t n, int64_t d, const char* side) {
+                        int64_t H, int64_t n, int64_t d, bool value) {
+  const char* side = value ? "value" : "key";
   MidSide m;
   if (t.empty()) return m;  // a full-precision middle
   TORCH_CHECK(t.size() == (tile ? 4u : 3u), side, " middle: [codes, scale, offset]",
-              " or, tiles, [codes, s_tok, tile scale, tile zero]");
+              value ? " or, tiles, [codes, scale, zero, channel scale]" : " or, tiles, [codes, s_tok, tile scale, tile zero]");
   const auto& c = t[0];
   check(c, bits);
   TORCH_CHECK(c.size(0) == B && c.size(1) == H && c.size(2) >= n && c.size(3) * 8 >= d * bits, side,
@@ -1469,7 +1472,14 @@ static MidSide mid_side(const std::vector<torch::Tensor>& t, int64_t bits, int64
   TORCH_CHECK(m.ng >= 1 && d % m.ng == 0 && ((d / m.ng) * bits) % (8 * m.ub) == 0 && m.nb * 8 * m.ub >= d * bits, side,
               ": ", m.ng, " groups of head_dim ", d, " at ", bits, " bits are not whole ", 8 * m.ub, "-bit units each");
   m.nbg = m.ng == 1 ? m.nb : (d / m.ng) * bits / (8 * m.ub);
-  if (tile) {
+  if (tile && value) {  // KVarN's value tiles: each token's scale and zero, each tile's channel scales
+    m.offset = meta_of(t[2], "zero");
+    m.tscale = meta_of(t[3], "channel scale");
+    TORCH_CHECK(t[2].dim() == 3 && t[1].dim() == 3 && t[2].size(0) == B && t[2].size(1) == H && t[2].size(2) >= n &&
+                m.offset.kind != 3, side, " tiles' scale and zero: (B, H, >= n) each, float16, bfloat16 or float32");
+    TORCH_CHECK(t[3].dim() == 4 && t[3].size(0) == B && t[3].size(1) == H && t[3].size(2) * tile >= n &&
+                t[3].size(3) == d, side, " tiles' channel scales: (B, H, tiles, head_dim)");
+  } else if (tile) {
     m.tscale = meta_of(t[2], "tile scale");
     m.tzero = meta_of(t[3], "tile zero");
     for (int k = 2; k < 4; ++k)
@@ -1661,7 +1671,7 @@ static void parts_decode_impl(const float* qp, int64_t B, int64_t Hq, int64_t H,
       kperm[i] = (i / kgs) * KDg + (i % kgs % kper) * K.nbg + i % kgs / kper;
       vperm[i] = (i / vgs) * VDg + (i % vgs % vper) * V.nbg + i % vgs / vper;
     }
-    std::vector<float> tmp(K.ng > 1 ? G * CHUNK : 0), gsum(V.ng > 1 ? G * V.ng : 0);
+    std::vector<float> tmp(K.ng > 1 ? G * CHUNK : 0), gsum(V.ng > 1 ? G * V.ng : 0), tsum(V.tile ? G : 0);
     for (int64_t it = begin; it < end; ++it) {
       const int64_t rh = item_rh[it], b = rh / H, h = rh % H, pi = item_p[it], a = item_a[it], len = item_b[it] - a;
       const float* qz = qp + (b * Hq + h * G) * d;  // the G queries of this KV head, (G, d)
@@ -1824,6 +1834,39 @@ static void parts_decode_impl(const float* qp, int64_t B, int64_t Hq, int64_t H,
             for (int64_t i = 0; i < d; ++i) ag[i] += wg * kf[i];
           }
         }
+      } else if (V.tile) {  // KVarN's value tiles: per run of one tile's tokens, the per-token sum as below, then
+        // times the tile's channel scales: Σ_t p_t v̂_t = s_chan ⊙ (Σ_t p_t·scale_t·code_t + Σ_t p_t·zero_t)
+        const uint8_t* base = V.codes + b * V.cb + h * V.ch;
+        gather_meta(V.scale, b, h, a, len, msc.data());
+        gather_meta(V.offset, b, h, a, len, mof.data());
+        for (int64_t j = 0; j < len;) {
+          const int64_t t = a + j, e = std::min(len, (t / V.tile + 1) * V.tile - a), ti = t / V.tile;
+          std::fill(acc.begin(), acc.end(), 0.f);
+          for (int64_t g = 0; g < G; ++g) {
+            const float* sg = s.data() + g * CHUNK;
+            float* wg = w.data() + g * CHUNK;
+            float os = 0.f;
+            for (int64_t u = j; u < e; ++u) {
+              wg[u] = sg[u] * msc[u];
+              os += sg[u] * mof[u];
+            }
+            tsum[g] = os;
+          }
+#ifdef WUSHKV_ROWS
+          for (int64_t g = 0; g < G; g += 4)
+            rows_for<AxpyRows>(V.bits, std::min<int64_t>(4, G - g))(base + t * V.cn, V.cn, e - j, V.nb, w.data() + g * CHUNK + j,
+                                                                    CHUNK, acc.data() + g * VD, VD);
+#else
+          for (int64_t u = j; u < e; ++u) {
+            for (int64_t g = 0; g < G; ++g) z[g] = w[g * CHUNK + u];
+            axpy_codes(base + (a + u) * V.cn, V.nb, V.bits, z.data(), G, acc.data(), VD);
+          }
+#endif
+          for (int64_t g = 0; g < G; ++g)
+            for (int64_t i = 0; i < d; ++i)
+              accf[g * d + i] += V.tscale.at(b, h, ti, i) * (acc[g * VD + vperm[i]] + tsum[g]);
+          j = e;
+        }
       } else {
         std::fill(acc.begin(), acc.end(), 0.f);
         const uint8_t* base = V.codes + b * V.cb + h * V.ch + a * V.cn;
@@ -1892,7 +1935,8 @@ static void parts_decode_impl(const float* qp, int64_t B, int64_t Hq, int64_t H,
 
 torch::Tensor parts_decode(torch::Tensor q, torch::Tensor spans, std::vector<int64_t> widths, std::vector<torch::Tensor> keys,
                            std::vector<torch::Tensor> values, std::vector<torch::Tensor> kmid, int64_t kbits, int64_t tile,
-                           double khalf, std::vector<torch::Tensor> vmid, int64_t vbits, double vhalf, torch::Tensor visible,
+                           double khalf, std::vector<torch::Tensor> vmid, int64_t vbits, int64_t vtile, double vhalf,
+                           torch::Tensor visible,
                            double scaling, double softcap, torch::Tensor sinks, torch::Tensor terms, torch::Tensor table,
                            torch::Tensor first) {
   TORCH_CHECK(q.scalar_type() == torch::kFloat && q.dim() == 3, "q: float32 (B, Hq, d)");
@@ -1910,8 +1954,8 @@ torch::Tensor parts_decode(torch::Tensor q, torch::Tensor spans, std::vector<int
                   t.scalar_type() == dtype, "full-precision part ", i, ": (B, H, width, head_dim), one dtype");
       if (t.stride(3) != 1) t = t.contiguous();
     }
-  const MidSide K = mid_side(kmid, kbits, tile, khalf, B, H, widths[1], d, "key");
-  const MidSide V = mid_side(vmid, vbits, 0, vhalf, B, H, widths[1], d, "value");
+  const MidSide K = mid_side(kmid, kbits, tile, khalf, B, H, widths[1], d, false);
+  const MidSide V = mid_side(vmid, vbits, vtile, vhalf, B, H, widths[1], d, true);
   if (spans.numel() == 0)  // every row reads all of each part
     spans = torch::tensor({int64_t(0), widths[0], int64_t(0), widths[1], int64_t(0), widths[2]}).view({1, 3, 2}).expand({B, 3, 2});
   spans = spans.contiguous();
