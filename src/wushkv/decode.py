@@ -10,7 +10,7 @@ The quantized middle is read block by block (``block`` tokens at a time): each b
 expanded to floats through a lookup table (one ``embedding`` gather turns a packed 16-bit word into
 its ``16/b`` codes), used, and dropped, so no step holds a full-precision copy of the cache; the peak is
 one block. Scores of the sink, every block and the recent buffer go through one softmax; the output
-sums their parts. Codecs without per-token groups (KVarN tiles of values; KIVI's and KVarN's key tiles
+sums their parts. Codecs without per-token groups (KVarN tiles of values, KIVI's and KVarN's key tiles,
 off the CPU kernels) are dequantized block by block instead — the same memory bound, a slower inner
 loop. Keys quantized centered on their rotating mean (``+rmean``: k̂ = decoded codes + T c_t) are read
 from their codes too: the centers' share of the scores, q·T c_t, is a function of the position evaluated
@@ -20,7 +20,8 @@ On CPU, the code-domain products ``C q`` and ``Cᵀ w`` run in fused C++ kernels
 built on first use) that read each packed byte once, unpack it in vector registers and never expand the
 codes; KVarN's key tiles (``auto``'s keys) and KIVI's per-channel keys (s_t = 1) go through them too, with one set
 of channel-scaled queries per tile (``k̂[t, c] = s_t·(scale_c·code + zero_c)``, so
-``q·k̂_t = s_t·((q ⊙ scale)·code_t + q·zero)``); elsewhere,
+``q·k̂_t = s_t·((q ⊙ scale)·code_t + q·zero)``), and in the fused call below KVarN's value tiles, per-token rows
+times each tile's channel scales (``v̂[t, c] = s_chan,c·(scale_t·code + zero_t)``); elsewhere,
 or where they cannot be built, the pure-PyTorch path above runs (same results). Where a layer's parts are
 [sink, middle, recent] with such codes (or a full-precision middle), the whole decode is one kernel call instead
 (``parts_decode``, :func:`_cpu_decode`): scores, softmax and values per work item, merged with an online softmax, as
