@@ -192,6 +192,26 @@ def test_store_rounds_with_error_feedback(name, meta):
         tk.store_paged(x.to(DEVICE), slots, *_buffers((2, 4, H), fmt, meta), fmt, feedback=F[0].to(DEVICE))
 
 
+def _assert_same_tiles(got: dict, ref) -> None:
+    """The tile kernel's storage ``got`` is ``ref``'s (KVarNTiles): bit for bit under the interpreter; on a GPU (float32
+    sums in another order) the same codes but where a value sits on a rounding boundary, and the same dequantized
+    tiles to float16 rounding where the codes agree."""
+    from wushkv.quantizers import unpack
+    from wushkv.quantizers.kvarn import KVarNTiles, kvarn_dequantize
+
+    got = {k: t.cpu() for k, t in got.items()}
+    codes = unpack(got["codes"], ref.bits, ref.codes.shape[-1])
+    if EXACT_ON_ANY_DATA:
+        assert torch.equal(codes, ref.codes)
+        assert all(torch.equal(got[k], getattr(ref, k)) for k in ("scale", "zero", "s_fold"))
+        return
+    same = codes == ref.codes
+    assert same.float().mean() >= 0.99
+    xg = kvarn_dequantize(KVarNTiles(codes, got["scale"], got["zero"], got["s_fold"], ref.bits, ref.kind, ref.tile))
+    size = kvarn_dequantize(KVarNTiles(ref.codes, ref.scale.abs(), ref.zero.abs(), ref.s_fold.abs(), ref.bits, ref.kind, ref.tile))
+    assert ((xg - kvarn_dequantize(ref)).abs()[same] <= (8 * 2**-10 * size + 1e-6)[same]).all()
+
+
 @pytest.mark.parametrize("bits,clip,feedback,d,tile", [(2, 0.0, False, 16, 8), (3, 1.7, True, 16, 8),
                                                       (2, 1.3, True, 256, 128)])
 def test_kvarn_key_tiles_equal_the_tile_quantizer(bits, clip, feedback, d, tile):
@@ -202,9 +222,8 @@ def test_kvarn_key_tiles_equal_the_tile_quantizer(bits, clip, feedback, d, tile)
     rounding boundary, and the same dequantized keys to float16 rounding where the codes agree. The feedback and
     the clip change the codes (a kernel that ignored either would fail). At head_dim 256 × 128 tokens (Gemma-3's
     ``auto``) the kernel reads the keys again at each round of the balance instead of holding them (RELOAD)."""
-    from wushkv.quantizers import unpack
     from wushkv.quantizers.feedback import feedback_matrix
-    from wushkv.quantizers.kvarn import KVarNTiles, kvarn_dequantize, kvarn_quantize
+    from wushkv.quantizers.kvarn import kvarn_quantize
 
     H, n = (2, 2) if d < 256 else (1, 1)  # (tiles a head: the interpreter's row loop takes 6 s a tile at d 256)
     with tk.recorded_launches() as launches:
@@ -221,18 +240,7 @@ def test_kvarn_key_tiles_equal_the_tile_quantizer(bits, clip, feedback, d, tile)
     plain = kvarn_quantize(x, bits, "key", tile=tile, fused=False)
     if feedback or clip:
         assert (plain.codes != ref.codes).float().mean() > 0.1
-    got = tk.kvarn_key_tiles(x.to(DEVICE), bits, tile, clip, None if F is None else F.to(DEVICE))
-    got = {k: t.cpu() for k, t in got.items()}
-    codes = unpack(got["codes"], bits, d)
-    if EXACT_ON_ANY_DATA:
-        assert torch.equal(codes, ref.codes)
-        assert all(torch.equal(got[k], getattr(ref, k)) for k in ("scale", "zero", "s_fold"))
-    else:
-        same = codes == ref.codes
-        assert same.float().mean() >= 0.99
-        xg = kvarn_dequantize(KVarNTiles(codes, got["scale"], got["zero"], got["s_fold"], bits, "key", tile))
-        size = kvarn_dequantize(KVarNTiles(ref.codes, ref.scale.abs(), ref.zero.abs(), ref.s_fold.abs(), bits, "key", tile))
-        assert ((xg - kvarn_dequantize(ref)).abs()[same] <= (8 * 2**-10 * size + 1e-6)[same]).all()
+    _assert_same_tiles(tk.kvarn_key_tiles(x.to(DEVICE), bits, tile, clip, None if F is None else F.to(DEVICE)), ref)
     with pytest.raises(ValueError, match=f"are not whole tiles of {tile}"):
         tk.kvarn_key_tiles(x[:, :, :tile // 2].to(DEVICE), bits, tile)
 
@@ -244,22 +252,14 @@ def test_kvarn_value_tiles_equal_the_tile_quantizer(bits, clip, d, tile):
     "value") makes: bit for bit under the interpreter, on a GPU the same codes but where a value sits on a rounding
     boundary. The keys' layout on the same tokens is another storage (a kernel that ignored VALUES would fail)."""
     from wushkv.quantizers import unpack
-    from wushkv.quantizers.kvarn import KVarNTiles, kvarn_dequantize, kvarn_quantize
+    from wushkv.quantizers.kvarn import kvarn_quantize
 
     g = torch.Generator().manual_seed(bits + d)
     x = torch.randn(2, 2, 3 * tile, d, generator=g) * torch.rand(d, generator=g) * 3 + torch.randn(d, generator=g)
     ref = kvarn_quantize(x, bits, "value", tile=tile, clip=clip, fused=False)
-    got = {k: t.cpu() for k, t in tk.kvarn_value_tiles(x.to(DEVICE), bits, tile, clip).items()}
+    got = tk.kvarn_value_tiles(x.to(DEVICE), bits, tile, clip)
     assert {k: tuple(t.shape) for k, t in got.items() if k != "codes"} == {k: tuple(getattr(ref, k).shape) for k in ("scale", "zero", "s_fold")}
-    codes = unpack(got["codes"], bits, d)
-    if EXACT_ON_ANY_DATA:
-        assert torch.equal(codes, ref.codes)
-        assert all(torch.equal(got[k], getattr(ref, k)) for k in ("scale", "zero", "s_fold"))
-    else:
-        same = codes == ref.codes
-        assert same.float().mean() >= 0.99
-        xg = kvarn_dequantize(KVarNTiles(codes, got["scale"], got["zero"], got["s_fold"], bits, "value", tile))
-        assert ((xg - kvarn_dequantize(ref)).abs()[same] <= 8 * 2**-10 * x.abs().max() + 1e-6).all()
+    _assert_same_tiles(got, ref)
     keys = unpack(tk.kvarn_key_tiles(x.to(DEVICE), bits, tile, clip)["codes"].cpu(), bits, d)
     assert (keys != ref.codes).float().mean() > 0.1
 

@@ -210,28 +210,23 @@ def _triton_decode(query, parts_k, parts_v, allowed, scaling, softcap, sinks, he
     if len(mk) > 3 and d < 32:  # keys centered on their rotating mean: the kernel's two dots need d/2 >= 16
         return None
     for side, (codec, store, n, *_) in zip(("key", "value"), (mk, mv)):
-        if side == "key" and isinstance(codec, (KVarNCodec, ChannelCodec)):  # key tiles
+        if isinstance(codec, KVarNCodec) or (side == "key" and isinstance(codec, ChannelCodec)):  # tiles
             fmt = tile_format(tk, codec)
             if fmt is None:
                 return None
-            if not n:  # nothing stored yet: empty tensors (never read)
+            if not n:  # nothing stored yet: empty tensors (never read); a key tile's scale and zero are per channel and
+                # its s_fold per token, a value tile's the other way round
+                rows, cols = (fmt.tile, d) if side == "value" else (d, fmt.tile)
                 half = dict(dtype=torch.float16, device=sk.device)
-                store = {"codes": sk.new_empty(B, H, 0, fmt.nbytes, dtype=torch.uint8), "s_fold": torch.empty(B, H, 0, fmt.tile, **half),
-                         "scale": torch.empty(B, H, 0, d, **half), "zero": torch.empty(B, H, 0, d, **half)}
+                store = {"codes": sk.new_empty(B, H, 0, fmt.nbytes, dtype=torch.uint8), "s_fold": torch.empty(B, H, 0, cols, **half),
+                         "scale": torch.empty(B, H, 0, rows, **half), "zero": torch.empty(B, H, 0, rows, **half)}
                 store["offset"] = store["zero"]
-            s_tok, scale, zero = _key_tiles(codec, store, store["codes"].shape[2])  # s_tok as a per-token scale
-            packed.append(tk.Packed(fmt, store["codes"], s_tok[..., None], tile_scale=scale, tile_zero=zero))
-            continue
-        if side == "value" and isinstance(codec, KVarNCodec):  # value tiles: per-token scale and zero, channel scales
-            fmt = tile_format(tk, codec)
-            if fmt is None:
-                return None
-            if not n:  # nothing stored yet: empty tensors (never read)
-                half = dict(dtype=torch.float16, device=sk.device)
-                store = {"codes": sk.new_empty(B, H, 0, fmt.nbytes, dtype=torch.uint8), "scale": torch.empty(B, H, 0, fmt.tile, **half),
-                         "zero": torch.empty(B, H, 0, fmt.tile, **half), "s_fold": torch.empty(B, H, 0, d, **half)}
-            scale, zero, s_chan = _value_tiles(codec, store)
-            packed.append(tk.Packed(fmt, store["codes"], scale[..., None], zero[..., None], tile_scale=s_chan))
+            if side == "key":  # KVarN's, KIVI's: s_tok as a per-token scale
+                s_tok, scale, zero = _key_tiles(codec, store, store["codes"].shape[2])
+                packed.append(tk.Packed(fmt, store["codes"], s_tok[..., None], tile_scale=scale, tile_zero=zero))
+            else:  # KVarN's value tiles: per-token scale and zero, each tile's channel scales
+                scale, zero, s_chan = _value_tiles(codec, store)
+                packed.append(tk.Packed(fmt, store["codes"], scale[..., None], zero[..., None], tile_scale=s_chan))
             continue
         if not isinstance(codec, TokenCodec):
             return None
