@@ -1,12 +1,13 @@
 """The host's time per decode step that wushkv's cache adds to a model's, per layer: what a GPU's host must issue
 before it can queue the next layer, and so the floor of a decode step's time wherever the device is faster.
 
-    python benchmarks/host_overhead.py [--layers 8] [--steps 60] [--threads 1] [--json out.json]
+    python benchmarks/host_overhead.py [--layers 8] [--steps 60] [--threads 1] [--keys ktiles+rmean] [--json out.json]
 
 A tiny Llama-shaped model (head_dim 32, GQA 2) on the CPU, so that the arithmetic is negligible and what a step costs
 is its Python and operator dispatch, decodes ``--steps`` tokens after a 300-token prompt through ``DynamicCache``
 (SDPA) and through wushkv's cache (K2V2 QuEST, windows 16/128/16, a random key transform; a middle of 150-210
-tokens, a flush every 16 steps): on the PyTorch path, and on
+tokens, a flush every 16 steps; ``--keys ktiles+rmean``: keys in KVarN tiles of 16 centered on a rotating mean, the
+layout ``auto`` picks for SmolLM2): on the PyTorch path, and on
 the Triton path with its kernel launches skipped (``triton_kernels.launches_through``; on a GPU each launch adds
 Triton's launcher, two per layer). The ratio is each path's median step over DynamicCache's in the same run, the
 overhead its excess per layer. The first 5 steps are not counted.
@@ -29,6 +30,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--layers", type=int, default=8)
     ap.add_argument("--steps", type=int, default=60)
     ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--keys", default="quest", choices=["quest", "ktiles+rmean"],
+                    help="the keys' layout: per-token QuEST codes, or KVarN tiles centered on a rotating mean (auto's)")
     ap.add_argument("--json", default=None)
     return ap.parse_args(argv)
 
@@ -42,7 +45,7 @@ def tiny_llama(layers: int):
     return transformers.AutoModelForCausalLM.from_config(cfg, dtype=torch.float32).eval()
 
 
-def run(layers: int = 8, steps: int = 60) -> dict:
+def run(layers: int = 8, steps: int = 60, keys: str = "quest") -> dict:
     """Every cache prefilled, then each decode step timed through every cache in turn (the machine's drift falls on
     all of them alike): the medians, their ratios to DynamicCache's, the excess per layer."""
     import contextlib
@@ -58,6 +61,12 @@ def run(layers: int = 8, steps: int = 60) -> dict:
     ids = torch.randint(3, 96, (1, 300 + steps), generator=torch.Generator().manual_seed(0))
     cfg = QuantConfig(2, 2, "quest", windows=WindowConfig(16, 128, 16))
     transforms = [build_transforms("random", 2, 32, seed=layer) for layer in range(layers)]
+    if keys == "ktiles+rmean":  # a pre-RoPE key mean far from 0 for the cache to center the middle's keys on
+        import dataclasses
+
+        g = torch.Generator().manual_seed(1)
+        transforms = [dataclasses.replace(tr, mu_K_rope=torch.randn(2, 32, generator=g) * 3) for tr in transforms]
+        cfg = QuantConfig(2, 2, "quest", key_quantizer="kvarn", windows=WindowConfig(16, 128, 16))
     skip = lambda name, grid, args, meta, run: None  # noqa: E731
     with apply_transforms(model, transforms, "random") as inst, torch.no_grad():
         # name: (model, cache, the contexts it runs under, made afresh each step)
@@ -75,7 +84,7 @@ def run(layers: int = 8, steps: int = 60) -> dict:
                     t0 = time.perf_counter()
                     net(chunk, cache=cache, use_cache=True)
                     times[name].append(time.perf_counter() - t0)
-    row = {"layers": layers, "steps": steps}
+    row = {"layers": layers, "steps": steps, "keys": keys}
     for name, ts in times.items():
         row[f"{name}_ms"] = statistics.median(ts[6:]) * 1e3  # the prefill and the first 5 steps not counted
     print(f"DynamicCache {row['dynamic_ms']:.2f} ms per step ({layers} layers)")
@@ -91,7 +100,7 @@ def run(layers: int = 8, steps: int = 60) -> dict:
 def main(argv: list[str] | None = None) -> dict:
     args = parse_args(argv)
     torch.set_num_threads(args.threads)
-    row = run(args.layers, args.steps)
+    row = run(args.layers, args.steps, args.keys)
     if args.json:
         from wushkv.io import write_json
 

@@ -311,6 +311,8 @@ def test_host_overhead(capsys):
 
     assert ("triton_ms" in row) == triton_kernels.available()  # the Triton path wherever triton imports, launches skipped
     assert "DynamicCache" in capsys.readouterr().out
+    row = host.run(layers=1, steps=7, keys="ktiles+rmean")  # auto's keys: KVarN tiles centered on a rotating mean
+    assert row["keys"] == "ktiles+rmean" and positive(row["torch_ms"])
 
 
 def test_long_generation():

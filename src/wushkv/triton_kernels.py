@@ -57,6 +57,7 @@ import functools
 import math
 import numbers
 import types
+import weakref
 from dataclasses import dataclass
 
 import torch
@@ -1675,16 +1676,29 @@ class KeyBias:
 
 
 _ROPE_TABLES: dict = {}
+# id(theta) -> (a weak reference to it, its version, its float32 bytes): rope_table's key, asked twice a layer and step
+# of the same few tensors (a layer's frequencies); read again where the tensor is another (an id reused after the
+# first died) or was written in place since. (Not a WeakKeyDictionary: it compares keys with ==, elementwise.)
+_THETA_BYTES: dict = {}
+
+
+def _theta_bytes(theta: torch.Tensor) -> bytes:
+    seen = _THETA_BYTES.get(id(theta))
+    if seen is None or seen[0]() is not theta or seen[1] != theta._version:
+        if len(_THETA_BYTES) > 256:  # (dead entries of discarded caches)
+            _THETA_BYTES.clear()
+        seen = _THETA_BYTES[id(theta)] = (weakref.ref(theta), theta._version, theta.detach().cpu().float().numpy().tobytes())
+    return seen[2]
 
 
 def rope_table(theta: torch.Tensor, n: int, device, dtype: torch.dtype = torch.float32) -> torch.Tensor:
     """(≥ n, d) [cos pθ | sin pθ] in ``dtype`` for positions p < n: computed in float64 on the host, grown by
     doubling (a fresh table replaces a short one, whose memory the allocator hands only to work queued after the
     launches that read it), kept per frequencies, device and dtype."""
-    device = torch.device(device)
-    key = (theta.detach().cpu().float().numpy().tobytes(), str(device), dtype)
+    key = (_theta_bytes(theta), str(device), dtype)
     tab = _ROPE_TABLES.get(key)
-    if tab is None or len(tab) < n:
+    if tab is None or tab.shape[0] < n:
+        device = torch.device(device)
         m = max(n, 2 * (0 if tab is None else len(tab)), 1024)
         ang = torch.arange(m, dtype=torch.float64)[:, None] * theta.detach().cpu().float().double()
         tab = torch.cat([ang.cos(), ang.sin()], -1).to(dtype)
@@ -1934,15 +1948,16 @@ def _key_bias_args(kb: KeyBias, B: int, Hq: int, d: int, mid_k: Packed, page: in
         raise ValueError("key_bias.first must be on the host: it sizes the table of angles")
     if d < 32:
         raise ValueError(f"key_bias needs head_dim >= 32 (two dots of K = head_dim/2 >= 16), got {d}")
+    # (the host's small tensors read as lists: a torch operation on them costs more than the Python)
     if host_ends is not None:  # vLLM's block tables span max_model_len: the table need not
-        cap = int(host_ends[:, 1].max()) if B else 0
+        cap = max((row[1] for row in host_ends.tolist()), default=0)
     else:
         cap = block_table.shape[1] * page if paged else mid_k.codes.shape[2]
-    first = kb.first.reshape(-1).long().expand(B)
-    n = int(first.abs().max()) + cap + block_n + 1 if B else block_n
+    first = kb.first.reshape(-1)
+    n = max(map(abs, first.tolist())) + cap + block_n + 1 if B else block_n
     terms = kb.terms.to(device=device, dtype=torch.float32)
     terms = terms if terms.stride(-1) == 1 else terms.contiguous()
-    return terms, kept_on(first, device, torch.int32), rope_table(kb.theta, n, device), terms.stride()[:2]
+    return terms, kept_on(first.expand(B), device, torch.int32), rope_table(kb.theta, n, device), terms.stride()[:2]
 
 
 def decode(query, lengths, sink_k, sink_v, mid_k: Packed, mid_v: Packed, recent_k, recent_v, scaling: float, *,
