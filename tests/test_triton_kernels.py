@@ -1531,29 +1531,42 @@ def test_left_padded_decode_through_the_kernel(rmean):
 
 
 def _poison_unheld(view, parts, held):
-    """NaN in every column of ``parts`` (full precision, or a middle's storage: its float tensors per token) that a
-    row does not hold: a step that reads only what its rows hold gives the same output."""
+    """NaN in every column of ``parts`` (pairs of keys and values: full precision, or a middle's storage) that a row
+    does not hold: a step that reads only what its rows hold gives the same output. A middle's float tensors per
+    token (per-token codes' scale and offset; KVarN key tiles' s_fold, value tiles' scale and zero) by its columns,
+    its tensors per tile (key tiles' scale and zero, value tiles' s_fold) by the tiles outside the row's."""
     for b in range(held.shape[0]):
         for (a, e), pair in zip(held[b].tolist(), parts):
-            for part in pair:
-                tensors = [t.flatten(2, 3) if k == "s_fold" else t for k, t in part.items() if t.is_floating_point()
-                           and k in ("scale", "offset", "s_fold")] if isinstance(part, dict) else [part]
-                for t in tensors:
+            for side, part in zip(("key", "value"), pair):
+                tiles = []
+                if not isinstance(part, dict):
+                    tokens = [part]
+                elif "s_fold" in part:  # KVarN tiles of T tokens
+                    per_token = ("s_fold",) if side == "key" else ("scale", "zero")
+                    tokens = [part[k].flatten(2, 3) for k in per_token]
+                    T = part[per_token[0]].shape[-1]
+                    tiles = [t for k, t in part.items() if k not in per_token and t.is_floating_point()]
+                else:
+                    tokens = [t for k, t in part.items() if k in ("scale", "offset") and t.is_floating_point()]
+                for t in tokens:
                     t[b, :, :a], t[b, :, e:] = float("nan"), float("nan")
+                for t in tiles:
+                    t[b, :, : a // T], t[b, :, -(-e // T):] = float("nan"), float("nan")
 
 
-@pytest.mark.parametrize("rmean", [False, True])
-def test_ragged_rows_of_key_tiles_decode_in_one_kernel_call(rmean):
-    """A left-padded batch under key tiles (``auto``'s cells: KVarN tiles for the keys, QuEST values; ``+rmean``) keeps
-    each row's tokens from column 0 (ragged rows, middles of different lengths): its decode step is one kernel call
-    over the whole batch (row by row it was one per row), equal to the PyTorch path of the same step (itself checked
-    against the rows alone: tests/test_cache.py::test_left_padded_layer_equals_its_rows_alone)."""
+@pytest.mark.parametrize("rmean,values", [(False, "quest"), (True, "quest"), (False, "kvarn")])
+def test_ragged_rows_of_key_tiles_decode_in_one_kernel_call(rmean, values):
+    """A left-padded batch under key tiles (``auto``'s cells: KVarN tiles for the keys, QuEST values; ``+rmean``; the
+    ``kvarn`` method's tiles on both sides) keeps each row's tokens from column 0 (ragged rows, middles of different
+    lengths): its decode step is one kernel call over the whole batch (row by row it was one per row), equal to the
+    PyTorch path of the same step (itself checked against the rows alone:
+    tests/test_cache.py::test_left_padded_layer_equals_its_rows_alone)."""
     from conftest import padded_decode_view
 
     from wushkv.views import RaggedView
 
     model = tiny_model("llama").to(DEVICE)
-    cfg = QuantConfig(2, 2, "quest", key_quantizer="kvarn", windows=WindowConfig(4, 8, 16))
+    cfg = QuantConfig(2, 2, values, key_quantizer="kvarn", windows=WindowConfig(4, 8, 16))
     d = model.config.head_dim
     attn = model.model.layers[0].self_attn
     with padded_decode_view(model, cfg, (120, 60, 100), rmean) as (view, q, allowed):
