@@ -22,9 +22,11 @@ Baseline in the same run: the path session 46 timed (codes unpacked to (tokens, 
 instructions is not a ratio of times (latency, occupancy and memory are not in it), so these figures choose what to
 time on a GPU; ``benchmarks/gpu_decode.py`` times it.
 
-    python benchmarks/kernel_sass.py [--widths 2,4,3,8] [--head-dims 128] [--key-tiles 128] [--rmean] [--json out.json]
+    python benchmarks/kernel_sass.py [--widths 2,4,3,8] [--head-dims 128] [--key-tiles 128] [--value-tiles 128] [--rmean]
+        [--json out.json]
 
 ``--key-tiles N``: the keys as KVarN tiles of N tokens (``auto``'s ``+ktiles``), the values per-token codes as before.
+``--value-tiles N``: the values as KVarN tiles of N tokens (with ``--key-tiles N``: the ``kvarn`` method's layout).
 ``--rmean``: the keys centered on their rotating mean (``+rmean``, :class:`wushkv.triton_kernels.KeyBias`).
 ``--stores``: instead of the decode kernel, the store kernels ``auto``'s cache writes with (per-token codes, with and
 without ``+ldlq``'s error feedback, and KVarN key tiles with and without it), compiled as a GPU launches them: their
@@ -75,6 +77,7 @@ def parse_args(argv=None):
     p.add_argument("--kv-heads", type=int, default=8)
     p.add_argument("--configs", default="", help="labels of CONFIGS to run (comma-separated prefixes); default all")
     p.add_argument("--key-tiles", type=int, default=0, help="keys as KVarN tiles of this many tokens (0: per-token codes)")
+    p.add_argument("--value-tiles", type=int, default=0, help="values as KVarN tiles of this many tokens (0: per-token codes)")
     p.add_argument("--rmean", action="store_true", help="keys centered on their rotating mean (+rmean)")
     p.add_argument("--max-registers", default="none",
                    help="caps on a thread's registers to compile each configuration under (comma-separated; none: the "
@@ -105,10 +108,11 @@ def _tools():
 
 
 def recorded_decode(bits: int, d: int, q_heads: int, kv_heads: int, n_mid: int = 1024, key_tile: int = 0,
-                    rmean: bool = False):
+                    rmean: bool = False, value_tile: int = 0):
     """The decode launch of one bfloat16 layer over a K{bits}V{bits} middle (sink 64, recent 256; CPU tensors standing
     in for the GPU's: only their dtypes, strides and alignment reach the compiler); ``key_tile`` > 0: the keys in
-    KVarN tiles of that many tokens; ``rmean``: centered on their rotating mean."""
+    KVarN tiles of that many tokens; ``rmean``: centered on their rotating mean; ``value_tile`` > 0: the values in
+    KVarN tiles of that many tokens."""
     bf = dict(dtype=torch.bfloat16)
     q = torch.zeros(1, q_heads, d, **bf)
     sink, recent = torch.zeros(1, kv_heads, 64, d, **bf), torch.zeros(1, kv_heads, 256, d, **bf)
@@ -122,10 +126,15 @@ def recorded_decode(bits: int, d: int, q_heads: int, kv_heads: int, n_mid: int =
     if key_tile:
         meta = torch.ones(1, kv_heads, n_mid // key_tile, d, dtype=torch.float16)
         keys = tk.Packed(tk.TileFormat(bits, d, key_tile), keys.codes, keys.scale, tile_scale=meta, tile_zero=meta.clone())
+    values = side()
+    if value_tile:  # each token's scale and zero, each tile's channel scales
+        per_token = torch.ones(1, kv_heads, n_mid, 1, dtype=torch.float16)
+        values = tk.Packed(tk.TileFormat(bits, d, value_tile), values.codes, per_token, per_token.clone(),
+                           tile_scale=torch.ones(1, kv_heads, n_mid // value_tile, d, dtype=torch.float16))
     lengths = torch.tensor([[64, n_mid, 256]], dtype=torch.int32)
     bias = tk.KeyBias(torch.zeros(1, q_heads, d), torch.tensor([64]), torch.ones(d // 2)) if rmean else None
     with tk.recorded_launches() as launches:
-        tk.decode(q, lengths, sink, sink, keys, side(), recent, recent, d**-0.5, splits=4, key_bias=bias)
+        tk.decode(q, lengths, sink, sink, keys, values, recent, recent, d**-0.5, splits=4, key_bias=bias)
     return next(rec for rec in launches if rec[0] == "decode")
 
 
@@ -254,7 +263,8 @@ def run(args) -> dict:
                 if args.fp_stages is not None:
                     fields = fields | {"fp_stages": args.fp_stages}
                 with tk.decode_tuning(**fields) as tuning:
-                    record = recorded_decode(bits, d, args.q_heads, args.kv_heads, key_tile=args.key_tiles, rmean=args.rmean)
+                    record = recorded_decode(bits, d, args.q_heads, args.kv_heads, key_tile=args.key_tiles, rmean=args.rmean,
+                                             value_tile=args.value_tiles)
                     block_n, warps = record[3]["BN"], record[3]["num_warps"]
                     classes = record[3]["K_P"] > 0 or record[3]["V_P"] > 0
                 prof = profile(compile_for_sm90(record), tools)
@@ -272,6 +282,7 @@ def run(args) -> dict:
                 else:
                     steady_n, steady_ldl = sum(steady.values()), steady["LDL"]
                 row = {"config": label, "bits": bits, "head_dim": d, "key_tiles": args.key_tiles, "rmean": args.rmean,
+                       "value_tiles": args.value_tiles,
                        "classes": classes, "block_n": block_n,
                        "num_warps": warps, "num_stages": tuning.num_stages, "loop_instructions": n,
                        "warp_instr_per_token": n * warps / block_n, "spill_loads": mid["LDL"],

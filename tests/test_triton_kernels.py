@@ -1414,12 +1414,12 @@ for paged, mw, kp, bn, tile in ((True, 16, 0, 32, 16), (False, 128, 0, 32, 16), 
     consts.update(K_TILE=tile, KT_MW=mw, K_P=kp, K_WC=kp, K_BITS=2, PAGED=paged, PAGE_ABS=paged, BN=bn)
     triton.compile(ASTSource(K["decode"], sig("decode", p, ("sm_scale", "softcap", "K_HALF", "V_HALF"), consts), consts),
                    target=GPUTarget("cuda", 90, 32), options={"num_warps": 4, "num_stages": 2})
-# KVarN value tiles (the kvarn method) beside key tiles in classes, as the kvarn method launches: one row of channel
-# scales a tile of tokens
-vtc = dict(consts, V_TILE=16, V_BITS=2, V_G=128, V_Z=True, V_P=0, V_WC=0, V_OFF=0, BN=16, K_TILE=16, KT_MW=128, K_P=8, K_WC=8,
-           PAGED=False, PAGE_ABS=False)
-triton.compile(ASTSource(K["decode"], sig("decode", p, ("sm_scale", "softcap", "K_HALF", "V_HALF"), vtc), vtc),
-               target=GPUTarget("cuda", 90, 32), options={"num_warps": 1, "num_stages": 2})
+# KVarN value tiles (the kvarn method) beside key tiles in classes, as the kvarn method launches at d 128 (two warps):
+# the codes' dot, then one row of channel scales a tile of tokens
+vtc = dict(consts, V_TILE=16, V_BITS=2, V_G=128, V_Z=True, V_P=0, V_WC=0, V_OFF=128, BN=16, K_TILE=16, KT_MW=128, K_P=8, K_WC=8,
+           PAGED=False, PAGE_ABS=False, DT=tl.bfloat16, K_OFF=128)
+triton.compile(ASTSource(K["decode"], sig("decode", dict(p, q_ptr="*bf16"), ("sm_scale", "softcap", "K_HALF", "V_HALF"), vtc), vtc),
+               target=GPUTarget("cuda", 90, 32), options={"num_warps": 2, "num_stages": 2})
 # keys centered on their rotating mean (+rmean): over key tiles in classes, then per-token codes in classes; each row
 # from its own columns (a left-padded batch's ragged rows), under a mask over the parts side by side
 for kt, bn in ((16, 16), (0, 32)):

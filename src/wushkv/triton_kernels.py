@@ -4,8 +4,8 @@ Which codecs: per-token groups, i.e. :class:`~wushkv.codecs.TokenCodec` over QuE
 (every ``quest``/``affine`` cache, and the values of ``kivi`` and of the ``+ktiles`` methods), and for decode the
 keys of KVarN tiles (:class:`TileFormat`: the key tiles ``auto`` picks), whose per-channel scale is folded into the
 query tile by tile, so their codes enter the dots as per-token codes do; KIVI's per-channel keys are read as such
-tiles whose per-token s_tok is 1 (a stride-0 view); KVarN's value tiles (the ``kvarn`` method's, ``+tiles``) are
-dequantized in registers a tile of tokens at a time. Store covers error-feedback rounding of per-token codes
+tiles whose per-token s_tok is 1 (a stride-0 view); KVarN's value tiles (the ``kvarn`` method's, ``+tiles``) as
+per-token codes whose sums take each tile's channel scales. Store covers error-feedback rounding of per-token codes
 (``+ldlq``: a pass over the channels, one program's rows at a time), not the per-token clip search
 (``clip_search``); decode reads what that stores, so it covers it. KVarN's key tiles (``+ktiles``, every recipe
 ``auto`` records) have a kernel of their own (:func:`kvarn_key_tiles`: a tile a program, balance, rows, with
@@ -692,9 +692,8 @@ def _kernels() -> dict:
         results would hold as many registers again as the accumulators. RMEAN: keys stored centered on their
         rotating mean, token i at position p0 + i, each tile's scores gain :func:`_rope_bias` (turned by the tile's
         first position, wherever it starts). V_TILE > 0: the values are KVarN tiles of V_TILE tokens (contiguous
-        layout), v̂[t, c] = s_chan[c]·(s_t·code + z_t), dequantized in registers, a tile of tokens at a time: the
-        channel scales of its value tile, one row where the tile of tokens lies in one (BN ≤ V_TILE, aligned), each
-        token's otherwise."""
+        layout), v̂[t, c] = s_chan[c]·(s_t·code + z_t): where the tile of tokens lies in one (BN ≤ V_TILE, aligned)
+        the per-token codes' dot times its channel scales, else each token dequantized with its tile's."""
         ALIGN: tl.constexpr = (K_TILE > 0 and BN <= K_TILE) or (V_TILE > 0 and BN <= V_TILE)
         VK: tl.constexpr = D // V_P if V_P > 0 else 16
         a0 = tl.zeros([GP, VK], dtype=tl.float32)
@@ -805,18 +804,25 @@ def _kernels() -> dict:
             # values: Cᵀ(p ⊙ s) + (Σ p z)·1, or the dequantized tile
             rows = _rows(tt, b, h, bt_ptr, s_bt, PAGE, vc0, vc1, vc2, PAGED)
             srows = _rows(tt, b, h, bt_ptr, s_bt, PAGE, vs0, vs1, vs2, PAGED)
-            if V_TILE > 0:  # KVarN value tiles: each token's affine row times its tile's channel scales (float32,
-                # in kvarn_dequantize's order), then one dot
-                x = _codes_as(_unpack(vc_ptr, rows, valid, D, V_BITS, BN), 0) * tl.load(vs_ptr + srows, mask=valid, other=0.0).to(tl.float32)[:, None] \
-                    + tl.load(vz_ptr + srows, mask=valid, other=0.0).to(tl.float32)[:, None]
+            if V_TILE > 0:  # KVarN value tiles: v̂[t, c] = s_chan[c]·(s_t·code + z_t)
+                c = _unpack(vc_ptr, rows, valid, D, V_BITS, BN)
+                vs = tl.load(vs_ptr + srows, mask=valid, other=0.0).to(tl.float32)
+                vz = tl.load(vz_ptr + srows, mask=valid, other=0.0).to(tl.float32)
                 ch = tl.arange(0, D)
-                if BN <= V_TILE:  # aligned (ALIGN): the tokens' one value tile, its row of channel scales
+                if BN <= V_TILE:  # aligned (ALIGN): the tokens' one value tile, Σ_t p_t v̂_t = s_chan ⊙ (Σ_t w_t c_t +
+                    # Σ_t p_t z_t) with w = p ⊙ s: the per-token codes' dot (the codes built on their bits as the
+                    # operand), its columns times the tile's row of channel scales after it. (A float32 (BN, D) tile
+                    # dequantized first held 128 more registers a thread at d 128 and spilled: kernel_sass.py)
+                    w = _round_to(p * vs[None, :], DT, EMU)
+                    o = _mma(w, _codes_as(c, V_OFF), DT, EMU, PREC) + tl.sum(p * vz[None, :] - V_OFF * w, 1)[:, None]
                     vrow = _rows(b * 0 + start // V_TILE, b, h, bt_ptr, s_bt, PAGE, vt0, vt1, vt2, False)
-                    x = x * tl.load(vts_ptr + vrow + ch).to(tl.float32)[None, :]
-                else:  # value tiles shorter than the tile of tokens: each token's tile's row
+                    o = o * tl.load(vts_ptr + vrow + ch).to(tl.float32)[None, :]
+                else:  # value tiles shorter than the tile of tokens: each token's row dequantized (float32, in
+                    # kvarn_dequantize's order) with its tile's channel scales, then one dot
                     vrow = _rows(tt // V_TILE, b, h, bt_ptr, s_bt, PAGE, vt0, vt1, vt2, False)
-                    x = x * tl.load(vts_ptr + vrow[:, None] + ch[None, :], mask=valid[:, None], other=0.0).to(tl.float32)
-                o = _mma(p, x, DT, EMU, PREC)
+                    x = (_codes_as(c, 0) * vs[:, None] + vz[:, None]) \
+                        * tl.load(vts_ptr + vrow[:, None] + ch[None, :], mask=valid[:, None], other=0.0).to(tl.float32)
+                    o = _mma(p, x, DT, EMU, PREC)
             elif V_P > 0:
                 if V_Z:
                     vs, vz = _token_scale_offset(vs_ptr, vz_ptr, srows, valid, V_HALF, V_Z, V_E5M3)
@@ -1794,8 +1800,12 @@ class DecodeTuning:
         """(K_P, V_P, block_n, num_warps) of a decode over this middle with ``dtype`` queries: each side's classes
         (:func:`code_classes`, 0 with ``class_split`` off) and the tile and warps in effect for that path."""
         k_p, v_p = (code_classes(side.fmt, dtype, side.codes) if self.class_split else 0 for side in (mid_k, mid_v))
-        v_p = 0 if isinstance(mid_v.fmt, TileFormat) else v_p  # value tiles: dequantized in registers (one dot)
+        v_p = 0 if isinstance(mid_v.fmt, TileFormat) else v_p  # value tiles: unpacked to (tokens, d) codes (one dot)
         auto = (32, 1) if k_p or v_p else (64, 4)
+        if k_p and isinstance(mid_v.fmt, TileFormat) and mid_v.fmt.d >= 128:
+            # key classes beside value tiles' unpacked (32, 128) codes: one warp spilled ~70 registers a tile of
+            # tokens, two spill none (benchmarks/kernel_sass.py --key-tiles 128 --value-tiles 128; not yet timed)
+            auto = (32, 2)
         return k_p, v_p, self.block_n or auto[0], self.num_warps or auto[1]
 
 
