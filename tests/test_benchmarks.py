@@ -595,8 +595,8 @@ def test_kernel_sass_compiles_both_paths(tmp_path):
     46's tiles otherwise), and the class path's loop over the middle issues fewer instructions per token than the
     tiles' on its steady path (without the blocks it runs now and then: 0.22× at 2 bits, 0.35× at 3 on triton 3.9;
     bounds 0.45× and 0.5×) with at most a handful of spilled registers reloaded there; its guarded blocks (the
-    rescaling of the value accumulators, a partial tile's mask) are found. Cannot run where triton ships no CUDA
-    toolchain."""
+    rescaling of the value accumulators, a partial tile's mask) are found; the ``kvarn`` method's tiles of keys and
+    values at head_dim 128 compile without spills. Cannot run where triton ships no CUDA toolchain."""
     import json
     import os
 
@@ -628,3 +628,11 @@ def test_kernel_sass_compiles_both_paths(tmp_path):
         assert classes["steady_over_baseline"] < bound and classes["steady_spill_loads"] <= 8, classes
         assert classes["guarded_blocks"] and classes["warp_instr_per_token"] > classes["steady_warp_instr_per_token"]
     assert "warp-instr/token" in proc.stdout and res["target"] == "sm_90"
+    # the kvarn method's layout (key and value tiles of 128) at head_dim 128: launched with two warps, it spills nothing
+    # (one warp spilled ~70 registers a tile of tokens)
+    proc = subprocess.run([sys.executable, str(script), "--widths", "2", "--configs", "classes 32", "--key-tiles", "128",
+                           "--value-tiles", "128", "--json", str(tmp_path / "v.json")], env=env, capture_output=True, text=True,
+                          timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    (row,) = json.loads((tmp_path / "v.json").read_text())["rows"]
+    assert (row["value_tiles"], row["num_warps"], row["spill_loads"], row["spill_stores"]) == (128, 2, 0, 0), row
