@@ -21,7 +21,8 @@
    the bytes each reads (codes, metadata, windows; bfloat16 K and V) and the
    achieved bandwidth as a fraction of the device's peak (``PEAK_TBPS`` by device name, or ``--peak-tbps``); and the
    same kernel over the bfloat16 context (``triton_bf16``: what the packing saves, apart from how good the kernel is),
-   and over the same codes read as KVarN key tiles (``triton_ktiles``: ``auto``'s ``+ktiles`` keys) and as keys centered on
+   and over the same codes read as KVarN key tiles (``triton_ktiles``: ``auto``'s ``+ktiles`` keys), as KVarN tiles of keys
+   and values (``triton_kvarn``: the ``kvarn`` method's layout, session 70) and as keys centered on
    their rotating mean (``triton_rmean``: ``auto``'s ``+rmean``; these two, ``triton_bf16`` and ``triton_tiles``
    without the sweep's register cap: UNCAPPED); with batch > 1, a left-padded batch's rows (``triton_ragged``, each
    row over its own columns, against ``triton_ragged_widest``, as wide as the widest); ``triton_ceil_splits``, where
@@ -441,6 +442,16 @@ def kernel_case(args, ctx, B, device, timer) -> dict:
         row["triton_ktiles"] = timer(lambda: tk.decode(*kt_inputs), args.warmup, args.iters, gpu=True) | {
             "bytes": nbytes + 2 * ones.numel() * 2}
         row["triton_ktiles_vs_tiles"] = max_rel(tk.decode(*kt_inputs), tiles_out)
+    # keys and values as KVarN tiles (the kvarn method's layout) over the same codes: the values' scale the per-token
+    # step, their zero ½ − 2^(b−1) times it, their channel scales 1, so again the same output
+    mv = inputs[5]
+    vt = tk.Packed(tk.TileFormat(args.v_bits, d, KEY_TILE), mv.codes, mv.scale, (mv.scale.float() * mv.fmt.half).half(),
+                   tile_scale=torch.ones(B, Hkv, -(-n_mid // KEY_TILE), d, device=device, dtype=torch.float16))
+    kv_inputs = (*inputs[:4], kt, vt, *inputs[6:])
+    with tk.decode_tuning(**UNCAPPED):
+        row["triton_kvarn"] = timer(lambda: tk.decode(*kv_inputs), args.warmup, args.iters, gpu=True) | {
+            "bytes": nbytes + 2 * ones.numel() * 2 + vt.offset.numel() * 2 + vt.tile_scale.numel() * 2}
+        row["triton_kvarn_vs_tiles"] = max_rel(tk.decode(*kv_inputs), tiles_out)
     # keys centered on their rotating mean (auto's +rmean): the same codes, each tile's scores gaining Σ A cos pθ +
     # B sin pθ; checked against the tiles' path with the same bias (the bias itself against a reference: the CUDA tests)
     theta = 10000.0 ** (-torch.arange(d // 2, dtype=torch.float32) / (d // 2))
@@ -453,7 +464,7 @@ def kernel_case(args, ctx, B, device, timer) -> dict:
         row["triton_rmean_vs_tiles"] = max_rel(tk.decode(*inputs, key_bias=bias), rmean_tiles)
     if B > 1:
         ragged_case(args, row, inputs, timer)
-    del inputs, tiles_out, kt_inputs, kt, ones, rmean_tiles
+    del inputs, tiles_out, kt_inputs, kt, ones, rmean_tiles, kv_inputs, vt, mv
     # bfloat16 SDPA over the same context (K, V built after the packed cache is freed)
     K, V = torch.randn(B, Hkv, ctx, d, **bf), torch.randn(B, Hkv, ctx, d, **bf)
     q4 = q.unsqueeze(2)
@@ -565,8 +576,8 @@ def agrees(v: float) -> bool:
     return v <= AGREE  # False for NaN too
 
 def add_bandwidth(row: dict, peak: float | None) -> None:
-    for name in ("triton", "triton_default", "triton_tiles", "triton_ktiles", "triton_rmean", "sdpa", "flash", "triton_bf16",
-                 "triton_ceil_splits", "triton_last_merges"):
+    for name in ("triton", "triton_default", "triton_tiles", "triton_ktiles", "triton_kvarn", "triton_rmean", "sdpa", "flash",
+                 "triton_bf16", "triton_ceil_splits", "triton_last_merges"):
         r = row.get(name)
         if isinstance(r, dict) and "ms" in r:
             r["tb_per_s"] = r["bytes"] / (r["ms"] * 1e-3) / 1e12
@@ -575,7 +586,7 @@ def add_bandwidth(row: dict, peak: float | None) -> None:
         for name in ("sdpa", "flash", "triton_bf16", "triton_tiles", "triton_ceil_splits", "triton_last_merges"):
             if "ms" in row.get(name, {}):
                 row[f"triton_over_{name}"] = row["triton"]["ms"] / row[name]["ms"]
-    for name in ("triton_ktiles", "triton_rmean"):
+    for name in ("triton_ktiles", "triton_kvarn", "triton_rmean"):
         if "ms" in row.get(name, {}) and "ms" in row.get("sdpa", {}):
             row[f"{name}_over_sdpa"] = row[name]["ms"] / row["sdpa"]["ms"]
 

@@ -446,6 +446,9 @@ def test_gpu_decode_dry_run(tmp_path):
     tiles = -(-n_mid // gpu_decode.KEY_TILE)
     assert row["triton_ktiles"]["bytes"] == row["triton"]["bytes"] + 2 * B * Hkv * tiles * d * 2
     assert row["triton_ktiles_vs_tiles"] < gpu_decode.AGREE and positive(row["triton_ktiles_over_sdpa"])  # bfloat16 keys
+    # keys and values as KVarN tiles (the kvarn method's layout) over the same codes: the same output again
+    assert row["triton_kvarn"]["bytes"] == row["triton_ktiles"]["bytes"] + 2 * B * Hkv * (n_mid + tiles * d)
+    assert row["triton_kvarn_vs_tiles"] < gpu_decode.AGREE and positive(row["triton_kvarn_over_sdpa"])
     # keys centered on their rotating mean: the same codes plus a bias of the position, against the tiles' path
     assert row["triton_rmean"]["bytes"] == row["triton"]["bytes"] and positive(row["triton_rmean_over_sdpa"])
     assert 0 <= row["triton_rmean_vs_tiles"] < gpu_decode.AGREE
