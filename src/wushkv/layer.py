@@ -221,7 +221,6 @@ class RotatingKeyMean:
         self.theta = rope[0].detach().float().cpu()  # the host's copy: angles are computed there (no wait per step)
         self.scaling = float(rope[1])
         self._TM32 = None  # T times rope_bias_terms' matrix, float32 where the queries are (score_terms)
-        self._table = None  # the last RoPE table handed out (table)
 
     def center(self, positions: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
         """T c_t with c_t = R_t μ, in the transformed space. positions: (B', N) integer (B' = 1 or the batch).
@@ -247,12 +246,8 @@ class RotatingKeyMean:
         return torch.matmul(qg.float(), self._TM32)
 
     def table(self, n: int, device) -> torch.Tensor:
-        """:func:`wushkv.triton_kernels.rope_table` of this layer's frequencies for ``n`` positions on ``device``, the
-        last one kept (the shared tables are keyed by the frequencies' bytes, which a step should not hash per layer)."""
-        t = self._table
-        if t is None or len(t) < n or t.device != torch.device(device):
-            t = self._table = rope_table(self.theta, n, device)
-        return t
+        """:func:`wushkv.triton_kernels.rope_table` of this layer's frequencies for ``n`` positions on ``device``."""
+        return rope_table(self.theta, n, device)
 
     def scores(self, terms: torch.Tensor, first: torch.Tensor, n: int) -> torch.Tensor:
         """q·T c_t (B, Hkv, G, n) float32 at positions first + r, r < n, of the :meth:`score_terms` [A | B];
