@@ -203,20 +203,31 @@ def test_key_tiles_through_the_triton_kernel_write_the_bytes_of_the_codec():
         assert (got.cpu() != ref).float().mean() < 0.02
 
 
-@pytest.mark.parametrize("bits,feedback,meta", [(2, True, "float16"), (4, False, "bfloat16"), (3, True, "float16"), (2, True, "e5m3")])
-def test_key_tile_cells_hold_what_the_tile_codec_stores(bits, feedback, meta):
-    """Keys in KVarN tiles (+ktiles): values are written when a token is stored (the fused store where it applies, the
+@pytest.mark.parametrize("quantizer,bits,feedback,meta", [("kvarn", 2, True, "float16"), ("kvarn", 4, False, "bfloat16"),
+                                                        ("kvarn", 3, True, "float16"), ("kvarn", 2, True, "e5m3"),
+                                                        ("kivi", 2, False, "float16"), ("kivi", 3, False, "float16"),
+                                                        ("kivi/g32", 4, False, "float16")])
+def test_key_tile_cells_hold_what_the_tile_codec_stores(quantizer, bits, feedback, meta):
+    """Keys in tiles, KVarN's (+ktiles) or KIVI's (per channel over tiles of S_flush tokens; ``/g32``: its values in
+    groups of 32 channels): values are written when a token is stored (the fused store where it applies, the
     same bytes as encode, the key fields untouched), a tile's key fields when its last token is, from the copies of its
     tokens, however the tokens arrive in steps; decoded, every complete tile is what wushkv's cache stores of it
-    (:class:`wushkv.codecs.KVarNCodec`, bit for bit) and the open tile reads zero keys (its tokens are read from their
-    copies). At head_dim 64 a tile's scale and zero take 2 bytes of each of its 128 cells."""
+    (:class:`wushkv.codecs.KVarNCodec`, :class:`~wushkv.codecs.ChannelCodec`, bit for bit) and the open tile reads zero
+    keys (its tokens are read from their copies). At head_dim 64 a tile's scale and zero take 2 bytes of each of its 128
+    cells; KVarN's tokens add their s_tok (2 bytes), KIVI's have none."""
     H, d, bs, tile, n = 2, 64, 256, 128, 700
-    cfg = QuantConfig(k_bits=bits, v_bits=2, quantizer="quest", key_quantizer="kvarn", tile_clip=1.7, metadata_dtype=meta,
-                      windows=WindowConfig(128, 72, tile))
+    if quantizer == "kvarn":
+        cfg = QuantConfig(k_bits=bits, v_bits=2, quantizer="quest", key_quantizer="kvarn", tile_clip=1.7, metadata_dtype=meta,
+                          windows=WindowConfig(128, 72, tile))
+        vbytes = d * 2 // 8 + {"float32": 4, "e5m3": 1}.get(meta, 2)
+    else:  # KIVI: affine values (scale and offset), plain min-max keys
+        group = 32 if quantizer.endswith("/g32") else None
+        cfg = QuantConfig(k_bits=bits, v_bits=2, quantizer="kivi", group_size=group, windows=WindowConfig(128, 72, tile))
+        vbytes = d * 2 // 8 + 4 * (d // (group or d))
     F = torch.eye(d).expand(H, d, d) + torch.triu(torch.randn(H, d, d, generator=_g(50)) * 0.1, 1) if feedback else None
     sc = SlotCodec(cfg, d, F, F)
-    vbytes = d * 2 // 8 + {"float32": 4, "e5m3": 1}.get(meta, 2)
-    assert sc.tile == tile and sc.meta_width == 2 and sc.payload_bytes == -(-d * bits // 8) + 2 + 2 + vbytes
+    s_tok = 2 if quantizer == "kvarn" else 0
+    assert sc.tile == tile and sc.meta_width == 2 and sc.payload_bytes == -(-d * bits // 8) + s_tok + 2 + vbytes
     if sc.sides() is not None:
         require_kernels()
     g = _g(51)
@@ -424,13 +435,16 @@ def test_attention_reads_what_token_by_token_decode_reads():
                                                      ("tiles+rmean", 2, torch.float32), ("tiles128", 2, torch.float32),
                                                      ("quest@d40", 2, torch.float32), ("affine@d40", 4, torch.bfloat16),
                                                      ("tiles@d40", 2, torch.float32), ("tiles", 3, torch.float32),
-                                                     ("affine@d40", 3, torch.bfloat16), ("quest@d36", 3, torch.float32)])
+                                                     ("affine@d40", 3, torch.bfloat16), ("quest@d36", 3, torch.float32),
+                                                     ("kivi", 2, torch.float32), ("kivi", 4, torch.bfloat16),
+                                                     ("kivi@d40", 3, torch.float32)])
 def test_batched_decode_kernel_equals_the_general_attention(quantizer, bits, dtype):
     """The fused decode of a whole batch (one call, through the block tables, window tokens from the pool, the rest
     from the codes) gives what the general path gives each request's query at its last position: ragged lengths
     (shorter than the sink, inside one block, many splits), blocks out of order, a copy dropped (read from its
     codes), GQA groups of 3, a sliding window and softcapping. ``tiles``: keys in KVarN tiles of 8 tokens (clipped,
-    with error feedback), their unflushed tail of 4 to 11 tokens in full precision. ``+rmean``: the codes hold keys
+    with error feedback), their unflushed tail of 4 to 11 tokens in full precision; ``kivi``: KIVI's keys in tiles of 8
+    (per channel, no s_tok in the cells), its affine values. ``+rmean``: the codes hold keys
     centered on a rotating mean, which a token read from them gets back (in the kernel, from a cos/sin table).
     ``tiles128``: tiles of 128 tokens in blocks of 128, whose scale and zero take 1 byte a cell at d = 32 (a float16
     then spans two cells: the kernel's gathering path; 8-token tiles read theirs in place). ``@d40``: head_dim 40, rows
@@ -441,14 +455,18 @@ def test_batched_decode_kernel_equals_the_general_attention(quantizer, bits, dty
     if "@d" in quantizer:
         quantizer, d = quantizer.split("@d")[0], int(quantizer.split("@d")[1])
     quantizer, rmean = quantizer.removesuffix("+rmean"), quantizer.endswith("+rmean")
-    tile = {"tiles": 8, "tiles128": 128}.get(quantizer, 1)
+    tile = {"tiles": 8, "tiles128": 128, "kivi": 8}.get(quantizer, 1)
     if tile == 128:
         quantizer, bs = "tiles", 128
     rm = None
     if rmean:  # a mean far from 0, as keys have it, rotated by RoPE of base 10,000; no transform (key = I)
         rm = RopeMean(torch.randn(H, d, generator=_g(18)) * 3, torch.eye(d).expand(H, d, d),
                       1.0 / 10000 ** (torch.arange(0, d, 2) / d), 1.0)
-    if tile > 1:
+    if quantizer == "kivi":
+        S, R = tile, 4
+        sc = SlotCodec(QuantConfig(k_bits=bits, v_bits=2, quantizer="kivi", windows=WindowConfig(S, R, tile)), d)
+        assert sc.tile == tile and "s_fold" not in {f[1] for f in sc.fields} and (sc.sides() is not None or d % 8)
+    elif tile > 1:
         S, R = tile, 4
         cfg = QuantConfig(k_bits=bits, v_bits=2, quantizer="quest", key_quantizer="kvarn", tile_clip=1.7,
                           windows=WindowConfig(S, R, tile))
@@ -556,19 +574,21 @@ def test_batched_decode_through_the_triton_kernel(quantizer, bits, dtype, meta):
         assert err < (1e-5 if dtype == torch.float32 else 2e-2), (window, softcap, err)
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_batched_decode_of_key_tiles_through_the_triton_kernel(dtype):
-    """Key tiles (``+ktiles``: KVarN tiles of 16 tokens after a sink of one tile, values QuEST) through the Triton
-    decode: each tile's scale and zero read where the cells spread them, over its tokens; the open tile and the tail
-    from their copies; what the general path gives (1e-5 in float32, 2e-2 in bfloat16)."""
+@pytest.mark.parametrize("quantizer,dtype", [("kvarn", torch.float32), ("kvarn", torch.bfloat16), ("kivi", torch.float32),
+                                             ("kivi", torch.bfloat16)])
+def test_batched_decode_of_key_tiles_through_the_triton_kernel(quantizer, dtype):
+    """Key tiles of 16 tokens after a sink of one tile through the Triton decode (KVarN's, ``+ktiles``, values QuEST;
+    KIVI's, values affine, no s_tok in the cells: a stride-0 one): each tile's scale and zero read where the cells
+    spread them, over its tokens; the open tile and the tail from their copies; what the general path gives (1e-5 in
+    float32, 2e-2 in bfloat16)."""
     pytest.importorskip("triton")
     from wushkv import triton_kernels as tk
     from wushkv.decode import triton_enabled
 
     H, G, d, bs = 2, 3, 64, 32
     dev = _triton_device()
-    sc = SlotCodec(QuantConfig(k_bits=2, v_bits=2, quantizer="quest", key_quantizer="kvarn",
-                               windows=WindowConfig(16, 8, 16)), d)
+    cfg = QuantConfig(k_bits=2, v_bits=2, quantizer="quest", key_quantizer="kvarn", windows=WindowConfig(16, 8, 16))
+    sc = SlotCodec(cfg if quantizer == "kvarn" else replace(cfg, quantizer="kivi", key_quantizer=None), d)
     assert sc.tile == 16
     lens = [1, 20, 37, 100, 131]
     w = Windows(bs, H, d, 16, 8, capacity=10_000, dtype=dtype, flush=16)
@@ -660,6 +680,18 @@ def test_served_folder_checks(tmp_path):
     # 1 byte of the tile's scale and zero (4·32/128), then 8 + 2 of values: 21 bytes, padded to 22 for a 2-byte dtype
     # and to 24 for float32
     assert (s.sink, s.recent, s.flush) == (128, 8, 128) and s.slot_bytes() == 22 and s.slot_bytes(4) == 24
+    # KIVI: keys per channel over tiles of S_flush tokens (8 bytes of codes, the tile's scale and zero 4 bytes a cell at
+    # 32-token tiles, no s_tok), values affine per token (8 + 2 + 2)
+    kivi = _export(tmp_path, "kivi", "identity", replace(CFG, quantizer="kivi", windows=WindowConfig(32, 16, 32)))
+    s = load_served(kivi, num_kv_heads=2, head_dim=32)
+    assert (s.sink, s.recent, s.flush) == (32, 16, 32) and s.slot_bytes() == 24
+    kivi = _export(tmp_path, "kivi4", "identity", replace(CFG, quantizer="kivi", windows=WindowConfig(4, 16, 32)))
+    with pytest.raises(UnsupportedFolder, match=r"sink of 4 tokens, across a paged cache's blocks.*export with --sink 32"):
+        load_served(kivi)
+    kivi = _export(tmp_path, "kivibf", "identity", replace(CFG, quantizer="kivi", metadata_dtype="bfloat16",
+                                                            windows=WindowConfig(32, 16, 32)))
+    with pytest.raises(UnsupportedFolder, match=r"KIVI's keys with metadata dtype 'bfloat16'.*--metadata-dtype float16"):
+        load_served(kivi)
 
 
 def test_other_vllm_versions_are_refused_by_name():
@@ -727,6 +759,8 @@ def engines(tmp_path_factory):
     # key tiles of 128 tokens after a sink of one tile, the tail 8 to 135 tokens (what +ktiles makes of 128/64/16)
     tiles = _export(tmp, "tiles", "wush+ktiles+ldlq", replace(CFG, windows=WindowConfig(128, 64, 16)))
     gemma = _export(tmp, "gemma", "wush+ldlq", family="gemma3")  # sliding-window layers (16 tokens), GQA 2
+    # KIVI (keys per channel over tiles of 32 tokens, values per token), a sink of one tile, WUSH's transforms
+    kivi = _export(tmp, "kivi", "wush", replace(CFG, quantizer="kivi", windows=WindowConfig(32, 16, 32)))
     shared = _prompts(1, 150, 0, seed=5)[0]
     jobs = [
         {"folder": str(id8), "engine": ENGINE, "batches": [{"prompts": _prompts(), "max_tokens": 16, "prompt_logprobs": True}]},
@@ -755,6 +789,9 @@ def engines(tmp_path_factory):
         # served in bfloat16, as people serve: cells padded to 2 bytes, not float32's 4
         {"folder": str(wush), "engine": ENGINE | {"dtype": "bfloat16"}, "batches": [{"prompts": _prompts(2), "max_tokens": 8}]},
         {"folder": str(stock), "engine": ENGINE | {"dtype": "bfloat16"}, "batches": []},
+        # KIVI: prompts of 91-131 tokens in chunks of 32, 40 generated (tiles complete in prefill chunks and in decode)
+        {"folder": str(kivi), "engine": ENGINE | {"max_num_batched_tokens": 32},
+         "batches": [{"prompts": _prompts(3, 90, 20, seed=6), "max_tokens": 40, "prompt_logprobs": True, "logprobs": 2}]},
     ]
     jp, op = tmp / "jobs.json", tmp / "out.json"
     jp.write_text(json.dumps(jobs))
@@ -766,7 +803,8 @@ def engines(tmp_path_factory):
                        text=True, timeout=1500)
     assert r.returncode == 0, r.stderr[-4000:]
     out = json.loads(op.read_text())
-    return {"jobs": jobs, "out": out, "folders": {"id8": id8, "wush": wush, "gemma": gemma, "tiles": tiles, "rmean": rmean},
+    return {"jobs": jobs, "out": out, "folders": {"id8": id8, "wush": wush, "gemma": gemma, "tiles": tiles, "rmean": rmean,
+                                                       "kivi": kivi},
             "log": r.stdout + r.stderr}
 
 
@@ -892,6 +930,21 @@ def test_key_tiles_equal_the_transformers_cache_under_chunked_prefill_and_preemp
     assert res["metrics"]["vllm:num_preemptions"] > 0, res["metrics"]
     assert "serving wush+ktiles+ldlq (K2V2 quest)" in engines["log"]
     agree, total, worst = _agrees_with_wushkv(engines, 7, "tiles")
+    assert agree == total and worst < 1e-4, (agree, total, worst)
+
+
+@needs_vllm
+@pytest.mark.slow
+def test_kivi_equals_the_transformers_cache_under_chunked_prefill(engines):
+    """KIVI served (``--quantizer kivi``: keys per channel over tiles of 32 tokens, each written when its block's last
+    token is stored, no per-token scale in the cells; values affine per token): every prompt position (prefill chunks
+    of 32 tokens) and generated token gets wushkv's own cache's log-probabilities at the exported windows (32, 16, 32),
+    and vLLM's cache holds the cells' share of stock's tokens."""
+    res = engines["out"][11]
+    assert "batches" in res, res.get("error")
+    assert "serving wush (K2V2 kivi)" in engines["log"]
+    assert "24-byte cells per token and KV head" in engines["log"]  # 8 + 4 key bytes (no s_tok), 8 + 2 + 2 value bytes
+    agree, total, worst = _agrees_with_wushkv(engines, 11, "kivi")
     assert agree == total and worst < 1e-4, (agree, total, worst)
 
 

@@ -11,6 +11,7 @@ CONFIG_VERSION = 1
 CACHE_BITS = (2, 3, 4, 8)
 QUANTIZER_NAMES = ("quest", "affine", "kivi", "kvarn")
 PER_TOKEN_QUANTIZERS = ("quest", "affine")  # one grid per token (group): padding, error feedback (also KVarN key tiles), clip search
+TILE_KEY_QUANTIZERS = ("kvarn", "kivi")  # keys quantized per channel over tiles of S_flush tokens (KVarN's, KIVI's)
 METADATA_DTYPES = ("float16", "bfloat16", "float32", "e5m3")  # stored scales/offsets; e5m3: one byte per QuEST step
 CLIP_GRID = (0.7, 0.85, 1.0, 1.15, 1.3, 1.45, 1.6)  # QuEST clip multipliers on α_b that `wushkv tune-clip` walks
 
@@ -135,6 +136,12 @@ class QuantConfig:
     def side_quantizer(self, side: str) -> str:
         """The quantizer of ``side`` ("key" or "value")."""
         return self.key_quantizer or self.quantizer if side == "key" else self.quantizer
+
+    @property
+    def key_tiles(self) -> bool:
+        """The keys are quantized per channel over tiles of ``S_flush`` tokens (KVarN's tiles, KIVI's blocks): a tile is
+        coded when its last token arrives, so an engine writes it whole."""
+        return self.k_bits is not None and self.side_quantizer("key") in TILE_KEY_QUANTIZERS
 
     def with_windows(self, S_sink: int, S_keep: int, S_flush: int) -> QuantConfig:
         return replace(self, windows=WindowConfig(S_sink, S_keep, S_flush))

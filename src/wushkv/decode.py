@@ -440,7 +440,7 @@ def _key_tiles(codec, store, n: int):
         return store["s_fold"].flatten(2, 3), store["scale"], store["zero"]
     if isinstance(codec, ChannelCodec):
         B, H = store["codes"].shape[:2]
-        return _unit_s_tok(store["codes"].device).expand(B, H, n), store["scale"], store["offset"]
+        return unit_s_tok(store["codes"].device).expand(B, H, n), store["scale"], store["offset"]
     return None
 
 
@@ -456,7 +456,7 @@ def _value_tiles(codec, store):
 _UNIT_S_TOK: dict = {}  # device -> a float16 1: KIVI keys' s_tok, expanded (stride 0), never written
 
 
-def _unit_s_tok(device) -> torch.Tensor:
+def unit_s_tok(device) -> torch.Tensor:
     one = _UNIT_S_TOK.get(device)
     if one is None:
         one = _UNIT_S_TOK[device] = torch.ones(1, 1, 1, dtype=torch.float16, device=device)

@@ -70,16 +70,17 @@ def served_config(meta: dict) -> QuantConfig:
 def served_windows(cfg: QuantConfig) -> WindowConfig:
     """The windows a paged engine serves a side file's quantization at: per-token keys ``(S_sink, S_keep, 1)`` (a
     token's codes are written when it is stored: exactly the last ``S_keep`` tokens are in full precision), key
-    tiles the recorded ``(S_sink, S_keep, S_flush)`` (a tile of ``S_flush`` tokens is written when it is complete)."""
+    tiles (KVarN's, KIVI's: :attr:`~wushkv.config.QuantConfig.key_tiles`) the recorded ``(S_sink, S_keep, S_flush)`` (a
+    tile of ``S_flush`` tokens is written when it is complete)."""
     w = cfg.windows
-    return w if cfg.side_quantizer("key") == "kvarn" else WindowConfig(w.S_sink, w.S_keep, 1)
+    return w if cfg.key_tiles else WindowConfig(w.S_sink, w.S_keep, 1)
 
 
 def tile_sink_problem(cfg: QuantConfig) -> str | None:
     """Why a paged engine cannot serve ``cfg``'s key tiles (None: it can, or the keys are per token): tiles of
     ``S_flush`` tokens start after the sink, so they fall on a paged cache's blocks only after a sink of whole tiles."""
     w = cfg.windows
-    if cfg.side_quantizer("key") != "kvarn" or w.S_sink % w.S_flush == 0:
+    if not cfg.key_tiles or w.S_sink % w.S_flush == 0:
         return None
     fix = max(w.S_flush, w.S_flush * round(w.S_sink / w.S_flush))
     return (f"key tiles of {w.S_flush} tokens start after the sink of {w.S_sink} tokens, across a paged cache's blocks (a "

@@ -19,7 +19,8 @@ Keys in KVarN tiles (``+ktiles``: one tile of ``tile`` = ``S_flush`` consecutive
     [ key codes | key s_tok (fp16) | key tile slice | value codes | value scale (| value offset) | padding ]
 
 A tile's per-channel scale and zero (2·d float16, 4·d bytes) are spread over its cells, ``⌈4d/tile⌉`` bytes each
-(2 at d = 64). Tiles start at positions ``tile·j``, which the served sink (a whole number of tiles) puts on vLLM's
+(2 at d = 64). KIVI's keys (per channel over tiles, :class:`wushkv.codecs.ChannelCodec`) are tiles with ``s_tok`` = 1,
+which their cells do not hold. Tiles start at positions ``tile·j``, which the served sink (a whole number of tiles) puts on vLLM's
 blocks (a block holds whole tiles): a tile's key fields are written once, when its last token is stored, from the
 full-precision copies of its tokens (:func:`store_tiles`); until then its tokens are read from those copies, which
 :class:`Windows` never drops while the tile is open. The values are per token, written when stored, as above.
@@ -41,7 +42,7 @@ from collections import OrderedDict
 
 import torch
 
-from wushkv.codecs import KVarNCodec, TokenCodec, make_codec
+from wushkv.codecs import ChannelCodec, KVarNCodec, TokenCodec, make_codec
 from wushkv.config import QuantConfig, WindowConfig
 from wushkv.transforms.rope import rope_bias_terms, rope_rotate
 from wushkv.quantizers import unpack
@@ -55,26 +56,30 @@ class SlotCodec:
     """The bytes of one (token, KV head) cell for quantization ``cfg`` at head_dim ``d``.
 
     ``key_feedback`` / ``value_feedback`` (H, d, d): the ``+ldlq`` error feedback of this rank's KV heads.
-    ``tile``: tokens per key tile (``cfg``'s ``S_flush`` when its keys are KVarN tiles), 0 for per-token keys.
+    ``tile``: tokens per key tile (``cfg``'s ``S_flush`` when its keys are KVarN's or KIVI's tiles), 0 for per-token keys.
     ``align``: the cell size is a multiple of it (the model dtype's size: vLLM views the cells in that dtype)."""
 
     def __init__(self, cfg: QuantConfig, head_dim: int, key_feedback: torch.Tensor | None = None,
                  value_feedback: torch.Tensor | None = None, align: int = SLOT_ALIGN):
         self.cfg, self.d = cfg, head_dim
         self.codecs = {"key": make_codec(cfg, "key", head_dim, key_feedback), "value": make_codec(cfg, "value", head_dim, value_feedback)}
-        self.tile = cfg.windows.S_flush if isinstance(self.codecs["key"], KVarNCodec) else 0
+        self.tile = cfg.windows.S_flush if isinstance(self.codecs["key"], (KVarNCodec, ChannelCodec)) else 0
         for side, c in self.codecs.items():
             if not isinstance(c, TokenCodec) and not (side == "key" and self.tile):
                 q = "full precision" if c is None else cfg.side_quantizer(side)
-                raise ValueError(f"the paged cache stores per-token codes (quantizers quest, affine; KVarN tiles for the keys); "
-                                 f"the {side}s are {q}")
+                raise ValueError(f"the paged cache stores per-token codes (quantizers quest, affine, kivi's values; KVarN's or "
+                                 f"KIVI's tiles for the keys); the {side}s are {q}")
+        if isinstance(self.codecs["key"], ChannelCodec) and self.codecs["key"].meta_dtype != torch.float16:
+            raise ValueError(f"a key tile's scale and zero are float16 in its cells; KIVI's keys with metadata dtype "
+                             f"{cfg.metadata_dtype!r} are not served (export with --metadata-dtype float16)")
         # fields: (side, name, dtype, per-token width, byte offset, byte width), from one probe token
         self.fields, off = [], 0
         for side, c in self.codecs.items():
-            if side == "key" and self.tile:  # codes, the token's fold s_tok, its slice of the tile's scale and zero
+            if side == "key" and self.tile:  # codes, the token's fold s_tok (KVarN's), its slice of the tile's scale and zero
                 nb = -(-head_dim * c.bits // 8)
                 self.meta_width = -(-4 * head_dim // self.tile)
-                for name, dtype, n, width in (("codes", torch.uint8, nb, nb), ("s_fold", torch.float16, 1, 2),
+                s_tok = (("s_fold", torch.float16, 1, 2),) if isinstance(c, KVarNCodec) else ()  # KIVI's: 1, not stored
+                for name, dtype, n, width in (("codes", torch.uint8, nb, nb), *s_tok,
                                               ("tile_meta", torch.uint8, self.meta_width, self.meta_width)):
                     self.fields.append((side, name, dtype, n, off, width))
                     off += width
@@ -194,11 +199,14 @@ class SlotCodec:
             raise ValueError(f"tiles of {self.tile} tokens, got {G}")
         from wushkv.decode import encode_block
 
-        # codes (n, H, G, nb), scale/zero (n, H, 1, d), s_fold (n, H, 1, G); on a GPU through the tile kernel
+        # codes (n, H, G, nb), scale/zero (n, H, 1, d), s_fold (n, H, 1, G); on a GPU KVarN's through the tile kernel.
+        # KIVI's (ChannelCodec): scale·code + offset per channel, the offset as the zero, no s_fold (1)
         s = encode_block(self.codecs["key"], keys.float())
-        meta = torch.cat([s["scale"], s["zero"]], -1).reshape(n, H, 2 * d).view(torch.uint8)  # (n, H, 4d)
+        meta = torch.cat([s["scale"], s.get("zero", s.get("offset"))], -1).reshape(n, H, 2 * d).view(torch.uint8)  # (n, H, 4d)
         meta = torch.nn.functional.pad(meta, (0, G * self.meta_width - 4 * d)).reshape(n, H, G, self.meta_width)
-        fields = {"codes": s["codes"], "s_fold": s["s_fold"].reshape(n, H, G, 1).view(torch.uint8), "tile_meta": meta}
+        fields = {"codes": s["codes"], "tile_meta": meta}
+        if "s_fold" in s:
+            fields["s_fold"] = s["s_fold"].reshape(n, H, G, 1).view(torch.uint8)
         key_bytes = self.value_offset
         cells = torch.empty(n, H, G, key_bytes, dtype=torch.uint8, device=keys.device)
         for side, name, _dtype, _n, off, width in self.fields:
@@ -220,8 +228,9 @@ class SlotCodec:
             raise ValueError(f"key tiles decode whole tiles of {G} tokens, got {N} tokens")
         kp = parts["key"]
         meta = kp["tile_meta"][0].reshape(H, N // G, G * self.meta_width)[..., :4 * d].contiguous().view(torch.float16)
+        s_fold = kp["s_fold"] if "s_fold" in kp else meta.new_ones(1, H, N)  # KIVI's: 1
         t = KVarNTiles(unpack(kp["codes"], self.codecs["key"].bits, d), meta[None, ..., :d], meta[None, ..., d:],
-                       kp["s_fold"].reshape(1, H, N // G, G), self.codecs["key"].bits, "key", G)
+                       s_fold.reshape(1, H, N // G, G), self.codecs["key"].bits, "key", G)
         return kvarn_dequantize(t)[0], v
 
     def stores(self, cells: torch.Tensor) -> dict[str, dict[str, torch.Tensor]]:
@@ -248,7 +257,8 @@ class SlotCodec:
             if c.bits not in (1, 2, 4, 8) and not (c.bits == 3 and c.d % 8 == 0):  # 3 bits: 8 codes in 3 bytes
                 return None
             if side == "key" and self.tile:
-                out.append([f["codes"][2], f["s_fold"][2], -1, c.bits, 0, self.tile, f["tile_meta"][2], self.meta_width])
+                s_tok = f["s_fold"][2] if "s_fold" in f else -1  # -1: KIVI's, 1
+                out.append([f["codes"][2], s_tok, -1, c.bits, 0, self.tile, f["tile_meta"][2], self.meta_width])
                 halves.append(0.0)
                 continue
             scale_dtype, n_groups, scale_off = f["scale"]
@@ -727,7 +737,7 @@ def decode_batch_triton(tk, sc: SlotCodec, cache: torch.Tensor, block_table: tor
     centers in the kernel (:class:`wushkv.triton_kernels.KeyBias`, from head_dim 32), a dropped copy decoded here
     gains its own. Returns float32 (R, Hq, d), or None where the kernel does not apply: a codec the kernels do not
     take, a metadata field at an odd byte offset (it cannot be viewed as float16 in place)."""
-    from wushkv.decode import read_format
+    from wushkv.decode import read_format, unit_s_tok
 
     if rope_mean is not None and sc.d < 32:
         return None
@@ -737,13 +747,17 @@ def decode_batch_triton(tk, sc: SlotCodec, cache: torch.Tensor, block_table: tor
     if views is None or vfmt is None:
         return None
     packed = [None, tk.Packed(vfmt, views["value", "codes"], views["value", "scale"], views.get(("value", "offset")))]
-    if sc.tile:  # KVarN key tiles: each token's codes and s_tok, the tile's scale and zero spread over its cells
+    if sc.tile:  # key tiles: each token's codes and s_tok (KVarN's), the tile's scale and zero spread over its cells
         try:
             kfmt = tk.TileFormat(sc.codecs["key"].bits, sc.d, sc.tile, spread=sc.meta_width // 2)
             meta = views["key", "tile_meta"].view(torch.float16)  # (num_blocks, block_size, H, spread)
         except (ValueError, RuntimeError):  # an odd width or offset, a tile that is not a power of two
             return None
-        packed[0] = tk.Packed(kfmt, views["key", "codes"], views["key", "s_fold"], tile_scale=meta)
+        codes = views["key", "codes"]
+        s_tok = views.get(("key", "s_fold"))
+        if s_tok is None:  # KIVI's keys: s_tok 1, a stride-0 view, never written
+            s_tok = unit_s_tok(codes.device).expand(*codes.shape[:-1], 1)
+        packed[0] = tk.Packed(kfmt, codes, s_tok, tile_scale=meta)
     else:
         kfmt = read_format(tk, sc.codecs["key"])
         if kfmt is None:

@@ -134,12 +134,15 @@ def load_served(folder, *, num_layers: int | None = None, num_kv_heads: int | No
     cfg = served_config(meta)
     for side in ("key", "value"):
         q = cfg.side_quantizer(side)
-        if q not in ("quest", "affine") and not (side == "key" and q == "kvarn"):
-            raise UnsupportedFolder(f"{folder}: the {side}s use quantizer {q!r}; the plugin stores per-token codes (quest, affine)"
-                                    + (" or KVarN key tiles" if side == "key" else ""))
+        if q not in ("quest", "affine", "kivi") and not (side == "key" and q == "kvarn"):
+            raise UnsupportedFolder(f"{folder}: the {side}s use quantizer {q!r}; the plugin stores per-token codes (quest, affine, "
+                                    "kivi's values)" + (" or key tiles (KVarN's, KIVI's)" if side == "key" else ""))
         bits = cfg.k_bits if side == "key" else cfg.v_bits
         if bits is None:
             raise UnsupportedFolder(f"{folder}: the {side}s are not quantized; the plugin needs {side} bits in 2, 3, 4, 8")
+    if cfg.side_quantizer("key") == "kivi" and cfg.metadata_dtype != "float16":
+        raise UnsupportedFolder(f"{folder}: KIVI's keys with metadata dtype {cfg.metadata_dtype!r}: the plugin keeps a key tile's "
+                                "scale and zero in float16 (export with --metadata-dtype float16)")
     if (why := tile_sink_problem(cfg)) is not None:
         raise UnsupportedFolder(f"{folder}: {why}")
     mine = {"num_layers": len(meta.get("attention_layers") or range(int(meta["num_layers"]))), "num_kv_heads": int(meta["num_kv_heads"]),
@@ -152,5 +155,6 @@ def load_served(folder, *, num_layers: int | None = None, num_kv_heads: int | No
 
 
 def _supported_words() -> str:
-    return ("per-token quest or affine codes on both sides, or KVarN key tiles (+ktiles) with a sink of whole tiles; any key "
+    return ("per-token quest or affine codes on both sides, or keys in tiles (KVarN's, +ktiles; KIVI's, --quantizer kivi) "
+            "with a sink of whole tiles; any key "
             "transform, with or without a constant or rotating (+rmean) key mean; error feedback (+ldlq) on either side")

@@ -61,9 +61,9 @@ def _set_here(args, method, cfg) -> dict[str, str]:
     from ..methods.spec import MethodSpec, method_config
 
     set_here = {"k_bits": "--bits sets both widths", "v_bits": "--bits sets both widths"} if hasattr(args, "bits") else {}
-    if isinstance(method, MethodSpec) and method_config(method, cfg).side_quantizer("key") != "kvarn":
+    if isinstance(method, MethodSpec) and not method_config(method, cfg).key_tiles:
         set_here["S_flush"] = ("a serving engine stores per-token keys as they come (it serves the windows "
-                               f"{cfg.windows.S_sink}/{cfg.windows.S_keep}/1); --flush sizes key tiles (+ktiles, kvarn)")
+                               f"{cfg.windows.S_sink}/{cfg.windows.S_keep}/1); --flush sizes key tiles (+ktiles, kvarn, kivi)")
     return set_here
 
 

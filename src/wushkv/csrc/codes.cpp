@@ -149,8 +149,9 @@ torch::Tensor feedback_round(torch::Tensor x, torch::Tensor scale, torch::Tensor
 // offset is scale * half, QuEST's (1/2 - 2^(b-1))), its width and the metadata's dtype (0 f16, 1 bf16, 2 f32, 3 E5M3:
 // one byte, a symmetric side's step).
 // Key tiles (tile > 0, KVarN's, wushkv.quantizers.kvarn): k[t, i] = s_tok[t] * (scale[i] * code + zero[i]) per tile of
-// `tile` tokens; `scale` is then the offset of the token's f16 s_tok and the tile's f16 scale (d) and zero (d) are
-// spread over its cells, `tmeta_w` bytes each at offset `tmeta` (wushkv_vllm.paged.SlotCodec).
+// `tile` tokens; `scale` is then the offset of the token's f16 s_tok (-1: none, s_tok 1, KIVI's per-channel keys) and
+// the tile's f16 scale (d) and zero (d) are spread over its cells, `tmeta_w` bytes each at offset `tmeta`
+// (wushkv_vllm.paged.SlotCodec).
 struct CellSide {
   int64_t codes, scale, offset, bits;
   float half;
@@ -176,6 +177,9 @@ static inline float meta_at(const uint8_t* p, int64_t kind) {
   if (kind == 1) { c10::BFloat16 b; std::memcpy(&b, p, 2); return static_cast<float>(b); }
   float f; std::memcpy(&f, p, 4); return f;
 }
+
+// a key tile's token scale s_tok (f16 at byte `off` of the cell); KIVI's tiles store none (off -1): 1
+static inline float s_tok_at(const uint8_t* cell, int64_t off) { return off < 0 ? 1.f : meta_at(cell + off, 0); }
 
 
 // Rows of codes are read in a permuted order: position t*nb + m is code t of unit m (t < PER, m < nb; Unit: a byte,
@@ -663,7 +667,7 @@ static void dot_run_t(const uint8_t* base, int64_t cstride, int64_t count, const
     float dots[4];
     hsum4(acc[0], acc[1], acc[2], acc[3], dots);
     if constexpr (TILE) {
-      const float st = meta_at(base + K.scale, 0);
+      const float st = s_tok_at(base, K.scale);
       for (int g = 0; g < GN; ++g) s[g * sstride + j] = st * (dots[g] + add[g]);
     } else {
       const float sc = meta_at(base + K.scale, K.meta);
@@ -801,7 +805,7 @@ static void dot_run_t(const uint8_t* base, int64_t cstride, int64_t count, const
     float dots[GN];
     dot_codes_t<BITS, GN>(base + K.codes, nb, q, qstride, dots);
     if constexpr (TILE) {
-      const float st = meta_at(base + K.scale, 0);
+      const float st = s_tok_at(base, K.scale);
       for (int g = 0; g < GN; ++g) s[g * sstride + j] = st * (dots[g] + add[g]);
     } else {
       const float sc = meta_at(base + K.scale, K.meta);
@@ -1246,7 +1250,7 @@ static void paged_decode_impl(const torch::Tensor& cache, const torch::Tensor& t
           } else if (KT) {  // q·k = s_tok·(Σ_i (q_i·scale_i)·code_i + q·zero), the tile's terms computed once
             if (t >= tile_hi || t < tile_lo) load_tile(t, blk);  // a compare per token, not a 64-bit division
             dot_codes(base + K_.codes, knb_, K_.bits, qkt.data(), KD_, G_, dots.data());
-            const float st = meta_at(base + K_.scale, 0);
+            const float st = s_tok_at(base, K_.scale);
             for (int64_t g = 0; g < G_; ++g) s[g * PAGED_CHUNK + j] = st * (dots[g] + qzt[g]);
           } else {
             dot_codes(base + K_.codes, knb_, K_.bits, qk.data(), KD_, G_, dots.data());
