@@ -51,15 +51,15 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 def export(model, tok, cal, out: Path, method: str, k_bits: int, v_bits: int, windows: WindowConfig, model_key: str,
-           metadata_dtype: str = "float16") -> Path:
-    """The folder ``out`` exported (kept if it holds a side file: its name carries the method, widths, windows and
-    metadata dtype)."""
+           metadata_dtype: str = "float16", quantizer: str = "quest") -> Path:
+    """The folder ``out`` exported (kept if it holds a side file: its name carries the method, quantizer, widths,
+    windows and metadata dtype)."""
     from wushkv.serving import export_model
 
     if not (out / "wushkv" / "kv_cache.safetensors").is_file():
         if out.exists():
             shutil.rmtree(out)
-        cfg = QuantConfig(k_bits=k_bits, v_bits=v_bits, quantizer="quest", windows=windows, metadata_dtype=metadata_dtype)
+        cfg = QuantConfig(k_bits=k_bits, v_bits=v_bits, quantizer=quantizer, windows=windows, metadata_dtype=metadata_dtype)
         export_model(model, tok, out, method=method, cfg=cfg, calibration=cal, model_key=model_key)
     return out
 
@@ -70,7 +70,8 @@ def served_method(folder: Path) -> str:
     q = meta["quantization"]
     w = q["windows"]
     steps = "" if q.get("metadata_dtype", "float16") == "float16" else f", {q['metadata_dtype']} steps"
-    return f"{meta['method']} {w['S_sink']}/{w['S_keep']}/{w['S_flush']}{steps}"
+    quantizer = "" if q["quantizer"] == "quest" else f" {q['quantizer']}"
+    return f"{meta['method']}{quantizer} {w['S_sink']}/{w['S_keep']}/{w['S_flush']}{steps}"
 
 
 _FP: dict = {}  # the full-precision model, loaded once
@@ -107,10 +108,13 @@ def main(argv=None) -> int:
     p.add_argument("--calibration", required=True)
     p.add_argument("--method", default="auto", help="the method exported at K2V2 and K4V2 (default: %(default)s)")
     p.add_argument("--windows", default="128,128,16", help="S_sink,S_keep,S_flush given to export-model (default: %(default)s)")
-    p.add_argument("--metadata-dtype", default="float16,e5m3",
+    p.add_argument("--quantizer", default="quest", choices=("quest", "affine", "kivi"),
+                   help="export-model's --quantizer (kivi: the KIVI baseline, keys per channel over tiles of S_flush tokens, "
+                        "with --method identity) (default: %(default)s)")
+    p.add_argument("--metadata-dtype", default=None,
                    help="export-model's --metadata-dtype at K2V2,K4V2: e5m3 stores each QuEST step in one byte, which takes "
                         "K4V2's cell from 52 to 50 bytes; auto's K2V2 key tiles gain nothing (37 bytes pad to 38) "
-                        "(default: %(default)s)")
+                        "(default: float16,e5m3 with QuEST, float16,float16 otherwise)")
     p.add_argument("--work", default="out/vllm-bench", help="folder for the exported models and the vLLM logs")
     p.add_argument("--vllm-python", default=str(ROOT / ".venv-vllm" / "bin" / "python"))
     p.add_argument("--kv-space", type=int, default=1, help="VLLM_CPU_KVCACHE_SPACE, GiB")
@@ -134,12 +138,16 @@ def main(argv=None) -> int:
     model, tok = load(args.model)
     cal = Calibration.load(args.calibration, model)
     win = WindowConfig(*(int(x) for x in args.windows.split(",")))
+    if args.metadata_dtype is None:
+        args.metadata_dtype = "float16,e5m3" if args.quantizer == "quest" else "float16,float16"
     meta = args.metadata_dtype.split(",")
-    if len(meta) != 2 or not set(meta) <= {"float16", "e5m3"}:
-        raise SystemExit(f"--metadata-dtype takes two of float16, e5m3 (K2V2,K4V2), got {args.metadata_dtype!r}")
-    tags = [f"{args.method}-{win.S_sink}-{win.S_keep}-{win.S_flush}" + ("" if m == "float16" else f"-{m}") for m in meta]
-    k2v2 = export(model, tok, cal, work / f"k2v2-{tags[0]}", args.method, 2, 2, win, args.model, meta[0])
-    k4v2 = export(model, tok, cal, work / f"k4v2-{tags[1]}", args.method, 4, 2, win, args.model, meta[1])
+    if len(meta) != 2 or not set(meta) <= {"float16", "e5m3"} or ("e5m3" in meta and args.quantizer != "quest"):
+        raise SystemExit(f"--metadata-dtype takes two of float16, e5m3 (K2V2,K4V2; e5m3 with --quantizer quest only), got "
+                         f"{args.metadata_dtype!r}")
+    q = "" if args.quantizer == "quest" else f"-{args.quantizer}"
+    tags = [f"{args.method}{q}-{win.S_sink}-{win.S_keep}-{win.S_flush}" + ("" if m == "float16" else f"-{m}") for m in meta]
+    k2v2 = export(model, tok, cal, work / f"k2v2-{tags[0]}", args.method, 2, 2, win, args.model, meta[0], args.quantizer)
+    k4v2 = export(model, tok, cal, work / f"k4v2-{tags[1]}", args.method, 4, 2, win, args.model, meta[1], args.quantizer)
     stock = work / "stock"
     if not stock.exists():
         shutil.copytree(k2v2, stock)

@@ -457,6 +457,7 @@ _UNIT_S_TOK: dict = {}  # device -> a float16 1: KIVI keys' s_tok, expanded (str
 
 
 def unit_s_tok(device) -> torch.Tensor:
+    """A float16 1 (1, 1, 1) on ``device``, made once: the s_tok of KIVI's key tiles, which store none (expand it)."""
     one = _UNIT_S_TOK.get(device)
     if one is None:
         one = _UNIT_S_TOK[device] = torch.ones(1, 1, 1, dtype=torch.float16, device=device)
