@@ -256,6 +256,42 @@ def test_key_tile_cells_hold_what_the_tile_codec_stores(quantizer, bits, feedbac
     assert torch.equal(kd2, kd[:, 200:])
 
 
+@pytest.mark.parametrize("bits", [2, 3, 4])
+def test_value_tile_cells_hold_what_the_tile_codec_stores(bits):
+    """Both sides in KVarN's tiles (``+tiles``, ``kvarn``): nothing is written when a token is stored; a tile's key and
+    value fields when its last token is, from the copies of its tokens, however the tokens arrive in steps; decoded,
+    every complete tile's keys and values are what wushkv's cache stores of them (:class:`wushkv.codecs.KVarNCodec`,
+    bit for bit), the open tile's fields are the bytes that were there. A value cell: codes, the token's float16
+    scale and zero, and its share of the tile's channel scales (2·d float16 over the tile's cells: 2 bytes each at
+    head_dim 64, tiles of 128)."""
+    H, d, bs, tile, n = 2, 64, 256, 128, 700
+    cfg = QuantConfig(k_bits=bits, v_bits=bits, quantizer="kvarn", windows=WindowConfig(128, 0, tile))
+    sc = SlotCodec(cfg, d)
+    nb = -(-d * bits // 8)
+    assert (sc.tile, sc.vtile, sc.vmeta_width) == (tile, tile, 2) and sc.payload_bytes == (nb + 2 + 2) + (nb + 2 + 2 + 2)
+    assert sc.sides() is None  # the fused kernels decline: the general path reads them
+    g = _g(52)
+    k, v = torch.randn(n, H, d, generator=g) * torch.rand(n, H, 1, generator=g) * 4, torch.randn(n, H, d, generator=g)
+    table = torch.tensor([3, 0, 2])
+    pos = torch.arange(n)
+    slots = table[pos // bs] * bs + pos % bs
+    cache = torch.randint(0, 256, (4, H, bs, sc.slot_bytes), dtype=torch.uint8, generator=g)
+    before = cache.clone()
+    w = Windows(bs, H, d, 128, 0, capacity=0, flush=tile)
+    for a, b in ((0, 100), (100, 101), (101, 300), (300, 384), (384, 385), (385, 700)):  # prefill chunks, decode steps
+        sc.store(cache, k[a:b], v[a:b], slots[a:b])
+        w.write(k[a:b], v[a:b], slots[a:b])
+        assert store_tiles(sc, cache, w, slots[a:b]) == 0
+        w.protect_and_trim([])  # capacity 0: everything but the open tile is dropped
+    full = n // tile * tile
+    open_slots = slots[full:]
+    assert torch.equal(cache[open_slots // bs, :, open_slots % bs], before[open_slots // bs, :, open_slots % bs])
+    kd, vd = decode_context(sc, cache, table, full)
+    assert torch.equal(kd, make_codec(cfg, "key", d).fake(k[:full].transpose(0, 1).unsqueeze(0))[0])
+    assert torch.equal(vd, make_codec(cfg, "value", d).fake(v[:full].transpose(0, 1).unsqueeze(0))[0])
+    assert float((vd - v[:full].transpose(0, 1)).abs().max()) > 0  # quantized, not a copy
+
+
 def test_kl_from_the_top_k_is_a_lower_bound_that_is_exact_when_nothing_is_left_out():
     """What the serving benchmark reports of vLLM's quality against full precision, from the top-k log-probabilities
     vLLM returns: the coarsened KL is 0 for the same distribution, never above the full KL, equal to it when the top-k
@@ -753,7 +789,10 @@ def engines(tmp_path_factory):
     shutil.copytree(id8, stock)
     shutil.rmtree(stock / "wushkv")  # the same weights without a side file: stock vLLM, plugin installed
     wush = _export(tmp, "wush2", "wush+ldlq", replace(CFG, metadata_dtype="e5m3"))  # one-byte steps (gemma's: float16)
-    vtiles = _export(tmp, "vtiles", "wush+tiles")
+    vtiles = _export(tmp, "vtiles", "wush+tiles")  # both sides in KVarN's tiles, KVarN's windows (128, 0, 128)
+    # a folder the plugin refuses: KIVI's key tiles keep float16 scales in the cells
+    kivi_bf16 = _export(tmp, "kivi_bf16", "identity", replace(CFG, quantizer="kivi", metadata_dtype="bfloat16",
+                                                              windows=WindowConfig(32, 16, 32)))
     # +rmean with key tiles, affine values with feedback (the generation setting's kind of pick), sink of one tile
     rmean = _export(tmp, "rmean", "wush+rmean+ktiles+ldlq", replace(CFG, quantizer="affine", windows=WindowConfig(128, 64, 16)))
     # key tiles of 128 tokens after a sink of one tile, the tail 8 to 135 tokens (what +ktiles makes of 128/64/16)
@@ -772,7 +811,7 @@ def engines(tmp_path_factory):
          "batches": [{"prompts": _prompts(4, 60, 0), "max_tokens": 64, "prompt_logprobs": True, "logprobs": 2}]},
         {"folder": str(wush), "engine": ENGINE,
          "batches": [{"prompts": [shared + [7, 8, 9]], "max_tokens": 24}, {"prompts": [shared + [40, 41]], "max_tokens": 24}]},
-        {"folder": str(vtiles), "engine": ENGINE, "batches": []},
+        {"folder": str(kivi_bf16), "engine": ENGINE, "batches": []},
         # tensor parallelism: 2 ranks of one KV head each (one CPU core each; vLLM's CPU workers need the binding)
         {"folder": str(wush), "engine": ENGINE | {"tensor_parallel_size": 2, "distributed_executor_backend": "mp"},
          "env": {"VLLM_CPU_OMP_THREADS_BIND": "0|1"},
@@ -792,6 +831,9 @@ def engines(tmp_path_factory):
         # KIVI: prompts of 91-131 tokens in chunks of 32, 40 generated (tiles complete in prefill chunks and in decode)
         {"folder": str(kivi), "engine": ENGINE | {"max_num_batched_tokens": 32},
          "batches": [{"prompts": _prompts(3, 90, 20, seed=6), "max_tokens": 40, "prompt_logprobs": True, "logprobs": 2}]},
+        # value tiles (+tiles): prompts of 200-240 tokens in chunks of 64, 40 generated (a tile completes in decode)
+        {"folder": str(vtiles), "engine": ENGINE | {"max_model_len": 512, "block_size": 128, "max_num_batched_tokens": 64},
+         "batches": [{"prompts": _prompts(3, 200, 20, seed=7), "max_tokens": 40, "prompt_logprobs": True, "logprobs": 2}]},
     ]
     jp, op = tmp / "jobs.json", tmp / "out.json"
     jp.write_text(json.dumps(jobs))
@@ -804,7 +846,7 @@ def engines(tmp_path_factory):
     assert r.returncode == 0, r.stderr[-4000:]
     out = json.loads(op.read_text())
     return {"jobs": jobs, "out": out, "folders": {"id8": id8, "wush": wush, "gemma": gemma, "tiles": tiles, "rmean": rmean,
-                                                       "kivi": kivi},
+                                                       "kivi": kivi, "vtiles": vtiles},
             "log": r.stdout + r.stderr}
 
 
@@ -910,12 +952,12 @@ def test_prefix_caching_gives_each_request_what_it_gets_alone(engines):
 
 @needs_vllm
 @pytest.mark.slow
-def test_a_method_the_plugin_lacks_is_refused_by_name(engines):
+def test_a_folder_the_plugin_cannot_serve_is_refused_by_name(engines):
     err = engines["out"][4].get("error", "")
     assert engines["out"][4].get("batches") is None
     # the engine's error (in-process) or its log (an engine core process says it there): what the user reads
     seen = err + engines["log"]
-    assert "wush+tiles" in seen and "KVarN value tiles are written per tile" in seen, err
+    assert "kivi_bf16" in seen and "KIVI's keys with metadata dtype 'bfloat16'" in seen and "--metadata-dtype float16" in seen, err
 
 
 @needs_vllm
@@ -945,6 +987,19 @@ def test_kivi_equals_the_transformers_cache_under_chunked_prefill(engines):
     assert "serving wush (K2V2 kivi)" in engines["log"]
     assert "24-byte cells per token and KV head" in engines["log"]  # 8 + 4 key bytes (no s_tok), 8 + 2 + 2 value bytes
     agree, total, worst = _agrees_with_wushkv(engines, 11, "kivi")
+    assert agree == total and worst < 1e-4, (agree, total, worst)
+
+
+@needs_vllm
+@pytest.mark.slow
+def test_value_tiles_equal_the_transformers_cache_under_chunked_prefill(engines):
+    """``+tiles`` served (both sides in KVarN's tiles of 128 tokens after a sink of one tile, no recent window): a
+    tile's key and value fields written when its block's last token is stored, the open tile read from copies; every
+    prompt position (prefill chunks of 64) and generated token gets wushkv's own cache's log-probabilities."""
+    res = engines["out"][12]
+    assert "batches" in res, res.get("error")
+    assert "serving wush+tiles (K2V2 kvarn)" in engines["log"]
+    agree, total, worst = _agrees_with_wushkv(engines, 12, "vtiles")
     assert agree == total and worst < 1e-4, (agree, total, worst)
 
 

@@ -64,8 +64,10 @@ class SlotCodec:
         self.cfg, self.d = cfg, head_dim
         self.codecs = {"key": make_codec(cfg, "key", head_dim, key_feedback), "value": make_codec(cfg, "value", head_dim, value_feedback)}
         self.tile = cfg.windows.S_flush if isinstance(self.codecs["key"], (KVarNCodec, ChannelCodec)) else 0
+        # KVarN's value tiles (+tiles, kvarn): in the key tiles' grid, written with them
+        self.vtile = self.tile if isinstance(self.codecs["value"], KVarNCodec) else 0
         for side, c in self.codecs.items():
-            if not isinstance(c, TokenCodec) and not (side == "key" and self.tile):
+            if not isinstance(c, TokenCodec) and not (self.tile and (side == "key" or self.vtile)):
                 q = "full precision" if c is None else cfg.side_quantizer(side)
                 raise ValueError(f"the paged cache stores per-token codes (quantizers quest, affine, kivi's values; KVarN's or "
                                  f"KIVI's tiles for the keys); the {side}s are {q}")
@@ -81,6 +83,15 @@ class SlotCodec:
                 s_tok = (("s_fold", torch.float16, 1, 2),) if isinstance(c, KVarNCodec) else ()  # KIVI's: 1, not stored
                 for name, dtype, n, width in (("codes", torch.uint8, nb, nb), *s_tok,
                                               ("tile_meta", torch.uint8, self.meta_width, self.meta_width)):
+                    self.fields.append((side, name, dtype, n, off, width))
+                    off += width
+                continue
+            if side == "value" and self.vtile:  # codes, the token's scale and zero, its slice of the tile's channel scales
+                nb = -(-head_dim * c.bits // 8)
+                self.vmeta_width = 2 * -(-head_dim // self.tile)  # whole float16s a cell (the Triton decode reads halves)
+                for name, dtype, n, width in (("codes", torch.uint8, nb, nb), ("scale", torch.float16, 1, 2),
+                                              ("zero", torch.float16, 1, 2),
+                                              ("tile_meta", torch.uint8, self.vmeta_width, self.vmeta_width)):
                     self.fields.append((side, name, dtype, n, off, width))
                     off += width
                 continue
@@ -106,7 +117,7 @@ class SlotCodec:
         T, H, _ = k.shape
         out = torch.zeros(T, H, self.slot_bytes, dtype=torch.uint8, device=k.device)
         stored = {side: c.encode(x.float().transpose(0, 1).unsqueeze(0))  # (1, H, T, ·)
-                  for (side, c), x in zip(self.codecs.items(), (k, v)) if not (side == "key" and self.tile)}
+                  for (side, c), x in zip(self.codecs.items(), (k, v)) if isinstance(c, TokenCodec)}
         for side, name, _dtype, _n, off, width in self.fields:
             if side in stored:
                 t = stored[side][name][0].transpose(0, 1).contiguous()  # (T, H, n)
@@ -122,6 +133,8 @@ class SlotCodec:
         slots' copy on the host, which tells the padding without a wait for the device."""
         from wushkv._ext import kernels
 
+        if self.vtile:  # value tiles too: nothing is written before a tile is complete (store_tiles)
+            return
         if self._store_triton(cache, k, v, slot_mapping):
             return
         ext = kernels() if self._fused_store and cache.device.type == "cpu" else None
@@ -189,14 +202,19 @@ class SlotCodec:
                            views.get((side, "offset")), fmt, feedback=c.feedback)
         return True
 
-    def store_tiles(self, cache: torch.Tensor, keys: torch.Tensor, first_slots: torch.Tensor) -> None:
+    def store_tiles(self, cache: torch.Tensor, keys: torch.Tensor, first_slots: torch.Tensor,
+                    values: torch.Tensor | None = None) -> None:
         """Write the key fields of whole tiles: keys (n, H, tile, d) (already transformed; the tokens of each tile in
         order) quantized as wushkv's cache quantizes a flushed tile (:class:`wushkv.codecs.KVarNCodec`, with the
         ``+ldlq`` feedback along channels where the method has it), into the cells of ``cache`` (num_blocks, H,
-        block_size, ≥ slot_bytes) uint8 from slots ``first_slots`` (n,) on (a tile lies within one block)."""
+        block_size, ≥ slot_bytes) uint8 from slots ``first_slots`` (n,) on (a tile lies within one block). With value
+        tiles (:attr:`vtile`), the value fields too, of ``values`` (n, H, tile, d)."""
         n, H, G, d = keys.shape
         if G != self.tile:
             raise ValueError(f"tiles of {self.tile} tokens, got {G}")
+        if bool(self.vtile) != (values is not None) or (values is not None and values.shape != keys.shape):
+            raise ValueError(f"value tiles need their values (n, H, tile, d) = {tuple(keys.shape)}, per-token values none; "
+                             f"got {None if values is None else tuple(values.shape)}")
         from wushkv.decode import encode_block
 
         # codes (n, H, G, nb), scale/zero (n, H, 1, d), s_fold (n, H, 1, G); on a GPU KVarN's through the tile kernel.
@@ -204,23 +222,32 @@ class SlotCodec:
         s = encode_block(self.codecs["key"], keys.float())
         meta = torch.cat([s["scale"], s.get("zero", s.get("offset"))], -1).reshape(n, H, 2 * d).view(torch.uint8)  # (n, H, 4d)
         meta = torch.nn.functional.pad(meta, (0, G * self.meta_width - 4 * d)).reshape(n, H, G, self.meta_width)
-        fields = {"codes": s["codes"], "tile_meta": meta}
+        fields = {"key": {"codes": s["codes"], "tile_meta": meta}}
         if "s_fold" in s:
-            fields["s_fold"] = s["s_fold"].reshape(n, H, G, 1).view(torch.uint8)
-        key_bytes = self.value_offset
-        cells = torch.empty(n, H, G, key_bytes, dtype=torch.uint8, device=keys.device)
-        for side, name, _dtype, _n, off, width in self.fields:
-            if side == "key":
-                cells[..., off:off + width] = fields[name]
+            fields["key"]["s_fold"] = s["s_fold"].reshape(n, H, G, 1).view(torch.uint8)
+        if values is not None:  # codes (n, H, G, nb), scale/zero per token (n, H, 1, G), s_fold the channels' (n, H, 1, d)
+            v = encode_block(self.codecs["value"], values.float())
+            vmeta = v["s_fold"].reshape(n, H, d).view(torch.uint8)  # (n, H, 2d)
+            vmeta = torch.nn.functional.pad(vmeta, (0, G * self.vmeta_width - 2 * d)).reshape(n, H, G, self.vmeta_width)
+            fields["value"] = {"codes": v["codes"], "scale": v["scale"].reshape(n, H, G, 1).view(torch.uint8),
+                               "zero": v["zero"].reshape(n, H, G, 1).view(torch.uint8), "tile_meta": vmeta}
+        width = self.payload_bytes if values is not None else self.value_offset
+        cells = torch.empty(n, H, G, width, dtype=torch.uint8, device=keys.device)
+        for side, name, _dtype, _n, off, w in self.fields:
+            if side in fields:
+                cells[..., off:off + w] = fields[side][name]
         slots = (first_slots.long()[:, None] + torch.arange(G, device=first_slots.device)).reshape(-1)  # (n·G,)
-        store(cache, cells.permute(0, 2, 1, 3).reshape(n * G, H, key_bytes), slots, valid=True)
+        store(cache, cells.permute(0, 2, 1, 3).reshape(n * G, H, width), slots, valid=True)
 
     def decode(self, cells: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(k, v) float32 (H, N, d) of uint8 cells (H, N, ≥ payload_bytes); with key tiles, N whole tiles starting on
         one (every tile's key fields written)."""
         parts = self.stores(cells)
         N = cells.shape[1]
-        v = self.codecs["value"].decode(parts["value"], N)[0]
+        if self.vtile:
+            v = self._value_tiles(parts["value"], cells.shape[0], N)
+        else:
+            v = self.codecs["value"].decode(parts["value"], N)[0]
         if not self.tile:
             return self.codecs["key"].decode(parts["key"], N)[0], v
         H, G, d = cells.shape[0], self.tile, self.d
@@ -232,6 +259,16 @@ class SlotCodec:
         t = KVarNTiles(unpack(kp["codes"], self.codecs["key"].bits, d), meta[None, ..., :d], meta[None, ..., d:],
                        s_fold.reshape(1, H, N // G, G), self.codecs["key"].bits, "key", G)
         return kvarn_dequantize(t)[0], v
+
+    def _value_tiles(self, vp: dict, H: int, N: int) -> torch.Tensor:
+        """float32 (H, N, d) of the value fields ``vp`` (:meth:`stores`) of N whole tiles."""
+        G, d = self.vtile, self.d
+        if N % G:
+            raise ValueError(f"value tiles decode whole tiles of {G} tokens, got {N} tokens")
+        s_chan = vp["tile_meta"][0].reshape(H, N // G, G * self.vmeta_width)[..., :2 * d].contiguous().view(torch.float16)
+        t = KVarNTiles(unpack(vp["codes"], self.codecs["value"].bits, d), vp["scale"].reshape(1, H, N // G, G),
+                       vp["zero"].reshape(1, H, N // G, G), s_chan[None], self.codecs["value"].bits, "value", G)
+        return kvarn_dequantize(t)[0]
 
     def stores(self, cells: torch.Tensor) -> dict[str, dict[str, torch.Tensor]]:
         """The codec stores {"key": {...}, "value": {...}} (each tensor (1, H, N, ·)) of uint8 cells (H, N, ≥ payload):
@@ -251,6 +288,8 @@ class SlotCodec:
 
     def _kernel_sides(self):
         kinds = {torch.float16: 0, torch.bfloat16: 1, torch.float32: 2, torch.uint8: 3}  # uint8: an E5M3 step
+        if self.vtile:  # value tiles: the general path
+            return None
         out, halves = [], []
         for side, c in self.codecs.items():
             f = {name: (dtype, n, off) for s, name, dtype, n, off, _w in self.fields if s == side}
@@ -381,11 +420,13 @@ def store_tiles(sc: SlotCodec, cache: torch.Tensor, windows: "Windows", slot_map
     windows.close((first // G).tolist())
     if bool(held.any()):
         dev = windows.pool.device
-        k = windows.pool[to_device(rows[held], dev), to_device(idx[held] % u, dev)][..., 0, :].float()  # (n, G, H, d)
+        kv = windows.pool[to_device(rows[held], dev), to_device(idx[held] % u, dev)].float()  # (n, G, H, 2, d)
+        k = kv[..., 0, :]
         if rope_mean is not None:
             p0 = positions.cpu()[keep][last][held].long() - (G - 1)
             k = k - rope_mean.center(to_device((p0[:, None] + torch.arange(G)).reshape(-1), dev)).reshape(k.shape)
-        sc.store_tiles(cache, k.to(cache.device).transpose(1, 2), to_device(first[held], cache.device))
+        v = kv[..., 1, :].to(cache.device).transpose(1, 2) if sc.vtile else None
+        sc.store_tiles(cache, k.to(cache.device).transpose(1, 2), to_device(first[held], cache.device), v)
     return int((~held).sum())
 
 
@@ -739,7 +780,7 @@ def decode_batch_triton(tk, sc: SlotCodec, cache: torch.Tensor, block_table: tor
     take, a metadata field at an odd byte offset (it cannot be viewed as float16 in place)."""
     from wushkv.decode import read_format, unit_s_tok
 
-    if rope_mean is not None and sc.d < 32:
+    if (rope_mean is not None and sc.d < 32) or sc.vtile:  # value tiles: the general path
         return None
 
     views = sc.field_views(cache)

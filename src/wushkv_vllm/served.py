@@ -22,12 +22,10 @@ SUPPORTED = {
     "value_transform_folded": {True},
     "key_centering": {"none", "constant", "rope-mean"},
     "key_layout": {"token", "tiles"},
-    "value_layout": {"token"},
+    "value_layout": {"token", "tiles"},
     "feedback": {"", "K", "V", "KV"},
 }
-UNSUPPORTED_WHY = {
-    "value_layout": "KVarN value tiles are written per tile, not per token",
-}
+UNSUPPORTED_WHY: dict[str, str] = {}
 _LAYER = re.compile(r"layers\.(\d+)\.")
 
 
@@ -134,9 +132,9 @@ def load_served(folder, *, num_layers: int | None = None, num_kv_heads: int | No
     cfg = served_config(meta)
     for side in ("key", "value"):
         q = cfg.side_quantizer(side)
-        if q not in ("quest", "affine", "kivi") and not (side == "key" and q == "kvarn"):
+        if q not in ("quest", "affine", "kivi", "kvarn"):
             raise UnsupportedFolder(f"{folder}: the {side}s use quantizer {q!r}; the plugin stores per-token codes (quest, affine, "
-                                    "kivi's values)" + (" or key tiles (KVarN's, KIVI's)" if side == "key" else ""))
+                                    "kivi's values) or KVarN's tiles" + (" or KIVI's" if side == "key" else ""))
         bits = cfg.k_bits if side == "key" else cfg.v_bits
         if bits is None:
             raise UnsupportedFolder(f"{folder}: the {side}s are not quantized; the plugin needs {side} bits in 2, 3, 4, 8")
@@ -156,5 +154,5 @@ def load_served(folder, *, num_layers: int | None = None, num_kv_heads: int | No
 
 def _supported_words() -> str:
     return ("per-token quest or affine codes on both sides, or keys in tiles (KVarN's, +ktiles; KIVI's, --quantizer kivi) "
-            "with a sink of whole tiles; any key "
+            "or both sides in KVarN's tiles (+tiles, kvarn), with a sink of whole tiles; any key "
             "transform, with or without a constant or rotating (+rmean) key mean; error feedback (+ldlq) on either side")
