@@ -269,7 +269,7 @@ def test_value_tile_cells_hold_what_the_tile_codec_stores(bits):
     sc = SlotCodec(cfg, d)
     nb = -(-d * bits // 8)
     assert (sc.tile, sc.vtile, sc.vmeta_width) == (tile, tile, 2) and sc.payload_bytes == (nb + 2 + 2) + (nb + 2 + 2 + 2)
-    assert sc.sides() is None  # the fused kernels decline: the general path reads them
+    assert sc.sides() is not None  # the fused C++ decode reads them
     g = _g(52)
     k, v = torch.randn(n, H, d, generator=g) * torch.rand(n, H, 1, generator=g) * 4, torch.randn(n, H, d, generator=g)
     table = torch.tensor([3, 0, 2])
@@ -473,14 +473,17 @@ def test_attention_reads_what_token_by_token_decode_reads():
                                                      ("tiles@d40", 2, torch.float32), ("tiles", 3, torch.float32),
                                                      ("affine@d40", 3, torch.bfloat16), ("quest@d36", 3, torch.float32),
                                                      ("kivi", 2, torch.float32), ("kivi", 4, torch.bfloat16),
-                                                     ("kivi@d40", 3, torch.float32)])
+                                                     ("kivi@d40", 3, torch.float32), ("vtiles", 2, torch.float32),
+                                                     ("vtiles", 4, torch.bfloat16), ("vtiles", 3, torch.float32),
+                                                     ("vtiles@d40", 2, torch.float32)])
 def test_batched_decode_kernel_equals_the_general_attention(quantizer, bits, dtype):
     """The fused decode of a whole batch (one call, through the block tables, window tokens from the pool, the rest
     from the codes) gives what the general path gives each request's query at its last position: ragged lengths
     (shorter than the sink, inside one block, many splits), blocks out of order, a copy dropped (read from its
     codes), GQA groups of 3, a sliding window and softcapping. ``tiles``: keys in KVarN tiles of 8 tokens (clipped,
     with error feedback), their unflushed tail of 4 to 11 tokens in full precision; ``kivi``: KIVI's keys in tiles of 8
-    (per channel, no s_tok in the cells), its affine values. ``+rmean``: the codes hold keys
+    (per channel, no s_tok in the cells), its affine values; ``vtiles``: both sides in KVarN tiles of 8 (``+tiles``),
+    each value tile's runs of codes summed per token, then times its channel scales. ``+rmean``: the codes hold keys
     centered on a rotating mean, which a token read from them gets back (in the kernel, from a cos/sin table).
     ``tiles128``: tiles of 128 tokens in blocks of 128, whose scale and zero take 1 byte a cell at d = 32 (a float16
     then spans two cells: the kernel's gathering path; 8-token tiles read theirs in place). ``@d40``: head_dim 40, rows
@@ -491,14 +494,18 @@ def test_batched_decode_kernel_equals_the_general_attention(quantizer, bits, dty
     if "@d" in quantizer:
         quantizer, d = quantizer.split("@d")[0], int(quantizer.split("@d")[1])
     quantizer, rmean = quantizer.removesuffix("+rmean"), quantizer.endswith("+rmean")
-    tile = {"tiles": 8, "tiles128": 128, "kivi": 8}.get(quantizer, 1)
+    tile = {"tiles": 8, "tiles128": 128, "kivi": 8, "vtiles": 8}.get(quantizer, 1)
     if tile == 128:
         quantizer, bs = "tiles", 128
     rm = None
     if rmean:  # a mean far from 0, as keys have it, rotated by RoPE of base 10,000; no transform (key = I)
         rm = RopeMean(torch.randn(H, d, generator=_g(18)) * 3, torch.eye(d).expand(H, d, d),
                       1.0 / 10000 ** (torch.arange(0, d, 2) / d), 1.0)
-    if quantizer == "kivi":
+    if quantizer == "vtiles":
+        S, R = tile, 4
+        sc = SlotCodec(QuantConfig(k_bits=bits, v_bits=bits, quantizer="kvarn", windows=WindowConfig(S, R, tile)), d)
+        assert sc.vtile == tile and (sc.sides() is not None or (bits == 3 and d % 8))
+    elif quantizer == "kivi":
         S, R = tile, 4
         sc = SlotCodec(QuantConfig(k_bits=bits, v_bits=2, quantizer="kivi", windows=WindowConfig(S, R, tile)), d)
         assert sc.tile == tile and "s_fold" not in {f[1] for f in sc.fields} and (sc.sides() is not None or d % 8)

@@ -282,14 +282,14 @@ class SlotCodec:
         """The cell layout as :func:`decode_batch`'s kernel reads it: per side [codes, scale, offset (−1: symmetric),
         bits, metadata dtype (0 float16, 1 bfloat16, 2 float32, 3 E5M3), tile (0: per token), tile slice, its width] and the
         symmetric offset's factor (QuEST: offset = scale·(½ − 2^(b−1))); for key tiles the scale is the token's
-        float16 s_tok and the tile slice holds its share of the tile's channel scale and zero. None where the kernel
+        float16 s_tok (−1: KIVI's, 1) and the tile slice holds its share of the tile's channel scale and zero; for value
+        tiles scale and offset are the token's float16 scale and zero and the slice its share of the tile's channel
+        scales. None where the kernel
         does not apply (groups within a token; 3 bits of a head_dim not a multiple of 8, whose rows end mid-unit)."""
         return self._sides
 
     def _kernel_sides(self):
         kinds = {torch.float16: 0, torch.bfloat16: 1, torch.float32: 2, torch.uint8: 3}  # uint8: an E5M3 step
-        if self.vtile:  # value tiles: the general path
-            return None
         out, halves = [], []
         for side, c in self.codecs.items():
             f = {name: (dtype, n, off) for s, name, dtype, n, off, _w in self.fields if s == side}
@@ -298,6 +298,11 @@ class SlotCodec:
             if side == "key" and self.tile:
                 s_tok = f["s_fold"][2] if "s_fold" in f else -1  # -1: KIVI's, 1
                 out.append([f["codes"][2], s_tok, -1, c.bits, 0, self.tile, f["tile_meta"][2], self.meta_width])
+                halves.append(0.0)
+                continue
+            if side == "value" and self.vtile:  # the token's float16 scale and zero, the tile's channel scales spread
+                out.append([f["codes"][2], f["scale"][2], f["zero"][2], c.bits, 0, self.vtile, f["tile_meta"][2],
+                            self.vmeta_width])
                 halves.append(0.0)
                 continue
             scale_dtype, n_groups, scale_off = f["scale"]

@@ -18,7 +18,8 @@
 //       the cells of new tokens written at their slots (wushkv_vllm.paged.SlotCodec.store; the same bytes as its encode)
 //   paged_decode(cache (NB,H,bs,C) uint8, block_table (R,MB) i32, seq_lens (R,) i64, q (R,Hq,d) f32, pool (P,U,H,2,d),
 //       written (P,U) bool, page_index (NB*bs/U,) i32, layout, windows, ...) -> (R,Hq,d) f32: one decode query per
-//       request over its paged context of cells (wushkv_vllm.paged.SlotCodec; per-token codes, or KVarN key tiles),
+//       request over its paged context of cells (wushkv_vllm.paged.SlotCodec; per-token codes, key tiles (KVarN's,
+//       KIVI's), KVarN value tiles),
 //       the window tokens from their full-precision copies (wushkv_vllm.paged.Windows), the rest straight from the
 //       codes (+rmean: plus q·R_t μ from a table of cos/sin tθ); split-KV with an online-softmax merge
 //   parts_decode(q (B,Hq,d) f32, spans (B,3,2) i64 or empty, widths [3], keys/values [sink, middle, recent] (B,H,n,d),
@@ -1097,6 +1098,8 @@ static void paged_decode_impl(const torch::Tensor& cache, const torch::Tensor& t
   const int64_t R = q.size(0), Hq = q.size(1), d = q.size(2), G = Hq / H, MB = table.size(1);
   TORCH_CHECK(K.tile == 0 || (bs % K.tile == 0 && K.tile * K.tmeta_w >= 4 * d), "key tiles must lie in blocks and hold ",
               "their scale and zero");
+  TORCH_CHECK(V.tile == 0 || (bs % V.tile == 0 && V.tile * V.tmeta_w >= 2 * d && V.tmeta_w % 2 == 0 && V.offset >= 0),
+              "value tiles must lie in blocks, hold their channel scales in whole f16s and each token's zero");
   const int64_t U = pool.size(1), ppb = bs / U, npages = page_index.size(0);
   TORCH_CHECK((K.bits != 3 && V.bits != 3) || d % 8 == 0, "3-bit cells are read 8 codes (3 bytes) at a time: head_dim ",
               d, " must be a multiple of 8");
@@ -1151,6 +1154,12 @@ static void paged_decode_impl(const torch::Tensor& cache, const torch::Tensor& t
     const int64_t KT = K_.tile;
     std::vector<float> qkt(KT ? G_ * KD_ : 0, 0.f), qzt(G_), tsc(KT ? 2 * d_ : 0);
     std::vector<uint8_t> tmeta(KT ? KT * K_.tmeta_w : 0);
+    // value tiles (KVarN's): v[t, i] = s_chan[i]·(scale_t·code + zero_t); a run of one tile's cells is summed per token
+    // (acct, osumt: Σ p·scale·code, Σ p·zero), then times the tile's channel scales (vsc; vscp permuted as acc)
+    const int64_t VT = V_.tile;
+    std::vector<float> acct(VT ? G_ * VD_ : 0), osumt(G_), vsc(VT ? d_ : 0), vscp(VT ? VD_ : 0, 0.f);
+    std::vector<int64_t> vperm(VT ? d_ : 0);
+    for (int64_t i = 0; i < (VT ? d_ : 0); ++i) vperm[i] = (i % vper) * vnb_ + i / vper;
     for (int64_t it = begin; it < end; ++it) {
       const int64_t rh = item_r[it], r = rh / H_, h = rh % H_, a = item_a[it], b = item_b[it], n = lp[r];
       const int64_t len = b - a;
@@ -1206,6 +1215,16 @@ static void paged_decode_impl(const torch::Tensor& cache, const torch::Tensor& t
           }
           qzt[g] = z;
         }
+      };
+      int64_t vtile_lo = 0, vtile_hi = 0;  // the value tile whose channel scales vsc/vscp hold
+      auto load_vtile = [&](int64_t t, int64_t blk) {
+        vtile_lo = t / VT * VT;
+        vtile_hi = vtile_lo + VT;
+        const uint8_t* tb = cp + blk * s0_ + h * s1_ + ((t % bs_) / VT * VT) * s2_ + V_.tmeta;
+        int64_t i = 0;  // whole f16s in each cell (V_.tmeta_w even)
+        for (int64_t o = 0; o < VT && i < d_; ++o)
+          for (int64_t k = 0; k + 1 < V_.tmeta_w && i < d_; k += 2) vsc[i++] = meta_at(tb + o * s2_ + k, 0);
+        for (int64_t c = 0; c < d_; ++c) vscp[vperm[c]] = vsc[c];
       };
       // +rmean: the codes hold K' − c'_t; q'·c'_t = Σ_i ab_i · [cos tθ | sin tθ]_i
       auto add_rmean = [&](int64_t t, int64_t j) {
@@ -1288,6 +1307,38 @@ static void paged_decode_impl(const torch::Tensor& cache, const torch::Tensor& t
         const uint8_t* base = cp + blk * s0_ + h * s1_ + (t - bi * bs_) * s2_;
         for (; t < stop; ++t, base += s2_) {
           const int64_t j = t - a;
+          if (VT && src[j] < 0) {  // a run of one value tile's cells, summed per token, then times its channel scales
+            if (t >= vtile_hi || t < vtile_lo) load_vtile(t, blk);
+            const int64_t lim = std::min(stop, vtile_hi);
+            int64_t e = t + 1;
+            while (e < lim && src[e - a] < 0) ++e;
+            std::fill(acct.begin(), acct.end(), 0.f);
+            std::fill(osumt.begin(), osumt.end(), 0.f);
+            if (vrun != nullptr) {
+              vrun(base, s2_, e - t, V_, vnb_, s.data() + j, PAGED_CHUNK, acct.data(), VD_, osumt.data());
+            } else {
+              const uint8_t* cell = base;
+              for (int64_t u = j; u < e - a; ++u, cell += s2_) {
+                const float sc = meta_at(cell + V_.scale, 0), zr = meta_at(cell + V_.offset, 0);
+                for (int64_t g = 0; g < G_; ++g) {
+                  const float p = s[g * PAGED_CHUNK + u];
+                  dots[g] = p * sc;
+                  osumt[g] += p * zr;
+                }
+                axpy_codes(cell + V_.codes, vnb_, V_.bits, dots.data(), G_, acct.data(), VD_);
+              }
+            }
+            for (int64_t g = 0; g < G_; ++g) {
+              float* ag = acc.data() + g * VD_;
+              const float* tg = acct.data() + g * VD_;
+              for (int64_t k = 0; k < VD_; ++k) ag[k] += vscp[k] * tg[k];
+              float* fg = accf.data() + g * d_;
+              for (int64_t i = 0; i < d_; ++i) fg[i] += vsc[i] * osumt[g];
+            }
+            base += (e - t - 1) * s2_;
+            t = e - 1;
+            continue;
+          }
           if (vrun != nullptr && src[j] < 0) {  // a run of cells read from their codes, accumulated in registers
             int64_t e = t + 1;
             while (e < stop && src[e - a] < 0) ++e;
@@ -1364,7 +1415,7 @@ torch::Tensor paged_decode(torch::Tensor cache, torch::Tensor block_table, torch
   TORCH_CHECK(pool.size(2) == H && pool.size(4) == d && bs % pool.size(1) == 0 && written.size(1) == pool.size(1),
               "the window pool does not match the cache");
   const CellSide K = cell_side(key_side, key_half), V = cell_side(value_side, value_half);
-  TORCH_CHECK(V.tile == 0, "values are per token");
+  TORCH_CHECK(V.tile == 0 || V.tile == K.tile, "value tiles lie in the key tiles' grid (KVarN's +tiles)");
   const bool rm = rmean_ab.defined() && rmean_ab.numel() > 0;
   torch::Tensor abc, rtc;
   if (rm) {
