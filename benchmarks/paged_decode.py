@@ -1,7 +1,8 @@
 """The vLLM plugin's fused decode (``wushkv._ext.paged_decode``) alone, against dense float32 attention over the same
 context in the same run: one decode query per request over paged cells of SmolLM2's shape (3 KV heads, GQA 3,
-head_dim 64, 128-token blocks), per-token 2-bit keys and values (``wush+ldlq`` served) and 2-bit key tiles
-(``auto``'s ``wush+ktiles+ldlq``), every token read from its codes. It prints which vector path the kernels were
+head_dim 64, 128-token blocks), per-token 2-bit keys and values (``wush+ldlq`` served), 2-bit key tiles
+(``auto``'s ``wush+ktiles+ldlq``), and the baselines' layouts: KIVI's (keys per channel over 128-token tiles, values
+affine per token) and KVarN's (``kvarn``, ``+tiles``: both sides in 128-token tiles), every token read from its codes. It prints which vector path the kernels were
 built with for this CPU (``avx512``, ``avx2`` or ``scalar``: ``wushkv._ext`` compiles with ``-march=native``).
 
     python benchmarks/paged_decode.py [--contexts 1024,4096,8192] [--requests 4] [--threads 1] [--json out.json]
@@ -43,6 +44,9 @@ def _best_ms(fn, repeats: int) -> float:
     return best * 1e3
 
 
+LAYOUTS = ("per_token", "ktiles", "kivi", "kvarn")
+
+
 def _cells(layout: str, n: int, R: int):
     """(SlotCodec, cache, block tables, Windows) of R requests × n tokens of random codes with finite metadata."""
     from wushkv.config import QuantConfig, WindowConfig
@@ -51,15 +55,18 @@ def _cells(layout: str, n: int, R: int):
     if layout == "ktiles":
         cfg = QuantConfig(k_bits=2, v_bits=2, quantizer="quest", key_quantizer="kvarn", tile_clip=3.0,
                           windows=WindowConfig(BLOCK, 72, BLOCK))
+    elif layout in ("kivi", "kvarn"):
+        cfg = QuantConfig(k_bits=2, v_bits=2, quantizer=layout, windows=WindowConfig(BLOCK, 72, BLOCK))
     else:
         cfg = QuantConfig(k_bits=2, v_bits=2, quantizer="quest", windows=WindowConfig(BLOCK, 128, 1))
-    sc = SlotCodec(cfg, D, torch.eye(D).expand(H, D, D).contiguous())
+    F = torch.eye(D).expand(H, D, D).contiguous() if layout in ("per_token", "ktiles") else None  # +ldlq's feedback
+    sc = SlotCodec(cfg, D, F)
     per = -(-n // BLOCK)
     g = torch.Generator().manual_seed(0)
     cache = torch.randint(0, 256, (R * per, H, BLOCK, sc.slot_bytes), dtype=torch.uint8, generator=g)
     step = torch.tensor([0.01], dtype=torch.float16).view(torch.uint8)
     for side in sc.sides()[:2]:  # every float16 field a small step: random bytes could be NaN
-        offsets = [side[1]] + ([side[2]] if side[2] >= 0 else []) + (list(range(side[6], side[6] + side[7], 2)) if len(side) == 8 else [])
+        offsets = [o for o in side[1:3] if o >= 0] + (list(range(side[6], side[6] + side[7], 2)) if len(side) == 8 else [])
         for o in offsets:
             cache[..., o], cache[..., o + 1] = step[0], step[1]
     w = Windows(BLOCK, H, D, cfg.windows.S_sink, cfg.windows.S_keep, capacity=16, dtype=torch.bfloat16, flush=cfg.windows.S_flush)
@@ -78,7 +85,7 @@ def run(contexts: list[int], requests: int, repeats: int) -> list[dict]:
     simd = kernels().simd_path()  # avx512, avx2 or scalar: the vector path this CPU's build took
     print(f"threads {torch.get_num_threads()}, {requests} requests, {H} KV heads x GQA {G}, head_dim {D}, kernels: {simd}")
     print(f"{'context':>8s} {'float32 ms':>11s} {'per-token ms':>13s} {'ktiles ms':>10s} {'per-token/float32':>18s} "
-          f"{'ktiles/float32':>15s} {'ktiles ns/tok-head':>19s}")
+          f"{'ktiles/float32':>15s} {'ktiles ns/tok-head':>19s} {'kivi/float32':>13s} {'kvarn/float32':>14s}")
     for n in contexts:
         g = torch.Generator().manual_seed(n)
         q = torch.randn(requests, H * G, D, generator=g)
@@ -91,15 +98,15 @@ def run(contexts: list[int], requests: int, repeats: int) -> list[dict]:
 
         row = {"context": n, "requests": requests, "simd": simd, "dense_ms": _best_ms(dense, repeats)}
         lens = torch.full((requests,), n)
-        for layout in ("per_token", "ktiles"):
+        for layout in LAYOUTS:
             sc, cache, tables, w = _cells(layout, n, requests)
             row[f"{layout}_ms"] = _best_ms(lambda: decode_batch(sc, cache, tables, lens, q, w, 0.125), repeats)
             row[f"{layout}_over_dense"] = row[f"{layout}_ms"] / row["dense_ms"]
             row[f"{layout}_ns_per_token_head"] = row[f"{layout}_ms"] * 1e6 / (requests * H * n)
         rows.append(row)
         print(f"{n:8d} {row['dense_ms']:11.2f} {row['per_token_ms']:13.2f} {row['ktiles_ms']:10.2f} "
-              f"{row['per_token_over_dense']:17.2f}x {row['ktiles_over_dense']:14.2f}x {row['ktiles_ns_per_token_head']:19.1f}",
-              flush=True)
+              f"{row['per_token_over_dense']:17.2f}x {row['ktiles_over_dense']:14.2f}x {row['ktiles_ns_per_token_head']:19.1f} "
+              f"{row['kivi_over_dense']:12.2f}x {row['kvarn_over_dense']:13.2f}x", flush=True)
     return rows
 
 

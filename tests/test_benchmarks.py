@@ -222,7 +222,7 @@ def test_paged_decode(capsys):
     assert paged_decode.parse_args([]).threads == 1
     (row,) = paged_decode.run([256], 2, 1)
     assert row["context"] == 256 and positive(row["dense_ms"]) and row["simd"] in ("avx512", "avx2", "scalar")
-    for layout in ("per_token", "ktiles"):
+    for layout in ("per_token", "ktiles", "kivi", "kvarn"):
         assert positive(row[f"{layout}_over_dense"]) and positive(row[f"{layout}_ns_per_token_head"])
     assert "ktiles/float32" in capsys.readouterr().out
 
