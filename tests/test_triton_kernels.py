@@ -662,7 +662,7 @@ def test_decode_reads_key_tiles(dtype, bits, d, G, block_n, splits, tile):
                               keys, _packed(vc, pv[1][1]), pk[2].to(dtype), pv[2].to(dtype), d**-0.5,
                               splits=splits, block_n=32)
         assert _rel(out, tiles) < 2e-3, _rel(out, tiles)
-    with pytest.raises(ValueError, match="value tiles .KVarN's. are read from contiguous rows of their own"):  # key tiles
+    with pytest.raises(ValueError, match="value tiles .KVarN's. need each token's scale and zero"):  # key tiles
         tk.decode(q[:, :, 0], torch.tensor([[n_s, n_m, n_r]] * B), pk[0], pv[0], _packed(vc, pv[1][1]), _tile_packed(kc, pk[1][1]),
                   pk[2], pv[2], d**-0.5)
 
@@ -1353,7 +1353,7 @@ for consts in (dict(D=64, G=128, BITS=2, ITERS=16, CLIPPED=True, FEEDBACK=True, 
                                                                  "o_ptr": "*fp16"}, ("clip_half",), consts), consts),
                    target=GPUTarget("cuda", 90, 32), options={"enable_fp_fusion": False, "num_warps": consts["D"] * consts["G"] // 2048})
 consts = dict(D=128, GQA=4, GP=16, BN=32, K_BITS=2, V_BITS=4, K_G=128, V_G=32, K_Z=False, V_Z=True, K_E5M3=True, K_OFF=128, V_OFF=0,
-              V_E5M3=False, K_P=0, V_P=0, K_WC=0, V_WC=0, K_W4=False, V_W4=False, K_TILE=0, KT_MW=128, V_TILE=0, RMEAN=False, PAGED=True, PAGE_ABS=False, STARTS=False, HAS_MASK=True, SOFTCAP=True,
+              V_E5M3=False, K_P=0, V_P=0, K_WC=0, V_WC=0, K_W4=False, V_W4=False, K_TILE=0, KT_MW=128, V_TILE=0, VT_MW=128, RMEAN=False, PAGED=True, PAGE_ABS=False, STARTS=False, HAS_MASK=True, SOFTCAP=True,
               PREC="tf32", DT=tl.bfloat16, EMU=False, FP_STAGES=1, FINAL=False, HAS_SINKS=False, OUT_BF16=True,
               LAST_MERGES=False)
 ptrs = {"cnt_ptr": "*i32", "out_ptr": "*bf16", "q_ptr": "*bf16", "sk_ptr": "*bf16", "sv_ptr": "*bf16", "rk_ptr": "*bf16", "rv_ptr": "*bf16", "kc_ptr": "*u8",
@@ -1419,6 +1419,11 @@ for paged, mw, kp, bn, tile in ((True, 16, 0, 32, 16), (False, 128, 0, 32, 16), 
 vtc = dict(consts, V_TILE=16, V_BITS=2, V_G=128, V_Z=True, V_P=0, V_WC=0, V_OFF=128, BN=16, K_TILE=16, KT_MW=128, K_P=8, K_WC=8,
            PAGED=False, PAGE_ABS=False, DT=tl.bfloat16, K_OFF=128)
 triton.compile(ASTSource(K["decode"], sig("decode", dict(p, q_ptr="*bf16"), ("sm_scale", "softcap", "K_HALF", "V_HALF"), vtc), vtc),
+               target=GPUTarget("cuda", 90, 32), options={"num_warps": 2, "num_stages": 2})
+# the same in the vLLM plugin's cells: both tiles' halves spread over the cells (key scale and zero 16 halves a cell,
+# value channel scales 8), through the block table
+vtp = dict(vtc, PAGED=True, PAGE_ABS=True, KT_MW=16, VT_MW=8)
+triton.compile(ASTSource(K["decode"], sig("decode", dict(p, q_ptr="*bf16"), ("sm_scale", "softcap", "K_HALF", "V_HALF"), vtp), vtp),
                target=GPUTarget("cuda", 90, 32), options={"num_warps": 2, "num_stages": 2})
 # keys centered on their rotating mean (+rmean): over key tiles in classes, then per-token codes in classes; each row
 # from its own columns (a left-padded batch's ragged rows), under a mask over the parts side by side

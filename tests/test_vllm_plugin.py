@@ -177,7 +177,8 @@ def test_store_through_the_triton_kernel_writes_the_bytes_of_encode(quantizer, k
 def test_key_tiles_through_the_triton_kernel_write_the_bytes_of_the_codec():
     """On a GPU (here the interpreter) ``SlotCodec.store_tiles`` quantizes whole key tiles with the KVarN tile
     kernel (one launch for every tile of the step, ``+ldlq`` feedback along the channels, a tile clip): the key
-    fields of every tile's cells are the bytes the codec's PyTorch path writes, everything else as it was."""
+    fields of every tile's cells are the bytes the codec's PyTorch path writes, everything else as it was. With value
+    tiles too (``+tiles``), the values' tile kernel in one more launch, the same bytes."""
     pytest.importorskip("triton")
     from wushkv import triton_kernels as tk
     from wushkv.decode import triton_enabled
@@ -201,6 +202,18 @@ def test_key_tiles_through_the_triton_kernel_write_the_bytes_of_the_codec():
         assert torch.equal(got.cpu(), ref)
     else:  # float32 sums in another order: a code or a metadata bit apart now and then
         assert (got.cpu() != ref).float().mean() < 0.02
+    # both sides in tiles (+tiles, kvarn): the values' tile kernel too, one launch
+    sc = SlotCodec(QuantConfig(k_bits=2, v_bits=2, quantizer="kvarn", windows=WindowConfig(8, 0, tile)), d)
+    values = torch.randn(2, H, tile, d, generator=_g(64)) * torch.rand(1, H, 1, d, generator=_g(65)) * 3
+    base = torch.randint(0, 256, (4, H, 16, sc.slot_bytes), dtype=torch.uint8, generator=_g(66))
+    ref = base.clone()
+    sc.store_tiles(ref, keys, first, values)
+    tk.reset_calls()
+    with triton_enabled(True):
+        got = base.clone().to(dev)
+        sc.store_tiles(got, keys.to(dev), first.to(dev), values.to(dev))
+    assert tk.calls() == {"kvarn_keys": 1, "kvarn_values": 1} and not torch.equal(ref, base)
+    assert torch.equal(got.cpu(), ref) if dev == "cpu" else (got.cpu() != ref).float().mean() < 0.02
 
 
 @pytest.mark.parametrize("quantizer,bits,feedback,meta", [("kvarn", 2, True, "float16"), ("kvarn", 4, False, "bfloat16"),
@@ -618,10 +631,13 @@ def test_batched_decode_through_the_triton_kernel(quantizer, bits, dtype, meta):
 
 
 @pytest.mark.parametrize("quantizer,dtype", [("kvarn", torch.float32), ("kvarn", torch.bfloat16), ("kivi", torch.float32),
-                                             ("kivi", torch.bfloat16)])
+                                             ("kivi", torch.bfloat16), ("kvarn+tiles", torch.float32),
+                                             ("kvarn+tiles", torch.bfloat16), ("kvarn+tiles8", torch.float32)])
 def test_batched_decode_of_key_tiles_through_the_triton_kernel(quantizer, dtype):
     """Key tiles of 16 tokens after a sink of one tile through the Triton decode (KVarN's, ``+ktiles``, values QuEST;
-    KIVI's, values affine, no s_tok in the cells: a stride-0 one): each tile's scale and zero read where the cells
+    KIVI's, values affine, no s_tok in the cells: a stride-0 one; ``kvarn+tiles``: the values in KVarN's tiles too,
+    their channel scales spread over the tile's cells, 4 halves each; ``tiles8``: tiles of 8 tokens, shorter than the
+    kernel's tile of tokens, each token's row dequantized with its tile's): each tile's scale and zero read where the cells
     spread them, over its tokens; the open tile and the tail from their copies; what the general path gives (1e-5 in
     float32, 2e-2 in bfloat16)."""
     pytest.importorskip("triton")
@@ -631,10 +647,14 @@ def test_batched_decode_of_key_tiles_through_the_triton_kernel(quantizer, dtype)
     H, G, d, bs = 2, 3, 64, 32
     dev = _triton_device()
     cfg = QuantConfig(k_bits=2, v_bits=2, quantizer="quest", key_quantizer="kvarn", windows=WindowConfig(16, 8, 16))
-    sc = SlotCodec(cfg if quantizer == "kvarn" else replace(cfg, quantizer="kivi", key_quantizer=None), d)
-    assert sc.tile == 16
+    cfg = {"kvarn": cfg, "kivi": replace(cfg, quantizer="kivi", key_quantizer=None),
+           "kvarn+tiles": replace(cfg, quantizer="kvarn", key_quantizer=None),
+           "kvarn+tiles8": replace(cfg, quantizer="kvarn", key_quantizer=None, windows=WindowConfig(16, 8, 8))}[quantizer]
+    sc = SlotCodec(cfg, d)
+    tile = cfg.windows.S_flush
+    assert sc.tile == tile and sc.vtile == (tile if "+tiles" in quantizer else 0)
     lens = [1, 20, 37, 100, 131]
-    w = Windows(bs, H, d, 16, 8, capacity=10_000, dtype=dtype, flush=16)
+    w = Windows(bs, H, d, 16, 8, capacity=10_000, dtype=dtype, flush=tile)
     cache, tables = _filled_cells(sc, w, lens)
     q = torch.randn(len(lens), H * G, d, generator=_g(41))
     for window in (-1, 50):

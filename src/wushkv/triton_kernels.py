@@ -169,12 +169,14 @@ class TileFormat:
 
     ``spread`` (halves): 0, a tile's scale and zero are rows of their own, (·, tiles, d) each (wushkv's cache);
     else they are the 2d halves [scale | zero] spread over the tile's tokens, ``spread`` halves in each token's row
-    (the vLLM plugin's cells, :class:`wushkv_vllm.paged.SlotCodec`)."""
+    (the vLLM plugin's cells, :class:`wushkv_vllm.paged.SlotCodec`); ``values``: value tiles, whose d halves of
+    channel scales are spread so."""
 
     bits: int
     d: int
     tile: int
     spread: int = 0
+    values: bool = False
     step_byte = False  # read alike from a TokenFormat: a float16 s_tok per token, no stored offset
 
     def __post_init__(self):
@@ -183,10 +185,10 @@ class TileFormat:
         for name, v, lo in (("head_dim", self.d, 16), ("tile", self.tile, 1)):
             if v < lo or v & (v - 1):
                 raise ValueError(f"the Triton kernels need a {name} that is a power of two >= {lo}, got {v}")
-        if self.spread and (self.spread & (self.spread - 1) or (2 * self.d) % self.spread
-                            or self.spread * self.tile < 2 * self.d):
-            raise ValueError(f"a tile's 2·{self.d} halves spread over its {self.tile} tokens need a power of two "
-                             f"dividing {2 * self.d} and at least {-(-2 * self.d // self.tile)} halves per token, got {self.spread}")
+        halves = self.d if self.values else 2 * self.d  # a value tile's channel scales; a key tile's scale and zero
+        if self.spread and (self.spread & (self.spread - 1) or halves % self.spread or self.spread * self.tile < halves):
+            raise ValueError(f"a tile's {halves} halves spread over its {self.tile} tokens need a power of two "
+                             f"dividing {halves} and at least {-(-halves // self.tile)} halves per token, got {self.spread}")
 
     @property
     def G(self) -> int:  # one s_tok per token
@@ -675,7 +677,8 @@ def _kernels() -> dict:
                       K_E5M3: tl.constexpr, V_E5M3: tl.constexpr, K_OFF: tl.constexpr, V_OFF: tl.constexpr,
                       K_P: tl.constexpr, V_P: tl.constexpr, K_WC: tl.constexpr, V_WC: tl.constexpr,
                       K_W4: tl.constexpr, V_W4: tl.constexpr, GP: tl.constexpr,
-                      K_TILE: tl.constexpr, KT_MW: tl.constexpr, V_TILE: tl.constexpr, RMEAN: tl.constexpr,
+                      K_TILE: tl.constexpr, KT_MW: tl.constexpr, V_TILE: tl.constexpr, VT_MW: tl.constexpr,
+                      RMEAN: tl.constexpr,
                       PAGED: tl.constexpr, PAGE_ABS: tl.constexpr, HAS_MASK: tl.constexpr, SOFTCAP: tl.constexpr,
                       PREC: tl.constexpr, DT: tl.constexpr, EMU: tl.constexpr):
         """Tokens [a, e) of the packed middle, token t the sequence's column ``base`` + t (where PAGE_ABS looks it up
@@ -691,9 +694,10 @@ def _kernels() -> dict:
         one accumulator each (a0..a7, (GP, D/P)) and join ``acc`` after the last tile: joined every tile, the classes'
         results would hold as many registers again as the accumulators. RMEAN: keys stored centered on their
         rotating mean, token i at position p0 + i, each tile's scores gain :func:`_rope_bias` (turned by the tile's
-        first position, wherever it starts). V_TILE > 0: the values are KVarN tiles of V_TILE tokens (contiguous
-        layout), v̂[t, c] = s_chan[c]·(s_t·code + z_t): where the tile of tokens lies in one (BN ≤ V_TILE, aligned)
-        the per-token codes' dot times its channel scales, else each token dequantized with its tile's."""
+        first position, wherever it starts). V_TILE > 0: the values are KVarN tiles of V_TILE tokens,
+        v̂[t, c] = s_chan[c]·(s_t·code + z_t): where the tile of tokens lies in one (BN ≤ V_TILE, aligned) the per-token
+        codes' dot times its channel scales, else each token dequantized with its tile's; a tile's d channel scales
+        are a row of their own (VT_MW = D) or spread over its cells, VT_MW halves each (as key tiles' KT_MW)."""
         ALIGN: tl.constexpr = (K_TILE > 0 and BN <= K_TILE) or (V_TILE > 0 and BN <= V_TILE)
         VK: tl.constexpr = D // V_P if V_P > 0 else 16
         a0 = tl.zeros([GP, VK], dtype=tl.float32)
@@ -815,13 +819,15 @@ def _kernels() -> dict:
                     # dequantized first held 128 more registers a thread at d 128 and spilled: kernel_sass.py)
                     w = _round_to(p * vs[None, :], DT, EMU)
                     o = _mma(w, _codes_as(c, V_OFF), DT, EMU, PREC) + tl.sum(p * vz[None, :] - V_OFF * w, 1)[:, None]
-                    vrow = _rows(b * 0 + start // V_TILE, b, h, bt_ptr, s_bt, PAGE, vt0, vt1, vt2, False)
-                    o = o * tl.load(vts_ptr + vrow + ch).to(tl.float32)[None, :]
+                    vrow = _tile_row(start // V_TILE, b, h, bt_ptr, s_bt, PAGE, vt0, vt1, vt2, base, V_TILE, PAGED, PAGE_ABS)
+                    o = o * _tile_halves(vts_ptr, vrow, ch, vt1, VT_MW)[None, :]
                 else:  # value tiles shorter than the tile of tokens: each token's row dequantized (float32, in
                     # kvarn_dequantize's order) with its tile's channel scales, then one dot
-                    vrow = _rows(tt // V_TILE, b, h, bt_ptr, s_bt, PAGE, vt0, vt1, vt2, False)
-                    x = (_codes_as(c, 0) * vs[:, None] + vz[:, None]) \
-                        * tl.load(vts_ptr + vrow[:, None] + ch[None, :], mask=valid[:, None], other=0.0).to(tl.float32)
+                    vrow = _tile_row(tl.where(valid, t, 0) // V_TILE, b, h, bt_ptr, s_bt, PAGE, vt0, vt1, vt2, base, V_TILE,
+                                     PAGED, PAGE_ABS)
+                    sch = tl.load(vts_ptr + vrow[:, None] + (ch // VT_MW).to(tl.int64)[None, :] * vt1 + (ch % VT_MW)[None, :],
+                                  mask=valid[:, None], other=0.0).to(tl.float32)
+                    x = (_codes_as(c, 0) * vs[:, None] + vz[:, None]) * sch
                     o = _mma(p, x, DT, EMU, PREC)
             elif V_P > 0:
                 if V_Z:
@@ -933,7 +939,8 @@ def _kernels() -> dict:
                       K_Z: tl.constexpr, V_Z: tl.constexpr, K_E5M3: tl.constexpr, V_E5M3: tl.constexpr,
                       K_OFF: tl.constexpr, V_OFF: tl.constexpr, K_P: tl.constexpr, V_P: tl.constexpr,
                       K_WC: tl.constexpr, V_WC: tl.constexpr, K_W4: tl.constexpr, V_W4: tl.constexpr,
-                      K_TILE: tl.constexpr, KT_MW: tl.constexpr, V_TILE: tl.constexpr, RMEAN: tl.constexpr,
+                      K_TILE: tl.constexpr, KT_MW: tl.constexpr, V_TILE: tl.constexpr, VT_MW: tl.constexpr,
+                      RMEAN: tl.constexpr,
                       PAGED: tl.constexpr, PAGE_ABS: tl.constexpr, STARTS: tl.constexpr, HAS_MASK: tl.constexpr,
                       SOFTCAP: tl.constexpr, PREC: tl.constexpr, DT: tl.constexpr, EMU: tl.constexpr,
                       FP_STAGES: tl.constexpr, FINAL: tl.constexpr, HAS_SINKS: tl.constexpr, OUT_BF16: tl.constexpr,
@@ -1000,7 +1007,8 @@ def _kernels() -> dict:
                                   bt_ptr, s_bt, PAGE, b, h, tl.maximum(lo - n_s, 0) + o_m, tl.minimum(hi - n_s, n_m) + o_m,
                                   n_s - o_m, mb_m, sm_scale, softcap, mask_ptr, s_mb, K_HALF, V_HALF,
                                   D, BN, K_BITS, V_BITS, K_G, V_G, K_Z, V_Z, K_E5M3, V_E5M3, K_OFF, V_OFF,
-                                  K_P, V_P, K_WC, V_WC, K_W4, V_W4, GP, K_TILE, KT_MW, V_TILE, RMEAN, PAGED, PAGE_ABS, HAS_MASK,
+                                  K_P, V_P, K_WC, V_WC, K_W4, V_W4, GP, K_TILE, KT_MW, V_TILE, VT_MW, RMEAN, PAGED, PAGE_ABS,
+                                  HAS_MASK,
                                   SOFTCAP, PREC,
                                   DT, EMU)
         q = tl.load(q_ptr + qrow[:, None] + d[None, :], mask=qmask[:, None], other=0.0)
@@ -1723,8 +1731,9 @@ class Packed:
     format's ``spread``, one (·, spread) float16 view of the halves spread over the tiles' tokens, laid out as the codes
     (``tile_zero`` unused).
 
-    Value tiles (a :class:`TileFormat` on the values' side; KVarN's, contiguous only): ``scale`` and ``offset`` are
-    each token's scale and zero (·, 1), ``tile_scale`` the tiles' channel scales s_chan (B, Hkv, tiles, d)."""
+    Value tiles (a :class:`TileFormat` on the values' side, KVarN's): ``scale`` and ``offset`` are each token's scale
+    and zero (·, 1), ``tile_scale`` the tiles' channel scales s_chan (B, Hkv, tiles, d), or, paged with the format's
+    ``spread`` (``values=True``), one (·, spread) float16 view of them spread over the tiles' tokens."""
 
     fmt: TokenFormat | TileFormat
     codes: torch.Tensor
@@ -2008,11 +2017,11 @@ def decode(query, lengths, sink_k, sink_v, mid_k: Packed, mid_v: Packed, recent_
     if Hq % Hkv:
         raise ValueError(f"query heads {Hq} are not a multiple of KV heads {Hkv}")
     G = Hq // Hkv
-    if isinstance(mid_v.fmt, TileFormat) and (mid_v.fmt.spread or block_table is not None or mid_v.offset is None
-                                              or mid_v.tile_scale is None or mid_v.fmt.step_byte):
-        raise ValueError("value tiles (KVarN's) are read from contiguous rows of their own: each token's scale and zero "
-                         "(Packed.scale, Packed.offset) and each tile's channel scales (Packed.tile_scale, (B, Hkv, tiles, d)), "
-                         "no block table, not spread")
+    if isinstance(mid_v.fmt, TileFormat) and (mid_v.offset is None or mid_v.tile_scale is None or mid_v.fmt.step_byte
+                                              or (mid_v.fmt.spread and block_table is None)):
+        raise ValueError("value tiles (KVarN's) need each token's scale and zero (Packed.scale, Packed.offset) and each "
+                         "tile's channel scales (Packed.tile_scale: (B, Hkv, tiles, d) rows of their own, or, paged, "
+                         "spread over the tiles' cells)")
     for side in (mid_k, mid_v):
         if side.fmt.d != d:
             raise ValueError(f"the packed middle has head_dim {side.fmt.d}, the query {d}")
@@ -2096,16 +2105,22 @@ def decode(query, lengths, sink_k, sink_v, mid_k: Packed, mid_v: Packed, recent_
         if paged and page % kt_tile:
             raise ValueError(f"paged key tiles lie within a block: block size {page} is not a multiple of the tile {kt_tile}")
         kt_strides, kt_zi, kt_mw = strides(kts), d if spread else 0, spread or d
-    vts, vt_strides, vt_tile = mid_v.scale, (0, 0, 0), 0  # (placeholders, never read without value tiles)
+    vts, vt_strides, vt_tile, vt_mw = mid_v.scale, (0, 0, 0), 0, d  # (placeholders, never read without value tiles)
     if isinstance(mid_v.fmt, TileFormat):
-        vt_tile, vts = mid_v.fmt.tile, mid_v.tile_scale
-        if (vts.dim() != 4 or tuple(vts.shape[:2]) != tuple(mid_v.codes.shape[:2]) or vts.shape[3] != d
+        vt_tile, vts, vt_spread = mid_v.fmt.tile, mid_v.tile_scale, mid_v.fmt.spread
+        if vt_spread:  # paged: the d channel scales (float16) spread over the tile's cells, as key tiles' scale and zero
+            if vts.dtype != torch.float16 or vts.stride(-1) != 1 or vts.shape[-1] < vt_spread:
+                raise ValueError(f"spread value tiles' channel scales must be float16 with a contiguous last dim of "
+                                 f"at least {vt_spread} halves, got {vts.dtype} {tuple(vts.shape)}")
+        elif (vts.dim() != 4 or tuple(vts.shape[:2]) != tuple(mid_v.codes.shape[:2]) or vts.shape[3] != d
                 or vts.shape[2] * vt_tile < mid_v.codes.shape[2] or vts.stride(-1) != 1
                 or vts.dtype not in (torch.float16, torch.bfloat16, torch.float32)):
             raise ValueError(f"value tiles' channel scales must be (B, Hkv, tiles, {d}) covering the middle's "
                              f"{mid_v.codes.shape[2]} tokens in tiles of {vt_tile}, float16/bfloat16/float32 with a "
                              f"contiguous last dim; got {tuple(vts.shape)} {vts.dtype}")
-        vt_strides = strides(vts)
+        if paged and page % vt_tile:
+            raise ValueError(f"paged value tiles lie within a block: block size {page} is not a multiple of the tile {vt_tile}")
+        vt_strides, vt_mw = strides(vts), vt_spread or d
     rb, rb_s, rp, rt, rr = query, (0, 0), lengths, query, query  # placeholders, never read without RMEAN
     if key_bias is not None:
         rb, rp, rt, rb_s = _key_bias_args(key_bias, B, Hq, d, mid_k, page, paged, block_table, block_n, query.device,
@@ -2130,7 +2145,7 @@ def decode(query, lengths, sink_k, sink_v, mid_k: Packed, mid_v: Packed, recent_
                     K_OFF=_code_offset(query.dtype, mid_k.fmt.bits), V_OFF=_code_offset(query.dtype, mid_v.fmt.bits),
                     K_P=k_p, V_P=v_p, K_WC=code_words(mid_k.fmt, k_p, mid_k.codes), V_WC=code_words(mid_v.fmt, v_p, mid_v.codes),
                     K_W4=_int32_words(mid_k, k_p), V_W4=_int32_words(mid_v, v_p),
-                    K_TILE=kt_tile, KT_MW=kt_mw, V_TILE=vt_tile, RMEAN=key_bias is not None,
+                    K_TILE=kt_tile, KT_MW=kt_mw, V_TILE=vt_tile, VT_MW=vt_mw, RMEAN=key_bias is not None,
                     PAGED=paged, PAGE_ABS=paged and absolute_pages, STARTS=starts is not None, HAS_MASK=allowed is not None, SOFTCAP=softcap is not None,
                     PREC="ieee" if query.dtype == torch.float32 else "tf32", DT=_tl_dtype(query.dtype), EMU=emulate,
                     FP_STAGES=tuning.fp_stages or tuning.num_stages, FINAL=final,

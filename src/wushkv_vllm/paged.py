@@ -785,14 +785,24 @@ def decode_batch_triton(tk, sc: SlotCodec, cache: torch.Tensor, block_table: tor
     take, a metadata field at an odd byte offset (it cannot be viewed as float16 in place)."""
     from wushkv.decode import read_format, unit_s_tok
 
-    if (rope_mean is not None and sc.d < 32) or sc.vtile:  # value tiles: the general path
+    if rope_mean is not None and sc.d < 32:
         return None
 
     views = sc.field_views(cache)
-    vfmt = read_format(tk, sc.codecs["value"])
-    if views is None or vfmt is None:
+    if views is None:
         return None
-    packed = [None, tk.Packed(vfmt, views["value", "codes"], views["value", "scale"], views.get(("value", "offset")))]
+    if sc.vtile:  # KVarN's value tiles: each token's codes, scale and zero, the tile's channel scales spread over its cells
+        try:
+            vfmt = tk.TileFormat(sc.codecs["value"].bits, sc.d, sc.vtile, spread=sc.vmeta_width // 2, values=True)
+        except ValueError:  # a head_dim or tile that is not a power of two
+            return None
+        packed = [None, tk.Packed(vfmt, views["value", "codes"], views["value", "scale"], views["value", "zero"],
+                                  tile_scale=views["value", "tile_meta"].view(torch.float16))]
+    else:
+        vfmt = read_format(tk, sc.codecs["value"])
+        if vfmt is None:
+            return None
+        packed = [None, tk.Packed(vfmt, views["value", "codes"], views["value", "scale"], views.get(("value", "offset")))]
     if sc.tile:  # key tiles: each token's codes and s_tok (KVarN's), the tile's scale and zero spread over its cells
         try:
             kfmt = tk.TileFormat(sc.codecs["key"].bits, sc.d, sc.tile, spread=sc.meta_width // 2)
