@@ -70,7 +70,7 @@ def served_method(folder: Path) -> str:
     q = meta["quantization"]
     w = q["windows"]
     steps = "" if q.get("metadata_dtype", "float16") == "float16" else f", {q['metadata_dtype']} steps"
-    quantizer = "" if q["quantizer"] == "quest" else f" {q['quantizer']}"
+    quantizer = "" if q["quantizer"] in ("quest", meta["method"]) else f" {q['quantizer']}"
     return f"{meta['method']}{quantizer} {w['S_sink']}/{w['S_keep']}/{w['S_flush']}{steps}"
 
 

@@ -23,7 +23,12 @@ A tile's per-channel scale and zero (2·d float16, 4·d bytes) are spread over i
 which their cells do not hold. Tiles start at positions ``tile·j``, which the served sink (a whole number of tiles) puts on vLLM's
 blocks (a block holds whole tiles): a tile's key fields are written once, when its last token is stored, from the
 full-precision copies of its tokens (:func:`store_tiles`); until then its tokens are read from those copies, which
-:class:`Windows` never drops while the tile is open. The values are per token, written when stored, as above.
+:class:`Windows` never drops while the tile is open. The values are per token, written when stored, as above, or,
+with both sides in KVarN's tiles (``+tiles``, ``kvarn``), in tiles too, written with the keys::
+
+    [ key codes | key s_tok | key tile slice | value codes | value scale | value zero | value tile slice | padding ]
+
+a value tile's d float16 channel scales spread over its cells, ``2·⌈d/tile⌉`` bytes each (whole halves).
 
 The full-precision windows (the first ``sink`` tokens of a sequence and its unflushed tail: wushkv's windows
 ``(S_sink, S_keep, S_flush)``, with ``S_flush`` 1 for per-token keys, whose codes are written when a token is stored,
