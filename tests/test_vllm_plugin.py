@@ -216,6 +216,28 @@ def test_key_tiles_through_the_triton_kernel_write_the_bytes_of_the_codec():
     assert torch.equal(got.cpu(), ref) if dev == "cpu" else (got.cpu() != ref).float().mean() < 0.02
 
 
+def _tokens_in_blocks(sc: SlotCodec, H: int, d: int, bs: int, n: int, seed: int):
+    """n random tokens' keys (scaled per token) and values (n, H, d), a block table [3, 0, 2] of blocks of ``bs``
+    slots, their slots (n,), and a cache of 4 blocks of random bytes for ``sc``'s cells."""
+    g = _g(seed)
+    k, v = torch.randn(n, H, d, generator=g) * torch.rand(n, H, 1, generator=g) * 4, torch.randn(n, H, d, generator=g)
+    table = torch.tensor([3, 0, 2])
+    pos = torch.arange(n)
+    cache = torch.randint(0, 256, (4, H, bs, sc.slot_bytes), dtype=torch.uint8, generator=g)
+    return k, v, table, table[pos // bs] * bs + pos % bs, cache
+
+
+def _stream_in_steps(sc: SlotCodec, cache: torch.Tensor, w: Windows, k, v, slots):
+    """Store 700 tokens as prefill chunks and decode steps (cells, copies, the tiles each step completes), trimming
+    the copies to ``w``'s capacity after each; yields each step's end."""
+    for a, b in ((0, 100), (100, 101), (101, 300), (300, 384), (384, 385), (385, 700)):
+        sc.store(cache, k[a:b], v[a:b], slots[a:b])
+        w.write(k[a:b], v[a:b], slots[a:b])
+        assert store_tiles(sc, cache, w, slots[a:b]) == 0
+        w.protect_and_trim([])  # capacity 0: everything but the open tile is dropped
+        yield b
+
+
 @pytest.mark.parametrize("quantizer,bits,feedback,meta", [("kvarn", 2, True, "float16"), ("kvarn", 4, False, "bfloat16"),
                                                         ("kvarn", 3, True, "float16"), ("kvarn", 2, True, "e5m3"),
                                                         ("kivi", 2, False, "float16"), ("kivi", 3, False, "float16"),
@@ -243,20 +265,11 @@ def test_key_tile_cells_hold_what_the_tile_codec_stores(quantizer, bits, feedbac
     assert sc.tile == tile and sc.meta_width == 2 and sc.payload_bytes == -(-d * bits // 8) + s_tok + 2 + vbytes
     if sc.sides() is not None:
         require_kernels()
-    g = _g(51)
-    k, v = torch.randn(n, H, d, generator=g) * torch.rand(n, H, 1, generator=g) * 4, torch.randn(n, H, d, generator=g)
-    table = torch.tensor([3, 0, 2])
-    pos = torch.arange(n)
-    slots = table[pos // bs] * bs + pos % bs
-    cache = torch.randint(0, 256, (4, H, bs, sc.slot_bytes), dtype=torch.uint8, generator=g)
+    k, v, table, slots, cache = _tokens_in_blocks(sc, H, d, bs, n, 51)
     ref = cache.clone()
     store(ref, sc.encode(k, v), slots, sc.value_offset)
     w = Windows(bs, H, d, 128, 72, capacity=0, flush=tile)
-    for a, b in ((0, 100), (100, 101), (101, 300), (300, 384), (384, 385), (385, 700)):  # prefill chunks, decode steps
-        sc.store(cache, k[a:b], v[a:b], slots[a:b])
-        w.write(k[a:b], v[a:b], slots[a:b])
-        assert store_tiles(sc, cache, w, slots[a:b]) == 0
-        w.protect_and_trim([])  # capacity 0: everything but the open tile is dropped
+    for b in _stream_in_steps(sc, cache, w, k, v, slots):
         assert set(w.open) == ({int(slots[b - 1]) // tile} if b % tile else set())
         assert all(p * w.unit // tile in w.open for p in w.pages)
     assert torch.equal(cache[..., sc.value_offset:], ref[..., sc.value_offset:])  # the values: the bytes of encode
@@ -283,19 +296,11 @@ def test_value_tile_cells_hold_what_the_tile_codec_stores(bits):
     nb = -(-d * bits // 8)
     assert (sc.tile, sc.vtile, sc.vmeta_width) == (tile, tile, 2) and sc.payload_bytes == (nb + 2 + 2) + (nb + 2 + 2 + 2)
     assert sc.sides() is not None  # the fused C++ decode reads them
-    g = _g(52)
-    k, v = torch.randn(n, H, d, generator=g) * torch.rand(n, H, 1, generator=g) * 4, torch.randn(n, H, d, generator=g)
-    table = torch.tensor([3, 0, 2])
-    pos = torch.arange(n)
-    slots = table[pos // bs] * bs + pos % bs
-    cache = torch.randint(0, 256, (4, H, bs, sc.slot_bytes), dtype=torch.uint8, generator=g)
+    k, v, table, slots, cache = _tokens_in_blocks(sc, H, d, bs, n, 52)
     before = cache.clone()
     w = Windows(bs, H, d, 128, 0, capacity=0, flush=tile)
-    for a, b in ((0, 100), (100, 101), (101, 300), (300, 384), (384, 385), (385, 700)):  # prefill chunks, decode steps
-        sc.store(cache, k[a:b], v[a:b], slots[a:b])
-        w.write(k[a:b], v[a:b], slots[a:b])
-        assert store_tiles(sc, cache, w, slots[a:b]) == 0
-        w.protect_and_trim([])  # capacity 0: everything but the open tile is dropped
+    for _ in _stream_in_steps(sc, cache, w, k, v, slots):
+        pass
     full = n // tile * tile
     open_slots = slots[full:]
     assert torch.equal(cache[open_slots // bs, :, open_slots % bs], before[open_slots // bs, :, open_slots % bs])
