@@ -785,25 +785,29 @@ def test_cuda_backends_on_fake_cuda_tensors(tmp_path):
     backend's outputs (1e-5) and cells (to the byte; key tiles stored by the tile kernel on both sides, whose balance
     keeps the other of two near-tied rounds where its sums' order differs from torch's), over per-token codes of keys centered on their rotating mean
     (+rmean: centered in the forward, their centers' share of the scores in the kernel), +ldlq key tiles after a sink
-    of one tile, and a sliding-window gemma3 layer (tests/vllm_fake_cuda_check.py). A decode step of per-token codes,
+    of one tile, a sliding-window gemma3 layer, and both sides in KVarN's tiles (+tiles: the values' tile kernel
+    too) (tests/vllm_fake_cuda_check.py). A decode step of per-token codes,
     stored by the Triton kernel or in torch, makes the host wait for the device nowhere in a layer (the step's host
     copies are made once, by the builder). (The tiny models' head_dim of 32 leaves key tiles of 128 tokens one byte of scale and
     zero per cell, which the Triton decode does not read: their decode takes the general path here.) Constructing the
     CPU impl builds the C++ kernels (the engine's start pays for it, not its first request)."""
     folders = [_export(tmp_path, "affine", "wush+rmean", replace(CFG, quantizer="affine")),
                _export(tmp_path, "tiles", "wush+ktiles+ldlq", replace(CFG, windows=WindowConfig(128, 64, 16))),
-               _export(tmp_path, "gemma", "wush+ldlq", family="gemma3")]
+               _export(tmp_path, "gemma", "wush+ldlq", family="gemma3"),
+               _export(tmp_path, "vtiles", "wush+tiles")]
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(ROOT / "src"), str(ROOT / "tests")]), TRITON_INTERPRET="1")
     r = subprocess.run([str(VLLM_PY), str(ROOT / "tests" / "vllm_fake_cuda_check.py"), *map(str, folders)], env=env,
                        capture_output=True, text=True, timeout=900)
     assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-4000:]
-    got = {Path(row["folder"]).name: row for row in map(json.loads, r.stdout.strip().splitlines()[-3:])}
+    got = {Path(row["folder"]).name: row for row in map(json.loads, r.stdout.strip().splitlines()[-len(folders):])}
     assert all(not row["errors"] and row["worst"] < 1e-5 and not row["cells_differing"] for row in got.values()), got
     # the CPU impl builds the C++ kernels as the engine builds its model, not in the first request's step
     assert got["affine"]["kernels_at_start"] == [False, True], got["affine"]["kernels_at_start"]
     for name in ("affine", "gemma"):  # the Triton store (affine) and the torch store (+ldlq), padded slot mappings
         assert got[name]["syncs_per_layer_decode_step"] == 0 and got[name]["syncs_per_step_metadata"] == 2, got[name]
         assert got[name]["calls"].get("decode", 0) >= 3, got[name]["calls"]  # the decode steps through the kernel
+    # both sides in KVarN's tiles: each completed tile's keys and values quantized on the device by the tile kernels
+    assert got["vtiles"]["calls"].get("kvarn_values", 0) >= 1 and got["vtiles"]["calls"].get("kvarn_keys", 0) >= 1, got["vtiles"]
 
 
 def _prompts(n=4, base=30, step=23, seed=0):

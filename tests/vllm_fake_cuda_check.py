@@ -102,7 +102,7 @@ def check(folder: str) -> dict:
     Hq, H = hf["num_attention_heads"], hf["num_key_value_heads"]
     d = hf.get("head_dim") or hf["hidden_size"] // Hq
     layer_name, window = _layer(hf)
-    key_tiles = load_served(folder).cfg.side_quantizer("key") == "kvarn"  # (the CPU side's tiles: the kernel too)
+    key_tiles = load_served(folder).cfg.side_quantizer("key") == "kvarn"  # (the CPU side's KVarN tiles: the kernels too)
     cfg = VllmConfig(model_config=ModelConfig(model=folder, dtype="float32", max_model_len=BLOCK * BLOCKS_PER_REQUEST))
     g = torch.Generator().manual_seed(0)
     fake_cuda.reset()
