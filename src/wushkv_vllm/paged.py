@@ -430,12 +430,12 @@ def store_tiles(sc: SlotCodec, cache: torch.Tensor, windows: "Windows", slot_map
     windows.close((first // G).tolist())
     if bool(held.any()):
         dev = windows.pool.device
-        kv = windows.pool[to_device(rows[held], dev), to_device(idx[held] % u, dev)].float()  # (n, G, H, 2, d)
-        k = kv[..., 0, :]
+        kv = windows.pool[to_device(rows[held], dev), to_device(idx[held] % u, dev)]  # (n, G, H, 2, d), the pool's dtype
+        k = kv[..., 0, :].float()  # (the values converted only where they are tiles too)
         if rope_mean is not None:
             p0 = positions.cpu()[keep][last][held].long() - (G - 1)
             k = k - rope_mean.center(to_device((p0[:, None] + torch.arange(G)).reshape(-1), dev)).reshape(k.shape)
-        v = kv[..., 1, :].to(cache.device).transpose(1, 2) if sc.vtile else None
+        v = kv[..., 1, :].float().to(cache.device).transpose(1, 2) if sc.vtile else None
         sc.store_tiles(cache, k.to(cache.device).transpose(1, 2), to_device(first[held], cache.device), v)
     return int((~held).sum())
 
