@@ -607,6 +607,30 @@ def test_decode_paged_ragged(dtype, kbits, vbits, d, absolute):
     run = lambda: tk.decode(dev(q[:, :, 0]), torch.tensor(lens), dev(sk), dev(sv), mk, mv, dev(rk), dev(rv), d**-0.5,
                             block_table=table, absolute_pages=absolute, splits=3, block_n=16).cpu()
     out = run()
+    # the windows read in place from a pool of pages (the vLLM plugin's copies) give the same bits as the parts
+    u = 3 if d == 64 else 4
+    tails = [range((n_s + n_m) // u, -(-(n_s + n_m + n_r) // u)) for n_s, n_m, n_r in lens]
+    S_pages = max(-(-n_s // u) for n_s, _, _ in lens)
+    npages = sum(-(-n_s // u) + len(t) for (n_s, _, _), t in zip(lens, tails))
+    pool = torch.full((npages + 3, u, Hkv, 2, d), float("nan"))  # a slot no part reads is NaN
+    rows, free = torch.full((B, S_pages + max(map(len, tails))), -1, dtype=torch.int32), torch.randperm(npages + 3, generator=g).tolist()
+    for b, (n_s, n_m, n_r) in enumerate(lens):
+        for j, pg in enumerate([*range(-(-n_s // u))] + [S_pages + i for i in range(len(tails[b]))]):
+            rows[b, pg] = free.pop()
+        for t in range(n_s):
+            pool[rows[b, t // u], t % u, :, 0], pool[rows[b, t // u], t % u, :, 1] = sk[b, :, t], sv[b, :, t]
+        for t in range(n_r):
+            p = n_s + n_m + t
+            r = rows[b, S_pages + p // u - (n_s + n_m) // u]
+            pool[r, p % u, :, 0], pool[r, p % u, :, 1] = rk[b, :, t], rv[b, :, t]
+    pool = dev(pool)
+    pk, pv = pool[..., 0, :], pool[..., 1, :]
+    pooled = tk.decode(dev(q[:, :, 0]), torch.tensor(lens), pk, pv, mk, mv, pk, pv, d**-0.5, block_table=table,
+                       absolute_pages=absolute, splits=3, block_n=16, pool_windows=tk.PoolWindows(rows.to(DEVICE), S_pages, u)).cpu()
+    assert torch.equal(pooled, out)
+    with pytest.raises(ValueError, match="pool_windows need pools"):
+        tk.decode(dev(q[:, :, 0]), torch.tensor(lens), dev(sk), dev(sv), mk, mv, dev(rk), dev(rv), d**-0.5,
+                  block_table=table, pool_windows=tk.PoolWindows(rows, S_pages, u))
     if absolute:  # the flag is read: the same table taken as the middle's alone reads the sink's rows
         wrong = tk.decode(dev(q[:, :, 0]), torch.tensor(lens), dev(sk), dev(sv), mk, mv, dev(rk), dev(rv), d**-0.5,
                           block_table=table, splits=3, block_n=16).cpu()
@@ -1355,8 +1379,8 @@ for consts in (dict(D=64, G=128, BITS=2, ITERS=16, CLIPPED=True, FEEDBACK=True, 
 consts = dict(D=128, GQA=4, GP=16, BN=32, K_BITS=2, V_BITS=4, K_G=128, V_G=32, K_Z=False, V_Z=True, K_E5M3=True, K_OFF=128, V_OFF=0,
               V_E5M3=False, K_P=0, V_P=0, K_WC=0, V_WC=0, K_W4=False, V_W4=False, K_TILE=0, KT_MW=128, V_TILE=0, VT_MW=128, RMEAN=False, PAGED=True, PAGE_ABS=False, STARTS=False, HAS_MASK=True, SOFTCAP=True,
               PREC="tf32", DT=tl.bfloat16, EMU=False, FP_STAGES=1, FINAL=False, HAS_SINKS=False, OUT_BF16=True,
-              LAST_MERGES=False)
-ptrs = {"cnt_ptr": "*i32", "out_ptr": "*bf16", "q_ptr": "*bf16", "sk_ptr": "*bf16", "sv_ptr": "*bf16", "rk_ptr": "*bf16", "rv_ptr": "*bf16", "kc_ptr": "*u8",
+              LAST_MERGES=False, FP_UNIT=0)
+ptrs = {"wt_ptr": "*i32", "cnt_ptr": "*i32", "out_ptr": "*bf16", "q_ptr": "*bf16", "sk_ptr": "*bf16", "sv_ptr": "*bf16", "rk_ptr": "*bf16", "rv_ptr": "*bf16", "kc_ptr": "*u8",
         "vc_ptr": "*u8", "mask_ptr": "*u8", "lens_ptr": "*i32", "bt_ptr": "*i32", "ks_ptr": "*u8", "vs_ptr": "*fp16",
         "kz_ptr": "*u8", "vz_ptr": "*fp16", "kts_ptr": "*fp16", "ktz_ptr": "*fp16", "vts_ptr": "*fp16", "rp_ptr": "*i32",
         "st_ptr": "*i32"}
@@ -1425,6 +1449,10 @@ triton.compile(ASTSource(K["decode"], sig("decode", dict(p, q_ptr="*bf16"), ("sm
 vtp = dict(vtc, PAGED=True, PAGE_ABS=True, KT_MW=16, VT_MW=8)
 triton.compile(ASTSource(K["decode"], sig("decode", dict(p, q_ptr="*bf16"), ("sm_scale", "softcap", "K_HALF", "V_HALF"), vtp), vtp),
                target=GPUTarget("cuda", 90, 32), options={"num_warps": 2, "num_stages": 2})
+# the plugin's windows read in place from its pool of copies (pages of 8 tokens), beside key tiles and per-token codes
+for fpu in (dict(vtp, FP_UNIT=8), dict(consts, FP_UNIT=8, PAGED=True, PAGE_ABS=True, K_TILE=0, KT_MW=128, BN=32)):
+    triton.compile(ASTSource(K["decode"], sig("decode", dict(p, q_ptr="*bf16"), ("sm_scale", "softcap", "K_HALF", "V_HALF"), fpu), fpu),
+                   target=GPUTarget("cuda", 90, 32), options={"num_warps": 2, "num_stages": 2})
 # keys centered on their rotating mean (+rmean): over key tiles in classes, then per-token codes in classes; each row
 # from its own columns (a left-padded batch's ragged rows), under a mask over the parts side by side
 for kt, bn in ((16, 16), (0, 32)):
@@ -1462,7 +1490,7 @@ def test_kernels_compile_for_cuda():
     key tiles', decode (two tunings, one-byte key steps; codes in classes,
     in words of 16 bits, three bytes and one, whose inline PTX ptxas assembles, two codes a word a class at head_dim
     64; rows from their own columns; the last split merging its pair's, its atomic after a barrier that follows the
-    state's stores; KVarN's value tiles) and merge kernels compile for sm_90."""
+    state's stores; KVarN's value tiles; the windows read from a pool of pages) and merge kernels compile for sm_90."""
     res = _compiling(COMPILE)
     assert res.returncode == 0 and "compiled True" in res.stdout, res.stderr[-3000:]
 

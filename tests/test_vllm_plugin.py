@@ -595,6 +595,24 @@ def _general_decode(sc, w, cache, tables, lens, q, window, softcap, rm=None) -> 
     return torch.stack(want), missing
 
 
+def _fp_unit_of(call):
+    """``call()``'s result and the ``FP_UNIT`` of the decode launch it made: the pool's unit where the kernel read the
+    windows in place from the pool of copies, 0 where they were gathered first."""
+    from wushkv import triton_kernels as tk
+
+    seen = []
+
+    def hook(name, grid, args, meta, run):
+        if name == "decode":
+            seen.append(meta["FP_UNIT"])
+        return run(name, grid, args, meta)
+
+    with tk.launches_through(hook):
+        out = call()
+    assert len(seen) == 1, seen
+    return out, seen[0]
+
+
 def _triton_device():
     """Where the plugin's Triton paths run in these tests: the GPU where there is one (its real path: cells on the
     device, windows on the host), else CPU tensors under Triton's interpreter (tests/conftest.py)."""
@@ -622,17 +640,23 @@ def test_batched_decode_through_the_triton_kernel(quantizer, bits, dtype, meta):
     lens = [1, 5, 37, 100, 230]
     w = Windows(bs, H, d, S, R, capacity=10_000, dtype=dtype)
     cache, tables = _filled_cells(sc, w, lens)
-    w.index[int(tables[3, 0]) * (bs // w.unit)] = -1  # request 3's sink page: its copies dropped, read from the codes
     q = torch.randn(len(lens), H * G, d, generator=_g(40))
-    for window, softcap in ((-1, 0.0), (50, 0.0), (-1, 5.0)):
-        want, _ = _general_decode(sc, w, cache, tables, lens, q, window, softcap)
-        tk.reset_calls()
-        with triton_enabled(True):
-            got = decode_batch(sc, cache.to(dev), tables.to(dev), torch.tensor(lens), q.to(dev), w, 0.3, window, softcap).cpu()
-        # the whole batch in one launch, not the CPU kernel (and a merge where it has several splits: on a GPU)
-        assert tk.calls()["decode"] == 1 and set(tk.calls()) <= {"decode", "merge"}
-        err = float((got - want).abs().max() / want.abs().max())
-        assert err < (1e-5 if dtype == torch.float32 else 2e-2), (window, softcap, err)
+    for dropped in (False, True):
+        if dropped:  # request 3's sink page: its copies dropped, read from the codes (its sink gathered)
+            w.index[int(tables[3, 0]) * (bs // w.unit)] = -1
+        for window, softcap in ((-1, 0.0), (50, 0.0), (-1, 5.0)):
+            want, _ = _general_decode(sc, w, cache, tables, lens, q, window, softcap)
+            tk.reset_calls()
+            with triton_enabled(True):
+                got, unit = _fp_unit_of(lambda: decode_batch(sc, cache.to(dev), tables.to(dev), torch.tensor(lens),
+                                                              q.to(dev), w, 0.3, window, softcap).cpu())
+            # the whole batch in one launch, not the CPU kernel (and a merge where it has several splits: on a GPU);
+            # the windows read in place from the pool unless a copy a query reads was dropped (the sliding window
+            # hides request 3's sink)
+            assert tk.calls()["decode"] == 1 and set(tk.calls()) <= {"decode", "merge"}
+            assert unit == (0 if dropped and window < 0 else w.unit), (dropped, window, unit)
+            err = float((got - want).abs().max() / want.abs().max())
+            assert err < (1e-5 if dtype == torch.float32 else 2e-2), (window, softcap, err)
 
 
 @pytest.mark.parametrize("quantizer,dtype", [("kvarn", torch.float32), ("kvarn", torch.bfloat16), ("kivi", torch.float32),
@@ -666,8 +690,9 @@ def test_batched_decode_of_key_tiles_through_the_triton_kernel(quantizer, dtype)
         want, _ = _general_decode(sc, w, cache, tables, lens, q, window, 0.0)
         tk.reset_calls()
         with triton_enabled(True):
-            got = decode_batch(sc, cache.to(dev), tables.to(dev), torch.tensor(lens), q.to(dev), w, 0.3, window).cpu()
-        assert tk.calls()["decode"] == 1 and set(tk.calls()) <= {"decode", "merge"}
+            got, unit = _fp_unit_of(lambda: decode_batch(sc, cache.to(dev), tables.to(dev), torch.tensor(lens), q.to(dev),
+                                                          w, 0.3, window).cpu())
+        assert tk.calls()["decode"] == 1 and set(tk.calls()) <= {"decode", "merge"} and unit == w.unit
         err = float((got - want).abs().max() / want.abs().max())
         assert err < (1e-5 if dtype == torch.float32 else 2e-2), (window, err)
 
@@ -704,9 +729,10 @@ def test_batched_decode_of_centered_keys_through_the_triton_kernel(tile, dtype):
         assert missing[3] > 0 or window > 0  # the dropped copies are read (a sliding window hides them)
         tk.reset_calls()
         with triton_enabled(True):
-            got = decode_batch(sc, cache.to(dev), tables.to(dev), torch.tensor(lens), q.to(dev), w, 0.3, window,
-                               rope_mean=rm, q_raw=q_raw.to(dev)).cpu()
+            got, unit = _fp_unit_of(lambda: decode_batch(sc, cache.to(dev), tables.to(dev), torch.tensor(lens), q.to(dev),
+                                                          w, 0.3, window, rope_mean=rm, q_raw=q_raw.to(dev)).cpu())
         assert tk.calls()["decode"] == 1 and set(tk.calls()) <= {"decode", "merge"}
+        assert unit == (w.unit if window > 0 else 0)  # the dropped sink gathered, unless the window hides it
         err = float((got - want).abs().max() / want.abs().max())
         assert err < (1e-5 if dtype == torch.float32 else 2e-2), (window, err)
     with pytest.raises(ValueError, match="needs q_raw"):

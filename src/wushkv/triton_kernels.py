@@ -317,10 +317,15 @@ def _kernels() -> dict:
 
     @jit
     def _fp_segment(q, m, l, acc, k_ptr, v_ptr, sk_b, sk_h, sk_t, sv_b, sv_h, sv_t, b, h, a, e, mbase,
-                    sm_scale, softcap, mask_ptr, s_mb,
+                    sm_scale, softcap, mask_ptr, s_mb, wt_ptr, pg0, pos0,
                     D: tl.constexpr, BN: tl.constexpr, HAS_MASK: tl.constexpr, SOFTCAP: tl.constexpr,
-                    PREC: tl.constexpr, DT: tl.constexpr, EMU: tl.constexpr, STAGES: tl.constexpr):
+                    PREC: tl.constexpr, DT: tl.constexpr, EMU: tl.constexpr, STAGES: tl.constexpr,
+                    UNIT: tl.constexpr):
         """Columns [a, e) of a full-precision part (B, Hkv, n, D) whose column t is the mask's column mbase + t.
+        ``UNIT`` > 0: the part is read in place from a pool of pages of UNIT tokens (rows, UNIT, Hkv, D) instead
+        (the vLLM plugin's window copies, :class:`PoolWindows`): column t is position pos0 + t, in the pool row
+        that ``wt_ptr`` (this sequence's row of the page table, from its column pg0 on) gives its page,
+        (pos0 + t) // UNIT − pos0 // UNIT; the strides are then (pool row, head, slot).
         ``STAGES``: the loop's software pipeline (DecodeTuning.fp_stages). A kernel holds the shared memory of its
         largest loop for its whole run, and this loop's stages of (BN, D) tiles are the kernel's largest (20 KB a
         one-warp program at d 128 with 2 stages, 12 KB with 1): unpipelined, an sm_90 multiprocessor has room for
@@ -329,11 +334,19 @@ def _kernels() -> dict:
         for start in tl.range(a, e, BN, num_stages=STAGES):
             t = start + tl.arange(0, BN)
             valid = t < e
-            k = tl.load(k_ptr + b * sk_b + h * sk_h + t[:, None].to(tl.int64) * sk_t + d[None, :], mask=valid[:, None], other=0.0)
+            if UNIT > 0:
+                at = pos0 + t
+                row = tl.load(wt_ptr + pg0 + at // UNIT - pos0 // UNIT, mask=valid, other=0).to(tl.int64)
+                k_at = row * sk_b + (at % UNIT).to(tl.int64) * sk_t + h * sk_h
+                v_at = row * sv_b + (at % UNIT).to(tl.int64) * sv_t + h * sv_h
+            else:
+                k_at = b * sk_b + h * sk_h + t.to(tl.int64) * sk_t
+                v_at = b * sv_b + h * sv_h + t.to(tl.int64) * sv_t
+            k = tl.load(k_ptr + k_at[:, None] + d[None, :], mask=valid[:, None], other=0.0)
             s = _mma(q, tl.trans(k), DT, EMU, PREC)
             s = _finish_scores(s, valid, mbase + t, sm_scale, softcap, mask_ptr, s_mb, b, HAS_MASK, SOFTCAP)
             m, alpha, p, l = _online(s, m, l, EMU)
-            v = tl.load(v_ptr + b * sv_b + h * sv_h + t[:, None].to(tl.int64) * sv_t + d[None, :], mask=valid[:, None], other=0.0)
+            v = tl.load(v_ptr + v_at[:, None] + d[None, :], mask=valid[:, None], other=0.0)
             acc = acc * alpha[:, None] + _mma(p, v, DT, EMU, PREC)
         return m, l, acc
 
@@ -923,6 +936,7 @@ def _kernels() -> dict:
                       st_ptr, MB_MID, MB_REC,  # STARTS: int32 (B, 3), the parts' first columns; mask columns of parts
                       sk_ptr, sv_ptr, sk_b, sk_h, sk_t, sv_b, sv_h, sv_t,
                       rk_ptr, rv_ptr, rk_b, rk_h, rk_t, rv_b, rv_h, rv_t,
+                      wt_ptr, s_wt, WT_TAIL,  # FP_UNIT: int32 (B, ·) pool rows of the sink's pages, the tail's from WT_TAIL
                       kc_ptr, ks_ptr, kz_ptr, vc_ptr, vs_ptr, vz_ptr,
                       kc0, kc1, kc2, ks0, ks1, ks2, vc0, vc1, vc2, vs0, vs1, vs2,
                       kts_ptr, ktz_ptr, kt0, kt1, kt2, KT_ZI,  # KVarN key tiles' scale and zero (K_TILE > 0)
@@ -944,7 +958,7 @@ def _kernels() -> dict:
                       PAGED: tl.constexpr, PAGE_ABS: tl.constexpr, STARTS: tl.constexpr, HAS_MASK: tl.constexpr,
                       SOFTCAP: tl.constexpr, PREC: tl.constexpr, DT: tl.constexpr, EMU: tl.constexpr,
                       FP_STAGES: tl.constexpr, FINAL: tl.constexpr, HAS_SINKS: tl.constexpr, OUT_BF16: tl.constexpr,
-                      LAST_MERGES: tl.constexpr):
+                      LAST_MERGES: tl.constexpr, FP_UNIT: tl.constexpr):
         b = tl.program_id(0).to(tl.int64)
         h = tl.program_id(1).to(tl.int64)
         sp = tl.program_id(2)
@@ -1012,13 +1026,15 @@ def _kernels() -> dict:
                                   SOFTCAP, PREC,
                                   DT, EMU)
         q = tl.load(q_ptr + qrow[:, None] + d[None, :], mask=qmask[:, None], other=0.0)
+        wt_row = wt_ptr + b * s_wt  # FP_UNIT: this sequence's pool rows, the sink's pages then the tail's from WT_TAIL
         m, l, acc = _fp_segment(q, m, l, acc, sk_ptr, sv_ptr, sk_b, sk_h, sk_t, sv_b, sv_h, sv_t, b, h,
                                 tl.maximum(lo, 0) + o_s, tl.minimum(hi, n_s) + o_s, mb_s, sm_scale, softcap, mask_ptr,
-                                s_mb, D, BN, HAS_MASK, SOFTCAP, PREC, DT, EMU, FP_STAGES)
+                                s_mb, wt_row, 0, 0, D, BN, HAS_MASK, SOFTCAP, PREC, DT, EMU, FP_STAGES, FP_UNIT)
         w0 = n_s + n_m
         m, l, acc = _fp_segment(q, m, l, acc, rk_ptr, rv_ptr, rk_b, rk_h, rk_t, rv_b, rv_h, rv_t, b, h,
                                 tl.maximum(lo - w0, 0) + o_r, tl.minimum(hi - w0, n_r) + o_r, mb_r, sm_scale, softcap,
-                                mask_ptr, s_mb, D, BN, HAS_MASK, SOFTCAP, PREC, DT, EMU, FP_STAGES)
+                                mask_ptr, s_mb, wt_row, WT_TAIL, w0, D, BN, HAS_MASK, SOFTCAP, PREC, DT, EMU, FP_STAGES,
+                                FP_UNIT)
 
         if FINAL:  # one split: merge_kernel's arithmetic on its one split here, in the same order (the same bits),
             # and no second launch nor the splits' state in global memory
@@ -1689,6 +1705,23 @@ class KeyBias:
     theta: torch.Tensor
 
 
+@dataclass(frozen=True)
+class PoolWindows:
+    """The full-precision windows read in place from a pool of pages of ``unit`` tokens (the vLLM plugin's copies,
+    :class:`wushkv_vllm.paged.Windows`) instead of from (B, Hkv, n, d) parts, so that a step gathers no copy of them:
+    :func:`decode`'s sink_k/sink_v and recent_k/recent_v are then pools (rows, unit, Hkv, d) (views of one pool may
+    serve all four). Sequence b's sink token t is position t, in pool row ``rows[b, t // unit]``, slot t % unit; its
+    recent token t is position p = n_s + n_m + t (``lengths``' sink and middle: the middle's token i is position n_s +
+    i, as with ``absolute_pages``), in pool row ``rows[b, tail + p // unit − (n_s + n_m) // unit]``, slot p % unit.
+
+    ``rows``: int32 (B, ·) on the query's device, every page a part reads held (the caller checks that its copies
+    are written); ``tail``: the column of ``rows`` where the tail's pages begin; ``unit``: tokens a page."""
+
+    rows: torch.Tensor
+    tail: int
+    unit: int
+
+
 _ROPE_TABLES: dict = {}
 # id(theta) -> (a weak reference to it, its version, its float32 bytes): rope_table's key, asked twice a layer and step
 # of the same few tensors (a layer's frequencies); read again where the tensor is another (an id reused after the
@@ -1921,13 +1954,15 @@ def _split_counters(device: torch.device, n: int) -> torch.Tensor:
     return buf
 
 
-def _longest(lengths, sink_k, mid_k: Packed, recent_k, block_table) -> int:
+def _longest(lengths, sink_k, mid_k: Packed, recent_k, block_table, pool_windows: PoolWindows | None = None) -> int:
     """The longest sequence's columns for :func:`default_splits`, which only caps the splits by it. Read from
     ``lengths`` where it is on the host; on a GPU reading it would make the host wait for the device at every layer
     and step (the launch queue drained, each launch's latency exposed), so there the parts' capacities bound it."""
     if lengths.device.type == "cpu":
         return max(map(sum, lengths.tolist()), default=0)  # a few small rows: cheaper on the host than torch ops
     mid = block_table.shape[1] * mid_k.codes.shape[1] if block_table is not None else mid_k.codes.shape[2]
+    if pool_windows is not None:  # the windows' pages
+        return mid + pool_windows.rows.shape[1] * pool_windows.unit
     return sink_k.shape[2] + mid + recent_k.shape[2]
 
 
@@ -1982,7 +2017,8 @@ def _key_bias_args(kb: KeyBias, B: int, Hq: int, d: int, mid_k: Packed, page: in
 def decode(query, lengths, sink_k, sink_v, mid_k: Packed, mid_v: Packed, recent_k, recent_v, scaling: float, *,
            softcap: float | None = None, sinks=None, allowed=None, window: int | None = None,
            block_table=None, absolute_pages: bool = False, splits: int | None = None,
-           block_n: int | None = None, key_bias: KeyBias | None = None, starts=None) -> torch.Tensor:
+           block_n: int | None = None, key_bias: KeyBias | None = None, starts=None,
+           pool_windows: PoolWindows | None = None) -> torch.Tensor:
     """Attention of one query token per sequence over [sink; packed middle; recent], split-KV.
 
     Args:
@@ -2006,12 +2042,22 @@ def decode(query, lengths, sink_k, sink_v, mid_k: Packed, mid_v: Packed, recent_
             of them), so each row reads its own columns, not the widest row's. ``allowed`` then covers the parts'
             columns side by side, (B, sink_k's + the middle's + recent_k's columns): the sink's first, the recent
             part's last ``recent_k.shape[2]``; ``key_bias.first`` is the position of the middle's column 0.
+        pool_windows: the sink and recent parts read in place from pools of pages (:class:`PoolWindows`; sink_k,
+            sink_v, recent_k, recent_v are then (rows, unit, Hkv, d)), or None.
 
     Returns:
         (B, Hq, d) in the query's dtype.
     """
     B, Hq, d = query.shape
-    Hkv = sink_k.shape[1]
+    pw = pool_windows
+    Hkv = sink_k.shape[2 if pw is not None else 1]
+    if pw is not None and (starts is not None or pw.unit < 1 or pw.rows.dim() != 2 or pw.rows.shape[0] != B
+                           or pw.rows.dtype != torch.int32 or not 0 <= pw.tail <= pw.rows.shape[1]
+                           or any(t.dim() != 4 or t.shape[1] != pw.unit or t.shape[2] != Hkv
+                                  for t in (sink_k, sink_v, recent_k, recent_v))):
+        raise ValueError(f"pool_windows need pools (rows, {pw.unit}, Hkv, d) for the four window parts and int32 rows "
+                         f"(B, ·) = ({B}, ·) with the tail's from column {pw.tail}, and no starts; got rows "
+                         f"{tuple(pw.rows.shape)} {pw.rows.dtype}, parts {[tuple(t.shape) for t in (sink_k, recent_k)]}")
     if absolute_pages and block_table is None:
         raise ValueError("absolute_pages=True describes a block table: pass block_table")
     if Hq % Hkv:
@@ -2033,7 +2079,7 @@ def decode(query, lengths, sink_k, sink_v, mid_k: Packed, mid_v: Packed, recent_
     _check_device(query, mid_k.codes)
     if starts is not None:
         _check_starts(starts, lengths, allowed, sink_k, mid_k, recent_k, block_table)
-    longest = _longest(lengths, sink_k, mid_k, recent_k, block_table) if splits is None else 0
+    longest = _longest(lengths, sink_k, mid_k, recent_k, block_table, pw) if splits is None else 0
     host_ends = lengths if lengths.device.type == "cpu" else None  # each part's end column, where the host has it
     if host_ends is not None and starts is not None:
         host_ends = host_ends + starts if starts.device.type == "cpu" else None
@@ -2052,6 +2098,8 @@ def decode(query, lengths, sink_k, sink_v, mid_k: Packed, mid_v: Packed, recent_
     if sinks is not None and tuple(sinks.shape) != (Hq,):
         raise ValueError(f"sinks must be (Hq,) = ({Hq},), got {tuple(sinks.shape)}")
     query = query.contiguous() if query.stride(-1) != 1 else query
+    if pw is not None:  # the kernel's (row, head, token) strides of a part are the pool's (row, head, slot)
+        sink_k, sink_v, recent_k, recent_v = (t.transpose(1, 2) for t in (sink_k, sink_v, recent_k, recent_v))
     for t in (sink_k, sink_v, recent_k, recent_v):
         if t.stride(-1) != 1:
             raise ValueError("full-precision parts need a contiguous last dim")
@@ -2128,11 +2176,13 @@ def decode(query, lengths, sink_k, sink_v, mid_k: Packed, mid_v: Packed, recent_
         rr = rope_table(key_bias.theta, block_n, query.device, query.dtype)
     if B and Hq:
         st = lengths if starts is None else kept_on(starts, query.device, torch.int32)
+        wt = kept_on(pw.rows, query.device, torch.int32) if pw is not None else None
         try:
             _launch("decode", (B, Hkv, splits), query, *query.stride()[:2], lengths,
                     st, sink_k.shape[2], S - recent_k.shape[2],
                     sink_k, sink_v, *sink_k.stride()[:3], *sink_v.stride()[:3],
                     recent_k, recent_v, *recent_k.stride()[:3], *recent_v.stride()[:3],
+                    *((wt, wt.stride(0), pw.tail) if pw is not None else (lengths, 0, 0)),
                     mid_k.codes, mid_k.scale, kz, mid_v.codes, mid_v.scale, vz,
                     *strides(mid_k.codes), *strides(mid_k.scale), *strides(mid_v.codes), *strides(mid_v.scale),
                     kts, ktz, *kt_strides, kt_zi, vts, *vt_strides, rb, *rb_s, rp, rt, rr,
@@ -2150,6 +2200,7 @@ def decode(query, lengths, sink_k, sink_v, mid_k: Packed, mid_v: Packed, recent_
                     PREC="ieee" if query.dtype == torch.float32 else "tf32", DT=_tl_dtype(query.dtype), EMU=emulate,
                     FP_STAGES=tuning.fp_stages or tuning.num_stages, FINAL=final,
                     HAS_SINKS=(final or last_merges) and sinks is not None, LAST_MERGES=last_merges,
+                    FP_UNIT=pw.unit if pw is not None else 0,
                     OUT_BF16=query.dtype == torch.bfloat16, num_warps=num_warps, num_stages=tuning.num_stages,
                     **({"maxnreg": tuning.max_registers} if tuning.max_registers is not None else {}))
         except BaseException:
@@ -2162,6 +2213,6 @@ def decode(query, lengths, sink_k, sink_v, mid_k: Packed, mid_v: Packed, recent_
     return out
 
 
-__all__ = ["DecodeTuning", "KeyBias", "Packed", "TileFormat", "TokenFormat", "available", "calls", "code_classes", "code_words",
+__all__ = ["DecodeTuning", "KeyBias", "Packed", "PoolWindows", "TileFormat", "TokenFormat", "available", "calls", "code_classes", "code_words",
            "current_tuning", "decode", "decode_tuning", "default_splits", "resident_warps", "wave_splits", "interpreting", "launches_through", "to_device", "recorded_launches", "reset_calls", "rope_table",
            "store_contiguous", "store_paged", "kvarn_key_tiles", "kvarn_value_tiles"]

@@ -584,11 +584,12 @@ class Windows:
         """Where the copies of positions ``pos`` in physical blocks ``blocks`` (same shape, integer) are: their pool
         rows (−1: no page) and whether each is held (its page has a row and the slot is written)."""
         pages = blocks.long() * (self.bs // self.unit) + (pos % self.bs) // self.unit
-        inside = pages < len(self.index)
-        rows = torch.full_like(pages, -1)
-        rows[inside] = self.index[pages[inside]].long()
-        held = rows >= 0
-        held[held.clone()] = self.written[rows[held], pos[held] % self.unit]
+        if not len(self.index):
+            return torch.full_like(pages, -1), torch.zeros(pages.shape, dtype=torch.bool)
+        # gathers and a where, no boolean indexing (a step reads ~300 window positions a request)
+        inside = (pages >= 0) & (pages < len(self.index))
+        rows = torch.where(inside, self.index[pages.clamp(0, len(self.index) - 1)].long(), -1)
+        held = (rows >= 0) & self.written[rows.clamp_min(0), pos % self.unit]
         return rows, held
 
     def read(self, kf: torch.Tensor, vf: torch.Tensor, known: torch.Tensor, block_ids: torch.Tensor, start: int, stop: int,
@@ -773,15 +774,15 @@ def decode_batch_triton(tk, sc: SlotCodec, cache: torch.Tensor, block_table: tor
                         q_raw: torch.Tensor | None = None) -> torch.Tensor | None:
     """:func:`decode_batch` through wushkv's Triton decode kernel (``tk``: :mod:`wushkv.triton_kernels`), the GPU
     path. Request r's context is three parts, as the kernel reads them: its sink (positions below
-    min(sink, n)) and its tail (:meth:`Windows.tail` on), gathered from their copies into (R, H, ·, d) tensors in the
-    copies' dtype, and between them the codes, read in place through strided views of the cells (a paged middle whose
-    block table maps every position: ``absolute_pages``). A window position whose copy was dropped is dequantized
-    from its cell in torch instead (what the rule reads). The dots run in the copies' dtype (float16/bfloat16 models;
-    float32 copies: IEEE float32).
+    min(sink, n)) and its tail (:meth:`Windows.tail` on), read by the kernel in place from the pool of copies
+    through a table of the pages' pool rows (:func:`_pool_windows`), and between them the codes, read in place
+    through strided views of the cells (a paged middle whose block table maps every position: ``absolute_pages``).
+    Where a window position a query reads has lost its copy (dropped past the pool's capacity), the batch's windows
+    are gathered into (R, H, ·, d) tensors instead, that position dequantized from its cell in torch (what the rule
+    reads). The dots run in the copies' dtype (float16/bfloat16 models; float32 copies: IEEE float32).
 
     ``seq_lens`` (R,) and ``host_table`` (the block table's copy on the host; None: copied here, a wait for the
-    device) are read on the host, where the windows' bookkeeping is; the copies are gathered on the pool's device.
-    Not yet run on a GPU.
+    device) are read on the host, where the windows' bookkeeping is. Not yet run on a GPU.
 
     Key tiles (``+ktiles``) are read as :class:`wushkv.triton_kernels.TileFormat` with their scale and zero where the
     cells spread them. ``rope_mean`` (+rmean) with the untransformed queries ``q_raw``: the codes' keys gain their
@@ -830,22 +831,55 @@ def decode_batch_triton(tk, sc: SlotCodec, cache: torch.Tensor, block_table: tor
     tail = [min(max(s, windows.tail(n)), n) for s, n in zip(sink, lens)]
     # each request's window positions, sink then tail, padded with a position it has (the kernel reads lengths)
     S, W = max(sink, default=0), max((n - t for n, t in zip(lens, tail)), default=0)
-    pos = torch.tensor([[*range(s), *[0] * (S - s), *range(t, n), *[max(n - 1, 0)] * (W - n + t)]
-                        for s, t, n in zip(sink, tail, lens)], dtype=torch.long).reshape(R, S + W)
+    s_, t_, n_ = (torch.tensor(x, dtype=torch.long).reshape(R, 1) for x in (sink, tail, lens))
+    j, k = torch.arange(S), torch.arange(W)  # (tensor ops: a batch of 64 holds ~20k window positions)
+    pos = torch.cat([torch.where(j < s_, j, 0), torch.where(k < n_ - t_, t_ + k, (n_ - 1).clamp_min(0))], 1)
     first = torch.tensor([max(0, n - sliding_window) if sliding_window > 0 else 0 for n in lens]).reshape(R, 1)
     host_table = block_table.cpu() if host_table is None else host_table
-    kf, vf = _window_copies(sc, cache, host_table, pos, pos >= first, windows, rope_mean)  # (R, H, S + W, d) each
     dt = windows.dtype if windows.dtype in (torch.float16, torch.bfloat16) else torch.float32
     dev = cache.device
-    kf, vf = kf.to(dev, dt), vf.to(dev, dt)
+    pool = _pool_windows(tk, windows, host_table, pos, pos >= first, sink, tail, lens) if windows.pool.dtype == dt else None
+    if pool is not None:  # the windows read in place from the pool of copies: nothing gathered
+        pk, pv = windows.pool[..., 0, :], windows.pool[..., 1, :]  # (rows, unit, H, d)
+        parts = (pk, pv, pk, pv)
+    else:  # a copy was dropped (read from its cell): the windows gathered, every position from its copy or its cell
+        kf, vf = _window_copies(sc, cache, host_table, pos, pos >= first, windows, rope_mean)  # (R, H, S + W, d) each
+        kf, vf = kf.to(dev, dt), vf.to(dev, dt)
+        parts = (kf[:, :, :S], vf[:, :, :S], kf[:, :, S:], vf[:, :, S:])
     lengths = torch.tensor([[s, t - s, n - t] for s, t, n in zip(sink, tail, lens)], dtype=torch.int32).reshape(R, 3)
     # +rmean: the middle's token i sits at position sink + i
     bias = None if rope_mean is None else tk.KeyBias(rope_mean.bias_terms(q_raw.to(dev)), torch.tensor(sink), rope_mean.inv_freq)
-    out = tk.decode(q.to(dev, dt), lengths, kf[:, :, :S], vf[:, :, :S], packed[0], packed[1], kf[:, :, S:], vf[:, :, S:],
+    out = tk.decode(q.to(dev, dt), lengths, parts[0], parts[1], packed[0], packed[1], parts[2], parts[3],
                     float(scale), softcap=float(softcap) if softcap else None,
                     window=sliding_window if sliding_window > 0 else None, block_table=block_table.to(dev, torch.int32),
-                    absolute_pages=True, key_bias=bias)
+                    absolute_pages=True, key_bias=bias, pool_windows=pool)
     return out.float()
+
+
+def _pool_windows(tk, windows: Windows, host_table: torch.Tensor, pos: torch.Tensor, need: torch.Tensor,
+                  sink: list[int], tail: list[int], lens: list[int]):
+    """:class:`wushkv.triton_kernels.PoolWindows` of the requests' windows where every window position a query reads
+    (``need``-ed, at ``pos`` (R, P): the sink's, then the tail's) has its copy, so that the kernel reads the copies in
+    place from ``windows.pool``; None where one was dropped (its cell is read instead: the gathered path). The rows
+    table (R, sink pages + tail pages) holds each page's pool row: request r's sink pages from position 0, its tail's
+    from the page of its first tail position, ``tail[r]`` (−1 past a part; a page before a sliding window, never
+    read, may hold anything). All on the host: ``host_table``, ``pos``, ``need`` are the host's."""
+    if not pos.shape[1]:
+        return None
+    _, held = windows.copies(host_table.long().gather(1, pos // windows.bs), pos)
+    if not bool((held | ~need).all()):
+        return None
+    u, bs = windows.unit, windows.bs
+    s, t, n = (torch.tensor(x).reshape(-1, 1) for x in (sink, tail, lens))
+    nt = torch.where(n > t, -(-n // u) - t // u, 0)  # the tail's pages
+    j, k = torch.arange(-(-int(s.max()) // u)), torch.arange(int(nt.max()))
+    # each page's first position (−1: none)
+    start = torch.cat([torch.where(j * u < s, j * u, -1), torch.where(k < nt, (t // u + k) * u, -1)], 1)
+    blocks = host_table.long().gather(1, start.clamp_min(0) // bs)
+    page = blocks * (bs // u) + start.clamp_min(0) % bs // u
+    ok = (start >= 0) & (blocks >= 0) & (page < len(windows.index))
+    rows = torch.where(ok, windows.index[page.clamp(0, max(len(windows.index) - 1, 0))] if len(windows.index) else -1, -1)
+    return tk.PoolWindows(rows.to(torch.int32), len(j), u)
 
 
 def _window_copies(sc: SlotCodec, cache: torch.Tensor, host_table: torch.Tensor, pos: torch.Tensor,

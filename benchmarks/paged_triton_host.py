@@ -1,0 +1,135 @@
+"""The vLLM plugin's GPU decode path (``wushkv_vllm.paged.decode_batch`` through the Triton kernel) on the host, with
+the kernel's launch skipped: what a decode step of one layer costs before the GPU runs the kernel, and what it makes
+the GPU move besides the kernel's reads of the codes.
+
+    python benchmarks/paged_triton_host.py [--contexts 1024,4096] [--requests 1,16,64] [--repeats 30] [--json out.json]
+
+Two ways to hand the kernel the full-precision windows (the sink and recent tokens whose copies the plugin keeps in a
+pool of pages, ``wushkv_vllm.paged.Windows``), both in the same run:
+
+* ``in_place`` (the path whenever every window position a query reads has its copy): the kernel reads the copies
+  from the pool through a small table of pool rows (``wushkv.triton_kernels.PoolWindows``);
+* ``gathered`` (the path before session 72, now only where a copy was dropped past the pool's capacity: forced here
+  by dropping one copy of the batch's first request): the windows of every request are gathered into new tensors
+  first: the pool indexed into float32, zeros written over the dropped positions, the copy converted to the model's
+  dtype, which the kernel then reads. On a GPU those are device operations; here, on CPU tensors, their arithmetic
+  runs on this machine, so ``gathered_ms`` counts it too (its host time alone is less).
+
+Shapes: SmolLM2-135M served by the plugin (3 KV heads of 64, GQA 3, 128-token blocks, bfloat16 copies), per-token
+2-bit codes, ``auto``'s windows for it (sink 128, recent 72, flushed 128 at a time). ``window_bytes_*`` are the bytes
+of window copies a step of one layer moves on the device: in place, the kernel's reads (the copies once, in the
+model's dtype); gathered, the gather's reads and writes too (the pool read, float32 written, the mask's read and
+write, the conversion's read and write, the kernel's read). The middle's codes are read alike on both paths.
+Time per call: the median of ``--repeats`` calls after 3 more.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import time
+
+os.environ.setdefault("TRITON_INTERPRET", "1")  # before triton is imported: the launches are skipped anyway
+
+import torch  # noqa: E402
+
+H, G, D, BLOCK = 3, 3, 64, 128
+SINK, RECENT, FLUSH = 128, 72, 128
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--contexts", default="1024,4096")
+    ap.add_argument("--requests", default="1,16,64")
+    ap.add_argument("--repeats", type=int, default=30)
+    ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--json", default=None)
+    return ap.parse_args(argv)
+
+
+def _batch(R: int, n: int):
+    """(SlotCodec, cells, block tables, Windows) of R requests of n tokens: zero cells (the kernel is not run), the
+    windows' copies of every request written as the plugin writes them."""
+    from wushkv.config import QuantConfig, WindowConfig
+    from wushkv_vllm.paged import SlotCodec, Windows
+
+    sc = SlotCodec(QuantConfig(k_bits=2, v_bits=2, quantizer="quest", windows=WindowConfig(SINK, RECENT, FLUSH)), D)
+    per = -(-n // BLOCK)
+    cache = torch.zeros(R * per, H, BLOCK, sc.slot_bytes, dtype=torch.uint8)
+    tables = torch.arange(R * per, dtype=torch.int32).view(R, per)
+    w = Windows(BLOCK, H, D, SINK, RECENT, capacity=10**6, dtype=torch.bfloat16, flush=FLUSH)
+    g = torch.Generator().manual_seed(R * n)
+    for r in range(R):
+        pos = torch.tensor(w.positions(n))
+        slots = tables[r][pos // BLOCK].long() * BLOCK + pos % BLOCK
+        w.write(torch.randn(len(pos), H, D, generator=g), torch.randn(len(pos), H, D, generator=g), slots, pos)
+    return sc, cache, tables, w
+
+
+def _median_ms(fn, repeats: int) -> float:
+    for _ in range(3):
+        fn()
+    times = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times) * 1e3
+
+
+def run(contexts: list[int], requests: list[int], repeats: int) -> list[dict]:
+    from wushkv import triton_kernels as tk
+    from wushkv.decode import triton_enabled
+    from wushkv_vllm.paged import decode_batch
+
+    seen = []
+
+    def skip(name, grid, args, meta, run):  # every launch skipped; the decode's FP_UNIT says which path made it
+        if name == "decode":
+            seen.append(meta["FP_UNIT"])
+
+    rows = []
+    print(f"{'context':>8s} {'requests':>9s} {'in place ms':>12s} {'gathered ms':>12s} {'gathered/in place':>18s} "
+          f"{'window MB in place':>19s} {'gathered':>9s}")
+    for n in contexts:
+        for R in requests:
+            sc, cache, tables, w = _batch(R, n)
+            q = torch.randn(R, H * G, D)
+            lens = torch.full((R,), n)
+            call = lambda: decode_batch(sc, cache, tables, lens, q, w, 0.125, host_table=tables)  # noqa: E731
+            row = {"context": n, "requests": R}
+            with triton_enabled(True), tk.launches_through(skip):
+                row["in_place_ms"] = _median_ms(call, repeats)
+                assert seen[-1] == w.unit, "the windows were not read in place"
+                page = int(tables[0, 0]) * (BLOCK // w.unit)
+                w.index[page], kept = -1, int(w.index[page])  # one copy of request 0 dropped: the batch gathers
+                row["gathered_ms"] = _median_ms(call, repeats)
+                assert seen[-1] == 0, "a dropped copy did not make the batch gather its windows"
+                w.index[page] = kept
+            e = w.pool.element_size()
+            P = len(w.positions(n))  # window positions a request reads
+            elems = R * P * H * 2 * D
+            row["window_bytes_in_place"] = elems * e
+            row["window_bytes_gathered"] = elems * (e + 4 + 4 + 4 + 4 + e + e)
+            row["gathered_over_in_place"] = row["gathered_ms"] / row["in_place_ms"]
+            rows.append(row)
+            print(f"{n:8d} {R:9d} {row['in_place_ms']:12.2f} {row['gathered_ms']:12.2f} "
+                  f"{row['gathered_over_in_place']:17.2f}x {row['window_bytes_in_place'] / 1e6:19.2f} "
+                  f"{row['window_bytes_gathered'] / 1e6:9.2f}", flush=True)
+    return rows
+
+
+def main(argv: list[str] | None = None) -> list[dict]:
+    args = parse_args(argv)
+    torch.set_num_threads(args.threads)
+    rows = run([int(c) for c in args.contexts.split(",")], [int(r) for r in args.requests.split(",")], args.repeats)
+    if args.json:
+        from wushkv.io import write_json
+
+        write_json(args.json, {"settings": vars(args), "rows": rows})
+    return rows
+
+
+if __name__ == "__main__":
+    main()
