@@ -1188,7 +1188,13 @@ static void paged_decode_impl(const torch::Tensor& cache, const torch::Tensor& t
         const int64_t blk = row[t / bs_], off = t % bs_, page = blk * ppb + off / U_;
         if (page < npages) {
           const int32_t e = ip[page];
-          if (e >= 0 && wp[e * U_ + off % U_]) src[t - a] = static_cast<int32_t>(e * U_ + off % U_);
+          if (e >= 0 && wp[e * U_ + off % U_]) {
+            src[t - a] = static_cast<int32_t>(e * U_ + off % U_);
+            // the copy's key and value rows, asked for now: a window's rows lie 2·H·d apart in pages scattered
+            // over the pool, which the hardware's prefetchers do not follow (read cold, each token waited for them)
+            const char* kr = reinterpret_cast<const char*>(pp + ((src[t - a] * H_ + h) * 2) * d_);
+            for (int64_t o = 0; o < 2 * d_ * static_cast<int64_t>(sizeof(scalar_t)); o += 64) __builtin_prefetch(kr + o);
+          }
         }
       }
       // the scales of the tile holding position t (in block blk) folded into the queries: qkt, qzt
