@@ -33,6 +33,12 @@ without ``+ldlq``'s error feedback, and KVarN key tiles with and without it), co
 registers, stack and spilled loads and stores, and the instructions of their loops (the balance's rounds, the
 channels of error feedback).
 
+``--paged per_token,ktiles,kivi,kvarn``: instead of the contiguous launch, the decode as the vLLM plugin launches it on a
+GPU (``wushkv_vllm.paged.decode_batch_triton``): the codes read in place from paged cells (128-token blocks, the
+tiles' halves spread over their cells) through a block table that maps every position, and the windows read in place
+from the pool of copies (``PoolWindows``), for the plugin's layouts: per-token codes (``wush+ldlq`` served), ``auto``'s
+key tiles, KIVI's keys, KVarN's tiles on both sides (the ``kvarn`` method); ``--widths`` gives K = V.
+
 ``--max-registers none,168,128``: each configuration also compiled under each cap on a thread's registers
 (``DecodeTuning.max_registers``): fewer registers, more resident warps, and the spills that costs. ``--fp-stages 2``:
 the loop over the full-precision windows' software pipeline (``DecodeTuning.fp_stages``; 1: unpipelined, less shared
@@ -69,6 +75,9 @@ CONFIGS = [
 ]
 
 
+PAGED_LAYOUTS = ("per_token", "ktiles", "kivi", "kvarn")
+
+
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--widths", default="2,4,3,8", help="K = V code widths to compile (per-token QuEST)")
@@ -85,6 +94,8 @@ def parse_args(argv=None):
     p.add_argument("--fp-stages", type=int, default=None,
                    help="DecodeTuning.fp_stages for every configuration (the windows' loop pipeline; default: each's)")
     p.add_argument("--stores", action="store_true", help="profile the store kernels instead of the decode kernel")
+    p.add_argument("--paged", default="", help="the vLLM plugin's paged launches of these layouts instead "
+                   f"(comma-separated: {', '.join(PAGED_LAYOUTS)})")
     p.add_argument("--json", default=None)
     args = p.parse_args(argv)
     try:
@@ -136,6 +147,36 @@ def recorded_decode(bits: int, d: int, q_heads: int, kv_heads: int, n_mid: int =
     with tk.recorded_launches() as launches:
         tk.decode(q, lengths, sink, sink, keys, values, recent, recent, d**-0.5, splits=4, key_bias=bias)
     return next(rec for rec in launches if rec[0] == "decode")
+
+
+def recorded_paged_decode(layout: str, bits: int, d: int, q_heads: int, kv_heads: int, n: int = 1024):
+    """The decode launch the vLLM plugin makes on a GPU for one bfloat16 layer of 2 requests of ``n`` tokens in
+    128-token blocks (``wushkv_vllm.paged.decode_batch_triton``): ``layout`` one of PAGED_LAYOUTS at K{bits}V{bits},
+    windows 128/72/128 (per-token codes: 128/128/1), every window copy held (so read in place from the pool)."""
+    from wushkv.config import QuantConfig, WindowConfig
+    from wushkv_vllm.paged import SlotCodec, Windows, decode_batch_triton
+
+    win = WindowConfig(128, 128, 1) if layout == "per_token" else WindowConfig(128, 72, 128)
+    quantizers = {"per_token": dict(quantizer="quest"), "ktiles": dict(quantizer="quest", key_quantizer="kvarn"),
+                  "kivi": dict(quantizer="kivi"), "kvarn": dict(quantizer="kvarn")}[layout]
+    cfg = QuantConfig(k_bits=bits, v_bits=bits, windows=win, **quantizers)
+    sc = SlotCodec(cfg, d)
+    R, per, bs = 2, -(-n // 128), 128
+    cache = torch.zeros(R * per, kv_heads, bs, sc.slot_bytes, dtype=torch.uint8)
+    tables = torch.arange(R * per, dtype=torch.int32).view(R, per)
+    w = Windows(bs, kv_heads, d, win.S_sink, win.S_keep, capacity=1 << 20, dtype=torch.bfloat16, flush=win.S_flush)
+    for r in range(R):
+        pos = torch.tensor(w.positions(n))
+        w.write(torch.zeros(len(pos), kv_heads, d), torch.zeros(len(pos), kv_heads, d),
+                tables[r][pos // bs].long() * bs + pos % bs, pos)
+    q = torch.zeros(R, q_heads, d, dtype=torch.bfloat16)
+    with tk.recorded_launches() as launches:
+        out = decode_batch_triton(tk, sc, cache, tables, torch.full((R,), n), q, w, d**-0.5, host_table=tables)
+    if out is None:
+        raise SystemExit(f"the plugin's Triton decode does not take {layout} at {bits} bits, head_dim {d}")
+    rec = next(rec for rec in launches if rec[0] == "decode")
+    assert rec[3]["FP_UNIT"] == w.unit and rec[3]["PAGE_ABS"], "not the plugin's launch (pool windows, absolute pages)"
+    return rec
 
 
 def recorded_stores(bits: int, d: int, kv_heads: int, key_tile: int = 128) -> list:
@@ -253,54 +294,60 @@ def run(args) -> dict:
     if args.stores:
         return run_stores(args, tools)
     wanted = [c for c in CONFIGS if not args.configs or any(c[0].startswith(p) for p in args.configs.split(","))]
+    layouts = [x for x in args.paged.split(",") if x] or [None]
     rows = []
-    for d in (int(x) for x in args.head_dims.split(",")):
-        for bits in (int(x) for x in args.widths.split(",")):
-            base = None
-            for (label, fields), cap in ((c, r) for c in wanted for r in args.max_registers):
-                if cap is not None:
-                    label, fields = f"{label} maxnreg {cap}", fields | {"max_registers": cap}
-                if args.fp_stages is not None:
-                    fields = fields | {"fp_stages": args.fp_stages}
-                with tk.decode_tuning(**fields) as tuning:
-                    record = recorded_decode(bits, d, args.q_heads, args.kv_heads, key_tile=args.key_tiles, rmean=args.rmean,
-                                             value_tile=args.value_tiles)
-                    block_n, warps = record[3]["BN"], record[3]["num_warps"]
-                    classes = record[3]["K_P"] > 0 or record[3]["V_P"] > 0
-                prof = profile(compile_for_sm90(record), tools)
-                mid = prof["loops"][0]  # the middle runs first (triton_kernels.decode_kernel)
-                n = sum(mid.values())
-                blocks = sorted(prof["guarded"][0], key=lambda c: -sum(c.values()))
-                steady = mid - sum(blocks, collections.Counter())
-                # the new key tile's block, once a key tile: the largest that loads from memory (the tile's scale;
-                # the rescale and a partial tile's mask load nothing)
-                tile_block = next((c for c in blocks if c["LDG"]), None) if args.key_tiles else None
-                if tile_block is not None:
-                    share = block_n / args.key_tiles
-                    steady_n = sum(steady.values()) + share * sum(tile_block.values())
-                    steady_ldl = steady["LDL"] + share * tile_block["LDL"]
+    for d, bits, layout in ((int(x), int(b), lay) for x in args.head_dims.split(",") for b in args.widths.split(",")
+                            for lay in layouts):
+        key_tiles = 128 if layout in ("ktiles", "kivi", "kvarn") else (0 if layout else args.key_tiles)
+        base = None
+        for (label, fields), cap in ((c, r) for c in wanted for r in args.max_registers):
+            if cap is not None:
+                label, fields = f"{label} maxnreg {cap}", fields | {"max_registers": cap}
+            if args.fp_stages is not None:
+                fields = fields | {"fp_stages": args.fp_stages}
+            with tk.decode_tuning(**fields) as tuning:
+                if layout:
+                    label = f"{layout} paged, {label}"
+                    record = recorded_paged_decode(layout, bits, d, args.q_heads, args.kv_heads)
                 else:
-                    steady_n, steady_ldl = sum(steady.values()), steady["LDL"]
-                row = {"config": label, "bits": bits, "head_dim": d, "key_tiles": args.key_tiles, "rmean": args.rmean,
-                       "value_tiles": args.value_tiles,
-                       "classes": classes, "block_n": block_n,
-                       "num_warps": warps, "num_stages": tuning.num_stages, "loop_instructions": n,
-                       "warp_instr_per_token": n * warps / block_n, "spill_loads": mid["LDL"],
-                       "steady_warp_instr_per_token": steady_n * warps / block_n, "steady_spill_loads": steady_ldl,
-                       "guarded_blocks": [sum(c.values()) for c in blocks],
-                       "spill_stores": mid["STL"], "mma": mid["HMMA"], "registers": prof["usage"].get("reg"),
-                       "max_registers": cap, "stack": prof["usage"].get("stack"), "shared": prof["shared"],
-                       "resident_warps": tk.resident_warps(prof["usage"].get("reg", 255), prof["shared"], warps),
-                       "top": dict(mid.most_common(8))}
-                base = base or row
-                row["over_baseline"] = row["warp_instr_per_token"] / base["warp_instr_per_token"]
-                row["steady_over_baseline"] = row["steady_warp_instr_per_token"] / base["steady_warp_instr_per_token"]
-                rows.append(row)
-                print(f"d {d} K{bits}V{bits} {label:26s} {row['warp_instr_per_token']:6.1f} warp-instr/token "
-                      f"({row['over_baseline']:.2f}x), spills {row['spill_loads']}/{row['spill_stores']}, "
-                      f"{row['registers']} regs, stack {row['stack']}, {row['resident_warps']} warps/SM; steady {row['steady_warp_instr_per_token']:.1f} "
-                      f"({row['steady_over_baseline']:.2f}x), spills {row['steady_spill_loads']:g}; guarded blocks "
-                      f"{row['guarded_blocks']}", flush=True)
+                    record = recorded_decode(bits, d, args.q_heads, args.kv_heads, key_tile=args.key_tiles,
+                                             rmean=args.rmean, value_tile=args.value_tiles)
+                block_n, warps = record[3]["BN"], record[3]["num_warps"]
+                classes = record[3]["K_P"] > 0 or record[3]["V_P"] > 0
+            prof = profile(compile_for_sm90(record), tools)
+            mid = prof["loops"][0]  # the middle runs first (triton_kernels.decode_kernel)
+            n = sum(mid.values())
+            blocks = sorted(prof["guarded"][0], key=lambda c: -sum(c.values()))
+            steady = mid - sum(blocks, collections.Counter())
+            # the new key tile's block, once a key tile: the largest that loads from memory (the tile's scale;
+            # the rescale and a partial tile's mask load nothing)
+            tile_block = next((c for c in blocks if c["LDG"]), None) if key_tiles else None
+            if tile_block is not None:
+                share = block_n / key_tiles
+                steady_n = sum(steady.values()) + share * sum(tile_block.values())
+                steady_ldl = steady["LDL"] + share * tile_block["LDL"]
+            else:
+                steady_n, steady_ldl = sum(steady.values()), steady["LDL"]
+            row = {"config": label, "bits": bits, "head_dim": d, "key_tiles": key_tiles, "rmean": args.rmean,
+                   "value_tiles": 128 if layout == "kvarn" else (0 if layout else args.value_tiles), "paged": layout,
+                   "classes": classes, "block_n": block_n,
+                   "num_warps": warps, "num_stages": tuning.num_stages, "loop_instructions": n,
+                   "warp_instr_per_token": n * warps / block_n, "spill_loads": mid["LDL"],
+                   "steady_warp_instr_per_token": steady_n * warps / block_n, "steady_spill_loads": steady_ldl,
+                   "guarded_blocks": [sum(c.values()) for c in blocks],
+                   "spill_stores": mid["STL"], "mma": mid["HMMA"], "registers": prof["usage"].get("reg"),
+                   "max_registers": cap, "stack": prof["usage"].get("stack"), "shared": prof["shared"],
+                   "resident_warps": tk.resident_warps(prof["usage"].get("reg", 255), prof["shared"], warps),
+                   "top": dict(mid.most_common(8))}
+            base = base or row
+            row["over_baseline"] = row["warp_instr_per_token"] / base["warp_instr_per_token"]
+            row["steady_over_baseline"] = row["steady_warp_instr_per_token"] / base["steady_warp_instr_per_token"]
+            rows.append(row)
+            print(f"d {d} K{bits}V{bits} {label:26s} {row['warp_instr_per_token']:6.1f} warp-instr/token "
+                  f"({row['over_baseline']:.2f}x), spills {row['spill_loads']}/{row['spill_stores']}, "
+                  f"{row['registers']} regs, stack {row['stack']}, {row['resident_warps']} warps/SM; steady {row['steady_warp_instr_per_token']:.1f} "
+                  f"({row['steady_over_baseline']:.2f}x), spills {row['steady_spill_loads']:g}; guarded blocks "
+                  f"{row['guarded_blocks']}", flush=True)
     return {"target": "sm_90", "rows": rows}
 
 

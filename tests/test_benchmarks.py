@@ -649,3 +649,14 @@ def test_kernel_sass_compiles_both_paths(tmp_path):
     assert proc.returncode == 0, proc.stderr[-3000:]
     (row,) = json.loads((tmp_path / "v.json").read_text())["rows"]
     assert (row["value_tiles"], row["num_warps"], row["spill_loads"], row["spill_stores"]) == (128, 2, 0, 0), row
+    # the vLLM plugin's launches (paged cells through the block table, the windows read in place from the pool of
+    # copies) at SmolLM2's served shape: per-token codes and auto's key tiles spill nothing (21.6 and 35.9
+    # warp-instructions a token on triton 3.9, against 16-19 and 28-37 contiguous: the block table's address math)
+    proc = subprocess.run([sys.executable, str(script), "--widths", "2", "--configs", "classes 32", "--head-dims", "64",
+                           "--q-heads", "9", "--kv-heads", "3", "--paged", "per_token,ktiles", "--json", str(tmp_path / "p.json")],
+                          env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    rows = json.loads((tmp_path / "p.json").read_text())["rows"]
+    assert [(r["paged"], r["key_tiles"]) for r in rows] == [("per_token", 0), ("ktiles", 128)], rows
+    for r in rows:
+        assert r["spill_loads"] == r["spill_stores"] == 0 and r["classes"] and 0 < r["warp_instr_per_token"] < 60, r
