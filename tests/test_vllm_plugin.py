@@ -814,7 +814,7 @@ def test_cuda_backends_on_fake_cuda_tensors(tmp_path):
     of one tile, a sliding-window gemma3 layer, and both sides in KVarN's tiles (+tiles: the values' tile kernel
     too) (tests/vllm_fake_cuda_check.py). A decode step of per-token codes,
     stored by the Triton kernel or in torch, makes the host wait for the device nowhere in a layer (the step's host
-    copies are made once, by the builder). (The tiny models' head_dim of 32 leaves key tiles of 128 tokens one byte of scale and
+    copies are made once, by the builder), nor does a prefill chunk's attention. (The tiny models' head_dim of 32 leaves key tiles of 128 tokens one byte of scale and
     zero per cell, which the Triton decode does not read: their decode takes the general path here.) Constructing the
     CPU impl builds the C++ kernels (the engine's start pays for it, not its first request)."""
     folders = [_export(tmp_path, "affine", "wush+rmean", replace(CFG, quantizer="affine")),
@@ -831,6 +831,8 @@ def test_cuda_backends_on_fake_cuda_tensors(tmp_path):
     assert got["affine"]["kernels_at_start"] == [False, True], got["affine"]["kernels_at_start"]
     for name in ("affine", "gemma"):  # the Triton store (affine) and the torch store (+ldlq), padded slot mappings
         assert got[name]["syncs_per_layer_decode_step"] == 0 and got[name]["syncs_per_step_metadata"] == 2, got[name]
+        # prefill chunks' attention works out its blocks' columns on the host: no wait (4 a block of queries before)
+        assert not [k for k in got[name]["syncs"] if "paged.py" in k], got[name]["syncs"]
         assert got[name]["calls"].get("decode", 0) >= 3, got[name]["calls"]  # the decode steps through the kernel
     # both sides in KVarN's tiles: each completed tile's keys and values quantized on the device by the tile kernels
     assert got["vtiles"]["calls"].get("kvarn_values", 0) >= 1 and got["vtiles"]["calls"].get("kvarn_keys", 0) >= 1, got["vtiles"]

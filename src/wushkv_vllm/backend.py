@@ -289,7 +289,8 @@ class ServedImpl:
             known = torch.zeros(n - lo, dtype=torch.bool, device=dev)
             st.missing += st.windows.read(kf, vf, known, host_tables[r], lo, ctx, ctx)
             kf[:, ctx - lo:], vf[:, ctx - lo:], known[ctx - lo:] = k_new[a:b].transpose(0, 1), v_new[a:b].transpose(0, 1), True
-            out = attend(q[a:b], torch.arange(ctx, n, device=dev), kq, vq, kf, vf, known, torch.arange(lo, n, device=dev),
+            # positions on the host: attend works out each block's columns there (no wait for the device)
+            out = attend(q[a:b], torch.arange(ctx, n), kq, vq, kf, vf, known, torch.arange(lo, n),
                          st.windows.sink, st.windows.recent, self.scale, window, self.logits_soft_cap, flush=st.windows.flush)
             output[a:b] = out.to(output.dtype)
         st.windows.protect_and_trim(seqs)

@@ -670,33 +670,48 @@ def attend(q: torch.Tensor, q_pos: torch.Tensor, kq: torch.Tensor, vq: torch.Ten
     full-precision copies of the columns J some query reads in full precision (the sink, and from the first query's
     recent window on): a query is allowed a code column or its copy, never both. Queries go ``block`` at a time, each
     block over the span of columns its queries may read (causal; the sliding window): memory, the mask of block ×
-    (span + |J|); time, about half of every query over all n for a prompt. Returns float32 (T, Hq, d)."""
+    (span + |J|); time, about half of every query over all n for a prompt. Returns float32 (T, Hq, d).
+
+    The columns each block reads are worked out on the host, from the positions' host copies (``q_pos`` and
+    ``k_pos`` may be given on the host: no copy back then), and J is every window column of the block's span whether
+    its copy is known or not (``known`` enters the mask on the device), so that a block makes the host wait for the
+    device nowhere (a GPU's prefill: four waits a block of queries and layer before)."""
     T, Hq, d = q.shape
     H = kq.shape[0]
     G = Hq // H
+    dev = kq.device
     kq, vq, kf, vf = kq.float(), vq.float(), kf.float(), vf.float()
-    out = torch.empty(T, Hq, d, device=kq.device)
+    qh, kh = q_pos.cpu(), k_pos.cpu()
+    q_pos, k_pos = to_device(q_pos, dev), to_device(k_pos, dev)
+    known = to_device(known, dev)
+    out = torch.empty(T, Hq, d, device=dev)
     for a in range(0, T, block):
         qp = q_pos[a:a + block, None]
+        qmin, qmax = int(qh[a:a + block].min()), int(qh[a:a + block].max())
         # the span of columns some query of the block may read (causal, and the sliding window): the others are
         # left out of the products rather than masked, so a prompt's early blocks cost their own length, not n
-        live = k_pos <= qp.max()
+        live = kh <= qmax
         if sliding_window > 0:
-            live &= k_pos > qp.min() - sliding_window
+            live &= kh > qmin - sliding_window
         idx = live.nonzero()
         c0, c1 = (int(idx[0]), int(idx[-1]) + 1) if len(idx) else (0, 0)
         kp = k_pos[c0:c1]
         tail = sink + flush * torch.div((qp + 1 - sink - recent).clamp(min=0), flush, rounding_mode="floor")  # (t, 1)
-        J = (known[c0:c1] & ((kp < sink) | (kp >= int(tail.min())))).nonzero().flatten()
-        full = (kp[J][None, :] < sink) | (kp[J][None, :] >= tail)  # (t, |J|): reads the copy
+        # the first tail of the block's queries (the tail moves forward with the query): from it on, and below the
+        # sink, some query may read a column's copy
+        first_tail = sink + flush * (max(0, qmin + 1 - sink - recent) // flush)
+        J = ((kh[c0:c1] < sink) | (kh[c0:c1] >= first_tail)).nonzero().flatten()
+        Jd = to_device(J, dev)
+        full = (kp[Jd][None, :] < sink) | (kp[Jd][None, :] >= tail)  # (t, |J|): reads the copy
+        full &= known[c0:c1][Jd][None, :]
         allowed = kp[None, :] <= qp
         if sliding_window > 0:
             allowed &= kp[None, :] > qp - sliding_window
-        full &= allowed[:, J]
+        full &= allowed[:, Jd]
         codes = allowed.clone()
-        codes[:, J] &= ~full
-        K = torch.cat([kq[:, c0:c1], kf[:, c0:c1][:, J]], 1)  # (H, c1 − c0 + |J|, d)
-        V = torch.cat([vq[:, c0:c1], vf[:, c0:c1][:, J]], 1)
+        codes[:, Jd] &= ~full
+        K = torch.cat([kq[:, c0:c1], kf[:, c0:c1][:, Jd]], 1)  # (H, c1 − c0 + |J|, d)
+        V = torch.cat([vq[:, c0:c1], vf[:, c0:c1][:, Jd]], 1)
         mask = torch.cat([codes, full], 1)  # (t, c1 − c0 + |J|)
         qg = q[a:a + block].float().transpose(0, 1)  # (Hq, t, d)
         if softcap > 0:  # the fused kernel has no softcap: scores, capped, by hand
