@@ -9,6 +9,9 @@ pool of pages, ``wushkv_vllm.paged.Windows``), both in the same run:
 
 * ``in_place`` (the path whenever every window position a query reads has its copy): the kernel reads the copies
   from the pool through a small table of pool rows (``wushkv.triton_kernels.PoolWindows``);
+* ``in_place_step``: the same for a whole step of ``--layers`` layers, per layer: the layers of a step share what
+  the first works out from the batch and the windows' bookkeeping (``plan``, as the plugin's forward passes it:
+  ``wushkv_vllm.backend.step_plan``), so the others only launch;
 * ``gathered`` (the path before session 72, now only where a copy was dropped past the pool's capacity: forced here
   by dropping one copy of the batch's first request): the windows of every request are gathered into new tensors
   first: the pool indexed into float32, zeros written over the dropped positions, the copy converted to the model's
@@ -44,6 +47,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--requests", default="1,16,64")
     ap.add_argument("--repeats", type=int, default=30)
     ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--layers", type=int, default=30, help="layers a step (SmolLM2-135M: 30)")
     ap.add_argument("--json", default=None)
     return ap.parse_args(argv)
 
@@ -78,7 +82,7 @@ def _median_ms(fn, repeats: int) -> float:
     return statistics.median(times) * 1e3
 
 
-def run(contexts: list[int], requests: list[int], repeats: int) -> list[dict]:
+def run(contexts: list[int], requests: list[int], repeats: int, layers: int = 30) -> list[dict]:
     from wushkv import triton_kernels as tk
     from wushkv.decode import triton_enabled
     from wushkv_vllm.paged import decode_batch
@@ -90,8 +94,8 @@ def run(contexts: list[int], requests: list[int], repeats: int) -> list[dict]:
             seen.append(meta["FP_UNIT"])
 
     rows = []
-    print(f"{'context':>8s} {'requests':>9s} {'in place ms':>12s} {'gathered ms':>12s} {'gathered/in place':>18s} "
-          f"{'window MB in place':>19s} {'gathered':>9s}")
+    print(f"{'context':>8s} {'requests':>9s} {'in place ms':>12s} {'a step, per layer':>18s} {'gathered ms':>12s} "
+          f"{'gathered/in place':>18s} {'in place/step':>14s} {'window MB in place':>19s} {'gathered':>9s}")
     for n in contexts:
         for R in requests:
             sc, cache, tables, w = _batch(R, n)
@@ -102,6 +106,13 @@ def run(contexts: list[int], requests: list[int], repeats: int) -> list[dict]:
             with triton_enabled(True), tk.launches_through(skip):
                 row["in_place_ms"] = _median_ms(call, repeats)
                 assert seen[-1] == w.unit, "the windows were not read in place"
+
+                def step():  # every layer of a step, one plan (each layer's windows in the same state)
+                    plan = {}
+                    for _ in range(layers):
+                        decode_batch(sc, cache, tables, lens, q, w, 0.125, host_table=tables, plan=plan)
+
+                row["in_place_step_ms_per_layer"] = _median_ms(step, max(3, repeats // 5)) / layers
                 page = int(tables[0, 0]) * (BLOCK // w.unit)
                 w.index[page], kept = -1, int(w.index[page])  # one copy of request 0 dropped: the batch gathers
                 row["gathered_ms"] = _median_ms(call, repeats)
@@ -113,17 +124,19 @@ def run(contexts: list[int], requests: list[int], repeats: int) -> list[dict]:
             row["window_bytes_in_place"] = elems * e
             row["window_bytes_gathered"] = elems * (e + 4 + 4 + 4 + 4 + e + e)
             row["gathered_over_in_place"] = row["gathered_ms"] / row["in_place_ms"]
+            row["in_place_over_step"] = row["in_place_ms"] / row["in_place_step_ms_per_layer"]
             rows.append(row)
-            print(f"{n:8d} {R:9d} {row['in_place_ms']:12.2f} {row['gathered_ms']:12.2f} "
-                  f"{row['gathered_over_in_place']:17.2f}x {row['window_bytes_in_place'] / 1e6:19.2f} "
-                  f"{row['window_bytes_gathered'] / 1e6:9.2f}", flush=True)
+            print(f"{n:8d} {R:9d} {row['in_place_ms']:12.2f} {row['in_place_step_ms_per_layer']:18.3f} "
+                  f"{row['gathered_ms']:12.2f} {row['gathered_over_in_place']:17.2f}x {row['in_place_over_step']:13.2f}x "
+                  f"{row['window_bytes_in_place'] / 1e6:19.2f} {row['window_bytes_gathered'] / 1e6:9.2f}", flush=True)
     return rows
 
 
 def main(argv: list[str] | None = None) -> list[dict]:
     args = parse_args(argv)
     torch.set_num_threads(args.threads)
-    rows = run([int(c) for c in args.contexts.split(",")], [int(r) for r in args.requests.split(",")], args.repeats)
+    rows = run([int(c) for c in args.contexts.split(",")], [int(r) for r in args.requests.split(",")], args.repeats,
+               args.layers)
     if args.json:
         from wushkv.io import write_json
 

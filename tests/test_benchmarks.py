@@ -231,8 +231,9 @@ def test_paged_triton_host(capsys):
     pytest.importorskip("triton")
     bench = load_benchmark("paged_triton_host")
     assert bench.parse_args([]).requests == "1,16,64"
-    (row,) = bench.run([300], [2], 1)  # (it asserts which path each call took: in place, then gathered)
+    (row,) = bench.run([300], [2], 1, layers=2)  # (it asserts which path each call took: in place, then gathered)
     assert row["context"] == 300 and positive(row["in_place_ms"]) and positive(row["gathered_ms"])
+    assert positive(row["in_place_step_ms_per_layer"]) and positive(row["in_place_over_step"])
     assert row["window_bytes_gathered"] > 3 * row["window_bytes_in_place"] > 0
     assert "gathered/in place" in capsys.readouterr().out
 

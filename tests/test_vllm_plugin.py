@@ -659,6 +659,40 @@ def test_batched_decode_through_the_triton_kernel(quantizer, bits, dtype, meta):
             assert err < (1e-5 if dtype == torch.float32 else 2e-2), (window, softcap, err)
 
 
+def test_a_steps_layers_share_the_decode_plan():
+    """The layers of one step share what the GPU decode works out from the batch and the windows' bookkeeping (the
+    requests' parts, the pool's rows table: ``plan``), not what they hold: a second layer with the same bookkeeping
+    (the same slots written) but other copies in its pool reads its own copies through the shared plan, equal to its
+    decode without one; a layer whose windows changed since (another write) works out its own."""
+    pytest.importorskip("triton")
+    from wushkv.decode import triton_enabled
+
+    H, G, d, bs = 2, 3, 64, 16
+    dev = _triton_device()
+    sc = SlotCodec(QuantConfig(k_bits=2, v_bits=2, quantizer="quest"), d)
+    lens = [5, 37, 100]
+    layers = []
+    for scale in (1.0, -0.5):
+        w = Windows(bs, H, d, 4, 24, capacity=10_000, dtype=torch.float32)
+        cache, tables = _filled_cells(sc, w, lens)
+        w.pool.mul_(scale)  # the second layer's copies differ from the first's
+        layers.append((w, cache.to(dev)))
+    assert layers[0][0].version == layers[1][0].version
+    q = torch.randn(len(lens), H * G, d, generator=_g(40)).to(dev)
+    plan = {}
+    with triton_enabled(True):
+        for w, cache in layers:
+            alone = decode_batch(sc, cache, tables.to(dev), torch.tensor(lens), q, w, 0.3).cpu()
+            shared = decode_batch(sc, cache, tables.to(dev), torch.tensor(lens), q, w, 0.3, plan=plan).cpu()
+            assert torch.equal(shared, alone)
+        assert len(plan) == 1  # worked out by the first layer, read by the second
+        w, cache = layers[1]
+        w.write(torch.randn(1, H, d), torch.randn(1, H, d), torch.tensor([int(tables[0, 0]) * bs + 5]))  # request 0's next token
+        decode_batch(sc, cache, tables.to(dev), torch.tensor([6, 37, 100]), q, w, 0.3, plan=plan)
+        assert len(plan) == 2  # its own
+    assert not torch.equal(layers[0][0].pool, layers[1][0].pool)
+
+
 @pytest.mark.parametrize("quantizer,dtype", [("kvarn", torch.float32), ("kvarn", torch.bfloat16), ("kivi", torch.float32),
                                              ("kivi", torch.bfloat16), ("kvarn+tiles", torch.float32),
                                              ("kvarn+tiles", torch.bfloat16), ("kvarn+tiles8", torch.float32)])

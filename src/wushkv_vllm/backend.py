@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import time
 import weakref
+from collections import OrderedDict
 from dataclasses import replace
 
 import torch
@@ -190,6 +191,27 @@ def host_batch(md) -> tuple[list[int], list[int], torch.Tensor, torch.Tensor]:
     return md.query_start_loc.tolist(), md.seq_lens.tolist(), md.slot_mapping.cpu(), md.block_table.cpu()
 
 
+_STEP_PLANS: "OrderedDict[int, tuple[object, dict]]" = OrderedDict()
+
+
+def step_plan(md, batch: tuple) -> dict:
+    """A dict shared by the layers that attend with the step's metadata ``md``: vLLM hands every layer of a KV cache
+    group the same metadata object in a step and builds a new one each step, so what a decode works out from the
+    batch alone (its rows, their indices on the device, the windows' parts: :func:`wushkv_vllm.paged.decode_batch`'s
+    ``plan``) is worked out once a step instead of once a layer. ``batch``: the step's layout on the host (query
+    start locations and sequence lengths); a metadata object seen with another is a new step's (a fresh dict). Holds
+    ``md`` itself (its id cannot be reused while it is held); the last 8 are kept (a model's KV cache groups)."""
+    hit = _STEP_PLANS.get(id(md))
+    if hit is not None and hit[0] is md and hit[1]["batch"] == batch:
+        _STEP_PLANS.move_to_end(id(md))
+        return hit[1]
+    plan: dict = {"batch": batch}
+    _STEP_PLANS[id(md)] = (md, plan)
+    while len(_STEP_PLANS) > 8:
+        _STEP_PLANS.popitem(last=False)
+    return plan
+
+
 class ServedImpl:
     """WUSH-KV's key update and attention (module docstring), for a vLLM attention impl it precedes in the bases
     (``class X(ServedImpl, SomeAttentionImpl)``): with no side file every call is that impl's. The tensors of a step
@@ -266,14 +288,20 @@ class ServedImpl:
             if starts[r + 1] > starts[r]:
                 seqs.append((host_tables[r], n))
                 rows.append(r)
-        # decode rows (one query) of the whole batch in one call of the fused kernel, straight from the codes
-        dec = [r for r in rows if starts[r + 1] - starts[r] == 1]
+        # decode rows (one query) of the whole batch in one call of the fused kernel, straight from the codes; which
+        # rows, their places and block tables on the device: once a step, for every layer (step_plan)
+        plan = step_plan(attn_metadata, (tuple(starts), tuple(seq_lens)))
+        if "dec" not in plan:
+            dec = [r for r in rows if starts[r + 1] - starts[r] == 1]
+            idx = torch.tensor(dec, dtype=torch.long)
+            plan["dec"] = (dec, to_device(torch.tensor([starts[r] for r in dec], dtype=torch.long), dev),
+                           tables[to_device(idx, dev)], torch.tensor([seq_lens[r] for r in dec], dtype=torch.long),
+                           host_tables[idx])
+        dec, at, dec_tables, dec_lens, dec_host = plan["dec"]
         if dec:
-            idx = torch.tensor(dec)
-            at = to_device(torch.tensor([starts[r] for r in dec]), dev)
-            out = decode_batch(st.codec, cache, tables[to_device(idx, dev)], torch.tensor([seq_lens[r] for r in dec]), q[at],
-                               st.windows, self.scale, window, self.logits_soft_cap, rm,
-                               None if rm is None else query[at].float(), host_table=host_tables[idx])
+            out = decode_batch(st.codec, cache, dec_tables, dec_lens, q[at], st.windows, self.scale, window,
+                               self.logits_soft_cap, rm, None if rm is None else query[at].float(), host_table=dec_host,
+                               plan=plan)
             if out is not None:
                 output[at] = out.to(output.dtype)
                 rows = [r for r in rows if starts[r + 1] - starts[r] != 1]

@@ -498,6 +498,9 @@ class Windows:
         self.index = torch.full((0,), -1, dtype=torch.int32)
         self.pages: OrderedDict[int, int] = OrderedDict()  # page -> pool row, oldest written first
         self.free: list[int] = []
+        # counts the changes to what a read finds (index, written): equal counts, equal state, for the layers of a
+        # step, which write the same slots (a decode's plan is shared on it: decode_batch_triton)
+        self.version = 0
 
     def tail(self, n: int) -> int:
         """The first position of the full-precision tail of a sequence of ``n`` tokens: S_sink + Qc(n), Qc(n) =
@@ -540,6 +543,7 @@ class Windows:
         slots = slot_mapping.cpu()[keep].long()
         if not len(slots):
             return
+        self.version += 1
         pages = slots // self.unit
         # the bookkeeping in Python ints: a decode step stores a few tokens, and tensor ops cost more than their work
         uniq = list(dict.fromkeys(pages.tolist()))
@@ -650,6 +654,7 @@ class Windows:
             if p not in keep and p not in self.sinks and not (self.open and p * u // self.flush in self.open):
                 e = self.pages.pop(p)
                 self.index[p] = -1
+                self.version += 1
                 self.free.append(e)
 
 
@@ -749,7 +754,7 @@ def decode_context(sc: SlotCodec, cache: torch.Tensor, block_ids: torch.Tensor, 
 def decode_batch(sc: SlotCodec, cache: torch.Tensor, block_table: torch.Tensor, seq_lens: torch.Tensor, q: torch.Tensor,
                  windows: Windows, scale: float, sliding_window: int = -1, softcap: float = 0.0,
                  rope_mean: RopeMean | None = None, q_raw: torch.Tensor | None = None,
-                 host_table: torch.Tensor | None = None) -> torch.Tensor | None:
+                 host_table: torch.Tensor | None = None, plan: dict | None = None) -> torch.Tensor | None:
     """One decode query per request, all requests in one call of the fused kernel (``paged_decode`` of
     :mod:`wushkv._ext`): request r's query q[r] (Hq, d) at position seq_lens[r] − 1 reads its context through its block
     table row, each token from its full-precision copy in ``windows`` where it is in the windows of a sequence of
@@ -759,7 +764,8 @@ def decode_batch(sc: SlotCodec, cache: torch.Tensor, block_table: torch.Tensor, 
     Q·R_t μ (:class:`RopeMean`).
     Where :func:`wushkv.decode.triton_for` sends the cache's device (a GPU; any device under
     ``triton_enabled(True)``), wushkv's Triton decode kernel reads the cells instead (:func:`decode_batch_triton`;
-    ``seq_lens`` and ``host_table``, the block table's copy on the host, are read there for the windows' bookkeeping).
+    ``seq_lens`` and ``host_table``, the block table's copy on the host, are read there for the windows' bookkeeping;
+    ``plan``: a dict the layers of one step share, :func:`decode_batch_triton`'s).
     Returns float32 (R, Hq, d), or None where the kernel is not available (no compiler) or does not cover the cells."""
     from wushkv._ext import kernels
     from wushkv.decode import triton_for
@@ -769,7 +775,7 @@ def decode_batch(sc: SlotCodec, cache: torch.Tensor, block_table: torch.Tensor, 
     tk = triton_for(cache.device)
     if tk is not None:
         out = decode_batch_triton(tk, sc, cache, block_table, seq_lens, q, windows, scale, sliding_window, softcap,
-                                  host_table, rope_mean, q_raw)
+                                  host_table, rope_mean, q_raw, plan)
         if out is not None:
             return out
     ext, sides = kernels() if cache.device.type == "cpu" else None, sc.sides()
@@ -786,7 +792,7 @@ def decode_batch(sc: SlotCodec, cache: torch.Tensor, block_table: torch.Tensor, 
 def decode_batch_triton(tk, sc: SlotCodec, cache: torch.Tensor, block_table: torch.Tensor, seq_lens: torch.Tensor,
                         q: torch.Tensor, windows: Windows, scale: float, sliding_window: int = -1,
                         softcap: float = 0.0, host_table: torch.Tensor | None = None, rope_mean: RopeMean | None = None,
-                        q_raw: torch.Tensor | None = None) -> torch.Tensor | None:
+                        q_raw: torch.Tensor | None = None, plan: dict | None = None) -> torch.Tensor | None:
     """:func:`decode_batch` through wushkv's Triton decode kernel (``tk``: :mod:`wushkv.triton_kernels`), the GPU
     path. Request r's context is three parts, as the kernel reads them: its sink (positions below
     min(sink, n)) and its tail (:meth:`Windows.tail` on), read by the kernel in place from the pool of copies
@@ -798,6 +804,11 @@ def decode_batch_triton(tk, sc: SlotCodec, cache: torch.Tensor, block_table: tor
 
     ``seq_lens`` (R,) and ``host_table`` (the block table's copy on the host; None: copied here, a wait for the
     device) are read on the host, where the windows' bookkeeping is. Not yet run on a GPU.
+
+    ``plan``: a dict shared by the layers of one step (the same batch: :func:`wushkv_vllm.backend.step_plan`), where
+    what the windows' bookkeeping gives (the requests' parts, the pool's rows table) is kept for the next layer whose
+    windows are in the same state (:attr:`Windows.version`: each layer writes the step's slots before it reads): the
+    host's work of a step of R requests, once a step instead of once a layer.
 
     Key tiles (``+ktiles``) are read as :class:`wushkv.triton_kernels.TileFormat` with their scale and zero where the
     cells spread them. ``rope_mean`` (+rmean) with the untransformed queries ``q_raw``: the codes' keys gain their
@@ -840,20 +851,29 @@ def decode_batch_triton(tk, sc: SlotCodec, cache: torch.Tensor, block_table: tor
         if kfmt is None:
             return None
         packed[0] = tk.Packed(kfmt, views["key", "codes"], views["key", "scale"], views.get(("key", "offset")))
-    R = len(seq_lens)
-    lens = seq_lens.tolist()  # the host's: the windows' bookkeeping is there too
-    sink = [min(windows.sink, n) for n in lens]
-    tail = [min(max(s, windows.tail(n)), n) for s, n in zip(sink, lens)]
-    # each request's window positions, sink then tail, padded with a position it has (the kernel reads lengths)
-    S, W = max(sink, default=0), max((n - t for n, t in zip(lens, tail)), default=0)
-    s_, t_, n_ = (torch.tensor(x, dtype=torch.long).reshape(R, 1) for x in (sink, tail, lens))
-    j, k = torch.arange(S), torch.arange(W)  # (tensor ops: a batch of 64 holds ~20k window positions)
-    pos = torch.cat([torch.where(j < s_, j, 0), torch.where(k < n_ - t_, t_ + k, (n_ - 1).clamp_min(0))], 1)
-    first = torch.tensor([max(0, n - sliding_window) if sliding_window > 0 else 0 for n in lens]).reshape(R, 1)
-    host_table = block_table.cpu() if host_table is None else host_table
     dt = windows.dtype if windows.dtype in (torch.float16, torch.bfloat16) else torch.float32
     dev = cache.device
-    pool = _pool_windows(tk, windows, host_table, pos, pos >= first, sink, tail, lens) if windows.pool.dtype == dt else None
+    key = ("windows", windows.version, len(windows.pool), int(sliding_window))
+    hit = plan.get(key) if plan is not None else None
+    if hit is None:
+        R = len(seq_lens)
+        lens = seq_lens.tolist()  # the host's: the windows' bookkeeping is there too
+        sink = [min(windows.sink, n) for n in lens]
+        tail = [min(max(s, windows.tail(n)), n) for s, n in zip(sink, lens)]
+        # each request's window positions, sink then tail, padded with a position it has (the kernel reads lengths)
+        S, W = max(sink, default=0), max((n - t for n, t in zip(lens, tail)), default=0)
+        s_, t_, n_ = (torch.tensor(x, dtype=torch.long).reshape(R, 1) for x in (sink, tail, lens))
+        j, k = torch.arange(S), torch.arange(W)  # (tensor ops: a batch of 64 holds ~20k window positions)
+        pos = torch.cat([torch.where(j < s_, j, 0), torch.where(k < n_ - t_, t_ + k, (n_ - 1).clamp_min(0))], 1)
+        first = torch.tensor([max(0, n - sliding_window) if sliding_window > 0 else 0 for n in lens]).reshape(R, 1)
+        host_table = block_table.cpu() if host_table is None else host_table
+        pool = (_pool_windows(tk, windows, host_table, pos, pos >= first, sink, tail, lens) if windows.pool.dtype == dt
+                else None)
+        lengths = torch.tensor([[s, t - s, n - t] for s, t, n in zip(sink, tail, lens)], dtype=torch.int32).reshape(R, 3)
+        hit = (S, pos, first, host_table, pool, lengths, sink)
+        if plan is not None:
+            plan[key] = hit
+    S, pos, first, host_table, pool, lengths, sink = hit
     if pool is not None:  # the windows read in place from the pool of copies: nothing gathered
         pk, pv = windows.pool[..., 0, :], windows.pool[..., 1, :]  # (rows, unit, H, d)
         parts = (pk, pv, pk, pv)
@@ -861,7 +881,6 @@ def decode_batch_triton(tk, sc: SlotCodec, cache: torch.Tensor, block_table: tor
         kf, vf = _window_copies(sc, cache, host_table, pos, pos >= first, windows, rope_mean)  # (R, H, S + W, d) each
         kf, vf = kf.to(dev, dt), vf.to(dev, dt)
         parts = (kf[:, :, :S], vf[:, :, :S], kf[:, :, S:], vf[:, :, S:])
-    lengths = torch.tensor([[s, t - s, n - t] for s, t, n in zip(sink, tail, lens)], dtype=torch.int32).reshape(R, 3)
     # +rmean: the middle's token i sits at position sink + i
     bias = None if rope_mean is None else tk.KeyBias(rope_mean.bias_terms(q_raw.to(dev)), torch.tensor(sink), rope_mean.inv_freq)
     out = tk.decode(q.to(dev, dt), lengths, parts[0], parts[1], packed[0], packed[1], parts[2], parts[3],
