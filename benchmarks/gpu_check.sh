@@ -4,8 +4,8 @@
 # test_triton_kernels.txt/.xml, test_cuda.txt, acceptance.txt: the bars, also the output's last lines). Bounded by its timeouts to 8 minutes (benchmark <= 180 s,
 # kernel tests and the vLLM plugin's Triton paths <= 170 s, library tests on CUDA <= 130 s; BENCH_S, TESTS_S and
 # CUDA_TESTS_S override them). On the H200 of session 46: benchmark ~90 s, kernel tests 122 s, tests/test_cuda.py
-# 119 s: about 6 minutes (since then the benchmark times key tiles too, and the plugin's Triton tests run with the
-# kernels': not yet timed; session 58 counted 210 distinct kernel specializations among those tests' launches under
+# 119 s: about 6 minutes (since then the benchmark times key tiles too, and last, after its other rows, the vLLM
+# plugin's decode at 32k x 16; the plugin's Triton tests run with the kernels': not yet timed; session 58 counted 210 distinct kernel specializations among those tests' launches under
 # the interpreter, 131 of them decode kernels: about that many compiles, spread over the workers).
 #
 #   benchmarks/gpu_check.sh [OUT_DIR]          # default: $OUT, else out/gpu_check

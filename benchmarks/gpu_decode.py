@@ -33,6 +33,10 @@
    sweep tuning's ``compiled``): the decode kernel's registers, local and shared memory as the device's compiler
    built it.
    Combinations whose tensors would not fit in ``--memory-fraction`` of the free memory are skipped (listed).
+   With ``--plugin`` (default 32768x16), after every other row: the vLLM plugin's decode at that kernel row's shape
+   (``plugin``: one layer, its host time the batch's plan too; ``plugin_step``: a layer of a step whose plan an
+   earlier layer made; ``plugin_gathered``: the windows gathered first, checked against the in-place read,
+   ``plugin_vs_gathered``), per-token K2V2 cells in vLLM's 16-token blocks, the windows read from the pool of copies.
 2. *End to end*: a random-weight Llama-shaped model (``--e2e-layers`` layers of the same heads, bfloat16) decodes
    one token per step over a filled cache: ``DynamicCache`` (SDPA), the wushkv K2V2 cache through the Triton kernels,
    the same cache on the PyTorch path, and the kind of cache ``auto`` picks (SmolLM2's K2V2 recipe's: KVarN key tiles
@@ -82,7 +86,7 @@ PEAK_TBPS = {
 # --dry-run: every code path (a packed middle, the recent buffer, a flush during the timed steps) at the smallest sizes
 DRY_RUN = dict(contexts=[48], batches=[1, 2], q_heads=4, kv_heads=2, head_dim=32, sink=4, recent=8, flush=4, warmup=0,
                iters=1, e2e_contexts=[48], e2e_batches=[1], e2e_layers=1, e2e_steps=4, sweep="48x2", feedback_batches=[1],
-               feedback_tokens=16)
+               feedback_tokens=16, plugin="48x2")
 # The decode kernel's launch parameters the sweep tries, most promising first (it stops at --sweep-budget): tiles of
 # block_n tokens, warps, software-pipeline stages, and where the tuple has a fourth field, more DecodeTuning fields:
 # a cap on a thread's registers (8 one-warp programs a multiprocessor hold at 255 registers, 16 at 128, for a few
@@ -152,6 +156,9 @@ def parse_args(argv=None):
                    help="time one flush with +ldlq error feedback at these batches: the store kernel against the PyTorch loop")
     p.add_argument("--feedback-tokens", type=int, default=128,
                    help="tokens of that flush, and of its key tile (auto's +ktiles flush 128 at a time)")
+    p.add_argument("--plugin", default="32768x16",
+                   help="context x batch shapes of kernel rows at which the vLLM plugin's decode is timed too, after "
+                        "every other row (plugin_case; '' : none)")
     p.add_argument("--plot", default="", help="also write a PNG of the kernel rows here")
     p.add_argument("--plot-from", default="", help="a saved gpu_decode.json: print its acceptance (and with --plot draw "
                    "its figure), run nothing")
@@ -503,6 +510,60 @@ def kernel_case(args, ctx, B, device, timer) -> dict:
     return row
 
 
+PLUGIN_BLOCK = 16  # vLLM's block size on a GPU
+
+
+def plugin_case(args, row: dict, ctx: int, B: int, device, timer) -> None:
+    """The vLLM plugin's decode of B requests of ``ctx`` tokens (``wushkv_vllm.paged.decode_batch`` on the GPU: the
+    Triton kernel over K{k}V{v} per-token QuEST cells in vLLM's paged layout, PLUGIN_BLOCK-token blocks, the windows
+    read in place from the pool of bfloat16 copies): ``plugin``, one layer alone (its host time the batch's plan too);
+    ``plugin_step``, a layer of a step whose plan an earlier layer made (``host_ms``: what each further layer costs the
+    host); ``plugin_gathered``, the windows gathered first (the path before session 72, now where a copy was dropped:
+    here request 0's first sink copy), whose other requests must agree with the in-place read (``plugin_vs_gathered``)."""
+    from wushkv.config import QuantConfig, WindowConfig
+    from wushkv.decode import triton_enabled
+    from wushkv_vllm.paged import SlotCodec, Windows, decode_batch
+
+    Hq, Hkv, d, bs = args.q_heads, args.kv_heads, args.head_dim, PLUGIN_BLOCK
+    sc = SlotCodec(QuantConfig(k_bits=args.k_bits, v_bits=args.v_bits, quantizer="quest",
+                               windows=WindowConfig(args.sink, args.recent, 1)), d)
+    per = -(-ctx // bs)
+    cache = torch.zeros(B * per, Hkv, bs, sc.slot_bytes, dtype=torch.uint8, device=device)
+    host_tables = torch.arange(B * per, dtype=torch.int32).view(B, per)
+    tables = host_tables.to(device)
+    w = Windows(bs, Hkv, d, args.sink, args.recent, capacity=1 << 30, dtype=torch.bfloat16, device=device)
+    g = torch.Generator(device).manual_seed(1)
+    chunk = min(ctx, 4096)
+    with triton_enabled(None if device.type == "cuda" else True):
+        for r in range(B):  # the cells through the plugin's store (the Triton store kernel), the windows' copies
+            for a in range(0, ctx, chunk):
+                pos = torch.arange(a, min(ctx, a + chunk))
+                slots = host_tables[r][pos // bs].long() * bs + pos % bs
+                k = torch.randn(len(pos), Hkv, d, device=device, generator=g)
+                v = torch.randn(len(pos), Hkv, d, device=device, generator=g)
+                sc.store(cache, k, v, slots.to(device), slots)
+                keep = (pos < args.sink) | (pos >= ctx - args.recent)
+                if keep.any():
+                    at = keep.nonzero().flatten()
+                    w.write(k[at.to(device)], v[at.to(device)], slots[at], pos[at])
+        q = torch.randn(B, Hq, d, device=device, dtype=torch.bfloat16)
+        lens = torch.full((B,), ctx)
+        nbytes = cache.numel() + 2 * B * Hkv * (args.sink + args.recent) * d * 2 + 2 * q.numel() * 2
+        call = lambda plan=None: decode_batch(sc, cache, tables, lens, q, w, d**-0.5, host_table=host_tables, plan=plan)  # noqa: E731
+        in_place = call()
+        if in_place is None:
+            row["plugin"] = {"error": "the plugin's Triton decode did not take these cells"}
+            return
+        row["plugin"] = timer(call, args.warmup, args.iters, gpu=True) | {"bytes": nbytes}
+        plan = {}
+        call(plan)
+        row["plugin_step"] = timer(lambda: call(plan), args.warmup, args.iters, gpu=True) | {"bytes": nbytes}
+        w.index[int(host_tables[0, 0]) * (bs // w.unit)] = -1  # request 0's first sink copy dropped: the batch gathers
+        row["plugin_gathered"] = timer(call, args.warmup, args.iters, gpu=True) | {"bytes": nbytes}
+        row["plugin_vs_gathered"] = max_rel(in_place[1:], call()[1:]) if B > 1 else 0.0
+    del cache, w
+
+
 def ceil_share_splits(B: int, Hkv: int, ctx: int, block_n: int, device) -> int:
     """default_splits as it was until session 59: ⌈multiprocessors × programs_per_sm / (B·Hkv)⌉, at most the tiles
     and 256 (1 off a GPU)."""
@@ -585,7 +646,7 @@ def agrees(v: float) -> bool:
 
 def add_bandwidth(row: dict, peak: float | None) -> None:
     for name in ("triton", "triton_default", "triton_tiles", "triton_ktiles", "triton_kvarn", "triton_rmean", "sdpa", "flash",
-                 "triton_bf16", "triton_ceil_splits", "triton_last_merges"):
+                 "triton_bf16", "triton_ceil_splits", "triton_last_merges", "plugin", "plugin_step", "plugin_gathered"):
         r = row.get(name)
         if isinstance(r, dict) and "ms" in r:
             r["tb_per_s"] = r["bytes"] / (r["ms"] * 1e-3) / 1e12
@@ -594,7 +655,7 @@ def add_bandwidth(row: dict, peak: float | None) -> None:
         for name in ("sdpa", "flash", "triton_bf16", "triton_tiles", "triton_ceil_splits", "triton_last_merges"):
             if "ms" in row.get(name, {}):
                 row[f"triton_over_{name}"] = row["triton"]["ms"] / row[name]["ms"]
-    for name in ("triton_ktiles", "triton_kvarn", "triton_rmean"):
+    for name in ("triton_ktiles", "triton_kvarn", "triton_rmean", "plugin", "plugin_step", "plugin_gathered"):
         if "ms" in row.get(name, {}) and "ms" in row.get("sdpa", {}):
             row[f"{name}_over_sdpa"] = row[name]["ms"] / row["sdpa"]["ms"]
 
@@ -800,6 +861,23 @@ def _rows(args, out, device, timer, peak, save) -> None:
             print(summary(row), flush=True)
             if device.type == "cuda":
                 torch.cuda.empty_cache()
+    del model
+    # last, so that a run cut short by gpu_check.sh's timeout loses only these: the vLLM plugin's decode, added to
+    # the kernel row of its shape (beside that row's SDPA)
+    rows = {(r["context"], r["batch"]): r for r in out["kernel"] if "skipped" not in r}
+    for ctx, B in ([int(v) for v in shape.split("x")] for shape in args.plugin.split(",") if shape):
+        if (ctx, B) in rows:
+            row = rows[ctx, B]
+            plugin_case(args, row, ctx, B, device, timer)
+            add_bandwidth(row, peak)
+            save(out)
+            print(f"ctx {ctx:>7} batch {B:>3}: vLLM plugin " + ", ".join(
+                f"{k} {v['ms']:.3f} ms" + (f" (host {v['host_ms']:.3f} ms)" if "host_ms" in v else "")
+                for k, v in row.items() if k.startswith("plugin") and isinstance(v, dict) and "ms" in v)
+                  + "".join(f", {k} {row[k]:.2f}x" for k in row if k.startswith("plugin") and k.endswith("_over_sdpa"))
+                  + f", plugin_vs_gathered {row.get('plugin_vs_gathered', float('nan')):.1e}", flush=True)
+            if device.type == "cuda":
+                torch.cuda.empty_cache()
 
 
 def _bar(value, op: str, bar: float, what: str) -> dict:
@@ -825,7 +903,7 @@ def acceptance(result: dict) -> dict:
     middle_keys = 16 * args.get("kv_heads", 8) * (32768 - args.get("sink", 64) - args.get("recent", 256)) * args.get("head_dim", 128) * 2
     peak = e.get("wushkv_triton", {}).get("step_peak_bytes_above_cache")
     checks = [v for row in (*result.get("kernel", []), *result.get("widths", [])) for k, v in row.items()
-              if k.endswith(("_vs_tiles", "_vs_sdpa", "_vs_widest"))]
+              if k.endswith(("_vs_tiles", "_vs_sdpa", "_vs_widest", "_vs_gathered"))]
     out = {
         "kernel_32k_b16_over_sdpa": _bar(r.get("triton_over_sdpa"), "<=", 0.5, "decode attention / bf16 SDPA, 32k x 16"),
         "kernel_32k_b16_peak_fraction": _bar(r.get("triton", {}).get("peak_fraction"), ">=", 0.5,
@@ -858,7 +936,7 @@ def summary(row: dict) -> str:
         elif k.endswith(("_over_sdpa", "_over_flash", "_over_triton_bf16", "_over_triton_tiles", "_over_dynamic",
                          "_over_widest", "_over_triton_ceil_splits", "_over_triton_last_merges")):
             parts.append(f"{k} {v:.2f}x")
-        elif k.endswith(("_vs_tiles", "_vs_sdpa", "_vs_widest")):
+        elif k.endswith(("_vs_tiles", "_vs_sdpa", "_vs_widest", "_vs_gathered")):
             parts.append(f"{k} {v:.1e}" + (" MISMATCH" if not agrees(v) else ""))
     c = row.get("triton_compiled")
     if c and "error" not in c:

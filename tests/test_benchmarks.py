@@ -466,6 +466,11 @@ def test_gpu_decode_dry_run(tmp_path):
     # a left-padded batch (pads 0 and 27 of the 36-token middle): each row over its own columns, as the widest computes
     assert row["ragged_own_columns"] == (2 * ctx - 27) / (2 * ctx) and positive(row["triton_ragged_over_widest"])
     assert 0 <= row["triton_ragged_vs_widest"] < gpu_decode.AGREE
+    # the vLLM plugin's decode at the --plugin shape (the dry run's 48x2), after every other row: its cells in place,
+    # the windows from the pool; the same requests through the gathered windows give the same bits
+    assert (ctx, B) == (48, 2) and row["plugin_vs_gathered"] == 0.0
+    for name in ("plugin", "plugin_step", "plugin_gathered"):
+        assert positive(row[name]["ms"]) and positive(row[f"{name}_over_sdpa"]), name
     # each row checks what it timed: the kernel against the tiles' path, the bf16 run against SDPA
     assert 0 <= row["triton_vs_tiles"] < gpu_decode.AGREE and 0 <= row["triton_bf16_vs_sdpa"] < gpu_decode.AGREE
     assert gpu_decode.max_rel(torch.ones(3), torch.full((3,), 2.0)) == 0.5
