@@ -631,6 +631,13 @@ def test_decode_paged_ragged(dtype, kbits, vbits, d, absolute):
     with pytest.raises(ValueError, match="pool_windows need pools"):
         tk.decode(dev(q[:, :, 0]), torch.tensor(lens), dev(sk), dev(sv), mk, mv, dev(rk), dev(rv), d**-0.5,
                   block_table=table, pool_windows=tk.PoolWindows(rows, S_pages, u))
+    meta = pool.to("meta")
+    with pytest.raises(ValueError, match="on the query's device"):
+        tk.decode(dev(q[:, :, 0]), torch.tensor(lens), meta[..., 0, :], meta[..., 1, :], mk, mv, meta[..., 0, :],
+                  meta[..., 1, :], d**-0.5, block_table=table, pool_windows=tk.PoolWindows(rows, S_pages, u))
+    with pytest.raises(ValueError, match="do not cover sequence 0's sink"):  # a table one tail page short
+        tk.decode(dev(q[:, :, 0]), torch.tensor(lens), pk, pv, mk, mv, pk, pv, d**-0.5, block_table=table,
+                  absolute_pages=absolute, pool_windows=tk.PoolWindows(rows[:, :-1], S_pages, u))
     if absolute:  # the flag is read: the same table taken as the middle's alone reads the sink's rows
         wrong = tk.decode(dev(q[:, :, 0]), torch.tensor(lens), dev(sk), dev(sv), mk, mv, dev(rk), dev(rv), d**-0.5,
                           block_table=table, splits=3, block_n=16).cpu()

@@ -614,8 +614,9 @@ def _fp_unit_of(call):
 
 
 def _triton_device():
-    """Where the plugin's Triton paths run in these tests: the GPU where there is one (its real path: cells on the
-    device, windows on the host), else CPU tensors under Triton's interpreter (tests/conftest.py)."""
+    """Where the plugin's Triton paths run in these tests: the GPU where there is one (its real path: cells and the
+    windows' pool on the device, their bookkeeping on the host), else CPU tensors under Triton's interpreter
+    (tests/conftest.py)."""
     from wushkv import triton_kernels as tk
 
     return "cuda" if torch.cuda.is_available() and not tk.interpreting() else "cpu"
@@ -638,7 +639,7 @@ def test_batched_decode_through_the_triton_kernel(quantizer, bits, dtype, meta):
     dev = _triton_device()
     sc = SlotCodec(QuantConfig(k_bits=bits, v_bits=2, quantizer=quantizer, metadata_dtype=meta), d)
     lens = [1, 5, 37, 100, 230]
-    w = Windows(bs, H, d, S, R, capacity=10_000, dtype=dtype)
+    w = Windows(bs, H, d, S, R, capacity=10_000, dtype=dtype, device=dev)
     cache, tables = _filled_cells(sc, w, lens)
     q = torch.randn(len(lens), H * G, d, generator=_g(40))
     for dropped in (False, True):
@@ -673,7 +674,7 @@ def test_a_steps_layers_share_the_decode_plan():
     lens = [5, 37, 100]
     layers = []
     for scale in (1.0, -0.5):
-        w = Windows(bs, H, d, 4, 24, capacity=10_000, dtype=torch.float32)
+        w = Windows(bs, H, d, 4, 24, capacity=10_000, dtype=torch.float32, device=dev)
         cache, tables = _filled_cells(sc, w, lens)
         w.pool.mul_(scale)  # the second layer's copies differ from the first's
         layers.append((w, cache.to(dev)))
@@ -717,7 +718,7 @@ def test_batched_decode_of_key_tiles_through_the_triton_kernel(quantizer, dtype)
     tile = cfg.windows.S_flush
     assert sc.tile == tile and sc.vtile == (tile if "+tiles" in quantizer else 0)
     lens = [1, 20, 37, 100, 131]
-    w = Windows(bs, H, d, 16, 8, capacity=10_000, dtype=dtype, flush=tile)
+    w = Windows(bs, H, d, 16, 8, capacity=10_000, dtype=dtype, flush=tile, device=dev)
     cache, tables = _filled_cells(sc, w, lens)
     q = torch.randn(len(lens), H * G, d, generator=_g(41))
     for window in (-1, 50):
@@ -749,10 +750,10 @@ def test_batched_decode_of_centered_keys_through_the_triton_kernel(tile, dtype):
     if tile > 1:
         sc = SlotCodec(QuantConfig(k_bits=2, v_bits=2, quantizer="quest", key_quantizer="kvarn",
                                    windows=WindowConfig(16, 8, 16)), d)
-        w = Windows(bs, H, d, 16, 8, capacity=10_000, dtype=dtype, flush=16)
+        w = Windows(bs, H, d, 16, 8, capacity=10_000, dtype=dtype, flush=16, device=dev)
     else:
         sc = SlotCodec(QuantConfig(k_bits=2, v_bits=2, quantizer="affine"), d)
-        w = Windows(bs, H, d, 4, 24, capacity=10_000, dtype=dtype)
+        w = Windows(bs, H, d, 4, 24, capacity=10_000, dtype=dtype, device=dev)
     lens = [1, 20, 37, 100, 131]
     cache, tables = _filled_cells(sc, w, lens, rm)
     w.index[int(tables[3, 0]) * (bs // w.unit)] = -1  # request 3's sink page: its copies dropped, read from the codes

@@ -1714,8 +1714,10 @@ class PoolWindows:
     recent token t is position p = n_s + n_m + t (``lengths``' sink and middle: the middle's token i is position n_s +
     i, as with ``absolute_pages``), in pool row ``rows[b, tail + p // unit − (n_s + n_m) // unit]``, slot p % unit.
 
-    ``rows``: int32 (B, ·) on the query's device, every page a part reads held (the caller checks that its copies
-    are written); ``tail``: the column of ``rows`` where the tail's pages begin; ``unit``: tokens a page."""
+    ``rows``: int32 (B, ·), on the host (uploaded once for a step's layers, :func:`kept_on`) or the query's device,
+    every page a part reads held (the caller checks that its copies are written; a page no query reads, before a
+    sliding window, may be −1); ``tail``: the column of ``rows`` where the tail's pages begin; ``unit``: tokens a
+    page. The pools are on the query's device."""
 
     rows: torch.Tensor
     tail: int
@@ -1966,6 +1968,35 @@ def _longest(lengths, sink_k, mid_k: Packed, recent_k, block_table, pool_windows
     return sink_k.shape[2] + mid + recent_k.shape[2]
 
 
+def _check_pool_windows(pw: PoolWindows, B: int, lengths, query, *parts, starts=None) -> None:
+    """:func:`decode`'s ``pool_windows``: four pools (rows, unit, Hkv, d) alike on the query's device, int32 rows
+    (B, ·), no ``starts``; where ``lengths`` is on the host (reading it on a GPU would make the host wait), a table
+    wide enough for every sequence's sink pages before its ``tail`` column and its tail's pages after it."""
+    shapes = [tuple(t.shape) for t in parts]
+    if (starts is not None or pw.unit < 1 or pw.rows.dim() != 2 or pw.rows.shape[0] != B or pw.rows.dtype != torch.int32
+            or not 0 <= pw.tail <= pw.rows.shape[1] or any(len(sh) != 4 or sh[1] != pw.unit or sh[1:] != shapes[0][1:]
+                                                            for sh in shapes)):
+        raise ValueError(f"pool_windows need pools (rows, {pw.unit}, Hkv, d) alike for the four window parts and int32 "
+                         f"rows (B, ·) = ({B}, ·) with the tail's from column {pw.tail}, and no starts; got rows "
+                         f"{tuple(pw.rows.shape)} {pw.rows.dtype}, parts {shapes}")
+    if any(t.device != query.device for t in parts):
+        raise ValueError(f"pool_windows' pools must be on the query's device {query.device}, got "
+                         f"{sorted({str(t.device) for t in parts})}")
+    global _POOL_CHECKED
+    if lengths.device.type == "cpu" and not (_POOL_CHECKED[0] is lengths and _POOL_CHECKED[1] is pw):
+        u = pw.unit
+        for b, (n_s, n_m, n_r) in enumerate(lengths.tolist()):
+            w0 = n_s + n_m
+            if -(-n_s // u) > pw.tail or (n_r and pw.tail + -(-(w0 + n_r) // u) - w0 // u > pw.rows.shape[1]):
+                raise ValueError(f"pool_windows' rows {tuple(pw.rows.shape)} (tail from column {pw.tail}, {u} tokens a "
+                                 f"page) do not cover sequence {b}'s sink of {n_s} and tail of {n_r} from position {w0}")
+        # the layers of a step pass the same two (the plugin's plan): checked once a step (held: no id reused)
+        _POOL_CHECKED = (lengths, pw)
+
+
+_POOL_CHECKED: tuple = (None, None)  # the last lengths and PoolWindows _check_pool_windows read
+
+
 def _check_starts(starts, lengths, allowed, sink_k, mid_k: Packed, recent_k, block_table) -> None:
     """:func:`decode`'s ``starts``: (B, 3), contiguous parts, a mask over the parts side by side; each row's columns
     inside its parts where both are on the host (on a GPU, reading them would make the host wait)."""
@@ -2050,14 +2081,9 @@ def decode(query, lengths, sink_k, sink_v, mid_k: Packed, mid_v: Packed, recent_
     """
     B, Hq, d = query.shape
     pw = pool_windows
+    if pw is not None:
+        _check_pool_windows(pw, B, lengths, query, sink_k, sink_v, recent_k, recent_v, starts=starts)
     Hkv = sink_k.shape[2 if pw is not None else 1]
-    if pw is not None and (starts is not None or pw.unit < 1 or pw.rows.dim() != 2 or pw.rows.shape[0] != B
-                           or pw.rows.dtype != torch.int32 or not 0 <= pw.tail <= pw.rows.shape[1]
-                           or any(t.dim() != 4 or t.shape[1] != pw.unit or t.shape[2] != Hkv
-                                  for t in (sink_k, sink_v, recent_k, recent_v))):
-        raise ValueError(f"pool_windows need pools (rows, {pw.unit}, Hkv, d) for the four window parts and int32 rows "
-                         f"(B, ·) = ({B}, ·) with the tail's from column {pw.tail}, and no starts; got rows "
-                         f"{tuple(pw.rows.shape)} {pw.rows.dtype}, parts {[tuple(t.shape) for t in (sink_k, recent_k)]}")
     if absolute_pages and block_table is None:
         raise ValueError("absolute_pages=True describes a block table: pass block_table")
     if Hq % Hkv:

@@ -668,7 +668,8 @@ def attend(q: torch.Tensor, q_pos: torch.Tensor, kq: torch.Tensor, vq: torch.Ten
     windows (sink, recent, flush); the same rule as :mod:`wushkv.layer`'s prefill emulation).
 
     q (T, Hq, d) at positions ``q_pos`` (T,); decoded keys and values ``kq``/``vq`` (H, n, d) and full-precision ones
-    ``kf``/``vf`` (H, n, d, zeros where not ``known`` (n,)) at positions ``k_pos`` (n,). Grouped: query head j reads KV
+    ``kf``/``vf`` (H, n, d, zeros where not ``known`` (n,): finite, since a masked column still enters the
+    products) at positions ``k_pos`` (n,), ascending. Grouped: query head j reads KV
     head j // (Hq / H). ``sliding_window`` > 0: keys at p − window < t ≤ p only; ``softcap`` > 0: s ↦ c·tanh(s/c).
 
     One masked attention (torch's fused ``scaled_dot_product_attention``) over the codes' keys and, appended, the
@@ -808,7 +809,8 @@ def decode_batch_triton(tk, sc: SlotCodec, cache: torch.Tensor, block_table: tor
     ``plan``: a dict shared by the layers of one step (the same batch: :func:`wushkv_vllm.backend.step_plan`), where
     what the windows' bookkeeping gives (the requests' parts, the pool's rows table) is kept for the next layer whose
     windows are in the same state (:attr:`Windows.version`: each layer writes the step's slots before it reads): the
-    host's work of a step of R requests, once a step instead of once a layer.
+    host's work of a step of R requests, once a step instead of once a layer. (The windows' ``index`` and
+    ``written`` must change through :class:`Windows`' methods only, which count the changes.)
 
     Key tiles (``+ktiles``) are read as :class:`wushkv.triton_kernels.TileFormat` with their scale and zero where the
     cells spread them. ``rope_mean`` (+rmean) with the untransformed queries ``q_raw``: the codes' keys gain their
@@ -854,10 +856,12 @@ def decode_batch_triton(tk, sc: SlotCodec, cache: torch.Tensor, block_table: tor
     dt = windows.dtype if windows.dtype in (torch.float16, torch.bfloat16) else torch.float32
     dev = cache.device
     key = ("windows", windows.version, len(windows.pool), int(sliding_window))
+    lens = seq_lens.tolist()  # the host's: the windows' bookkeeping is there too
     hit = plan.get(key) if plan is not None else None
+    if hit is not None and hit[-1] != lens:  # (a plan is a step's: another batch is a caller's error)
+        raise ValueError("a decode plan is one step's: it was made for other sequence lengths")
     if hit is None:
         R = len(seq_lens)
-        lens = seq_lens.tolist()  # the host's: the windows' bookkeeping is there too
         sink = [min(windows.sink, n) for n in lens]
         tail = [min(max(s, windows.tail(n)), n) for s, n in zip(sink, lens)]
         # each request's window positions, sink then tail, padded with a position it has (the kernel reads lengths)
@@ -867,13 +871,14 @@ def decode_batch_triton(tk, sc: SlotCodec, cache: torch.Tensor, block_table: tor
         pos = torch.cat([torch.where(j < s_, j, 0), torch.where(k < n_ - t_, t_ + k, (n_ - 1).clamp_min(0))], 1)
         first = torch.tensor([max(0, n - sliding_window) if sliding_window > 0 else 0 for n in lens]).reshape(R, 1)
         host_table = block_table.cpu() if host_table is None else host_table
-        pool = (_pool_windows(tk, windows, host_table, pos, pos >= first, sink, tail, lens) if windows.pool.dtype == dt
-                else None)
+        # in place where the pool is what the kernel reads (the model's dtype, the cells' device)
+        in_place = windows.pool.dtype == dt and windows.pool.device == dev
+        pool = _pool_windows(tk, windows, host_table, pos, pos >= first, sink, tail, lens) if in_place else None
         lengths = torch.tensor([[s, t - s, n - t] for s, t, n in zip(sink, tail, lens)], dtype=torch.int32).reshape(R, 3)
-        hit = (S, pos, first, host_table, pool, lengths, sink)
+        hit = (S, pos, first, host_table, pool, lengths, sink, lens)
         if plan is not None:
             plan[key] = hit
-    S, pos, first, host_table, pool, lengths, sink = hit
+    S, pos, first, host_table, pool, lengths, sink, _ = hit
     if pool is not None:  # the windows read in place from the pool of copies: nothing gathered
         pk, pv = windows.pool[..., 0, :], windows.pool[..., 1, :]  # (rows, unit, H, d)
         parts = (pk, pv, pk, pv)
