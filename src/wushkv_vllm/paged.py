@@ -914,11 +914,9 @@ def _pool_windows(tk, windows: Windows, host_table: torch.Tensor, pos: torch.Ten
     j, k = torch.arange(-(-int(s.max()) // u)), torch.arange(int(nt.max()))
     # each page's first position (−1: none)
     start = torch.cat([torch.where(j * u < s, j * u, -1), torch.where(k < nt, (t // u + k) * u, -1)], 1)
-    blocks = host_table.long().gather(1, start.clamp_min(0) // bs)
-    page = blocks * (bs // u) + start.clamp_min(0) % bs // u
-    ok = (start >= 0) & (blocks >= 0) & (page < len(windows.index))
-    rows = torch.where(ok, windows.index[page.clamp(0, max(len(windows.index) - 1, 0))] if len(windows.index) else -1, -1)
-    return tk.PoolWindows(rows.to(torch.int32), len(j), u)
+    first = start.clamp_min(0)
+    rows, _ = windows.copies(host_table.long().gather(1, first // bs), first)  # the pool row of each page
+    return tk.PoolWindows(torch.where(start >= 0, rows, -1).to(torch.int32), len(j), u)
 
 
 def _window_copies(sc: SlotCodec, cache: torch.Tensor, host_table: torch.Tensor, pos: torch.Tensor,
