@@ -36,7 +36,8 @@
    With ``--plugin`` (default 32768x16), after every other row: the vLLM plugin's decode at that kernel row's shape
    (``plugin``: one layer, its host time the batch's plan too; ``plugin_step``: a layer of a step whose plan an
    earlier layer made; ``plugin_gathered``: the windows gathered first, checked against the in-place read,
-   ``plugin_vs_gathered``), per-token K2V2 cells in vLLM's 16-token blocks, the windows read from the pool of copies.
+   ``plugin_vs_gathered``; ``plugin_page_tiles``: tiles of 16 tokens, each block read once), per-token K2V2 cells in
+   vLLM's 16-token blocks, the windows read from the pool of copies.
 2. *End to end*: a random-weight Llama-shaped model (``--e2e-layers`` layers of the same heads, bfloat16) decodes
    one token per step over a filled cache: ``DynamicCache`` (SDPA), the wushkv K2V2 cache through the Triton kernels,
    the same cache on the PyTorch path, and the kind of cache ``auto`` picks (SmolLM2's K2V2 recipe's: KVarN key tiles
@@ -327,7 +328,7 @@ def sweep(args, device, timer) -> dict:
             for ppsm in per_sm:
                 tune = dict(block_n=bn, num_warps=w, num_stages=st, programs_per_sm=ppsm, class_split=True,
                             max_registers=None, fp_stages=None, merge_always=False,
-                            last_split_merges=False) | (more[0] if more else {})
+                            last_split_merges=False, page_tiles=None) | (more[0] if more else {})
                 row = {"context": ctx, "batch": B, **tune}
                 try:
                     with tk.decode_tuning(**tune):
@@ -519,7 +520,11 @@ def plugin_case(args, row: dict, ctx: int, B: int, device, timer) -> None:
     read in place from the pool of bfloat16 copies): ``plugin``, one layer alone (its host time the batch's plan too);
     ``plugin_step``, a layer of a step whose plan an earlier layer made (``host_ms``: what each further layer costs the
     host); ``plugin_gathered``, the windows gathered first (the path before session 72, now where a copy was dropped:
-    here request 0's first sink copy), whose other requests must agree with the in-place read (``plugin_vs_gathered``)."""
+    here request 0's first sink copy), whose other requests must agree with the in-place read (``plugin_vs_gathered``);
+    ``plugin_page_tiles``: tiles of one block's tokens, each block read once (``DecodeTuning.page_tiles``; the default
+    tiles are of 32 tokens, over two blocks, each token's block looked up), as near the default's result
+    (``plugin_page_tiles_vs_in_place``)."""
+    from wushkv import triton_kernels as tk
     from wushkv.config import QuantConfig, WindowConfig
     from wushkv.decode import triton_enabled
     from wushkv_vllm.paged import SlotCodec, Windows, decode_batch
@@ -558,6 +563,9 @@ def plugin_case(args, row: dict, ctx: int, B: int, device, timer) -> None:
         plan = {}
         call(plan)
         row["plugin_step"] = timer(lambda: call(plan), args.warmup, args.iters, gpu=True) | {"bytes": nbytes}
+        with tk.decode_tuning(page_tiles=True, block_n=bs):  # each tile of tokens' block read once (tiles of a block)
+            row["plugin_page_tiles"] = timer(call, args.warmup, args.iters, gpu=True) | {"bytes": nbytes}
+            row["plugin_page_tiles_vs_in_place"] = max_rel(call(), in_place)
         w.index[int(host_tables[0, 0]) * (bs // w.unit)] = -1  # request 0's first sink copy dropped: the batch gathers
         row["plugin_gathered"] = timer(call, args.warmup, args.iters, gpu=True) | {"bytes": nbytes}
         row["plugin_vs_gathered"] = max_rel(in_place[1:], call()[1:]) if B > 1 else 0.0
@@ -646,7 +654,8 @@ def agrees(v: float) -> bool:
 
 def add_bandwidth(row: dict, peak: float | None) -> None:
     for name in ("triton", "triton_default", "triton_tiles", "triton_ktiles", "triton_kvarn", "triton_rmean", "sdpa", "flash",
-                 "triton_bf16", "triton_ceil_splits", "triton_last_merges", "plugin", "plugin_step", "plugin_gathered"):
+                 "triton_bf16", "triton_ceil_splits", "triton_last_merges", "plugin", "plugin_step", "plugin_page_tiles",
+                 "plugin_gathered"):
         r = row.get(name)
         if isinstance(r, dict) and "ms" in r:
             r["tb_per_s"] = r["bytes"] / (r["ms"] * 1e-3) / 1e12
@@ -655,7 +664,7 @@ def add_bandwidth(row: dict, peak: float | None) -> None:
         for name in ("sdpa", "flash", "triton_bf16", "triton_tiles", "triton_ceil_splits", "triton_last_merges"):
             if "ms" in row.get(name, {}):
                 row[f"triton_over_{name}"] = row["triton"]["ms"] / row[name]["ms"]
-    for name in ("triton_ktiles", "triton_kvarn", "triton_rmean", "plugin", "plugin_step", "plugin_gathered"):
+    for name in ("triton_ktiles", "triton_kvarn", "triton_rmean", "plugin", "plugin_step", "plugin_page_tiles", "plugin_gathered"):
         if "ms" in row.get(name, {}) and "ms" in row.get("sdpa", {}):
             row[f"{name}_over_sdpa"] = row[name]["ms"] / row["sdpa"]["ms"]
 
@@ -875,7 +884,8 @@ def _rows(args, out, device, timer, peak, save) -> None:
                 f"{k} {v['ms']:.3f} ms" + (f" (host {v['host_ms']:.3f} ms)" if "host_ms" in v else "")
                 for k, v in row.items() if k.startswith("plugin") and isinstance(v, dict) and "ms" in v)
                   + "".join(f", {k} {row[k]:.2f}x" for k in row if k.startswith("plugin") and k.endswith("_over_sdpa"))
-                  + f", plugin_vs_gathered {row.get('plugin_vs_gathered', float('nan')):.1e}", flush=True)
+                  + f", plugin_vs_gathered {row.get('plugin_vs_gathered', float('nan')):.1e}"
+                  + f", plugin_page_tiles_vs_in_place {row.get('plugin_page_tiles_vs_in_place', float('nan')):.1e}", flush=True)
             if device.type == "cuda":
                 torch.cuda.empty_cache()
 

@@ -34,10 +34,12 @@ registers, stack and spilled loads and stores, and the instructions of their loo
 channels of error feedback).
 
 ``--paged per_token,ktiles,kivi,kvarn``: instead of the contiguous launch, the decode as the vLLM plugin launches it on a
-GPU (``wushkv_vllm.paged.decode_batch_triton``): the codes read in place from paged cells (128-token blocks, the
-tiles' halves spread over their cells) through a block table that maps every position, and the windows read in place
-from the pool of copies (``PoolWindows``), for the plugin's layouts: per-token codes (``wush+ldlq`` served), ``auto``'s
-key tiles, KIVI's keys, KVarN's tiles on both sides (the ``kvarn`` method); ``--widths`` gives K = V.
+GPU (``wushkv_vllm.paged.decode_batch_triton``): the codes read in place from paged cells (``--block-size`` 128
+tokens a block, the tiles' halves spread over their cells) through a block table that maps every position, and the
+windows read in place from the pool of copies (``PoolWindows``), for the plugin's layouts: per-token codes
+(``wush+ldlq`` served), ``auto``'s key tiles, KIVI's keys, KVarN's tiles on both sides (the ``kvarn`` method);
+``--widths`` gives K = V. The ``paged ...`` configurations: each tile of tokens' block read once (``one block``) or
+each token's looked up (``lookups``; ``DecodeTuning.page_tiles``).
 
 ``--max-registers none,168,128``: each configuration also compiled under each cap on a thread's registers
 (``DecodeTuning.max_registers``): fewer registers, more resident warps, and the spills that costs. ``--fp-stages 2``:
@@ -72,6 +74,10 @@ CONFIGS = [
     ("classes 64/1", dict(class_split=True, block_n=64, num_warps=1)),
     ("classes 64/2", dict(class_split=True, block_n=64, num_warps=2)),
     ("classes 64/4", dict(class_split=True, block_n=64, num_warps=4)),
+    # paged (--paged): each tile of tokens' block read once, or each token's looked up (DecodeTuning.page_tiles)
+    ("paged one block 32/1", dict(class_split=True, page_tiles=True)),
+    ("paged one block 16/1", dict(class_split=True, page_tiles=True, block_n=16, num_warps=1)),
+    ("paged lookups 32/1", dict(class_split=True, page_tiles=False)),
 ]
 
 
@@ -96,6 +102,7 @@ def parse_args(argv=None):
     p.add_argument("--stores", action="store_true", help="profile the store kernels instead of the decode kernel")
     p.add_argument("--paged", default="", help="the vLLM plugin's paged launches of these layouts instead "
                    f"(comma-separated: {', '.join(PAGED_LAYOUTS)})")
+    p.add_argument("--block-size", type=int, default=128, help="--paged: tokens a block (vLLM's block_size)")
     p.add_argument("--json", default=None)
     args = p.parse_args(argv)
     try:
@@ -149,9 +156,9 @@ def recorded_decode(bits: int, d: int, q_heads: int, kv_heads: int, n_mid: int =
     return next(rec for rec in launches if rec[0] == "decode")
 
 
-def recorded_paged_decode(layout: str, bits: int, d: int, q_heads: int, kv_heads: int, n: int = 1024):
+def recorded_paged_decode(layout: str, bits: int, d: int, q_heads: int, kv_heads: int, n: int = 1024, bs: int = 128):
     """The decode launch the vLLM plugin makes on a GPU for one bfloat16 layer of 2 requests of ``n`` tokens in
-    128-token blocks (``wushkv_vllm.paged.decode_batch_triton``): ``layout`` one of PAGED_LAYOUTS at K{bits}V{bits},
+    ``bs``-token blocks (``wushkv_vllm.paged.decode_batch_triton``): ``layout`` one of PAGED_LAYOUTS at K{bits}V{bits},
     windows 128/72/128 (per-token codes: 128/128/1), every window copy held (so read in place from the pool)."""
     from wushkv.config import QuantConfig, WindowConfig
     from wushkv_vllm.paged import SlotCodec, Windows, decode_batch_triton
@@ -161,7 +168,7 @@ def recorded_paged_decode(layout: str, bits: int, d: int, q_heads: int, kv_heads
                   "kivi": dict(quantizer="kivi"), "kvarn": dict(quantizer="kvarn")}[layout]
     cfg = QuantConfig(k_bits=bits, v_bits=bits, windows=win, **quantizers)
     sc = SlotCodec(cfg, d)
-    R, per, bs = 2, -(-n // 128), 128
+    R, per = 2, -(-n // bs)
     cache = torch.zeros(R * per, kv_heads, bs, sc.slot_bytes, dtype=torch.uint8)
     tables = torch.arange(R * per, dtype=torch.int32).view(R, per)
     w = Windows(bs, kv_heads, d, win.S_sink, win.S_keep, capacity=1 << 20, dtype=torch.bfloat16, flush=win.S_flush)
@@ -237,7 +244,7 @@ def compile_for_sm90(record):
     sig, consts, attrs = {}, dict(meta), {}
     for n, a in zip(free, args, strict=True):
         ty, attr = native_specialize_impl(BaseBackend, a, False, True, True)
-        if ty == "constexpr":  # an integer equal to 1
+        if ty == "constexpr" or kernel.params[names.index(n)].is_constexpr:  # an integer equal to 1, or declared so
             consts[n] = a
             continue
         sig[n] = ty
@@ -308,7 +315,7 @@ def run(args) -> dict:
             with tk.decode_tuning(**fields) as tuning:
                 if layout:
                     label = f"{layout} paged, {label}"
-                    record = recorded_paged_decode(layout, bits, d, args.q_heads, args.kv_heads)
+                    record = recorded_paged_decode(layout, bits, d, args.q_heads, args.kv_heads, bs=args.block_size)
                 else:
                     record = recorded_decode(bits, d, args.q_heads, args.kv_heads, key_tile=args.key_tiles,
                                              rmean=args.rmean, value_tile=args.value_tiles)

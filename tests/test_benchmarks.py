@@ -467,9 +467,11 @@ def test_gpu_decode_dry_run(tmp_path):
     assert row["ragged_own_columns"] == (2 * ctx - 27) / (2 * ctx) and positive(row["triton_ragged_over_widest"])
     assert 0 <= row["triton_ragged_vs_widest"] < gpu_decode.AGREE
     # the vLLM plugin's decode at the --plugin shape (the dry run's 48x2), after every other row: its cells in place,
-    # the windows from the pool; the same requests through the gathered windows give the same bits
+    # the windows from the pool; the same requests through the gathered windows give the same bits, and through
+    # tiles of one block's tokens as near as the kernel's agreement
     assert (ctx, B) == (48, 2) and row["plugin_vs_gathered"] == 0.0
-    for name in ("plugin", "plugin_step", "plugin_gathered"):
+    assert 0 <= row["plugin_page_tiles_vs_in_place"] < gpu_decode.AGREE  # each tile of tokens' block read once
+    for name in ("plugin", "plugin_step", "plugin_page_tiles", "plugin_gathered"):
         assert positive(row[name]["ms"]) and positive(row[f"{name}_over_sdpa"]), name
     # each row checks what it timed: the kernel against the tiles' path, the bf16 run against SDPA
     assert 0 <= row["triton_vs_tiles"] < gpu_decode.AGREE and 0 <= row["triton_bf16_vs_sdpa"] < gpu_decode.AGREE

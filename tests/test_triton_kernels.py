@@ -561,14 +561,16 @@ def test_decode_reads_each_row_from_its_own_columns(dtype, d, masked):
         tk.decode(q[:, :, 0], lengths, sk, sv, mk, mv, rk, rv, 1.0, **{**kw, "starts": starts[:, :2]})
 
 
-@pytest.mark.parametrize("dtype,kbits,vbits,d,absolute", [(torch.float32, 3, 2, 64, False), (torch.bfloat16, 2, 4, 128, False),
-                                                            (torch.float32, 2, 3, 64, True), (torch.bfloat16, 3, 2, 128, True)])
-def test_decode_paged_ragged(dtype, kbits, vbits, d, absolute):
-    """vLLM's layout: each sequence's middle in shuffled blocks of 8 tokens (tiles of 16 cross block boundaries),
-    ragged sink, middle and recent lengths per sequence; equal to each sequence attended alone (in bfloat16: within
-    its bound of the float32 result, codes read in classes as near as unpacked to tiles). ``absolute_pages``: the
-    block table maps every position, the sink's too (vLLM's cells), whose rows hold codes that must not be read."""
-    Hkv, G, page = 2, 3, 8
+@pytest.mark.parametrize("dtype,kbits,vbits,d,absolute,page", [(torch.float32, 3, 2, 64, False, 16), (torch.bfloat16, 2, 4, 128, False, 8),
+                                                                 (torch.float32, 2, 3, 64, True, 16), (torch.bfloat16, 3, 2, 128, True, 8)])
+def test_decode_paged_ragged(dtype, kbits, vbits, d, absolute, page):
+    """vLLM's layout: each sequence's middle in shuffled blocks of 8 or 16 tokens (tiles of 16 cross block
+    boundaries), ragged sink, middle and recent lengths per sequence; equal to each sequence attended alone (in
+    bfloat16: within its bound of the float32 result, codes read in classes as near as unpacked to tiles).
+    ``absolute_pages``: the block table maps every position, the sink's too (vLLM's cells), whose rows hold codes
+    that must not be read. Blocks of 16: each tile of tokens' block also read once (``page_tiles``, the tiles aligned
+    to the table's positions, which the sinks shift), to the same bound, as near the per-token lookups."""
+    Hkv, G = 2, 3
     lens = [(2, 21, 3), (0, 8, 0), (4, 0, 5), (1, 33, 2)]  # (sink, middle, recent)
     B = len(lens)
     kc, vc = _codec(QuestQuantizer(kbits), d), _codec(AffineQuantizer(vbits, clip_ratio=0.92), d)
@@ -607,6 +609,19 @@ def test_decode_paged_ragged(dtype, kbits, vbits, d, absolute):
     run = lambda: tk.decode(dev(q[:, :, 0]), torch.tensor(lens), dev(sk), dev(sv), mk, mv, dev(rk), dev(rv), d**-0.5,
                             block_table=table, absolute_pages=absolute, splits=3, block_n=16).cpu()
     out = run()
+    if page % 16 == 0:
+        one_page = []
+
+        def hook(name, grid, args, meta, launch):
+            one_page.extend([meta["ONE_PAGE"]] if name == "decode" else [])
+            return launch(name, grid, args, meta)
+
+        with tk.launches_through(hook), tk.decode_tuning(page_tiles=True):
+            tiles_of_pages = run()
+        with tk.launches_through(hook), tk.decode_tuning(page_tiles=False):
+            assert torch.equal(run(), out)  # QuEST and affine codes: the per-token lookups by default
+        assert one_page == [True, False], one_page
+        assert _rel(tiles_of_pages, ref) < 1e-3 and _rel(tiles_of_pages, out) < 1e-5, (_rel(tiles_of_pages, ref), _rel(tiles_of_pages, out))
     # the windows read in place from a pool of pages (the vLLM plugin's copies) give the same bits as the parts
     u = 3 if d == 64 else 4
     tails = [range((n_s + n_m) // u, -(-(n_s + n_m + n_r) // u)) for n_s, n_m, n_r in lens]
@@ -834,7 +849,8 @@ def test_decode_reads_keys_centered_on_their_rotating_mean(dtype, key, d, start,
 def test_decode_reads_key_tiles_spread_over_paged_cells(dtype, d, absolute):
     """The vLLM plugin's cells: each token's row holds its key codes and s_tok, and a tile's 2d halves of [scale | zero]
     are spread over its tokens' rows (``TileFormat.spread``), blocks of 32 tokens in shuffled order, ragged lengths
-    with sinks of whole tiles; equal to each sequence attended alone over its dequantized tiles."""
+    with sinks of whole tiles (absolute pages: another sink is refused); equal to each sequence attended alone over
+    its dequantized tiles."""
     from wushkv.codecs import KVarNCodec
 
     Hkv, G, page, tile, bits = 2, 3, 32, 16, 2
@@ -879,6 +895,10 @@ def test_decode_reads_key_tiles_spread_over_paged_cells(dtype, d, absolute):
     out = tk.decode(dev(q[:, :, 0]), torch.tensor(lens), dev(sk), dev(sv), mk, mv, dev(rk), dev(rv), d**-0.5,
                     block_table=table, absolute_pages=absolute, splits=3, block_n=32).cpu()
     assert _rel(out, ref) < (1e-3 if dtype == torch.float32 else 2e-2), _rel(out, ref)
+    if absolute:  # a sink of part of a tile before a middle: its tiles would straddle blocks
+        with pytest.raises(ValueError, match="sequence 1's sink of 8 tokens is not a multiple of it"):
+            tk.decode(dev(q[:, :, 0]), torch.tensor([(16, 48, 3), (8, 16, 0), (8, 0, 5), (0, 80, 2)]), dev(sk), dev(sv), mk,
+                      mv, dev(rk), dev(rv), d**-0.5, block_table=table, absolute_pages=True)
 
 
 @pytest.mark.parametrize("dtype,kbits,vbits,d", [(torch.bfloat16, 2, 2, 64), (torch.float16, 3, 1, 64),
@@ -965,7 +985,7 @@ def test_code_classes_cover_what_they_can():
     """Which sides decode reads in classes: one group per token, 1 to 4 bits, float16/bfloat16 dots, d/P ≥ 16 (16-bit
     words at 2 and 4 bits, bytes at 1 bit and at 2 bits below head_dim 128, three bytes at 3 bits; at 1 and 3 bits
     below head_dim 128 two codes a word in each of 4 classes), 16-bit words at even offsets; everything else unpacks
-    to tiles."""
+    to tiles. And which paged decodes read a tile of tokens' block once (``DecodeTuning.one_page``)."""
     fmt = lambda bits, d, G=None: tk.TokenFormat(bits, d, G or d, True)
     bf = torch.bfloat16
     assert [tk.code_classes(fmt(b, 128), bf) for b in (1, 2, 3, 4, 8)] == [8, 8, 8, 4, 0]
@@ -989,6 +1009,14 @@ def test_code_classes_cover_what_they_can():
     assert tk.code_words(fmt(2, 64), 4, torch.zeros(4, 16, dtype=torch.uint8)) == 8
     with pytest.raises(ValueError, match="class_split must be True or False"):
         tk.DecodeTuning(class_split=1)
+    # a tile of tokens' block read once only where it fits in one (and by default only for value tiles at d >= 128)
+    tiles = lambda d: tk.Packed(tk.TileFormat(2, d, 128), codes, codes)
+    per_token = tk.Packed(fmt(2, 128), codes, codes)
+    assert [tk.DecodeTuning().one_page(128, 32, v) for v in (tiles(128), tiles(64), per_token)] == [True, False, False]
+    assert tk.DecodeTuning(page_tiles=True).one_page(64, 32, per_token) and not tk.DecodeTuning(page_tiles=True).one_page(16, 32, per_token)
+    assert not tk.DecodeTuning(page_tiles=False).one_page(128, 32, tiles(128))
+    with pytest.raises(ValueError, match="page_tiles must be True, False or None"):
+        tk.DecodeTuning(page_tiles=1)
 
 
 def test_splits_never_read_lengths_on_the_device():
@@ -1386,7 +1414,7 @@ for consts in (dict(D=64, G=128, BITS=2, ITERS=16, CLIPPED=True, FEEDBACK=True, 
 consts = dict(D=128, GQA=4, GP=16, BN=32, K_BITS=2, V_BITS=4, K_G=128, V_G=32, K_Z=False, V_Z=True, K_E5M3=True, K_OFF=128, V_OFF=0,
               V_E5M3=False, K_P=0, V_P=0, K_WC=0, V_WC=0, K_W4=False, V_W4=False, K_TILE=0, KT_MW=128, V_TILE=0, VT_MW=128, RMEAN=False, PAGED=True, PAGE_ABS=False, STARTS=False, HAS_MASK=True, SOFTCAP=True,
               PREC="tf32", DT=tl.bfloat16, EMU=False, FP_STAGES=1, FINAL=False, HAS_SINKS=False, OUT_BF16=True,
-              LAST_MERGES=False, FP_UNIT=0)
+              LAST_MERGES=False, FP_UNIT=0, PAGE=16, ONE_PAGE=False)
 ptrs = {"wt_ptr": "*i32", "cnt_ptr": "*i32", "out_ptr": "*bf16", "q_ptr": "*bf16", "sk_ptr": "*bf16", "sv_ptr": "*bf16", "rk_ptr": "*bf16", "rv_ptr": "*bf16", "kc_ptr": "*u8",
         "vc_ptr": "*u8", "mask_ptr": "*u8", "lens_ptr": "*i32", "bt_ptr": "*i32", "ks_ptr": "*u8", "vs_ptr": "*fp16",
         "kz_ptr": "*u8", "vz_ptr": "*fp16", "kts_ptr": "*fp16", "ktz_ptr": "*fp16", "vts_ptr": "*fp16", "rp_ptr": "*i32",
@@ -1456,8 +1484,10 @@ triton.compile(ASTSource(K["decode"], sig("decode", dict(p, q_ptr="*bf16"), ("sm
 vtp = dict(vtc, PAGED=True, PAGE_ABS=True, KT_MW=16, VT_MW=8)
 triton.compile(ASTSource(K["decode"], sig("decode", dict(p, q_ptr="*bf16"), ("sm_scale", "softcap", "K_HALF", "V_HALF"), vtp), vtp),
                target=GPUTarget("cuda", 90, 32), options={"num_warps": 2, "num_stages": 2})
-# the plugin's windows read in place from its pool of copies (pages of 8 tokens), beside key tiles and per-token codes
-for fpu in (dict(vtp, FP_UNIT=8), dict(consts, FP_UNIT=8, PAGED=True, PAGE_ABS=True, K_TILE=0, KT_MW=128, BN=32)):
+# the plugin's windows read in place from its pool of copies (pages of 8 tokens), beside key tiles and per-token codes;
+# each tile of tokens' block read once (DecodeTuning.page_tiles: blocks of 16 and 64 tokens), and each token's
+for fpu in (dict(vtp, FP_UNIT=8, ONE_PAGE=True), dict(consts, FP_UNIT=8, PAGED=True, PAGE_ABS=True, K_TILE=0, KT_MW=128, BN=32),
+            dict(consts, FP_UNIT=8, PAGED=True, PAGE_ABS=True, K_TILE=0, KT_MW=128, BN=32, PAGE=64, ONE_PAGE=True)):
     triton.compile(ASTSource(K["decode"], sig("decode", dict(p, q_ptr="*bf16"), ("sm_scale", "softcap", "K_HALF", "V_HALF"), fpu), fpu),
                    target=GPUTarget("cuda", 90, 32), options={"num_warps": 2, "num_stages": 2})
 # keys centered on their rotating mean (+rmean): over key tiles in classes, then per-token codes in classes; each row
@@ -1497,7 +1527,8 @@ def test_kernels_compile_for_cuda():
     key tiles', decode (two tunings, one-byte key steps; codes in classes,
     in words of 16 bits, three bytes and one, whose inline PTX ptxas assembles, two codes a word a class at head_dim
     64; rows from their own columns; the last split merging its pair's, its atomic after a barrier that follows the
-    state's stores; KVarN's value tiles; the windows read from a pool of pages) and merge kernels compile for sm_90."""
+    state's stores; KVarN's value tiles; the windows read from a pool of pages; a tile of tokens' block read once) and
+    merge kernels compile for sm_90."""
     res = _compiling(COMPILE)
     assert res.returncode == 0 and "compiled True" in res.stdout, res.stderr[-3000:]
 

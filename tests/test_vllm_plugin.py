@@ -703,7 +703,7 @@ def test_batched_decode_of_key_tiles_through_the_triton_kernel(quantizer, dtype)
     their channel scales spread over the tile's cells, 4 halves each; ``tiles8``: tiles of 8 tokens, shorter than the
     kernel's tile of tokens, each token's row dequantized with its tile's): each tile's scale and zero read where the cells
     spread them, over its tokens; the open tile and the tail from their copies; what the general path gives (1e-5 in
-    float32, 2e-2 in bfloat16)."""
+    float32, 2e-2 in bfloat16), with each token's block looked up and with each tile of tokens' read once."""
     pytest.importorskip("triton")
     from wushkv import triton_kernels as tk
     from wushkv.decode import triton_enabled
@@ -730,6 +730,17 @@ def test_batched_decode_of_key_tiles_through_the_triton_kernel(quantizer, dtype)
         assert tk.calls()["decode"] == 1 and set(tk.calls()) <= {"decode", "merge"} and unit == w.unit
         err = float((got - want).abs().max() / want.abs().max())
         assert err < (1e-5 if dtype == torch.float32 else 2e-2), (window, err)
+        if window < 0:  # each tile of tokens' block read once (the default for value tiles at d >= 128), the same;
+            # tiles of 32 tokens at most (a block's): tiles8's then span 4 value tiles, aligned to the blocks' positions
+            one_page = []
+
+            def hook(name, grid, args, meta, run):
+                one_page.extend([meta["ONE_PAGE"]] if name == "decode" else [])
+                return run(name, grid, args, meta)
+
+            with triton_enabled(True), tk.launches_through(hook), tk.decode_tuning(page_tiles=True, block_n=32):
+                again = decode_batch(sc, cache.to(dev), tables.to(dev), torch.tensor(lens), q.to(dev), w, 0.3, window).cpu()
+            assert one_page == [True] and float((again - want).abs().max() / want.abs().max()) < (1e-5 if dtype == torch.float32 else 2e-2)
 
 
 @pytest.mark.parametrize("tile,dtype", [(1, torch.float32), (16, torch.bfloat16)])

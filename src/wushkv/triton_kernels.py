@@ -683,7 +683,7 @@ def _kernels() -> dict:
                       kc0, kc1, kc2, ks0, ks1, ks2, vc0, vc1, vc2, vs0, vs1, vs2, kt0, kt1, kt2, KT_ZI,
                       vts_ptr, vt0, vt1, vt2,
                       rb_ptr, brow, rt_ptr, rr_ptr, p0,
-                      bt_ptr, s_bt, PAGE, b, h, a, e, base, mbase,
+                      bt_ptr, s_bt, PAGE: tl.constexpr, b, h, a, e, base, mbase,
                       sm_scale, softcap, mask_ptr, s_mb, K_HALF, V_HALF,
                       D: tl.constexpr, BN: tl.constexpr, K_BITS: tl.constexpr, V_BITS: tl.constexpr,
                       K_G: tl.constexpr, V_G: tl.constexpr, K_Z: tl.constexpr, V_Z: tl.constexpr,
@@ -692,8 +692,8 @@ def _kernels() -> dict:
                       K_W4: tl.constexpr, V_W4: tl.constexpr, GP: tl.constexpr,
                       K_TILE: tl.constexpr, KT_MW: tl.constexpr, V_TILE: tl.constexpr, VT_MW: tl.constexpr,
                       RMEAN: tl.constexpr,
-                      PAGED: tl.constexpr, PAGE_ABS: tl.constexpr, HAS_MASK: tl.constexpr, SOFTCAP: tl.constexpr,
-                      PREC: tl.constexpr, DT: tl.constexpr, EMU: tl.constexpr):
+                      PAGED: tl.constexpr, PAGE_ABS: tl.constexpr, ONE_PAGE: tl.constexpr, HAS_MASK: tl.constexpr,
+                      SOFTCAP: tl.constexpr, PREC: tl.constexpr, DT: tl.constexpr, EMU: tl.constexpr):
         """Tokens [a, e) of the packed middle, token t the sequence's column ``base`` + t (where PAGE_ABS looks it up
         in the block table) and the mask's column ``mbase`` + t. K_TILE > 0: the keys are
         KVarN tiles of K_TILE tokens, their scale folded into the query per tile (:func:`_tile_scores`). With one group per
@@ -710,7 +710,10 @@ def _kernels() -> dict:
         first position, wherever it starts). V_TILE > 0: the values are KVarN tiles of V_TILE tokens,
         v̂[t, c] = s_chan[c]·(s_t·code + z_t): where the tile of tokens lies in one (BN ≤ V_TILE, aligned) the per-token
         codes' dot times its channel scales, else each token dequantized with its tile's; a tile's d channel scales
-        are a row of their own (VT_MW = D) or spread over its cells, VT_MW halves each (as key tiles' KT_MW)."""
+        are a row of their own (VT_MW = D) or spread over its cells, VT_MW halves each (as key tiles' KT_MW).
+        PAGED: the rows through block table ``bt_ptr`` of PAGE tokens a block; ONE_PAGE (BN divides PAGE): each tile
+        of tokens lies in one block (aligned to the table's positions, or under ALIGN to its key or value tile, which
+        lies in one block), whose entry is read once and folded into the pointers."""
         ALIGN: tl.constexpr = (K_TILE > 0 and BN <= K_TILE) or (V_TILE > 0 and BN <= V_TILE)
         VK: tl.constexpr = D // V_P if V_P > 0 else 16
         a0 = tl.zeros([GP, VK], dtype=tl.float32)
@@ -745,21 +748,34 @@ def _kernels() -> dict:
         # the scores come out of the class paths scaled (by sm_scale and log2 e): folded into per-token vectors
         SCALED: tl.constexpr = K_P > 0 and (K_TILE == 0 or BN <= K_TILE)
         first_it = a
-        if ALIGN:  # tiles of tokens aligned to BN lie in one key tile each (BN divides K_TILE)
+        pbase = base if PAGE_ABS else base * 0  # token t's position in the block table: t + pbase
+        if ALIGN:  # tiles of tokens aligned to BN lie in one key tile each (BN divides K_TILE), so in one block
             first_it = a - a % BN
+        elif ONE_PAGE:  # tiles of tokens aligned to BN in the block table's positions lie in one block (BN | PAGE)
+            first_it = a - (a + pbase) % BN
         for start in range(first_it, e, BN):
             t = start + tl.arange(0, BN)
             valid = t < e
-            if ALIGN:
+            if ALIGN or ONE_PAGE:  # (a tile aligned before the split's first token)
                 valid = valid & (t >= a)
             tt = tl.where(valid, t, 0)  # masked lanes still compute an address (block table reads stay in range)
             if PAGE_ABS:  # the block table maps absolute positions (vLLM's cells hold every token, the sink's too)
                 tt = tt + base
             # keys: scores = s ⊙ (C q) + z·Σq (one group per token), or a tile dequantized in registers
-            rows = _rows(tt, b, h, bt_ptr, s_bt, PAGE, kc0, kc1, kc2, PAGED)
-            srows = _rows(tt, b, h, bt_ptr, s_bt, PAGE, ks0, ks1, ks2, PAGED)
+            if ONE_PAGE:  # the tile's block read once, into the pointers; its tokens' rows int32 offsets in it
+                blk = tl.load(bt_ptr + b * s_bt + (start + pbase) // PAGE).to(tl.int64)
+                tok = (start + pbase) % PAGE + tl.arange(0, BN)
+                kcp, vcp = kc_ptr + (blk * kc0 + h * kc2), vc_ptr + (blk * vc0 + h * vc2)
+                ksp, kzp = ks_ptr + (blk * ks0 + h * ks2), kz_ptr + (blk * ks0 + h * ks2)
+                vsp, vzp = vs_ptr + (blk * vs0 + h * vs2), vz_ptr + (blk * vs0 + h * vs2)
+                rows = tok * kc1
+                srows = tok * ks1
+            else:
+                kcp, ksp, kzp, vcp, vsp, vzp = kc_ptr, ks_ptr, kz_ptr, vc_ptr, vs_ptr, vz_ptr
+                rows = _rows(tt, b, h, bt_ptr, s_bt, PAGE, kc0, kc1, kc2, PAGED)
+                srows = _rows(tt, b, h, bt_ptr, s_bt, PAGE, ks0, ks1, ks2, PAGED)
             if K_TILE > 0:  # KVarN key tiles: one dot per key tile the tile of tokens lies in
-                st = tl.load(ks_ptr + srows, mask=valid, other=0.0).to(tl.float32)  # s_tok
+                st = tl.load(ksp + srows, mask=valid, other=0.0).to(tl.float32)  # s_tok
                 j0 = b * 0 + start // K_TILE  # int64 (and a tensor where the interpreter's loop gives an int)
                 mrow = _tile_row(j0, b, h, bt_ptr, s_bt, PAGE, kt0, kt1, kt2, base, K_TILE, PAGED, PAGE_ABS)
                 if K_P > 0 and BN <= K_TILE:  # the codes in classes, the tile's scale into the query's classes
@@ -777,11 +793,11 @@ def _kernels() -> dict:
                             kq7 = _class_tile_query(q_ptr, qrow, qmask, mrow, kts_ptr, kt1, 7, D, K_P, KT_MW, DT, EMU)
                         t_tile = j0
                     s = _class_tile_dots(t_off[:, None], kq0, kq1, kq2, kq3, kq4, kq5, kq6, kq7,
-                                         _words(kc_ptr, rows, valid, D, K_WC, K_BITS, BN, K_W4), K_P, K_WC, K_BITS, K_OFF,
+                                         _words(kcp, rows, valid, D, K_WC, K_BITS, BN, K_W4), K_P, K_WC, K_BITS, K_OFF,
                                          PREC, DT, EMU)
                     st = st * sm_scale
                 else:
-                    cq = _codes_as(_unpack(kc_ptr, rows, valid, D, K_BITS, BN), K_OFF)
+                    cq = _codes_as(_unpack(kcp, rows, valid, D, K_BITS, BN), K_OFF)
                     s = _tile_scores(q, cq, mrow, kts_ptr, ktz_ptr, kt1, KT_ZI, D, KT_MW, K_OFF, PREC, DT, EMU)
                     if BN > K_TILE:  # key tiles shorter than the tile of tokens: the rows past its first key tile
                         for j in range(j0 + 1, (tl.minimum(start + BN, e) - 1) // K_TILE + 1):
@@ -792,21 +808,21 @@ def _kernels() -> dict:
             elif K_P > 0:
                 # raw = q·(c + OFF) − qoff, its accumulator started at −qoff (decode_kernel), scaled per token:
                 # (raw)·s + Σq·z with a zero; without one (z = HALF·s) qoff holds HALF·Σq too, and it is raw·s
-                raw = _class_scores(q_ptr, qrow, qmask, qoff, _words(kc_ptr, rows, valid, D, K_WC, K_BITS, BN, K_W4), GP, BN,
+                raw = _class_scores(q_ptr, qrow, qmask, qoff, _words(kcp, rows, valid, D, K_WC, K_BITS, BN, K_W4), GP, BN,
                                     D, K_P, K_WC, K_BITS, K_OFF, PREC, DT, EMU)
                 if K_Z:
-                    ks, kz = _token_scale_offset(ks_ptr, kz_ptr, srows, valid, K_HALF, K_Z, K_E5M3)
+                    ks, kz = _token_scale_offset(ksp, kzp, srows, valid, K_HALF, K_Z, K_E5M3)
                     s = raw * (ks * sm_scale)[None, :] + qsum[:, None] * (kz * sm_scale)[None, :]
                 else:
-                    s = raw * (_step(tl.load(ks_ptr + srows, mask=valid, other=0), K_E5M3) * sm_scale)[None, :]
+                    s = raw * (_step(tl.load(ksp + srows, mask=valid, other=0), K_E5M3) * sm_scale)[None, :]
             elif K_G == D:
-                c = _unpack(kc_ptr, rows, valid, D, K_BITS, BN)
-                ks, kz = _token_scale_offset(ks_ptr, kz_ptr, srows, valid, K_HALF, K_Z, K_E5M3)
+                c = _unpack(kcp, rows, valid, D, K_BITS, BN)
+                ks, kz = _token_scale_offset(ksp, kzp, srows, valid, K_HALF, K_Z, K_E5M3)
                 s = (_mma(q, tl.trans(_codes_as(c, K_OFF)), DT, EMU, PREC) - K_OFF * qsum[:, None]) * ks[None, :] \
                     + qsum[:, None] * kz[None, :]
             else:
-                c = _unpack(kc_ptr, rows, valid, D, K_BITS, BN)
-                k = _dequant_tile(c, ks_ptr, kz_ptr, srows, valid, K_G, D, K_HALF, K_Z, K_E5M3)
+                c = _unpack(kcp, rows, valid, D, K_BITS, BN)
+                k = _dequant_tile(c, ksp, kzp, srows, valid, K_G, D, K_HALF, K_Z, K_E5M3)
                 s = _mma(q, tl.trans(k), DT, EMU, PREC)
             if RMEAN:  # the centers' share, a function of the position (scaled where the class path scaled s)
                 bias = _rope_bias(rb_ptr, brow, qmask, rt_ptr, rr_ptr, p0 + start, GP, BN, D, PREC, DT, EMU)
@@ -819,12 +835,16 @@ def _kernels() -> dict:
                                    HAS_MASK, SOFTCAP)
             m, alpha, p, l = _online(s, m, l, EMU)
             # values: Cᵀ(p ⊙ s) + (Σ p z)·1, or the dequantized tile
-            rows = _rows(tt, b, h, bt_ptr, s_bt, PAGE, vc0, vc1, vc2, PAGED)
-            srows = _rows(tt, b, h, bt_ptr, s_bt, PAGE, vs0, vs1, vs2, PAGED)
+            if ONE_PAGE:
+                rows = tok * vc1
+                srows = tok * vs1
+            else:
+                rows = _rows(tt, b, h, bt_ptr, s_bt, PAGE, vc0, vc1, vc2, PAGED)
+                srows = _rows(tt, b, h, bt_ptr, s_bt, PAGE, vs0, vs1, vs2, PAGED)
             if V_TILE > 0:  # KVarN value tiles: v̂[t, c] = s_chan[c]·(s_t·code + z_t)
-                c = _unpack(vc_ptr, rows, valid, D, V_BITS, BN)
-                vs = tl.load(vs_ptr + srows, mask=valid, other=0.0).to(tl.float32)
-                vz = tl.load(vz_ptr + srows, mask=valid, other=0.0).to(tl.float32)
+                c = _unpack(vcp, rows, valid, D, V_BITS, BN)
+                vs = tl.load(vsp + srows, mask=valid, other=0.0).to(tl.float32)
+                vz = tl.load(vzp + srows, mask=valid, other=0.0).to(tl.float32)
                 ch = tl.arange(0, D)
                 if BN <= V_TILE:  # aligned (ALIGN): the tokens' one value tile, Σ_t p_t v̂_t = s_chan ⊙ (Σ_t w_t c_t +
                     # Σ_t p_t z_t) with w = p ⊙ s: the per-token codes' dot (the codes built on their bits as the
@@ -844,11 +864,11 @@ def _kernels() -> dict:
                     o = _mma(p, x, DT, EMU, PREC)
             elif V_P > 0:
                 if V_Z:
-                    vs, vz = _token_scale_offset(vs_ptr, vz_ptr, srows, valid, V_HALF, V_Z, V_E5M3)
+                    vs, vz = _token_scale_offset(vsp, vzp, srows, valid, V_HALF, V_Z, V_E5M3)
                 else:
-                    vs = _step(tl.load(vs_ptr + srows, mask=valid, other=0), V_E5M3)
+                    vs = _step(tl.load(vsp + srows, mask=valid, other=0), V_E5M3)
                 w = _round_to(p * vs[None, :], DT, EMU)
-                words = _words(vc_ptr, rows, valid, D, V_WC, V_BITS, BN, V_W4)
+                words = _words(vcp, rows, valid, D, V_WC, V_BITS, BN, V_W4)
                 if tl.min(alpha, 0) < 1.0:  # a row's max rose; else alpha is exactly 1 and rescaling is a no-op
                     a0, a1, a2, a3 = a0 * alpha[:, None], a1 * alpha[:, None], a2 * alpha[:, None], a3 * alpha[:, None]
                     if V_P == 8:
@@ -868,8 +888,8 @@ def _kernels() -> dict:
                     corr = corr * alpha + tl.sum(p * vz[None, :], 1)
                 keep = keep * alpha
             elif V_G == D:
-                c = _unpack(vc_ptr, rows, valid, D, V_BITS, BN)
-                vs, vz = _token_scale_offset(vs_ptr, vz_ptr, srows, valid, V_HALF, V_Z, V_E5M3)
+                c = _unpack(vcp, rows, valid, D, V_BITS, BN)
+                vs, vz = _token_scale_offset(vsp, vzp, srows, valid, V_HALF, V_Z, V_E5M3)
                 w = _round_to(p * vs[None, :], DT, EMU)
                 o = _mma(w, _codes_as(c, V_OFF), DT, EMU, PREC)
                 if V_Z:
@@ -877,8 +897,8 @@ def _kernels() -> dict:
                 else:  # Σ w (c + HALF), as the classes read it (see corr above)
                     o = o + ((V_HALF - V_OFF) * tl.sum(w, 1))[:, None]
             else:
-                c = _unpack(vc_ptr, rows, valid, D, V_BITS, BN)
-                v = _dequant_tile(c, vs_ptr, vz_ptr, srows, valid, V_G, D, V_HALF, V_Z, V_E5M3)
+                c = _unpack(vcp, rows, valid, D, V_BITS, BN)
+                v = _dequant_tile(c, vsp, vzp, srows, valid, V_G, D, V_HALF, V_Z, V_E5M3)
                 o = _mma(p, v, DT, EMU, PREC)
             if V_P == 0:
                 acc = acc * alpha[:, None] + o
@@ -942,7 +962,7 @@ def _kernels() -> dict:
                       kts_ptr, ktz_ptr, kt0, kt1, kt2, KT_ZI,  # KVarN key tiles' scale and zero (K_TILE > 0)
                       vts_ptr, vt0, vt1, vt2,  # KVarN value tiles' channel scales (V_TILE > 0)
                       rb_ptr, rb_b, rb_h, rp_ptr, rt_ptr, rr_ptr,  # RMEAN: terms (B, Hq, D), token 0's position (B,), tables
-                      bt_ptr, s_bt, PAGE,
+                      bt_ptr, s_bt, PAGE: tl.constexpr,
                       mask_ptr, s_mb, S, WINDOW,
                       o_ptr, m_ptr, l_ptr,  # (B, Hq, SPLITS, D), (B, Hq, SPLITS) float32
                       sinks_ptr, out_ptr, s_ob, s_oh,  # FINAL: (Hq,) sink logits (HAS_SINKS), the output (B, Hq, D)
@@ -958,7 +978,7 @@ def _kernels() -> dict:
                       PAGED: tl.constexpr, PAGE_ABS: tl.constexpr, STARTS: tl.constexpr, HAS_MASK: tl.constexpr,
                       SOFTCAP: tl.constexpr, PREC: tl.constexpr, DT: tl.constexpr, EMU: tl.constexpr,
                       FP_STAGES: tl.constexpr, FINAL: tl.constexpr, HAS_SINKS: tl.constexpr, OUT_BF16: tl.constexpr,
-                      LAST_MERGES: tl.constexpr, FP_UNIT: tl.constexpr):
+                      LAST_MERGES: tl.constexpr, FP_UNIT: tl.constexpr, ONE_PAGE: tl.constexpr):
         b = tl.program_id(0).to(tl.int64)
         h = tl.program_id(1).to(tl.int64)
         sp = tl.program_id(2)
@@ -1022,7 +1042,7 @@ def _kernels() -> dict:
                                   n_s - o_m, mb_m, sm_scale, softcap, mask_ptr, s_mb, K_HALF, V_HALF,
                                   D, BN, K_BITS, V_BITS, K_G, V_G, K_Z, V_Z, K_E5M3, V_E5M3, K_OFF, V_OFF,
                                   K_P, V_P, K_WC, V_WC, K_W4, V_W4, GP, K_TILE, KT_MW, V_TILE, VT_MW, RMEAN, PAGED, PAGE_ABS,
-                                  HAS_MASK,
+                                  ONE_PAGE, HAS_MASK,
                                   SOFTCAP, PREC,
                                   DT, EMU)
         q = tl.load(q_ptr + qrow[:, None] + d[None, :], mask=qmask[:, None], other=0.0)
@@ -1808,7 +1828,13 @@ class DecodeTuning:
     of 128: 0.88 ms against 1.12 ms for 32/4/3/4). Codes in classes, 32 tokens and one warp: a class's value dot
     is (GQA rows, d/P), narrower than 4 warps' tensor-core tiles, which would each compute it again; chosen on the
     compiled code for sm_90 (fewest instructions per token without register spills, ``benchmarks/kernel_sass.py``),
-    not yet timed on a GPU."""
+    not yet timed on a GPU.
+
+    ``page_tiles`` (paged middles, blocks a multiple of the tile of tokens): True, each tile of tokens is aligned to
+    the block table's positions and its block read once, its rows' offsets 32-bit within the block (:meth:`one_page`);
+    False, each token's block looked up (what the compiler makes of the same loads: sm_90, the plugin's launches,
+    ``kernel_sass.py --paged``: `kvarn` at d 128 101.8 warp-instructions a token against 141.8, per-token codes
+    31.7 against 27.7, key tiles 52.2 against 48.1); None: on only where the values are KVarN tiles at d ≥ 128."""
 
     block_n: int | None = None
     num_warps: int | None = None
@@ -1819,6 +1845,7 @@ class DecodeTuning:
     fp_stages: int | None = None
     merge_always: bool = False
     last_split_merges: bool = False
+    page_tiles: bool | None = None
 
     def __post_init__(self):
         if self.block_n is not None and (not isinstance(self.block_n, int) or self.block_n < 16
@@ -1832,6 +1859,8 @@ class DecodeTuning:
         for name in ("class_split", "merge_always", "last_split_merges"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be True or False, got {getattr(self, name)!r}")
+        if not (self.page_tiles is None or isinstance(self.page_tiles, bool)):
+            raise ValueError(f"page_tiles must be True, False or None (by the path), got {self.page_tiles!r}")
         if self.merge_always and self.last_split_merges:
             raise ValueError("merge_always=True (launch the merge kernel) and last_split_merges=True (merge in the decode "
                              "kernel, no merge launch) contradict each other: set at most one")
@@ -1851,6 +1880,16 @@ class DecodeTuning:
             # tokens, two spill none (benchmarks/kernel_sass.py --key-tiles 128 --value-tiles 128; not yet timed)
             auto = (32, 2)
         return k_p, v_p, self.block_n or auto[0], self.num_warps or auto[1]
+
+    def one_page(self, page: int, block_n: int, mid_v: Packed) -> bool:
+        """Whether a paged decode of ``page``-token blocks reads each tile of ``block_n`` tokens from one block (its
+        block looked up once, the tile aligned to it: possible where ``block_n`` divides ``page``) rather than
+        looking each token's block up. ``page_tiles`` None: where the values are KVarN tiles at head_dim ≥ 128."""
+        if page % block_n:
+            return False
+        if self.page_tiles is not None:
+            return self.page_tiles
+        return isinstance(mid_v.fmt, TileFormat) and mid_v.fmt.d >= 128
 
 
 _TUNING: list[DecodeTuning] = [DecodeTuning()]
@@ -2060,7 +2099,7 @@ def decode(query, lengths, sink_k, sink_v, mid_k: Packed, mid_v: Packed, recent_
         mid_k, mid_v: the packed middle (:class:`Packed`), contiguous (B, Hkv, cap, ·), or paged with ``block_table``
             (B, max_blocks) int32 giving each sequence's blocks in order: of the middle alone, or, ``absolute_pages``,
             of all its positions (vLLM's cells hold every token, the windows' too: the middle's token i is read at
-            position lengths[b, 0] + i).
+            position lengths[b, 0] + i; KVarN tiles then need a sink of whole tiles where the middle is not empty).
         scaling: the softmax scale; ``softcap``: logit softcap (tanh) or None; ``sinks``: (Hq,) learned sink logits
             or None; ``allowed``: bool (B, S), which of each sequence's last S columns are visible (earlier ones are
             not) or None; ``window``: only each sequence's last ``window`` columns are visible (sliding window).
@@ -2195,6 +2234,14 @@ def decode(query, lengths, sink_k, sink_v, mid_k: Packed, mid_v: Packed, recent_
         if paged and page % vt_tile:
             raise ValueError(f"paged value tiles lie within a block: block size {page} is not a multiple of the tile {vt_tile}")
         vt_strides, vt_mw = strides(vts), vt_spread or d
+    if paged and absolute_pages and host_ends is not None and (kt_tile or vt_tile):
+        # a tile's first token (its metadata's row) and the tiles of tokens aligned to it lie in its block only if
+        # the middle starts on a tile's boundary
+        tile = math.lcm(kt_tile or 1, vt_tile or 1)
+        off = ((host_ends[:, 1] > 0) & (host_ends[:, 0] % tile != 0)).nonzero().flatten().tolist()
+        if off:
+            raise ValueError(f"paged tiles of {tile} tokens in absolute pages start the middle on a tile's boundary: "
+                             f"sequence {off[0]}'s sink of {int(host_ends[off[0], 0])} tokens is not a multiple of it")
     rb, rb_s, rp, rt, rr = query, (0, 0), lengths, query, query  # placeholders, never read without RMEAN
     if key_bias is not None:
         rb, rp, rt, rb_s = _key_bias_args(key_bias, B, Hq, d, mid_k, page, paged, block_table, block_n, query.device,
@@ -2226,7 +2273,7 @@ def decode(query, lengths, sink_k, sink_v, mid_k: Packed, mid_v: Packed, recent_
                     PREC="ieee" if query.dtype == torch.float32 else "tf32", DT=_tl_dtype(query.dtype), EMU=emulate,
                     FP_STAGES=tuning.fp_stages or tuning.num_stages, FINAL=final,
                     HAS_SINKS=(final or last_merges) and sinks is not None, LAST_MERGES=last_merges,
-                    FP_UNIT=pw.unit if pw is not None else 0,
+                    FP_UNIT=pw.unit if pw is not None else 0, ONE_PAGE=paged and tuning.one_page(page, block_n, mid_v),
                     OUT_BF16=query.dtype == torch.bfloat16, num_warps=num_warps, num_stages=tuning.num_stages,
                     **({"maxnreg": tuning.max_registers} if tuning.max_registers is not None else {}))
         except BaseException:
