@@ -694,6 +694,35 @@ def test_a_steps_layers_share_the_decode_plan():
     assert not torch.equal(layers[0][0].pool, layers[1][0].pool)
 
 
+def test_a_layers_cell_views_are_kept_for_its_cache():
+    """The Triton decode's views of a layer's cells (made once for the cache tensor it reads, ~25 µs of the host's a
+    layer) follow the cache: another cache tensor, here with other codes in it, is read through its own views, and
+    writes into a cache are seen (views, not copies)."""
+    pytest.importorskip("triton")
+    from wushkv.decode import triton_enabled
+
+    H, G, d, bs = 2, 3, 64, 16
+    dev = _triton_device()
+    sc = SlotCodec(QuantConfig(k_bits=2, v_bits=2, quantizer="quest"), d)
+    lens = [5, 37, 100]
+    w = Windows(bs, H, d, 4, 24, capacity=10_000, dtype=torch.float32, device=dev)
+    cache, tables = _filled_cells(sc, w, lens)
+    cache = cache.to(dev)
+    other = torch.empty_strided(cache.shape, cache.stride(), dtype=cache.dtype, device=dev).copy_(cache)  # alike but where
+    other[..., :sc.value_offset] = torch.roll(cache[..., :sc.value_offset], 1, dims=0)  # other keys' codes
+    q = torch.randn(len(lens), H * G, d, generator=_g(42)).to(dev)
+    call = lambda c: decode_batch(sc, c, tables.to(dev), torch.tensor(lens), q, w, 0.3).cpu()  # noqa: E731
+    with triton_enabled(True):
+        a = call(cache)
+        kept = sc._packed_cells[1]
+        assert call(cache) is not None and sc._packed_cells[1] is kept  # the same cache: its views kept
+        b = call(other)
+        assert sc._packed_cells[1] is not kept and not torch.equal(a, b)
+        assert torch.equal(call(cache), a)
+        cache.copy_(other)  # written in place: the kept views read what is there now
+        assert torch.equal(call(cache), b)
+
+
 @pytest.mark.parametrize("quantizer,dtype", [("kvarn", torch.float32), ("kvarn", torch.bfloat16), ("kivi", torch.float32),
                                              ("kivi", torch.bfloat16), ("kvarn+tiles", torch.float32),
                                              ("kvarn+tiles", torch.bfloat16), ("kvarn+tiles8", torch.float32)])

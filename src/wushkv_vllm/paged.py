@@ -113,6 +113,7 @@ class SlotCodec:
         self._sides = self._kernel_sides()
         # the fused store writes a side's codes on its quantizer's grid: with error feedback on any per-token grid,
         # without it on QuEST's (floor(x/Δ)); an affine side without feedback is encoded in torch
+        self._packed_cells = None  # (key, views): the Triton decode's views of the last cache it read (_packed_cells)
         self._fused_store = self._sides is not None and all(
             c.feedback is not None or c.symmetric for c in self.codecs.values() if isinstance(c, TokenCodec))
 
@@ -817,42 +818,12 @@ def decode_batch_triton(tk, sc: SlotCodec, cache: torch.Tensor, block_table: tor
     centers in the kernel (:class:`wushkv.triton_kernels.KeyBias`, from head_dim 32), a dropped copy decoded here
     gains its own. Returns float32 (R, Hq, d), or None where the kernel does not apply: a codec the kernels do not
     take, a metadata field at an odd byte offset (it cannot be viewed as float16 in place)."""
-    from wushkv.decode import read_format, unit_s_tok
-
     if rope_mean is not None and sc.d < 32:
         return None
 
-    views = sc.field_views(cache)
-    if views is None:
+    packed = _packed_cells(tk, sc, cache)
+    if packed is None:
         return None
-    if sc.vtile:  # KVarN's value tiles: each token's codes, scale and zero, the tile's channel scales spread over its cells
-        try:
-            vfmt = tk.TileFormat(sc.codecs["value"].bits, sc.d, sc.vtile, spread=sc.vmeta_width // 2, values=True)
-        except ValueError:  # a head_dim or tile that is not a power of two
-            return None
-        packed = [None, tk.Packed(vfmt, views["value", "codes"], views["value", "scale"], views["value", "zero"],
-                                  tile_scale=views["value", "tile_meta"].view(torch.float16))]
-    else:
-        vfmt = read_format(tk, sc.codecs["value"])
-        if vfmt is None:
-            return None
-        packed = [None, tk.Packed(vfmt, views["value", "codes"], views["value", "scale"], views.get(("value", "offset")))]
-    if sc.tile:  # key tiles: each token's codes and s_tok (KVarN's), the tile's scale and zero spread over its cells
-        try:
-            kfmt = tk.TileFormat(sc.codecs["key"].bits, sc.d, sc.tile, spread=sc.meta_width // 2)
-            meta = views["key", "tile_meta"].view(torch.float16)  # (num_blocks, block_size, H, spread)
-        except (ValueError, RuntimeError):  # an odd width or offset, a tile that is not a power of two
-            return None
-        codes = views["key", "codes"]
-        s_tok = views.get(("key", "s_fold"))
-        if s_tok is None:  # KIVI's keys: s_tok 1, a stride-0 view, never written
-            s_tok = unit_s_tok(codes.device).expand(*codes.shape[:-1], 1)
-        packed[0] = tk.Packed(kfmt, codes, s_tok, tile_scale=meta)
-    else:
-        kfmt = read_format(tk, sc.codecs["key"])
-        if kfmt is None:
-            return None
-        packed[0] = tk.Packed(kfmt, views["key", "codes"], views["key", "scale"], views.get(("key", "offset")))
     dt = windows.dtype if windows.dtype in (torch.float16, torch.bfloat16) else torch.float32
     dev = cache.device
     key = ("windows", windows.version, len(windows.pool), int(sliding_window))
@@ -893,6 +864,58 @@ def decode_batch_triton(tk, sc: SlotCodec, cache: torch.Tensor, block_table: tor
                     window=sliding_window if sliding_window > 0 else None, block_table=block_table.to(dev, torch.int32),
                     absolute_pages=True, key_bias=bias, pool_windows=pool)
     return out.float()
+
+
+def _packed_cells(tk, sc: SlotCodec, cache: torch.Tensor):
+    """The middle's keys and values as :func:`decode_batch_triton` hands them to the kernel: (keys, values)
+    :class:`wushkv.triton_kernels.Packed` views of the cells of ``cache``, or None where the kernel does not take
+    them. Kept on ``sc`` (a layer's) for the cache it was made for (its address, shape, strides, dtype): a layer
+    decodes the same cache tensor at every step, and the views and formats cost the host ~25 µs a layer to make."""
+    key = (id(tk), cache.data_ptr(), tuple(cache.shape), cache.stride(), cache.dtype, cache.device)
+    memo = sc._packed_cells
+    if memo is not None and memo[0] == key:
+        return memo[1]
+    packed = _make_packed_cells(tk, sc, cache)
+    sc._packed_cells = (key, packed)  # one entry (views of the cache: another cache replaces them)
+    return packed
+
+
+def _make_packed_cells(tk, sc: SlotCodec, cache: torch.Tensor):
+    """:func:`_packed_cells`, made."""
+    from wushkv.decode import read_format, unit_s_tok
+
+    views = sc.field_views(cache)
+    if views is None:
+        return None
+    if sc.vtile:  # KVarN's value tiles: each token's codes, scale and zero, the tile's channel scales spread over its cells
+        try:
+            vfmt = tk.TileFormat(sc.codecs["value"].bits, sc.d, sc.vtile, spread=sc.vmeta_width // 2, values=True)
+        except ValueError:  # a head_dim or tile that is not a power of two
+            return None
+        packed = [None, tk.Packed(vfmt, views["value", "codes"], views["value", "scale"], views["value", "zero"],
+                                  tile_scale=views["value", "tile_meta"].view(torch.float16))]
+    else:
+        vfmt = read_format(tk, sc.codecs["value"])
+        if vfmt is None:
+            return None
+        packed = [None, tk.Packed(vfmt, views["value", "codes"], views["value", "scale"], views.get(("value", "offset")))]
+    if sc.tile:  # key tiles: each token's codes and s_tok (KVarN's), the tile's scale and zero spread over its cells
+        try:
+            kfmt = tk.TileFormat(sc.codecs["key"].bits, sc.d, sc.tile, spread=sc.meta_width // 2)
+            meta = views["key", "tile_meta"].view(torch.float16)  # (num_blocks, block_size, H, spread)
+        except (ValueError, RuntimeError):  # an odd width or offset, a tile that is not a power of two
+            return None
+        codes = views["key", "codes"]
+        s_tok = views.get(("key", "s_fold"))
+        if s_tok is None:  # KIVI's keys: s_tok 1, a stride-0 view, never written
+            s_tok = unit_s_tok(codes.device).expand(*codes.shape[:-1], 1)
+        packed[0] = tk.Packed(kfmt, codes, s_tok, tile_scale=meta)
+    else:
+        kfmt = read_format(tk, sc.codecs["key"])
+        if kfmt is None:
+            return None
+        packed[0] = tk.Packed(kfmt, views["key", "codes"], views["key", "scale"], views.get(("key", "offset")))
+    return tuple(packed)
 
 
 def _pool_windows(tk, windows: Windows, host_table: torch.Tensor, pos: torch.Tensor, need: torch.Tensor,
