@@ -2022,18 +2022,38 @@ def _check_pool_windows(pw: PoolWindows, B: int, lengths, query, *parts, starts=
         raise ValueError(f"pool_windows' pools must be on the query's device {query.device}, got "
                          f"{sorted({str(t.device) for t in parts})}")
     global _POOL_CHECKED
-    if lengths.device.type == "cpu" and not (_POOL_CHECKED[0] is lengths and _POOL_CHECKED[1] is pw):
+    if lengths.device.type == "cpu" and not (_POOL_CHECKED[0] is lengths and _POOL_CHECKED[1] is pw
+                                             and _POOL_CHECKED[2] == lengths._version):
         u = pw.unit
         for b, (n_s, n_m, n_r) in enumerate(lengths.tolist()):
             w0 = n_s + n_m
             if -(-n_s // u) > pw.tail or (n_r and pw.tail + -(-(w0 + n_r) // u) - w0 // u > pw.rows.shape[1]):
                 raise ValueError(f"pool_windows' rows {tuple(pw.rows.shape)} (tail from column {pw.tail}, {u} tokens a "
                                  f"page) do not cover sequence {b}'s sink of {n_s} and tail of {n_r} from position {w0}")
-        # the layers of a step pass the same two (the plugin's plan): checked once a step (held: no id reused)
-        _POOL_CHECKED = (lengths, pw)
+        # the layers of a step pass the same two (the plugin's plan): checked once a step (held: no id reused; the
+        # version counts writes into lengths)
+        _POOL_CHECKED = (lengths, pw, lengths._version)
 
 
-_POOL_CHECKED: tuple = (None, None)  # the last lengths and PoolWindows _check_pool_windows read
+_POOL_CHECKED: tuple = (None, None, -1)  # the last lengths and PoolWindows _check_pool_windows read, lengths' version
+
+
+def _check_tile_sinks(lengths: torch.Tensor, tile: int) -> None:
+    """Paged tiles of ``tile`` tokens in absolute pages: a tile's first token (its metadata's row) and the tiles of
+    tokens aligned to it lie in its block only if the middle starts on a tile's boundary, so every sequence with a
+    middle has a sink of whole tiles (host ``lengths`` (B, 3); checked once for the layers of a step, which pass the
+    same tensor)."""
+    global _TILES_CHECKED
+    if _TILES_CHECKED[0] is lengths and _TILES_CHECKED[1:] == (lengths._version, tile):
+        return
+    off = ((lengths[:, 1] > 0) & (lengths[:, 0] % tile != 0)).nonzero().flatten().tolist()
+    if off:
+        raise ValueError(f"paged tiles of {tile} tokens in absolute pages start the middle on a tile's boundary: "
+                         f"sequence {off[0]}'s sink of {int(lengths[off[0], 0])} tokens is not a multiple of it")
+    _TILES_CHECKED = (lengths, lengths._version, tile)
+
+
+_TILES_CHECKED: tuple = (None, -1, 0)  # the last lengths _check_tile_sinks passed, their version, the tile
 
 
 def _check_starts(starts, lengths, allowed, sink_k, mid_k: Packed, recent_k, block_table) -> None:
@@ -2235,13 +2255,7 @@ def decode(query, lengths, sink_k, sink_v, mid_k: Packed, mid_v: Packed, recent_
             raise ValueError(f"paged value tiles lie within a block: block size {page} is not a multiple of the tile {vt_tile}")
         vt_strides, vt_mw = strides(vts), vt_spread or d
     if paged and absolute_pages and host_ends is not None and (kt_tile or vt_tile):
-        # a tile's first token (its metadata's row) and the tiles of tokens aligned to it lie in its block only if
-        # the middle starts on a tile's boundary
-        tile = math.lcm(kt_tile or 1, vt_tile or 1)
-        off = ((host_ends[:, 1] > 0) & (host_ends[:, 0] % tile != 0)).nonzero().flatten().tolist()
-        if off:
-            raise ValueError(f"paged tiles of {tile} tokens in absolute pages start the middle on a tile's boundary: "
-                             f"sequence {off[0]}'s sink of {int(host_ends[off[0], 0])} tokens is not a multiple of it")
+        _check_tile_sinks(host_ends, math.lcm(kt_tile or 1, vt_tile or 1))
     rb, rb_s, rp, rt, rr = query, (0, 0), lengths, query, query  # placeholders, never read without RMEAN
     if key_bias is not None:
         rb, rp, rt, rb_s = _key_bias_args(key_bias, B, Hq, d, mid_k, page, paged, block_table, block_n, query.device,
