@@ -301,6 +301,7 @@ def run(args) -> dict:
     if args.stores:
         return run_stores(args, tools)
     wanted = [c for c in CONFIGS if not args.configs or any(c[0].startswith(p) for p in args.configs.split(","))]
+    wanted = [c for c in wanted if args.paged or not c[0].startswith("paged")]  # (those change only paged launches)
     layouts = [x for x in args.paged.split(",") if x] or [None]
     rows = []
     for d, bits, layout in ((int(x), int(b), lay) for x in args.head_dims.split(",") for b in args.widths.split(",")

@@ -561,8 +561,10 @@ def test_decode_reads_each_row_from_its_own_columns(dtype, d, masked):
         tk.decode(q[:, :, 0], lengths, sk, sv, mk, mv, rk, rv, 1.0, **{**kw, "starts": starts[:, :2]})
 
 
-@pytest.mark.parametrize("dtype,kbits,vbits,d,absolute,page", [(torch.float32, 3, 2, 64, False, 16), (torch.bfloat16, 2, 4, 128, False, 8),
-                                                                 (torch.float32, 2, 3, 64, True, 16), (torch.bfloat16, 3, 2, 128, True, 8)])
+@pytest.mark.parametrize("dtype,kbits,vbits,d,absolute,page", [(torch.float32, 3, 2, 64, False, 16),
+                                                                 (torch.bfloat16, 2, 4, 128, False, 8),
+                                                                 (torch.float32, 2, 3, 64, True, 16),
+                                                                 (torch.bfloat16, 3, 2, 128, True, 8)])
 def test_decode_paged_ragged(dtype, kbits, vbits, d, absolute, page):
     """vLLM's layout: each sequence's middle in shuffled blocks of 8 or 16 tokens (tiles of 16 cross block
     boundaries), ragged sink, middle and recent lengths per sequence; equal to each sequence attended alone (in
@@ -621,7 +623,8 @@ def test_decode_paged_ragged(dtype, kbits, vbits, d, absolute, page):
         with tk.launches_through(hook), tk.decode_tuning(page_tiles=False):
             assert torch.equal(run(), out)  # QuEST and affine codes: the per-token lookups by default
         assert one_page == [True, False], one_page
-        assert _rel(tiles_of_pages, ref) < 1e-3 and _rel(tiles_of_pages, out) < 1e-5, (_rel(tiles_of_pages, ref), _rel(tiles_of_pages, out))
+        errs = (_rel(tiles_of_pages, ref), _rel(tiles_of_pages, out))
+        assert errs[0] < 1e-3 and errs[1] < 1e-5, errs
     # the windows read in place from a pool of pages (the vLLM plugin's copies) give the same bits as the parts
     u = 3 if d == 64 else 4
     tails = [range((n_s + n_m) // u, -(-(n_s + n_m + n_r) // u)) for n_s, n_m, n_r in lens]
@@ -1018,7 +1021,8 @@ def test_code_classes_cover_what_they_can():
     tiles = lambda d: tk.Packed(tk.TileFormat(2, d, 128), codes, codes)
     per_token = tk.Packed(fmt(2, 128), codes, codes)
     assert [tk.DecodeTuning().one_page(128, 32, v) for v in (tiles(128), tiles(64), per_token)] == [True, False, False]
-    assert tk.DecodeTuning(page_tiles=True).one_page(64, 32, per_token) and not tk.DecodeTuning(page_tiles=True).one_page(16, 32, per_token)
+    on = tk.DecodeTuning(page_tiles=True)
+    assert on.one_page(64, 32, per_token) and not on.one_page(16, 32, per_token)
     assert not tk.DecodeTuning(page_tiles=False).one_page(128, 32, tiles(128))
     with pytest.raises(ValueError, match="page_tiles must be True, False or None"):
         tk.DecodeTuning(page_tiles=1)

@@ -1834,7 +1834,7 @@ class DecodeTuning:
     the block table's positions and its block read once, its rows' offsets 32-bit within the block (:meth:`one_page`);
     False, each token's block looked up (what the compiler makes of the same loads: sm_90, the plugin's launches,
     ``kernel_sass.py --paged``: `kvarn` at d 128 101.8 warp-instructions a token against 141.8, per-token codes
-    31.7 against 27.7, key tiles 52.2 against 48.1); None: on only where the values are KVarN tiles at d ≥ 128."""
+    33.7 against 27.7, key tiles 52.2 against 48.1); None: on only where the values are KVarN tiles at d ≥ 128."""
 
     block_n: int | None = None
     num_warps: int | None = None
@@ -2023,7 +2023,7 @@ def _check_pool_windows(pw: PoolWindows, B: int, lengths, query, *parts, starts=
                          f"{sorted({str(t.device) for t in parts})}")
     global _POOL_CHECKED
     if lengths.device.type == "cpu" and not (_POOL_CHECKED[0] is lengths and _POOL_CHECKED[1] is pw
-                                             and _POOL_CHECKED[2] == lengths._version):
+                                             and _POOL_CHECKED[2] == _version(lengths)):
         u = pw.unit
         for b, (n_s, n_m, n_r) in enumerate(lengths.tolist()):
             w0 = n_s + n_m
@@ -2032,25 +2032,30 @@ def _check_pool_windows(pw: PoolWindows, B: int, lengths, query, *parts, starts=
                                  f"page) do not cover sequence {b}'s sink of {n_s} and tail of {n_r} from position {w0}")
         # the layers of a step pass the same two (the plugin's plan): checked once a step (held: no id reused; the
         # version counts writes into lengths)
-        _POOL_CHECKED = (lengths, pw, lengths._version)
+        _POOL_CHECKED = (lengths, pw, _version(lengths))
 
 
 _POOL_CHECKED: tuple = (None, None, -1)  # the last lengths and PoolWindows _check_pool_windows read, lengths' version
 
 
+def _version(t: torch.Tensor) -> int:
+    """How many writes ``t`` has seen (``_version``); -2 for an inference tensor, which counts none (vLLM runs its
+    forward under ``torch.inference_mode``, where the plugin makes its lengths: a memo keyed on them is by identity)."""
+    return -2 if t.is_inference() else t._version
+
+
 def _check_tile_sinks(lengths: torch.Tensor, tile: int) -> None:
-    """Paged tiles of ``tile`` tokens in absolute pages: a tile's first token (its metadata's row) and the tiles of
-    tokens aligned to it lie in its block only if the middle starts on a tile's boundary, so every sequence with a
-    middle has a sink of whole tiles (host ``lengths`` (B, 3); checked once for the layers of a step, which pass the
-    same tensor)."""
+    """Paged tiles of ``tile`` tokens in absolute pages whose place in the blocks matters (:func:`decode`): a tile lies
+    in one block only if the middle starts on a tile's boundary, so every sequence with a middle has a sink of whole
+    tiles (host ``lengths`` (B, 3); checked once for the layers of a step, which pass the same tensor)."""
     global _TILES_CHECKED
-    if _TILES_CHECKED[0] is lengths and _TILES_CHECKED[1:] == (lengths._version, tile):
+    if _TILES_CHECKED[0] is lengths and _TILES_CHECKED[1:] == (_version(lengths), tile):
         return
     off = ((lengths[:, 1] > 0) & (lengths[:, 0] % tile != 0)).nonzero().flatten().tolist()
     if off:
-        raise ValueError(f"paged tiles of {tile} tokens in absolute pages start the middle on a tile's boundary: "
+        raise ValueError(f"paged tiles in absolute pages need the middle to start on a boundary of {tile} tokens: "
                          f"sequence {off[0]}'s sink of {int(lengths[off[0], 0])} tokens is not a multiple of it")
-    _TILES_CHECKED = (lengths, lengths._version, tile)
+    _TILES_CHECKED = (lengths, _version(lengths), tile)
 
 
 _TILES_CHECKED: tuple = (None, -1, 0)  # the last lengths _check_tile_sinks passed, their version, the tile
@@ -2254,8 +2259,19 @@ def decode(query, lengths, sink_k, sink_v, mid_k: Packed, mid_v: Packed, recent_
         if paged and page % vt_tile:
             raise ValueError(f"paged value tiles lie within a block: block size {page} is not a multiple of the tile {vt_tile}")
         vt_strides, vt_mw = strides(vts), vt_spread or d
-    if paged and absolute_pages and host_ends is not None and (kt_tile or vt_tile):
-        _check_tile_sinks(host_ends, math.lcm(kt_tile or 1, vt_tile or 1))
+    # a tile of tokens' block read once (DecodeTuning.page_tiles) where its tokens' rows lie within 2³¹ elements of
+    # the block's start (the offsets are 32-bit)
+    one_page = (paged and tuning.one_page(page, block_n, mid_v)
+                and page * max(abs(st[1]) for st in (strides(mid_k.codes), strides(mid_k.scale), strides(mid_v.codes),
+                                                    strides(mid_v.scale))) < 2**31)
+    if paged and absolute_pages and host_ends is not None:
+        # where the middle starts in the blocks matters to: tiles whose halves are spread over their tokens' cells
+        # (a tile in one block), and tiles of tokens aligned to key or value tiles read from one block each
+        need = math.lcm(*(side.fmt.tile for side in (mid_k, mid_v) if isinstance(side.fmt, TileFormat) and side.fmt.spread))
+        if one_page and any(t and block_n <= t for t in (kt_tile, vt_tile)):
+            need = math.lcm(need, block_n)
+        if need > 1:
+            _check_tile_sinks(host_ends, need)
     rb, rb_s, rp, rt, rr = query, (0, 0), lengths, query, query  # placeholders, never read without RMEAN
     if key_bias is not None:
         rb, rp, rt, rb_s = _key_bias_args(key_bias, B, Hq, d, mid_k, page, paged, block_table, block_n, query.device,
@@ -2287,7 +2303,7 @@ def decode(query, lengths, sink_k, sink_v, mid_k: Packed, mid_v: Packed, recent_
                     PREC="ieee" if query.dtype == torch.float32 else "tf32", DT=_tl_dtype(query.dtype), EMU=emulate,
                     FP_STAGES=tuning.fp_stages or tuning.num_stages, FINAL=final,
                     HAS_SINKS=(final or last_merges) and sinks is not None, LAST_MERGES=last_merges,
-                    FP_UNIT=pw.unit if pw is not None else 0, ONE_PAGE=paged and tuning.one_page(page, block_n, mid_v),
+                    FP_UNIT=pw.unit if pw is not None else 0, ONE_PAGE=one_page,
                     OUT_BF16=query.dtype == torch.bfloat16, num_warps=num_warps, num_stages=tuning.num_stages,
                     **({"maxnreg": tuning.max_registers} if tuning.max_registers is not None else {}))
         except BaseException:
