@@ -2124,7 +2124,8 @@ def decode(query, lengths, sink_k, sink_v, mid_k: Packed, mid_v: Packed, recent_
         mid_k, mid_v: the packed middle (:class:`Packed`), contiguous (B, Hkv, cap, ·), or paged with ``block_table``
             (B, max_blocks) int32 giving each sequence's blocks in order: of the middle alone, or, ``absolute_pages``,
             of all its positions (vLLM's cells hold every token, the windows' too: the middle's token i is read at
-            position lengths[b, 0] + i; KVarN tiles then need a sink of whole tiles where the middle is not empty).
+            position lengths[b, 0] + i; tiles spread over their cells then need a sink of whole tiles where the middle is
+            not empty, and so, in tiles of tokens, does ``DecodeTuning.page_tiles`` beside key or value tiles).
         scaling: the softmax scale; ``softcap``: logit softcap (tanh) or None; ``sinks``: (Hq,) learned sink logits
             or None; ``allowed``: bool (B, S), which of each sequence's last S columns are visible (earlier ones are
             not) or None; ``window``: only each sequence's last ``window`` columns are visible (sliding window).
