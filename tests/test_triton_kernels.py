@@ -266,18 +266,20 @@ def test_kvarn_value_tiles_equal_the_tile_quantizer(bits, clip, d, tile):
 
 def test_store_applies_the_head_transform():
     """With a per-head transform T the stored rows are those of T k: exactly so for signed permutations scaled by
-    ½ (exact arithmetic), and to float32 rounding for a random rotation."""
+    ½ (exact arithmetic; QuEST, and affine with its percentile clip counted over the transformed row), and to float32
+    rounding for a random rotation."""
     d, H = 64, 2
-    q = QuestQuantizer(2)
-    fmt = tk.TokenFormat.of(q, d)
     x = _exact_data((4, H, d), seed=5)
     g = torch.Generator().manual_seed(0)
     perm = torch.stack([torch.eye(d)[torch.randperm(d, generator=g)] * (torch.randint(0, 2, (d, 1), generator=g) * 2 - 1) * 0.5
                         for _ in range(H)])  # (H, d, d)
-    ref = q.quantize(torch.einsum("hij,rhj->rhi", perm, x))
-    codes, scale, _ = _buffers((4, 1, H), fmt, torch.float32)
-    tk.store_paged(x.to(DEVICE), torch.arange(4), codes, scale, None, fmt, transform=perm.to(DEVICE))
-    assert torch.equal(codes[:, 0].cpu(), pack(ref.codes, 2)) and torch.equal(scale[:, 0].cpu(), ref.scale)
+    for q in (AffineQuantizer(2, clip_ratio=0.92), QuestQuantizer(2)):
+        fmt = tk.TokenFormat.of(q, d)
+        ref = q.quantize(torch.einsum("hij,rhj->rhi", perm, x))
+        codes, scale, offset = _buffers((4, 1, H), fmt, torch.float32)
+        tk.store_paged(x.to(DEVICE), torch.arange(4), codes, scale, offset, fmt, transform=perm.to(DEVICE))
+        assert torch.equal(codes[:, 0].cpu(), pack(ref.codes, 2)) and torch.equal(scale[:, 0].cpu(), ref.scale), q
+        assert offset is None or torch.equal(offset[:, 0].cpu(), ref.offset)
     rot = torch.linalg.qr(torch.randn(H, d, d, generator=g))[0]
     ref = q.quantize(torch.einsum("hij,rhj->rhi", rot, x))
     tk.store_paged(x.to(DEVICE), torch.arange(4), codes, scale, None, fmt, transform=rot.to(DEVICE))
@@ -1408,7 +1410,8 @@ def sig(name, ptrs, floats, consts):
 ptrs = {"x_ptr": "*bf16", "c_ptr": "*u8", "s_ptr": "*bf16", "z_ptr": "*bf16", "slot_ptr": "*i64"}
 for quest, clipped, has_t, br, fb, G in ((True, True, False, 8, False, 32), (True, False, True, 1, False, 32),
                                         (False, True, False, 1, False, 32), (False, False, False, 8, False, 32),
-                                        (True, True, False, 1, True, 128), (False, True, False, 1, True, 32)):
+                                        (True, True, False, 1, True, 128), (False, True, False, 1, True, 32),
+                                        (False, True, True, 8, False, 128)):  # affine's clip counted over T k
     consts = dict(D=128, G=G, BITS=3, QUEST=quest, CLIPPED=clipped, HAS_T=has_t, HAS_Z=not quest, TC=32, META_BF16=True,
                   FEEDBACK=fb, BR=br)
     triton.compile(ASTSource(K["store"], sig("store", ptrs, ("coef", "sqrt_g"), consts), consts), target=GPUTarget("cuda", 90, 32),

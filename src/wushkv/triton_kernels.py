@@ -1175,8 +1175,18 @@ def _kernels() -> dict:
             x0 = x  # (error feedback rounds the row itself on the clipped row's grid)
             if CLIPPED:  # τ = the kth smallest |x| of the row (0-based), by counting, no sort
                 a = tl.abs(x)
-                less = tl.sum((a[:, None, :] < a[:, :, None]).to(tl.int32), 2)
-                leq = tl.sum((a[:, None, :] <= a[:, :, None]).to(tl.int32), 2)
+                # each channel's count of the row's smaller (and not larger) ones, a channel j at a time: the
+                # (BR, D, D) comparisons at once held 17.8 KB of stack a thread at head_dim 128 and took ptxas
+                # 100 s (sm_90, 8 rows a program)
+                less = tl.zeros([BR, D], dtype=tl.int32)
+                leq = tl.zeros([BR, D], dtype=tl.int32)
+                for j in range(D):
+                    if HAS_T:  # |x'_j|, out of the row (one term: exact)
+                        aj = tl.sum(tl.where(d[None, :] == j, a, 0.0), 1)
+                    else:  # |x_j|, read again: the same float32
+                        aj = tl.abs(tl.load(x_ptr + r * sx_r + h * sx_h + j * sx_d).to(tl.float32))
+                    less += (aj[:, None] < a).to(tl.int32)
+                    leq += (aj[:, None] <= a).to(tl.int32)
                 tau = tl.max(tl.where((less <= kth) & (kth < leq), a, 0.0), 1)
                 x = tl.maximum(tl.minimum(x, tau[:, None]), -tau[:, None])
             xg = tl.reshape(x, [BR, NG, G])
