@@ -610,6 +610,35 @@ def test_kernel_sass_stores_hold_their_rows_in_registers(tmp_path):
     assert len(rows["key tiles +ldlq"]["loop_instructions"]) == 2  # the balance's rounds, then the rows in order
 
 
+def test_compile_launches_records_and_compiles_a_test_runs_launches(tmp_path):
+    """``benchmarks/compile_launches.py`` runs a test selection with its launches recorded (the bit-exact packing
+    test: a store kernel at each of 1, 2, 3, 4 and 8 bits) and compiles each as a GPU would launch it (8 rows a
+    program where the interpreter took 64) for sm_90: none fails, none spills. Cannot run where triton ships no
+    CUDA toolchain."""
+    import json
+    import os
+
+    triton = pytest.importorskip("triton")
+    if not os.path.exists(os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "nvdisasm")):
+        pytest.skip("this triton install has no CUDA toolchain (nvdisasm) to compile and disassemble with")
+    import subprocess
+    import sys
+
+    env = {k: v for k, v in os.environ.items() if k not in ("TRITON_INTERPRET", "PYTEST_XDIST_WORKER")}
+    env["PYTHONPATH"] = str(Path(__file__).resolve().parents[1] / "src") + os.pathsep + env.get("PYTHONPATH", "")
+    script = Path(__file__).resolve().parents[1] / "benchmarks" / "compile_launches.py"
+    proc = subprocess.run([sys.executable, str(script), "--tests", "tests/test_triton_kernels.py -k test_pack_bit_exact",
+                           "--record", str(tmp_path / "l.json"), "--json", str(tmp_path / "c.json")], env=env,
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
+    recorded = json.loads((tmp_path / "l.json").read_text())["launches"]
+    assert sorted(r["meta"]["BITS"] for r in recorded) == [1, 2, 3, 4, 8] and {r["meta"]["BR"] for r in recorded} == {64}
+    res = json.loads((tmp_path / "c.json").read_text())
+    assert res["launches"] == 5 and res["failed"] == 0
+    assert all(r["meta"]["BR"] == 8 and r["stack"] == 0 and r["instructions"] > 0 for r in res["rows"]), res["rows"]
+    assert "compiled 5 of 5" in proc.stdout
+
+
 def test_kernel_sass_compiles_both_paths(tmp_path):
     """The compile-only profile of the decode kernel for sm_90 (no GPU): the launch it records is the one decode
     makes (K2V2 and K3V3 bfloat16 head_dim 128 read their codes in classes of 8 under the default tuning, session

@@ -1183,7 +1183,8 @@ def test_resident_warps_as_cudas_occupancy_calculator_counts_them():
 
 def test_launches_go_through_a_hook():
     """launches_through(hook): every launch of the block reaches the hook with its name, grid, arguments and
-    constexprs, and runs when the hook runs it (a test's stand-in tensors are checked there); outside it, as before."""
+    constexprs, and runs when the hook runs it (a test's stand-in tensors are checked there); outside it, as before;
+    nested, through each hook from the innermost out."""
     d = 64
     q, pk, pv = _case(QuestQuantizer(2), QuestQuantizer(2), B=1, Hkv=2, G=2, d=d, n_s=2, n_m=20, n_r=3)
     ref = _triton(q, pk, pv)
@@ -1201,6 +1202,12 @@ def test_launches_go_through_a_hook():
     assert [s[0] for s in seen] == ["decode", "decode", "merge"]
     _triton(q, pk, pv)
     assert len(seen) == 3
+    # nested blocks: the inner hook first, its run the outer hook's (a recorder sees what a test's own hook runs)
+    order = []
+    with tk.launches_through(lambda name, grid, args, meta, run: (order.append("outer"), run(name, grid, args, meta))[1]):
+        with tk.launches_through(lambda name, grid, args, meta, run: (order.append("inner"), run(name, grid, args, meta))[1]):
+            out = _triton(q, pk, pv)
+    assert order == ["inner", "outer"] and torch.equal(out, ref)
 
 
 def test_decode_attention_dispatches_to_triton():

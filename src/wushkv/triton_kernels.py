@@ -1527,8 +1527,9 @@ def launches_through(hook):
     or change them and runs the kernel with ``run(name, grid, args, constexprs)``, which returns what Triton's launch
     does (on a GPU the compiled kernel, with its registers, spills and shared memory; None under the interpreter).
     What a test that runs the kernels on stand-in tensors uses (``tests/vllm_fake_cuda_check.py``: tensors that say
-    cuda:0 are checked, then run under the interpreter), and ``benchmarks/gpu_decode.py`` to read what the device's
-    compiler built."""
+    cuda:0 are checked, then run under the interpreter), ``benchmarks/gpu_decode.py`` to read what the device's
+    compiler built, and ``benchmarks/compile_launches.py`` to record every launch of a test run. Blocks nest: the
+    innermost hook sees a launch first, and its ``run`` is the next hook out's (the outermost's runs the kernel)."""
     _THROUGH.append(hook)
     try:
         yield
@@ -1546,8 +1547,15 @@ def _launch(name: str, grid, *args, **meta) -> None:
         _RECORDING[-1].append((name, grid, args, meta))
         return
     if _THROUGH:
-        return _THROUGH[-1](name, grid, args, meta, _run)
+        return _through(len(_THROUGH) - 1, name, grid, args, meta)
     _run(name, grid, args, meta)
+
+
+def _through(depth: int, name: str, grid, args, meta):
+    """The launch through hook ``depth`` of :func:`launches_through`'s, whose ``run`` is the next one out's."""
+    if depth < 0:
+        return _run(name, grid, args, meta)
+    return _THROUGH[depth](name, grid, args, meta, functools.partial(_through, depth - 1))
 
 
 # -- store ---------------------------------------------------------------------------------------------------------
