@@ -21,6 +21,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shlex
 import subprocess
 import sys
 import time
@@ -60,8 +61,8 @@ def _kind(a):
 
 
 def _meta(v):
-    """A constexpr as JSON: triton dtypes by name."""
-    return v if isinstance(v, (bool, int, float, str, type(None))) else {"tl": str(v)}
+    """A constexpr as JSON: triton dtypes by their name in ``triton.language`` (``float32``)."""
+    return v if isinstance(v, (bool, int, float, str, type(None))) else {"tl": repr(v).rsplit(".", 1)[-1]}
 
 
 def pytest_sessionstart(session):
@@ -92,7 +93,7 @@ def record(tests: str, out: str) -> None:
     env["PYTHONPATH"] = os.pathsep.join([os.path.join(ROOT, "src"), os.path.join(ROOT, "tests"), os.path.dirname(__file__),
                                          env.get("PYTHONPATH", "")])
     env.pop("PYTEST_XDIST_WORKER_COUNT", None)
-    cmd = [sys.executable, "-m", "pytest", "-q", "-p", "compile_launches", "-p", "no:cacheprovider", *tests.split()]
+    cmd = [sys.executable, "-m", "pytest", "-q", "-p", "compile_launches", "-p", "no:cacheprovider", *shlex.split(tests)]
     print("recording:", " ".join(cmd[1:]), flush=True)
     res = subprocess.run(cmd, cwd=ROOT, env=env)
     if not os.path.exists(out):

@@ -612,9 +612,10 @@ def test_kernel_sass_stores_hold_their_rows_in_registers(tmp_path):
 
 def test_compile_launches_records_and_compiles_a_test_runs_launches(tmp_path):
     """``benchmarks/compile_launches.py`` runs a test selection with its launches recorded (the bit-exact packing
-    test: a store kernel at each of 1, 2, 3, 4 and 8 bits) and compiles each as a GPU would launch it (8 rows a
-    program where the interpreter took 64) for sm_90: none fails, none spills. Cannot run where triton ships no
-    CUDA toolchain."""
+    test: a store kernel at each of 1, 2, 3, 4 and 8 bits; the hook test: float32 decodes and a merge, under the
+    interpreter's emulated dots) and compiles each as a GPU would launch it (8 rows a store program where the
+    interpreter took 64, no emulation) for sm_90: none fails, no store spills. Cannot run where triton ships no CUDA
+    toolchain."""
     import json
     import os
 
@@ -627,16 +628,23 @@ def test_compile_launches_records_and_compiles_a_test_runs_launches(tmp_path):
     env = {k: v for k, v in os.environ.items() if k not in ("TRITON_INTERPRET", "PYTEST_XDIST_WORKER")}
     env["PYTHONPATH"] = str(Path(__file__).resolve().parents[1] / "src") + os.pathsep + env.get("PYTHONPATH", "")
     script = Path(__file__).resolve().parents[1] / "benchmarks" / "compile_launches.py"
-    proc = subprocess.run([sys.executable, str(script), "--tests", "tests/test_triton_kernels.py -k test_pack_bit_exact",
+    proc = subprocess.run([sys.executable, str(script), "--tests",
+                           "tests/test_triton_kernels.py -k 'test_pack_bit_exact or test_launches_go_through_a_hook'",
                            "--record", str(tmp_path / "l.json"), "--json", str(tmp_path / "c.json")], env=env,
                           capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
     recorded = json.loads((tmp_path / "l.json").read_text())["launches"]
-    assert sorted(r["meta"]["BITS"] for r in recorded) == [1, 2, 3, 4, 8] and {r["meta"]["BR"] for r in recorded} == {64}
+    stores = [r for r in recorded if r["name"] == "store"]
+    assert sorted(r["meta"]["BITS"] for r in stores) == [1, 2, 3, 4, 8] and {r["meta"]["BR"] for r in stores} == {64}
+    decodes = [r for r in recorded if r["name"] == "decode"]  # the hook test's: one split, then two and a merge
+    assert decodes and all(r["meta"]["EMU"] and r["meta"]["DT"] == {"tl": "float32"} for r in decodes)
+    assert {r["name"] for r in recorded} == {"store", "decode", "merge"}
     res = json.loads((tmp_path / "c.json").read_text())
-    assert res["launches"] == 5 and res["failed"] == 0
-    assert all(r["meta"]["BR"] == 8 and r["stack"] == 0 and r["instructions"] > 0 for r in res["rows"]), res["rows"]
-    assert "compiled 5 of 5" in proc.stdout
+    n = len(res["rows"])
+    assert n >= 7 and res["failed"] == 0 and f"compiled {n} of {n}" in proc.stdout
+    assert all(r["instructions"] > 0 and r["registers"] > 0 for r in res["rows"]), res["rows"]
+    assert all(r["meta"]["BR"] == 8 and r["stack"] == 0 for r in res["rows"] if r["name"] == "store")
+    assert all(not r["meta"]["EMU"] for r in res["rows"] if r["name"] == "decode")  # as a GPU launches them
 
 
 def test_kernel_sass_compiles_both_paths(tmp_path):
