@@ -65,18 +65,23 @@ def _meta(v):
     return v if isinstance(v, (bool, int, float, str, type(None))) else {"tl": repr(v).rsplit(".", 1)[-1]}
 
 
+def _launch_key(name: str, kinds: list[dict], meta: dict) -> str:
+    """What tells two launches apart for the compiler: the kernel, its constexprs (as JSON) and its arguments' kinds
+    (an integer's class, not its value; a float's nothing)."""
+    return json.dumps([name, [{k: v for k, v in kd.items() if k not in ("int", "float")} for kd in kinds], meta],
+                      sort_keys=True)
+
+
 def pytest_sessionstart(session):
     """Records every launch of the run (the outermost hook: a test's own hooks run inside it)."""
     from wushkv import triton_kernels as tk
 
-    def record(name, grid, args, meta, run):
-        kinds = [_kind(a) for a in args]
-        key = json.dumps([name, [{k: v for k, v in kd.items() if k not in ("int", "float")} for kd in kinds],
-                          {k: _meta(v) for k, v in meta.items()}], sort_keys=True)
-        _RECORDED.setdefault(key, {"name": name, "args": kinds, "meta": {k: _meta(v) for k, v in meta.items()}})
+    def hook(name, grid, args, meta, run):
+        kinds, as_json = [_kind(a) for a in args], {k: _meta(v) for k, v in meta.items()}
+        _RECORDED.setdefault(_launch_key(name, kinds, as_json), {"name": name, "args": kinds, "meta": as_json})
         return run(name, grid, args, meta)
 
-    session.config._launches = tk.launches_through(record)
+    session.config._launches = tk.launches_through(hook)
     session.config._launches.__enter__()
 
 
@@ -113,8 +118,7 @@ def as_gpu(launches: list[dict]) -> list[dict]:
             meta["EMU"] = False
         if rec["name"] == "store" and meta.get("BR") == 64:
             meta["BR"] = 8
-        key = json.dumps([rec["name"], [{k: v for k, v in a.items() if k not in ("int", "float")} for a in rec["args"]], meta],
-                         sort_keys=True)
+        key = _launch_key(rec["name"], rec["args"], meta)
         if key not in seen:
             seen.add(key)
             out.append({"name": rec["name"], "args": rec["args"], "meta": meta})
