@@ -120,42 +120,52 @@ def test_fused_store_writes_the_bytes_of_encode(quantizer, k_bits, v_bits, feedb
     sc.store(got, k, v, slots)
     assert torch.equal(got, ref)
 
-@pytest.mark.parametrize("quantizer,k_bits,v_bits,meta,feedback", [
-    ("quest", 2, 2, "float16", False), ("affine", 3, 4, "float16", False), ("affine", 2, 3, "bfloat16", True),
-    ("quest", 4, 3, "bfloat16", True), ("quest", 8, 2, "float32", False)])
-def test_store_through_the_triton_kernel_writes_the_bytes_of_encode(quantizer, k_bits, v_bits, meta, feedback):
+@pytest.mark.parametrize("quantizer,k_bits,v_bits,meta,feedback,keys", [
+    ("quest", 2, 2, "float16", False, None), ("affine", 3, 4, "float16", False, None),
+    ("affine", 2, 3, "bfloat16", True, None), ("quest", 4, 3, "bfloat16", True, None),
+    ("quest", 8, 2, "float32", False, None), ("quest", 2, 2, "float16", True, "kvarn"), ("kivi", 2, 2, "float16", False, "kivi")])
+def test_store_through_the_triton_kernel_writes_the_bytes_of_encode(quantizer, k_bits, v_bits, meta, feedback, keys):
     """The GPU path of ``SlotCodec.store`` (wushkv's Triton store kernel, here under Triton's interpreter, one launch
     per side into strided views of the cells) writes every payload byte ``encode`` writes, padding slots skipped, and
     leaves the cells' padding and everything around them as it was; with error feedback (``+ldlq``) on both sides too
-    (since session 62: before, the PyTorch loop over channels ran at every step on a GPU). The clip search and
-    one-byte steps keep the other paths (their codes are rounded on what the kernel does not compute)."""
+    (since session 62: before, the PyTorch loop over channels ran at every step on a GPU). With keys in tiles
+    (``keys``: KVarN's, every `auto` recipe's, with its +ldlq values; KIVI's, its affine values) the values alone, one
+    launch, the key fields left as they were (before session 74 such a store declined the kernel: `auto`'s values
+    took PyTorch's loop over the channels at every step). The clip search and one-byte steps keep the other paths
+    (their codes are rounded on what the kernel does not compute)."""
     pytest.importorskip("triton")
     from wushkv import triton_kernels as tk
     from wushkv.decode import triton_enabled
 
     H, d, T, bs = 3, 64, 120, 16
     dev = _triton_device()
-    cfg = QuantConfig(k_bits=k_bits, v_bits=v_bits, quantizer=quantizer, metadata_dtype=meta, k_alpha=1.15)
+    tiles = dict(key_quantizer="kvarn", windows=WindowConfig(128, 72, 16)) if keys == "kvarn" else (
+        dict(windows=WindowConfig(128, 72, 16)) if keys else {})
+    cfg = QuantConfig(k_bits=k_bits, v_bits=v_bits, quantizer=quantizer, metadata_dtype=meta, k_alpha=1.15, **tiles)
     F = torch.eye(d).expand(H, d, d) + torch.triu(torch.randn(H, d, d, generator=_g(13)) * 0.1, 1) if feedback else None
     sc = SlotCodec(cfg, d, F, None if F is None else F.flip(0))
+    assert bool(sc.tile) == bool(keys)
     g = _g(12)
     k, v, slots = _tokens_to_store(g, T, H, d, 20 * bs)
     base = torch.randint(0, 256, (20, H, bs, sc.slot_bytes + 8), dtype=torch.uint8, generator=g)
     ref, got = base.clone(), base.clone()
     P, cells = sc.payload_bytes, lambda t: t[..., 4:4 + sc.slot_bytes]  # strided, like vLLM's (float32 steps: 4-aligned)
-    store(cells(ref), sc.encode(k, v), slots)
+    store(cells(ref), sc.encode(k, v), slots, sc.value_offset if keys else 0)
     tk.reset_calls()
     with triton_enabled(True):
         got = got.to(dev)
         sc.store(cells(got), k.to(dev), v.to(dev), slots)
         got = got.cpu()
-    assert tk.calls() == {"store": 2}
+    assert tk.calls() == {"store": 1 if keys else 2}
     # the affine grid bit for bit; QuEST's step is coef·‖x‖/√d, whose sum runs in another order in the kernel: steps
     # equal to their dtype's rounding (a last bit apart now and then), a code flipped with them rarely, as in the
     # transformers cache's flush through the kernel
     live = slots[slots >= 0]
     for _side, name, dtype, _n, off, width in sc.fields:
         a, b = (cells(t)[live // bs, :, live % bs, off:off + width] for t in (got, ref))  # (written, H, width)
+        if keys and _side == "key":  # a tile's key fields: written when it is complete (store_tiles), not here
+            assert torch.equal(a, cells(base)[live // bs, :, live % bs, off:off + width]), name
+            continue
         if quantizer == "affine":
             assert torch.equal(a, b), name
         elif name == "codes":
@@ -819,11 +829,11 @@ def test_batched_decode_of_centered_keys_through_the_triton_kernel(tile, dtype):
 
 
 # -- the folder the plugin serves ------------------------------------------------------------------------
-def _export(tmp_path, name, method, cfg=CFG, family="llama"):
+def _export(tmp_path, name, method, cfg=CFG, family="llama", **over):
     from wushkv.calibration import calibrate
     from wushkv.serving import export_model
 
-    model = tiny_model(family, vocab_size=128)
+    model = tiny_model(family, vocab_size=128, **over)
     text = tmp_path / "calib.txt"
     text.write_text(TINY_CALIBRATION_TEXT)
     cal = calibrate(model, hf_char_tokenizer(), samples=3, seq_len=64, text_file=str(text), show_progress=False)
@@ -891,7 +901,8 @@ def test_cuda_backends_on_fake_cuda_tensors(tmp_path):
     keeps the other of two near-tied rounds where its sums' order differs from torch's), over per-token codes of keys centered on their rotating mean
     (+rmean: centered in the forward, their centers' share of the scores in the kernel), +ldlq key tiles after a sink
     of one tile, a sliding-window gemma3 layer, and both sides in KVarN's tiles (+tiles: the values' tile kernel
-    too) (tests/vllm_fake_cuda_check.py). A decode step of per-token codes,
+    too) (tests/vllm_fake_cuda_check.py); +ldlq key tiles at head_dim 64: their values through the Triton store at
+    each of the 5 steps, the decode through the kernel. A decode step of per-token codes,
     stored by the Triton kernel or in torch, makes the host wait for the device nowhere in a layer (the step's host
     copies are made once, by the builder), nor does a prefill chunk's attention. (The tiny models' head_dim of 32 leaves key tiles of 128 tokens one byte of scale and
     zero per cell, which the Triton decode does not read: their decode takes the general path here.) Constructing the
@@ -899,7 +910,8 @@ def test_cuda_backends_on_fake_cuda_tensors(tmp_path):
     folders = [_export(tmp_path, "affine", "wush+rmean", replace(CFG, quantizer="affine")),
                _export(tmp_path, "tiles", "wush+ktiles+ldlq", replace(CFG, windows=WindowConfig(128, 64, 16))),
                _export(tmp_path, "gemma", "wush+ldlq", family="gemma3"),
-               _export(tmp_path, "vtiles", "wush+tiles")]
+               _export(tmp_path, "vtiles", "wush+tiles"),
+               _export(tmp_path, "tiles_d64", "wush+ktiles+ldlq", replace(CFG, windows=WindowConfig(128, 64, 16)), head_dim=64)]
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(ROOT / "src"), str(ROOT / "tests")]), TRITON_INTERPRET="1")
     r = subprocess.run([str(VLLM_PY), str(ROOT / "tests" / "vllm_fake_cuda_check.py"), *map(str, folders)], env=env,
                        capture_output=True, text=True, timeout=900)
@@ -913,6 +925,11 @@ def test_cuda_backends_on_fake_cuda_tensors(tmp_path):
         # prefill chunks' attention works out its blocks' columns on the host: no wait (4 a block of queries before)
         assert not [k for k in got[name]["syncs"] if "paged.py" in k], got[name]["syncs"]
         assert got[name]["calls"].get("decode", 0) >= 3, got[name]["calls"]  # the decode steps through the kernel
+    # +ldlq key tiles (`auto`'s layout) at head_dim 64, whose cells put every float16 at an even offset: the
+    # values through the Triton store at every step (PyTorch's loop over the channels before session 74), the keys by
+    # the tile kernel when a tile completes, the decode steps through the kernel (at head_dim 32: the general path)
+    calls = got["tiles_d64"]["calls"]
+    assert calls.get("store", 0) >= 5 and calls.get("kvarn_keys", 0) >= 1 and calls.get("decode", 0) >= 3, calls
     # both sides in KVarN's tiles: each completed tile's keys and values quantized on the device by the tile kernels
     assert got["vtiles"]["calls"].get("kvarn_values", 0) >= 1 and got["vtiles"]["calls"].get("kvarn_keys", 0) >= 1, got["vtiles"]
 

@@ -182,18 +182,22 @@ class SlotCodec:
     def _store_triton(self, cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slot_mapping: torch.Tensor) -> bool:
         """:meth:`store` through wushkv's Triton store kernel (:func:`wushkv.triton_kernels.store_paged`, one launch
         per side) into strided views of the cells, where :func:`wushkv.decode.triton_for` sends the cache's device
-        (a GPU; any device under ``triton_enabled(True)``) and the kernel covers both sides: per-token QuEST or affine
+        (a GPU; any device under ``triton_enabled(True)``) and the kernel covers its sides: per-token QuEST or affine
         codes, with or without error feedback (``+ldlq``), without clip search or one-byte steps (their codes are
         rounded on what the kernel does not compute). The bytes of :meth:`encode`: the affine grid bit for bit, QuEST's step to its dtype's rounding
         (the kernel sums ‖x‖ in another order: a last bit apart now and then, a code with it rarely); the padding is
-        left as it was. False where it does not apply: the caller stores as before."""
+        left as it was. With key tiles, the values alone (one launch; the key fields wait for their tile:
+        :meth:`store_tiles`). False where it does not apply: the caller stores as before."""
         from wushkv.decode import triton_for
 
-        tk = triton_for(cache.device) if not self.tile else None
+        tk = triton_for(cache.device)
         if tk is None:
             return False
+        # the per-token sides this store writes: with key tiles (every `auto` recipe) the values only, whose +ldlq
+        # feedback would otherwise run PyTorch's loop over the channels, some 13 launches a channel, at every step
+        sides = [(side, c, x) for (side, c), x in zip(self.codecs.items(), (k, v)) if not (side == "key" and self.tile)]
         fmts = []
-        for c in self.codecs.values():
+        for _side, c, _x in sides:
             if not isinstance(c, TokenCodec) or c.step_byte:
                 return False
             try:
@@ -203,7 +207,7 @@ class SlotCodec:
         views = self.field_views(cache)
         if views is None:
             return False
-        for (side, c), x, fmt in zip(self.codecs.items(), (k, v), fmts):
+        for (side, c, x), fmt in zip(sides, fmts):
             tk.store_paged(x.to(cache.device), slot_mapping, views[side, "codes"], views[side, "scale"],
                            views.get((side, "offset")), fmt, feedback=c.feedback)
         return True
