@@ -51,6 +51,7 @@ from __future__ import annotations
 
 import argparse
 import collections
+import dataclasses
 import json
 import os
 import re
@@ -188,17 +189,20 @@ def recorded_paged_decode(layout: str, bits: int, d: int, q_heads: int, kv_heads
 
 def recorded_stores(bits: int, d: int, kv_heads: int, key_tile: int = 128) -> list:
     """The store launches of one layer as a GPU makes them (CPU tensors standing in for its): (label, launch) of
-    per-token QuEST codes from bfloat16 rows, plain and with error feedback, and of the keys' KVarN tiles of
-    ``key_tile`` tokens, plain and with error feedback."""
+    per-token QuEST codes from bfloat16 rows, plain and with error feedback, their steps in one E5M3 byte too, and of
+    the keys' KVarN tiles of ``key_tile`` tokens, plain and with error feedback."""
     x = torch.zeros(1, kv_heads, key_tile, d, dtype=torch.bfloat16)
     F = torch.eye(d).expand(kv_heads, d, d).contiguous()
     fmt = tk.TokenFormat.of(QuestQuantizer(bits), d)
     codes = torch.zeros(1, kv_heads, key_tile, fmt.nbytes, dtype=torch.uint8)
     scale = torch.zeros(1, kv_heads, key_tile, fmt.ngroups, dtype=torch.bfloat16)
     out = []
-    for label, fb in (("token", None), ("token +ldlq", F)):
+    byte_steps = torch.zeros(1, kv_heads, key_tile, fmt.ngroups, dtype=torch.uint8)
+    for label, fb, e5m3 in (("token", None, False), ("token +ldlq", F, False), ("token e5m3", None, True),
+                            ("token e5m3 +ldlq", F, True)):
         with tk.recorded_launches() as launches:
-            tk.store_contiguous(x, codes, scale, None, 0, fmt, feedback=fb)
+            tk.store_contiguous(x, codes, byte_steps if e5m3 else scale, None, 0,
+                                dataclasses.replace(fmt, step_byte=e5m3), feedback=fb)
         out.append((label, launches[0]))
     for label, fb in (("key tiles", None), ("key tiles +ldlq", F)):
         with tk.recorded_launches() as launches:

@@ -8,6 +8,7 @@ On a machine without CUDA they run on CPU tensors under Triton's interpreter (te
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import numpy as np
@@ -192,6 +193,48 @@ def test_store_rounds_with_error_feedback(name, meta):
         tk.store_paged(x.to(DEVICE), slots, *_buffers((2, 4, H), fmt, meta), fmt, feedback=F[0].to(DEVICE))
 
 
+@pytest.mark.parametrize("name,feedback", [("quest2", False), ("quest4-g16", True), ("quest8", False), ("quest3", True)])
+def test_store_writes_one_byte_steps(name, feedback):
+    """QuEST steps in one E5M3 byte (metadata dtype ``e5m3``, the K4V2 recipe served in vLLM): the store writes what
+    ``TokenCodec(step_byte=True).encode`` writes, the step rounded to its byte (half up; from 5 bits up, so that it
+    spans each token's max |x|) and the codes rounded on the rounded step, with error feedback too (``+ldlq``), slot
+    < 0 skipped. Bit for bit under the interpreter, with tokens at every scale: a zero token (its step rounds to
+    byte 0, its codes on float32's tiny), one too large for float16 (the largest byte), one of tiny values (a
+    subnormal step), rows whose steps fall near a byte's midpoint. A float16 steps tensor for such a format, and a
+    byte tensor for another, are refused by name. (Before session 74 such a store took the PyTorch path.)"""
+    from wushkv.codecs import TokenCodec
+
+    q, d, H = QUANTIZERS[name], 64, 2
+    fmt = dataclasses.replace(tk.TokenFormat.of(q, d), step_byte=True)
+    F = _unit_upper(H, d, seed=5) if feedback else None
+    g = torch.Generator().manual_seed(6)
+    x = torch.randn(12, H, d, generator=g) * torch.logspace(-2, 1, 12)[:, None, None]
+    x[2] = 0.0
+    x[5, 0] *= 1e8  # a step past float16's range
+    x[7] = torch.randn(H, d, generator=g) * 1e-6  # a subnormal float16 step
+    ref = TokenCodec(q, d, torch.float16, feedback=F, step_byte=True).encode(x.transpose(0, 1)[None])  # (1, H, 12, ·)
+    assert ref["scale"].dtype == torch.uint8 and int(ref["scale"].max()) == 0xF7 and int(ref["scale"][0, :, 2].max()) == 0
+    slots = torch.tensor([3, 0, 6, -1, 1, 5, 2, 9, 11, 8, 10, 15])
+    codes, _, _ = _buffers((4, 4, H), fmt, torch.float16)
+    scale = torch.full((4, 4, H, fmt.ngroups), 0xAB, dtype=torch.uint8, device=DEVICE)
+    tk.store_paged(x.to(DEVICE), slots, codes, scale, None, fmt, feedback=None if F is None else F.to(DEVICE))
+    codes, scale = codes.view(16, H, -1).cpu(), scale.view(16, H, -1).cpu()
+    live = slots >= 0
+    got_c, got_s = (t[slots.clamp(min=0)].transpose(0, 1)[:, live] for t in (codes, scale))
+    want_c, want_s = ref["codes"][0][:, live], ref["scale"][0][:, live]
+    if EXACT_ON_ANY_DATA:
+        assert torch.equal(got_s, want_s) and torch.equal(got_c, want_c), (name, (got_c != want_c).float().mean())
+    else:  # QuEST's ‖x‖ summed in another order: a step's byte, and codes with it, may differ now and then
+        assert (got_s != want_s).float().mean() < 5e-2 and (got_c != want_c).float().mean() < 2e-2, name
+    assert (codes[[4, 7, 12, 13, 14]] == 0xAB).all() and (scale[[4, 7, 12, 13, 14]] == 0xAB).all()  # nobody's slots
+    with pytest.raises(ValueError, match=r"step_byte=True stores its steps as uint8"):
+        tk.store_paged(x.to(DEVICE), slots, codes.view(4, 4, H, -1).to(DEVICE), torch.zeros(4, 4, H, fmt.ngroups,
+                       dtype=torch.float16, device=DEVICE), None, fmt)
+    with pytest.raises(ValueError, match=r"step_byte=False stores its steps as float16, bfloat16 or float32, got torch.uint8"):
+        tk.store_paged(x.to(DEVICE), slots, codes.view(4, 4, H, -1).to(DEVICE), scale.view(4, 4, H, -1).to(DEVICE), None,
+                       tk.TokenFormat.of(q, d))
+
+
 def _assert_same_tiles(got: dict, ref) -> None:
     """The tile kernel's storage ``got`` is ``ref``'s (KVarNTiles): bit for bit under the interpreter; on a GPU (float32
     sums in another order) the same codes but where a value sits on a rounding boundary, and the same dequantized
@@ -346,7 +389,7 @@ def test_decode_equals_dequantize_then_attend(name):
 def test_decode_reads_one_byte_steps():
     """QuEST steps stored as one E5M3 byte (metadata dtype ``e5m3``), one group per token and groups of 16: the
     kernel decodes the byte as the codec does, within 1e-3 of dequantize-then-attend; decode_attention sends such a
-    cache to the kernel (the store kernel does not write them: its flushes stay on the PyTorch path)."""
+    cache to the kernel (the store kernel writes them too since session 74: test_store_writes_one_byte_steps)."""
     d = 64
     q, pk, pv = _case(QuestQuantizer(4, 16), QuestQuantizer(2), B=2, Hkv=2, G=3, d=d, n_s=3, n_m=37, n_r=5, meta="e5m3")
     assert pk[1][1]["scale"].dtype == pv[1][1]["scale"].dtype == torch.uint8
@@ -357,9 +400,6 @@ def test_decode_reads_one_byte_steps():
     with decode_mod.triton_enabled(True):
         out = decode_attention(q, pk, pv, None, d**-0.5)[:, 0]
     assert tk.calls() == {"decode": 1} and _rel(out, ref) < 1e-3  # one split on CPU: no merge
-    with pytest.raises(ValueError, match="e5m3"):
-        fmt = tk.TokenFormat(2, d, d, True, step_byte=True)
-        tk.store_paged(q[:, :2, 0], torch.arange(1), pk[1][1]["codes"], pk[1][1]["scale"], None, fmt)
     with pytest.raises(ValueError, match="step_byte=True needs uint8"):
         wrong = tk.Packed(tk.TokenFormat(2, d, d, True, step_byte=True), pv[1][1]["codes"], pv[1][1]["scale"].half())
         tk.decode(q[:, :, 0], torch.tensor([[3, 37, 5]] * 2), pk[0], pv[0], wrong, wrong, pk[2], pv[2], 1.0)
@@ -1265,7 +1305,8 @@ def test_cache_flush_goes_through_the_store_kernel(quantizer, dtype, meta):
     store kernel, one launch per side and flush, and stores what the PyTorch codec stores on CPU, bit for bit (codes,
     scale, offset; exact data; on CUDA torch divides by a constant through its reciprocal, the kernel as the CPU does).
     So does a side with error feedback (``+ldlq``, since session 62; before, that side stayed on the PyTorch path).
-    Codecs the kernel does not cover stay on the PyTorch path: the clip search, one-byte steps, KVarN tiles."""
+    So do one-byte (E5M3) steps (since session 74). Codecs the kernel does not cover stay on the PyTorch path: the clip
+    search; KVarN tiles go through their own kernel."""
     cfg = QuantConfig(2, 3, quantizer, group_size=16, metadata_dtype=meta, windows=WindowConfig(2, 4, 4))
     ref, launches, flushes = _stream(cfg, False, dtype, device="cpu")
     assert launches == 0 and flushes >= 2  # the prefill's flush and at least one during decode
@@ -1283,9 +1324,17 @@ def test_cache_flush_goes_through_the_store_kernel(quantizer, dtype, meta):
     for side, store in _middle(ref).items():
         for k, t in store.items():
             assert torch.equal(_middle(out)[side][k], t), ("feedback", side, k)
+    # one-byte (E5M3) steps, with feedback on the keys: through the kernel too since session 74, the same bytes
+    e5 = QuantConfig(2, 3, "quest", group_size=16, metadata_dtype="e5m3", windows=WindowConfig(2, 4, 4))
+    ref, _, flushes = _stream(e5, False, dtype, CacheInputs(feedback_K=F), device="cpu")
+    out, launches, _ = _stream(e5, True, dtype, CacheInputs(feedback_K=F.to(DEVICE)))
+    assert launches == 2 * flushes
+    for side, store in _middle(ref).items():
+        assert store["scale"].dtype == torch.uint8
+        for k, t in store.items():
+            assert torch.equal(_middle(out)[side][k], t), ("e5m3", side, k)
     for other in (QuantConfig(2, 3, quantizer, clip_search=2, windows=WindowConfig(2, 4, 4)),
-                  QuantConfig(2, 2, "kvarn", windows=WindowConfig(2, 4, 4)),
-                  QuantConfig(2, 3, "quest", metadata_dtype="e5m3", windows=WindowConfig(2, 4, 4))):
+                  QuantConfig(2, 2, "kvarn", windows=WindowConfig(2, 4, 4))):
         assert _stream(other, True, dtype)[1] == 0, other
 
 
@@ -1377,11 +1426,10 @@ def test_model_decode_through_triton_equals_pytorch(family, cfg):
     tk.reset_calls()
     out, out_mid = run(True)
     L = model.config.num_hidden_layers
-    stores = tk.calls().get("store", 0)  # every layer flushed at least once; one-byte steps on the PyTorch path
+    stores = tk.calls().get("store", 0)  # every layer flushed at least once, one-byte steps too (since session 74)
     # (tiles: through the tile kernel, the other side through the store kernel)
     tiles = [name for name in ("key", "value") if cfg.side_quantizer(name) == "kvarn"]
-    assert tk.calls()["decode"] == 3 * L and (stores == 0 if cfg.metadata_dtype == "e5m3" else
-                                              stores >= (2 - len(tiles)) * L)
+    assert tk.calls()["decode"] == 3 * L and stores >= (2 - len(tiles)) * L
     assert all(tk.calls().get(f"kvarn_{name}s", 0) >= (L if name in tiles else 0) for name in ("key", "value")), tk.calls()
     flips = total = 0
     for a, b in zip(ref_mid, out_mid):
@@ -1420,9 +1468,15 @@ for quest, clipped, has_t, br, fb, G in ((True, True, False, 8, False, 32), (Tru
                                         (True, True, False, 1, True, 128), (False, True, False, 1, True, 32),
                                         (False, True, True, 8, False, 128)):  # affine's clip counted over T k
     consts = dict(D=128, G=G, BITS=3, QUEST=quest, CLIPPED=clipped, HAS_T=has_t, HAS_Z=not quest, TC=32, META_BF16=True,
-                  FEEDBACK=fb, BR=br)
+                  FEEDBACK=fb, BR=br, STEP_BYTE=False, STEP_ROUND=64)
     triton.compile(ASTSource(K["store"], sig("store", ptrs, ("coef", "sqrt_g"), consts), consts), target=GPUTarget("cuda", 90, 32),
                    options={"enable_fp_fusion": False} if fb else None)
+# QuEST's steps in one E5M3 byte (K4V2's served recipe), rounded half up and up, with error feedback and without
+for fb, rnd in ((True, 64), (False, 127)):
+    consts = dict(D=128, G=128, BITS=2, QUEST=True, CLIPPED=True, HAS_T=False, HAS_Z=False, TC=32, META_BF16=False,
+                  FEEDBACK=fb, BR=1 if fb else 8, STEP_BYTE=True, STEP_ROUND=rnd)
+    triton.compile(ASTSource(K["store"], sig("store", ptrs | {"s_ptr": "*u8", "z_ptr": "*u8"}, ("coef", "sqrt_g"), consts), consts),
+                   target=GPUTarget("cuda", 90, 32), options={"enable_fp_fusion": False} if fb else None)
 # KVarN key tiles of 128 tokens at head_dim 64 (SmolLM2's auto), clipped, with error feedback along the channels
 # (and, the same kernel on the transposed tile, KVarN value tiles of 128 tokens at head_dim 128: the kvarn method's)
 for consts in (dict(D=64, G=128, BITS=2, ITERS=16, CLIPPED=True, FEEDBACK=True, VALUES=False),
@@ -1542,7 +1596,8 @@ def test_launcher_sees_the_constexpr_parameters():
 @pytest.mark.slow
 def test_kernels_compile_for_cuda():
     """The compiled path, which the interpreter does not exercise (Triton's front end, shapes the tensor-core dot
-    accepts, name resolution), without a GPU: the store (with error feedback too, fused multiply-adds off), the KVarN
+    accepts, name resolution), without a GPU: the store (with error feedback too, fused multiply-adds off; one-byte
+    steps), the KVarN
     key tiles', decode (two tunings, one-byte key steps; codes in classes,
     in words of 16 bits, three bytes and one, whose inline PTX ptxas assembles, two codes a word a class at head_dim
     64; rows from their own columns; the last split merging its pair's, its atomic after a barrier that follows the

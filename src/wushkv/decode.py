@@ -35,6 +35,7 @@ through its store kernel (:func:`triton_enabled` forces both on or off).
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import functools
 import sys
 
@@ -132,7 +133,7 @@ _TRITON_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 def encode_block(codec, x: torch.Tensor) -> dict[str, torch.Tensor]:
     """``codec.encode(x)`` of a block x (B, Hkv, N, d) entering the packed middle: through the Triton store kernel
     where the switch sends x's device there and the kernel covers the codec (a :class:`TokenCodec`, with or without
-    error feedback, without clip search or one-byte steps, a head_dim and group size the kernels take, x in
+    error feedback, with one-byte (E5M3) steps or not, without clip search, a head_dim and group size the kernels take, x in
     float16/bfloat16/float32), else through the codec's PyTorch path. The same storage either way: codes uint8 (B, Hkv, N, ⌈d·b/8⌉), scale (and offset,
     affine) (B, Hkv, N, d/G) in the codec's metadata dtype. KVarN tiles (:class:`KVarNCodec`: keys with or without
     error feedback, values; a power-of-two head_dim and tile) go through the tile kernel
@@ -147,17 +148,17 @@ def encode_block(codec, x: torch.Tensor) -> dict[str, torch.Tensor]:
         if codec.kind == "value":
             return tk.kvarn_value_tiles(x, codec.bits, G, codec.clip)
         return tk.kvarn_key_tiles(x, codec.bits, G, codec.clip, codec.feedback)
-    covered = isinstance(codec, TokenCodec) and not codec.step_byte and x.dtype in _TRITON_DTYPES
+    covered = isinstance(codec, TokenCodec) and x.dtype in _TRITON_DTYPES
     tk = triton_for(x.device) if covered else None
     if tk is None:
         return codec.encode(x)
-    try:
-        fmt = tk.TokenFormat.of(codec.quantizer, codec.d)
+    try:  # (one-byte steps: QuEST's, rounded to E5M3 in the kernel, the codes on the rounded step)
+        fmt = dataclasses.replace(tk.TokenFormat.of(codec.quantizer, codec.d), step_byte=codec.step_byte)
     except ValueError:  # the clip search, a head_dim or group size the kernel does not take
         return codec.encode(x)
     B, H, N, _ = x.shape
     codes = torch.empty(B, H, N, fmt.nbytes, dtype=torch.uint8, device=x.device)
-    scale = torch.empty(B, H, N, fmt.ngroups, dtype=codec.meta_dtype, device=x.device)
+    scale = torch.empty(B, H, N, fmt.ngroups, dtype=torch.uint8 if fmt.step_byte else codec.meta_dtype, device=x.device)
     offset = None if fmt.quest else torch.empty_like(scale)
     tk.store_contiguous(x, codes, scale, offset, 0, fmt, feedback=codec.feedback)
     return {"codes": codes, "scale": scale} | ({} if offset is None else {"offset": offset})

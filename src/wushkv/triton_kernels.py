@@ -64,6 +64,7 @@ import torch
 
 from .quantizers import AffineQuantizer, QuestQuantizer
 from .quantizers.packing import PACK_BITS
+from .quantizers.quest import UNCLIPPED_FROM
 
 _TINY = float(torch.finfo(torch.float32).tiny)  # QuEST's floor on Δ
 _MIN_RANGE = 1e-8  # the affine quantizer's floor on hi − lo (wushkv.quantizers.affine)
@@ -1137,7 +1138,8 @@ def _kernels() -> dict:
                      coef, kth, sqrt_g,
                      D: tl.constexpr, G: tl.constexpr, BITS: tl.constexpr, QUEST: tl.constexpr,
                      CLIPPED: tl.constexpr, HAS_T: tl.constexpr, HAS_Z: tl.constexpr, TC: tl.constexpr,
-                     META_BF16: tl.constexpr, FEEDBACK: tl.constexpr, BR: tl.constexpr):
+                     META_BF16: tl.constexpr, FEEDBACK: tl.constexpr, BR: tl.constexpr, STEP_BYTE: tl.constexpr,
+                     STEP_ROUND: tl.constexpr):
         r = tl.program_id(0).to(tl.int64) * BR + tl.arange(0, BR)  # (BR,) rows
         h = tl.program_id(1).to(tl.int64)
         raw = tl.load(slot_ptr + r, mask=r < R, other=-1).to(tl.int64)  # vLLM pads with slot -1: nothing is written
@@ -1167,7 +1169,15 @@ def _kernels() -> dict:
             else:
                 step = coef * tl.max(tl.abs(xg), 2)
             step = tl.maximum(step, 1.1754943508222875e-38)
-            q = tl.floor(tl.math.div_rn(xg, step[:, :, None]))
+            if STEP_BYTE:  # one E5M3 byte (codecs.e5m3_round): float16's bits 14..7, rounded half up (STEP_ROUND 64)
+                # or up (127); the codes are rounded on the step as stored, which may be 0 (then on float32's tiny)
+                hb = step.to(tl.float16).to(tl.int16, bitcast=True).to(tl.int32)
+                sbyte = tl.minimum(tl.maximum((hb + STEP_ROUND) >> 7, 0), 0xF7)
+                step = (sbyte << 7).to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
+                q = tl.floor(tl.math.div_rn(xg, tl.maximum(step, 1.1754943508222875e-38)[:, :, None]))
+            else:
+                sbyte = tl.zeros([BR, NG], dtype=tl.int32)  # unused
+                q = tl.floor(tl.math.div_rn(xg, step[:, :, None]))
             q = tl.minimum(tl.maximum(q, -HALF), HALF - 1) + HALF
             scale = step
             offset = step  # unused: QuEST stores only the step
@@ -1200,7 +1210,10 @@ def _kernels() -> dict:
             offset = -z * s
             x = x0
         if FEEDBACK:  # the codes rounded with error feedback F (H, D, D) on the grid as stored (feedback_round)
-            s_st = _rne_out(scale, META_BF16).to(s_ptr.dtype.element_ty).to(tl.float32)  # (BR, NG)
+            if STEP_BYTE:
+                s_st = scale  # the E5M3 step, exact in float32
+            else:
+                s_st = _rne_out(scale, META_BF16).to(s_ptr.dtype.element_ty).to(tl.float32)  # (BR, NG)
             if QUEST:
                 o_st = s_st * (0.5 - (1 << (BITS - 1)))  # (TokenCodec.scale_offset: offset = (½ − 2^{b−1})·Δ)
             else:
@@ -1228,8 +1241,11 @@ def _kernels() -> dict:
         else:
             _store_packed(c_ptr, blk * sc0 + tok * sc1 + h * sc2, q, ok, BR, D, BITS)
         g = tl.arange(0, NG)
-        tl.store(s_ptr + (blk * ss0 + tok * ss1 + h * ss2)[:, None] + g[None, :],
-                 _rne_out(scale, META_BF16).to(s_ptr.dtype.element_ty), mask=ok[:, None])
+        if STEP_BYTE:
+            tl.store(s_ptr + (blk * ss0 + tok * ss1 + h * ss2)[:, None] + g[None, :], sbyte.to(tl.uint8), mask=ok[:, None])
+        else:
+            tl.store(s_ptr + (blk * ss0 + tok * ss1 + h * ss2)[:, None] + g[None, :],
+                     _rne_out(scale, META_BF16).to(s_ptr.dtype.element_ty), mask=ok[:, None])
         if HAS_Z:
             tl.store(z_ptr + (blk * sz0 + tok * sz1 + h * sz2)[:, None] + g[None, :],
                      _rne_out(offset, META_BF16).to(z_ptr.dtype.element_ty), mask=ok[:, None])
@@ -1565,9 +1581,9 @@ def _store(x, slots, page, codes, scale, offset, fmt: TokenFormat, transform, st
     R, H, d = x.shape
     if d != fmt.d:
         raise ValueError(f"x has head_dim {d}, the format {fmt.d}")
-    if fmt.step_byte:
-        raise ValueError("the Triton store does not write one-byte (e5m3) steps: the codes must be rounded on the "
-                         "rounded step (TokenCodec's PyTorch path does)")
+    if fmt.step_byte != (scale.dtype == torch.uint8):
+        raise ValueError(f"a format with step_byte={fmt.step_byte} stores its steps as "
+                         f"{'uint8 (one E5M3 byte each)' if fmt.step_byte else 'float16, bfloat16 or float32'}, got {scale.dtype}")
     if fmt.quest != (offset is None):
         raise ValueError("QuEST stores no offset (pass offset=None); the affine quantizer needs one")
     if codes.dtype != torch.uint8 or codes.shape[-1] != fmt.nbytes or codes.stride(-1) != 1:
@@ -1604,7 +1620,7 @@ def _store(x, slots, page, codes, scale, offset, fmt: TokenFormat, transform, st
             float(fmt.coef), int(fmt.kth), float(math.sqrt(fmt.G)),
             D=d, G=fmt.G, BITS=fmt.bits, QUEST=fmt.quest, CLIPPED=clipped, HAS_T=transform is not None,
             HAS_Z=offset is not None, TC=min(d, 32), META_BF16=scale.dtype == torch.bfloat16, FEEDBACK=feedback is not None,
-            BR=BR, **fusion)
+            BR=BR, STEP_BYTE=fmt.step_byte, STEP_ROUND=127 if fmt.step_byte and fmt.bits >= UNCLIPPED_FROM else 64, **fusion)
 
 
 def store_paged(x, slot_mapping, codes, scale, offset, fmt: TokenFormat, transform=None, *,

@@ -270,11 +270,26 @@ class ServedImpl:
         starts, seq_lens, host_slots, host_tables = host_batch(attn_metadata)
         host_slots = host_slots[:T]
         rm = st.rope_mean
-        # the step's positions (host): for +rmean, and to mark sink pages (only a step holding a position below the sink)
-        in_sink = any(n - (b - a) < st.windows.sink for n, a, b in zip(seq_lens, starts, starts[1:]) if b > a)
-        pos = step_positions(torch.tensor(starts), torch.tensor(seq_lens)) if rm is not None or in_sink else None
+        # what the step's layers work out from the batch alone, once a step (step_plan): the rows with queries, their
+        # (block ids, length) for the windows' trim, and the step's positions (host) where a layer needs them: for
+        # +rmean, and to mark sink pages (only a step holding a position below the sink)
+        plan = step_plan(attn_metadata, (tuple(starts), tuple(seq_lens)))
+        batch = plan.get(("batch", st.windows.sink))
+        if batch is None:
+            rows = [r for r in range(len(seq_lens)) if starts[r + 1] > starts[r]]
+            in_sink = any(seq_lens[r] - (starts[r + 1] - starts[r]) < st.windows.sink for r in rows)
+            batch = plan[("batch", st.windows.sink)] = (rows, [(host_tables[r], seq_lens[r]) for r in rows], in_sink, {})
+        rows, seqs, in_sink, positions = batch
+        pos = None
+        if rm is not None or in_sink:
+            pos = positions.get("host")
+            if pos is None:
+                pos = positions["host"] = step_positions(torch.tensor(starts), torch.tensor(seq_lens))
         if rm is not None:  # the codes of K' − c'_t
-            st.codec.store(cache, k_new - rm.center(to_device(pos, dev)), value[:T], attn_metadata.slot_mapping[:T], host_slots)
+            pos_dev = positions.get(dev)
+            if pos_dev is None:
+                pos_dev = positions[dev] = to_device(pos, dev)
+            st.codec.store(cache, k_new - rm.center(pos_dev), value[:T], attn_metadata.slot_mapping[:T], host_slots)
         elif dev.type != "cpu":  # the update left the store to the forward (there the padding is known on the host)
             st.codec.store(cache, k_new, value[:T], attn_metadata.slot_mapping[:T], host_slots)
         st.windows.write(k_new, v_new, host_slots, pos)
@@ -283,14 +298,8 @@ class ServedImpl:
         q = st.queries(query[:T])
         tables = attn_metadata.block_table
         window = self._window
-        seqs, rows = [], []
-        for r, n in enumerate(seq_lens):
-            if starts[r + 1] > starts[r]:
-                seqs.append((host_tables[r], n))
-                rows.append(r)
         # decode rows (one query) of the whole batch in one call of the fused kernel, straight from the codes; which
         # rows, their places and block tables on the device: once a step, for every layer (step_plan)
-        plan = step_plan(attn_metadata, (tuple(starts), tuple(seq_lens)))
         if "dec" not in plan:
             dec = [r for r in rows if starts[r + 1] - starts[r] == 1]
             idx = torch.tensor(dec, dtype=torch.long)

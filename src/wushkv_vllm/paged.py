@@ -42,6 +42,7 @@ tokens are read from their codes.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections import OrderedDict
 
@@ -183,8 +184,8 @@ class SlotCodec:
         """:meth:`store` through wushkv's Triton store kernel (:func:`wushkv.triton_kernels.store_paged`, one launch
         per side) into strided views of the cells, where :func:`wushkv.decode.triton_for` sends the cache's device
         (a GPU; any device under ``triton_enabled(True)``) and the kernel covers its sides: per-token QuEST or affine
-        codes, with or without error feedback (``+ldlq``), without clip search or one-byte steps (their codes are
-        rounded on what the kernel does not compute). The bytes of :meth:`encode`: the affine grid bit for bit, QuEST's step to its dtype's rounding
+        codes, with or without error feedback (``+ldlq``), QuEST's steps in one E5M3 byte too (since session 74),
+        without clip search (its codes are rounded on what the kernel does not compute). The bytes of :meth:`encode`: the affine grid bit for bit, QuEST's step to its dtype's rounding
         (the kernel sums ‖x‖ in another order: a last bit apart now and then, a code with it rarely); the padding is
         left as it was. With key tiles, the values alone (one launch; the key fields wait for their tile:
         :meth:`store_tiles`). False where it does not apply: the caller stores as before."""
@@ -198,10 +199,10 @@ class SlotCodec:
         sides = [(side, c, x) for (side, c), x in zip(self.codecs.items(), (k, v)) if not (side == "key" and self.tile)]
         fmts = []
         for _side, c, _x in sides:
-            if not isinstance(c, TokenCodec) or c.step_byte:
+            if not isinstance(c, TokenCodec):
                 return False
-            try:
-                fmts.append(tk.TokenFormat.of(c.quantizer, c.d))
+            try:  # (one-byte steps: QuEST's, rounded to E5M3 in the kernel, the codes on the rounded step)
+                fmts.append(dataclasses.replace(tk.TokenFormat.of(c.quantizer, c.d), step_byte=c.step_byte))
             except ValueError:  # the clip search, a head_dim or group size the kernel does not take
                 return False
         views = self.field_views(cache)
@@ -544,8 +545,9 @@ class Windows:
         the tokens' positions, which mark the sink's pages (kept past the capacity)."""
         if not (self.sink or self.recent or self.flush > 1):
             return
-        keep = slot_mapping.cpu() >= 0
-        slots = slot_mapping.cpu()[keep].long()
+        host = slot_mapping.cpu()
+        keep = host >= 0
+        slots = host[keep].long()
         if not len(slots):
             return
         self.version += 1
@@ -575,7 +577,9 @@ class Windows:
         kv = torch.stack([k, v], dim=2)  # (T, H, 2, d)
         if len(slots) < len(keep):  # padding (slot < 0): its tokens' rows left out, by a host index (a mask would wait)
             kv = kv.index_select(0, to_device(keep.nonzero().flatten(), kv.device))
-        self.pool[to_device(rows, dev), to_device(offs, dev)] = kv.to(dev, self.dtype)
+        # one index into the pool's (row, slot) pairs: one copy to the device and one indexed write a layer
+        flat = self.pool.view(-1, *self.pool.shape[2:])  # (P·unit, H, 2, d), the pool's storage
+        flat[to_device(rows * self.unit + offs, dev)] = kv.to(dev, self.dtype)
         self.written[rows, offs] = True
 
     def close(self, tiles: list[int]) -> None:
