@@ -231,10 +231,15 @@ def test_paged_triton_host(capsys):
     pytest.importorskip("triton")
     bench = load_benchmark("paged_triton_host")
     assert bench.parse_args([]).requests == "1,16,64"
-    (row,) = bench.run([300], [2], 1, layers=2)  # (it asserts which path each call took: in place, then gathered)
-    assert row["context"] == 300 and positive(row["in_place_ms"]) and positive(row["gathered_ms"])
-    assert positive(row["in_place_step_ms_per_layer"]) and positive(row["in_place_over_step"])
-    assert row["window_bytes_gathered"] > 3 * row["window_bytes_in_place"] > 0
+    rows = bench.run([300], [2], 1, layers=2)  # (it asserts which path each call took: in place, then gathered)
+    assert [r["layout"] for r in rows] == ["per_token", "key_tiles"]
+    for row in rows:
+        assert row["context"] == 300 and positive(row["in_place_ms"]) and positive(row["gathered_ms"])
+        assert positive(row["in_place_step_ms_per_layer"]) and positive(row["in_place_over_step"])
+        assert row["window_bytes_gathered"] > 3 * row["window_bytes_in_place"] > 0
+        assert positive(row["layer_ms"]) and positive(row["layer_over_decode"]) and 0 < row["layer_torch_ops"] <= 45
+    # the whole layer's kernels: one store a per-token side (key tiles: the values'), one decode
+    assert rows[0]["layer_launches"] == ["decode", "store", "store"] and rows[1]["layer_launches"] == ["decode", "store"]
     assert "gathered/in place" in capsys.readouterr().out
 
 
@@ -579,7 +584,8 @@ def test_gpu_decode_acceptance_reads_the_issues_bars():
 
 def test_kernel_sass_stores_hold_their_rows_in_registers(tmp_path):
     """The store kernels compiled for sm_90 as a GPU launches them (``kernel_sass.py --stores``, head_dim 128): the
-    per-token store with error feedback keeps its row (one row, one warp) in registers: no spills, no stack, and its
+    per-token store with error feedback (float16 steps and one-byte ones) keeps its row (one row, one warp) in
+    registers: no spills, no stack, and its
     loop over the channels stays short (97 instructions a channel on triton 3.9; bound 200) and has no barrier (one
     warp). Before its codes went straight into packed words, the codes' tile took a layout holding all 128 in every
     thread: 1,134 instructions a channel, 255 registers and spills. The KVarN key tiles (8 warps, 128 × 128 float32 a program) do not
@@ -600,11 +606,12 @@ def test_kernel_sass_stores_hold_their_rows_in_registers(tmp_path):
                            str(tmp_path / "s.json")], env=env, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
     rows = {r["kernel"]: r for r in json.loads((tmp_path / "s.json").read_text())["stores"]}
-    assert set(rows) == {"token", "token +ldlq", "key tiles", "key tiles +ldlq"}
-    fb = rows["token +ldlq"]
-    assert fb["rows_per_program"] == 1 and rows["token"]["rows_per_program"] == 8  # a GPU's rows, not the interpreter's
-    assert fb["stack"] == 0 and fb["spill_loads"] == 0 and fb["registers"] <= 128 and fb["num_warps"] == 1, fb
-    assert len(fb["loop_instructions"]) == 1 and fb["loop_instructions"][0] < 200 and fb["loop_barriers"] == [0], fb
+    assert set(rows) == {"token", "token +ldlq", "token e5m3", "token e5m3 +ldlq", "key tiles", "key tiles +ldlq"}
+    for fb in (rows["token +ldlq"], rows["token e5m3 +ldlq"]):  # (one-byte steps: since session 74)
+        assert fb["rows_per_program"] == 1 and rows["token"]["rows_per_program"] == 8  # a GPU's rows, not the interpreter's
+        assert fb["stack"] == 0 and fb["spill_loads"] == 0 and fb["registers"] <= 128 and fb["num_warps"] == 1, fb
+        assert len(fb["loop_instructions"]) == 1 and fb["loop_instructions"][0] < 200 and fb["loop_barriers"] == [0], fb
+    assert rows["token e5m3"]["stack"] == 0 and rows["token e5m3"]["spill_loads"] == 0, rows["token e5m3"]
     for name in ("key tiles", "key tiles +ldlq"):
         assert rows[name]["stack"] == 0 and rows[name]["spill_loads"] == 0 and rows[name]["num_warps"] == 8, rows[name]
     assert len(rows["key tiles +ldlq"]["loop_instructions"]) == 2  # the balance's rounds, then the rows in order

@@ -115,6 +115,7 @@ class SlotCodec:
         # the fused store writes a side's codes on its quantizer's grid: with error feedback on any per-token grid,
         # without it on QuEST's (floor(x/Δ)); an affine side without feedback is encoded in torch
         self._packed_cells = None  # (key, views): the Triton decode's views of the last cache it read (_packed_cells)
+        self._store_views = None  # (key, field views) of the last cache the Triton store wrote (_store_triton)
         self._fused_store = self._sides is not None and all(
             c.feedback is not None or c.symmetric for c in self.codecs.values() if isinstance(c, TokenCodec))
 
@@ -205,7 +206,12 @@ class SlotCodec:
                 fmts.append(dataclasses.replace(tk.TokenFormat.of(c.quantizer, c.d), step_byte=c.step_byte))
             except ValueError:  # the clip search, a head_dim or group size the kernel does not take
                 return False
-        views = self.field_views(cache)
+        # the views kept for the cache they were made for (its address, shape, strides): a layer stores into the same
+        # cache tensor at every step, and making them is a dozen operations
+        key = (cache.data_ptr(), tuple(cache.shape), cache.stride(), cache.dtype, cache.device)
+        if self._store_views is None or self._store_views[0] != key:
+            self._store_views = (key, self.field_views(cache))
+        views = self._store_views[1]
         if views is None:
             return False
         for (side, c, x), fmt in zip(sides, fmts):
@@ -557,11 +563,12 @@ class Windows:
         self._page_slots(max(uniq) + 1)
         new = [p for p in uniq if p not in self.pages]
         self._grow(len(new))
-        for p in new:
-            e = self.free.pop()
-            self.written[e] = False
-            self.index[p] = e
-            self.pages[p] = e
+        if new:  # their pool rows, unwritten: two indexed writes for all of them, not two a page
+            rows_new = [self.free.pop() for _ in new]
+            self.pages.update(zip(new, rows_new))
+            at = torch.tensor(rows_new, dtype=torch.long)
+            self.written[at] = False
+            self.index[torch.tensor(new, dtype=torch.long)] = at.to(torch.int32)
         for p in uniq:
             self.pages.move_to_end(p)
         if positions is not None and self.sink:
