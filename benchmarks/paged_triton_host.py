@@ -42,6 +42,8 @@ import statistics
 import time
 
 os.environ.setdefault("TRITON_INTERPRET", "1")  # before triton is imported: the launches are skipped anyway
+if __name__ == "__main__":  # a GPU's path has none of wushkv's C++ kernels: where the Triton store declines a codec,
+    os.environ.setdefault("WUSHKV_NO_EXT", "1")  # torch encodes it there, not paged_store (set before they load)
 
 import torch  # noqa: E402
 
