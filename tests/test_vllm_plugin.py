@@ -676,7 +676,8 @@ def test_batched_decode_through_the_triton_kernel(quantizer, bits, dtype, meta):
 
 @pytest.mark.parametrize("layout", ["per_token", "one_byte_steps", "key_tiles", "kivi", "kvarn"])
 def test_a_gpu_steps_layer_makes_as_many_torch_operations_at_every_head_dim(layout):
-    """On a GPU each torch operation of the plugin is a launch the host issues: a decode step's later layer on the GPU
+    """On a GPU most torch operations of the plugin are launches the host issues one by one (the rest, the windows'
+    bookkeeping, run on host tensors): a decode step's later layer on the GPU
     path (``SlotCodec.store`` of 16 requests' new tokens, ``Windows.write`` of their copies, ``store_tiles``, and
     ``decode_batch`` through the step's plan; the Triton launches recorded, not run) makes the same torch operations
     at head_dim 64 and 128, so none loops over the channels (``+ldlq``'s PyTorch rounding takes ~13 a channel: until
