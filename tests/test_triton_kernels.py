@@ -199,8 +199,9 @@ def test_store_writes_one_byte_steps(name, feedback):
     ``TokenCodec(step_byte=True).encode`` writes, the step rounded to its byte (half up; from 5 bits up, so that it
     spans each token's max |x|) and the codes rounded on the rounded step, with error feedback too (``+ldlq``), slot
     < 0 skipped. Bit for bit under the interpreter, with tokens at every scale: a zero token (its step rounds to
-    byte 0, its codes on float32's tiny), one too large for float16 (the largest byte), one of tiny values (a
-    subnormal step), rows whose steps fall near a byte's midpoint. A float16 steps tensor for such a format, and a
+    byte 0, its codes on float32's tiny), a group of zeros before others (with feedback, its error goes on without
+    NaN: feedback_round divides a 0 step by tiny too), one too large for float16 (the largest byte), one of tiny
+    values (a subnormal step, bytes 1-7), rows whose steps fall near a byte's midpoint. A float16 steps tensor for such a format, and a
     byte tensor for another, are refused by name. (Before session 74 such a store took the PyTorch path.)"""
     from wushkv.codecs import TokenCodec
 
@@ -210,10 +211,13 @@ def test_store_writes_one_byte_steps(name, feedback):
     g = torch.Generator().manual_seed(6)
     x = torch.randn(12, H, d, generator=g) * torch.logspace(-2, 1, 12)[:, None, None]
     x[2] = 0.0
+    x[3, :, :16] = 0.0  # a group of zeros (groups of 16: its step is byte 0) before groups that are not
     x[5, 0] *= 1e8  # a step past float16's range
-    x[7] = torch.randn(H, d, generator=g) * 1e-6  # a subnormal float16 step
+    x[7] = torch.randn(H, d, generator=g) * (1e-4 if q.bits >= 5 else 2e-5)  # a subnormal float16 step: bytes 1-7
     ref = TokenCodec(q, d, torch.float16, feedback=F, step_byte=True).encode(x.transpose(0, 1)[None])  # (1, H, 12, ·)
+    s7 = ref["scale"][0, :, 7]
     assert ref["scale"].dtype == torch.uint8 and int(ref["scale"].max()) == 0xF7 and int(ref["scale"][0, :, 2].max()) == 0
+    assert bool(((s7 >= 1) & (s7 <= 7)).all()), s7
     slots = torch.tensor([3, 0, 6, -1, 1, 5, 2, 9, 11, 8, 10, 15])
     codes, _, _ = _buffers((4, 4, H), fmt, torch.float16)
     scale = torch.full((4, 4, H, fmt.ngroups), 0xAB, dtype=torch.uint8, device=DEVICE)

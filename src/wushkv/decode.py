@@ -104,7 +104,7 @@ def triton_enabled(enabled: bool | None):
     CPU tensors under Triton's interpreter, which needs ``TRITON_INTERPRET=1`` before triton is imported; an error
     where triton is missing), never (False), or on CUDA tensors where triton imports (None, the default); the
     previous choice comes back afterwards, also on error. Caches the kernels do not cover (float64; for store KIVI's
-    per-channel keys, KVarN's value tiles, the clip search and one-byte E5M3 steps) keep the PyTorch path."""
+    per-channel keys and the clip search) keep the PyTorch path."""
     global USE_TRITON
     previous, USE_TRITON = USE_TRITON, enabled
     try:

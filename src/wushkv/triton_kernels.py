@@ -106,7 +106,7 @@ class TokenFormat:
     or affine (scale and offset stored), and for *store* the grid: QuEST's step coefficient ``coef``
     (Δ = coef·RMS when ``clipped``, else coef·max|x|), the affine percentile index ``kth`` (−1: no clip).
     ``step_byte``: QuEST's steps are one E5M3 byte each (:func:`wushkv.codecs.e5m3_decode`: float16's bits 14..7);
-    decode reads them, store does not write them (the codes must be rounded on the rounded step)."""
+    decode reads them; store rounds each step to its byte and the codes on the rounded step (since session 74)."""
 
     bits: int
     d: int
@@ -1229,7 +1229,9 @@ def _kernels() -> dict:
                 wj = tl.sum(tl.where(at, x, 0.0), 1)  # (BR,)
                 sj = tl.sum(tl.where(gi[None, :] == j // G, s_st, 0.0), 1)
                 oj = tl.sum(tl.where(gi[None, :] == j // G, o_st, 0.0), 1)
-                c = tl.minimum(tl.maximum(tl.floor(tl.math.div_rn(wj - oj, sj) + 0.5), 0.0), QMAX * 1.0)
+                # (a step stored as 0 divides by float32's tiny, as feedback_round does: 0/0 would feed NaN on)
+                c = tl.minimum(tl.maximum(tl.floor(tl.math.div_rn(wj - oj, tl.maximum(sj, 1.1754943508222875e-38)) + 0.5),
+                                          0.0), QMAX * 1.0)
                 word = word | (c.to(tl.int64) << ((j % 8) * BITS))
                 if j % 8 == 7:
                     for m in tl.static_range(BITS):

@@ -136,6 +136,29 @@ def test_fused_kernel_matches_the_reference_loop(group_size):
         assert (fused == ref).float().mean().item() > 0.999  # equal but for last-ulp ties
 
 
+@pytest.mark.parametrize("fused", [False, True])
+def test_a_step_stored_as_zero_feeds_no_nan_forward(fused):
+    """A group of zeros whose step is stored as 0 (its tiny QuEST step rounded to the metadata dtype) before a group
+    that is not: the zero group's codes decode to its offset whatever they are, and its error (the values themselves)
+    goes on to the later channels; a 0/0 there once put NaN into every later channel, whose codes came out 0 (a token
+    decoded 17 apart where it should be 0.7). The loop and the C++ kernel alike (session 74)."""
+    if fused:
+        require_kernels()
+    d, G = 32, 8
+    F = feedback_matrix(torch.stack([spd(d, seed=s) for s in range(2)]))
+    x = torch.randn(1, 2, 5, d, generator=torch.Generator().manual_seed(3))
+    x[..., :G] = 0.0
+    q = QuestQuantizer(4, G).quantize(x)
+    scale = q.scale.half().float()  # as stored: the zero group's step (float32's tiny) rounds to 0
+    assert (scale[..., 0] == 0).all() and (scale[..., 1:] > 0).all()
+    codes = feedback_round(x, scale, scale * -7.5, 4, G, F, fused=fused)
+    xhat = (codes.float() - 7.5).reshape(1, 2, 5, d // G, G) * scale[..., None]
+    err = (xhat.reshape(x.shape) - x).norm(dim=-1) / x.norm(dim=-1)
+    assert bool(torch.isfinite(err).all()) and float(err.max()) < 0.4, err
+    plain = feedback_round(x[..., G:], scale[..., 1:], scale[..., 1:] * -7.5, 4, G, F[:, G:, G:], fused=fused)
+    assert torch.equal(codes[..., G:], plain)  # the zero group's errors are 0: the rest rounds as it would alone
+
+
 @pytest.mark.parametrize("quant", [QuestQuantizer(2), QuestQuantizer(3, 8), AffineQuantizer(2, clip_ratio=0.92), AffineQuantizer(4, 8)])
 def test_grid_is_the_grid_quantize_uses(quant):
     """The feedback codec asks for the grid alone; it must be the one plain rounding uses."""

@@ -43,6 +43,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstring>
+#include <limits>
 #include <type_traits>
 #include <vector>
 
@@ -110,7 +111,8 @@ static inline void feedback_row(float* w, const float* s, const float* o, int64_
                                 uint8_t* codes) {
   for (int64_t j = 0; j < d; ++j) {
     const float sj = s[j / gs], oj = o[j / gs];
-    float c = std::floor((w[j] - oj) / sj + 0.5f);
+    // a step stored as 0 divides by float32's tiny (wushkv.quantizers.feedback): 0/0 would feed NaN forward
+    float c = std::floor((w[j] - oj) / std::max(sj, std::numeric_limits<float>::min()) + 0.5f);
     c = c < 0.f ? 0.f : (c > qmax ? qmax : c);
     codes[j] = static_cast<uint8_t>(c);
     const float e = w[j] - (c * sj + oj);

@@ -21,6 +21,8 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+_TINY = torch.finfo(torch.float32).tiny  # the divisor of a step stored as 0 (feedback_round)
+
 __all__ = ["feedback_gain", "feedback_matrix", "feedback_round"]
 
 
@@ -106,7 +108,10 @@ def feedback_round(x: Tensor, scale: Tensor, offset: Tensor, bits: int, group_si
     for j in range(d):
         g = j // group_size
         sj, oj = s[..., g], o[..., g]
-        c = torch.floor((w[..., j] - oj) / sj + 0.5).clamp_(0, qmax)
+        # a step stored as 0 (a group of zeros, its step rounded to the metadata dtype) divides by float32's tiny:
+        # its codes decode to the offset whatever they are, and its error (w itself) goes on; 0/0 would put NaN
+        # into every later channel
+        c = torch.floor((w[..., j] - oj) / sj.clamp_min(_TINY) + 0.5).clamp_(0, qmax)
         codes[..., j] = c.to(torch.uint8)
         if j + 1 < d:
             e = w[..., j] - (c * sj + oj)
