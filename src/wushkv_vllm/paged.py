@@ -186,8 +186,9 @@ class SlotCodec:
         per side) into strided views of the cells, where :func:`wushkv.decode.triton_for` sends the cache's device
         (a GPU; any device under ``triton_enabled(True)``) and the kernel covers its sides: per-token QuEST or affine
         codes, with or without error feedback (``+ldlq``), QuEST's steps in one E5M3 byte too (since session 74),
-        without clip search (its codes are rounded on what the kernel does not compute). The bytes of :meth:`encode`: the affine grid bit for bit, QuEST's step to its dtype's rounding
-        (the kernel sums ‖x‖ in another order: a last bit apart now and then, a code with it rarely); the padding is
+        without clip search (its codes are rounded on what the kernel does not compute). The bytes of :meth:`encode`:
+        the affine grid bit for bit, QuEST's step to its dtype's rounding (the kernel sums ‖x‖ in another order: a
+        last bit apart now and then, a code with it rarely); the padding is
         left as it was. With key tiles, the values alone (one launch; the key fields wait for their tile:
         :meth:`store_tiles`). False where it does not apply: the caller stores as before."""
         from wushkv.decode import triton_for
