@@ -19,9 +19,9 @@ pool of pages, ``wushkv_vllm.paged.Windows``), both in the same run:
   dtype, which the kernel then reads. On a GPU those are device operations; here, on CPU tensors, their arithmetic
   runs on this machine, so ``gathered_ms`` counts it too (its host time alone is less).
 
-and a step's **whole later layer** on the GPU path (``layer``: the new tokens' store into their cells, their window
+Also a step's **whole later layer** on the GPU path (``layer``: the new tokens' store into their cells, their window
 copies' write, the key tiles they complete, the decode through the step's plan, as the plugin's forward makes them):
-its host time, its torch operations (each one a launch on a GPU; counted under a ``TorchDispatchMode``, the Triton
+its host time, its torch operations (on a GPU most are launches; counted under a ``TorchDispatchMode``, the Triton
 kernels' launches recorded apart) and ``layer/decode``, its time over the decode's alone.
 
 Shapes: SmolLM2-135M served by the plugin (3 KV heads of 64, GQA 3, 128-token blocks, bfloat16 copies), 2-bit codes

@@ -209,7 +209,7 @@ class SlotCodec:
                 return False
         # the views kept for the cache they were made for (its address, shape, strides): a layer stores into the same
         # cache tensor at every step, and making them is a dozen operations
-        key = (cache.data_ptr(), tuple(cache.shape), cache.stride(), cache.dtype, cache.device)
+        key = _cache_key(cache)
         if self._store_views is None or self._store_views[0] != key:
             self._store_views = (key, self.field_views(cache))
         views = self._store_views[1]
@@ -882,12 +882,18 @@ def decode_batch_triton(tk, sc: SlotCodec, cache: torch.Tensor, block_table: tor
     return out.float()
 
 
+def _cache_key(cache: torch.Tensor) -> tuple:
+    """What views of ``cache`` are kept under (:func:`_packed_cells`, ``SlotCodec._store_triton``): its address,
+    shape, strides, dtype and device. The views hold its storage, so another tensor never takes that key meanwhile."""
+    return (cache.data_ptr(), tuple(cache.shape), cache.stride(), cache.dtype, cache.device)
+
+
 def _packed_cells(tk, sc: SlotCodec, cache: torch.Tensor):
     """The middle's keys and values as :func:`decode_batch_triton` hands them to the kernel: (keys, values)
     :class:`wushkv.triton_kernels.Packed` views of the cells of ``cache``, or None where the kernel does not take
     them. Kept on ``sc`` (a layer's) for the cache it was made for (its address, shape, strides, dtype): a layer
     decodes the same cache tensor at every step, and the views and formats cost the host ~20 µs a layer to make."""
-    key = (id(tk), cache.data_ptr(), tuple(cache.shape), cache.stride(), cache.dtype, cache.device)
+    key = (id(tk), *_cache_key(cache))
     memo = sc._packed_cells
     if memo is not None and memo[0] == key:
         return memo[1]
