@@ -391,6 +391,53 @@ def test_windows_keep_copies_of_the_window_positions_and_drop_the_oldest_others(
     assert w2.read(kf, vf, known, torch.tensor([0]), 0, 4, 3) == 3 and known.tolist() == [False, False, False, True]
 
 
+def test_windows_keep_what_a_prefix_cache_hit_reads_past_the_capacity():
+    """A request that ended leaves the copies a later request hitting its prefix would read (the same prompt again:
+    its last full block before its last token; its full blocks): a trim drops every other copy it may first."""
+    bs, H, d = 4, 1, 2
+    w = Windows(bs, H, d, sink=2, recent=4, capacity=14, max_hits=4)
+    assert w.unit == 2
+    k = torch.arange(16, dtype=torch.float32)[:, None, None].expand(16, H, d).contiguous()
+    a, c = torch.tensor([5, 1, 8, 3]), torch.tensor([0, 2, 4, 6])
+
+    def step(table, lo, n):  # tokens lo..n−1 of a request through the windows, as a step of the backend does
+        pos = torch.arange(lo, n)
+        w.write(k[lo:n], -k[lo:n], table[pos // bs] * bs + pos % bs, pos)
+        w.remember(w.hit_marks([(table, n, n - lo)]))
+        w.protect_and_trim([(table, n)])
+
+    step(a, 0, 12)  # request A's prompt of 12 tokens: marks h = 12 (its full blocks) and 8 (the same prompt again)
+    assert sorted(w.hits) == [(1, 1), (8, 0)] and w.hits[(1, 1)][1:] == (8, (1,)) and w.hits[(8, 0)][1:] == (12, (8,))
+    for n in range(13, 17):  # 4 decode steps: the one that fills block 3 marks h = 16, forgets h = 12
+        step(a, n - 1, n)
+    assert sorted(w.hits) == [(1, 1), (3, 0)] and w.hits[(3, 0)][1:] == (16, (3,))
+    step(c, 0, 16)  # request C (A has ended): 16 pages > 14, down to 10
+    assert len(w.pages) == 10
+    # A's same prompt again hits its first 8 tokens: the query at 8 reads the sink and positions 5-7 from copies
+    kf, vf, known = torch.zeros(H, 8, d), torch.zeros(H, 8, d), torch.zeros(8, dtype=torch.bool)
+    assert w.read(kf, vf, known, a, 0, 8, 8) == 0 and known.nonzero().flatten().tolist() == [0, 1, 5, 6, 7]
+    assert torch.equal(kf[0, known, 0], torch.tensor([0.0, 1, 5, 6, 7]))
+    # and a request extending A's 16 tokens reads positions 13-15 (and the sink)
+    kf, vf, known = torch.zeros(H, 16, d), torch.zeros(H, 16, d), torch.zeros(16, dtype=torch.bool)
+    assert w.read(kf, vf, known, a, 0, 16, 16) == 0 and known.nonzero().flatten().tolist() == [0, 1, 13, 14, 15]
+    # with no marks, the same steps drop A's copies first (the oldest): the hit reads 5-7 from their codes
+    w2 = Windows(bs, H, d, sink=2, recent=4, capacity=14)
+    for table, lo, n in [(a, 0, 12), *((a, n - 1, n) for n in range(13, 17)), (c, 0, 16)]:
+        pos = torch.arange(lo, n)
+        w2.write(k[lo:n], -k[lo:n], table[pos // bs] * bs + pos % bs, pos)
+        w2.protect_and_trim([(table, n)])
+    assert w2.read(torch.zeros(H, 8, d), torch.zeros(H, 8, d), torch.zeros(8, dtype=torch.bool), a, 0, 8, 8) == 3
+    # past the capacity for them too, the least recently marked go first; past 2 × max_hits marks, the latest max_hits
+    w.capacity = 6
+    w.protect_and_trim([])
+    assert w.read(torch.zeros(H, 8, d), torch.zeros(H, 8, d), torch.zeros(8, dtype=torch.bool), a, 0, 8, 8) == 3
+    assert w.read(torch.zeros(H, 16, d), torch.zeros(H, 16, d), torch.zeros(16, dtype=torch.bool), c, 0, 16, 16) == 0
+    assert len(w.hits) == 4
+    for i in range(9):  # the fifth makes 9 > 8: the latest 4 kept
+        w.remember(([((100 + i, 0), 12, (8,))], []))
+    assert sorted(w.hits) == [(101 + i, 0) for i in range(8)]
+
+
 def test_rotating_key_mean_is_the_transformers_caches_and_its_bias_the_scores():
     """``+rmean`` in the plugin: the centers c'_t are bit for bit those of wushkv's cache (:class:`RotatingKeyMean`), and
     the kernel's form of q'·c'_t (queries' A, B against a cos/sin table) is Q·R_t μ; a step's positions."""
@@ -1045,11 +1092,13 @@ def engines(tmp_path_factory):
         {"folder": str(stock), "engine": ENGINE, "batches": [{"prompts": _prompts(), "max_tokens": 16, "prompt_logprobs": True}]},
         # chunked prefill (a budget of 32 tokens a step), preemption (10 blocks of 32 tokens, one of them vLLM's null
         # block, for 4 requests that grow from 2 to 4 blocks each), then prefix caching: two requests sharing 150
-        # tokens, one after the other
+        # tokens, one after the other, with another request between them that fills the windows' pool past its
+        # capacity (32 pages of 4 tokens): the second's hit (128 tokens) reads the first's copies of positions 121-127
         {"folder": str(wush), "engine": ENGINE | {"max_num_batched_tokens": 32, "num_gpu_blocks_override": 10},
          "batches": [{"prompts": _prompts(4, 60, 0), "max_tokens": 64, "prompt_logprobs": True, "logprobs": 2}]},
         {"folder": str(wush), "engine": ENGINE,
-         "batches": [{"prompts": [shared + [7, 8, 9]], "max_tokens": 24}, {"prompts": [shared + [40, 41]], "max_tokens": 24}]},
+         "batches": [{"prompts": [shared + [7, 8, 9]], "max_tokens": 24}, {"prompts": _prompts(1, 150, 0, seed=9), "max_tokens": 24},
+                     {"prompts": [shared + [40, 41]], "max_tokens": 24, "logprobs": 2}]},
         {"folder": str(kivi_bf16), "engine": ENGINE, "batches": []},
         # tensor parallelism: 2 ranks of one KV head each (one CPU core each; vLLM's CPU workers need the binding)
         {"folder": str(wush), "engine": ENGINE | {"tensor_parallel_size": 2, "distributed_executor_backend": "mp"},
@@ -1181,12 +1230,19 @@ def test_sliding_window_layers_and_their_fused_decode(engines):
 @needs_vllm
 @pytest.mark.slow
 def test_prefix_caching_gives_each_request_what_it_gets_alone(engines):
+    """A request that hits the prefix cache of an earlier one, which has ended and whose copies another request's
+    tokens pushed past the pool's capacity since, still reads the hit's recent window in full precision: its
+    log-probabilities are wushkv's cache's for the whole sequence (dropped copies would put them 1e-3 to 1e-2 off)."""
     job, res = engines["jobs"][3], engines["out"][3]
-    assert res["metrics"]["vllm:prefix_cache_hits"] > 0, res["metrics"]
+    assert res["metrics"]["vllm:prefix_cache_hits"] >= 128, res["metrics"]
     for batch, out in zip(job["batches"], res["batches"]):
         prompt, gen = batch["prompts"][0], out["outputs"][0]
-        ref = served_logprobs(engines["folders"]["wush"], prompt + gen).argmax(-1).tolist()
-        assert [ref[len(prompt) - 1 + j] for j in range(len(gen))] == gen
+        ref = served_logprobs(engines["folders"]["wush"], prompt + gen)
+        assert [int(ref[len(prompt) - 1 + j].argmax()) for j in range(len(gen))] == gen
+    hit, lps = job["batches"][2]["prompts"][0], res["batches"][2]["logprobs"][0]
+    ref = served_logprobs(engines["folders"]["wush"], hit + res["batches"][2]["outputs"][0])
+    worst = max(abs(float(ref[len(hit) - 1 + j, int(t)]) - x) for j, lp in enumerate(lps) for t, x in lp.items())
+    assert worst < 1e-4, worst
 
 
 @needs_vllm

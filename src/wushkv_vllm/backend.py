@@ -158,7 +158,7 @@ class _LayerState:
                                     f"{block_size} is not a multiple of it (serve with block_size={self.codec.tile})")
         # copies in the served dtype: what wushkv's cache keeps of its windows too (the model's dtype)
         win = Windows(block_size, num_kv_heads, served.head_dim, served.sink, served.recent, capacity=0, dtype=dtype,
-                      flush=served.flush, max_open=4 * max_num_seqs, device=device)
+                      flush=served.flush, max_open=4 * max_num_seqs, device=device, max_hits=8 * max_num_seqs)
         win.capacity = 2 * max_num_seqs * win.pages_per_sequence()
         win.max_sink_pages = 4 * max_num_seqs * -(-win.sink // win.unit)
         self.windows = win
@@ -271,15 +271,18 @@ class ServedImpl:
         host_slots = host_slots[:T]
         rm = st.rope_mean
         # what the step's layers work out from the batch alone, once a step (step_plan): the rows with queries, their
-        # (block ids, length) for the windows' trim, and the step's positions (host) where a layer needs them: for
-        # +rmean, and to mark sink pages (only a step holding a position below the sink)
+        # (block ids, length) for the windows' trim, the copies a later prefix-cache hit would read (hit_marks), and
+        # the step's positions (host) where a layer needs them: for +rmean, and to mark sink pages (only a step
+        # holding a position below the sink)
         plan = step_plan(attn_metadata, (tuple(starts), tuple(seq_lens)))
         batch = plan.get(("batch", st.windows.sink))
         if batch is None:
             rows = [r for r in range(len(seq_lens)) if starts[r + 1] > starts[r]]
             in_sink = any(seq_lens[r] - (starts[r + 1] - starts[r]) < st.windows.sink for r in rows)
-            batch = plan[("batch", st.windows.sink)] = (rows, [(host_tables[r], seq_lens[r]) for r in rows], in_sink, {})
-        rows, seqs, in_sink, positions = batch
+            seqs = [(host_tables[r], seq_lens[r]) for r in rows]
+            marks = st.windows.hit_marks([(t, n, starts[r + 1] - starts[r]) for (t, n), r in zip(seqs, rows)])
+            batch = plan[("batch", st.windows.sink)] = (rows, seqs, in_sink, {}, marks)
+        rows, seqs, in_sink, positions, marks = batch
         pos = None
         if rm is not None or in_sink:
             pos = positions.get("host")
@@ -330,6 +333,7 @@ class ServedImpl:
             out = attend(q[a:b], torch.arange(ctx, n), kq, vq, kf, vf, known, torch.arange(lo, n),
                          st.windows.sink, st.windows.recent, self.scale, window, self.logits_soft_cap, flush=st.windows.flush)
             output[a:b] = out.to(output.dtype)
+        st.windows.remember(marks)
         st.windows.protect_and_trim(seqs)
         if st.missing and not st.warned:  # once per layer: quality below wushkv's cache, say so
             st.warned = True

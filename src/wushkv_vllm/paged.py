@@ -36,8 +36,8 @@ and the tile for key tiles) cannot live in fixed-size cells. :class:`Windows` ke
 written, keyed by physical block, and attention reads the copy where a position is in a window and the copy is there,
 the codes otherwise; the copy is written with the codes, so it always says what the codes stand for (a block that
 changes owner is written again before it is read). The copies live outside vLLM's KV budget, bounded by
-:attr:`Windows.capacity` blocks per layer: past it the oldest copy not in a window of this step is dropped, and those
-tokens are read from their codes.
+:attr:`Windows.capacity` pages per layer: past it the oldest copy not in a window of this step is dropped (those a
+later prefix-cache hit would read last), and those tokens are read from their codes.
 """
 
 from __future__ import annotations
@@ -477,6 +477,15 @@ class Windows:
     that waits a step (a long prompt prefilled in chunks beside others) has no window in that step, and its sink,
     written first, would otherwise be the first copy dropped.
 
+    A request that hits vLLM's prefix cache computes its first new tokens with the hit's last tokens in their recent
+    window, so it reads the copies of the request that computed those blocks, which may have moved on or ended. The
+    copies such a hit would read are remembered (:meth:`hit_marks`, :meth:`remember`) at the two places hits come
+    from: a prompt's last full block before its last token (the same prompt again: vLLM computes at least one token)
+    and a sequence's full blocks so far (a conversation's next turn, a prompt extended). A trim drops them after every
+    other copy it may drop, the least recently marked first (at most the latest ``max_hits`` marks kept), so that while
+    they fit the capacity a hit reads what the request would read alone (a shared prefix that ends elsewhere, e.g. a
+    system prompt, is not covered).
+
     A page is ``unit`` consecutive slots of one physical block (page id ``block·(block_size/unit) + slot/unit``); the
     unit is the largest that divides the block size, both windows and the flush (16 for sink 16, recent 128, block
     128), so a sequence holds about its windows' own tokens, not whole blocks. Copies live in one pool, ``pool`` (P, unit, H, 2, d)
@@ -490,7 +499,7 @@ class Windows:
 
     def __init__(self, block_size: int, heads: int, head_dim: int, sink: int, recent: int, capacity: int,
                  dtype: torch.dtype = torch.float32, flush: int = 1, max_open: int | None = None,
-                 max_sink_pages: int | None = None, device: torch.device | str | None = None):
+                 max_sink_pages: int | None = None, device: torch.device | str | None = None, max_hits: int | None = None):
         if sink < 0 or recent < 0 or flush < 1:
             raise ValueError(f"windows must be >= 0 and the flush >= 1, got sink {sink}, recent {recent}, flush {flush}")
         if flush > 1 and (block_size % flush or sink % flush):
@@ -505,6 +514,10 @@ class Windows:
         self.max_open, self.abandoned = max_open, 0
         self.sinks: OrderedDict[int, None] = OrderedDict()  # pages holding sink positions, least recently written first
         self.max_sink_pages = max_sink_pages
+        # the copies a prefix-cache hit would read (class docstring): (block of the hit's last position, kind) ->
+        # (mark, hit length h, the blocks of positions tail(h + 1)..h − 1); at most max_hits kept, the latest marked
+        self.hits: dict[tuple[int, int], tuple[int, int, tuple[int, ...]]] = {}
+        self.max_hits, self._stamp = max_hits, 0
         self.capacity = capacity  # pages
         self.pool = torch.zeros(0, self.unit, heads, 2, head_dim, dtype=dtype, device=device)
         self.written = torch.zeros(0, self.unit, dtype=torch.bool)
@@ -590,6 +603,45 @@ class Windows:
         flat[to_device(rows * self.unit + offs, dev)] = kv.to(dev, self.dtype)
         self.written[rows, offs] = True
 
+    def hit_marks(self, rows: list[tuple[torch.Tensor, int, int]]) -> tuple[list, list]:
+        """What :meth:`remember` keeps of a step's ``rows`` [(block ids, n, new tokens)], a function of the batch and
+        the windows' geometry alone (the layers of a step share it): ([(key, h, blocks)], [keys to forget]). A hit
+        of h tokens (whole blocks) reads the copies of positions tail(h + 1)..h − 1 (and the sink, kept apart), in
+        ``blocks``. Marked: for a prefill chunk (new tokens > 1), h = the full blocks before its last token (kind 1:
+        the same prompt again) and, for every row where it changes (a chunk, a decode step that fills a block), h =
+        its full blocks (kind 0), the previous kind-0 mark of a decode row forgotten (it moved past it). Keys are the
+        block holding position h − 1 (a full block identifies its prefix) and the kind."""
+        bs = self.bs
+        put, forget = [], []
+        for table, n, new in rows:
+            marks = [(0, n // bs * bs), (1, (n - 1) // bs * bs)] if new > 1 else [(0, n)] if n % bs == 0 else []
+            if new == 1 and marks and n > bs:  # a decode step filled a block: the previous full-blocks mark is stale
+                forget.append((int(table[n // bs - 2]), 0))
+            for kind, h in marks:
+                lo = self.tail(h + 1)
+                if 0 < h and lo < h:
+                    put.append(((int(table[h // bs - 1]), kind), h, tuple(table[lo // bs:h // bs].tolist())))
+        return put, forget
+
+    def remember(self, marks: tuple[list, list]) -> None:
+        """Keep :meth:`hit_marks`' marks (the latest marked last), past ``max_hits`` only the latest."""
+        put, forget = marks
+        for key in forget:
+            self.hits.pop(key, None)
+        if put:
+            self._stamp += 1  # (not the version, which counts what reads see: marks change none of it)
+            self.hits.update((key, (self._stamp, h, blocks)) for key, h, blocks in put)
+        if self.max_hits is not None and len(self.hits) > 2 * self.max_hits:
+            latest = sorted(self.hits.items(), key=lambda kv: kv[1][0])[-self.max_hits:]
+            self.hits = dict(latest)
+
+    def _hit_pages(self, h: int, blocks: tuple[int, ...]) -> list[int]:
+        """The pages of positions tail(h + 1)..h − 1, in ``blocks`` (from the block of tail(h + 1))."""
+        u, bs = self.unit, self.bs
+        lo = self.tail(h + 1)
+        b0 = lo // bs
+        return [blocks[p // bs - b0] * (bs // u) + (p % bs) // u for p in range(lo // u * u, h, u)]
+
     def close(self, tiles: list[int]) -> None:
         """Tiles (slot // flush) whose key fields are written: their copies may be dropped past the capacity."""
         for t in tiles:
@@ -636,8 +688,9 @@ class Windows:
 
     def protect_and_trim(self, sequences: list[tuple[torch.Tensor, int]]) -> None:
         """After a step, past :attr:`capacity` pages: drop the oldest copies down to three quarters of it (so trims
-        are rare), never those holding a window position of the step's ``sequences`` [(block ids, n)], nor those of
-        an open tile (past ``max_open`` open tiles, the oldest not in the step's windows are let go first)."""
+        are rare), those a prefix-cache hit would read (:meth:`remember`) last, the least recently marked first; never
+        those holding a window position of the step's ``sequences`` [(block ids, n)], nor those of an open tile (past
+        ``max_open`` open tiles, the oldest not in the step's windows are let go first)."""
         over_open = self.max_open is not None and len(self.open) > self.max_open
         over_sink = self.max_sink_pages is not None and len(self.sinks) > self.max_sink_pages
         if len(self.pages) <= self.capacity and not over_open and not over_sink:
@@ -665,10 +718,22 @@ class Windows:
         if len(self.pages) <= self.capacity:
             return
         target = self.capacity * 3 // 4
-        for p in list(self.pages):
+        # the pages a prefix-cache hit would read, by how recently marked (0: the latest)
+        hit_rank: dict[int, int] = {}
+        for rank, (_, h, blocks) in enumerate(sorted(self.hits.values(), reverse=True)):
+            for p in self._hit_pages(h, blocks):
+                hit_rank.setdefault(p, rank)
+
+        def droppable(p):
+            return p not in keep and p not in self.sinks and not (self.open and p * u // self.flush in self.open)
+
+        # the oldest copies first, those a hit would read after every other, the least recently marked first
+        order = [p for p in self.pages if p not in hit_rank]
+        order += sorted((p for p in self.pages if p in hit_rank), key=lambda p: -hit_rank[p])
+        for p in order:
             if len(self.pages) <= target:
                 break
-            if p not in keep and p not in self.sinks and not (self.open and p * u // self.flush in self.open):
+            if droppable(p):
                 e = self.pages.pop(p)
                 self.index[p] = -1
                 self.version += 1
