@@ -23,7 +23,13 @@ weights without a side file (stock vLLM, plugin installed). Then, in the vLLM en
 * **decode speed** at each of ``--contexts``: ``--requests`` requests of that many prompt tokens, generated once for
   1 token (the prefill, timed; it fills the prefix cache), then again for ``--decode-tokens`` from the prefix cache:
   the mean decode step is vLLM's inter-token latency (time per output token); decode tokens/s of the batch, plugin
-  over stock, and the prefill seconds of both.
+  over stock, and the prefill seconds of both;
+* **prefix-cache hits** (K2V2, float32): ``--requests`` prompts of ``--prefix-len`` WikiText-2 tokens generated
+  ``--prefix-first`` tokens each, then the same prompts again for ``--decode-tokens`` greedy tokens, which hit the
+  prefix cache (their last full block before the last token) with the first requests ended and their windows' copies
+  under the pool's trim since; against the same requests on an engine without prefix caching: the tokens before each
+  request's first difference, top-1 agreement up to it, the first token's |Δ log p| and the mean coarsened KL
+  (the hit should read its recent window from the copies: the same tokens, log-probabilities float32 sums apart).
 
     python benchmarks/vllm_serving.py --calibration out/smollm2-c32.safetensors --work out/vllm-bench \\
         --json out/vllm_serving.json
@@ -33,6 +39,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import shutil
 import subprocess
@@ -125,7 +132,10 @@ def main(argv=None) -> int:
     p.add_argument("--contexts", default="1024,4096,8192")
     p.add_argument("--requests", type=int, default=4)
     p.add_argument("--decode-tokens", type=int, default=32)
-    p.add_argument("--skip", default="", help="comma-separated parts to skip: capacity, agreement, speed")
+    p.add_argument("--prefix-len", type=int, default=1024, help="prefix-cache hits: prompt tokens (default: %(default)s)")
+    p.add_argument("--prefix-first", type=int, default=512,
+                   help="prefix-cache hits: tokens the first requests generate before the hits (default: %(default)s)")
+    p.add_argument("--skip", default="", help="comma-separated parts to skip: capacity, agreement, speed, prefix")
     p.add_argument("--json", required=True)
     args = p.parse_args(argv)
     skip = set(filter(None, args.skip.split(",")))
@@ -238,8 +248,49 @@ def main(argv=None) -> int:
         print(format_table(["context", "stock tok/s", "K2V2 tok/s", "stock ms/step", "K2V2 ms/step", "K2V2 / stock",
                             "stock prefill s", "K2V2 prefill s"], rows),
               flush=True)
+    if "prefix" not in skip:
+        out["prefix"] = prefix_hits(args, tok, k2v2, work)
     write_json(args.json, out)
     return 0
+
+
+def prefix_hits(args, tok, folder: Path, work: Path) -> dict:
+    """The prefix-cache part (module docstring): the hits' greedy tokens and log-probabilities against an engine
+    without prefix caching, both float32."""
+    prompts = tokenize_chunks(tok, wikitext2_test(), args.prefix_len, args.requests).tolist()
+    eng = {"dtype": "float32", "enforce_eager": True, "max_model_len": args.prefix_len + args.prefix_first + 1,
+           "max_num_seqs": args.requests}
+    again = {"prompts": prompts, "max_tokens": args.decode_tokens, "logprobs": args.topk}
+    hit, alone = run_jobs(args.vllm_python, [
+        {"folder": str(folder), "engine": eng | {"enable_prefix_caching": True},
+         "batches": [{"prompts": prompts, "max_tokens": args.prefix_first}, again]},
+        {"folder": str(folder), "engine": eng | {"enable_prefix_caching": False}, "batches": [again]}], work, args.kv_space)
+    a, b = hit["batches"][1], alone["batches"][0]
+    first, same, kls, gaps, gap0 = [], 0, [], [], []
+    for ta, tb, la, lb in zip(a["outputs"], b["outputs"], a["logprobs"], b["logprobs"]):
+        n = next((i for i, (x, y) in enumerate(zip(ta, tb)) if x != y), None)
+        first.append(n)
+        upto = len(ta) if n is None else n + 1  # the positions before the first difference and that one
+        same += len(ta) if n is None else n
+        for j in range(upto):  # KL(alone ‖ hit) coarsened to alone's top-k and the rest
+            pa, pb = {int(t): x for t, x in la[j].items()}, {int(t): x for t, x in lb[j].items()}
+            common = [t for t in pb if t in pa]
+            qb, qa = [math.exp(pb[t]) for t in common], [math.exp(pa[t]) for t in common]
+            rb, ra = max(1 - sum(qb), 1e-12), max(1 - sum(qa), 1e-12)
+            kls.append(sum(x * (pb[t] - pa[t]) for x, t in zip(qb, common)) + rb * math.log(rb / ra))
+            gaps += [abs(pa[t] - pb[t]) for t in common]
+        gap0.append(abs(float(la[0][str(tb[0])]) - float(lb[0][str(tb[0])])) if str(tb[0]) in la[0] else float("inf"))
+    compared = sum(len(t) if n is None else n + 1 for t, n in zip(a["outputs"], first))
+    res = {"hits": hit["metrics"].get("vllm:prefix_cache_hits"), "requests": args.requests, "prompt_tokens": args.prefix_len,
+           "first_generated": args.prefix_first, "first_difference": first, "top1_up_to_difference": same / compared,
+           "first_token_abs_dlogp_mean": sum(gap0) / len(gap0), "first_token_abs_dlogp_max": max(gap0),
+           "max_abs_dlogp": max(gaps), "mean_coarse_kl": sum(kls) / len(kls)}
+    print(format_table(["prefix-cache hits", "first differences", "top-1 up to them", "first token |Δ log p| mean / max",
+                        "max |Δ log p|", "coarse KL"],
+                       [[res["hits"], ", ".join("none" if n is None else str(n) for n in first), f"{100 * res['top1_up_to_difference']:.2f}%",
+                         f"{res['first_token_abs_dlogp_mean']:.1e} / {res['first_token_abs_dlogp_max']:.1e}",
+                         f"{res['max_abs_dlogp']:.1e}", f"{res['mean_coarse_kl']:.1e}"]]), flush=True)
+    return res
 
 
 if __name__ == "__main__":
