@@ -27,9 +27,10 @@ weights without a side file (stock vLLM, plugin installed). Then, in the vLLM en
 * **prefix-cache hits** (K2V2, float32): ``--requests`` prompts of ``--prefix-len`` WikiText-2 tokens generated
   ``--prefix-first`` tokens each, then the same prompts again for ``--decode-tokens`` greedy tokens, which hit the
   prefix cache (their last full block before the last token) with the first requests ended and their windows' copies
-  under the pool's trim since; against the same requests on an engine without prefix caching: the tokens before each
-  request's first difference, top-1 agreement up to it, the first token's |Δ log p| and the mean coarsened KL
-  (the hit should read its recent window from the copies: the same tokens, log-probabilities float32 sums apart).
+  under the pool's trim since; against the same requests on an engine without prefix caching: each request's first
+  differing token, the first token's |Δ log p|, the largest |Δ log p| and the mean coarsened KL up to the first
+  difference (the tokens both top-k lists hold and the rest; the hit should read its recent window from the copies:
+  the same tokens, log-probabilities float32 sums apart).
 
     python benchmarks/vllm_serving.py --calibration out/smollm2-c32.safetensors --work out/vllm-bench \\
         --json out/vllm_serving.json
@@ -266,28 +267,27 @@ def prefix_hits(args, tok, folder: Path, work: Path) -> dict:
          "batches": [{"prompts": prompts, "max_tokens": args.prefix_first}, again]},
         {"folder": str(folder), "engine": eng | {"enable_prefix_caching": False}, "batches": [again]}], work, args.kv_space)
     a, b = hit["batches"][1], alone["batches"][0]
-    first, same, kls, gaps, gap0 = [], 0, [], [], []
+    first, kls, gaps, gap0 = [], [], [], []
     for ta, tb, la, lb in zip(a["outputs"], b["outputs"], a["logprobs"], b["logprobs"]):
         n = next((i for i, (x, y) in enumerate(zip(ta, tb)) if x != y), None)
         first.append(n)
-        upto = len(ta) if n is None else n + 1  # the positions before the first difference and that one
-        same += len(ta) if n is None else n
-        for j in range(upto):  # KL(alone ‖ hit) coarsened to alone's top-k and the rest
+        upto = len(ta) if n is None else n + 1  # the positions before the first difference and that one (same context)
+        for j in range(upto):  # KL(alone ‖ hit) coarsened to the tokens both top-k lists hold and the rest
             pa, pb = {int(t): x for t, x in la[j].items()}, {int(t): x for t, x in lb[j].items()}
             common = [t for t in pb if t in pa]
             qb, qa = [math.exp(pb[t]) for t in common], [math.exp(pa[t]) for t in common]
             rb, ra = max(1 - sum(qb), 1e-12), max(1 - sum(qa), 1e-12)
             kls.append(sum(x * (pb[t] - pa[t]) for x, t in zip(qb, common)) + rb * math.log(rb / ra))
             gaps += [abs(pa[t] - pb[t]) for t in common]
-        gap0.append(abs(float(la[0][str(tb[0])]) - float(lb[0][str(tb[0])])) if str(tb[0]) in la[0] else float("inf"))
-    compared = sum(len(t) if n is None else n + 1 for t, n in zip(a["outputs"], first))
+        if str(tb[0]) in la[0]:  # (alone's first token out of the hit's top-k: counted in the KL only)
+            gap0.append(abs(float(la[0][str(tb[0])]) - float(lb[0][str(tb[0])])))
     res = {"hits": hit["metrics"].get("vllm:prefix_cache_hits"), "requests": args.requests, "prompt_tokens": args.prefix_len,
-           "first_generated": args.prefix_first, "first_difference": first, "top1_up_to_difference": same / compared,
-           "first_token_abs_dlogp_mean": sum(gap0) / len(gap0), "first_token_abs_dlogp_max": max(gap0),
-           "max_abs_dlogp": max(gaps), "mean_coarse_kl": sum(kls) / len(kls)}
-    print(format_table(["prefix-cache hits", "first differences", "top-1 up to them", "first token |Δ log p| mean / max",
-                        "max |Δ log p|", "coarse KL"],
-                       [[res["hits"], ", ".join("none" if n is None else str(n) for n in first), f"{100 * res['top1_up_to_difference']:.2f}%",
+           "first_generated": args.prefix_first, "first_difference": first,
+           "first_token_abs_dlogp_mean": sum(gap0) / max(len(gap0), 1), "first_token_abs_dlogp_max": max(gap0, default=0.0),
+           "max_abs_dlogp": max(gaps, default=0.0), "mean_coarse_kl": sum(kls) / max(len(kls), 1)}
+    print(format_table(["prefix-cache hits", "first differences", "first token |Δ log p| mean / max", "max |Δ log p|",
+                        "coarse KL"],
+                       [[res["hits"], ", ".join("none" if n is None else str(n) for n in first),
                          f"{res['first_token_abs_dlogp_mean']:.1e} / {res['first_token_abs_dlogp_max']:.1e}",
                          f"{res['max_abs_dlogp']:.1e}", f"{res['mean_coarse_kl']:.1e}"]]), flush=True)
     return res

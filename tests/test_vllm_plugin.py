@@ -395,47 +395,68 @@ def test_windows_keep_what_a_prefix_cache_hit_reads_past_the_capacity():
     """A request that ended leaves the copies a later request hitting its prefix would read (the same prompt again:
     its last full block before its last token; its full blocks): a trim drops every other copy it may first."""
     bs, H, d = 4, 1, 2
-    w = Windows(bs, H, d, sink=2, recent=4, capacity=14, max_hits=4)
-    assert w.unit == 2
-    k = torch.arange(16, dtype=torch.float32)[:, None, None].expand(16, H, d).contiguous()
-    a, c = torch.tensor([5, 1, 8, 3]), torch.tensor([0, 2, 4, 6])
+    k = torch.arange(64, dtype=torch.float32)[:, None, None].expand(64, H, d).contiguous()
+    a, c = torch.tensor([5, 1, 8, 3, 9]), torch.tensor([0, 2, 4, 6])
 
-    def step(table, lo, n):  # tokens lo..n−1 of a request through the windows, as a step of the backend does
+    def step(w, table, lo, n):  # tokens lo..n−1 of a request through the windows, as a step of the backend does
         pos = torch.arange(lo, n)
         w.write(k[lo:n], -k[lo:n], table[pos // bs] * bs + pos % bs, pos)
         w.remember(w.hit_marks([(table, n, n - lo)]))
         w.protect_and_trim([(table, n)])
 
-    step(a, 0, 12)  # request A's prompt of 12 tokens: marks h = 12 (its full blocks) and 8 (the same prompt again)
+    def missing(w, table, h):  # window positions the first query of a hit of h tokens reads from codes
+        return w.read(torch.zeros(H, h, d), torch.zeros(H, h, d), torch.zeros(h, dtype=torch.bool), table, 0, h, h)
+
+    w = Windows(bs, H, d, sink=2, recent=4, capacity=14, max_hits=4)
+    assert w.unit == 2
+    step(w, a, 0, 12)  # request A's prompt of 12 tokens: marks h = 12 (its full blocks) and 8 (the same prompt again)
     assert sorted(w.hits) == [(1, 1), (8, 0)] and w.hits[(1, 1)][1:] == (8, (1,)) and w.hits[(8, 0)][1:] == (12, (8,))
-    for n in range(13, 17):  # 4 decode steps: the one that fills block 3 marks h = 16, forgets h = 12
-        step(a, n - 1, n)
-    assert sorted(w.hits) == [(1, 1), (3, 0)] and w.hits[(3, 0)][1:] == (16, (3,))
-    step(c, 0, 16)  # request C (A has ended): 16 pages > 14, down to 10
+    for n in range(13, 18):  # 5 decode steps: the one that fills block 3 marks h = 16 (kind 2)
+        step(w, a, n - 1, n)
+    assert sorted(w.hits) == [(1, 1), (3, 2), (8, 0)] and w.hits[(3, 2)][1:] == (16, (3,))
+    step(w, c, 0, 16)  # request C (A has ended): 17 pages > 14, down to 10
     assert len(w.pages) == 10
     # A's same prompt again hits its first 8 tokens: the query at 8 reads the sink and positions 5-7 from copies
     kf, vf, known = torch.zeros(H, 8, d), torch.zeros(H, 8, d), torch.zeros(8, dtype=torch.bool)
     assert w.read(kf, vf, known, a, 0, 8, 8) == 0 and known.nonzero().flatten().tolist() == [0, 1, 5, 6, 7]
     assert torch.equal(kf[0, known, 0], torch.tensor([0.0, 1, 5, 6, 7]))
-    # and a request extending A's 16 tokens reads positions 13-15 (and the sink)
-    kf, vf, known = torch.zeros(H, 16, d), torch.zeros(H, 16, d), torch.zeros(16, dtype=torch.bool)
-    assert w.read(kf, vf, known, a, 0, 16, 16) == 0 and known.nonzero().flatten().tolist() == [0, 1, 13, 14, 15]
-    # with no marks, the same steps drop A's copies first (the oldest): the hit reads 5-7 from their codes
+    # A's 16 tokens extended read theirs too; a longer prompt than A's (a hit of 12) does not: of one step's marks the
+    # prompt's full blocks are let go first, and the pool holds one of them only
+    assert missing(w, a, 16) == 0 and missing(w, a, 12) == 3
+    # with no marks, the same steps drop A's copies first (the oldest): the hits read 3 positions each from codes
     w2 = Windows(bs, H, d, sink=2, recent=4, capacity=14)
-    for table, lo, n in [(a, 0, 12), *((a, n - 1, n) for n in range(13, 17)), (c, 0, 16)]:
+    for table, lo, n in [(a, 0, 12), *((a, n - 1, n) for n in range(13, 18)), (c, 0, 16)]:
         pos = torch.arange(lo, n)
         w2.write(k[lo:n], -k[lo:n], table[pos // bs] * bs + pos % bs, pos)
         w2.protect_and_trim([(table, n)])
-    assert w2.read(torch.zeros(H, 8, d), torch.zeros(H, 8, d), torch.zeros(8, dtype=torch.bool), a, 0, 8, 8) == 3
-    # past the capacity for them too, the least recently marked go first; past 2 × max_hits marks, the latest max_hits
+    assert [missing(w2, a, h) for h in (8, 12, 16)] == [3, 3, 3]
+    # past the capacity for them too, the least recently marked go first
     w.capacity = 6
     w.protect_and_trim([])
-    assert w.read(torch.zeros(H, 8, d), torch.zeros(H, 8, d), torch.zeros(8, dtype=torch.bool), a, 0, 8, 8) == 3
-    assert w.read(torch.zeros(H, 16, d), torch.zeros(H, 16, d), torch.zeros(16, dtype=torch.bool), c, 0, 16, 16) == 0
-    assert len(w.hits) == 4
-    for i in range(9):  # the fifth makes 9 > 8: the latest 4 kept
+    assert [missing(w, a, h) for h in (8, 12, 16)] == [3, 3, 3] and missing(w, c, 12) == 0  # C's, same prompt again
+    # past 2 × max_hits marks, the latest max_hits are kept
+    assert len(w.hits) == 5
+    for i in range(9):  # the fourth makes 9 > 8: the latest 4 kept, and so does the ninth
         w.remember(([((100 + i, 0), 12, (8,))], []))
-    assert sorted(w.hits) == [(101 + i, 0) for i in range(8)]
+    assert sorted(w.hits) == [(105 + i, 0) for i in range(4)]
+    # a prompt of 13 tokens whose last chunk is one token (chunked prefill): that chunk looks like a decode step, so
+    # the same prompt again (a hit of 12) reads the previous chunk's kind-0 mark, which decode steps do not forget
+    w3 = Windows(bs, H, d, sink=2, recent=4, capacity=16, max_hits=4)
+    step(w3, a, 0, 12)
+    for n in range(13, 17):
+        step(w3, a, n - 1, n)
+    step(w3, c, 0, 16)
+    assert missing(w3, a, 12) == 0
+    # a prompt prefilled in chunks leaves only its last chunk's marks: a chunk forgets the previous step's chunk's
+    w4 = Windows(bs, H, d, sink=2, recent=4, capacity=16, max_hits=8)
+    step(w4, a, 0, 12)  # A: 12 tokens, ended
+    b = torch.arange(20, 30)
+    for n in range(4, 44, 4):  # B: 40 tokens, 4 a step
+        step(w4, b, n - 4, n)
+    assert sorted(w4.hits) == [(1, 1), (8, 0), (28, 1), (29, 0)] and missing(w4, a, 8) == 0  # B: blocks 20-29
+    # a chunk that hits the prefix cache (its context not computed the step before) leaves the marks it starts at
+    step(w4, a, 12, 20)  # A's prompt extended by 8 tokens, from its hit of 12
+    assert {(1, 1), (8, 0), (3, 1), (9, 0)} <= set(w4.hits)
 
 
 def test_rotating_key_mean_is_the_transformers_caches_and_its_bias_the_scores():
@@ -1232,7 +1253,7 @@ def test_sliding_window_layers_and_their_fused_decode(engines):
 def test_prefix_caching_gives_each_request_what_it_gets_alone(engines):
     """A request that hits the prefix cache of an earlier one, which has ended and whose copies another request's
     tokens pushed past the pool's capacity since, still reads the hit's recent window in full precision: its
-    log-probabilities are wushkv's cache's for the whole sequence (dropped copies would put them 1e-3 to 1e-2 off)."""
+    log-probabilities are wushkv's cache's for the whole sequence (dropped copies put them 6e-4 off here)."""
     job, res = engines["jobs"][3], engines["out"][3]
     assert res["metrics"]["vllm:prefix_cache_hits"] >= 128, res["metrics"]
     for batch, out in zip(job["batches"], res["batches"]):

@@ -482,9 +482,9 @@ class Windows:
     copies such a hit would read are remembered (:meth:`hit_marks`, :meth:`remember`) at the two places hits come
     from: a prompt's last full block before its last token (the same prompt again: vLLM computes at least one token)
     and a sequence's full blocks so far (a conversation's next turn, a prompt extended). A trim drops them after every
-    other copy it may drop, the least recently marked first (at most the latest ``max_hits`` marks kept), so that while
-    they fit the capacity a hit reads what the request would read alone (a shared prefix that ends elsewhere, e.g. a
-    system prompt, is not covered).
+    other copy it may drop, the least recently marked first (of one step's marks, the same prompt again last; up to
+    2 × ``max_hits`` marks held, the latest), so that while they fit the capacity a hit reads what the request would
+    read alone (a shared prefix that ends elsewhere, e.g. a system prompt, is not covered).
 
     A page is ``unit`` consecutive slots of one physical block (page id ``block·(block_size/unit) + slot/unit``); the
     unit is the largest that divides the block size, both windows and the flush (16 for sink 16, recent 128, block
@@ -515,9 +515,9 @@ class Windows:
         self.sinks: OrderedDict[int, None] = OrderedDict()  # pages holding sink positions, least recently written first
         self.max_sink_pages = max_sink_pages
         # the copies a prefix-cache hit would read (class docstring): (block of the hit's last position, kind) ->
-        # (mark, hit length h, the blocks of positions tail(h + 1)..h − 1); at most max_hits kept, the latest marked
+        # (step marked, hit length h, the blocks of positions tail(h + 1)..h − 1); up to 2 × max_hits held
         self.hits: dict[tuple[int, int], tuple[int, int, tuple[int, ...]]] = {}
-        self.max_hits, self._stamp = max_hits, 0
+        self.max_hits, self._step = max_hits, 0
         self.capacity = capacity  # pages
         self.pool = torch.zeros(0, self.unit, heads, 2, head_dim, dtype=dtype, device=device)
         self.written = torch.zeros(0, self.unit, dtype=torch.bool)
@@ -605,18 +605,34 @@ class Windows:
 
     def hit_marks(self, rows: list[tuple[torch.Tensor, int, int]]) -> tuple[list, list]:
         """What :meth:`remember` keeps of a step's ``rows`` [(block ids, n, new tokens)], a function of the batch and
-        the windows' geometry alone (the layers of a step share it): ([(key, h, blocks)], [keys to forget]). A hit
-        of h tokens (whole blocks) reads the copies of positions tail(h + 1)..h − 1 (and the sink, kept apart), in
-        ``blocks``. Marked: for a prefill chunk (new tokens > 1), h = the full blocks before its last token (kind 1:
-        the same prompt again) and, for every row where it changes (a chunk, a decode step that fills a block), h =
-        its full blocks (kind 0), the previous kind-0 mark of a decode row forgotten (it moved past it). Keys are the
-        block holding position h − 1 (a full block identifies its prefix) and the kind."""
+        the windows' geometry alone (the layers of a step share it): ([(key, h, blocks)], [(key, only if marked the
+        step before)]) to forget. A hit of h tokens (whole blocks) reads the copies of positions tail(h + 1)..h − 1
+        (and the sink, kept apart), in ``blocks``. Keys are the block holding position h − 1 (a full block identifies
+        its prefix) and the kind:
+
+        * a prefill chunk (new tokens > 1) marks its full blocks (kind 0: a longer prompt, a conversation's next
+          turn) and its full blocks before its last token (kind 1: the same prompt again, which vLLM hits there to
+          compute one token); a chunk that continues the previous step's forgets that one's marks (a prompt's middle
+          is where a hit comes least: left, they would outrank the marks of requests that ended);
+        * a decode step that fills a block marks its full blocks (kind 2) and forgets its kind-2 mark a block back.
+
+        A prompt's last chunk of one token looks like a decode step: its kind-1 point is then the previous chunk's
+        kind-0 mark, which decode steps do not forget."""
         bs = self.bs
         put, forget = [], []
         for table, n, new in rows:
-            marks = [(0, n // bs * bs), (1, (n - 1) // bs * bs)] if new > 1 else [(0, n)] if n % bs == 0 else []
-            if new == 1 and marks and n > bs:  # a decode step filled a block: the previous full-blocks mark is stale
-                forget.append((int(table[n // bs - 2]), 0))
+            if new > 1:
+                marks = [(0, n // bs * bs), (1, (n - 1) // bs * bs)]
+                ctx = n - new
+                for kind, h in ((0, ctx // bs * bs), (1, (ctx - 1) // bs * bs)):
+                    if h > 0 and h not in (marks[kind][1],):
+                        forget.append(((int(table[h // bs - 1]), kind), True))
+            elif n % bs == 0:
+                marks = [(2, n)]
+                if n > bs:
+                    forget.append(((int(table[n // bs - 2]), 2), False))
+            else:
+                continue
             for kind, h in marks:
                 lo = self.tail(h + 1)
                 if 0 < h and lo < h:
@@ -624,13 +640,16 @@ class Windows:
         return put, forget
 
     def remember(self, marks: tuple[list, list]) -> None:
-        """Keep :meth:`hit_marks`' marks (the latest marked last), past ``max_hits`` only the latest."""
+        """Keep :meth:`hit_marks`' marks of this step (the layer's steps are counted here: call it once a step);
+        past 2 × ``max_hits`` marks, the latest ``max_hits`` are kept."""
         put, forget = marks
-        for key in forget:
-            self.hits.pop(key, None)
+        self._step += 1
+        for key, recent in forget:
+            hit = self.hits.get(key)
+            if hit is not None and (not recent or hit[0] == self._step - 1):
+                del self.hits[key]
         if put:
-            self._stamp += 1  # (not the version, which counts what reads see: marks change none of it)
-            self.hits.update((key, (self._stamp, h, blocks)) for key, h, blocks in put)
+            self.hits.update((key, (self._step, h, blocks)) for key, h, blocks in put)
         if self.max_hits is not None and len(self.hits) > 2 * self.max_hits:
             latest = sorted(self.hits.items(), key=lambda kv: kv[1][0])[-self.max_hits:]
             self.hits = dict(latest)
@@ -718,14 +737,24 @@ class Windows:
         if len(self.pages) <= self.capacity:
             return
         target = self.capacity * 3 // 4
-        # the pages a prefix-cache hit would read, by how recently marked (0: the latest)
-        hit_rank: dict[int, int] = {}
-        for rank, (_, h, blocks) in enumerate(sorted(self.hits.values(), reverse=True)):
-            for p in self._hit_pages(h, blocks):
-                hit_rank.setdefault(p, rank)
 
         def droppable(p):
             return p not in keep and p not in self.sinks and not (self.open and p * u // self.flush in self.open)
+
+        # the pages a prefix-cache hit would read, by how recently marked (0: the latest), the latest marks only
+        # while the pages kept anyway and theirs fit the target: the older ones' pages go with the rest (a trim's
+        # work stays about the target's size, whatever the number of marks)
+        hit_rank: dict[int, int] = {}
+        held = sum(1 for p in self.pages if not droppable(p))
+        # (marks of one step: the same prompt again first, then a decode's full blocks, then a prompt's)
+        ranked = sorted(self.hits.items(), key=lambda kv: (kv[1][0], (0, 2, 1)[kv[0][1]]), reverse=True)
+        for rank, (_, (_, h, blocks)) in enumerate(ranked):
+            if held >= target:
+                break
+            for p in self._hit_pages(h, blocks):
+                if p in self.pages and p not in hit_rank and droppable(p):
+                    hit_rank[p] = rank
+                    held += 1
 
         # the oldest copies first, those a hit would read after every other, the least recently marked first
         order = [p for p in self.pages if p not in hit_rank]
