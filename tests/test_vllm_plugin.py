@@ -420,8 +420,8 @@ def test_windows_keep_what_a_prefix_cache_hit_reads_past_the_capacity():
     kf, vf, known = torch.zeros(H, 8, d), torch.zeros(H, 8, d), torch.zeros(8, dtype=torch.bool)
     assert w.read(kf, vf, known, a, 0, 8, 8) == 0 and known.nonzero().flatten().tolist() == [0, 1, 5, 6, 7]
     assert torch.equal(kf[0, known, 0], torch.tensor([0.0, 1, 5, 6, 7]))
-    # A's 16 tokens extended read theirs too; a longer prompt than A's (a hit of 12) does not: of one step's marks the
-    # prompt's full blocks are let go first, and the pool holds one of them only
+    # A's 16 tokens extended read theirs too; a longer prompt than A's (a hit of 12) does not: a prompt's full blocks
+    # are let go first, and the pool does not hold them all
     assert missing(w, a, 16) == 0 and missing(w, a, 12) == 3
     # with no marks, the same steps drop A's copies first (the oldest): the hits read 3 positions each from codes
     w2 = Windows(bs, H, d, sink=2, recent=4, capacity=14)
@@ -454,6 +454,11 @@ def test_windows_keep_what_a_prefix_cache_hit_reads_past_the_capacity():
     for n in range(4, 44, 4):  # B: 40 tokens, 4 a step
         step(w4, b, n - 4, n)
     assert sorted(w4.hits) == [(1, 1), (8, 0), (28, 1), (29, 0)] and missing(w4, a, 8) == 0  # B: blocks 20-29
+    # the same prompt again goes last whatever the step: A's (marked first) outlives C's full blocks (marked later)
+    w5 = Windows(bs, H, d, sink=2, recent=4, capacity=15, max_hits=8)
+    for table, n in ((a, 12), (c, 16), (torch.tensor([10, 11, 12, 13]), 16)):
+        step(w5, table, 0, n)
+    assert [missing(w5, a, 8), missing(w5, c, 12), missing(w5, c, 16)] == [0, 0, 3]
     # a chunk that hits the prefix cache (its context not computed the step before) leaves the marks it starts at
     step(w4, a, 12, 20)  # A's prompt extended by 8 tokens, from its hit of 12
     assert {(1, 1), (8, 0), (3, 1), (9, 0)} <= set(w4.hits)

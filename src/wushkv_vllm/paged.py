@@ -482,9 +482,10 @@ class Windows:
     copies such a hit would read are remembered (:meth:`hit_marks`, :meth:`remember`) at the two places hits come
     from: a prompt's last full block before its last token (the same prompt again: vLLM computes at least one token)
     and a sequence's full blocks so far (a conversation's next turn, a prompt extended). A trim drops them after every
-    other copy it may drop, the least recently marked first (of one step's marks, the same prompt again last; up to
-    2 × ``max_hits`` marks held, the latest), so that while they fit the capacity a hit reads what the request would
-    read alone (a shared prefix that ends elsewhere, e.g. a system prompt, is not covered).
+    other copy it may drop: those of a prompt's full blocks first, then a decode's, then the same prompt again's, each
+    the least recently marked first (up to 2 × ``max_hits`` marks held, the latest), so that while they fit the
+    capacity a hit reads what the request would read alone (a shared prefix that ends elsewhere, e.g. a system
+    prompt, is not covered).
 
     A page is ``unit`` consecutive slots of one physical block (page id ``block·(block_size/unit) + slot/unit``); the
     unit is the largest that divides the block size, both windows and the flush (16 for sink 16, recent 128, block
@@ -746,8 +747,10 @@ class Windows:
         # work stays about the target's size, whatever the number of marks)
         hit_rank: dict[int, int] = {}
         held = sum(1 for p in self.pages if not droppable(p))
-        # (marks of one step: the same prompt again first, then a decode's full blocks, then a prompt's)
-        ranked = sorted(self.hits.items(), key=lambda kv: (kv[1][0], (0, 2, 1)[kv[0][1]]), reverse=True)
+        # by kind, then the latest first: the same prompt again (one window a request, the hit that comes most:
+        # retries, the same prompts sent again), then a decode's full blocks (a conversation's next turn), then a
+        # prompt's (a longer prompt)
+        ranked = sorted(self.hits.items(), key=lambda kv: ((0, 2, 1)[kv[0][1]], kv[1][0]), reverse=True)
         for rank, (_, (_, h, blocks)) in enumerate(ranked):
             if held >= target:
                 break
