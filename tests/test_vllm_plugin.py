@@ -459,6 +459,18 @@ def test_windows_keep_what_a_prefix_cache_hit_reads_past_the_capacity():
     for table, n in ((a, 12), (c, 16), (torch.tensor([10, 11, 12, 13]), 16)):
         step(w5, table, 0, n)
     assert [missing(w5, a, 8), missing(w5, c, 12), missing(w5, c, 16)] == [0, 0, 3]
+    # a prefix shared once (a system prompt of 8 tokens) is marked where the hit starts, ahead of every other mark:
+    # a third request sharing it reads its window from copies after the pool has been trimmed in between
+    w6 = Windows(bs, H, d, sink=2, recent=4, capacity=15, max_hits=8)
+    sa, sb = torch.tensor([5, 1, 8, 3]), torch.tensor([5, 1, 20, 21])  # the first two blocks shared
+    step(w6, sa, 0, 14)  # A: the system prompt and 6 tokens of its own (marks at 12)
+    step(w6, sb, 8, 13)  # B hits A's first 8 tokens: marks the hit (kind 3)
+    assert w6.hits[(1, 3)][1:] == (8, (1,))
+    for table, n in ((c, 16), (torch.tensor([10, 11, 12, 13]), 16)):
+        step(w6, table, 0, n)
+    assert missing(w6, sa, 8) == 0 and missing(w6, sa, 12) == 3  # the hit's window kept, A's own let go
+    # a prompt's chunks that start on a block boundary are not hits: no kind-3 marks
+    assert not [key for key in w4.hits if key[1] == 3]
     # a chunk that hits the prefix cache (its context not computed the step before) leaves the marks it starts at
     step(w4, a, 12, 20)  # A's prompt extended by 8 tokens, from its hit of 12
     assert {(1, 1), (8, 0), (3, 1), (9, 0)} <= set(w4.hits)

@@ -479,13 +479,13 @@ class Windows:
 
     A request that hits vLLM's prefix cache computes its first new tokens with the hit's last tokens in their recent
     window, so it reads the copies of the request that computed those blocks, which may have moved on or ended. The
-    copies such a hit would read are remembered (:meth:`hit_marks`, :meth:`remember`) at the two places hits come
-    from: a prompt's last full block before its last token (the same prompt again: vLLM computes at least one token)
-    and a sequence's full blocks so far (a conversation's next turn, a prompt extended). A trim drops them after every
-    other copy it may drop: those of a prompt's full blocks first, then a decode's, then the same prompt again's, each
-    the least recently marked first (up to 2 × ``max_hits`` marks held, the latest), so that while they fit the
-    capacity a hit reads what the request would read alone (a shared prefix that ends elsewhere, e.g. a system
-    prompt, is not covered).
+    copies such a hit would read are remembered (:meth:`hit_marks`, :meth:`remember`) at the places hits come
+    from: a prompt's last full block before its last token (the same prompt again: vLLM computes at least one token),
+    a sequence's full blocks so far (a conversation's next turn, a prompt extended) and where a prompt hit before (a
+    system prompt). A trim drops them after every other copy it may drop: those of a prompt's full blocks first, then
+    a decode's, the same prompt again's, a hit's, each the least recently marked first (up to 2 × ``max_hits`` marks
+    held, the latest), so that while they fit the capacity a hit reads what the request would read alone (the first
+    hit of a shared prefix that ends elsewhere is not covered).
 
     A page is ``unit`` consecutive slots of one physical block (page id ``block·(block_size/unit) + slot/unit``); the
     unit is the largest that divides the block size, both windows and the flush (16 for sink 16, recent 128, block
@@ -606,8 +606,8 @@ class Windows:
 
     def hit_marks(self, rows: list[tuple[torch.Tensor, int, int]]) -> tuple[list, list]:
         """What :meth:`remember` keeps of a step's ``rows`` [(block ids, n, new tokens)], a function of the batch and
-        the windows' geometry alone (the layers of a step share it): ([(key, h, blocks)], [(key, only if marked the
-        step before)]) to forget. A hit of h tokens (whole blocks) reads the copies of positions tail(h + 1)..h − 1
+        the windows' geometry alone (the layers of a step share it): ([(key, h, blocks)] to keep, [(key, only if
+        marked the step before)] to forget). A hit of h tokens (whole blocks) reads the copies of positions tail(h + 1)..h − 1
         (and the sink, kept apart), in ``blocks``. Keys are the block holding position h − 1 (a full block identifies
         its prefix) and the kind:
 
@@ -615,7 +615,11 @@ class Windows:
           turn) and its full blocks before its last token (kind 1: the same prompt again, which vLLM hits there to
           compute one token); a chunk that continues the previous step's forgets that one's marks (a prompt's middle
           is where a hit comes least: left, they would outrank the marks of requests that ended);
-        * a decode step that fills a block marks its full blocks (kind 2) and forgets its kind-2 mark a block back.
+        * a decode step that fills a block marks its full blocks (kind 2) and forgets its kind-2 mark a block back;
+        * a first chunk after a hit (its context whole blocks that no chunk of the step before ended at) marks the hit
+          (kind 3: a prefix two requests have shared, a system prompt, is the likeliest to be shared again; the first
+          such hit itself may find copies dropped). It is put as ``(key, h, blocks, kind-0 key of the context)``:
+          :meth:`remember` drops it where that kind-0 mark is the step before's (a prompt's next chunk).
 
         A prompt's last chunk of one token looks like a decode step: its kind-1 point is then the previous chunk's
         kind-0 mark, which decode steps do not forget."""
@@ -628,6 +632,11 @@ class Windows:
                 for kind, h in ((0, ctx // bs * bs), (1, (ctx - 1) // bs * bs)):
                     if h > 0 and h not in (marks[kind][1],):
                         forget.append(((int(table[h // bs - 1]), kind), True))
+                if ctx > 0 and ctx % bs == 0:
+                    lo = self.tail(ctx + 1)
+                    if lo < ctx:
+                        at = int(table[ctx // bs - 1])
+                        put.append(((at, 3), ctx, tuple(table[lo // bs:ctx // bs].tolist()), (at, 0)))
             elif n % bs == 0:
                 marks = [(2, n)]
                 if n > bs:
@@ -645,12 +654,14 @@ class Windows:
         past 2 × ``max_hits`` marks, the latest ``max_hits`` are kept."""
         put, forget = marks
         self._step += 1
+        if put:  # a kind-3 mark whose context the step before's chunk ended at: a prompt's next chunk, not a hit
+            put = [m for m in put if len(m) == 3 or self.hits.get(m[3], (0,))[0] != self._step - 1]
         for key, recent in forget:
             hit = self.hits.get(key)
             if hit is not None and (not recent or hit[0] == self._step - 1):
                 del self.hits[key]
         if put:
-            self.hits.update((key, (self._step, h, blocks)) for key, h, blocks in put)
+            self.hits.update((m[0], (self._step, m[1], m[2])) for m in put)
         if self.max_hits is not None and len(self.hits) > 2 * self.max_hits:
             latest = sorted(self.hits.items(), key=lambda kv: kv[1][0])[-self.max_hits:]
             self.hits = dict(latest)
@@ -747,10 +758,10 @@ class Windows:
         # work stays about the target's size, whatever the number of marks)
         hit_rank: dict[int, int] = {}
         held = sum(1 for p in self.pages if not droppable(p))
-        # by kind, then the latest first: the same prompt again (one window a request, the hit that comes most:
-        # retries, the same prompts sent again), then a decode's full blocks (a conversation's next turn), then a
-        # prompt's (a longer prompt)
-        ranked = sorted(self.hits.items(), key=lambda kv: ((0, 2, 1)[kv[0][1]], kv[1][0]), reverse=True)
+        # by kind, then the latest first: a prefix hit before (a system prompt), the same prompt again (one window a
+        # request, the hit that comes most: retries, the same prompts sent again), a decode's full blocks (a
+        # conversation's next turn), a prompt's (a longer prompt)
+        ranked = sorted(self.hits.items(), key=lambda kv: ((0, 2, 1, 3)[kv[0][1]], kv[1][0]), reverse=True)
         for rank, (_, (_, h, blocks)) in enumerate(ranked):
             if held >= target:
                 break
