@@ -471,6 +471,15 @@ def test_windows_keep_what_a_prefix_cache_hit_reads_past_the_capacity():
     assert missing(w6, sa, 8) == 0 and missing(w6, sa, 12) == 3  # the hit's window kept, A's own let go
     # a prompt's chunks that start on a block boundary are not hits: no kind-3 marks
     assert not [key for key in w4.hits if key[1] == 3]
+    # a request that hits what another computed the step before, in a step with it: the hit is marked, and what the
+    # other marked stays
+    w7 = Windows(bs, H, d, sink=2, recent=4, capacity=100, max_hits=8)
+    step(w7, sa, 0, 8)  # A: 8 tokens (marks h = 8 and 4)
+    pos = torch.tensor([8, 8, 9, 10, 11, 12, 13, 14])
+    tables = [sa, sb]
+    w7.write(k[pos], k[pos], torch.stack([tables[i][p // bs] * bs + p % bs for i, p in zip([0] + [1] * 7, pos)]), pos)
+    w7.remember(w7.hit_marks([(sa, 9, 1), (sb, 15, 7)]))  # A's first decode step, B's hit of 8
+    assert {(1, 0), (5, 1), (1, 3)} <= set(w7.hits)
     # a chunk that hits the prefix cache (its context not computed the step before) leaves the marks it starts at
     step(w4, a, 12, 20)  # A's prompt extended by 8 tokens, from its hit of 12
     assert {(1, 1), (8, 0), (3, 1), (9, 0)} <= set(w4.hits)

@@ -616,27 +616,39 @@ class Windows:
           compute one token); a chunk that continues the previous step's forgets that one's marks (a prompt's middle
           is where a hit comes least: left, they would outrank the marks of requests that ended);
         * a decode step that fills a block marks its full blocks (kind 2) and forgets its kind-2 mark a block back;
-        * a first chunk after a hit (its context whole blocks that no chunk of the step before ended at) marks the hit
-          (kind 3: a prefix two requests have shared, a system prompt, is the likeliest to be shared again; the first
-          such hit itself may find copies dropped). It is put as ``(key, h, blocks, kind-0 key of the context)``:
-          :meth:`remember` drops it where that kind-0 mark is the step before's (a prompt's next chunk).
+        * a first chunk after a hit (its context whole blocks, the last of them not where a chunk of the step before
+          ended) marks the hit (kind 3: a prefix two requests have shared, a system prompt, is the likeliest to be
+          shared again; the first such hit itself may find copies dropped). It is put as ``(key, h, blocks, kind-0
+          key of the context)``: :meth:`remember` drops it where that kind-0 mark is the step before's (a prompt's
+          next chunk). Kind-3 marks are not forgotten (the oldest go past ``max_hits``).
 
         A prompt's last chunk of one token looks like a decode step: its kind-1 point is then the previous chunk's
-        kind-0 mark, which decode steps do not forget."""
+        kind-0 mark, which decode steps do not forget. Where two rows of the step start at the same whole blocks (a
+        request and another hitting what it computed the step before), one of them is a hit: neither forgets, and
+        the hit is marked whatever the step before marked."""
         bs = self.bs
         put, forget = [], []
+        # rows that start on a block boundary, by the block before it: two at one place make a hit there
+        starts: dict[tuple[int, int], int] = {}
+        for table, n, new in rows:
+            ctx = n - new
+            if ctx > 0 and ctx % bs == 0:
+                at = (int(table[ctx // bs - 1]), ctx)
+                starts[at] = starts.get(at, 0) + 1
         for table, n, new in rows:
             if new > 1:
                 marks = [(0, n // bs * bs), (1, (n - 1) // bs * bs)]
                 ctx = n - new
+                shared = ctx > 0 and ctx % bs == 0 and starts[(int(table[ctx // bs - 1]), ctx)] > 1
                 for kind, h in ((0, ctx // bs * bs), (1, (ctx - 1) // bs * bs)):
-                    if h > 0 and h not in (marks[kind][1],):
+                    if h > 0 and h != marks[kind][1] and not shared:
                         forget.append(((int(table[h // bs - 1]), kind), True))
                 if ctx > 0 and ctx % bs == 0:
                     lo = self.tail(ctx + 1)
                     if lo < ctx:
                         at = int(table[ctx // bs - 1])
-                        put.append(((at, 3), ctx, tuple(table[lo // bs:ctx // bs].tolist()), (at, 0)))
+                        hit = ((at, 3), ctx, tuple(table[lo // bs:ctx // bs].tolist()))
+                        put.append(hit if shared else (*hit, (at, 0)))
             elif n % bs == 0:
                 marks = [(2, n)]
                 if n > bs:
@@ -655,7 +667,7 @@ class Windows:
         put, forget = marks
         self._step += 1
         if put:  # a kind-3 mark whose context the step before's chunk ended at: a prompt's next chunk, not a hit
-            put = [m for m in put if len(m) == 3 or self.hits.get(m[3], (0,))[0] != self._step - 1]
+            put = [m for m in put if len(m) == 3 or self.hits.get(m[3], (None,))[0] != self._step - 1]
         for key, recent in forget:
             hit = self.hits.get(key)
             if hit is not None and (not recent or hit[0] == self._step - 1):
