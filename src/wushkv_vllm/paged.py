@@ -607,9 +607,9 @@ class Windows:
     def hit_marks(self, rows: list[tuple[torch.Tensor, int, int]]) -> tuple[list, list]:
         """What :meth:`remember` keeps of a step's ``rows`` [(block ids, n, new tokens)], a function of the batch and
         the windows' geometry alone (the layers of a step share it): ([(key, h, blocks)] to keep, [(key, only if
-        marked the step before)] to forget). A hit of h tokens (whole blocks) reads the copies of positions tail(h + 1)..h − 1
-        (and the sink, kept apart), in ``blocks``. Keys are the block holding position h − 1 (a full block identifies
-        its prefix) and the kind:
+        marked the step before)] to forget). A hit of h tokens (whole blocks) reads the copies of positions
+        tail(h + 1)..h − 1 (and the sink, kept apart), in ``blocks``. Keys are the block holding position h − 1 (a
+        full block identifies its prefix) and the kind:
 
         * a prefill chunk (new tokens > 1) marks its full blocks (kind 0: a longer prompt, a conversation's next
           turn) and its full blocks before its last token (kind 1: the same prompt again, which vLLM hits there to
@@ -731,7 +731,7 @@ class Windows:
 
     def protect_and_trim(self, sequences: list[tuple[torch.Tensor, int]]) -> None:
         """After a step, past :attr:`capacity` pages: drop the oldest copies down to three quarters of it (so trims
-        are rare), those a prefix-cache hit would read (:meth:`remember`) last, the least recently marked first; never
+        are rare), those a prefix-cache hit would read (:meth:`hit_marks`) last, by kind, then the latest last; never
         those holding a window position of the step's ``sequences`` [(block ids, n)], nor those of an open tile (past
         ``max_open`` open tiles, the oldest not in the step's windows are let go first)."""
         over_open = self.max_open is not None and len(self.open) > self.max_open
@@ -765,9 +765,9 @@ class Windows:
         def droppable(p):
             return p not in keep and p not in self.sinks and not (self.open and p * u // self.flush in self.open)
 
-        # the pages a prefix-cache hit would read, by how recently marked (0: the latest), the latest marks only
-        # while the pages kept anyway and theirs fit the target: the older ones' pages go with the rest (a trim's
-        # work stays about the target's size, whatever the number of marks)
+        # the pages a prefix-cache hit would read, by their mark's rank (0: kept longest), the first marks only while
+        # the pages kept anyway and theirs fit the target: the others' pages go with the rest (a trim's work stays
+        # about the target's size, whatever the number of marks)
         hit_rank: dict[int, int] = {}
         held = sum(1 for p in self.pages if not droppable(p))
         # by kind, then the latest first: a prefix hit before (a system prompt), the same prompt again (one window a
@@ -782,7 +782,7 @@ class Windows:
                     hit_rank[p] = rank
                     held += 1
 
-        # the oldest copies first, those a hit would read after every other, the least recently marked first
+        # the oldest copies first, those a hit would read after every other, the lowest-ranked mark's first
         order = [p for p in self.pages if p not in hit_rank]
         order += sorted((p for p in self.pages if p in hit_rank), key=lambda p: -hit_rank[p])
         for p in order:
