@@ -208,6 +208,20 @@ def _next_pow2(n: int) -> int:
     return 1 << max(0, (int(n) - 1).bit_length())
 
 
+class _InterpretedHelper:
+    """A helper as the kernels defined here call it under Triton's interpreter: its rewritten body, run as it is.
+    ``InterpretedFunction.__call__`` patches ``triton.language`` again at every call of a device function (twenty
+    thousand attributes set a decode test, a third of its time), where the launch of the calling kernel has patched
+    the same module already (every kernel and helper here shares one globals, ``tl`` among them) and restores it when
+    the grid is done. Errors come out as the interpreter's ``InterpreterError`` from the launch either way."""
+
+    def __init__(self, fn):
+        self.fn = fn
+
+    def __call__(self, *args, **kwargs):
+        return self.fn.rewrite()(*args, **kwargs)  # rewritten once, then taken from the interpreter's cache
+
+
 @functools.cache
 def _kernels() -> dict:
     """The kernels, defined (and decorated) on first use so that importing wushkv never imports triton."""
@@ -215,6 +229,7 @@ def _kernels() -> dict:
     import triton.language as tl
 
     names = {"tl": tl, "triton": triton, "__name__": __name__}  # the kernels' globals
+    interpreted = interpreting()
 
     def jit(fn):
         """``triton.jit`` of ``fn`` rebound to the globals ``names``, which holds ``tl`` and every kernel and helper
@@ -226,6 +241,8 @@ def _kernels() -> dict:
         rebound.__doc__, rebound.__kwdefaults__ = fn.__doc__, fn.__kwdefaults__
         fn = rebound
         names[fn.__name__] = kernel = triton.jit(fn)
+        if interpreted:  # a call from a kernel runs the helper's rewritten body: the launch patched `tl` already
+            names[fn.__name__] = _InterpretedHelper(kernel)
         return kernel
 
     # -- helpers -------------------------------------------------------------------------------------------------
@@ -246,7 +263,7 @@ def _kernels() -> dict:
             return tl.load(ptr + rows[:, None] + d[None, :], mask=valid[:, None], other=0).to(tl.int32)
         elif BITS == 3:  # 8 codes in 3 bytes: a 24-bit word, low bits first
             j = tl.arange(0, D // 8)
-            word = tl.zeros([BN, D // 8], dtype=tl.int32)
+            word = tl.full([BN, D // 8], 0, dtype=tl.int32)
             for m in tl.static_range(3):
                 byte = tl.load(ptr + rows[:, None] + j[None, :] * 3 + m, mask=valid[:, None], other=0).to(tl.int32)
                 word = word | (byte << (8 * m))
@@ -459,7 +476,7 @@ def _kernels() -> dict:
         query's channels P·k + S (loaded from ``q_ptr + qrow``, L1-resident), so the codes never change layout; the
         first dot starts at −qoff, which costs nothing (a dot's accumulator)."""
         k = tl.arange(0, D // P)
-        s = tl.zeros([GP, BN], dtype=tl.float32) - qoff[:, None]
+        s = tl.full([GP, BN], 0, dtype=tl.float32) - qoff[:, None]
         for S in tl.static_range(P):
             qS = tl.load(q_ptr + qrow[:, None] + k[None, :] * P + S, mask=qmask[:, None], other=0.0)
             s += _mma(qS, tl.trans(_class_codes(w, S, P, WC, BITS, OFF, EMU)), DT, EMU, PREC)
@@ -717,14 +734,14 @@ def _kernels() -> dict:
         lies in one block), whose entry is read once and folded into the pointers."""
         ALIGN: tl.constexpr = (K_TILE > 0 and BN <= K_TILE) or (V_TILE > 0 and BN <= V_TILE)
         VK: tl.constexpr = D // V_P if V_P > 0 else 16
-        a0 = tl.zeros([GP, VK], dtype=tl.float32)
-        a1 = tl.zeros([GP, VK], dtype=tl.float32)
-        a2 = tl.zeros([GP, VK], dtype=tl.float32)
-        a3 = tl.zeros([GP, VK], dtype=tl.float32)
-        a4 = tl.zeros([GP, VK], dtype=tl.float32)
-        a5 = tl.zeros([GP, VK], dtype=tl.float32)
-        a6 = tl.zeros([GP, VK], dtype=tl.float32)
-        a7 = tl.zeros([GP, VK], dtype=tl.float32)
+        a0 = tl.full([GP, VK], 0, dtype=tl.float32)
+        a1 = tl.full([GP, VK], 0, dtype=tl.float32)
+        a2 = tl.full([GP, VK], 0, dtype=tl.float32)
+        a3 = tl.full([GP, VK], 0, dtype=tl.float32)
+        a4 = tl.full([GP, VK], 0, dtype=tl.float32)
+        a5 = tl.full([GP, VK], 0, dtype=tl.float32)
+        a6 = tl.full([GP, VK], 0, dtype=tl.float32)
+        a7 = tl.full([GP, VK], 0, dtype=tl.float32)
         keep = tl.full([GP], 1.0, dtype=tl.float32)  # how much of the incoming acc the online softmax keeps
         # the values' classes read Σ_t w_t (c_t + OFF_c) with w = p ⊙ s rounded for the dot; channel c's OFF_c
         # (_class_offsets) comes back out as OFF_c·Σ w, and Σ w is a dot too, of the same rounded w with ones (16
@@ -732,20 +749,20 @@ def _kernels() -> dict:
         # lanes of the weights converted back to float32 took dozens. Without a zero (x̂ = s·(c + HALF)) the weights
         # carry the HALF too: Σ w (c + HALF), nearer the float32 result than Σ w c + HALF·Σ p s (c + HALF is the
         # smaller); with one, Σ p z is summed in float32.
-        corr = tl.zeros([GP], dtype=tl.float32)  # Σ p z (a zero), added to every channel
-        wacc = tl.zeros([GP, 16], dtype=tl.float32)  # Σ w in each column (codes in classes)
+        corr = tl.full([GP], 0, dtype=tl.float32)  # Σ p z (a zero), added to every channel
+        wacc = tl.full([GP, 16], 0, dtype=tl.float32)  # Σ w in each column (codes in classes)
         t_tile = b * 0 - 1  # the KVarN key tile whose offset term t_off and scaled query kq0..kq7 are held; int64
-        t_off = tl.zeros([GP], dtype=tl.float32)
+        t_off = tl.full([GP], 0, dtype=tl.float32)
         KQ: tl.constexpr = D // K_P if K_P > 0 else 16
         QDT: tl.constexpr = tl.float32 if EMU else DT
-        kq0 = tl.zeros([GP, KQ], dtype=QDT)
-        kq1 = tl.zeros([GP, KQ], dtype=QDT)
-        kq2 = tl.zeros([GP, KQ], dtype=QDT)
-        kq3 = tl.zeros([GP, KQ], dtype=QDT)
-        kq4 = tl.zeros([GP, KQ], dtype=QDT)
-        kq5 = tl.zeros([GP, KQ], dtype=QDT)
-        kq6 = tl.zeros([GP, KQ], dtype=QDT)
-        kq7 = tl.zeros([GP, KQ], dtype=QDT)
+        kq0 = tl.full([GP, KQ], 0, dtype=QDT)
+        kq1 = tl.full([GP, KQ], 0, dtype=QDT)
+        kq2 = tl.full([GP, KQ], 0, dtype=QDT)
+        kq3 = tl.full([GP, KQ], 0, dtype=QDT)
+        kq4 = tl.full([GP, KQ], 0, dtype=QDT)
+        kq5 = tl.full([GP, KQ], 0, dtype=QDT)
+        kq6 = tl.full([GP, KQ], 0, dtype=QDT)
+        kq7 = tl.full([GP, KQ], 0, dtype=QDT)
         # the scores come out of the class paths scaled (by sm_scale and log2 e): folded into per-token vectors
         SCALED: tl.constexpr = K_P > 0 and (K_TILE == 0 or BN <= K_TILE)
         first_it = a
@@ -936,8 +953,8 @@ def _kernels() -> dict:
             sink = tl.load(sinks_ptr + hq, mask=qmask, other=0.0).to(tl.float32) * 1.4426950408889634
             M = tl.maximum(M, sink)
         M = tl.where(M == float("-inf"), 0.0, M)
-        L = tl.zeros([GP], dtype=tl.float32)
-        acc = tl.zeros([GP, D], dtype=tl.float32)
+        L = tl.full([GP], 0, dtype=tl.float32)
+        acc = tl.full([GP, D], 0, dtype=tl.float32)
         for i in range(0, SPLITS):
             w = tl.exp2(tl.load(m_ptr + base + i, mask=qmask, other=float("-inf"), cache_modifier=".cg") - M)
             L = L + tl.load(l_ptr + base + i, mask=qmask, other=0.0, cache_modifier=".cg") * w
@@ -1030,8 +1047,8 @@ def _kernels() -> dict:
         brow = b * rb_b + hq * rb_h
         p0 = tl.load(rp_ptr + b).to(tl.int64) if RMEAN else b * 0
         m = tl.full([GP], float("-inf"), dtype=tl.float32)
-        l = tl.zeros([GP], dtype=tl.float32)
-        acc = tl.zeros([GP, D], dtype=tl.float32)
+        l = tl.full([GP], 0, dtype=tl.float32)
+        acc = tl.full([GP, D], 0, dtype=tl.float32)
 
         # middle [n_s, n_s + n_m), sink [0, n_s), recent [n_s + n_m, N), each intersected with [lo, hi): one online
         # softmax over the three, in any order; the middle first, so that no accumulator is live through its loop
@@ -1150,7 +1167,7 @@ def _kernels() -> dict:
         r = tl.where(r < R, r, 0)  # rows past the end read row 0 and write nothing
         d = tl.arange(0, D)
         if HAS_T:  # x' = T x, per KV head, float32, TC columns of T at a time
-            x = tl.zeros([BR, D], dtype=tl.float32)
+            x = tl.full([BR, D], 0, dtype=tl.float32)
             for j0 in tl.static_range(0, D, TC):
                 j = j0 + tl.arange(0, TC)
                 xj = tl.load(x_ptr + r[:, None] * sx_r + h * sx_h + j[None, :] * sx_d).to(tl.float32)  # (BR, TC)
@@ -1176,7 +1193,7 @@ def _kernels() -> dict:
                 step = (sbyte << 7).to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
                 q = tl.floor(tl.math.div_rn(xg, tl.maximum(step, 1.1754943508222875e-38)[:, :, None]))
             else:
-                sbyte = tl.zeros([BR, NG], dtype=tl.int32)  # unused
+                sbyte = tl.full([BR, NG], 0, dtype=tl.int32)  # unused
                 q = tl.floor(tl.math.div_rn(xg, step[:, :, None]))
             q = tl.minimum(tl.maximum(q, -HALF), HALF - 1) + HALF
             scale = step
@@ -1188,8 +1205,8 @@ def _kernels() -> dict:
                 # each channel's count of the row's smaller (and not larger) ones, a channel j at a time: the
                 # (BR, D, D) comparisons at once held 17.8 KB of stack a thread at head_dim 128 and took ptxas
                 # 100 s (sm_90, 8 rows a program)
-                less = tl.zeros([BR, D], dtype=tl.int32)
-                leq = tl.zeros([BR, D], dtype=tl.int32)
+                less = tl.full([BR, D], 0, dtype=tl.int32)
+                leq = tl.full([BR, D], 0, dtype=tl.int32)
                 for j in range(D):
                     if HAS_T:  # |x'_j|, out of the row (one term: exact)
                         aj = tl.sum(tl.where(d[None, :] == j, a, 0.0), 1)
@@ -1222,7 +1239,7 @@ def _kernels() -> dict:
             # the codes go straight into packed words, each stored once its 8 codes are in: a (BR, D) tile of codes set
             # a channel at a time takes, for _store_packed's reshape, a layout that holds all D in every thread (567
             # LOP3 a channel, 255 registers and spills at head_dim 128, one row, sm_90)
-            word = tl.zeros([BR], dtype=tl.int64)
+            word = tl.full([BR], 0, dtype=tl.int64)
             cbase = blk * sc0 + tok * sc1 + h * sc2  # (BR,)
             for j in range(D):  # channel by channel: its code, then its error pushed onto the later channels
                 at = d[None, :] == j
@@ -1236,7 +1253,7 @@ def _kernels() -> dict:
                 if j % 8 == 7:
                     for m in tl.static_range(BITS):
                         tl.store(c_ptr + cbase + (j // 8) * BITS + m, ((word >> (8 * m)) & 255).to(tl.uint8), mask=ok)
-                    word = tl.zeros([BR], dtype=tl.int64)
+                    word = tl.full([BR], 0, dtype=tl.int64)
                 e = wj - (c * sj + oj)  # (fp fusion off: the float32 steps of feedback_round, one by one)
                 f = tl.load(f_ptr + h * sf_h + j * sf_i + d * sf_j, mask=d > j, other=0.0).to(tl.float32)  # (D,)
                 x = x - e[:, None] * f[None, :]
@@ -1316,8 +1333,8 @@ def _kernels() -> dict:
         A = tl.load(a_ptr).to(tl.float32)  # (R, C)  (RELOAD: read again where used; volatile, or it is CSE'd away)
         QMAX: tl.constexpr = (1 << BITS) - 1
         # 2. balance in the log domain: A = B ⊙ (exp ℓ_r · exp ℓ_cᵀ), the round of least imbalance (the start counts)
-        log_r = tl.zeros([R], dtype=tl.float32)
-        log_c = tl.zeros([C], dtype=tl.float32)
+        log_r = tl.full([R], 0, dtype=tl.float32)
+        log_c = tl.full([C], 0, dtype=tl.float32)
         best_r = log_r
         best_c = log_c
         best = _imbalance(A, R, C)
@@ -1344,9 +1361,9 @@ def _kernels() -> dict:
         if FEEDBACK:  # (keys: R = D, C = G) rows in order; the error as the decoder reads it (float16) feeds the later rows
             fold16 = fold.to(tl.float16).to(tl.float32)
             W = A
-            q = tl.zeros([D, G], dtype=tl.float32)
-            lo = tl.zeros([D], dtype=tl.float32)
-            step = tl.zeros([D], dtype=tl.float32)
+            q = tl.full([D, G], 0, dtype=tl.float32)
+            lo = tl.full([D], 0, dtype=tl.float32)
+            step = tl.full([D], 0, dtype=tl.float32)
             for i in range(D):
                 at = r == i
                 w = tl.sum(tl.where(at[:, None], W, 0.0), 0)  # (G,) row i as updated so far
