@@ -469,19 +469,90 @@ def test_a_cache_used_after_its_block_exits_says_so():
 
 
 @torch.no_grad()
-def test_assisted_decoding_refused_at_once_where_a_crop_leaves_a_trace():
-    """A sliding-window layer lets go of positions as its window moves, and a padded batch's rows are not replayed:
-    there the cache is not croppable (transformers' meaning: a crop puts it back as it was), so assisted decoding is
-    refused before its first draft, not part-way through when a window fills."""
-    model = tiny_model("gemma3")  # layers 0 and 1 slide over 16 positions
-    cfg = PADDED["quest"]
-    ids = torch.randint(3, 12, (1, 30), generator=torch.Generator().manual_seed(7))
+@pytest.mark.parametrize("name", ["quest", "ktiles-ldlq"])
+def test_assisted_decoding_across_sliding_windows_decodes_as_greedy_decoding(name):
+    """A model with sliding-window layers (gemma3: two of three over 16 positions) under transformers' assisted
+    decoding, whose drafts are verified and rejected long after the windows fill: its past recording keeps what a
+    window leaves behind until the crop (WushKVLayer.activate_past_recording), which takes the verification back and
+    lets go of what the next step cannot see. So the tokens are greedy decoding's, and the layers after are greedy's,
+    code for code, the positions they let go of included. Not recording (a cache as made), a sliding layer is not
+    croppable: assisted decoding would be refused at once, as on a padded batch, never part-way when a window fills.
+    Left recording (transformers does not turn it off after assisted decoding), a sliding layer still lets go at each
+    update of what no later step sees: it holds no more than a window and an update."""
+    model = tiny_model("gemma3").double()
+    cfg = PADDED[name]
+    ids = torch.randint(3, 40, (1, 40), generator=torch.Generator().manual_seed(7))  # few tokens: n-grams repeat
+    kw = dict(max_new_tokens=40, do_sample=False, pad_token_id=0)
     with install(model):
-        cache = WushKVCache(model, cfg)
-        assert not cache.is_croppable and [layer.is_croppable for layer in cache.quantized_layers] == [False, False, True]
-        with pytest.raises(ValueError, match="requires a cache that can be cropped"):
-            model.generate(ids, cache=cache, prompt_lookup_num_tokens=6, max_new_tokens=20, do_sample=False, pad_token_id=0)
+        greedy_cache, assisted_cache = WushKVCache(model, cfg), WushKVCache(model, cfg)
+        assert not assisted_cache.is_croppable
+        assert [layer.is_croppable for layer in assisted_cache.quantized_layers] == [False, False, True]
+        greedy = model.generate(ids, cache=greedy_cache, **kw)
+        crops = []
+        crop = assisted_cache.crop
+        assisted_cache.crop = lambda t: (crops.append((assisted_cache.get_seq_length(), t)), crop(t))[1]
+        assisted = model.generate(ids, cache=assisted_cache, prompt_lookup_num_tokens=6, **kw)
+        assert assisted_cache.is_croppable and all(layer.record_past for layer in assisted_cache.quantized_layers)
+        assert torch.equal(assisted, greedy), (assisted[0, 40:].tolist(), greedy[0, 40:].tolist())
+        rejected = [(n, t) for n, t in crops if t < 0]
+        assert len(rejected) >= 5 and min(n for n, _ in rejected) > 16, crops  # rejected drafts, windows full
+        assert len(crops) < 40
+        close = lambda x, y: x.shape == y.shape and torch.allclose(x.double(), y.double(), rtol=0, atol=1e-12)  # noqa: E731
+        for a, g in zip(assisted_cache.quantized_layers, greedy_cache.quantized_layers):
+            assert (a.n, a._mid_len, a.mid_start, a.sink_start, a._evicted_to) == (g.n, g._mid_len, g.mid_start, g.sink_start, g._evicted_to)
+            assert close(a.recent_k, g.recent_k) and close(a.recent_v, g.recent_v) and close(a.sink_k, g.sink_k)
+            for side in ("k_side", "v_side"):
+                va, vg = getattr(a, side).store.view(), getattr(g, side).store.view()
+                assert va.keys() == vg.keys() and all(torch.equal(va[k], vg[k]) if va[k].dtype == torch.uint8
+                                                      else close(va[k], vg[k]) for k in va), (name, side)
+        # recording left on, decoding goes on alike, and a sliding layer lets go at each update of what no later step
+        # sees: one token behind the layer that lets go at once
+        for step in range(20):
+            tok = torch.tensor([[3 + step]])
+            la = model(tok, cache=assisted_cache, use_cache=True).logits
+            assert torch.allclose(la, model(tok, cache=greedy_cache, use_cache=True).logits, rtol=0, atol=1e-9)
+        for a, g in zip(assisted_cache.quantized_layers[:2], greedy_cache.quantized_layers[:2]):
+            assert a.is_sliding and a._evicted_to == g._evicted_to - 1 and a._mid_len <= g._mid_len + a.block
+
+
+@torch.no_grad()
+def test_take_back_across_a_sliding_window_refuses_what_it_let_go_of():
+    """A sliding-window layer recording its past takes back its last update as a full-attention layer does, unless
+    the step after would see a position it let go of at an earlier crop; then the crop refuses, before any change."""
+    from wushkv.layer import WushKVLayer
+
+    cfg = PADDED["quest"]
+    g = torch.Generator().manual_seed(5)
+    layer, alone = WushKVLayer(cfg, 16, sliding_window=16), WushKVLayer(cfg, 16, sliding_window=16)
+    layer.activate_past_recording(recurrent_states_to_keep=6)
+    k, v = torch.randn(1, 2, 60, 16, generator=g), torch.randn(1, 2, 60, 16, generator=g)
+    layer.update(k[:, :, :31], v[:, :, :31])
+    layer.crop(0)  # lets go of what the next step cannot see: positions below 16
+    assert layer._evicted_to == 16 and layer.n == 31
+    layer.update(k[:, :, 31:37], v[:, :, 31:37])
+    # back to 30, before the update: its codes allow it (columns 25..29 uncoded at 30 and 31), its window does not
+    # (the step at 30 would see 15, let go of)
+    assert layer._code_end(30) == layer._code_end(31) and layer.can_take_back(-6) and not layer.can_take_back(-7)
+    layer.take_back(-4)  # the last update taken back (the cache's crop does so): what appending 31..32 makes
+    alone.update(k[:, :, :31], v[:, :, :31])
+    alone.update(k[:, :, 31:33], v[:, :, 31:33])
+    assert (layer.n, layer.mid_start, layer._mid_len, layer._evicted_to) == (alone.n, alone.mid_start, alone._mid_len, alone._evicted_to)
+    assert torch.equal(layer.recent_k, alone.recent_k) and torch.equal(layer.sink_v, alone.sink_v)
+    for side in ("k_side", "v_side"):
+        va, vb = getattr(layer, side).store.view(), getattr(alone, side).store.view()
+        assert all(torch.equal(va[key], vb[key]) for key in va)
+    before = (layer.n, layer.recent_k.shape[2])
+    with pytest.raises(ValueError, match=r"sliding-window layer \(window 16\)"):
+        layer.crop(-3)  # back to 30: its step would see position 15, let go of
+    assert (layer.n, layer.recent_k.shape[2]) == before
+
+
+@torch.no_grad()
+def test_assisted_decoding_refused_at_once_on_a_padded_batch():
+    """A padded batch's rows are not replayed: there the cache is not croppable (transformers' meaning: a crop puts
+    it back as it was), so assisted decoding is refused before its first draft."""
     llama = tiny_model("llama")
+    cfg = PADDED["quest"]
     with install(llama):
         assert WushKVCache(llama, cfg).is_croppable
         assert not WushKVCache(llama, cfg, pad_lengths=[0, 3]).is_croppable

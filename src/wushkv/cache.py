@@ -82,7 +82,8 @@ class WushKVCache(Cache):
     def crop(self, tokens_to_remove: int) -> None:
         """Remove the last tokens from every layer, or from none. Where every attention layer can take them back
         with no trace (``WushKVLayer.take_back``: back to what the last update coded, of a prompt up to ``UNDO_TOKENS``
-        tokens; no sliding window, no padding), the cache is then what appending the tokens kept would have made: assisted
+        tokens; sliding windows only while recording their past, no padding), the cache is then what appending the
+        tokens kept would have made: assisted
         decoding's crop of the drafts it rejects, after which it decodes as decoding alone does. Else each layer
         removes its full-precision tail (``WushKVLayer.crop``; what was coded stays coded), all of them checked
         before any changes (layers differ in what they can crop: sliding windows, per-layer configurations)."""

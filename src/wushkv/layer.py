@@ -334,6 +334,10 @@ class WushKVLayer(CacheLayerMixin):
         self._window = _Window()  # the recent buffer's storages (not a ragged batch's): a step appends in place
         self._undo = None  # (c, keys, values): the last update's full-precision copies of columns [c, ...) it coded
         self.is_sliding = sliding_window is not None
+        # transformers' past recording (``activate_past_recording``, which its assisted decoding calls before the
+        # first draft): a sliding-window layer then lets go of what its window leaves behind at a crop, not at an
+        # update, so the crop of rejected drafts can take their update back (transformers' sliding layers do as much)
+        self.record_past = False
         k_codec, v_codec = make_codec(cfg, "key", head_dim, inputs.feedback_K), make_codec(cfg, "value", head_dim, inputs.feedback_V)
         self.k_side = _Side(k_codec) if k_codec else None
         self.v_side = _Side(v_codec) if v_codec else None
@@ -367,10 +371,19 @@ class WushKVLayer(CacheLayerMixin):
     def is_croppable(self) -> bool:
         """Whether the cache's crop puts this layer back as it was, leaving no trace (transformers' meaning: its
         assisted decoding refuses a cache where not, at once). An unpadded full-attention layer takes back any of its
-        last update's tokens (of a first update, a prompt, up to :data:`UNDO_TOKENS`; :meth:`take_back`). A sliding-window layer lets go of positions as its
-        window moves, and a padded batch's rows keep no copies (transformers' assisted decoding runs one sequence
-        anyway); :meth:`crop` still removes their full-precision tail where it can."""
-        return not self.is_sliding and not self.padded
+        last update's tokens (of a first update, a prompt, up to :data:`UNDO_TOKENS`; :meth:`take_back`), and so does
+        a sliding-window one that records its past (:meth:`activate_past_recording`); one that does not lets go of
+        positions as its window moves. A padded batch's rows keep no copies (transformers' assisted decoding runs one
+        sequence anyway); :meth:`crop` still removes their full-precision tail where it can."""
+        return (not self.is_sliding or self.record_past) and not self.padded
+
+    def activate_past_recording(self, **kwargs) -> None:
+        """transformers' past recording, which its assisted decoding turns on before the first draft (and 5.24 leaves
+        on): a sliding-window layer keeps what its window leaves behind until the next :meth:`crop` (or
+        :meth:`take_back`), which takes the last update back where asked and then lets go of what the next step
+        cannot see. So drafts rejected across the window's edge are taken back with no trace, as on a full-attention
+        layer. (Keyword arguments, e.g. ``recurrent_states_to_keep``, are for linear-attention layers.)"""
+        self.record_past = True
 
     @property
     def padded(self) -> bool:
@@ -469,6 +482,7 @@ class WushKVLayer(CacheLayerMixin):
             key_states = self.key_transform.keys(key_states)
         if self.row_sinks:
             return self._update_padded(key_states, value_states)
+        self._let_go()  # (recording past, uncropped: what no step from here on sees, as a crop would have)
         n0, T = self.n, key_states.shape[2]
         n1 = n0 + T
         # 1. the first S_sink positions go to the full-precision sink
@@ -495,9 +509,9 @@ class WushKVLayer(CacheLayerMixin):
         view.mid, view.mid_len = self._snapshot_mid(), self._mid_len
         self.recent_k, self.recent_v = self._window.keep(win_k, win_v, moved)
         self.n = n1
-        if self.is_sliding:  # the view keeps what this step reads; the layer keeps what later steps can see
+        if self.is_sliding and not self.record_past:  # the view keeps what this step reads; the layer what later steps see
             self._evict(n1 - self.sliding_window + 1)
-        else:
+        else:  # (recording: a crop lets go of what the window left behind, after taking back what it is asked to)
             self._undo = held
         return view, view
 
@@ -812,11 +826,12 @@ class WushKVLayer(CacheLayerMixin):
 
     def can_take_back(self, tokens_to_remove: int) -> bool:
         """Whether :meth:`take_back` can remove these tokens (transformers' ``crop`` argument: negative, how many;
-        positive, the length to keep): from an unpadded full-attention layer, where every column to be held in full
-        precision after it still is, or was coded by the last update (of a first update, the copies of what its last
+        positive, the length to keep): from an unpadded full-attention layer, or a sliding-window one recording its
+        past whose next step would see nothing it let go of, where every column to be held in full precision after it
+        still is, or was coded by the last update (of a first update, the copies of what its last
         :data:`UNDO_TOKENS` tokens coded; of a later one, all)."""
         n = tokens_to_remove if tokens_to_remove > 0 else self.n + tokens_to_remove
-        if self._undo is None or not 0 <= n < self.n:
+        if self._undo is None or not 0 <= n < self.n or self._first_visible(n) < self._evicted_to:
             return False
         return self._code_end(n) >= self._undo[0]
 
@@ -850,26 +865,35 @@ class WushKVLayer(CacheLayerMixin):
             span_k, span_v = torch.cat([held_k, span_k], dim=2), torch.cat([held_v, span_v], dim=2)
         a, e = max(min(c, n) - f, 0), max(n - f, 0)  # (a sink not yet full holds all: the buffer empty)
         self.recent_k, self.recent_v = span_k[:, :, a:e], span_v[:, :, a:e]
-        self.sink_k, self.sink_v = self.sink_k[:, :, :n], self.sink_v[:, :, :n]
+        keep = max(n - self.sink_start, 0)  # the sink's columns below n (a sliding window may have let its first go)
+        self.sink_k, self.sink_v = self.sink_k[:, :, :keep], self.sink_v[:, :, :keep]
         self.n = n
         self._undo = (c, None, None)  # what a later take_back can still reach: the buffer alone
+        self._let_go()
 
     def crop(self, tokens_to_remove: int) -> None:
         """Remove the last tokens; only tokens still in the full-precision recent buffer can be removed, and on a
         sliding-window layer only while the next step's window holds nothing the layer has let go of. What an update
         coded stays coded: the cache's crop takes the last update back exactly where it can (:meth:`take_back`)."""
         plan = self._crop_plan(tokens_to_remove)
-        if plan is None:
-            return
-        self._undo = None
-        n, layers, counts = plan
-        for layer, k in zip(layers, counts):
-            if k:
-                layer.recent_k, layer.recent_v = layer.recent_k[:, :, :-k], layer.recent_v[:, :, :-k]
-                layer.n -= k
-        if self.row_mode:
-            self._set_rows(layers)
-            self.n -= n
+        if plan is not None:
+            self._undo = None
+            n, layers, counts = plan
+            for layer, k in zip(layers, counts):
+                if k:
+                    layer.recent_k, layer.recent_v = layer.recent_k[:, :, :-k], layer.recent_v[:, :, :-k]
+                    layer.n -= k
+            if self.row_mode:
+                self._set_rows(layers)
+                self.n -= n
+        self._let_go()  # (transformers' crop(0) after drafts all accepted: the window moves on)
+
+    def _let_go(self) -> None:
+        """A sliding-window layer recording its past lets go of what the next step cannot see: at a crop, and at an
+        update not cropped after the one before (transformers leaves recording on after assisted decoding: the layer
+        then holds a window and an update's tokens, not all it was given)."""
+        if self.is_sliding and self.record_past and self.is_initialized and not self.row_mode and not self.row_sinks:
+            self._evict(self.n - self.sliding_window + 1)
 
     def _crop_plan(self, tokens_to_remove: int):
         """(tokens, layers, tokens each) that ``crop(tokens_to_remove)`` removes (the layer, or each row's layer), or
