@@ -809,11 +809,14 @@ def attend(q: torch.Tensor, q_pos: torch.Tensor, kq: torch.Tensor, vq: torch.Ten
     products) at positions ``k_pos`` (n,), ascending. Grouped: query head j reads KV
     head j // (Hq / H). ``sliding_window`` > 0: keys at p − window < t ≤ p only; ``softcap`` > 0: s ↦ c·tanh(s/c).
 
-    One masked attention (torch's fused ``scaled_dot_product_attention``) over the codes' keys and, appended, the
-    full-precision copies of the columns J some query reads in full precision (the sink, and from the first query's
-    recent window on): a query is allowed a code column or its copy, never both. Queries go ``block`` at a time, each
-    block over the span of columns its queries may read (causal; the sliding window): memory, the mask of block ×
-    (span + |J|); time, about half of every query over all n for a prompt. Returns float32 (T, Hq, d).
+    One masked attention (torch's fused ``scaled_dot_product_attention``) a block of ``block`` queries, over the span
+    of columns its queries may read (causal; the sliding window): the codes' keys, where every query of the block
+    reads a column's copy (the sink, and from the block's last query's tail on) the copy in their place, and, appended,
+    the copies of the columns J between its first and its last query's tail, which some of its queries read from
+    the codes and some from the copy: a query is allowed a code column or its copy, never both. Memory, the mask of
+    block × (span + |J|); time, about half of every query over all n for a prompt (J adds about a block's width a
+    block; until session 76 J held the sink and every tail too: 1.3-1.7× the time at SmolLM2's 2k prompts).
+    Returns float32 (T, Hq, d).
 
     The columns each block reads are worked out on the host, from the positions' host copies (``q_pos`` and
     ``k_pos`` may be given on the host: no copy back then), and J is every window column of the block's span whether
@@ -838,23 +841,26 @@ def attend(q: torch.Tensor, q_pos: torch.Tensor, kq: torch.Tensor, vq: torch.Ten
             live &= kh > qmin - sliding_window
         idx = live.nonzero()
         c0, c1 = (int(idx[0]), int(idx[-1]) + 1) if len(idx) else (0, 0)
-        kp = k_pos[c0:c1]
+        kp, kph = k_pos[c0:c1], kh[c0:c1]
         tail = sink + flush * torch.div((qp + 1 - sink - recent).clamp(min=0), flush, rounding_mode="floor")  # (t, 1)
-        # the first tail of the block's queries (the tail moves forward with the query): from it on, and below the
-        # sink, some query may read a column's copy
+        # the tail moves forward with the query, from the block's first query's to its last's: below the sink and
+        # from the last tail on, every query of the block that reads a column reads its copy where known, which
+        # then takes the codes' place; between the two tails (J) some queries read the copy and some the codes,
+        # so J's copies are appended as columns of their own
         first_tail = sink + flush * (max(0, qmin + 1 - sink - recent) // flush)
-        J = ((kh[c0:c1] < sink) | (kh[c0:c1] >= first_tail)).nonzero().flatten()
+        last_tail = sink + flush * (max(0, qmax + 1 - sink - recent) // flush)
+        J = ((kph >= max(first_tail, sink)) & (kph < last_tail)).nonzero().flatten()
         Jd = to_device(J, dev)
-        full = (kp[Jd][None, :] < sink) | (kp[Jd][None, :] >= tail)  # (t, |J|): reads the copy
-        full &= known[c0:c1][Jd][None, :]
         allowed = kp[None, :] <= qp
         if sliding_window > 0:
             allowed &= kp[None, :] > qp - sliding_window
-        full &= allowed[:, Jd]
+        copy = ((kp < sink) | (kp >= last_tail)) & known[c0:c1]  # (c1 − c0,): the copy in the codes' place
+        full = (kp[Jd][None, :] >= tail) & known[c0:c1][Jd][None, :] & allowed[:, Jd]  # (t, |J|): reads J's copy
         codes = allowed.clone()
         codes[:, Jd] &= ~full
-        K = torch.cat([kq[:, c0:c1], kf[:, c0:c1][:, Jd]], 1)  # (H, c1 − c0 + |J|, d)
-        V = torch.cat([vq[:, c0:c1], vf[:, c0:c1][:, Jd]], 1)
+        c = copy[None, :, None]
+        K = torch.cat([torch.where(c, kf[:, c0:c1], kq[:, c0:c1]), kf[:, c0:c1][:, Jd]], 1)  # (H, c1 − c0 + |J|, d)
+        V = torch.cat([torch.where(c, vf[:, c0:c1], vq[:, c0:c1]), vf[:, c0:c1][:, Jd]], 1)
         mask = torch.cat([codes, full], 1)  # (t, c1 − c0 + |J|)
         qg = q[a:a + block].float().transpose(0, 1)  # (Hq, t, d)
         if softcap > 0:  # the fused kernel has no softcap: scores, capped, by hand
