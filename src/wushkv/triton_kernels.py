@@ -228,8 +228,9 @@ def _kernels() -> dict:
     import triton
     import triton.language as tl
 
+    from triton.runtime.interpreter import InterpretedFunction
+
     names = {"tl": tl, "triton": triton, "__name__": __name__}  # the kernels' globals
-    interpreted = interpreting()
 
     def jit(fn):
         """``triton.jit`` of ``fn`` rebound to the globals ``names``, which holds ``tl`` and every kernel and helper
@@ -241,7 +242,7 @@ def _kernels() -> dict:
         rebound.__doc__, rebound.__kwdefaults__ = fn.__doc__, fn.__kwdefaults__
         fn = rebound
         names[fn.__name__] = kernel = triton.jit(fn)
-        if interpreted:  # a call from a kernel runs the helper's rewritten body: the launch patched `tl` already
+        if isinstance(kernel, InterpretedFunction):  # a call from a kernel runs its rewritten body: `tl` is patched
             names[fn.__name__] = _InterpretedHelper(kernel)
         return kernel
 
