@@ -213,7 +213,9 @@ class _InterpretedHelper:
     ``InterpretedFunction.__call__`` patches ``triton.language`` again at every call of a device function (twenty
     thousand attributes set a decode test, a third of its time), where the launch of the calling kernel has patched
     the same module already (every kernel and helper here shares one globals, ``tl`` among them) and restores it when
-    the grid is done. Errors come out as the interpreter's ``InterpreterError`` from the launch either way."""
+    the grid is done. Errors come out as the interpreter's ``InterpreterError`` from the launch either way. (For the
+    same reason the kernels write ``tl.full(shape, 0, dtype)``, not ``tl.zeros``: triton's ``zeros`` is a device
+    function that does just that, compiled alike, re-patched for at every call under the interpreter.)"""
 
     def __init__(self, fn):
         self.fn = fn
