@@ -847,9 +847,8 @@ def attend(q: torch.Tensor, q_pos: torch.Tensor, kq: torch.Tensor, vq: torch.Ten
         # from the last tail on, every query of the block that reads a column reads its copy where known, which
         # then takes the codes' place; between the two tails (J) some queries read the copy and some the codes,
         # so J's copies are appended as columns of their own
-        first_tail = sink + flush * (max(0, qmin + 1 - sink - recent) // flush)
-        last_tail = sink + flush * (max(0, qmax + 1 - sink - recent) // flush)
-        J = ((kph >= max(first_tail, sink)) & (kph < last_tail)).nonzero().flatten()
+        first_tail, last_tail = (sink + flush * (max(0, p + 1 - sink - recent) // flush) for p in (qmin, qmax))
+        J = ((kph >= first_tail) & (kph < last_tail)).nonzero().flatten()
         Jd = to_device(J, dev)
         allowed = kp[None, :] <= qp
         if sliding_window > 0:
