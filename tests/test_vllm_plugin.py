@@ -601,7 +601,8 @@ def test_attention_reads_what_token_by_token_decode_reads():
                                                      ("kivi", 2, torch.float32), ("kivi", 4, torch.bfloat16),
                                                      ("kivi@d40", 3, torch.float32), ("vtiles", 2, torch.float32),
                                                      ("vtiles", 4, torch.bfloat16), ("vtiles", 3, torch.float32),
-                                                     ("vtiles@d40", 2, torch.float32)])
+                                                     ("vtiles@d40", 2, torch.float32), ("quest@g8", 2, torch.bfloat16),
+                                                     ("tiles@g5", 2, torch.float16), ("quest@g1", 4, torch.float32)])
 def test_batched_decode_kernel_equals_the_general_attention(quantizer, bits, dtype):
     """The fused decode of a whole batch (one call, through the block tables, window tokens from the pool, the rest
     from the codes) gives what the general path gives each request's query at its last position: ragged lengths
@@ -614,11 +615,14 @@ def test_batched_decode_kernel_equals_the_general_attention(quantizer, bits, dty
     ``tiles128``: tiles of 128 tokens in blocks of 128, whose scale and zero take 1 byte a cell at d = 32 (a float16
     then spans two cells: the kernel's gathering path; 8-token tiles read theirs in place). ``@d40``: head_dim 40, rows
     of 10 or 20 bytes (3 bits: 15, five 3-byte units of 8 codes), which the vector paths end with a partial group of
-    lanes. 3 bits of head_dim 36 end a row mid-unit: the kernel declines, the backend takes the general path."""
+    lanes. 3 bits of head_dim 36 end a row mid-unit: the kernel declines, the backend takes the general path. ``@g``:
+    GQA groups of 8, 5 and 1 (the copies' runs are read 4 queries at a time: 4 + 4, 4 + 1 and 1)."""
     require_kernels()
     H, G, d, bs, S, R = 2, 3, 32, 16, 4, 24
     if "@d" in quantizer:
         quantizer, d = quantizer.split("@d")[0], int(quantizer.split("@d")[1])
+    if "@g" in quantizer:
+        quantizer, G = quantizer.split("@g")[0], int(quantizer.split("@g")[1])
     quantizer, rmean = quantizer.removesuffix("+rmean"), quantizer.endswith("+rmean")
     tile = {"tiles": 8, "tiles128": 128, "kivi": 8, "vtiles": 8}.get(quantizer, 1)
     if tile == 128:
@@ -649,6 +653,7 @@ def test_batched_decode_kernel_equals_the_general_attention(quantizer, bits, dty
     cache, tables = _filled_cells(sc, w, lens, rm)
     if tile > 1:  # still open: each request's last, incomplete tile
         assert set(w.open) == {int(tables[r][(n - 1) // bs]) * bs // tile + (n - 1) % bs // tile for r, n in enumerate(lens) if n % tile}
+    _shuffle_pool(w)
     w.index[int(tables[3, 0]) * (bs // w.unit)] = -1  # request 3's sink page: its copies dropped, read from the codes
     q = torch.randn(len(lens), H * G, d, generator=_g(40))
     for window, softcap in ((-1, 0.0), (50, 0.0), (-1, 5.0)):
@@ -660,6 +665,18 @@ def test_batched_decode_kernel_equals_the_general_attention(quantizer, bits, dty
             continue
         err = float((got - want).abs().max())
         assert err < 2e-5, (window, softcap, err)
+
+
+def _shuffle_pool(w: Windows) -> None:
+    """The pool's rows in a random order, as a long-running pool's free rows come (filled in order, a sequence's pages
+    would hold consecutive rows: the kernel reads runs of consecutive rows together, and must break them elsewhere)."""
+    P = len(w.pool)
+    perm = torch.randperm(P, generator=_g(50))  # row e moves to perm[e]
+    pool, written = w.pool.clone(), w.written.clone()
+    w.pool[perm], w.written[perm] = pool, written
+    w.index = torch.where(w.index >= 0, perm[w.index.clamp_min(0).long()].to(torch.int32), w.index)
+    w.pages = type(w.pages)((p, int(perm[e])) for p, e in w.pages.items())
+    w.free = [int(perm[e]) for e in w.free]
 
 
 def _filled_cells(sc: SlotCodec, w: Windows, lens: list[int], rm: RopeMean | None = None):

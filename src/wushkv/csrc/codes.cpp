@@ -1086,8 +1086,133 @@ torch::Tensor code_weighted_sum(torch::Tensor codes, torch::Tensor w, int64_t bi
   return partial.sum(1).index_select(-1, idx).reshape({B, H, G, d});
 }
 
+#ifdef WUSHKV_ROWS
+// 8 channels of a full-precision row as float32 lanes (float32, bfloat16; float16 where the CPU converts it: F16C)
+template <typename T>
+static inline __m256 load8f(const T* p) {
+  if constexpr (std::is_same_v<T, float>) {
+    return _mm256_loadu_ps(p);
+  } else if constexpr (std::is_same_v<T, c10::BFloat16>) {
+    const __m128i h = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+    return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
+  } else {
+    return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+  }
+}
+template <typename T>
+static constexpr bool LOAD8F = std::is_same_v<T, float> || std::is_same_v<T, c10::BFloat16>
+#ifdef __F16C__
+                               || std::is_same_v<T, c10::Half>
+#endif
+    ;
+
+// out[g·ostride + j] = q_g · row_j for count full-precision rows `stride` elements apart (d a multiple of 8), GN ≤ 4
+// queries: as dot_rows_t, TT rows at a time and one horizontal sum per TT rows (a dot per row and query, reduced
+// alone, cost 60 ns a token-head at SmolLM2's shape, a latency chain and a scalar sum)
+template <typename T, int GN>
+static void fp_dot_rows_t(const T* rows, int64_t stride, int64_t count, int64_t d, const float* q, int64_t qstride,
+                          float* out, int64_t ostride) {
+  constexpr int TT = GN <= 3 ? 4 : 2;
+  int64_t j = 0;
+  for (; j + TT <= count; j += TT) {
+    __m256 a[TT][GN];
+    for (int r = 0; r < TT; ++r)
+      for (int g = 0; g < GN; ++g) a[r][g] = _mm256_setzero_ps();
+    const T* row = rows + j * stride;
+    for (int64_t m = 0; m < d; m += 8) {
+      __m256 k[TT];
+#pragma GCC unroll 4
+      for (int r = 0; r < TT; ++r) k[r] = load8f(row + r * stride + m);
+#pragma GCC unroll 4
+      for (int g = 0; g < GN; ++g) {
+        const __m256 qv = _mm256_loadu_ps(q + g * qstride + m);
+#pragma GCC unroll 4
+        for (int r = 0; r < TT; ++r) a[r][g] = _mm256_fmadd_ps(k[r], qv, a[r][g]);
+      }
+    }
+    for (int g = 0; g < GN; ++g) {
+      float* o = out + g * ostride + j;
+      if constexpr (TT == 4) {
+        const __m256 s = _mm256_hadd_ps(_mm256_hadd_ps(a[0][g], a[1][g]), _mm256_hadd_ps(a[2][g], a[3][g]));
+        _mm_storeu_ps(o, _mm_add_ps(_mm256_castps256_ps128(s), _mm256_extractf128_ps(s, 1)));
+      } else {
+        const __m256 h = _mm256_hadd_ps(a[0][g], a[1][g]);
+        const __m256 s = _mm256_hadd_ps(h, h);
+        _mm_storel_pi(reinterpret_cast<__m64*>(o), _mm_add_ps(_mm256_castps256_ps128(s), _mm256_extractf128_ps(s, 1)));
+      }
+    }
+  }
+  for (; j < count; ++j) {
+    const T* row = rows + j * stride;
+    __m256 a[GN];
+    for (int g = 0; g < GN; ++g) a[g] = _mm256_setzero_ps();
+    for (int64_t m = 0; m < d; m += 8) {
+      const __m256 k = load8f(row + m);
+      for (int g = 0; g < GN; ++g) a[g] = _mm256_fmadd_ps(k, _mm256_loadu_ps(q + g * qstride + m), a[g]);
+    }
+    for (int g = 0; g < GN; ++g) out[g * ostride + j] = hsum8(a[g]);
+  }
+}
+
+// acc[g·astride + i] += Σ_j w[g·wstride + j]·row_j[i] over count full-precision rows (d a multiple of 8), GN ≤ 4:
+// 16 channels at a time, the GN × 2 sums in registers over the rows, added to acc once
+template <typename T, int GN>
+static void fp_axpy_rows_t(const T* rows, int64_t stride, int64_t count, int64_t d, const float* w, int64_t wstride,
+                           float* acc, int64_t astride) {
+  for (int64_t m = 0; m < d; m += 16) {
+    const bool two = m + 16 <= d;
+    __m256 a[GN][2];
+    for (int g = 0; g < GN; ++g) a[g][0] = a[g][1] = _mm256_setzero_ps();
+    const T* row = rows + m;
+    for (int64_t j = 0; j < count; ++j, row += stride) {
+      const __m256 v0 = load8f(row), v1 = two ? load8f(row + 8) : _mm256_setzero_ps();
+#pragma GCC unroll 4
+      for (int g = 0; g < GN; ++g) {
+        const __m256 wg = _mm256_broadcast_ss(w + g * wstride + j);
+        a[g][0] = _mm256_fmadd_ps(wg, v0, a[g][0]);
+        a[g][1] = _mm256_fmadd_ps(wg, v1, a[g][1]);
+      }
+    }
+    for (int g = 0; g < GN; ++g) {
+      float* dst = acc + g * astride + m;
+      _mm256_storeu_ps(dst, _mm256_add_ps(_mm256_loadu_ps(dst), a[g][0]));
+      if (two) _mm256_storeu_ps(dst + 8, _mm256_add_ps(_mm256_loadu_ps(dst + 8), a[g][1]));
+    }
+  }
+}
+
+using FpRowsFn = void (*)(const void*, int64_t, int64_t, int64_t, const float*, int64_t, float*, int64_t);
+template <typename T, int GN, bool DOT>
+static void fp_rows_erased(const void* rows, int64_t stride, int64_t count, int64_t d, const float* x, int64_t xstride,
+                           float* y, int64_t ystride) {
+  if constexpr (DOT)
+    fp_dot_rows_t<T, GN>(static_cast<const T*>(rows), stride, count, d, x, xstride, y, ystride);
+  else
+    fp_axpy_rows_t<T, GN>(static_cast<const T*>(rows), stride, count, d, x, xstride, y, ystride);
+}
+// the full-precision rows kernel for T, G ≤ 4 queries, dot products (DOT) or weighted sums; nullptr where T has no
+// vector load here (float64; float16 without F16C)
+template <typename T, bool DOT>
+static FpRowsFn fp_rows_for(int64_t G) {
+  if constexpr (!LOAD8F<T>) {
+    (void)G;
+    return nullptr;
+  } else {
+    switch (G) {
+      case 1: return fp_rows_erased<T, 1, DOT>;
+      case 2: return fp_rows_erased<T, 2, DOT>;
+      case 3: return fp_rows_erased<T, 3, DOT>;
+      default: return fp_rows_erased<T, 4, DOT>;
+    }
+  }
+}
+#endif
+
 static constexpr int64_t PAGED_CHUNK = 512;  // tokens per split: a request's context is several work items
-static constexpr int64_t PAGED_SERIAL = 16384;  // token-heads below which a step runs on one thread
+// token-heads below which a step runs on one thread (~50 µs of work, as PARTS_SERIAL). It was 16,384, which left
+// SmolLM2's 4 requests × 1k tokens × 3 heads on one core in vLLM: its worker's threads are bound and awake, and a
+// layer's cells and copies come cold from memory (0.6 ms a layer on one thread, 0.3 ms on two: session 77)
+static constexpr int64_t PAGED_SERIAL = 2048;
 
 template <typename scalar_t>
 static void paged_decode_impl(const torch::Tensor& cache, const torch::Tensor& table, const torch::Tensor& lens,
@@ -1147,6 +1272,10 @@ static void paged_decode_impl(const torch::Tensor& cache, const torch::Tensor& t
     const CellSide K_ = K, V_ = V;
     const AxpyRun vrun = axpy_run_for(V_.bits, G_, vnb_);
     const DotRun krun = dot_run_for(K_.bits, G_, knb_, K_.tile > 0);
+#ifdef WUSHKV_ROWS
+    // the windows' copies in runs through the full-precision rows kernels (d a multiple of 8; a vector load for the pool's dtype)
+    const bool fp_rows = d_ % 8 == 0 && fp_rows_for<scalar_t, true>(1) != nullptr;
+#endif
     std::vector<int64_t> kperm(d_);  // channel i's place in the permuted order of dot_codes (no division per tile)
     for (int64_t i = 0; i < d_; ++i) kperm[i] = (i % kper) * knb_ + i / kper;
     std::vector<float> qz(G_ * d_), qk(G_ * KD_, 0.f), qsum(G_), dots(G_), s(G_ * PAGED_CHUNK), kf(d_);
@@ -1264,6 +1393,19 @@ static void paged_decode_impl(const torch::Tensor& cache, const torch::Tensor& t
             t = e - 1;
             continue;
           }
+#ifdef WUSHKV_ROWS
+          if (src[j] >= 0 && fp_rows) {  // a run of copies in consecutive pool rows, 2·H·d apart, several at a time
+            int64_t e = t + 1;
+            while (e < stop && src[e - a] == src[e - 1 - a] + 1) ++e;
+            const scalar_t* kr = pp + ((src[j] * H_ + h) * 2) * d_;
+            for (int64_t g = 0; g < G_; g += 4)
+              fp_rows_for<scalar_t, true>(std::min<int64_t>(4, G_ - g))(kr, 2 * H_ * d_, e - t, d_, qz.data() + g * d_, d_,
+                                                                       s.data() + g * PAGED_CHUNK + j, PAGED_CHUNK);
+            base += (e - t - 1) * s2_;
+            t = e - 1;
+            continue;
+          }
+#endif
           if (src[j] >= 0) {
             const scalar_t* kr = pp + ((src[j] * H_ + h) * 2) * d_;
             for (int64_t i = 0; i < d_; ++i) kf[i] = static_cast<float>(kr[i]);
@@ -1355,6 +1497,20 @@ static void paged_decode_impl(const torch::Tensor& cache, const torch::Tensor& t
             t = e - 1;
             continue;
           }
+#ifdef WUSHKV_ROWS
+          if (src[j] >= 0 && fp_rows) {
+            int64_t e = t + 1;
+            while (e < stop && src[e - a] == src[e - 1 - a] + 1) ++e;
+            const scalar_t* vr = pp + ((src[j] * H_ + h) * 2 + 1) * d_;
+            for (int64_t g = 0; g < G_; g += 4)
+              fp_rows_for<scalar_t, false>(std::min<int64_t>(4, G_ - g))(vr, 2 * H_ * d_, e - t, d_,
+                                                                        s.data() + g * PAGED_CHUNK + j, PAGED_CHUNK,
+                                                                        accf.data() + g * d_, d_);
+            base += (e - t - 1) * s2_;
+            t = e - 1;
+            continue;
+          }
+#endif
           if (src[j] >= 0) {
             const scalar_t* vr = pp + ((src[j] * H_ + h) * 2 + 1) * d_;
             for (int64_t i = 0; i < d_; ++i) kf[i] = static_cast<float>(vr[i]);
@@ -1558,127 +1714,6 @@ static MidSide mid_side(const std::vector<torch::Tensor>& t, int64_t bits, int64
   return m;
 }
 
-#ifdef WUSHKV_ROWS
-// 8 channels of a full-precision row as float32 lanes (float32, bfloat16; float16 where the CPU converts it: F16C)
-template <typename T>
-static inline __m256 load8f(const T* p) {
-  if constexpr (std::is_same_v<T, float>) {
-    return _mm256_loadu_ps(p);
-  } else if constexpr (std::is_same_v<T, c10::BFloat16>) {
-    const __m128i h = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
-    return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
-  } else {
-    return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
-  }
-}
-template <typename T>
-static constexpr bool LOAD8F = std::is_same_v<T, float> || std::is_same_v<T, c10::BFloat16>
-#ifdef __F16C__
-                               || std::is_same_v<T, c10::Half>
-#endif
-    ;
-
-// out[g·ostride + j] = q_g · row_j for count full-precision rows `stride` elements apart (d a multiple of 8), GN ≤ 4
-// queries: as dot_rows_t, TT rows at a time and one horizontal sum per TT rows (a dot per row and query, reduced
-// alone, cost 60 ns a token-head at SmolLM2's shape, a latency chain and a scalar sum)
-template <typename T, int GN>
-static void fp_dot_rows_t(const T* rows, int64_t stride, int64_t count, int64_t d, const float* q, int64_t qstride,
-                          float* out, int64_t ostride) {
-  constexpr int TT = GN <= 3 ? 4 : 2;
-  int64_t j = 0;
-  for (; j + TT <= count; j += TT) {
-    __m256 a[TT][GN];
-    for (int r = 0; r < TT; ++r)
-      for (int g = 0; g < GN; ++g) a[r][g] = _mm256_setzero_ps();
-    const T* row = rows + j * stride;
-    for (int64_t m = 0; m < d; m += 8) {
-      __m256 k[TT];
-#pragma GCC unroll 4
-      for (int r = 0; r < TT; ++r) k[r] = load8f(row + r * stride + m);
-#pragma GCC unroll 4
-      for (int g = 0; g < GN; ++g) {
-        const __m256 qv = _mm256_loadu_ps(q + g * qstride + m);
-#pragma GCC unroll 4
-        for (int r = 0; r < TT; ++r) a[r][g] = _mm256_fmadd_ps(k[r], qv, a[r][g]);
-      }
-    }
-    for (int g = 0; g < GN; ++g) {
-      float* o = out + g * ostride + j;
-      if constexpr (TT == 4) {
-        const __m256 s = _mm256_hadd_ps(_mm256_hadd_ps(a[0][g], a[1][g]), _mm256_hadd_ps(a[2][g], a[3][g]));
-        _mm_storeu_ps(o, _mm_add_ps(_mm256_castps256_ps128(s), _mm256_extractf128_ps(s, 1)));
-      } else {
-        const __m256 h = _mm256_hadd_ps(a[0][g], a[1][g]);
-        const __m256 s = _mm256_hadd_ps(h, h);
-        _mm_storel_pi(reinterpret_cast<__m64*>(o), _mm_add_ps(_mm256_castps256_ps128(s), _mm256_extractf128_ps(s, 1)));
-      }
-    }
-  }
-  for (; j < count; ++j) {
-    const T* row = rows + j * stride;
-    __m256 a[GN];
-    for (int g = 0; g < GN; ++g) a[g] = _mm256_setzero_ps();
-    for (int64_t m = 0; m < d; m += 8) {
-      const __m256 k = load8f(row + m);
-      for (int g = 0; g < GN; ++g) a[g] = _mm256_fmadd_ps(k, _mm256_loadu_ps(q + g * qstride + m), a[g]);
-    }
-    for (int g = 0; g < GN; ++g) out[g * ostride + j] = hsum8(a[g]);
-  }
-}
-
-// acc[g·astride + i] += Σ_j w[g·wstride + j]·row_j[i] over count full-precision rows (d a multiple of 8), GN ≤ 4:
-// 16 channels at a time, the GN × 2 sums in registers over the rows, added to acc once
-template <typename T, int GN>
-static void fp_axpy_rows_t(const T* rows, int64_t stride, int64_t count, int64_t d, const float* w, int64_t wstride,
-                           float* acc, int64_t astride) {
-  for (int64_t m = 0; m < d; m += 16) {
-    const bool two = m + 16 <= d;
-    __m256 a[GN][2];
-    for (int g = 0; g < GN; ++g) a[g][0] = a[g][1] = _mm256_setzero_ps();
-    const T* row = rows + m;
-    for (int64_t j = 0; j < count; ++j, row += stride) {
-      const __m256 v0 = load8f(row), v1 = two ? load8f(row + 8) : _mm256_setzero_ps();
-#pragma GCC unroll 4
-      for (int g = 0; g < GN; ++g) {
-        const __m256 wg = _mm256_broadcast_ss(w + g * wstride + j);
-        a[g][0] = _mm256_fmadd_ps(wg, v0, a[g][0]);
-        a[g][1] = _mm256_fmadd_ps(wg, v1, a[g][1]);
-      }
-    }
-    for (int g = 0; g < GN; ++g) {
-      float* dst = acc + g * astride + m;
-      _mm256_storeu_ps(dst, _mm256_add_ps(_mm256_loadu_ps(dst), a[g][0]));
-      if (two) _mm256_storeu_ps(dst + 8, _mm256_add_ps(_mm256_loadu_ps(dst + 8), a[g][1]));
-    }
-  }
-}
-
-using FpRowsFn = void (*)(const void*, int64_t, int64_t, int64_t, const float*, int64_t, float*, int64_t);
-template <typename T, int GN, bool DOT>
-static void fp_rows_erased(const void* rows, int64_t stride, int64_t count, int64_t d, const float* x, int64_t xstride,
-                           float* y, int64_t ystride) {
-  if constexpr (DOT)
-    fp_dot_rows_t<T, GN>(static_cast<const T*>(rows), stride, count, d, x, xstride, y, ystride);
-  else
-    fp_axpy_rows_t<T, GN>(static_cast<const T*>(rows), stride, count, d, x, xstride, y, ystride);
-}
-// the full-precision rows kernel for T, G ≤ 4 queries, dot products (DOT) or weighted sums; nullptr where T has no
-// vector load here (float64; float16 without F16C)
-template <typename T, bool DOT>
-static FpRowsFn fp_rows_for(int64_t G) {
-  if constexpr (!LOAD8F<T>) {
-    (void)G;
-    return nullptr;
-  } else {
-    switch (G) {
-      case 1: return fp_rows_erased<T, 1, DOT>;
-      case 2: return fp_rows_erased<T, 2, DOT>;
-      case 3: return fp_rows_erased<T, 3, DOT>;
-      default: return fp_rows_erased<T, 4, DOT>;
-    }
-  }
-}
-#endif
 
 template <typename T>
 struct FpPart {
@@ -1722,7 +1757,7 @@ static void parts_decode_impl(const float* qp, int64_t B, int64_t Hq, int64_t H,
   const int64_t kper = K.codes ? unit_per(K.bits) : 1, vper = V.codes ? unit_per(V.bits) : 1;
   const int64_t KD = K.nb * kper, VD = V.nb * vper;
   // a small layer on the calling thread, where waking the pool costs more than its work: below PARTS_SERIAL
-  // token-heads (~50 µs of work; the paged decode's 16,384 left SmolLM2's 4,096 × 3 on one core here)
+  // token-heads (~50 µs of work; the paged decode's threshold too, since session 77)
   const int64_t grain = tokens < PARTS_SERIAL ? std::max<int64_t>(items, 1) : 1;
   at::parallel_for(0, items, grain, [&](int64_t begin, int64_t end) {
     std::vector<float> qk(G * std::max<int64_t>(KD, 1), 0.f), qt(K.tile ? G * KD : 0, 0.f), qsum(G), z(G), dots(G), kf(d);
