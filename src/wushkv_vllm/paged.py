@@ -428,12 +428,13 @@ def store_tiles(sc: SlotCodec, cache: torch.Tensor, windows: "Windows", slot_map
     recomputes its last token; nothing else, the open tiles' copies are never dropped). Every tile is closed.
     ``rope_mean`` with the step's ``positions`` (T,): the tiles' keys are centered on it first."""
     G = sc.tile
-    keep = slot_mapping.cpu() >= 0
-    slots = slot_mapping.cpu()[keep].long()
+    host = slot_mapping.cpu()
+    if all(x < 0 or x % G != G - 1 for x in host.tolist()):  # no tile ends here (a decode step, mostly): no tensor op
+        return 0
+    keep = host >= 0
+    slots = host[keep].long()
     last = slots % G == G - 1
     first = slots[last] - (G - 1)
-    if not len(first):
-        return 0
     u = windows.unit
     idx = first[:, None] + torch.arange(G)  # (n, G) the tiles' slots
     rows = windows.index[(idx // u).clamp(max=len(windows.index) - 1)].long()
@@ -566,15 +567,17 @@ class Windows:
         the tokens' positions, which mark the sink's pages (kept past the capacity)."""
         if not (self.sink or self.recent or self.flush > 1):
             return
-        host = slot_mapping.cpu()
-        keep = host >= 0
-        slots = host[keep].long()
-        if not len(slots):
+        # the bookkeeping in Python ints: a decode step stores a few tokens, and tensor ops cost more than their work
+        # (about 10 µs each: a layer's write took 100 µs as a dozen of them, a decode step's layers 3-4 ms)
+        host = slot_mapping.cpu().tolist()
+        keep = [i for i, x in enumerate(host) if x >= 0]
+        if not keep:
             return
         self.version += 1
-        pages = slots // self.unit
-        # the bookkeeping in Python ints: a decode step stores a few tokens, and tensor ops cost more than their work
-        uniq = list(dict.fromkeys(pages.tolist()))
+        u = self.unit
+        slots = [host[i] for i in keep] if len(keep) < len(host) else host
+        pages = [x // u for x in slots]
+        uniq = list(dict.fromkeys(pages))
         self._page_slots(max(uniq) + 1)
         new = [p for p in uniq if p not in self.pages]
         self._grow(len(new))
@@ -587,22 +590,23 @@ class Windows:
         for p in uniq:
             self.pages.move_to_end(p)
         if positions is not None and self.sink:
-            for p in dict.fromkeys(pages[positions.cpu()[keep] < self.sink].tolist()):
+            pos = positions.cpu().tolist()
+            for p in dict.fromkeys(p for p, i in zip(pages, keep) if pos[i] < self.sink):
                 self.sinks[p] = None
                 self.sinks.move_to_end(p)
         if self.flush > 1:
-            for t in dict.fromkeys(p * self.unit // self.flush for p in uniq):
+            for t in dict.fromkeys(p * u // self.flush for p in uniq):
                 self.open[t] = None
                 self.open.move_to_end(t)
-        rows, offs = self.index[pages].long(), slots % self.unit
+        cells = torch.tensor([self.pages[p] * u + x % u for p, x in zip(pages, slots)], dtype=torch.long)  # row·unit + slot
         dev = self.pool.device
         kv = torch.stack([k, v], dim=2)  # (T, H, 2, d)
-        if len(slots) < len(keep):  # padding (slot < 0): its tokens' rows left out, by a host index (a mask would wait)
-            kv = kv.index_select(0, to_device(keep.nonzero().flatten(), kv.device))
+        if len(keep) < len(host):  # padding (slot < 0): its tokens' rows left out, by a host index (a mask would wait)
+            kv = kv.index_select(0, to_device(torch.tensor(keep, dtype=torch.long), kv.device))
         # one index into the pool's (row, slot) pairs: one copy to the device and one indexed write a layer
         flat = self.pool.view(-1, *self.pool.shape[2:])  # (P·unit, H, 2, d), the pool's storage
-        flat[to_device(rows * self.unit + offs, dev)] = kv.to(dev, self.dtype)
-        self.written[rows, offs] = True
+        flat[to_device(cells, dev)] = kv.to(dev, self.dtype)
+        self.written.view(-1)[cells] = True
 
     def hit_marks(self, rows: list[tuple[torch.Tensor, int, int]]) -> tuple[list, list]:
         """What :meth:`remember` keeps of a step's ``rows`` [(block ids, n, new tokens)], a function of the batch and
