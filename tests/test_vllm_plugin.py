@@ -677,6 +677,7 @@ def _shuffle_pool(w: Windows) -> None:
     w.index = torch.where(w.index >= 0, perm[w.index.clamp_min(0).long()].to(torch.int32), w.index)
     w.pages = type(w.pages)((p, int(perm[e])) for p, e in w.pages.items())
     w.free = [int(perm[e]) for e in w.free]
+    w.version += 1  # what a read finds changed (a shared decode plan is keyed on it)
 
 
 def _filled_cells(sc: SlotCodec, w: Windows, lens: list[int], rm: RopeMean | None = None):
