@@ -95,18 +95,23 @@ def _tokens_to_store(g, T: int, H: int, d: int, n_slots: int):
     return k, v, slots
 
 
-@pytest.mark.parametrize("quantizer,k_bits,v_bits,feedback,meta", [
-    ("quest", 2, 2, True, "float16"), ("quest", 2, 2, False, "float16"), ("quest", 4, 2, True, "bfloat16"),
-    ("quest", 8, 8, False, "float32"), ("affine", 2, 4, True, "float16"), ("affine", 2, 2, False, "float16"),
-    ("quest", 3, 3, True, "float16"), ("quest", 4, 2, False, "e5m3"), ("quest", 2, 2, True, "e5m3")])
-def test_fused_store_writes_the_bytes_of_encode(quantizer, k_bits, v_bits, feedback, meta):
+@pytest.mark.parametrize("quantizer,k_bits,v_bits,feedback,meta,d,search", [
+    ("quest", 2, 2, True, "float16", 64, 0), ("quest", 2, 2, False, "float16", 64, 4), ("quest", 4, 2, True, "bfloat16", 64, 0),
+    ("quest", 8, 8, False, "float32", 64, 4), ("affine", 2, 4, True, "float16", 64, 0), ("affine", 2, 2, False, "float16", 64, 0),
+    ("quest", 3, 3, True, "float16", 64, 0), ("quest", 4, 2, False, "e5m3", 64, 4), ("quest", 2, 2, True, "e5m3", 64, 0),
+    ("quest", 2, 2, False, "float32", 128, 0), ("quest", 8, 4, False, "float32", 128, 0), ("quest", 8, 2, True, "e5m3", 64, 0),
+    ("quest", 4, 8, False, "e5m3", 256, 0), ("quest", 2, 4, True, "float16", 80, 0)])
+def test_fused_store_writes_the_bytes_of_encode(quantizer, k_bits, v_bits, feedback, meta, d, search):
     """``SlotCodec.store`` (the fused ``paged_store`` where it covers the cells: per-token codes of 1/2/3/4/8 bits, with
     error feedback or QuEST's) writes exactly what ``encode`` then ``store`` write: every byte of every cell,
     padding slots skipped, the cell's padding zeroed, other cells untouched. Tokens of every scale, a zero token, the
-    QuEST clip multipliers and a per-token clip search (one grid per token) on the keys."""
-    H, d, T, bs = 3, 64, 300, 16
-    cfg = QuantConfig(k_bits=k_bits, v_bits=v_bits, quantizer=quantizer, metadata_dtype=meta, k_alpha=1.15,
-                      clip_search=4 if quantizer == "quest" and not feedback else 0)
+    QuEST clip multipliers, a per-token clip search (one grid per token) on the keys (``search``), the keys laid out
+    as the backend's transform gives them (a (H, T, d) product seen as (T, H, d)). Since session 78 the kernel
+    computes QuEST's step itself where there is no search (:func:`kernel_grid_lanes`): float32 steps (no rounding to
+    hide a last bit), clipped (from RMS) and unclipped (8 bits: from max |x|; E5M3 rounded up) show it is torch's
+    to the bit."""
+    H, T, bs = 3, 300, 16
+    cfg = QuantConfig(k_bits=k_bits, v_bits=v_bits, quantizer=quantizer, metadata_dtype=meta, k_alpha=1.15, clip_search=search)
     g = _g(11)
     F = torch.eye(d).expand(H, d, d) + torch.triu(torch.randn(H, d, d, generator=g) * 0.1, 1) if feedback else None
     sc = SlotCodec(cfg, d, F, F)
@@ -114,11 +119,48 @@ def test_fused_store_writes_the_bytes_of_encode(quantizer, k_bits, v_bits, feedb
     if sc._fused_store:
         require_kernels()
     k, v, slots = _tokens_to_store(g, T, H, d, 40 * bs)
+    k = k.transpose(0, 1).contiguous().transpose(0, 1)
     ref = torch.randint(0, 256, (40, H, bs, sc.slot_bytes + 4), dtype=torch.uint8, generator=g)
     got = ref.clone()
     store(ref, sc.encode(k, v), slots)
     sc.store(got, k, v, slots)
     assert torch.equal(got, ref)
+
+
+def test_the_fused_stores_quest_step_is_torchs_bit_for_bit():
+    """The fused store's QuEST step (``quest_steps`` of :mod:`wushkv._ext`, which ``paged_store`` computes where it is
+    given none) equals :meth:`QuestQuantizer.grid`'s to the bit: PyTorch's norm adds 8 partial sums then its tail, found
+    by :func:`kernel_grid_lanes` on this build (x86 torch; 0 would send every store back to torch's six operations a
+    side, silently slower). Head dims that are multiples of 8 (the kernel takes no other: torch's tail is its
+    compiler's), rows apart in memory, zero rows, scales from 1e-30 to 1e20 (squares that underflow and overflow),
+    clipped and unclipped grids; a mismatched lane count (16) does differ, so the comparison can fail."""
+    require_kernels()
+    import platform
+    from wushkv._ext import kernels
+    from wushkv.quantizers.quest import QuestQuantizer
+    from wushkv_vllm.paged import kernel_grid_lanes, quest_grid
+
+    lanes = kernel_grid_lanes()
+    if platform.machine() in ("x86_64", "AMD64"):
+        assert lanes == 8
+    if not lanes:
+        pytest.skip("no lane count reproduces this torch build's norm: the store takes torch's steps (tested above)")
+    ext, g = kernels(), _g(78)
+    differs = 0
+    for d in (8, 64, 80, 96, 128, 200, 256):
+        x = torch.randn(500, d + 5, generator=g) * torch.logspace(-30, 20, 500)[:, None]
+        x[3] = 0.0
+        x[4, d // 2] = float("nan")  # a NaN token's step is NaN, as torch's
+        x = x[:, :d]
+        for q in (QuestQuantizer(1), QuestQuantizer(2, alpha_scale=1.15), QuestQuantizer(4, alpha_scale=0.9), QuestQuantizer(8),
+                  QuestQuantizer(3, clip=True), QuestQuantizer(2, clip=False)):
+            mode, coef = quest_grid(q, d)
+            torch.testing.assert_close(ext.quest_steps(x, mode, coef, lanes), q.grid(x)[0].squeeze(-1), rtol=0, atol=0,
+                                       equal_nan=True, msg=f"{d} {q}")
+        if d % 16 == 0:
+            differs += int((ext.quest_steps(x, 1, 1.0, 16) != ext.quest_steps(x, 1, 1.0, lanes)).sum())
+    assert differs > 0
+    assert quest_grid(QuestQuantizer(2, search=4), 64) is None and quest_grid(QuestQuantizer(2, group_size=32), 64) is None
 
 @pytest.mark.parametrize("quantizer,k_bits,v_bits,meta,feedback,keys", [
     ("quest", 2, 2, "float16", False, None), ("affine", 3, 4, "float16", False, None),
@@ -390,6 +432,29 @@ def test_windows_keep_copies_of_the_window_positions_and_drop_the_oldest_others(
     kf, vf, known = torch.zeros(H, 4, d), torch.zeros(H, 4, d), torch.zeros(4, dtype=torch.bool)
     assert w2.read(kf, vf, known, torch.tensor([0]), 0, 4, 3) == 3 and known.tolist() == [False, False, False, True]
 
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+def test_windows_write_puts_each_tokens_copy_at_its_page_row_and_slot(dtype):
+    """``Windows.write`` (on CPU one call of the fused ``windows_write`` since session 78, five torch operations before)
+    puts token i's keys and values, converted to the pool's dtype as ``Tensor.to`` converts them, at the pool row of its
+    slot's page and the slot within it, and marks exactly those slots written: padding (slot < 0) skipped, keys laid
+    out as the backend's transform gives them (a (H, T, d) product seen as (T, H, d)), nothing else touched."""
+    bs, H, d, T = 8, 3, 64, 11
+    w = Windows(bs, H, d, sink=4, recent=8, capacity=100, dtype=dtype)
+    g = _g(78)
+    k = torch.randn(H, T, d, generator=g).transpose(0, 1) * 3  # rows apart in memory
+    v = torch.randn(T, H, d, generator=g)
+    slots = torch.tensor([17, 3, -1, 40, 41, 42, 5, -1, 63, 16, 0])
+    w.write(k, v, slots)
+    kept = (slots >= 0).nonzero().flatten().tolist()
+    seen = torch.zeros_like(w.written)
+    for i in kept:
+        row, at = int(w.index[int(slots[i]) // w.unit]), int(slots[i]) % w.unit
+        assert row >= 0 and bool(w.written[row, at])
+        assert torch.equal(w.pool[row, at, :, 0], k[i].to(dtype)) and torch.equal(w.pool[row, at, :, 1], v[i].to(dtype))
+        seen[row, at] = True
+    assert torch.equal(w.written, seen)  # the padding's and every other slot: unwritten
+    assert int((w.pool != 0).flatten(2).any(-1).sum()) == len(kept)  # nothing written beside the kept tokens' cells
 
 def test_windows_keep_what_a_prefix_cache_hit_reads_past_the_capacity():
     """A request that ended leaves the copies a later request hitting its prefix would read (the same prompt again:

@@ -53,9 +53,55 @@ from wushkv.config import QuantConfig, WindowConfig
 from wushkv.transforms.rope import rope_bias_terms, rope_rotate
 from wushkv.quantizers import unpack
 from wushkv.quantizers.kvarn import KVarNTiles, kvarn_dequantize
+from wushkv.quantizers.quest import UNCLIPPED_FROM, QuestQuantizer
 from wushkv.triton_kernels import rope_table, to_device
 
 SLOT_ALIGN = 2  # bytes: vLLM allocates the cache in the model's dtype and views it as cells (even sizes, as its TurboQuant's)
+
+
+def quest_grid(quantizer, d: int) -> tuple[int, float] | None:
+    """How the fused store computes a per-token QuEST step of ``quantizer`` over ``d`` channels itself: (mode,
+    coefficient) of ``quest_steps`` in :mod:`wushkv._ext` (mode 1, clipped: coef·RMS; mode 2, unclipped: coef·max|x|),
+    as :meth:`QuestQuantizer._step` computes it; None where it does not (another quantizer, groups within a token, a
+    clip search: their steps are computed in torch and handed over)."""
+    if not isinstance(quantizer, QuestQuantizer) or quantizer.search or quantizer.group_size not in (None, d):
+        return None
+    if quantizer.clipped:
+        return 1, 2.0 * quantizer.alpha / (2**quantizer.bits - 1)
+    return 2, 2.0 * quantizer.alpha_scale / (2**quantizer.bits - 1)
+
+
+_GRID_LANES: list = []  # [lanes or 0], once a process
+
+
+def kernel_grid_lanes() -> int:
+    """The partial sums with which the fused store's QuEST step (``quest_steps`` of :mod:`wushkv._ext`) equals
+    PyTorch's own (:meth:`QuestQuantizer.grid`) bit for bit, or 0 where none does (then the store is handed torch's
+    steps, as before session 78). A norm over the last dim adds ``lanes`` partial sums of x·x, then the lanes in
+    order, then a scalar tail whose order is its compiler's (so the kernel takes head dims that are a multiple of
+    ``lanes`` only: every common one); how many lanes is PyTorch's build's choice (8 here, on x86 with AVX-512): it
+    is found, not assumed, by comparing the kernel with torch on a probe of tokens of several sizes, scales and
+    widths, once a process. Torch's grid costs 6 tensor operations a side and layer (about 60 µs in a served decode
+    step's layer)."""
+    if not _GRID_LANES:
+        from wushkv._ext import kernels
+
+        ext, found = kernels(), 0
+        if ext is not None and hasattr(ext, "quest_steps"):
+            g = torch.Generator().manual_seed(78)
+            probes = []
+            for d in (64, 96, 128, 256):
+                x = torch.randn(256, d, generator=g) * torch.logspace(-6, 4, 256)[:, None]
+                x[0] = 0.0
+                probes += [x, x[:, : d // 2]]  # and rows apart in memory
+            for lanes in (8, 16, 4, 32, 1):
+                if all(torch.equal(ext.quest_steps(x, mode, coef, lanes), q.grid(x)[0].squeeze(-1))
+                       for x in probes for q in (QuestQuantizer(2, alpha_scale=1.15), QuestQuantizer(6))
+                       for mode, coef in [quest_grid(q, x.shape[-1])]):
+                    found = lanes
+                    break
+        _GRID_LANES.append(found)
+    return _GRID_LANES[0]
 
 
 class SlotCodec:
@@ -136,8 +182,9 @@ class SlotCodec:
               host_slots: torch.Tensor | None = None) -> None:
         """Write the cells of keys and values (T, H, d) (already transformed) into ``cache`` (num_blocks, H, block_size,
         ≥ slot_bytes) uint8 at vLLM's slots (T,) (< 0: padding, skipped): :meth:`encode` then :func:`store`, in one
-        call of the fused ``paged_store`` of :mod:`wushkv._ext` where it covers the cells (the same bytes: the grid is
-        the quantizer's own, computed here; the kernel stores it, rounds and packs the codes). ``host_slots``: the
+        call of the fused ``paged_store`` of :mod:`wushkv._ext` where it covers the cells (the same bytes: QuEST's step
+        computed in the kernel with torch's operations in torch's order, :func:`kernel_grid_lanes`, any other grid
+        computed here by the quantizer; the kernel stores it, rounds and packs the codes). ``host_slots``: the
         slots' copy on the host, which tells the padding without a wait for the device."""
         from wushkv._ext import kernels
 
@@ -149,15 +196,21 @@ class SlotCodec:
         lo = self.value_offset if self.tile else 0  # key tiles: their fields wait for the tile (store_tiles)
         if ext is None or not hasattr(ext, "paged_store"):
             return store(cache, self.encode(k, v), slot_mapping, lo, host_slots)
-        xs, steps, offsets, fbs = [], [], [], []
+        xs, steps, offsets, fbs, modes, coefs = [], [], [], [], [0, 0], [0.0, 0.0]
         empty = torch.empty(0)
-        for c, x in zip(self.codecs.values(), (k, v)):
+        lanes = kernel_grid_lanes()
+        for i, (c, x) in enumerate(zip(self.codecs.values(), (k, v))):
             if not isinstance(c, TokenCodec):  # key tiles: skipped by the kernel
                 xs.append(empty), steps.append(empty), offsets.append(empty), fbs.append(empty)
                 continue
             x = x.float()
-            if c.step_byte:  # the step rounded to its byte, on which TokenCodec._quant rounds the codes too
-                scale, offset = c.grid(x)[0].float().clamp_min(torch.finfo(torch.float32).tiny), None
+            offset = None
+            grid = quest_grid(c.quantizer, c.d) if lanes and c.d % lanes == 0 else None
+            if grid is not None:  # QuEST's step computed by the kernel, PyTorch's bits (kernel_grid_lanes)
+                modes[i], coefs[i] = grid[0] | (4 if c.step_byte and c.bits >= UNCLIPPED_FROM else 0), grid[1]
+                scale = empty
+            elif c.step_byte:  # the step rounded to its byte, on which TokenCodec._quant rounds the codes too
+                scale = c.grid(x)[0].float().clamp_min(torch.finfo(torch.float32).tiny)
             else:
                 scale, offset, _ = c.quantizer.grid(x)  # (T, H, 1) float32, as TokenCodec._quant computes it
             xs.append(x)
@@ -165,7 +218,7 @@ class SlotCodec:
             offsets.append(empty if c.symmetric else offset)
             fbs.append(empty if c.feedback is None else c.feedback)
         ext.paged_store(cache, slot_mapping.to(torch.int64), xs, steps, offsets, fbs, *self._sides, self.payload_bytes,
-                        self.slot_bytes)
+                        self.slot_bytes, modes, coefs, lanes or 1)
 
     def field_views(self, cache: torch.Tensor) -> dict[tuple[str, str], torch.Tensor] | None:
         """Each field of the cells of ``cache`` (num_blocks, H, block_size, ≥ slot_bytes) uint8, viewed in place in its
@@ -600,6 +653,13 @@ class Windows:
                 self.open.move_to_end(t)
         cells = torch.tensor([self.pages[p] * u + x % u for p, x in zip(pages, slots)], dtype=torch.long)  # row·unit + slot
         dev = self.pool.device
+        from wushkv._ext import kernels
+
+        ext = kernels() if dev.type == "cpu" and k.dtype == v.dtype == torch.float32 else None
+        if ext is not None and hasattr(ext, "windows_write"):  # one call for the five operations below (their bytes)
+            sel = torch.tensor(keep, dtype=torch.long) if len(keep) < len(host) else torch.empty(0, dtype=torch.long)
+            ext.windows_write(self.pool, self.written, cells, sel, k, v)
+            return
         kv = torch.stack([k, v], dim=2)  # (T, H, 2, d)
         if len(keep) < len(host):  # padding (slot < 0): its tokens' rows left out, by a host index (a mask would wait)
             kv = kv.index_select(0, to_device(torch.tensor(keep, dtype=torch.long), kv.device))

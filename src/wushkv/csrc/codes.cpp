@@ -14,8 +14,11 @@
 //       (wushkv.quantizers.feedback; the PyTorch loop there is the reference)
 //   paged_dequantize(cache, block_ids (nb,) i32, start, stop, ...) -> [k, v] (H, stop-start, d) f32: a request's cells
 //       decoded through its block table (the prefill path)
-//   paged_store(cache (NB,H,bs,C) uint8, slots (T,) i64, [k, v] (T,H,d) f32, steps/offsets (T,H) f32, feedback (H,d,d), layout):
-//       the cells of new tokens written at their slots (wushkv_vllm.paged.SlotCodec.store; the same bytes as its encode)
+//   paged_store(cache (NB,H,bs,C) uint8, slots (T,) i64, [k, v] (T,H,d) f32, steps/offsets (T,H) f32, feedback (H,d,d), layout,
+//       grid): the cells of new tokens written at their slots (wushkv_vllm.paged.SlotCodec.store; the same bytes as its
+//       encode); QuEST's steps computed here where none are given (quest_steps: PyTorch's operations, in its order)
+//   windows_write(pool (P,U,H,2,d), written (P,U) bool, cells (n,) i64, keep (n,) i64 or empty, k, v (T,H,d) f32): the
+//       windows' copies of new tokens (wushkv_vllm.paged.Windows.write)
 //   paged_decode(cache (NB,H,bs,C) uint8, block_table (R,MB) i32, seq_lens (R,) i64, q (R,Hq,d) f32, pool (P,U,H,2,d),
 //       written (P,U) bool, page_index (NB*bs/U,) i32, layout, windows, ...) -> (R,Hq,d) f32: one decode query per
 //       request over its paged context of cells (wushkv_vllm.paged.SlotCodec; per-token codes, key tiles (KVarN's,
@@ -2184,14 +2187,75 @@ static inline void pack_codes(const uint8_t* c, int64_t d, int64_t bits, uint8_t
   }
 }
 
+// QuEST's step of one token's d values, the float32 operations of wushkv.quantizers.quest's _step in PyTorch's order
+// (its vectorized norm over the last dim: `lanes` partial sums of x·x, each product rounded before its add, the partial
+// sums added in lane order; sqrt; ÷ float(√d); × float(coef); at least float32's tiny), so the step and
+// every code on it are PyTorch's bit for bit. mode 1: clipped, coef·RMS; mode 2: unclipped, coef·max|x|. PyTorch's
+// order is checked, not assumed: wushkv_vllm.paged.kernel_grid_lanes compares this against torch on a probe at first
+// use and keeps torch's grid where no `lanes` matches. Products and sums must not fuse into FMAs (-march=native lets
+// the compiler contract them): the pragma and the attribute below forbid it for this function.
+#if defined(__clang__)
+#define WUSHKV_NO_CONTRACT
+#elif defined(__GNUC__)
+#define WUSHKV_NO_CONTRACT __attribute__((optimize("fp-contract=off")))
+#else
+#define WUSHKV_NO_CONTRACT
+#endif
+WUSHKV_NO_CONTRACT static float quest_step(const float* x, int64_t d, int64_t mode, float coef, int64_t lanes) {
+#if defined(__clang__)
+#pragma clang fp contract(off)
+#endif
+  float v;
+  if (mode == 2) {
+    v = 0.f;
+    for (int64_t j = 0; j < d; ++j) v = std::isnan(x[j]) || std::isnan(v) ? NAN : std::max(v, std::abs(x[j]));  // amax's NaN
+  } else {
+    float acc[64] = {0.f};  // d a multiple of lanes: PyTorch's scalar tail is left out (its order is its compiler's)
+    for (int64_t j = 0; j < d; j += lanes)
+      for (int64_t l = 0; l < lanes; ++l) {
+        const float p = x[j + l] * x[j + l];
+        acc[l] = acc[l] + p;
+      }
+    float sum = acc[0];
+    for (int64_t l = 1; l < lanes; ++l) sum = sum + acc[l];
+    v = std::sqrt(sum) / float(std::sqrt(double(d)));
+  }
+  return std::max(coef * v, std::numeric_limits<float>::min());
+}
+
+// E5M3's value of a step (wushkv.codecs.e5m3_round: float16's bits rounded half up, or up, to their top 8; as float32)
+static inline float e5m3_value(float v, bool up) {
+  const int32_t h = int32_t(c10::Half(v).x);
+  const int32_t b = std::min<int32_t>(std::max<int32_t>((h + (up ? 127 : 64)) >> 7, 0), 0xF7);
+  return float(c10::Half(uint16_t(b << 7), c10::Half::from_bits()));
+}
+
+// QuEST's steps (N,) of tokens x (N, d) float32, as paged_store computes them where it is given no steps (quest_step)
+torch::Tensor quest_steps(torch::Tensor x, int64_t mode, double coef, int64_t lanes) {
+  TORCH_CHECK(x.scalar_type() == torch::kFloat && x.dim() == 2, "x: float32 (N, d)");
+  TORCH_CHECK((mode == 1 || mode == 2) && 1 <= lanes && lanes <= 64, "mode 1 (RMS) or 2 (max |x|), lanes 1..64");
+  auto xc = x.contiguous();
+  const int64_t N = xc.size(0), d = xc.size(1);
+  TORCH_CHECK(d % lanes == 0, "d ", d, " must be a multiple of lanes ", lanes);
+  auto out = torch::empty({N}, xc.options());
+  const float* xp = xc.data_ptr<float>();
+  float* op = out.data_ptr<float>();
+  for (int64_t n = 0; n < N; ++n) op[n] = quest_step(xp + n * d, d, mode, float(coef), lanes);
+  return out;
+}
+
 void paged_store(torch::Tensor cache, torch::Tensor slots, std::vector<torch::Tensor> x, std::vector<torch::Tensor> step,
                  std::vector<torch::Tensor> offset, std::vector<torch::Tensor> feedback,
                  std::vector<int64_t> key_side, std::vector<int64_t> value_side, double key_half, double value_half,
-                 int64_t payload, int64_t slot_bytes) {
+                 int64_t payload, int64_t slot_bytes, std::vector<int64_t> grid_mode, std::vector<double> grid_coef,
+                 int64_t lanes) {
   TORCH_CHECK(cache.scalar_type() == torch::kUInt8 && cache.dim() == 4 && cache.stride(3) == 1,
               "cache: uint8 (num_blocks, H, block_size, C), dense last dim");
   TORCH_CHECK(slots.scalar_type() == torch::kInt64 && slots.dim() == 1, "slots: int64 (T,)");
   TORCH_CHECK(x.size() == 2 && step.size() == 2 && offset.size() == 2 && feedback.size() == 2, "two sides: keys, values");
+  TORCH_CHECK(grid_mode.size() == 2 && grid_coef.size() == 2 && 1 <= lanes && lanes <= 64,
+              "grid: a mode and a coefficient per side (mode 0: steps given; 1: QuEST's RMS; 2: its max |x|; +4: E5M3 "
+              "rounded up), lanes 1..64");
   const int64_t NB = cache.size(0), H = cache.size(1), bs = cache.size(2), T = slots.size(0);
   const CellSide sides[2] = {cell_side(key_side, key_half), cell_side(value_side, value_half)};
   TORCH_CHECK(sides[1].tile == 0, "values are per token");
@@ -2201,12 +2265,16 @@ void paged_store(torch::Tensor cache, torch::Tensor slots, std::vector<torch::Te
     TORCH_CHECK(x[s].scalar_type() == torch::kFloat && x[s].dim() == 3 && x[s].size(0) == T && x[s].size(1) == H,
                 "x: float32 (T, H, d) per side");
     d = x[s].size(2);
-    TORCH_CHECK(step[s].scalar_type() == torch::kFloat && step[s].numel() == T * H, "step: float32 (T, H) per side");
+    TORCH_CHECK((grid_mode[s] & 3) ? sides[s].offset < 0 && !(step[s].defined() && step[s].numel())
+                                   : step[s].scalar_type() == torch::kFloat && step[s].numel() == T * H,
+                "step: float32 (T, H) per side, or none where the kernel computes QuEST's (grid mode 1 or 2)");
     TORCH_CHECK(!offset[s].defined() || offset[s].numel() == 0 || (sides[s].offset >= 0 && offset[s].numel() == T * H),
                 "offset: float32 (T, H) for an asymmetric side, empty otherwise");
     TORCH_CHECK(!feedback[s].defined() || feedback[s].numel() == 0 ||
                 (feedback[s].dim() == 3 && feedback[s].size(0) == H && feedback[s].size(1) == d), "feedback: (H, d, d)");
   }
+  TORCH_CHECK(!((grid_mode[0] | grid_mode[1]) & 3) || d % lanes == 0, "QuEST's steps in the kernel: d ", d,
+              " must be a multiple of lanes ", lanes);
   TORCH_CHECK((sides[0].tile || x[0].size(2) == d) &&
               (!feedback[0].defined() || feedback[0].numel() == 0 || feedback[0].size(2) == d) &&
               (!feedback[1].defined() || feedback[1].numel() == 0 || feedback[1].size(2) == d),
@@ -2221,7 +2289,7 @@ void paged_store(torch::Tensor cache, torch::Tensor slots, std::vector<torch::Te
   for (int s = 0; s < 2; ++s) {
     if (sides[s].tile) continue;
     xs[s] = x[s].contiguous();
-    st[s] = step[s].contiguous();
+    if (!(grid_mode[s] & 3)) st[s] = step[s].contiguous();
     of[s] = offset[s].defined() && offset[s].numel() ? offset[s].to(torch::kFloat).contiguous() : torch::Tensor();
     fb[s] = feedback[s].defined() && feedback[s].numel() ? feedback[s].to(torch::kFloat).contiguous() : torch::Tensor();
   }
@@ -2241,9 +2309,15 @@ void paged_store(torch::Tensor cache, torch::Tensor slots, std::vector<torch::Te
       for (int s = 0; s < 2; ++s) {
         const CellSide& S = sides[s];
         if (S.tile) continue;
-        const float delta = st[s].data_ptr<float>()[it];
-        put_meta(cell + S.scale, S.meta, delta);
         const float* xr = xs[s].data_ptr<float>() + it * d;
+        float delta;
+        if (grid_mode[s] & 3) {  // QuEST's step here, as SlotCodec.store's torch would give it (one-byte: rounded first)
+          delta = quest_step(xr, d, grid_mode[s] & 3, float(grid_coef[s]), lanes);
+          if (S.meta == 3) delta = std::max(e5m3_value(delta, grid_mode[s] & 4), std::numeric_limits<float>::min());
+        } else {
+          delta = st[s].data_ptr<float>()[it];
+        }
+        put_meta(cell + S.scale, S.meta, delta);
         const float qmax = float((1 << S.bits) - 1);
         if (fb[s].defined()) {  // the grid as stored, then feedback_round's loop
           const float sc = meta_at(cell + S.scale, S.meta);
@@ -2266,6 +2340,62 @@ void paged_store(torch::Tensor cache, torch::Tensor slots, std::vector<torch::Te
       }
     }
   });
+}
+
+// ---- the windows' copies (wushkv_vllm.paged.Windows.write) ------------------------------------------------------
+// Token i's keys and values (rows keep[i] of k, v (T,H,d) float32; i itself where keep is empty) into the pool's cell
+// cells[i] = row·U + slot of pool (P,U,H,2,d) float32/float16/bfloat16, converted as Tensor.to does (round to nearest
+// even), and written (P,U) bool set there: one call where torch took five operations (stack, convert, two indexed
+// writes, the index's copy), each of which costs more than its work at a decode step's few tokens.
+template <typename T>
+static void windows_write_impl(T* pool, bool* written, const int64_t* cells, const int64_t* keep, int64_t n, int64_t H,
+                               int64_t d, const float* kp, const float* vp, const int64_t ks[2], const int64_t vs[2]) {
+  at::parallel_for(0, n, 512, [&](int64_t begin, int64_t end) {
+    for (int64_t i = begin; i < end; ++i) {
+      const int64_t t = keep ? keep[i] : i;
+      T* dst = pool + cells[i] * H * 2 * d;
+      for (int64_t h = 0; h < H; ++h) {
+        const float* kr = kp + t * ks[0] + h * ks[1];
+        const float* vr = vp + t * vs[0] + h * vs[1];
+        T* o = dst + h * 2 * d;
+        for (int64_t j = 0; j < d; ++j) o[j] = static_cast<T>(kr[j]);
+        for (int64_t j = 0; j < d; ++j) o[d + j] = static_cast<T>(vr[j]);
+      }
+      written[cells[i]] = true;
+    }
+  });
+}
+
+void windows_write(torch::Tensor pool, torch::Tensor written, torch::Tensor cells, torch::Tensor keep, torch::Tensor k,
+                   torch::Tensor v) {
+  TORCH_CHECK(pool.dim() == 5 && pool.size(3) == 2 && pool.is_contiguous(), "pool: contiguous (P, U, H, 2, d)");
+  TORCH_CHECK(written.scalar_type() == torch::kBool && written.is_contiguous() &&
+              written.numel() == pool.size(0) * pool.size(1), "written: contiguous bool (P, U)");
+  TORCH_CHECK(cells.scalar_type() == torch::kInt64 && cells.dim() == 1 && cells.is_contiguous(), "cells: int64 (n,)");
+  const int64_t n = cells.size(0), H = pool.size(2), d = pool.size(4), PU = written.numel();
+  TORCH_CHECK(k.scalar_type() == torch::kFloat && v.scalar_type() == torch::kFloat && k.dim() == 3 && v.dim() == 3 &&
+              k.size(1) == H && v.size(1) == H && k.size(2) == d && v.size(2) == d && k.size(0) == v.size(0) &&
+              k.stride(2) == 1 && v.stride(2) == 1, "k, v: float32 (T, H, d), the pool's H and d, dense rows");
+  const bool sel = keep.numel() > 0;
+  TORCH_CHECK(!sel || (keep.scalar_type() == torch::kInt64 && keep.is_contiguous() && keep.numel() == n),
+              "keep: int64 (n,) or empty");
+  const int64_t* cp = cells.data_ptr<int64_t>();
+  const int64_t* kp = sel ? keep.data_ptr<int64_t>() : nullptr;
+  for (int64_t i = 0; i < n; ++i) {
+    TORCH_CHECK(0 <= cp[i] && cp[i] < PU, "cell ", cp[i], " out of the pool's ", PU);
+    TORCH_CHECK(0 <= (sel ? kp[i] : i) && (sel ? kp[i] : i) < k.size(0), "token out of range");
+  }
+  const int64_t ks[2] = {k.stride(0), k.stride(1)}, vs[2] = {v.stride(0), v.stride(1)};
+  const float *kd = k.data_ptr<float>(), *vd = v.data_ptr<float>();
+  bool* wp = written.data_ptr<bool>();
+  if (pool.scalar_type() == torch::kFloat)
+    windows_write_impl(pool.data_ptr<float>(), wp, cp, kp, n, H, d, kd, vd, ks, vs);
+  else if (pool.scalar_type() == torch::kHalf)
+    windows_write_impl(pool.data_ptr<c10::Half>(), wp, cp, kp, n, H, d, kd, vd, ks, vs);
+  else if (pool.scalar_type() == torch::kBFloat16)
+    windows_write_impl(pool.data_ptr<c10::BFloat16>(), wp, cp, kp, n, H, d, kd, vd, ks, vs);
+  else
+    TORCH_CHECK(false, "pool: float32, float16 or bfloat16, got ", pool.scalar_type());
 }
 
 // ---- KVarN tiles (wushkv.quantizers.kvarn) -----------------------------------------------------------------------
@@ -2459,6 +2589,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("parts_decode", &parts_decode, "decode attention over a layer's [sink, packed middle, recent]");
   m.def("paged_dequantize", &paged_dequantize, "keys and values of a request's cells");
   m.def("paged_store", &paged_store, "write the cells of new tokens at their slots");
+  m.def("windows_write", &windows_write, "the windows' full-precision copies of new tokens into their pool");
+  m.def("quest_steps", &quest_steps, "QuEST's steps of tokens, in PyTorch's order of operations");
   m.def("kvarn_balance", &kvarn_balance, "KVarN dual-axis balance of tiles");
   m.def("kvarn_rows", &kvarn_rows, "KVarN row grids and codes, with error feedback");
   m.def("code_weighted_sum", &code_weighted_sum, "Σ_j w_gj c_j over packed codes");
