@@ -71,37 +71,37 @@ def quest_grid(quantizer, d: int) -> tuple[int, float] | None:
     return 2, 2.0 * quantizer.alpha_scale / (2**quantizer.bits - 1)
 
 
-_GRID_LANES: list = []  # [lanes or 0], once a process
+_GRID_LANES: dict[int, int] = {}  # head_dim -> lanes or 0, once a process
 
 
-def kernel_grid_lanes() -> int:
+def kernel_grid_lanes(d: int) -> int:
     """The partial sums with which the fused store's QuEST step (``quest_steps`` of :mod:`wushkv._ext`) equals
-    PyTorch's own (:meth:`QuestQuantizer.grid`) bit for bit, or 0 where none does (then the store is handed torch's
-    steps, as before session 78). A norm over the last dim adds ``lanes`` partial sums of x·x, then the lanes in
-    order, then a scalar tail whose order is its compiler's (so the kernel takes head dims that are a multiple of
-    ``lanes`` only: every common one); how many lanes is PyTorch's build's choice (8 here, on x86 with AVX-512): it
-    is found, not assumed, by comparing the kernel with torch on a probe of tokens of several sizes, scales and
-    widths, once a process. Torch's grid costs 6 tensor operations a side and layer (about 60 µs in a served decode
+    PyTorch's own (:meth:`QuestQuantizer.grid`) bit for bit over ``d`` channels, or 0 where none does (then the store
+    is handed torch's steps, as before session 78). A norm over the last dim adds ``lanes`` partial sums of x·x, then
+    the lanes in order, then a scalar tail whose order is its compiler's (so the kernel takes a head dim that is a
+    multiple of ``lanes`` only: every common one); how many lanes is PyTorch's build's choice (found 8 here): it is
+    found, not assumed, by comparing the kernel with torch on a probe of tokens of that width, of many scales, a zero
+    one, contiguous rows and rows apart in memory, once a process and head dim. Torch's grid costs 6 tensor operations a side and layer (about 60 µs in a served decode
     step's layer)."""
-    if not _GRID_LANES:
+    found = _GRID_LANES.get(d)
+    if found is None:
         from wushkv._ext import kernels
 
         ext, found = kernels(), 0
         if ext is not None and hasattr(ext, "quest_steps"):
             g = torch.Generator().manual_seed(78)
-            probes = []
-            for d in (64, 96, 128, 256):
-                x = torch.randn(256, d, generator=g) * torch.logspace(-6, 4, 256)[:, None]
-                x[0] = 0.0
-                probes += [x, x[:, : d // 2]]  # and rows apart in memory
+            wide = torch.randn(512, 2 * d, generator=g) * torch.logspace(-6, 4, 512)[:, None]
+            wide[0] = 0.0
+            probes = [wide[:, :d].contiguous(), wide[:, d:]]  # contiguous rows, and rows apart in memory
             for lanes in (8, 16, 4, 32, 1):
-                if all(torch.equal(ext.quest_steps(x, mode, coef, lanes), q.grid(x)[0].squeeze(-1))
-                       for x in probes for q in (QuestQuantizer(2, alpha_scale=1.15), QuestQuantizer(6))
-                       for mode, coef in [quest_grid(q, x.shape[-1])]):
+                if d % lanes == 0 and all(
+                        torch.equal(ext.quest_steps(x, mode, coef, lanes), q.grid(x)[0].squeeze(-1))
+                        for x in probes for q in (QuestQuantizer(2, alpha_scale=1.15), QuestQuantizer(6))
+                        for mode, coef in [quest_grid(q, d)]):
                     found = lanes
                     break
-        _GRID_LANES.append(found)
-    return _GRID_LANES[0]
+        _GRID_LANES[d] = found
+    return found
 
 
 class SlotCodec:
@@ -196,17 +196,17 @@ class SlotCodec:
         lo = self.value_offset if self.tile else 0  # key tiles: their fields wait for the tile (store_tiles)
         if ext is None or not hasattr(ext, "paged_store"):
             return store(cache, self.encode(k, v), slot_mapping, lo, host_slots)
-        xs, steps, offsets, fbs, modes, coefs = [], [], [], [], [0, 0], [0.0, 0.0]
+        xs, steps, offsets, fbs, modes, coefs, lanes = [], [], [], [], [0, 0], [0.0, 0.0], 1
         empty = torch.empty(0)
-        lanes = kernel_grid_lanes()
         for i, (c, x) in enumerate(zip(self.codecs.values(), (k, v))):
             if not isinstance(c, TokenCodec):  # key tiles: skipped by the kernel
                 xs.append(empty), steps.append(empty), offsets.append(empty), fbs.append(empty)
                 continue
             x = x.float()
             offset = None
-            grid = quest_grid(c.quantizer, c.d) if lanes and c.d % lanes == 0 else None
-            if grid is not None:  # QuEST's step computed by the kernel, PyTorch's bits (kernel_grid_lanes)
+            grid = quest_grid(c.quantizer, c.d)
+            if grid is not None and kernel_grid_lanes(c.d):
+                lanes = kernel_grid_lanes(c.d)  # QuEST's step computed by the kernel, PyTorch's bits (kernel_grid_lanes)
                 modes[i], coefs[i] = grid[0] | (4 if c.step_byte and c.bits >= UNCLIPPED_FROM else 0), grid[1]
                 scale = empty
             elif c.step_byte:  # the step rounded to its byte, on which TokenCodec._quant rounds the codes too
@@ -218,7 +218,7 @@ class SlotCodec:
             offsets.append(empty if c.symmetric else offset)
             fbs.append(empty if c.feedback is None else c.feedback)
         ext.paged_store(cache, slot_mapping.to(torch.int64), xs, steps, offsets, fbs, *self._sides, self.payload_bytes,
-                        self.slot_bytes, modes, coefs, lanes or 1)
+                        self.slot_bytes, modes, coefs, lanes)
 
     def field_views(self, cache: torch.Tensor) -> dict[tuple[str, str], torch.Tensor] | None:
         """Each field of the cells of ``cache`` (num_blocks, H, block_size, ≥ slot_bytes) uint8, viewed in place in its
@@ -655,7 +655,7 @@ class Windows:
         dev = self.pool.device
         from wushkv._ext import kernels
 
-        ext = kernels() if dev.type == "cpu" and k.dtype == v.dtype == torch.float32 else None
+        ext = kernels() if dev.type == k.device.type == v.device.type == "cpu" and k.dtype == v.dtype == torch.float32 else None
         if ext is not None and hasattr(ext, "windows_write"):  # one call for the five operations below (their bytes)
             sel = torch.tensor(keep, dtype=torch.long) if len(keep) < len(host) else torch.empty(0, dtype=torch.long)
             ext.windows_write(self.pool, self.written, cells, sel, k, v)

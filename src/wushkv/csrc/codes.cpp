@@ -2162,7 +2162,7 @@ std::vector<torch::Tensor> paged_dequantize(torch::Tensor cache, torch::Tensor b
 // (tile > 0) is skipped, its fields left as they are: they are written when the tile is complete (SlotCodec.store_tiles).
 static inline void put_meta(uint8_t* p, int64_t kind, float v) {
   if (kind == 3) {  // E5M3: float16's bits rounded half up to their top 8 (sign dropped), as wushkv.codecs.e5m3_round
-    const int32_t h = int32_t(c10::Half(v).x);
+    const int32_t h = int32_t(int16_t(c10::Half(v).x));  // sign-extended, as view(torch.int16)
     p[0] = uint8_t(std::min<int32_t>(std::max<int32_t>((h + 64) >> 7, 0), 0xF7));
   } else if (kind == 0) { c10::Half h(v); std::memcpy(p, &h, 2); }
   else if (kind == 1) { c10::BFloat16 b(v); std::memcpy(p, &b, 2); }
@@ -2194,10 +2194,12 @@ static inline void pack_codes(const uint8_t* c, int64_t d, int64_t bits, uint8_t
 // order is checked, not assumed: wushkv_vllm.paged.kernel_grid_lanes compares this against torch on a probe at first
 // use and keeps torch's grid where no `lanes` matches. Products and sums must not fuse into FMAs (-march=native lets
 // the compiler contract them): the pragma and the attribute below forbid it for this function.
+// Never inlined: the probe (quest_steps) and paged_store then run the same compiled function, whose no-contract
+// option an inlining into another function might not keep.
 #if defined(__clang__)
-#define WUSHKV_NO_CONTRACT
+#define WUSHKV_NO_CONTRACT __attribute__((noinline))
 #elif defined(__GNUC__)
-#define WUSHKV_NO_CONTRACT __attribute__((optimize("fp-contract=off")))
+#define WUSHKV_NO_CONTRACT __attribute__((noinline, optimize("fp-contract=off")))
 #else
 #define WUSHKV_NO_CONTRACT
 #endif
@@ -2225,15 +2227,16 @@ WUSHKV_NO_CONTRACT static float quest_step(const float* x, int64_t d, int64_t mo
 
 // E5M3's value of a step (wushkv.codecs.e5m3_round: float16's bits rounded half up, or up, to their top 8; as float32)
 static inline float e5m3_value(float v, bool up) {
-  const int32_t h = int32_t(c10::Half(v).x);
+  const int32_t h = int32_t(int16_t(c10::Half(v).x));  // sign-extended, as view(torch.int16): a negative rounds to 0
   const int32_t b = std::min<int32_t>(std::max<int32_t>((h + (up ? 127 : 64)) >> 7, 0), 0xF7);
   return float(c10::Half(uint16_t(b << 7), c10::Half::from_bits()));
 }
 
 // QuEST's steps (N,) of tokens x (N, d) float32, as paged_store computes them where it is given no steps (quest_step)
 torch::Tensor quest_steps(torch::Tensor x, int64_t mode, double coef, int64_t lanes) {
-  TORCH_CHECK(x.scalar_type() == torch::kFloat && x.dim() == 2, "x: float32 (N, d)");
-  TORCH_CHECK((mode == 1 || mode == 2) && 1 <= lanes && lanes <= 64, "mode 1 (RMS) or 2 (max |x|), lanes 1..64");
+  TORCH_CHECK(x.scalar_type() == torch::kFloat && x.dim() == 2, "x: float32 (N, d), got ", x.scalar_type(), " ", x.sizes());
+  TORCH_CHECK((mode == 1 || mode == 2) && 1 <= lanes && lanes <= 64, "mode 1 (RMS) or 2 (max |x|) and lanes 1..64, got mode ",
+              mode, ", lanes ", lanes);
   auto xc = x.contiguous();
   const int64_t N = xc.size(0), d = xc.size(1);
   TORCH_CHECK(d % lanes == 0, "d ", d, " must be a multiple of lanes ", lanes);
@@ -2254,8 +2257,12 @@ void paged_store(torch::Tensor cache, torch::Tensor slots, std::vector<torch::Te
   TORCH_CHECK(slots.scalar_type() == torch::kInt64 && slots.dim() == 1, "slots: int64 (T,)");
   TORCH_CHECK(x.size() == 2 && step.size() == 2 && offset.size() == 2 && feedback.size() == 2, "two sides: keys, values");
   TORCH_CHECK(grid_mode.size() == 2 && grid_coef.size() == 2 && 1 <= lanes && lanes <= 64,
-              "grid: a mode and a coefficient per side (mode 0: steps given; 1: QuEST's RMS; 2: its max |x|; +4: E5M3 "
-              "rounded up), lanes 1..64");
+              "grid: a mode and a coefficient per side and lanes 1..64, got ", grid_mode.size(), " modes, ", grid_coef.size(),
+              " coefficients, lanes ", lanes);
+  for (int s = 0; s < 2; ++s)
+    TORCH_CHECK(grid_mode[s] == 0 || grid_mode[s] == 1 || grid_mode[s] == 2 || grid_mode[s] == 5 || grid_mode[s] == 6,
+                "grid mode of side ", s, ": 0 (steps given), 1 (QuEST's RMS), 2 (its max |x|), +4 with E5M3 steps rounded "
+                "up; got ", grid_mode[s]);
   const int64_t NB = cache.size(0), H = cache.size(1), bs = cache.size(2), T = slots.size(0);
   const CellSide sides[2] = {cell_side(key_side, key_half), cell_side(value_side, value_half)};
   TORCH_CHECK(sides[1].tile == 0, "values are per token");
@@ -2368,14 +2375,18 @@ static void windows_write_impl(T* pool, bool* written, const int64_t* cells, con
 
 void windows_write(torch::Tensor pool, torch::Tensor written, torch::Tensor cells, torch::Tensor keep, torch::Tensor k,
                    torch::Tensor v) {
-  TORCH_CHECK(pool.dim() == 5 && pool.size(3) == 2 && pool.is_contiguous(), "pool: contiguous (P, U, H, 2, d)");
+  TORCH_CHECK(pool.is_cpu() && k.is_cpu() && v.is_cpu() && written.is_cpu() && cells.is_cpu() && keep.is_cpu(),
+              "windows_write: CPU tensors, got pool on ", pool.device(), ", k on ", k.device(), ", v on ", v.device());
+  TORCH_CHECK(pool.dim() == 5 && pool.size(3) == 2 && pool.is_contiguous(), "pool: contiguous (P, U, H, 2, d), got ",
+              pool.sizes());
   TORCH_CHECK(written.scalar_type() == torch::kBool && written.is_contiguous() &&
               written.numel() == pool.size(0) * pool.size(1), "written: contiguous bool (P, U)");
   TORCH_CHECK(cells.scalar_type() == torch::kInt64 && cells.dim() == 1 && cells.is_contiguous(), "cells: int64 (n,)");
   const int64_t n = cells.size(0), H = pool.size(2), d = pool.size(4), PU = written.numel();
   TORCH_CHECK(k.scalar_type() == torch::kFloat && v.scalar_type() == torch::kFloat && k.dim() == 3 && v.dim() == 3 &&
               k.size(1) == H && v.size(1) == H && k.size(2) == d && v.size(2) == d && k.size(0) == v.size(0) &&
-              k.stride(2) == 1 && v.stride(2) == 1, "k, v: float32 (T, H, d), the pool's H and d, dense rows");
+              k.stride(2) == 1 && v.stride(2) == 1, "k, v: float32 (T, H, d) with the pool's H ", H, " and d ", d,
+              ", dense rows; got ", k.scalar_type(), " ", k.sizes(), " and ", v.scalar_type(), " ", v.sizes());
   const bool sel = keep.numel() > 0;
   TORCH_CHECK(!sel || (keep.scalar_type() == torch::kInt64 && keep.is_contiguous() && keep.numel() == n),
               "keep: int64 (n,) or empty");
@@ -2383,7 +2394,8 @@ void windows_write(torch::Tensor pool, torch::Tensor written, torch::Tensor cell
   const int64_t* kp = sel ? keep.data_ptr<int64_t>() : nullptr;
   for (int64_t i = 0; i < n; ++i) {
     TORCH_CHECK(0 <= cp[i] && cp[i] < PU, "cell ", cp[i], " out of the pool's ", PU);
-    TORCH_CHECK(0 <= (sel ? kp[i] : i) && (sel ? kp[i] : i) < k.size(0), "token out of range");
+    TORCH_CHECK(0 <= (sel ? kp[i] : i) && (sel ? kp[i] : i) < k.size(0), "token ", (sel ? kp[i] : i), " out of the ",
+                k.size(0), " given");
   }
   const int64_t ks[2] = {k.stride(0), k.stride(1)}, vs[2] = {v.stride(0), v.stride(1)};
   const float *kd = k.data_ptr<float>(), *vd = v.data_ptr<float>();
