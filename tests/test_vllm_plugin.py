@@ -436,12 +436,15 @@ def test_windows_keep_copies_of_the_window_positions_and_drop_the_oldest_others(
     assert w2.read(kf, vf, known, torch.tensor([0]), 0, 4, 3) == 3 and known.tolist() == [False, False, False, True]
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
-def test_windows_write_puts_each_tokens_copy_at_its_page_row_and_slot(dtype):
+@pytest.mark.parametrize("dtype,vdtype", [(torch.float32, torch.float32), (torch.float16, torch.float32),
+                                          (torch.bfloat16, torch.float32), (torch.bfloat16, torch.bfloat16),
+                                          (torch.float32, torch.float16)])
+def test_windows_write_puts_each_tokens_copy_at_its_page_row_and_slot(dtype, vdtype):
     """``Windows.write`` (on CPU one call of the fused ``windows_write`` since session 78, five torch operations before)
     puts token i's keys and values, converted to the pool's dtype as ``Tensor.to`` converts them, at the pool row of its
     slot's page and the slot within it, and marks exactly those slots written: padding (slot < 0) skipped, keys laid
-    out as the backend's transform gives them (a (H, T, d) product seen as (T, H, d)), nothing else touched."""
+    out as the backend's transform gives them (a (H, T, d) product seen as (T, H, d)), values float32 or as the model
+    gives them (``vdtype``: the backend hands them over unconverted since session 78), nothing else touched."""
     require_kernels()
     from wushkv._ext import kernels
 
@@ -450,7 +453,7 @@ def test_windows_write_puts_each_tokens_copy_at_its_page_row_and_slot(dtype):
     w = Windows(bs, H, d, sink=4, recent=8, capacity=100, dtype=dtype)
     g = _g(78)
     k = torch.randn(H, T, d, generator=g).transpose(0, 1) * 3  # rows apart in memory
-    v = torch.randn(T, H, d, generator=g)
+    v = torch.randn(T, H, d, generator=g).to(vdtype)
     slots = torch.tensor([17, 3, -1, 40, 41, 42, 5, -1, 63, 16, 0])
     w.write(k, v, slots)
     kept = (slots >= 0).nonzero().flatten().tolist()

@@ -615,7 +615,8 @@ class Windows:
             self.index = torch.cat([self.index, self.index.new_full((top - len(self.index),), -1)])
 
     def write(self, k: torch.Tensor, v: torch.Tensor, slot_mapping: torch.Tensor, positions: torch.Tensor | None = None) -> None:
-        """Keep full-precision keys and values (T, H, d) of the tokens stored at ``slot_mapping`` (T,): the pages they
+        """Keep full-precision keys and values (T, H, d) (any float dtypes; on CPU the keys float32 and the values as the
+        model gave them take the fused ``windows_write``) of the tokens stored at ``slot_mapping`` (T,): the pages they
         fall in get pool rows (a new page starts unwritten), then one indexed copy for all tokens. ``positions`` (T,):
         the tokens' positions, which mark the sink's pages (kept past the capacity)."""
         if not (self.sink or self.recent or self.flush > 1):
@@ -655,7 +656,8 @@ class Windows:
         dev = self.pool.device
         from wushkv._ext import kernels
 
-        ext = kernels() if dev.type == k.device.type == v.device.type == "cpu" and k.dtype == v.dtype == torch.float32 else None
+        ext = (kernels() if dev.type == k.device.type == v.device.type == "cpu" and k.dtype == torch.float32
+               and v.dtype in (torch.float32, torch.float16, torch.bfloat16) else None)
         if ext is not None and hasattr(ext, "windows_write"):  # one call for the five operations below (their bytes)
             sel = torch.tensor(keep, dtype=torch.long) if len(keep) < len(host) else torch.empty(0, dtype=torch.long)
             ext.windows_write(self.pool, self.written, cells, sel, k, v)

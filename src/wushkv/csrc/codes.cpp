@@ -17,7 +17,7 @@
 //   paged_store(cache (NB,H,bs,C) uint8, slots (T,) i64, [k, v] (T,H,d) f32, steps/offsets (T,H) f32, feedback (H,d,d), layout,
 //       grid): the cells of new tokens written at their slots (wushkv_vllm.paged.SlotCodec.store; the same bytes as its
 //       encode); QuEST's steps computed here where none are given (quest_steps: PyTorch's operations, in its order)
-//   windows_write(pool (P,U,H,2,d), written (P,U) bool, cells (n,) i64, keep (n,) i64 or empty, k, v (T,H,d) f32): the
+//   windows_write(pool (P,U,H,2,d), written (P,U) bool, cells (n,) i64, keep (n,) i64 or empty, k (T,H,d) f32, v (T,H,d)): the
 //       windows' copies of new tokens (wushkv_vllm.paged.Windows.write)
 //   paged_decode(cache (NB,H,bs,C) uint8, block_table (R,MB) i32, seq_lens (R,) i64, q (R,Hq,d) f32, pool (P,U,H,2,d),
 //       written (P,U) bool, page_index (NB*bs/U,) i32, layout, windows, ...) -> (R,Hq,d) f32: one decode query per
@@ -2350,23 +2350,24 @@ void paged_store(torch::Tensor cache, torch::Tensor slots, std::vector<torch::Te
 }
 
 // ---- the windows' copies (wushkv_vllm.paged.Windows.write) ------------------------------------------------------
-// Token i's keys and values (rows keep[i] of k, v (T,H,d) float32; i itself where keep is empty) into the pool's cell
+// Token i's keys and values (rows keep[i] of k (T,H,d) float32 and v (T,H,d) float32, float16 or bfloat16, as the
+// model gave them; i itself where keep is empty) into the pool's cell
 // cells[i] = row·U + slot of pool (P,U,H,2,d) float32/float16/bfloat16, converted as Tensor.to does (round to nearest
 // even), and written (P,U) bool set there: one call where torch took five operations (stack, convert, two indexed
 // writes, the index's copy), each of which costs more than its work at a decode step's few tokens.
-template <typename T>
+template <typename T, typename V>
 static void windows_write_impl(T* pool, bool* written, const int64_t* cells, const int64_t* keep, int64_t n, int64_t H,
-                               int64_t d, const float* kp, const float* vp, const int64_t ks[2], const int64_t vs[2]) {
+                               int64_t d, const float* kp, const V* vp, const int64_t ks[2], const int64_t vs[2]) {
   at::parallel_for(0, n, 512, [&](int64_t begin, int64_t end) {
     for (int64_t i = begin; i < end; ++i) {
       const int64_t t = keep ? keep[i] : i;
       T* dst = pool + cells[i] * H * 2 * d;
       for (int64_t h = 0; h < H; ++h) {
         const float* kr = kp + t * ks[0] + h * ks[1];
-        const float* vr = vp + t * vs[0] + h * vs[1];
+        const V* vr = vp + t * vs[0] + h * vs[1];
         T* o = dst + h * 2 * d;
         for (int64_t j = 0; j < d; ++j) o[j] = static_cast<T>(kr[j]);
-        for (int64_t j = 0; j < d; ++j) o[d + j] = static_cast<T>(vr[j]);
+        for (int64_t j = 0; j < d; ++j) o[d + j] = static_cast<T>(static_cast<float>(vr[j]));  // exact widening first
       }
       written[cells[i]] = true;
     }
@@ -2383,9 +2384,11 @@ void windows_write(torch::Tensor pool, torch::Tensor written, torch::Tensor cell
               written.numel() == pool.size(0) * pool.size(1), "written: contiguous bool (P, U)");
   TORCH_CHECK(cells.scalar_type() == torch::kInt64 && cells.dim() == 1 && cells.is_contiguous(), "cells: int64 (n,)");
   const int64_t n = cells.size(0), H = pool.size(2), d = pool.size(4), PU = written.numel();
-  TORCH_CHECK(k.scalar_type() == torch::kFloat && v.scalar_type() == torch::kFloat && k.dim() == 3 && v.dim() == 3 &&
+  TORCH_CHECK(k.scalar_type() == torch::kFloat &&
+              (v.scalar_type() == torch::kFloat || v.scalar_type() == torch::kHalf || v.scalar_type() == torch::kBFloat16) &&
+              k.dim() == 3 && v.dim() == 3 &&
               k.size(1) == H && v.size(1) == H && k.size(2) == d && v.size(2) == d && k.size(0) == v.size(0) &&
-              k.stride(2) == 1 && v.stride(2) == 1, "k, v: float32 (T, H, d) with the pool's H ", H, " and d ", d,
+              k.stride(2) == 1 && v.stride(2) == 1, "k float32, v float32/16 (T, H, d) with the pool's H ", H, " and d ", d,
               ", dense rows; got ", k.scalar_type(), " ", k.sizes(), " and ", v.scalar_type(), " ", v.sizes());
   const bool sel = keep.numel() > 0;
   TORCH_CHECK(!sel || (keep.scalar_type() == torch::kInt64 && keep.is_contiguous() && keep.numel() == n),
@@ -2398,16 +2401,17 @@ void windows_write(torch::Tensor pool, torch::Tensor written, torch::Tensor cell
                 k.size(0), " given");
   }
   const int64_t ks[2] = {k.stride(0), k.stride(1)}, vs[2] = {v.stride(0), v.stride(1)};
-  const float *kd = k.data_ptr<float>(), *vd = v.data_ptr<float>();
+  const float* kd = k.data_ptr<float>();
   bool* wp = written.data_ptr<bool>();
-  if (pool.scalar_type() == torch::kFloat)
-    windows_write_impl(pool.data_ptr<float>(), wp, cp, kp, n, H, d, kd, vd, ks, vs);
-  else if (pool.scalar_type() == torch::kHalf)
-    windows_write_impl(pool.data_ptr<c10::Half>(), wp, cp, kp, n, H, d, kd, vd, ks, vs);
-  else if (pool.scalar_type() == torch::kBFloat16)
-    windows_write_impl(pool.data_ptr<c10::BFloat16>(), wp, cp, kp, n, H, d, kd, vd, ks, vs);
-  else
-    TORCH_CHECK(false, "pool: float32, float16 or bfloat16, got ", pool.scalar_type());
+  auto by_values = [&](auto* pp) {
+    if (v.scalar_type() == torch::kFloat) windows_write_impl(pp, wp, cp, kp, n, H, d, kd, v.data_ptr<float>(), ks, vs);
+    else if (v.scalar_type() == torch::kHalf) windows_write_impl(pp, wp, cp, kp, n, H, d, kd, v.data_ptr<c10::Half>(), ks, vs);
+    else windows_write_impl(pp, wp, cp, kp, n, H, d, kd, v.data_ptr<c10::BFloat16>(), ks, vs);
+  };
+  if (pool.scalar_type() == torch::kFloat) by_values(pool.data_ptr<float>());
+  else if (pool.scalar_type() == torch::kHalf) by_values(pool.data_ptr<c10::Half>());
+  else if (pool.scalar_type() == torch::kBFloat16) by_values(pool.data_ptr<c10::BFloat16>());
+  else TORCH_CHECK(false, "pool: float32, float16 or bfloat16, got ", pool.scalar_type());
 }
 
 // ---- KVarN tiles (wushkv.quantizers.kvarn) -----------------------------------------------------------------------
