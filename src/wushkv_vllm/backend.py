@@ -311,7 +311,8 @@ class ServedImpl:
             # the decode rows are the step's first tokens, in order (a step of decodes alone, and vLLM puts them
             # first): slices instead of indexed reads and writes, two operations fewer a layer
             first = [starts[r] for r in dec] == list(range(len(dec)))
-            plan["dec"] = (dec, slice(0, len(dec)) if first else to_device(torch.tensor([starts[r] for r in dec], dtype=torch.long), dev),
+            at = slice(0, len(dec)) if first else to_device(torch.tensor([starts[r] for r in dec], dtype=torch.long), dev)
+            plan["dec"] = (dec, at,
                            tables[to_device(idx, dev)], torch.tensor([seq_lens[r] for r in dec], dtype=torch.long),
                            host_tables[idx])
         dec, at, dec_tables, dec_lens, dec_host = plan["dec"]

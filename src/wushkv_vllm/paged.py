@@ -81,8 +81,8 @@ def kernel_grid_lanes(d: int) -> int:
     the lanes in order, then a scalar tail whose order is its compiler's (so the kernel takes a head dim that is a
     multiple of ``lanes`` only: every common one); how many lanes is PyTorch's build's choice (found 8 here): it is
     found, not assumed, by comparing the kernel with torch on a probe of tokens of that width, of many scales, a zero
-    one, contiguous rows and rows apart in memory, once a process and head dim. Torch's grid costs 6 tensor operations a side and layer (about 60 µs in a served decode
-    step's layer)."""
+    one, contiguous rows and rows apart in memory, once a process and head dim. Torch's grid costs 6 tensor operations
+    a side and layer (about 40 µs of a served decode step's layer)."""
     found = _GRID_LANES.get(d)
     if found is None:
         from wushkv._ext import kernels
