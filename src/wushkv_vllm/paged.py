@@ -162,6 +162,7 @@ class SlotCodec:
         # without it on QuEST's (floor(x/Δ)); an affine side without feedback is encoded in torch
         self._packed_cells = None  # (key, views): the Triton decode's views of the last cache it read (_packed_cells)
         self._store_views = None  # (key, field views) of the last cache the Triton store wrote (_store_triton)
+        self._kernel_grids = None  # (modes, coefs, lanes) of paged_store, worked out at the first fused store
         self._fused_store = self._sides is not None and all(
             c.feedback is not None or c.symmetric for c in self.codecs.values() if isinstance(c, TokenCodec))
 
@@ -196,7 +197,16 @@ class SlotCodec:
         lo = self.value_offset if self.tile else 0  # key tiles: their fields wait for the tile (store_tiles)
         if ext is None or not hasattr(ext, "paged_store"):
             return store(cache, self.encode(k, v), slot_mapping, lo, host_slots)
-        xs, steps, offsets, fbs, modes, coefs, lanes = [], [], [], [], [0, 0], [0.0, 0.0], 1
+        if self._kernel_grids is None:  # which sides' QuEST steps the kernel computes: fixed for the codec
+            modes, coefs, lanes = [0, 0], [0.0, 0.0], 1
+            for i, c in enumerate(self.codecs.values()):
+                grid = quest_grid(c.quantizer, c.d) if isinstance(c, TokenCodec) else None
+                if grid is not None and kernel_grid_lanes(c.d):  # PyTorch's bits (kernel_grid_lanes)
+                    lanes = kernel_grid_lanes(c.d)
+                    modes[i], coefs[i] = grid[0] | (4 if c.step_byte and c.bits >= UNCLIPPED_FROM else 0), grid[1]
+            self._kernel_grids = (modes, coefs, lanes)
+        modes, coefs, lanes = self._kernel_grids
+        xs, steps, offsets, fbs = [], [], [], []
         empty = torch.empty(0)
         for i, (c, x) in enumerate(zip(self.codecs.values(), (k, v))):
             if not isinstance(c, TokenCodec):  # key tiles: skipped by the kernel
@@ -204,10 +214,7 @@ class SlotCodec:
                 continue
             x = x.float()
             offset = None
-            grid = quest_grid(c.quantizer, c.d)
-            if grid is not None and kernel_grid_lanes(c.d):
-                lanes = kernel_grid_lanes(c.d)  # QuEST's step computed by the kernel, PyTorch's bits (kernel_grid_lanes)
-                modes[i], coefs[i] = grid[0] | (4 if c.step_byte and c.bits >= UNCLIPPED_FROM else 0), grid[1]
+            if modes[i]:  # QuEST's step computed by the kernel
                 scale = empty
             elif c.step_byte:  # the step rounded to its byte, on which TokenCodec._quant rounds the codes too
                 scale = c.grid(x)[0].float().clamp_min(torch.finfo(torch.float32).tiny)
