@@ -109,7 +109,8 @@ def test_fused_store_writes_the_bytes_of_encode(quantizer, k_bits, v_bits, feedb
     as the backend's transform gives them (a (H, T, d) product seen as (T, H, d)). Since session 78 the kernel
     computes QuEST's step itself where there is no search (:func:`kernel_grid_lanes`): float32 steps (no rounding to
     hide a last bit), clipped (from RMS) and unclipped (8 bits: from max |x|; E5M3 rounded up) show it is torch's
-    to the bit."""
+    to the bit. Values also as the model gives them (since session 79 the backend hands them over unconverted):
+    bfloat16 rows of a wider output, which the kernel reads in place and widens exactly."""
     H, T, bs = 3, 300, 16
     cfg = QuantConfig(k_bits=k_bits, v_bits=v_bits, quantizer=quantizer, metadata_dtype=meta, k_alpha=1.15, clip_search=search)
     g = _g(11)
@@ -125,6 +126,40 @@ def test_fused_store_writes_the_bytes_of_encode(quantizer, k_bits, v_bits, feedb
     store(ref, sc.encode(k, v), slots)
     sc.store(got, k, v, slots)
     assert torch.equal(got, ref)
+    qkv = torch.randn(T, H, 3 * d, generator=g).to(torch.bfloat16)  # the values: a view of a fused projection's rows
+    v16 = qkv[..., 2 * d:]
+    store(ref, sc.encode(k, v16.float()), slots)
+    sc.store(got, k, v16, slots)
+    assert torch.equal(got, ref)
+
+
+@pytest.mark.parametrize("d,H,G", [(64, 3, 3), (128, 8, 4), (256, 1, 8), (80, 2, 1), (16, 2, 2)])
+def test_head_transform_takes_each_token_on_its_own(d, H, G):
+    """The served keys' and queries' transforms on CPU (``head_transform`` of :mod:`wushkv._ext`, since session 79):
+    (x − mean)·A per KV head, a group of G query heads per transform, equal to a float64 product within float32
+    rounding for float32, float16 and bfloat16 rows read in place (a view of a wider output), and each token's bits
+    the same whether it is transformed alone, among a few (a decode step) or among many (a prefill): a stored key's
+    codes do not depend on the step that stored it. torch's ``bmm``, used before, changes its kernel, and a row's
+    last bits, with the number of rows."""
+    require_kernels()
+    from wushkv._ext import kernels
+
+    ext, g, T = kernels(), _g(79), 301
+    A = torch.randn(H, d, d, generator=g) / d ** 0.5
+    mean = torch.randn(H, d, generator=g) if G == 1 else torch.empty(0)  # keys are centered, queries are not
+    wide = torch.randn(T, H * G, d + 7, generator=g) * 3
+    for dtype in (torch.float32, torch.float16, torch.bfloat16):
+        x = wide.to(dtype)[..., 5:5 + d]
+        y = ext.head_transform(x, mean, A)
+        assert y.dtype == torch.float32 and y.shape == (T, H * G, d)
+        xr = x.double().view(T, H, G, d) - (mean.double()[None, :, None] if G == 1 else 0)
+        ref = torch.einsum("thgi,hic->thgc", xr, A.double()).reshape(T, H * G, d)
+        assert (y.double() - ref).abs().max() <= 2e-6 * ref.abs().max(), dtype
+        for t in range(0, T, 13):
+            assert torch.equal(ext.head_transform(x[t:t + 1], mean, A)[0], y[t]), (dtype, t)
+            assert torch.equal(ext.head_transform(x[max(t - 2, 0):t + 2], mean, A)[min(t, 2)], y[t]), (dtype, t)
+    with pytest.raises(RuntimeError, match="H dividing x's"):
+        ext.head_transform(wide[..., :d], torch.empty(0), torch.randn(5, d, d))
 
 
 def test_the_fused_stores_quest_step_is_torchs_bit_for_bit():

@@ -167,20 +167,43 @@ class _LayerState:
         self.stashed: torch.Tensor | None = None  # the step's transformed keys, from its update to its forward
 
     def keys(self, k: torch.Tensor) -> torch.Tensor:
-        """K' = (K − key_mean)·key per KV head: (T, H, d) -> float32."""
+        """K' = (K − key_mean)·key per KV head: (T, H, d) -> float32. On CPU one call of the C++ ``head_transform``,
+        each token on its own: a key's bits, and so its codes, do not depend on the tokens transformed with it (a
+        decode step's store and a recompute's prefill write the same bytes; torch's ``bmm`` changes its kernel, and
+        its last bits, with T). Elsewhere torch."""
+        ext = _transform_kernels(k)
+        if ext is not None:
+            return ext.head_transform(k, _EMPTY if self.key_mean is None else self.key_mean, self.key)
         k = k.float()
         if self.key_mean is not None:
             k = k - self.key_mean
         # one batched product over the heads, (H, T, d)·(H, d, d): einsum's planning cost more than the product at a
-        # decode step's few tokens (24 µs against 12 a layer); the same sums, the same bits
+        # decode step's few tokens (24 µs against 12 a layer)
         return torch.bmm(k.transpose(0, 1), self.key).transpose(0, 1)
 
     def queries(self, q: torch.Tensor) -> torch.Tensor:
-        """Q' = Q·query for the query heads of each KV head's group: (T, Hq, d) -> float32."""
+        """Q' = Q·query for the query heads of each KV head's group: (T, Hq, d) -> float32 (as :meth:`keys`: one C++
+        call on CPU, where torch took six operations)."""
+        ext = _transform_kernels(q)
+        if ext is not None:
+            return ext.head_transform(q, _EMPTY, self.query)
         T, Hq, d = q.shape
         H = self.query.shape[0]
         qg = q.float().reshape(T, H, Hq // H, d).transpose(0, 1).reshape(H, T * (Hq // H), d)  # (H, T·G, d)
         return torch.bmm(qg, self.query).view(H, T, Hq // H, d).transpose(0, 1).reshape(T, Hq, d)
+
+
+_EMPTY = torch.empty(0)
+
+
+def _transform_kernels(x: torch.Tensor):
+    """The C++ kernels where they transform ``x`` (a CPU tensor with dense rows and the extension built), else None."""
+    from wushkv._ext import kernels
+
+    if x.device.type != "cpu" or x.dtype not in (torch.float32, torch.float16, torch.bfloat16) or x.stride(-1) != 1:
+        return None
+    ext = kernels()
+    return ext if ext is not None and hasattr(ext, "head_transform") else None
 
 
 def host_batch(md) -> tuple[list[int], list[int], torch.Tensor, torch.Tensor]:

@@ -212,8 +212,9 @@ class SlotCodec:
             if not isinstance(c, TokenCodec):  # key tiles: skipped by the kernel
                 xs.append(empty), steps.append(empty), offsets.append(empty), fbs.append(empty)
                 continue
-            x = x.float()
             offset = None
+            if not modes[i] or x.dtype not in (torch.float32, torch.float16, torch.bfloat16):
+                x = x.float()  # the kernel reads float32 or 16-bit rows (widened exactly); a grid computed here reads float32
             if modes[i]:  # QuEST's step computed by the kernel
                 scale = empty
             elif c.step_byte:  # the step rounded to its byte, on which TokenCodec._quant rounds the codes too

@@ -14,9 +14,11 @@
 //       (wushkv.quantizers.feedback; the PyTorch loop there is the reference)
 //   paged_dequantize(cache, block_ids (nb,) i32, start, stop, ...) -> [k, v] (H, stop-start, d) f32: a request's cells
 //       decoded through its block table (the prefill path)
-//   paged_store(cache (NB,H,bs,C) uint8, slots (T,) i64, [k, v] (T,H,d) f32, steps/offsets (T,H) f32, feedback (H,d,d), layout,
+//   paged_store(cache (NB,H,bs,C) uint8, slots (T,) i64, [k, v] (T,H,d) f32/f16/bf16, steps/offsets (T,H) f32, feedback (H,d,d), layout,
 //       grid): the cells of new tokens written at their slots (wushkv_vllm.paged.SlotCodec.store; the same bytes as its
 //       encode); QuEST's steps computed here where none are given (quest_steps: PyTorch's operations, in its order)
+//   head_transform(x (T,Hx,d) f32/f16/bf16, mean (H,d) or empty, A (H,d,d)) -> (T,Hx,d) f32: (x − mean)·A per head (a
+//       group of Hx/H heads per transform), each token on its own (wushkv_vllm.backend's key and query transforms)
 //   windows_write(pool (P,U,H,2,d), written (P,U) bool, cells (n,) i64, keep (n,) i64 or empty, k (T,H,d) f32, v (T,H,d)): the
 //       windows' copies of new tokens (wushkv_vllm.paged.Windows.write)
 //   paged_decode(cache (NB,H,bs,C) uint8, block_table (R,MB) i32, seq_lens (R,) i64, q (R,Hq,d) f32, pool (P,U,H,2,d),
@@ -2269,8 +2271,10 @@ void paged_store(torch::Tensor cache, torch::Tensor slots, std::vector<torch::Te
   int64_t d = 0;
   for (int s = 1; s >= 0; --s) {
     if (sides[s].tile) continue;
-    TORCH_CHECK(x[s].scalar_type() == torch::kFloat && x[s].dim() == 3 && x[s].size(0) == T && x[s].size(1) == H,
-                "x: float32 (T, H, d) per side");
+    TORCH_CHECK((x[s].scalar_type() == torch::kFloat || x[s].scalar_type() == torch::kHalf ||
+                 x[s].scalar_type() == torch::kBFloat16) && x[s].dim() == 3 && x[s].size(0) == T && x[s].size(1) == H &&
+                (x[s].size(2) == 0 || x[s].stride(2) == 1),
+                "x: float32/16 (T, H, d) per side, dense rows; got ", x[s].scalar_type(), " ", x[s].sizes());
     d = x[s].size(2);
     TORCH_CHECK((grid_mode[s] & 3) ? sides[s].offset < 0 && !(step[s].defined() && step[s].numel())
                                    : step[s].scalar_type() == torch::kFloat && step[s].numel() == T * H,
@@ -2295,7 +2299,7 @@ void paged_store(torch::Tensor cache, torch::Tensor slots, std::vector<torch::Te
   torch::Tensor xs[2], st[2], of[2], fb[2];
   for (int s = 0; s < 2; ++s) {
     if (sides[s].tile) continue;
-    xs[s] = x[s].contiguous();
+    xs[s] = x[s];  // in place: rows read through their strides, 16-bit ones widened (exactly) per row
     if (!(grid_mode[s] & 3)) st[s] = step[s].contiguous();
     of[s] = offset[s].defined() && offset[s].numel() ? offset[s].to(torch::kFloat).contiguous() : torch::Tensor();
     fb[s] = feedback[s].defined() && feedback[s].numel() ? feedback[s].to(torch::kFloat).contiguous() : torch::Tensor();
@@ -2305,8 +2309,22 @@ void paged_store(torch::Tensor cache, torch::Tensor slots, std::vector<torch::Te
   TORCH_CHECK(0 <= payload && payload <= slot_bytes && slot_bytes <= cache.size(3), "cell of ", slot_bytes, " bytes");
   uint8_t* cp = cache.data_ptr<uint8_t>();
   const int64_t s0 = cache.stride(0), s1 = cache.stride(1), s2 = cache.stride(2);
+  // a side's row (t, h) as float32: in place, or widened into buf (a bfloat16 or float16 value is exact in float32)
+  auto row = [&](int s, int64_t t, int64_t h, float* buf) -> const float* {
+    const torch::Tensor& X = xs[s];
+    const int64_t off = t * X.stride(0) + h * X.stride(1);
+    if (X.scalar_type() == torch::kFloat) return X.data_ptr<float>() + off;
+    if (X.scalar_type() == torch::kHalf) {
+      const c10::Half* p = X.data_ptr<c10::Half>() + off;
+      for (int64_t j = 0; j < d; ++j) buf[j] = static_cast<float>(p[j]);
+    } else {
+      const c10::BFloat16* p = X.data_ptr<c10::BFloat16>() + off;
+      for (int64_t j = 0; j < d; ++j) buf[j] = static_cast<float>(p[j]);
+    }
+    return buf;
+  };
   at::parallel_for(0, T * H, 64, [&](int64_t begin, int64_t end) {
-    std::vector<float> w(d);
+    std::vector<float> w(d), xb(d);
     std::vector<uint8_t> c(d);
     for (int64_t it = begin; it < end; ++it) {
       const int64_t t = it / H, h = it % H;
@@ -2316,7 +2334,7 @@ void paged_store(torch::Tensor cache, torch::Tensor slots, std::vector<torch::Te
       for (int s = 0; s < 2; ++s) {
         const CellSide& S = sides[s];
         if (S.tile) continue;
-        const float* xr = xs[s].data_ptr<float>() + it * d;
+        const float* xr = row(s, t, h, xb.data());
         float delta;
         if (grid_mode[s] & 3) {  // QuEST's step here, as SlotCodec.store's torch would give it (one-byte: rounded first)
           delta = quest_step(xr, d, grid_mode[s] & 3, float(grid_coef[s]), lanes);
@@ -2347,6 +2365,88 @@ void paged_store(torch::Tensor cache, torch::Tensor slots, std::vector<torch::Te
       }
     }
   });
+}
+
+// ---- the per-head transforms (wushkv_vllm.backend: K' = (K − key_mean)·key, Q' = Q·query) -----------------------
+// y[t, j] = (x[t, j] − mean[j / G])·A[j / G] for the heads j of x (T, Hx, d), G = Hx / H heads per transform (a
+// query group), float32. Each row on its own and in one order (A's rows added in turn, acc += x_i·A[i], vectorized
+// over the output's channels), so a token's result does not depend on the tokens transformed with it. torch's bmm's
+// does: its kernel changes with T, so a key transformed at a decode step and the same key in a recompute's prefill
+// differed in last bits, and a code on a rounding boundary with them.
+template <typename T>
+static void head_transform_impl(const T* x, int64_t xs0, int64_t xs1, int64_t n, int64_t Hx, int64_t G, int64_t d,
+                                const float* mean, const float* A, float* y) {
+  // work items: up to RB rows (token, head of the group) of one transform, sharing its rows' loads; the output's
+  // channels in blocks of CB held in registers across the sum over i. A row's sums are the same whatever rows share
+  // its item: the path taken depends on d only.
+  constexpr int64_t RB = 4, CB = 64;
+  const int64_t H = Hx / G, rows = n * G, per = (rows + RB - 1) / RB;
+  const int64_t grain = n * Hx * d * d < (int64_t(1) << 20) ? std::max<int64_t>(H * per, 1) : 1;  // a decode step: this thread
+  at::parallel_for(0, H * per, grain, [&](int64_t begin, int64_t end) {
+    std::vector<float> xr(RB * d);
+    for (int64_t it = begin; it < end; ++it) {
+      const int64_t h = it / per, r0 = (it % per) * RB, nr = std::min(RB, rows - r0);
+      std::fill(xr.begin(), xr.end(), 0.f);
+      for (int64_t rr = 0; rr < nr; ++rr) {
+        const int64_t r = r0 + rr, t = r / G, j = h * G + r % G;
+        const T* xp = x + t * xs0 + j * xs1;
+        for (int64_t i = 0; i < d; ++i)  // rounded, as torch's k.float() − key_mean
+          xr[rr * d + i] = mean ? static_cast<float>(xp[i]) - mean[h * d + i] : static_cast<float>(xp[i]);
+      }
+      const float* a = A + h * d * d;
+      for (int64_t c0 = 0; c0 < d; c0 += CB) {
+        float acc[RB][CB] = {};
+        if (d - c0 >= CB) {  // constant bounds: the accumulators stay in vector registers
+          for (int64_t i = 0; i < d; ++i) {
+            const float* __restrict ar = a + i * d + c0;
+            for (int64_t rr = 0; rr < RB; ++rr) {
+              const float xi = xr[rr * d + i];
+              for (int64_t c = 0; c < CB; ++c) acc[rr][c] += xi * ar[c];
+            }
+          }
+        } else {
+          for (int64_t i = 0; i < d; ++i) {
+            const float* __restrict ar = a + i * d + c0;
+            for (int64_t rr = 0; rr < RB; ++rr) {
+              const float xi = xr[rr * d + i];
+              for (int64_t c = 0; c < d - c0; ++c) acc[rr][c] += xi * ar[c];
+            }
+          }
+        }
+        for (int64_t rr = 0; rr < nr; ++rr) {
+          const int64_t r = r0 + rr, t = r / G, j = h * G + r % G;
+          std::memcpy(y + (t * Hx + j) * d + c0, acc[rr], std::min(CB, d - c0) * sizeof(float));
+        }
+      }
+    }
+  });
+}
+
+torch::Tensor head_transform(torch::Tensor x, torch::Tensor mean, torch::Tensor A) {
+  const bool centered = mean.defined() && mean.numel() > 0;
+  TORCH_CHECK(x.is_cpu() && A.is_cpu() && (!centered || mean.is_cpu()), "head_transform: CPU tensors, got x on ",
+              x.device(), ", A on ", A.device());
+  TORCH_CHECK(x.dim() == 3 && (x.size(2) == 0 || x.stride(2) == 1) &&
+              (x.scalar_type() == torch::kFloat || x.scalar_type() == torch::kHalf || x.scalar_type() == torch::kBFloat16),
+              "x: float32/16 (T, Hx, d) with dense rows, got ", x.scalar_type(), " ", x.sizes());
+  const int64_t n = x.size(0), Hx = x.size(1), d = x.size(2);
+  TORCH_CHECK(A.dim() == 3 && A.size(0) >= 1 && Hx % A.size(0) == 0 && A.size(1) == d && A.size(2) == d,
+              "A: (H, d, d) with H dividing x's ", Hx, " heads and d = ", d, ", got ", A.sizes());
+  const int64_t H = A.size(0);
+  TORCH_CHECK(!centered || (mean.dim() == 2 && mean.size(0) == H && mean.size(1) == d), "mean: (H, d) = (", H, ", ", d,
+              ") or empty, got ", mean.sizes());
+  auto Ac = A.to(torch::kFloat).contiguous();
+  auto mc = centered ? mean.to(torch::kFloat).contiguous() : torch::Tensor();
+  auto y = torch::empty({n, Hx, d}, x.options().dtype(torch::kFloat));
+  if (y.numel() == 0) return y;
+  const float* mp = centered ? mc.data_ptr<float>() : nullptr;
+  if (x.scalar_type() == torch::kFloat)
+    head_transform_impl(x.data_ptr<float>(), x.stride(0), x.stride(1), n, Hx, Hx / H, d, mp, Ac.data_ptr<float>(), y.data_ptr<float>());
+  else if (x.scalar_type() == torch::kHalf)
+    head_transform_impl(x.data_ptr<c10::Half>(), x.stride(0), x.stride(1), n, Hx, Hx / H, d, mp, Ac.data_ptr<float>(), y.data_ptr<float>());
+  else
+    head_transform_impl(x.data_ptr<c10::BFloat16>(), x.stride(0), x.stride(1), n, Hx, Hx / H, d, mp, Ac.data_ptr<float>(), y.data_ptr<float>());
+  return y;
 }
 
 // ---- the windows' copies (wushkv_vllm.paged.Windows.write) ------------------------------------------------------
@@ -2606,6 +2706,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("paged_dequantize", &paged_dequantize, "keys and values of a request's cells");
   m.def("paged_store", &paged_store, "write the cells of new tokens at their slots");
   m.def("windows_write", &windows_write, "the windows' full-precision copies of new tokens into their pool");
+  m.def("head_transform", &head_transform, "per-head transforms of tokens, each token on its own");
   m.def("quest_steps", &quest_steps, "QuEST's steps of tokens, in PyTorch's order of operations");
   m.def("kvarn_balance", &kvarn_balance, "KVarN dual-axis balance of tiles");
   m.def("kvarn_rows", &kvarn_rows, "KVarN row grids and codes, with error feedback");
