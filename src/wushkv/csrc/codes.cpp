@@ -560,6 +560,29 @@ static inline float exp_shifted_sum(float* __restrict x, int64_t n, float m) {
   return l;
 }
 
+// max(m, x_0, ..., x_{n−1}) as the loop m = std::max(m, x_j) gives it (a NaN x_j skipped), in vector lanes: that
+// loop's chain of dependent maxes took a fifth of a decode work item's own time (perf, session 79)
+static inline float max_of(const float* __restrict x, int64_t n, float m) {
+  int64_t j = 0;
+#ifdef WUSHKV_AVX512
+  const __m512 ninf = _mm512_set1_ps(-INFINITY);
+  __m512 v = ninf;
+  for (; j < n; j += 16) {
+    const __mmask16 lanes = n - j >= 16 ? __mmask16(0xFFFF) : __mmask16((1u << (n - j)) - 1);
+    v = _mm512_max_ps(_mm512_mask_loadu_ps(ninf, lanes, x + j), v);  // the second operand where either is NaN
+  }
+  m = std::max(m, _mm512_reduce_max_ps(v));
+#elif defined(WUSHKV_AVX2)
+  __m256 v = _mm256_set1_ps(-INFINITY);
+  for (; j + 8 <= n; j += 8) v = _mm256_max_ps(_mm256_loadu_ps(x + j), v);
+  alignas(32) float lane[8];
+  _mm256_store_ps(lane, v);
+  for (int k = 0; k < 8; ++k) m = std::max(m, lane[k]);
+#endif
+  for (; j < n; ++j) m = std::max(m, x[j]);
+  return m;
+}
+
 // acc[g*astride + i] += Σ_j p[g*pstride + j]·sc_j · c_ji and osum[g] += Σ_j p[g*pstride + j]·of_j over `count`
 // consecutive cells of one block (cell j at base + j*cstride; sc, of its value side's step and offset): a run of
 // tokens read from their codes. The G × d/16 accumulators stay in registers for the whole run (axpy_codes loads and
@@ -1288,14 +1311,14 @@ static void paged_decode_impl(const torch::Tensor& cache, const torch::Tensor& t
     std::vector<int32_t> src(PAGED_CHUNK);  // per token: its copy's pool row, or -1 (read the codes)
     // key tiles: the queries scaled by the current tile's channel scales (permuted), their dot with its zeros
     const int64_t KT = K_.tile;
-    std::vector<float> qkt(KT ? G_ * KD_ : 0, 0.f), qzt(G_), tsc(KT ? 2 * d_ : 0);
+    std::vector<float> qkt(KT ? G_ * KD_ : 0, 0.f), qzt(G_), tsc(KT ? 2 * d_ : 0), tscp(KT ? KD_ : 0, 0.f);
     std::vector<uint8_t> tmeta(KT ? KT * K_.tmeta_w : 0);
     // value tiles (KVarN's): v[t, i] = s_chan[i]·(scale_t·code + zero_t); a run of one tile's cells is summed per token
     // (acct, osumt: Σ p·scale·code, Σ p·zero), then times the tile's channel scales (vsc; vscp permuted as acc)
     const int64_t VT = V_.tile;
     std::vector<float> acct(VT ? G_ * VD_ : 0), osumt(G_), vsc(VT ? d_ : 0), vscp(VT ? VD_ : 0, 0.f);
-    std::vector<int64_t> vperm(VT ? d_ : 0);
-    for (int64_t i = 0; i < (VT ? d_ : 0); ++i) vperm[i] = (i % vper) * vnb_ + i / vper;
+    std::vector<int64_t> vperm(d_);  // channel i's place in the values' permuted order (no division per item)
+    for (int64_t i = 0; i < d_; ++i) vperm[i] = (i % vper) * vnb_ + i / vper;
     for (int64_t it = begin; it < end; ++it) {
       const int64_t rh = item_r[it], r = rh / H_, h = rh % H_, a = item_a[it], b = item_b[it], n = lp[r];
       const int64_t len = b - a;
@@ -1339,7 +1362,9 @@ static void paged_decode_impl(const torch::Tensor& cache, const torch::Tensor& t
         tile_hi = tile_lo + KT;
         const int64_t off0 = (t % bs_) / KT * KT;  // the tile's first slot in this block
         const uint8_t* tb = cp + blk * s0_ + h * s1_ + off0 * s2_ + K_.tmeta;
-        if (K_.tmeta_w % 2 == 0) {  // no f16 straddles two cells: read them in place, scale (d) then zero (d)
+        if (K_.tmeta_w == 2) {  // one f16 a cell (the plugin's spread tiles): a strided read, no inner loop
+          for (int64_t i = 0; i < 2 * d_; ++i) tsc[i] = meta_at(tb + i * s2_, 0);
+        } else if (K_.tmeta_w % 2 == 0) {  // no f16 straddles two cells: read them in place, scale (d) then zero (d)
           int64_t i = 0;
           for (int64_t o = 0; o < KT && i < 2 * d_; ++o)
             for (int64_t k = 0; k + 1 < K_.tmeta_w && i < 2 * d_; k += 2) tsc[i++] = meta_at(tb + o * s2_ + k, 0);
@@ -1348,13 +1373,15 @@ static void paged_decode_impl(const torch::Tensor& cache, const torch::Tensor& t
             for (int64_t k = 0; k < K_.tmeta_w; ++k) tmeta[o * K_.tmeta_w + k] = tb[o * s2_ + k];
           for (int64_t i = 0; i < 2 * d_; ++i) tsc[i] = meta_at(tmeta.data() + 2 * i, 0);
         }
+        // the queries' permuted copy qk times the scales in the same order: the products of a scatter through kperm
+        // per query head, in a contiguous (vectorized) loop
+        for (int64_t i = 0; i < d_; ++i) tscp[kperm[i]] = tsc[i];
         for (int64_t g = 0; g < G_; ++g) {
+          const float* qg = qk.data() + g * KD_;
+          float* og = qkt.data() + g * KD_;
+          for (int64_t k = 0; k < KD_; ++k) og[k] = qg[k] * tscp[k];
           float z = 0.f;
-          for (int64_t i = 0; i < d_; ++i) {
-            const float x = qz[g * d_ + i];
-            qkt[g * KD_ + kperm[i]] = x * tsc[i];
-            z += x * tsc[d_ + i];
-          }
+          for (int64_t i = 0; i < d_; ++i) z += qz[g * d_ + i] * tsc[d_ + i];
           qzt[g] = z;
         }
       };
@@ -1448,7 +1475,7 @@ static void paged_decode_impl(const torch::Tensor& cache, const torch::Tensor& t
           }
         } else {  // no call in the loop: it vectorizes
           for (int64_t j = 0; j < len; ++j) sg[j] *= scale;
-          for (int64_t j = 0; j < len; ++j) m = std::max(m, sg[j]);
+          m = max_of(sg, len, m);
         }
         P[g] = m;
         P[G_ + g] = exp_shifted_sum(sg, len, m);
@@ -1539,7 +1566,7 @@ static void paged_decode_impl(const torch::Tensor& cache, const torch::Tensor& t
       }
       for (int64_t g = 0; g < G_; ++g)
         for (int64_t i = 0; i < d_; ++i)
-          P[2 * G_ + g * d_ + i] = acc[g * VD_ + (i % vper) * vnb_ + i / vper] + accf[g * d_ + i] + osum[g];
+          P[2 * G_ + g * d_ + i] = acc[g * VD_ + vperm[i]] + accf[g * d_ + i] + osum[g];
     }
   });
 
