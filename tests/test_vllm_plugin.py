@@ -712,7 +712,8 @@ def test_attention_reads_what_token_by_token_decode_reads():
                                                      ("kivi@d40", 3, torch.float32), ("vtiles", 2, torch.float32),
                                                      ("vtiles", 4, torch.bfloat16), ("vtiles", 3, torch.float32),
                                                      ("vtiles@d40", 2, torch.float32), ("quest@g8", 2, torch.bfloat16),
-                                                     ("tiles@g5", 2, torch.float16), ("quest@g1", 4, torch.float32)])
+                                                     ("tiles@g5", 2, torch.float16), ("quest@g1", 4, torch.float32),
+                                                     ("tiles128@d64", 2, torch.bfloat16)])
 def test_batched_decode_kernel_equals_the_general_attention(quantizer, bits, dtype):
     """The fused decode of a whole batch (one call, through the block tables, window tokens from the pool, the rest
     from the codes) gives what the general path gives each request's query at its last position: ragged lengths
@@ -723,7 +724,8 @@ def test_batched_decode_kernel_equals_the_general_attention(quantizer, bits, dty
     each value tile's runs of codes summed per token, then times its channel scales. ``+rmean``: the codes hold keys
     centered on a rotating mean, which a token read from them gets back (in the kernel, from a cos/sin table).
     ``tiles128``: tiles of 128 tokens in blocks of 128, whose scale and zero take 1 byte a cell at d = 32 (a float16
-    then spans two cells: the kernel's gathering path; 8-token tiles read theirs in place). ``@d40``: head_dim 40, rows
+    then spans two cells: the kernel's gathering path; 8-token tiles read theirs in place), and at d = 64 2 bytes a cell
+    (one float16 each: the served SmolLM2's layout, the kernel's strided read). ``@d40``: head_dim 40, rows
     of 10 or 20 bytes (3 bits: 15, five 3-byte units of 8 codes), which the vector paths end with a partial group of
     lanes. 3 bits of head_dim 36 end a row mid-unit: the kernel declines, the backend takes the general path. ``@g``:
     GQA groups of 8, 5 and 1 (the copies' runs are read 4 queries at a time: 4 + 4, 4 + 1 and 1)."""
