@@ -471,23 +471,28 @@ def test_windows_keep_copies_of_the_window_positions_and_drop_the_oldest_others(
     assert w2.read(kf, vf, known, torch.tensor([0]), 0, 4, 3) == 3 and known.tolist() == [False, False, False, True]
 
 
-@pytest.mark.parametrize("dtype,vdtype", [(torch.float32, torch.float32), (torch.float16, torch.float32),
-                                          (torch.bfloat16, torch.float32), (torch.bfloat16, torch.bfloat16),
-                                          (torch.float32, torch.float16)])
-def test_windows_write_puts_each_tokens_copy_at_its_page_row_and_slot(dtype, vdtype):
+@pytest.mark.parametrize("dtype,vdtype,head_major", [(torch.float32, torch.float32, False), (torch.float16, torch.float32, False),
+                                                     (torch.bfloat16, torch.float32, False), (torch.bfloat16, torch.bfloat16, False),
+                                                     (torch.float32, torch.float16, False), (torch.bfloat16, torch.bfloat16, True),
+                                                     (torch.float32, torch.float16, True), (torch.float16, "keys 16-bit", True)])
+def test_windows_write_puts_each_tokens_copy_at_its_page_row_and_slot(dtype, vdtype, head_major):
     """``Windows.write`` (on CPU one call of the fused ``windows_write`` since session 78, five torch operations before)
     puts token i's keys and values, converted to the pool's dtype as ``Tensor.to`` converts them, at the pool row of its
     slot's page and the slot within it, and marks exactly those slots written: padding (slot < 0) skipped, keys laid
     out as the backend's transform gives them (a (H, T, d) product seen as (T, H, d)), values float32 or as the model
-    gives them (``vdtype``: the backend hands them over unconverted since session 78), nothing else touched."""
+    gives them (``vdtype``: the backend hands them over unconverted since session 78), nothing else touched. Also a
+    pool stored head-major (``head_major``, the CPU backend's since session 79: a head's rows of a page together),
+    through the fused write and through torch's (16-bit keys, which the fused write does not take)."""
     require_kernels()
     from wushkv._ext import kernels
 
     assert hasattr(kernels(), "windows_write")  # the fused path, not torch's
     bs, H, d, T = 8, 3, 64, 11
-    w = Windows(bs, H, d, sink=4, recent=8, capacity=100, dtype=dtype)
+    w = Windows(bs, H, d, sink=4, recent=8, capacity=100, dtype=dtype, head_major=head_major)
     g = _g(78)
     k = torch.randn(H, T, d, generator=g).transpose(0, 1) * 3  # rows apart in memory
+    if vdtype == "keys 16-bit":
+        k, vdtype = k.to(torch.bfloat16), torch.float32
     v = torch.randn(T, H, d, generator=g).to(vdtype)
     slots = torch.tensor([17, 3, -1, 40, 41, 42, 5, -1, 63, 16, 0])
     w.write(k, v, slots)
@@ -500,6 +505,9 @@ def test_windows_write_puts_each_tokens_copy_at_its_page_row_and_slot(dtype, vdt
         seen[row, at] = True
     assert torch.equal(w.written, seen)  # the padding's and every other slot: unwritten
     assert int((w.pool != 0).flatten(2).any(-1).sum()) == len(kept)  # nothing written beside the kept tokens' cells
+    # the layout asked for, grown from empty to hold the pages (a head's rows of a page together where head-major)
+    assert (w.pool.stride(2) > w.pool.stride(1)) == head_major and w.pool.stride(4) == 1 and w.pool.stride(3) == d
+
 
 def test_windows_keep_what_a_prefix_cache_hit_reads_past_the_capacity():
     """A request that ended leaves the copies a later request hitting its prefix would read (the same prompt again:
@@ -713,7 +721,9 @@ def test_attention_reads_what_token_by_token_decode_reads():
                                                      ("vtiles", 4, torch.bfloat16), ("vtiles", 3, torch.float32),
                                                      ("vtiles@d40", 2, torch.float32), ("quest@g8", 2, torch.bfloat16),
                                                      ("tiles@g5", 2, torch.float16), ("quest@g1", 4, torch.float32),
-                                                     ("tiles128@d64", 2, torch.bfloat16)])
+                                                     ("tiles128@d64", 2, torch.bfloat16), ("quest@h", 2, torch.bfloat16),
+                                                     ("tiles128@d64@h", 2, torch.bfloat16), ("vtiles@h", 4, torch.float32),
+                                                     ("quest@g8@h", 3, torch.float16)])
 def test_batched_decode_kernel_equals_the_general_attention(quantizer, bits, dtype):
     """The fused decode of a whole batch (one call, through the block tables, window tokens from the pool, the rest
     from the codes) gives what the general path gives each request's query at its last position: ragged lengths
@@ -728,9 +738,11 @@ def test_batched_decode_kernel_equals_the_general_attention(quantizer, bits, dty
     (one float16 each: the served SmolLM2's layout, the kernel's strided read). ``@d40``: head_dim 40, rows
     of 10 or 20 bytes (3 bits: 15, five 3-byte units of 8 codes), which the vector paths end with a partial group of
     lanes. 3 bits of head_dim 36 end a row mid-unit: the kernel declines, the backend takes the general path. ``@g``:
-    GQA groups of 8, 5 and 1 (the copies' runs are read 4 queries at a time: 4 + 4, 4 + 1 and 1)."""
+    GQA groups of 8, 5 and 1 (the copies' runs are read 4 queries at a time: 4 + 4, 4 + 1 and 1). ``@h``: the pool
+    stored head-major (the CPU backend's, session 79), its copies read through its strides, runs ending at pages."""
     require_kernels()
     H, G, d, bs, S, R = 2, 3, 32, 16, 4, 24
+    quantizer, head_major = quantizer.removesuffix("@h"), quantizer.endswith("@h")
     if "@d" in quantizer:
         quantizer, d = quantizer.split("@d")[0], int(quantizer.split("@d")[1])
     if "@g" in quantizer:
@@ -761,11 +773,12 @@ def test_batched_decode_kernel_equals_the_general_attention(quantizer, bits, dty
     else:
         sc = SlotCodec(QuantConfig(k_bits=bits, v_bits=2, quantizer=quantizer), d)
     lens = [1, 5, 37, 100, 1500]
-    w = Windows(bs, H, d, S, R, capacity=10_000, dtype=dtype, flush=tile)
+    w = Windows(bs, H, d, S, R, capacity=10_000, dtype=dtype, flush=tile, head_major=head_major)
     cache, tables = _filled_cells(sc, w, lens, rm)
     if tile > 1:  # still open: each request's last, incomplete tile
         assert set(w.open) == {int(tables[r][(n - 1) // bs]) * bs // tile + (n - 1) % bs // tile for r, n in enumerate(lens) if n % tile}
     _shuffle_pool(w)
+    assert (w.pool.stride(2) > w.pool.stride(1)) == head_major  # the layout asked for, kept through growth and shuffle
     w.index[int(tables[3, 0]) * (bs // w.unit)] = -1  # request 3's sink page: its copies dropped, read from the codes
     q = torch.randn(len(lens), H * G, d, generator=_g(40))
     for window, softcap in ((-1, 0.0), (50, 0.0), (-1, 5.0)):

@@ -156,9 +156,11 @@ class _LayerState:
         if self.codec.tile and block_size % self.codec.tile:
             raise UnsupportedFolder(f"key tiles of {self.codec.tile} tokens are written into vLLM's blocks whole; the block size "
                                     f"{block_size} is not a multiple of it (serve with block_size={self.codec.tile})")
-        # copies in the served dtype: what wushkv's cache keeps of its windows too (the model's dtype)
+        # copies in the served dtype: what wushkv's cache keeps of its windows too (the model's dtype); on CPU stored
+        # head-major, which the C++ decode streams (a GPU's Triton decode reads either layout: left as it was tested)
         win = Windows(block_size, num_kv_heads, served.head_dim, served.sink, served.recent, capacity=0, dtype=dtype,
-                      flush=served.flush, max_open=4 * max_num_seqs, device=device, max_hits=8 * max_num_seqs)
+                      flush=served.flush, max_open=4 * max_num_seqs, device=device, max_hits=8 * max_num_seqs,
+                      head_major=torch.device(device if device is not None else "cpu").type == "cpu")
         win.capacity = 2 * max_num_seqs * win.pages_per_sequence()
         win.max_sink_pages = 4 * max_num_seqs * -(-win.sink // win.unit)
         self.windows = win

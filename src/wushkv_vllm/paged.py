@@ -554,7 +554,9 @@ class Windows:
     128), so a sequence holds about its windows' own tokens, not whole blocks. Copies live in one pool, ``pool`` (P, unit, H, 2, d)
     in ``dtype`` (keys at [..., 0, :], values at [..., 1, :]) with ``written`` (P, unit) bool; ``index`` (pages,) int32
     maps a page to its pool row (−1: none). Reads return float32; the fused decode
-    (:func:`decode_batch`) reads the pool through ``index`` itself.
+    (:func:`decode_batch`) reads the pool through ``index`` itself. ``head_major``: the pool stored (P, H, unit, 2, d)
+    and seen as (P, unit, H, 2, d), so that a head's copies of a page lie together (the CPU backend's choice: its
+    decode reads one head at a time, and scattered 256-byte rows 2·H·d apart were most of its reads from memory).
 
     The pool lives on ``device`` (the cache's); ``written``, ``index`` and the rest of the bookkeeping on the host, in
     Python ints where a step touches a few pages: slot mappings and positions given to :meth:`write`, :meth:`copies`
@@ -562,7 +564,8 @@ class Windows:
 
     def __init__(self, block_size: int, heads: int, head_dim: int, sink: int, recent: int, capacity: int,
                  dtype: torch.dtype = torch.float32, flush: int = 1, max_open: int | None = None,
-                 max_sink_pages: int | None = None, device: torch.device | str | None = None, max_hits: int | None = None):
+                 max_sink_pages: int | None = None, device: torch.device | str | None = None, max_hits: int | None = None,
+                 head_major: bool = False):
         if sink < 0 or recent < 0 or flush < 1:
             raise ValueError(f"windows must be >= 0 and the flush >= 1, got sink {sink}, recent {recent}, flush {flush}")
         if flush > 1 and (block_size % flush or sink % flush):
@@ -582,7 +585,8 @@ class Windows:
         self.hits: dict[tuple[int, int], tuple[int, int, tuple[int, ...]]] = {}
         self.max_hits, self._step = max_hits, 0
         self.capacity = capacity  # pages
-        self.pool = torch.zeros(0, self.unit, heads, 2, head_dim, dtype=dtype, device=device)
+        self.head_major, self._device = head_major, device
+        self.pool = self._new_pool(0)
         self.written = torch.zeros(0, self.unit, dtype=torch.bool)
         self.index = torch.full((0,), -1, dtype=torch.int32)
         self.pages: OrderedDict[int, int] = OrderedDict()  # page -> pool row, oldest written first
@@ -613,9 +617,20 @@ class Windows:
             return
         old = len(self.pool)
         new = max(old * 2, old + need, 16)
-        self.pool = torch.cat([self.pool, self.pool.new_zeros(new - old, *self.pool.shape[1:])])
+        pool = self._new_pool(new)
+        pool[:old] = self.pool
+        self.pool = pool
         self.written = torch.cat([self.written, self.written.new_zeros(new - old, self.unit)])
         self.free.extend(range(new - 1, old - 1, -1))
+
+    def _new_pool(self, rows: int) -> torch.Tensor:
+        """A zeroed pool (rows, unit, H, 2, d), stored head-major where :attr:`head_major` (a (rows, H, unit, 2, d)
+        tensor seen through a permutation: a head's copies of a page are contiguous, which the CPU decode reads as one
+        stream; the fused kernels read either layout through its strides)."""
+        u, H, d = self.unit, self.H, self.d
+        if self.head_major:
+            return torch.zeros(rows, H, u, 2, d, dtype=self.dtype, device=self._device).permute(0, 2, 1, 3, 4)
+        return torch.zeros(rows, u, H, 2, d, dtype=self.dtype, device=self._device)
 
     def _page_slots(self, top: int) -> None:
         """``index`` covers pages below ``top``."""
@@ -673,9 +688,11 @@ class Windows:
         kv = torch.stack([k, v], dim=2)  # (T, H, 2, d)
         if len(keep) < len(host):  # padding (slot < 0): its tokens' rows left out, by a host index (a mask would wait)
             kv = kv.index_select(0, to_device(torch.tensor(keep, dtype=torch.long), kv.device))
-        # one index into the pool's (row, slot) pairs: one copy to the device and one indexed write a layer
-        flat = self.pool.view(-1, *self.pool.shape[2:])  # (P·unit, H, 2, d), the pool's storage
-        flat[to_device(cells, dev)] = kv.to(dev, self.dtype)
+        if self.head_major:  # no flat view of a permuted pool: its (row, slot) pairs
+            self.pool[to_device(cells // self.unit, dev), to_device(cells % self.unit, dev)] = kv.to(dev, self.dtype)
+        else:  # one index into the pool's (row, slot) pairs: one copy to the device and one indexed write a layer
+            flat = self.pool.view(-1, *self.pool.shape[2:])  # (P·unit, H, 2, d), the pool's storage
+            flat[to_device(cells, dev)] = kv.to(dev, self.dtype)
         self.written.view(-1)[cells] = True
 
     def hit_marks(self, rows: list[tuple[torch.Tensor, int, int]]) -> tuple[list, list]:

@@ -19,9 +19,9 @@
 //       encode); QuEST's steps computed here where none are given (quest_steps: PyTorch's operations, in its order)
 //   head_transform(x (T,Hx,d) f32/f16/bf16, mean (H,d) or empty, A (H,d,d)) -> (T,Hx,d) f32: (x − mean)·A per head (a
 //       group of Hx/H heads per transform), each token on its own (wushkv_vllm.backend's key and query transforms)
-//   windows_write(pool (P,U,H,2,d), written (P,U) bool, cells (n,) i64, keep (n,) i64 or empty, k (T,H,d) f32, v (T,H,d)): the
+//   windows_write(pool (P,U,H,2,d) token- or head-major, written (P,U) bool, cells (n,) i64, keep (n,) i64 or empty, k (T,H,d) f32, v (T,H,d)): the
 //       windows' copies of new tokens (wushkv_vllm.paged.Windows.write)
-//   paged_decode(cache (NB,H,bs,C) uint8, block_table (R,MB) i32, seq_lens (R,) i64, q (R,Hq,d) f32, pool (P,U,H,2,d),
+//   paged_decode(cache (NB,H,bs,C) uint8, block_table (R,MB) i32, seq_lens (R,) i64, q (R,Hq,d) f32, pool (P,U,H,2,d) (strided),
 //       written (P,U) bool, page_index (NB*bs/U,) i32, layout, windows, ...) -> (R,Hq,d) f32: one decode query per
 //       request over its paged context of cells (wushkv_vllm.paged.SlotCodec; per-token codes, key tiles (KVarN's,
 //       KIVI's), KVarN value tiles),
@@ -1256,6 +1256,9 @@ static void paged_decode_impl(const torch::Tensor& cache, const torch::Tensor& t
   TORCH_CHECK(V.tile == 0 || (bs % V.tile == 0 && V.tile * V.tmeta_w >= 2 * d && V.tmeta_w % 2 == 0 && V.offset >= 0),
               "value tiles must lie in blocks, hold their channel scales in whole f16s and each token's zero");
   const int64_t U = pool.size(1), ppb = bs / U, npages = page_index.size(0);
+  // the pool's strides (elements) of a row, a slot and a head: (P, U, H, 2, d) stored token-major or head-major
+  // (Windows(head_major=True): a head's rows of a page contiguous, which the prefetchers stream); K and V rows dense
+  const int64_t ps0 = pool.stride(0), ps1 = pool.stride(1), ps2 = pool.stride(2);
   TORCH_CHECK((K.bits != 3 && V.bits != 3) || d % 8 == 0, "3-bit cells are read 8 codes (3 bytes) at a time: head_dim ",
               d, " must be a multiple of 8");
   const int64_t kper = unit_per(K.bits), vper = unit_per(V.bits);
@@ -1296,7 +1299,7 @@ static void paged_decode_impl(const torch::Tensor& cache, const torch::Tensor& t
   at::parallel_for(0, items, grain, [&](int64_t begin, int64_t end) {
     // the closure's sizes as locals: the stores below would otherwise make the compiler reload them every token
     const int64_t H_ = H, G_ = G, d_ = d, bs_ = bs, U_ = U, KD_ = KD, VD_ = VD, knb_ = knb, vnb_ = vnb;
-    const int64_t s0_ = s0, s1_ = s1, s2_ = s2;
+    const int64_t s0_ = s0, s1_ = s1, s2_ = s2, ps0_ = ps0, ps1_ = ps1, ps2_ = ps2;
     const CellSide K_ = K, V_ = V;
     const AxpyRun vrun = axpy_run_for(V_.bits, G_, vnb_);
     const DotRun krun = dot_run_for(K_.bits, G_, knb_, K_.tile > 0);
@@ -1308,7 +1311,7 @@ static void paged_decode_impl(const torch::Tensor& cache, const torch::Tensor& t
     for (int64_t i = 0; i < d_; ++i) kperm[i] = (i % kper) * knb_ + i / kper;
     std::vector<float> qz(G_ * d_), qk(G_ * KD_, 0.f), qsum(G_), dots(G_), s(G_ * PAGED_CHUNK), kf(d_);
     std::vector<float> acc(G_ * VD_), accf(G_ * d_), osum(G_);
-    std::vector<int32_t> src(PAGED_CHUNK);  // per token: its copy's pool row, or -1 (read the codes)
+    std::vector<int64_t> src(PAGED_CHUNK);  // per token: its copy's offset in the pool (head 0), or -1 (read the codes)
     // key tiles: the queries scaled by the current tile's channel scales (permuted), their dot with its zeros
     const int64_t KT = K_.tile;
     std::vector<float> qkt(KT ? G_ * KD_ : 0, 0.f), qzt(G_), tsc(KT ? 2 * d_ : 0), tscp(KT ? KD_ : 0, 0.f);
@@ -1348,10 +1351,10 @@ static void paged_decode_impl(const torch::Tensor& cache, const torch::Tensor& t
         if (page < npages) {
           const int32_t e = ip[page];
           if (e >= 0 && wp[e * U_ + off % U_]) {
-            src[t - a] = static_cast<int32_t>(e * U_ + off % U_);
+            src[t - a] = e * ps0_ + (off % U_) * ps1_;
             // the copy's key and value rows, asked for now: a window's rows lie 2·H·d apart in pages scattered
             // over the pool, which the hardware's prefetchers do not follow (read cold, each token waited for them)
-            const char* kr = reinterpret_cast<const char*>(pp + ((src[t - a] * H_ + h) * 2) * d_);
+            const char* kr = reinterpret_cast<const char*>(pp + src[t - a] + h * ps2_);
             for (int64_t o = 0; o < 2 * d_ * static_cast<int64_t>(sizeof(scalar_t)); o += 64) __builtin_prefetch(kr + o);
           }
         }
@@ -1426,12 +1429,12 @@ static void paged_decode_impl(const torch::Tensor& cache, const torch::Tensor& t
             continue;
           }
 #ifdef WUSHKV_ROWS
-          if (src[j] >= 0 && fp_rows) {  // a run of copies in consecutive pool rows, 2·H·d apart, several at a time
+          if (src[j] >= 0 && fp_rows) {  // a run of copies in consecutive pool slots, ps1 apart, several at a time
             int64_t e = t + 1;
-            while (e < stop && src[e - a] == src[e - 1 - a] + 1) ++e;
-            const scalar_t* kr = pp + ((src[j] * H_ + h) * 2) * d_;
+            while (e < stop && src[e - a] == src[e - 1 - a] + ps1_) ++e;
+            const scalar_t* kr = pp + src[j] + h * ps2_;
             for (int64_t g = 0; g < G_; g += 4)
-              fp_rows_for<scalar_t, true>(std::min<int64_t>(4, G_ - g))(kr, 2 * H_ * d_, e - t, d_, qz.data() + g * d_, d_,
+              fp_rows_for<scalar_t, true>(std::min<int64_t>(4, G_ - g))(kr, ps1_, e - t, d_, qz.data() + g * d_, d_,
                                                                        s.data() + g * PAGED_CHUNK + j, PAGED_CHUNK);
             base += (e - t - 1) * s2_;
             t = e - 1;
@@ -1439,7 +1442,7 @@ static void paged_decode_impl(const torch::Tensor& cache, const torch::Tensor& t
           }
 #endif
           if (src[j] >= 0) {
-            const scalar_t* kr = pp + ((src[j] * H_ + h) * 2) * d_;
+            const scalar_t* kr = pp + src[j] + h * ps2_;
             for (int64_t i = 0; i < d_; ++i) kf[i] = static_cast<float>(kr[i]);
             for (int64_t g = 0; g < G_; ++g) {
               const float* qg = qz.data() + g * d_;
@@ -1532,10 +1535,10 @@ static void paged_decode_impl(const torch::Tensor& cache, const torch::Tensor& t
 #ifdef WUSHKV_ROWS
           if (src[j] >= 0 && fp_rows) {
             int64_t e = t + 1;
-            while (e < stop && src[e - a] == src[e - 1 - a] + 1) ++e;
-            const scalar_t* vr = pp + ((src[j] * H_ + h) * 2 + 1) * d_;
+            while (e < stop && src[e - a] == src[e - 1 - a] + ps1_) ++e;
+            const scalar_t* vr = pp + src[j] + h * ps2_ + d_;
             for (int64_t g = 0; g < G_; g += 4)
-              fp_rows_for<scalar_t, false>(std::min<int64_t>(4, G_ - g))(vr, 2 * H_ * d_, e - t, d_,
+              fp_rows_for<scalar_t, false>(std::min<int64_t>(4, G_ - g))(vr, ps1_, e - t, d_,
                                                                         s.data() + g * PAGED_CHUNK + j, PAGED_CHUNK,
                                                                         accf.data() + g * d_, d_);
             base += (e - t - 1) * s2_;
@@ -1544,7 +1547,7 @@ static void paged_decode_impl(const torch::Tensor& cache, const torch::Tensor& t
           }
 #endif
           if (src[j] >= 0) {
-            const scalar_t* vr = pp + ((src[j] * H_ + h) * 2 + 1) * d_;
+            const scalar_t* vr = pp + src[j] + h * ps2_ + d_;
             for (int64_t i = 0; i < d_; ++i) kf[i] = static_cast<float>(vr[i]);
             for (int64_t g = 0; g < G_; ++g) {
               const float w = s[g * PAGED_CHUNK + j];
@@ -1627,7 +1630,8 @@ torch::Tensor paged_decode(torch::Tensor cache, torch::Tensor block_table, torch
   auto tables = block_table.contiguous();
   auto lens = seq_lens.contiguous();
   auto qc = q.contiguous();
-  auto pc = pool.contiguous();
+  // read through its strides (either layout); only K and V rows must be dense and adjacent
+  auto pc = pool.stride(4) == 1 && pool.stride(3) == d ? pool : pool.contiguous();
   auto wc = written.contiguous();
   auto ic = page_index.contiguous();
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, pc.scalar_type(), "paged_decode", [&] {
@@ -2484,15 +2488,16 @@ torch::Tensor head_transform(torch::Tensor x, torch::Tensor mean, torch::Tensor 
 // writes, the index's copy), each of which costs more than its work at a decode step's few tokens.
 template <typename T, typename V>
 static void windows_write_impl(T* pool, bool* written, const int64_t* cells, const int64_t* keep, int64_t n, int64_t H,
-                               int64_t d, const float* kp, const V* vp, const int64_t ks[2], const int64_t vs[2]) {
+                               int64_t d, const float* kp, const V* vp, const int64_t ks[2], const int64_t vs[2],
+                               const int64_t ps[3], int64_t U) {
   at::parallel_for(0, n, 512, [&](int64_t begin, int64_t end) {
     for (int64_t i = begin; i < end; ++i) {
       const int64_t t = keep ? keep[i] : i;
-      T* dst = pool + cells[i] * H * 2 * d;
+      T* dst = pool + (cells[i] / U) * ps[0] + (cells[i] % U) * ps[1];  // row, slot
       for (int64_t h = 0; h < H; ++h) {
         const float* kr = kp + t * ks[0] + h * ks[1];
         const V* vr = vp + t * vs[0] + h * vs[1];
-        T* o = dst + h * 2 * d;
+        T* o = dst + h * ps[2];
         for (int64_t j = 0; j < d; ++j) o[j] = static_cast<T>(kr[j]);
         for (int64_t j = 0; j < d; ++j) o[d + j] = static_cast<T>(static_cast<float>(vr[j]));  // exact widening first
       }
@@ -2505,8 +2510,9 @@ void windows_write(torch::Tensor pool, torch::Tensor written, torch::Tensor cell
                    torch::Tensor v) {
   TORCH_CHECK(pool.is_cpu() && k.is_cpu() && v.is_cpu() && written.is_cpu() && cells.is_cpu() && keep.is_cpu(),
               "windows_write: CPU tensors, got pool on ", pool.device(), ", k on ", k.device(), ", v on ", v.device());
-  TORCH_CHECK(pool.dim() == 5 && pool.size(3) == 2 && pool.is_contiguous(), "pool: contiguous (P, U, H, 2, d), got ",
-              pool.sizes());
+  TORCH_CHECK(pool.dim() == 5 && pool.size(3) == 2 && pool.stride(4) == 1 && pool.stride(3) == pool.size(4),
+              "pool: (P, U, H, 2, d) with dense (2, d) rows (token- or head-major), got ", pool.sizes(), " strides ",
+              pool.strides());
   TORCH_CHECK(written.scalar_type() == torch::kBool && written.is_contiguous() &&
               written.numel() == pool.size(0) * pool.size(1), "written: contiguous bool (P, U)");
   TORCH_CHECK(cells.scalar_type() == torch::kInt64 && cells.dim() == 1 && cells.is_contiguous(), "cells: int64 (n,)");
@@ -2528,12 +2534,13 @@ void windows_write(torch::Tensor pool, torch::Tensor written, torch::Tensor cell
                 k.size(0), " given");
   }
   const int64_t ks[2] = {k.stride(0), k.stride(1)}, vs[2] = {v.stride(0), v.stride(1)};
+  const int64_t ps[3] = {pool.stride(0), pool.stride(1), pool.stride(2)}, U = pool.size(1);
   const float* kd = k.data_ptr<float>();
   bool* wp = written.data_ptr<bool>();
   auto by_values = [&](auto* pp) {
-    if (v.scalar_type() == torch::kFloat) windows_write_impl(pp, wp, cp, kp, n, H, d, kd, v.data_ptr<float>(), ks, vs);
-    else if (v.scalar_type() == torch::kHalf) windows_write_impl(pp, wp, cp, kp, n, H, d, kd, v.data_ptr<c10::Half>(), ks, vs);
-    else windows_write_impl(pp, wp, cp, kp, n, H, d, kd, v.data_ptr<c10::BFloat16>(), ks, vs);
+    if (v.scalar_type() == torch::kFloat) windows_write_impl(pp, wp, cp, kp, n, H, d, kd, v.data_ptr<float>(), ks, vs, ps, U);
+    else if (v.scalar_type() == torch::kHalf) windows_write_impl(pp, wp, cp, kp, n, H, d, kd, v.data_ptr<c10::Half>(), ks, vs, ps, U);
+    else windows_write_impl(pp, wp, cp, kp, n, H, d, kd, v.data_ptr<c10::BFloat16>(), ks, vs, ps, U);
   };
   if (pool.scalar_type() == torch::kFloat) by_values(pool.data_ptr<float>());
   else if (pool.scalar_type() == torch::kHalf) by_values(pool.data_ptr<c10::Half>());
