@@ -215,6 +215,8 @@ class SlotCodec:
             offset = None
             if not modes[i] or x.dtype not in (torch.float32, torch.float16, torch.bfloat16):
                 x = x.float()  # the kernel reads float32 or 16-bit rows (widened exactly); a grid computed here reads float32
+            if x.stride(-1) != 1:  # the kernel reads rows in place through their strides: they must be dense
+                x = x.contiguous()
             if modes[i]:  # QuEST's step computed by the kernel
                 scale = empty
             elif c.step_byte:  # the step rounded to its byte, on which TokenCodec._quant rounds the codes too
